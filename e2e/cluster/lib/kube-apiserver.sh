@@ -1,0 +1,44 @@
+# shellcheck shell=bash
+# kube-apiserver: loopback only, client-cert auth against the harness CA,
+# Node+RBAC authorization, default admission plugins.
+
+apiserver_start() {
+  # shellcheck disable=SC2054 # commas inside flag values are intended
+  local args=(
+    --bind-address="${HEADROOM_BIND_ADDRESS}"
+    --advertise-address="${APISERVER_ADVERTISE_ADDRESS:-${HEADROOM_BIND_ADDRESS}}"
+    --secure-port="${APISERVER_PORT}"
+    # Where the apiserver would write self-signed certs; keep it out of /var/run.
+    --cert-dir="${PKI_DIR}"
+    --tls-cert-file="${PKI_DIR}/apiserver.crt"
+    --tls-private-key-file="${PKI_DIR}/apiserver.key"
+    --client-ca-file="${PKI_DIR}/ca.crt"
+    --etcd-servers="${ETCD_ENDPOINT}"
+    --etcd-cafile="${PKI_DIR}/ca.crt"
+    --etcd-certfile="${PKI_DIR}/apiserver-etcd-client.crt"
+    --etcd-keyfile="${PKI_DIR}/apiserver-etcd-client.key"
+    --kubelet-client-certificate="${PKI_DIR}/apiserver-kubelet-client.crt"
+    --kubelet-client-key="${PKI_DIR}/apiserver-kubelet-client.key"
+    --authorization-mode=Node,RBAC
+    --service-account-issuer="${SERVICE_ACCOUNT_ISSUER}"
+    --service-account-key-file="${PKI_DIR}/sa.pub"
+    --service-account-signing-key-file="${PKI_DIR}/sa.key"
+    --service-cluster-ip-range="${SERVICE_CLUSTER_IP_RANGE}"
+    # Pods will need this once a kubelet exists.
+    --allow-privileged=true
+    --v="${APISERVER_LOG_LEVEL:-1}"
+  )
+  # shellcheck disable=SC2206 # deliberate word splitting of user-supplied flags
+  args+=(${APISERVER_EXTRA_ARGS:-})
+  start_component kube-apiserver "${HEADROOM_BIN_DIR}/kube-apiserver" "${args[@]}"
+}
+
+# /readyz aggregates etcd, informer sync and post-start hooks (RBAC bootstrap,
+# priority-and-fairness config, ...), so "ok" means requests will be served.
+apiserver_ready() {
+  local out
+  out=$(curl -sS --max-time 5 --cacert "${PKI_DIR}/ca.crt" \
+    --cert "${PKI_DIR}/admin.crt" --key "${PKI_DIR}/admin.key" \
+    "${APISERVER_URL}/readyz" 2>/dev/null) || return 1
+  [[ ${out} == ok ]]
+}

@@ -1,0 +1,219 @@
+//! Devices the cluster offers, read from Node facts the way GPU Feature
+//! Discovery publishes them, or a CPU budget taken from the job itself.
+//!
+//! Labels read (GFD): `nvidia.com/gpu.product`, `nvidia.com/gpu.memory`
+//! (MiB per device), `nvidia.com/gpu.count`, `nvidia.com/mig.strategy`, and
+//! for the mixed MIG strategy `nvidia.com/mig-<profile>.count|.memory`.
+//! Counts come from the node's allocatable extended resource
+//! (`nvidia.com/gpu`, `nvidia.com/mig-<profile>`) when present, else the label.
+
+use std::collections::BTreeMap;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::units::MIB;
+
+pub const LABEL_GPU_PRODUCT: &str = "nvidia.com/gpu.product";
+pub const LABEL_GPU_MEMORY_MIB: &str = "nvidia.com/gpu.memory";
+pub const LABEL_GPU_COUNT: &str = "nvidia.com/gpu.count";
+pub const LABEL_MIG_STRATEGY: &str = "nvidia.com/mig.strategy";
+pub const RESOURCE_GPU: &str = "nvidia.com/gpu";
+const MIG_PREFIX: &str = "nvidia.com/mig-";
+
+/// What the planner needs to know about one node; the operator fills it from
+/// a `Node` object and the pods bound to it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeFacts {
+    pub name: String,
+    pub labels: BTreeMap<String, String>,
+    /// Allocatable extended resources by name (device counts), e.g. `nvidia.com/gpu: 8`.
+    pub allocatable: BTreeMap<String, u64>,
+    /// Devices already requested by pods on this node, by resource name.
+    pub in_use: BTreeMap<String, u64>,
+    /// False for cordoned or NotReady nodes: their devices count as present, not free.
+    pub schedulable: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum DeviceKind {
+    Gpu,
+    Cpu,
+}
+
+/// One kind of device and how many of it the cluster has.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceType {
+    /// GPU product as GFD labels it (e.g. `NVIDIA-A100-SXM4-80GB`, MIG slices
+    /// as `<product>-MIG-<profile>`), or `cpu`.
+    pub name: String,
+    pub kind: DeviceKind,
+    /// Resource a pod requests one of per stage: `nvidia.com/gpu`, `nvidia.com/mig-1g.10gb`; `memory` for CPU.
+    pub resource: String,
+    /// Nominal memory of one device in bytes (for CPU: the per-worker memory limit).
+    pub memory_bytes: u64,
+    /// Devices on schedulable nodes not requested by any pod.
+    pub free: u32,
+    /// Devices in the cluster.
+    pub total: u32,
+}
+
+/// Device types sorted by memory (smallest first), then name.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Inventory {
+    pub devices: Vec<DeviceType>,
+}
+
+impl Inventory {
+    /// Aggregates nodes into device types. Nodes without GFD memory labels
+    /// are skipped: a GPU of unknown size cannot be planned for.
+    pub fn from_nodes<'a>(nodes: impl IntoIterator<Item = &'a NodeFacts>) -> Self {
+        let mut by_key: BTreeMap<(String, String), DeviceType> = BTreeMap::new();
+        for node in nodes {
+            for found in node_devices(node) {
+                let entry = by_key
+                    .entry((found.resource.clone(), found.name.clone()))
+                    .or_insert_with(|| DeviceType { free: 0, total: 0, ..found.clone() });
+                // Heterogeneous memory under one product name: plan for the smallest.
+                entry.memory_bytes = entry.memory_bytes.min(found.memory_bytes);
+                entry.free += found.free;
+                entry.total += found.total;
+            }
+        }
+        let mut devices: Vec<DeviceType> = by_key.into_values().collect();
+        devices.sort_by(|a, b| a.memory_bytes.cmp(&b.memory_bytes).then_with(|| a.name.cmp(&b.name)));
+        Inventory { devices }
+    }
+
+    /// A CPU job: every worker gets `memory_limit_bytes`, up to `max_workers` workers.
+    pub fn cpu(memory_limit_bytes: u64, max_workers: u32) -> Self {
+        Inventory {
+            devices: vec![DeviceType {
+                name: "cpu".into(),
+                kind: DeviceKind::Cpu,
+                resource: "memory".into(),
+                memory_bytes: memory_limit_bytes,
+                free: max_workers,
+                total: max_workers,
+            }],
+        }
+    }
+}
+
+fn label_u64(node: &NodeFacts, key: &str) -> Option<u64> {
+    node.labels.get(key)?.trim().parse().ok()
+}
+
+fn count_of(node: &NodeFacts, resource: &str, label_count: Option<u64>) -> (u32, u32) {
+    let total = node.allocatable.get(resource).copied().or(label_count).unwrap_or(0);
+    let used = node.in_use.get(resource).copied().unwrap_or(0);
+    let free = if node.schedulable { total.saturating_sub(used) } else { 0 };
+    (clamp_u32(free), clamp_u32(total))
+}
+
+fn clamp_u32(x: u64) -> u32 {
+    u32::try_from(x).unwrap_or(u32::MAX)
+}
+
+/// The device types one node contributes (full GPUs or MIG slices).
+fn node_devices(node: &NodeFacts) -> Vec<DeviceType> {
+    let mut out = Vec::new();
+    let product = node.labels.get(LABEL_GPU_PRODUCT).cloned();
+    let mixed_mig = node.labels.get(LABEL_MIG_STRATEGY).is_some_and(|s| s == "mixed");
+
+    // Full GPUs, or MIG slices under the "single" strategy (GFD relabels product and memory).
+    if let (Some(name), Some(mib)) = (product.clone(), label_u64(node, LABEL_GPU_MEMORY_MIB)) {
+        let (free, total) = count_of(node, RESOURCE_GPU, label_u64(node, LABEL_GPU_COUNT));
+        if total > 0 {
+            out.push(DeviceType {
+                name,
+                kind: DeviceKind::Gpu,
+                resource: RESOURCE_GPU.into(),
+                memory_bytes: mib * MIB,
+                free,
+                total,
+            });
+        }
+    }
+
+    if mixed_mig {
+        for (key, value) in &node.labels {
+            let Some(profile) = key.strip_prefix(MIG_PREFIX).and_then(|k| k.strip_suffix(".memory")) else {
+                continue;
+            };
+            let Ok(mib) = value.trim().parse::<u64>() else { continue };
+            let resource = format!("{MIG_PREFIX}{profile}");
+            let (free, total) = count_of(node, &resource, label_u64(node, &format!("{resource}.count")));
+            if total > 0 {
+                let base = product.clone().unwrap_or_else(|| "NVIDIA-GPU".into());
+                out.push(DeviceType {
+                    name: format!("{base}-MIG-{profile}"),
+                    kind: DeviceKind::Gpu,
+                    resource,
+                    memory_bytes: mib * MIB,
+                    free,
+                    total,
+                });
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(name: &str, labels: &[(&str, &str)], alloc: &[(&str, u64)]) -> NodeFacts {
+        NodeFacts {
+            name: name.into(),
+            labels: labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            allocatable: alloc.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            in_use: BTreeMap::new(),
+            schedulable: true,
+        }
+    }
+
+    #[test]
+    fn aggregates_gfd_labels_and_allocatable() {
+        let a100 = [(LABEL_GPU_PRODUCT, "NVIDIA-A100-SXM4-80GB"), (LABEL_GPU_MEMORY_MIB, "81920"), (LABEL_GPU_COUNT, "8")];
+        let t4 = [(LABEL_GPU_PRODUCT, "Tesla-T4"), (LABEL_GPU_MEMORY_MIB, "15360"), (LABEL_GPU_COUNT, "4")];
+        let mut busy = node("a2", &a100, &[(RESOURCE_GPU, 8)]);
+        busy.in_use.insert(RESOURCE_GPU.into(), 3);
+        let mut cordoned = node("t2", &t4, &[(RESOURCE_GPU, 4)]);
+        cordoned.schedulable = false;
+        let nodes = vec![node("a1", &a100, &[(RESOURCE_GPU, 8)]), busy, node("t1", &t4, &[]), cordoned, node("cpu", &[], &[])];
+        let inv = Inventory::from_nodes(&nodes);
+        assert_eq!(inv.devices.len(), 2);
+        let t4 = &inv.devices[0];
+        assert_eq!((t4.name.as_str(), t4.free, t4.total, t4.memory_bytes), ("Tesla-T4", 4, 8, 15360 * MIB));
+        let a = &inv.devices[1];
+        assert_eq!((a.name.as_str(), a.free, a.total), ("NVIDIA-A100-SXM4-80GB", 13, 16));
+    }
+
+    #[test]
+    fn reads_mixed_mig_slices() {
+        let n = node(
+            "mig",
+            &[
+                (LABEL_GPU_PRODUCT, "NVIDIA-A100-SXM4-40GB"),
+                (LABEL_MIG_STRATEGY, "mixed"),
+                ("nvidia.com/mig-1g.5gb.count", "7"),
+                ("nvidia.com/mig-1g.5gb.memory", "4864"),
+                ("nvidia.com/mig-3g.20gb.count", "2"),
+                ("nvidia.com/mig-3g.20gb.memory", "19968"),
+            ],
+            &[("nvidia.com/mig-1g.5gb", 7), ("nvidia.com/mig-3g.20gb", 2)],
+        );
+        let inv = Inventory::from_nodes([&n]);
+        let names: Vec<_> = inv.devices.iter().map(|d| (d.name.as_str(), d.resource.as_str(), d.free)).collect();
+        assert_eq!(
+            names,
+            vec![
+                ("NVIDIA-A100-SXM4-40GB-MIG-1g.5gb", "nvidia.com/mig-1g.5gb", 7),
+                ("NVIDIA-A100-SXM4-40GB-MIG-3g.20gb", "nvidia.com/mig-3g.20gb", 2),
+            ]
+        );
+    }
+}

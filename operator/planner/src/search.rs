@@ -1,0 +1,554 @@
+//! Plan search: the plan that fits every worker's budget, cheapest in devices,
+//! then fastest; or an explanation, with numbers, of why nothing fits.
+//!
+//! Order of preference, from the issue and the field's practice: fewest
+//! devices first (they are the scarce thing); among equals, the lowest
+//! estimated step time; the user's precision and optimizer are kept unless
+//! nothing fits and the policy allows changing them. Pipeline stages run a
+//! 1F1B schedule, so stage k holds min(p − k, accumulation) micro-batches.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::inventory::{DeviceKind, DeviceType, Inventory};
+use crate::ladder::RetryRung;
+use crate::memory::{Backend, BackendProfile, MemoryBreakdown, StagePlacement, estimate_stage};
+use crate::model::ModelShape;
+use crate::training::{Optimizer, Precision, Settings, divisors_desc};
+use crate::units::format_bytes;
+
+/// Where a job may run.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Target {
+    /// NVIDIA GPUs; one pipeline stage per GPU.
+    Gpu {
+        /// GPU products allowed (GFD `nvidia.com/gpu.product` values); empty: any.
+        allowed_types: Vec<String>,
+        max_gpus: u32,
+    },
+    /// CPU workers, each with its own container memory limit.
+    Cpu { memory_limit_bytes: u64, max_workers: u32 },
+}
+
+/// Everything the planner needs to know about a job.
+#[derive(Clone, Debug, PartialEq)]
+pub struct JobRequest {
+    pub model: ModelShape,
+    /// Samples per optimizer step; every plan preserves it exactly.
+    pub global_batch: u32,
+    pub precision: Precision,
+    pub optimizer: Optimizer,
+    /// User-pinned micro-batch (honoured on the first attempt).
+    pub pinned_micro_batch: Option<u32>,
+    /// User-pinned activation checkpointing (honoured on the first attempt).
+    pub pinned_checkpointing: Option<bool>,
+    pub target: Target,
+    /// Fraction of usable device memory kept free, in [0, 1).
+    pub headroom_fraction: f64,
+    /// Retry rungs the job's policy allows; the search also uses `LowerPrecision`
+    /// and `CheaperOptimizer` from it when nothing fits otherwise.
+    pub allowed_rungs: Vec<RetryRung>,
+}
+
+impl JobRequest {
+    pub fn backend(&self) -> Backend {
+        match self.target {
+            Target::Gpu { .. } => Backend::Cuda,
+            Target::Cpu { .. } => Backend::Flex,
+        }
+    }
+
+    /// Most workers (stages) the job may use.
+    pub fn max_workers(&self) -> u32 {
+        let cap = match &self.target {
+            Target::Gpu { max_gpus, .. } => *max_gpus,
+            Target::Cpu { max_workers, .. } => *max_workers,
+        };
+        cap.min(self.model.splittable_layers()).max(1)
+    }
+
+    fn allows(&self, rung: RetryRung) -> bool {
+        self.allowed_rungs.contains(&rung)
+    }
+
+    /// Whether a device type is one this job may use.
+    pub fn accepts(&self, device: &DeviceType) -> bool {
+        match &self.target {
+            Target::Gpu { allowed_types, .. } => {
+                device.kind == DeviceKind::Gpu && (allowed_types.is_empty() || allowed_types.iter().any(|t| t == &device.name))
+            }
+            Target::Cpu { .. } => device.kind == DeviceKind::Cpu,
+        }
+    }
+
+    /// The inventory a CPU job plans against; GPU jobs use the cluster's.
+    pub fn own_inventory(&self) -> Option<Inventory> {
+        match self.target {
+            Target::Cpu { memory_limit_bytes, max_workers } => Some(Inventory::cpu(memory_limit_bytes, max_workers)),
+            Target::Gpu { .. } => None,
+        }
+    }
+}
+
+/// One pipeline stage: a worker, its layers and its predicted memory.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Stage {
+    pub index: u32,
+    /// First transformer block of this stage (inclusive).
+    pub layer_start: u32,
+    /// One past the last block of this stage (exclusive).
+    pub layer_end: u32,
+    /// Micro-batches whose activations this stage holds at once under 1F1B.
+    pub in_flight_micro_batches: u32,
+    /// Predicted bytes by component.
+    pub memory: MemoryBreakdown,
+}
+
+/// A complete, executable plan: where the job runs and how.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Plan {
+    /// GPU product (GFD label value) or `cpu`.
+    pub device: String,
+    pub device_kind: DeviceKind,
+    /// Resource each worker requests one of (`nvidia.com/gpu`, a MIG resource, or `memory`).
+    pub resource: String,
+    /// Nominal memory of one device in bytes.
+    pub device_memory_bytes: u64,
+    /// Usable bytes minus headroom: what each worker must stay under.
+    pub budget_bytes: u64,
+    pub backend: Backend,
+    /// Workers (one per pipeline stage, one device each).
+    pub workers: u32,
+    #[schemars(length(min = 1))]
+    pub stages: Vec<Stage>,
+    pub settings: Settings,
+    /// Samples per optimizer step (micro-batch × accumulation).
+    pub global_batch: u64,
+    /// Largest stage total, bytes.
+    pub predicted_peak_bytes: u64,
+    /// Multiplier learned from observed peaks of earlier attempts (1 on a first attempt).
+    pub correction_factor: f64,
+    /// Estimated time per optimizer step relative to one device running the
+    /// whole batch at once without checkpointing (unitless; lower is faster).
+    pub relative_step_time: f64,
+    /// Rungs of the retry ladder that produced this plan from the previous one.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rungs_applied: Vec<RetryRung>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
+    /// Human summary, e.g. `3.1 GiB / 3.6 GiB (86%)`.
+    pub fit: String,
+}
+
+impl Plan {
+    pub fn fits(&self) -> bool {
+        self.predicted_peak_bytes <= self.budget_bytes
+    }
+}
+
+/// Nothing fits: the numbers that ruled each option out.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("no feasible plan: {summary}{}", details.iter().map(|d| format!("\n  - {d}")).collect::<String>())]
+pub struct NoFeasiblePlan {
+    pub summary: String,
+    pub details: Vec<String>,
+}
+
+/// Knobs the retry ladder and the operator set beyond the request.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SearchOptions {
+    /// Multiplies every estimate (≥ 1; 1 when unset).
+    pub correction: f64,
+    /// Device types to skip (e.g. unschedulable on the last attempt).
+    pub excluded_devices: Vec<String>,
+    /// Ignore the user's pinned micro-batch / checkpointing (retries).
+    pub ignore_pins: bool,
+}
+
+/// Usable bytes minus headroom for one device of this type.
+pub fn budget_bytes(device: &DeviceType, profile: &BackendProfile, headroom_fraction: f64) -> u64 {
+    let usable = device.memory_bytes as f64 * profile.usable_fraction;
+    (usable * (1.0 - headroom_fraction.clamp(0.0, 0.99))).floor() as u64
+}
+
+/// Finds the best plan for a first attempt.
+pub fn plan(req: &JobRequest, inventory: &Inventory) -> Result<Plan, NoFeasiblePlan> {
+    plan_with(req, inventory, &SearchOptions::default())
+}
+
+/// [`plan`] with ladder/operator options.
+pub fn plan_with(req: &JobRequest, inventory: &Inventory, opts: &SearchOptions) -> Result<Plan, NoFeasiblePlan> {
+    let profile = req.backend().profile();
+    if !profile.precisions.contains(&req.precision) {
+        return Err(NoFeasiblePlan {
+            summary: format!(
+                "precision {} is not supported by the {} backend (supported: {})",
+                req.precision,
+                profile.backend,
+                list(profile.precisions)
+            ),
+            details: vec![],
+        });
+    }
+    if !profile.optimizers.contains(&req.optimizer) {
+        return Err(NoFeasiblePlan {
+            summary: format!(
+                "optimizer {} is not supported by the {} backend (supported: {})",
+                req.optimizer,
+                profile.backend,
+                list(profile.optimizers)
+            ),
+            details: vec![],
+        });
+    }
+    let own;
+    let inventory = match req.own_inventory() {
+        Some(inv) => {
+            own = inv;
+            &own
+        }
+        None => inventory,
+    };
+    let devices: Vec<&DeviceType> = inventory
+        .devices
+        .iter()
+        .filter(|d| req.accepts(d) && !opts.excluded_devices.contains(&d.name))
+        .collect();
+    let search = Search::new(req, opts);
+
+    let micro_batches = match (opts.ignore_pins, req.pinned_micro_batch) {
+        (false, Some(b)) => vec![b],
+        _ => divisors_desc(req.global_batch),
+    };
+    let checkpointing = match (opts.ignore_pins, req.pinned_checkpointing) {
+        (false, Some(c)) => vec![c],
+        _ => vec![false, true],
+    };
+
+    for (precision, optimizer, rungs) in numerics_options(req) {
+        let found = search.cheapest_then_fastest(&devices, precision, optimizer, &micro_batches, &checkpointing);
+        if let Some(mut plan) = found {
+            plan.rungs_applied = rungs;
+            if !plan.rungs_applied.is_empty() {
+                plan.warnings.push(format!(
+                    "nothing fits at {} / {}; planned with {} / {}",
+                    req.precision, req.optimizer, plan.settings.precision, plan.settings.optimizer
+                ));
+            }
+            return Ok(plan);
+        }
+    }
+
+    let pinned = !opts.ignore_pins && (req.pinned_micro_batch.is_some() || req.pinned_checkpointing.is_some());
+    if pinned && let Some(largest) = devices.iter().filter(|d| d.free > 0).max_by_key(|d| d.memory_bytes) {
+        // Pins are the user's call on a first attempt: run them, and say so.
+        let settings = Settings {
+            micro_batch: micro_batches[0],
+            gradient_accumulation: req.global_batch / micro_batches[0],
+            activation_checkpointing: checkpointing[0],
+            precision: req.precision,
+            optimizer: req.optimizer,
+        };
+        let mut plan = search.build(largest, 1, settings).or_else(|| search.build_unchecked(largest, 1, settings));
+        if let Some(plan) = plan.as_mut() {
+            plan.warnings.push(format!(
+                "pinned settings are predicted over budget ({}); running them as asked — a retry will relax them",
+                plan.fit
+            ));
+            return Ok(plan.clone());
+        }
+    }
+
+    Err(search.explain(&devices, &micro_batches, &checkpointing))
+}
+
+fn list<T: std::fmt::Display>(items: &[T]) -> String {
+    items.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+}
+
+/// Precision/optimizer combinations to try, in order, with the rungs each implies.
+fn numerics_options(req: &JobRequest) -> Vec<(Precision, Optimizer, Vec<RetryRung>)> {
+    let profile = req.backend().profile();
+    let mut out = vec![(req.precision, req.optimizer, vec![])];
+    let lower = req.precision.lower().filter(|p| req.allows(RetryRung::LowerPrecision) && profile.precisions.contains(p));
+    let cheaper = req.optimizer.cheaper().filter(|o| req.allows(RetryRung::CheaperOptimizer) && profile.optimizers.contains(o));
+    if let Some(p) = lower {
+        out.push((p, req.optimizer, vec![RetryRung::LowerPrecision]));
+    }
+    if let Some(o) = cheaper {
+        out.push((req.precision, o, vec![RetryRung::CheaperOptimizer]));
+        if let Some(p) = lower {
+            out.push((p, o, vec![RetryRung::LowerPrecision, RetryRung::CheaperOptimizer]));
+        }
+    }
+    out
+}
+
+/// One search's fixed inputs.
+pub(crate) struct Search<'a> {
+    req: &'a JobRequest,
+    profile: &'static BackendProfile,
+    correction: f64,
+}
+
+impl<'a> Search<'a> {
+    pub(crate) fn new(req: &'a JobRequest, opts: &SearchOptions) -> Self {
+        let correction = if opts.correction.is_finite() { opts.correction.max(1.0) } else { 1.0 };
+        Search { req, profile: req.backend().profile(), correction }
+    }
+
+    /// Fewest devices first, then the fastest plan at that count.
+    fn cheapest_then_fastest(
+        &self,
+        devices: &[&DeviceType],
+        precision: Precision,
+        optimizer: Optimizer,
+        micro_batches: &[u32],
+        checkpointing: &[bool],
+    ) -> Option<Plan> {
+        for p in 1..=self.req.max_workers() {
+            let mut best: Option<Plan> = None;
+            for device in devices.iter().filter(|d| d.free >= p) {
+                if let Some(plan) = self.best_on(device, p, precision, optimizer, micro_batches, checkpointing)
+                    && best.as_ref().is_none_or(|b| plan.relative_step_time < b.relative_step_time)
+                {
+                    best = Some(plan);
+                }
+            }
+            if best.is_some() {
+                return best;
+            }
+        }
+        None
+    }
+
+    /// The fastest fitting plan on `p` devices of one type, if any.
+    pub(crate) fn best_on(
+        &self,
+        device: &DeviceType,
+        p: u32,
+        precision: Precision,
+        optimizer: Optimizer,
+        micro_batches: &[u32],
+        checkpointing: &[bool],
+    ) -> Option<Plan> {
+        let g = self.req.global_batch;
+        let settings = |b: u32, ckpt: bool| Settings {
+            micro_batch: b,
+            gradient_accumulation: g / b,
+            activation_checkpointing: ckpt,
+            precision,
+            optimizer,
+        };
+        // Cheap prune: if the leanest option on this device count does not fit, none will.
+        let leanest_b = *micro_batches.last()?;
+        let leanest_ckpt = checkpointing.iter().any(|c| *c);
+        self.build(device, p, settings(leanest_b, leanest_ckpt))?;
+
+        let mut best: Option<Plan> = None;
+        for &ckpt in checkpointing {
+            // Largest micro-batch that fits (descending scan; the first fit wins).
+            if let Some(plan) = micro_batches.iter().find_map(|&b| self.build(device, p, settings(b, ckpt)))
+                && best.as_ref().is_none_or(|b| plan.relative_step_time < b.relative_step_time)
+            {
+                best = Some(plan);
+            }
+        }
+        best
+    }
+
+    /// A fitting plan for these exact settings on `p` devices, if the layers can be split to fit.
+    pub(crate) fn build(&self, device: &DeviceType, p: u32, settings: Settings) -> Option<Plan> {
+        let budget = budget_bytes(device, self.profile, self.req.headroom_fraction);
+        let layers = self.split(p, &settings, budget)?;
+        let plan = self.assemble(device, &layers, settings, budget);
+        plan.fits().then_some(plan)
+    }
+
+    /// A plan for these settings on `p` devices even when over budget (pinned first attempts, explanations).
+    pub(crate) fn build_unchecked(&self, device: &DeviceType, p: u32, settings: Settings) -> Option<Plan> {
+        let budget = budget_bytes(device, self.profile, self.req.headroom_fraction);
+        let layers = balanced_split(self.req.model.splittable_layers(), p)?;
+        Some(self.assemble(device, &layers, settings, budget))
+    }
+
+    fn placement(&self, layers: &[u32], k: usize, settings: &Settings) -> StagePlacement {
+        let p = layers.len() as u32;
+        StagePlacement {
+            layers: layers[k],
+            first: k == 0,
+            last: k + 1 == layers.len(),
+            in_flight: (p - k as u32).min(settings.gradient_accumulation).max(1),
+        }
+    }
+
+    fn stage_total(&self, layers: &[u32], k: usize, settings: &Settings) -> u64 {
+        let placement = self.placement(layers, k, settings);
+        estimate_stage(&self.req.model, settings, placement, self.profile, self.correction).total
+    }
+
+    /// Layers per stage: balanced when that fits, otherwise shifted away from
+    /// the stages that hold more in-flight activations, embeddings or the head.
+    fn split(&self, p: u32, settings: &Settings, budget: u64) -> Option<Vec<u32>> {
+        let total_layers = self.req.model.splittable_layers();
+        let balanced = balanced_split(total_layers, p)?;
+        if (0..balanced.len()).all(|k| self.stage_total(&balanced, k, settings) <= budget) {
+            return Some(balanced);
+        }
+        if p == 1 {
+            return None;
+        }
+        // Capacity of each stage: the estimate is affine in its layer count above one layer.
+        let mut caps = Vec::with_capacity(p as usize);
+        for k in 0..p as usize {
+            let mut probe = balanced.clone();
+            probe[k] = 1;
+            let one = self.stage_total(&probe, k, settings);
+            if one > budget {
+                return None;
+            }
+            probe[k] = 2;
+            let per_layer = self.stage_total(&probe, k, settings).saturating_sub(one).max(1);
+            caps.push(1 + ((budget - one) / per_layer) as u32);
+        }
+        if caps.iter().map(|&c| u64::from(c)).sum::<u64>() < u64::from(total_layers) {
+            return None;
+        }
+        let mut layers: Vec<u32> = balanced.iter().zip(&caps).map(|(b, c)| (*b).min(*c)).collect();
+        let mut missing = total_layers - layers.iter().sum::<u32>();
+        // Hand the remainder to the stages with room, last stages first (fewest in flight).
+        for k in (0..layers.len()).rev() {
+            let room = caps[k] - layers[k];
+            let add = room.min(missing);
+            layers[k] += add;
+            missing -= add;
+        }
+        Some(layers)
+    }
+
+    fn assemble(&self, device: &DeviceType, layers: &[u32], settings: Settings, budget: u64) -> Plan {
+        let mut stages = Vec::with_capacity(layers.len());
+        let mut start = 0;
+        for k in 0..layers.len() {
+            let placement = self.placement(layers, k, &settings);
+            let memory = estimate_stage(&self.req.model, &settings, placement, self.profile, self.correction);
+            stages.push(Stage {
+                index: k as u32,
+                layer_start: start,
+                layer_end: start + layers[k],
+                in_flight_micro_batches: placement.in_flight,
+                memory,
+            });
+            start += layers[k];
+        }
+        let peak = stages.iter().map(|s| s.memory.total).max().unwrap_or(0);
+        let p = layers.len() as u32;
+        Plan {
+            device: device.name.clone(),
+            device_kind: device.kind,
+            resource: device.resource.clone(),
+            device_memory_bytes: device.memory_bytes,
+            budget_bytes: budget,
+            backend: self.profile.backend,
+            workers: p,
+            stages,
+            settings,
+            global_batch: settings.global_batch(),
+            predicted_peak_bytes: peak,
+            correction_factor: self.correction,
+            relative_step_time: relative_step_time(&settings, p, device.kind),
+            rungs_applied: vec![],
+            warnings: vec![],
+            fit: format!(
+                "{} / {} ({:.0}%)",
+                format_bytes(peak),
+                format_bytes(budget),
+                100.0 * peak as f64 / budget.max(1) as f64
+            ),
+        }
+    }
+
+    /// Why nothing fits: per device type, the leanest plan's peak against the budget.
+    fn explain(&self, devices: &[&DeviceType], micro_batches: &[u32], checkpointing: &[bool]) -> NoFeasiblePlan {
+        let req = self.req;
+        let mut details = Vec::new();
+        let leanest_b = micro_batches.last().copied().unwrap_or(1);
+        let leanest_ckpt = checkpointing.iter().any(|c| *c);
+        let (precision, optimizer, _) = numerics_options(req).pop().unwrap_or((req.precision, req.optimizer, vec![]));
+        for device in devices {
+            let usable_p = req.max_workers().min(device.free);
+            if usable_p == 0 {
+                details.push(format!("{}: no free devices ({} in the cluster)", device.name, device.total));
+                continue;
+            }
+            let settings = Settings {
+                micro_batch: leanest_b,
+                gradient_accumulation: req.global_batch / leanest_b,
+                activation_checkpointing: leanest_ckpt,
+                precision,
+                optimizer,
+            };
+            if let Some(plan) = self.build_unchecked(device, usable_p, settings) {
+                details.push(format!(
+                    "{}: even {} stage(s), micro-batch {}, checkpointing {}, {} / {} predict a peak of {} against a budget of {} ({} nominal, {:.0}% headroom)",
+                    device.name,
+                    usable_p,
+                    leanest_b,
+                    if leanest_ckpt { "on" } else { "off" },
+                    precision,
+                    optimizer,
+                    format_bytes(plan.predicted_peak_bytes),
+                    format_bytes(plan.budget_bytes),
+                    format_bytes(device.memory_bytes),
+                    req.headroom_fraction * 100.0
+                ));
+            }
+        }
+        let params = req.model.total_params();
+        let summary = if devices.is_empty() {
+            match &req.target {
+                Target::Gpu { allowed_types, .. } if !allowed_types.is_empty() => {
+                    format!("no node offers the allowed GPU types [{}]", allowed_types.join(", "))
+                }
+                _ => "no node offers a GPU with GPU Feature Discovery memory labels".to_string(),
+            }
+        } else {
+            format!(
+                "{:.2}B parameters, global batch {}: no device type and split up to {} worker(s) stays within budget",
+                params as f64 / 1e9,
+                req.global_batch,
+                req.max_workers()
+            )
+        };
+        NoFeasiblePlan { summary, details }
+    }
+}
+
+/// Even split with the remainder on the later stages (the first stage holds
+/// the most in-flight activations under 1F1B). None when p exceeds the layers.
+pub fn balanced_split(layers: u32, p: u32) -> Option<Vec<u32>> {
+    if p == 0 || p > layers {
+        return None;
+    }
+    let base = layers / p;
+    let extra = layers % p;
+    Some((0..p).map(|k| base + u32::from(k >= p - extra)).collect())
+}
+
+/// Unitless step-time estimate: recompute costs about a third more compute;
+/// 16-bit math runs about twice as fast on GPUs; a 1F1B pipeline idles for
+/// (p − 1)/m of a step; tiny micro-batches use a device poorly. The work is
+/// divided over p stages.
+pub fn relative_step_time(settings: &Settings, p: u32, kind: DeviceKind) -> f64 {
+    let recompute = if settings.activation_checkpointing { 4.0 / 3.0 } else { 1.0 };
+    let math = match (kind, settings.precision) {
+        (DeviceKind::Gpu, Precision::Bf16 | Precision::Fp16) => 0.5,
+        _ => 1.0,
+    };
+    let m = f64::from(settings.gradient_accumulation.max(1));
+    let bubble = 1.0 + (f64::from(p) - 1.0) / m;
+    let small_batch = 1.0 + 0.5 / f64::from(settings.micro_batch.max(1));
+    recompute * math * bubble * small_batch / f64::from(p.max(1))
+}

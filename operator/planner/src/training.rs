@@ -1,0 +1,171 @@
+//! Numerics and batch settings: what a plan tells a worker to do.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// Training precision. `bf16`/`fp16` mean mixed precision: 16-bit weights,
+/// gradients and activations with 32-bit master weights in the optimizer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum Precision {
+    Fp32,
+    Bf16,
+    Fp16,
+}
+
+/// Optimizer. `adamw8bit` keeps both moments in 8 bits (bitsandbytes style).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum Optimizer {
+    Adamw,
+    Adam,
+    SgdMomentum,
+    Sgd,
+    Adamw8bit,
+}
+
+impl Precision {
+    /// Bytes per weight element held by the model.
+    pub fn weight_bytes(self) -> u64 {
+        match self {
+            Precision::Fp32 => 4,
+            Precision::Bf16 | Precision::Fp16 => 2,
+        }
+    }
+
+    /// Bytes per gradient element.
+    pub fn gradient_bytes(self) -> u64 {
+        self.weight_bytes()
+    }
+
+    /// Bytes per activation element.
+    pub fn activation_bytes(self) -> u64 {
+        self.weight_bytes()
+    }
+
+    /// Extra optimizer bytes per parameter for the fp32 master copy (mixed precision only).
+    pub fn master_weight_bytes(self) -> u64 {
+        match self {
+            Precision::Fp32 => 0,
+            Precision::Bf16 | Precision::Fp16 => 4,
+        }
+    }
+
+    /// The next lower precision a retry may move to, if any. bf16 is preferred
+    /// over fp16 because it needs no loss scaling.
+    pub fn lower(self) -> Option<Precision> {
+        match self {
+            Precision::Fp32 => Some(Precision::Bf16),
+            Precision::Bf16 | Precision::Fp16 => None,
+        }
+    }
+}
+
+impl Optimizer {
+    /// Optimizer state bytes per parameter, excluding any master weights.
+    pub fn state_bytes(self) -> u64 {
+        match self {
+            Optimizer::Adamw | Optimizer::Adam => 8,
+            Optimizer::SgdMomentum => 4,
+            Optimizer::Sgd => 0,
+            Optimizer::Adamw8bit => 2,
+        }
+    }
+
+    /// A cheaper-state variant with the same update rule family, if any.
+    /// Switching Adam to SGD would change the training itself, so it is not offered.
+    pub fn cheaper(self) -> Option<Optimizer> {
+        match self {
+            Optimizer::Adamw | Optimizer::Adam => Some(Optimizer::Adamw8bit),
+            Optimizer::SgdMomentum | Optimizer::Sgd | Optimizer::Adamw8bit => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        })
+    }
+}
+
+impl std::fmt::Display for Optimizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Optimizer::Adamw => "adamw",
+            Optimizer::Adam => "adam",
+            Optimizer::SgdMomentum => "sgdMomentum",
+            Optimizer::Sgd => "sgd",
+            Optimizer::Adamw8bit => "adamw8bit",
+        })
+    }
+}
+
+/// The per-worker training settings a plan fixes.
+/// Invariant: `micro_batch × gradient_accumulation = global batch` (one data-parallel rank).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Settings {
+    /// Samples per forward/backward pass.
+    pub micro_batch: u32,
+    /// Micro-batches whose gradients are summed before each optimizer step.
+    pub gradient_accumulation: u32,
+    /// Keep only each block's input and recompute the rest in backward.
+    pub activation_checkpointing: bool,
+    pub precision: Precision,
+    pub optimizer: Optimizer,
+}
+
+impl Settings {
+    /// Samples per optimizer step.
+    pub fn global_batch(&self) -> u64 {
+        u64::from(self.micro_batch) * u64::from(self.gradient_accumulation)
+    }
+}
+
+/// Divisors of `n` in descending order (micro-batch candidates that keep the global batch exact).
+pub fn divisors_desc(n: u32) -> Vec<u32> {
+    let mut small = Vec::new();
+    let mut large = Vec::new();
+    let mut i = 1u32;
+    while u64::from(i) * u64::from(i) <= u64::from(n) {
+        if n % i == 0 {
+            small.push(i);
+            if i != n / i {
+                large.push(n / i);
+            }
+        }
+        i += 1;
+    }
+    large.extend(small.into_iter().rev());
+    large
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_paper_mixed_precision_adam_is_16_bytes_per_param() {
+        let p = Precision::Bf16;
+        let o = Optimizer::Adam;
+        let per_param = p.weight_bytes() + p.gradient_bytes() + p.master_weight_bytes() + o.state_bytes();
+        assert_eq!(per_param, 16); // 2 + 2 + K=12
+    }
+
+    #[test]
+    fn fp32_adam_is_16_bytes_per_param() {
+        let p = Precision::Fp32;
+        assert_eq!(p.weight_bytes() + p.gradient_bytes() + Optimizer::Adamw.state_bytes(), 16);
+    }
+
+    #[test]
+    fn divisors_are_descending_and_complete() {
+        assert_eq!(divisors_desc(12), vec![12, 6, 4, 3, 2, 1]);
+        assert_eq!(divisors_desc(1), vec![1]);
+        assert_eq!(divisors_desc(16), vec![16, 8, 4, 2, 1]);
+    }
+}

@@ -1,0 +1,32 @@
+//! Byte units and human-readable formatting. GiB = 2^30, GB = 10^9: we print GiB.
+
+pub const KIB: u64 = 1 << 10;
+pub const MIB: u64 = 1 << 20;
+pub const GIB: u64 = 1 << 30;
+
+/// Formats bytes with binary units, e.g. `31.2 GiB`, `512.0 MiB`.
+pub fn format_bytes(bytes: u64) -> String {
+    let b = bytes as f64;
+    if bytes >= GIB {
+        format!("{:.1} GiB", b / GIB as f64)
+    } else if bytes >= MIB {
+        format!("{:.1} MiB", b / MIB as f64)
+    } else if bytes >= KIB {
+        format!("{:.1} KiB", b / KIB as f64)
+    } else {
+        format!("{bytes} B")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formats_binary_units() {
+        assert_eq!(format_bytes(0), "0 B");
+        assert_eq!(format_bytes(1536), "1.5 KiB");
+        assert_eq!(format_bytes(512 * MIB), "512.0 MiB");
+        assert_eq!(format_bytes(80 * GIB), "80.0 GiB");
+    }
+}
