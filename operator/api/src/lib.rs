@@ -1,1 +1,15 @@
+//! The `MemoryAwareTrainingJob` custom resource and the contracts between the
+//! operator and its workers (labels, field managers, exit codes, the plan
+//! document, the termination message).
+//!
+//! Value types that the planner reasons about (model shape, precision,
+//! optimizer, plan, memory breakdown, retry rungs) are defined once in
+//! `headroom-planner` and used here directly, so the CRD schema, the planner,
+//! the worker and the tests cannot drift apart.
 
+pub mod contract;
+pub mod job;
+pub mod quantity;
+
+pub use contract::*;
+pub use job::*;

@@ -1,0 +1,65 @@
+//! What the operator and the worker agree on besides the CRD.
+
+use headroom_planner::Plan;
+use serde::{Deserialize, Serialize};
+
+/// API group of Headroom's resources.
+pub const GROUP: &str = "headroom.dev";
+/// Field manager the operator uses for every server-side apply.
+pub const OPERATOR_FIELD_MANAGER: &str = "headroom-operator";
+/// Workers use `headroom-worker/<worker name>` so each owns only its own status entry.
+pub const WORKER_FIELD_MANAGER_PREFIX: &str = "headroom-worker/";
+
+/// Labels on everything the operator creates for a job.
+pub const LABEL_JOB: &str = "headroom.dev/job";
+pub const LABEL_ATTEMPT: &str = "headroom.dev/attempt";
+pub const LABEL_STAGE: &str = "headroom.dev/stage";
+
+/// Where the worker finds the plan document (mounted from a ConfigMap/Secret-free
+/// projected volume or an env var holding the JSON).
+pub const PLAN_FILE_ENV: &str = "HEADROOM_PLAN_FILE";
+pub const PLAN_JSON_ENV: &str = "HEADROOM_PLAN";
+
+/// Worker exit codes. 137 (SIGKILL, e.g. the kernel OOM killer) is not ours.
+pub mod exit_code {
+    pub const SUCCESS: i32 = 0;
+    /// The worker caught an out-of-memory error on its device.
+    pub const DEVICE_OUT_OF_MEMORY: i32 = 88;
+    /// The plan document is missing, unreadable or inconsistent (sysexits EX_CONFIG).
+    pub const INVALID_PLAN: i32 = 78;
+    /// Any other failure.
+    pub const FAILURE: i32 = 1;
+}
+
+/// Everything one worker needs to run its part of an attempt.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkerAssignment {
+    pub job: String,
+    pub namespace: String,
+    /// 1-based attempt number.
+    pub attempt: u32,
+    /// Index into `plan.stages`.
+    pub stage: u32,
+    pub plan: Plan,
+    pub steps: u64,
+    pub learning_rate: f64,
+    pub checkpoint_every_steps: u32,
+    pub seed: u64,
+}
+
+/// What happened inside the worker, written to the termination-message file on every exit.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TerminationMessage {
+    /// `succeeded`, `deviceOutOfMemory`, `invalidPlan`, `failed`.
+    pub outcome: String,
+    pub reason: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_bytes: Option<u64>,
+    /// Bytes the failing allocation asked for, when the backend says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requested_bytes: Option<u64>,
+}

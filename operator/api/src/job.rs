@@ -1,0 +1,438 @@
+//! The `MemoryAwareTrainingJob` resource: what the user asks for (spec) and
+//! what Headroom knows and did (status).
+//!
+//! Invalid specs are rejected by the API server itself: bounds in the schema,
+//! cross-field rules as CEL `x-kubernetes-validations` whose messages name the
+//! field and say what would work. [`MemoryAwareTrainingJobSpec::job_request`]
+//! repeats those checks for offline use (`kubectl headroom plan -f`).
+
+use headroom_planner::{JobRequest, ModelShape, Optimizer, Plan, Precision, RetryRung, Target, memory::Backend};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::quantity::parse_bytes;
+
+/// A training job that Headroom plans, places and retries so it fits in memory.
+#[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "headroom.dev",
+    version = "v1alpha1",
+    kind = "MemoryAwareTrainingJob",
+    plural = "memoryawaretrainingjobs",
+    singular = "memoryawaretrainingjob",
+    namespaced,
+    status = "MemoryAwareTrainingJobStatus",
+    shortname = "matj",
+    category = "headroom",
+    doc = "A training job that Headroom plans, places and retries so that it fits in memory",
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "Attempt", type_ = "integer", json_path = ".status.attempt"),
+    printcolumn(name = "Device", type_ = "string", json_path = ".status.plan.device"),
+    printcolumn(name = "Workers", type_ = "integer", json_path = ".status.plan.workers"),
+    printcolumn(name = "Peak/Budget", type_ = "string", json_path = ".status.plan.fit", description = "predicted peak per worker against its budget"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "!has(self.worker.backend) || (self.worker.backend == 'cuda') == has(self.resources.gpu)",
+     "message": "worker.backend must be 'cuda' for a GPU job (resources.gpu) and 'flex' for a CPU job (resources.cpu)"},
+    {"rule": "!has(self.resources.cpu) || self.training.precision == 'fp32'",
+     "message": "training.precision: the CPU backend (flex) trains in fp32 only; set precision: fp32 or use resources.gpu"},
+    {"rule": "has(self.model.transformer) || !has(self.resources.cpu) || self.resources.cpu.maxWorkers == 1",
+     "message": "resources.cpu.maxWorkers: a generic model cannot be split into pipeline stages; use 1"}
+]))]
+pub struct MemoryAwareTrainingJobSpec {
+    /// The model to train: `transformer` (shape) or `generic` (parameter count).
+    pub model: ModelSpec,
+    pub training: TrainingSpec,
+    pub resources: ResourcesSpec,
+    #[serde(default)]
+    pub memory_policy: MemoryPolicy,
+    pub worker: WorkerSpec,
+}
+
+/// Exactly one of `transformer` or `generic`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "has(self.transformer) != has(self.generic)",
+     "message": "set exactly one of model.transformer (layers, hidden, heads, sequenceLength, vocabulary) or model.generic (parameters, activationBytesPerSample)"}
+]))]
+pub struct ModelSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transformer: Option<headroom_planner::TransformerShape>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generic: Option<headroom_planner::GenericModel>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "!has(self.microBatch) || self.globalBatch % self.microBatch == 0",
+     "messageExpression": "'microBatch (' + string(self.microBatch) + ') must divide globalBatch (' + string(self.globalBatch) + ') so the global batch is kept exactly'"}
+]))]
+pub struct TrainingSpec {
+    /// Samples per optimizer step; every attempt keeps it exactly (micro-batch × accumulation).
+    #[schemars(range(min = 1, max = 1048576))]
+    pub global_batch: u32,
+    /// Optimizer steps to train.
+    #[schemars(range(min = 1, max = 1000000000))]
+    pub steps: u64,
+    #[serde(default = "default_optimizer")]
+    pub optimizer: Optimizer,
+    /// Preferred precision; a retry may lower it when the policy allows `lowerPrecision`.
+    #[serde(default = "default_precision")]
+    pub precision: Precision,
+    /// Pin the micro-batch for the first attempt (must divide globalBatch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1048576))]
+    pub micro_batch: Option<u32>,
+    /// Pin activation checkpointing for the first attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub activation_checkpointing: Option<bool>,
+    #[serde(default = "default_learning_rate")]
+    #[schemars(range(min = 0.0, max = 10.0))]
+    pub learning_rate: f64,
+    /// Save a checkpoint every this many optimizer steps.
+    #[serde(default = "default_checkpoint_every")]
+    #[schemars(range(min = 1, max = 1000000))]
+    pub checkpoint_every_steps: u32,
+    #[serde(default)]
+    pub seed: u64,
+}
+
+/// Exactly one of `gpu` or `cpu`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "has(self.gpu) != has(self.cpu)",
+     "message": "set exactly one of resources.gpu (types, maxGpus) for a GPU job or resources.cpu (memoryLimit, maxWorkers) for a CPU job"}
+]))]
+pub struct ResourcesSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<GpuResources>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu: Option<CpuResources>,
+    /// Fraction of each device's usable memory to keep free.
+    #[serde(default = "default_headroom")]
+    #[schemars(range(min = 0.0, max = 0.9))]
+    pub headroom_fraction: f64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuResources {
+    /// Allowed GPU products as GPU Feature Discovery labels them
+    /// (`nvidia.com/gpu.product`, e.g. `NVIDIA-A100-SXM4-80GB`); empty allows any.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32), extend("x-kubernetes-list-type" = "set"))]
+    pub types: Vec<String>,
+    /// Most GPUs (pipeline stages) the job may use at once.
+    #[serde(default = "default_one")]
+    #[schemars(range(min = 1, max = 1024))]
+    pub max_gpus: u32,
+    /// Host memory limit per worker pod (defaults to the operator's setting).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_memory: Option<Quantity>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "isQuantity(string(self.memoryLimit)) && quantity(string(self.memoryLimit)).compareTo(quantity('64Mi')) >= 0",
+     "message": "resources.cpu.memoryLimit must be a quantity of at least 64Mi, e.g. 2Gi"}
+]))]
+pub struct CpuResources {
+    /// Memory limit of each worker container: the CPU job's device budget.
+    pub memory_limit: Quantity,
+    /// CPU request per worker (defaults to 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cores: Option<Quantity>,
+    /// Most workers (pipeline stages) the job may use.
+    #[serde(default = "default_one")]
+    #[schemars(range(min = 1, max = 64))]
+    pub max_workers: u32,
+}
+
+/// How Headroom may react when memory runs out.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MemoryPolicy {
+    /// Retry rungs allowed, applied in Headroom's fixed order
+    /// (activationCheckpointing, halveMicroBatch, lowerPrecision, cheaperOptimizer,
+    /// morePipelineStages, largerGpu).
+    #[serde(default = "default_rungs")]
+    #[schemars(extend("x-kubernetes-list-type" = "set"))]
+    pub allowed_rungs: Vec<RetryRung>,
+    /// Attempts in total, the first included.
+    #[serde(default = "default_max_attempts")]
+    #[schemars(range(min = 1, max = 20))]
+    pub max_attempts: u32,
+    /// First backoff before retrying a non-memory failure; doubles each time.
+    #[serde(default = "default_backoff")]
+    #[schemars(range(min = 0, max = 3600))]
+    pub backoff_seconds: u32,
+}
+
+impl Default for MemoryPolicy {
+    fn default() -> Self {
+        MemoryPolicy { allowed_rungs: default_rungs(), max_attempts: default_max_attempts(), backoff_seconds: default_backoff() }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkerSpec {
+    /// Worker container image.
+    #[schemars(length(min = 1, max = 512))]
+    pub image: String,
+    /// `flex` (CPU) or `cuda`; derived from resources when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<Backend>,
+}
+
+fn default_optimizer() -> Optimizer {
+    Optimizer::Adamw
+}
+fn default_precision() -> Precision {
+    Precision::Fp32
+}
+fn default_learning_rate() -> f64 {
+    3e-4
+}
+fn default_checkpoint_every() -> u32 {
+    50
+}
+fn default_headroom() -> f64 {
+    0.1
+}
+fn default_one() -> u32 {
+    1
+}
+fn default_rungs() -> Vec<RetryRung> {
+    RetryRung::ALL.to_vec()
+}
+fn default_max_attempts() -> u32 {
+    4
+}
+fn default_backoff() -> u32 {
+    10
+}
+
+/// Where a job is in its life. `Succeeded` and `Failed` are final.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum JobPhase {
+    Pending,
+    Running,
+    Retrying,
+    Succeeded,
+    Failed,
+}
+
+/// How an attempt ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum AttemptOutcome {
+    Running,
+    Succeeded,
+    /// Killed by the kernel at the container memory limit (`OOMKilled` / 137).
+    HostOutOfMemory,
+    /// The worker caught a device allocation failure.
+    DeviceOutOfMemory,
+    /// Evicted, preempted or its node was lost.
+    Disrupted,
+    /// No node could take the pods (e.g. no free GPU of the planned type).
+    Unschedulable,
+    Failed,
+}
+
+/// One attempt, kept forever in `status.attempts`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Attempt {
+    /// 1-based.
+    pub number: u32,
+    pub plan: Plan,
+    pub outcome: AttemptOutcome,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<Time>,
+    /// Highest peak any worker of this attempt reported, bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_peak_bytes: Option<u64>,
+    /// Last optimizer step reached.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_step: Option<u64>,
+}
+
+/// Live memory of one worker, sampled by the worker itself.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MemorySample {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup_current_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup_peak_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub process_rss_bytes: Option<u64>,
+    /// Bytes the backend allocator has handed out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allocator_in_use_bytes: Option<u64>,
+    /// Bytes the backend allocator holds (in use + cached); the gap is fragmentation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allocator_reserved_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["index"]))]
+    pub gpus: Vec<GpuMemory>,
+    /// Highest memory this worker has used so far, bytes.
+    pub peak_bytes: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuMemory {
+    pub index: u32,
+    pub used_bytes: u64,
+    pub total_bytes: u64,
+}
+
+/// One worker's live report; each worker writes only its own entry.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkerTelemetry {
+    /// Pod name.
+    pub name: String,
+    pub attempt: u32,
+    pub stage: u32,
+    pub layer_start: u32,
+    pub layer_end: u32,
+    pub step: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_second: Option<f64>,
+    pub memory: MemorySample,
+    pub updated_at: Time,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MemoryAwareTrainingJobStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<JobPhase>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+    /// Current attempt number (1-based).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<u32>,
+    /// The current attempt's plan.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan: Option<Plan>,
+    /// Every attempt so far, oldest first; never pruned.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["number"]))]
+    pub attempts: Vec<Attempt>,
+    /// Live telemetry per worker of the current attempt.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
+    pub workers: Vec<WorkerTelemetry>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}
+
+/// A spec that cannot be planned, with the field at fault.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("spec.{field}: {problem}")]
+pub struct SpecError {
+    pub field: &'static str,
+    pub problem: String,
+}
+
+fn spec_error(field: &'static str, problem: impl Into<String>) -> SpecError {
+    SpecError { field, problem: problem.into() }
+}
+
+impl MemoryAwareTrainingJobSpec {
+    /// The backend this job's workers run on.
+    pub fn backend(&self) -> Backend {
+        self.worker.backend.unwrap_or(if self.resources.gpu.is_some() { Backend::Cuda } else { Backend::Flex })
+    }
+
+    /// The planner's view of this spec. Repeats the API server's CEL checks so
+    /// offline callers (the kubectl plugin) get the same field-named errors.
+    pub fn job_request(&self) -> Result<JobRequest, SpecError> {
+        let model = match (&self.model.transformer, &self.model.generic) {
+            (Some(t), None) => {
+                if t.heads == 0 || t.hidden % t.heads != 0 {
+                    return Err(spec_error(
+                        "model.transformer.hidden",
+                        format!("hidden ({}) must be a multiple of heads ({})", t.hidden, t.heads),
+                    ));
+                }
+                ModelShape::Transformer(t.clone())
+            }
+            (None, Some(g)) => ModelShape::Generic(g.clone()),
+            _ => return Err(spec_error("model", "set exactly one of model.transformer or model.generic")),
+        };
+        let t = &self.training;
+        if t.global_batch == 0 {
+            return Err(spec_error("training.globalBatch", "must be at least 1"));
+        }
+        if let Some(b) = t.micro_batch
+            && (b == 0 || t.global_batch % b != 0)
+        {
+            return Err(spec_error(
+                "training.microBatch",
+                format!("microBatch ({b}) must divide globalBatch ({}) so the global batch is kept exactly", t.global_batch),
+            ));
+        }
+        if !(0.0..=0.9).contains(&self.resources.headroom_fraction) {
+            return Err(spec_error("resources.headroomFraction", "must be between 0 and 0.9 (e.g. 0.1)"));
+        }
+        let target = match (&self.resources.gpu, &self.resources.cpu) {
+            (Some(g), None) => Target::Gpu { allowed_types: g.types.clone(), max_gpus: g.max_gpus.max(1) },
+            (None, Some(c)) => {
+                let limit = parse_bytes(&c.memory_limit.0).map_err(|e| spec_error("resources.cpu.memoryLimit", e))?;
+                if limit < 64 << 20 {
+                    return Err(spec_error("resources.cpu.memoryLimit", "must be at least 64Mi, e.g. 2Gi"));
+                }
+                if c.max_workers > 1 && self.model.transformer.is_none() {
+                    return Err(spec_error("resources.cpu.maxWorkers", "a generic model cannot be split into pipeline stages; use 1"));
+                }
+                Target::Cpu { memory_limit_bytes: limit, max_workers: c.max_workers.max(1) }
+            }
+            _ => return Err(spec_error("resources", "set exactly one of resources.gpu or resources.cpu")),
+        };
+        let backend = self.backend();
+        if (backend == Backend::Cuda) != self.resources.gpu.is_some() {
+            return Err(spec_error(
+                "worker.backend",
+                "must be 'cuda' for a GPU job (resources.gpu) and 'flex' for a CPU job (resources.cpu)",
+            ));
+        }
+        if backend == Backend::Flex && t.precision != Precision::Fp32 {
+            return Err(spec_error("training.precision", "the CPU backend (flex) trains in fp32 only; set precision: fp32"));
+        }
+        Ok(JobRequest {
+            model,
+            global_batch: t.global_batch,
+            precision: t.precision,
+            optimizer: t.optimizer,
+            pinned_micro_batch: t.micro_batch,
+            pinned_checkpointing: t.activation_checkpointing,
+            target,
+            headroom_fraction: self.resources.headroom_fraction,
+            allowed_rungs: self.memory_policy.allowed_rungs.clone(),
+        })
+    }
+}

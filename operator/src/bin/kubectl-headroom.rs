@@ -1,0 +1,160 @@
+//! `kubectl headroom` — ask Headroom whether a job fits, and how, before any pod runs.
+//!
+//!     kubectl headroom plan -f job.yaml [--nodes nodes.yaml] [-o table|json|yaml]
+//!
+//! Exit codes: 0 a plan exists, 3 no feasible plan, 1 bad input or cluster error.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{Context, Result, anyhow, bail};
+use clap::{Parser, Subcommand, ValueEnum};
+use headroom_api::MemoryAwareTrainingJob;
+use headroom_operator::inventory::node_facts;
+use headroom_operator::report::{infeasible_text, plan_table};
+use headroom_planner::{Inventory, NodeFacts, plan};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use serde::Deserialize;
+
+#[derive(Parser, Debug)]
+#[command(name = "kubectl-headroom", version, about = "Memory planning for MemoryAwareTrainingJobs")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Plan a job: device type, pipeline split, micro-batch, checkpointing, precision; with the memory breakdown.
+    Plan {
+        /// Job manifest (YAML; every MemoryAwareTrainingJob document in it is planned).
+        #[arg(short = 'f', long = "filename")]
+        file: PathBuf,
+        /// Nodes to plan against (a NodeList, a List or Node documents). Default: the current cluster.
+        #[arg(long)]
+        nodes: Option<PathBuf>,
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table)]
+        output: Output,
+    },
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+enum Output {
+    Table,
+    Json,
+    Yaml,
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<ExitCode> {
+    let Command::Plan { file, nodes, output } = cli.command;
+    let jobs = read_jobs(&file)?;
+    let needs_cluster = jobs.iter().any(|j| j.spec.resources.gpu.is_some());
+    let inventory = match (&nodes, needs_cluster) {
+        (Some(path), _) => Inventory::from_nodes(&read_nodes(path)?),
+        (None, true) => Inventory::from_nodes(&cluster_nodes()?),
+        (None, false) => Inventory::default(),
+    };
+    let mut all_fit = true;
+    let mut machine = Vec::new();
+    for job in &jobs {
+        let name = format!(
+            "{}/{}",
+            job.metadata.namespace.as_deref().unwrap_or("default"),
+            job.metadata.name.as_deref().unwrap_or("<unnamed>")
+        );
+        let request = job.spec.job_request().with_context(|| format!("{}: {name}", file.display()))?;
+        let result = plan(&request, &inventory);
+        all_fit &= result.is_ok();
+        match output {
+            Output::Table => match &result {
+                Ok(p) => println!("{}", plan_table(&name, request.model.total_params(), p)),
+                Err(e) => println!("{}", infeasible_text(&name, e)),
+            },
+            Output::Json | Output::Yaml => machine.push(match &result {
+                Ok(p) => serde_json::json!({"job": name, "feasible": true, "plan": p}),
+                Err(e) => serde_json::json!({"job": name, "feasible": false, "summary": e.summary, "details": e.details}),
+            }),
+        }
+    }
+    let doc = if machine.len() == 1 { machine.remove(0) } else { serde_json::Value::Array(machine) };
+    match output {
+        Output::Json => println!("{}", serde_json::to_string_pretty(&doc)?),
+        Output::Yaml => print!("{}", serde_yaml::to_string(&doc)?),
+        Output::Table => {}
+    }
+    Ok(if all_fit { ExitCode::SUCCESS } else { ExitCode::from(3) })
+}
+
+/// Every MemoryAwareTrainingJob in a (multi-document) YAML file, with field paths in errors.
+fn read_jobs(path: &Path) -> Result<Vec<MemoryAwareTrainingJob>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut jobs = Vec::new();
+    for (i, doc) in serde_yaml::Deserializer::from_str(&text).enumerate() {
+        let value = serde_yaml::Value::deserialize(doc).with_context(|| format!("{}: document {} is not valid YAML", path.display(), i + 1))?;
+        if value.is_null() {
+            continue;
+        }
+        let kind = value.get("kind").and_then(|k| k.as_str()).unwrap_or("<no kind>");
+        if kind != "MemoryAwareTrainingJob" {
+            bail!(
+                "{}: document {} is a {kind}; expected kind: MemoryAwareTrainingJob (apiVersion: headroom.dev/v1alpha1)",
+                path.display(),
+                i + 1
+            );
+        }
+        let job: MemoryAwareTrainingJob = serde_path_to_error::deserialize(value)
+            .map_err(|e| anyhow!("{}: document {}: field `{}`: {}", path.display(), i + 1, e.path(), e.inner()))?;
+        jobs.push(job);
+    }
+    if jobs.is_empty() {
+        bail!("{}: no MemoryAwareTrainingJob found", path.display());
+    }
+    Ok(jobs)
+}
+
+/// Nodes from a file: a NodeList/List (`items`) or Node documents.
+fn read_nodes(path: &Path) -> Result<Vec<NodeFacts>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut nodes: Vec<Node> = Vec::new();
+    for (i, doc) in serde_yaml::Deserializer::from_str(&text).enumerate() {
+        let value = serde_yaml::Value::deserialize(doc).with_context(|| format!("{}: document {} is not valid YAML", path.display(), i + 1))?;
+        let items = match value.get("items") {
+            Some(serde_yaml::Value::Sequence(items)) => items.clone(),
+            _ if value.is_null() => vec![],
+            _ => vec![value],
+        };
+        for item in items {
+            let node: Node = serde_path_to_error::deserialize(item)
+                .map_err(|e| anyhow!("{}: document {}: node field `{}`: {}", path.display(), i + 1, e.path(), e.inner()))?;
+            nodes.push(node);
+        }
+    }
+    Ok(nodes.iter().map(|n| node_facts(n, &[])).collect())
+}
+
+/// Nodes and device-holding pods from the current kubeconfig context.
+fn cluster_nodes() -> Result<Vec<NodeFacts>> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    runtime.block_on(async {
+        let client = kube::Client::try_default()
+            .await
+            .context("no --nodes file and no usable kubeconfig; pass --nodes nodes.yaml or set KUBECONFIG")?;
+        let lp = kube::api::ListParams::default();
+        let nodes = kube::Api::<Node>::all(client.clone()).list(&lp).await.context("listing nodes")?;
+        let pods = kube::Api::<Pod>::all(client)
+            .list(&kube::api::ListParams::default().fields("status.phase!=Succeeded,status.phase!=Failed"))
+            .await
+            .context("listing pods")?;
+        Ok(nodes.items.iter().map(|n| node_facts(n, &pods.items)).collect())
+    })
+}

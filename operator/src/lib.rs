@@ -1,0 +1,7 @@
+//! Headroom's operator crate: the CRD generator, the `kubectl headroom`
+//! plugin and (next) the controller. Pure pieces live in `headroom-planner`
+//! and the resource types in `headroom-api`.
+
+pub mod crd;
+pub mod inventory;
+pub mod report;
