@@ -58,6 +58,17 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> Result<ExitCode> {
     let Command::Plan { file, nodes, output } = cli.command;
     let jobs = read_jobs(&file)?;
+    // Validate every spec before touching the cluster: bad input fails fast and offline.
+    let mut requests = Vec::with_capacity(jobs.len());
+    for job in &jobs {
+        let name = format!(
+            "{}/{}",
+            job.metadata.namespace.as_deref().unwrap_or("default"),
+            job.metadata.name.as_deref().unwrap_or("<unnamed>")
+        );
+        let request = job.spec.job_request().with_context(|| format!("{}: {name}", file.display()))?;
+        requests.push((name, request));
+    }
     let needs_cluster = jobs.iter().any(|j| j.spec.resources.gpu.is_some());
     let inventory = match (&nodes, needs_cluster) {
         (Some(path), _) => Inventory::from_nodes(&read_nodes(path)?),
@@ -66,19 +77,13 @@ fn run(cli: Cli) -> Result<ExitCode> {
     };
     let mut all_fit = true;
     let mut machine = Vec::new();
-    for job in &jobs {
-        let name = format!(
-            "{}/{}",
-            job.metadata.namespace.as_deref().unwrap_or("default"),
-            job.metadata.name.as_deref().unwrap_or("<unnamed>")
-        );
-        let request = job.spec.job_request().with_context(|| format!("{}: {name}", file.display()))?;
-        let result = plan(&request, &inventory);
+    for (name, request) in &requests {
+        let result = plan(request, &inventory);
         all_fit &= result.is_ok();
         match output {
             Output::Table => match &result {
-                Ok(p) => println!("{}", plan_table(&name, request.model.total_params(), p)),
-                Err(e) => println!("{}", infeasible_text(&name, e)),
+                Ok(p) => println!("{}", plan_table(name, request.model.total_params(), p)),
+                Err(e) => println!("{}", infeasible_text(name, e)),
             },
             Output::Json | Output::Yaml => machine.push(match &result {
                 Ok(p) => serde_json::json!({"job": name, "feasible": true, "plan": p}),
@@ -148,7 +153,7 @@ fn cluster_nodes() -> Result<Vec<NodeFacts>> {
     runtime.block_on(async {
         let client = kube::Client::try_default()
             .await
-            .context("no --nodes file and no usable kubeconfig; pass --nodes nodes.yaml or set KUBECONFIG")?;
+            .map_err(|_| anyhow!("a GPU job needs an inventory: pass --nodes nodes.yaml, or point KUBECONFIG at a cluster"))?;
         let lp = kube::api::ListParams::default();
         let nodes = kube::Api::<Node>::all(client.clone()).list(&lp).await.context("listing nodes")?;
         let pods = kube::Api::<Pod>::all(client)

@@ -1,0 +1,122 @@
+//! The committed CRD matches the code, and its schema is structural.
+
+use std::path::PathBuf;
+
+use headroom_operator::crd::{CRD_PATH, crd_yaml};
+use serde_json::Value;
+
+fn workspace_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+#[test]
+fn committed_crd_matches_the_types() {
+    let committed = std::fs::read_to_string(workspace_root().join(CRD_PATH)).expect("crds/ file exists");
+    let generated = crd_yaml().expect("CRD serialises");
+    assert!(committed == generated, "{CRD_PATH} is stale: run `make manifests` and commit the result");
+}
+
+#[test]
+fn chart_ships_the_same_crd() {
+    let chart = std::fs::read_to_string(workspace_root().join("charts/headroom/crds/memoryawaretrainingjobs.headroom.dev.yaml"))
+        .expect("chart CRD exists");
+    assert!(chart == crd_yaml().expect("CRD serialises"), "chart CRD is stale: run `make manifests`");
+}
+
+/// Walks a schema node and records every violation of the structural-schema
+/// rules the API server enforces (every node typed, no `$ref`, no
+/// `additionalProperties` beside `properties`, junctors without types).
+fn check_structural(node: &Value, path: &str, problems: &mut Vec<String>) {
+    let Some(obj) = node.as_object() else { return };
+    let typed = obj.contains_key("type")
+        || obj.get("x-kubernetes-int-or-string") == Some(&Value::Bool(true))
+        || obj.get("x-kubernetes-preserve-unknown-fields") == Some(&Value::Bool(true));
+    if !typed {
+        problems.push(format!("{path}: no type"));
+    }
+    if obj.contains_key("$ref") {
+        problems.push(format!("{path}: $ref"));
+    }
+    if obj.contains_key("properties") && obj.contains_key("additionalProperties") {
+        problems.push(format!("{path}: properties with additionalProperties"));
+    }
+    for junctor in ["oneOf", "anyOf", "allOf", "not"] {
+        if let Some(Value::Array(branches)) = obj.get(junctor) {
+            for b in branches {
+                if b.get("type").is_some() || b.get("properties").is_some() || b.get("description").is_some() {
+                    problems.push(format!("{path}.{junctor}: branch declares type/properties/description"));
+                }
+            }
+        }
+    }
+    if let Some(Value::Object(props)) = obj.get("properties") {
+        for (name, child) in props {
+            check_structural(child, &format!("{path}.{name}"), problems);
+        }
+    }
+    if let Some(items) = obj.get("items") {
+        check_structural(items, &format!("{path}[]"), problems);
+    }
+    if let Some(extra @ Value::Object(_)) = obj.get("additionalProperties") {
+        check_structural(extra, &format!("{path}{{}}"), problems);
+    }
+}
+
+fn schema() -> Value {
+    let crd = serde_json::to_value(<headroom_api::MemoryAwareTrainingJob as kube::CustomResourceExt>::crd()).expect("json");
+    crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"].clone()
+}
+
+#[test]
+fn schema_is_structural() {
+    let mut problems = Vec::new();
+    check_structural(&schema(), "", &mut problems);
+    assert!(problems.is_empty(), "non-structural schema:\n{}", problems.join("\n"));
+}
+
+#[test]
+fn lists_are_list_maps_or_sets_where_merging_matters() {
+    let s = schema();
+    let status = &s["properties"]["status"]["properties"];
+    for (field, key) in [("conditions", "type"), ("attempts", "number"), ("workers", "name")] {
+        assert_eq!(status[field]["x-kubernetes-list-type"], "map", "{field}");
+        assert_eq!(status[field]["x-kubernetes-list-map-keys"][0], key, "{field}");
+    }
+    assert_eq!(s["properties"]["spec"]["properties"]["memoryPolicy"]["properties"]["allowedRungs"]["x-kubernetes-list-type"], "set");
+}
+
+fn collect_rules<'a>(node: &'a Value, out: &mut Vec<&'a Value>) {
+    match node {
+        Value::Object(obj) => {
+            if let Some(Value::Array(rules)) = obj.get("x-kubernetes-validations") {
+                out.extend(rules);
+            }
+            obj.values().for_each(|v| collect_rules(v, out));
+        }
+        Value::Array(items) => items.iter().for_each(|v| collect_rules(v, out)),
+        _ => {}
+    }
+}
+
+#[test]
+fn every_cel_rule_says_what_would_work() {
+    let s = schema();
+    let mut rules = Vec::new();
+    collect_rules(&s, &mut rules);
+    assert!(rules.len() >= 8, "expected the CEL rules in the schema, found {}", rules.len());
+    for rule in rules {
+        let message = rule.get("message").or_else(|| rule.get("messageExpression")).and_then(Value::as_str).unwrap_or("");
+        assert!(message.len() > 20, "rule {rule} needs a message that names the field and the fix");
+    }
+}
+
+#[test]
+fn status_and_printer_columns_are_declared() {
+    let crd = serde_json::to_value(<headroom_api::MemoryAwareTrainingJob as kube::CustomResourceExt>::crd()).expect("json");
+    let version = &crd["spec"]["versions"][0];
+    assert!(version["subresources"]["status"].is_object());
+    let columns: Vec<&str> = version["additionalPrinterColumns"].as_array().expect("columns").iter().filter_map(|c| c["name"].as_str()).collect();
+    assert_eq!(columns, ["Phase", "Attempt", "Device", "Workers", "Peak/Budget", "Age"]);
+    assert_eq!(crd["spec"]["names"]["shortNames"][0], "matj");
+    assert_eq!(crd["spec"]["scope"], "Namespaced");
+}
