@@ -1,0 +1,78 @@
+# Headroom — run `make help` for the targets.
+#
+# Caches live outside the clone so fresh clones (and CI) reuse them:
+#   CARGO_TARGET_DIR  Rust build output   (default ~/.cache/headroom/target)
+#   HEADROOM_CACHE    Kubernetes/etcd binaries, control-plane state (~/.cache/headroom)
+
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := help
+
+export HEADROOM_CACHE ?= $(HOME)/.cache/headroom
+export CARGO_TARGET_DIR ?= $(HEADROOM_CACHE)/target
+CARGO ?= cargo
+CLUSTER := e2e/cluster
+KUBECONFIG_TEST := $(HEADROOM_CACHE)/state/controlplane/kubeconfig
+KUBECTL_BIN = $$(source $(CLUSTER)/lib/common.sh && echo "$$HEADROOM_BIN_DIR")/kubectl
+
+##@ General
+.PHONY: help
+help: ## Show this help.
+	@awk 'BEGIN {FS = ":.*##"; printf "Usage: make <target>\n"} /^[a-zA-Z0-9_-]+:.*?##/ { printf "  %-18s %s\n", $$1, $$2 } /^##@/ { printf "\n%s\n", substr($$0, 5) }' $(MAKEFILE_LIST)
+
+##@ Development
+.PHONY: build fmt fmt-check lint manifests
+build: ## Build every crate and binary.
+	$(CARGO) build --workspace --all-targets
+
+fmt: ## Format the Rust code.
+	$(CARGO) fmt --all
+
+fmt-check: ## Fail if the Rust code is not formatted.
+	$(CARGO) fmt --all -- --check
+
+lint: ## Clippy with warnings as errors.
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+manifests: ## Regenerate crds/ and the chart's CRD from the Rust types.
+	$(CARGO) run -q -p headroom-operator --bin crdgen > crds/memoryawaretrainingjobs.headroom.dev.yaml
+	cp crds/memoryawaretrainingjobs.headroom.dev.yaml charts/headroom/crds/
+
+##@ Test
+.PHONY: test test-unit test-apiserver bench-planner
+test: test-unit test-apiserver ## Everything CI runs: unit, property, CLI and real-API-server tests.
+
+test-unit: ## Unit, property, CRD-drift and plugin tests (no cluster needed).
+	$(CARGO) test --workspace --all-targets
+
+test-apiserver: controlplane-up ## CRD, samples and the invalid-manifest corpus against a real kube-apiserver.
+	KUBECONFIG=$(KUBECONFIG_TEST) $(CARGO) test -p headroom-operator --test api_server -- --ignored --test-threads=1
+
+bench-planner: ## Criterion benchmark: plan a 70B model over 1,000 nodes of 6 GPU types.
+	$(CARGO) bench -p headroom-planner --bench plan_70b
+
+##@ Local control plane (real etcd + kube-apiserver on loopback)
+.PHONY: k8s-binaries controlplane-up controlplane-down
+k8s-binaries: ## Build kube-apiserver, kubectl and etcd from their Go modules (cached).
+	$(CLUSTER)/build-binaries.sh
+
+controlplane-up: k8s-binaries ## Start etcd + kube-apiserver (idempotent); KUBECONFIG in ~/.cache/headroom.
+	$(CLUSTER)/controlplane.sh up
+
+controlplane-down: ## Stop the control plane.
+	$(CLUSTER)/controlplane.sh down
+
+##@ Try it
+.PHONY: plan-samples demo
+plan-samples: ## Print Headroom's plan for every sample job (offline).
+	for f in samples/cpu-*.yaml; do $(CARGO) run -q -p headroom-operator --bin kubectl-headroom -- plan -f $$f; done
+	$(CARGO) run -q -p headroom-operator --bin kubectl-headroom -- plan -f samples/gpu-gpt2-medium.yaml --nodes samples/nodes-gfd.yaml
+
+demo: controlplane-up ## Install the CRD on the local control plane, apply a sample job, show it and its plan.
+	$(CARGO) build -q -p headroom-operator --bins
+	export KUBECONFIG=$(KUBECONFIG_TEST); \
+	$(KUBECTL_BIN) apply --server-side -f crds/; \
+	$(KUBECTL_BIN) wait --for condition=established --timeout=60s crd/memoryawaretrainingjobs.headroom.dev; \
+	$(KUBECTL_BIN) apply --server-side -f samples/cpu-oom-first.yaml; \
+	$(KUBECTL_BIN) get matj -o wide; \
+	$(CARGO_TARGET_DIR)/debug/kubectl-headroom plan -f samples/cpu-oom-first.yaml
