@@ -40,7 +40,7 @@ manifests: ## Regenerate crds/ and the chart's CRD from the Rust types.
 
 ##@ Test
 .PHONY: test test-unit test-apiserver bench-planner
-test: test-unit test-apiserver ## Everything CI runs: unit, property, CLI and real-API-server tests.
+test: fmt-check lint test-unit test-apiserver ## Everything CI runs: format, clippy, unit, property, CLI and real-API-server tests.
 
 test-unit: ## Unit, property, CRD-drift and plugin tests (no cluster needed).
 	$(CARGO) test --workspace --all-targets

@@ -15,8 +15,14 @@ fn is_device_resource(name: &str) -> bool {
 /// Device counts requested by a pod that still holds its devices.
 fn pod_device_requests(pod: &Pod) -> BTreeMap<String, u64> {
     let mut out = BTreeMap::new();
-    let terminal = pod.status.as_ref().and_then(|s| s.phase.as_deref()).is_some_and(|p| p == "Succeeded" || p == "Failed");
-    let Some(spec) = pod.spec.as_ref().filter(|_| !terminal) else { return out };
+    let terminal = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .is_some_and(|p| p == "Succeeded" || p == "Failed");
+    let Some(spec) = pod.spec.as_ref().filter(|_| !terminal) else {
+        return out;
+    };
     for container in &spec.containers {
         let resources = container.resources.as_ref();
         // Extended resources must have requests == limits; either may be given.
@@ -48,12 +54,19 @@ pub fn node_facts(node: &Node, pods: &[Pod]) -> NodeFacts {
         })
         .unwrap_or_default();
     let mut in_use: BTreeMap<String, u64> = BTreeMap::new();
-    for pod in pods.iter().filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(name.as_str())) {
+    for pod in pods
+        .iter()
+        .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(name.as_str()))
+    {
         for (resource, n) in pod_device_requests(pod) {
             *in_use.entry(resource).or_insert(0) += n;
         }
     }
-    let cordoned = node.spec.as_ref().and_then(|s| s.unschedulable).unwrap_or(false);
+    let cordoned = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.unschedulable)
+        .unwrap_or(false);
     // A node object without conditions (e.g. from a file) is taken as Ready.
     let not_ready = node
         .status
@@ -61,7 +74,13 @@ pub fn node_facts(node: &Node, pods: &[Pod]) -> NodeFacts {
         .and_then(|s| s.conditions.as_ref())
         .and_then(|c| c.iter().find(|c| c.type_ == "Ready"))
         .is_some_and(|c| c.status != "True");
-    NodeFacts { name, labels, allocatable, in_use, schedulable: !cordoned && !not_ready }
+    NodeFacts {
+        name,
+        labels,
+        allocatable,
+        in_use,
+        schedulable: !cordoned && !not_ready,
+    }
 }
 
 #[cfg(test)]
@@ -111,7 +130,9 @@ status: {phase: Succeeded}
     fn cordoned_or_not_ready_nodes_are_not_schedulable() {
         let cordoned: Node = from_yaml("metadata: {name: a}\nspec: {unschedulable: true}\n");
         assert!(!node_facts(&cordoned, &[]).schedulable);
-        let not_ready: Node = from_yaml("metadata: {name: b}\nstatus: {conditions: [{type: Ready, status: \"False\"}]}\n");
+        let not_ready: Node = from_yaml(
+            "metadata: {name: b}\nstatus: {conditions: [{type: Ready, status: \"False\"}]}\n",
+        );
         assert!(!node_facts(&not_ready, &[]).schedulable);
     }
 }

@@ -9,7 +9,12 @@ use headroom_planner::{MemoryBreakdown, NoFeasiblePlan, Plan};
 pub fn plan_table(title: &str, params: u64, plan: &Plan) -> String {
     let mut out = String::new();
     let s = &plan.settings;
-    let _ = writeln!(out, "{title}: {:.1}M parameters, global batch {}", params as f64 / 1e6, plan.global_batch);
+    let _ = writeln!(
+        out,
+        "{title}: {:.1}M parameters, global batch {}",
+        params as f64 / 1e6,
+        plan.global_batch
+    );
     let _ = writeln!(
         out,
         "Plan:      {} × {} ({} backend), {} of {} nominal per worker after headroom",
@@ -25,13 +30,25 @@ pub fn plan_table(title: &str, params: u64, plan: &Plan) -> String {
         "Settings:  micro-batch {} × accumulation {}, checkpointing {}, {}, {}",
         s.micro_batch,
         s.gradient_accumulation,
-        if s.activation_checkpointing { "on" } else { "off" },
+        if s.activation_checkpointing {
+            "on"
+        } else {
+            "off"
+        },
         s.precision,
         s.optimizer
     );
-    let _ = writeln!(out, "Step time: {:.2} (relative; lower is faster)", plan.relative_step_time);
+    let _ = writeln!(
+        out,
+        "Step time: {:.2} (relative; lower is faster)",
+        plan.relative_step_time
+    );
     if plan.correction_factor > 1.0 {
-        let _ = writeln!(out, "Corrected: ×{:.2} from observed peaks", plan.correction_factor);
+        let _ = writeln!(
+            out,
+            "Corrected: ×{:.2} from observed peaks",
+            plan.correction_factor
+        );
     }
     if !plan.rungs_applied.is_empty() {
         let rungs: Vec<String> = plan.rungs_applied.iter().map(ToString::to_string).collect();
@@ -39,20 +56,45 @@ pub fn plan_table(title: &str, params: u64, plan: &Plan) -> String {
     }
     let _ = writeln!(out);
     let header = [
-        "STAGE", "LAYERS", "IN-FLIGHT", "WEIGHTS", "GRADIENTS", "OPTIMIZER", "ACTIVATIONS", "LOGITS", "OVERHEAD", "SLACK", "CORRECTION", "TOTAL",
+        "STAGE",
+        "LAYERS",
+        "IN-FLIGHT",
+        "WEIGHTS",
+        "GRADIENTS",
+        "OPTIMIZER",
+        "ACTIVATIONS",
+        "LOGITS",
+        "OVERHEAD",
+        "SLACK",
+        "CORRECTION",
+        "TOTAL",
     ];
     let mut rows: Vec<Vec<String>> = vec![header.iter().map(ToString::to_string).collect()];
     for stage in &plan.stages {
         let m: &MemoryBreakdown = &stage.memory;
         let mut row = vec![
             stage.index.to_string(),
-            format!("{}-{}", stage.layer_start, stage.layer_end.saturating_sub(1)),
+            format!(
+                "{}-{}",
+                stage.layer_start,
+                stage.layer_end.saturating_sub(1)
+            ),
             stage.in_flight_micro_batches.to_string(),
         ];
         row.extend(
-            [m.weights, m.gradients, m.optimizer_state, m.activations, m.logits, m.fixed_overhead, m.allocator_slack, m.correction, m.total]
-                .into_iter()
-                .map(format_bytes),
+            [
+                m.weights,
+                m.gradients,
+                m.optimizer_state,
+                m.activations,
+                m.logits,
+                m.fixed_overhead,
+                m.allocator_slack,
+                m.correction,
+                m.total,
+            ]
+            .into_iter()
+            .map(format_bytes),
         );
         rows.push(row);
     }
@@ -73,11 +115,21 @@ pub fn infeasible_text(title: &str, err: &NoFeasiblePlan) -> String {
 }
 
 fn columns(rows: &[Vec<String>]) -> String {
-    let widths: Vec<usize> =
-        (0..rows[0].len()).map(|c| rows.iter().map(|r| r.get(c).map_or(0, String::len)).max().unwrap_or(0)).collect();
+    let widths: Vec<usize> = (0..rows[0].len())
+        .map(|c| {
+            rows.iter()
+                .map(|r| r.get(c).map_or(0, String::len))
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
     let mut out = String::new();
     for row in rows {
-        let line: Vec<String> = row.iter().zip(&widths).map(|(cell, w)| format!("{cell:<w$}")).collect();
+        let line: Vec<String> = row
+            .iter()
+            .zip(&widths)
+            .map(|(cell, w)| format!("{cell:<w$}"))
+            .collect();
         let _ = writeln!(out, "{}", line.join("  ").trim_end());
     }
     out

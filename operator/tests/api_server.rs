@@ -22,33 +22,62 @@ fn root() -> PathBuf {
 }
 
 async fn client_with_crd() -> Client {
-    let client = Client::try_default().await.expect("KUBECONFIG must point at the test control plane (make test-apiserver)");
+    let client = Client::try_default()
+        .await
+        .expect("KUBECONFIG must point at the test control plane (make test-apiserver)");
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     let crd = MemoryAwareTrainingJob::crd();
     let name = crd.metadata.name.clone().expect("crd name");
-    crds.patch(&name, &PatchParams::apply("headroom-tests").force(), &Patch::Apply(&crd)).await.expect("CRD applies");
-    tokio::time::timeout(Duration::from_secs(30), await_condition(crds, &name, conditions::is_crd_established()))
-        .await
-        .expect("CRD established within 30 s")
-        .expect("watch CRD");
+    crds.patch(
+        &name,
+        &PatchParams::apply("headroom-tests").force(),
+        &Patch::Apply(&crd),
+    )
+    .await
+    .expect("CRD applies");
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        await_condition(crds, &name, conditions::is_crd_established()),
+    )
+    .await
+    .expect("CRD established within 30 s")
+    .expect("watch CRD");
     let namespaces: Api<Namespace> = Api::all(client.clone());
-    let ns: Namespace = serde_json::from_value(serde_json::json!({"metadata": {"name": NAMESPACE}})).expect("ns");
-    namespaces.patch(NAMESPACE, &PatchParams::apply("headroom-tests"), &Patch::Apply(&ns)).await.expect("namespace");
+    let ns: Namespace =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": NAMESPACE}})).expect("ns");
+    namespaces
+        .patch(
+            NAMESPACE,
+            &PatchParams::apply("headroom-tests"),
+            &Patch::Apply(&ns),
+        )
+        .await
+        .expect("namespace");
     client
 }
 
 fn jobs_api(client: &Client) -> Api<DynamicObject> {
-    Api::namespaced_with(client.clone(), NAMESPACE, &ApiResource::erase::<MemoryAwareTrainingJob>(&()))
+    Api::namespaced_with(
+        client.clone(),
+        NAMESPACE,
+        &ApiResource::erase::<MemoryAwareTrainingJob>(&()),
+    )
 }
 
 async fn dry_run_create(api: &Api<DynamicObject>, manifest: &str) -> Result<(), String> {
-    let obj: DynamicObject = serde_yaml::from_str(manifest).map_err(|e| format!("not a manifest: {e}"))?;
-    let pp = PostParams { dry_run: true, ..PostParams::default() };
+    let obj: DynamicObject =
+        serde_yaml::from_str(manifest).map_err(|e| format!("not a manifest: {e}"))?;
+    let pp = PostParams {
+        dry_run: true,
+        ..PostParams::default()
+    };
     // Discovery of a just-established CRD can lag by a moment.
     for _ in 0..20 {
         match api.create(&pp, &obj).await {
             Ok(_) => return Ok(()),
-            Err(kube::Error::Api(s)) if s.code == 404 => tokio::time::sleep(Duration::from_millis(250)).await,
+            Err(kube::Error::Api(s)) if s.code == 404 => {
+                tokio::time::sleep(Duration::from_millis(250)).await
+            }
             Err(kube::Error::Api(s)) => return Err(s.message),
             Err(e) => return Err(e.to_string()),
         }
@@ -61,8 +90,13 @@ async fn dry_run_create(api: &Api<DynamicObject>, manifest: &str) -> Result<(), 
 async fn samples_pass_server_side_dry_run() {
     let client = client_with_crd().await;
     let api = jobs_api(&client);
-    for sample in ["cpu-tiny.yaml", "cpu-oom-first.yaml", "gpu-gpt2-medium.yaml"] {
-        let manifest = std::fs::read_to_string(root().join("samples").join(sample)).expect("sample");
+    for sample in [
+        "cpu-tiny.yaml",
+        "cpu-oom-first.yaml",
+        "gpu-gpt2-medium.yaml",
+    ] {
+        let manifest =
+            std::fs::read_to_string(root().join("samples").join(sample)).expect("sample");
         if let Err(e) = dry_run_create(&api, &manifest).await {
             panic!("{sample} rejected: {e}");
         }
@@ -75,9 +109,17 @@ async fn invalid_manifests_are_rejected_with_field_paths() {
     let client = client_with_crd().await;
     let api = jobs_api(&client);
     let dir = root().join("e2e/testdata/invalid");
-    let mut files: Vec<_> = std::fs::read_dir(&dir).expect("corpus").filter_map(Result::ok).map(|e| e.path()).collect();
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .expect("corpus")
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .collect();
     files.sort();
-    assert!(files.len() >= 20, "the corpus needs at least 20 manifests, found {}", files.len());
+    assert!(
+        files.len() >= 20,
+        "the corpus needs at least 20 manifests, found {}",
+        files.len()
+    );
     let mut failures = Vec::new();
     for file in &files {
         let manifest = std::fs::read_to_string(file).expect("read");
@@ -87,14 +129,25 @@ async fn invalid_manifests_are_rejected_with_field_paths() {
             .unwrap_or_else(|| panic!("{} has no `# expect:` line", file.display()))
             .trim()
             .to_string();
-        let name = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let name = file
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
         match dry_run_create(&api, &manifest).await {
-            Ok(()) => failures.push(format!("{name}: accepted, expected rejection with {expect:?}")),
-            Err(message) if !message.contains(&expect) => {
-                failures.push(format!("{name}: rejected, but without {expect:?}:\n    {message}"))
-            }
+            Ok(()) => failures.push(format!(
+                "{name}: accepted, expected rejection with {expect:?}"
+            )),
+            Err(message) if !message.contains(&expect) => failures.push(format!(
+                "{name}: rejected, but without {expect:?}:\n    {message}"
+            )),
             Err(_) => {}
         }
     }
-    assert!(failures.is_empty(), "{} of {} manifests misbehaved:\n{}", failures.len(), files.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} of {} manifests misbehaved:\n{}",
+        failures.len(),
+        files.len(),
+        failures.join("\n")
+    );
 }

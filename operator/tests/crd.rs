@@ -11,16 +11,25 @@ fn workspace_root() -> PathBuf {
 
 #[test]
 fn committed_crd_matches_the_types() {
-    let committed = std::fs::read_to_string(workspace_root().join(CRD_PATH)).expect("crds/ file exists");
+    let committed =
+        std::fs::read_to_string(workspace_root().join(CRD_PATH)).expect("crds/ file exists");
     let generated = crd_yaml().expect("CRD serialises");
-    assert!(committed == generated, "{CRD_PATH} is stale: run `make manifests` and commit the result");
+    assert!(
+        committed == generated,
+        "{CRD_PATH} is stale: run `make manifests` and commit the result"
+    );
 }
 
 #[test]
 fn chart_ships_the_same_crd() {
-    let chart = std::fs::read_to_string(workspace_root().join("charts/headroom/crds/memoryawaretrainingjobs.headroom.dev.yaml"))
-        .expect("chart CRD exists");
-    assert!(chart == crd_yaml().expect("CRD serialises"), "chart CRD is stale: run `make manifests`");
+    let chart = std::fs::read_to_string(
+        workspace_root().join("charts/headroom/crds/memoryawaretrainingjobs.headroom.dev.yaml"),
+    )
+    .expect("chart CRD exists");
+    assert!(
+        chart == crd_yaml().expect("CRD serialises"),
+        "chart CRD is stale: run `make manifests`"
+    );
 }
 
 /// Walks a schema node and records every violation of the structural-schema
@@ -43,8 +52,13 @@ fn check_structural(node: &Value, path: &str, problems: &mut Vec<String>) {
     for junctor in ["oneOf", "anyOf", "allOf", "not"] {
         if let Some(Value::Array(branches)) = obj.get(junctor) {
             for b in branches {
-                if b.get("type").is_some() || b.get("properties").is_some() || b.get("description").is_some() {
-                    problems.push(format!("{path}.{junctor}: branch declares type/properties/description"));
+                if b.get("type").is_some()
+                    || b.get("properties").is_some()
+                    || b.get("description").is_some()
+                {
+                    problems.push(format!(
+                        "{path}.{junctor}: branch declares type/properties/description"
+                    ));
                 }
             }
         }
@@ -63,7 +77,10 @@ fn check_structural(node: &Value, path: &str, problems: &mut Vec<String>) {
 }
 
 fn schema() -> Value {
-    let crd = serde_json::to_value(<headroom_api::MemoryAwareTrainingJob as kube::CustomResourceExt>::crd()).expect("json");
+    let crd = serde_json::to_value(
+        <headroom_api::MemoryAwareTrainingJob as kube::CustomResourceExt>::crd(),
+    )
+    .expect("json");
     crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"].clone()
 }
 
@@ -71,18 +88,32 @@ fn schema() -> Value {
 fn schema_is_structural() {
     let mut problems = Vec::new();
     check_structural(&schema(), "", &mut problems);
-    assert!(problems.is_empty(), "non-structural schema:\n{}", problems.join("\n"));
+    assert!(
+        problems.is_empty(),
+        "non-structural schema:\n{}",
+        problems.join("\n")
+    );
 }
 
 #[test]
 fn lists_are_list_maps_or_sets_where_merging_matters() {
     let s = schema();
     let status = &s["properties"]["status"]["properties"];
-    for (field, key) in [("conditions", "type"), ("attempts", "number"), ("workers", "name")] {
+    for (field, key) in [
+        ("conditions", "type"),
+        ("attempts", "number"),
+        ("workers", "name"),
+    ] {
         assert_eq!(status[field]["x-kubernetes-list-type"], "map", "{field}");
-        assert_eq!(status[field]["x-kubernetes-list-map-keys"][0], key, "{field}");
+        assert_eq!(
+            status[field]["x-kubernetes-list-map-keys"][0], key,
+            "{field}"
+        );
     }
-    assert_eq!(s["properties"]["spec"]["properties"]["memoryPolicy"]["properties"]["allowedRungs"]["x-kubernetes-list-type"], "set");
+    assert_eq!(
+        s["properties"]["spec"]["properties"]["memoryPolicy"]["properties"]["allowedRungs"]["x-kubernetes-list-type"],
+        "set"
+    );
 }
 
 fn collect_rules<'a>(node: &'a Value, out: &mut Vec<&'a Value>) {
@@ -103,20 +134,49 @@ fn every_cel_rule_says_what_would_work() {
     let s = schema();
     let mut rules = Vec::new();
     collect_rules(&s, &mut rules);
-    assert!(rules.len() >= 8, "expected the CEL rules in the schema, found {}", rules.len());
+    assert!(
+        rules.len() >= 8,
+        "expected the CEL rules in the schema, found {}",
+        rules.len()
+    );
     for rule in rules {
-        let message = rule.get("message").or_else(|| rule.get("messageExpression")).and_then(Value::as_str).unwrap_or("");
-        assert!(message.len() > 20, "rule {rule} needs a message that names the field and the fix");
+        let message = rule
+            .get("message")
+            .or_else(|| rule.get("messageExpression"))
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        assert!(
+            message.len() > 20,
+            "rule {rule} needs a message that names the field and the fix"
+        );
     }
 }
 
 #[test]
 fn status_and_printer_columns_are_declared() {
-    let crd = serde_json::to_value(<headroom_api::MemoryAwareTrainingJob as kube::CustomResourceExt>::crd()).expect("json");
+    let crd = serde_json::to_value(
+        <headroom_api::MemoryAwareTrainingJob as kube::CustomResourceExt>::crd(),
+    )
+    .expect("json");
     let version = &crd["spec"]["versions"][0];
     assert!(version["subresources"]["status"].is_object());
-    let columns: Vec<&str> = version["additionalPrinterColumns"].as_array().expect("columns").iter().filter_map(|c| c["name"].as_str()).collect();
-    assert_eq!(columns, ["Phase", "Attempt", "Device", "Workers", "Peak/Budget", "Age"]);
+    let columns: Vec<&str> = version["additionalPrinterColumns"]
+        .as_array()
+        .expect("columns")
+        .iter()
+        .filter_map(|c| c["name"].as_str())
+        .collect();
+    assert_eq!(
+        columns,
+        [
+            "Phase",
+            "Attempt",
+            "Device",
+            "Workers",
+            "Peak/Budget",
+            "Age"
+        ]
+    );
     assert_eq!(crd["spec"]["names"]["shortNames"][0], "matj");
     assert_eq!(crd["spec"]["scope"], "Namespaced");
 }

@@ -17,7 +17,11 @@ fn plugin(args: &[&str]) -> Output {
 }
 
 fn text(out: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
 }
 
 #[test]
@@ -25,14 +29,30 @@ fn plans_the_cpu_sample_with_a_breakdown() {
     let out = plugin(&["plan", "-f", "samples/cpu-tiny.yaml"]);
     let t = text(&out);
     assert!(out.status.success(), "{t}");
-    for needle in ["default/tiny-cpu", "1 × cpu", "micro-batch", "WEIGHTS", "ACTIVATIONS", "TOTAL", "GiB"] {
+    for needle in [
+        "default/tiny-cpu",
+        "1 × cpu",
+        "micro-batch",
+        "WEIGHTS",
+        "ACTIVATIONS",
+        "TOTAL",
+        "GiB",
+    ] {
         assert!(t.contains(needle), "missing {needle:?} in\n{t}");
     }
 }
 
 #[test]
 fn plans_the_gpu_sample_against_a_nodes_file_as_json() {
-    let out = plugin(&["plan", "-f", "samples/gpu-gpt2-medium.yaml", "--nodes", "samples/nodes-gfd.yaml", "-o", "json"]);
+    let out = plugin(&[
+        "plan",
+        "-f",
+        "samples/gpu-gpt2-medium.yaml",
+        "--nodes",
+        "samples/nodes-gfd.yaml",
+        "-o",
+        "json",
+    ]);
     assert!(out.status.success(), "{}", text(&out));
     let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json output");
     assert_eq!(doc["feasible"], true);
@@ -41,7 +61,10 @@ fn plans_the_gpu_sample_against_a_nodes_file_as_json() {
     assert!(plan["predictedPeakBytes"].as_u64() <= plan["budgetBytes"].as_u64());
     assert_eq!(plan["globalBatch"], 256);
     let device = plan["device"].as_str().expect("device");
-    assert!(["Tesla-T4", "NVIDIA-L4", "NVIDIA-A100-SXM4-80GB"].contains(&device), "{device} is not an allowed type");
+    assert!(
+        ["Tesla-T4", "NVIDIA-L4", "NVIDIA-A100-SXM4-80GB"].contains(&device),
+        "{device} is not an allowed type"
+    );
 }
 
 #[test]
@@ -49,8 +72,15 @@ fn yaml_output_parses() {
     let out = plugin(&["plan", "-f", "samples/cpu-oom-first.yaml", "-o", "yaml"]);
     assert!(out.status.success(), "{}", text(&out));
     let doc: serde_yaml::Value = serde_yaml::from_slice(&out.stdout).expect("yaml output");
-    assert_eq!(doc["plan"]["settings"]["microBatch"], serde_yaml::Value::from(64));
-    assert!(doc["plan"]["warnings"][0].as_str().is_some_and(|w| w.contains("pinned")));
+    assert_eq!(
+        doc["plan"]["settings"]["microBatch"],
+        serde_yaml::Value::from(64)
+    );
+    assert!(
+        doc["plan"]["warnings"][0]
+            .as_str()
+            .is_some_and(|w| w.contains("pinned"))
+    );
 }
 
 #[test]
@@ -65,24 +95,44 @@ fn infeasible_job_exits_3_with_numbers() {
     let dir = std::env::temp_dir().join(format!("headroom-plugin-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("tmp");
     let job = std::fs::read_to_string(root().join("samples/gpu-gpt2-medium.yaml")).expect("sample");
-    let huge = job.replace("layers: 24, hidden: 1024, heads: 16", "layers: 96, hidden: 12288, heads: 96");
+    let huge = job.replace(
+        "layers: 24, hidden: 1024, heads: 16",
+        "layers: 96, hidden: 12288, heads: 96",
+    );
     let path = dir.join("huge.yaml");
     std::fs::write(&path, huge).expect("write");
-    let out = plugin(&["plan", "-f", path.to_str().expect("utf8"), "--nodes", "samples/nodes-gfd.yaml"]);
+    let out = plugin(&[
+        "plan",
+        "-f",
+        path.to_str().expect("utf8"),
+        "--nodes",
+        "samples/nodes-gfd.yaml",
+    ]);
     assert_eq!(out.status.code(), Some(3), "{}", text(&out));
     let t = text(&out);
-    assert!(t.contains("no feasible plan") && t.contains("budget of"), "{t}");
+    assert!(
+        t.contains("no feasible plan") && t.contains("budget of"),
+        "{t}"
+    );
 }
 
 #[test]
 fn bad_files_get_clear_errors() {
     let out = plugin(&["plan", "-f", "does-not-exist.yaml"]);
     assert_eq!(out.status.code(), Some(1));
-    assert!(text(&out).contains("cannot read does-not-exist.yaml"), "{}", text(&out));
+    assert!(
+        text(&out).contains("cannot read does-not-exist.yaml"),
+        "{}",
+        text(&out)
+    );
 
     let out = plugin(&["plan", "-f", "samples/nodes-gfd.yaml"]);
     assert_eq!(out.status.code(), Some(1));
-    assert!(text(&out).contains("is a NodeList; expected kind: MemoryAwareTrainingJob"), "{}", text(&out));
+    assert!(
+        text(&out).contains("is a NodeList; expected kind: MemoryAwareTrainingJob"),
+        "{}",
+        text(&out)
+    );
 
     let dir = std::env::temp_dir().join(format!("headroom-plugin-bad-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("tmp");
@@ -91,7 +141,11 @@ fn bad_files_get_clear_errors() {
     std::fs::write(&path, job.replace("globalBatch: 32", "globalBatch: many")).expect("write");
     let out = plugin(&["plan", "-f", path.to_str().expect("utf8")]);
     assert_eq!(out.status.code(), Some(1));
-    assert!(text(&out).contains("spec.training.globalBatch"), "{}", text(&out));
+    assert!(
+        text(&out).contains("spec.training.globalBatch"),
+        "{}",
+        text(&out)
+    );
 }
 
 #[test]
@@ -100,10 +154,19 @@ fn invalid_corpus_cross_field_rules_are_caught_offline_too() {
     // repeats the cross-field rules with the same field names.
     for (file, needle) in [
         ("02-both-model-kinds.yaml", "spec.model"),
-        ("05-hidden-not-multiple-of-heads.yaml", "must be a multiple of heads"),
-        ("09-micro-batch-not-dividing.yaml", "must divide globalBatch"),
+        (
+            "05-hidden-not-multiple-of-heads.yaml",
+            "must be a multiple of heads",
+        ),
+        (
+            "09-micro-batch-not-dividing.yaml",
+            "must divide globalBatch",
+        ),
         ("13-gpu-and-cpu.yaml", "spec.resources"),
-        ("16-memory-limit-not-quantity.yaml", "spec.resources.cpu.memoryLimit"),
+        (
+            "16-memory-limit-not-quantity.yaml",
+            "spec.resources.cpu.memoryLimit",
+        ),
         ("17-memory-limit-too-small.yaml", "at least 64Mi"),
         ("20-cuda-backend-on-cpu.yaml", "spec.worker.backend"),
         ("21-bf16-on-cpu.yaml", "fp32 only"),
@@ -112,6 +175,10 @@ fn invalid_corpus_cross_field_rules_are_caught_offline_too() {
         let path = format!("e2e/testdata/invalid/{file}");
         let out = plugin(&["plan", "-f", &path]);
         assert_eq!(out.status.code(), Some(1), "{file}: {}", text(&out));
-        assert!(text(&out).contains(needle), "{file}: {needle:?} not in {}", text(&out));
+        assert!(
+            text(&out).contains(needle),
+            "{file}: {needle:?} not in {}",
+            text(&out)
+        );
     }
 }

@@ -17,7 +17,10 @@ pub enum PlanError {
     #[error("no plan: set {PLAN_FILE_ENV} (a JSON file) or {PLAN_JSON_ENV} (the JSON itself)")]
     Missing,
     #[error("cannot read plan file {path}: {source}")]
-    Unreadable { path: String, source: std::io::Error },
+    Unreadable {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("plan is not a valid assignment document: {0}")]
     Malformed(#[from] serde_json::Error),
     #[error("plan is inconsistent: {0}")]
@@ -31,10 +34,15 @@ impl PlanError {
 }
 
 /// Reads the assignment from the environment the operator sets up.
-pub fn load_assignment(env: impl Fn(&str) -> Option<String>) -> Result<WorkerAssignment, PlanError> {
+pub fn load_assignment(
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<WorkerAssignment, PlanError> {
     let json = match (env(PLAN_FILE_ENV), env(PLAN_JSON_ENV)) {
         (Some(path), _) => {
-            std::fs::read_to_string(&path).map_err(|source| PlanError::Unreadable { path: path.clone(), source })?
+            std::fs::read_to_string(&path).map_err(|source| PlanError::Unreadable {
+                path: path.clone(),
+                source,
+            })?
         }
         (None, Some(json)) => json,
         (None, None) => return Err(PlanError::Missing),
@@ -50,7 +58,10 @@ pub fn check(a: &WorkerAssignment) -> Result<(), PlanError> {
     let s = &plan.settings;
     let fail = |m: String| Err(PlanError::Inconsistent(m));
     if s.micro_batch == 0 || s.gradient_accumulation == 0 {
-        return fail(format!("micro-batch {} × accumulation {} must both be ≥ 1", s.micro_batch, s.gradient_accumulation));
+        return fail(format!(
+            "micro-batch {} × accumulation {} must both be ≥ 1",
+            s.micro_batch, s.gradient_accumulation
+        ));
     }
     if s.global_batch() != plan.global_batch {
         return fail(format!(
@@ -62,15 +73,26 @@ pub fn check(a: &WorkerAssignment) -> Result<(), PlanError> {
         ));
     }
     if plan.stages.len() != plan.workers as usize {
-        return fail(format!("{} stages for {} workers", plan.stages.len(), plan.workers));
+        return fail(format!(
+            "{} stages for {} workers",
+            plan.stages.len(),
+            plan.workers
+        ));
     }
     if a.stage as usize >= plan.stages.len() {
-        return fail(format!("stage {} of a {}-stage plan", a.stage, plan.stages.len()));
+        return fail(format!(
+            "stage {} of a {}-stage plan",
+            a.stage,
+            plan.stages.len()
+        ));
     }
     let mut next = 0;
     for stage in &plan.stages {
         if stage.layer_start != next || stage.layer_end <= stage.layer_start {
-            return fail(format!("stage {} holds layers {}..{}, expected to start at {next}", stage.index, stage.layer_start, stage.layer_end));
+            return fail(format!(
+                "stage {} holds layers {}..{}, expected to start at {next}",
+                stage.index, stage.layer_start, stage.layer_end
+            ));
         }
         next = stage.layer_end;
     }
@@ -92,7 +114,11 @@ pub fn write_termination_message(path: &Path, message: &TerminationMessage) -> s
         if json.len() <= TERMINATION_MESSAGE_LIMIT || message.reason.is_empty() {
             return std::fs::write(path, json);
         }
-        let keep = message.reason.chars().count().saturating_sub(json.len() - TERMINATION_MESSAGE_LIMIT + 8);
+        let keep = message
+            .reason
+            .chars()
+            .count()
+            .saturating_sub(json.len() - TERMINATION_MESSAGE_LIMIT + 8);
         message.reason = message.reason.chars().take(keep).collect::<String>() + "…";
     }
 }
@@ -100,7 +126,9 @@ pub fn write_termination_message(path: &Path, message: &TerminationMessage) -> s
 #[cfg(test)]
 mod tests {
     use super::*;
-    use headroom_planner::{Inventory, ModelShape, Optimizer, Precision, RetryRung, Target, TransformerShape, plan};
+    use headroom_planner::{
+        Inventory, ModelShape, Optimizer, Precision, RetryRung, Target, TransformerShape, plan,
+    };
 
     fn assignment() -> WorkerAssignment {
         let req = headroom_planner::JobRequest {
@@ -118,7 +146,10 @@ mod tests {
             optimizer: Optimizer::Adamw,
             pinned_micro_batch: None,
             pinned_checkpointing: None,
-            target: Target::Cpu { memory_limit_bytes: 1 << 30, max_workers: 1 },
+            target: Target::Cpu {
+                memory_limit_bytes: 1 << 30,
+                max_workers: 1,
+            },
             headroom_fraction: 0.1,
             allowed_rungs: RetryRung::ALL.to_vec(),
         };
@@ -136,7 +167,12 @@ mod tests {
     }
 
     fn env_with<'a>(pairs: &'a [(&'a str, String)]) -> impl Fn(&str) -> Option<String> + 'a {
-        move |k| pairs.iter().find(|(key, _)| *key == k).map(|(_, v)| v.clone())
+        move |k| {
+            pairs
+                .iter()
+                .find(|(key, _)| *key == k)
+                .map(|(_, v)| v.clone())
+        }
     }
 
     #[test]
@@ -150,7 +186,8 @@ mod tests {
     fn missing_malformed_and_inconsistent_plans_get_the_invalid_plan_exit_code() {
         let missing = load_assignment(|_| None).expect_err("missing");
         assert!(missing.to_string().contains(PLAN_FILE_ENV));
-        let malformed = load_assignment(env_with(&[(PLAN_JSON_ENV, "{\"job\": 1}".into())])).expect_err("malformed");
+        let malformed = load_assignment(env_with(&[(PLAN_JSON_ENV, "{\"job\": 1}".into())]))
+            .expect_err("malformed");
         assert!(matches!(malformed, PlanError::Malformed(_)));
         let mut a = assignment();
         a.plan.settings.gradient_accumulation += 1;
@@ -160,7 +197,11 @@ mod tests {
         let mut b = assignment();
         b.stage = 3;
         assert!(check(&b).is_err());
-        let unreadable = load_assignment(env_with(&[(PLAN_FILE_ENV, "/nonexistent/plan.json".into())])).expect_err("unreadable");
+        let unreadable = load_assignment(env_with(&[(
+            PLAN_FILE_ENV,
+            "/nonexistent/plan.json".into(),
+        )]))
+        .expect_err("unreadable");
         assert!(unreadable.to_string().contains("/nonexistent/plan.json"));
     }
 

@@ -6,7 +6,9 @@
 //! field and say what would work. [`MemoryAwareTrainingJobSpec::job_request`]
 //! repeats those checks for offline use (`kubectl headroom plan -f`).
 
-use headroom_planner::{JobRequest, ModelShape, Optimizer, Plan, Precision, RetryRung, Target, memory::Backend};
+use headroom_planner::{
+    JobRequest, ModelShape, Optimizer, Plan, Precision, RetryRung, Target, memory::Backend,
+};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::CustomResource;
@@ -31,9 +33,22 @@ use crate::quantity::parse_bytes;
     printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
     printcolumn(name = "Attempt", type_ = "integer", json_path = ".status.attempt"),
     printcolumn(name = "Device", type_ = "string", json_path = ".status.plan.device"),
-    printcolumn(name = "Workers", type_ = "integer", json_path = ".status.plan.workers"),
-    printcolumn(name = "Peak/Budget", type_ = "string", json_path = ".status.plan.fit", description = "predicted peak per worker against its budget"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn(
+        name = "Workers",
+        type_ = "integer",
+        json_path = ".status.plan.workers"
+    ),
+    printcolumn(
+        name = "Peak/Budget",
+        type_ = "string",
+        json_path = ".status.plan.fit",
+        description = "predicted peak per worker against its budget"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
 )]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
@@ -179,7 +194,11 @@ pub struct MemoryPolicy {
 
 impl Default for MemoryPolicy {
     fn default() -> Self {
-        MemoryPolicy { allowed_rungs: default_rungs(), max_attempts: default_max_attempts(), backoff_seconds: default_backoff() }
+        MemoryPolicy {
+            allowed_rungs: default_rungs(),
+            max_attempts: default_max_attempts(),
+            backoff_seconds: default_backoff(),
+        }
     }
 }
 
@@ -359,13 +378,22 @@ pub struct SpecError {
 }
 
 fn spec_error(field: &'static str, problem: impl Into<String>) -> SpecError {
-    SpecError { field, problem: problem.into() }
+    SpecError {
+        field,
+        problem: problem.into(),
+    }
 }
 
 impl MemoryAwareTrainingJobSpec {
     /// The backend this job's workers run on.
     pub fn backend(&self) -> Backend {
-        self.worker.backend.unwrap_or(if self.resources.gpu.is_some() { Backend::Cuda } else { Backend::Flex })
+        self.worker
+            .backend
+            .unwrap_or(if self.resources.gpu.is_some() {
+                Backend::Cuda
+            } else {
+                Backend::Flex
+            })
     }
 
     /// The planner's view of this spec. Repeats the API server's CEL checks so
@@ -376,42 +404,74 @@ impl MemoryAwareTrainingJobSpec {
                 if t.heads == 0 || t.hidden % t.heads != 0 {
                     return Err(spec_error(
                         "model.transformer.hidden",
-                        format!("hidden ({}) must be a multiple of heads ({})", t.hidden, t.heads),
+                        format!(
+                            "hidden ({}) must be a multiple of heads ({})",
+                            t.hidden, t.heads
+                        ),
                     ));
                 }
                 ModelShape::Transformer(t.clone())
             }
             (None, Some(g)) => ModelShape::Generic(g.clone()),
-            _ => return Err(spec_error("model", "set exactly one of model.transformer or model.generic")),
+            _ => {
+                return Err(spec_error(
+                    "model",
+                    "set exactly one of model.transformer or model.generic",
+                ));
+            }
         };
         let t = &self.training;
         if t.global_batch == 0 {
             return Err(spec_error("training.globalBatch", "must be at least 1"));
         }
         if let Some(b) = t.micro_batch
-            && (b == 0 || t.global_batch % b != 0)
+            && (b == 0 || !t.global_batch.is_multiple_of(b))
         {
             return Err(spec_error(
                 "training.microBatch",
-                format!("microBatch ({b}) must divide globalBatch ({}) so the global batch is kept exactly", t.global_batch),
+                format!(
+                    "microBatch ({b}) must divide globalBatch ({}) so the global batch is kept exactly",
+                    t.global_batch
+                ),
             ));
         }
         if !(0.0..=0.9).contains(&self.resources.headroom_fraction) {
-            return Err(spec_error("resources.headroomFraction", "must be between 0 and 0.9 (e.g. 0.1)"));
+            return Err(spec_error(
+                "resources.headroomFraction",
+                "must be between 0 and 0.9 (e.g. 0.1)",
+            ));
         }
         let target = match (&self.resources.gpu, &self.resources.cpu) {
-            (Some(g), None) => Target::Gpu { allowed_types: g.types.clone(), max_gpus: g.max_gpus.max(1) },
+            (Some(g), None) => Target::Gpu {
+                allowed_types: g.types.clone(),
+                max_gpus: g.max_gpus.max(1),
+            },
             (None, Some(c)) => {
-                let limit = parse_bytes(&c.memory_limit.0).map_err(|e| spec_error("resources.cpu.memoryLimit", e))?;
+                let limit = parse_bytes(&c.memory_limit.0)
+                    .map_err(|e| spec_error("resources.cpu.memoryLimit", e))?;
                 if limit < 64 << 20 {
-                    return Err(spec_error("resources.cpu.memoryLimit", "must be at least 64Mi, e.g. 2Gi"));
+                    return Err(spec_error(
+                        "resources.cpu.memoryLimit",
+                        "must be at least 64Mi, e.g. 2Gi",
+                    ));
                 }
                 if c.max_workers > 1 && self.model.transformer.is_none() {
-                    return Err(spec_error("resources.cpu.maxWorkers", "a generic model cannot be split into pipeline stages; use 1"));
+                    return Err(spec_error(
+                        "resources.cpu.maxWorkers",
+                        "a generic model cannot be split into pipeline stages; use 1",
+                    ));
                 }
-                Target::Cpu { memory_limit_bytes: limit, max_workers: c.max_workers.max(1) }
+                Target::Cpu {
+                    memory_limit_bytes: limit,
+                    max_workers: c.max_workers.max(1),
+                }
             }
-            _ => return Err(spec_error("resources", "set exactly one of resources.gpu or resources.cpu")),
+            _ => {
+                return Err(spec_error(
+                    "resources",
+                    "set exactly one of resources.gpu or resources.cpu",
+                ));
+            }
         };
         let backend = self.backend();
         if (backend == Backend::Cuda) != self.resources.gpu.is_some() {
@@ -421,7 +481,10 @@ impl MemoryAwareTrainingJobSpec {
             ));
         }
         if backend == Backend::Flex && t.precision != Precision::Fp32 {
-            return Err(spec_error("training.precision", "the CPU backend (flex) trains in fp32 only; set precision: fp32"));
+            return Err(spec_error(
+                "training.precision",
+                "the CPU backend (flex) trains in fp32 only; set precision: fp32",
+            ));
         }
         Ok(JobRequest {
             model,

@@ -7,6 +7,9 @@
 //! `headroom-planner` and used here directly, so the CRD schema, the planner,
 //! the worker and the tests cannot drift apart.
 
+// Repeated `printcolumn(type_ = ...)` keys inside #[kube(...)] look like duplicate attributes to clippy.
+#![allow(clippy::duplicated_attributes)]
+
 pub mod contract;
 pub mod job;
 pub mod quantity;

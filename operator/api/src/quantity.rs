@@ -3,7 +3,9 @@
 /// Parses a memory quantity into bytes. Fractions round up (a limit is a ceiling).
 pub fn parse_bytes(text: &str) -> Result<u64, String> {
     let t = text.trim();
-    let split = t.find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E').unwrap_or(t.len());
+    let split = t
+        .find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E')
+        .unwrap_or(t.len());
     let (number, suffix) = t.split_at(split);
     let multiplier: f64 = match suffix {
         "" => 1.0,
@@ -20,9 +22,15 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
         "P" => 1e15,
         "E" => 1e18,
         "m" => 1e-3,
-        _ => return Err(format!("{text:?} has an unknown suffix {suffix:?}; use e.g. 512Mi or 4Gi")),
+        _ => {
+            return Err(format!(
+                "{text:?} has an unknown suffix {suffix:?}; use e.g. 512Mi or 4Gi"
+            ));
+        }
     };
-    let value: f64 = number.parse().map_err(|_| format!("{text:?} is not a quantity; use e.g. 512Mi or 4Gi"))?;
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a quantity; use e.g. 512Mi or 4Gi"))?;
     if !value.is_finite() || value < 0.0 {
         return Err(format!("{text:?} must be a non-negative quantity"));
     }

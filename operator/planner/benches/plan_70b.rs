@@ -14,7 +14,14 @@ fn bench(c: &mut Criterion) {
     let job = common::gpu_job(common::model_70b(), 1024, 64);
     let inventory = Inventory::from_nodes(&nodes);
     let planned = plan(&job, &inventory).expect("70B plan");
-    eprintln!("plan: {} × {} ({}), micro-batch {} × {}", planned.workers, planned.device, planned.fit, planned.settings.micro_batch, planned.settings.gradient_accumulation);
+    eprintln!(
+        "plan: {} × {} ({}), micro-batch {} × {}",
+        planned.workers,
+        planned.device,
+        planned.fit,
+        planned.settings.micro_batch,
+        planned.settings.gradient_accumulation
+    );
 
     c.bench_function("inventory_1000_nodes_plus_plan_70b", |b| {
         b.iter(|| {
@@ -22,7 +29,9 @@ fn bench(c: &mut Criterion) {
             plan(black_box(&job), &inventory)
         })
     });
-    c.bench_function("plan_70b_6_types", |b| b.iter(|| plan(black_box(&job), black_box(&inventory))));
+    c.bench_function("plan_70b_6_types", |b| {
+        b.iter(|| plan(black_box(&job), black_box(&inventory)))
+    });
 }
 
 criterion_group!(benches, bench);

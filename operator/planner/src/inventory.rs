@@ -35,7 +35,9 @@ pub struct NodeFacts {
     pub schedulable: bool,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
 #[serde(rename_all = "camelCase")]
 pub enum DeviceKind {
     Gpu,
@@ -74,7 +76,11 @@ impl Inventory {
             for found in node_devices(node) {
                 let entry = by_key
                     .entry((found.resource.clone(), found.name.clone()))
-                    .or_insert_with(|| DeviceType { free: 0, total: 0, ..found.clone() });
+                    .or_insert_with(|| DeviceType {
+                        free: 0,
+                        total: 0,
+                        ..found.clone()
+                    });
                 // Heterogeneous memory under one product name: plan for the smallest.
                 entry.memory_bytes = entry.memory_bytes.min(found.memory_bytes);
                 entry.free += found.free;
@@ -82,7 +88,11 @@ impl Inventory {
             }
         }
         let mut devices: Vec<DeviceType> = by_key.into_values().collect();
-        devices.sort_by(|a, b| a.memory_bytes.cmp(&b.memory_bytes).then_with(|| a.name.cmp(&b.name)));
+        devices.sort_by(|a, b| {
+            a.memory_bytes
+                .cmp(&b.memory_bytes)
+                .then_with(|| a.name.cmp(&b.name))
+        });
         Inventory { devices }
     }
 
@@ -106,9 +116,18 @@ fn label_u64(node: &NodeFacts, key: &str) -> Option<u64> {
 }
 
 fn count_of(node: &NodeFacts, resource: &str, label_count: Option<u64>) -> (u32, u32) {
-    let total = node.allocatable.get(resource).copied().or(label_count).unwrap_or(0);
+    let total = node
+        .allocatable
+        .get(resource)
+        .copied()
+        .or(label_count)
+        .unwrap_or(0);
     let used = node.in_use.get(resource).copied().unwrap_or(0);
-    let free = if node.schedulable { total.saturating_sub(used) } else { 0 };
+    let free = if node.schedulable {
+        total.saturating_sub(used)
+    } else {
+        0
+    };
     (clamp_u32(free), clamp_u32(total))
 }
 
@@ -120,7 +139,10 @@ fn clamp_u32(x: u64) -> u32 {
 fn node_devices(node: &NodeFacts) -> Vec<DeviceType> {
     let mut out = Vec::new();
     let product = node.labels.get(LABEL_GPU_PRODUCT).cloned();
-    let mixed_mig = node.labels.get(LABEL_MIG_STRATEGY).is_some_and(|s| s == "mixed");
+    let mixed_mig = node
+        .labels
+        .get(LABEL_MIG_STRATEGY)
+        .is_some_and(|s| s == "mixed");
 
     // Full GPUs, or MIG slices under the "single" strategy (GFD relabels product and memory).
     if let (Some(name), Some(mib)) = (product.clone(), label_u64(node, LABEL_GPU_MEMORY_MIB)) {
@@ -139,12 +161,21 @@ fn node_devices(node: &NodeFacts) -> Vec<DeviceType> {
 
     if mixed_mig {
         for (key, value) in &node.labels {
-            let Some(profile) = key.strip_prefix(MIG_PREFIX).and_then(|k| k.strip_suffix(".memory")) else {
+            let Some(profile) = key
+                .strip_prefix(MIG_PREFIX)
+                .and_then(|k| k.strip_suffix(".memory"))
+            else {
                 continue;
             };
-            let Ok(mib) = value.trim().parse::<u64>() else { continue };
+            let Ok(mib) = value.trim().parse::<u64>() else {
+                continue;
+            };
             let resource = format!("{MIG_PREFIX}{profile}");
-            let (free, total) = count_of(node, &resource, label_u64(node, &format!("{resource}.count")));
+            let (free, total) = count_of(
+                node,
+                &resource,
+                label_u64(node, &format!("{resource}.count")),
+            );
             if total > 0 {
                 let base = product.clone().unwrap_or_else(|| "NVIDIA-GPU".into());
                 out.push(DeviceType {
@@ -168,7 +199,10 @@ mod tests {
     fn node(name: &str, labels: &[(&str, &str)], alloc: &[(&str, u64)]) -> NodeFacts {
         NodeFacts {
             name: name.into(),
-            labels: labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            labels: labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
             allocatable: alloc.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
             in_use: BTreeMap::new(),
             schedulable: true,
@@ -177,19 +211,39 @@ mod tests {
 
     #[test]
     fn aggregates_gfd_labels_and_allocatable() {
-        let a100 = [(LABEL_GPU_PRODUCT, "NVIDIA-A100-SXM4-80GB"), (LABEL_GPU_MEMORY_MIB, "81920"), (LABEL_GPU_COUNT, "8")];
-        let t4 = [(LABEL_GPU_PRODUCT, "Tesla-T4"), (LABEL_GPU_MEMORY_MIB, "15360"), (LABEL_GPU_COUNT, "4")];
+        let a100 = [
+            (LABEL_GPU_PRODUCT, "NVIDIA-A100-SXM4-80GB"),
+            (LABEL_GPU_MEMORY_MIB, "81920"),
+            (LABEL_GPU_COUNT, "8"),
+        ];
+        let t4 = [
+            (LABEL_GPU_PRODUCT, "Tesla-T4"),
+            (LABEL_GPU_MEMORY_MIB, "15360"),
+            (LABEL_GPU_COUNT, "4"),
+        ];
         let mut busy = node("a2", &a100, &[(RESOURCE_GPU, 8)]);
         busy.in_use.insert(RESOURCE_GPU.into(), 3);
         let mut cordoned = node("t2", &t4, &[(RESOURCE_GPU, 4)]);
         cordoned.schedulable = false;
-        let nodes = vec![node("a1", &a100, &[(RESOURCE_GPU, 8)]), busy, node("t1", &t4, &[]), cordoned, node("cpu", &[], &[])];
+        let nodes = vec![
+            node("a1", &a100, &[(RESOURCE_GPU, 8)]),
+            busy,
+            node("t1", &t4, &[]),
+            cordoned,
+            node("cpu", &[], &[]),
+        ];
         let inv = Inventory::from_nodes(&nodes);
         assert_eq!(inv.devices.len(), 2);
         let t4 = &inv.devices[0];
-        assert_eq!((t4.name.as_str(), t4.free, t4.total, t4.memory_bytes), ("Tesla-T4", 4, 8, 15360 * MIB));
+        assert_eq!(
+            (t4.name.as_str(), t4.free, t4.total, t4.memory_bytes),
+            ("Tesla-T4", 4, 8, 15360 * MIB)
+        );
         let a = &inv.devices[1];
-        assert_eq!((a.name.as_str(), a.free, a.total), ("NVIDIA-A100-SXM4-80GB", 13, 16));
+        assert_eq!(
+            (a.name.as_str(), a.free, a.total),
+            ("NVIDIA-A100-SXM4-80GB", 13, 16)
+        );
     }
 
     #[test]
@@ -207,12 +261,24 @@ mod tests {
             &[("nvidia.com/mig-1g.5gb", 7), ("nvidia.com/mig-3g.20gb", 2)],
         );
         let inv = Inventory::from_nodes([&n]);
-        let names: Vec<_> = inv.devices.iter().map(|d| (d.name.as_str(), d.resource.as_str(), d.free)).collect();
+        let names: Vec<_> = inv
+            .devices
+            .iter()
+            .map(|d| (d.name.as_str(), d.resource.as_str(), d.free))
+            .collect();
         assert_eq!(
             names,
             vec![
-                ("NVIDIA-A100-SXM4-40GB-MIG-1g.5gb", "nvidia.com/mig-1g.5gb", 7),
-                ("NVIDIA-A100-SXM4-40GB-MIG-3g.20gb", "nvidia.com/mig-3g.20gb", 2),
+                (
+                    "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb",
+                    "nvidia.com/mig-1g.5gb",
+                    7
+                ),
+                (
+                    "NVIDIA-A100-SXM4-40GB-MIG-3g.20gb",
+                    "nvidia.com/mig-3g.20gb",
+                    2
+                ),
             ]
         );
     }

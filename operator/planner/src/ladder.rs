@@ -16,7 +16,9 @@ use crate::training::{Settings, divisors_desc};
 use crate::units::format_bytes;
 
 /// One way to need less memory per worker, in the default order of the ladder.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
 #[serde(rename_all = "camelCase")]
 pub enum RetryRung {
     /// Turn activation checkpointing on.
@@ -81,7 +83,11 @@ pub fn corrected_factor(failed: &Plan, failure: &MemoryFailure, usable_bytes: u6
     let previous = failed.correction_factor.max(1.0);
     let uncorrected = failed.predicted_peak_bytes as f64 / previous;
     let proven = failure.observed_peak_bytes.unwrap_or(0).max(usable_bytes) as f64;
-    if uncorrected <= 0.0 { previous } else { previous.max(proven / uncorrected) }
+    if uncorrected <= 0.0 {
+        previous
+    } else {
+        previous.max(proven / uncorrected)
+    }
 }
 
 /// The next, stricter plan after `failed` ran out of memory; or why none exists.
@@ -99,18 +105,30 @@ pub fn next_stricter_plan(
         }
         None => inventory,
     };
-    let device = inventory.devices.iter().find(|d| d.name == failed.device).cloned().unwrap_or_else(|| DeviceType {
-        name: failed.device.clone(),
-        kind: failed.device_kind,
-        resource: failed.resource.clone(),
-        memory_bytes: failed.device_memory_bytes,
-        free: failed.workers,
-        total: failed.workers,
-    });
+    let device = inventory
+        .devices
+        .iter()
+        .find(|d| d.name == failed.device)
+        .cloned()
+        .unwrap_or_else(|| DeviceType {
+            name: failed.device.clone(),
+            kind: failed.device_kind,
+            resource: failed.resource.clone(),
+            memory_bytes: failed.device_memory_bytes,
+            free: failed.workers,
+            total: failed.workers,
+        });
     let profile = req.backend().profile();
     let usable = (failed.device_memory_bytes as f64 * profile.usable_fraction) as u64;
     let correction = corrected_factor(failed, failure, usable);
-    let search = Search::new(req, &SearchOptions { correction, ignore_pins: true, ..SearchOptions::default() });
+    let search = Search::new(
+        req,
+        &SearchOptions {
+            correction,
+            ignore_pins: true,
+            ..SearchOptions::default()
+        },
+    );
 
     let g = u32::try_from(failed.global_batch).unwrap_or(req.global_batch);
     let mut state: Settings = failed.settings;
@@ -119,7 +137,10 @@ pub fn next_stricter_plan(
     let mut notes: Vec<String> = Vec::new();
     let budget = budget_bytes(&device, profile, req.headroom_fraction);
     let peak_of = |dev: &DeviceType, p: u32, s: Settings| {
-        search.build_unchecked(dev, p, s).map_or_else(|| "no split".to_string(), |pl| format_bytes(pl.predicted_peak_bytes))
+        search.build_unchecked(dev, p, s).map_or_else(
+            || "no split".to_string(),
+            |pl| format_bytes(pl.predicted_peak_bytes),
+        )
     };
     let done = |mut plan: Plan, applied: &[RetryRung]| {
         plan.rungs_applied = applied.to_vec();
@@ -130,7 +151,10 @@ pub fn next_stricter_plan(
         plan
     };
 
-    for rung in RetryRung::ALL.into_iter().filter(|r| req.allowed_rungs.contains(r)) {
+    for rung in RetryRung::ALL
+        .into_iter()
+        .filter(|r| req.allowed_rungs.contains(r))
+    {
         match rung {
             RetryRung::ActivationCheckpointing => {
                 if state.activation_checkpointing {
@@ -142,11 +166,18 @@ pub fn next_stricter_plan(
                 if let Some(plan) = search.build(&device, p, state) {
                     return Ok(done(plan, &applied));
                 }
-                notes.push(format!("{rung}: on → {} > budget {}", peak_of(&device, p, state), format_bytes(budget)));
+                notes.push(format!(
+                    "{rung}: on → {} > budget {}",
+                    peak_of(&device, p, state),
+                    format_bytes(budget)
+                ));
             }
             RetryRung::HalveMicroBatch => {
                 let mut halved = false;
-                while let Some(b) = divisors_desc(g).into_iter().find(|&d| d <= state.micro_batch / 2) {
+                while let Some(b) = divisors_desc(g)
+                    .into_iter()
+                    .find(|&d| d <= state.micro_batch / 2)
+                {
                     state.micro_batch = b;
                     state.gradient_accumulation = g / b;
                     if !halved {
@@ -166,14 +197,22 @@ pub fn next_stricter_plan(
                 ));
             }
             RetryRung::LowerPrecision => {
-                match state.precision.lower().filter(|l| profile.precisions.contains(l)) {
+                match state
+                    .precision
+                    .lower()
+                    .filter(|l| profile.precisions.contains(l))
+                {
                     Some(lower) => {
                         state.precision = lower;
                         applied.push(rung);
                         if let Some(plan) = search.build(&device, p, state) {
                             return Ok(done(plan, &applied));
                         }
-                        notes.push(format!("{rung}: {lower} → {} > budget {}", peak_of(&device, p, state), format_bytes(budget)));
+                        notes.push(format!(
+                            "{rung}: {lower} → {} > budget {}",
+                            peak_of(&device, p, state),
+                            format_bytes(budget)
+                        ));
                     }
                     None => notes.push(format!(
                         "{rung}: {} backend offers nothing below {}",
@@ -182,14 +221,22 @@ pub fn next_stricter_plan(
                 }
             }
             RetryRung::CheaperOptimizer => {
-                match state.optimizer.cheaper().filter(|o| profile.optimizers.contains(o)) {
+                match state
+                    .optimizer
+                    .cheaper()
+                    .filter(|o| profile.optimizers.contains(o))
+                {
                     Some(cheaper) => {
                         state.optimizer = cheaper;
                         applied.push(rung);
                         if let Some(plan) = search.build(&device, p, state) {
                             return Ok(done(plan, &applied));
                         }
-                        notes.push(format!("{rung}: {cheaper} → {} > budget {}", peak_of(&device, p, state), format_bytes(budget)));
+                        notes.push(format!(
+                            "{rung}: {cheaper} → {} > budget {}",
+                            peak_of(&device, p, state),
+                            format_bytes(budget)
+                        ));
                     }
                     None => notes.push(format!(
                         "{rung}: no cheaper-state variant of {} on the {} backend",
@@ -200,7 +247,9 @@ pub fn next_stricter_plan(
             RetryRung::MorePipelineStages => {
                 let max_p = req.max_workers().min(device.free.max(failed.workers));
                 if p >= max_p {
-                    notes.push(format!("{rung}: already at {p} stage(s), the most allowed/available"));
+                    notes.push(format!(
+                        "{rung}: already at {p} stage(s), the most allowed/available"
+                    ));
                     continue;
                 }
                 applied.push(rung);
@@ -210,17 +259,26 @@ pub fn next_stricter_plan(
                         return Ok(done(plan, &applied));
                     }
                 }
-                notes.push(format!("{rung}: up to {p} stages → {} > budget {}", peak_of(&device, p, state), format_bytes(budget)));
+                notes.push(format!(
+                    "{rung}: up to {p} stages → {} > budget {}",
+                    peak_of(&device, p, state),
+                    format_bytes(budget)
+                ));
             }
             RetryRung::LargerGpu => {
                 let mut larger: Vec<&DeviceType> = inventory
                     .devices
                     .iter()
-                    .filter(|d| d.memory_bytes > device.memory_bytes && req.accepts(d) && d.free > 0)
+                    .filter(|d| {
+                        d.memory_bytes > device.memory_bytes && req.accepts(d) && d.free > 0
+                    })
                     .collect();
                 larger.sort_by_key(|d| d.memory_bytes);
                 if larger.is_empty() {
-                    notes.push(format!("{rung}: no free allowed GPU type larger than {}", format_bytes(device.memory_bytes)));
+                    notes.push(format!(
+                        "{rung}: no free allowed GPU type larger than {}",
+                        format_bytes(device.memory_bytes)
+                    ));
                     continue;
                 }
                 applied.push(rung);
@@ -233,7 +291,11 @@ pub fn next_stricter_plan(
                 }
                 notes.push(format!(
                     "{rung}: tried {}; none fits",
-                    larger.iter().map(|d| format!("{} ({})", d.name, format_bytes(d.memory_bytes))).collect::<Vec<_>>().join(", ")
+                    larger
+                        .iter()
+                        .map(|d| format!("{} ({})", d.name, format_bytes(d.memory_bytes)))
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 ));
             }
         }

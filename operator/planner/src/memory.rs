@@ -73,7 +73,12 @@ pub const FLEX: BackendProfile = BackendProfile {
     dropout_mask_bytes: 0,
     logit_copies: 2,
     precisions: &[Precision::Fp32],
-    optimizers: &[Optimizer::Adamw, Optimizer::Adam, Optimizer::SgdMomentum, Optimizer::Sgd],
+    optimizers: &[
+        Optimizer::Adamw,
+        Optimizer::Adam,
+        Optimizer::SgdMomentum,
+        Optimizer::Sgd,
+    ],
 };
 
 /// burn CUDA: context and kernels cost most of a GiB; drivers keep ~1 % back
@@ -86,7 +91,12 @@ pub const CUDA: BackendProfile = BackendProfile {
     dropout_mask_bytes: 0,
     logit_copies: 2,
     precisions: &[Precision::Fp32, Precision::Bf16, Precision::Fp16],
-    optimizers: &[Optimizer::Adamw, Optimizer::Adam, Optimizer::SgdMomentum, Optimizer::Sgd],
+    optimizers: &[
+        Optimizer::Adamw,
+        Optimizer::Adam,
+        Optimizer::SgdMomentum,
+        Optimizer::Sgd,
+    ],
 };
 
 /// Bytes by component for one worker. `total` is what is compared with the budget.
@@ -121,7 +131,12 @@ pub struct StagePlacement {
 impl StagePlacement {
     /// The whole model on one worker.
     pub fn single(layers: u32) -> Self {
-        StagePlacement { layers, first: true, last: true, in_flight: 1 }
+        StagePlacement {
+            layers,
+            first: true,
+            last: true,
+            in_flight: 1,
+        }
     }
 }
 
@@ -138,7 +153,8 @@ pub fn block_activation_bytes(
     if checkpointed {
         s * b * h * element_bytes
     } else {
-        s * b * h * (16 * element_bytes + 2 * mask_bytes) + a * s * s * b * (2 * element_bytes + mask_bytes)
+        s * b * h * (16 * element_bytes + 2 * mask_bytes)
+            + a * s * s * b * (2 * element_bytes + mask_bytes)
     }
 }
 
@@ -169,7 +185,11 @@ pub fn estimate_stage(
                     params += u64::from(t.vocabulary) * u64::from(t.hidden);
                 }
             }
-            let (s, h, a) = (u64::from(t.sequence_length), u64::from(t.hidden), u64::from(t.heads));
+            let (s, h, a) = (
+                u64::from(t.sequence_length),
+                u64::from(t.hidden),
+                u64::from(t.heads),
+            );
             let m = profile.dropout_mask_bytes;
             let kept = block_activation_bytes(s, b, h, a, e, m, settings.activation_checkpointing);
             let mut act = in_flight * u64::from(stage.layers) * kept;
@@ -177,7 +197,11 @@ pub fn estimate_stage(
                 // Backward recomputes one block at a time; its kept input is part of that block's full set.
                 act += block_activation_bytes(s, b, h, a, e, m, false) - kept;
             }
-            let logits = if stage.last { s * b * u64::from(t.vocabulary) * 4 * profile.logit_copies } else { 0 };
+            let logits = if stage.last {
+                s * b * u64::from(t.vocabulary) * 4 * profile.logit_copies
+            } else {
+                0
+            };
             (params, act, logits)
         }
         ModelShape::Generic(g) => {
@@ -189,7 +213,11 @@ pub fn estimate_stage(
 
     let weights = params * p.weight_bytes();
     // Accumulating gradients keeps the running sum beside the current micro-batch's.
-    let grad_copies = if settings.gradient_accumulation > 1 { 2 } else { 1 };
+    let grad_copies = if settings.gradient_accumulation > 1 {
+        2
+    } else {
+        1
+    };
     let gradients = params * p.gradient_bytes() * grad_copies;
     let optimizer_state = params * (p.master_weight_bytes() + settings.optimizer.state_bytes());
     let tensors = weights + gradients + optimizer_state + activations + logits;
@@ -274,25 +302,58 @@ mod tests {
 
     #[test]
     fn breakdown_adds_up() {
-        let m = estimate_stage(&small(), &settings(8, false), StagePlacement::single(4), &FLEX, 1.0);
+        let m = estimate_stage(
+            &small(),
+            &settings(8, false),
+            StagePlacement::single(4),
+            &FLEX,
+            1.0,
+        );
         let sum = m.weights + m.gradients + m.optimizer_state + m.activations + m.logits;
-        assert_eq!(m.total, sum + m.allocator_slack + m.fixed_overhead + m.correction);
+        assert_eq!(
+            m.total,
+            sum + m.allocator_slack + m.fixed_overhead + m.correction
+        );
         assert_eq!(m.weights, small().total_params() * 4);
         assert_eq!(m.correction, 0);
     }
 
     #[test]
     fn correction_scales_the_total() {
-        let base = estimate_stage(&small(), &settings(8, false), StagePlacement::single(4), &FLEX, 1.0);
-        let corrected = estimate_stage(&small(), &settings(8, false), StagePlacement::single(4), &FLEX, 1.5);
+        let base = estimate_stage(
+            &small(),
+            &settings(8, false),
+            StagePlacement::single(4),
+            &FLEX,
+            1.0,
+        );
+        let corrected = estimate_stage(
+            &small(),
+            &settings(8, false),
+            StagePlacement::single(4),
+            &FLEX,
+            1.5,
+        );
         let ratio = corrected.total as f64 / base.total as f64;
         assert!((ratio - 1.5).abs() < 1e-6, "{ratio}");
     }
 
     #[test]
     fn checkpointing_lowers_activations_for_deep_models() {
-        let off = estimate_stage(&small(), &settings(8, false), StagePlacement::single(4), &FLEX, 1.0);
-        let on = estimate_stage(&small(), &settings(8, true), StagePlacement::single(4), &FLEX, 1.0);
+        let off = estimate_stage(
+            &small(),
+            &settings(8, false),
+            StagePlacement::single(4),
+            &FLEX,
+            1.0,
+        );
+        let on = estimate_stage(
+            &small(),
+            &settings(8, true),
+            StagePlacement::single(4),
+            &FLEX,
+            1.0,
+        );
         assert!(on.activations < off.activations);
     }
 }

@@ -72,7 +72,8 @@ fn default_true() -> bool {
 impl TransformerShape {
     /// Feed-forward inner size (f).
     pub fn ffn(&self) -> u64 {
-        self.feed_forward.map_or(4 * u64::from(self.hidden), u64::from)
+        self.feed_forward
+            .map_or(4 * u64::from(self.hidden), u64::from)
     }
 
     /// Parameters of one block: attention 4h² + 4h, feed-forward 2hf + f + h,
@@ -92,13 +93,19 @@ impl TransformerShape {
     /// Final layer norm 2h plus the output head v·h when it is not tied.
     pub fn head_params(&self) -> u64 {
         let h = u64::from(self.hidden);
-        let head = if self.tied_embeddings { 0 } else { u64::from(self.vocabulary) * h };
+        let head = if self.tied_embeddings {
+            0
+        } else {
+            u64::from(self.vocabulary) * h
+        };
         2 * h + head
     }
 
     /// Total trainable parameters on a single device.
     pub fn total_params(&self) -> u64 {
-        u64::from(self.layers) * self.params_per_layer() + self.embedding_params() + self.head_params()
+        u64::from(self.layers) * self.params_per_layer()
+            + self.embedding_params()
+            + self.head_params()
     }
 }
 

@@ -27,7 +27,10 @@ pub enum Target {
         max_gpus: u32,
     },
     /// CPU workers, each with its own container memory limit.
-    Cpu { memory_limit_bytes: u64, max_workers: u32 },
+    Cpu {
+        memory_limit_bytes: u64,
+        max_workers: u32,
+    },
 }
 
 /// Everything the planner needs to know about a job.
@@ -75,7 +78,8 @@ impl JobRequest {
     pub fn accepts(&self, device: &DeviceType) -> bool {
         match &self.target {
             Target::Gpu { allowed_types, .. } => {
-                device.kind == DeviceKind::Gpu && (allowed_types.is_empty() || allowed_types.iter().any(|t| t == &device.name))
+                device.kind == DeviceKind::Gpu
+                    && (allowed_types.is_empty() || allowed_types.iter().any(|t| t == &device.name))
             }
             Target::Cpu { .. } => device.kind == DeviceKind::Cpu,
         }
@@ -84,7 +88,10 @@ impl JobRequest {
     /// The inventory a CPU job plans against; GPU jobs use the cluster's.
     pub fn own_inventory(&self) -> Option<Inventory> {
         match self.target {
-            Target::Cpu { memory_limit_bytes, max_workers } => Some(Inventory::cpu(memory_limit_bytes, max_workers)),
+            Target::Cpu {
+                memory_limit_bytes,
+                max_workers,
+            } => Some(Inventory::cpu(memory_limit_bytes, max_workers)),
             Target::Gpu { .. } => None,
         }
     }
@@ -179,7 +186,11 @@ pub fn plan(req: &JobRequest, inventory: &Inventory) -> Result<Plan, NoFeasibleP
 }
 
 /// [`plan`] with ladder/operator options.
-pub fn plan_with(req: &JobRequest, inventory: &Inventory, opts: &SearchOptions) -> Result<Plan, NoFeasiblePlan> {
+pub fn plan_with(
+    req: &JobRequest,
+    inventory: &Inventory,
+    opts: &SearchOptions,
+) -> Result<Plan, NoFeasiblePlan> {
     let profile = req.backend().profile();
     if !profile.precisions.contains(&req.precision) {
         return Err(NoFeasiblePlan {
@@ -228,7 +239,13 @@ pub fn plan_with(req: &JobRequest, inventory: &Inventory, opts: &SearchOptions) 
     };
 
     for (precision, optimizer, rungs) in numerics_options(req) {
-        let found = search.cheapest_then_fastest(&devices, precision, optimizer, &micro_batches, &checkpointing);
+        let found = search.cheapest_then_fastest(
+            &devices,
+            precision,
+            optimizer,
+            &micro_batches,
+            &checkpointing,
+        );
         if let Some(mut plan) = found {
             plan.rungs_applied = rungs;
             if !plan.rungs_applied.is_empty() {
@@ -241,8 +258,14 @@ pub fn plan_with(req: &JobRequest, inventory: &Inventory, opts: &SearchOptions) 
         }
     }
 
-    let pinned = !opts.ignore_pins && (req.pinned_micro_batch.is_some() || req.pinned_checkpointing.is_some());
-    if pinned && let Some(largest) = devices.iter().filter(|d| d.free > 0).max_by_key(|d| d.memory_bytes) {
+    let pinned = !opts.ignore_pins
+        && (req.pinned_micro_batch.is_some() || req.pinned_checkpointing.is_some());
+    if pinned
+        && let Some(largest) = devices
+            .iter()
+            .filter(|d| d.free > 0)
+            .max_by_key(|d| d.memory_bytes)
+    {
         // Pins are the user's call on a first attempt: run them, and say so.
         let settings = Settings {
             micro_batch: micro_batches[0],
@@ -251,7 +274,9 @@ pub fn plan_with(req: &JobRequest, inventory: &Inventory, opts: &SearchOptions) 
             precision: req.precision,
             optimizer: req.optimizer,
         };
-        let mut plan = search.build(largest, 1, settings).or_else(|| search.build_unchecked(largest, 1, settings));
+        let mut plan = search
+            .build(largest, 1, settings)
+            .or_else(|| search.build_unchecked(largest, 1, settings));
         if let Some(plan) = plan.as_mut() {
             plan.warnings.push(format!(
                 "pinned settings are predicted over budget ({}); running them as asked — a retry will relax them",
@@ -265,22 +290,36 @@ pub fn plan_with(req: &JobRequest, inventory: &Inventory, opts: &SearchOptions) 
 }
 
 fn list<T: std::fmt::Display>(items: &[T]) -> String {
-    items.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+    items
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Precision/optimizer combinations to try, in order, with the rungs each implies.
 fn numerics_options(req: &JobRequest) -> Vec<(Precision, Optimizer, Vec<RetryRung>)> {
     let profile = req.backend().profile();
     let mut out = vec![(req.precision, req.optimizer, vec![])];
-    let lower = req.precision.lower().filter(|p| req.allows(RetryRung::LowerPrecision) && profile.precisions.contains(p));
-    let cheaper = req.optimizer.cheaper().filter(|o| req.allows(RetryRung::CheaperOptimizer) && profile.optimizers.contains(o));
+    let lower = req
+        .precision
+        .lower()
+        .filter(|p| req.allows(RetryRung::LowerPrecision) && profile.precisions.contains(p));
+    let cheaper = req
+        .optimizer
+        .cheaper()
+        .filter(|o| req.allows(RetryRung::CheaperOptimizer) && profile.optimizers.contains(o));
     if let Some(p) = lower {
         out.push((p, req.optimizer, vec![RetryRung::LowerPrecision]));
     }
     if let Some(o) = cheaper {
         out.push((req.precision, o, vec![RetryRung::CheaperOptimizer]));
         if let Some(p) = lower {
-            out.push((p, o, vec![RetryRung::LowerPrecision, RetryRung::CheaperOptimizer]));
+            out.push((
+                p,
+                o,
+                vec![RetryRung::LowerPrecision, RetryRung::CheaperOptimizer],
+            ));
         }
     }
     out
@@ -295,8 +334,16 @@ pub(crate) struct Search<'a> {
 
 impl<'a> Search<'a> {
     pub(crate) fn new(req: &'a JobRequest, opts: &SearchOptions) -> Self {
-        let correction = if opts.correction.is_finite() { opts.correction.max(1.0) } else { 1.0 };
-        Search { req, profile: req.backend().profile(), correction }
+        let correction = if opts.correction.is_finite() {
+            opts.correction.max(1.0)
+        } else {
+            1.0
+        };
+        Search {
+            req,
+            profile: req.backend().profile(),
+            correction,
+        }
     }
 
     /// Fewest devices first, then the fastest plan at that count.
@@ -311,8 +358,16 @@ impl<'a> Search<'a> {
         for p in 1..=self.req.max_workers() {
             let mut best: Option<Plan> = None;
             for device in devices.iter().filter(|d| d.free >= p) {
-                if let Some(plan) = self.best_on(device, p, precision, optimizer, micro_batches, checkpointing)
-                    && best.as_ref().is_none_or(|b| plan.relative_step_time < b.relative_step_time)
+                if let Some(plan) = self.best_on(
+                    device,
+                    p,
+                    precision,
+                    optimizer,
+                    micro_batches,
+                    checkpointing,
+                ) && best
+                    .as_ref()
+                    .is_none_or(|b| plan.relative_step_time < b.relative_step_time)
                 {
                     best = Some(plan);
                 }
@@ -350,8 +405,12 @@ impl<'a> Search<'a> {
         let mut best: Option<Plan> = None;
         for &ckpt in checkpointing {
             // Largest micro-batch that fits (descending scan; the first fit wins).
-            if let Some(plan) = micro_batches.iter().find_map(|&b| self.build(device, p, settings(b, ckpt)))
-                && best.as_ref().is_none_or(|b| plan.relative_step_time < b.relative_step_time)
+            if let Some(plan) = micro_batches
+                .iter()
+                .find_map(|&b| self.build(device, p, settings(b, ckpt)))
+                && best
+                    .as_ref()
+                    .is_none_or(|b| plan.relative_step_time < b.relative_step_time)
             {
                 best = Some(plan);
             }
@@ -368,7 +427,12 @@ impl<'a> Search<'a> {
     }
 
     /// A plan for these settings on `p` devices even when over budget (pinned first attempts, explanations).
-    pub(crate) fn build_unchecked(&self, device: &DeviceType, p: u32, settings: Settings) -> Option<Plan> {
+    pub(crate) fn build_unchecked(
+        &self,
+        device: &DeviceType,
+        p: u32,
+        settings: Settings,
+    ) -> Option<Plan> {
         let budget = budget_bytes(device, self.profile, self.req.headroom_fraction);
         let layers = balanced_split(self.req.model.splittable_layers(), p)?;
         Some(self.assemble(device, &layers, settings, budget))
@@ -386,7 +450,14 @@ impl<'a> Search<'a> {
 
     fn stage_total(&self, layers: &[u32], k: usize, settings: &Settings) -> u64 {
         let placement = self.placement(layers, k, settings);
-        estimate_stage(&self.req.model, settings, placement, self.profile, self.correction).total
+        estimate_stage(
+            &self.req.model,
+            settings,
+            placement,
+            self.profile,
+            self.correction,
+        )
+        .total
     }
 
     /// Layers per stage: balanced when that fits, otherwise shifted away from
@@ -410,13 +481,20 @@ impl<'a> Search<'a> {
                 return None;
             }
             probe[k] = 2;
-            let per_layer = self.stage_total(&probe, k, settings).saturating_sub(one).max(1);
+            let per_layer = self
+                .stage_total(&probe, k, settings)
+                .saturating_sub(one)
+                .max(1);
             caps.push(1 + ((budget - one) / per_layer) as u32);
         }
         if caps.iter().map(|&c| u64::from(c)).sum::<u64>() < u64::from(total_layers) {
             return None;
         }
-        let mut layers: Vec<u32> = balanced.iter().zip(&caps).map(|(b, c)| (*b).min(*c)).collect();
+        let mut layers: Vec<u32> = balanced
+            .iter()
+            .zip(&caps)
+            .map(|(b, c)| (*b).min(*c))
+            .collect();
         let mut missing = total_layers - layers.iter().sum::<u32>();
         // Hand the remainder to the stages with room, last stages first (fewest in flight).
         for k in (0..layers.len()).rev() {
@@ -428,12 +506,24 @@ impl<'a> Search<'a> {
         Some(layers)
     }
 
-    fn assemble(&self, device: &DeviceType, layers: &[u32], settings: Settings, budget: u64) -> Plan {
+    fn assemble(
+        &self,
+        device: &DeviceType,
+        layers: &[u32],
+        settings: Settings,
+        budget: u64,
+    ) -> Plan {
         let mut stages = Vec::with_capacity(layers.len());
         let mut start = 0;
         for k in 0..layers.len() {
             let placement = self.placement(layers, k, &settings);
-            let memory = estimate_stage(&self.req.model, &settings, placement, self.profile, self.correction);
+            let memory = estimate_stage(
+                &self.req.model,
+                &settings,
+                placement,
+                self.profile,
+                self.correction,
+            );
             stages.push(Stage {
                 index: k as u32,
                 layer_start: start,
@@ -471,16 +561,27 @@ impl<'a> Search<'a> {
     }
 
     /// Why nothing fits: per device type, the leanest plan's peak against the budget.
-    fn explain(&self, devices: &[&DeviceType], micro_batches: &[u32], checkpointing: &[bool]) -> NoFeasiblePlan {
+    fn explain(
+        &self,
+        devices: &[&DeviceType],
+        micro_batches: &[u32],
+        checkpointing: &[bool],
+    ) -> NoFeasiblePlan {
         let req = self.req;
         let mut details = Vec::new();
         let leanest_b = micro_batches.last().copied().unwrap_or(1);
         let leanest_ckpt = checkpointing.iter().any(|c| *c);
-        let (precision, optimizer, _) = numerics_options(req).pop().unwrap_or((req.precision, req.optimizer, vec![]));
+        let (precision, optimizer, _) =
+            numerics_options(req)
+                .pop()
+                .unwrap_or((req.precision, req.optimizer, vec![]));
         for device in devices {
             let usable_p = req.max_workers().min(device.free);
             if usable_p == 0 {
-                details.push(format!("{}: no free devices ({} in the cluster)", device.name, device.total));
+                details.push(format!(
+                    "{}: no free devices ({} in the cluster)",
+                    device.name, device.total
+                ));
                 continue;
             }
             let settings = Settings {
@@ -510,7 +611,10 @@ impl<'a> Search<'a> {
         let summary = if devices.is_empty() {
             match &req.target {
                 Target::Gpu { allowed_types, .. } if !allowed_types.is_empty() => {
-                    format!("no node offers the allowed GPU types [{}]", allowed_types.join(", "))
+                    format!(
+                        "no node offers the allowed GPU types [{}]",
+                        allowed_types.join(", ")
+                    )
                 }
                 _ => "no node offers a GPU with GPU Feature Discovery memory labels".to_string(),
             }
@@ -542,7 +646,11 @@ pub fn balanced_split(layers: u32, p: u32) -> Option<Vec<u32>> {
 /// (p − 1)/m of a step; tiny micro-batches use a device poorly. The work is
 /// divided over p stages.
 pub fn relative_step_time(settings: &Settings, p: u32, kind: DeviceKind) -> f64 {
-    let recompute = if settings.activation_checkpointing { 4.0 / 3.0 } else { 1.0 };
+    let recompute = if settings.activation_checkpointing {
+        4.0 / 3.0
+    } else {
+        1.0
+    };
     let math = match (kind, settings.precision) {
         (DeviceKind::Gpu, Precision::Bf16 | Precision::Fp16) => 0.5,
         _ => 1.0,

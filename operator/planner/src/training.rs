@@ -5,7 +5,9 @@ use serde::{Deserialize, Serialize};
 
 /// Training precision. `bf16`/`fp16` mean mixed precision: 16-bit weights,
 /// gradients and activations with 32-bit master weights in the optimizer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
 #[serde(rename_all = "camelCase")]
 pub enum Precision {
     Fp32,
@@ -132,7 +134,7 @@ pub fn divisors_desc(n: u32) -> Vec<u32> {
     let mut large = Vec::new();
     let mut i = 1u32;
     while u64::from(i) * u64::from(i) <= u64::from(n) {
-        if n % i == 0 {
+        if n.is_multiple_of(i) {
             small.push(i);
             if i != n / i {
                 large.push(n / i);
@@ -152,14 +154,18 @@ mod tests {
     fn zero_paper_mixed_precision_adam_is_16_bytes_per_param() {
         let p = Precision::Bf16;
         let o = Optimizer::Adam;
-        let per_param = p.weight_bytes() + p.gradient_bytes() + p.master_weight_bytes() + o.state_bytes();
+        let per_param =
+            p.weight_bytes() + p.gradient_bytes() + p.master_weight_bytes() + o.state_bytes();
         assert_eq!(per_param, 16); // 2 + 2 + K=12
     }
 
     #[test]
     fn fp32_adam_is_16_bytes_per_param() {
         let p = Precision::Fp32;
-        assert_eq!(p.weight_bytes() + p.gradient_bytes() + Optimizer::Adamw.state_bytes(), 16);
+        assert_eq!(
+            p.weight_bytes() + p.gradient_bytes() + Optimizer::Adamw.state_bytes(),
+            16
+        );
     }
 
     #[test]

@@ -3,7 +3,9 @@
 
 use std::collections::BTreeMap;
 
-use headroom_planner::inventory::{LABEL_GPU_COUNT, LABEL_GPU_MEMORY_MIB, LABEL_GPU_PRODUCT, RESOURCE_GPU};
+use headroom_planner::inventory::{
+    LABEL_GPU_COUNT, LABEL_GPU_MEMORY_MIB, LABEL_GPU_PRODUCT, RESOURCE_GPU,
+};
 use headroom_planner::units::GIB;
 use headroom_planner::*;
 
@@ -27,16 +29,27 @@ pub fn gpu_job(model: ModelShape, global_batch: u32, max_gpus: u32) -> JobReques
         optimizer: Optimizer::Adamw,
         pinned_micro_batch: None,
         pinned_checkpointing: None,
-        target: Target::Gpu { allowed_types: vec![], max_gpus },
+        target: Target::Gpu {
+            allowed_types: vec![],
+            max_gpus,
+        },
         headroom_fraction: 0.1,
         allowed_rungs: RetryRung::ALL.to_vec(),
     }
 }
 
-pub fn cpu_job(model: ModelShape, global_batch: u32, limit_bytes: u64, max_workers: u32) -> JobRequest {
+pub fn cpu_job(
+    model: ModelShape,
+    global_batch: u32,
+    limit_bytes: u64,
+    max_workers: u32,
+) -> JobRequest {
     JobRequest {
         precision: Precision::Fp32,
-        target: Target::Cpu { memory_limit_bytes: limit_bytes, max_workers },
+        target: Target::Cpu {
+            memory_limit_bytes: limit_bytes,
+            max_workers,
+        },
         ..gpu_job(model, global_batch, 1)
     }
 }

@@ -15,8 +15,12 @@ fn first_cpu_plan() -> (JobRequest, Plan) {
 #[test]
 fn host_oom_climbs_to_a_stricter_plan_that_keeps_the_global_batch() {
     let (job, failed) = first_cpu_plan();
-    let failure = MemoryFailure { kind: MemoryFailureKind::HostOom, observed_peak_bytes: Some(2 * GI) };
-    let next = next_stricter_plan(&job, &Inventory::default(), &failed, &failure).expect("a stricter plan");
+    let failure = MemoryFailure {
+        kind: MemoryFailureKind::HostOom,
+        observed_peak_bytes: Some(2 * GI),
+    };
+    let next = next_stricter_plan(&job, &Inventory::default(), &failed, &failure)
+        .expect("a stricter plan");
     assert_eq!(next.global_batch, failed.global_batch);
     assert!(next.fits());
     assert!(!next.rungs_applied.is_empty());
@@ -29,10 +33,24 @@ fn host_oom_climbs_to_a_stricter_plan_that_keeps_the_global_batch() {
 fn correction_uses_observed_over_predicted() {
     let (_, failed) = first_cpu_plan();
     let observed = failed.predicted_peak_bytes * 3;
-    let f = ladder::corrected_factor(&failed, &MemoryFailure { kind: MemoryFailureKind::DeviceOom, observed_peak_bytes: Some(observed) }, 0);
+    let f = ladder::corrected_factor(
+        &failed,
+        &MemoryFailure {
+            kind: MemoryFailureKind::DeviceOom,
+            observed_peak_bytes: Some(observed),
+        },
+        0,
+    );
     assert!((f - 3.0).abs() < 1e-9, "{f}");
     // An OOM proves at least the usable capacity was needed, even without telemetry.
-    let g = ladder::corrected_factor(&failed, &MemoryFailure { kind: MemoryFailureKind::HostOom, observed_peak_bytes: None }, failed.predicted_peak_bytes * 2);
+    let g = ladder::corrected_factor(
+        &failed,
+        &MemoryFailure {
+            kind: MemoryFailureKind::HostOom,
+            observed_peak_bytes: None,
+        },
+        failed.predicted_peak_bytes * 2,
+    );
     assert!((g - 2.0).abs() < 1e-9, "{g}");
 }
 
@@ -40,8 +58,12 @@ fn correction_uses_observed_over_predicted() {
 fn forbidden_rungs_are_skipped() {
     let (mut job, failed) = first_cpu_plan();
     job.allowed_rungs = vec![RetryRung::HalveMicroBatch];
-    let failure = MemoryFailure { kind: MemoryFailureKind::HostOom, observed_peak_bytes: None };
-    let next = next_stricter_plan(&job, &Inventory::default(), &failed, &failure).expect("halving helps");
+    let failure = MemoryFailure {
+        kind: MemoryFailureKind::HostOom,
+        observed_peak_bytes: None,
+    };
+    let next =
+        next_stricter_plan(&job, &Inventory::default(), &failed, &failure).expect("halving helps");
     assert_eq!(next.rungs_applied, vec![RetryRung::HalveMicroBatch]);
     assert!(!next.settings.activation_checkpointing);
     assert!(next.settings.micro_batch < failed.settings.micro_batch);
@@ -57,22 +79,36 @@ fn more_stages_when_the_observed_peak_shows_one_worker_is_too_small() {
     let mut stages_only = job.clone();
     stages_only.allowed_rungs = vec![RetryRung::MorePipelineStages];
     let observed = failed.predicted_peak_bytes * 2;
-    let failure = MemoryFailure { kind: MemoryFailureKind::HostOom, observed_peak_bytes: Some(observed) };
-    let next = next_stricter_plan(&stages_only, &Inventory::default(), &failed, &failure).expect("more stages fit");
+    let failure = MemoryFailure {
+        kind: MemoryFailureKind::HostOom,
+        observed_peak_bytes: Some(observed),
+    };
+    let next = next_stricter_plan(&stages_only, &Inventory::default(), &failed, &failure)
+        .expect("more stages fit");
     assert!(next.workers >= 2, "{next:?}");
     assert_eq!(next.rungs_applied, vec![RetryRung::MorePipelineStages]);
-    assert!((next.correction_factor - 2.0).abs() < 0.01, "{}", next.correction_factor);
+    assert!(
+        (next.correction_factor - 2.0).abs() < 0.01,
+        "{}",
+        next.correction_factor
+    );
     assert!(next.predicted_peak_bytes <= next.budget_bytes);
 }
 
 #[test]
 fn larger_gpu_rung_moves_to_a_bigger_type() {
-    let inv = Inventory::from_nodes(&[gpu_node("t4", "Tesla-T4", 15360, 1), gpu_node("a100", "NVIDIA-A100-SXM4-80GB", 81920, 1)]);
+    let inv = Inventory::from_nodes(&[
+        gpu_node("t4", "Tesla-T4", 15360, 1),
+        gpu_node("a100", "NVIDIA-A100-SXM4-80GB", 81920, 1),
+    ]);
     let mut job = gpu_job(transformer(12, 768, 12, 1024, 50257), 1, 1);
     let failed = plan(&job, &inv).expect("plan");
     assert_eq!(failed.device, "Tesla-T4", "ties go to the smaller device");
     job.allowed_rungs = vec![RetryRung::LargerGpu];
-    let failure = MemoryFailure { kind: MemoryFailureKind::DeviceOom, observed_peak_bytes: None };
+    let failure = MemoryFailure {
+        kind: MemoryFailureKind::DeviceOom,
+        observed_peak_bytes: None,
+    };
     let next = next_stricter_plan(&job, &inv, &failed, &failure).expect("A100 fits");
     assert_eq!(next.device, "NVIDIA-A100-SXM4-80GB");
     assert_eq!(next.settings, failed.settings);
@@ -81,11 +117,29 @@ fn larger_gpu_rung_moves_to_a_bigger_type() {
 #[test]
 fn exhausted_ladder_explains_every_rung() {
     let (mut job, failed) = first_cpu_plan();
-    job.target = Target::Cpu { memory_limit_bytes: 64 * 1024 * 1024, max_workers: 1 };
-    let err = next_stricter_plan(&job, &Inventory::default(), &failed, &MemoryFailure { kind: MemoryFailureKind::HostOom, observed_peak_bytes: None })
-        .expect_err("64 MiB cannot hold it");
+    job.target = Target::Cpu {
+        memory_limit_bytes: 64 * 1024 * 1024,
+        max_workers: 1,
+    };
+    let err = next_stricter_plan(
+        &job,
+        &Inventory::default(),
+        &failed,
+        &MemoryFailure {
+            kind: MemoryFailureKind::HostOom,
+            observed_peak_bytes: None,
+        },
+    )
+    .expect_err("64 MiB cannot hold it");
     let text = err.to_string();
-    for rung in ["activationCheckpointing", "halveMicroBatch", "lowerPrecision", "cheaperOptimizer", "morePipelineStages", "largerGpu"] {
+    for rung in [
+        "activationCheckpointing",
+        "halveMicroBatch",
+        "lowerPrecision",
+        "cheaperOptimizer",
+        "morePipelineStages",
+        "largerGpu",
+    ] {
         assert!(text.contains(rung), "missing {rung} in {text}");
     }
 }

@@ -2,15 +2,22 @@
 
 mod common;
 use common::*;
-use headroom_planner::memory::{FLEX, CUDA, StagePlacement, estimate_stage};
+use headroom_planner::memory::{CUDA, FLEX, StagePlacement, estimate_stage};
 use headroom_planner::search::balanced_split;
 use headroom_planner::training::divisors_desc;
 use headroom_planner::*;
 use proptest::prelude::*;
 
 fn arb_model() -> impl Strategy<Value = ModelShape> {
-    (1u32..=48, 1u32..=32, 1u32..=16, 1u32..=2048, 16u32..=64000, any::<bool>()).prop_map(
-        |(layers, head_dim8, heads, seq, vocab, tied)| {
+    (
+        1u32..=48,
+        1u32..=32,
+        1u32..=16,
+        1u32..=2048,
+        16u32..=64000,
+        any::<bool>(),
+    )
+        .prop_map(|(layers, head_dim8, heads, seq, vocab, tied)| {
             ModelShape::Transformer(TransformerShape {
                 layers,
                 hidden: head_dim8 * 8 * heads,
@@ -20,28 +27,41 @@ fn arb_model() -> impl Strategy<Value = ModelShape> {
                 feed_forward: None,
                 tied_embeddings: tied,
             })
-        },
-    )
-}
-
-fn arb_settings() -> impl Strategy<Value = Settings> {
-    (0u32..=8, 1u32..=64, any::<bool>(), prop_oneof![Just(Precision::Fp32), Just(Precision::Bf16)], prop_oneof![
-        Just(Optimizer::Adamw),
-        Just(Optimizer::SgdMomentum),
-        Just(Optimizer::Sgd)
-    ])
-        .prop_map(|(log_b, accumulation, ckpt, precision, optimizer)| Settings {
-            micro_batch: 1 << log_b,
-            gradient_accumulation: accumulation,
-            activation_checkpointing: ckpt,
-            precision,
-            optimizer,
         })
 }
 
+fn arb_settings() -> impl Strategy<Value = Settings> {
+    (
+        0u32..=8,
+        1u32..=64,
+        any::<bool>(),
+        prop_oneof![Just(Precision::Fp32), Just(Precision::Bf16)],
+        prop_oneof![
+            Just(Optimizer::Adamw),
+            Just(Optimizer::SgdMomentum),
+            Just(Optimizer::Sgd)
+        ],
+    )
+        .prop_map(
+            |(log_b, accumulation, ckpt, precision, optimizer)| Settings {
+                micro_batch: 1 << log_b,
+                gradient_accumulation: accumulation,
+                activation_checkpointing: ckpt,
+                precision,
+                optimizer,
+            },
+        )
+}
+
 fn arb_placement(layers: u32) -> impl Strategy<Value = StagePlacement> {
-    (1u32..=layers.max(1), any::<bool>(), any::<bool>(), 1u32..=8)
-        .prop_map(|(layers, first, last, in_flight)| StagePlacement { layers, first, last, in_flight })
+    (1u32..=layers.max(1), any::<bool>(), any::<bool>(), 1u32..=8).prop_map(
+        |(layers, first, last, in_flight)| StagePlacement {
+            layers,
+            first,
+            last,
+            in_flight,
+        },
+    )
 }
 
 proptest! {

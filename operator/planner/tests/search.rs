@@ -13,7 +13,10 @@ fn small_model_fits_one_small_gpu_without_checkpointing() {
     assert!(plan.fits());
     assert_eq!(plan.global_batch, 32);
     assert_eq!(plan.stages.len(), 1);
-    assert_eq!((plan.stages[0].layer_start, plan.stages[0].layer_end), (0, 12));
+    assert_eq!(
+        (plan.stages[0].layer_start, plan.stages[0].layer_end),
+        (0, 12)
+    );
 }
 
 #[test]
@@ -26,9 +29,18 @@ fn model_70b_needs_a_pipeline_and_every_stage_fits() {
     assert!(plan.workers >= 15, "{} workers", plan.workers);
     assert!(plan.device.contains("80GB"), "{}", plan.device);
     for stage in &plan.stages {
-        assert!(stage.memory.total <= plan.budget_bytes, "stage {} {}", stage.index, format_bytes(stage.memory.total));
+        assert!(
+            stage.memory.total <= plan.budget_bytes,
+            "stage {} {}",
+            stage.index,
+            format_bytes(stage.memory.total)
+        );
     }
-    let layers: u32 = plan.stages.iter().map(|s| s.layer_end - s.layer_start).sum();
+    let layers: u32 = plan
+        .stages
+        .iter()
+        .map(|s| s.layer_end - s.layer_start)
+        .sum();
     assert_eq!(layers, 86);
     // Stages are contiguous.
     for pair in plan.stages.windows(2) {
@@ -45,8 +57,14 @@ fn first_stage_holds_the_most_in_flight_micro_batches() {
     let inv = Inventory::from_nodes(&six_type_cluster(1000));
     let plan = plan(&gpu_job(model_70b(), 1024, 64), &inv).expect("fits");
     let p = plan.workers;
-    assert_eq!(plan.stages[0].in_flight_micro_batches, p.min(plan.settings.gradient_accumulation));
-    assert_eq!(plan.stages.last().map(|s| s.in_flight_micro_batches), Some(1));
+    assert_eq!(
+        plan.stages[0].in_flight_micro_batches,
+        p.min(plan.settings.gradient_accumulation)
+    );
+    assert_eq!(
+        plan.stages.last().map(|s| s.in_flight_micro_batches),
+        Some(1)
+    );
 }
 
 #[test]
@@ -75,7 +93,10 @@ fn nothing_fits_explains_with_numbers() {
 fn unknown_gpu_type_is_explained() {
     let inv = Inventory::from_nodes(&six_type_cluster(6));
     let mut job = gpu_job(transformer(2, 64, 2, 16, 100), 4, 1);
-    job.target = Target::Gpu { allowed_types: vec!["NVIDIA-B200".into()], max_gpus: 1 };
+    job.target = Target::Gpu {
+        allowed_types: vec!["NVIDIA-B200".into()],
+        max_gpus: 1,
+    };
     let err = plan(&job, &inv).expect_err("no such type");
     assert!(err.summary.contains("NVIDIA-B200"), "{err}");
 }
@@ -84,7 +105,11 @@ fn unknown_gpu_type_is_explained() {
 fn cpu_job_uses_its_memory_limit_and_splits_when_needed() {
     let model = transformer(8, 512, 8, 256, 8000);
     let small_limit = 512 * 1024 * 1024;
-    let one = plan(&cpu_job(model.clone(), 16, 4 * GI, 1), &Inventory::default()).expect("fits 4 GiB");
+    let one = plan(
+        &cpu_job(model.clone(), 16, 4 * GI, 1),
+        &Inventory::default(),
+    )
+    .expect("fits 4 GiB");
     assert_eq!((one.device.as_str(), one.workers), ("cpu", 1));
     assert_eq!(one.budget_bytes, (4.0 * GI as f64 * 0.9) as u64);
     let split = plan(&cpu_job(model, 16, small_limit, 4), &Inventory::default());
@@ -104,7 +129,11 @@ fn pinned_settings_are_kept_with_a_warning_when_over_budget() {
     assert_eq!(plan.settings.micro_batch, 64);
     assert!(!plan.settings.activation_checkpointing);
     assert!(!plan.fits());
-    assert!(plan.warnings.iter().any(|w| w.contains("pinned")), "{:?}", plan.warnings);
+    assert!(
+        plan.warnings.iter().any(|w| w.contains("pinned")),
+        "{:?}",
+        plan.warnings
+    );
 }
 
 #[test]
@@ -112,7 +141,10 @@ fn unsupported_precision_on_cpu_is_a_clear_error() {
     let mut job = cpu_job(transformer(2, 64, 2, 16, 100), 4, GI, 1);
     job.precision = Precision::Bf16;
     let err = plan(&job, &Inventory::default()).expect_err("flex is fp32-only");
-    assert!(err.summary.contains("bf16") && err.summary.contains("fp32"), "{err}");
+    assert!(
+        err.summary.contains("bf16") && err.summary.contains("fp32"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -125,7 +157,9 @@ fn lower_precision_is_used_only_when_allowed_and_needed() {
         job.precision = precision;
         job.pinned_micro_batch = Some(1);
         job.pinned_checkpointing = Some(true);
-        plan(&job, &huge).expect("fits a huge GPU").predicted_peak_bytes
+        plan(&job, &huge)
+            .expect("fits a huge GPU")
+            .predicted_peak_bytes
     };
     let (fp32, bf16) = (lean_peak(Precision::Fp32), lean_peak(Precision::Bf16));
     assert!(bf16 < fp32, "bf16 {bf16} fp32 {fp32}");
@@ -140,5 +174,11 @@ fn lower_precision_is_used_only_when_allowed_and_needed() {
     let p = plan(&job, &inv).expect("bf16 fits");
     assert_eq!(p.settings.precision, Precision::Bf16);
     assert_eq!(p.rungs_applied, vec![RetryRung::LowerPrecision]);
-    assert!(p.warnings.iter().any(|w| w.contains("nothing fits at fp32")), "{:?}", p.warnings);
+    assert!(
+        p.warnings
+            .iter()
+            .any(|w| w.contains("nothing fits at fp32")),
+        "{:?}",
+        p.warnings
+    );
 }

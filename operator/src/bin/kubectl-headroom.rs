@@ -17,7 +17,11 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use serde::Deserialize;
 
 #[derive(Parser, Debug)]
-#[command(name = "kubectl-headroom", version, about = "Memory planning for MemoryAwareTrainingJobs")]
+#[command(
+    name = "kubectl-headroom",
+    version,
+    about = "Memory planning for MemoryAwareTrainingJobs"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -56,7 +60,11 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<ExitCode> {
-    let Command::Plan { file, nodes, output } = cli.command;
+    let Command::Plan {
+        file,
+        nodes,
+        output,
+    } = cli.command;
     let jobs = read_jobs(&file)?;
     // Validate every spec before touching the cluster: bad input fails fast and offline.
     let mut requests = Vec::with_capacity(jobs.len());
@@ -66,7 +74,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
             job.metadata.namespace.as_deref().unwrap_or("default"),
             job.metadata.name.as_deref().unwrap_or("<unnamed>")
         );
-        let request = job.spec.job_request().with_context(|| format!("{}: {name}", file.display()))?;
+        let request = job
+            .spec
+            .job_request()
+            .with_context(|| format!("{}: {name}", file.display()))?;
         requests.push((name, request));
     }
     let needs_cluster = jobs.iter().any(|j| j.spec.resources.gpu.is_some());
@@ -91,25 +102,38 @@ fn run(cli: Cli) -> Result<ExitCode> {
             }),
         }
     }
-    let doc = if machine.len() == 1 { machine.remove(0) } else { serde_json::Value::Array(machine) };
+    let doc = if machine.len() == 1 {
+        machine.remove(0)
+    } else {
+        serde_json::Value::Array(machine)
+    };
     match output {
         Output::Json => println!("{}", serde_json::to_string_pretty(&doc)?),
         Output::Yaml => print!("{}", serde_yaml::to_string(&doc)?),
         Output::Table => {}
     }
-    Ok(if all_fit { ExitCode::SUCCESS } else { ExitCode::from(3) })
+    Ok(if all_fit {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(3)
+    })
 }
 
 /// Every MemoryAwareTrainingJob in a (multi-document) YAML file, with field paths in errors.
 fn read_jobs(path: &Path) -> Result<Vec<MemoryAwareTrainingJob>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     let mut jobs = Vec::new();
     for (i, doc) in serde_yaml::Deserializer::from_str(&text).enumerate() {
-        let value = serde_yaml::Value::deserialize(doc).with_context(|| format!("{}: document {} is not valid YAML", path.display(), i + 1))?;
+        let value = serde_yaml::Value::deserialize(doc)
+            .with_context(|| format!("{}: document {} is not valid YAML", path.display(), i + 1))?;
         if value.is_null() {
             continue;
         }
-        let kind = value.get("kind").and_then(|k| k.as_str()).unwrap_or("<no kind>");
+        let kind = value
+            .get("kind")
+            .and_then(|k| k.as_str())
+            .unwrap_or("<no kind>");
         if kind != "MemoryAwareTrainingJob" {
             bail!(
                 "{}: document {} is a {kind}; expected kind: MemoryAwareTrainingJob (apiVersion: headroom.dev/v1alpha1)",
@@ -117,8 +141,15 @@ fn read_jobs(path: &Path) -> Result<Vec<MemoryAwareTrainingJob>> {
                 i + 1
             );
         }
-        let job: MemoryAwareTrainingJob = serde_path_to_error::deserialize(value)
-            .map_err(|e| anyhow!("{}: document {}: field `{}`: {}", path.display(), i + 1, e.path(), e.inner()))?;
+        let job: MemoryAwareTrainingJob = serde_path_to_error::deserialize(value).map_err(|e| {
+            anyhow!(
+                "{}: document {}: field `{}`: {}",
+                path.display(),
+                i + 1,
+                e.path(),
+                e.inner()
+            )
+        })?;
         jobs.push(job);
     }
     if jobs.is_empty() {
@@ -129,18 +160,27 @@ fn read_jobs(path: &Path) -> Result<Vec<MemoryAwareTrainingJob>> {
 
 /// Nodes from a file: a NodeList/List (`items`) or Node documents.
 fn read_nodes(path: &Path) -> Result<Vec<NodeFacts>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     let mut nodes: Vec<Node> = Vec::new();
     for (i, doc) in serde_yaml::Deserializer::from_str(&text).enumerate() {
-        let value = serde_yaml::Value::deserialize(doc).with_context(|| format!("{}: document {} is not valid YAML", path.display(), i + 1))?;
+        let value = serde_yaml::Value::deserialize(doc)
+            .with_context(|| format!("{}: document {} is not valid YAML", path.display(), i + 1))?;
         let items = match value.get("items") {
             Some(serde_yaml::Value::Sequence(items)) => items.clone(),
             _ if value.is_null() => vec![],
             _ => vec![value],
         };
         for item in items {
-            let node: Node = serde_path_to_error::deserialize(item)
-                .map_err(|e| anyhow!("{}: document {}: node field `{}`: {}", path.display(), i + 1, e.path(), e.inner()))?;
+            let node: Node = serde_path_to_error::deserialize(item).map_err(|e| {
+                anyhow!(
+                    "{}: document {}: node field `{}`: {}",
+                    path.display(),
+                    i + 1,
+                    e.path(),
+                    e.inner()
+                )
+            })?;
             nodes.push(node);
         }
     }
@@ -149,7 +189,9 @@ fn read_nodes(path: &Path) -> Result<Vec<NodeFacts>> {
 
 /// Nodes and device-holding pods from the current kubeconfig context.
 fn cluster_nodes() -> Result<Vec<NodeFacts>> {
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     runtime.block_on(async {
         let client = kube::Client::try_default()
             .await
