@@ -64,8 +64,10 @@ flock 9
 export CGO_ENABLED=0
 GO_TAGS="selinux,notest"
 
-# Recipe string for a binary; the binary is rebuilt when it changes.
-recipe() { printf '%s tags=%s trimpath -s -w\n' "$1" "${GO_TAGS}"; }
+# Bump when the build flags below change, so existing binaries get rebuilt.
+RECIPE_REV=2
+# Recipe string for a binary (stored in bin/.stamps/NAME); rebuilt when it changes.
+recipe() { printf '%s tags=%s rev=%s\n' "$1" "${GO_TAGS}" "${RECIPE_REV}"; }
 
 up_to_date() {
   local name=$1 want=$2
@@ -149,8 +151,10 @@ if ((${#todo[@]})); then
   # Version stamping as in hack/lib/version.sh, so `--version` and the
   # apiserver's /version report the real release (kubectl's version-skew
   # check and the 1.33 compatibility-version logic read it). No git commit is
-  # known when building from the proxy; buildDate is the tag's publication
-  # time, which keeps rebuilds reproducible.
+  # known when building from the proxy, so gitCommit keeps upstream's
+  # placeholder and gitTreeState stays empty, as hack/lib/version.sh does
+  # without a commit; buildDate is the tag's publication time, which keeps
+  # rebuilds reproducible.
   minor=${K8S_VERSION#v1.}
   minor=${minor%%.*}
   build_date=$(sed -n 's/.*"Time":"\([^"]*\)".*/\1/p' "${kinfo}")
@@ -158,7 +162,7 @@ if ((${#todo[@]})); then
   ldflags="-s -w"
   for p in k8s.io/client-go/pkg/version k8s.io/component-base/version; do
     ldflags+=" -X ${p}.gitVersion=${K8S_VERSION} -X ${p}.gitMajor=1 -X ${p}.gitMinor=${minor}"
-    ldflags+=" -X ${p}.gitTreeState=clean -X ${p}.buildDate=${build_date}"
+    ldflags+=" -X ${p}.buildDate=${build_date}"
   done
 
   for b in "${todo[@]}"; do

@@ -3,10 +3,22 @@
 # Node+RBAC authorization, default admission plugins.
 
 apiserver_start() {
+  local advertise=${APISERVER_ADVERTISE_ADDRESS:-${HEADROOM_BIND_ADDRESS}} reconciler
+  # The apiserver publishes its advertise address as the endpoint of the
+  # `kubernetes` Service, and Endpoints may not hold loopback IPs: with the
+  # default "lease" reconciler it logs "may not be in the loopback range" every
+  # 10s. On loopback nothing could reach that Service anyway, so publish no
+  # endpoints. A full node binding a routable address gets "lease".
+  if [[ ${advertise} == 127.* || ${advertise} == ::1 ]]; then
+    reconciler=none
+  else
+    reconciler=lease
+  fi
   # shellcheck disable=SC2054 # commas inside flag values are intended
   local args=(
     --bind-address="${HEADROOM_BIND_ADDRESS}"
-    --advertise-address="${APISERVER_ADVERTISE_ADDRESS:-${HEADROOM_BIND_ADDRESS}}"
+    --advertise-address="${advertise}"
+    --endpoint-reconciler-type="${APISERVER_ENDPOINT_RECONCILER:-${reconciler}}"
     --secure-port="${APISERVER_PORT}"
     # Where the apiserver would write self-signed certs; keep it out of /var/run.
     --cert-dir="${PKI_DIR}"

@@ -87,7 +87,7 @@ pub struct ModelSpec {
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
     {"rule": "!has(self.microBatch) || self.globalBatch % self.microBatch == 0",
-     "messageExpression": "'microBatch (' + string(self.microBatch) + ') must divide globalBatch (' + string(self.globalBatch) + ') so the global batch is kept exactly'"}
+     "message": "training.microBatch must divide training.globalBatch so the global batch is kept exactly (e.g. globalBatch 32 with microBatch 8)"}
 ]))]
 pub struct TrainingSpec {
     /// Samples per optimizer step; every attempt keeps it exactly (micro-batch × accumulation).
@@ -162,6 +162,7 @@ pub struct GpuResources {
 ]))]
 pub struct CpuResources {
     /// Memory limit of each worker container: the CPU job's device budget.
+    #[schemars(extend("maxLength" = 64))]
     pub memory_limit: Quantity,
     /// CPU request per worker (defaults to 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]

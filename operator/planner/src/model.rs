@@ -25,7 +25,7 @@ pub enum ModelShape {
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
     {"rule": "self.hidden % self.heads == 0",
-     "messageExpression": "'hidden (' + string(self.hidden) + ') must be a multiple of heads (' + string(self.heads) + ')'"}
+     "message": "model.transformer.hidden must be a multiple of model.transformer.heads (e.g. hidden 768 with 12 heads)"}
 ]))]
 pub struct TransformerShape {
     /// Transformer blocks (L).
