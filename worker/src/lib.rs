@@ -158,6 +158,7 @@ mod tests {
             namespace: "ns".into(),
             attempt: 1,
             stage: 0,
+            model: req.model.clone(),
             plan: plan(&req, &Inventory::default()).expect("plan"),
             steps: 10,
             learning_rate: 1e-3,

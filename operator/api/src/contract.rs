@@ -1,6 +1,6 @@
 //! What the operator and the worker agree on besides the CRD.
 
-use headroom_planner::Plan;
+use headroom_planner::{ModelShape, Plan};
 use serde::{Deserialize, Serialize};
 
 /// API group of Headroom's resources.
@@ -15,10 +15,18 @@ pub const LABEL_JOB: &str = "headroom.dev/job";
 pub const LABEL_ATTEMPT: &str = "headroom.dev/attempt";
 pub const LABEL_STAGE: &str = "headroom.dev/stage";
 
-/// Where the worker finds the plan document (mounted from a ConfigMap/Secret-free
-/// projected volume or an env var holding the JSON).
+/// Where the worker finds its [`WorkerAssignment`]: a JSON file, or the JSON itself.
 pub const PLAN_FILE_ENV: &str = "HEADROOM_PLAN_FILE";
 pub const PLAN_JSON_ENV: &str = "HEADROOM_PLAN";
+/// Directory of the checkpoint volume (shared by all attempts of a job).
+pub const CHECKPOINT_DIR_ENV: &str = "HEADROOM_CHECKPOINT_DIR";
+pub const DEFAULT_CHECKPOINT_DIR: &str = "/var/lib/headroom/checkpoints";
+/// The pod's own name (downward API): the key of its `status.workers` entry.
+pub const POD_NAME_ENV: &str = "POD_NAME";
+/// Seconds between telemetry writes to the job status (a markedly higher peak writes at once).
+pub const TELEMETRY_INTERVAL_ENV: &str = "HEADROOM_TELEMETRY_INTERVAL_SECONDS";
+/// Where Kubernetes reads the termination message from.
+pub const TERMINATION_MESSAGE_PATH: &str = "/dev/termination-log";
 
 /// Worker exit codes. 137 (SIGKILL, e.g. the kernel OOM killer) is not ours.
 pub mod exit_code {
@@ -41,6 +49,8 @@ pub struct WorkerAssignment {
     pub attempt: u32,
     /// Index into `plan.stages`.
     pub stage: u32,
+    /// The model to build (the Headroom worker trains transformers only).
+    pub model: ModelShape,
     pub plan: Plan,
     pub steps: u64,
     pub learning_rate: f64,
