@@ -2,6 +2,7 @@
 //! plugin and (next) the controller. Pure pieces live in `headroom-planner`
 //! and the resource types in `headroom-api`.
 
+pub mod controller;
 pub mod crd;
 pub mod inventory;
 pub mod report;

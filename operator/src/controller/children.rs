@@ -1,0 +1,561 @@
+//! Pure builders for everything the operator creates for a job: the workers'
+//! ServiceAccount, Role and RoleBinding (patch only this job's status), the
+//! checkpoint PVC, the headless Service of a multi-worker attempt, and one Pod
+//! per pipeline stage. All carry a controller owner reference to the job and
+//! are written with server-side apply under one field manager.
+
+use std::collections::BTreeMap;
+
+use headroom_api::{
+    CHECKPOINT_DIR_ENV, DEFAULT_CHECKPOINT_DIR, GROUP, LABEL_ATTEMPT, LABEL_JOB, LABEL_STAGE,
+    MemoryAwareTrainingJob, PLAN_JSON_ENV, POD_NAME_ENV, TERMINATION_MESSAGE_PATH,
+    WorkerAssignment,
+};
+use headroom_planner::{DeviceKind, ModelShape, Plan};
+use k8s_openapi::api::core::v1::{
+    Capabilities, Container, EnvVar, EnvVarSource, ObjectFieldSelector, PersistentVolumeClaim,
+    PersistentVolumeClaimSpec, PersistentVolumeClaimVolumeSource, Pod, PodSecurityContext, PodSpec,
+    ResourceRequirements, SeccompProfile, SecurityContext, Service, ServiceAccount, ServicePort,
+    ServiceSpec, Toleration, Volume, VolumeMount, VolumeResourceRequirements,
+};
+use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use kube::{Resource, ResourceExt};
+
+/// Operator-wide settings that shape children (from flags / Helm values).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChildConfig {
+    /// StorageClass of the checkpoint PVC (cluster default when None).
+    pub checkpoint_storage_class: Option<String>,
+    /// Size of the checkpoint PVC, e.g. `1Gi`.
+    pub checkpoint_size: String,
+    /// Host memory limit of GPU worker pods when the job does not set `resources.gpu.hostMemory`.
+    pub gpu_host_memory: String,
+    /// Port the pipeline stages talk on.
+    pub pipeline_port: i32,
+}
+
+impl Default for ChildConfig {
+    fn default() -> Self {
+        ChildConfig {
+            checkpoint_storage_class: None,
+            checkpoint_size: "1Gi".into(),
+            gpu_host_memory: "16Gi".into(),
+            pipeline_port: 29500,
+        }
+    }
+}
+
+/// The non-root user workers run as.
+pub const WORKER_UID: i64 = 65532;
+
+/// A DNS-1123 label from `base` + `suffix`, shortened with a stable hash when too long.
+pub fn dns_label(base: &str, suffix: &str) -> String {
+    let full = format!("{base}{suffix}");
+    if full.len() <= 63 {
+        return full;
+    }
+    // FNV-1a: stable across releases (std's hasher is not).
+    let hash = base.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    let keep = 63 - suffix.len() - 9;
+    format!(
+        "{}-{:08x}{suffix}",
+        &base[..keep.min(base.len())].trim_end_matches('-'),
+        hash as u32
+    )
+}
+
+pub fn worker_account_name(job: &MemoryAwareTrainingJob) -> String {
+    dns_label(&job.name_any(), "-worker")
+}
+
+pub fn checkpoint_claim_name(job: &MemoryAwareTrainingJob) -> String {
+    dns_label(&job.name_any(), "-checkpoints")
+}
+
+pub fn service_name(job: &MemoryAwareTrainingJob) -> String {
+    dns_label(&job.name_any(), "-workers")
+}
+
+/// Pod name of one stage of one attempt: stable, so re-applying never duplicates.
+pub fn pod_name(job: &MemoryAwareTrainingJob, attempt: u32, stage: u32) -> String {
+    dns_label(&job.name_any(), &format!("-a{attempt}-s{stage}"))
+}
+
+fn owner(job: &MemoryAwareTrainingJob) -> OwnerReference {
+    job.controller_owner_ref(&())
+        .unwrap_or_else(|| OwnerReference {
+            api_version: MemoryAwareTrainingJob::api_version(&()).into_owned(),
+            kind: MemoryAwareTrainingJob::kind(&()).into_owned(),
+            name: job.name_any(),
+            uid: job.metadata.uid.clone().unwrap_or_default(),
+            controller: Some(true),
+            block_owner_deletion: Some(true),
+        })
+}
+
+fn job_labels(job: &MemoryAwareTrainingJob) -> BTreeMap<String, String> {
+    [
+        (LABEL_JOB.to_string(), job.name_any()),
+        (
+            "app.kubernetes.io/managed-by".to_string(),
+            "headroom".to_string(),
+        ),
+        (
+            "app.kubernetes.io/component".to_string(),
+            "worker".to_string(),
+        ),
+    ]
+    .into_iter()
+    .collect()
+}
+
+fn meta(
+    job: &MemoryAwareTrainingJob,
+    name: String,
+    labels: BTreeMap<String, String>,
+) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name),
+        namespace: job.namespace(),
+        labels: Some(labels),
+        owner_references: Some(vec![owner(job)]),
+        ..ObjectMeta::default()
+    }
+}
+
+/// The identity workers use to report telemetry.
+pub fn service_account(job: &MemoryAwareTrainingJob) -> ServiceAccount {
+    ServiceAccount {
+        metadata: meta(job, worker_account_name(job), job_labels(job)),
+        ..ServiceAccount::default()
+    }
+}
+
+/// Least privilege: read this one job and patch its status; nothing else.
+pub fn role(job: &MemoryAwareTrainingJob) -> Role {
+    Role {
+        metadata: meta(job, worker_account_name(job), job_labels(job)),
+        rules: Some(vec![
+            PolicyRule {
+                api_groups: Some(vec![GROUP.into()]),
+                resources: Some(vec!["memoryawaretrainingjobs/status".into()]),
+                resource_names: Some(vec![job.name_any()]),
+                verbs: vec!["get".into(), "patch".into()],
+                ..PolicyRule::default()
+            },
+            PolicyRule {
+                api_groups: Some(vec![GROUP.into()]),
+                resources: Some(vec!["memoryawaretrainingjobs".into()]),
+                resource_names: Some(vec![job.name_any()]),
+                verbs: vec!["get".into()],
+                ..PolicyRule::default()
+            },
+        ]),
+    }
+}
+
+pub fn role_binding(job: &MemoryAwareTrainingJob) -> RoleBinding {
+    let name = worker_account_name(job);
+    RoleBinding {
+        metadata: meta(job, name.clone(), job_labels(job)),
+        role_ref: RoleRef {
+            api_group: "rbac.authorization.k8s.io".into(),
+            kind: "Role".into(),
+            name: name.clone(),
+        },
+        subjects: Some(vec![Subject {
+            kind: "ServiceAccount".into(),
+            name,
+            namespace: job.namespace(),
+            ..Subject::default()
+        }]),
+    }
+}
+
+/// One volume for all attempts, so a retry resumes from the last checkpoint.
+pub fn checkpoint_claim(
+    job: &MemoryAwareTrainingJob,
+    config: &ChildConfig,
+) -> PersistentVolumeClaim {
+    PersistentVolumeClaim {
+        metadata: meta(job, checkpoint_claim_name(job), job_labels(job)),
+        spec: Some(PersistentVolumeClaimSpec {
+            access_modes: Some(vec!["ReadWriteOnce".into()]),
+            storage_class_name: config.checkpoint_storage_class.clone(),
+            resources: Some(VolumeResourceRequirements {
+                requests: Some(
+                    [(
+                        "storage".to_string(),
+                        Quantity(config.checkpoint_size.clone()),
+                    )]
+                    .into_iter()
+                    .collect(),
+                ),
+                ..VolumeResourceRequirements::default()
+            }),
+            ..PersistentVolumeClaimSpec::default()
+        }),
+        ..PersistentVolumeClaim::default()
+    }
+}
+
+/// Stable DNS names for the stages of a multi-worker plan (`s<k>.<service>`).
+pub fn headless_service(job: &MemoryAwareTrainingJob, config: &ChildConfig) -> Service {
+    Service {
+        metadata: meta(job, service_name(job), job_labels(job)),
+        spec: Some(ServiceSpec {
+            cluster_ip: Some("None".into()),
+            selector: Some(
+                [(LABEL_JOB.to_string(), job.name_any())]
+                    .into_iter()
+                    .collect(),
+            ),
+            publish_not_ready_addresses: Some(true),
+            ports: Some(vec![ServicePort {
+                name: Some("pipeline".into()),
+                port: config.pipeline_port,
+                ..ServicePort::default()
+            }]),
+            ..ServiceSpec::default()
+        }),
+        ..Service::default()
+    }
+}
+
+fn quantity_bytes(bytes: u64) -> Quantity {
+    Quantity(bytes.to_string())
+}
+
+/// The worker pod for one stage of one attempt.
+pub fn worker_pod(
+    job: &MemoryAwareTrainingJob,
+    attempt: u32,
+    stage: u32,
+    plan: &Plan,
+    config: &ChildConfig,
+) -> Result<Pod, serde_json::Error> {
+    let spec = &job.spec;
+    let model = match (&spec.model.transformer, &spec.model.generic) {
+        (Some(t), _) => ModelShape::Transformer(t.clone()),
+        (None, Some(g)) => ModelShape::Generic(g.clone()),
+        (None, None) => ModelShape::Generic(headroom_planner::GenericModel {
+            parameters: 1,
+            activation_bytes_per_sample: 0,
+        }),
+    };
+    let assignment = WorkerAssignment {
+        job: job.name_any(),
+        namespace: job.namespace().unwrap_or_default(),
+        attempt,
+        stage,
+        model,
+        plan: plan.clone(),
+        steps: spec.training.steps,
+        learning_rate: spec.training.learning_rate,
+        checkpoint_every_steps: spec.training.checkpoint_every_steps,
+        seed: spec.training.seed,
+    };
+    let env = vec![
+        EnvVar {
+            name: PLAN_JSON_ENV.into(),
+            value: Some(serde_json::to_string(&assignment)?),
+            ..EnvVar::default()
+        },
+        EnvVar {
+            name: POD_NAME_ENV.into(),
+            value_from: Some(EnvVarSource {
+                field_ref: Some(ObjectFieldSelector {
+                    field_path: "metadata.name".into(),
+                    ..ObjectFieldSelector::default()
+                }),
+                ..EnvVarSource::default()
+            }),
+            ..EnvVar::default()
+        },
+        EnvVar {
+            name: CHECKPOINT_DIR_ENV.into(),
+            value: Some(DEFAULT_CHECKPOINT_DIR.into()),
+            ..EnvVar::default()
+        },
+    ];
+
+    let mut limits: BTreeMap<String, Quantity> = BTreeMap::new();
+    let mut requests: BTreeMap<String, Quantity> = BTreeMap::new();
+    let mut node_selector: BTreeMap<String, String> = BTreeMap::new();
+    let mut tolerations = Vec::new();
+    match plan.device_kind {
+        DeviceKind::Cpu => {
+            // The container limit is the CPU job's device: the plan was sized against it.
+            limits.insert("memory".into(), quantity_bytes(plan.device_memory_bytes));
+            requests.insert("memory".into(), quantity_bytes(plan.device_memory_bytes));
+            let cores = spec
+                .resources
+                .cpu
+                .as_ref()
+                .and_then(|c| c.cores.clone())
+                .unwrap_or_else(|| Quantity("1".into()));
+            requests.insert("cpu".into(), cores);
+        }
+        DeviceKind::Gpu => {
+            limits.insert(plan.resource.clone(), Quantity("1".into()));
+            requests.insert(plan.resource.clone(), Quantity("1".into()));
+            let host = spec
+                .resources
+                .gpu
+                .as_ref()
+                .and_then(|g| g.host_memory.clone())
+                .unwrap_or_else(|| Quantity(config.gpu_host_memory.clone()));
+            limits.insert("memory".into(), host.clone());
+            requests.insert("memory".into(), host);
+            requests.insert("cpu".into(), Quantity("1".into()));
+            // MIG slices of the mixed strategy are selected by their resource name alone.
+            if !plan.resource.starts_with("nvidia.com/mig-") {
+                node_selector.insert(
+                    headroom_planner::inventory::LABEL_GPU_PRODUCT.into(),
+                    plan.device.clone(),
+                );
+            }
+            tolerations.push(Toleration {
+                key: Some("nvidia.com/gpu".into()),
+                operator: Some("Exists".into()),
+                effect: Some("NoSchedule".into()),
+                ..Toleration::default()
+            });
+        }
+    }
+
+    let mut labels = job_labels(job);
+    labels.insert(LABEL_ATTEMPT.into(), attempt.to_string());
+    labels.insert(LABEL_STAGE.into(), stage.to_string());
+    let multi = plan.workers > 1;
+
+    Ok(Pod {
+        metadata: meta(job, pod_name(job, attempt, stage), labels),
+        spec: Some(PodSpec {
+            restart_policy: Some("Never".into()),
+            service_account_name: Some(worker_account_name(job)),
+            hostname: multi.then(|| format!("s{stage}")),
+            subdomain: multi.then(|| service_name(job)),
+            node_selector: (!node_selector.is_empty()).then_some(node_selector),
+            tolerations: (!tolerations.is_empty()).then_some(tolerations),
+            security_context: Some(PodSecurityContext {
+                run_as_non_root: Some(true),
+                run_as_user: Some(WORKER_UID),
+                run_as_group: Some(WORKER_UID),
+                fs_group: Some(WORKER_UID),
+                seccomp_profile: Some(SeccompProfile {
+                    type_: "RuntimeDefault".into(),
+                    ..SeccompProfile::default()
+                }),
+                ..PodSecurityContext::default()
+            }),
+            containers: vec![Container {
+                name: "worker".into(),
+                image: Some(spec.worker.image.clone()),
+                env: Some(env),
+                resources: Some(ResourceRequirements {
+                    limits: Some(limits),
+                    requests: Some(requests),
+                    ..ResourceRequirements::default()
+                }),
+                termination_message_path: Some(TERMINATION_MESSAGE_PATH.into()),
+                termination_message_policy: Some("FallbackToLogsOnError".into()),
+                security_context: Some(SecurityContext {
+                    allow_privilege_escalation: Some(false),
+                    read_only_root_filesystem: Some(true),
+                    run_as_non_root: Some(true),
+                    capabilities: Some(Capabilities {
+                        drop: Some(vec!["ALL".into()]),
+                        ..Capabilities::default()
+                    }),
+                    seccomp_profile: Some(SeccompProfile {
+                        type_: "RuntimeDefault".into(),
+                        ..SeccompProfile::default()
+                    }),
+                    ..SecurityContext::default()
+                }),
+                volume_mounts: Some(vec![
+                    VolumeMount {
+                        name: "checkpoints".into(),
+                        mount_path: DEFAULT_CHECKPOINT_DIR.into(),
+                        ..VolumeMount::default()
+                    },
+                    VolumeMount {
+                        name: "tmp".into(),
+                        mount_path: "/tmp".into(),
+                        ..VolumeMount::default()
+                    },
+                ]),
+                ..Container::default()
+            }],
+            volumes: Some(vec![
+                Volume {
+                    name: "checkpoints".into(),
+                    persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                        claim_name: checkpoint_claim_name(job),
+                        ..PersistentVolumeClaimVolumeSource::default()
+                    }),
+                    ..Volume::default()
+                },
+                Volume {
+                    name: "tmp".into(),
+                    empty_dir: Some(Default::default()),
+                    ..Volume::default()
+                },
+            ]),
+            ..PodSpec::default()
+        }),
+        ..Pod::default()
+    })
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use headroom_api::MemoryAwareTrainingJobSpec;
+    use headroom_planner::{Inventory, plan};
+
+    pub(crate) fn job(yaml: &str) -> MemoryAwareTrainingJob {
+        let mut job: MemoryAwareTrainingJob = serde_yaml::from_str(yaml).expect("job fixture");
+        job.metadata.namespace = Some("team-a".into());
+        job.metadata.uid = Some("0000-1111".into());
+        job
+    }
+
+    pub(crate) fn cpu_job() -> MemoryAwareTrainingJob {
+        job(include_str!("../../../samples/cpu-tiny.yaml"))
+    }
+
+    fn first_plan(spec: &MemoryAwareTrainingJobSpec) -> Plan {
+        plan(&spec.job_request().expect("valid"), &Inventory::default()).expect("plan")
+    }
+
+    #[test]
+    fn cpu_worker_pod_is_restricted_and_sized_by_the_plan() {
+        let job = cpu_job();
+        let plan = first_plan(&job.spec);
+        let pod = worker_pod(&job, 1, 0, &plan, &ChildConfig::default()).expect("pod");
+        assert_eq!(pod.metadata.name.as_deref(), Some("tiny-cpu-a1-s0"));
+        let owner = &pod.metadata.owner_references.as_ref().expect("owner")[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.controller),
+            ("MemoryAwareTrainingJob", Some(true))
+        );
+        let spec = pod.spec.as_ref().expect("spec");
+        assert_eq!(spec.restart_policy.as_deref(), Some("Never"));
+        let c = &spec.containers[0];
+        let limits = c
+            .resources
+            .as_ref()
+            .and_then(|r| r.limits.as_ref())
+            .expect("limits");
+        assert_eq!(limits["memory"].0, (1u64 << 30).to_string());
+        let sc = c.security_context.as_ref().expect("securityContext");
+        assert_eq!(sc.allow_privilege_escalation, Some(false));
+        assert_eq!(sc.read_only_root_filesystem, Some(true));
+        assert_eq!(
+            sc.capabilities.as_ref().and_then(|c| c.drop.clone()),
+            Some(vec!["ALL".to_string()])
+        );
+        assert_eq!(
+            spec.security_context
+                .as_ref()
+                .and_then(|s| s.run_as_non_root),
+            Some(true)
+        );
+        let env = c.env.as_ref().expect("env");
+        let plan_json = env
+            .iter()
+            .find(|e| e.name == PLAN_JSON_ENV)
+            .and_then(|e| e.value.clone())
+            .expect("plan env");
+        let assignment: WorkerAssignment =
+            serde_json::from_str(&plan_json).expect("assignment parses");
+        assert_eq!(
+            (assignment.attempt, assignment.stage, assignment.plan),
+            (1, 0, plan)
+        );
+        assert!(spec.node_selector.is_none(), "CPU jobs need no GPU node");
+        assert!(spec.subdomain.is_none(), "single worker needs no service");
+    }
+
+    #[test]
+    fn gpu_worker_pod_selects_the_planned_product_and_requests_one_gpu() {
+        let job = job(include_str!("../../../samples/gpu-gpt2-medium.yaml"));
+        let nodes = [headroom_planner::NodeFacts {
+            name: "n".into(),
+            labels: [
+                ("nvidia.com/gpu.product", "NVIDIA-L4"),
+                ("nvidia.com/gpu.memory", "23034"),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+            allocatable: [("nvidia.com/gpu".to_string(), 8)].into_iter().collect(),
+            in_use: BTreeMap::new(),
+            schedulable: true,
+        }];
+        let plan = plan(
+            &job.spec.job_request().expect("valid"),
+            &Inventory::from_nodes(&nodes),
+        )
+        .expect("plan");
+        let pod = worker_pod(&job, 2, 0, &plan, &ChildConfig::default()).expect("pod");
+        let spec = pod.spec.expect("spec");
+        assert_eq!(
+            spec.node_selector.expect("selector")["nvidia.com/gpu.product"],
+            "NVIDIA-L4"
+        );
+        let limits = spec.containers[0]
+            .resources
+            .clone()
+            .and_then(|r| r.limits)
+            .expect("limits");
+        assert_eq!(limits["nvidia.com/gpu"].0, "1");
+        assert_eq!(limits["memory"].0, "16Gi");
+        assert_eq!(pod.metadata.labels.expect("labels")[LABEL_ATTEMPT], "2");
+    }
+
+    #[test]
+    fn role_grants_only_this_jobs_status() {
+        let job = cpu_job();
+        let rules = role(&job).rules.expect("rules");
+        for rule in &rules {
+            assert_eq!(
+                rule.resource_names.as_deref(),
+                Some(&["tiny-cpu".to_string()][..])
+            );
+            assert!(
+                !rule
+                    .verbs
+                    .iter()
+                    .any(|v| v == "*" || v == "delete" || v == "create" || v == "update")
+            );
+        }
+        assert!(rules.iter().any(|r| {
+            r.resources
+                .as_ref()
+                .is_some_and(|x| x.contains(&"memoryawaretrainingjobs/status".to_string()))
+        }));
+        let binding = role_binding(&job);
+        assert_eq!(
+            binding.subjects.expect("subjects")[0].name,
+            "tiny-cpu-worker"
+        );
+    }
+
+    #[test]
+    fn long_names_stay_valid_dns_labels_and_distinct() {
+        let base = "x".repeat(80);
+        let a = dns_label(&base, "-a1-s0");
+        let b = dns_label(&format!("{base}y"), "-a1-s0");
+        assert!(a.len() <= 63 && b.len() <= 63);
+        assert_ne!(a, b);
+        assert!(a.ends_with("-a1-s0"));
+        assert_eq!(dns_label("short", "-workers"), "short-workers");
+    }
+}

@@ -1,0 +1,281 @@
+//! What a worker pod's state says about its attempt. Pure.
+
+use headroom_api::{AttemptOutcome, TerminationMessage, exit_code};
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::{ContainerStateTerminated, Pod};
+
+/// A pod's verdict, as far as the attempt is concerned.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PodVerdict {
+    /// Not scheduled yet; `unschedulable_since` is set when the scheduler said it cannot place it.
+    Pending {
+        unschedulable_since: Option<Timestamp>,
+        message: Option<String>,
+    },
+    Running,
+    Succeeded,
+    Failed(PodFailure),
+}
+
+/// Why a pod failed, with what its worker said.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PodFailure {
+    pub outcome: AttemptOutcome,
+    pub reason: String,
+    pub message: String,
+    /// From the termination message, when the worker wrote one.
+    pub step: Option<u64>,
+    pub peak_bytes: Option<u64>,
+    /// The worker itself found the plan unusable: retrying the same plan is pointless.
+    pub invalid_plan: bool,
+}
+
+const DISRUPTION_REASONS: [&str; 6] = [
+    "Evicted",
+    "Preempting",
+    "NodeLost",
+    "Shutdown",
+    "Terminated",
+    "NodeShutdown",
+];
+
+/// Classifies one worker pod.
+pub fn classify(pod: &Pod) -> PodVerdict {
+    let status = pod.status.clone().unwrap_or_default();
+    let phase = status.phase.as_deref().unwrap_or("Pending");
+    let terminated: Option<ContainerStateTerminated> =
+        status.container_statuses.as_ref().and_then(|cs| {
+            cs.iter()
+                .find_map(|c| c.state.as_ref().and_then(|s| s.terminated.clone()))
+        });
+
+    // Disruptions first: an evicted pod's container may also show a non-zero exit.
+    let disrupted_reason = status
+        .reason
+        .as_deref()
+        .filter(|r| DISRUPTION_REASONS.contains(r))
+        .map(str::to_string)
+        .or_else(|| {
+            status
+                .conditions
+                .as_ref()
+                .and_then(|c| {
+                    c.iter()
+                        .find(|c| c.type_ == "DisruptionTarget" && c.status == "True")
+                })
+                .map(|c| {
+                    c.reason
+                        .clone()
+                        .unwrap_or_else(|| "DisruptionTarget".into())
+                })
+        });
+    if phase == "Failed"
+        && let Some(reason) = disrupted_reason
+    {
+        return PodVerdict::Failed(PodFailure {
+            outcome: AttemptOutcome::Disrupted,
+            message: status
+                .message
+                .clone()
+                .unwrap_or_else(|| format!("pod {reason}")),
+            reason,
+            step: None,
+            peak_bytes: None,
+            invalid_plan: false,
+        });
+    }
+
+    if let Some(t) = &terminated {
+        if t.exit_code == 0 {
+            return PodVerdict::Succeeded;
+        }
+        return PodVerdict::Failed(classify_exit(t));
+    }
+    match phase {
+        "Succeeded" => PodVerdict::Succeeded,
+        "Failed" => PodVerdict::Failed(PodFailure {
+            outcome: AttemptOutcome::Failed,
+            reason: status.reason.clone().unwrap_or_else(|| "PodFailed".into()),
+            message: status.message.clone().unwrap_or_default(),
+            step: None,
+            peak_bytes: None,
+            invalid_plan: false,
+        }),
+        "Running" => PodVerdict::Running,
+        _ => {
+            let unschedulable = status.conditions.as_ref().and_then(|c| {
+                c.iter().find(|c| {
+                    c.type_ == "PodScheduled"
+                        && c.status == "False"
+                        && c.reason.as_deref() == Some("Unschedulable")
+                })
+            });
+            PodVerdict::Pending {
+                unschedulable_since: unschedulable.map(|c| {
+                    c.last_transition_time
+                        .as_ref()
+                        .map_or_else(Timestamp::now, |t| t.0)
+                }),
+                message: unschedulable.and_then(|c| c.message.clone()),
+            }
+        }
+    }
+}
+
+fn classify_exit(t: &ContainerStateTerminated) -> PodFailure {
+    let said: Option<TerminationMessage> = t
+        .message
+        .as_deref()
+        .and_then(|m| serde_json::from_str(m).ok());
+    let step = said.as_ref().and_then(|m| m.step);
+    let peak_bytes = said.as_ref().and_then(|m| m.peak_bytes);
+    let worker_reason = said.as_ref().map(|m| m.reason.clone());
+    let (outcome, reason, invalid_plan) = if t.reason.as_deref() == Some("OOMKilled") {
+        (
+            AttemptOutcome::HostOutOfMemory,
+            "OOMKilled".to_string(),
+            false,
+        )
+    } else {
+        match t.exit_code {
+            exit_code::DEVICE_OUT_OF_MEMORY => (
+                AttemptOutcome::DeviceOutOfMemory,
+                "DeviceOutOfMemory".to_string(),
+                false,
+            ),
+            exit_code::INVALID_PLAN => (AttemptOutcome::Failed, "InvalidPlan".to_string(), true),
+            // SIGKILL without an OOMKilled reason (e.g. cgroup v1 kill racing the status) is still most likely memory.
+            137 => (AttemptOutcome::HostOutOfMemory, "Killed".to_string(), false),
+            code => (AttemptOutcome::Failed, format!("ExitCode{code}"), false),
+        }
+    };
+    let message = worker_reason
+        .or_else(|| t.message.clone().filter(|m| !m.is_empty()))
+        .unwrap_or_else(|| format!("container exited with code {}", t.exit_code));
+    PodFailure {
+        outcome,
+        reason,
+        message,
+        step,
+        peak_bytes,
+        invalid_plan,
+    }
+}
+
+/// Severity used to pick the attempt's outcome when stages fail differently:
+/// memory failures drive the ladder, so they win.
+pub fn severity(outcome: AttemptOutcome) -> u8 {
+    match outcome {
+        AttemptOutcome::DeviceOutOfMemory => 6,
+        AttemptOutcome::HostOutOfMemory => 5,
+        AttemptOutcome::Unschedulable => 4,
+        AttemptOutcome::Failed => 3,
+        AttemptOutcome::Disrupted => 2,
+        AttemptOutcome::Running | AttemptOutcome::Succeeded => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(status: &str) -> Pod {
+        serde_yaml::from_str(&format!("metadata: {{name: p}}\nstatus:\n{status}"))
+            .expect("pod fixture")
+    }
+
+    #[test]
+    fn kernel_oom_kill_is_host_out_of_memory() {
+        let p = pod(
+            "  phase: Failed\n  containerStatuses: [{name: worker, image: i, imageID: '', ready: false, restartCount: 0, state: {terminated: {exitCode: 137, reason: OOMKilled}}}]",
+        );
+        let PodVerdict::Failed(f) = classify(&p) else {
+            panic!("failed expected")
+        };
+        assert_eq!(
+            (f.outcome, f.reason.as_str()),
+            (AttemptOutcome::HostOutOfMemory, "OOMKilled")
+        );
+    }
+
+    #[test]
+    fn device_oom_exit_code_reads_the_termination_message() {
+        let msg = r#"{\"outcome\":\"deviceOutOfMemory\",\"reason\":\"CUDA out of memory\",\"step\":12,\"peakBytes\":1000}"#;
+        let p = pod(&format!(
+            "  phase: Failed\n  containerStatuses: [{{name: worker, image: i, imageID: '', ready: false, restartCount: 0, state: {{terminated: {{exitCode: 88, reason: Error, message: \"{msg}\"}}}}}}]"
+        ));
+        let PodVerdict::Failed(f) = classify(&p) else {
+            panic!("failed expected")
+        };
+        assert_eq!(f.outcome, AttemptOutcome::DeviceOutOfMemory);
+        assert_eq!((f.step, f.peak_bytes), (Some(12), Some(1000)));
+        assert_eq!(f.message, "CUDA out of memory");
+    }
+
+    #[test]
+    fn eviction_is_a_disruption_not_a_memory_failure() {
+        let p = pod(
+            "  phase: Failed\n  reason: Evicted\n  message: 'The node was low on resource: memory.'",
+        );
+        let PodVerdict::Failed(f) = classify(&p) else {
+            panic!("failed expected")
+        };
+        assert_eq!(f.outcome, AttemptOutcome::Disrupted);
+        let preempted = pod(
+            "  phase: Failed\n  conditions: [{type: DisruptionTarget, status: 'True', reason: PreemptionByScheduler}]",
+        );
+        let PodVerdict::Failed(f) = classify(&preempted) else {
+            panic!("failed expected")
+        };
+        assert_eq!(
+            (f.outcome, f.reason.as_str()),
+            (AttemptOutcome::Disrupted, "PreemptionByScheduler")
+        );
+    }
+
+    #[test]
+    fn invalid_plan_and_other_errors() {
+        let p = pod(
+            "  phase: Failed\n  containerStatuses: [{name: worker, image: i, imageID: '', ready: false, restartCount: 0, state: {terminated: {exitCode: 78}}}]",
+        );
+        let PodVerdict::Failed(f) = classify(&p) else {
+            panic!("failed expected")
+        };
+        assert!(f.invalid_plan);
+        let p = pod(
+            "  phase: Failed\n  containerStatuses: [{name: worker, image: i, imageID: '', ready: false, restartCount: 0, state: {terminated: {exitCode: 2}}}]",
+        );
+        let PodVerdict::Failed(f) = classify(&p) else {
+            panic!("failed expected")
+        };
+        assert_eq!(
+            (f.outcome, f.reason.as_str()),
+            (AttemptOutcome::Failed, "ExitCode2")
+        );
+    }
+
+    #[test]
+    fn pending_running_succeeded() {
+        let p = pod(
+            "  phase: Pending\n  conditions: [{type: PodScheduled, status: 'False', reason: Unschedulable, message: '0/1 nodes: Insufficient nvidia.com/gpu', lastTransitionTime: '2026-01-01T00:00:00Z'}]",
+        );
+        let PodVerdict::Pending {
+            unschedulable_since,
+            message,
+        } = classify(&p)
+        else {
+            panic!("pending expected")
+        };
+        assert!(unschedulable_since.is_some());
+        assert!(message.is_some_and(|m| m.contains("nvidia.com/gpu")));
+        assert_eq!(classify(&pod("  phase: Running")), PodVerdict::Running);
+        assert_eq!(classify(&pod("  phase: Succeeded")), PodVerdict::Succeeded);
+        assert_eq!(
+            classify(&pod("  phase: Pending")),
+            PodVerdict::Pending {
+                unschedulable_since: None,
+                message: None
+            }
+        );
+    }
+}

@@ -1,0 +1,5 @@
+//! The MemoryAwareTrainingJob controller.
+
+pub mod children;
+pub mod classify;
+pub mod decide;
