@@ -38,8 +38,8 @@ fn pod_device_requests(pod: &Pod) -> BTreeMap<String, u64> {
     out
 }
 
-/// What the planner needs from one node, given all pods (any namespace).
-pub fn node_facts(node: &Node, pods: &[Pod]) -> NodeFacts {
+/// What the planner needs from one node, given the pods that may be bound to it.
+pub fn node_facts<'a>(node: &Node, pods: impl IntoIterator<Item = &'a Pod>) -> NodeFacts {
     let name = node.metadata.name.clone().unwrap_or_default();
     let labels = node.metadata.labels.clone().unwrap_or_default();
     let allocatable = node
@@ -55,7 +55,7 @@ pub fn node_facts(node: &Node, pods: &[Pod]) -> NodeFacts {
         .unwrap_or_default();
     let mut in_use: BTreeMap<String, u64> = BTreeMap::new();
     for pod in pods
-        .iter()
+        .into_iter()
         .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(name.as_str()))
     {
         for (resource, n) in pod_device_requests(pod) {

@@ -1,1 +1,196 @@
-fn main() {}
+//! `headroom-operator`: leader-elected controller plus metrics/health server.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context as _, Result};
+use clap::Parser;
+use headroom_operator::controller::children::ChildConfig;
+use headroom_operator::controller::{self, ControllerConfig};
+use headroom_operator::leader::LeaseLock;
+use headroom_operator::metrics::{Metrics, router};
+use kube::Api;
+use tokio::sync::watch;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "headroom-operator",
+    version,
+    about = "Reconciles MemoryAwareTrainingJobs"
+)]
+struct Args {
+    /// Address of the /metrics, /healthz and /readyz server.
+    #[arg(long, env = "HEADROOM_METRICS_ADDR", default_value = "0.0.0.0:8080")]
+    metrics_addr: SocketAddr,
+    /// Run without leader election (a single replica, or local development).
+    #[arg(long, env = "HEADROOM_NO_LEADER_ELECTION")]
+    no_leader_election: bool,
+    #[arg(long, env = "HEADROOM_LEASE_NAME", default_value = "headroom-operator")]
+    lease_name: String,
+    /// Namespace of the Lease (the operator's own namespace).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "headroom-system")]
+    lease_namespace: String,
+    /// This replica's identity (the pod name in a cluster).
+    #[arg(long, env = "POD_NAME")]
+    identity: Option<String>,
+    #[arg(long, env = "HEADROOM_LEASE_SECONDS", default_value_t = 15)]
+    lease_seconds: u64,
+    /// StorageClass for checkpoint volumes (the cluster default when unset).
+    #[arg(long, env = "HEADROOM_CHECKPOINT_STORAGE_CLASS")]
+    checkpoint_storage_class: Option<String>,
+    #[arg(long, env = "HEADROOM_CHECKPOINT_SIZE", default_value = "1Gi")]
+    checkpoint_size: String,
+    /// Host memory limit for GPU workers whose job does not set resources.gpu.hostMemory.
+    #[arg(long, env = "HEADROOM_GPU_HOST_MEMORY", default_value = "16Gi")]
+    gpu_host_memory: String,
+    /// Seconds a worker may stay unschedulable before the attempt is replanned.
+    #[arg(
+        long,
+        env = "HEADROOM_UNSCHEDULABLE_GRACE_SECONDS",
+        default_value_t = 120
+    )]
+    unschedulable_grace_seconds: u64,
+    #[arg(long, env = "HEADROOM_CONCURRENCY", default_value_t = 8)]
+    concurrency: u16,
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,kube=warn".into()),
+        )
+        .init();
+    let args = Args::parse();
+    let client = kube::Client::try_default()
+        .await
+        .context("connecting to the Kubernetes API")?;
+    let metrics = Arc::new(Metrics::default());
+
+    let listener = tokio::net::TcpListener::bind(args.metrics_addr)
+        .await
+        .with_context(|| format!("binding {}", args.metrics_addr))?;
+    let server = axum::serve(listener, router(metrics.clone()));
+    tokio::spawn(async move {
+        if let Err(e) = server.await {
+            tracing::error!(%e, "metrics server stopped");
+        }
+    });
+
+    // One shutdown signal for everything: SIGTERM/SIGINT, or lost leadership.
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let signal_tx = stop_tx.clone();
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        tracing::info!("shutdown requested");
+        let _ = signal_tx.send(true);
+    });
+
+    let identity = args
+        .identity
+        .clone()
+        .unwrap_or_else(|| format!("{}-{}", hostname(), std::process::id()));
+    let lock = (!args.no_leader_election).then(|| {
+        LeaseLock::new(
+            Api::namespaced(client.clone(), &args.lease_namespace),
+            &args.lease_name,
+            &identity,
+            Duration::from_secs(args.lease_seconds.max(3)),
+        )
+    });
+    if let Some(lock) = &lock {
+        if !acquire(lock, stop_rx.clone()).await? {
+            return Ok(()); // asked to stop while standing by
+        }
+        tracing::info!(%identity, "leading");
+        tokio::spawn(keep_leading(lock.clone(), stop_tx.clone()));
+    }
+
+    let config = ControllerConfig {
+        children: ChildConfig {
+            checkpoint_storage_class: args.checkpoint_storage_class,
+            checkpoint_size: args.checkpoint_size,
+            gpu_host_memory: args.gpu_host_memory,
+            ..ChildConfig::default()
+        },
+        unschedulable_grace: Duration::from_secs(args.unschedulable_grace_seconds),
+        concurrency: args.concurrency.max(1),
+        ..ControllerConfig::default()
+    };
+    let mut rx = stop_rx.clone();
+    let shutdown = async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+    controller::run(client, metrics, config, &identity, shutdown).await;
+    if let Some(lock) = &lock
+        && let Err(e) = lock.release().await
+    {
+        tracing::warn!(%e, "could not release the lease");
+    }
+    Ok(())
+}
+
+/// Waits until this replica holds the lease; false when asked to stop first.
+async fn acquire(lock: &LeaseLock, mut stop: watch::Receiver<bool>) -> Result<bool> {
+    let retry = lock.duration() / 3;
+    loop {
+        match lock.try_acquire_or_renew().await {
+            Ok(true) => return Ok(true),
+            Ok(false) => tracing::debug!("standing by: another replica leads"),
+            Err(e) => tracing::warn!(%e, "lease"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(retry) => {}
+            _ = stop.wait_for(|s| *s) => return Ok(false),
+        }
+    }
+}
+
+/// Renews the lease; if it cannot for a whole lease duration, stops the controller.
+async fn keep_leading(lock: LeaseLock, stop: watch::Sender<bool>) {
+    let period = lock.duration() / 3;
+    let mut last_ok = tokio::time::Instant::now();
+    loop {
+        tokio::time::sleep(period).await;
+        match lock.try_acquire_or_renew().await {
+            Ok(true) => last_ok = tokio::time::Instant::now(),
+            Ok(false) => {
+                tracing::error!("leadership lost to another replica; stopping");
+                let _ = stop.send(true);
+                return;
+            }
+            Err(e) => tracing::warn!(%e, "lease renewal failed"),
+        }
+        if last_ok.elapsed() > lock.duration() {
+            tracing::error!("could not renew the lease in time; stopping");
+            let _ = stop.send(true);
+            return;
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => return ctrl_c.await.unwrap_or(()),
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "headroom".into())
+}

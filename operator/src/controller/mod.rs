@@ -1,5 +1,383 @@
-//! The MemoryAwareTrainingJob controller.
+//! The MemoryAwareTrainingJob controller: watches jobs, their pods (a shared
+//! reflector that also triggers reconciles) and nodes (the GPU inventory);
+//! each reconcile is dereference → decide (pure, `decide.rs`) → apply.
 
 pub mod children;
 pub mod classify;
 pub mod decide;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use headroom_api::{LABEL_JOB, MemoryAwareTrainingJob, OPERATOR_FIELD_MANAGER};
+use headroom_planner::Inventory;
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim, Pod, Service, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, Resource, ResourceExt};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::inventory::node_facts;
+use crate::metrics::{ErrorLabels, Metrics, OutcomeLabels};
+use children::ChildConfig;
+use decide::{Decision, Observation, decide};
+
+/// Reconcile failures, each with a short label for metrics.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("serialising a child object: {0}")]
+    Serialize(#[from] serde_json::Error),
+    #[error("job has no namespace")]
+    NoNamespace,
+}
+
+impl Error {
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::Kube(kube::Error::Api(e)) if e.code == 409 => "conflict",
+            Error::Kube(_) => "kube",
+            Error::Serialize(_) => "serialize",
+            Error::NoNamespace => "no_namespace",
+        }
+    }
+}
+
+/// Controller settings (flags / Helm values).
+#[derive(Clone, Debug)]
+pub struct ControllerConfig {
+    pub children: ChildConfig,
+    pub unschedulable_grace: Duration,
+    /// Re-check every job at least this often.
+    pub resync: Duration,
+    pub concurrency: u16,
+}
+
+impl Default for ControllerConfig {
+    fn default() -> Self {
+        ControllerConfig {
+            children: ChildConfig::default(),
+            unschedulable_grace: Duration::from_secs(120),
+            resync: Duration::from_secs(300),
+            concurrency: 8,
+        }
+    }
+}
+
+/// Shared state of every reconcile.
+pub struct Context {
+    pub client: Client,
+    pub pods: Store<Pod>,
+    pub nodes: Store<Node>,
+    pub recorder: Recorder,
+    pub metrics: Arc<Metrics>,
+    pub config: ControllerConfig,
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Runs the controller until `shutdown` resolves; returns after in-flight reconciles finish.
+pub async fn run(
+    client: Client,
+    metrics: Arc<Metrics>,
+    config: ControllerConfig,
+    identity: &str,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) {
+    let jobs: Api<MemoryAwareTrainingJob> = Api::all(client.clone());
+
+    // Pods carrying our job label: a shared reflector, read in reconcile and
+    // subscribed to as the "owns" trigger, so pods are watched once.
+    let (pods, pod_writer) = reflector::store_shared(1024);
+    let pod_events = pod_writer
+        .subscribe()
+        .expect("a shared store hands out subscribers");
+    let pod_watch = watcher(
+        Api::<Pod>::all(client.clone()),
+        watcher::Config::default().labels(LABEL_JOB),
+    )
+    .default_backoff()
+    .reflect_shared(pod_writer)
+    .for_each(|_| std::future::ready(()));
+
+    let (nodes, node_writer) = reflector::store();
+    let node_watch = watcher(Api::<Node>::all(client.clone()), watcher::Config::default())
+        .default_backoff()
+        .reflect(node_writer)
+        .for_each(|_| std::future::ready(()));
+
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: "headroom-operator".into(),
+            instance: Some(identity.into()),
+        },
+    );
+    let ctx = Arc::new(Context {
+        client,
+        pods: pods.clone(),
+        nodes: nodes.clone(),
+        recorder,
+        metrics: metrics.clone(),
+        config: config.clone(),
+    });
+
+    let controller = Controller::new(jobs, watcher::Config::default())
+        .owns_shared_stream(pod_events)
+        .with_config(kube::runtime::controller::Config::default().concurrency(config.concurrency))
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            if let Err(e) = result {
+                tracing::debug!(error = %e, "reconcile trigger failed");
+            }
+        });
+
+    let ready = async {
+        let _ = pods.wait_until_ready().await;
+        let _ = nodes.wait_until_ready().await;
+        metrics.set_ready(true);
+        tracing::info!("caches synced; reconciling");
+        futures::future::pending::<()>().await;
+    };
+    tokio::select! {
+        _ = controller => tracing::info!("controller stopped"),
+        _ = pod_watch => tracing::warn!("pod watch ended"),
+        _ = node_watch => tracing::warn!("node watch ended"),
+        _ = ready => {}
+    }
+}
+
+fn error_policy(_job: Arc<MemoryAwareTrainingJob>, error: &Error, ctx: Arc<Context>) -> Action {
+    ctx.metrics
+        .reconcile_errors
+        .get_or_create(&ErrorLabels {
+            error: error.metric_label().into(),
+        })
+        .inc();
+    match error {
+        // A stale read lost a race with a newer write: the watch brings the new version.
+        Error::Kube(kube::Error::Api(e)) if e.code == 409 => {
+            Action::requeue(Duration::from_millis(500))
+        }
+        _ => {
+            tracing::warn!(%error, "reconcile failed");
+            Action::requeue(Duration::from_secs(5))
+        }
+    }
+}
+
+#[tracing::instrument(skip_all, fields(job = %job.name_any(), ns = job.namespace().unwrap_or_default()))]
+async fn reconcile(job: Arc<MemoryAwareTrainingJob>, ctx: Arc<Context>) -> Result<Action, Error> {
+    ctx.metrics.reconciles.inc();
+    let ns = job.namespace().ok_or(Error::NoNamespace)?;
+    let name = job.name_any();
+    let uid = job.uid();
+
+    // Dereference: this job's pods, and the GPU inventory for GPU jobs.
+    let all_pods = ctx.pods.state();
+    let own: Vec<&Pod> = all_pods
+        .iter()
+        .map(AsRef::as_ref)
+        .filter(|p: &&Pod| {
+            p.namespace().as_deref() == Some(ns.as_str())
+                && p.labels().get(LABEL_JOB) == Some(&name)
+        })
+        .filter(|p| {
+            p.owner_references()
+                .iter()
+                .any(|o| Some(&o.uid) == uid.as_ref())
+        })
+        .collect();
+    let inventory = if job.spec.resources.gpu.is_some() {
+        let nodes = ctx.nodes.state();
+        let facts: Vec<_> = nodes
+            .iter()
+            .map(|n| node_facts(n, all_pods.iter().map(AsRef::as_ref)))
+            .collect();
+        Inventory::from_nodes(&facts)
+    } else {
+        Inventory::default()
+    };
+
+    // Decide (pure).
+    let started = Instant::now();
+    let decision = decide(&Observation {
+        job: &job,
+        pods: &own,
+        inventory: &inventory,
+        now: Timestamp::now(),
+        unschedulable_grace: ctx.config.unschedulable_grace,
+    });
+    ctx.metrics
+        .planning_seconds
+        .observe(started.elapsed().as_secs_f64());
+
+    // Apply: status first (so a crash never loses an attempt), then events, pods.
+    apply_status(&ctx.client, &job, &decision).await?;
+    if let Some(outcome) = decision.ended {
+        ctx.metrics
+            .attempts
+            .get_or_create(&OutcomeLabels {
+                outcome: format!("{outcome:?}"),
+            })
+            .inc();
+    }
+    let reference = job.object_ref(&());
+    for e in &decision.events {
+        let event = Event {
+            type_: if e.warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
+            reason: e.reason.into(),
+            note: Some(e.note.clone()),
+            action: "Reconcile".into(),
+            secondary: None,
+        };
+        if let Err(err) = ctx.recorder.publish(&event, &reference).await {
+            tracing::warn!(%err, reason = e.reason, "could not record event");
+        }
+    }
+    let pod_api: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    for pod in &decision.delete_pods {
+        match pod_api.delete(pod, &DeleteParams::default()).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    if let Some(attempt) = decision.launch {
+        ensure_children(&ctx, &job, &decision, attempt, &own).await?;
+    }
+    Ok(Action::requeue(
+        decision
+            .requeue_after
+            .unwrap_or(ctx.config.resync)
+            .min(ctx.config.resync),
+    ))
+}
+
+/// Server-side applies the operator-owned status, guarded by the resourceVersion we decided on.
+async fn apply_status(
+    client: &Client,
+    job: &MemoryAwareTrainingJob,
+    decision: &Decision,
+) -> Result<(), Error> {
+    let mut status = decision.status.clone();
+    let current = job.status.clone().unwrap_or_default();
+    status.workers = current.workers.clone();
+    if status == current {
+        return Ok(());
+    }
+    // Telemetry entries belong to the workers' field managers; leave them out.
+    status.workers.clear();
+    let api: Api<MemoryAwareTrainingJob> =
+        Api::namespaced(client.clone(), &job.namespace().unwrap_or_default());
+    let patch = serde_json::json!({
+        "apiVersion": MemoryAwareTrainingJob::api_version(&()),
+        "kind": MemoryAwareTrainingJob::kind(&()),
+        "metadata": {"name": job.name_any(), "resourceVersion": job.resource_version()},
+        "status": status,
+    });
+    api.patch_status(
+        &job.name_any(),
+        &PatchParams::apply(OPERATOR_FIELD_MANAGER).force(),
+        &Patch::Apply(&patch),
+    )
+    .await?;
+    Ok(())
+}
+
+async fn apply<K>(client: &Client, ns: &str, object: &K) -> Result<(), Error>
+where
+    K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + Serialize
+        + std::fmt::Debug,
+{
+    let api: Api<K> = Api::namespaced(client.clone(), ns);
+    let mut value = serde_json::to_value(object)?;
+    value["apiVersion"] = serde_json::Value::String(K::api_version(&()).into_owned());
+    value["kind"] = serde_json::Value::String(K::kind(&()).into_owned());
+    api.patch(
+        &object.name_any(),
+        &PatchParams::apply(OPERATOR_FIELD_MANAGER).force(),
+        &Patch::Apply(&value),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Creates whatever the attempt still lacks; a no-op once all its pods exist.
+async fn ensure_children(
+    ctx: &Context,
+    job: &MemoryAwareTrainingJob,
+    decision: &Decision,
+    attempt: u32,
+    own: &[&Pod],
+) -> Result<(), Error> {
+    let Some(plan) = decision
+        .status
+        .attempts
+        .iter()
+        .find(|a| a.number == attempt)
+        .map(|a| &a.plan)
+    else {
+        return Ok(());
+    };
+    let existing: Vec<String> = own.iter().map(|p| p.name_any()).collect();
+    let missing: Vec<u32> = (0..plan.workers)
+        .filter(|&stage| !existing.contains(&children::pod_name(job, attempt, stage)))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let ns = job.namespace().unwrap_or_default();
+    let cfg = &ctx.config.children;
+    apply::<ServiceAccount>(&ctx.client, &ns, &children::service_account(job)).await?;
+    apply::<Role>(&ctx.client, &ns, &children::role(job)).await?;
+    apply::<RoleBinding>(&ctx.client, &ns, &children::role_binding(job)).await?;
+    apply_claim(&ctx.client, &ns, &children::checkpoint_claim(job, cfg)).await?;
+    if plan.workers > 1 {
+        apply::<Service>(&ctx.client, &ns, &children::headless_service(job, cfg)).await?;
+    }
+    for stage in missing {
+        apply::<Pod>(
+            &ctx.client,
+            &ns,
+            &children::worker_pod(job, attempt, stage, plan, cfg)?,
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+/// A PVC's spec is immutable once bound: create it once, never re-apply.
+async fn apply_claim(
+    client: &Client,
+    ns: &str,
+    claim: &PersistentVolumeClaim,
+) -> Result<(), Error> {
+    let api: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
+    if api.get_opt(&claim.name_any()).await?.is_some() {
+        return Ok(());
+    }
+    apply::<PersistentVolumeClaim>(client, ns, claim).await
+}
