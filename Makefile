@@ -45,8 +45,8 @@ test: fmt-check lint test-unit test-apiserver ## Everything CI runs: format, cli
 test-unit: ## Unit, property, CRD-drift and plugin tests (no cluster needed).
 	$(CARGO) test --workspace --all-targets
 
-test-apiserver: controlplane-up ## CRD, samples and the invalid-manifest corpus against a real kube-apiserver.
-	KUBECONFIG=$(KUBECONFIG_TEST) $(CARGO) test -p headroom-operator --test api_server -- --ignored --test-threads=1
+test-apiserver: controlplane-up ## CRD, samples, invalid-manifest corpus and the controller against a real kube-apiserver.
+	KUBECONFIG=$(KUBECONFIG_TEST) $(CARGO) test -p headroom-operator --test api_server --test controller -- --ignored
 
 bench-planner: ## Criterion benchmark: plan a 70B model over 1,000 nodes of 6 GPU types.
 	$(CARGO) bench -p headroom-planner --bench plan_70b

@@ -53,6 +53,9 @@ struct Args {
     unschedulable_grace_seconds: u64,
     #[arg(long, env = "HEADROOM_CONCURRENCY", default_value_t = 8)]
     concurrency: u16,
+    /// Watch jobs in this namespace only (default: all namespaces).
+    #[arg(long, env = "HEADROOM_WATCH_NAMESPACE")]
+    watch_namespace: Option<String>,
 }
 
 #[tokio::main]
@@ -117,6 +120,7 @@ async fn main() -> Result<()> {
         },
         unschedulable_grace: Duration::from_secs(args.unschedulable_grace_seconds),
         concurrency: args.concurrency.max(1),
+        namespace: args.watch_namespace,
         ..ControllerConfig::default()
     };
     let mut rx = stop_rx.clone();

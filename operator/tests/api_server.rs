@@ -5,6 +5,8 @@
 //! Ignored by plain `cargo test`; `make test-apiserver` starts the control
 //! plane, exports KUBECONFIG and runs these with `--ignored`.
 
+mod support;
+
 use std::path::PathBuf;
 use std::time::Duration;
 

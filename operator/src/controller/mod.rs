@@ -59,6 +59,8 @@ pub struct ControllerConfig {
     /// Re-check every job at least this often.
     pub resync: Duration,
     pub concurrency: u16,
+    /// Watch only this namespace (all namespaces when None).
+    pub namespace: Option<String>,
 }
 
 impl Default for ControllerConfig {
@@ -68,6 +70,7 @@ impl Default for ControllerConfig {
             unschedulable_grace: Duration::from_secs(120),
             resync: Duration::from_secs(300),
             concurrency: 8,
+            namespace: None,
         }
     }
 }
@@ -98,7 +101,16 @@ pub async fn run(
     identity: &str,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
-    let jobs: Api<MemoryAwareTrainingJob> = Api::all(client.clone());
+    let scoped = |client: &Client| -> (Api<MemoryAwareTrainingJob>, Api<Pod>) {
+        match &config.namespace {
+            Some(ns) => (
+                Api::namespaced(client.clone(), ns),
+                Api::namespaced(client.clone(), ns),
+            ),
+            None => (Api::all(client.clone()), Api::all(client.clone())),
+        }
+    };
+    let (jobs, pod_api) = scoped(&client);
 
     // Pods carrying our job label: a shared reflector, read in reconcile and
     // subscribed to as the "owns" trigger, so pods are watched once.
@@ -106,13 +118,10 @@ pub async fn run(
     let pod_events = pod_writer
         .subscribe()
         .expect("a shared store hands out subscribers");
-    let pod_watch = watcher(
-        Api::<Pod>::all(client.clone()),
-        watcher::Config::default().labels(LABEL_JOB),
-    )
-    .default_backoff()
-    .reflect_shared(pod_writer)
-    .for_each(|_| std::future::ready(()));
+    let pod_watch = watcher(pod_api, watcher::Config::default().labels(LABEL_JOB))
+        .default_backoff()
+        .reflect_shared(pod_writer)
+        .for_each(|_| std::future::ready(()));
 
     let (nodes, node_writer) = reflector::store();
     let node_watch = watcher(Api::<Node>::all(client.clone()), watcher::Config::default())

@@ -1,0 +1,288 @@
+//! The controller against a real kube-apiserver: pods appear with the planned
+//! spec, simulated terminations (pod status written as a kubelet would) drive
+//! the retry ladder, history survives restarts, and nothing is duplicated.
+//!
+//! Ignored by plain `cargo test`; run by `make test-apiserver`.
+
+mod support;
+
+use std::time::Duration;
+
+use headroom_api::{AttemptOutcome, JobPhase, LABEL_ATTEMPT, MemoryAwareTrainingJob};
+use headroom_operator::controller::ControllerConfig;
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use kube::ResourceExt;
+use kube::api::Api;
+use support::*;
+
+const TINY: &str = include_str!("../../samples/cpu-tiny.yaml");
+const OOM_FIRST: &str = include_str!("../../samples/cpu-oom-first.yaml");
+
+fn attempts(job: &MemoryAwareTrainingJob) -> usize {
+    job.status.as_ref().map_or(0, |s| s.attempts.len())
+}
+
+fn phase(job: &MemoryAwareTrainingJob) -> Option<JobPhase> {
+    job.status.as_ref().and_then(|s| s.phase)
+}
+
+fn pods_of_attempt(pods: &[Pod], n: u32) -> usize {
+    pods.iter()
+        .filter(|p| p.labels().get(LABEL_ATTEMPT) == Some(&n.to_string()))
+        .count()
+}
+
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn apply_plans_and_creates_the_workers_children() {
+    let ns = TestNs::new("hr-apply").await;
+    let op = ns.start_operator(ControllerConfig::default());
+    ns.apply_job(TINY).await;
+    let job = ns
+        .wait_job("tiny-cpu", "attempt 1 planned", |j| attempts(j) == 1)
+        .await;
+    let status = job.status.clone().expect("status");
+    let plan = status.plan.clone().expect("plan in status");
+    assert_eq!(
+        (plan.device.as_str(), plan.workers, plan.global_batch),
+        ("cpu", 1, 32)
+    );
+    assert!(plan.fits(), "{}", plan.fit);
+    assert_eq!(status.observed_generation, job.metadata.generation);
+
+    let pods = ns.wait_pods("the worker pod", |p| p.len() == 1).await;
+    let pod = &pods[0];
+    assert_eq!(pod.name_any(), "tiny-cpu-a1-s0");
+    assert_eq!(pod.owner_references()[0].uid, job.uid().expect("uid"));
+    let container = &pod.spec.as_ref().expect("spec").containers[0];
+    let limits = container
+        .resources
+        .as_ref()
+        .and_then(|r| r.limits.clone())
+        .expect("limits");
+    assert_eq!(limits["memory"].0, (1u64 << 30).to_string());
+    assert_eq!(
+        container
+            .security_context
+            .as_ref()
+            .and_then(|s| s.run_as_non_root),
+        Some(true)
+    );
+
+    let sa: Api<ServiceAccount> = Api::namespaced(ns.client.clone(), &ns.name);
+    let role: Api<Role> = Api::namespaced(ns.client.clone(), &ns.name);
+    let rb: Api<RoleBinding> = Api::namespaced(ns.client.clone(), &ns.name);
+    let pvc: Api<PersistentVolumeClaim> = Api::namespaced(ns.client.clone(), &ns.name);
+    assert!(sa.get_opt("tiny-cpu-worker").await.expect("get").is_some());
+    let role = role.get("tiny-cpu-worker").await.expect("role");
+    assert_eq!(
+        role.rules.expect("rules")[0].resource_names,
+        Some(vec!["tiny-cpu".to_string()])
+    );
+    assert!(rb.get_opt("tiny-cpu-worker").await.expect("get").is_some());
+    assert!(
+        pvc.get_opt("tiny-cpu-checkpoints")
+            .await
+            .expect("get")
+            .is_some()
+    );
+
+    ns.set_pod_status("tiny-cpu-a1-s0", running()).await;
+    ns.wait_job("tiny-cpu", "phase Running", |j| {
+        phase(j) == Some(JobPhase::Running)
+    })
+    .await;
+    ns.set_pod_status("tiny-cpu-a1-s0", terminated(0, "Completed", None))
+        .await;
+    let done = ns
+        .wait_job("tiny-cpu", "phase Succeeded", |j| {
+            phase(j) == Some(JobPhase::Succeeded)
+        })
+        .await;
+    assert_eq!(
+        done.status.expect("status").attempts[0].outcome,
+        AttemptOutcome::Succeeded
+    );
+    op.stop().await;
+    ns.cleanup().await;
+}
+
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn oom_kill_retries_with_stricter_settings_and_keeps_history() {
+    let ns = TestNs::new("hr-oom").await;
+    let op = ns.start_operator(ControllerConfig::default());
+    ns.apply_job(OOM_FIRST).await;
+    ns.wait_pods("attempt 1 pod", |p| pods_of_attempt(p, 1) == 1)
+        .await;
+    ns.set_pod_status("oom-then-fit-a1-s0", oom_killed()).await;
+
+    let job = ns
+        .wait_job("oom-then-fit", "attempt 2", |j| attempts(j) == 2)
+        .await;
+    let status = job.status.expect("status");
+    let (first, second) = (&status.attempts[0], &status.attempts[1]);
+    assert_eq!(first.outcome, AttemptOutcome::HostOutOfMemory);
+    assert_eq!(
+        first.plan.settings.micro_batch, 64,
+        "attempt 1 ran the pinned settings"
+    );
+    assert!(!first.plan.settings.activation_checkpointing);
+    assert!(second.plan.settings.activation_checkpointing);
+    assert!(second.plan.settings.micro_batch < 64);
+    assert_eq!(
+        second.plan.global_batch, 64,
+        "the global batch is preserved"
+    );
+    assert!(second.plan.fits());
+    assert_eq!(status.phase, Some(JobPhase::Retrying));
+
+    let pods = ns
+        .wait_pods("attempt 2 pod", |p| pods_of_attempt(p, 2) == 1)
+        .await;
+    assert_eq!(
+        pods_of_attempt(&pods, 1),
+        1,
+        "the failed pod is kept for its logs"
+    );
+
+    // A device OOM with a termination message on attempt 2: its peak is recorded.
+    let msg = r#"{"outcome":"deviceOutOfMemory","reason":"allocation of 512 MiB failed","step":40,"peakBytes":700000000}"#;
+    ns.set_pod_status("oom-then-fit-a2-s0", terminated(88, "Error", Some(msg)))
+        .await;
+    let job = ns
+        .wait_job("oom-then-fit", "attempt 3", |j| attempts(j) == 3)
+        .await;
+    let status = job.status.expect("status");
+    let second = &status.attempts[1];
+    assert_eq!(second.outcome, AttemptOutcome::DeviceOutOfMemory);
+    assert_eq!(
+        (second.observed_peak_bytes, second.last_step),
+        (Some(700_000_000), Some(40))
+    );
+    assert_eq!(status.attempts[2].plan.global_batch, 64);
+    assert_eq!(
+        status.attempts[0].outcome,
+        AttemptOutcome::HostOutOfMemory,
+        "history intact"
+    );
+
+    ns.set_pod_status("oom-then-fit-a3-s0", terminated(0, "Completed", None))
+        .await;
+    let job = ns
+        .wait_job("oom-then-fit", "success", |j| {
+            phase(j) == Some(JobPhase::Succeeded)
+        })
+        .await;
+    assert_eq!(attempts(&job), 3);
+    assert!(
+        op.metrics
+            .encode()
+            .contains("headroom_attempts_ended_total{outcome=\"HostOutOfMemory\"} 1")
+    );
+    op.stop().await;
+    ns.cleanup().await;
+}
+
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn eviction_retries_the_same_settings() {
+    let ns = TestNs::new("hr-evict").await;
+    let op = ns.start_operator(ControllerConfig::default());
+    let manifest = TINY.replace(
+        "  worker:",
+        "  memoryPolicy: {backoffSeconds: 0}\n  worker:",
+    );
+    ns.apply_job(&manifest).await;
+    ns.wait_pods("attempt 1 pod", |p| p.len() == 1).await;
+    ns.set_pod_status("tiny-cpu-a1-s0", serde_json::json!({"phase": "Failed", "reason": "Evicted", "message": "The node was low on resource: memory."})).await;
+    let job = ns
+        .wait_job("tiny-cpu", "attempt 2", |j| attempts(j) == 2)
+        .await;
+    let status = job.status.expect("status");
+    assert_eq!(status.attempts[0].outcome, AttemptOutcome::Disrupted);
+    assert_eq!(
+        status.attempts[1].plan.settings, status.attempts[0].plan.settings,
+        "no stricter settings for a disruption"
+    );
+    op.stop().await;
+    ns.cleanup().await;
+}
+
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn restarts_and_a_second_replica_never_duplicate_pods_or_lose_history() {
+    let ns = TestNs::new("hr-restart").await;
+    let first = ns.start_operator(ControllerConfig::default());
+    ns.apply_job(OOM_FIRST).await;
+    ns.wait_pods("attempt 1 pod", |p| p.len() == 1).await;
+    first.stop().await;
+
+    // Two replicas at once (as during a rollout without leader election).
+    let a = ns.start_operator(ControllerConfig::default());
+    let b = ns.start_operator(ControllerConfig::default());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let job = ns
+        .wait_job("oom-then-fit", "one attempt", |j| attempts(j) == 1)
+        .await;
+    assert_eq!(attempts(&job), 1);
+    assert_eq!(ns.wait_pods("pods", |_| true).await.len(), 1);
+
+    ns.set_pod_status("oom-then-fit-a1-s0", oom_killed()).await;
+    ns.wait_job("oom-then-fit", "attempt 2", |j| attempts(j) == 2)
+        .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let job = ns
+        .wait_job("oom-then-fit", "still two attempts", |_| true)
+        .await;
+    assert_eq!(attempts(&job), 2, "the OOM was handled exactly once");
+    let pods = ns.wait_pods("pods", |_| true).await;
+    assert_eq!(
+        (pods_of_attempt(&pods, 1), pods_of_attempt(&pods, 2)),
+        (1, 1)
+    );
+    a.stop().await;
+
+    // A restart while attempt 2 runs keeps everything.
+    let c = ns.start_operator(ControllerConfig::default());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let job = ns.wait_job("oom-then-fit", "history", |_| true).await;
+    assert_eq!(attempts(&job), 2);
+    assert_eq!(
+        job.status.expect("status").attempts[0].outcome,
+        AttemptOutcome::HostOutOfMemory
+    );
+    assert_eq!(ns.wait_pods("pods", |_| true).await.len(), 2);
+    b.stop().await;
+    c.stop().await;
+    ns.cleanup().await;
+}
+
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn infeasible_job_fails_without_pods() {
+    let ns = TestNs::new("hr-nofit").await;
+    let op = ns.start_operator(ControllerConfig::default());
+    let manifest = TINY.replace("memoryLimit: 1Gi", "memoryLimit: 64Mi");
+    ns.apply_job(&manifest).await;
+    let job = ns
+        .wait_job("tiny-cpu", "Failed", |j| phase(j) == Some(JobPhase::Failed))
+        .await;
+    let status = job.status.expect("status");
+    let message = status.message.expect("message");
+    assert!(
+        message.contains("no feasible plan") && message.contains("budget"),
+        "{message}"
+    );
+    assert!(
+        status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "Planned" && c.status == "False" && c.reason == "NoFeasiblePlan")
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(ns.wait_pods("no pods", |_| true).await.is_empty());
+    op.stop().await;
+    ns.cleanup().await;
+}
