@@ -56,7 +56,7 @@ mkdir -p "${HEADROOM_BIN_DIR}" "${STAMP_DIR}" "${K8S_SRC}"
 
 # One build per version at a time (parallel test jobs may all call this).
 exec 9>"${K8S_CACHE_DIR}/.build.lock"
-flock 9
+flock 9 # no timeout: a concurrent cold build legitimately takes minutes
 
 # Build settings mirrored from kubernetes' hack/lib/golang.sh: static
 # (CGO_ENABLED=0 -- upstream builds kubelet with cgo, but nothing in it needs
@@ -206,7 +206,9 @@ if [[ ${BUILD_ETCD} == 1 ]]; then
   fi
 fi
 
-record_time "build-binaries.sh total (k8s ${K8S_VERSION}, etcd ${ETCD_VERSION})" $(($(now) - T_START))
+what="k8s ${K8S_VERSION}: ${K8S_BINARIES}"
+[[ ${BUILD_ETCD} == 1 ]] && what+="; etcd ${ETCD_VERSION}"
+record_time "build-binaries.sh total (${what})" $(($(now) - T_START))
 
 for b in ${K8S_BINARIES}; do
   case ${b} in

@@ -44,7 +44,7 @@ component_port() {
 take_lock() {
   mkdir -p "${HEADROOM_STATE}"
   exec 9>"${HEADROOM_STATE}/.lock"
-  flock 9
+  flock -w "${LOCK_TIMEOUT}" 9 || die "another controlplane.sh holds ${HEADROOM_STATE}/.lock for over ${LOCK_TIMEOUT}s"
 }
 
 need_binaries() {

@@ -59,7 +59,9 @@ APISERVER_URL="https://${HEADROOM_BIND_ADDRESS}:${APISERVER_PORT}"
 # --- timeouts (seconds) -----------------------------------------------------
 : "${ETCD_START_TIMEOUT:=30}"
 : "${APISERVER_START_TIMEOUT:=90}"
-: "${STOP_TIMEOUT:=15}"
+: "${STOP_TIMEOUT:=20}"
+# How long up/down wait for another up/down on the same state dir.
+: "${LOCK_TIMEOUT:=300}"
 
 # --- logging ----------------------------------------------------------------
 log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
@@ -72,6 +74,15 @@ now() { date +%s; }
 pid_file() { printf '%s/%s.pid' "${RUN_DIR}" "$1"; }
 log_file() { printf '%s/%s.log' "${LOG_DIR}" "$1"; }
 
+# True while PID exists and is not a zombie. Daemons are reparented to PID 1;
+# in some containers PID 1 is slow to reap, and kill -0 succeeds on zombies.
+pid_alive() {
+  local state
+  kill -0 "$1" 2>/dev/null || return 1
+  state=$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null) || return 1
+  [[ -n ${state} && ${state} != Z ]]
+}
+
 # Prints the PID of a running component, or fails. Guards against PID reuse by
 # checking that /proc/PID/exe still points at the expected binary name.
 component_pid() {
@@ -80,7 +91,7 @@ component_pid() {
   [[ -s ${file} ]] || return 1
   pid=$(<"${file}")
   [[ ${pid} =~ ^[0-9]+$ ]] || return 1
-  kill -0 "${pid}" 2>/dev/null || return 1
+  pid_alive "${pid}" || return 1
   exe=$(readlink "/proc/${pid}/exe" 2>/dev/null || true)
   # A binary replaced by a rebuild shows up as "... (deleted)"; still ours.
   [[ ${exe%% (deleted)} == */"${bin}" ]] || return 1
@@ -97,7 +108,9 @@ start_component() {
   log=$(log_file "${name}")
   mkdir -p "${RUN_DIR}" "${LOG_DIR}"
   printf '\n==== %s starting %s\n' "$(date -u +%FT%TZ)" "${name}" >>"${log}"
-  setsid "${bin}" "$@" </dev/null >>"${log}" 2>&1 &
+  # 9>&- : do not hand the harness lock (fd 9, see take_lock) to the daemon,
+  # or the lock would stay held for the daemon's whole life.
+  setsid "${bin}" "$@" </dev/null >>"${log}" 2>&1 9>&- &
   printf '%s\n' "$!" >"$(pid_file "${name}")"
 }
 
@@ -112,28 +125,29 @@ stop_component() {
   log "stopping ${name} (pid ${pid})"
   kill -TERM "${pid}" 2>/dev/null || true
   for ((i = 0; i < STOP_TIMEOUT * 10; i++)); do
-    kill -0 "${pid}" 2>/dev/null || break
+    pid_alive "${pid}" || break
     sleep 0.1
   done
-  if kill -0 "${pid}" 2>/dev/null; then
+  if pid_alive "${pid}"; then
     log "${name} did not exit after ${STOP_TIMEOUT}s; sending KILL"
     kill -KILL "${pid}" 2>/dev/null || true
     for ((i = 0; i < 50; i++)); do
-      kill -0 "${pid}" 2>/dev/null || break
+      pid_alive "${pid}" || break
       sleep 0.1
     done
   fi
   rm -f "$(pid_file "${name}")"
 }
 
-# Prints the last lines of a component's log to stderr.
+# Prints the last lines of a component's log to stderr, from its latest start
+# only (logs are appended across restarts; start_component writes a marker).
 show_log_tail() {
-  local name=$1 lines=${2:-40} log
+  local name=$1 lines=${2:-40} log start
   log=$(log_file "${name}")
-  if [[ -f ${log} ]]; then
-    log "last ${lines} lines of ${log}:"
-    tail -n "${lines}" "${log}" >&2
-  fi
+  [[ -f ${log} ]] || return 0
+  start=$(grep -n '^==== ' "${log}" | tail -n1 | cut -d: -f1)
+  log "last lines (up to ${lines}) of ${log}:"
+  tail -n "+${start:-1}" "${log}" | tail -n "${lines}" >&2
 }
 
 # True if something accepts TCP connections on HOST:PORT (bash /dev/tcp, no

@@ -36,6 +36,11 @@ apiserver_start() {
     --service-account-key-file="${PKI_DIR}/sa.pub"
     --service-account-signing-key-file="${PKI_DIR}/sa.key"
     --service-cluster-ip-range="${SERVICE_CLUSTER_IP_RANGE}"
+    # On TERM, net/http's graceful Shutdown otherwise waits up to
+    # --request-timeout (60s) for open watch connections (any running
+    # controller/operator has some). This mode drains normal requests and
+    # then gives the HTTP server a hard-coded 2s, so `down` takes ~3s.
+    --shutdown-send-retry-after=true
     # Pods will need this once a kubelet exists.
     --allow-privileged=true
     --v="${APISERVER_LOG_LEVEL:-1}"
