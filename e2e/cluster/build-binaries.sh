@@ -24,7 +24,7 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 KNOWN_K8S_BINARIES="kube-apiserver kubectl kubelet kube-controller-manager kube-scheduler kube-proxy kubeadm"
 # What gets built by default. Extend this (or pass names as arguments) when the
 # harness grows into a full node.
-: "${K8S_BINARIES:=kube-apiserver kubectl}"
+: "${K8S_BINARIES:=kube-apiserver kube-controller-manager kubectl}"
 : "${BUILD_ETCD:=1}"
 : "${FORCE:=0}"
 # Series used when K8S_VERSION=latest.

@@ -18,17 +18,19 @@ source "${HERE}/lib/common.sh"
 source "${HERE}/lib/pki.sh"
 source "${HERE}/lib/etcd.sh"
 source "${HERE}/lib/kube-apiserver.sh"
+source "${HERE}/lib/kube-controller-manager.sh"
 
 KUBECTL="${HEADROOM_BIN_DIR}/kubectl"
 # Start order; stopped in reverse. Later: kube-controller-manager,
 # kube-scheduler, containerd, kubelet, kube-proxy -- each with a lib/<name>.sh
 # providing <fn>_start and <fn>_ready.
-COMPONENTS=(etcd kube-apiserver)
+COMPONENTS=(etcd kube-apiserver kube-controller-manager)
 
 # Maps a component to its lib function prefix.
 fn_prefix() {
   case $1 in
     kube-apiserver) echo apiserver ;;
+    kube-controller-manager) echo controller_manager ;;
     *) echo "${1//-/_}" ;;
   esac
 }
@@ -37,6 +39,7 @@ component_port() {
   case $1 in
     etcd) echo "${ETCD_CLIENT_PORT}" ;;
     kube-apiserver) echo "${APISERVER_PORT}" ;;
+    kube-controller-manager) echo "${CONTROLLER_MANAGER_PORT}" ;;
   esac
 }
 
@@ -49,7 +52,7 @@ take_lock() {
 
 need_binaries() {
   local missing=() b
-  for b in etcd kube-apiserver kubectl; do
+  for b in etcd kube-apiserver kube-controller-manager kubectl; do
     [[ -x ${HEADROOM_BIN_DIR}/${b} ]] || missing+=("${b}")
   done
   ((${#missing[@]})) || return 0
@@ -71,7 +74,8 @@ basics_work() {
 
 healthy() {
   component_pid etcd >/dev/null && etcd_ready &&
-    component_pid kube-apiserver >/dev/null && apiserver_ready && basics_work
+    component_pid kube-apiserver >/dev/null && apiserver_ready && basics_work &&
+    component_pid kube-controller-manager >/dev/null && controller_manager_ready
 }
 
 # wait_ready NAME TIMEOUT  -- poll <fn>_ready; fail fast if the process dies.
@@ -138,6 +142,7 @@ cmd_up() {
     fi
     sleep 0.5
   done
+  start_one kube-controller-manager "${APISERVER_START_TIMEOUT}" || die "kube-controller-manager failed to start"
   log "control plane up in $(($(now) - t0))s: ${APISERVER_URL}, KUBECONFIG=${KUBECONFIG_ADMIN}"
 }
 

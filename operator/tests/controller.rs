@@ -286,3 +286,50 @@ async fn infeasible_job_fails_without_pods() {
     op.stop().await;
     ns.cleanup().await;
 }
+
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn deleting_a_job_garbage_collects_everything_it_created() {
+    let ns = TestNs::new("hr-gc").await;
+    let op = ns.start_operator(ControllerConfig::default());
+    ns.apply_job(TINY).await;
+    ns.wait_pods("the worker pod", |p| p.len() == 1).await;
+    ns.jobs()
+        .delete("tiny-cpu", &kube::api::DeleteParams::foreground())
+        .await
+        .expect("delete job");
+    // The garbage collector (kube-controller-manager) follows the owner references.
+    ns.wait_pods("pods collected", |p| p.is_empty()).await;
+    let sa: Api<ServiceAccount> = Api::namespaced(ns.client.clone(), &ns.name);
+    let role: Api<Role> = Api::namespaced(ns.client.clone(), &ns.name);
+    let rb: Api<RoleBinding> = Api::namespaced(ns.client.clone(), &ns.name);
+    let pvc: Api<PersistentVolumeClaim> = Api::namespaced(ns.client.clone(), &ns.name);
+    let deadline = tokio::time::Instant::now() + TIMEOUT;
+    loop {
+        let left = [
+            sa.get_opt("tiny-cpu-worker").await.expect("get").is_some(),
+            role.get_opt("tiny-cpu-worker")
+                .await
+                .expect("get")
+                .is_some(),
+            rb.get_opt("tiny-cpu-worker").await.expect("get").is_some(),
+            pvc.get_opt("tiny-cpu-checkpoints")
+                .await
+                .expect("get")
+                .map(|p| p.metadata.deletion_timestamp.is_none())
+                .unwrap_or(false),
+            ns.jobs().get_opt("tiny-cpu").await.expect("get").is_some(),
+        ];
+        if left.iter().all(|l| !l) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "left behind [sa, role, binding, pvc, job]: {left:?}\n{}",
+            ns.dump().await
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    op.stop().await;
+    ns.cleanup().await;
+}

@@ -46,6 +46,7 @@ KUBECONFIG_ADMIN="${HEADROOM_STATE}/kubeconfig"
 : "${ETCD_CLIENT_PORT:=12379}"
 : "${ETCD_PEER_PORT:=12380}"
 : "${APISERVER_PORT:=16443}"
+: "${CONTROLLER_MANAGER_PORT:=16257}"
 : "${SERVICE_CLUSTER_IP_RANGE:=10.96.0.0/16}"
 # First IP of the service range: the `kubernetes` Service ClusterIP, which must
 # be a SAN of the serving cert.
