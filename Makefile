@@ -39,7 +39,7 @@ manifests: ## Regenerate crds/ and the chart's CRD from the Rust types.
 	cp crds/memoryawaretrainingjobs.headroom.dev.yaml charts/headroom/crds/
 
 ##@ Test
-.PHONY: test test-unit test-apiserver bench-planner
+.PHONY: test test-unit test-apiserver bench-planner bench-controller
 test: fmt-check lint test-unit test-apiserver ## Everything CI runs: format, clippy, unit, property, CLI and real-API-server tests.
 
 test-unit: ## Unit, property, CRD-drift and plugin tests (no cluster needed).
@@ -50,6 +50,10 @@ test-apiserver: controlplane-up ## CRD, samples, invalid-manifest corpus and the
 
 bench-planner: ## Criterion benchmark: plan a 70B model over 1,000 nodes of 6 GPU types.
 	$(CARGO) bench -p headroom-planner --bench plan_70b
+
+bench-controller: controlplane-up ## 500 jobs through the operator on the local API server: latencies and peak RSS.
+	$(CARGO) build --release -q -p headroom-operator --bins
+	KUBECONFIG=$(KUBECONFIG_TEST) $(CARGO_TARGET_DIR)/release/bench-controller --jobs 500 --failures 100
 
 ##@ Local control plane (real etcd + kube-apiserver on loopback)
 .PHONY: k8s-binaries controlplane-up controlplane-down

@@ -65,10 +65,16 @@ impl std::fmt::Display for Backend {
 }
 
 /// burn `flex` on CPU: the container's memory limit is the device.
+///
+/// Calibrated against measured worker peaks (VmHWM of the `headroom-worker`
+/// process, 16 configurations; `worker/CALIBRATION.md`): the process baseline
+/// is about 20 MiB, and the slack of 32 % covers the glibc allocator plus the
+/// intermediates burn's autodiff keeps beyond the Korthikanti count (the
+/// attention mask and score copies, the transient gradient of each op).
 pub const FLEX: BackendProfile = BackendProfile {
     backend: Backend::Flex,
-    fixed_overhead_bytes: 96 * MIB,
-    allocator_slack: 0.10,
+    fixed_overhead_bytes: 20 * MIB,
+    allocator_slack: 0.32,
     usable_fraction: 1.0,
     dropout_mask_bytes: 0,
     logit_copies: 2,

@@ -246,22 +246,29 @@ async fn reconcile(job: Arc<MemoryAwareTrainingJob>, ctx: Arc<Context>) -> Resul
             })
             .inc();
     }
-    let reference = job.object_ref(&());
-    for e in &decision.events {
-        let event = Event {
-            type_: if e.warning {
-                EventType::Warning
-            } else {
-                EventType::Normal
-            },
-            reason: e.reason.into(),
-            note: Some(e.note.clone()),
-            action: "Reconcile".into(),
-            secondary: None,
-        };
-        if let Err(err) = ctx.recorder.publish(&event, &reference).await {
-            tracing::warn!(%err, reason = e.reason, "could not record event");
-        }
+    // Events are best effort and must not slow the job down: record them off the reconcile path.
+    if !decision.events.is_empty() {
+        let recorder = ctx.recorder.clone();
+        let reference = job.object_ref(&());
+        let events = decision.events.clone();
+        tokio::spawn(async move {
+            for e in events {
+                let event = Event {
+                    type_: if e.warning {
+                        EventType::Warning
+                    } else {
+                        EventType::Normal
+                    },
+                    reason: e.reason.into(),
+                    note: Some(e.note),
+                    action: "Reconcile".into(),
+                    secondary: None,
+                };
+                if let Err(err) = recorder.publish(&event, &reference).await {
+                    tracing::warn!(%err, reason = e.reason, "could not record event");
+                }
+            }
+        });
     }
     let pod_api: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
     for pod in &decision.delete_pods {
