@@ -333,3 +333,112 @@ async fn deleting_a_job_garbage_collects_everything_it_created() {
     op.stop().await;
     ns.cleanup().await;
 }
+
+/// Registers a Node the way GPU Feature Discovery and the device plugin describe it.
+async fn gpu_node(client: &kube::Client, name: &str, product: &str, memory_mib: u64) {
+    use k8s_openapi::api::core::v1::Node;
+    let nodes: Api<Node> = Api::all(client.clone());
+    let node: Node = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": name, "labels": {
+            "nvidia.com/gpu.product": product, "nvidia.com/gpu.memory": memory_mib.to_string(), "nvidia.com/gpu.count": "1",
+            "headroom.dev/test": "true"}}
+    }))
+    .expect("node");
+    nodes
+        .patch(
+            name,
+            &kube::api::PatchParams::apply("headroom-tests"),
+            &kube::api::Patch::Apply(&node),
+        )
+        .await
+        .expect("node applies");
+    let status = serde_json::json!({"status": {
+        "allocatable": {"nvidia.com/gpu": "1", "cpu": "8", "memory": "64Gi", "pods": "110"},
+        "capacity": {"nvidia.com/gpu": "1", "cpu": "8", "memory": "64Gi", "pods": "110"},
+        "conditions": [{"type": "Ready", "status": "True", "reason": "Test", "message": "fake node",
+                        "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}});
+    nodes
+        .patch_status(
+            name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&status),
+        )
+        .await
+        .expect("node status");
+}
+
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn gpu_type_is_chosen_by_budget_and_replanned_when_unschedulable() {
+    use k8s_openapi::api::core::v1::Node;
+    let ns = TestNs::new("hr-gpu").await;
+    let id = ns.name.rsplit('-').next().unwrap_or("x").to_string();
+    let (small, mid, big) = (
+        format!("Test-Small-{id}"),
+        format!("Test-Mid-{id}"),
+        format!("Test-Big-{id}"),
+    );
+    gpu_node(&ns.client, &format!("{}-small", ns.name), &small, 8192).await;
+    gpu_node(&ns.client, &format!("{}-mid", ns.name), &mid, 40960).await;
+    gpu_node(&ns.client, &format!("{}-big", ns.name), &big, 81920).await;
+    let op = ns.start_operator(ControllerConfig {
+        unschedulable_grace: Duration::from_secs(1),
+        ..ControllerConfig::default()
+    });
+
+    // ~0.7e9 parameters in bf16 + AdamW: model state alone exceeds the small GPU's budget.
+    let manifest = format!(
+        r#"apiVersion: headroom.dev/v1alpha1
+kind: MemoryAwareTrainingJob
+metadata: {{name: gpu-job}}
+spec:
+  model: {{transformer: {{layers: 24, hidden: 1536, heads: 16, sequenceLength: 1024, vocabulary: 50257}}}}
+  training: {{globalBatch: 8, steps: 10, precision: bf16}}
+  resources:
+    gpu: {{types: [{small}, {mid}, {big}], maxGpus: 1}}
+  worker: {{image: headroom-worker:dev}}
+"#
+    );
+    ns.apply_job(&manifest).await;
+    let job = ns
+        .wait_job("gpu-job", "attempt 1", |j| attempts(j) == 1)
+        .await;
+    let first = job.status.expect("status").attempts[0].plan.clone();
+    assert_ne!(first.device, small, "the small GPU cannot hold the model");
+    let pods = ns.wait_pods("GPU pod", |p| p.len() == 1).await;
+    let spec = pods[0].spec.clone().expect("spec");
+    assert_eq!(
+        spec.node_selector.expect("selector")["nvidia.com/gpu.product"],
+        first.device
+    );
+    let limits = spec.containers[0]
+        .resources
+        .clone()
+        .and_then(|r| r.limits)
+        .expect("limits");
+    assert_eq!(limits["nvidia.com/gpu"].0, "1");
+
+    // The scheduler cannot place it: after the grace period, another type is planned.
+    let pending = serde_json::json!({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+        "message": "0/3 nodes are available: 1 Insufficient nvidia.com/gpu.", "lastTransitionTime": "2026-01-01T00:00:00Z"}]});
+    ns.set_pod_status(&pods[0].name_any(), pending).await;
+    let job = ns
+        .wait_job("gpu-job", "attempt 2 on another type", |j| attempts(j) == 2)
+        .await;
+    let status = job.status.expect("status");
+    assert_eq!(status.attempts[0].outcome, AttemptOutcome::Unschedulable);
+    let second = &status.attempts[1].plan;
+    assert_ne!(second.device, first.device);
+    assert_ne!(second.device, small);
+    op.stop().await;
+    let nodes: Api<Node> = Api::all(ns.client.clone());
+    for suffix in ["small", "mid", "big"] {
+        let _ = nodes
+            .delete(
+                &format!("{}-{suffix}", ns.name),
+                &kube::api::DeleteParams::default(),
+            )
+            .await;
+    }
+    ns.cleanup().await;
+}
