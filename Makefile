@@ -72,11 +72,5 @@ plan-samples: ## Print Headroom's plan for every sample job (offline).
 	for f in samples/cpu-*.yaml; do $(CARGO) run -q -p headroom-operator --bin kubectl-headroom -- plan -f $$f; done
 	$(CARGO) run -q -p headroom-operator --bin kubectl-headroom -- plan -f samples/gpu-gpt2-medium.yaml --nodes samples/nodes-gfd.yaml
 
-demo: controlplane-up ## Install the CRD on the local control plane, apply a sample job, show it and its plan.
-	$(CARGO) build -q -p headroom-operator --bins
-	export KUBECONFIG=$(KUBECONFIG_TEST); \
-	$(KUBECTL_BIN) apply --server-side -f crds/; \
-	$(KUBECTL_BIN) wait --for condition=established --timeout=60s crd/memoryawaretrainingjobs.headroom.dev; \
-	$(KUBECTL_BIN) apply --server-side -f samples/cpu-oom-first.yaml; \
-	$(KUBECTL_BIN) get matj -o wide; \
-	$(CARGO_TARGET_DIR)/debug/kubectl-headroom plan -f samples/cpu-oom-first.yaml
+demo: k8s-binaries ## A job that OOMs on attempt 1 and succeeds on attempt 2, through the operator on the local control plane.
+	e2e/demo.sh

@@ -212,11 +212,11 @@ record_time "build-binaries.sh total (${what})" $(($(now) - T_START))
 
 for b in ${K8S_BINARIES}; do
   case ${b} in
-    kubectl) v=$("${HEADROOM_BIN_DIR}/kubectl" version --client 2>/dev/null | head -n1) ;;
-    *) v=$("${HEADROOM_BIN_DIR}/${b}" --version 2>/dev/null | head -n1) ;;
+    kubectl) v=$("${HEADROOM_BIN_DIR}/kubectl" version --client 2>/dev/null | sed -n 1p) ;;
+    *) v=$("${HEADROOM_BIN_DIR}/${b}" --version 2>/dev/null | sed -n 1p) ;;
   esac
   log "${HEADROOM_BIN_DIR}/${b}: ${v}"
 done
 if [[ ${BUILD_ETCD} == 1 ]]; then
-  log "${HEADROOM_BIN_DIR}/etcd: $("${HEADROOM_BIN_DIR}/etcd" --version | head -n1)"
+  log "${HEADROOM_BIN_DIR}/etcd: $("${HEADROOM_BIN_DIR}/etcd" --version | sed -n 1p)"
 fi
