@@ -442,3 +442,89 @@ spec:
     }
     ns.cleanup().await;
 }
+
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn a_job_that_cannot_be_read_does_not_stall_the_others() {
+    let ns = TestNs::new("hr-guard").await;
+    // Accepted by the schema (an integer), unreadable by the operator (not a u32).
+    let broken = TINY.replace("name: tiny-cpu", "name: broken");
+    ns.apply_job(&broken).await;
+    let patched = ns
+        .jobs()
+        .patch_status(
+            "broken",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"status": {"attempt": 5_000_000_000u64}})),
+        )
+        .await;
+    // The server stores it; only the typed read-back fails, which is the point.
+    assert!(
+        matches!(patched, Err(kube::Error::SerdeError(_))),
+        "{patched:?}"
+    );
+    let op = ns.start_operator(ControllerConfig::default());
+    ns.apply_job(TINY).await;
+    ns.wait_job("tiny-cpu", "the healthy job planned", |j| attempts(j) == 1)
+        .await;
+    let pods = ns
+        .wait_pods("its pod", |p| {
+            p.iter().any(|p| p.name_any() == "tiny-cpu-a1-s0")
+        })
+        .await;
+    assert!(
+        pods.iter().all(|p| !p.name_any().starts_with("broken")),
+        "nothing is created for an unreadable job"
+    );
+    assert!(
+        op.metrics.encode().contains("invalid_object"),
+        "{}",
+        op.metrics.encode()
+    );
+    op.stop().await;
+    ns.cleanup().await;
+}
+
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn one_leader_at_a_time_and_release_hands_over() {
+    use headroom_operator::leader::LeaseLock;
+    let ns = TestNs::new("hr-lease").await;
+    let api = || Api::namespaced(ns.client.clone(), &ns.name);
+    let a = LeaseLock::new(
+        api(),
+        "headroom-operator",
+        "replica-a",
+        Duration::from_secs(15),
+    );
+    let b = LeaseLock::new(
+        api(),
+        "headroom-operator",
+        "replica-b",
+        Duration::from_secs(15),
+    );
+    assert!(a.try_acquire_or_renew().await.expect("a"));
+    assert!(
+        !b.try_acquire_or_renew().await.expect("b"),
+        "b must stand by while a holds a fresh lease"
+    );
+    assert!(a.try_acquire_or_renew().await.expect("a renews"));
+    a.release().await.expect("release");
+    assert!(b.try_acquire_or_renew().await.expect("b takes over"));
+    assert!(
+        !a.try_acquire_or_renew().await.expect("a"),
+        "a must now stand by"
+    );
+    // An expired lease is taken over without its holder's cooperation.
+    let short = LeaseLock::new(api(), "short", "replica-a", Duration::from_secs(1));
+    let other = LeaseLock::new(api(), "short", "replica-b", Duration::from_secs(1));
+    assert!(short.try_acquire_or_renew().await.expect("short"));
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(
+        other
+            .try_acquire_or_renew()
+            .await
+            .expect("takeover after expiry")
+    );
+    ns.cleanup().await;
+}

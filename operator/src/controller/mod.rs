@@ -16,6 +16,7 @@ use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim, Pod, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
+use kube::core::DeserializeGuard;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, Store};
@@ -101,7 +102,9 @@ pub async fn run(
     identity: &str,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
-    let scoped = |client: &Client| -> (Api<MemoryAwareTrainingJob>, Api<Pod>) {
+    // Jobs are read through DeserializeGuard: one object that fails to parse
+    // (e.g. status written by a mismatched worker) must not stall the others.
+    let scoped = |client: &Client| -> (Api<DeserializeGuard<MemoryAwareTrainingJob>>, Api<Pod>) {
         match &config.namespace {
             Some(ns) => (
                 Api::namespaced(client.clone(), ns),
@@ -145,33 +148,53 @@ pub async fn run(
         config: config.clone(),
     });
 
-    let controller = Controller::new(jobs, watcher::Config::default())
-        .owns_shared_stream(pod_events)
-        .with_config(kube::runtime::controller::Config::default().concurrency(config.concurrency))
-        .graceful_shutdown_on(shutdown)
-        .run(reconcile, error_policy, ctx)
-        .for_each(|result| async move {
-            if let Err(e) = result {
-                tracing::debug!(error = %e, "reconcile trigger failed");
+    // Reconciling before the caches are complete would plan against a partial
+    // inventory (or recreate pods it cannot see yet): drive the reflectors
+    // first, and start the controller only once both stores are ready.
+    let watches = async {
+        tokio::select! {
+            _ = pod_watch => tracing::warn!("pod watch ended"),
+            _ = node_watch => tracing::warn!("node watch ended"),
+        }
+    };
+    let shutdown = futures::FutureExt::shared(shutdown);
+    let controlled = async {
+        tokio::select! {
+            ready = async { pods.wait_until_ready().await.and(nodes.wait_until_ready().await) } => {
+                if ready.is_err() {
+                    return;
+                }
             }
-        });
-
-    let ready = async {
-        let _ = pods.wait_until_ready().await;
-        let _ = nodes.wait_until_ready().await;
+            _ = shutdown.clone() => return,
+        }
         metrics.set_ready(true);
         tracing::info!("caches synced; reconciling");
-        futures::future::pending::<()>().await;
+        Controller::new(jobs, watcher::Config::default())
+            .owns_shared_stream(pod_events)
+            .with_config(
+                kube::runtime::controller::Config::default().concurrency(config.concurrency),
+            )
+            .graceful_shutdown_on(shutdown)
+            .run(reconcile, error_policy, ctx)
+            .for_each(|result| async move {
+                if let Err(e) = result {
+                    tracing::debug!(error = %e, "reconcile trigger failed");
+                }
+            })
+            .await;
+        tracing::info!("controller stopped");
     };
     tokio::select! {
-        _ = controller => tracing::info!("controller stopped"),
-        _ = pod_watch => tracing::warn!("pod watch ended"),
-        _ = node_watch => tracing::warn!("node watch ended"),
-        _ = ready => {}
+        _ = controlled => {}
+        _ = watches => {}
     }
 }
 
-fn error_policy(_job: Arc<MemoryAwareTrainingJob>, error: &Error, ctx: Arc<Context>) -> Action {
+fn error_policy(
+    _job: Arc<DeserializeGuard<MemoryAwareTrainingJob>>,
+    error: &Error,
+    ctx: Arc<Context>,
+) -> Action {
     ctx.metrics
         .reconcile_errors
         .get_or_create(&ErrorLabels {
@@ -190,9 +213,29 @@ fn error_policy(_job: Arc<MemoryAwareTrainingJob>, error: &Error, ctx: Arc<Conte
     }
 }
 
-#[tracing::instrument(skip_all, fields(job = %job.name_any(), ns = job.namespace().unwrap_or_default()))]
-async fn reconcile(job: Arc<MemoryAwareTrainingJob>, ctx: Arc<Context>) -> Result<Action, Error> {
+async fn reconcile(
+    guard: Arc<DeserializeGuard<MemoryAwareTrainingJob>>,
+    ctx: Arc<Context>,
+) -> Result<Action, Error> {
     ctx.metrics.reconciles.inc();
+    match &guard.0 {
+        Ok(job) => reconcile_job(job, &ctx).await,
+        Err(invalid) => {
+            // Nothing sensible can be done until someone fixes the object; its next change retriggers us.
+            ctx.metrics
+                .reconcile_errors
+                .get_or_create(&ErrorLabels {
+                    error: "invalid_object".into(),
+                })
+                .inc();
+            tracing::warn!(job = invalid.metadata.name.as_deref().unwrap_or(""), error = %invalid.error, "cannot read job; waiting for a change");
+            Ok(Action::await_change())
+        }
+    }
+}
+
+#[tracing::instrument(skip_all, fields(job = %job.name_any(), ns = job.namespace().unwrap_or_default()))]
+async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Action, Error> {
     let ns = job.namespace().ok_or(Error::NoNamespace)?;
     let name = job.name_any();
     let uid = job.uid();
@@ -226,7 +269,7 @@ async fn reconcile(job: Arc<MemoryAwareTrainingJob>, ctx: Arc<Context>) -> Resul
     // Decide (pure).
     let started = Instant::now();
     let decision = decide(&Observation {
-        job: &job,
+        job,
         pods: &own,
         inventory: &inventory,
         now: Timestamp::now(),
@@ -237,7 +280,7 @@ async fn reconcile(job: Arc<MemoryAwareTrainingJob>, ctx: Arc<Context>) -> Resul
         .observe(started.elapsed().as_secs_f64());
 
     // Apply: status first (so a crash never loses an attempt), then events, pods.
-    apply_status(&ctx.client, &job, &decision).await?;
+    apply_status(&ctx.client, job, &decision).await?;
     if let Some(outcome) = decision.ended {
         ctx.metrics
             .attempts
@@ -279,7 +322,7 @@ async fn reconcile(job: Arc<MemoryAwareTrainingJob>, ctx: Arc<Context>) -> Resul
         }
     }
     if let Some(attempt) = decision.launch {
-        ensure_children(&ctx, &job, &decision, attempt, &own).await?;
+        ensure_children(ctx, job, &decision, attempt, &own).await?;
     }
     Ok(Action::requeue(
         decision
