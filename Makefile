@@ -39,14 +39,17 @@ manifests: ## Regenerate crds/ and the chart's CRD from the Rust types.
 	cp crds/memoryawaretrainingjobs.headroom.dev.yaml charts/headroom/crds/
 
 ##@ Test
-.PHONY: test test-unit test-apiserver bench-planner bench-controller
-test: fmt-check lint test-unit test-apiserver ## Everything CI runs: format, clippy, unit, property, CLI and real-API-server tests.
+.PHONY: test test-unit test-apiserver chart-check bench-planner bench-controller
+test: fmt-check lint test-unit test-apiserver chart-check ## Everything CI runs: format, clippy, unit, property, CLI and real-API-server tests.
 
 test-unit: ## Unit, property, CRD-drift and plugin tests (no cluster needed).
 	$(CARGO) test --workspace --all-targets
 
 test-apiserver: controlplane-up ## CRD, samples, invalid-manifest corpus and the controller against a real kube-apiserver.
 	KUBECONFIG=$(KUBECONFIG_TEST) $(CARGO) test -p headroom-operator --test api_server --test controller -- --ignored
+
+chart-check: controlplane-up ## helm lint + template of charts/headroom, security checks, server-side dry run.
+	KUBECONFIG=$(KUBECONFIG_TEST) e2e/chart-check.sh
 
 bench-planner: ## Criterion benchmark: plan a 70B model over 1,000 nodes of 6 GPU types.
 	$(CARGO) bench -p headroom-planner --bench plan_70b

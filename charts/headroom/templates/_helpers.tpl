@@ -1,0 +1,22 @@
+{{- define "headroom.name" -}}headroom-operator{{- end -}}
+
+{{- define "headroom.fullname" -}}
+{{- if contains "headroom" .Release.Name -}}
+{{- printf "%s-operator" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-headroom-operator" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "headroom.labels" -}}
+app.kubernetes.io/name: {{ include "headroom.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "headroom.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "headroom.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
