@@ -15,7 +15,7 @@ use headroom_planner::Inventory;
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim, Pod, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
-use kube::api::{Api, DeleteParams, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::core::DeserializeGuard;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
@@ -84,7 +84,14 @@ pub struct Context {
     pub recorder: Recorder,
     pub metrics: Arc<Metrics>,
     pub config: ControllerConfig,
+    /// Attempts whose pods were just created but may not be in the pod cache
+    /// yet (job uid, attempt) → when. Without it, the reconcile triggered by
+    /// our own status write would create the same children a second time.
+    launched: std::sync::Mutex<std::collections::HashMap<(String, u32), Instant>>,
 }
+
+/// How long a fresh launch is trusted to show up in the pod cache.
+const LAUNCH_EXPECTATION: Duration = Duration::from_secs(10);
 
 impl std::fmt::Debug for Context {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -146,6 +153,7 @@ pub async fn run(
         recorder,
         metrics: metrics.clone(),
         config: config.clone(),
+        launched: Default::default(),
     });
 
     // Reconciling before the caches are complete would plan against a partial
@@ -408,22 +416,49 @@ async fn ensure_children(
     if missing.is_empty() {
         return Ok(());
     }
+    let key = (job.uid().unwrap_or_default(), attempt);
+    let recently = ctx
+        .launched
+        .lock()
+        .ok()
+        .and_then(|m| m.get(&key).copied())
+        .is_some_and(|at| at.elapsed() < LAUNCH_EXPECTATION);
+    if recently {
+        return Ok(()); // created moments ago; the pod cache has not caught up yet
+    }
     let ns = job.namespace().unwrap_or_default();
     let cfg = &ctx.config.children;
-    apply::<ServiceAccount>(&ctx.client, &ns, &children::service_account(job)).await?;
-    apply::<Role>(&ctx.client, &ns, &children::role(job)).await?;
-    apply::<RoleBinding>(&ctx.client, &ns, &children::role_binding(job)).await?;
-    apply_claim(&ctx.client, &ns, &children::checkpoint_claim(job, cfg)).await?;
-    if plan.workers > 1 {
-        apply::<Service>(&ctx.client, &ns, &children::headless_service(job, cfg)).await?;
-    }
-    for stage in missing {
-        apply::<Pod>(
-            &ctx.client,
-            &ns,
-            &children::worker_pod(job, attempt, stage, plan, cfg)?,
-        )
-        .await?;
+    let c = &ctx.client;
+    let (sa, role, rb, pvc, svc) = (
+        children::service_account(job),
+        children::role(job),
+        children::role_binding(job),
+        children::checkpoint_claim(job, cfg),
+        children::headless_service(job, cfg),
+    );
+    let pods = missing
+        .iter()
+        .map(|&stage| children::worker_pod(job, attempt, stage, plan, cfg))
+        .collect::<Result<Vec<_>, _>>()?;
+    // The pod's account (checked by ServiceAccount admission) and its RBAC go
+    // first, together; then the pods, together.
+    futures::try_join!(
+        apply::<ServiceAccount>(c, &ns, &sa),
+        apply::<Role>(c, &ns, &role),
+        apply::<RoleBinding>(c, &ns, &rb),
+        apply_claim(c, &ns, &pvc),
+        async {
+            if plan.workers > 1 {
+                apply::<Service>(c, &ns, &svc).await
+            } else {
+                Ok(())
+            }
+        },
+    )?;
+    futures::future::try_join_all(pods.iter().map(|pod| apply::<Pod>(c, &ns, pod))).await?;
+    if let Ok(mut m) = ctx.launched.lock() {
+        m.retain(|_, at| at.elapsed() < LAUNCH_EXPECTATION);
+        m.insert(key, Instant::now());
     }
     Ok(())
 }
@@ -435,8 +470,18 @@ async fn apply_claim(
     claim: &PersistentVolumeClaim,
 ) -> Result<(), Error> {
     let api: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
-    if api.get_opt(&claim.name_any()).await?.is_some() {
-        return Ok(());
+    match api
+        .create(
+            &PostParams {
+                field_manager: Some(OPERATOR_FIELD_MANAGER.into()),
+                ..PostParams::default()
+            },
+            claim,
+        )
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()), // already there: keep it as it is
+        Err(e) => Err(e.into()),
     }
-    apply::<PersistentVolumeClaim>(client, ns, claim).await
 }
