@@ -39,7 +39,7 @@ manifests: ## Regenerate crds/ and the chart's CRD from the Rust types.
 	cp crds/memoryawaretrainingjobs.headroom.dev.yaml charts/headroom/crds/
 
 ##@ Test
-.PHONY: test test-unit test-apiserver chart-check bench-planner bench-controller
+.PHONY: test test-unit test-apiserver chart-check bench-planner bench-controller calibrate-worker
 test: fmt-check lint test-unit test-apiserver chart-check ## Everything CI runs: format, clippy, unit, property, CLI and real-API-server tests.
 
 test-unit: ## Unit, property, CRD-drift and plugin tests (no cluster needed).
@@ -47,12 +47,16 @@ test-unit: ## Unit, property, CRD-drift and plugin tests (no cluster needed).
 
 test-apiserver: controlplane-up ## CRD, samples, invalid-manifest corpus and the controller against a real kube-apiserver.
 	KUBECONFIG=$(KUBECONFIG_TEST) $(CARGO) test -p headroom-operator --test api_server --test controller -- --ignored
+	KUBECONFIG=$(KUBECONFIG_TEST) $(CARGO) test -p headroom-worker --test api_server -- --ignored --test-threads=1
 
 chart-check: controlplane-up ## helm lint + template of charts/headroom, security checks, server-side dry run.
 	KUBECONFIG=$(KUBECONFIG_TEST) e2e/chart-check.sh
 
 bench-planner: ## Criterion benchmark: plan a 70B model over 1,000 nodes of 6 GPU types.
 	$(CARGO) bench -p headroom-planner --bench plan_70b
+
+calibrate-worker: ## Planner-vs-measured peak memory of real CPU workers (release, ~3 min) and telemetry overhead.
+	$(CARGO) run --release -q -p headroom-worker --bin calibrate
 
 bench-controller: controlplane-up ## 500 jobs through the operator on the local API server: latencies and peak RSS.
 	$(CARGO) build --release -q -p headroom-operator --bins

@@ -1,11 +1,30 @@
 //! Headroom worker: the side of the operator/worker contract that runs in the
-//! pod. This crate currently holds the plan intake and the exit contract; the
-//! burn training loop, checkpoints and telemetry arrive with the worker issue.
+//! pod. It reads its [`WorkerAssignment`], trains the planned transformer with
+//! burn honouring the plan's settings, checkpoints to the job's volume,
+//! reports live memory into the job's status and exits with the contract's
+//! code and termination message.
+//!
+//! * plan intake and the termination message — this file
+//! * [`model`] — the decoder-only transformer built from the job's shape
+//! * [`data`] — the synthetic next-token task (deterministic per sample)
+//! * [`train`] — micro-batches, accumulation, block-level checkpointing, optimizers
+//! * [`checkpoint`] — atomic, verified checkpoints and resume
+//! * [`telemetry`] — cgroup, process, allocator and NVML memory sampling
+//! * [`report`] — rate-limited server-side apply of `status.workers[<pod>]`
+//! * [`run`] — one process from start to exit, with the exit contract
 //!
 //! Exit contract (see `headroom_api::exit_code`): every exit writes a JSON
 //! [`TerminationMessage`] to the termination-message path, and an unreadable
 //! or inconsistent plan exits with `INVALID_PLAN`, distinct from any failure
 //! of training itself.
+
+pub mod checkpoint;
+pub mod data;
+pub mod model;
+pub mod report;
+pub mod run;
+pub mod telemetry;
+pub mod train;
 
 use std::path::Path;
 

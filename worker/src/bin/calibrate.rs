@@ -1,0 +1,392 @@
+//! Calibration bench: the planner's predicted peak against the measured peak
+//! of real worker processes on the CPU (flex) backend.
+//!
+//! For each configuration of a grid (model size, sequence length,
+//! micro-batch, accumulation, checkpointing, optimizer, tied/untied head),
+//! this binary re-runs itself as a worker (`--worker`, the same code path as
+//! `headroom-worker`: `headroom_worker::run::run`) for a few steps, with a
+//! checkpoint at the end as in production, and reads the process's peak
+//! resident bytes (VmHWM) from its termination message. It prints a table,
+//! the median absolute error and the worst under-prediction, and exits 1 when
+//! the targets are missed (median |error| ≤ 10 %, no under-prediction beyond
+//! the default 10 % headroom).
+//!
+//! Then it measures the step-time cost of telemetry: the same training steps
+//! with and without the sampling/reporting thread.
+//!
+//! Usage (release build; debug figures are meaningless):
+//!   cargo run --release -p headroom-worker --bin calibrate -- [--steps N] [--only NAME] [--skip-overhead | --overhead-only]
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use burn::tensor::Device;
+use headroom_api::{
+    CHECKPOINT_DIR_ENV, PLAN_JSON_ENV, POD_NAME_ENV, TerminationMessage, WorkerAssignment,
+};
+use headroom_planner::memory::{FLEX, StagePlacement, estimate_stage};
+use headroom_planner::{
+    Inventory, JobRequest, ModelShape, Optimizer, Precision, RetryRung, Target, TransformerShape,
+    plan,
+};
+use headroom_worker::report::{MemorySink, Progress, Reporter, WorkerIdentity, WritePolicy};
+use headroom_worker::run::TERMINATION_MESSAGE_PATH_ENV;
+use headroom_worker::telemetry::MemoryProbe;
+use headroom_worker::train::{TrainConfig, Trainer};
+
+const MIB: f64 = 1024.0 * 1024.0;
+/// The calibration targets of issue 4.
+const MEDIAN_TARGET: f64 = 0.10;
+const UNDER_TARGET: f64 = 0.10;
+
+#[derive(Clone, Debug)]
+struct Case {
+    name: &'static str,
+    shape: TransformerShape,
+    micro_batch: u32,
+    accumulation: u32,
+    checkpointing: bool,
+    optimizer: Optimizer,
+}
+
+fn shape(
+    layers: u32,
+    hidden: u32,
+    heads: u32,
+    seq: u32,
+    vocab: u32,
+    tied: bool,
+) -> TransformerShape {
+    TransformerShape {
+        layers,
+        hidden,
+        heads,
+        sequence_length: seq,
+        vocabulary: vocab,
+        feed_forward: None,
+        tied_embeddings: tied,
+    }
+}
+
+fn grid() -> Vec<Case> {
+    let s = shape(2, 128, 4, 128, 1024, true);
+    let m = shape(4, 256, 4, 256, 4096, true);
+    let l = shape(6, 384, 6, 256, 8192, true);
+    let attn = shape(4, 256, 8, 512, 2048, true);
+    let wide = shape(2, 768, 12, 128, 16384, false);
+    let c = |name, shape: &TransformerShape, b, acc, ckpt, opt| Case {
+        name,
+        shape: shape.clone(),
+        micro_batch: b,
+        accumulation: acc,
+        checkpointing: ckpt,
+        optimizer: opt,
+    };
+    use Optimizer::{Adamw, Sgd, SgdMomentum};
+    vec![
+        c("S b4", &s, 4, 1, false, Adamw),
+        c("S b16", &s, 16, 1, false, Adamw),
+        c("S b16 ckpt", &s, 16, 1, true, Adamw),
+        c("M b4", &m, 4, 1, false, Adamw),
+        c("M b4 ckpt", &m, 4, 1, true, Adamw),
+        c("M b16", &m, 16, 1, false, Adamw),
+        c("M b16 ckpt", &m, 16, 1, true, Adamw),
+        c("M b8 acc2", &m, 8, 2, false, Adamw),
+        c("M b16 sgd", &m, 16, 1, false, Sgd),
+        c("L b4", &l, 4, 1, false, Adamw),
+        c("L b8", &l, 8, 1, false, Adamw),
+        c("L b8 ckpt", &l, 8, 1, true, Adamw),
+        c("A s512 b2", &attn, 2, 1, false, Adamw),
+        c("A s512 b8", &attn, 8, 1, false, Adamw),
+        c("A s512 b8 ckpt", &attn, 8, 1, true, Adamw),
+        c("W untied b4 mom", &wide, 4, 1, false, SgdMomentum),
+    ]
+}
+
+fn assignment(case: &Case, steps: u64) -> WorkerAssignment {
+    let req = JobRequest {
+        model: ModelShape::Transformer(case.shape.clone()),
+        global_batch: case.micro_batch * case.accumulation,
+        precision: Precision::Fp32,
+        optimizer: case.optimizer,
+        pinned_micro_batch: Some(case.micro_batch),
+        pinned_checkpointing: Some(case.checkpointing),
+        target: Target::Cpu {
+            memory_limit_bytes: 64 << 30,
+            max_workers: 1,
+        },
+        headroom_fraction: 0.1,
+        allowed_rungs: RetryRung::ALL.to_vec(),
+    };
+    WorkerAssignment {
+        job: "calibrate".into(),
+        namespace: "default".into(),
+        attempt: 1,
+        stage: 0,
+        model: req.model.clone(),
+        plan: plan(&req, &Inventory::default()).expect("a 64 GiB budget fits every grid case"),
+        steps,
+        learning_rate: 1e-3,
+        checkpoint_every_steps: u32::try_from(steps).unwrap_or(u32::MAX),
+        seed: 1,
+    }
+}
+
+struct Measured {
+    case: Case,
+    params: u64,
+    predicted: u64,
+    measured: u64,
+    seconds: f64,
+}
+
+impl Measured {
+    /// (predicted − measured) / measured: negative is an under-prediction.
+    fn error(&self) -> f64 {
+        (self.predicted as f64 - self.measured as f64) / self.measured as f64
+    }
+}
+
+fn measure(case: &Case, steps: u64) -> Measured {
+    let a = assignment(case, steps);
+    let settings = a.plan.settings;
+    assert_eq!(
+        (
+            settings.micro_batch,
+            settings.gradient_accumulation,
+            settings.activation_checkpointing
+        ),
+        (case.micro_batch, case.accumulation, case.checkpointing),
+        "{}: the plan kept the pinned settings",
+        case.name
+    );
+    let model = ModelShape::Transformer(case.shape.clone());
+    let predicted = estimate_stage(
+        &model,
+        &settings,
+        StagePlacement::single(case.shape.layers),
+        &FLEX,
+        1.0,
+    )
+    .total;
+    let dir = std::env::temp_dir().join(format!("headroom-calibrate-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let termination = dir.join("termination-log");
+    let started = Instant::now();
+    let out = Command::new(std::env::current_exe().expect("own path"))
+        .arg("--worker")
+        .env(PLAN_JSON_ENV, serde_json::to_string(&a).expect("json"))
+        .env(CHECKPOINT_DIR_ENV, dir.join("checkpoints"))
+        .env(TERMINATION_MESSAGE_PATH_ENV, &termination)
+        .env(POD_NAME_ENV, "calibrate")
+        .env("KUBECONFIG", dir.join("none"))
+        .env("HOME", &dir)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run a worker");
+    let seconds = started.elapsed().as_secs_f64();
+    let message: TerminationMessage = std::fs::read_to_string(&termination)
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or_else(|| {
+            panic!(
+                "{}: no termination message; stderr:\n{}",
+                case.name,
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}: worker failed: {message:?}\n{}",
+        case.name,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    Measured {
+        params: case.shape.total_params(),
+        case: case.clone(),
+        predicted,
+        measured: message
+            .peak_bytes
+            .expect("peak bytes in the termination message"),
+        seconds,
+    }
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 {
+        xs[n / 2]
+    } else {
+        (xs[n / 2 - 1] + xs[n / 2]) / 2.0
+    }
+}
+
+/// Step times (seconds) of one trainer, alternating segments without and with
+/// the telemetry thread so both see the same model, data and machine state.
+fn step_times(rounds: u32, steps_per_segment: u32) -> (Vec<f64>, Vec<f64>) {
+    let case = Case {
+        name: "overhead",
+        shape: shape(4, 256, 4, 256, 4096, true),
+        micro_batch: 8,
+        accumulation: 1,
+        checkpointing: false,
+        optimizer: Optimizer::Adamw,
+    };
+    let config = TrainConfig::from_assignment(&assignment(&case, 1_000_000)).expect("config");
+    let mut trainer = Trainer::new(config, Device::flex().autodiff()).expect("trainer");
+    trainer.train_step(); // warm-up: optimizer state, allocator arenas
+    trainer.train_step();
+    let (mut without, mut with) = (Vec::new(), Vec::new());
+    for round in 0..rounds {
+        for telemetry in [round % 2 == 0, round % 2 == 1] {
+            let reporter = telemetry.then(|| {
+                Reporter::start(
+                    WorkerIdentity {
+                        name: "overhead".into(),
+                        job: "calibrate".into(),
+                        namespace: "default".into(),
+                        attempt: 1,
+                        stage: 0,
+                        layer_start: 0,
+                        layer_end: 4,
+                    },
+                    MemoryProbe::for_this_process(Some(trainer.device.clone())),
+                    Some(Box::new(MemorySink::default())),
+                    headroom_worker::report::DEFAULT_SAMPLE_EVERY,
+                    // Every sample is written: the worst case of the rate limit.
+                    WritePolicy::new(Duration::ZERO),
+                )
+            });
+            for _ in 0..steps_per_segment {
+                let r = trainer.train_step();
+                if let Some(rep) = &reporter {
+                    rep.update(Progress {
+                        step: r.step,
+                        loss: Some(r.loss),
+                        tokens_per_second: Some(r.tokens_per_second()),
+                    });
+                }
+                if telemetry { &mut with } else { &mut without }.push(r.elapsed.as_secs_f64());
+            }
+        }
+    }
+    (without, with)
+}
+
+fn telemetry_overhead() {
+    // Direct cost of one sample (reading /proc and cgroup files).
+    let mut probe = MemoryProbe::for_this_process(Some(Device::flex()));
+    let n = 2000;
+    let t = Instant::now();
+    for _ in 0..n {
+        std::hint::black_box(probe.sample());
+    }
+    let per_sample = t.elapsed().as_secs_f64() / f64::from(n);
+    let every = headroom_worker::report::DEFAULT_SAMPLE_EVERY.as_secs_f64();
+    println!(
+        "\ntelemetry: one memory sample costs {:.1} µs; at one sample per {:.1} s that is {:.4} % of one core",
+        per_sample * 1e6,
+        every,
+        100.0 * per_sample / every
+    );
+    // End to end: one trainer, alternating segments without and with the telemetry thread.
+    let (without, with) = step_times(8, 4);
+    let n = with.len();
+    let (a, b) = (median(without), median(with));
+    println!(
+        "telemetry: median step {:.1} ms without, {:.1} ms with the reporter ({n} steps each, sample every {:.1} s, every sample written): {:+.2} %",
+        a * 1e3,
+        b * 1e3,
+        every,
+        100.0 * (b - a) / a
+    );
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("--worker") {
+        let env = |key: &str| std::env::var(key).ok();
+        std::process::exit(headroom_worker::run::run(&env).code);
+    }
+    let mut steps = 3;
+    let mut only: Option<String> = None;
+    let mut overhead = true;
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        match arg.as_str() {
+            "--steps" => steps = it.next().and_then(|v| v.parse().ok()).expect("--steps N"),
+            "--only" => only = it.next().cloned(),
+            "--skip-overhead" => overhead = false,
+            "--overhead-only" => {
+                telemetry_overhead();
+                return;
+            }
+            other => {
+                panic!("unknown argument {other}; use --steps N, --only NAME, --skip-overhead")
+            }
+        }
+    }
+    if cfg!(debug_assertions) {
+        eprintln!("warning: a debug build; calibrate with --release");
+    }
+    println!(
+        "FLEX profile: fixed overhead {:.0} MiB, allocator slack {:.0} %, logit copies {}; {steps} steps per case, peak = worker VmHWM\n",
+        FLEX.fixed_overhead_bytes as f64 / MIB,
+        FLEX.allocator_slack * 100.0,
+        FLEX.logit_copies
+    );
+    println!(
+        "| case | L | h | a | s | v | params | micro × acc | ckpt | optimizer | predicted MiB | measured MiB | error |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let mut rows = Vec::new();
+    for case in grid()
+        .into_iter()
+        .filter(|c| only.as_deref().is_none_or(|o| c.name.contains(o)))
+    {
+        let m = measure(&case, steps);
+        let t = &m.case.shape;
+        println!(
+            "| {} | {} | {} | {} | {} | {} | {:.2}M | {} × {} | {} | {} | {:.0} | {:.0} | {:+.1} % |",
+            m.case.name,
+            t.layers,
+            t.hidden,
+            t.heads,
+            t.sequence_length,
+            t.vocabulary,
+            m.params as f64 / 1e6,
+            m.case.micro_batch,
+            m.case.accumulation,
+            if m.case.checkpointing { "on" } else { "off" },
+            m.case.optimizer,
+            m.predicted as f64 / MIB,
+            m.measured as f64 / MIB,
+            100.0 * m.error(),
+        );
+        eprintln!("  ({} took {:.1} s)", m.case.name, m.seconds);
+        rows.push(m);
+    }
+    let med = median(rows.iter().map(|m| m.error().abs()).collect());
+    let worst_under = rows.iter().map(Measured::error).fold(0.0f64, f64::min);
+    println!(
+        "\n{} cases: median |error| {:.1} % (target ≤ {:.0} %), worst under-prediction {:.1} % (target ≥ −{:.0} %)",
+        rows.len(),
+        100.0 * med,
+        100.0 * MEDIAN_TARGET,
+        100.0 * worst_under,
+        100.0 * UNDER_TARGET
+    );
+    if overhead {
+        telemetry_overhead();
+    }
+    if !(med <= MEDIAN_TARGET && worst_under >= -UNDER_TARGET) {
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,188 @@
+//! Telemetry reaches `status.workers[<pod>]` of a job on a real kube-apiserver
+//! (the e2e control-plane harness), written by the worker binary itself with
+//! its own field manager; two workers keep their own entries.
+//!
+//! Ignored by plain `cargo test`. Run with the control plane up:
+//!   e2e/cluster/controlplane.sh up
+//!   KUBECONFIG=~/.cache/headroom/state/controlplane/kubeconfig \
+//!     cargo test -p headroom-worker --test api_server -- --ignored --test-threads=1
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use headroom_api::{
+    CHECKPOINT_DIR_ENV, MemoryAwareTrainingJob, PLAN_JSON_ENV, POD_NAME_ENV,
+    TELEMETRY_INTERVAL_ENV, WorkerAssignment, exit_code,
+};
+use headroom_planner::Inventory;
+use headroom_worker::run::TERMINATION_MESSAGE_PATH_ENV;
+use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::wait::{await_condition, conditions};
+use kube::{Client, CustomResourceExt};
+
+const NAMESPACE: &str = "headroom-worker-telemetry";
+const MANAGER: &str = "headroom-worker-tests";
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+async fn client_with_crd() -> Client {
+    let client = Client::try_default()
+        .await
+        .expect("KUBECONFIG must point at the test control plane (e2e/cluster/controlplane.sh up)");
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let crd = MemoryAwareTrainingJob::crd();
+    let name = crd.metadata.name.clone().expect("crd name");
+    crds.patch(
+        &name,
+        &PatchParams::apply(MANAGER).force(),
+        &Patch::Apply(&crd),
+    )
+    .await
+    .expect("CRD applies");
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        await_condition(crds, &name, conditions::is_crd_established()),
+    )
+    .await
+    .expect("CRD established within 30 s")
+    .expect("watch CRD");
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    let ns: Namespace =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": NAMESPACE}})).expect("ns");
+    namespaces
+        .patch(NAMESPACE, &PatchParams::apply(MANAGER), &Patch::Apply(&ns))
+        .await
+        .expect("namespace");
+    client
+}
+
+/// The sample CPU job under `name`, shrunk so the worker trains it in seconds.
+async fn create_job(client: &Client, name: &str) -> MemoryAwareTrainingJob {
+    let text = std::fs::read_to_string(root().join("samples/cpu-tiny.yaml")).expect("sample");
+    let mut job: MemoryAwareTrainingJob = serde_yaml::from_str(&text).expect("sample parses");
+    job.metadata.name = Some(name.into());
+    job.metadata.namespace = Some(NAMESPACE.into());
+    let t = job
+        .spec
+        .model
+        .transformer
+        .as_mut()
+        .expect("transformer sample");
+    (t.layers, t.hidden, t.heads, t.sequence_length, t.vocabulary) = (2, 32, 4, 16, 32);
+    job.spec.training.global_batch = 4;
+    job.spec.training.steps = 30;
+    let api: Api<MemoryAwareTrainingJob> = Api::namespaced(client.clone(), NAMESPACE);
+    // Discovery of a just-established CRD can lag by a moment.
+    for _ in 0..40 {
+        match api
+            .patch(
+                name,
+                &PatchParams::apply(MANAGER).force(),
+                &Patch::Apply(&job),
+            )
+            .await
+        {
+            Ok(created) => return created,
+            Err(kube::Error::Api(s)) if s.code == 404 => {
+                tokio::time::sleep(Duration::from_millis(250)).await
+            }
+            Err(e) => panic!("create job {name}: {e}"),
+        }
+    }
+    panic!("the job resource never became available");
+}
+
+fn assignment(job: &MemoryAwareTrainingJob) -> WorkerAssignment {
+    let req = job.spec.job_request().expect("valid spec");
+    WorkerAssignment {
+        job: job.metadata.name.clone().expect("name"),
+        namespace: NAMESPACE.into(),
+        attempt: 1,
+        stage: 0,
+        model: req.model.clone(),
+        plan: headroom_planner::plan(&req, &Inventory::default()).expect("plan"),
+        steps: job.spec.training.steps,
+        learning_rate: job.spec.training.learning_rate,
+        checkpoint_every_steps: job.spec.training.checkpoint_every_steps,
+        seed: job.spec.training.seed,
+    }
+}
+
+fn run_worker(assignment: &WorkerAssignment, pod: &str) -> std::process::Output {
+    let dir = std::env::temp_dir().join(format!("headroom-api-{pod}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("tmp");
+    let out = Command::new(env!("CARGO_BIN_EXE_headroom-worker"))
+        .env(
+            PLAN_JSON_ENV,
+            serde_json::to_string(assignment).expect("json"),
+        )
+        .env(CHECKPOINT_DIR_ENV, dir.join("checkpoints"))
+        .env(TERMINATION_MESSAGE_PATH_ENV, dir.join("termination-log"))
+        .env(POD_NAME_ENV, pod)
+        .env(TELEMETRY_INTERVAL_ENV, "0.2")
+        .output()
+        .expect("run the worker");
+    let _ = std::fs::remove_dir_all(&dir);
+    out
+}
+
+#[tokio::test]
+#[ignore = "needs the control plane"]
+async fn telemetry_reaches_the_job_status_with_the_workers_own_field_manager() {
+    let client = client_with_crd().await;
+    let job = create_job(&client, "telemetry-tiny").await;
+    let a = assignment(&job);
+
+    let pods = ["telemetry-tiny-a1-s0", "telemetry-tiny-a1-s0-twin"];
+    for pod in pods {
+        let a = a.clone();
+        let out = tokio::task::spawn_blocking(move || run_worker(&a, pod))
+            .await
+            .expect("join");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(exit_code::SUCCESS), "{stderr}");
+        assert!(!stderr.contains("telemetry not written"), "{stderr}");
+    }
+
+    let api: Api<MemoryAwareTrainingJob> = Api::namespaced(client.clone(), NAMESPACE);
+    let stored = api.get_status("telemetry-tiny").await.expect("job");
+    let status = stored.status.expect("status written");
+    for pod in pods {
+        let entry = status
+            .workers
+            .iter()
+            .find(|w| w.name == pod)
+            .unwrap_or_else(|| panic!("no status.workers entry for {pod}: {:?}", status.workers));
+        assert_eq!(entry.step, a.steps, "the final write carries the last step");
+        assert_eq!(
+            (
+                entry.attempt,
+                entry.stage,
+                entry.layer_start,
+                entry.layer_end
+            ),
+            (1, 0, 0, 2)
+        );
+        assert!(entry.loss.is_some_and(f64::is_finite));
+        assert!(entry.tokens_per_second.is_some_and(|t| t > 0.0));
+        assert!(entry.memory.peak_bytes > 1 << 20, "{:?}", entry.memory);
+        assert!(entry.memory.process_rss_bytes.is_some());
+    }
+    let managers: Vec<String> = stored
+        .metadata
+        .managed_fields
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|m| m.manager)
+        .collect();
+    for pod in pods {
+        let manager = format!("headroom-worker/{pod}");
+        assert!(managers.contains(&manager), "{manager} not in {managers:?}");
+    }
+}

@@ -1,0 +1,268 @@
+//! The `headroom-worker` binary end to end on the CPU backend: exit codes,
+//! termination messages, checkpoints and resume across processes.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use headroom_api::{
+    CHECKPOINT_DIR_ENV, PLAN_JSON_ENV, POD_NAME_ENV, TerminationMessage, WorkerAssignment,
+    exit_code,
+};
+use headroom_planner::{
+    Inventory, JobRequest, ModelShape, Optimizer, Precision, RetryRung, Target, TransformerShape,
+    plan,
+};
+use headroom_worker::run::{DEVICE_MEMORY_LIMIT_ENV, TERMINATION_MESSAGE_PATH_ENV};
+
+fn tiny() -> TransformerShape {
+    TransformerShape {
+        layers: 2,
+        hidden: 32,
+        heads: 4,
+        sequence_length: 16,
+        vocabulary: 24,
+        feed_forward: None,
+        tied_embeddings: true,
+    }
+}
+
+fn assignment(steps: u64, micro_batch: Option<u32>) -> WorkerAssignment {
+    assignment_for(tiny(), 8, steps, micro_batch, None)
+}
+
+fn assignment_for(
+    shape: TransformerShape,
+    global_batch: u32,
+    steps: u64,
+    micro_batch: Option<u32>,
+    checkpointing: Option<bool>,
+) -> WorkerAssignment {
+    let req = JobRequest {
+        model: ModelShape::Transformer(shape),
+        global_batch,
+        precision: Precision::Fp32,
+        optimizer: Optimizer::Adamw,
+        pinned_micro_batch: micro_batch,
+        pinned_checkpointing: checkpointing,
+        target: Target::Cpu {
+            memory_limit_bytes: 2 << 30,
+            max_workers: 1,
+        },
+        headroom_fraction: 0.1,
+        allowed_rungs: RetryRung::ALL.to_vec(),
+    };
+    WorkerAssignment {
+        job: "tiny".into(),
+        namespace: "default".into(),
+        attempt: 1,
+        stage: 0,
+        model: req.model.clone(),
+        plan: plan(&req, &Inventory::default()).expect("plan"),
+        steps,
+        learning_rate: 1e-2,
+        checkpoint_every_steps: 5,
+        seed: 3,
+    }
+}
+
+struct Run {
+    code: i32,
+    message: TerminationMessage,
+    stderr: String,
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("headroom-bin-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+fn run_worker(dir: &Path, plan_json: &str, extra: &[(&str, &str)]) -> Run {
+    let termination = dir.join("termination-log");
+    let _ = std::fs::remove_file(&termination);
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_headroom-worker"));
+    cmd.env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        // No Kubernetes configuration: telemetry stays local.
+        .env("KUBECONFIG", dir.join("no-kubeconfig"))
+        .env("HOME", dir)
+        .env(PLAN_JSON_ENV, plan_json)
+        .env(CHECKPOINT_DIR_ENV, dir.join("checkpoints"))
+        .env(TERMINATION_MESSAGE_PATH_ENV, &termination)
+        .env(POD_NAME_ENV, "tiny-a1-s0");
+    for (k, v) in extra {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run the worker");
+    let text =
+        std::fs::read_to_string(&termination).expect("every exit writes a termination message");
+    Run {
+        code: out.status.code().expect("exit code"),
+        message: serde_json::from_str(&text).expect("termination message is JSON"),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+#[test]
+fn trains_checkpoints_and_resumes_across_processes() {
+    let dir = temp_dir("resume");
+    let first = run_worker(
+        &dir,
+        &serde_json::to_string(&assignment(10, None)).expect("json"),
+        &[],
+    );
+    assert_eq!(first.code, exit_code::SUCCESS, "{}", first.stderr);
+    assert_eq!(first.message.outcome, "succeeded");
+    assert_eq!(first.message.step, Some(10));
+    assert!(
+        first.message.peak_bytes.unwrap_or(0) > 1 << 20,
+        "{:?}",
+        first.message
+    );
+    assert!(
+        dir.join("checkpoints/step-000000000010/meta.json")
+            .is_file()
+    );
+
+    // A later attempt with a smaller pinned micro-batch continues to 15.
+    let second = run_worker(
+        &dir,
+        &serde_json::to_string(&assignment(15, Some(2))).expect("json"),
+        &[],
+    );
+    assert_eq!(second.code, exit_code::SUCCESS, "{}", second.stderr);
+    assert_eq!(second.message.step, Some(15));
+    assert!(second.stderr.contains("resumed"), "{}", second.stderr);
+    assert!(dir.join("checkpoints/step-000000000015").is_dir());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn invalid_plans_exit_with_invalid_plan() {
+    let dir = temp_dir("invalid");
+    let garbage = run_worker(&dir, "{\"job\": 1}", &[]);
+    assert_eq!(garbage.code, exit_code::INVALID_PLAN);
+    assert_eq!(garbage.message.outcome, "invalidPlan");
+
+    let mut two_stages = assignment(4, None);
+    let mut second = two_stages.plan.stages[0].clone();
+    two_stages.plan.stages[0].layer_end = 1;
+    second.index = 1;
+    second.layer_start = 1;
+    two_stages.plan.stages.push(second);
+    two_stages.plan.workers = 2;
+    let pipeline = run_worker(
+        &dir,
+        &serde_json::to_string(&two_stages).expect("json"),
+        &[],
+    );
+    assert_eq!(
+        pipeline.code,
+        exit_code::INVALID_PLAN,
+        "{}",
+        pipeline.stderr
+    );
+    assert!(
+        pipeline.message.reason.contains("pipeline"),
+        "{}",
+        pipeline.message.reason
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_device_out_of_memory_exits_with_its_code_and_the_peak() {
+    let dir = temp_dir("oom");
+    let run = run_worker(
+        &dir,
+        &serde_json::to_string(&assignment(4, None)).expect("json"),
+        &[(DEVICE_MEMORY_LIMIT_ENV, "1048576")],
+    );
+    assert_eq!(run.code, exit_code::DEVICE_OUT_OF_MEMORY, "{}", run.stderr);
+    assert_eq!(run.message.outcome, "deviceOutOfMemory");
+    assert_eq!(run.message.step, Some(0));
+    assert!(run.message.peak_bytes.unwrap_or(0) > 1_048_576);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn activation_checkpointing_lowers_the_measured_peak() {
+    // Activations dominate this model (long sequence, small hidden size), so
+    // keeping only block inputs must show in the process's peak.
+    let shape = TransformerShape {
+        layers: 4,
+        hidden: 32,
+        heads: 4,
+        sequence_length: 128,
+        vocabulary: 64,
+        feed_forward: None,
+        tied_embeddings: true,
+    };
+    let peak = |checkpointing: bool| {
+        let dir = temp_dir(if checkpointing { "ckpt-on" } else { "ckpt-off" });
+        let a = assignment_for(shape.clone(), 8, 1, Some(8), Some(checkpointing));
+        assert_eq!(a.plan.settings.activation_checkpointing, checkpointing);
+        let run = run_worker(&dir, &serde_json::to_string(&a).expect("json"), &[]);
+        assert_eq!(run.code, exit_code::SUCCESS, "{}", run.stderr);
+        let _ = std::fs::remove_dir_all(&dir);
+        run.message.peak_bytes.expect("peak")
+    };
+    let (off, on) = (peak(false), peak(true));
+    eprintln!("peak without checkpointing {off} B, with {on} B");
+    let predicted = |ckpt: bool| {
+        let a = assignment_for(shape.clone(), 8, 1, Some(8), Some(ckpt));
+        a.plan.stages[0].memory.activations
+    };
+    // The planner's activation saving, and at least a third of it measured.
+    let saving = predicted(false) - predicted(true);
+    assert!(
+        off > on + saving / 3,
+        "peak without checkpointing {off} B, with {on} B; predicted activation saving {saving} B"
+    );
+}
+
+#[test]
+fn sigterm_saves_a_checkpoint_and_exits() {
+    let dir = temp_dir("sigterm");
+    let termination = dir.join("termination-log");
+    let a = assignment(1_000_000, None);
+    let child = Command::new(env!("CARGO_BIN_EXE_headroom-worker"))
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("KUBECONFIG", dir.join("no-kubeconfig"))
+        .env("HOME", &dir)
+        .env(PLAN_JSON_ENV, serde_json::to_string(&a).expect("json"))
+        .env(CHECKPOINT_DIR_ENV, dir.join("checkpoints"))
+        .env(TERMINATION_MESSAGE_PATH_ENV, &termination)
+        .env(POD_NAME_ENV, "tiny-a1-s0")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the worker");
+    // Let it get past the first periodic checkpoint (every 5 steps).
+    let first = dir.join("checkpoints/step-000000000005");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !first.exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(first.exists(), "no checkpoint within 20 s");
+    std::thread::sleep(std::time::Duration::from_millis(150));
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let out = child.wait_with_output().expect("wait");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(exit_code::FAILURE), "{stderr}");
+    let message: TerminationMessage =
+        serde_json::from_str(&std::fs::read_to_string(&termination).expect("message"))
+            .expect("json");
+    assert!(message.reason.contains("SIGTERM"), "{}", message.reason);
+    let step = message.step.expect("step");
+    assert!(step >= 5);
+    // The work up to the signal is on disk: the newest checkpoint is at that step.
+    let newest = dir.join(format!("checkpoints/step-{step:012}"));
+    assert!(newest.join("meta.json").is_file(), "{message:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

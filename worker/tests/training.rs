@@ -1,0 +1,97 @@
+//! The training loop honours the plan: loss falls, accumulation equals one
+//! big batch, block checkpointing gives the same gradients.
+
+mod common;
+
+use burn::module::Module;
+use burn::tensor::Device;
+use headroom_worker::train::Trainer;
+
+use common::tiny_config;
+
+#[test]
+fn loss_falls_over_a_short_run() {
+    let config = tiny_config(8, 1, false);
+    let mut trainer = Trainer::new(config, Device::flex().autodiff()).expect("trainer");
+    let first = trainer.train_step();
+    let mut last = first;
+    let t = std::time::Instant::now();
+    while trainer.step < 40 {
+        last = trainer.train_step();
+    }
+    eprintln!(
+        "first {:.3} last {:.3} in {:?}",
+        first.loss,
+        last.loss,
+        t.elapsed()
+    );
+    assert!(
+        last.loss < 0.6 * first.loss,
+        "loss {} → {}",
+        first.loss,
+        last.loss
+    );
+}
+
+/// Logits of the trainer's current model on a fixed probe batch.
+fn probe(trainer: &Trainer) -> Vec<f32> {
+    let task = headroom_worker::data::ProgressionTask {
+        seed: 99,
+        vocabulary: trainer.config.shape.vocabulary,
+        sequence_length: trainer.config.shape.sequence_length,
+    };
+    let device = Device::flex();
+    let (tokens, _) = task.batch(0, 2, &device);
+    trainer
+        .model()
+        .valid()
+        .forward(tokens)
+        .into_data()
+        .iter::<f32>()
+        .collect()
+}
+
+fn after_two_sgd_steps(micro: u32, accumulation: u32, checkpointing: bool) -> (Vec<f32>, Vec<f64>) {
+    let mut config = tiny_config(micro, accumulation, checkpointing);
+    config.settings.optimizer = headroom_planner::Optimizer::Sgd;
+    config.learning_rate = 0.5;
+    let mut trainer = Trainer::new(config, Device::flex().autodiff()).expect("trainer");
+    let losses = (0..2).map(|_| trainer.train_step().loss).collect();
+    (probe(&trainer), losses)
+}
+
+fn assert_close(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len());
+    let worst = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / (1.0 + x.abs()))
+        .fold(0.0f32, f32::max);
+    assert!(worst < 1e-4, "{what}: worst relative difference {worst}");
+}
+
+#[test]
+fn accumulation_gives_the_same_update_as_one_big_batch() {
+    let (one_batch, l1) = after_two_sgd_steps(4, 1, false);
+    let (accumulated, l2) = after_two_sgd_steps(2, 2, false);
+    assert_close(
+        &one_batch,
+        &accumulated,
+        "micro 2 × accumulation 2 vs batch 4",
+    );
+    for (a, b) in l1.iter().zip(&l2) {
+        assert!((a - b).abs() < 1e-5, "losses {l1:?} vs {l2:?}");
+    }
+}
+
+#[test]
+fn block_checkpointing_gives_the_same_update() {
+    let (plain, l1) = after_two_sgd_steps(4, 1, false);
+    let (checkpointed, l2) = after_two_sgd_steps(4, 1, true);
+    assert_close(&plain, &checkpointed, "checkpointing on vs off");
+    let (both, _) = after_two_sgd_steps(2, 2, true);
+    assert_close(&plain, &both, "checkpointing with accumulation");
+    for (a, b) in l1.iter().zip(&l2) {
+        assert!((a - b).abs() < 1e-5, "losses {l1:?} vs {l2:?}");
+    }
+}
