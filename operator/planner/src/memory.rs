@@ -67,7 +67,7 @@ impl std::fmt::Display for Backend {
 /// burn `flex` on CPU: the container's memory limit is the device.
 ///
 /// Calibrated against measured worker peaks (VmHWM of the `headroom-worker`
-/// process, 16 configurations; `worker/CALIBRATION.md`): the process baseline
+/// process, 16 configurations; `docs/benchmarks.md`): the process baseline
 /// is about 20 MiB, and the slack of 32 % covers the glibc allocator plus the
 /// intermediates burn's autodiff keeps beyond the Korthikanti count (the
 /// attention mask and score copies, the transient gradient of each op).
