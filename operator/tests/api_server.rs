@@ -12,10 +12,8 @@ use std::time::Duration;
 
 use headroom_api::MemoryAwareTrainingJob;
 use k8s_openapi::api::core::v1::Namespace;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::Client;
 use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams, PostParams};
-use kube::runtime::wait::{await_condition, conditions};
-use kube::{Client, CustomResourceExt};
 
 const NAMESPACE: &str = "headroom-validation";
 
@@ -24,26 +22,8 @@ fn root() -> PathBuf {
 }
 
 async fn client_with_crd() -> Client {
-    let client = Client::try_default()
-        .await
-        .expect("KUBECONFIG must point at the test control plane (make test-apiserver)");
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let crd = MemoryAwareTrainingJob::crd();
-    let name = crd.metadata.name.clone().expect("crd name");
-    crds.patch(
-        &name,
-        &PatchParams::apply("headroom-tests").force(),
-        &Patch::Apply(&crd),
-    )
-    .await
-    .expect("CRD applies");
-    tokio::time::timeout(
-        Duration::from_secs(30),
-        await_condition(crds, &name, conditions::is_crd_established()),
-    )
-    .await
-    .expect("CRD established within 30 s")
-    .expect("watch CRD");
+    let client = support::client().await;
+    support::install_crd(&client).await;
     let namespaces: Api<Namespace> = Api::all(client.clone());
     let ns: Namespace =
         serde_json::from_value(serde_json::json!({"metadata": {"name": NAMESPACE}})).expect("ns");

@@ -18,10 +18,8 @@ use headroom_api::{
 use headroom_planner::Inventory;
 use headroom_worker::run::TERMINATION_MESSAGE_PATH_ENV;
 use k8s_openapi::api::core::v1::Namespace;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::wait::{await_condition, conditions};
-use kube::{Client, CustomResourceExt};
 
 const NAMESPACE: &str = "headroom-worker-telemetry";
 const MANAGER: &str = "headroom-worker-tests";
@@ -34,23 +32,9 @@ async fn client_with_crd() -> Client {
     let client = Client::try_default()
         .await
         .expect("KUBECONFIG must point at the test control plane (e2e/cluster/controlplane.sh up)");
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let crd = MemoryAwareTrainingJob::crd();
-    let name = crd.metadata.name.clone().expect("crd name");
-    crds.patch(
-        &name,
-        &PatchParams::apply(MANAGER).force(),
-        &Patch::Apply(&crd),
-    )
-    .await
-    .expect("CRD applies");
-    tokio::time::timeout(
-        Duration::from_secs(30),
-        await_condition(crds, &name, conditions::is_crd_established()),
-    )
-    .await
-    .expect("CRD established within 30 s")
-    .expect("watch CRD");
+    headroom_operator::crd::install(&client, MANAGER)
+        .await
+        .expect("CRD installed and established");
     let namespaces: Api<Namespace> = Api::all(client.clone());
     let ns: Namespace =
         serde_json::from_value(serde_json::json!({"metadata": {"name": NAMESPACE}})).expect("ns");

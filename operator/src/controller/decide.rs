@@ -255,26 +255,12 @@ impl Builder<'_> {
         step: Option<u64>,
     ) {
         let now = self.obs.now;
-        let telemetry_peak = {
-            let n = self.d.status.attempts.last().map_or(0, |a| a.number);
-            self.d
-                .status
-                .workers
-                .iter()
-                .filter(|w| w.attempt == n)
-                .map(|w| w.memory.peak_bytes)
-                .max()
-        };
-        let telemetry_step = {
-            let n = self.d.status.attempts.last().map_or(0, |a| a.number);
-            self.d
-                .status
-                .workers
-                .iter()
-                .filter(|w| w.attempt == n)
-                .map(|w| w.step)
-                .max()
-        };
+        // What the workers of this attempt reported live, for when they could not say it on exit.
+        let n = self.d.status.attempts.last().map_or(0, |a| a.number);
+        let reports = self.d.status.workers.iter().filter(|w| w.attempt == n);
+        let (telemetry_peak, telemetry_step) = reports.fold((None, None), |(peak, step), w| {
+            (peak.max(Some(w.memory.peak_bytes)), step.max(Some(w.step)))
+        });
         let Some(attempt) = self.d.status.attempts.last_mut() else {
             return;
         };

@@ -10,10 +10,8 @@ use headroom_api::MemoryAwareTrainingJob;
 use headroom_operator::controller::{self, ControllerConfig};
 use headroom_operator::metrics::Metrics;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
-use kube::runtime::wait::{await_condition, conditions};
-use kube::{Client, CustomResourceExt, ResourceExt};
+use kube::{Client, ResourceExt};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -26,23 +24,9 @@ pub async fn client() -> Client {
 }
 
 pub async fn install_crd(client: &Client) {
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let crd = MemoryAwareTrainingJob::crd();
-    let name = crd.metadata.name.clone().expect("crd name");
-    crds.patch(
-        &name,
-        &PatchParams::apply("headroom-tests").force(),
-        &Patch::Apply(&crd),
-    )
-    .await
-    .expect("CRD applies");
-    tokio::time::timeout(
-        TIMEOUT,
-        await_condition(crds, &name, conditions::is_crd_established()),
-    )
-    .await
-    .expect("CRD established in time")
-    .expect("watch CRD");
+    headroom_operator::crd::install(client, "headroom-tests")
+        .await
+        .expect("CRD installed and established");
 }
 
 /// A namespace of one's own for one test.
