@@ -46,8 +46,8 @@ test-unit: ## Unit, property, CRD-drift and plugin tests (no cluster needed).
 	$(CARGO) test --workspace --all-targets
 
 test-apiserver: controlplane-up ## CRD, samples, invalid-manifest corpus and the controller against a real kube-apiserver.
-	KUBECONFIG=$(KUBECONFIG_TEST) $(CARGO) test -p headroom-operator --test api_server --test controller -- --ignored
-	KUBECONFIG=$(KUBECONFIG_TEST) $(CARGO) test -p headroom-worker --test api_server -- --ignored --test-threads=1
+	# --workspace --tests: the same feature resolution as test-unit, so nothing is rebuilt.
+	KUBECONFIG=$(KUBECONFIG_TEST) $(CARGO) test --workspace --tests -- --ignored --test-threads=1
 
 chart-check: controlplane-up ## helm lint + template of charts/headroom, security checks, server-side dry run.
 	KUBECONFIG=$(KUBECONFIG_TEST) e2e/chart-check.sh
