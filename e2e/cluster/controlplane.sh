@@ -19,36 +19,13 @@ source "${HERE}/lib/pki.sh"
 source "${HERE}/lib/etcd.sh"
 source "${HERE}/lib/kube-apiserver.sh"
 source "${HERE}/lib/kube-controller-manager.sh"
+source "${HERE}/lib/lifecycle.sh"
 
 KUBECTL="${HEADROOM_BIN_DIR}/kubectl"
-# Start order; stopped in reverse. Later: kube-controller-manager,
-# kube-scheduler, containerd, kubelet, kube-proxy -- each with a lib/<name>.sh
+# Start order; stopped in reverse. The full node (kube-scheduler, containerd,
+# kubelet, kube-proxy) is cluster.sh; each component has a lib/<name>.sh
 # providing <fn>_start and <fn>_ready.
 COMPONENTS=(etcd kube-apiserver kube-controller-manager)
-
-# Maps a component to its lib function prefix.
-fn_prefix() {
-  case $1 in
-    kube-apiserver) echo apiserver ;;
-    kube-controller-manager) echo controller_manager ;;
-    *) echo "${1//-/_}" ;;
-  esac
-}
-
-component_port() {
-  case $1 in
-    etcd) echo "${ETCD_CLIENT_PORT}" ;;
-    kube-apiserver) echo "${APISERVER_PORT}" ;;
-    kube-controller-manager) echo "${CONTROLLER_MANAGER_PORT}" ;;
-  esac
-}
-
-# Serialise up/down/clean: parallel test jobs may all call `up`.
-take_lock() {
-  mkdir -p "${HEADROOM_STATE}"
-  exec 9>"${HEADROOM_STATE}/.lock"
-  flock -w "${LOCK_TIMEOUT}" 9 || die "another controlplane.sh holds ${HEADROOM_STATE}/.lock for over ${LOCK_TIMEOUT}s"
-}
 
 need_binaries() {
   local missing=() b
@@ -63,57 +40,10 @@ need_binaries() {
   fi
 }
 
-kubectl_admin() { "${KUBECTL}" --kubeconfig "${KUBECONFIG_ADMIN}" --request-timeout=5s "$@"; }
-
-# Beyond /readyz: the default namespace exists (created by a controller inside
-# the apiserver shortly after readiness) and an authenticated, RBAC-authorised
-# read works end to end with the kubeconfig tests will use.
-basics_work() {
-  [[ -f ${KUBECONFIG_ADMIN} ]] && kubectl_admin get namespace default -o name >/dev/null 2>&1
-}
-
 healthy() {
   component_pid etcd >/dev/null && etcd_ready &&
     component_pid kube-apiserver >/dev/null && apiserver_ready && basics_work &&
     component_pid kube-controller-manager >/dev/null && controller_manager_ready
-}
-
-# wait_ready NAME TIMEOUT  -- poll <fn>_ready; fail fast if the process dies.
-wait_ready() {
-  local name=$1 timeout=$2 fn deadline
-  fn="$(fn_prefix "${name}")_ready"
-  deadline=$(($(now) + timeout))
-  until "${fn}"; do
-    if ! component_pid "${name}" >/dev/null; then
-      log "${name} exited during startup"
-      show_log_tail "${name}"
-      return 1
-    fi
-    if (($(now) >= deadline)); then
-      log "${name} not ready after ${timeout}s"
-      show_log_tail "${name}"
-      return 1
-    fi
-    sleep 0.5
-  done
-}
-
-start_one() {
-  local name=$1 timeout=$2 port t0
-  t0=$(now)
-  if component_pid "${name}" >/dev/null; then
-    log "${name} already running (pid $(component_pid "${name}"))"
-  else
-    port=$(component_port "${name}")
-    if [[ -n ${port} ]] && port_in_use "${HEADROOM_BIND_ADDRESS}" "${port}"; then
-      ss -ltnp 2>/dev/null | grep -E ":${port}\b" >&2 || true
-      die "${HEADROOM_BIND_ADDRESS}:${port} is already in use by another process; pick other ports (see lib/common.sh)"
-    fi
-    log "starting ${name} (log: $(log_file "${name}"))"
-    "$(fn_prefix "${name}")_start"
-  fi
-  wait_ready "${name}" "${timeout}" || return 1
-  log "${name} ready after $(($(now) - t0))s"
 }
 
 cmd_up() {

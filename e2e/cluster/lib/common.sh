@@ -112,7 +112,16 @@ start_component() {
   # 9>&- : do not hand the harness lock (fd 9, see take_lock) to the daemon,
   # or the lock would stay held for the daemon's whole life.
   setsid "${bin}" "$@" </dev/null >>"${log}" 2>&1 9>&- &
-  printf '%s\n' "$!" >"$(pid_file "${name}")"
+  local pid=$! i
+  printf '%s\n' "${pid}" >"$(pid_file "${name}")"
+  # Until the forked shell has exec'd the binary, /proc/PID/exe is bash or
+  # setsid and component_pid would call the component dead: wait for the exec
+  # (or the process's end) so readiness checks never see that window.
+  for ((i = 0; i < 50; i++)); do
+    pid_alive "${pid}" || break
+    [[ $(readlink "/proc/${pid}/exe" 2>/dev/null) == */"$(basename "${bin}")"* ]] && break
+    sleep 0.1
+  done
 }
 
 # stop_component NAME [BINARY]  -- TERM, wait STOP_TIMEOUT, then KILL.

@@ -16,7 +16,8 @@ apiserver_start() {
   fi
   # shellcheck disable=SC2054 # commas inside flag values are intended
   local args=(
-    --bind-address="${HEADROOM_BIND_ADDRESS}"
+    # cluster.sh binds 0.0.0.0: pods reach the apiserver on the node IP.
+    --bind-address="${APISERVER_BIND_ADDRESS:-${HEADROOM_BIND_ADDRESS}}"
     --advertise-address="${advertise}"
     --endpoint-reconciler-type="${APISERVER_ENDPOINT_RECONCILER:-${reconciler}}"
     --secure-port="${APISERVER_PORT}"
@@ -41,7 +42,7 @@ apiserver_start() {
     # controller/operator has some). This mode drains normal requests and
     # then gives the HTTP server a hard-coded 2s, so `down` takes ~3s.
     --shutdown-send-retry-after=true
-    # Pods will need this once a kubelet exists.
+    # For the kubelet of cluster.sh.
     --allow-privileged=true
     --v="${APISERVER_LOG_LEVEL:-1}"
   )

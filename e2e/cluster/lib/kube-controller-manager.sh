@@ -1,8 +1,10 @@
 # shellcheck shell=bash
 # kube-controller-manager with only what API-level tests need: the garbage
-# collector (owner references really delete children) and the namespace
-# controller (deleted test namespaces really go away). Workload controllers
-# stay off: Headroom's own controller is the one under test.
+# collector (owner references really delete children), the namespace
+# controller (deleted test namespaces really go away) and the PVC/PV
+# protection controllers (which release the finalizers that would otherwise
+# keep every checkpoint claim, and so its namespace, alive). Workload
+# controllers stay off: Headroom's own controller is the one under test.
 
 controller_manager_start() {
   # shellcheck disable=SC2054 # commas inside flag values are intended
@@ -14,7 +16,7 @@ controller_manager_start() {
     --bind-address="${HEADROOM_BIND_ADDRESS}"
     --secure-port="${CONTROLLER_MANAGER_PORT}"
     --cert-dir="${PKI_DIR}/controller-manager"
-    --controllers="${CONTROLLER_MANAGER_CONTROLLERS:-garbagecollector,namespace}"
+    --controllers="${CONTROLLER_MANAGER_CONTROLLERS:-garbagecollector,namespace,pvc-protection,pv-protection}"
     --leader-elect=false
     --use-service-account-credentials=false
     --v="${CONTROLLER_MANAGER_LOG_LEVEL:-1}"

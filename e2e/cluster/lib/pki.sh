@@ -114,9 +114,8 @@ KUBECONFIG
   mv -f "${tmp}" "${path}"
 }
 
-# All certs the control plane needs. Future node components (kubelet,
-# controller-manager, scheduler, kube-proxy) add their pki_client_cert +
-# write_kubeconfig calls next to these.
+# All certs the control plane needs. The node components' certs are in
+# pki_ensure_node.
 pki_ensure_controlplane() {
   mkdir -p "${PKI_DIR}"
   chmod 700 "${PKI_DIR}"
@@ -128,6 +127,12 @@ pki_ensure_controlplane() {
   sans="DNS:localhost,DNS:${host},DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc"
   sans+=",DNS:kubernetes.default.svc.${CLUSTER_DOMAIN},IP:127.0.0.1,IP:${KUBERNETES_SERVICE_IP}"
   [[ ${HEADROOM_BIND_ADDRESS} != 127.0.0.1 ]] && sans+=",IP:${HEADROOM_BIND_ADDRESS}"
+  # cluster.sh advertises the node IP (pods dial it through the `kubernetes`
+  # Service); unset for the loopback-only control plane.
+  if [[ -n ${APISERVER_ADVERTISE_ADDRESS:-} && ${APISERVER_ADVERTISE_ADDRESS} != 127.* &&
+    ${APISERVER_ADVERTISE_ADDRESS} != "${HEADROOM_BIND_ADDRESS}" ]]; then
+    sans+=",IP:${APISERVER_ADVERTISE_ADDRESS}"
+  fi
   pki_serving_cert apiserver kube-apiserver "${sans}"
 
   # etcd's gRPC gateway dials its own client port with the serving cert, so
@@ -141,4 +146,24 @@ pki_ensure_controlplane() {
   pki_client_cert apiserver-kubelet-client kube-apiserver-kubelet-client system:masters
   pki_client_cert admin headroom-admin system:masters
   rm -f "${PKI_DIR}/ca.srl"
+}
+
+# Certs and kubeconfigs of the node components (cluster.sh). Each component
+# authenticates as the identity the bootstrap RBAC policy and the Node
+# authorizer expect, so no extra RBAC is needed:
+#   kubelet       CN=system:node:<node>, O=system:nodes   (Node authorizer)
+#   kube-scheduler CN=system:kube-scheduler               (system:kube-scheduler)
+#   kube-proxy    CN=system:kube-proxy                    (system:node-proxier)
+# The kubelet also gets a serving cert for its node name and IP, so the
+# apiserver -> kubelet connection (logs, exec) is not self-signed.
+pki_ensure_node() {
+  local node=$1 node_ip=$2 dir=$3
+  pki_client_cert "kubelet-${node}" "system:node:${node}" system:nodes
+  pki_serving_cert kubelet-serving "${node}" "DNS:${node},DNS:localhost,IP:${node_ip},IP:127.0.0.1"
+  pki_client_cert kube-scheduler system:kube-scheduler
+  pki_client_cert kube-proxy system:kube-proxy
+  rm -f "${PKI_DIR}/ca.srl"
+  write_kubeconfig "${dir}/kubelet.kubeconfig" "kubelet-${node}" "system:node:${node}"
+  write_kubeconfig "${dir}/kube-scheduler.kubeconfig" kube-scheduler system:kube-scheduler
+  write_kubeconfig "${dir}/kube-proxy.kubeconfig" kube-proxy system:kube-proxy
 }
