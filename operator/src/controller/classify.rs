@@ -136,6 +136,13 @@ fn classify_exit(t: &ContainerStateTerminated) -> PodFailure {
             "OOMKilled".to_string(),
             false,
         )
+    } else if t.reason.as_deref() == Some("ContainerStatusUnknown") {
+        // The kubelet lost the container (node restart): its 137 is not an OOM.
+        (
+            AttemptOutcome::Disrupted,
+            "ContainerStatusUnknown".to_string(),
+            false,
+        )
     } else {
         match t.exit_code {
             exit_code::DEVICE_OUT_OF_MEMORY => (
@@ -231,6 +238,17 @@ mod tests {
             (f.outcome, f.reason.as_str()),
             (AttemptOutcome::Disrupted, "PreemptionByScheduler")
         );
+    }
+
+    #[test]
+    fn a_lost_container_is_a_disruption_even_with_137() {
+        let p = pod(
+            "  phase: Failed\n  containerStatuses: [{name: worker, image: i, imageID: '', ready: false, restartCount: 0, state: {terminated: {exitCode: 137, reason: ContainerStatusUnknown}}}]",
+        );
+        let PodVerdict::Failed(f) = classify(&p) else {
+            panic!("failed expected")
+        };
+        assert_eq!(f.outcome, AttemptOutcome::Disrupted);
     }
 
     #[test]
