@@ -440,12 +440,13 @@ async fn ensure_children(
         .iter()
         .map(|&stage| children::worker_pod(job, attempt, stage, plan, cfg))
         .collect::<Result<Vec<_>, _>>()?;
-    // The pod's account (checked by ServiceAccount admission) and its RBAC go
-    // first, together; then the pods, together.
+    // Order matters twice: a RoleBinding to a Role that does not exist yet is
+    // refused (RBAC's escalation check must resolve the Role), and a pod
+    // naming a missing ServiceAccount is refused by admission. So: account,
+    // Role, claim and Service together; then the binding; then the pods.
     futures::try_join!(
         apply::<ServiceAccount>(c, &ns, &sa),
         apply::<Role>(c, &ns, &role),
-        apply::<RoleBinding>(c, &ns, &rb),
         apply_claim(c, &ns, &pvc),
         async {
             if plan.workers > 1 {
@@ -455,6 +456,7 @@ async fn ensure_children(
             }
         },
     )?;
+    apply::<RoleBinding>(c, &ns, &rb).await?;
     futures::future::try_join_all(pods.iter().map(|pod| apply::<Pod>(c, &ns, pod))).await?;
     if let Ok(mut m) = ctx.launched.lock() {
         m.retain(|_, at| at.elapsed() < LAUNCH_EXPECTATION);
