@@ -104,7 +104,7 @@ async fn main() -> Result<()> {
         )
     });
     if let Some(lock) = &lock {
-        if !acquire(lock, stop_rx.clone()).await? {
+        if !acquire(lock, &metrics, stop_rx.clone()).await? {
             return Ok(()); // asked to stop while standing by
         }
         tracing::info!(%identity, "leading");
@@ -137,13 +137,28 @@ async fn main() -> Result<()> {
 }
 
 /// Waits until this replica holds the lease; false when asked to stop first.
-async fn acquire(lock: &LeaseLock, mut stop: watch::Receiver<bool>) -> Result<bool> {
+/// A healthy standby reports ready: otherwise a rolling update, whose new pod
+/// stands by until the old one leaves, could never make progress.
+async fn acquire(
+    lock: &LeaseLock,
+    metrics: &Metrics,
+    mut stop: watch::Receiver<bool>,
+) -> Result<bool> {
     let retry = lock.duration() / 3;
     loop {
         match lock.try_acquire_or_renew().await {
-            Ok(true) => return Ok(true),
-            Ok(false) => tracing::debug!("standing by: another replica leads"),
-            Err(e) => tracing::warn!(%e, "lease"),
+            Ok(true) => {
+                metrics.set_ready(false); // ready again once the caches have synced
+                return Ok(true);
+            }
+            Ok(false) => {
+                metrics.set_ready(true);
+                tracing::debug!("standing by: another replica leads");
+            }
+            Err(e) => {
+                metrics.set_ready(false);
+                tracing::warn!(%e, "lease");
+            }
         }
         tokio::select! {
             _ = tokio::time::sleep(retry) => {}
