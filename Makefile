@@ -79,5 +79,29 @@ plan-samples: ## Print Headroom's plan for every sample job (offline).
 	for f in samples/cpu-*.yaml; do $(CARGO) run -q -p headroom-operator --bin kubectl-headroom -- plan -f $$f; done
 	$(CARGO) run -q -p headroom-operator --bin kubectl-headroom -- plan -f samples/gpu-gpt2-medium.yaml --nodes samples/nodes-gfd.yaml
 
-demo: k8s-binaries ## A job that OOMs on attempt 1 and succeeds on attempt 2, through the operator on the local control plane.
+demo: ## On the local single-node cluster: a job is OOM-killed on attempt 1 and succeeds on attempt 2 (needs root).
 	e2e/demo.sh
+
+##@ Local single-node cluster (real pods: containerd + kubelet; run as root)
+.PHONY: cluster-up cluster-down cluster-status cluster-test images
+KUBECONFIG_CLUSTER := $(HEADROOM_CACHE)/state/cluster/kubeconfig
+IMAGE_TAG ?= dev
+
+cluster-up: ## Start the single-node cluster (installs apt packages, builds missing binaries; idempotent).
+	$(CLUSTER)/cluster.sh up
+	@$(CLUSTER)/cluster.sh env
+
+cluster-down: ## Stop the cluster: pods through the CRI, then every component by PID (state kept).
+	$(CLUSTER)/cluster.sh down
+
+cluster-status: ## Exit 0 only if every component is ready and the node is Ready.
+	$(CLUSTER)/cluster.sh status
+
+cluster-test: cluster-up ## On the real node: OOM kill (137), Succeeded, API via the kubernetes Service, PVC.
+	$(CLUSTER)/node-test.sh
+
+images: ## Build localhost/headroom-{operator,worker}:$(IMAGE_TAG) without Docker; import into the cluster if up.
+	$(CARGO) build --release -p headroom-operator --bin headroom-operator
+	$(CARGO) build --release -p headroom-worker --bin headroom-worker
+	IMAGE_TAG=$(IMAGE_TAG) e2e/images/build.sh headroom-operator $(CARGO_TARGET_DIR)/release/headroom-operator
+	IMAGE_TAG=$(IMAGE_TAG) e2e/images/build.sh headroom-worker $(CARGO_TARGET_DIR)/release/headroom-worker

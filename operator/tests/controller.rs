@@ -125,14 +125,14 @@ async fn oom_kill_retries_with_stricter_settings_and_keeps_history() {
     let (first, second) = (&status.attempts[0], &status.attempts[1]);
     assert_eq!(first.outcome, AttemptOutcome::HostOutOfMemory);
     assert_eq!(
-        first.plan.settings.micro_batch, 64,
+        first.plan.settings.micro_batch, 32,
         "attempt 1 ran the pinned settings"
     );
     assert!(!first.plan.settings.activation_checkpointing);
     assert!(second.plan.settings.activation_checkpointing);
-    assert!(second.plan.settings.micro_batch < 64);
+    assert!(second.plan.settings.micro_batch < 32);
     assert_eq!(
-        second.plan.global_batch, 64,
+        second.plan.global_batch, 32,
         "the global batch is preserved"
     );
     assert!(second.plan.fits());
@@ -148,7 +148,7 @@ async fn oom_kill_retries_with_stricter_settings_and_keeps_history() {
     );
 
     // A device OOM with a termination message on attempt 2: its peak is recorded.
-    let msg = r#"{"outcome":"deviceOutOfMemory","reason":"allocation of 512 MiB failed","step":40,"peakBytes":700000000}"#;
+    let msg = r#"{"outcome":"deviceOutOfMemory","reason":"allocation of 512 MiB failed","step":40,"peakBytes":300000000}"#;
     ns.set_pod_status("oom-then-fit-a2-s0", terminated(88, "Error", Some(msg)))
         .await;
     let job = ns
@@ -159,9 +159,9 @@ async fn oom_kill_retries_with_stricter_settings_and_keeps_history() {
     assert_eq!(second.outcome, AttemptOutcome::DeviceOutOfMemory);
     assert_eq!(
         (second.observed_peak_bytes, second.last_step),
-        (Some(700_000_000), Some(40))
+        (Some(300_000_000), Some(40))
     );
-    assert_eq!(status.attempts[2].plan.global_batch, 64);
+    assert_eq!(status.attempts[2].plan.global_batch, 32);
     assert_eq!(
         status.attempts[0].outcome,
         AttemptOutcome::HostOutOfMemory,

@@ -74,7 +74,7 @@ fn yaml_output_parses() {
     let doc: serde_yaml::Value = serde_yaml::from_slice(&out.stdout).expect("yaml output");
     assert_eq!(
         doc["plan"]["settings"]["microBatch"],
-        serde_yaml::Value::from(64)
+        serde_yaml::Value::from(32)
     );
     assert!(
         doc["plan"]["warnings"][0]

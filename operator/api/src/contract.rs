@@ -28,6 +28,11 @@ pub const TELEMETRY_INTERVAL_ENV: &str = "HEADROOM_TELEMETRY_INTERVAL_SECONDS";
 /// Where Kubernetes reads the termination message from.
 pub const TERMINATION_MESSAGE_PATH: &str = "/dev/termination-log";
 
+/// Pipeline stages the Headroom worker can run together. The planner can
+/// split a model further, but the operator never launches a plan the worker
+/// would reject (exit 78); raise this when pipeline training lands.
+pub const WORKER_MAX_STAGES: u32 = 1;
+
 /// Worker exit codes. 137 (SIGKILL, e.g. the kernel OOM killer) is not ours.
 pub mod exit_code {
     pub const SUCCESS: i32 = 0;

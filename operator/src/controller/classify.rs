@@ -156,9 +156,20 @@ fn classify_exit(t: &ContainerStateTerminated) -> PodFailure {
             code => (AttemptOutcome::Failed, format!("ExitCode{code}"), false),
         }
     };
-    let message = worker_reason
-        .or_else(|| t.message.clone().filter(|m| !m.is_empty()))
-        .unwrap_or_else(|| format!("container exited with code {}", t.exit_code));
+    // Without a JSON termination message the kubelet falls back to the log
+    // tail: useful for errors, noise for a kernel OOM kill.
+    let message = match (&worker_reason, outcome) {
+        (Some(reason), _) => reason.clone(),
+        (None, AttemptOutcome::HostOutOfMemory) => {
+            "the kernel killed the container at its memory limit".to_string()
+        }
+        (None, _) => t
+            .message
+            .as_deref()
+            .map(strip_ansi)
+            .filter(|m| !m.trim().is_empty())
+            .unwrap_or_else(|| format!("container exited with code {}", t.exit_code)),
+    };
     PodFailure {
         outcome,
         reason,
@@ -167,6 +178,25 @@ fn classify_exit(t: &ContainerStateTerminated) -> PodFailure {
         peak_bytes,
         invalid_plan,
     }
+}
+
+/// Removes terminal colour codes (ESC [ ... letter) from a log excerpt.
+fn strip_ansi(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // Skip to the end of the escape sequence.
+            for d in chars.by_ref() {
+                if d.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out.trim().to_string()
 }
 
 /// Severity used to pick the attempt's outcome when stages fail differently:
@@ -237,6 +267,24 @@ mod tests {
         assert_eq!(
             (f.outcome, f.reason.as_str()),
             (AttemptOutcome::Disrupted, "PreemptionByScheduler")
+        );
+    }
+
+    #[test]
+    fn log_fallback_messages_are_cleaned() {
+        assert_eq!(
+            strip_ansi("\u{1b}[2mtime\u{1b}[0m \u{1b}[31mERROR\u{1b}[0m boom\n"),
+            "time ERROR boom"
+        );
+        let p = pod(
+            "  phase: Failed\n  containerStatuses: [{name: worker, image: i, imageID: '', ready: false, restartCount: 0, state: {terminated: {exitCode: 137, reason: OOMKilled, message: 'some log line'}}}]",
+        );
+        let PodVerdict::Failed(f) = classify(&p) else {
+            panic!("failed expected")
+        };
+        assert_eq!(
+            f.message,
+            "the kernel killed the container at its memory limit"
         );
     }
 

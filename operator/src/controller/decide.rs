@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use headroom_api::{
     Attempt, AttemptOutcome, JobPhase, LABEL_ATTEMPT, MemoryAwareTrainingJob,
-    MemoryAwareTrainingJobStatus,
+    MemoryAwareTrainingJobStatus, WORKER_MAX_STAGES,
 };
 use headroom_planner::search::{SearchOptions, plan_with};
 use headroom_planner::units::format_bytes;
@@ -98,7 +98,7 @@ impl Builder<'_> {
         ) {
             return; // A job's completion is final.
         }
-        let request = match self.obs.job.spec.job_request() {
+        let request = match runnable_request(self.obs.job) {
             Ok(r) => r,
             Err(e) => return self.fail("InvalidSpec", e.to_string()),
         };
@@ -295,7 +295,7 @@ impl Builder<'_> {
                     .unwrap_or_default()
             ),
         );
-        if let Ok(request) = self.obs.job.spec.job_request() {
+        if let Ok(request) = runnable_request(self.obs.job) {
             self.after_attempt(&ended, &request);
         }
     }
@@ -509,6 +509,22 @@ impl Builder<'_> {
             }),
         }
     }
+}
+
+/// The job's planning request, limited to what the worker can run.
+fn runnable_request(
+    job: &MemoryAwareTrainingJob,
+) -> Result<headroom_planner::JobRequest, headroom_api::SpecError> {
+    let mut request = job.spec.job_request()?;
+    match &mut request.target {
+        headroom_planner::Target::Gpu { max_gpus, .. } => {
+            *max_gpus = (*max_gpus).min(WORKER_MAX_STAGES)
+        }
+        headroom_planner::Target::Cpu { max_workers, .. } => {
+            *max_workers = (*max_workers).min(WORKER_MAX_STAGES)
+        }
+    }
+    Ok(request)
 }
 
 /// One line about a plan, for events and status messages.
