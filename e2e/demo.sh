@@ -18,28 +18,13 @@ TIMEOUT=${DEMO_TIMEOUT_SECONDS:-900}
 
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 
-if [[ -z ${KUBECONFIG:-} ]]; then
-  say "starting the local single-node cluster (containerd + kubelet, no Docker)"
-  e2e/cluster/cluster.sh up
-  eval "$(e2e/cluster/cluster.sh env)"
-fi
+env=$(e2e/install.sh)
+eval "${env}"
 # shellcheck source=cluster/lib/common.sh
 source e2e/cluster/lib/common.sh
 KUBECTL=${KUBECTL:-${HEADROOM_BIN_DIR}/kubectl}
 k() { "${KUBECTL}" "$@"; }
 
-say "building headroom-operator and headroom-worker, packaging them as OCI images"
-cargo build --release -q -p headroom-operator --bin headroom-operator --bin kubectl-headroom -p headroom-worker --bin headroom-worker
-e2e/images/build.sh headroom-operator "${CARGO_TARGET_DIR}/release/headroom-operator" >/dev/null
-e2e/images/build.sh headroom-worker "${CARGO_TARGET_DIR}/release/headroom-worker" >/dev/null
-
-say "helm install headroom charts/headroom"
-HELM=$(e2e/tools/build-helm.sh --print)
-"${HELM}" upgrade --install headroom charts/headroom -n headroom-system --create-namespace \
-  --set image.repository=localhost/headroom-operator --set image.tag=dev --wait --timeout 180s >/dev/null
-# The image tag stays `dev` across rebuilds: restart so the new build runs.
-k -n headroom-system rollout restart deployment/headroom-operator >/dev/null
-k -n headroom-system rollout status deployment/headroom-operator --timeout=180s
 k create namespace "${NS}" --dry-run=client -o yaml | k apply -f - >/dev/null
 k delete -n "${NS}" matj "${JOB}" --ignore-not-found --wait=true >/dev/null
 

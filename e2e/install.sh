@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Brings Headroom up on a cluster: with KUBECONFIG unset, the local
+# single-node cluster (root; e2e/cluster/README.md); then the operator and
+# worker images built without Docker, and the Helm chart. Prints the
+# KUBECONFIG to use. Shared by the README demo and `make e2e`.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "${ROOT}"
+: "${HEADROOM_CACHE:=${HOME}/.cache/headroom}"
+: "${CARGO_TARGET_DIR:=${HEADROOM_CACHE}/target}"
+export HEADROOM_CACHE CARGO_TARGET_DIR
+say() { printf '\n\033[1m== %s\033[0m\n' "$*" >&2; }
+
+if [[ -z ${KUBECONFIG:-} ]]; then
+  say "starting the local single-node cluster (containerd + kubelet, no Docker)"
+  e2e/cluster/cluster.sh up >&2
+  eval "$(e2e/cluster/cluster.sh env)"
+fi
+# shellcheck source=cluster/lib/common.sh
+source e2e/cluster/lib/common.sh
+KUBECTL=${KUBECTL:-${HEADROOM_BIN_DIR}/kubectl}
+
+say "building headroom-operator and headroom-worker, packaging them as OCI images"
+cargo build --release -q -p headroom-operator --bin headroom-operator --bin kubectl-headroom -p headroom-worker --bin headroom-worker >&2
+e2e/images/build.sh headroom-operator "${CARGO_TARGET_DIR}/release/headroom-operator" >/dev/null
+e2e/images/build.sh headroom-worker "${CARGO_TARGET_DIR}/release/headroom-worker" >/dev/null
+
+say "helm upgrade --install headroom charts/headroom"
+HELM=$(e2e/tools/build-helm.sh --print)
+"${HELM}" upgrade --install headroom charts/headroom -n headroom-system --create-namespace \
+  --set image.repository=localhost/headroom-operator --set image.tag=dev --wait --timeout 180s >&2
+# The tag stays `dev` across rebuilds: restart so the new build runs.
+"${KUBECTL}" -n headroom-system rollout restart deployment/headroom-operator >&2
+"${KUBECTL}" -n headroom-system rollout status deployment/headroom-operator --timeout=180s >&2
+echo "export KUBECONFIG=${KUBECONFIG}"
