@@ -47,7 +47,7 @@ test-unit: ## Unit, property, CRD-drift and plugin tests (no cluster needed).
 
 test-apiserver: controlplane-up ## CRD, samples, invalid-manifest corpus and the controller against a real kube-apiserver.
 	# --workspace --tests: the same feature resolution as test-unit, so nothing is rebuilt.
-	KUBECONFIG=$(KUBECONFIG_TEST) $(CARGO) test --workspace --tests -- --ignored --test-threads=1
+	KUBECONFIG=$(KUBECONFIG_TEST) $(CARGO) test --workspace --exclude headroom-e2e --tests -- --ignored --test-threads=1
 
 chart-check: controlplane-up ## helm lint + template of charts/headroom, security checks, server-side dry run.
 	KUBECONFIG=$(KUBECONFIG_TEST) e2e/chart-check.sh
