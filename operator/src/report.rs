@@ -8,7 +8,6 @@ use headroom_planner::{MemoryBreakdown, NoFeasiblePlan, Plan};
 /// Plan summary and per-stage memory breakdown as a text table.
 pub fn plan_table(title: &str, params: u64, plan: &Plan) -> String {
     let mut out = String::new();
-    let s = &plan.settings;
     let _ = writeln!(
         out,
         "{title}: {:.1}M parameters, global batch {}",
@@ -25,19 +24,7 @@ pub fn plan_table(title: &str, params: u64, plan: &Plan) -> String {
         format_bytes(plan.device_memory_bytes)
     );
     let _ = writeln!(out, "Peak:      {}", plan.fit);
-    let _ = writeln!(
-        out,
-        "Settings:  micro-batch {} × accumulation {}, checkpointing {}, {}, {}",
-        s.micro_batch,
-        s.gradient_accumulation,
-        if s.activation_checkpointing {
-            "on"
-        } else {
-            "off"
-        },
-        s.precision,
-        s.optimizer
-    );
+    let _ = writeln!(out, "Settings:  {}", plan.settings);
     let _ = writeln!(
         out,
         "Step time: {:.2} (relative; lower is faster)",

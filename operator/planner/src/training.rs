@@ -128,6 +128,22 @@ impl Settings {
     }
 }
 
+impl std::fmt::Display for Settings {
+    /// `micro-batch 16 × 2, checkpointing on, fp32, adamw` (× accumulation).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ckpt = if self.activation_checkpointing {
+            "on"
+        } else {
+            "off"
+        };
+        write!(
+            f,
+            "micro-batch {} × {}, checkpointing {ckpt}, {}, {}",
+            self.micro_batch, self.gradient_accumulation, self.precision, self.optimizer
+        )
+    }
+}
+
 /// Divisors of `n` in descending order (micro-batch candidates that keep the global batch exact).
 pub fn divisors_desc(n: u32) -> Vec<u32> {
     let mut small = Vec::new();

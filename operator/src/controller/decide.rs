@@ -529,21 +529,9 @@ fn runnable_request(
 
 /// One line about a plan, for events and status messages.
 pub fn summary(p: &Plan) -> String {
-    let s = &p.settings;
     format!(
-        "{} × {}, micro-batch {} × {}, checkpointing {}, {}, {}; predicted {}",
-        p.workers,
-        p.device,
-        s.micro_batch,
-        s.gradient_accumulation,
-        if s.activation_checkpointing {
-            "on"
-        } else {
-            "off"
-        },
-        s.precision,
-        s.optimizer,
-        p.fit
+        "{} × {}, {}; predicted {}",
+        p.workers, p.device, p.settings, p.fit
     )
 }
 
