@@ -1,63 +1,91 @@
-//! Checkpoints on the job's volume: model + optimizer + step, written so that
-//! a crash at any moment leaves the last good checkpoint intact.
+//! Checkpoints on the job's volume: every stage's parameters, optimizer
+//! state and step, written so that a crash at any moment leaves the last good
+//! checkpoint intact, and laid out by model part so that a retry with another
+//! pipeline split resumes from them.
 //!
-//! Layout under the checkpoint directory:
+//! Layout under the checkpoint directory (shared by all stages and attempts):
 //!
 //! ```text
-//! step-000000000050/        one complete checkpoint
-//!   model.bpk               burnpack: parameters with their ParamIds
-//!   optimizer.bpk           burnpack: optimizer state keyed by those ParamIds
-//!   meta.json               written last: step, model shape, sizes and CRC-32 of both files
-//! .tmp-step-000000000060-<pid>/   a checkpoint being written (ignored, removed on start)
+//! step-000000000050/                one optimizer step
+//!   stage-0000-0002/                written by the stage holding blocks 0..2
+//!     token.bpk position.bpk        the parts it holds (burnpack, with ParamIds)
+//!     block-0000.bpk block-0001.bpk
+//!     optimizer.bpk                 its optimizer state, keyed by those ParamIds
+//!     meta.json                     written last: step, shape, parts, sizes and CRC-32s
+//!   stage-0002-0004/
+//!     block-0002.bpk block-0003.bpk head.bpk optimizer.bpk meta.json
+//!   .tmp-stage-0002-0004-<pid>/     a stage directory being written (ignored)
 //! ```
 //!
-//! A checkpoint is written into a temporary directory, every file and the
-//! directory are fsynced, and the directory is renamed into place (atomic on
-//! POSIX), then the parent is fsynced. A reader accepts a directory only if
-//! `meta.json` parses and both files have the recorded size and CRC, so a torn
-//! or half-copied checkpoint is skipped and the previous one is used.
+//! A stage writes its directory under a temporary name, fsyncs every file and
+//! the directory, and renames it into place (atomic on POSIX). A step is
+//! *complete* when its verified stage directories together hold every part
+//! of the model; a resuming stage takes the newest complete step, so all
+//! stages of an attempt resume from the same step (they also check that in
+//! their handshake), and a stage whose neighbour died before writing step N
+//! goes back to step N − k with everyone else. Each part is loaded from
+//! whichever stage directory holds it, and the optimizer state from those
+//! directories is merged and filtered to the parameters the stage now holds:
+//! that is what lets the "more stages" rung of the retry ladder re-partition
+//! the layers.
 //!
 //! Nothing in a checkpoint depends on micro-batch or accumulation, and the
 //! data of step k is fixed by (seed, k), so an attempt with other settings
 //! resumes the same run.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{self, File};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
-use burn::module::Module;
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::ModuleOptimizer;
 use burn::store::ModuleRecord;
+use burn::tensor::Tensor;
 use headroom_planner::{Settings, TransformerShape};
 use serde::{Deserialize, Serialize};
 
-use crate::model::TransformerLm;
+use crate::model::{Part, StageLayout, TransformerLm};
 
-const MODEL_FILE: &str = "model.bpk";
 const OPTIMIZER_FILE: &str = "optimizer.bpk";
 const META_FILE: &str = "meta.json";
 const PREFIX: &str = "step-";
+const STAGE_PREFIX: &str = "stage-";
 const TMP_PREFIX: &str = ".tmp-";
-/// Complete checkpoints kept; older ones are removed after a successful save.
+/// Complete checkpoints kept; older steps are removed after a successful save.
 pub const KEEP: usize = 2;
+/// `meta.json` format.
+pub const FORMAT: u32 = 2;
 
-/// `meta.json`: what a checkpoint holds and how to verify it.
+/// `meta.json` of one stage directory: what it holds and how to verify it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct CheckpointMeta {
     pub format: u32,
     /// Optimizer steps completed when it was taken.
     pub step: u64,
-    /// Mean loss of the last step before it.
+    /// Mean loss of the last step before it (the last stage knows it).
     pub loss: Option<f64>,
     pub seed: u64,
     pub attempt: u32,
     pub shape: TransformerShape,
     pub layer_start: u32,
     pub layer_end: u32,
+    pub first: bool,
+    pub last: bool,
     /// Settings of the attempt that wrote it (informational: resuming does not need them).
     pub settings: Settings,
     pub files: Vec<FileDigest>,
+}
+
+impl CheckpointMeta {
+    fn layout(&self) -> StageLayout {
+        StageLayout {
+            layers: self.layer_start..self.layer_end,
+            first: self.first,
+            last: self.last,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -100,58 +128,84 @@ pub fn dir_name(step: u64) -> String {
     format!("{PREFIX}{step:012}")
 }
 
-/// Writes a checkpoint of `model` and `optimizer` at `meta.step` under `root`
-/// atomically, then prunes all but the newest [`KEEP`]. Returns its directory.
+fn stage_dir_name(layout: &StageLayout) -> String {
+    format!(
+        "{STAGE_PREFIX}{:04}-{:04}",
+        layout.layers.start, layout.layers.end
+    )
+}
+
+fn part_file(part: Part) -> String {
+    format!("{}.bpk", part.file_stem())
+}
+
+/// Writes this stage's checkpoint at `meta.step` under `root` atomically,
+/// then prunes steps older than the newest [`KEEP`] complete ones. Returns
+/// the stage's directory.
 pub fn save(
     root: &Path,
     model: &TransformerLm,
     optimizer: &ModuleOptimizer,
     mut meta: CheckpointMeta,
 ) -> Result<PathBuf, CheckpointError> {
-    fs::create_dir_all(root).map_err(io(root))?;
-    let name = dir_name(meta.step);
-    let tmp = root.join(format!("{TMP_PREFIX}{name}-{}", std::process::id()));
+    let layout = meta.layout();
+    let step_dir = root.join(dir_name(meta.step));
+    fs::create_dir_all(&step_dir).map_err(io(&step_dir))?;
+    let name = stage_dir_name(&layout);
+    let tmp = step_dir.join(format!("{TMP_PREFIX}{name}-{}", std::process::id()));
     if tmp.exists() {
         fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
     }
     fs::create_dir(&tmp).map_err(io(&tmp))?;
 
-    // One record at a time: the serialised copy of the weights is dropped
-    // before the optimizer state's is made.
-    let model_path = tmp.join(MODEL_FILE);
-    model
-        .clone()
-        .into_record()
-        .save(&model_path)
-        .map_err(|e| record_error(&model_path, e))?;
+    // One record at a time: each serialised copy is dropped before the next is made.
+    let mut paths = Vec::new();
+    for part in layout.parts() {
+        let path = tmp.join(part_file(part));
+        let saved = match part {
+            Part::Token => model.token.clone().map(|m| m.into_record().save(&path)),
+            Part::Position => model.position.clone().map(|m| m.into_record().save(&path)),
+            Part::Block(i) => model
+                .blocks
+                .get((i - layout.layers.start) as usize)
+                .map(|b| b.clone().into_record().save(&path)),
+            Part::Head => model.head.clone().map(|m| m.into_record().save(&path)),
+        };
+        saved
+            .ok_or_else(|| record_error(&path, format!("the stage has no {part:?}")))?
+            .map_err(|e| record_error(&path, e))?;
+        paths.push(path);
+    }
     let optimizer_path = tmp.join(OPTIMIZER_FILE);
     optimizer
         .save(&optimizer_path)
         .map_err(|e| record_error(&optimizer_path, e))?;
+    paths.push(optimizer_path);
 
-    meta.format = 1;
-    meta.files = vec![digest(&model_path)?, digest(&optimizer_path)?];
+    meta.format = FORMAT;
+    meta.files = paths.iter().map(|p| digest(p)).collect::<Result<_, _>>()?;
     let meta_path = tmp.join(META_FILE);
     let json = serde_json::to_vec_pretty(&meta).map_err(|e| record_error(&meta_path, e))?;
     let mut file = File::create(&meta_path).map_err(io(&meta_path))?;
     file.write_all(&json).map_err(io(&meta_path))?;
     file.sync_all().map_err(io(&meta_path))?;
     drop(file);
-    for path in [&model_path, &optimizer_path] {
+    for path in &paths {
         File::open(path)
             .and_then(|f| f.sync_all())
             .map_err(io(path))?;
     }
     sync_dir(&tmp)?;
 
-    let done = root.join(&name);
+    let done = step_dir.join(&name);
     if done.exists() {
         // Same step written by an earlier attempt: replace it (the new one is complete).
         fs::remove_dir_all(&done).map_err(io(&done))?;
     }
     fs::rename(&tmp, &done).map_err(io(&done))?;
+    sync_dir(&step_dir)?;
     sync_dir(root)?;
-    prune(root, KEEP)?;
+    prune(root, &meta.shape, KEEP)?;
     Ok(done)
 }
 
@@ -182,29 +236,30 @@ fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
 }
 
-/// Complete-looking checkpoint directories under `root`, newest first.
-fn candidates(root: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
-    let entries = match fs::read_dir(root) {
+/// Subdirectories of `dir` whose names start with `prefix`, with the number after it, newest first.
+fn numbered(dir: &Path, prefix: &str) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
+    let entries = match fs::read_dir(dir) {
         Ok(entries) => entries,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(vec![]),
-        Err(e) => return Err(io(root)(e)),
+        Err(e) => return Err(io(dir)(e)),
     };
     let mut found = Vec::new();
     for entry in entries {
-        let entry = entry.map_err(io(root))?;
+        let entry = entry.map_err(io(dir))?;
         let name = entry.file_name().to_string_lossy().into_owned();
-        if let Some(step) = name
-            .strip_prefix(PREFIX)
+        if let Some(n) = name
+            .strip_prefix(prefix)
+            .and_then(|s| s.split('-').next())
             .and_then(|s| s.parse::<u64>().ok())
         {
-            found.push((step, entry.path()));
+            found.push((n, entry.path()));
         }
     }
-    found.sort_by_key(|(step, _)| std::cmp::Reverse(*step));
+    found.sort_by_key(|(n, _)| std::cmp::Reverse(*n));
     Ok(found)
 }
 
-/// Reads and verifies one checkpoint's `meta.json` and files.
+/// Reads and verifies one stage directory's `meta.json` and files.
 pub fn verify(dir: &Path) -> Result<CheckpointMeta, CheckpointError> {
     let invalid = |reason: String| CheckpointError::Invalid {
         path: dir.to_path_buf(),
@@ -214,6 +269,12 @@ pub fn verify(dir: &Path) -> Result<CheckpointMeta, CheckpointError> {
     let json = fs::read(&meta_path).map_err(|e| invalid(format!("{META_FILE}: {e}")))?;
     let meta: CheckpointMeta =
         serde_json::from_slice(&json).map_err(|e| invalid(format!("{META_FILE}: {e}")))?;
+    if meta.format != FORMAT {
+        return Err(invalid(format!(
+            "format {}, expected {FORMAT}",
+            meta.format
+        )));
+    }
     for expected in &meta.files {
         let actual = digest(&dir.join(&expected.name))
             .map_err(|e| invalid(format!("{}: {e}", expected.name)))?;
@@ -224,15 +285,77 @@ pub fn verify(dir: &Path) -> Result<CheckpointMeta, CheckpointError> {
             )));
         }
     }
-    if ![MODEL_FILE, OPTIMIZER_FILE]
-        .iter()
-        .all(|f| meta.files.iter().any(|d| d.name == *f))
+    let listed = |name: &str| meta.files.iter().any(|d| d.name == name);
+    if let Some(missing) = meta
+        .layout()
+        .parts()
+        .into_iter()
+        .map(part_file)
+        .chain([OPTIMIZER_FILE.to_string()])
+        .find(|f| !listed(f))
     {
-        return Err(invalid(
-            "meta.json does not list model and optimizer".into(),
-        ));
+        return Err(invalid(format!("meta.json does not list {missing}")));
     }
     Ok(meta)
+}
+
+/// One step's verified stage directories, and which holds each part.
+struct Step {
+    dir: PathBuf,
+    stages: Vec<(PathBuf, CheckpointMeta)>,
+    holder: BTreeMap<Part, usize>,
+    skipped: Vec<String>,
+}
+
+impl Step {
+    fn read(dir: PathBuf, shape: &TransformerShape) -> Result<Step, CheckpointError> {
+        let mut stages = Vec::new();
+        let mut holder = BTreeMap::new();
+        let mut skipped = Vec::new();
+        for (_, stage_dir) in numbered(&dir, STAGE_PREFIX)? {
+            match verify(&stage_dir) {
+                Ok(meta) if &meta.shape == shape => {
+                    for part in meta.layout().parts() {
+                        holder.entry(part).or_insert(stages.len());
+                    }
+                    stages.push((stage_dir, meta));
+                }
+                Ok(meta) => skipped.push(format!(
+                    "{}: written for another model shape ({:?})",
+                    stage_dir.display(),
+                    meta.shape
+                )),
+                Err(e) => skipped.push(e.to_string()),
+            }
+        }
+        Ok(Step {
+            dir,
+            stages,
+            holder,
+            skipped,
+        })
+    }
+
+    /// Holds every part of the model.
+    fn complete(&self, shape: &TransformerShape) -> bool {
+        StageLayout::whole(shape)
+            .parts()
+            .iter()
+            .all(|p| self.holder.contains_key(p))
+    }
+
+    fn missing(&self, shape: &TransformerShape) -> Vec<Part> {
+        StageLayout::whole(shape)
+            .parts()
+            .into_iter()
+            .filter(|p| !self.holder.contains_key(p))
+            .collect()
+    }
+
+    fn path_of(&self, part: Part) -> Option<PathBuf> {
+        let i = *self.holder.get(&part)?;
+        Some(self.stages[i].0.join(part_file(part)))
+    }
 }
 
 /// A checkpoint found on start, loaded.
@@ -245,9 +368,10 @@ pub struct Restored {
 /// Where a resumed run came from.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Found {
+    /// The step's metadata (the last stage's, which carries the loss).
     pub meta: CheckpointMeta,
     pub dir: PathBuf,
-    /// Newer checkpoint directories that failed verification, with why.
+    /// Newer checkpoints (or stage directories) that could not be used, with why.
     pub skipped: Vec<String>,
 }
 
@@ -259,85 +383,230 @@ impl std::fmt::Debug for Restored {
     }
 }
 
-/// Loads the newest checkpoint under `root` that verifies and fits `model`'s
-/// shape into `model` and `optimizer`. `Ok(None)` when there is none (a fresh
-/// start); invalid ones are skipped and reported in [`Restored::skipped`].
+fn load_part<M: Module>(module: M, path: &Path) -> Result<M, CheckpointError> {
+    let record = ModuleRecord::load(path)
+        .map_err(|e| record_error(path, e))?
+        .cast_to_module_dtype();
+    module
+        .try_load_record(record)
+        .map_err(|e| record_error(path, e))
+}
+
+/// The ParamIds of every parameter of `module`.
+fn param_ids<M: Module>(module: &M) -> BTreeSet<u64> {
+    struct Ids(BTreeSet<u64>);
+    impl ModuleVisitor for Ids {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.insert(param.id.val());
+        }
+    }
+    let mut ids = Ids(BTreeSet::new());
+    module.visit(&mut ids);
+    ids.0
+}
+
+/// The optimizer state of `ids`, gathered from several stages' optimizer files.
+fn merged_optimizer_state(
+    files: &[PathBuf],
+    ids: &BTreeSet<u64>,
+) -> Result<burn_pack::Bytes, CheckpointError> {
+    let mut tensors = Vec::new();
+    let mut scalars = BTreeMap::new();
+    let mut metadata = BTreeMap::new();
+    // A parameter's state comes from the first file that has it: the first
+    // and last stage both hold the state of a tied token embedding.
+    let mut taken = BTreeSet::new();
+    let id_of = |key: &str| key.split('.').next().and_then(|id| id.parse::<u64>().ok());
+    for path in files {
+        let reader = burn_pack::Reader::from_file(path).map_err(|e| record_error(path, e))?;
+        // State keys are "<param id>" or "<param id>.<field>".
+        let here: BTreeSet<u64> = reader
+            .scalars()
+            .keys()
+            .chain(reader.metadata().keys())
+            .filter_map(|k| id_of(k))
+            .filter(|id| ids.contains(id) && !taken.contains(id))
+            .collect();
+        let ours = |key: &str| id_of(key).is_some_and(|id| here.contains(&id));
+        scalars.extend(
+            reader
+                .scalars()
+                .iter()
+                .filter(|(k, _)| ours(k))
+                .map(|(k, v)| (k.clone(), *v)),
+        );
+        metadata.extend(
+            reader
+                .metadata()
+                .iter()
+                .filter(|(k, _)| ours(k))
+                .map(|(k, v)| (k.clone(), v.clone())),
+        );
+        for tensor in reader.into_tensors().map_err(|e| record_error(path, e))? {
+            let (name, dtype, shape, param_id, bytes) =
+                tensor.into_parts().map_err(|e| record_error(path, e))?;
+            if param_id.is_some_and(|id| here.contains(&id)) {
+                tensors.push(burn_pack::Tensor::new(name, dtype, shape, param_id, bytes));
+            }
+        }
+        taken.extend(here);
+    }
+    let mut writer = burn_pack::Writer::new(tensors);
+    for (k, v) in &scalars {
+        writer = writer.with_scalar(k, *v);
+    }
+    for (k, v) in &metadata {
+        writer = writer.with_metadata(k, v);
+    }
+    writer
+        .into_bytes()
+        .map_err(|e| record_error(files.first().map_or(Path::new("."), |p| p), e))
+}
+
+/// Loads this stage's parts of the newest complete step under `root` into
+/// `model` and the matching optimizer state into `optimizer`. `Ok(None)`
+/// when there is none (a fresh start); steps that are incomplete or fail to
+/// load are skipped and reported in [`Found::skipped`].
 pub fn restore_newest(
     root: &Path,
     shape: &TransformerShape,
+    layout: &StageLayout,
     model: TransformerLm,
     optimizer: ModuleOptimizer,
 ) -> Result<Option<Restored>, CheckpointError> {
     remove_stale_temporaries(root)?;
     let mut skipped = Vec::new();
-    for (_, dir) in candidates(root)? {
-        let meta = match verify(&dir) {
-            Ok(meta) => meta,
-            Err(e) => {
-                skipped.push(e.to_string());
-                continue;
-            }
-        };
-        if &meta.shape != shape {
+    for (_, dir) in numbered(root, PREFIX)? {
+        let step = Step::read(dir, shape)?;
+        skipped.extend(step.skipped.iter().cloned());
+        if !step.complete(shape) {
             skipped.push(format!(
-                "{}: written for another model shape ({:?})",
-                dir.display(),
-                meta.shape
+                "{}: incomplete, no stage holds {:?}",
+                step.dir.display(),
+                step.missing(shape)
             ));
             continue;
         }
-        let model_path = dir.join(MODEL_FILE);
-        let record = match ModuleRecord::load(&model_path) {
-            Ok(r) => r.cast_to_module_dtype(),
-            Err(e) => {
-                skipped.push(record_error(&model_path, e).to_string());
-                continue;
+        match load_stage(&step, layout, model.clone(), optimizer.clone()) {
+            Ok((model, optimizer)) => {
+                let meta = step
+                    .stages
+                    .iter()
+                    .map(|(_, m)| m)
+                    .find(|m| m.last)
+                    .or(step.stages.first().map(|(_, m)| m))
+                    .cloned()
+                    .expect("a complete step has stages");
+                return Ok(Some(Restored {
+                    model,
+                    optimizer,
+                    found: Found {
+                        meta,
+                        dir: step.dir,
+                        skipped,
+                    },
+                }));
             }
-        };
-        let model = match model.clone().try_load_record(record) {
-            Ok(m) => m,
-            Err(e) => {
-                skipped.push(record_error(&model_path, e).to_string());
-                continue;
-            }
-        };
-        let optimizer_path = dir.join(OPTIMIZER_FILE);
-        let optimizer = match optimizer.clone().load(&optimizer_path) {
-            Ok(o) => o,
-            Err(e) => {
-                skipped.push(record_error(&optimizer_path, e).to_string());
-                continue;
-            }
-        };
-        return Ok(Some(Restored {
-            model,
-            optimizer,
-            found: Found { meta, dir, skipped },
-        }));
+            Err(e) => skipped.push(e.to_string()),
+        }
     }
     Ok(None)
 }
 
-/// Removes half-written checkpoints left by a crash.
-fn remove_stale_temporaries(root: &Path) -> Result<(), CheckpointError> {
-    let entries = match fs::read_dir(root) {
-        Ok(entries) => entries,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(io(root)(e)),
+fn load_stage(
+    step: &Step,
+    layout: &StageLayout,
+    mut model: TransformerLm,
+    optimizer: ModuleOptimizer,
+) -> Result<(TransformerLm, ModuleOptimizer), CheckpointError> {
+    let path = |part: Part| {
+        step.path_of(part).ok_or_else(|| CheckpointError::Invalid {
+            path: step.dir.clone(),
+            reason: format!("no stage holds {part:?}"),
+        })
     };
-    for entry in entries.flatten() {
-        if entry.file_name().to_string_lossy().starts_with(TMP_PREFIX) {
-            let path = entry.path();
-            fs::remove_dir_all(&path).map_err(io(&path))?;
+    let mut sources = BTreeSet::new();
+    let mut note = |part: Part| {
+        if let Some(i) = step.holder.get(&part) {
+            sources.insert(step.stages[*i].0.join(OPTIMIZER_FILE));
+        }
+    };
+    // A tied head's copy of the token embedding is the first stage's, ParamId included.
+    if let Some(token) = model.token.take() {
+        model.token = Some(load_part(token, &path(Part::Token)?)?);
+        note(Part::Token);
+    }
+    if let Some(position) = model.position.take() {
+        model.position = Some(load_part(position, &path(Part::Position)?)?);
+        note(Part::Position);
+    }
+    let mut blocks = Vec::with_capacity(model.blocks.len());
+    for (block, part) in std::mem::take(&mut model.blocks)
+        .into_iter()
+        .zip(layout.layers.clone().map(Part::Block))
+    {
+        blocks.push(load_part(block, &path(part)?)?);
+        note(part);
+    }
+    model.blocks = blocks;
+    if let Some(head) = model.head.take() {
+        model.head = Some(load_part(head, &path(Part::Head)?)?);
+        note(Part::Head);
+    }
+    let files: Vec<PathBuf> = sources.into_iter().collect();
+    let state = merged_optimizer_state(&files, &param_ids(&model))?;
+    let optimizer = optimizer
+        .from_bytes(state)
+        .map_err(|e| record_error(&step.dir, e))?;
+    Ok((model, optimizer))
+}
+
+/// Removes half-written stage directories left by a crash.
+fn remove_stale_temporaries(root: &Path) -> Result<(), CheckpointError> {
+    for (_, step_dir) in numbered(root, PREFIX)? {
+        let Ok(entries) = fs::read_dir(&step_dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            if entry.file_name().to_string_lossy().starts_with(TMP_PREFIX) {
+                let path = entry.path();
+                match fs::remove_dir_all(&path) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(io(&path)(e)),
+                }
+            }
         }
     }
     Ok(())
 }
 
-/// Keeps the newest `keep` checkpoints.
-fn prune(root: &Path, keep: usize) -> Result<(), CheckpointError> {
-    for (_, dir) in candidates(root)?.into_iter().skip(keep) {
-        fs::remove_dir_all(&dir).map_err(io(&dir))?;
+/// Removes every step older than the newest `keep` complete ones. Stages
+/// prune concurrently: a directory another stage removed first is fine.
+fn prune(root: &Path, shape: &TransformerShape, keep: usize) -> Result<(), CheckpointError> {
+    let steps = numbered(root, PREFIX)?;
+    let mut complete = 0;
+    let mut oldest_kept = None;
+    for (n, dir) in &steps {
+        if Step::read(dir.clone(), shape)?.complete(shape) {
+            complete += 1;
+            if complete == keep {
+                oldest_kept = Some(*n);
+                break;
+            }
+        }
+    }
+    let Some(oldest_kept) = oldest_kept else {
+        return Ok(());
+    };
+    for (n, dir) in steps {
+        if n < oldest_kept {
+            match fs::remove_dir_all(&dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io(&dir)(e)),
+            }
+        }
     }
     Ok(())
 }

@@ -18,7 +18,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 pub const MAX_STRIDE: u64 = 3;
 
 /// SplitMix64: a small, well-mixed, dependency-free generator.
-fn splitmix(mut x: u64) -> u64 {
+pub fn splitmix(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
     x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);

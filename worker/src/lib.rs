@@ -21,6 +21,7 @@
 pub mod checkpoint;
 pub mod data;
 pub mod model;
+pub mod pipeline;
 pub mod report;
 pub mod run;
 pub mod telemetry;

@@ -100,75 +100,229 @@ impl Block {
     }
 }
 
-/// The language model of one pipeline stage (today: always the whole model).
+/// Final layer norm and, unless the head is tied to the token embedding, the
+/// output projection: the last stage's part after its blocks.
 #[derive(Module, Debug)]
-pub struct TransformerLm {
-    token: Embedding,
-    position: Embedding,
-    pub blocks: Vec<Block>,
+pub struct Head {
     ln_f: LayerNorm,
-    /// `None` when the head is tied to the token embedding.
-    head: Option<Linear>,
+    projection: Option<Linear>,
 }
 
-impl TransformerLm {
-    /// Builds the blocks in `layers` (a stage's range) with fresh weights.
-    /// The embeddings and the head are built too: a single-stage worker holds
-    /// both ends. Seed the device first for reproducible weights.
-    pub fn new(shape: &TransformerShape, layers: Range<u32>, device: &Device) -> Self {
-        let h = shape.hidden as usize;
-        let init = Initializer::Normal {
-            mean: 0.0,
-            std: EMBEDDING_INIT_STD,
-        };
-        TransformerLm {
-            token: EmbeddingConfig::new(shape.vocabulary as usize, h)
-                .with_initializer(init.clone())
-                .init(device),
-            position: EmbeddingConfig::new(shape.sequence_length as usize, h)
-                .with_initializer(init)
-                .init(device),
-            blocks: layers.map(|_| Block::new(shape, device)).collect(),
-            ln_f: LayerNormConfig::new(h).init(device),
-            head: (!shape.tied_embeddings).then(|| {
-                LinearConfig::new(h, shape.vocabulary as usize)
-                    .with_bias(false)
-                    .init(device)
-            }),
+/// What one pipeline stage holds of the language model.
+///
+/// The first stage holds the token and position embeddings, the last the
+/// final norm and head (and computes the loss); a single stage holds all of
+/// it. A tied head on a last stage that is not also the first needs the token
+/// embedding too: that stage keeps its own copy, initialised identically, and
+/// the two copies are kept equal by summing their gradients across the
+/// pipeline before each update (see [`crate::pipeline`]).
+///
+/// Every part is initialised from its own seed ([`part_seed`]), so a stage's
+/// weights do not depend on how the model is split: p = 1, 2, 3 stages start
+/// from the same model.
+#[derive(Module, Debug)]
+pub struct TransformerLm {
+    /// On the first stage, and on a last stage with a tied head.
+    pub token: Option<Embedding>,
+    /// On the first stage only.
+    pub position: Option<Embedding>,
+    pub blocks: Vec<Block>,
+    /// On the last stage only.
+    pub head: Option<Head>,
+}
+
+/// The parts a model is made of, each initialised and checkpointed on its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Part {
+    Token,
+    Position,
+    Block(u32),
+    Head,
+}
+
+impl Part {
+    /// File stem in a checkpoint.
+    pub fn file_stem(self) -> String {
+        match self {
+            Part::Token => "token".into(),
+            Part::Position => "position".into(),
+            Part::Block(i) => format!("block-{i:04}"),
+            Part::Head => "head".into(),
         }
     }
 
-    /// Runs every parameter's (lazy) initialiser now. burn draws initial
-    /// weights on first use from a generator shared by the whole process, so
-    /// a caller that wants reproducible weights seeds and then materialises
-    /// while holding that generator.
-    pub fn materialize_params(&self) {
-        struct Touch;
-        impl ModuleVisitor for Touch {
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-                let _ = param.val();
-            }
+    fn seed_index(self) -> u64 {
+        match self {
+            Part::Token => 1,
+            Part::Position => 2,
+            Part::Head => 3,
+            Part::Block(i) => 1_000 + u64::from(i),
         }
-        self.visit(&mut Touch);
+    }
+}
+
+/// The seed a part's weights are drawn from: the run's seed mixed with the part.
+pub fn part_seed(seed: u64, part: Part) -> u64 {
+    crate::data::splitmix(seed ^ crate::data::splitmix(part.seed_index()))
+}
+
+/// Which end(s) of the pipeline a stage is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StageLayout {
+    /// Blocks this stage holds.
+    pub layers: Range<u32>,
+    pub first: bool,
+    pub last: bool,
+}
+
+impl StageLayout {
+    /// The whole model on one worker.
+    pub fn whole(shape: &TransformerShape) -> Self {
+        StageLayout {
+            layers: 0..shape.layers,
+            first: true,
+            last: true,
+        }
+    }
+
+    /// The parts this stage holds and saves, in a fixed order. The tied
+    /// head's copy of the token embedding is not a part of its own: it is
+    /// restored from the first stage's [`Part::Token`].
+    pub fn parts(&self) -> Vec<Part> {
+        let mut parts = Vec::new();
+        if self.first {
+            parts.extend([Part::Token, Part::Position]);
+        }
+        parts.extend(self.layers.clone().map(Part::Block));
+        if self.last {
+            parts.push(Part::Head);
+        }
+        parts
+    }
+}
+
+fn embedding_init() -> Initializer {
+    Initializer::Normal {
+        mean: 0.0,
+        std: EMBEDDING_INIT_STD,
+    }
+}
+
+fn token_embedding(shape: &TransformerShape, device: &Device) -> Embedding {
+    EmbeddingConfig::new(shape.vocabulary as usize, shape.hidden as usize)
+        .with_initializer(embedding_init())
+        .init(device)
+}
+
+/// Runs every parameter's (lazy) initialiser now. burn draws initial weights
+/// on first use from a generator shared by the whole process.
+fn materialize<M: Module>(module: &M) {
+    struct Touch;
+    impl ModuleVisitor for Touch {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let _ = param.val();
+        }
+    }
+    module.visit(&mut Touch);
+}
+
+impl TransformerLm {
+    /// Builds and initialises the parts of one stage, each from its own seed.
+    ///
+    /// burn's generator is global to the process: models built concurrently
+    /// (tests, stages in threads) take turns, so each gets its seeded weights.
+    pub fn new(shape: &TransformerShape, layout: &StageLayout, seed: u64, device: &Device) -> Self {
+        static INIT_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _guard = INIT_LOCK
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let h = shape.hidden as usize;
+        let seeded = |part: Part| device.seed(part_seed(seed, part));
+        let token = (layout.first || (layout.last && shape.tied_embeddings)).then(|| {
+            seeded(Part::Token);
+            let token = token_embedding(shape, device);
+            materialize(&token);
+            token
+        });
+        let position = layout.first.then(|| {
+            seeded(Part::Position);
+            let position = EmbeddingConfig::new(shape.sequence_length as usize, h)
+                .with_initializer(embedding_init())
+                .init(device);
+            materialize(&position);
+            position
+        });
+        let blocks = layout
+            .layers
+            .clone()
+            .map(|i| {
+                seeded(Part::Block(i));
+                let block = Block::new(shape, device);
+                materialize(&block);
+                block
+            })
+            .collect();
+        let head = layout.last.then(|| {
+            seeded(Part::Head);
+            let head = Head {
+                ln_f: LayerNormConfig::new(h).init(device),
+                projection: (!shape.tied_embeddings).then(|| {
+                    LinearConfig::new(h, shape.vocabulary as usize)
+                        .with_bias(false)
+                        .init(device)
+                }),
+            };
+            materialize(&head);
+            head
+        });
+        TransformerLm {
+            token,
+            position,
+            blocks,
+            head,
+        }
+    }
+
+    /// Holds the embeddings (the first stage).
+    pub fn is_first(&self) -> bool {
+        self.position.is_some()
+    }
+
+    /// Holds the head and computes the loss (the last stage).
+    pub fn is_last(&self) -> bool {
+        self.head.is_some()
     }
 
     /// Token + position embeddings. `tokens`: [batch, seq] → [batch, seq, hidden].
     pub fn embed(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        let (Some(token), Some(position)) = (&self.token, &self.position) else {
+            panic!("embed() on a stage without the embeddings");
+        };
         let [b, s] = tokens.dims();
         let device = tokens.device();
         let positions = Tensor::<1, Int>::arange(0..s as i64, &device)
             .unsqueeze::<2>()
             .expand([b, s]);
-        self.token.forward(tokens) + self.position.forward(positions)
+        token.forward(tokens) + position.forward(positions)
+    }
+
+    /// This stage's blocks in order.
+    pub fn blocks_forward(&self, x: Tensor<3>) -> Tensor<3> {
+        self.blocks.iter().fold(x, |x, block| block.forward(x))
     }
 
     /// Final norm and output head. [batch, seq, hidden] → logits [batch·seq, vocab].
     pub fn logits(&self, x: Tensor<3>) -> Tensor<2> {
+        let head = self
+            .head
+            .as_ref()
+            .expect("logits() on a stage without the head");
         let [b, s, h] = x.dims();
-        let x = self.ln_f.forward(x).reshape([b * s, h]);
-        match &self.head {
-            Some(head) => head.forward(x),
-            None => x.matmul(self.token.weight.val().transpose()),
+        let x = head.ln_f.forward(x).reshape([b * s, h]);
+        match (&head.projection, &self.token) {
+            (Some(projection), _) => projection.forward(x),
+            (None, Some(token)) => x.matmul(token.weight.val().transpose()),
+            (None, None) => panic!("a tied head without the token embedding"),
         }
     }
 
@@ -179,22 +333,14 @@ impl TransformerLm {
         logp.gather(1, targets.reshape([b * s, 1])).mean().neg()
     }
 
-    /// Full forward to logits [batch·seq, vocab].
+    /// Full forward to logits [batch·seq, vocab] (a single-stage model).
     pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<2> {
-        let x = self
-            .blocks
-            .iter()
-            .fold(self.embed(tokens), |x, block| block.forward(x));
-        self.logits(x)
+        self.logits(self.blocks_forward(self.embed(tokens)))
     }
 
-    /// Mean next-token cross-entropy over the whole model.
+    /// Mean next-token cross-entropy over the whole model (a single-stage model).
     pub fn loss(&self, tokens: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
-        let x = self
-            .blocks
-            .iter()
-            .fold(self.embed(tokens), |x, block| block.forward(x));
-        self.head_loss(x, targets)
+        self.head_loss(self.blocks_forward(self.embed(tokens)), targets)
     }
 }
 
@@ -224,7 +370,7 @@ mod tests {
             (false, Some(72)),
         ] {
             let s = shape(tied, ff);
-            let model = TransformerLm::new(&s, 0..s.layers, &device);
+            let model = TransformerLm::new(&s, &StageLayout::whole(&s), 1, &device);
             assert_eq!(
                 model.num_params() as u64,
                 s.total_params(),
@@ -234,11 +380,99 @@ mod tests {
     }
 
     #[test]
+    fn stage_parameter_counts_match_the_planner() {
+        let device = Device::flex();
+        for tied in [true, false] {
+            let s = shape(tied, None);
+            let layouts = [
+                (0..1, true, false),
+                (1..2, false, false),
+                (2..3, false, true),
+                (0..2, true, false),
+            ];
+            let mut sum = 0;
+            for (layers, first, last) in layouts {
+                let layout = StageLayout {
+                    layers: layers.clone(),
+                    first,
+                    last,
+                };
+                let model = TransformerLm::new(&s, &layout, 1, &device);
+                let mut expected = u64::from(layers.end - layers.start) * s.params_per_layer();
+                if first {
+                    expected += s.embedding_params();
+                }
+                if last {
+                    expected += s.head_params();
+                    if tied && !first {
+                        expected += u64::from(s.vocabulary) * u64::from(s.hidden);
+                    }
+                }
+                assert_eq!(
+                    model.num_params() as u64,
+                    expected,
+                    "tied {tied}, {layout:?}"
+                );
+                if layers.end <= 3 && layers.len() == 1 {
+                    sum += model.num_params() as u64;
+                }
+            }
+            let copy = if tied {
+                u64::from(s.vocabulary) * u64::from(s.hidden)
+            } else {
+                0
+            };
+            assert_eq!(sum, s.total_params() + copy);
+        }
+    }
+
+    #[test]
+    fn weights_do_not_depend_on_the_split() {
+        let device = Device::flex();
+        let s = shape(true, None);
+        let whole = TransformerLm::new(&s, &StageLayout::whole(&s), 9, &device);
+        let last = TransformerLm::new(
+            &s,
+            &StageLayout {
+                layers: 2..3,
+                first: false,
+                last: true,
+            },
+            9,
+            &device,
+        );
+        let values = |m: &Block| {
+            m.ff_in
+                .weight
+                .val()
+                .into_data()
+                .iter::<f32>()
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(values(&whole.blocks[2]), values(&last.blocks[0]));
+        let token = |m: &TransformerLm| {
+            m.token
+                .as_ref()
+                .expect("token")
+                .weight
+                .val()
+                .into_data()
+                .iter::<f32>()
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            token(&whole),
+            token(&last),
+            "the tied head's copy starts equal"
+        );
+        assert_ne!(values(&whole.blocks[1]), values(&whole.blocks[2]));
+    }
+
+    #[test]
     fn attention_is_causal() {
         let device = Device::flex();
-        device.seed(3);
         let s = shape(true, None);
-        let model = TransformerLm::new(&s, 0..s.layers, &device);
+        let model = TransformerLm::new(&s, &StageLayout::whole(&s), 3, &device);
         let a: Vec<i64> = (0..16).map(|i| i % 7).collect();
         let mut b = a.clone();
         b[15] = 42; // only the last token differs

@@ -15,10 +15,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use headroom_api::{
-    CHECKPOINT_DIR_ENV, DEFAULT_CHECKPOINT_DIR, POD_NAME_ENV, TELEMETRY_INTERVAL_ENV,
-    TERMINATION_MESSAGE_PATH, TerminationMessage, WorkerAssignment, exit_code,
+    CHECKPOINT_DIR_ENV, DEFAULT_CHECKPOINT_DIR, PIPELINE_ADDRESSES_ENV, PIPELINE_PODS_ENV,
+    PIPELINE_PORT, PIPELINE_SERVICE_ENV, PIPELINE_TIMEOUT_ENV, POD_NAME_ENV,
+    TELEMETRY_INTERVAL_ENV, TERMINATION_MESSAGE_PATH, TerminationMessage, WorkerAssignment,
+    exit_code,
 };
 
+use crate::pipeline::{Hello, Links, Peers, PipelineError, establish};
 use crate::report::{
     DEFAULT_INTERVAL, DEFAULT_SAMPLE_EVERY, KubeStatusSink, Progress, Reporter, TelemetrySink,
     WorkerIdentity, WritePolicy,
@@ -62,6 +65,15 @@ impl Exit {
 
     fn failed(reason: impl Into<String>) -> Self {
         Exit::new(exit_code::FAILURE, "failed", reason)
+    }
+
+    fn pipeline(e: &PipelineError) -> Self {
+        match e {
+            PipelineError::PeerLost { .. } => {
+                Exit::new(exit_code::PEER_LOST, "peerLost", e.to_string())
+            }
+            PipelineError::Protocol(_) => Exit::failed(e.to_string()),
+        }
     }
 
     fn at(mut self, step: u64, peak: u64) -> Self {
@@ -174,8 +186,8 @@ fn run_inner(env: Env<'_>) -> Exit {
         namespace: assignment.namespace.clone(),
         attempt: assignment.attempt,
         stage: assignment.stage,
-        layer_start: config.layers.start,
-        layer_end: config.layers.end,
+        layer_start: config.layout.layers.start,
+        layer_end: config.layout.layers.end,
     };
     let sink: Option<Box<dyn TelemetrySink>> = match KubeStatusSink::connect(&identity) {
         Ok(Some(sink)) => Some(Box::new(sink)),
@@ -194,6 +206,7 @@ fn run_inner(env: Env<'_>) -> Exit {
     );
     let terminate = watch_sigterm();
     let exit = train(
+        env,
         &assignment,
         config,
         device,
@@ -209,7 +222,80 @@ fn run_inner(env: Env<'_>) -> Exit {
     exit
 }
 
+/// How this stage reaches the others, the socket its predecessor calls, and
+/// how long to wait for them (a multi-stage plan only).
+fn pipeline_setup(
+    env: Env<'_>,
+    assignment: &WorkerAssignment,
+    stages: u32,
+) -> Result<(Peers, Option<std::net::TcpListener>, Duration), Exit> {
+    let timeout = match env(PIPELINE_TIMEOUT_ENV).map(|v| v.trim().parse::<u64>()) {
+        None => Duration::from_secs(600),
+        Some(Ok(s)) if s > 0 => Duration::from_secs(s),
+        Some(_) => {
+            return Err(Exit::invalid_plan(format!(
+                "{PIPELINE_TIMEOUT_ENV} must be a whole number of seconds ≥ 1"
+            )));
+        }
+    };
+    let list = |v: String| -> Vec<String> {
+        v.split(',')
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+            .collect()
+    };
+    let (peers, port) = match (env(PIPELINE_ADDRESSES_ENV), env(PIPELINE_PODS_ENV)) {
+        (Some(addresses), _) => {
+            let addresses = list(addresses);
+            let own = addresses
+                .get(assignment.stage as usize)
+                .cloned()
+                .unwrap_or_default();
+            let port = own
+                .rsplit_once(':')
+                .and_then(|(_, p)| p.parse::<u16>().ok())
+                .ok_or_else(|| {
+                    Exit::invalid_plan(format!(
+                        "{PIPELINE_ADDRESSES_ENV}: stage {} needs a host:port entry, got {own:?}",
+                        assignment.stage
+                    ))
+                })?;
+            (Peers::Static(addresses), port)
+        }
+        (None, Some(pods)) => {
+            let service = env(PIPELINE_SERVICE_ENV).unwrap_or_default();
+            let pods = list(pods);
+            let dns = (0..pods.len()).map(|k| format!("s{k}.{service}")).collect();
+            (
+                Peers::Pods {
+                    namespace: assignment.namespace.clone(),
+                    pods,
+                    dns,
+                    port: PIPELINE_PORT,
+                },
+                PIPELINE_PORT,
+            )
+        }
+        (None, None) => {
+            return Err(Exit::invalid_plan(format!(
+                "a {stages}-stage plan needs {PIPELINE_PODS_ENV} (set by the operator) or {PIPELINE_ADDRESSES_ENV}"
+            )));
+        }
+    };
+    let listener =
+        if assignment.stage > 0 {
+            Some(std::net::TcpListener::bind(("0.0.0.0", port)).map_err(|e| {
+                Exit::failed(format!("pipeline: cannot listen on port {port}: {e}"))
+            })?)
+        } else {
+            None
+        };
+    Ok((peers, listener, timeout))
+}
+
+#[allow(clippy::too_many_arguments)]
 fn train(
+    env: Env<'_>,
     assignment: &WorkerAssignment,
     config: TrainConfig,
     device: burn::tensor::Device,
@@ -243,6 +329,27 @@ fn train(
         }
         Err(e) => return Exit::failed(e.to_string()).at(0, peak_now()),
     }
+    let stages = trainer.config.stages;
+    if stages > 1 {
+        let (peers, listener, timeout) = match pipeline_setup(env, assignment, stages) {
+            Ok(setup) => setup,
+            Err(exit) => return exit,
+        };
+        let me = Hello {
+            job: assignment.job.clone(),
+            namespace: assignment.namespace.clone(),
+            attempt: assignment.attempt,
+            stage: assignment.stage,
+            stages,
+            resume_step: trainer.step,
+        };
+        tracing::info!(stage = me.stage, stages, layers = ?trainer.config.layout.layers, "pipeline: connecting to the neighbouring stages");
+        let links: Links = match establish(&me, listener, &peers, timeout, timeout) {
+            Ok(links) => links,
+            Err(e) => return Exit::pipeline(&e).at(trainer.step, peak_now()),
+        };
+        trainer.connect(links);
+    }
     reporter.update(Progress {
         step: trainer.step,
         ..Progress::default()
@@ -267,22 +374,22 @@ fn train(
         }
         let step = trainer.step;
         let report = match catch_unwind(AssertUnwindSafe(|| trainer.train_step())) {
-            Ok(r) => r,
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => return Exit::pipeline(&e).at(step, peak_now()),
             Err(payload) => return classify_panic(&panic_text(&*payload), step, peak_now()),
         };
-        last_loss = Some(report.loss);
+        if report.loss.is_some() {
+            last_loss = report.loss;
+        }
         reporter.update(Progress {
             step: report.step,
-            loss: Some(report.loss),
+            loss: report.loss,
             tokens_per_second: Some(report.tokens_per_second()),
         });
-        tracing::debug!(step = report.step, loss = report.loss, "step");
-        if !report.loss.is_finite() {
-            return Exit::failed(format!(
-                "loss became {} at step {}",
-                report.loss, report.step
-            ))
-            .at(report.step, peak_now());
+        tracing::debug!(step = report.step, loss = ?report.loss, "step");
+        if let Some(loss) = report.loss.filter(|l| !l.is_finite()) {
+            return Exit::failed(format!("loss became {loss} at step {}", report.step))
+                .at(report.step, peak_now());
         }
         if let Some(limit) = limit {
             let peak = peak_now();

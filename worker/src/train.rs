@@ -2,6 +2,12 @@
 //! micro-batches of `micro_batch` samples, gradients summed, one update, so
 //! the global batch is the plan's whatever the split.
 //!
+//! A step runs the 1F1B schedule of this worker's pipeline stage
+//! ([`crate::pipeline`]); a single-stage plan is the degenerate case (forward
+//! then backward per micro-batch, no links), so p = 1 and p > 1 share one code
+//! path. Stage k receives its input activations from stage k−1 and sends the
+//! gradient of that input back; the last stage computes the loss.
+//!
 //! Activation checkpointing is block-level, the form the planner models
 //! (`memory::block_activation_bytes`): the forward pass runs without an
 //! autodiff graph and keeps only each block's input; backward then walks the
@@ -11,7 +17,7 @@
 //! strategy) is op-level: it recomputes memory-bound ops but keeps every
 //! matmul output, so it cannot give the "input only" figure the plan relies on.
 
-use std::ops::Range;
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use burn::module::Module;
@@ -26,16 +32,18 @@ use headroom_planner::{ModelShape, Optimizer, Precision, Settings, TransformerSh
 
 use crate::checkpoint;
 use crate::data::ProgressionTask;
-use crate::model::TransformerLm;
-
-static INIT_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+use crate::model::{StageLayout, TransformerLm};
+use crate::pipeline::{Frame, Kind, Links, Op, PipelineError, one_f_one_b};
 
 /// What the trainer runs, taken from a checked [`WorkerAssignment`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct TrainConfig {
     pub shape: TransformerShape,
-    /// Blocks this worker's stage holds.
-    pub layers: Range<u32>,
+    /// What this worker's stage holds.
+    pub layout: StageLayout,
+    /// This worker's stage and the plan's number of stages.
+    pub stage: u32,
+    pub stages: u32,
     pub settings: Settings,
     pub backend: Backend,
     /// Optimizer steps in the whole run (a resumed attempt stops at the same total).
@@ -73,25 +81,28 @@ impl TrainConfig {
             }
         };
         let plan = &a.plan;
-        if plan.stages.len() > 1 {
-            return Err(unsupported(
-                "plan.stages",
-                format!(
-                    "{} pipeline stages: this worker runs single-stage plans only (pipeline communication is not implemented yet); plan with maxWorkers/maxGpus 1",
-                    plan.stages.len()
-                ),
-            ));
-        }
+        let stages = plan.stages.len() as u32;
         let stage = plan
             .stages
             .get(a.stage as usize)
             .ok_or_else(|| unsupported("stage", format!("no stage {} in the plan", a.stage)))?;
-        if stage.layer_start != 0 || stage.layer_end != shape.layers {
+        let covered = plan.stages.first().map(|s| s.layer_start) == Some(0)
+            && plan.stages.last().map(|s| s.layer_end) == Some(shape.layers)
+            && plan
+                .stages
+                .windows(2)
+                .all(|w| w[0].layer_end == w[1].layer_start)
+            && plan.stages.iter().all(|s| s.layer_end > s.layer_start);
+        if !covered {
             return Err(unsupported(
-                "plan.stages[0]",
+                "plan.stages",
                 format!(
-                    "a single stage must hold layers 0..{}, not {}..{}",
-                    shape.layers, stage.layer_start, stage.layer_end
+                    "the stages must split layers 0..{} into contiguous non-empty ranges, not {:?}",
+                    shape.layers,
+                    plan.stages
+                        .iter()
+                        .map(|s| s.layer_start..s.layer_end)
+                        .collect::<Vec<_>>()
                 ),
             ));
         }
@@ -124,7 +135,13 @@ impl TrainConfig {
             ));
         }
         Ok(TrainConfig {
-            layers: stage.layer_start..stage.layer_end,
+            layout: StageLayout {
+                layers: stage.layer_start..stage.layer_end,
+                first: a.stage == 0,
+                last: a.stage + 1 == stages,
+            },
+            stage: a.stage,
+            stages,
             shape,
             settings: s,
             backend: plan.backend,
@@ -133,6 +150,28 @@ impl TrainConfig {
             checkpoint_every_steps: a.checkpoint_every_steps,
             seed: a.seed,
         })
+    }
+
+    /// The whole model on one worker.
+    pub fn single_stage(
+        shape: TransformerShape,
+        settings: Settings,
+        steps: u64,
+        learning_rate: f64,
+        seed: u64,
+    ) -> Self {
+        TrainConfig {
+            layout: StageLayout::whole(&shape),
+            stage: 0,
+            stages: 1,
+            shape,
+            settings,
+            backend: Backend::Flex,
+            steps,
+            learning_rate,
+            checkpoint_every_steps: 1,
+            seed,
+        }
     }
 
     pub fn global_batch(&self) -> u64 {
@@ -200,8 +239,9 @@ pub fn build_optimizer(optimizer: Optimizer) -> Result<ModuleOptimizer, Unsuppor
 pub struct StepReport {
     /// Optimizer steps completed, this one included.
     pub step: u64,
-    /// Mean loss over the global batch (before the update).
-    pub loss: f64,
+    /// Mean loss over the global batch (before the update); only the last
+    /// pipeline stage computes it.
+    pub loss: Option<f64>,
     pub tokens: u64,
     pub elapsed: Duration,
 }
@@ -222,6 +262,27 @@ pub struct Trainer {
     /// Optimizer steps completed.
     pub step: u64,
     task: ProgressionTask,
+    /// Neighbouring stages; empty for a single-stage plan.
+    links: Links,
+}
+
+/// What a forward pass keeps of one micro-batch until its backward pass.
+enum Saved {
+    /// The autodiff graph: the stage input (a leaf whose gradient goes back
+    /// to the previous stage) and the output or, on the last stage, the loss.
+    Graph {
+        input: Option<Tensor<3>>,
+        output: Option<Tensor<3>>,
+        loss: Option<Tensor<1>>,
+    },
+    /// Block-level checkpointing: only each block's input, without a graph.
+    Checkpointed {
+        tokens: Option<Tensor<2, Int>>,
+        targets: Option<Tensor<2, Int>>,
+        block_inputs: Vec<Tensor<3>>,
+        /// The last block's output (last stage: the head runs in backward).
+        output: Option<Tensor<3>>,
+    },
 }
 
 impl std::fmt::Debug for Trainer {
@@ -235,19 +296,9 @@ impl std::fmt::Debug for Trainer {
 }
 
 impl Trainer {
-    /// Fresh weights (seeded by the run's seed) on `device` (an autodiff device).
+    /// Fresh weights (each part seeded from the run's seed) on `device` (an autodiff device).
     pub fn new(config: TrainConfig, device: Device) -> Result<Self, Unsupported> {
-        // burn's generator is global per backend: hold it while seeding and
-        // initialising so concurrent trainers (tests) get reproducible weights.
-        let model = {
-            let _guard = INIT_LOCK
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-            device.seed(config.seed);
-            let model = TransformerLm::new(&config.shape, config.layers.clone(), &device);
-            model.materialize_params();
-            model
-        };
+        let model = TransformerLm::new(&config.shape, &config.layout, config.seed, &device);
         let optimizer = build_optimizer(config.settings.optimizer)?;
         let task = ProgressionTask {
             seed: config.seed,
@@ -261,7 +312,13 @@ impl Trainer {
             optimizer,
             step: 0,
             task,
+            links: Links::default(),
         })
+    }
+
+    /// Attaches the connections to the neighbouring stages (a multi-stage plan).
+    pub fn connect(&mut self, links: Links) {
+        self.links = links;
     }
 
     pub fn model(&self) -> &TransformerLm {
@@ -286,99 +343,293 @@ impl Trainer {
         self.step >= self.config.steps
     }
 
-    /// One optimizer step over the plan's global batch.
-    pub fn train_step(&mut self) -> StepReport {
+    /// One optimizer step over the plan's global batch: this stage's part of
+    /// the 1F1B schedule, the tied-embedding exchange, one update.
+    pub fn train_step(&mut self) -> Result<StepReport, PipelineError> {
         let started = Instant::now();
         let s = self.config.settings;
         let accumulation = s.gradient_accumulation.max(1);
         let scale = 1.0 / f64::from(accumulation);
         let mut accumulator = GradientsAccumulator::<TransformerLm>::new();
         let mut single: Option<GradientsParams> = None;
-        let mut loss_sum = 0.0;
-        for micro in 0..accumulation {
-            let (tokens, targets) = self.task.micro_batch(
-                self.step,
-                self.config.global_batch(),
-                s.micro_batch,
-                micro,
-                &self.device,
-            );
-            let loss = if s.activation_checkpointing {
-                self.checkpointed_backward(tokens, targets, scale, &mut accumulator)
-            } else {
-                let model = self.model();
-                let loss = model.loss(tokens, targets);
-                let value = scalar(&loss);
-                let grads = GradientsParams::from_grads(loss.mul_scalar(scale).backward(), model);
-                if accumulation == 1 {
-                    single = Some(grads);
-                } else {
-                    accumulator.accumulate(model, grads);
+        let mut losses = Vec::new();
+        let mut saved: VecDeque<Saved> = VecDeque::new();
+        for op in one_f_one_b(self.config.stage, self.config.stages, accumulation) {
+            match op {
+                Op::Forward(micro) => {
+                    let (kept, loss) = self.forward(micro)?;
+                    losses.extend(loss);
+                    saved.push_back(kept);
                 }
-                value
-            };
-            loss_sum += loss;
+                Op::Backward(micro) => {
+                    let kept = saved
+                        .pop_front()
+                        .ok_or_else(|| PipelineError::Protocol("backward before forward".into()))?;
+                    let (grads, loss) = self.backward(micro, kept, scale, &mut accumulator)?;
+                    losses.extend(loss);
+                    if let Some(grads) = grads {
+                        if accumulation == 1 {
+                            single = Some(grads);
+                        } else {
+                            accumulator.accumulate(self.model(), grads);
+                        }
+                    }
+                }
+            }
         }
-        let grads = single.unwrap_or_else(|| accumulator.grads());
+        let mut grads = single.unwrap_or_else(|| accumulator.grads());
+        self.exchange_tied_gradient(&mut grads)?;
         let model = self.take_model();
         self.model = Some(self.optimizer.step(self.config.learning_rate, model, grads));
         self.step += 1;
-        StepReport {
+        Ok(StepReport {
             step: self.step,
-            loss: loss_sum / f64::from(accumulation),
+            loss: (!losses.is_empty()).then(|| losses.iter().sum::<f64>() / losses.len() as f64),
             tokens: self.config.tokens_per_step(),
             elapsed: started.elapsed(),
+        })
+    }
+
+    /// Inputs (first stage) and targets (last stage) of a micro-batch of this step.
+    fn data(&self, micro: u32) -> (Option<Tensor<2, Int>>, Option<Tensor<2, Int>>) {
+        let layout = &self.config.layout;
+        if !layout.first && !layout.last {
+            return (None, None);
+        }
+        let (tokens, targets) = self.task.micro_batch(
+            self.step,
+            self.config.global_batch(),
+            self.config.settings.micro_batch,
+            micro,
+            &self.device,
+        );
+        (
+            layout.first.then_some(tokens),
+            layout.last.then_some(targets),
+        )
+    }
+
+    /// The activations stage k−1 sent for `micro`.
+    fn receive_input(&mut self, micro: u32) -> Result<Tensor<3>, PipelineError> {
+        let step = self.step;
+        let frame = self.links.to_prev()?.recv(Kind::Activation, step, micro)?;
+        frame.into_tensor(&self.device)
+    }
+
+    /// Forward pass of one micro-batch; returns what backward needs and, on
+    /// the last stage without checkpointing, the micro-batch's loss.
+    fn forward(&mut self, micro: u32) -> Result<(Saved, Option<f64>), PipelineError> {
+        let (tokens, targets) = self.data(micro);
+        let step = self.step;
+        if self.config.settings.activation_checkpointing {
+            let received = match tokens {
+                Some(_) => None,
+                None => Some(self.receive_input(micro)?.inner()),
+            };
+            let frozen = self.model().valid();
+            let mut x = match (&tokens, received) {
+                (Some(t), _) => frozen.embed(t.clone().inner()),
+                (None, Some(x)) => x,
+                (None, None) => unreachable!(),
+            };
+            let mut block_inputs = Vec::with_capacity(frozen.blocks.len());
+            for block in &frozen.blocks {
+                block_inputs.push(x.clone());
+                x = block.forward(x);
+            }
+            drop(frozen);
+            let output = if self.config.layout.last {
+                Some(x)
+            } else {
+                self.links
+                    .to_next()?
+                    .send(&Frame::tensor(Kind::Activation, step, micro, x))?;
+                None
+            };
+            let kept = Saved::Checkpointed {
+                tokens,
+                targets,
+                block_inputs,
+                output,
+            };
+            return Ok((kept, None));
+        }
+        let (x, input) = match tokens {
+            Some(tokens) => (self.model().embed(tokens), None),
+            None => {
+                let input = self.receive_input(micro)?.require_grad();
+                (input.clone(), Some(input))
+            }
+        };
+        let out = self.model().blocks_forward(x);
+        match targets {
+            Some(targets) => {
+                let loss = self.model().head_loss(out, targets);
+                let value = scalar(&loss);
+                let kept = Saved::Graph {
+                    input,
+                    output: None,
+                    loss: Some(loss),
+                };
+                Ok((kept, Some(value)))
+            }
+            None => {
+                self.links.to_next()?.send(&Frame::tensor(
+                    Kind::Activation,
+                    step,
+                    micro,
+                    out.clone(),
+                ))?;
+                let kept = Saved::Graph {
+                    input,
+                    output: Some(out),
+                    loss: None,
+                };
+                Ok((kept, None))
+            }
         }
     }
 
-    /// Forward without a graph keeping block inputs, then backward block by
-    /// block (see the module docs). Returns the micro-batch's mean loss.
-    fn checkpointed_backward(
-        &self,
-        tokens: Tensor<2, Int>,
-        targets: Tensor<2, Int>,
+    /// The gradient of the loss with respect to this stage's output, from stage k+1.
+    fn receive_gradient(&mut self, micro: u32) -> Result<Tensor<3>, PipelineError> {
+        let step = self.step;
+        let frame = self.links.to_next()?.recv(Kind::Gradient, step, micro)?;
+        frame.into_tensor(&self.device)
+    }
+
+    fn send_input_gradient(&mut self, micro: u32, grad: Tensor<3>) -> Result<(), PipelineError> {
+        let step = self.step;
+        self.links
+            .to_prev()?
+            .send(&Frame::tensor(Kind::Gradient, step, micro, grad))
+    }
+
+    /// Backward pass of one micro-batch. Returns this micro-batch's gradients
+    /// (graph mode) or accumulates them itself (checkpointed), and the loss
+    /// when it is computed here (last stage, checkpointed).
+    fn backward(
+        &mut self,
+        micro: u32,
+        kept: Saved,
         scale: f64,
         accumulator: &mut GradientsAccumulator<TransformerLm>,
-    ) -> f64 {
-        let model = self.model();
-        let frozen = model.valid();
-        let mut inputs: Vec<Tensor<3>> = Vec::with_capacity(frozen.blocks.len());
-        let mut x = frozen.embed(tokens.clone().inner());
-        for block in &frozen.blocks {
-            inputs.push(x.clone());
-            x = block.forward(x);
+    ) -> Result<(Option<GradientsParams>, Option<f64>), PipelineError> {
+        match kept {
+            Saved::Graph {
+                input,
+                output,
+                loss,
+            } => {
+                let mut grads = match (loss, output) {
+                    (Some(loss), _) => loss.mul_scalar(scale).backward(),
+                    (None, Some(output)) => {
+                        let upstream = self.receive_gradient(micro)?;
+                        (output * upstream).sum().backward()
+                    }
+                    (None, None) => unreachable!("a forward keeps a loss or an output"),
+                };
+                if let Some(input) = input {
+                    let grad = input
+                        .grad_remove(&mut grads)
+                        .expect("gradient of the stage input");
+                    self.send_input_gradient(micro, grad)?;
+                }
+                Ok((Some(GradientsParams::from_grads(grads, self.model())), None))
+            }
+            Saved::Checkpointed {
+                tokens,
+                targets,
+                block_inputs,
+                output,
+            } => {
+                let model = self.model.as_ref().expect("model");
+                let (mut upstream, value) = match (output, targets) {
+                    (Some(x), Some(targets)) => {
+                        // Head and loss, with a graph; the gradient of the last block's output comes back.
+                        let x = x.autodiff().require_grad();
+                        let loss = model.head_loss(x.clone(), targets);
+                        let value = scalar(&loss);
+                        let mut grads = loss.mul_scalar(scale).backward();
+                        let upstream = x
+                            .grad_remove(&mut grads)
+                            .expect("gradient of the head input");
+                        accumulator.accumulate(model, GradientsParams::from_grads(grads, model));
+                        (upstream, Some(value))
+                    }
+                    _ => (self.receive_gradient(micro)?.inner(), None),
+                };
+                let model = self.model.as_ref().expect("model");
+                // Blocks, last to first: recompute one, pull the upstream gradient through it.
+                for (block, input) in model.blocks.iter().zip(block_inputs).rev() {
+                    let input = input.autodiff().require_grad();
+                    let output = block.forward(input.clone());
+                    let mut grads = (output * upstream).sum().backward();
+                    upstream = input
+                        .grad_remove(&mut grads)
+                        .expect("gradient of the block input");
+                    accumulator.accumulate(model, GradientsParams::from_grads(grads, block));
+                }
+                match tokens {
+                    Some(tokens) => {
+                        // Embeddings (a tied head's embedding gradient adds to the one from the head).
+                        let embedded = model.embed(tokens);
+                        let grads = (embedded * upstream).sum().backward();
+                        accumulator.accumulate(model, GradientsParams::from_grads(grads, model));
+                    }
+                    None => self.send_input_gradient(micro, upstream)?,
+                }
+                Ok((None, value))
+            }
         }
-        drop(frozen);
-
-        // Head and loss, with a graph; the gradient of the last block's output comes back.
-        let x = x.autodiff().require_grad();
-        let loss = model.head_loss(x.clone(), targets);
-        let value = scalar(&loss);
-        let mut grads = loss.mul_scalar(scale).backward();
-        let mut upstream = x
-            .grad_remove(&mut grads)
-            .expect("gradient of the head input");
-        accumulator.accumulate(model, GradientsParams::from_grads(grads, model));
-
-        // Blocks, last to first: recompute one, pull the upstream gradient through it.
-        for (block, input) in model.blocks.iter().zip(inputs).rev() {
-            let input = input.autodiff().require_grad();
-            let output = block.forward(input.clone());
-            let mut grads = (output * upstream).sum().backward();
-            upstream = input
-                .grad_remove(&mut grads)
-                .expect("gradient of the block input");
-            accumulator.accumulate(model, GradientsParams::from_grads(grads, block));
-        }
-
-        // Embeddings (a tied head's embedding gradient adds to the one from the head).
-        let embedded = model.embed(tokens);
-        let grads = (embedded * upstream).sum().backward();
-        accumulator.accumulate(model, GradientsParams::from_grads(grads, model));
-        value
     }
 
-    /// Saves model + optimizer + step under `root` (see [`crate::checkpoint`]).
+    /// A tied head split from its embedding: the first stage's token
+    /// embedding and the last stage's copy get the same summed gradient
+    /// (embedding part + head part, added in that order on both), so the
+    /// copies stay equal. Stages in between relay both messages.
+    fn exchange_tied_gradient(&mut self, grads: &mut GradientsParams) -> Result<(), PipelineError> {
+        let c = &self.config;
+        if c.stages <= 1 || !c.shape.tied_embeddings {
+            return Ok(());
+        }
+        let step = self.step;
+        let (first, last) = (c.layout.first, c.layout.last);
+        let own = |model: &TransformerLm, grads: &mut GradientsParams| {
+            let id = model.token.as_ref().expect("token embedding").weight.id;
+            let grad: Tensor<2> = grads.remove(id).expect("gradient of the token embedding");
+            (id, grad)
+        };
+        if first {
+            let (id, embedding) = own(self.model.as_ref().expect("model"), grads);
+            let next = self.links.to_next()?;
+            next.send(&Frame::tensor(
+                Kind::TiedGradient,
+                step,
+                0,
+                embedding.clone(),
+            ))?;
+            let head: Tensor<2> = next
+                .recv(Kind::TiedGradient, step, 1)?
+                .into_tensor(&self.device)?;
+            grads.register(id, embedding + head);
+        } else if last {
+            let (id, head) = own(self.model.as_ref().expect("model"), grads);
+            let prev = self.links.to_prev()?;
+            let embedding: Tensor<2> = prev
+                .recv(Kind::TiedGradient, step, 0)?
+                .into_tensor(&self.device)?;
+            prev.send(&Frame::tensor(Kind::TiedGradient, step, 1, head.clone()))?;
+            grads.register(id, embedding + head);
+        } else {
+            let forward = self.links.to_prev()?.recv(Kind::TiedGradient, step, 0)?;
+            self.links.to_next()?.send(&forward)?;
+            let backward = self.links.to_next()?.recv(Kind::TiedGradient, step, 1)?;
+            self.links.to_prev()?.send(&backward)?;
+        }
+        Ok(())
+    }
+
+    /// Saves this stage's parts + optimizer + step under `root` (see [`crate::checkpoint`]).
     pub fn save_checkpoint(
         &self,
         root: &std::path::Path,
@@ -387,14 +638,16 @@ impl Trainer {
     ) -> Result<std::path::PathBuf, checkpoint::CheckpointError> {
         let c = &self.config;
         let meta = checkpoint::CheckpointMeta {
-            format: 1,
+            format: checkpoint::FORMAT,
             step: self.step,
             loss,
             seed: c.seed,
             attempt,
             shape: c.shape.clone(),
-            layer_start: c.layers.start,
-            layer_end: c.layers.end,
+            layer_start: c.layout.layers.start,
+            layer_end: c.layout.layers.end,
+            first: c.layout.first,
+            last: c.layout.last,
             settings: c.settings,
             files: vec![],
         };
@@ -415,6 +668,7 @@ impl Trainer {
         let found = checkpoint::restore_newest(
             root,
             &self.config.shape,
+            &self.config.layout,
             self.model().clone(),
             fresh_optimizer,
         )?;

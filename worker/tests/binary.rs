@@ -121,7 +121,7 @@ fn trains_checkpoints_and_resumes_across_processes() {
         first.message
     );
     assert!(
-        dir.join("checkpoints/step-000000000010/meta.json")
+        dir.join("checkpoints/step-000000000010/stage-0000-0002/meta.json")
             .is_file()
     );
 
@@ -164,7 +164,7 @@ fn invalid_plans_exit_with_invalid_plan() {
         pipeline.stderr
     );
     assert!(
-        pipeline.message.reason.contains("pipeline"),
+        pipeline.message.reason.contains("HEADROOM_PIPELINE_PODS"),
         "{}",
         pipeline.message.reason
     );
@@ -263,6 +263,98 @@ fn sigterm_saves_a_checkpoint_and_exits() {
     assert!(step >= 5);
     // The work up to the signal is on disk: the newest checkpoint is at that step.
     let newest = dir.join(format!("checkpoints/step-{step:012}"));
-    assert!(newest.join("meta.json").is_file(), "{message:?}");
+    assert!(
+        newest.join("stage-0000-0002/meta.json").is_file(),
+        "{message:?}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A 2-stage plan for [`tiny`]: blocks 0..1 and 1..2.
+fn two_stage(steps: u64, stage: u32) -> WorkerAssignment {
+    let mut a = assignment(steps, Some(2));
+    let mut second = a.plan.stages[0].clone();
+    a.plan.stages[0].layer_end = 1;
+    second.index = 1;
+    second.layer_start = 1;
+    a.plan.stages.push(second);
+    a.plan.workers = 2;
+    a.stage = stage;
+    a
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("port")
+        .port()
+}
+
+/// Runs both stages of a 2-stage plan as two processes over loopback.
+fn run_two_stages(name: &str, steps: u64, stage1_extra: &[(&'static str, String)]) -> [Run; 2] {
+    let root = temp_dir(name);
+    let addresses = format!("127.0.0.1:{},127.0.0.1:{}", free_port(), free_port());
+    let checkpoints = root.join("checkpoints");
+    let runs: Vec<Run> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..2u32)
+            .map(|k| {
+                let dir = root.join(format!("s{k}"));
+                std::fs::create_dir_all(&dir).expect("dir");
+                let json = serde_json::to_string(&two_stage(steps, k)).expect("json");
+                let mut extra = vec![
+                    (headroom_api::PIPELINE_ADDRESSES_ENV, addresses.clone()),
+                    (CHECKPOINT_DIR_ENV, checkpoints.display().to_string()),
+                    (headroom_api::PIPELINE_TIMEOUT_ENV, "60".to_string()),
+                ];
+                if k == 1 {
+                    extra.extend(stage1_extra.iter().cloned());
+                }
+                scope.spawn(move || {
+                    let extra: Vec<(&str, &str)> =
+                        extra.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                    run_worker(&dir, &json, &extra)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("stage"))
+            .collect()
+    });
+    let mut runs = runs.into_iter();
+    [runs.next().expect("stage 0"), runs.next().expect("stage 1")]
+}
+
+#[test]
+fn two_stage_processes_train_together_over_tcp() {
+    let [s0, s1] = run_two_stages("pipeline", 6, &[]);
+    for (k, run) in [&s0, &s1].iter().enumerate() {
+        assert_eq!(run.code, exit_code::SUCCESS, "stage {k}: {}", run.stderr);
+        assert_eq!(run.message.step, Some(6));
+    }
+    assert!(
+        s1.message.reason.contains("last loss"),
+        "{}",
+        s1.message.reason
+    );
+    assert!(
+        s0.stderr.contains("connected to the next stage"),
+        "{}",
+        s0.stderr
+    );
+}
+
+#[test]
+fn a_stage_that_fails_takes_its_neighbour_down_as_peer_lost() {
+    // Stage 1 passes its (tiny) device limit in step 1 and exits with the
+    // device-OOM code; stage 0 sees the connection close and says so.
+    let [s0, s1] = run_two_stages("peerlost", 6, &[(DEVICE_MEMORY_LIMIT_ENV, "1".into())]);
+    assert_eq!(s1.code, exit_code::DEVICE_OUT_OF_MEMORY, "{}", s1.stderr);
+    assert_eq!(s0.code, exit_code::PEER_LOST, "{}", s0.stderr);
+    assert_eq!(s0.message.outcome, "peerLost");
+    assert!(
+        s0.message.reason.contains("stage 1"),
+        "{}",
+        s0.message.reason
+    );
 }

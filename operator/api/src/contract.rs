@@ -28,10 +28,21 @@ pub const TELEMETRY_INTERVAL_ENV: &str = "HEADROOM_TELEMETRY_INTERVAL_SECONDS";
 /// Where Kubernetes reads the termination message from.
 pub const TERMINATION_MESSAGE_PATH: &str = "/dev/termination-log";
 
-/// Pipeline stages the Headroom worker can run together. The planner can
-/// split a model further, but the operator never launches a plan the worker
-/// would reject (exit 78); raise this when pipeline training lands.
-pub const WORKER_MAX_STAGES: u32 = 1;
+/// Pipeline stages the Headroom worker runs together (one pod each). The
+/// planner may split further; the operator never launches more stages.
+pub const WORKER_MAX_STAGES: u32 = 8;
+
+/// Pipeline stages: the port every stage listens on for its predecessor.
+pub const PIPELINE_PORT: u16 = 29_500;
+/// Comma-separated pod names of all stages of the attempt, stage order.
+pub const PIPELINE_PODS_ENV: &str = "HEADROOM_PIPELINE_PODS";
+/// The headless Service the stage pods are under (DNS `s<k>.<service>`).
+pub const PIPELINE_SERVICE_ENV: &str = "HEADROOM_PIPELINE_SERVICE";
+/// Overrides: comma-separated `host:port` of every stage (local runs, tests).
+pub const PIPELINE_ADDRESSES_ENV: &str = "HEADROOM_PIPELINE_ADDRESSES";
+/// Seconds a stage waits for its neighbours to come up, and then for any one
+/// message from them, before it gives up with `PEER_LOST`.
+pub const PIPELINE_TIMEOUT_ENV: &str = "HEADROOM_PIPELINE_TIMEOUT_SECONDS";
 
 /// Worker exit codes. 137 (SIGKILL, e.g. the kernel OOM killer) is not ours.
 pub mod exit_code {
@@ -40,6 +51,10 @@ pub mod exit_code {
     pub const DEVICE_OUT_OF_MEMORY: i32 = 88;
     /// The plan document is missing, unreadable or inconsistent (sysexits EX_CONFIG).
     pub const INVALID_PLAN: i32 = 78;
+    /// A pipeline neighbour went away or never came up (sysexits EX_TEMPFAIL):
+    /// a consequence, not a cause; the operator looks for the cause in the
+    /// other stages' pods.
+    pub const PEER_LOST: i32 = 75;
     /// Any other failure.
     pub const FAILURE: i32 = 1;
 }
@@ -67,7 +82,7 @@ pub struct WorkerAssignment {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct TerminationMessage {
-    /// `succeeded`, `deviceOutOfMemory`, `invalidPlan`, `failed`.
+    /// `succeeded`, `deviceOutOfMemory`, `invalidPlan`, `peerLost`, `failed`.
     pub outcome: String,
     pub reason: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]

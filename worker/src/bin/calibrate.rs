@@ -241,8 +241,10 @@ fn step_times(rounds: u32, steps_per_segment: u32) -> (Vec<f64>, Vec<f64>) {
     };
     let config = TrainConfig::from_assignment(&assignment(&case, 1_000_000)).expect("config");
     let mut trainer = Trainer::new(config, Device::flex().autodiff()).expect("trainer");
-    trainer.train_step(); // warm-up: optimizer state, allocator arenas
-    trainer.train_step();
+    // Warm-up: optimizer state, allocator arenas.
+    for _ in 0..2 {
+        trainer.train_step().expect("single stage");
+    }
     let (mut without, mut with) = (Vec::new(), Vec::new());
     for round in 0..rounds {
         for telemetry in [round % 2 == 0, round % 2 == 1] {
@@ -265,11 +267,11 @@ fn step_times(rounds: u32, steps_per_segment: u32) -> (Vec<f64>, Vec<f64>) {
                 )
             });
             for _ in 0..steps_per_segment {
-                let r = trainer.train_step();
+                let r = trainer.train_step().expect("single stage");
                 if let Some(rep) = &reporter {
                     rep.update(Progress {
                         step: r.step,
-                        loss: Some(r.loss),
+                        loss: r.loss,
                         tokens_per_second: Some(r.tokens_per_second()),
                     });
                 }

@@ -1,7 +1,6 @@
 //! Shared fixtures: tiny configurations that train in seconds in debug builds.
 #![allow(dead_code)]
 
-use headroom_planner::memory::Backend;
 use headroom_planner::{Optimizer, Precision, Settings, TransformerShape};
 use headroom_worker::train::TrainConfig;
 
@@ -19,20 +18,19 @@ pub fn tiny_shape() -> TransformerShape {
 
 pub fn tiny_config(micro_batch: u32, accumulation: u32, checkpointing: bool) -> TrainConfig {
     let shape = tiny_shape();
-    TrainConfig {
-        layers: 0..shape.layers,
+    let mut config = TrainConfig::single_stage(
         shape,
-        settings: Settings {
+        Settings {
             micro_batch,
             gradient_accumulation: accumulation,
             activation_checkpointing: checkpointing,
             precision: Precision::Fp32,
             optimizer: Optimizer::Adamw,
         },
-        backend: Backend::Flex,
-        steps: 40,
-        learning_rate: 1e-2,
-        checkpoint_every_steps: 10,
-        seed: 11,
-    }
+        40,
+        1e-2,
+        11,
+    );
+    config.checkpoint_every_steps = 10;
+    config
 }
