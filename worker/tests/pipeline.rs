@@ -168,12 +168,18 @@ fn a_checkpoint_resumes_under_another_split() {
     losses.extend(run(3, &shape, s, 2, Some(&dir)));
     losses.extend(run(2, &shape, s, 2, Some(&dir)));
     assert_close(&straight, &losses, "1 → 3 → 2 stages across checkpoints");
-    // Each save kept the newest two complete steps.
+    // Saves prune steps older than the newest two complete ones. Stages
+    // prune concurrently, so the stage that saves step 6 first may still see
+    // it incomplete and keep step 2 until the next save.
     let mut steps: Vec<String> = std::fs::read_dir(&dir)
         .expect("list")
         .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
         .collect();
     steps.sort();
-    assert_eq!(steps, ["step-000000000004", "step-000000000006"]);
+    assert!(
+        steps.ends_with(&["step-000000000004".into(), "step-000000000006".into()])
+            && steps.len() <= 3,
+        "{steps:?}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -376,7 +376,11 @@ mod tests {
             dims: vec![1],
             payload: vec![0, 0, 128, 63],
         };
-        links[0].to_next().expect("next").send(&frame).expect("send");
+        links[0]
+            .to_next()
+            .expect("next")
+            .send(&frame)
+            .expect("send");
         let got = links[1]
             .to_prev()
             .expect("prev")
