@@ -8,15 +8,16 @@ use std::collections::BTreeMap;
 
 use headroom_api::{
     CHECKPOINT_DIR_ENV, DEFAULT_CHECKPOINT_DIR, GROUP, LABEL_ATTEMPT, LABEL_JOB, LABEL_STAGE,
-    MemoryAwareTrainingJob, PLAN_JSON_ENV, POD_NAME_ENV, TERMINATION_MESSAGE_PATH,
-    WorkerAssignment,
+    MemoryAwareTrainingJob, PIPELINE_PODS_ENV, PIPELINE_PORT, PIPELINE_SERVICE_ENV, PLAN_JSON_ENV,
+    POD_NAME_ENV, TERMINATION_MESSAGE_PATH, WorkerAssignment,
 };
 use headroom_planner::{DeviceKind, ModelShape, Plan};
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, EnvVar, EnvVarSource, ObjectFieldSelector, PersistentVolumeClaim,
-    PersistentVolumeClaimSpec, PersistentVolumeClaimVolumeSource, Pod, PodSecurityContext, PodSpec,
-    ResourceRequirements, SeccompProfile, SecurityContext, Service, ServiceAccount, ServicePort,
-    ServiceSpec, Toleration, Volume, VolumeMount, VolumeResourceRequirements,
+    Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, ObjectFieldSelector,
+    PersistentVolumeClaim, PersistentVolumeClaimSpec, PersistentVolumeClaimVolumeSource, Pod,
+    PodSecurityContext, PodSpec, ResourceRequirements, SeccompProfile, SecurityContext, Service,
+    ServiceAccount, ServicePort, ServiceSpec, Toleration, Volume, VolumeMount,
+    VolumeResourceRequirements,
 };
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -32,8 +33,6 @@ pub struct ChildConfig {
     pub checkpoint_size: String,
     /// Host memory limit of GPU worker pods when the job does not set `resources.gpu.hostMemory`.
     pub gpu_host_memory: String,
-    /// Port the pipeline stages talk on.
-    pub pipeline_port: i32,
 }
 
 impl Default for ChildConfig {
@@ -42,7 +41,6 @@ impl Default for ChildConfig {
             checkpoint_storage_class: None,
             checkpoint_size: "1Gi".into(),
             gpu_host_memory: "16Gi".into(),
-            pipeline_port: 29500,
         }
     }
 }
@@ -135,7 +133,8 @@ pub fn service_account(job: &MemoryAwareTrainingJob) -> ServiceAccount {
     }
 }
 
-/// Least privilege: read this one job and patch its status; nothing else.
+/// Least privilege: read this one job and patch its status, and read pods by
+/// name (a pipeline stage looks up its neighbour's pod IP; no list or watch).
 pub fn role(job: &MemoryAwareTrainingJob) -> Role {
     Role {
         metadata: meta(job, worker_account_name(job), job_labels(job)),
@@ -151,6 +150,12 @@ pub fn role(job: &MemoryAwareTrainingJob) -> Role {
                 api_groups: Some(vec![GROUP.into()]),
                 resources: Some(vec!["memoryawaretrainingjobs".into()]),
                 resource_names: Some(vec![job.name_any()]),
+                verbs: vec!["get".into()],
+                ..PolicyRule::default()
+            },
+            PolicyRule {
+                api_groups: Some(vec![String::new()]),
+                resources: Some(vec!["pods".into()]),
                 verbs: vec!["get".into()],
                 ..PolicyRule::default()
             },
@@ -204,7 +209,7 @@ pub fn checkpoint_claim(
 }
 
 /// Stable DNS names for the stages of a multi-worker plan (`s<k>.<service>`).
-pub fn headless_service(job: &MemoryAwareTrainingJob, config: &ChildConfig) -> Service {
+pub fn headless_service(job: &MemoryAwareTrainingJob) -> Service {
     Service {
         metadata: meta(job, service_name(job), job_labels(job)),
         spec: Some(ServiceSpec {
@@ -217,7 +222,7 @@ pub fn headless_service(job: &MemoryAwareTrainingJob, config: &ChildConfig) -> S
             publish_not_ready_addresses: Some(true),
             ports: Some(vec![ServicePort {
                 name: Some("pipeline".into()),
-                port: config.pipeline_port,
+                port: i32::from(PIPELINE_PORT),
                 ..ServicePort::default()
             }]),
             ..ServiceSpec::default()
@@ -259,7 +264,7 @@ pub fn worker_pod(
         checkpoint_every_steps: spec.training.checkpoint_every_steps,
         seed: spec.training.seed,
     };
-    let env = vec![
+    let mut env = vec![
         EnvVar {
             name: PLAN_JSON_ENV.into(),
             value: Some(serde_json::to_string(&assignment)?),
@@ -282,6 +287,23 @@ pub fn worker_pod(
             ..EnvVar::default()
         },
     ];
+
+    let multi = plan.workers > 1;
+    if multi {
+        let pods: Vec<String> = (0..plan.workers)
+            .map(|k| pod_name(job, attempt, k))
+            .collect();
+        for (name, value) in [
+            (PIPELINE_PODS_ENV, pods.join(",")),
+            (PIPELINE_SERVICE_ENV, service_name(job)),
+        ] {
+            env.push(EnvVar {
+                name: name.into(),
+                value: Some(value),
+                ..EnvVar::default()
+            });
+        }
+    }
 
     let mut limits: BTreeMap<String, Quantity> = BTreeMap::new();
     let mut requests: BTreeMap<String, Quantity> = BTreeMap::new();
@@ -331,7 +353,6 @@ pub fn worker_pod(
     let mut labels = job_labels(job);
     labels.insert(LABEL_ATTEMPT.into(), attempt.to_string());
     labels.insert(LABEL_STAGE.into(), stage.to_string());
-    let multi = plan.workers > 1;
 
     Ok(Pod {
         metadata: meta(job, pod_name(job, attempt, stage), labels),
@@ -357,6 +378,13 @@ pub fn worker_pod(
                 name: "worker".into(),
                 image: Some(spec.worker.image.clone()),
                 env: Some(env),
+                ports: multi.then(|| {
+                    vec![ContainerPort {
+                        name: Some("pipeline".into()),
+                        container_port: i32::from(PIPELINE_PORT),
+                        ..ContainerPort::default()
+                    }]
+                }),
                 resources: Some(ResourceRequirements {
                     limits: Some(limits),
                     requests: Some(requests),
@@ -521,14 +549,20 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn role_grants_only_this_jobs_status() {
+    fn role_grants_this_jobs_status_and_reading_pods_by_name_only() {
         let job = cpu_job();
         let rules = role(&job).rules.expect("rules");
         for rule in &rules {
-            assert_eq!(
-                rule.resource_names.as_deref(),
-                Some(&["tiny-cpu".to_string()][..])
-            );
+            let pods = rule.resources.as_deref() == Some(&["pods".to_string()][..]);
+            if pods {
+                // Neighbour pod IPs for pipeline stages: get by name, never list or watch.
+                assert_eq!(rule.verbs, ["get"]);
+            } else {
+                assert_eq!(
+                    rule.resource_names.as_deref(),
+                    Some(&["tiny-cpu".to_string()][..])
+                );
+            }
             assert!(
                 !rule
                     .verbs

@@ -28,6 +28,11 @@ pub struct PodFailure {
     pub peak_bytes: Option<u64>,
     /// The worker itself found the plan unusable: retrying the same plan is pointless.
     pub invalid_plan: bool,
+    /// A pipeline stage that stopped because a neighbour went away: a
+    /// consequence, whose cause another stage's pod shows.
+    pub peer_lost: bool,
+    /// When the container ended (for how long to wait for the cause).
+    pub finished_at: Option<Timestamp>,
 }
 
 const DISRUPTION_REASONS: [&str; 6] = [
@@ -82,6 +87,8 @@ pub fn classify(pod: &Pod) -> PodVerdict {
             step: None,
             peak_bytes: None,
             invalid_plan: false,
+            peer_lost: false,
+            finished_at: None,
         });
     }
 
@@ -100,6 +107,8 @@ pub fn classify(pod: &Pod) -> PodVerdict {
             step: None,
             peak_bytes: None,
             invalid_plan: false,
+            peer_lost: false,
+            finished_at: None,
         }),
         "Running" => PodVerdict::Running,
         _ => {
@@ -151,6 +160,7 @@ fn classify_exit(t: &ContainerStateTerminated) -> PodFailure {
                 false,
             ),
             exit_code::INVALID_PLAN => (AttemptOutcome::Failed, "InvalidPlan".to_string(), true),
+            exit_code::PEER_LOST => (AttemptOutcome::Failed, "PeerLost".to_string(), false),
             // SIGKILL without an OOMKilled reason (e.g. cgroup v1 kill racing the status) is still most likely memory.
             137 => (AttemptOutcome::HostOutOfMemory, "Killed".to_string(), false),
             code => (AttemptOutcome::Failed, format!("ExitCode{code}"), false),
@@ -171,12 +181,14 @@ fn classify_exit(t: &ContainerStateTerminated) -> PodFailure {
             .unwrap_or_else(|| format!("container exited with code {}", t.exit_code)),
     };
     PodFailure {
+        peer_lost: t.exit_code == exit_code::PEER_LOST && reason == "PeerLost",
         outcome,
         reason,
         message,
         step,
         peak_bytes,
         invalid_plan,
+        finished_at: t.finished_at.as_ref().map(|t| t.0),
     }
 }
 
@@ -197,6 +209,11 @@ fn strip_ansi(text: &str) -> String {
         }
     }
     out.trim().to_string()
+}
+
+/// The failure that explains an attempt: a cause before a lost peer, then by [`severity`].
+pub fn rank(f: &PodFailure) -> (bool, u8) {
+    (!f.peer_lost, severity(f.outcome))
 }
 
 /// Severity used to pick the attempt's outcome when stages fail differently:

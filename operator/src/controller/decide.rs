@@ -19,10 +19,13 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::ResourceExt;
 
-use super::classify::{PodFailure, PodVerdict, classify, severity};
+use super::classify::{PodFailure, PodVerdict, classify, rank};
 
 /// Longest wait between retries of non-memory failures.
 const MAX_BACKOFF: Duration = Duration::from_secs(3600);
+/// How long a pipeline stage that lost its neighbour waits for the
+/// neighbour's own failure to be reported before the attempt ends without it.
+const PEER_LOST_GRACE: Duration = Duration::from_secs(30);
 
 /// Condition types on the job.
 pub const CONDITION_PLANNED: &str = "Planned";
@@ -150,8 +153,22 @@ impl Builder<'_> {
                     None
                 }
             })
-            .max_by_key(|f| severity(f.outcome));
+            .max_by_key(|f| rank(f));
         if let Some(failure) = worst.cloned() {
+            // Only lost peers so far: the stage that caused it is still being
+            // reported (its OOM kill decides the retry). Wait for it a while.
+            let others_alive = pods
+                .iter()
+                .any(|(_, v)| matches!(v, PodVerdict::Running | PodVerdict::Pending { .. }));
+            if failure.peer_lost && others_alive {
+                let waited = failure.finished_at.map_or(Duration::ZERO, |t| {
+                    self.obs.now.duration_since(t).unsigned_abs()
+                });
+                if waited < PEER_LOST_GRACE {
+                    self.d.requeue_after = Some(PEER_LOST_GRACE - waited + Duration::from_secs(1));
+                    return;
+                }
+            }
             // One stage failing fails the attempt as a whole: stop the others.
             self.d.delete_pods = pods
                 .iter()
@@ -781,5 +798,38 @@ mod tests {
         let d = step(&mut j, &[pod(1, 0, RUNNING), pod(1, 1, OOM)], t0());
         assert_eq!(d.delete_pods, vec!["p-a1-s0".to_string()]);
         assert_eq!(d.ended, Some(AttemptOutcome::HostOutOfMemory));
+    }
+
+    #[test]
+    fn a_lost_peer_waits_for_the_stage_that_caused_it() {
+        const PEER_LOST: &str = "  phase: Failed\n  containerStatuses: [{name: worker, image: i, imageID: '', ready: false, restartCount: 0, state: {terminated: {exitCode: 75, finishedAt: '2026-11-21T10:00:00Z', message: '{\"outcome\":\"peerLost\",\"reason\":\"pipeline stage 1: closed the connection\"}'}}}]";
+        let mut j = oom_job();
+        step(&mut j, &[], t0());
+        // Stage 0 noticed stage 1 go; stage 1's OOM kill is not reported yet.
+        let early = step(
+            &mut j,
+            &[pod(1, 0, PEER_LOST), pod(1, 1, RUNNING)],
+            t0() + SignedDuration::from_secs(2),
+        );
+        assert_eq!(early.ended, None);
+        assert!(early.delete_pods.is_empty());
+        assert_eq!(early.requeue_after, Some(Duration::from_secs(29)));
+        // Then it is: the OOM kill explains the attempt and drives the ladder.
+        let d = step(
+            &mut j,
+            &[pod(1, 0, PEER_LOST), pod(1, 1, OOM)],
+            t0() + SignedDuration::from_secs(3),
+        );
+        assert_eq!(d.ended, Some(AttemptOutcome::HostOutOfMemory));
+        // A neighbour that never reports a cause ends the attempt after the grace.
+        let mut j = oom_job();
+        step(&mut j, &[], t0());
+        let late = step(
+            &mut j,
+            &[pod(1, 0, PEER_LOST), pod(1, 1, RUNNING)],
+            t0() + SignedDuration::from_secs(31),
+        );
+        assert_eq!(late.ended, Some(AttemptOutcome::Failed));
+        assert_eq!(late.delete_pods, vec!["p-a1-s1".to_string()]);
     }
 }

@@ -434,7 +434,7 @@ async fn ensure_children(
         children::role(job),
         children::role_binding(job),
         children::checkpoint_claim(job, cfg),
-        children::headless_service(job, cfg),
+        children::headless_service(job),
     );
     let pods = missing
         .iter()
