@@ -116,7 +116,6 @@ async fn main() -> Result<()> {
             checkpoint_storage_class: args.checkpoint_storage_class,
             checkpoint_size: args.checkpoint_size,
             gpu_host_memory: args.gpu_host_memory,
-            ..ChildConfig::default()
         },
         unschedulable_grace: Duration::from_secs(args.unschedulable_grace_seconds),
         concurrency: args.concurrency.max(1),
