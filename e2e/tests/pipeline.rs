@@ -1,0 +1,68 @@
+//! Pipeline stages on real pods (`make e2e`): a model that fits no single
+//! worker's memory limit is planned as several stages, one pod each, which
+//! train together over the pod network and succeed, each reporting its own
+//! telemetry and layer range.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use headroom_api::{AttemptOutcome, JobPhase};
+use headroom_e2e::TestNs;
+
+const PIPELINE: &str = include_str!("../../samples/cpu-pipeline.yaml");
+
+#[tokio::test]
+#[ignore = "needs a cluster with Headroom installed: make e2e"]
+async fn a_model_too_big_for_one_worker_trains_as_pipeline_stages() {
+    let ns = TestNs::new("e2e-pipeline").await;
+    ns.apply_job(PIPELINE).await;
+    let done = ns
+        .wait_job(
+            "split-to-fit",
+            "Succeeded or Failed",
+            Duration::from_secs(600),
+            |j| {
+                j.status
+                    .as_ref()
+                    .and_then(|s| s.phase)
+                    .is_some_and(|p| matches!(p, JobPhase::Succeeded | JobPhase::Failed))
+            },
+        )
+        .await;
+    let status = done.status.clone().expect("status");
+    assert_eq!(
+        status.phase,
+        Some(JobPhase::Succeeded),
+        "{}",
+        ns.dump().await
+    );
+    let attempt = status.attempts.last().expect("an attempt");
+    assert_eq!(attempt.outcome, AttemptOutcome::Succeeded);
+    let stages = attempt.plan.stages.len();
+    assert!(stages >= 2, "planned as {stages} stage(s)");
+    // Every stage reported, with its own layer range, and stayed within its limit.
+    let reports: Vec<_> = status
+        .workers
+        .iter()
+        .filter(|w| w.attempt == attempt.number)
+        .collect();
+    assert_eq!(reports.len(), stages, "{reports:?}");
+    let ranges: BTreeSet<(u32, u32)> = reports
+        .iter()
+        .map(|w| (w.layer_start, w.layer_end))
+        .collect();
+    let planned: BTreeSet<(u32, u32)> = attempt
+        .plan
+        .stages
+        .iter()
+        .map(|s| (s.layer_start, s.layer_end))
+        .collect();
+    assert_eq!(ranges, planned);
+    for w in &reports {
+        assert!(
+            w.memory.peak_bytes > 0 && w.memory.peak_bytes <= attempt.plan.device_memory_bytes,
+            "{w:?}"
+        );
+    }
+    ns.cleanup().await;
+}
