@@ -1,7 +1,8 @@
 //! Pipeline stages on real pods (`make e2e`): a model that fits no single
 //! worker's memory limit is planned as several stages, one pod each, which
 //! train together over the pod network and succeed, each reporting its own
-//! telemetry and layer range.
+//! telemetry and layer range; the same model pinned to one worker is really
+//! OOM-killed and retried as more stages.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -10,6 +11,15 @@ use headroom_api::{AttemptOutcome, JobPhase};
 use headroom_e2e::TestNs;
 
 const PIPELINE: &str = include_str!("../../samples/cpu-pipeline.yaml");
+const PIPELINE_RETRY: &str = include_str!("../../samples/cpu-pipeline-retry.yaml");
+const RUN: Duration = Duration::from_secs(600);
+
+fn finished(j: &headroom_api::MemoryAwareTrainingJob) -> bool {
+    j.status
+        .as_ref()
+        .and_then(|s| s.phase)
+        .is_some_and(|p| matches!(p, JobPhase::Succeeded | JobPhase::Failed))
+}
 
 #[tokio::test]
 #[ignore = "needs a cluster with Headroom installed: make e2e"]
@@ -17,17 +27,7 @@ async fn a_model_too_big_for_one_worker_trains_as_pipeline_stages() {
     let ns = TestNs::new("e2e-pipeline").await;
     ns.apply_job(PIPELINE).await;
     let done = ns
-        .wait_job(
-            "split-to-fit",
-            "Succeeded or Failed",
-            Duration::from_secs(600),
-            |j| {
-                j.status
-                    .as_ref()
-                    .and_then(|s| s.phase)
-                    .is_some_and(|p| matches!(p, JobPhase::Succeeded | JobPhase::Failed))
-            },
-        )
+        .wait_job("split-to-fit", "Succeeded or Failed", RUN, finished)
         .await;
     let status = done.status.clone().expect("status");
     assert_eq!(
@@ -64,5 +64,38 @@ async fn a_model_too_big_for_one_worker_trains_as_pipeline_stages() {
             "{w:?}"
         );
     }
+    ns.cleanup().await;
+}
+
+#[tokio::test]
+#[ignore = "needs a cluster with Headroom installed: make e2e"]
+async fn a_job_that_ooms_as_one_stage_is_retried_as_more_stages() {
+    let ns = TestNs::new("e2e-pipeline-retry").await;
+    ns.apply_job(PIPELINE_RETRY).await;
+    let done = ns
+        .wait_job("oom-then-split", "Succeeded or Failed", RUN, finished)
+        .await;
+    let status = done.status.clone().expect("status");
+    assert_eq!(
+        status.phase,
+        Some(JobPhase::Succeeded),
+        "{}",
+        ns.dump().await
+    );
+    let first = &status.attempts[0];
+    assert_eq!(first.plan.workers, 1, "the pinned first attempt");
+    assert_eq!(
+        first.outcome,
+        AttemptOutcome::HostOutOfMemory,
+        "the kernel really killed the single worker"
+    );
+    let last = status.attempts.last().expect("attempts");
+    assert_eq!(last.outcome, AttemptOutcome::Succeeded);
+    assert!(
+        last.plan.workers >= 2,
+        "retried as {} stage(s)",
+        last.plan.workers
+    );
+    assert_eq!(last.plan.global_batch, first.plan.global_batch);
     ns.cleanup().await;
 }

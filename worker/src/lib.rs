@@ -166,6 +166,7 @@ mod tests {
             optimizer: Optimizer::Adamw,
             pinned_micro_batch: None,
             pinned_checkpointing: None,
+            pinned_stages: None,
             target: Target::Cpu {
                 memory_limit_bytes: 1 << 30,
                 max_workers: 1,

@@ -44,6 +44,7 @@ fn assignment_for(
         optimizer: Optimizer::Adamw,
         pinned_micro_batch: micro_batch,
         pinned_checkpointing: checkpointing,
+        pinned_stages: None,
         target: Target::Cpu {
             memory_limit_bytes: 2 << 30,
             max_workers: 1,

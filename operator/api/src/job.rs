@@ -108,6 +108,12 @@ pub struct TrainingSpec {
     /// Pin activation checkpointing for the first attempt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub activation_checkpointing: Option<bool>,
+    /// Pin the number of pipeline stages (worker pods) for the first
+    /// attempt; the morePipelineStages retry rung may add stages up to
+    /// resources.cpu.maxWorkers / resources.gpu.maxGpus.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 64))]
+    pub pipeline_stages: Option<u32>,
     #[serde(default = "default_learning_rate")]
     #[schemars(range(min = 0.0, max = 10.0))]
     pub learning_rate: f64,
@@ -474,6 +480,24 @@ impl MemoryAwareTrainingJobSpec {
                 ));
             }
         };
+        if let Some(n) = t.pipeline_stages {
+            let (max, field) = match &target {
+                Target::Gpu { max_gpus, .. } => (*max_gpus, "resources.gpu.maxGpus"),
+                Target::Cpu { max_workers, .. } => (*max_workers, "resources.cpu.maxWorkers"),
+            };
+            let layers = match &model {
+                ModelShape::Transformer(m) => m.layers,
+                ModelShape::Generic(_) => 1,
+            };
+            if n > max || n > layers {
+                return Err(spec_error(
+                    "training.pipelineStages",
+                    format!(
+                        "{n} stages: at most {field} ({max}) and the model's layers ({layers}); raise {field} or pin fewer stages"
+                    ),
+                ));
+            }
+        }
         let backend = self.backend();
         if (backend == Backend::Cuda) != self.resources.gpu.is_some() {
             return Err(spec_error(
@@ -494,6 +518,7 @@ impl MemoryAwareTrainingJobSpec {
             optimizer: t.optimizer,
             pinned_micro_batch: t.micro_batch,
             pinned_checkpointing: t.activation_checkpointing,
+            pinned_stages: t.pipeline_stages,
             target,
             headroom_fraction: self.resources.headroom_fraction,
             allowed_rungs: self.memory_policy.allowed_rungs.clone(),

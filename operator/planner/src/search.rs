@@ -45,6 +45,8 @@ pub struct JobRequest {
     pub pinned_micro_batch: Option<u32>,
     /// User-pinned activation checkpointing (honoured on the first attempt).
     pub pinned_checkpointing: Option<bool>,
+    /// User-pinned number of pipeline stages (honoured on the first attempt).
+    pub pinned_stages: Option<u32>,
     pub target: Target,
     /// Fraction of usable device memory kept free, in [0, 1).
     pub headroom_fraction: f64,
@@ -259,11 +261,14 @@ pub fn plan_with(
     }
 
     let pinned = !opts.ignore_pins
-        && (req.pinned_micro_batch.is_some() || req.pinned_checkpointing.is_some());
+        && (req.pinned_micro_batch.is_some()
+            || req.pinned_checkpointing.is_some()
+            || req.pinned_stages.is_some());
+    let pinned_p = search.stage_counts().next().unwrap_or(1);
     if pinned
         && let Some(largest) = devices
             .iter()
-            .filter(|d| d.free > 0)
+            .filter(|d| d.free >= pinned_p)
             .max_by_key(|d| d.memory_bytes)
     {
         // Pins are the user's call on a first attempt: run them, and say so.
@@ -275,8 +280,8 @@ pub fn plan_with(
             optimizer: req.optimizer,
         };
         let mut plan = search
-            .build(largest, 1, settings)
-            .or_else(|| search.build_unchecked(largest, 1, settings));
+            .build(largest, pinned_p, settings)
+            .or_else(|| search.build_unchecked(largest, pinned_p, settings));
         if let Some(plan) = plan.as_mut() {
             plan.warnings.push(format!(
                 "pinned settings are predicted over budget ({}); running them as asked — a retry will relax them",
@@ -330,6 +335,8 @@ pub(crate) struct Search<'a> {
     req: &'a JobRequest,
     profile: &'static BackendProfile,
     correction: f64,
+    /// The user's pinned stage count applies (a first attempt).
+    pin_stages: bool,
 }
 
 impl<'a> Search<'a> {
@@ -343,6 +350,20 @@ impl<'a> Search<'a> {
             req,
             profile: req.backend().profile(),
             correction,
+            pin_stages: !opts.ignore_pins,
+        }
+    }
+
+    /// Stage counts to consider, fewest first: the pinned one on a first
+    /// attempt (within what the model and the target allow), else 1..=max.
+    pub(crate) fn stage_counts(&self) -> std::ops::RangeInclusive<u32> {
+        let max = self.req.max_workers();
+        match self.req.pinned_stages.filter(|_| self.pin_stages) {
+            Some(n) => {
+                let n = n.clamp(1, max);
+                n..=n
+            }
+            None => 1..=max,
         }
     }
 
@@ -355,7 +376,7 @@ impl<'a> Search<'a> {
         micro_batches: &[u32],
         checkpointing: &[bool],
     ) -> Option<Plan> {
-        for p in 1..=self.req.max_workers() {
+        for p in self.stage_counts() {
             let mut best: Option<Plan> = None;
             for device in devices.iter().filter(|d| d.free >= p) {
                 if let Some(plan) = self.best_on(

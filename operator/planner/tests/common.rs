@@ -29,6 +29,7 @@ pub fn gpu_job(model: ModelShape, global_batch: u32, max_gpus: u32) -> JobReques
         optimizer: Optimizer::Adamw,
         pinned_micro_batch: None,
         pinned_checkpointing: None,
+        pinned_stages: None,
         target: Target::Gpu {
             allowed_types: vec![],
             max_gpus,

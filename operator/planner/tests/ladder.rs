@@ -143,3 +143,34 @@ fn exhausted_ladder_explains_every_rung() {
         assert!(text.contains(rung), "missing {rung} in {text}");
     }
 }
+
+#[test]
+fn pinned_stages_hold_on_the_first_attempt_and_a_retry_adds_stages() {
+    // Fits on 2 workers, not on 1.
+    let model = transformer(6, 512, 8, 64, 4096);
+    let mut job = cpu_job(model, 8, 350 << 20, 3);
+    job.allowed_rungs = vec![RetryRung::MorePipelineStages];
+    let free = plan(&job, &Inventory::default()).expect("fits split");
+    assert!(free.workers >= 2);
+    job.pinned_stages = Some(1);
+    let pinned = plan(&job, &Inventory::default()).expect("pinned plan");
+    assert_eq!(pinned.workers, 1);
+    assert!(!pinned.fits());
+    assert!(
+        pinned.warnings.iter().any(|w| w.contains("pinned")),
+        "{:?}",
+        pinned.warnings
+    );
+    let failure = MemoryFailure {
+        kind: MemoryFailureKind::HostOom,
+        observed_peak_bytes: None,
+    };
+    let next = next_stricter_plan(&job, &Inventory::default(), &pinned, &failure)
+        .expect("more stages fit");
+    assert!(next.workers >= 2 && next.fits(), "{next:?}");
+    assert_eq!(next.rungs_applied, vec![RetryRung::MorePipelineStages]);
+    assert_eq!(next.settings.global_batch(), 8);
+    // A pin above what the target allows is clamped, never exceeded.
+    job.pinned_stages = Some(9);
+    assert!(plan(&job, &Inventory::default()).expect("plan").workers <= 3);
+}

@@ -11,18 +11,25 @@
 //! the targets are missed (median |error| ≤ 10 %, no under-prediction beyond
 //! the default 10 % headroom).
 //!
+//! Pipeline rows: the same model split over p = 2 and 3 stages, each stage a
+//! worker process talking to its neighbours over loopback TCP; every stage's
+//! peak is compared with the planner's per-stage prediction (the first
+//! stage's in-flight micro-batches included). Then tokens/s of p = 1, 2, 3 on
+//! that model, with the bubble the 1F1B schedule implies.
+//!
 //! Then it measures the step-time cost of telemetry: the same training steps
 //! with and without the sampling/reporting thread.
 //!
 //! Usage (release build; debug figures are meaningless):
-//!   cargo run --release -p headroom-worker --bin calibrate -- [--steps N] [--only NAME] [--skip-overhead | --overhead-only]
+//!   cargo run --release -p headroom-worker --bin calibrate -- [--steps N] [--only NAME] [--skip-pipeline | --pipeline-only] [--skip-overhead | --overhead-only]
 
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use burn::tensor::Device;
 use headroom_api::{
-    CHECKPOINT_DIR_ENV, PLAN_JSON_ENV, POD_NAME_ENV, TerminationMessage, WorkerAssignment,
+    CHECKPOINT_DIR_ENV, PIPELINE_ADDRESSES_ENV, PLAN_JSON_ENV, POD_NAME_ENV, TerminationMessage,
+    WorkerAssignment,
 };
 use headroom_planner::memory::{FLEX, StagePlacement, estimate_stage};
 use headroom_planner::{
@@ -111,6 +118,7 @@ fn assignment(case: &Case, steps: u64) -> WorkerAssignment {
         optimizer: case.optimizer,
         pinned_micro_batch: Some(case.micro_batch),
         pinned_checkpointing: Some(case.checkpointing),
+        pinned_stages: None,
         target: Target::Cpu {
             memory_limit_bytes: 64 << 30,
             max_workers: 1,
@@ -133,8 +141,9 @@ fn assignment(case: &Case, steps: u64) -> WorkerAssignment {
 }
 
 struct Measured {
+    /// The case, with " pN sK" for a pipeline stage.
+    label: String,
     case: Case,
-    params: u64,
     predicted: u64,
     measured: u64,
     seconds: f64,
@@ -205,13 +214,222 @@ fn measure(case: &Case, steps: u64) -> Measured {
     );
     let _ = std::fs::remove_dir_all(&dir);
     Measured {
-        params: case.shape.total_params(),
+        label: case.name.to_string(),
         case: case.clone(),
         predicted,
         measured: message
             .peak_bytes
             .expect("peak bytes in the termination message"),
         seconds,
+    }
+}
+
+/// `a` split over `p` balanced stages (the planner's split when it fits).
+fn split_assignment(a: &WorkerAssignment, p: u32) -> WorkerAssignment {
+    let layers = a.plan.stages[0].layer_end;
+    let split = headroom_planner::search::balanced_split(layers, p).expect("p ≤ layers");
+    let m = a.plan.settings.gradient_accumulation;
+    let mut a = a.clone();
+    let template = a.plan.stages[0].clone();
+    let mut start = 0;
+    a.plan.stages = split
+        .iter()
+        .enumerate()
+        .map(|(k, n)| {
+            let mut stage = template.clone();
+            stage.index = k as u32;
+            stage.layer_start = start;
+            stage.layer_end = start + n;
+            stage.in_flight_micro_batches = (p - k as u32).min(m).max(1);
+            start += n;
+            stage
+        })
+        .collect();
+    a.plan.workers = p;
+    a
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("port")
+        .port()
+}
+
+/// Every stage of `case` split over `p` stages, run as `p` worker processes.
+fn measure_pipeline(case: &Case, p: u32, steps: u64) -> Vec<Measured> {
+    let base = assignment(case, steps);
+    let a = split_assignment(&base, p);
+    let model = ModelShape::Transformer(case.shape.clone());
+    let dir = std::env::temp_dir().join(format!("headroom-calibrate-p{p}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let addresses = (0..p)
+        .map(|_| format!("127.0.0.1:{}", free_port()))
+        .collect::<Vec<_>>()
+        .join(",");
+    let started = Instant::now();
+    let children: Vec<_> = (0..p)
+        .map(|k| {
+            let mut stage = a.clone();
+            stage.stage = k;
+            Command::new(std::env::current_exe().expect("own path"))
+                .arg("--worker")
+                .env(PLAN_JSON_ENV, serde_json::to_string(&stage).expect("json"))
+                .env(PIPELINE_ADDRESSES_ENV, &addresses)
+                .env(CHECKPOINT_DIR_ENV, dir.join("checkpoints"))
+                .env(
+                    TERMINATION_MESSAGE_PATH_ENV,
+                    dir.join(format!("termination-{k}")),
+                )
+                .env(POD_NAME_ENV, format!("calibrate-s{k}"))
+                .env("KUBECONFIG", dir.join("none"))
+                .env("HOME", &dir)
+                .env("RUST_LOG", "warn")
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("start a stage")
+        })
+        .collect();
+    let outputs: Vec<_> = children
+        .into_iter()
+        .map(|c| c.wait_with_output().expect("stage"))
+        .collect();
+    let seconds = started.elapsed().as_secs_f64();
+    let rows = (0..p)
+        .map(|k| {
+            let message: TerminationMessage =
+                std::fs::read_to_string(dir.join(format!("termination-{k}")))
+                    .ok()
+                    .and_then(|t| serde_json::from_str(&t).ok())
+                    .expect("termination message");
+            let out = &outputs[k as usize];
+            assert_eq!(
+                out.status.code(),
+                Some(0),
+                "{} p{p} stage {k}: {message:?}\n{}",
+                case.name,
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let stage = &a.plan.stages[k as usize];
+            let placement = StagePlacement {
+                layers: stage.layer_end - stage.layer_start,
+                first: k == 0,
+                last: k + 1 == p,
+                in_flight: stage.in_flight_micro_batches,
+            };
+            let predicted = estimate_stage(&model, &a.plan.settings, placement, &FLEX, 1.0).total;
+            Measured {
+                label: format!(
+                    "{} p{p} s{k} (L{}-{})",
+                    case.name,
+                    stage.layer_start,
+                    stage.layer_end - 1
+                ),
+                case: case.clone(),
+                predicted,
+                measured: message.peak_bytes.expect("peak"),
+                seconds,
+            }
+        })
+        .collect();
+    let _ = std::fs::remove_dir_all(&dir);
+    rows
+}
+
+/// The model the pipeline rows and the throughput figures use.
+fn pipeline_case() -> Case {
+    Case {
+        name: "P",
+        shape: shape(6, 256, 4, 128, 4096, true),
+        micro_batch: 4,
+        accumulation: 4,
+        checkpointing: false,
+        optimizer: Optimizer::Adamw,
+    }
+}
+
+/// Tokens/s of `p` stages training together in this process (one thread and
+/// one loopback link per stage), median over steps after warm-up.
+fn pipeline_throughput(case: &Case, p: u32, steps: u64) -> f64 {
+    use headroom_worker::pipeline::{Hello, Peers, establish};
+    let a = split_assignment(&assignment(case, 1_000_000), p);
+    let listeners: Vec<std::net::TcpListener> = (0..p)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("bind"))
+        .collect();
+    let peers = Peers::Static(
+        listeners
+            .iter()
+            .map(|l| l.local_addr().expect("addr").to_string())
+            .collect(),
+    );
+    let handles: Vec<_> = listeners
+        .into_iter()
+        .enumerate()
+        .map(|(k, listener)| {
+            let mut stage = a.clone();
+            stage.stage = k as u32;
+            let peers = peers.clone();
+            std::thread::spawn(move || {
+                let config = TrainConfig::from_assignment(&stage).expect("config");
+                let tokens = config.tokens_per_step() as f64;
+                let mut trainer = Trainer::new(config, Device::flex().autodiff()).expect("trainer");
+                let me = Hello {
+                    job: "throughput".into(),
+                    namespace: "default".into(),
+                    attempt: 1,
+                    stage: k as u32,
+                    stages: p,
+                    resume_step: 0,
+                };
+                let wait = Duration::from_secs(60);
+                let links =
+                    establish(&me, (k > 0).then_some(listener), &peers, wait, wait).expect("links");
+                trainer.connect(links);
+                let times: Vec<f64> = (0..steps + 2)
+                    .map(|_| trainer.train_step().expect("step").elapsed.as_secs_f64())
+                    .skip(2)
+                    .collect();
+                tokens / median(times)
+            })
+        })
+        .collect();
+    let rates: Vec<f64> = handles
+        .into_iter()
+        .map(|h| h.join().expect("stage"))
+        .collect();
+    // The stages advance in lock-step; the slowest one's rate is the pipeline's.
+    rates.into_iter().fold(f64::INFINITY, f64::min)
+}
+
+fn pipeline_report(steps: u64) -> Vec<Measured> {
+    let case = pipeline_case();
+    let mut rows = vec![measure(&case, steps)];
+    rows[0].label = format!("{} p1", case.name);
+    for p in [2, 3] {
+        rows.extend(measure_pipeline(&case, p, steps));
+    }
+    rows
+}
+
+fn throughput_report() {
+    let case = pipeline_case();
+    let m = case.accumulation;
+    println!(
+        "\npipeline throughput, model {} ({:.1}M parameters), micro-batch {} × {} micro-batches per step, this machine's cores shared by all stages:",
+        case.name,
+        case.shape.total_params() as f64 / 1e6,
+        case.micro_batch,
+        m
+    );
+    println!("| stages | tokens/s (median step) | 1F1B bubble (p−1)/(m+p−1) |");
+    println!("|---|---|---|");
+    for p in [1, 2, 3] {
+        let rate = pipeline_throughput(&case, p, 6);
+        println!(
+            "| {p} | {rate:.0} | {:.0} % |",
+            100.0 * f64::from(p - 1) / f64::from(m + p - 1)
+        );
     }
 }
 
@@ -320,12 +538,15 @@ fn main() {
     let mut steps = 3;
     let mut only: Option<String> = None;
     let mut overhead = true;
+    let mut pipeline = true;
     let mut it = args.iter();
     while let Some(arg) = it.next() {
         match arg.as_str() {
             "--steps" => steps = it.next().and_then(|v| v.parse().ok()).expect("--steps N"),
             "--only" => only = it.next().cloned(),
             "--skip-overhead" => overhead = false,
+            "--skip-pipeline" => pipeline = false,
+            "--pipeline-only" => only = Some("--pipeline-only".into()),
             "--overhead-only" => {
                 telemetry_overhead();
                 return;
@@ -354,16 +575,32 @@ fn main() {
         .filter(|c| only.as_deref().is_none_or(|o| c.name.contains(o)))
     {
         let m = measure(&case, steps);
-        let t = &m.case.shape;
+        print_row(&m);
+        eprintln!("  ({} took {:.1} s)", m.case.name, m.seconds);
+        rows.push(m);
+    }
+    let pipeline = pipeline && only.as_deref().is_none_or(|o| o == "--pipeline-only");
+    if pipeline {
+        for m in pipeline_report(steps) {
+            print_row(&m);
+            rows.push(m);
+        }
+    }
+    summary(&rows, overhead, pipeline);
+}
+
+fn print_row(m: &Measured) {
+    let t = &m.case.shape;
+    {
         println!(
             "| {} | {} | {} | {} | {} | {} | {:.2}M | {} × {} | {} | {} | {:.0} | {:.0} | {:+.1} % |",
-            m.case.name,
+            m.label,
             t.layers,
             t.hidden,
             t.heads,
             t.sequence_length,
             t.vocabulary,
-            m.params as f64 / 1e6,
+            t.total_params() as f64 / 1e6,
             m.case.micro_batch,
             m.case.accumulation,
             if m.case.checkpointing { "on" } else { "off" },
@@ -372,9 +609,10 @@ fn main() {
             m.measured as f64 / MIB,
             100.0 * m.error(),
         );
-        eprintln!("  ({} took {:.1} s)", m.case.name, m.seconds);
-        rows.push(m);
     }
+}
+
+fn summary(rows: &[Measured], overhead: bool, pipeline: bool) {
     let med = median(rows.iter().map(|m| m.error().abs()).collect());
     let worst_under = rows.iter().map(Measured::error).fold(0.0f64, f64::min);
     println!(
@@ -385,6 +623,9 @@ fn main() {
         100.0 * worst_under,
         100.0 * UNDER_TARGET
     );
+    if pipeline {
+        throughput_report();
+    }
     if overhead {
         telemetry_overhead();
     }
