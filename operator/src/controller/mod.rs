@@ -1,4 +1,4 @@
-//! The MemoryAwareTrainingJob controller: watches jobs, their pods (a shared
+//! The MemoryAwareTrainingJob controller: watches jobs, their pods (one
 //! reflector that also triggers reconciles) and nodes (the GPU inventory);
 //! each reconcile is dereference → decide (pure, `decide.rs`) → apply.
 
@@ -122,16 +122,30 @@ pub async fn run(
     };
     let (jobs, pod_api) = scoped(&client);
 
-    // Pods carrying our job label: a shared reflector, read in reconcile and
-    // subscribed to as the "owns" trigger, so pods are watched once.
-    let (pods, pod_writer) = reflector::store_shared(1024);
-    let pod_events = pod_writer
-        .subscribe()
-        .expect("a shared store hands out subscribers");
+    // Pods carrying our job label, watched once: the reflector's store is read
+    // in reconcile, and every pod it applies or deletes is forwarded as the
+    // "owns" trigger of its job. Not kube-runtime's shared store
+    // (`store_shared` + `subscribe`): its handle never yields deletions, and
+    // when a pod is deleted before the handle reads it, returns Pending
+    // without a waker; from then on no pod event triggers a reconcile, and
+    // once its 1024-event buffer fills the pod cache stops too.
+    let (pods, pod_writer) = reflector::store();
+    let (pod_tx, pod_events) = futures::channel::mpsc::unbounded::<Arc<Pod>>();
     let pod_watch = watcher(pod_api, watcher::Config::default().labels(LABEL_JOB))
         .default_backoff()
-        .reflect_shared(pod_writer)
-        .for_each(|_| std::future::ready(()));
+        .reflect(pod_writer)
+        .for_each(move |event| {
+            if let Ok(
+                watcher::Event::Apply(pod)
+                | watcher::Event::Delete(pod)
+                | watcher::Event::InitApply(pod),
+            ) = event
+            {
+                // Fails only once the controller has stopped.
+                let _ = pod_tx.unbounded_send(Arc::new(pod));
+            }
+            std::future::ready(())
+        });
 
     let (nodes, node_writer) = reflector::store();
     let node_watch = watcher(Api::<Node>::all(client.clone()), watcher::Config::default())
