@@ -156,7 +156,10 @@ fn pod_ip(namespace: &str, name: &str) -> Result<Option<String>, String> {
 }
 
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// First and largest pause between tries to reach the next stage (each try
+/// may ask the API server for the pod's IP).
 const RETRY: Duration = Duration::from_millis(250);
+const MAX_RETRY: Duration = Duration::from_secs(2);
 
 /// Connects this stage to its neighbours. `listener` (bound by the caller,
 /// required unless this is the first stage) takes the previous stage's
@@ -263,6 +266,7 @@ fn accept_prev(
 fn connect_next(me: &Hello, peers: &Peers, until: Instant) -> Result<TcpStream, PipelineError> {
     let want = me.stage + 1;
     let mut last_error = String::from("not tried");
+    let mut pause = RETRY;
     while Instant::now() < until {
         match peers.resolve(want) {
             Ok(addresses) => {
@@ -282,7 +286,8 @@ fn connect_next(me: &Hello, peers: &Peers, until: Instant) -> Result<TcpStream, 
             }
             Err(e) => last_error = e,
         }
-        std::thread::sleep(RETRY);
+        std::thread::sleep(pause.min(until.saturating_duration_since(Instant::now())));
+        pause = (pause * 2).min(MAX_RETRY);
     }
     Err(PipelineError::PeerLost {
         stage: want,
