@@ -2,10 +2,18 @@
 //! cluster in `KUBECONFIG` (Headroom installed there, e.g. by `make e2e`),
 //! polling waits with a timeout that dump the namespace (jobs, pods, their
 //! logs) on failure, cleanup unless `HEADROOM_KEEP_TEST_NAMESPACES` is set.
+//!
+//! Settings (environment):
+//! * `KUBECTL`: the kubectl binary for the tests that run it (default: `kubectl` on `PATH`;
+//!   `make e2e` sets the one built by e2e/cluster/build-binaries.sh).
+//! * `HEADROOM_NAMESPACE` / `HEADROOM_OPERATOR_DEPLOYMENT`: where the operator runs
+//!   (defaults: `headroom-system` / `headroom-operator`, the Helm chart's).
 
+use std::future::Future;
 use std::time::Duration;
 
 use headroom_api::MemoryAwareTrainingJob;
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::api::{Api, DeleteParams, ListParams, LogParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
@@ -137,6 +145,37 @@ impl TestNs {
         out
     }
 
+    /// Polls `probe` every 500 ms until it yields a value; on timeout fails with
+    /// the namespace's state.
+    pub async fn wait_for<T, F, Fut>(&self, what: &str, timeout: Duration, mut probe: F) -> T
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Option<T>>,
+    {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if let Some(found) = probe().await {
+                return found;
+            }
+            if tokio::time::Instant::now() > deadline {
+                panic!(
+                    "timed out after {timeout:?} waiting for {what}\n{}",
+                    self.dump().await
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
+    /// The pods of this namespace, by name.
+    pub async fn pod_list(&self) -> Vec<Pod> {
+        self.pods()
+            .list(&ListParams::default())
+            .await
+            .expect("list pods")
+            .items
+    }
+
     pub async fn cleanup(self) {
         if std::env::var_os("HEADROOM_KEEP_TEST_NAMESPACES").is_none() {
             let _ = Api::<Namespace>::all(self.client.clone())
@@ -144,4 +183,60 @@ impl TestNs {
                 .await;
         }
     }
+}
+
+/// The kubectl binary: `$KUBECTL`, else `kubectl` on `PATH`.
+pub fn kubectl() -> std::path::PathBuf {
+    std::env::var_os("KUBECTL")
+        .filter(|k| !k.is_empty())
+        .map_or_else(|| "kubectl".into(), Into::into)
+}
+
+/// Namespace of the Headroom operator (`$HEADROOM_NAMESPACE`, default `headroom-system`).
+pub fn operator_namespace() -> String {
+    std::env::var("HEADROOM_NAMESPACE").unwrap_or_else(|_| "headroom-system".into())
+}
+
+/// The operator's Deployment (`$HEADROOM_OPERATOR_DEPLOYMENT`, default the
+/// chart's `headroom-operator`).
+pub fn operator_deployment() -> String {
+    std::env::var("HEADROOM_OPERATOR_DEPLOYMENT").unwrap_or_else(|_| "headroom-operator".into())
+}
+
+/// Label selector of the operator's pods, read from its Deployment.
+pub async fn operator_selector(client: &Client) -> String {
+    let deployment = Api::<Deployment>::namespaced(client.clone(), &operator_namespace())
+        .get(&operator_deployment())
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "deployment {}/{}: {e}",
+                operator_namespace(),
+                operator_deployment()
+            )
+        });
+    deployment
+        .spec
+        .and_then(|s| s.selector.match_labels)
+        .unwrap_or_default()
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// True when the pod's `Ready` condition is `True`.
+pub fn pod_ready(pod: &Pod) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// The pod's phase (`Pending`, `Running`, ...), empty if unknown.
+pub fn pod_phase(pod: &Pod) -> &str {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .unwrap_or_default()
 }

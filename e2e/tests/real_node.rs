@@ -2,25 +2,59 @@
 //! images built without Docker, Headroom installed with Helm). Ignored by a
 //! plain `cargo test`, which has no cluster.
 
+use std::cell::Cell;
+use std::collections::BTreeSet;
 use std::time::Duration;
 
-use headroom_api::{AttemptOutcome, JobPhase};
-use headroom_e2e::TestNs;
+use headroom_api::{AttemptOutcome, JobPhase, MemoryAwareTrainingJob};
+use headroom_e2e::{TestNs, kubectl, operator_namespace, operator_selector, pod_phase, pod_ready};
+use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod, Service, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use kube::api::{Api, DeleteParams, EvictParams, ListParams, LogParams};
+use kube::{Resource, ResourceExt};
 
 const TINY: &str = include_str!("../../samples/cpu-tiny.yaml");
 const OOM_FIRST: &str = include_str!("../../samples/cpu-oom-first.yaml");
 const RUN: Duration = Duration::from_secs(600);
 
-fn phase(job: &headroom_api::MemoryAwareTrainingJob) -> Option<JobPhase> {
+fn phase(job: &MemoryAwareTrainingJob) -> Option<JobPhase> {
     job.status.as_ref().and_then(|s| s.phase)
+}
+
+fn terminal(job: &MemoryAwareTrainingJob) -> bool {
+    matches!(phase(job), Some(JobPhase::Succeeded | JobPhase::Failed))
+}
+
+/// samples/cpu-tiny.yaml (about 2.4 s a step on a 2-core node) with `steps`
+/// steps and half a core requested, so the suite's workers share the node
+/// instead of queueing past the operator's unschedulable grace period.
+fn tiny(steps: u32) -> String {
+    let manifest = TINY
+        .replace("steps: 200", &format!("steps: {steps}"))
+        .replace("cores: \"1\"", "cores: 500m");
+    assert!(
+        manifest.contains("cores: 500m"),
+        "samples/cpu-tiny.yaml changed"
+    );
+    manifest
+}
+
+/// Highest step any worker of `attempt` reported live.
+fn telemetry_step(job: &MemoryAwareTrainingJob, attempt: u32) -> Option<u64> {
+    job.status
+        .as_ref()?
+        .workers
+        .iter()
+        .filter(|w| w.attempt == attempt)
+        .map(|w| w.step)
+        .max()
 }
 
 #[tokio::test]
 #[ignore = "needs a cluster with Headroom installed: make e2e"]
 async fn a_small_job_succeeds_with_live_telemetry() {
     let ns = TestNs::new("e2e-small").await;
-    let manifest = TINY.replace("steps: 200", "steps: 8");
-    ns.apply_job(&manifest).await;
+    ns.apply_job(&tiny(8)).await;
     // Telemetry arrives while it runs.
     let running = ns
         .wait_job("tiny-cpu", "live telemetry in status.workers", RUN, |j| {
@@ -57,10 +91,28 @@ async fn a_small_job_succeeds_with_live_telemetry() {
 #[ignore = "needs a cluster with Headroom installed: make e2e"]
 async fn a_job_over_its_limit_is_oom_killed_and_succeeds_stricter() {
     let ns = TestNs::new("e2e-oom").await;
-    ns.apply_job(OOM_FIRST).await;
+    let manifest = OOM_FIRST.replace("maxWorkers: 2}", "cores: 500m, maxWorkers: 2}");
+    assert!(
+        manifest.contains("cores: 500m"),
+        "samples/cpu-oom-first.yaml changed"
+    );
+    ns.apply_job(&manifest).await;
+    // The lowest step a later attempt's worker reported live: where it resumed, or later.
+    let resumed_at: Cell<Option<u64>> = Cell::new(None);
     let done = ns
         .wait_job("oom-then-fit", "Succeeded or Failed", RUN, |j| {
-            matches!(phase(j), Some(JobPhase::Succeeded | JobPhase::Failed))
+            let attempt = j.status.as_ref().and_then(|s| s.attempt).unwrap_or(1);
+            if attempt > 1 {
+                let lowest = j
+                    .status
+                    .iter()
+                    .flat_map(|s| &s.workers)
+                    .filter(|w| w.attempt == attempt)
+                    .map(|w| w.step)
+                    .min();
+                resumed_at.set(resumed_at.get().min(lowest).or(lowest));
+            }
+            terminal(j)
         })
         .await;
     let status = done.status.clone().expect("status");
@@ -91,6 +143,25 @@ async fn a_job_over_its_limit_is_oom_killed_and_succeeds_stricter() {
         last.observed_peak_bytes
             .is_some_and(|p| p <= last.plan.device_memory_bytes)
     );
+    // The step count continues: the run ends at the job's total, and no later
+    // attempt starts before the last checkpoint an earlier one could have
+    // written (every 4 steps). With this sample the kernel kills attempt 1
+    // in its first step, before any checkpoint (lastStep unset), so the
+    // resume from a real checkpoint is checked by
+    // an_evicted_worker_resumes_from_its_checkpoint.
+    assert_eq!(
+        last.last_step,
+        Some(12),
+        "the run ends at spec.training.steps"
+    );
+    let checkpointed = first.last_step.map_or(0, |s| s / 4 * 4);
+    if let Some(resumed) = resumed_at.get() {
+        assert!(
+            resumed >= checkpointed,
+            "attempt {} reported step {resumed}, before attempt 1's checkpoint at {checkpointed}",
+            last.number
+        );
+    }
     ns.cleanup().await;
 }
 
@@ -118,4 +189,318 @@ async fn a_job_that_fits_nowhere_fails_without_pods() {
         .items;
     assert!(pods.is_empty(), "no pods for an infeasible job");
     ns.cleanup().await;
+}
+
+/// The text of a log without terminal colour sequences (`ESC [ ... m`).
+fn strip_ansi(log: &str) -> String {
+    let mut out = String::with_capacity(log.len());
+    let mut chars = log.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The worker pod of attempt 1, once its container runs.
+async fn running_worker(ns: &TestNs, job: &str) -> Pod {
+    let name = format!("{job}-a1-s0");
+    ns.wait_for(&format!("{name} Running"), RUN, || async {
+        ns.pods()
+            .get_opt(&name)
+            .await
+            .ok()
+            .flatten()
+            .filter(|p| pod_phase(p) == "Running")
+    })
+    .await
+}
+
+#[tokio::test]
+#[ignore = "needs a cluster with Headroom installed: make e2e"]
+async fn the_operator_restarting_mid_job_duplicates_no_pods_and_the_job_finishes() {
+    let ns = TestNs::new("e2e-restart").await;
+    ns.apply_job(&tiny(20)).await;
+    let worker = running_worker(&ns, "tiny-cpu").await;
+
+    let operators: Api<Pod> = Api::namespaced(ns.client.clone(), &operator_namespace());
+    let labels = operator_selector(&ns.client).await;
+    let selector = ListParams::default().labels(&labels);
+    // Only live pods: a Deployment's finished pods (e.g. after a node restart) stay listed.
+    let old: Vec<Pod> = operators
+        .list(&selector)
+        .await
+        .expect("operator pods")
+        .items
+        .into_iter()
+        .filter(|p| matches!(pod_phase(p), "Pending" | "Running"))
+        .collect();
+    assert!(
+        !old.is_empty(),
+        "no live operator pod in {} with {labels}",
+        operator_namespace()
+    );
+    let job = ns.jobs().get("tiny-cpu").await.expect("job");
+    assert!(
+        !terminal(&job),
+        "the job must still run when the operator goes"
+    );
+    for pod in &old {
+        operators
+            .delete(&pod.name_any(), &DeleteParams::default())
+            .await
+            .expect("delete the operator pod");
+    }
+    let old_uids: BTreeSet<String> = old.iter().filter_map(|p| p.uid()).collect();
+    ns.wait_for(
+        "a replacement operator pod Ready",
+        Duration::from_secs(180),
+        || async {
+            operators
+                .list(&selector)
+                .await
+                .ok()?
+                .items
+                .into_iter()
+                .find(|p| p.uid().is_some_and(|u| !old_uids.contains(&u)) && pod_ready(p))
+        },
+    )
+    .await;
+
+    let done = ns
+        .wait_job("tiny-cpu", "Succeeded or Failed", RUN, terminal)
+        .await;
+    assert_eq!(
+        phase(&done),
+        Some(JobPhase::Succeeded),
+        "{}",
+        ns.dump().await
+    );
+    let status = done.status.expect("status");
+    assert_eq!(status.attempts.len(), 1, "the restart added no attempt");
+    assert_eq!(status.attempts[0].last_step, Some(20));
+    let pods = ns.pod_list().await;
+    let names: Vec<String> = pods.iter().map(ResourceExt::name_any).collect();
+    assert_eq!(
+        names,
+        ["tiny-cpu-a1-s0"],
+        "one worker pod, never a duplicate"
+    );
+    assert_eq!(
+        pods[0].uid(),
+        worker.uid(),
+        "the pod that ran before the restart is the one that finished"
+    );
+    ns.cleanup().await;
+}
+
+/// Every object in the namespace with an owner reference to `uid`, as `Kind/name`.
+async fn owned_by(ns: &TestNs, uid: &str) -> Vec<String> {
+    async fn of<K>(ns: &TestNs, uid: &str, out: &mut Vec<String>)
+    where
+        K: Resource<Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + std::fmt::Debug
+            + k8s_openapi::serde::de::DeserializeOwned,
+        K::DynamicType: Default,
+    {
+        let api: Api<K> = Api::namespaced(ns.client.clone(), &ns.name);
+        let items = api.list(&ListParams::default()).await.expect("list").items;
+        for item in items {
+            if item.owner_references().iter().any(|o| o.uid == uid) {
+                out.push(format!(
+                    "{}/{}",
+                    K::kind(&K::DynamicType::default()),
+                    item.name_any()
+                ));
+            }
+        }
+    }
+    let mut out = Vec::new();
+    of::<Pod>(ns, uid, &mut out).await;
+    of::<PersistentVolumeClaim>(ns, uid, &mut out).await;
+    of::<ServiceAccount>(ns, uid, &mut out).await;
+    of::<Role>(ns, uid, &mut out).await;
+    of::<RoleBinding>(ns, uid, &mut out).await;
+    of::<Service>(ns, uid, &mut out).await;
+    of::<ConfigMap>(ns, uid, &mut out).await;
+    out.sort();
+    out
+}
+
+#[tokio::test]
+#[ignore = "needs a cluster with Headroom installed: make e2e"]
+async fn deleting_a_job_removes_everything_it_created() {
+    let ns = TestNs::new("e2e-delete").await;
+    let job = ns.apply_job(&tiny(1000)).await;
+    let uid = job.uid().expect("uid");
+    running_worker(&ns, "tiny-cpu").await;
+    let created = owned_by(&ns, &uid).await;
+    for kind in [
+        "Pod/",
+        "PersistentVolumeClaim/",
+        "ServiceAccount/",
+        "Role/",
+        "RoleBinding/",
+    ] {
+        assert!(
+            created.iter().any(|c| c.starts_with(kind)),
+            "no {kind} owned by the job: {created:?}"
+        );
+    }
+
+    ns.jobs()
+        .delete("tiny-cpu", &DeleteParams::background())
+        .await
+        .expect("delete the job");
+    // The garbage collector deletes the dependents; the claim goes once no pod uses it.
+    let left = Cell::new(Vec::new());
+    ns.wait_for(
+        &format!("garbage collection of {created:?}"),
+        Duration::from_secs(180),
+        || async {
+            let gone = ns.jobs().get_opt("tiny-cpu").await.ok()?.is_none();
+            left.set(owned_by(&ns, &uid).await);
+            let remaining = left.take();
+            (gone && remaining.is_empty()).then_some(())
+        },
+    )
+    .await;
+    ns.cleanup().await;
+}
+
+#[tokio::test]
+#[ignore = "needs a cluster with Headroom installed: make e2e"]
+async fn an_evicted_worker_resumes_from_its_checkpoint() {
+    let ns = TestNs::new("e2e-evict").await;
+    // No periodic checkpoint before the end: the one resumed from is the
+    // checkpoint the worker writes when it is told to stop (SIGTERM).
+    let manifest = tiny(16).replace(
+        "  worker:",
+        "  memoryPolicy: {backoffSeconds: 1}\n  worker:",
+    );
+    ns.apply_job(&manifest).await;
+    let before = ns
+        .wait_job("tiny-cpu", "attempt 1 at step 3", RUN, |j| {
+            telemetry_step(j, 1).is_some_and(|s| s >= 3)
+        })
+        .await;
+    let reached = telemetry_step(&before, 1).expect("step");
+    ns.pods()
+        .evict("tiny-cpu-a1-s0", &EvictParams::default())
+        .await
+        .expect("evict the worker");
+
+    let done = ns
+        .wait_job("tiny-cpu", "Succeeded or Failed", RUN, terminal)
+        .await;
+    assert_eq!(
+        phase(&done),
+        Some(JobPhase::Succeeded),
+        "{}",
+        ns.dump().await
+    );
+    let status = done.status.expect("status");
+    let last = status.attempts.last().expect("attempts");
+    assert_eq!(
+        last.last_step,
+        Some(16),
+        "the run ends at spec.training.steps"
+    );
+    if status.attempts.len() > 1 {
+        let first = &status.attempts[0];
+        assert_eq!(
+            first.outcome,
+            AttemptOutcome::Disrupted,
+            "an eviction is a disruption: {first:?}"
+        );
+        assert!(first.last_step.is_some_and(|s| s >= reached), "{first:?}");
+    }
+
+    // The worker that finished says where it resumed.
+    let mut resumed = None;
+    for pod in ns.pod_list().await {
+        let log = ns
+            .pods()
+            .logs(&pod.name_any(), &LogParams::default())
+            .await
+            .unwrap_or_default();
+        let log = strip_ansi(&log);
+        if let Some(line) = log.lines().find(|l| l.contains("resumed")) {
+            resumed = line
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("step="))
+                .and_then(|s| {
+                    s.trim_matches(|c: char| !c.is_ascii_digit())
+                        .parse::<u64>()
+                        .ok()
+                });
+            assert!(resumed.is_some(), "no step in {line:?}");
+        }
+    }
+    let resumed = resumed.unwrap_or_else(|| panic!("no worker log says it resumed"));
+    assert!(
+        resumed >= reached && resumed < 16,
+        "resumed at step {resumed}; attempt 1 had reached step {reached}"
+    );
+    ns.cleanup().await;
+}
+
+#[test]
+#[ignore = "needs a cluster with Headroom installed: make e2e"]
+fn kubectl_apply_of_invalid_manifests_fails_with_field_paths() {
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    let ns = runtime.block_on(TestNs::new("e2e-invalid"));
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/invalid");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .expect("corpus")
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 20, "corpus of {} manifests", files.len());
+    let mut failures = Vec::new();
+    for file in &files {
+        let manifest = std::fs::read_to_string(file).expect("read");
+        let expect = manifest
+            .lines()
+            .find_map(|l| l.strip_prefix("# expect: "))
+            .unwrap_or_else(|| panic!("{} has no `# expect:` line", file.display()))
+            .trim();
+        let out = std::process::Command::new(kubectl())
+            .args(["apply", "-n", &ns.name, "-f"])
+            .arg(file)
+            .output()
+            .unwrap_or_else(|e| panic!("run {:?} (set KUBECTL): {e}", kubectl()));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let name = file.file_name().unwrap_or_default().to_string_lossy();
+        if out.status.success() {
+            failures.push(format!(
+                "{name}: kubectl apply succeeded; expected {expect:?}"
+            ));
+        } else if !stderr.contains(expect) {
+            failures.push(format!("{name}: stderr lacks {expect:?}:\n    {stderr}"));
+        }
+    }
+    let jobs = runtime
+        .block_on(ns.jobs().list(&ListParams::default()))
+        .expect("list jobs")
+        .items;
+    assert!(
+        failures.is_empty(),
+        "{} of {} manifests misbehaved:\n{}",
+        failures.len(),
+        files.len(),
+        failures.join("\n")
+    );
+    assert!(jobs.is_empty(), "nothing was created: {jobs:?}");
+    runtime.block_on(ns.cleanup());
 }

@@ -1,0 +1,399 @@
+//! GPU-type selection on real nodes, without a GPU: the real node is labelled
+//! the way GPU Feature Discovery labels an A100 node and advertises one
+//! `nvidia.com/gpu` as an extended resource (PATCH of the node's status, the
+//! documented way); a second, fake Node object offers four Tesla T4s. A job
+//! whose budget needs more than a T4 must be planned on the A100 and its pod
+//! bound to the real node; a small job limited to T4s must be planned there.
+//!
+//! The worker image is CPU-only, so the A100 pod exits 78 (invalid plan: no
+//! `cuda` feature) and the job fails; this test is about planning and
+//! placement. It mutates cluster-wide objects (the node, a fake node), so it
+//! is a test binary of its own: cargo runs test binaries one after another,
+//! so nothing else in the suite runs beside it. The labels, resources and the
+//! fake node are removed afterwards, also when an assertion fails.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use headroom_api::{JobPhase, MemoryAwareTrainingJob};
+use headroom_e2e::{TestNs, pod_phase};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+
+/// Label and taint of the fake node: the taint keeps every pod off it (it has
+/// no kubelet), the label finds leftovers of an interrupted run.
+const FAKE_MARK: &str = "headroom.dev/e2e-fake-node";
+const BIG_GPU: &str = "NVIDIA-A100-SXM4-80GB";
+const SMALL_GPU: &str = "Tesla-T4";
+const GFD_LABELS: [&str; 3] = [
+    "nvidia.com/gpu.product",
+    "nvidia.com/gpu.memory",
+    "nvidia.com/gpu.count",
+];
+
+/// 1.3B parameters in bf16 with AdamW: about 54 GiB on one GPU, more than a
+/// T4's 15 GiB, so one A100-80GB is the fewest devices it fits on.
+const NEEDS_A100: &str = r#"
+apiVersion: headroom.dev/v1alpha1
+kind: MemoryAwareTrainingJob
+metadata:
+  name: needs-a100
+spec:
+  model:
+    transformer: {layers: 24, hidden: 2048, heads: 16, sequenceLength: 1024, vocabulary: 50257}
+  training: {globalBatch: 64, steps: 10, precision: bf16}
+  resources:
+    gpu: {types: [Tesla-T4, NVIDIA-A100-SXM4-80GB], maxGpus: 4, hostMemory: 256Mi}
+  memoryPolicy: {maxAttempts: 1}
+  worker: {image: localhost/headroom-worker:dev, backend: cuda}
+"#;
+
+/// 4M parameters: fits one T4 easily.
+const FITS_A_T4: &str = r#"
+apiVersion: headroom.dev/v1alpha1
+kind: MemoryAwareTrainingJob
+metadata:
+  name: fits-a-t4
+spec:
+  model:
+    transformer: {layers: 4, hidden: 256, heads: 4, sequenceLength: 128, vocabulary: 4096}
+  training: {globalBatch: 32, steps: 10}
+  resources:
+    gpu: {types: [Tesla-T4], maxGpus: 1, hostMemory: 256Mi}
+  memoryPolicy: {maxAttempts: 1}
+  worker: {image: localhost/headroom-worker:dev, backend: cuda}
+"#;
+
+/// A fresh name per run: the node lifecycle controller keeps health data by
+/// node name, and a node re-created under a name it still remembers is
+/// marked Unknown at once.
+fn fake_node_name() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    format!(
+        "headroom-e2e-fake-t4-{:06x}",
+        (std::process::id() ^ nanos) & 0xff_ffff
+    )
+}
+
+fn is_fake(node: &Node) -> bool {
+    node.labels().contains_key(FAKE_MARK)
+}
+
+fn ready(node: &Node) -> bool {
+    node.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// The node the pods really run on: `$HEADROOM_E2E_NODE`, else the first
+/// Ready node by name that pods may schedule to.
+async fn real_node(nodes: &Api<Node>) -> String {
+    if let Ok(name) = std::env::var("HEADROOM_E2E_NODE") {
+        return name;
+    }
+    let mut candidates: Vec<String> = nodes
+        .list(&ListParams::default())
+        .await
+        .expect("list nodes")
+        .items
+        .into_iter()
+        .filter(|n| !is_fake(n) && ready(n))
+        .filter(|n| {
+            !n.spec
+                .as_ref()
+                .and_then(|s| s.taints.as_ref())
+                .is_some_and(|t| t.iter().any(|t| t.effect == "NoSchedule"))
+        })
+        .map(|n| n.name_any())
+        .collect();
+    candidates.sort();
+    candidates
+        .into_iter()
+        .next()
+        .expect("a Ready node without NoSchedule taints")
+}
+
+/// Labels and advertises the real node as one A100, and creates the fake T4 node.
+async fn set_up(nodes: &Api<Node>, node: &str, fake_node: &str) {
+    let labels = json!({"metadata": {"labels": {
+        "nvidia.com/gpu.product": BIG_GPU,
+        "nvidia.com/gpu.memory": "81920",
+        "nvidia.com/gpu.count": "1",
+    }}});
+    nodes
+        .patch(node, &PatchParams::default(), &Patch::Merge(&labels))
+        .await
+        .expect("label the node");
+    // Extended resources are advertised in the node's status: capacity (the
+    // kubelet copies it to allocatable on its next status update; set both so
+    // the scheduler and the operator need not wait for it).
+    let gpu = json!({"status": {
+        "capacity": {"nvidia.com/gpu": "1"},
+        "allocatable": {"nvidia.com/gpu": "1"},
+    }});
+    nodes
+        .patch_status(node, &PatchParams::default(), &Patch::Merge(&gpu))
+        .await
+        .expect("advertise nvidia.com/gpu");
+
+    // A node object without a kubelet: Ready as created (node status may be
+    // set on create), with a heartbeat of now, so the operator counts its GPUs
+    // as free until the node lifecycle controller's grace period
+    // (--node-monitor-grace-period: 2 min on the local cluster, 40-50 s by
+    // default) marks it Unknown.
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    let fake: Node = serde_json::from_value(json!({
+        "metadata": {"name": fake_node, "labels": {
+            FAKE_MARK: "true",
+            "nvidia.com/gpu.product": SMALL_GPU,
+            "nvidia.com/gpu.memory": "15360",
+            "nvidia.com/gpu.count": "4",
+        }},
+        "spec": {"taints": [{"key": FAKE_MARK, "value": "true", "effect": "NoSchedule"}]},
+        "status": {
+            "capacity": {"nvidia.com/gpu": "4", "cpu": "8", "memory": "32Gi", "pods": "110"},
+            "allocatable": {"nvidia.com/gpu": "4", "cpu": "8", "memory": "32Gi", "pods": "110"},
+            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                            "lastHeartbeatTime": now, "lastTransitionTime": now,
+                            "message": "fake node of the headroom e2e suite"}],
+        },
+    }))
+    .expect("fake node");
+    let created = nodes
+        .create(&PostParams::default(), &fake)
+        .await
+        .expect("create the fake node");
+    if !ready(&created) {
+        // In case this API server drops status on create.
+        nodes
+            .patch_status(
+                fake_node,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"status": fake.status})),
+            )
+            .await
+            .expect("fake node status");
+    }
+}
+
+/// Undoes [`set_up`]; safe to run when nothing (or only part) was set up.
+async fn tear_down(nodes: &Api<Node>, node: &str) -> Vec<String> {
+    let mut problems = Vec::new();
+    let unlabel = json!({"metadata": {"labels": GFD_LABELS.iter().map(|l| (*l, None::<String>)).collect::<BTreeMap<_, _>>()}});
+    if let Err(e) = nodes
+        .patch(node, &PatchParams::default(), &Patch::Merge(&unlabel))
+        .await
+    {
+        problems.push(format!("unlabel {node}: {e}"));
+    }
+    let no_gpu = json!({"status": {
+        "capacity": {"nvidia.com/gpu": null},
+        "allocatable": {"nvidia.com/gpu": null},
+    }});
+    if let Err(e) = nodes
+        .patch_status(node, &PatchParams::default(), &Patch::Merge(&no_gpu))
+        .await
+    {
+        problems.push(format!("remove nvidia.com/gpu from {node}: {e}"));
+    }
+    if let Err(e) = nodes
+        .delete_collection(
+            &DeleteParams::default(),
+            &ListParams::default().labels(FAKE_MARK),
+        )
+        .await
+    {
+        problems.push(format!("delete the nodes labelled {FAKE_MARK}: {e}"));
+    }
+    match nodes.get(node).await {
+        Ok(n) => {
+            let left: Vec<&String> = n
+                .labels()
+                .keys()
+                .filter(|k| GFD_LABELS.contains(&k.as_str()))
+                .collect();
+            let advertised = n.status.as_ref().is_some_and(|s| {
+                [&s.capacity, &s.allocatable]
+                    .iter()
+                    .any(|r| r.as_ref().is_some_and(|r| r.contains_key("nvidia.com/gpu")))
+            });
+            if !left.is_empty() || advertised {
+                problems.push(format!(
+                    "{node} still has {left:?} / nvidia.com/gpu advertised: {advertised}"
+                ));
+            }
+        }
+        Err(e) => problems.push(format!("get {node}: {e}")),
+    }
+    problems
+}
+
+fn plan_device(job: &MemoryAwareTrainingJob) -> Option<String> {
+    job.status
+        .as_ref()
+        .and_then(|s| s.plan.as_ref())
+        .map(|p| p.device.clone())
+}
+
+async fn worker_pod(ns: &TestNs, job: &str) -> Pod {
+    let name = format!("{job}-a1-s0");
+    ns.wait_for(&format!("pod {name}"), Duration::from_secs(120), || async {
+        ns.pods().get_opt(&name).await.ok().flatten()
+    })
+    .await
+}
+
+fn selector_and_gpus(pod: &Pod) -> (Option<String>, Option<String>, Vec<String>) {
+    let spec = pod.spec.as_ref().expect("pod spec");
+    let product = spec
+        .node_selector
+        .as_ref()
+        .and_then(|s| s.get("nvidia.com/gpu.product").cloned());
+    let gpus = spec.containers[0]
+        .resources
+        .as_ref()
+        .and_then(|r| r.limits.as_ref())
+        .and_then(|l| l.get("nvidia.com/gpu"))
+        .map(|q| q.0.clone());
+    let tolerations = spec
+        .tolerations
+        .iter()
+        .flatten()
+        .filter_map(|t| t.key.clone())
+        .collect();
+    (product, gpus, tolerations)
+}
+
+async fn fake_node_ready(ns: &TestNs, fake_node: &str) -> bool {
+    Api::<Node>::all(ns.client.clone())
+        .get(fake_node)
+        .await
+        .is_ok_and(|n| ready(&n))
+}
+
+async fn the_test(ns: TestNs, node: String, fake_node: String) {
+    // Both jobs are planned against the labelled cluster.
+    assert!(
+        fake_node_ready(&ns, &fake_node).await,
+        "{fake_node} went NotReady before the jobs were applied"
+    );
+    ns.apply_job(NEEDS_A100).await;
+    ns.apply_job(FITS_A_T4).await;
+    let big = ns
+        .wait_job("needs-a100", "a plan", Duration::from_secs(60), |j| {
+            plan_device(j).is_some()
+                || j.status
+                    .as_ref()
+                    .is_some_and(|s| s.phase == Some(JobPhase::Failed))
+        })
+        .await;
+    assert_eq!(
+        plan_device(&big).as_deref(),
+        Some(BIG_GPU),
+        "the 54 GiB job must be planned on the A100: {:?}",
+        big.status.as_ref().map(|s| (&s.message, &s.plan))
+    );
+    let plan = big
+        .status
+        .as_ref()
+        .and_then(|s| s.plan.clone())
+        .expect("plan");
+    assert_eq!(
+        plan.workers, 1,
+        "one A100 is fewer devices than several T4s"
+    );
+    assert_eq!(plan.resource, "nvidia.com/gpu");
+
+    // Its pod selects the A100 product, requests one GPU and is bound to the real node.
+    let pod = worker_pod(&ns, "needs-a100").await;
+    let (product, gpus, tolerations) = selector_and_gpus(&pod);
+    assert_eq!(product.as_deref(), Some(BIG_GPU));
+    assert_eq!(gpus.as_deref(), Some("1"));
+    assert!(tolerations.contains(&"nvidia.com/gpu".to_string()));
+    let bound = ns
+        .wait_for(
+            "needs-a100-a1-s0 bound to a node",
+            Duration::from_secs(120),
+            || async {
+                ns.pods()
+                    .get("needs-a100-a1-s0")
+                    .await
+                    .ok()
+                    .and_then(|p| p.spec.and_then(|s| s.node_name))
+            },
+        )
+        .await;
+    assert_eq!(bound, node, "the A100 pod runs on the node labelled A100");
+
+    // The CPU-only worker image refuses a CUDA plan (exit 78): not retried.
+    let failed = ns
+        .wait_job("needs-a100", "Failed", Duration::from_secs(180), |j| {
+            j.status
+                .as_ref()
+                .is_some_and(|s| s.phase == Some(JobPhase::Failed))
+        })
+        .await;
+    let attempt = &failed.status.expect("status").attempts[0];
+    assert_eq!(
+        attempt.reason.as_deref(),
+        Some("InvalidPlan"),
+        "{:?}",
+        attempt.message
+    );
+
+    // The small job limited to T4s is planned on the fake node's T4s; its pod
+    // selects them (and stays Pending: nothing runs on the fake node).
+    let small = ns
+        .wait_job("fits-a-t4", "a plan", Duration::from_secs(60), |j| {
+            plan_device(j).is_some()
+                || j.status
+                    .as_ref()
+                    .is_some_and(|s| s.phase == Some(JobPhase::Failed))
+        })
+        .await;
+    assert_eq!(
+        plan_device(&small).as_deref(),
+        Some(SMALL_GPU),
+        "the small job must be planned on the fake node's T4s: {:?}",
+        small.status.as_ref().map(|s| &s.message)
+    );
+    let pod = worker_pod(&ns, "fits-a-t4").await;
+    let (product, gpus, _) = selector_and_gpus(&pod);
+    assert_eq!(product.as_deref(), Some(SMALL_GPU));
+    assert_eq!(gpus.as_deref(), Some("1"));
+    let pod = ns.pods().get("fits-a-t4-a1-s0").await.expect("pod");
+    assert_eq!(pod_phase(&pod), "Pending", "nothing runs on the fake node");
+}
+
+#[tokio::test]
+#[ignore = "needs a cluster with Headroom installed: make e2e"]
+async fn gfd_labelled_nodes_get_the_pods_of_the_jobs_that_need_them() {
+    let client = Client::try_default().await.expect("KUBECONFIG");
+    let nodes: Api<Node> = Api::all(client);
+    let node = real_node(&nodes).await;
+    let fake_node = fake_node_name();
+    // Leftovers of an interrupted run would skew the inventory.
+    let _ = tear_down(&nodes, &node).await;
+    set_up(&nodes, &node, &fake_node).await;
+    // The operator plans from its node cache: let the watch deliver the changes.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    let ns = TestNs::new("e2e-gpu").await;
+    let outcome = tokio::spawn(the_test(ns.clone(), node.clone(), fake_node)).await;
+    // Jobs first (their pending pod must not outlive the fake node's taint), then the node.
+    let _ = ns
+        .jobs()
+        .delete_collection(&DeleteParams::default(), &ListParams::default())
+        .await;
+    let problems = tear_down(&nodes, &node).await;
+    if let Err(e) = outcome {
+        std::panic::resume_unwind(e.into_panic());
+    }
+    assert!(problems.is_empty(), "cleanup: {problems:?}");
+    ns.cleanup().await;
+}
