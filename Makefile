@@ -74,7 +74,7 @@ controlplane-down: ## Stop the control plane.
 	$(CLUSTER)/controlplane.sh down
 
 ##@ Try it
-.PHONY: plan-samples demo e2e
+.PHONY: plan-samples demo e2e e2e-kind
 plan-samples: ## Print Headroom's plan for every sample job (offline).
 	for f in samples/cpu-*.yaml; do $(CARGO) run -q -p headroom-operator --bin kubectl-headroom -- plan -f $$f; done
 	$(CARGO) run -q -p headroom-operator --bin kubectl-headroom -- plan -f samples/gpu-gpt2-medium.yaml --nodes samples/nodes-gfd.yaml
@@ -82,8 +82,11 @@ plan-samples: ## Print Headroom's plan for every sample job (offline).
 demo: ## On the local single-node cluster: a job is OOM-killed on attempt 1 and succeeds on attempt 2 (needs root).
 	e2e/demo.sh
 
-e2e: ## The end-to-end suite on real pods (local single-node cluster unless KUBECONFIG is set; root).
-	env=$$(e2e/install.sh) && eval "$$env" && $(CARGO) test -p headroom-e2e --test real_node -- --ignored --test-threads=2
+e2e: ## The end-to-end suite on real pods (local single-node cluster unless KUBECONFIG is set, stopped again if it started it; root).
+	e2e/e2e.sh
+
+e2e-kind: ## The same suite on a kind cluster (needs Docker and kind): images from the Dockerfiles, Helm, suite, cluster deleted.
+	e2e/kind.sh
 
 ##@ Local single-node cluster (real pods: containerd + kubelet; run as root)
 .PHONY: cluster-up cluster-down cluster-status cluster-test images

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
 # The README demo, on a real node: a job that runs out of memory on its first
 # attempt (the kernel OOM-kills the container) and succeeds on its second,
 # stricter attempt, shown with `kubectl get` as it happens.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
 # Brings Headroom up on a cluster: with KUBECONFIG unset, the local
 # single-node cluster (root; e2e/cluster/README.md); then the operator and
 # worker images built without Docker, and the Helm chart. Prints the
@@ -27,6 +28,10 @@ e2e/images/build.sh headroom-worker "${CARGO_TARGET_DIR}/release/headroom-worker
 
 say "helm upgrade --install headroom charts/headroom"
 HELM=$(e2e/tools/build-helm.sh --print)
+# Helm installs a chart's crds/ only on first install and never upgrades them:
+# apply the CRD first, so a cluster installed by an older build gets new fields.
+"${KUBECTL}" apply --server-side --force-conflicts --field-manager=headroom-install -f charts/headroom/crds/ >&2
+"${KUBECTL}" wait --for=condition=Established --timeout=60s crd/memoryawaretrainingjobs.headroom.dev >&2
 "${HELM}" upgrade --install headroom charts/headroom -n headroom-system --create-namespace \
   --set image.repository=localhost/headroom-operator --set image.tag=dev --wait --timeout 180s >&2
 # The tag stays `dev` across rebuilds: restart so the new build runs.

@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
+# `make e2e-kind`: the same end-to-end suite as `make e2e`, on a kind cluster,
+# for machines with Docker (the local single-node cluster of `make e2e` needs
+# none). Steps: create the kind cluster (if it does not exist), build the
+# operator and worker images with the Dockerfiles in e2e/images, load them into
+# the kind node, install Headroom with Helm, run every test target of
+# headroom-e2e with KUBECONFIG at the kind cluster, delete the cluster.
+#
+#   e2e/kind.sh [TEST FILTER...]
+#
+# Needs: docker (with a running daemon; BuildKit), kind, cargo; kubectl and
+# helm from PATH, else built from their Go modules (needs go):
+# e2e/cluster/build-binaries.sh kubectl, e2e/tools/build-helm.sh.
+#
+# Environment:
+#   KIND_CLUSTER_NAME=headroom-e2e   the cluster (created if missing)
+#   HEADROOM_KEEP_CLUSTER=1          do not delete the cluster at the end
+#   KIND_IMAGES=docker               docker: `docker build` with the Dockerfiles, then
+#                                    `kind load docker-image`; oci: the Docker-free OCI
+#                                    archives of e2e/images/build.sh (umoci; Debian/Ubuntu
+#                                    host), then `kind load image-archive`
+#   KIND_NODE_IMAGE                  passed to `kind create cluster --image` when set
+#   E2E_TEST_THREADS=2, KUBECTL, HELM
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "${ROOT}"
+: "${HEADROOM_CACHE:=${HOME}/.cache/headroom}"
+: "${CARGO_TARGET_DIR:=${HEADROOM_CACHE}/target}"
+: "${KIND_CLUSTER_NAME:=headroom-e2e}"
+: "${KIND_IMAGES:=docker}"
+: "${E2E_TEST_THREADS:=2}"
+# The suite's jobs (samples/) name localhost/headroom-worker:dev.
+IMAGE_TAG=dev
+export HEADROOM_CACHE CARGO_TARGET_DIR IMAGE_TAG
+
+# HEADROOM_BIN_DIR (where build-binaries.sh puts kubectl), log, die.
+# shellcheck source=cluster/lib/common.sh
+source e2e/cluster/lib/common.sh
+say() { printf '\n\033[1m== %s\033[0m\n' "$*" >&2; }
+
+# --- prerequisites, checked before anything is built or created -------------
+command -v docker >/dev/null 2>&1 || die "docker not found: make e2e-kind needs Docker (use make e2e for the Docker-free local cluster)"
+docker info >/dev/null 2>&1 || die "the Docker daemon is not reachable ('docker info' fails): start it, or use make e2e"
+command -v kind >/dev/null 2>&1 || die "kind not found: install it (https://kind.sigs.k8s.io/docs/user/quick-start/#installation), or use make e2e"
+command -v cargo >/dev/null 2>&1 || die "cargo not found: the suite is a Rust test crate"
+case ${KIND_IMAGES} in
+  docker) ;;
+  oci) [[ $(uname -s) == Linux ]] || die "KIND_IMAGES=oci builds images with umoci on a Linux host; use KIND_IMAGES=docker" ;;
+  *) die "KIND_IMAGES=${KIND_IMAGES}: use docker or oci" ;;
+esac
+if [[ -z ${KUBECTL:-} ]]; then
+  if command -v kubectl >/dev/null 2>&1; then
+    KUBECTL=$(command -v kubectl)
+  else
+    command -v go >/dev/null 2>&1 || die "no kubectl on PATH and no go to build one: install kubectl or set KUBECTL"
+    K8S_BINARIES=kubectl BUILD_ETCD=0 e2e/cluster/build-binaries.sh >&2
+    KUBECTL=${HEADROOM_BIN_DIR}/kubectl
+  fi
+fi
+if [[ -z ${HELM:-} ]]; then
+  if command -v helm >/dev/null 2>&1; then
+    HELM=$(command -v helm)
+  else
+    command -v go >/dev/null 2>&1 || die "no helm on PATH and no go to build one: install helm or set HELM"
+    HELM=$(e2e/tools/build-helm.sh --print)
+  fi
+fi
+export KUBECTL
+
+# --- cluster -----------------------------------------------------------------
+KUBECONFIG_KIND=$(mktemp "${TMPDIR:-/tmp}/headroom-kind-kubeconfig.XXXXXX")
+finish() {
+  local rc=$?
+  if [[ ${HEADROOM_KEEP_CLUSTER:-0} == 1 ]]; then
+    say "HEADROOM_KEEP_CLUSTER=1: kind cluster ${KIND_CLUSTER_NAME} stays (kind delete cluster --name ${KIND_CLUSTER_NAME})"
+  elif kind get clusters 2>/dev/null | grep -qx "${KIND_CLUSTER_NAME}"; then
+    say "kind delete cluster --name ${KIND_CLUSTER_NAME}"
+    kind delete cluster --name "${KIND_CLUSTER_NAME}" >&2 || rc=1
+  fi
+  rm -f "${KUBECONFIG_KIND}"
+  exit "${rc}"
+}
+trap finish EXIT
+
+t0=${SECONDS}
+if kind get clusters 2>/dev/null | grep -qx "${KIND_CLUSTER_NAME}"; then
+  say "reusing kind cluster ${KIND_CLUSTER_NAME}"
+else
+  say "kind create cluster --name ${KIND_CLUSTER_NAME}"
+  kind create cluster --name "${KIND_CLUSTER_NAME}" ${KIND_NODE_IMAGE:+--image "${KIND_NODE_IMAGE}"} --wait 180s >&2
+fi
+kind get kubeconfig --name "${KIND_CLUSTER_NAME}" >"${KUBECONFIG_KIND}"
+export KUBECONFIG=${KUBECONFIG_KIND}
+"${KUBECTL}" wait --for=condition=Ready nodes --all --timeout=180s >&2
+
+# --- images --------------------------------------------------------------------
+OPERATOR_IMAGE=localhost/headroom-operator:${IMAGE_TAG}
+WORKER_IMAGE=localhost/headroom-worker:${IMAGE_TAG}
+if [[ ${KIND_IMAGES} == docker ]]; then
+  say "docker build ${OPERATOR_IMAGE} and ${WORKER_IMAGE} (e2e/images/*.Dockerfile)"
+  DOCKER_BUILDKIT=1 docker build -f e2e/images/operator.Dockerfile -t "${OPERATOR_IMAGE}" . >&2
+  DOCKER_BUILDKIT=1 docker build -f e2e/images/worker.Dockerfile -t "${WORKER_IMAGE}" . >&2
+  kind load docker-image --name "${KIND_CLUSTER_NAME}" "${OPERATOR_IMAGE}" "${WORKER_IMAGE}" >&2
+else
+  say "OCI archives without Docker (e2e/images/build.sh), kind load image-archive"
+  cargo build --release -p headroom-operator --bin headroom-operator -p headroom-worker --bin headroom-worker >&2
+  for name in headroom-operator headroom-worker; do
+    IMAGE_IMPORT=0 e2e/images/build.sh "${name}" "${CARGO_TARGET_DIR}/release/${name}" >/dev/null
+    kind load image-archive --name "${KIND_CLUSTER_NAME}" "${HEADROOM_CACHE}/images/${name}_${IMAGE_TAG}.oci.tar" >&2
+  done
+fi
+
+# --- Headroom ------------------------------------------------------------------
+say "helm upgrade --install headroom charts/headroom"
+# Helm never upgrades a chart's crds/: apply the CRD first (a reused cluster may hold an older one).
+"${KUBECTL}" apply --server-side --force-conflicts --field-manager=headroom-install -f charts/headroom/crds/ >&2
+"${KUBECTL}" wait --for=condition=Established --timeout=60s crd/memoryawaretrainingjobs.headroom.dev >&2
+"${HELM}" upgrade --install headroom charts/headroom -n headroom-system --create-namespace \
+  --set image.repository=localhost/headroom-operator --set image.tag="${IMAGE_TAG}" --wait --timeout 180s >&2
+# A reused cluster may run an older build under the same tag.
+"${KUBECTL}" -n headroom-system rollout restart deployment/headroom-operator >&2
+"${KUBECTL}" -n headroom-system rollout status deployment/headroom-operator --timeout=180s >&2
+
+# --- suite ---------------------------------------------------------------------
+say "cargo test -p headroom-e2e --tests --no-fail-fast -- --ignored --test-threads=${E2E_TEST_THREADS} $*"
+t1=${SECONDS}
+cargo test -p headroom-e2e --tests --no-fail-fast -- --ignored --test-threads="${E2E_TEST_THREADS}" "$@"
+say "e2e on kind passed: setup $((t1 - t0)) s, tests $((SECONDS - t1)) s"
