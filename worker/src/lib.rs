@@ -5,10 +5,11 @@
 //! code and termination message.
 //!
 //! * plan intake and the termination message — this file
-//! * [`model`] — the decoder-only transformer built from the job's shape
+//! * [`model`] — the decoder-only transformer (one pipeline stage's part of it)
+//! * [`pipeline`] — stages over TCP: links, handshake, the 1F1B schedule
 //! * [`data`] — the synthetic next-token task (deterministic per sample)
 //! * [`train`] — micro-batches, accumulation, block-level checkpointing, optimizers
-//! * [`checkpoint`] — atomic, verified checkpoints and resume
+//! * [`checkpoint`] — atomic, verified, per-part checkpoints and resume under any split
 //! * [`telemetry`] — cgroup, process, allocator and NVML memory sampling
 //! * [`report`] — rate-limited server-side apply of `status.workers[<pod>]`
 //! * [`run`] — one process from start to exit, with the exit contract
@@ -16,7 +17,8 @@
 //! Exit contract (see `headroom_api::exit_code`): every exit writes a JSON
 //! [`TerminationMessage`] to the termination-message path, and an unreadable
 //! or inconsistent plan exits with `INVALID_PLAN`, distinct from any failure
-//! of training itself.
+//! of training itself; a stage whose pipeline neighbour went away exits with
+//! `PEER_LOST`.
 
 pub mod checkpoint;
 pub mod data;
