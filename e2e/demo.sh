@@ -52,5 +52,7 @@ k get matj -n "${NS}" "${JOB}" -o jsonpath='{range .status.attempts[*]}attempt {
 say "status.workers: live telemetry the workers wrote"
 k get matj -n "${NS}" "${JOB}" -o jsonpath='{range .status.workers[*]}{.name}: step {.step}, loss {.loss}, peak {.memory.peakBytes} B, {.tokensPerSecond} tokens/s{"\n"}{end}'
 say "events"
-k get events -n "${NS}" --field-selector involvedObject.name="${JOB}" -o custom-columns=TYPE:.type,REASON:.reason,MESSAGE:.message --sort-by=.metadata.creationTimestamp
+# By UID: events of an earlier run's job of the same name outlive it (1 h).
+uid=$(k get matj -n "${NS}" "${JOB}" -o jsonpath='{.metadata.uid}')
+k get events -n "${NS}" --field-selector involvedObject.uid="${uid}" -o custom-columns=TYPE:.type,REASON:.reason,MESSAGE:.message --sort-by=.metadata.creationTimestamp
 [[ $(k get matj -n "${NS}" "${JOB}" -o jsonpath='{.status.phase}') == Succeeded ]]

@@ -361,15 +361,12 @@ async fn deleting_a_job_removes_everything_it_created() {
         .await
         .expect("delete the job");
     // The garbage collector deletes the dependents; the claim goes once no pod uses it.
-    let left = Cell::new(Vec::new());
     ns.wait_for(
-        &format!("garbage collection of {created:?}"),
+        &format!("garbage collection of the job and {created:?}"),
         Duration::from_secs(180),
         || async {
             let gone = ns.jobs().get_opt("tiny-cpu").await.ok()?.is_none();
-            left.set(owned_by(&ns, &uid).await);
-            let remaining = left.take();
-            (gone && remaining.is_empty()).then_some(())
+            (gone && owned_by(&ns, &uid).await.is_empty()).then_some(())
         },
     )
     .await;
