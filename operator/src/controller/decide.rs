@@ -243,6 +243,38 @@ impl Builder<'_> {
                 Some(self.obs.unschedulable_grace.saturating_sub(waited) + Duration::from_secs(1));
         }
 
+        // An earlier attempt's pods still shutting down (deleted stages save a
+        // checkpoint on SIGTERM): start this attempt's pods once they are
+        // gone, so every stage resumes from the same, newest checkpoint.
+        let stopping: Vec<String> = self
+            .obs
+            .pods
+            .iter()
+            .filter(|p| {
+                p.labels()
+                    .get(LABEL_ATTEMPT)
+                    .and_then(|a| a.parse::<u32>().ok())
+                    .is_some_and(|a| a < n)
+                    && matches!(
+                        classify(p),
+                        PodVerdict::Running | PodVerdict::Pending { .. }
+                    )
+                    // Deleted and 30 s past its grace period: its node is
+                    // probably gone, and it must not block the job forever.
+                    && !p.metadata.deletion_timestamp.as_ref().is_some_and(|t| {
+                        self.obs.now.duration_since(t.0) > jiff::SignedDuration::from_secs(30)
+                    })
+            })
+            .map(|p| p.name_any())
+            .collect();
+        if pods.is_empty() && !stopping.is_empty() {
+            self.d.status.message = Some(format!(
+                "attempt {n}: waiting for {} of an earlier attempt to stop",
+                stopping.join(", ")
+            ));
+            self.d.requeue_after = Some(Duration::from_secs(2));
+            return;
+        }
         self.d.launch = Some(n);
         let running = pods
             .iter()
@@ -831,5 +863,49 @@ mod tests {
         );
         assert_eq!(late.ended, Some(AttemptOutcome::Failed));
         assert_eq!(late.delete_pods, vec!["p-a1-s1".to_string()]);
+    }
+
+    #[test]
+    fn the_next_attempt_waits_for_the_last_ones_pods_to_stop() {
+        let mut j = oom_job();
+        step(&mut j, &[], t0());
+        // Stage 1 is OOM-killed; stage 0 is told to stop and is still saving.
+        let ended = step(&mut j, &[pod(1, 0, RUNNING), pod(1, 1, OOM)], t0());
+        assert_eq!(ended.ended, Some(AttemptOutcome::HostOutOfMemory));
+        let waiting = step(&mut j, &[pod(1, 0, RUNNING), pod(1, 1, OOM)], t0());
+        assert_eq!(
+            waiting.launch, None,
+            "no attempt-2 pods while attempt 1 runs"
+        );
+        assert!(
+            waiting
+                .status
+                .message
+                .as_deref()
+                .is_some_and(|m| m.contains("p-a1-s0")),
+            "{:?}",
+            waiting.status.message
+        );
+        assert_eq!(waiting.requeue_after, Some(Duration::from_secs(2)));
+        let gone = step(&mut j, &[pod(1, 1, OOM)], t0());
+        assert_eq!(gone.launch, Some(2));
+        // A pod stuck terminating on a lost node does not block the retry forever.
+        let mut j = oom_job();
+        step(&mut j, &[], t0());
+        step(&mut j, &[pod(1, 0, RUNNING), pod(1, 1, OOM)], t0());
+        let mut stuck = pod(1, 0, RUNNING);
+        stuck.metadata.deletion_timestamp = Some(Time(t0()));
+        let blocked = step(
+            &mut j,
+            &[stuck.clone(), pod(1, 1, OOM)],
+            t0() + SignedDuration::from_secs(10),
+        );
+        assert_eq!(blocked.launch, None);
+        let later = step(
+            &mut j,
+            &[stuck, pod(1, 1, OOM)],
+            t0() + SignedDuration::from_secs(31),
+        );
+        assert_eq!(later.launch, Some(2));
     }
 }
