@@ -641,8 +641,8 @@ impl<'a> Search<'a> {
             }
         } else {
             format!(
-                "{:.2}B parameters, global batch {}: no device type and split up to {} worker(s) stays within budget",
-                params as f64 / 1e9,
+                "{} parameters, global batch {}: no device type and split up to {} worker(s) stays within budget",
+                crate::units::format_count(params),
                 req.global_batch,
                 req.max_workers()
             )

@@ -4,6 +4,20 @@ pub const KIB: u64 = 1 << 10;
 pub const MIB: u64 = 1 << 20;
 pub const GIB: u64 = 1 << 30;
 
+/// Formats a count with decimal units, e.g. `70.6B`, `4.2M`, `350K`.
+pub fn format_count(n: u64) -> String {
+    let x = n as f64;
+    if n >= 1_000_000_000 {
+        format!("{:.1}B", x / 1e9)
+    } else if n >= 1_000_000 {
+        format!("{:.1}M", x / 1e6)
+    } else if n >= 10_000 {
+        format!("{:.0}K", x / 1e3)
+    } else {
+        n.to_string()
+    }
+}
+
 /// Formats bytes with binary units, e.g. `31.2 GiB`, `512.0 MiB`.
 pub fn format_bytes(bytes: u64) -> String {
     let b = bytes as f64;

@@ -338,10 +338,7 @@ impl Builder<'_> {
             format!(
                 "attempt {} {reason}: {message}{}",
                 ended.number,
-                ended
-                    .observed_peak_bytes
-                    .map(|b| format!(" (observed peak {})", format_bytes(b)))
-                    .unwrap_or_default()
+                peak_note(&ended)
             ),
         );
         if let Ok(request) = runnable_request(self.obs.job) {
@@ -574,6 +571,25 @@ fn runnable_request(
         }
     }
     Ok(request)
+}
+
+/// What an event can say about an ended attempt's memory. A kernel OOM kill
+/// ends the process between telemetry samples, so the last sample is only a
+/// lower bound: the kill itself says the limit was reached.
+fn peak_note(ended: &Attempt) -> String {
+    let limit = ended.plan.device_memory_bytes;
+    match (ended.outcome, ended.observed_peak_bytes) {
+        (AttemptOutcome::HostOutOfMemory, Some(b)) if b < limit => format!(
+            " (killed at its {} limit; the last telemetry sample before the kill was {})",
+            format_bytes(limit),
+            format_bytes(b)
+        ),
+        (AttemptOutcome::HostOutOfMemory, None) => {
+            format!(" (killed at its {} limit)", format_bytes(limit))
+        }
+        (_, Some(b)) => format!(" (observed peak {})", format_bytes(b)),
+        (_, None) => String::new(),
+    }
 }
 
 /// One line about a plan, for events and status messages.
