@@ -375,7 +375,24 @@ fn train(
         let step = trainer.step;
         let report = match catch_unwind(AssertUnwindSafe(|| trainer.train_step())) {
             Ok(Ok(r)) => r,
-            Ok(Err(e)) => return Exit::pipeline(&e).at(step, peak_now()),
+            Ok(Err(e)) => {
+                // The step never reached its update, so this stage is still
+                // at `step`. A neighbour that was stopped (eviction, deletion)
+                // saved that step on its way out: saving here completes it.
+                let mut exit = Exit::pipeline(&e);
+                if saved_at != step {
+                    let saved = match trainer.save_checkpoint(
+                        checkpoint_dir,
+                        assignment.attempt,
+                        last_loss,
+                    ) {
+                        Ok(dir) => format!("checkpoint at step {step} saved to {}", dir.display()),
+                        Err(err) => format!("checkpoint at step {step} failed: {err}"),
+                    };
+                    exit.message.reason = format!("{}; {saved}", exit.message.reason);
+                }
+                return exit.at(step, peak_now());
+            }
             Err(payload) => return classify_panic(&panic_text(&*payload), step, peak_now()),
         };
         if report.loss.is_some() {

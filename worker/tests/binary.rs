@@ -358,4 +358,10 @@ fn a_stage_that_fails_takes_its_neighbour_down_as_peer_lost() {
         "{}",
         s0.message.reason
     );
+    // Stage 0 was still at the start of step 1 (no update): it saved it.
+    assert!(
+        s0.message.reason.contains("checkpoint at step 1 saved"),
+        "{}",
+        s0.message.reason
+    );
 }
