@@ -422,15 +422,10 @@ impl Trainer {
         let (tokens, targets) = self.data(micro);
         let step = self.step;
         if self.config.settings.activation_checkpointing {
-            let received = match tokens {
-                Some(_) => None,
-                None => Some(self.receive_input(micro)?.inner()),
-            };
             let frozen = self.model().valid();
-            let mut x = match (&tokens, received) {
-                (Some(t), _) => frozen.embed(t.clone().inner()),
-                (None, Some(x)) => x,
-                (None, None) => unreachable!(),
+            let mut x = match &tokens {
+                Some(t) => frozen.embed(t.clone().inner()),
+                None => self.receive_input(micro)?.inner(),
             };
             let mut block_inputs = Vec::with_capacity(frozen.blocks.len());
             for block in &frozen.blocks {
