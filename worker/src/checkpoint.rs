@@ -259,8 +259,9 @@ fn numbered(dir: &Path, prefix: &str) -> Result<Vec<(u64, PathBuf)>, CheckpointE
     Ok(found)
 }
 
-/// Reads and verifies one stage directory's `meta.json` and files.
-pub fn verify(dir: &Path) -> Result<CheckpointMeta, CheckpointError> {
+/// Reads one stage directory's `meta.json`: its format and the files it
+/// must list, without reading those files.
+fn read_meta(dir: &Path) -> Result<CheckpointMeta, CheckpointError> {
     let invalid = |reason: String| CheckpointError::Invalid {
         path: dir.to_path_buf(),
         reason,
@@ -274,16 +275,6 @@ pub fn verify(dir: &Path) -> Result<CheckpointMeta, CheckpointError> {
             "format {}, expected {FORMAT}",
             meta.format
         )));
-    }
-    for expected in &meta.files {
-        let actual = digest(&dir.join(&expected.name))
-            .map_err(|e| invalid(format!("{}: {e}", expected.name)))?;
-        if actual.bytes != expected.bytes || actual.crc32 != expected.crc32 {
-            return Err(invalid(format!(
-                "{}: {} bytes with CRC {:08x}, expected {} bytes with CRC {:08x}",
-                expected.name, actual.bytes, actual.crc32, expected.bytes, expected.crc32
-            )));
-        }
     }
     let listed = |name: &str| meta.files.iter().any(|d| d.name == name);
     if let Some(missing) = meta
@@ -299,6 +290,26 @@ pub fn verify(dir: &Path) -> Result<CheckpointMeta, CheckpointError> {
     Ok(meta)
 }
 
+/// Reads and verifies one stage directory's `meta.json` and files (sizes and CRCs).
+pub fn verify(dir: &Path) -> Result<CheckpointMeta, CheckpointError> {
+    let meta = read_meta(dir)?;
+    for expected in &meta.files {
+        let invalid = |reason: String| CheckpointError::Invalid {
+            path: dir.to_path_buf(),
+            reason,
+        };
+        let actual = digest(&dir.join(&expected.name))
+            .map_err(|e| invalid(format!("{}: {e}", expected.name)))?;
+        if actual.bytes != expected.bytes || actual.crc32 != expected.crc32 {
+            return Err(invalid(format!(
+                "{}: {} bytes with CRC {:08x}, expected {} bytes with CRC {:08x}",
+                expected.name, actual.bytes, actual.crc32, expected.bytes, expected.crc32
+            )));
+        }
+    }
+    Ok(meta)
+}
+
 /// One step's verified stage directories, and which holds each part.
 struct Step {
     dir: PathBuf,
@@ -308,12 +319,18 @@ struct Step {
 }
 
 impl Step {
-    fn read(dir: PathBuf, shape: &TransformerShape) -> Result<Step, CheckpointError> {
+    /// `check` is [`verify`] when loading, and the cheaper [`read_meta`]
+    /// when pruning (which must not re-read every checkpoint on every save).
+    fn read(
+        dir: PathBuf,
+        shape: &TransformerShape,
+        check: fn(&Path) -> Result<CheckpointMeta, CheckpointError>,
+    ) -> Result<Step, CheckpointError> {
         let mut stages = Vec::new();
         let mut holder = BTreeMap::new();
         let mut skipped = Vec::new();
         for (_, stage_dir) in numbered(&dir, STAGE_PREFIX)? {
-            match verify(&stage_dir) {
+            match check(&stage_dir) {
                 Ok(meta) if &meta.shape == shape => {
                     for part in meta.layout().parts() {
                         holder.entry(part).or_insert(stages.len());
@@ -477,7 +494,7 @@ pub fn restore_newest(
     remove_stale_temporaries(root)?;
     let mut skipped = Vec::new();
     for (_, dir) in numbered(root, PREFIX)? {
-        let step = Step::read(dir, shape)?;
+        let step = Step::read(dir, shape, verify)?;
         skipped.extend(step.skipped.iter().cloned());
         if !step.complete(shape) {
             skipped.push(format!(
@@ -583,12 +600,14 @@ fn remove_stale_temporaries(root: &Path) -> Result<(), CheckpointError> {
 
 /// Removes every step older than the newest `keep` complete ones. Stages
 /// prune concurrently: a directory another stage removed first is fine.
+/// Completeness here is by `meta.json` alone (written last, after every file
+/// was fsynced); the CRCs are checked when a checkpoint is loaded.
 fn prune(root: &Path, shape: &TransformerShape, keep: usize) -> Result<(), CheckpointError> {
     let steps = numbered(root, PREFIX)?;
     let mut complete = 0;
     let mut oldest_kept = None;
     for (n, dir) in &steps {
-        if Step::read(dir.clone(), shape)?.complete(shape) {
+        if Step::read(dir.clone(), shape, read_meta)?.complete(shape) {
             complete += 1;
             if complete == keep {
                 oldest_kept = Some(*n);

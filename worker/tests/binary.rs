@@ -14,20 +14,11 @@ use headroom_planner::{
 };
 use headroom_worker::run::{DEVICE_MEMORY_LIMIT_ENV, TERMINATION_MESSAGE_PATH_ENV};
 
-fn tiny() -> TransformerShape {
-    TransformerShape {
-        layers: 2,
-        hidden: 32,
-        heads: 4,
-        sequence_length: 16,
-        vocabulary: 24,
-        feed_forward: None,
-        tied_embeddings: true,
-    }
-}
+mod common;
+use common::tiny_shape;
 
 fn assignment(steps: u64, micro_batch: Option<u32>) -> WorkerAssignment {
-    assignment_for(tiny(), 8, steps, micro_batch, None)
+    assignment_for(tiny_shape(), 8, steps, micro_batch, None)
 }
 
 fn assignment_for(
@@ -271,7 +262,7 @@ fn sigterm_saves_a_checkpoint_and_exits() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A 2-stage plan for [`tiny`]: blocks 0..1 and 1..2.
+/// A 2-stage plan for [`tiny_shape`]: blocks 0..1 and 1..2.
 fn two_stage(steps: u64, stage: u32) -> WorkerAssignment {
     let mut a = assignment(steps, Some(2));
     let mut second = a.plan.stages[0].clone();

@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::net::TcpListener;
 use std::path::Path;
 use std::time::Duration;
 
@@ -50,15 +49,7 @@ fn run(
     dir: Option<&Path>,
 ) -> Vec<f64> {
     let split = balanced_split(shape.layers, p).expect("split");
-    let listeners: Vec<TcpListener> = (0..p)
-        .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind"))
-        .collect();
-    let peers = Peers::Static(
-        listeners
-            .iter()
-            .map(|l| l.local_addr().expect("addr").to_string())
-            .collect(),
-    );
+    let (listeners, peers) = Peers::loopback(p).expect("loopback sockets");
     let mut start = 0;
     let handles: Vec<_> = listeners
         .into_iter()

@@ -354,15 +354,7 @@ fn pipeline_case() -> Case {
 fn pipeline_throughput(case: &Case, p: u32, steps: u64) -> f64 {
     use headroom_worker::pipeline::{Hello, Peers, establish};
     let a = split_assignment(&assignment(case, 1_000_000), p);
-    let listeners: Vec<std::net::TcpListener> = (0..p)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("bind"))
-        .collect();
-    let peers = Peers::Static(
-        listeners
-            .iter()
-            .map(|l| l.local_addr().expect("addr").to_string())
-            .collect(),
-    );
+    let (listeners, peers) = Peers::loopback(p).expect("loopback sockets");
     let handles: Vec<_> = listeners
         .into_iter()
         .enumerate()

@@ -96,6 +96,19 @@ pub enum Peers {
 }
 
 impl Peers {
+    /// `n` sockets listening on loopback ports the OS picks, and the peers
+    /// addressing them: all stages on one machine (tests, benchmarks).
+    pub fn loopback(n: u32) -> std::io::Result<(Vec<TcpListener>, Peers)> {
+        let listeners = (0..n)
+            .map(|_| TcpListener::bind("127.0.0.1:0"))
+            .collect::<std::io::Result<Vec<_>>>()?;
+        let addresses = listeners
+            .iter()
+            .map(|l| l.local_addr().map(|a| a.to_string()))
+            .collect::<std::io::Result<_>>()?;
+        Ok((listeners, Peers::Static(addresses)))
+    }
+
     fn resolve(&self, stage: u32) -> Result<Vec<SocketAddr>, String> {
         let k = stage as usize;
         match self {
@@ -339,15 +352,8 @@ mod tests {
         }
     }
 
-    fn listeners(n: usize) -> (Vec<TcpListener>, Peers) {
-        let ls: Vec<TcpListener> = (0..n)
-            .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind"))
-            .collect();
-        let addresses = ls
-            .iter()
-            .map(|l| l.local_addr().expect("addr").to_string())
-            .collect();
-        (ls, Peers::Static(addresses))
+    fn listeners(n: u32) -> (Vec<TcpListener>, Peers) {
+        Peers::loopback(n).expect("loopback sockets")
     }
 
     #[test]
