@@ -12,11 +12,19 @@
 use std::future::Future;
 use std::time::Duration;
 
-use headroom_api::MemoryAwareTrainingJob;
+use headroom_api::{JobPhase, MemoryAwareTrainingJob, MemoryAwareTrainingJobStatus};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::api::{Api, DeleteParams, ListParams, LogParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
+
+/// Whether the job has ended: Succeeded or Failed.
+pub fn ended(job: &MemoryAwareTrainingJob) -> bool {
+    matches!(
+        job.status.as_ref().and_then(|s| s.phase),
+        Some(JobPhase::Succeeded | JobPhase::Failed)
+    )
+}
 
 /// One test's namespace.
 #[derive(Clone)]
@@ -99,6 +107,23 @@ impl TestNs {
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
+    }
+
+    /// Waits until the job ends; fails with the namespace's state unless it
+    /// Succeeded. Returns its status.
+    pub async fn wait_succeeded(
+        &self,
+        name: &str,
+        timeout: Duration,
+    ) -> MemoryAwareTrainingJobStatus {
+        let job = self
+            .wait_job(name, "Succeeded or Failed", timeout, ended)
+            .await;
+        let status = job.status.unwrap_or_default();
+        if status.phase != Some(JobPhase::Succeeded) {
+            panic!("job {name} ended {:?}\n{}", status.phase, self.dump().await);
+        }
+        status
     }
 
     /// Jobs' status, pods' phases and the tail of each pod's log.

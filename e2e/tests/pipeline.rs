@@ -7,35 +7,19 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use headroom_api::{AttemptOutcome, JobPhase};
+use headroom_api::AttemptOutcome;
 use headroom_e2e::TestNs;
 
 const PIPELINE: &str = include_str!("../../samples/cpu-pipeline.yaml");
 const PIPELINE_RETRY: &str = include_str!("../../samples/cpu-pipeline-retry.yaml");
 const RUN: Duration = Duration::from_secs(600);
 
-fn finished(j: &headroom_api::MemoryAwareTrainingJob) -> bool {
-    j.status
-        .as_ref()
-        .and_then(|s| s.phase)
-        .is_some_and(|p| matches!(p, JobPhase::Succeeded | JobPhase::Failed))
-}
-
 #[tokio::test]
 #[ignore = "needs a cluster with Headroom installed: make e2e"]
 async fn a_model_too_big_for_one_worker_trains_as_pipeline_stages() {
     let ns = TestNs::new("e2e-pipeline").await;
     ns.apply_job(PIPELINE).await;
-    let done = ns
-        .wait_job("split-to-fit", "Succeeded or Failed", RUN, finished)
-        .await;
-    let status = done.status.clone().expect("status");
-    assert_eq!(
-        status.phase,
-        Some(JobPhase::Succeeded),
-        "{}",
-        ns.dump().await
-    );
+    let status = ns.wait_succeeded("split-to-fit", RUN).await;
     let attempt = status.attempts.last().expect("an attempt");
     assert_eq!(attempt.outcome, AttemptOutcome::Succeeded);
     let stages = attempt.plan.stages.len();
@@ -72,16 +56,7 @@ async fn a_model_too_big_for_one_worker_trains_as_pipeline_stages() {
 async fn a_job_that_ooms_as_one_stage_is_retried_as_more_stages() {
     let ns = TestNs::new("e2e-pipeline-retry").await;
     ns.apply_job(PIPELINE_RETRY).await;
-    let done = ns
-        .wait_job("oom-then-split", "Succeeded or Failed", RUN, finished)
-        .await;
-    let status = done.status.clone().expect("status");
-    assert_eq!(
-        status.phase,
-        Some(JobPhase::Succeeded),
-        "{}",
-        ns.dump().await
-    );
+    let status = ns.wait_succeeded("oom-then-split", RUN).await;
     let first = &status.attempts[0];
     assert_eq!(first.plan.workers, 1, "the pinned first attempt");
     assert_eq!(

@@ -7,7 +7,9 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use headroom_api::{AttemptOutcome, JobPhase, MemoryAwareTrainingJob};
-use headroom_e2e::{TestNs, kubectl, operator_namespace, operator_selector, pod_phase, pod_ready};
+use headroom_e2e::{
+    TestNs, ended, kubectl, operator_namespace, operator_selector, pod_phase, pod_ready,
+};
 use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::{Api, DeleteParams, EvictParams, ListParams, LogParams};
@@ -19,10 +21,6 @@ const RUN: Duration = Duration::from_secs(600);
 
 fn phase(job: &MemoryAwareTrainingJob) -> Option<JobPhase> {
     job.status.as_ref().and_then(|s| s.phase)
-}
-
-fn terminal(job: &MemoryAwareTrainingJob) -> bool {
-    matches!(phase(job), Some(JobPhase::Succeeded | JobPhase::Failed))
 }
 
 /// samples/cpu-tiny.yaml (about 2.4 s a step on a 2-core node) with `steps`
@@ -112,7 +110,7 @@ async fn a_job_over_its_limit_is_oom_killed_and_succeeds_stricter() {
                     .min();
                 resumed_at.set(resumed_at.get().min(lowest).or(lowest));
             }
-            terminal(j)
+            ended(j)
         })
         .await;
     let status = done.status.clone().expect("status");
@@ -249,7 +247,7 @@ async fn the_operator_restarting_mid_job_duplicates_no_pods_and_the_job_finishes
     );
     let job = ns.jobs().get("tiny-cpu").await.expect("job");
     assert!(
-        !terminal(&job),
+        !ended(&job),
         "the job must still run when the operator goes"
     );
     for pod in &old {
@@ -274,16 +272,7 @@ async fn the_operator_restarting_mid_job_duplicates_no_pods_and_the_job_finishes
     )
     .await;
 
-    let done = ns
-        .wait_job("tiny-cpu", "Succeeded or Failed", RUN, terminal)
-        .await;
-    assert_eq!(
-        phase(&done),
-        Some(JobPhase::Succeeded),
-        "{}",
-        ns.dump().await
-    );
-    let status = done.status.expect("status");
+    let status = ns.wait_succeeded("tiny-cpu", RUN).await;
     assert_eq!(status.attempts.len(), 1, "the restart added no attempt");
     assert_eq!(status.attempts[0].last_step, Some(20));
     let pods = ns.pod_list().await;
@@ -395,16 +384,7 @@ async fn an_evicted_worker_resumes_from_its_checkpoint() {
         .await
         .expect("evict the worker");
 
-    let done = ns
-        .wait_job("tiny-cpu", "Succeeded or Failed", RUN, terminal)
-        .await;
-    assert_eq!(
-        phase(&done),
-        Some(JobPhase::Succeeded),
-        "{}",
-        ns.dump().await
-    );
-    let status = done.status.expect("status");
+    let status = ns.wait_succeeded("tiny-cpu", RUN).await;
     let last = status.attempts.last().expect("attempts");
     assert_eq!(
         last.last_step,
