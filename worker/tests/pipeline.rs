@@ -110,11 +110,14 @@ fn run(
             })
         })
         .collect();
-    handles
+    // Join every stage, not just the last: a stage still saving its
+    // checkpoint when the next run resumes would race that run's cleanup of
+    // half-written directories.
+    let mut all: Vec<Vec<f64>> = handles
         .into_iter()
         .map(|h| h.join().expect("stage thread"))
-        .next_back()
-        .expect("a last stage")
+        .collect();
+    all.pop().expect("a last stage")
 }
 
 fn assert_close(a: &[f64], b: &[f64], what: &str) {
