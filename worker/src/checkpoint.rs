@@ -14,7 +14,7 @@
 //!     meta.json                     written last: step, shape, parts, sizes and CRC-32s
 //!   stage-0002-0004/
 //!     block-0002.bpk block-0003.bpk head.bpk optimizer.bpk meta.json
-//!   .tmp-stage-0002-0004-<pid>/     a stage directory being written (ignored)
+//!   .tmp-stage-0002-0004-<pod>-<pid>/ a stage directory being written (ignored)
 //! ```
 //!
 //! A stage writes its directory under a temporary name, fsyncs every file and
@@ -54,6 +54,9 @@ const STAGE_PREFIX: &str = "stage-";
 const TMP_PREFIX: &str = ".tmp-";
 /// Complete checkpoints kept; older steps are removed after a successful save.
 pub const KEEP: usize = 2;
+/// A temporary stage directory untouched this long is a crashed writer's.
+/// Writing a stage's files takes seconds to minutes; this is well above.
+pub const STALE_TEMPORARY_AGE: std::time::Duration = std::time::Duration::from_secs(15 * 60);
 /// `meta.json` format.
 pub const FORMAT: u32 = 2;
 
@@ -152,7 +155,7 @@ pub fn save(
     let step_dir = root.join(dir_name(meta.step));
     fs::create_dir_all(&step_dir).map_err(io(&step_dir))?;
     let name = stage_dir_name(&layout);
-    let tmp = step_dir.join(format!("{TMP_PREFIX}{name}-{}", std::process::id()));
+    let tmp = step_dir.join(format!("{TMP_PREFIX}{name}-{}", writer_id()));
     if tmp.exists() {
         fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
     }
@@ -207,6 +210,18 @@ pub fn save(
     sync_dir(root)?;
     prune(root, &meta.shape, KEEP)?;
     Ok(done)
+}
+
+/// Tells this process's temporaries from another pod's: the pod name (the
+/// hostname) and the pid, which is often 1 in every container.
+fn writer_id() -> String {
+    let host = std::env::var("HOSTNAME").unwrap_or_default();
+    let pid = std::process::id();
+    if host.is_empty() {
+        pid.to_string()
+    } else {
+        format!("{host}-{pid}")
+    }
 }
 
 fn digest(path: &Path) -> Result<FileDigest, CheckpointError> {
@@ -578,8 +593,13 @@ fn load_stage(
     Ok((model, optimizer))
 }
 
-/// Removes half-written stage directories left by a crash.
+/// Removes half-written stage directories left by a crash. One written to
+/// in the last [`STALE_TEMPORARY_AGE`] is left alone: it may belong to a
+/// stage that is still saving (a pod of the previous attempt that outlived
+/// its deletion, or a sibling stage in the same process). Temporaries are
+/// ignored when loading, so keeping one a while longer costs only disk.
 fn remove_stale_temporaries(root: &Path) -> Result<(), CheckpointError> {
+    let now = std::time::SystemTime::now();
     for (_, step_dir) in numbered(root, PREFIX)? {
         let Ok(entries) = fs::read_dir(&step_dir) else {
             continue;
@@ -587,6 +607,12 @@ fn remove_stale_temporaries(root: &Path) -> Result<(), CheckpointError> {
         for entry in entries.flatten() {
             if entry.file_name().to_string_lossy().starts_with(TMP_PREFIX) {
                 let path = entry.path();
+                let idle = last_written(&path)
+                    .and_then(|t| now.duration_since(t).ok())
+                    .unwrap_or(std::time::Duration::MAX);
+                if idle < STALE_TEMPORARY_AGE {
+                    continue;
+                }
                 match fs::remove_dir_all(&path) {
                     Ok(()) => {}
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -596,6 +622,18 @@ fn remove_stale_temporaries(root: &Path) -> Result<(), CheckpointError> {
         }
     }
     Ok(())
+}
+
+/// When anything in `dir` (itself or a file directly in it) was last
+/// modified; `None` once it is gone.
+fn last_written(dir: &Path) -> Option<std::time::SystemTime> {
+    let mut newest = fs::metadata(dir).and_then(|m| m.modified()).ok()?;
+    for entry in fs::read_dir(dir).ok()?.flatten() {
+        if let Ok(t) = entry.metadata().and_then(|m| m.modified()) {
+            newest = newest.max(t);
+        }
+    }
+    Some(newest)
 }
 
 /// Removes every step older than the newest `keep` complete ones. Stages

@@ -132,8 +132,22 @@ fn a_torn_checkpoint_falls_back_to_the_last_good_one() {
     let block = newest.join("block-0000.bpk");
     let bytes = std::fs::read(&block).expect("read");
     std::fs::write(&block, &bytes[..bytes.len() / 2]).expect("truncate");
+    // One crashed writer's temporary, untouched for an hour, and one that a
+    // stage may still be writing.
     let tmp = dir.join("step-000000000002").join(".tmp-stage-0000-0002-1");
     std::fs::create_dir_all(&tmp).expect("tmp");
+    let an_hour_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+    let part = tmp.join("block-0000.bpk");
+    std::fs::write(&part, b"half").expect("part");
+    for path in [&part, &tmp] {
+        std::fs::File::open(path)
+            .and_then(|f| f.set_modified(an_hour_ago))
+            .expect("set mtime");
+    }
+    let live = dir
+        .join("step-000000000002")
+        .join(".tmp-stage-0000-0002-other-1");
+    std::fs::create_dir_all(&live).expect("live tmp");
 
     let mut fresh =
         Trainer::new(tiny_config(4, 1, false), Device::flex().autodiff()).expect("trainer");
@@ -147,7 +161,8 @@ fn a_torn_checkpoint_falls_back_to_the_last_good_one() {
         "{:?}",
         found.skipped
     );
-    assert!(!tmp.exists());
+    assert!(!tmp.exists(), "a stale temporary is removed");
+    assert!(live.exists(), "a temporary written just now is kept");
 
     // Saving again keeps only the newest two complete checkpoints.
     for _ in 0..3 {
