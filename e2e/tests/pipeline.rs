@@ -48,6 +48,36 @@ async fn a_model_too_big_for_one_worker_trains_as_pipeline_stages() {
             "{w:?}"
         );
     }
+    // The chart's default ReadWriteOnce checkpoint volume: the stages carry a
+    // required pod affinity to each other, which the real scheduler honoured.
+    let pods = ns.pod_list().await;
+    let stage_pods: Vec<_> = pods
+        .iter()
+        .filter(|p| {
+            p.metadata
+                .name
+                .as_deref()
+                .is_some_and(|n| n.starts_with(&format!("split-to-fit-a{}-s", attempt.number)))
+        })
+        .collect();
+    assert_eq!(stage_pods.len(), stages, "{}", ns.dump().await);
+    let nodes: BTreeSet<_> = stage_pods
+        .iter()
+        .filter_map(|p| p.spec.as_ref()?.node_name.clone())
+        .collect();
+    assert_eq!(nodes.len(), 1, "{nodes:?}");
+    for pod in &stage_pods {
+        let affinity = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.affinity.as_ref())
+            .and_then(|a| a.pod_affinity.as_ref())
+            .and_then(|a| {
+                a.required_during_scheduling_ignored_during_execution
+                    .as_ref()
+            });
+        assert!(affinity.is_some_and(|t| t.len() == 1), "{pod:?}");
+    }
     ns.cleanup().await;
 }
 

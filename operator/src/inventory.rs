@@ -3,7 +3,8 @@
 use std::collections::BTreeMap;
 
 use headroom_planner::NodeFacts;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Container, Node, Pod, PodSpec, PodStatus, ResourceRequirements};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use headroom_api::quantity::parse_bytes;
 
@@ -83,6 +84,56 @@ pub fn node_facts<'a>(node: &Node, pods: impl IntoIterator<Item = &'a Pod>) -> N
     }
 }
 
+/// Whether a pod holds devices the inventory counts (a non-terminal pod
+/// requesting a GPU or MIG slice). Device requests are immutable, so a pod
+/// that holds none never will.
+pub fn holds_devices(pod: &Pod) -> bool {
+    !pod_device_requests(pod).is_empty()
+}
+
+/// Keeps only what [`node_facts`] reads of a pod cached for its device
+/// requests: name, namespace, node, phase and device quantities. The
+/// operator caches every device-holding pod in the cluster (not only its
+/// own: other workloads' GPUs are not free), so each entry stays small.
+pub fn keep_device_facts(pod: &mut Pod) {
+    let meta = std::mem::take(&mut pod.metadata);
+    pod.metadata = ObjectMeta {
+        name: meta.name,
+        namespace: meta.namespace,
+        uid: meta.uid,
+        resource_version: meta.resource_version,
+        ..ObjectMeta::default()
+    };
+    let devices_only = |m: Option<BTreeMap<String, _>>| {
+        m.map(|m| {
+            m.into_iter()
+                .filter(|(k, _)| is_device_resource(k))
+                .collect::<BTreeMap<_, _>>()
+        })
+    };
+    pod.spec = pod.spec.take().map(|spec| PodSpec {
+        node_name: spec.node_name,
+        containers: spec
+            .containers
+            .into_iter()
+            .map(|c| Container {
+                name: c.name,
+                resources: c.resources.map(|r| ResourceRequirements {
+                    limits: devices_only(r.limits),
+                    requests: devices_only(r.requests),
+                    ..ResourceRequirements::default()
+                }),
+                ..Container::default()
+            })
+            .collect(),
+        ..PodSpec::default()
+    });
+    pod.status = pod.status.take().map(|s| PodStatus {
+        phase: s.phase,
+        ..PodStatus::default()
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -119,11 +170,51 @@ spec:
 status: {phase: Succeeded}
 "#,
         );
-        let facts = node_facts(&node, &[running, done]);
+        let facts = node_facts(&node, &[running.clone(), done.clone()]);
         assert_eq!(facts.allocatable.get("nvidia.com/gpu"), Some(&4));
         assert_eq!(facts.in_use.get("nvidia.com/gpu"), Some(&3));
         assert!(facts.schedulable);
         assert!(!facts.allocatable.contains_key("memory"));
+        assert!(holds_devices(&running) && !holds_devices(&done));
+    }
+
+    #[test]
+    fn a_pod_cached_for_its_devices_keeps_only_what_the_inventory_reads() {
+        let mut pod: Pod = from_yaml(
+            r#"
+metadata:
+  name: other-team-trainer
+  namespace: research
+  labels: {app: trainer}
+  annotations: {big: "a large annotation"}
+spec:
+  nodeName: gpu-1
+  containers:
+  - name: w
+    image: example/trainer:1
+    env: [{name: A, value: b}]
+    resources: {limits: {nvidia.com/gpu: "2", memory: 64Gi}, requests: {cpu: "8", nvidia.com/gpu: "2"}}
+status: {phase: Running, podIP: 10.0.0.9}
+"#,
+        );
+        let node: Node =
+            from_yaml("metadata: {name: gpu-1}\nstatus: {allocatable: {nvidia.com/gpu: \"8\"}}\n");
+        let before = node_facts(&node, std::slice::from_ref(&pod));
+        keep_device_facts(&mut pod);
+        assert_eq!(node_facts(&node, std::slice::from_ref(&pod)), before);
+        assert_eq!(before.in_use.get("nvidia.com/gpu"), Some(&2));
+        let yaml = serde_yaml::to_string(&pod).expect("yaml");
+        for gone in [
+            "labels",
+            "annotations",
+            "image",
+            "env",
+            "memory",
+            "cpu",
+            "podIP",
+        ] {
+            assert!(!yaml.contains(gone), "{gone} kept:\n{yaml}");
+        }
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context as _, Result};
 use clap::Parser;
-use headroom_operator::controller::children::ChildConfig;
+use headroom_operator::controller::children::{CheckpointAccess, ChildConfig};
 use headroom_operator::controller::{self, ControllerConfig};
 use headroom_operator::leader::LeaseLock;
 use headroom_operator::metrics::{Metrics, router};
@@ -41,6 +41,16 @@ struct Args {
     checkpoint_storage_class: Option<String>,
     #[arg(long, env = "HEADROOM_CHECKPOINT_SIZE", default_value = "1Gi")]
     checkpoint_size: String,
+    /// Access mode of checkpoint volumes. ReadWriteOnce keeps each job's
+    /// pipeline stages on one node; ReadWriteMany (a shared filesystem) lets
+    /// them spread over nodes.
+    #[arg(
+        long,
+        env = "HEADROOM_CHECKPOINT_ACCESS_MODE",
+        value_enum,
+        default_value = "ReadWriteOnce"
+    )]
+    checkpoint_access_mode: CheckpointAccess,
     /// Host memory limit for GPU workers whose job does not set resources.gpu.hostMemory.
     #[arg(long, env = "HEADROOM_GPU_HOST_MEMORY", default_value = "16Gi")]
     gpu_host_memory: String,
@@ -115,6 +125,7 @@ async fn main() -> Result<()> {
         children: ChildConfig {
             checkpoint_storage_class: args.checkpoint_storage_class,
             checkpoint_size: args.checkpoint_size,
+            checkpoint_access: args.checkpoint_access_mode,
             gpu_host_memory: args.gpu_host_memory,
         },
         unschedulable_grace: Duration::from_secs(args.unschedulable_grace_seconds),

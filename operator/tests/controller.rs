@@ -443,6 +443,106 @@ spec:
     ns.cleanup().await;
 }
 
+/// A GPU held by a pod that is not Headroom's is not free: with the big
+/// GPU taken by another team's pod, the job goes to the mid one it would
+/// otherwise not pick.
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn gpus_held_by_other_workloads_are_not_planned_for() {
+    use headroom_operator::inventory::node_facts;
+    use headroom_planner::{Inventory, plan};
+    use k8s_openapi::api::core::v1::Node;
+    let ns = TestNs::new("hr-busy").await;
+    let id = ns.name.rsplit('-').next().unwrap_or("x").to_string();
+    let (mid, big) = (format!("Test-Mid-{id}"), format!("Test-Big-{id}"));
+    let (mid_node, big_node) = (format!("{}-mid", ns.name), format!("{}-big", ns.name));
+    gpu_node(&ns.client, &mid_node, &mid, 40960).await;
+    gpu_node(&ns.client, &big_node, &big, 81920).await;
+    let manifest = format!(
+        r#"apiVersion: headroom.dev/v1alpha1
+kind: MemoryAwareTrainingJob
+metadata: {{name: gpu-job}}
+spec:
+  model: {{transformer: {{layers: 24, hidden: 1536, heads: 16, sequenceLength: 1024, vocabulary: 50257}}}}
+  training: {{globalBatch: 8, steps: 10, precision: bf16}}
+  resources:
+    gpu: {{types: [{mid}, {big}], maxGpus: 1}}
+  worker: {{image: headroom-worker:dev}}
+"#
+    );
+
+    // The premise: with both GPUs free the planner picks the big one.
+    let job: MemoryAwareTrainingJob = serde_yaml::from_str(&manifest).expect("job");
+    let nodes: Api<Node> = Api::all(ns.client.clone());
+    let mut facts = Vec::new();
+    for name in [&mid_node, &big_node] {
+        facts.push(node_facts(
+            &nodes.get(name).await.expect("node"),
+            std::iter::empty(),
+        ));
+    }
+    let free = plan(
+        &job.spec.job_request().expect("valid"),
+        &Inventory::from_nodes(&facts),
+    )
+    .expect("a plan");
+    assert_eq!(free.device, big, "the premise");
+
+    // Another team's pod, bound to the big GPU's node (no Headroom labels).
+    // No controller-manager here makes the namespace's default account.
+    let accounts: Api<ServiceAccount> = Api::namespaced(ns.client.clone(), &ns.name);
+    let default_account: ServiceAccount =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": "default"}}))
+            .expect("account");
+    accounts
+        .create(&kube::api::PostParams::default(), &default_account)
+        .await
+        .expect("default account");
+    let other: Pod = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "other-team-trainer", "labels": {"app": "trainer"}},
+        "spec": {"nodeName": big_node, "containers": [{"name": "w", "image": "example/trainer:1",
+            "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}
+    }))
+    .expect("pod");
+    ns.pods()
+        .create(&kube::api::PostParams::default(), &other)
+        .await
+        .expect("other pod");
+
+    let op = ns.start_operator(ControllerConfig::default());
+    ns.apply_job(&manifest).await;
+    let job = ns
+        .wait_job("gpu-job", "attempt 1", |j| attempts(j) == 1)
+        .await;
+    assert_eq!(job.status.expect("status").attempts[0].plan.device, mid);
+    let pods = ns
+        .wait_pods("the worker pod", |p| {
+            p.iter().any(|p| p.name_any() == "gpu-job-a1-s0")
+        })
+        .await;
+    let worker = pods.iter().find(|p| p.name_any() == "gpu-job-a1-s0");
+    let selector = worker
+        .and_then(|p| p.spec.as_ref()?.node_selector.clone())
+        .expect("a node selector");
+    assert_eq!(selector["nvidia.com/gpu.product"], mid);
+    op.stop().await;
+    // Bound to a node with no kubelet, the pod would never finish a graceful
+    // delete and would hold its namespace in Terminating.
+    let _ = ns
+        .pods()
+        .delete(
+            "other-team-trainer",
+            &kube::api::DeleteParams::default().grace_period(0),
+        )
+        .await;
+    for name in [&mid_node, &big_node] {
+        let _ = nodes
+            .delete(name, &kube::api::DeleteParams::default())
+            .await;
+    }
+    ns.cleanup().await;
+}
+
 #[tokio::test]
 #[ignore = "needs the control plane: make test-apiserver"]
 async fn a_job_that_cannot_be_read_does_not_stall_the_others() {

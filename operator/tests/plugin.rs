@@ -182,3 +182,75 @@ fn invalid_corpus_cross_field_rules_are_caught_offline_too() {
         );
     }
 }
+
+/// With a ReadWriteOnce checkpoint volume (the default) a job's stages share
+/// a node, so two 4-GPU nodes offer 4 stages, not 8; ReadWriteMany lets the
+/// same job spread over both.
+#[test]
+fn read_write_once_checkpoints_cap_stages_at_one_nodes_gpus() {
+    let dir = std::env::temp_dir().join(format!("headroom-plugin-rwo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let nodes = dir.join("nodes.yaml");
+    let node = |name: &str| {
+        format!(
+            "- metadata:\n    name: {name}\n    labels: {{nvidia.com/gpu.product: Tesla-T4, nvidia.com/gpu.memory: \"15360\", nvidia.com/gpu.count: \"4\"}}\n  status:\n    allocatable: {{nvidia.com/gpu: \"4\"}}\n"
+        )
+    };
+    std::fs::write(
+        &nodes,
+        format!(
+            "apiVersion: v1\nkind: NodeList\nitems:\n{}{}",
+            node("t4-a"),
+            node("t4-b")
+        ),
+    )
+    .expect("nodes file");
+    let job = dir.join("job.yaml");
+    std::fs::write(
+        &job,
+        "apiVersion: headroom.dev/v1alpha1
+kind: MemoryAwareTrainingJob
+metadata: {name: wide}
+spec:
+  model:
+    transformer: {layers: 32, hidden: 3072, heads: 24, sequenceLength: 1024, vocabulary: 50257}
+  training: {globalBatch: 64, steps: 100, precision: bf16}
+  resources:
+    gpu: {types: [Tesla-T4], maxGpus: 8}
+  worker: {image: localhost/headroom-worker:dev, backend: cuda}
+",
+    )
+    .expect("job file");
+    let plan = |mode: &str| {
+        let out = plugin(&[
+            "plan",
+            "-f",
+            job.to_str().expect("utf-8"),
+            "--nodes",
+            nodes.to_str().expect("utf-8"),
+            "--checkpoint-access-mode",
+            mode,
+            "-o",
+            "json",
+        ]);
+        let doc: serde_json::Value =
+            serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&out)));
+        doc
+    };
+    let spread = plan("ReadWriteMany");
+    let workers = spread["plan"]["workers"]
+        .as_u64()
+        .expect("a plan over both nodes");
+    assert!(
+        workers > 4,
+        "the premise: the job needs more than one node's GPUs: {spread}"
+    );
+    let one_node = plan("ReadWriteOnce");
+    assert_eq!(one_node["feasible"], false, "{one_node}");
+    let details = one_node["details"].to_string();
+    assert!(
+        details.contains("Tesla-T4") && details.contains("ReadWriteMany"),
+        "the explanation names the device and the way out: {one_node}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -57,6 +57,9 @@ pub struct DeviceType {
     pub memory_bytes: u64,
     /// Devices on schedulable nodes not requested by any pod.
     pub free: u32,
+    /// The most of those free devices on any one node: the ceiling on
+    /// stages when every stage must share a node (see [`Inventory::on_one_node`]).
+    pub free_on_one_node: u32,
     /// Devices in the cluster.
     pub total: u32,
 }
@@ -65,6 +68,8 @@ pub struct DeviceType {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Inventory {
     pub devices: Vec<DeviceType>,
+    /// Set by [`Inventory::on_one_node`]: `free` counts one node's devices.
+    pub one_node: bool,
 }
 
 impl Inventory {
@@ -78,12 +83,14 @@ impl Inventory {
                     .entry((found.resource.clone(), found.name.clone()))
                     .or_insert_with(|| DeviceType {
                         free: 0,
+                        free_on_one_node: 0,
                         total: 0,
                         ..found.clone()
                     });
                 // Heterogeneous memory under one product name: plan for the smallest.
                 entry.memory_bytes = entry.memory_bytes.min(found.memory_bytes);
                 entry.free += found.free;
+                entry.free_on_one_node = entry.free_on_one_node.max(found.free);
                 entry.total += found.total;
             }
         }
@@ -93,7 +100,10 @@ impl Inventory {
                 .cmp(&b.memory_bytes)
                 .then_with(|| a.name.cmp(&b.name))
         });
-        Inventory { devices }
+        Inventory {
+            devices,
+            one_node: false,
+        }
     }
 
     /// A CPU job: every worker gets `memory_limit_bytes`, up to `max_workers` workers.
@@ -105,9 +115,23 @@ impl Inventory {
                 resource: "memory".into(),
                 memory_bytes: memory_limit_bytes,
                 free: max_workers,
+                free_on_one_node: max_workers,
                 total: max_workers,
             }],
+            one_node: false,
         }
+    }
+
+    /// The devices one job may use when all its stages must run on one node
+    /// (the checkpoint volume is ReadWriteOnce): each type's free count
+    /// becomes the most free on a single node, so the planner never picks
+    /// more stages than a node can hold.
+    pub fn on_one_node(mut self) -> Self {
+        for device in &mut self.devices {
+            device.free = device.free_on_one_node;
+        }
+        self.one_node = true;
+        self
     }
 }
 
@@ -154,6 +178,7 @@ fn node_devices(node: &NodeFacts) -> Vec<DeviceType> {
                 resource: RESOURCE_GPU.into(),
                 memory_bytes: mib * MIB,
                 free,
+                free_on_one_node: free,
                 total,
             });
         }
@@ -184,6 +209,7 @@ fn node_devices(node: &NodeFacts) -> Vec<DeviceType> {
                     resource,
                     memory_bytes: mib * MIB,
                     free,
+                    free_on_one_node: free,
                     total,
                 });
             }
@@ -244,6 +270,15 @@ mod tests {
             (a.name.as_str(), a.free, a.total),
             ("NVIDIA-A100-SXM4-80GB", 13, 16)
         );
+
+        // Stages confined to one node: 8 A100s free on a1 (5 on a2), 4 T4s on t1.
+        let one = inv.on_one_node();
+        let free: Vec<_> = one
+            .devices
+            .iter()
+            .map(|d| (d.name.as_str(), d.free))
+            .collect();
+        assert_eq!(free, vec![("Tesla-T4", 4), ("NVIDIA-A100-SXM4-80GB", 8)]);
     }
 
     #[test]

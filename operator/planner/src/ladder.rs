@@ -116,6 +116,7 @@ pub fn next_stricter_plan(
             resource: failed.resource.clone(),
             memory_bytes: failed.device_memory_bytes,
             free: failed.workers,
+            free_on_one_node: failed.workers,
             total: failed.workers,
         });
     let profile = req.backend().profile();

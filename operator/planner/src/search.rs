@@ -291,7 +291,13 @@ pub fn plan_with(
         }
     }
 
-    Err(search.explain(&devices, &micro_batches, &checkpointing))
+    let mut infeasible = search.explain(&devices, &micro_batches, &checkpointing);
+    if inventory.one_node && devices.iter().any(|d| d.kind == DeviceKind::Gpu) {
+        infeasible.details.push(
+            "stages share one node (the checkpoint volume is ReadWriteOnce), so each count above is one node's free GPUs; a ReadWriteMany checkpoint volume (Helm checkpoints.accessMode) lets stages spread over nodes".into(),
+        );
+    }
+    Err(infeasible)
 }
 
 fn list<T: std::fmt::Display>(items: &[T]) -> String {

@@ -1,6 +1,7 @@
 //! `kubectl headroom` — ask Headroom whether a job fits, and how, before any pod runs.
 //!
 //!     kubectl headroom plan -f job.yaml [--nodes nodes.yaml] [-o table|json|yaml]
+//!         [--checkpoint-access-mode ReadWriteOnce|ReadWriteMany]
 //!
 //! Exit codes: 0 a plan exists, 3 no feasible plan, 1 bad input or cluster error.
 
@@ -10,6 +11,7 @@ use std::process::ExitCode;
 use anyhow::{Context, Result, anyhow, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use headroom_api::MemoryAwareTrainingJob;
+use headroom_operator::controller::children::CheckpointAccess;
 use headroom_operator::inventory::node_facts;
 use headroom_operator::report::{infeasible_text, plan_table};
 use headroom_planner::{Inventory, NodeFacts, plan};
@@ -39,6 +41,10 @@ enum Command {
         nodes: Option<PathBuf>,
         #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table)]
         output: Output,
+        /// The operator's checkpoint access mode (Helm `checkpoints.accessMode`):
+        /// with ReadWriteOnce a job's stages must fit on one node's free GPUs.
+        #[arg(long, value_enum, default_value = "ReadWriteOnce")]
+        checkpoint_access_mode: CheckpointAccess,
     },
 }
 
@@ -64,6 +70,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         file,
         nodes,
         output,
+        checkpoint_access_mode,
     } = cli.command;
     let jobs = read_jobs(&file)?;
     // Validate every spec before touching the cluster: bad input fails fast and offline.
@@ -85,6 +92,12 @@ fn run(cli: Cli) -> Result<ExitCode> {
         (Some(path), _) => Inventory::from_nodes(&read_nodes(path)?),
         (None, true) => Inventory::from_nodes(&cluster_nodes()?),
         (None, false) => Inventory::default(),
+    };
+    // The same device counts the operator plans with.
+    let inventory = if checkpoint_access_mode.stages_share_a_node() {
+        inventory.on_one_node()
+    } else {
+        inventory
     };
     let mut all_fit = true;
     let mut machine = Vec::new();

@@ -13,15 +13,15 @@ use headroom_api::{
 };
 use headroom_planner::{DeviceKind, ModelShape, Plan};
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, ObjectFieldSelector,
+    Affinity, Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, ObjectFieldSelector,
     PersistentVolumeClaim, PersistentVolumeClaimSpec, PersistentVolumeClaimVolumeSource, Pod,
-    PodSecurityContext, PodSpec, ResourceRequirements, SeccompProfile, SecurityContext, Service,
-    ServiceAccount, ServicePort, ServiceSpec, Toleration, Volume, VolumeMount,
-    VolumeResourceRequirements,
+    PodAffinity, PodAffinityTerm, PodSecurityContext, PodSpec, ResourceRequirements,
+    SeccompProfile, SecurityContext, Service, ServiceAccount, ServicePort, ServiceSpec, Toleration,
+    Volume, VolumeMount, VolumeResourceRequirements,
 };
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use kube::{Resource, ResourceExt};
 
 /// Operator-wide settings that shape children (from flags / Helm values).
@@ -31,6 +31,9 @@ pub struct ChildConfig {
     pub checkpoint_storage_class: Option<String>,
     /// Size of the checkpoint PVC, e.g. `1Gi`.
     pub checkpoint_size: String,
+    /// Access mode of the checkpoint PVC; with ReadWriteOnce every stage of
+    /// a pipeline runs on one node, since they all write to it.
+    pub checkpoint_access: CheckpointAccess,
     /// Host memory limit of GPU worker pods when the job does not set `resources.gpu.hostMemory`.
     pub gpu_host_memory: String,
 }
@@ -40,8 +43,36 @@ impl Default for ChildConfig {
         ChildConfig {
             checkpoint_storage_class: None,
             checkpoint_size: "1Gi".into(),
+            checkpoint_access: CheckpointAccess::default(),
             gpu_host_memory: "16Gi".into(),
         }
+    }
+}
+
+/// Access mode of each job's checkpoint volume. All stages of a pipeline
+/// write their parts of a step to the one volume, so a ReadWriteOnce volume
+/// (one node attaches it) confines a job's stages to one node, and only a
+/// ReadWriteMany one (NFS, CephFS, a cloud file store) lets them spread.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum CheckpointAccess {
+    #[default]
+    #[value(name = "ReadWriteOnce")]
+    ReadWriteOnce,
+    #[value(name = "ReadWriteMany")]
+    ReadWriteMany,
+}
+
+impl CheckpointAccess {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CheckpointAccess::ReadWriteOnce => "ReadWriteOnce",
+            CheckpointAccess::ReadWriteMany => "ReadWriteMany",
+        }
+    }
+
+    /// Whether a job's stages must share a node.
+    pub fn stages_share_a_node(self) -> bool {
+        self == CheckpointAccess::ReadWriteOnce
     }
 }
 
@@ -189,7 +220,7 @@ pub fn checkpoint_claim(
     PersistentVolumeClaim {
         metadata: meta(job, checkpoint_claim_name(job), job_labels(job)),
         spec: Some(PersistentVolumeClaimSpec {
-            access_modes: Some(vec!["ReadWriteOnce".into()]),
+            access_modes: Some(vec![config.checkpoint_access.as_str().into()]),
             storage_class_name: config.checkpoint_storage_class.clone(),
             resources: Some(VolumeResourceRequirements {
                 requests: Some(
@@ -354,6 +385,32 @@ pub fn worker_pod(
     labels.insert(LABEL_ATTEMPT.into(), attempt.to_string());
     labels.insert(LABEL_STAGE.into(), stage.to_string());
 
+    // Stages of one attempt together on one node when their shared
+    // checkpoint volume can attach to only one. The first stage's own labels
+    // match the term, so the scheduler may place it anywhere; the planner
+    // sized the stage count by the free devices of one node.
+    let affinity = (multi && config.checkpoint_access.stages_share_a_node()).then(|| Affinity {
+        pod_affinity: Some(PodAffinity {
+            required_during_scheduling_ignored_during_execution: Some(vec![PodAffinityTerm {
+                label_selector: Some(LabelSelector {
+                    match_labels: Some(
+                        [
+                            (LABEL_JOB.to_string(), job.name_any()),
+                            (LABEL_ATTEMPT.to_string(), attempt.to_string()),
+                        ]
+                        .into_iter()
+                        .collect(),
+                    ),
+                    ..LabelSelector::default()
+                }),
+                topology_key: "kubernetes.io/hostname".into(),
+                ..PodAffinityTerm::default()
+            }]),
+            ..PodAffinity::default()
+        }),
+        ..Affinity::default()
+    });
+
     Ok(Pod {
         metadata: meta(job, pod_name(job, attempt, stage), labels),
         spec: Some(PodSpec {
@@ -362,6 +419,7 @@ pub fn worker_pod(
             hostname: multi.then(|| format!("s{stage}")),
             subdomain: multi.then(|| service_name(job)),
             node_selector: (!node_selector.is_empty()).then_some(node_selector),
+            affinity,
             tolerations: (!tolerations.is_empty()).then_some(tolerations),
             security_context: Some(PodSecurityContext {
                 run_as_non_root: Some(true),
@@ -509,6 +567,56 @@ pub(crate) mod tests {
         );
         assert!(spec.node_selector.is_none(), "CPU jobs need no GPU node");
         assert!(spec.subdomain.is_none(), "single worker needs no service");
+    }
+
+    #[test]
+    fn pipeline_stages_share_a_node_only_when_the_checkpoint_volume_is_read_write_once() {
+        let job = job(include_str!("../../../samples/cpu-pipeline.yaml"));
+        let plan = first_plan(&job.spec);
+        assert!(plan.workers > 1, "the sample is a pipeline: {plan:?}");
+        let affinity = |config: &ChildConfig| {
+            let pod = worker_pod(&job, 2, 1, &plan, config).expect("pod");
+            pod.spec.expect("spec").affinity
+        };
+
+        let rwo = ChildConfig::default();
+        let term = affinity(&rwo)
+            .and_then(|a| a.pod_affinity)
+            .and_then(|a| a.required_during_scheduling_ignored_during_execution)
+            .expect("a required pod-affinity term")
+            .remove(0);
+        assert_eq!(term.topology_key, "kubernetes.io/hostname");
+        let selector = term
+            .label_selector
+            .and_then(|l| l.match_labels)
+            .expect("labels");
+        assert_eq!(selector[LABEL_JOB], job.name_any());
+        assert_eq!(selector[LABEL_ATTEMPT], "2", "this attempt's stages only");
+        assert_eq!(
+            checkpoint_claim(&job, &rwo)
+                .spec
+                .and_then(|s| s.access_modes),
+            Some(vec!["ReadWriteOnce".to_string()])
+        );
+
+        let rwx = ChildConfig {
+            checkpoint_access: CheckpointAccess::ReadWriteMany,
+            ..ChildConfig::default()
+        };
+        assert!(affinity(&rwx).is_none(), "stages may spread over nodes");
+        assert_eq!(
+            checkpoint_claim(&job, &rwx)
+                .spec
+                .and_then(|s| s.access_modes),
+            Some(vec!["ReadWriteMany".to_string()])
+        );
+
+        let single = first_plan(&cpu_job().spec);
+        let pod = worker_pod(&cpu_job(), 1, 0, &single, &rwo).expect("pod");
+        assert!(
+            pod.spec.expect("spec").affinity.is_none(),
+            "one stage, nothing to co-locate"
+        );
     }
 
     #[test]

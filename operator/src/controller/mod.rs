@@ -81,6 +81,9 @@ pub struct Context {
     pub client: Client,
     pub pods: Store<Pod>,
     pub nodes: Store<Node>,
+    /// Every pod in the cluster that holds GPUs, Headroom's or not, trimmed
+    /// to its node and device requests: the inventory's in-use counts.
+    pub device_pods: Store<Pod>,
     pub recorder: Recorder,
     pub metrics: Arc<Metrics>,
     pub config: ControllerConfig,
@@ -153,6 +156,28 @@ pub async fn run(
         .reflect(node_writer)
         .for_each(|_| std::future::ready(()));
 
+    // GPUs held by any pod, not only ours, are not free. Terminal pods are
+    // filtered by the API server, pods without devices dropped here (device
+    // requests are immutable) and the rest trimmed to what the inventory
+    // reads, so the cache stays small on a big cluster.
+    let (device_pods, device_writer) = reflector::store();
+    let device_watch = watcher(
+        Api::<Pod>::all(client.clone()),
+        watcher::Config::default().fields("status.phase!=Succeeded,status.phase!=Failed"),
+    )
+    .default_backoff()
+    .filter(|event| {
+        std::future::ready(match event {
+            Ok(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod)) => {
+                crate::inventory::holds_devices(pod)
+            }
+            _ => true,
+        })
+    })
+    .modify(crate::inventory::keep_device_facts)
+    .reflect(device_writer)
+    .for_each(|_| std::future::ready(()));
+
     let recorder = Recorder::new(
         client.clone(),
         Reporter {
@@ -164,6 +189,7 @@ pub async fn run(
         client,
         pods: pods.clone(),
         nodes: nodes.clone(),
+        device_pods: device_pods.clone(),
         recorder,
         metrics: metrics.clone(),
         config: config.clone(),
@@ -177,12 +203,18 @@ pub async fn run(
         tokio::select! {
             _ = pod_watch => tracing::warn!("pod watch ended"),
             _ = node_watch => tracing::warn!("node watch ended"),
+            _ = device_watch => tracing::warn!("device pod watch ended"),
         }
     };
     let shutdown = futures::FutureExt::shared(shutdown);
     let controlled = async {
         tokio::select! {
-            ready = async { pods.wait_until_ready().await.and(nodes.wait_until_ready().await) } => {
+            ready = async {
+                pods.wait_until_ready()
+                    .await
+                    .and(nodes.wait_until_ready().await)
+                    .and(device_pods.wait_until_ready().await)
+            } => {
                 if ready.is_err() {
                     return;
                 }
@@ -279,11 +311,17 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
         .collect();
     let inventory = if job.spec.resources.gpu.is_some() {
         let nodes = ctx.nodes.state();
+        let device_pods = ctx.device_pods.state();
         let facts: Vec<_> = nodes
             .iter()
-            .map(|n| node_facts(n, all_pods.iter().map(AsRef::as_ref)))
+            .map(|n| node_facts(n, device_pods.iter().map(AsRef::as_ref)))
             .collect();
-        Inventory::from_nodes(&facts)
+        let inventory = Inventory::from_nodes(&facts);
+        if ctx.config.children.checkpoint_access.stages_share_a_node() {
+            inventory.on_one_node()
+        } else {
+            inventory
+        }
     } else {
         Inventory::default()
     };
