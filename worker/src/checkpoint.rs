@@ -212,15 +212,16 @@ pub fn save(
     Ok(done)
 }
 
-/// Tells this process's temporaries from another pod's: the pod name (the
-/// hostname) and the pid, which is often 1 in every container.
+/// Tells this process's temporaries from another pod's: the pod name (a
+/// stage's hostname is `s<k>` in every attempt, so not that) and the pid,
+/// which is often 1 in every container.
 fn writer_id() -> String {
-    let host = std::env::var("HOSTNAME").unwrap_or_default();
+    let pod = std::env::var(headroom_api::POD_NAME_ENV).unwrap_or_default();
     let pid = std::process::id();
-    if host.is_empty() {
+    if pod.is_empty() {
         pid.to_string()
     } else {
-        format!("{host}-{pid}")
+        format!("{pod}-{pid}")
     }
 }
 
