@@ -50,12 +50,33 @@ spec:
   worker: {image: localhost/headroom-worker:dev, backend: cuda}
 "#;
 
-/// 4M parameters: fits one T4 easily.
+/// 4M parameters: fits one T4 easily. It tolerates the fake node's taint,
+/// as a job would a team's dedicated GPU pool.
 const FITS_A_T4: &str = r#"
 apiVersion: headroom.dev/v1alpha1
 kind: MemoryAwareTrainingJob
 metadata:
   name: fits-a-t4
+spec:
+  model:
+    transformer: {layers: 4, hidden: 256, heads: 4, sequenceLength: 128, vocabulary: 4096}
+  training: {globalBatch: 32, steps: 10}
+  resources:
+    gpu: {types: [Tesla-T4], maxGpus: 1, hostMemory: 256Mi}
+  memoryPolicy: {maxAttempts: 1}
+  worker:
+    image: localhost/headroom-worker:dev
+    backend: cuda
+    tolerations: [{key: headroom.dev/e2e-fake-node, operator: Exists, effect: NoSchedule}]
+"#;
+
+/// The same job without the toleration: the only T4s are on a node its
+/// pods may not use, so there is no plan (rather than a pod that never schedules).
+const T4_NOT_TOLERATED: &str = r#"
+apiVersion: headroom.dev/v1alpha1
+kind: MemoryAwareTrainingJob
+metadata:
+  name: t4-not-tolerated
 spec:
   model:
     transformer: {layers: 4, hidden: 256, heads: 4, sequenceLength: 128, vocabulary: 4096}
@@ -269,21 +290,36 @@ fn selector_and_gpus(pod: &Pod) -> (Option<String>, Option<String>, Vec<String>)
     (product, gpus, tolerations)
 }
 
+/// Ready, and the node lifecycle controller has lifted the not-ready taint
+/// every new node gets (TaintNodesByCondition): until then no pod may go
+/// there, so the planner does not count its GPUs either.
 async fn fake_node_ready(ns: &TestNs, fake_node: &str) -> bool {
     Api::<Node>::all(ns.client.clone())
         .get(fake_node)
         .await
-        .is_ok_and(|n| ready(&n))
+        .is_ok_and(|n| {
+            let not_ready_taint = n
+                .spec
+                .as_ref()
+                .and_then(|s| s.taints.as_ref())
+                .is_some_and(|t| t.iter().any(|t| t.key == "node.kubernetes.io/not-ready"));
+            ready(&n) && !not_ready_taint
+        })
 }
 
 async fn the_test(ns: TestNs, node: String, fake_node: String) {
-    // Both jobs are planned against the labelled cluster.
-    assert!(
-        fake_node_ready(&ns, &fake_node).await,
-        "{fake_node} went NotReady before the jobs were applied"
-    );
+    // The jobs are planned against the labelled cluster.
+    ns.wait_for(
+        "the fake node Ready without the not-ready taint",
+        Duration::from_secs(60),
+        || async { fake_node_ready(&ns, &fake_node).await.then_some(()) },
+    )
+    .await;
+    // The operator plans from its node cache: let the watch deliver the change.
+    tokio::time::sleep(Duration::from_secs(1)).await;
     ns.apply_job(NEEDS_A100).await;
     ns.apply_job(FITS_A_T4).await;
+    ns.apply_job(T4_NOT_TOLERATED).await;
     let big = ns
         .wait_job("needs-a100", "a plan", Duration::from_secs(60), |j| {
             plan_device(j).is_some()
@@ -368,6 +404,37 @@ async fn the_test(ns: TestNs, node: String, fake_node: String) {
     assert_eq!(gpus.as_deref(), Some("1"));
     let pod = ns.pods().get("fits-a-t4-a1-s0").await.expect("pod");
     assert_eq!(pod_phase(&pod), "Pending", "nothing runs on the fake node");
+    let tolerated: Vec<String> = pod
+        .spec
+        .and_then(|s| s.tolerations)
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|t| t.key)
+        .collect();
+    assert!(tolerated.contains(&FAKE_MARK.to_string()), "{tolerated:?}");
+
+    // Without the toleration the fake node's T4s are not the job's to plan.
+    let refused = ns
+        .wait_job("t4-not-tolerated", "Failed", Duration::from_secs(60), |j| {
+            j.status
+                .as_ref()
+                .is_some_and(|s| s.phase == Some(JobPhase::Failed))
+        })
+        .await;
+    let status = refused.status.expect("status");
+    assert!(
+        status.attempts.is_empty(),
+        "no attempt, no pod: {:?}",
+        status.attempts
+    );
+    assert!(
+        status
+            .message
+            .as_deref()
+            .is_some_and(|m| m.contains("no node offers the allowed GPU types [Tesla-T4]")),
+        "{:?}",
+        status.message
+    );
 }
 
 #[tokio::test]
@@ -385,7 +452,8 @@ async fn gfd_labelled_nodes_get_the_pods_of_the_jobs_that_need_them() {
 
     let ns = TestNs::new("e2e-gpu").await;
     let outcome = tokio::spawn(the_test(ns.clone(), node.clone(), fake_node)).await;
-    // Jobs first (their pending pod must not outlive the fake node's taint), then the node.
+    // Jobs first, then the node (a pod bound to the fake node, which has no
+    // kubelet to confirm its deletion, is then removed by the pod GC).
     let _ = ns
         .jobs()
         .delete_collection(&DeleteParams::default(), &ListParams::default())

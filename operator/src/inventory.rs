@@ -1,9 +1,14 @@
-//! Node and Pod objects → the planner's [`NodeFacts`].
+//! Node and Pod objects → the planner's [`NodeFacts`], and the inventory one
+//! job may use: the nodes its workers may be placed on (its node selector,
+//! the taints it tolerates), less the devices any pod already holds.
 
 use std::collections::BTreeMap;
 
-use headroom_planner::NodeFacts;
-use k8s_openapi::api::core::v1::{Container, Node, Pod, PodSpec, PodStatus, ResourceRequirements};
+use headroom_api::MemoryAwareTrainingJob;
+use headroom_planner::{DeviceKind, Inventory, NodeFacts};
+use k8s_openapi::api::core::v1::{
+    Container, Node, Pod, PodSpec, PodStatus, ResourceRequirements, Taint, Toleration,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use headroom_api::quantity::parse_bytes;
@@ -81,6 +86,93 @@ pub fn node_facts<'a>(node: &Node, pods: impl IntoIterator<Item = &'a Pod>) -> N
         allocatable,
         in_use,
         schedulable: !cordoned && !not_ready,
+    }
+}
+
+/// The toleration every GPU worker carries: GPU nodes are commonly tainted
+/// `nvidia.com/gpu:NoSchedule` so that only pods that need a GPU land there.
+pub fn gpu_toleration() -> Toleration {
+    Toleration {
+        key: Some("nvidia.com/gpu".into()),
+        operator: Some("Exists".into()),
+        effect: Some("NoSchedule".into()),
+        ..Toleration::default()
+    }
+}
+
+/// The tolerations of a job's worker pods on `kind` devices: the user's
+/// (`spec.worker.tolerations`), then Headroom's GPU one.
+pub fn worker_tolerations(job: &MemoryAwareTrainingJob, kind: DeviceKind) -> Vec<Toleration> {
+    let mut out = job.spec.worker.tolerations.clone();
+    if kind == DeviceKind::Gpu {
+        out.push(gpu_toleration());
+    }
+    out
+}
+
+/// The scheduler's rule: an empty effect matches every effect; `Exists`
+/// with an empty key matches every taint; `Equal` (the default) needs the
+/// same key and value.
+fn tolerates(toleration: &Toleration, taint: &Taint) -> bool {
+    let effect_ok = toleration
+        .effect
+        .as_deref()
+        .is_none_or(|e| e.is_empty() || e == taint.effect);
+    let key = toleration.key.as_deref().unwrap_or("");
+    let matches = match toleration.operator.as_deref().unwrap_or("Equal") {
+        "Exists" => key.is_empty() || key == taint.key,
+        _ => {
+            key == taint.key
+                && toleration.value.as_deref().unwrap_or("") == taint.value.as_deref().unwrap_or("")
+        }
+    };
+    effect_ok && matches
+}
+
+/// Whether a worker pod with this node selector and these tolerations may
+/// be placed on `node`: every selector label matches, and every NoSchedule
+/// or NoExecute taint is tolerated (PreferNoSchedule only prefers).
+pub fn admits(
+    node: &Node,
+    selector: &BTreeMap<String, String>,
+    tolerations: &[Toleration],
+) -> bool {
+    let labels = node.metadata.labels.as_ref();
+    let selected = selector
+        .iter()
+        .all(|(k, v)| labels.and_then(|l| l.get(k)) == Some(v));
+    let taints = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.as_deref())
+        .unwrap_or(&[]);
+    let tolerated = taints
+        .iter()
+        .filter(|t| t.effect == "NoSchedule" || t.effect == "NoExecute")
+        .all(|taint| tolerations.iter().any(|t| tolerates(t, taint)));
+    selected && tolerated
+}
+
+/// The GPU inventory `job` may plan with: the nodes its GPU workers may be
+/// placed on, less the devices `pods` hold; with `one_node`, each device
+/// type's free count is one node's (the job's stages must share a node).
+pub fn job_inventory<'a>(
+    job: &MemoryAwareTrainingJob,
+    nodes: impl IntoIterator<Item = &'a Node>,
+    pods: impl Iterator<Item = &'a Pod> + Clone,
+    one_node: bool,
+) -> Inventory {
+    let tolerations = worker_tolerations(job, DeviceKind::Gpu);
+    let facts: Vec<NodeFacts> = nodes
+        .into_iter()
+        .filter(|n| admits(n, &job.spec.worker.node_selector, &tolerations))
+        .map(|n| node_facts(n, pods.clone()))
+        .collect();
+    let inventory = Inventory::from_nodes(&facts);
+    if one_node {
+        inventory.on_one_node()
+    } else {
+        inventory
     }
 }
 
@@ -176,6 +268,103 @@ status: {phase: Succeeded}
         assert!(facts.schedulable);
         assert!(!facts.allocatable.contains_key("memory"));
         assert!(holds_devices(&running) && !holds_devices(&done));
+    }
+
+    #[test]
+    fn placement_follows_the_schedulers_selector_and_taint_rules() {
+        let node: Node = from_yaml(
+            r#"
+metadata: {name: n, labels: {pool: train, zone: a}}
+spec:
+  taints:
+  - {key: nvidia.com/gpu, value: present, effect: NoSchedule}
+  - {key: dedicated, value: research, effect: NoExecute}
+  - {key: soft, effect: PreferNoSchedule}
+"#,
+        );
+        let tol = |y: &str| -> Toleration { from_yaml(y) };
+        let gpu = gpu_toleration();
+        let research = tol("{key: dedicated, operator: Equal, value: research}");
+        let selector = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        let none = selector(&[]);
+        assert!(admits(&node, &none, &[gpu.clone(), research.clone()]));
+        assert!(
+            !admits(&node, &none, std::slice::from_ref(&gpu)),
+            "dedicated not tolerated"
+        );
+        assert!(
+            !admits(&node, &none, std::slice::from_ref(&research)),
+            "the GPU taint not tolerated"
+        );
+        let other_value = tol("{key: dedicated, value: production}");
+        assert!(!admits(&node, &none, &[gpu.clone(), other_value]));
+        let wrong_effect = tol("{key: dedicated, value: research, effect: NoSchedule}");
+        assert!(!admits(&node, &none, &[gpu.clone(), wrong_effect]));
+        assert!(
+            admits(&node, &none, &[tol("{operator: Exists}")]),
+            "tolerates everything"
+        );
+        assert!(admits(
+            &node,
+            &selector(&[("pool", "train")]),
+            &[gpu.clone(), research.clone()]
+        ));
+        assert!(!admits(
+            &node,
+            &selector(&[("pool", "serve")]),
+            &[gpu.clone(), research.clone()]
+        ));
+        assert!(!admits(
+            &node,
+            &selector(&[("gpu", "yes")]),
+            &[gpu, research]
+        ));
+    }
+
+    #[test]
+    fn a_jobs_inventory_counts_only_nodes_its_workers_may_use() {
+        let gpu_node = |name: &str, product: &str, extra: &str| -> Node {
+            from_yaml(&format!(
+                "metadata: {{name: {name}, labels: {{nvidia.com/gpu.product: {product}, nvidia.com/gpu.memory: \"81920\"{extra}}}}}\nstatus: {{allocatable: {{nvidia.com/gpu: \"8\"}}}}\n"
+            ))
+        };
+        let mut tainted = gpu_node("tainted", "A", ", pool: train");
+        tainted.spec = Some(from_yaml(
+            "taints: [{key: dedicated, value: research, effect: NoSchedule}]",
+        ));
+        let nodes = [
+            tainted,
+            gpu_node("plain", "B", ", pool: train"),
+            gpu_node("other-pool", "C", ""),
+        ];
+        let mut job: MemoryAwareTrainingJob =
+            from_yaml(include_str!("../../samples/gpu-gpt2-medium.yaml"));
+        let names = |inv: &Inventory| -> Vec<String> {
+            inv.devices.iter().map(|d| d.name.clone()).collect()
+        };
+
+        let all = job_inventory(&job, &nodes, std::iter::empty(), false);
+        assert_eq!(
+            names(&all),
+            vec!["B", "C"],
+            "the tainted node is not tolerated"
+        );
+        job.spec
+            .worker
+            .node_selector
+            .insert("pool".into(), "train".into());
+        job.spec.worker.tolerations = vec![from_yaml("{key: dedicated, operator: Exists}")];
+        let placed = job_inventory(&job, &nodes, std::iter::empty(), false);
+        assert_eq!(
+            names(&placed),
+            vec!["A", "B"],
+            "the pool, with the research nodes"
+        );
     }
 
     #[test]

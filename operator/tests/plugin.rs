@@ -171,6 +171,10 @@ fn invalid_corpus_cross_field_rules_are_caught_offline_too() {
         ("20-cuda-backend-on-cpu.yaml", "spec.worker.backend"),
         ("21-bf16-on-cpu.yaml", "fp32 only"),
         ("26-generic-model-split.yaml", "cannot be split"),
+        (
+            "28-node-selector-on-gpu-product.yaml",
+            "spec.worker.nodeSelector",
+        ),
     ] {
         let path = format!("e2e/testdata/invalid/{file}");
         let out = plugin(&["plan", "-f", &path]);

@@ -6,9 +6,12 @@
 //! field and say what would work. [`MemoryAwareTrainingJobSpec::job_request`]
 //! repeats those checks for offline use (`kubectl headroom plan -f`).
 
+use std::collections::BTreeMap;
+
 use headroom_planner::{
     JobRequest, ModelShape, Optimizer, Plan, Precision, RetryRung, Target, memory::Backend,
 };
+use k8s_openapi::api::core::v1::Toleration;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::CustomResource;
@@ -209,8 +212,13 @@ impl Default for MemoryPolicy {
     }
 }
 
+/// The worker pods: their image, and where they may run on a shared cluster.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "!has(self.nodeSelector) || !('nvidia.com/gpu.product' in self.nodeSelector)",
+     "message": "worker.nodeSelector: Headroom chooses nvidia.com/gpu.product itself; list the allowed products in resources.gpu.types"}
+]))]
 pub struct WorkerSpec {
     /// Worker container image.
     #[schemars(length(min = 1, max = 512))]
@@ -218,6 +226,49 @@ pub struct WorkerSpec {
     /// `flex` (CPU) or `cuda`; derived from resources when unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backend: Option<Backend>,
+    /// Pull policy of the worker image; the cluster's default when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_pull_policy: Option<PullPolicy>,
+    /// Names of Secrets in the job's namespace for pulling the image from a private registry.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16), inner(length(min = 1, max = 253)))]
+    pub image_pull_secrets: Vec<String>,
+    /// Node labels every worker pod requires (a node pool, a zone). The
+    /// planner counts only the GPUs of matching nodes. Not
+    /// `nvidia.com/gpu.product`: that is chosen from `resources.gpu.types`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_selector: BTreeMap<String, String>,
+    /// Tolerations for the worker pods (GPU jobs also get
+    /// `nvidia.com/gpu:NoSchedule`). Nodes with a NoSchedule or NoExecute
+    /// taint the workers do not tolerate are left out of the plan.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub tolerations: Vec<Toleration>,
+    /// PriorityClass of the worker pods.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub priority_class_name: Option<String>,
+}
+
+/// When the kubelet pulls the worker image.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum PullPolicy {
+    /// On every pod start.
+    Always,
+    /// Only when the node does not have it.
+    IfNotPresent,
+    /// Never: the image must be on the node.
+    Never,
+}
+
+impl PullPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PullPolicy::Always => "Always",
+            PullPolicy::IfNotPresent => "IfNotPresent",
+            PullPolicy::Never => "Never",
+        }
+    }
 }
 
 fn default_optimizer() -> Optimizer {
@@ -509,6 +560,16 @@ impl MemoryAwareTrainingJobSpec {
             return Err(spec_error(
                 "training.precision",
                 "the CPU backend (flex) trains in fp32 only; set precision: fp32",
+            ));
+        }
+        if self
+            .worker
+            .node_selector
+            .contains_key(headroom_planner::inventory::LABEL_GPU_PRODUCT)
+        {
+            return Err(spec_error(
+                "worker.nodeSelector",
+                "Headroom chooses nvidia.com/gpu.product itself; list the allowed products in resources.gpu.types",
             ));
         }
         Ok(JobRequest {

@@ -12,9 +12,9 @@ use anyhow::{Context, Result, anyhow, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use headroom_api::MemoryAwareTrainingJob;
 use headroom_operator::controller::children::CheckpointAccess;
-use headroom_operator::inventory::node_facts;
+use headroom_operator::inventory::job_inventory;
 use headroom_operator::report::{infeasible_text, plan_table};
-use headroom_planner::{Inventory, NodeFacts, plan};
+use headroom_planner::{Inventory, plan};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde::Deserialize;
 
@@ -88,21 +88,29 @@ fn run(cli: Cli) -> Result<ExitCode> {
         requests.push((name, request));
     }
     let needs_cluster = jobs.iter().any(|j| j.spec.resources.gpu.is_some());
-    let inventory = match (&nodes, needs_cluster) {
-        (Some(path), _) => Inventory::from_nodes(&read_nodes(path)?),
-        (None, true) => Inventory::from_nodes(&cluster_nodes()?),
-        (None, false) => Inventory::default(),
+    let (cluster_nodes, device_pods) = match (&nodes, needs_cluster) {
+        (Some(path), _) => (read_nodes(path)?, vec![]),
+        (None, true) => cluster_state()?,
+        (None, false) => (vec![], vec![]),
     };
-    // The same device counts the operator plans with.
-    let inventory = if checkpoint_access_mode.stages_share_a_node() {
-        inventory.on_one_node()
-    } else {
-        inventory
-    };
+    // The same inventory the operator plans each job with: the nodes its
+    // workers may be placed on, less held devices, one node's worth when the
+    // checkpoint volume is ReadWriteOnce.
+    let inventories: Vec<Inventory> = jobs
+        .iter()
+        .map(|job| {
+            job_inventory(
+                job,
+                &cluster_nodes,
+                device_pods.iter(),
+                checkpoint_access_mode.stages_share_a_node(),
+            )
+        })
+        .collect();
     let mut all_fit = true;
     let mut machine = Vec::new();
-    for (name, request) in &requests {
-        let result = plan(request, &inventory);
+    for ((name, request), inventory) in requests.iter().zip(&inventories) {
+        let result = plan(request, inventory);
         all_fit &= result.is_ok();
         match output {
             Output::Table => match &result {
@@ -172,7 +180,7 @@ fn read_jobs(path: &Path) -> Result<Vec<MemoryAwareTrainingJob>> {
 }
 
 /// Nodes from a file: a NodeList/List (`items`) or Node documents.
-fn read_nodes(path: &Path) -> Result<Vec<NodeFacts>> {
+fn read_nodes(path: &Path) -> Result<Vec<Node>> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     let mut nodes: Vec<Node> = Vec::new();
@@ -197,11 +205,11 @@ fn read_nodes(path: &Path) -> Result<Vec<NodeFacts>> {
             nodes.push(node);
         }
     }
-    Ok(nodes.iter().map(|n| node_facts(n, &[])).collect())
+    Ok(nodes)
 }
 
-/// Nodes and device-holding pods from the current kubeconfig context.
-fn cluster_nodes() -> Result<Vec<NodeFacts>> {
+/// Nodes and non-terminal pods from the current kubeconfig context.
+fn cluster_state() -> Result<(Vec<Node>, Vec<Pod>)> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -215,6 +223,6 @@ fn cluster_nodes() -> Result<Vec<NodeFacts>> {
             .list(&kube::api::ListParams::default().fields("status.phase!=Succeeded,status.phase!=Failed"))
             .await
             .context("listing pods")?;
-        Ok(nodes.items.iter().map(|n| node_facts(n, &pods.items)).collect())
+        Ok((nodes.items, pods.items))
     })
 }

@@ -13,11 +13,11 @@ use headroom_api::{
 };
 use headroom_planner::{DeviceKind, ModelShape, Plan};
 use k8s_openapi::api::core::v1::{
-    Affinity, Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, ObjectFieldSelector,
-    PersistentVolumeClaim, PersistentVolumeClaimSpec, PersistentVolumeClaimVolumeSource, Pod,
-    PodAffinity, PodAffinityTerm, PodSecurityContext, PodSpec, ResourceRequirements,
-    SeccompProfile, SecurityContext, Service, ServiceAccount, ServicePort, ServiceSpec, Toleration,
-    Volume, VolumeMount, VolumeResourceRequirements,
+    Affinity, Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, LocalObjectReference,
+    ObjectFieldSelector, PersistentVolumeClaim, PersistentVolumeClaimSpec,
+    PersistentVolumeClaimVolumeSource, Pod, PodAffinity, PodAffinityTerm, PodSecurityContext,
+    PodSpec, ResourceRequirements, SeccompProfile, SecurityContext, Service, ServiceAccount,
+    ServicePort, ServiceSpec, Volume, VolumeMount, VolumeResourceRequirements,
 };
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -338,8 +338,10 @@ pub fn worker_pod(
 
     let mut limits: BTreeMap<String, Quantity> = BTreeMap::new();
     let mut requests: BTreeMap<String, Quantity> = BTreeMap::new();
-    let mut node_selector: BTreeMap<String, String> = BTreeMap::new();
-    let mut tolerations = Vec::new();
+    // The user's placement (a node pool, tolerations for its taints), which
+    // the inventory honoured when planning; the GPU product is added below.
+    let mut node_selector = spec.worker.node_selector.clone();
+    let tolerations = crate::inventory::worker_tolerations(job, plan.device_kind);
     match plan.device_kind {
         DeviceKind::Cpu => {
             // The container limit is the CPU job's device: the plan was sized against it.
@@ -372,12 +374,6 @@ pub fn worker_pod(
                     plan.device.clone(),
                 );
             }
-            tolerations.push(Toleration {
-                key: Some("nvidia.com/gpu".into()),
-                operator: Some("Exists".into()),
-                effect: Some("NoSchedule".into()),
-                ..Toleration::default()
-            });
         }
     }
 
@@ -416,6 +412,14 @@ pub fn worker_pod(
         spec: Some(PodSpec {
             restart_policy: Some("Never".into()),
             service_account_name: Some(worker_account_name(job)),
+            priority_class_name: spec.worker.priority_class_name.clone(),
+            image_pull_secrets: (!spec.worker.image_pull_secrets.is_empty()).then(|| {
+                spec.worker
+                    .image_pull_secrets
+                    .iter()
+                    .map(|name| LocalObjectReference { name: name.clone() })
+                    .collect()
+            }),
             hostname: multi.then(|| format!("s{stage}")),
             subdomain: multi.then(|| service_name(job)),
             node_selector: (!node_selector.is_empty()).then_some(node_selector),
@@ -435,6 +439,7 @@ pub fn worker_pod(
             containers: vec![Container {
                 name: "worker".into(),
                 image: Some(spec.worker.image.clone()),
+                image_pull_policy: spec.worker.image_pull_policy.map(|p| p.as_str().into()),
                 env: Some(env),
                 ports: multi.then(|| {
                     vec![ContainerPort {
@@ -640,11 +645,45 @@ pub(crate) mod tests {
             &Inventory::from_nodes(&nodes),
         )
         .expect("plan");
+        let mut job = job;
+        job.spec.worker = serde_yaml::from_str(
+            r#"
+image: registry.example/headroom-worker:1
+backend: cuda
+imagePullPolicy: IfNotPresent
+imagePullSecrets: [registry-creds]
+nodeSelector: {pool: train}
+tolerations: [{key: dedicated, operator: Equal, value: research, effect: NoSchedule}]
+priorityClassName: batch-low
+"#,
+        )
+        .expect("worker spec");
         let pod = worker_pod(&job, 2, 0, &plan, &ChildConfig::default()).expect("pod");
         let spec = pod.spec.expect("spec");
+        let selector = spec.node_selector.expect("selector");
+        assert_eq!(selector["nvidia.com/gpu.product"], "NVIDIA-L4");
+        assert_eq!(selector["pool"], "train", "the user's node pool, kept");
+        let tolerations: Vec<_> = spec
+            .tolerations
+            .expect("tolerations")
+            .into_iter()
+            .map(|t| (t.key.unwrap_or_default(), t.effect.unwrap_or_default()))
+            .collect();
         assert_eq!(
-            spec.node_selector.expect("selector")["nvidia.com/gpu.product"],
-            "NVIDIA-L4"
+            tolerations,
+            vec![
+                ("dedicated".to_string(), "NoSchedule".to_string()),
+                ("nvidia.com/gpu".to_string(), "NoSchedule".to_string())
+            ]
+        );
+        assert_eq!(spec.priority_class_name.as_deref(), Some("batch-low"));
+        assert_eq!(
+            spec.image_pull_secrets.expect("pull secrets")[0].name,
+            "registry-creds"
+        );
+        assert_eq!(
+            spec.containers[0].image_pull_policy.as_deref(),
+            Some("IfNotPresent")
         );
         let limits = spec.containers[0]
             .resources

@@ -25,7 +25,7 @@ use kube::{Client, Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::inventory::node_facts;
+use crate::inventory::job_inventory;
 use crate::metrics::{ErrorLabels, Metrics, OutcomeLabels};
 use children::ChildConfig;
 use decide::{Decision, Observation, decide};
@@ -312,16 +312,12 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
     let inventory = if job.spec.resources.gpu.is_some() {
         let nodes = ctx.nodes.state();
         let device_pods = ctx.device_pods.state();
-        let facts: Vec<_> = nodes
-            .iter()
-            .map(|n| node_facts(n, device_pods.iter().map(AsRef::as_ref)))
-            .collect();
-        let inventory = Inventory::from_nodes(&facts);
-        if ctx.config.children.checkpoint_access.stages_share_a_node() {
-            inventory.on_one_node()
-        } else {
-            inventory
-        }
+        job_inventory(
+            job,
+            nodes.iter().map(AsRef::as_ref),
+            device_pods.iter().map(AsRef::as_ref),
+            ctx.config.children.checkpoint_access.stages_share_a_node(),
+        )
     } else {
         Inventory::default()
     };
