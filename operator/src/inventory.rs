@@ -159,14 +159,24 @@ pub fn admits(
 pub fn job_inventory<'a>(
     job: &MemoryAwareTrainingJob,
     nodes: impl IntoIterator<Item = &'a Node>,
-    pods: impl Iterator<Item = &'a Pod> + Clone,
+    pods: impl IntoIterator<Item = &'a Pod>,
     one_node: bool,
 ) -> Inventory {
+    // One pass over the pods, not one per node.
+    let mut by_node: BTreeMap<&str, Vec<&Pod>> = BTreeMap::new();
+    for pod in pods {
+        if let Some(node) = pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) {
+            by_node.entry(node).or_default().push(pod);
+        }
+    }
     let tolerations = worker_tolerations(job, DeviceKind::Gpu);
     let facts: Vec<NodeFacts> = nodes
         .into_iter()
         .filter(|n| admits(n, &job.spec.worker.node_selector, &tolerations))
-        .map(|n| node_facts(n, pods.clone()))
+        .map(|n| {
+            let name = n.metadata.name.as_deref().unwrap_or_default();
+            node_facts(n, by_node.get(name).into_iter().flatten().copied())
+        })
         .collect();
     let inventory = Inventory::from_nodes(&facts);
     if one_node {
