@@ -72,17 +72,26 @@ async fn dry_run_create(api: &Api<DynamicObject>, manifest: &str) -> Result<(), 
 async fn samples_pass_server_side_dry_run() {
     let client = client_with_crd().await;
     let api = jobs_api(&client);
-    for sample in [
-        "cpu-tiny.yaml",
-        "cpu-oom-first.yaml",
-        "gpu-gpt2-medium.yaml",
-    ] {
-        let manifest =
-            std::fs::read_to_string(root().join("samples").join(sample)).expect("sample");
-        if let Err(e) = dry_run_create(&api, &manifest).await {
-            panic!("{sample} rejected: {e}");
+    // Every job sample in samples/ (nodes-gfd.yaml is a NodeList).
+    let mut samples: Vec<_> = std::fs::read_dir(root().join("samples"))
+        .expect("samples")
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    samples.sort();
+    let mut checked = 0;
+    for sample in &samples {
+        let manifest = std::fs::read_to_string(sample).expect("sample");
+        if !manifest.contains("kind: MemoryAwareTrainingJob") {
+            continue;
         }
+        if let Err(e) = dry_run_create(&api, &manifest).await {
+            panic!("{} rejected: {e}", sample.display());
+        }
+        checked += 1;
     }
+    assert!(checked >= 6, "{checked} job samples");
 }
 
 #[tokio::test]

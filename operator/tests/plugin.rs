@@ -187,6 +187,50 @@ fn invalid_corpus_cross_field_rules_are_caught_offline_too() {
     }
 }
 
+/// The team-pool sample is planned on its pool's H100s, which it selects and
+/// whose taint it tolerates; without the toleration those GPUs are not its
+/// to plan, and nothing else matches its node selector.
+#[test]
+fn a_job_is_planned_only_on_nodes_its_workers_may_use() {
+    let out = plugin(&[
+        "plan",
+        "-f",
+        "samples/gpu-team-pool.yaml",
+        "--nodes",
+        "samples/nodes-gfd.yaml",
+        "-o",
+        "json",
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(doc["plan"]["device"], "NVIDIA-H100-80GB-HBM3", "{doc}");
+
+    let sample =
+        std::fs::read_to_string(root().join("samples/gpu-team-pool.yaml")).expect("sample");
+    let untolerated: String = sample
+        .lines()
+        .filter(|l| !l.trim_start().starts_with("tolerations:"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let path =
+        std::env::temp_dir().join(format!("headroom-untolerated-{}.yaml", std::process::id()));
+    std::fs::write(&path, untolerated).expect("write");
+    let out = plugin(&[
+        "plan",
+        "-f",
+        path.to_str().expect("utf-8"),
+        "--nodes",
+        "samples/nodes-gfd.yaml",
+    ]);
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out));
+    assert!(
+        text(&out).contains("no node offers the allowed GPU types"),
+        "{}",
+        text(&out)
+    );
+}
+
 /// With a ReadWriteOnce checkpoint volume (the default) a job's stages share
 /// a node, so two 4-GPU nodes offer 4 stages, not 8; ReadWriteMany lets the
 /// same job spread over both.
