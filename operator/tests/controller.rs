@@ -631,6 +631,97 @@ spec:
     ns.cleanup().await;
 }
 
+/// Three 1-GPU nodes and a model that needs two of those GPUs: with the
+/// default ReadWriteOnce checkpoint volume its stages would have to share a
+/// node, so there is no plan, and the message says how to get one; an
+/// operator configured for ReadWriteMany plans it across nodes.
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn stages_span_nodes_only_with_a_read_write_many_checkpoint_volume() {
+    use headroom_operator::controller::children::{CheckpointAccess, ChildConfig};
+    use k8s_openapi::api::core::v1::Node;
+    let ns = TestNs::new("hr-rwx").await;
+    let id = ns.name.rsplit('-').next().unwrap_or("x").to_string();
+    let small = format!("Test-Small-{id}");
+    let names: Vec<String> = (0..3).map(|i| format!("{}-n{i}", ns.name)).collect();
+    for name in &names {
+        gpu_node(&ns.client, name, &small, 8192).await;
+    }
+    let job = |name: &str| {
+        format!(
+            r#"apiVersion: headroom.dev/v1alpha1
+kind: MemoryAwareTrainingJob
+metadata: {{name: {name}}}
+spec:
+  model: {{transformer: {{layers: 24, hidden: 1536, heads: 16, sequenceLength: 1024, vocabulary: 50257}}}}
+  training: {{globalBatch: 8, steps: 10, precision: bf16}}
+  resources:
+    gpu: {{types: [{small}], maxGpus: 3}}
+  worker: {{image: headroom-worker:dev}}
+"#
+        )
+    };
+
+    let op = ns.start_operator(ControllerConfig::default());
+    ns.apply_job(&job("one-node")).await;
+    let failed = ns
+        .wait_job("one-node", "Failed", |j| phase(j) == Some(JobPhase::Failed))
+        .await;
+    let message = failed.status.and_then(|s| s.message).expect("message");
+    assert!(message.contains("ReadWriteMany"), "{message}");
+    op.stop().await;
+
+    let op = ns.start_operator(ControllerConfig {
+        children: ChildConfig {
+            checkpoint_access: CheckpointAccess::ReadWriteMany,
+            ..ChildConfig::default()
+        },
+        ..ControllerConfig::default()
+    });
+    ns.apply_job(&job("spread")).await;
+    let planned = ns
+        .wait_job("spread", "attempt 1", |j| attempts(j) == 1)
+        .await;
+    let plan = &planned.status.expect("status").attempts[0].plan;
+    assert!(plan.workers >= 2, "{plan:?}");
+    let pods = ns
+        .wait_pods("the stages", |p| {
+            p.iter()
+                .filter(|p| p.name_any().starts_with("spread-a1-"))
+                .count()
+                == plan.workers as usize
+        })
+        .await;
+    for pod in pods
+        .iter()
+        .filter(|p| p.name_any().starts_with("spread-a1-"))
+    {
+        assert!(
+            pod.spec
+                .as_ref()
+                .and_then(|s| s.affinity.as_ref())
+                .is_none(),
+            "no co-location with ReadWriteMany: {pod:?}"
+        );
+    }
+    let claim: PersistentVolumeClaim = Api::namespaced(ns.client.clone(), &ns.name)
+        .get("spread-checkpoints")
+        .await
+        .expect("claim");
+    assert_eq!(
+        claim.spec.and_then(|s| s.access_modes),
+        Some(vec!["ReadWriteMany".to_string()])
+    );
+    op.stop().await;
+    let nodes: Api<Node> = Api::all(ns.client.clone());
+    for name in &names {
+        let _ = nodes
+            .delete(name, &kube::api::DeleteParams::default())
+            .await;
+    }
+    ns.cleanup().await;
+}
+
 #[tokio::test]
 #[ignore = "needs the control plane: make test-apiserver"]
 async fn a_job_that_cannot_be_read_does_not_stall_the_others() {
