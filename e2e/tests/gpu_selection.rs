@@ -428,10 +428,11 @@ async fn the_test(ns: TestNs, node: String, fake_node: String) {
         status.attempts
     );
     assert!(
-        status
-            .message
-            .as_deref()
-            .is_some_and(|m| m.contains("no node offers the allowed GPU types [Tesla-T4]")),
+        status.message.as_deref().is_some_and(|m| m
+            .contains("no node this job's pods may use offers the allowed GPU types [Tesla-T4]")
+            && m.contains(&format!(
+                "{fake_node} (taint {FAKE_MARK}=true:NoSchedule not tolerated)"
+            ))),
         "{:?}",
         status.message
     );

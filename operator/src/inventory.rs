@@ -137,20 +137,43 @@ pub fn admits(
     selector: &BTreeMap<String, String>,
     tolerations: &[Toleration],
 ) -> bool {
+    refusal(node, selector, tolerations).is_none()
+}
+
+/// Why [`admits`] says no: the first selector label the node lacks, or
+/// the first taint no toleration matches.
+fn refusal(
+    node: &Node,
+    selector: &BTreeMap<String, String>,
+    tolerations: &[Toleration],
+) -> Option<String> {
     let labels = node.metadata.labels.as_ref();
-    let selected = selector
+    if let Some((k, v)) = selector
         .iter()
-        .all(|(k, v)| labels.and_then(|l| l.get(k)) == Some(v));
+        .find(|(k, v)| labels.and_then(|l| l.get(*k)) != Some(*v))
+    {
+        return Some(format!("no label {k}={v}"));
+    }
     let taints = node
         .spec
         .as_ref()
         .and_then(|s| s.taints.as_deref())
         .unwrap_or(&[]);
-    let tolerated = taints
+    taints
         .iter()
         .filter(|t| t.effect == "NoSchedule" || t.effect == "NoExecute")
-        .all(|taint| tolerations.iter().any(|t| tolerates(t, taint)));
-    selected && tolerated
+        .find(|taint| !tolerations.iter().any(|t| tolerates(t, taint)))
+        .map(|t| {
+            format!(
+                "taint {}{}:{} not tolerated",
+                t.key,
+                t.value
+                    .as_deref()
+                    .map(|v| format!("={v}"))
+                    .unwrap_or_default(),
+                t.effect
+            )
+        })
 }
 
 /// The GPU inventory `job` may plan with: the nodes its GPU workers may be
@@ -170,15 +193,22 @@ pub fn job_inventory<'a>(
         }
     }
     let tolerations = worker_tolerations(job, DeviceKind::Gpu);
-    let facts: Vec<NodeFacts> = nodes
-        .into_iter()
-        .filter(|n| admits(n, &job.spec.worker.node_selector, &tolerations))
-        .map(|n| {
-            let name = n.metadata.name.as_deref().unwrap_or_default();
-            node_facts(n, by_node.get(name).into_iter().flatten().copied())
-        })
-        .collect();
-    let inventory = Inventory::from_nodes(&facts);
+    let mut facts: Vec<NodeFacts> = Vec::new();
+    let mut left_out = Vec::new();
+    for node in nodes {
+        let name = node.metadata.name.as_deref().unwrap_or_default();
+        let node_facts = node_facts(node, by_node.get(name).into_iter().flatten().copied());
+        match refusal(node, &job.spec.worker.node_selector, &tolerations) {
+            None => facts.push(node_facts),
+            // Only nodes that offer GPUs are worth naming.
+            Some(why) if !Inventory::from_nodes([&node_facts]).devices.is_empty() => {
+                left_out.push(format!("{name} ({why})"));
+            }
+            Some(_) => {}
+        }
+    }
+    let mut inventory = Inventory::from_nodes(&facts);
+    inventory.left_out = left_out;
     if one_node {
         inventory.on_one_node()
     } else {
@@ -364,6 +394,10 @@ spec:
             vec!["B", "C"],
             "the tainted node is not tolerated"
         );
+        assert_eq!(
+            all.left_out,
+            vec!["tainted (taint dedicated=research:NoSchedule not tolerated)"]
+        );
         job.spec
             .worker
             .node_selector
@@ -375,6 +409,7 @@ spec:
             vec!["A", "B"],
             "the pool, with the research nodes"
         );
+        assert_eq!(placed.left_out, vec!["other-pool (no label pool=train)"]);
     }
 
     #[test]

@@ -224,10 +224,12 @@ fn a_job_is_planned_only_on_nodes_its_workers_may_use() {
     ]);
     let _ = std::fs::remove_file(&path);
     assert_eq!(out.status.code(), Some(3), "{}", text(&out));
+    let t = text(&out);
     assert!(
-        text(&out).contains("no node offers the allowed GPU types"),
-        "{}",
-        text(&out)
+        t.contains("no node this job's pods may use offers the allowed GPU types")
+            && t.contains("h100-research-1 (taint dedicated=research:NoSchedule not tolerated)")
+            && t.contains("a100-pool-1 (no label headroom.dev/pool=research)"),
+        "the explanation names the nodes left out and why: {t}"
     );
 }
 

@@ -70,6 +70,9 @@ pub struct Inventory {
     pub devices: Vec<DeviceType>,
     /// Set by [`Inventory::on_one_node`]: `free` counts one node's devices.
     pub one_node: bool,
+    /// GPU nodes left out because the job's pods may not be placed there,
+    /// each with why (filled by the operator; quoted when nothing fits).
+    pub left_out: Vec<String>,
 }
 
 impl Inventory {
@@ -103,6 +106,7 @@ impl Inventory {
         Inventory {
             devices,
             one_node: false,
+            left_out: vec![],
         }
     }
 
@@ -119,6 +123,7 @@ impl Inventory {
                 total: max_workers,
             }],
             one_node: false,
+            left_out: vec![],
         }
     }
 

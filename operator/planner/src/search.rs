@@ -291,7 +291,22 @@ pub fn plan_with(
         }
     }
 
-    let mut infeasible = search.explain(&devices, &micro_batches, &checkpointing);
+    let mut infeasible = search.explain(
+        &devices,
+        &micro_batches,
+        &checkpointing,
+        !inventory.left_out.is_empty(),
+    );
+    if !inventory.left_out.is_empty() {
+        const SHOWN: usize = 5;
+        let mut nodes = inventory.left_out[..inventory.left_out.len().min(SHOWN)].join("; ");
+        if inventory.left_out.len() > SHOWN {
+            nodes.push_str(&format!("; and {} more", inventory.left_out.len() - SHOWN));
+        }
+        infeasible.details.push(format!(
+            "GPU nodes this job's pods may not use (spec.worker.nodeSelector, spec.worker.tolerations): {nodes}"
+        ));
+    }
     if inventory.one_node && devices.iter().any(|d| d.kind == DeviceKind::Gpu) {
         infeasible.details.push(
             "stages share one node (the checkpoint volume is ReadWriteOnce), so each count above is one node's free GPUs; a ReadWriteMany checkpoint volume (Helm checkpoints.accessMode) lets stages spread over nodes".into(),
@@ -588,11 +603,14 @@ impl<'a> Search<'a> {
     }
 
     /// Why nothing fits: per device type, the leanest plan's peak against the budget.
+    /// `placement_limited`: the inventory left out nodes the job's pods may
+    /// not use (the summary then says so).
     fn explain(
         &self,
         devices: &[&DeviceType],
         micro_batches: &[u32],
         checkpointing: &[bool],
+        placement_limited: bool,
     ) -> NoFeasiblePlan {
         let req = self.req;
         let mut details = Vec::new();
@@ -636,14 +654,19 @@ impl<'a> Search<'a> {
         }
         let params = req.model.total_params();
         let summary = if devices.is_empty() {
+            let nodes = if placement_limited {
+                "no node this job's pods may use"
+            } else {
+                "no node"
+            };
             match &req.target {
                 Target::Gpu { allowed_types, .. } if !allowed_types.is_empty() => {
                     format!(
-                        "no node offers the allowed GPU types [{}]",
+                        "{nodes} offers the allowed GPU types [{}]",
                         allowed_types.join(", ")
                     )
                 }
-                _ => "no node offers a GPU with GPU Feature Discovery memory labels".to_string(),
+                _ => format!("{nodes} offers a GPU with GPU Feature Discovery memory labels"),
             }
         } else {
             format!(
