@@ -3,7 +3,7 @@
 # `make e2e`: the end-to-end suite (every test target of headroom-e2e) on
 # real pods.
 #
-#   e2e/e2e.sh [TEST FILTER...]     # e.g. e2e/e2e.sh gpu   (cargo test name filters)
+#   e2e/e2e.sh [TEST FILTER...]     # e.g. e2e/e2e.sh gfd pipeline   (cargo test name filters)
 #
 # With KUBECONFIG unset it uses the local single-node cluster (root; see
 # e2e/cluster/README.md): started if it is not up, and stopped again at the
