@@ -722,6 +722,74 @@ spec:
     ns.cleanup().await;
 }
 
+/// Pods the API server refuses (here: a PriorityClass that does not exist)
+/// show up on the job as a Warning event with the server's reason, and the
+/// attempt starts once the cause is fixed.
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn refused_worker_pods_are_reported_on_the_job_and_retried() {
+    use k8s_openapi::api::events::v1::Event;
+    use k8s_openapi::api::scheduling::v1::PriorityClass;
+    let ns = TestNs::new("hr-refused").await;
+    let class = format!("{}-batch", ns.name);
+    let op = ns.start_operator(ControllerConfig::default());
+    let manifest = TINY.replace(
+        "image: localhost/headroom-worker:dev",
+        &format!("image: localhost/headroom-worker:dev\n    priorityClassName: {class}"),
+    );
+    assert!(
+        manifest.contains("priorityClassName"),
+        "the sample's worker block changed"
+    );
+    ns.apply_job(&manifest).await;
+
+    let events: Api<Event> = Api::namespaced(ns.client.clone(), &ns.name);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let refused = loop {
+        let list = events.list(&Default::default()).await.expect("events");
+        if let Some(e) = list
+            .items
+            .into_iter()
+            .find(|e| e.reason.as_deref() == Some("LaunchRefused"))
+        {
+            break e;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no LaunchRefused event\n{}",
+            ns.dump().await
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let note = refused.note.unwrap_or_default();
+    assert!(note.contains(&class), "{note}");
+    assert_eq!(refused.type_.as_deref(), Some("Warning"));
+    assert!(ns.wait_pods("no pods yet", |_| true).await.is_empty());
+
+    // The cluster admin creates the class: the retried reconcile starts the attempt.
+    let classes: Api<PriorityClass> = Api::all(ns.client.clone());
+    let pc: PriorityClass =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": class}, "value": 100}))
+            .expect("class");
+    classes
+        .create(&kube::api::PostParams::default(), &pc)
+        .await
+        .expect("priority class");
+    let pods = ns.wait_pods("the worker", |p| p.len() == 1).await;
+    assert_eq!(
+        pods[0]
+            .spec
+            .as_ref()
+            .and_then(|s| s.priority_class_name.as_deref()),
+        Some(class.as_str())
+    );
+    op.stop().await;
+    let _ = classes
+        .delete(&class, &kube::api::DeleteParams::default())
+        .await;
+    ns.cleanup().await;
+}
+
 #[tokio::test]
 #[ignore = "needs the control plane: make test-apiserver"]
 async fn a_job_that_cannot_be_read_does_not_stall_the_others() {

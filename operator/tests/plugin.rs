@@ -175,6 +175,10 @@ fn invalid_corpus_cross_field_rules_are_caught_offline_too() {
             "28-node-selector-on-gpu-product.yaml",
             "spec.worker.nodeSelector",
         ),
+        (
+            "29-toleration-exists-with-value.yaml",
+            "toleration 0: Exists takes no value",
+        ),
     ] {
         let path = format!("e2e/testdata/invalid/{file}");
         let out = plugin(&["plan", "-f", &path]);

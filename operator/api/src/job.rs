@@ -217,7 +217,13 @@ impl Default for MemoryPolicy {
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
     {"rule": "!has(self.nodeSelector) || !('nvidia.com/gpu.product' in self.nodeSelector)",
-     "message": "worker.nodeSelector: Headroom chooses nvidia.com/gpu.product itself; list the allowed products in resources.gpu.types"}
+     "message": "worker.nodeSelector: Headroom chooses nvidia.com/gpu.product itself; list the allowed products in resources.gpu.types"},
+    {"rule": "!has(self.tolerations) || self.tolerations.all(t, !has(t.operator) || t.operator in ['Equal', 'Exists'])",
+     "message": "worker.tolerations: operator must be Equal or Exists"},
+    {"rule": "!has(self.tolerations) || self.tolerations.all(t, !has(t.effect) || t.effect in ['', 'NoSchedule', 'PreferNoSchedule', 'NoExecute'])",
+     "message": "worker.tolerations: effect must be NoSchedule, PreferNoSchedule, NoExecute or empty (all effects)"},
+    {"rule": "!has(self.tolerations) || self.tolerations.all(t, (has(t.operator) && t.operator == 'Exists') ? (!has(t.value) || t.value == '') : (has(t.key) && t.key != ''))",
+     "message": "worker.tolerations: Exists takes no value, and Equal (the default) needs a key"}
 ]))]
 pub struct WorkerSpec {
     /// Worker container image.
@@ -237,6 +243,7 @@ pub struct WorkerSpec {
     /// planner counts only the GPUs of matching nodes. Not
     /// `nvidia.com/gpu.product`: that is chosen from `resources.gpu.types`.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(extend("maxProperties" = 32))]
     pub node_selector: BTreeMap<String, String>,
     /// Tolerations for the worker pods (GPU jobs also get
     /// `nvidia.com/gpu:NoSchedule`). Nodes with a NoSchedule or NoExecute
@@ -561,6 +568,30 @@ impl MemoryAwareTrainingJobSpec {
                 "training.precision",
                 "the CPU backend (flex) trains in fp32 only; set precision: fp32",
             ));
+        }
+        for (i, t) in self.worker.tolerations.iter().enumerate() {
+            let operator = t.operator.as_deref().unwrap_or("Equal");
+            let problem = if !["Equal", "Exists"].contains(&operator) {
+                Some("operator must be Equal or Exists")
+            } else if !["", "NoSchedule", "PreferNoSchedule", "NoExecute"]
+                .contains(&t.effect.as_deref().unwrap_or(""))
+            {
+                Some(
+                    "effect must be NoSchedule, PreferNoSchedule, NoExecute or empty (all effects)",
+                )
+            } else if operator == "Exists" && !t.value.as_deref().unwrap_or("").is_empty() {
+                Some("Exists takes no value")
+            } else if operator == "Equal" && t.key.as_deref().unwrap_or("").is_empty() {
+                Some("Equal (the default) needs a key")
+            } else {
+                None
+            };
+            if let Some(problem) = problem {
+                return Err(spec_error(
+                    "worker.tolerations",
+                    format!("toleration {i}: {problem}"),
+                ));
+            }
         }
         if self
             .worker

@@ -377,8 +377,31 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
             Err(e) => return Err(e.into()),
         }
     }
-    if let Some(attempt) = decision.launch {
-        ensure_children(ctx, job, &decision, attempt, &own).await?;
+    if let Some(attempt) = decision.launch
+        && let Err(error) = ensure_children(ctx, job, &decision, attempt, &own).await
+    {
+        // A refusal the user can act on (admission: a missing PriorityClass,
+        // a pod security violation, an invalid field) goes where they look,
+        // on the job, not only into the operator's log. The reconcile is
+        // retried, so fixing the cause lets the attempt start.
+        if let Error::Kube(kube::Error::Api(e)) = &error
+            && matches!(e.code, 400 | 403 | 422)
+        {
+            let event = Event {
+                type_: EventType::Warning,
+                reason: "LaunchRefused".into(),
+                note: Some(format!(
+                    "attempt {attempt}: the API server refused the workers: {}",
+                    e.message
+                )),
+                action: "Launch".into(),
+                secondary: None,
+            };
+            if let Err(err) = ctx.recorder.publish(&event, &job.object_ref(&())).await {
+                tracing::warn!(%err, "could not record event");
+            }
+        }
+        return Err(error);
     }
     Ok(Action::requeue(
         decision
