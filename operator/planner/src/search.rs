@@ -307,7 +307,13 @@ pub fn plan_with(
             "GPU nodes this job's pods may not use (spec.worker.nodeSelector, spec.worker.tolerations): {nodes}"
         ));
     }
-    if inventory.one_node && devices.iter().any(|d| d.kind == DeviceKind::Gpu) {
+    // Only when one node's count may have been the limit: below the job's
+    // worker cap, with more such devices elsewhere in the cluster.
+    if inventory.one_node
+        && devices
+            .iter()
+            .any(|d| d.kind == DeviceKind::Gpu && d.free < req.max_workers() && d.free < d.total)
+    {
         infeasible.details.push(
             "stages share one node (the checkpoint volume is ReadWriteOnce), so each count above is one node's free GPUs; a ReadWriteMany checkpoint volume (Helm checkpoints.accessMode) lets stages spread over nodes".into(),
         );
