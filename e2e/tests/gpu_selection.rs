@@ -254,6 +254,12 @@ async fn tear_down(nodes: &Api<Node>, node: &str) -> Vec<String> {
     problems
 }
 
+fn failed(job: &MemoryAwareTrainingJob) -> bool {
+    job.status
+        .as_ref()
+        .is_some_and(|s| s.phase == Some(JobPhase::Failed))
+}
+
 fn plan_device(job: &MemoryAwareTrainingJob) -> Option<String> {
     job.status
         .as_ref()
@@ -322,10 +328,7 @@ async fn the_test(ns: TestNs, node: String, fake_node: String) {
     ns.apply_job(T4_NOT_TOLERATED).await;
     let big = ns
         .wait_job("needs-a100", "a plan", Duration::from_secs(60), |j| {
-            plan_device(j).is_some()
-                || j.status
-                    .as_ref()
-                    .is_some_and(|s| s.phase == Some(JobPhase::Failed))
+            plan_device(j).is_some() || failed(j)
         })
         .await;
     assert_eq!(
@@ -367,14 +370,10 @@ async fn the_test(ns: TestNs, node: String, fake_node: String) {
     assert_eq!(bound, node, "the A100 pod runs on the node labelled A100");
 
     // The CPU-only worker image refuses a CUDA plan (exit 78): not retried.
-    let failed = ns
-        .wait_job("needs-a100", "Failed", Duration::from_secs(180), |j| {
-            j.status
-                .as_ref()
-                .is_some_and(|s| s.phase == Some(JobPhase::Failed))
-        })
+    let refused_plan = ns
+        .wait_job("needs-a100", "Failed", Duration::from_secs(180), failed)
         .await;
-    let attempt = &failed.status.expect("status").attempts[0];
+    let attempt = &refused_plan.status.expect("status").attempts[0];
     assert_eq!(
         attempt.reason.as_deref(),
         Some("InvalidPlan"),
@@ -386,10 +385,7 @@ async fn the_test(ns: TestNs, node: String, fake_node: String) {
     // selects them (and stays Pending: nothing runs on the fake node).
     let small = ns
         .wait_job("fits-a-t4", "a plan", Duration::from_secs(60), |j| {
-            plan_device(j).is_some()
-                || j.status
-                    .as_ref()
-                    .is_some_and(|s| s.phase == Some(JobPhase::Failed))
+            plan_device(j).is_some() || failed(j)
         })
         .await;
     assert_eq!(
@@ -415,11 +411,12 @@ async fn the_test(ns: TestNs, node: String, fake_node: String) {
 
     // Without the toleration the fake node's T4s are not the job's to plan.
     let refused = ns
-        .wait_job("t4-not-tolerated", "Failed", Duration::from_secs(60), |j| {
-            j.status
-                .as_ref()
-                .is_some_and(|s| s.phase == Some(JobPhase::Failed))
-        })
+        .wait_job(
+            "t4-not-tolerated",
+            "Failed",
+            Duration::from_secs(60),
+            failed,
+        )
         .await;
     let status = refused.status.expect("status");
     assert!(

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use headroom_api::{AttemptOutcome, JobPhase, LABEL_ATTEMPT, MemoryAwareTrainingJob};
 use headroom_operator::controller::ControllerConfig;
-use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod, ServiceAccount};
+use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim, Pod, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::ResourceExt;
 use kube::api::Api;
@@ -334,10 +334,49 @@ async fn deleting_a_job_garbage_collects_everything_it_created() {
     ns.cleanup().await;
 }
 
-/// Registers a Node the way GPU Feature Discovery and the device plugin describe it.
-async fn gpu_node(client: &kube::Client, name: &str, product: &str, memory_mib: u64) {
-    use k8s_openapi::api::core::v1::Node;
-    let nodes: Api<Node> = Api::all(client.clone());
+/// One test's fake GPU nodes, named after its namespace and offering GPU
+/// products unique to it (so nodes another run left behind never match).
+struct GpuNodes {
+    api: Api<Node>,
+    ns: String,
+    names: Vec<String>,
+}
+
+impl GpuNodes {
+    fn new(ns: &TestNs) -> Self {
+        GpuNodes {
+            api: Api::all(ns.client.clone()),
+            ns: ns.name.clone(),
+            names: vec![],
+        }
+    }
+
+    /// `Test-<kind>-<id of this test's namespace>`.
+    fn product(&self, kind: &str) -> String {
+        let id = self.ns.rsplit('-').next().unwrap_or("x");
+        format!("Test-{kind}-{id}")
+    }
+
+    /// Registers node `<namespace>-<suffix>` with one `product` GPU, the way
+    /// GPU Feature Discovery and the device plugin describe it; returns its name.
+    async fn add(&mut self, suffix: &str, product: &str, memory_mib: u64) -> String {
+        let name = format!("{}-{suffix}", self.ns);
+        gpu_node(&self.api, &name, product, memory_mib).await;
+        self.names.push(name.clone());
+        name
+    }
+
+    async fn remove(self) {
+        for name in &self.names {
+            let _ = self
+                .api
+                .delete(name, &kube::api::DeleteParams::default())
+                .await;
+        }
+    }
+}
+
+async fn gpu_node(nodes: &Api<Node>, name: &str, product: &str, memory_mib: u64) {
     let node: Node = serde_json::from_value(serde_json::json!({
         "metadata": {"name": name, "labels": {
             "nvidia.com/gpu.product": product, "nvidia.com/gpu.memory": memory_mib.to_string(), "nvidia.com/gpu.count": "1",
@@ -378,39 +417,44 @@ async fn gpu_node(client: &kube::Client, name: &str, product: &str, memory_mib: 
         .expect("node status");
 }
 
+/// ~0.7e9 parameters in bf16 + AdamW: model state alone exceeds an 8 GiB
+/// GPU's budget. `worker_extra` continues the worker's flow mapping.
+fn gpu_job(name: &str, types: &[&str], max_gpus: u32, worker_extra: &str) -> String {
+    format!(
+        r#"apiVersion: headroom.dev/v1alpha1
+kind: MemoryAwareTrainingJob
+metadata: {{name: {name}}}
+spec:
+  model: {{transformer: {{layers: 24, hidden: 1536, heads: 16, sequenceLength: 1024, vocabulary: 50257}}}}
+  training: {{globalBatch: 8, steps: 10, precision: bf16}}
+  resources:
+    gpu: {{types: [{types}], maxGpus: {max_gpus}}}
+  worker: {{image: headroom-worker:dev{worker_extra}}}
+"#,
+        types = types.join(", ")
+    )
+}
+
 #[tokio::test]
 #[ignore = "needs the control plane: make test-apiserver"]
 async fn gpu_type_is_chosen_by_budget_and_replanned_when_unschedulable() {
-    use k8s_openapi::api::core::v1::Node;
     let ns = TestNs::new("hr-gpu").await;
-    let id = ns.name.rsplit('-').next().unwrap_or("x").to_string();
+    let mut nodes = GpuNodes::new(&ns);
     let (small, mid, big) = (
-        format!("Test-Small-{id}"),
-        format!("Test-Mid-{id}"),
-        format!("Test-Big-{id}"),
+        nodes.product("Small"),
+        nodes.product("Mid"),
+        nodes.product("Big"),
     );
-    gpu_node(&ns.client, &format!("{}-small", ns.name), &small, 8192).await;
-    gpu_node(&ns.client, &format!("{}-mid", ns.name), &mid, 40960).await;
-    gpu_node(&ns.client, &format!("{}-big", ns.name), &big, 81920).await;
+    nodes.add("small", &small, 8192).await;
+    nodes.add("mid", &mid, 40960).await;
+    nodes.add("big", &big, 81920).await;
     let op = ns.start_operator(ControllerConfig {
         unschedulable_grace: Duration::from_secs(1),
         ..ControllerConfig::default()
     });
 
-    // ~0.7e9 parameters in bf16 + AdamW: model state alone exceeds the small GPU's budget.
-    let manifest = format!(
-        r#"apiVersion: headroom.dev/v1alpha1
-kind: MemoryAwareTrainingJob
-metadata: {{name: gpu-job}}
-spec:
-  model: {{transformer: {{layers: 24, hidden: 1536, heads: 16, sequenceLength: 1024, vocabulary: 50257}}}}
-  training: {{globalBatch: 8, steps: 10, precision: bf16}}
-  resources:
-    gpu: {{types: [{small}, {mid}, {big}], maxGpus: 1}}
-  worker: {{image: headroom-worker:dev}}
-"#
-    );
-    ns.apply_job(&manifest).await;
+    ns.apply_job(&gpu_job("gpu-job", &[&small, &mid, &big], 1, ""))
+        .await;
     let job = ns
         .wait_job("gpu-job", "attempt 1", |j| attempts(j) == 1)
         .await;
@@ -442,15 +486,7 @@ spec:
     assert_ne!(second.device, first.device);
     assert_ne!(second.device, small);
     op.stop().await;
-    let nodes: Api<Node> = Api::all(ns.client.clone());
-    for suffix in ["small", "mid", "big"] {
-        let _ = nodes
-            .delete(
-                &format!("{}-{suffix}", ns.name),
-                &kube::api::DeleteParams::default(),
-            )
-            .await;
-    }
+    nodes.remove().await;
     ns.cleanup().await;
 }
 
@@ -462,33 +498,19 @@ spec:
 async fn gpus_held_by_other_workloads_are_not_planned_for() {
     use headroom_operator::inventory::node_facts;
     use headroom_planner::{Inventory, plan};
-    use k8s_openapi::api::core::v1::Node;
     let ns = TestNs::new("hr-busy").await;
-    let id = ns.name.rsplit('-').next().unwrap_or("x").to_string();
-    let (mid, big) = (format!("Test-Mid-{id}"), format!("Test-Big-{id}"));
-    let (mid_node, big_node) = (format!("{}-mid", ns.name), format!("{}-big", ns.name));
-    gpu_node(&ns.client, &mid_node, &mid, 40960).await;
-    gpu_node(&ns.client, &big_node, &big, 81920).await;
-    let manifest = format!(
-        r#"apiVersion: headroom.dev/v1alpha1
-kind: MemoryAwareTrainingJob
-metadata: {{name: gpu-job}}
-spec:
-  model: {{transformer: {{layers: 24, hidden: 1536, heads: 16, sequenceLength: 1024, vocabulary: 50257}}}}
-  training: {{globalBatch: 8, steps: 10, precision: bf16}}
-  resources:
-    gpu: {{types: [{mid}, {big}], maxGpus: 1}}
-  worker: {{image: headroom-worker:dev}}
-"#
-    );
+    let mut nodes = GpuNodes::new(&ns);
+    let (mid, big) = (nodes.product("Mid"), nodes.product("Big"));
+    let mid_node = nodes.add("mid", &mid, 40960).await;
+    let big_node = nodes.add("big", &big, 81920).await;
+    let manifest = gpu_job("gpu-job", &[&mid, &big], 1, "");
 
     // The premise: with both GPUs free the planner picks the big one.
     let job: MemoryAwareTrainingJob = serde_yaml::from_str(&manifest).expect("job");
-    let nodes: Api<Node> = Api::all(ns.client.clone());
     let mut facts = Vec::new();
     for name in [&mid_node, &big_node] {
         facts.push(node_facts(
-            &nodes.get(name).await.expect("node"),
+            &nodes.api.get(name).await.expect("node"),
             std::iter::empty(),
         ));
     }
@@ -546,11 +568,7 @@ spec:
             &kube::api::DeleteParams::default().grace_period(0),
         )
         .await;
-    for name in [&mid_node, &big_node] {
-        let _ = nodes
-            .delete(name, &kube::api::DeleteParams::default())
-            .await;
-    }
+    nodes.remove().await;
     ns.cleanup().await;
 }
 
@@ -561,17 +579,15 @@ spec:
 #[tokio::test]
 #[ignore = "needs the control plane: make test-apiserver"]
 async fn tainted_nodes_count_only_for_jobs_that_tolerate_them() {
-    use k8s_openapi::api::core::v1::Node;
     let ns = TestNs::new("hr-taint").await;
-    let id = ns.name.rsplit('-').next().unwrap_or("x").to_string();
-    let (mid, big) = (format!("Test-Mid-{id}"), format!("Test-Big-{id}"));
-    let (mid_node, big_node) = (format!("{}-mid", ns.name), format!("{}-big", ns.name));
-    gpu_node(&ns.client, &mid_node, &mid, 40960).await;
-    gpu_node(&ns.client, &big_node, &big, 81920).await;
-    let nodes: Api<Node> = Api::all(ns.client.clone());
+    let mut nodes = GpuNodes::new(&ns);
+    let (mid, big) = (nodes.product("Mid"), nodes.product("Big"));
+    nodes.add("mid", &mid, 40960).await;
+    let big_node = nodes.add("big", &big, 81920).await;
     let taint = serde_json::json!({"spec": {"taints": [
         {"key": "dedicated", "value": "research", "effect": "NoSchedule"}]}});
     nodes
+        .api
         .patch(
             &big_node,
             &kube::api::PatchParams::default(),
@@ -580,23 +596,11 @@ async fn tainted_nodes_count_only_for_jobs_that_tolerate_them() {
         .await
         .expect("taint");
     let op = ns.start_operator(ControllerConfig::default());
-    let job = |name: &str, worker_extra: &str| {
-        format!(
-            r#"apiVersion: headroom.dev/v1alpha1
-kind: MemoryAwareTrainingJob
-metadata: {{name: {name}}}
-spec:
-  model: {{transformer: {{layers: 24, hidden: 1536, heads: 16, sequenceLength: 1024, vocabulary: 50257}}}}
-  training: {{globalBatch: 8, steps: 10, precision: bf16}}
-  resources:
-    gpu: {{types: [{mid}, {big}], maxGpus: 1}}
-  worker: {{image: headroom-worker:dev{worker_extra}}}
-"#
-        )
-    };
-    ns.apply_job(&job("plain", "")).await;
-    ns.apply_job(&job(
+    ns.apply_job(&gpu_job("plain", &[&mid, &big], 1, "")).await;
+    ns.apply_job(&gpu_job(
         "research",
+        &[&mid, &big],
+        1,
         ", tolerations: [{key: dedicated, operator: Equal, value: research, effect: NoSchedule}]",
     ))
     .await;
@@ -623,11 +627,7 @@ spec:
     // Then the API server's default NoExecute tolerations (not-ready, unreachable).
     assert_eq!(keys[..2], ["dedicated", "nvidia.com/gpu"], "{keys:?}");
     op.stop().await;
-    for name in [&mid_node, &big_node] {
-        let _ = nodes
-            .delete(name, &kube::api::DeleteParams::default())
-            .await;
-    }
+    nodes.remove().await;
     ns.cleanup().await;
 }
 
@@ -639,28 +639,13 @@ spec:
 #[ignore = "needs the control plane: make test-apiserver"]
 async fn stages_span_nodes_only_with_a_read_write_many_checkpoint_volume() {
     use headroom_operator::controller::children::{CheckpointAccess, ChildConfig};
-    use k8s_openapi::api::core::v1::Node;
     let ns = TestNs::new("hr-rwx").await;
-    let id = ns.name.rsplit('-').next().unwrap_or("x").to_string();
-    let small = format!("Test-Small-{id}");
-    let names: Vec<String> = (0..3).map(|i| format!("{}-n{i}", ns.name)).collect();
-    for name in &names {
-        gpu_node(&ns.client, name, &small, 8192).await;
+    let mut nodes = GpuNodes::new(&ns);
+    let small = nodes.product("Small");
+    for i in 0..3 {
+        nodes.add(&format!("n{i}"), &small, 8192).await;
     }
-    let job = |name: &str| {
-        format!(
-            r#"apiVersion: headroom.dev/v1alpha1
-kind: MemoryAwareTrainingJob
-metadata: {{name: {name}}}
-spec:
-  model: {{transformer: {{layers: 24, hidden: 1536, heads: 16, sequenceLength: 1024, vocabulary: 50257}}}}
-  training: {{globalBatch: 8, steps: 10, precision: bf16}}
-  resources:
-    gpu: {{types: [{small}], maxGpus: 3}}
-  worker: {{image: headroom-worker:dev}}
-"#
-        )
-    };
+    let job = |name: &str| gpu_job(name, &[&small], 3, "");
 
     let op = ns.start_operator(ControllerConfig::default());
     ns.apply_job(&job("one-node")).await;
@@ -713,12 +698,7 @@ spec:
         Some(vec!["ReadWriteMany".to_string()])
     );
     op.stop().await;
-    let nodes: Api<Node> = Api::all(ns.client.clone());
-    for name in &names {
-        let _ = nodes
-            .delete(name, &kube::api::DeleteParams::default())
-            .await;
-    }
+    nodes.remove().await;
     ns.cleanup().await;
 }
 

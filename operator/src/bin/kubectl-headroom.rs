@@ -14,7 +14,7 @@ use headroom_api::MemoryAwareTrainingJob;
 use headroom_operator::controller::children::CheckpointAccess;
 use headroom_operator::inventory::job_inventory;
 use headroom_operator::report::{infeasible_text, plan_table};
-use headroom_planner::{Inventory, plan};
+use headroom_planner::plan;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde::Deserialize;
 
@@ -93,24 +93,19 @@ fn run(cli: Cli) -> Result<ExitCode> {
         (None, true) => cluster_state()?,
         (None, false) => (vec![], vec![]),
     };
-    // The same inventory the operator plans each job with: the nodes its
-    // workers may be placed on, less held devices, one node's worth when the
-    // checkpoint volume is ReadWriteOnce.
-    let inventories: Vec<Inventory> = jobs
-        .iter()
-        .map(|job| {
-            job_inventory(
-                job,
-                &cluster_nodes,
-                device_pods.iter(),
-                checkpoint_access_mode.stages_share_a_node(),
-            )
-        })
-        .collect();
     let mut all_fit = true;
     let mut machine = Vec::new();
-    for ((name, request), inventory) in requests.iter().zip(&inventories) {
-        let result = plan(request, inventory);
+    for ((name, request), job) in requests.iter().zip(&jobs) {
+        // The same inventory the operator plans this job with: the nodes its
+        // workers may be placed on, less held devices, one node's worth when
+        // the checkpoint volume is ReadWriteOnce.
+        let inventory = job_inventory(
+            job,
+            &cluster_nodes,
+            device_pods.iter(),
+            checkpoint_access_mode.stages_share_a_node(),
+        );
+        let result = plan(request, &inventory);
         all_fit &= result.is_ok();
         match output {
             Output::Table => match &result {
