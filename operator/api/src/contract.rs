@@ -45,6 +45,7 @@ pub const PIPELINE_ADDRESSES_ENV: &str = "HEADROOM_PIPELINE_ADDRESSES";
 pub const PIPELINE_TIMEOUT_ENV: &str = "HEADROOM_PIPELINE_TIMEOUT_SECONDS";
 
 /// Worker exit codes. 137 (SIGKILL, e.g. the kernel OOM killer) is not ours.
+/// Each has its [`WorkerOutcome`]; `WorkerOutcome::exit_code` is the one place they are paired.
 pub mod exit_code {
     pub const SUCCESS: i32 = 0;
     /// The worker caught an out-of-memory error on its device.
@@ -57,6 +58,60 @@ pub mod exit_code {
     pub const PEER_LOST: i32 = 75;
     /// Any other failure.
     pub const FAILURE: i32 = 1;
+}
+
+/// How a worker process ended, as it tells the operator: the exit code and
+/// the `outcome` of its termination message both come from this.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum WorkerOutcome {
+    Succeeded,
+    /// An allocation failed on the device (the worker caught it).
+    DeviceOutOfMemory,
+    /// The assignment is unusable: retrying the same plan is pointless.
+    InvalidPlan,
+    /// A pipeline neighbour went away; the cause is in another stage's pod.
+    PeerLost,
+    Failed,
+}
+
+impl WorkerOutcome {
+    pub const ALL: [WorkerOutcome; 5] = [
+        WorkerOutcome::Succeeded,
+        WorkerOutcome::DeviceOutOfMemory,
+        WorkerOutcome::InvalidPlan,
+        WorkerOutcome::PeerLost,
+        WorkerOutcome::Failed,
+    ];
+
+    /// The process exit code for this outcome.
+    pub const fn exit_code(self) -> i32 {
+        match self {
+            WorkerOutcome::Succeeded => exit_code::SUCCESS,
+            WorkerOutcome::DeviceOutOfMemory => exit_code::DEVICE_OUT_OF_MEMORY,
+            WorkerOutcome::InvalidPlan => exit_code::INVALID_PLAN,
+            WorkerOutcome::PeerLost => exit_code::PEER_LOST,
+            WorkerOutcome::Failed => exit_code::FAILURE,
+        }
+    }
+
+    /// The outcome a worker exit code stands for; `None` for codes the worker
+    /// never uses (signals such as 137, or a crash before `main`).
+    pub fn from_exit_code(code: i32) -> Option<WorkerOutcome> {
+        WorkerOutcome::ALL.into_iter().find(|o| o.exit_code() == code)
+    }
+}
+
+impl std::fmt::Display for WorkerOutcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            WorkerOutcome::Succeeded => "succeeded",
+            WorkerOutcome::DeviceOutOfMemory => "deviceOutOfMemory",
+            WorkerOutcome::InvalidPlan => "invalidPlan",
+            WorkerOutcome::PeerLost => "peerLost",
+            WorkerOutcome::Failed => "failed",
+        })
+    }
 }
 
 /// Everything one worker needs to run its part of an attempt.
@@ -82,8 +137,7 @@ pub struct WorkerAssignment {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct TerminationMessage {
-    /// `succeeded`, `deviceOutOfMemory`, `invalidPlan`, `peerLost`, `failed`.
-    pub outcome: String,
+    pub outcome: WorkerOutcome,
     pub reason: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub step: Option<u64>,
@@ -92,4 +146,29 @@ pub struct TerminationMessage {
     /// Bytes the failing allocation asked for, when the backend says.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub requested_bytes: Option<u64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outcomes_and_exit_codes_pair_one_to_one() {
+        for o in WorkerOutcome::ALL {
+            assert_eq!(WorkerOutcome::from_exit_code(o.exit_code()), Some(o));
+            // The wire name is the Display name (the operator parses it back).
+            let json = serde_json::to_string(&o).expect("serialize");
+            assert_eq!(json, format!("\"{o}\""));
+        }
+        assert_eq!(WorkerOutcome::from_exit_code(137), None);
+    }
+
+    #[test]
+    fn termination_messages_of_earlier_workers_still_parse() {
+        let m: TerminationMessage = serde_json::from_str(
+            r#"{"outcome":"peerLost","reason":"pipeline stage 1: closed the connection"}"#,
+        )
+        .expect("parse");
+        assert_eq!(m.outcome, WorkerOutcome::PeerLost);
+    }
 }
