@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 
 use headroom_planner::{
-    JobRequest, ModelShape, Optimizer, Plan, Precision, RetryRung, Target, memory::Backend,
+    Backend, JobRequest, ModelShape, Optimizer, Plan, Precision, RetryRung, Target,
 };
 use k8s_openapi::api::core::v1::Toleration;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -185,12 +185,18 @@ pub struct CpuResources {
 /// How Headroom may react when memory runs out.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "!has(self.allowedRungs) || !('cheaperOptimizer' in self.allowedRungs)",
+     "message": "memoryPolicy.allowedRungs: cheaperOptimizer is not offered yet (no worker backend runs 8-bit optimizer state); allow any of activationCheckpointing, halveMicroBatch, lowerPrecision, morePipelineStages, largerGpu"}
+]))]
 pub struct MemoryPolicy {
     /// Retry rungs allowed, applied in Headroom's fixed order
-    /// (activationCheckpointing, halveMicroBatch, lowerPrecision, cheaperOptimizer,
-    /// morePipelineStages, largerGpu).
+    /// (activationCheckpointing, halveMicroBatch, lowerPrecision,
+    /// morePipelineStages, largerGpu); all of them by default.
+    /// `cheaperOptimizer` is rejected until a worker backend runs 8-bit
+    /// optimizer state.
     #[serde(default = "default_rungs")]
-    #[schemars(extend("x-kubernetes-list-type" = "set"))]
+    #[schemars(length(max = 6), extend("x-kubernetes-list-type" = "set"))]
     pub allowed_rungs: Vec<RetryRung>,
     /// Attempts in total, the first included.
     #[serde(default = "default_max_attempts")]
@@ -297,7 +303,7 @@ fn default_one() -> u32 {
     1
 }
 fn default_rungs() -> Vec<RetryRung> {
-    RetryRung::ALL.to_vec()
+    RetryRung::DEFAULT.to_vec()
 }
 fn default_max_attempts() -> u32 {
     4
@@ -593,6 +599,24 @@ impl MemoryAwareTrainingJobSpec {
                 ));
             }
         }
+        // A rung no worker can run is never offered (RetryRung::runnable);
+        // the API server rejects it too (CEL on memoryPolicy). One exception:
+        // the exact list the previous CRD defaulted every job to. Jobs stored
+        // under it, or created while an upgrade left that CRD in place (Helm
+        // does not upgrade crds/), run on with today's default; the rung
+        // could never fire, so nothing else changes for them.
+        let mut allowed_rungs = self.memory_policy.allowed_rungs.clone();
+        if allowed_rungs == RetryRung::ALL {
+            allowed_rungs = RetryRung::DEFAULT.to_vec();
+        } else if allowed_rungs.contains(&RetryRung::CheaperOptimizer) {
+            return Err(spec_error(
+                "memoryPolicy.allowedRungs",
+                format!(
+                    "cheaperOptimizer is not offered yet (no worker backend runs 8-bit optimizer state); allow any of {}",
+                    RetryRung::DEFAULT.map(|r| r.to_string()).join(", ")
+                ),
+            ));
+        }
         if self
             .worker
             .node_selector
@@ -613,7 +637,55 @@ impl MemoryAwareTrainingJobSpec {
             pinned_stages: t.pipeline_stages,
             target,
             headroom_fraction: self.resources.headroom_fraction,
-            allowed_rungs: self.memory_policy.allowed_rungs.clone(),
+            allowed_rungs,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn invalid_manifest(file: &str) -> MemoryAwareTrainingJob {
+        let path = format!(
+            "{}/../../e2e/testdata/invalid/{file}",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"))
+    }
+
+    #[test]
+    fn the_default_policy_offers_only_rungs_a_worker_can_run() {
+        let policy = MemoryPolicy::default();
+        assert_eq!(policy.allowed_rungs, RetryRung::DEFAULT.to_vec());
+        assert!(policy.allowed_rungs.iter().all(|r| r.runnable()));
+    }
+
+    #[test]
+    fn a_rung_no_worker_can_run_is_rejected_offline_like_the_api_server_does() {
+        let job = invalid_manifest("30-cheaper-optimizer-rung.yaml");
+        let err = job.spec.job_request().expect_err("cheaperOptimizer");
+        assert_eq!(err.field, "memoryPolicy.allowedRungs");
+        // The same words as the CEL rule, so one `# expect:` line serves both.
+        let schema = serde_json::to_string(&schemars::schema_for!(MemoryPolicy)).expect("json");
+        let cel = "memoryPolicy.allowedRungs: cheaperOptimizer is not offered yet (no worker backend runs 8-bit optimizer state); allow any of activationCheckpointing, halveMicroBatch, lowerPrecision, morePipelineStages, largerGpu";
+        assert_eq!(format!("spec.{cel}"), err.to_string());
+        assert!(schema.contains(cel), "{schema}");
+
+        let mut allowed = job.spec.clone();
+        allowed.memory_policy.allowed_rungs = RetryRung::DEFAULT.to_vec();
+        allowed
+            .job_request()
+            .expect("every default rung is accepted");
+    }
+
+    #[test]
+    fn a_job_defaulted_by_the_previous_crd_runs_with_todays_default() {
+        let mut spec = invalid_manifest("30-cheaper-optimizer-rung.yaml").spec;
+        // What the previous CRD stored for a job that named no rungs.
+        spec.memory_policy.allowed_rungs = RetryRung::ALL.to_vec();
+        let request = spec.job_request().expect("a stored job keeps running");
+        assert_eq!(request.allowed_rungs, RetryRung::DEFAULT.to_vec());
     }
 }

@@ -4,24 +4,39 @@
 //! operator, the `kubectl headroom` plugin, the worker and the tests all share
 //! one answer. Every memory figure is in **bytes** unless a name says otherwise.
 //!
+//! Modules, each importing only those above it:
+//!
+//! * [`units`] — byte and count formatting
 //! * [`model`] — what is being trained (transformer shape or a generic parameter count)
 //! * [`training`] — precision, optimizer and batch settings
+//! * [`backend`] — the worker backends (flex, cuda): overheads and what each supports
 //! * [`memory`] — the per-worker memory model with its breakdown
 //! * [`inventory`] — devices the cluster offers (GPU Feature Discovery labels) or a CPU budget
+//! * [`rung`] — the retry rungs and how each tightens settings or placement
+//! * [`plan`](mod@plan) — the request, the options, and the plan (or why none fits)
 //! * [`search`] — the cheapest-then-fastest plan that fits, or an explanation with numbers
 //! * [`ladder`] — the next, stricter plan after an out-of-memory failure
+//! * [`retry`] — [`replan`]: the next attempt's plan after any failure
 
+pub mod backend;
 pub mod inventory;
 pub mod ladder;
 pub mod memory;
 pub mod model;
+pub mod plan;
+pub mod retry;
+pub mod rung;
 pub mod search;
 pub mod training;
 pub mod units;
 
+pub use backend::{Backend, BackendProfile};
 pub use inventory::{DeviceKind, DeviceType, Inventory, NodeFacts};
-pub use ladder::{MemoryFailure, MemoryFailureKind, RetryRung, next_stricter_plan};
-pub use memory::{BackendProfile, MemoryBreakdown};
+pub use ladder::{MemoryFailure, MemoryFailureKind, next_stricter_plan};
+pub use memory::MemoryBreakdown;
 pub use model::{GenericModel, ModelShape, TransformerShape};
-pub use search::{JobRequest, NoFeasiblePlan, Plan, Stage, Target, plan};
+pub use plan::{JobRequest, NoFeasiblePlan, Plan, SearchOptions, Stage, Target};
+pub use retry::{FailureCause, replan};
+pub use rung::{RetryRung, Tightening};
+pub use search::{plan, plan_with};
 pub use training::{Optimizer, Precision, Settings};

@@ -13,97 +13,12 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::backend::BackendProfile;
 use crate::model::ModelShape;
-use crate::training::{Optimizer, Precision, Settings};
-use crate::units::MIB;
+use crate::training::Settings;
 
-/// The worker backend a plan runs on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub enum Backend {
-    /// burn's CPU backend.
-    Flex,
-    /// burn's CUDA backend (NVIDIA GPUs).
-    Cuda,
-}
-
-/// What a backend costs beyond tensors, and what it supports. Constants are
-/// starting points; the worker calibration bench refines them.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct BackendProfile {
-    pub backend: Backend,
-    /// Process/context baseline in bytes (binary, thread stacks; CUDA context and kernels).
-    pub fixed_overhead_bytes: u64,
-    /// Allocator slack and fragmentation as a fraction of tensor bytes.
-    pub allocator_slack: f64,
-    /// Fraction of nominal device memory that is actually allocatable.
-    pub usable_fraction: f64,
-    /// Dropout mask bytes per element (0: the Headroom worker trains without dropout).
-    pub dropout_mask_bytes: u64,
-    /// Copies of the fp32 logits alive at the loss (logits and their gradient).
-    pub logit_copies: u64,
-    pub precisions: &'static [Precision],
-    pub optimizers: &'static [Optimizer],
-}
-
-impl Backend {
-    pub fn profile(self) -> &'static BackendProfile {
-        match self {
-            Backend::Flex => &FLEX,
-            Backend::Cuda => &CUDA,
-        }
-    }
-}
-
-impl std::fmt::Display for Backend {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Backend::Flex => "flex",
-            Backend::Cuda => "cuda",
-        })
-    }
-}
-
-/// burn `flex` on CPU: the container's memory limit is the device.
-///
-/// Calibrated against measured worker peaks (VmHWM of the `headroom-worker`
-/// process, 16 configurations; `docs/benchmarks.md`): the process baseline
-/// is about 20 MiB, and the slack of 32 % covers the glibc allocator plus the
-/// intermediates burn's autodiff keeps beyond the Korthikanti count (the
-/// attention mask and score copies, the transient gradient of each op).
-pub const FLEX: BackendProfile = BackendProfile {
-    backend: Backend::Flex,
-    fixed_overhead_bytes: 20 * MIB,
-    allocator_slack: 0.32,
-    usable_fraction: 1.0,
-    dropout_mask_bytes: 0,
-    logit_copies: 2,
-    precisions: &[Precision::Fp32],
-    optimizers: &[
-        Optimizer::Adamw,
-        Optimizer::Adam,
-        Optimizer::SgdMomentum,
-        Optimizer::Sgd,
-    ],
-};
-
-/// burn CUDA: context and kernels cost most of a GiB; drivers keep ~1 % back
-/// (an "80 GB" card offers about 79.2 GiB).
-pub const CUDA: BackendProfile = BackendProfile {
-    backend: Backend::Cuda,
-    fixed_overhead_bytes: 900 * MIB,
-    allocator_slack: 0.08,
-    usable_fraction: 0.99,
-    dropout_mask_bytes: 0,
-    logit_copies: 2,
-    precisions: &[Precision::Fp32, Precision::Bf16, Precision::Fp16],
-    optimizers: &[
-        Optimizer::Adamw,
-        Optimizer::Adam,
-        Optimizer::SgdMomentum,
-        Optimizer::Sgd,
-    ],
-};
+// compat: the backends moved to `crate::backend`; the worker still names them here.
+pub use crate::backend::{Backend, CUDA, FLEX};
 
 /// Bytes by component for one worker. `total` is what is compared with the budget.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -260,7 +175,9 @@ pub fn zero_model_state_bytes(params: u64, zero_stage: u8, ranks: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::FLEX;
     use crate::model::TransformerShape;
+    use crate::training::{Optimizer, Precision};
 
     #[test]
     fn zero_paper_example() {

@@ -7,174 +7,17 @@
 //! nothing fits and the policy allows changing them. Pipeline stages run a
 //! 1F1B schedule, so stage k holds min(p − k, accumulation) micro-batches.
 
-use schemars::JsonSchema;
-use serde::{Deserialize, Serialize};
-
+use crate::backend::BackendProfile;
 use crate::inventory::{DeviceKind, DeviceType, Inventory};
-use crate::ladder::RetryRung;
-use crate::memory::{Backend, BackendProfile, MemoryBreakdown, StagePlacement, estimate_stage};
-use crate::model::ModelShape;
+use crate::memory::{StagePlacement, estimate_stage};
+use crate::plan::{JobRequest, NoFeasiblePlan, Plan, Stage, Target};
+use crate::rung::RetryRung;
 use crate::training::{Optimizer, Precision, Settings, divisors_desc};
 use crate::units::format_bytes;
 
-/// Where a job may run.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Target {
-    /// NVIDIA GPUs; one pipeline stage per GPU.
-    Gpu {
-        /// GPU products allowed (GFD `nvidia.com/gpu.product` values); empty: any.
-        allowed_types: Vec<String>,
-        max_gpus: u32,
-    },
-    /// CPU workers, each with its own container memory limit.
-    Cpu {
-        memory_limit_bytes: u64,
-        max_workers: u32,
-    },
-}
-
-/// Everything the planner needs to know about a job.
-#[derive(Clone, Debug, PartialEq)]
-pub struct JobRequest {
-    pub model: ModelShape,
-    /// Samples per optimizer step; every plan preserves it exactly.
-    pub global_batch: u32,
-    pub precision: Precision,
-    pub optimizer: Optimizer,
-    /// User-pinned micro-batch (honoured on the first attempt).
-    pub pinned_micro_batch: Option<u32>,
-    /// User-pinned activation checkpointing (honoured on the first attempt).
-    pub pinned_checkpointing: Option<bool>,
-    /// User-pinned number of pipeline stages (honoured on the first attempt).
-    pub pinned_stages: Option<u32>,
-    pub target: Target,
-    /// Fraction of usable device memory kept free, in [0, 1).
-    pub headroom_fraction: f64,
-    /// Retry rungs the job's policy allows; the search also uses `LowerPrecision`
-    /// and `CheaperOptimizer` from it when nothing fits otherwise.
-    pub allowed_rungs: Vec<RetryRung>,
-}
-
-impl JobRequest {
-    pub fn backend(&self) -> Backend {
-        match self.target {
-            Target::Gpu { .. } => Backend::Cuda,
-            Target::Cpu { .. } => Backend::Flex,
-        }
-    }
-
-    /// Most workers (stages) the job may use.
-    pub fn max_workers(&self) -> u32 {
-        let cap = match &self.target {
-            Target::Gpu { max_gpus, .. } => *max_gpus,
-            Target::Cpu { max_workers, .. } => *max_workers,
-        };
-        cap.min(self.model.splittable_layers()).max(1)
-    }
-
-    fn allows(&self, rung: RetryRung) -> bool {
-        self.allowed_rungs.contains(&rung)
-    }
-
-    /// Whether a device type is one this job may use.
-    pub fn accepts(&self, device: &DeviceType) -> bool {
-        match &self.target {
-            Target::Gpu { allowed_types, .. } => {
-                device.kind == DeviceKind::Gpu
-                    && (allowed_types.is_empty() || allowed_types.iter().any(|t| t == &device.name))
-            }
-            Target::Cpu { .. } => device.kind == DeviceKind::Cpu,
-        }
-    }
-
-    /// The inventory a CPU job plans against; GPU jobs use the cluster's.
-    pub fn own_inventory(&self) -> Option<Inventory> {
-        match self.target {
-            Target::Cpu {
-                memory_limit_bytes,
-                max_workers,
-            } => Some(Inventory::cpu(memory_limit_bytes, max_workers)),
-            Target::Gpu { .. } => None,
-        }
-    }
-}
-
-/// One pipeline stage: a worker, its layers and its predicted memory.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct Stage {
-    pub index: u32,
-    /// First transformer block of this stage (inclusive).
-    pub layer_start: u32,
-    /// One past the last block of this stage (exclusive).
-    pub layer_end: u32,
-    /// Micro-batches whose activations this stage holds at once under 1F1B.
-    pub in_flight_micro_batches: u32,
-    /// Predicted bytes by component.
-    pub memory: MemoryBreakdown,
-}
-
-/// A complete, executable plan: where the job runs and how.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct Plan {
-    /// GPU product (GFD label value) or `cpu`.
-    pub device: String,
-    pub device_kind: DeviceKind,
-    /// Resource each worker requests one of (`nvidia.com/gpu`, a MIG resource, or `memory`).
-    pub resource: String,
-    /// Nominal memory of one device in bytes.
-    pub device_memory_bytes: u64,
-    /// Usable bytes minus headroom: what each worker must stay under.
-    pub budget_bytes: u64,
-    pub backend: Backend,
-    /// Workers (one per pipeline stage, one device each).
-    pub workers: u32,
-    #[schemars(length(min = 1))]
-    pub stages: Vec<Stage>,
-    pub settings: Settings,
-    /// Samples per optimizer step (micro-batch × accumulation).
-    pub global_batch: u64,
-    /// Largest stage total, bytes.
-    pub predicted_peak_bytes: u64,
-    /// Multiplier learned from observed peaks of earlier attempts (1 on a first attempt).
-    pub correction_factor: f64,
-    /// Estimated time per optimizer step relative to one device running the
-    /// whole batch at once without checkpointing (unitless; lower is faster).
-    pub relative_step_time: f64,
-    /// Rungs of the retry ladder that produced this plan from the previous one.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub rungs_applied: Vec<RetryRung>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub warnings: Vec<String>,
-    /// Human summary, e.g. `3.1 GiB / 3.6 GiB (86%)`.
-    pub fit: String,
-}
-
-impl Plan {
-    pub fn fits(&self) -> bool {
-        self.predicted_peak_bytes <= self.budget_bytes
-    }
-}
-
-/// Nothing fits: the numbers that ruled each option out.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("no feasible plan: {summary}{}", details.iter().map(|d| format!("\n  - {d}")).collect::<String>())]
-pub struct NoFeasiblePlan {
-    pub summary: String,
-    pub details: Vec<String>,
-}
-
-/// Knobs the retry ladder and the operator set beyond the request.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct SearchOptions {
-    /// Multiplies every estimate (≥ 1; 1 when unset).
-    pub correction: f64,
-    /// Device types to skip (e.g. unschedulable on the last attempt).
-    pub excluded_devices: Vec<String>,
-    /// Ignore the user's pinned micro-batch / checkpointing (retries).
-    pub ignore_pins: bool,
-}
+// compat: the request and plan types moved to `crate::plan`; the operator
+// still names `search::SearchOptions`.
+pub use crate::plan::SearchOptions;
 
 /// Usable bytes minus headroom for one device of this type.
 pub fn budget_bytes(device: &DeviceType, profile: &BackendProfile, headroom_fraction: f64) -> u64 {
@@ -329,27 +172,41 @@ fn list<T: std::fmt::Display>(items: &[T]) -> String {
         .join(", ")
 }
 
-/// Precision/optimizer combinations to try, in order, with the rungs each implies.
+/// Precision/optimizer combinations to try, in order, with the rungs each
+/// implies: the user's own first, then what the allowed numerics rungs offer
+/// from there (lower precision, cheaper optimizer state, then both).
 fn numerics_options(req: &JobRequest) -> Vec<(Precision, Optimizer, Vec<RetryRung>)> {
     let profile = req.backend().profile();
+    let g = req.global_batch;
+    // The numerics rungs change only precision and optimizer; the batch
+    // fields here are placeholders the search replaces.
+    let asked = Settings {
+        micro_batch: g,
+        gradient_accumulation: 1,
+        activation_checkpointing: false,
+        precision: req.precision,
+        optimizer: req.optimizer,
+    };
+    let tighten = |rung: RetryRung, from: &Settings| {
+        req.allows(rung)
+            .then(|| rung.tighten_settings(from, profile, g))
+            .flatten()
+    };
     let mut out = vec![(req.precision, req.optimizer, vec![])];
-    let lower = req
-        .precision
-        .lower()
-        .filter(|p| req.allows(RetryRung::LowerPrecision) && profile.precisions.contains(p));
-    let cheaper = req
-        .optimizer
-        .cheaper()
-        .filter(|o| req.allows(RetryRung::CheaperOptimizer) && profile.optimizers.contains(o));
-    if let Some(p) = lower {
-        out.push((p, req.optimizer, vec![RetryRung::LowerPrecision]));
+    let lower = tighten(RetryRung::LowerPrecision, &asked);
+    if let Some(l) = lower {
+        out.push((l.precision, l.optimizer, vec![RetryRung::LowerPrecision]));
     }
-    if let Some(o) = cheaper {
-        out.push((req.precision, o, vec![RetryRung::CheaperOptimizer]));
-        if let Some(p) = lower {
+    if let Some(cheaper) = tighten(RetryRung::CheaperOptimizer, &asked) {
+        out.push((
+            cheaper.precision,
+            cheaper.optimizer,
+            vec![RetryRung::CheaperOptimizer],
+        ));
+        if let Some(both) = tighten(RetryRung::LowerPrecision, &cheaper) {
             out.push((
-                p,
-                o,
+                both.precision,
+                both.optimizer,
                 vec![RetryRung::LowerPrecision, RetryRung::CheaperOptimizer],
             ));
         }

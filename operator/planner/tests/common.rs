@@ -35,7 +35,7 @@ pub fn gpu_job(model: ModelShape, global_batch: u32, max_gpus: u32) -> JobReques
             max_gpus,
         },
         headroom_fraction: 0.1,
-        allowed_rungs: RetryRung::ALL.to_vec(),
+        allowed_rungs: RetryRung::DEFAULT.to_vec(),
     }
 }
 

@@ -132,16 +132,35 @@ fn exhausted_ladder_explains_every_rung() {
     )
     .expect_err("64 MiB cannot hold it");
     let text = err.to_string();
-    for rung in [
-        "activationCheckpointing",
-        "halveMicroBatch",
-        "lowerPrecision",
-        "cheaperOptimizer",
-        "morePipelineStages",
-        "largerGpu",
-    ] {
-        assert!(text.contains(rung), "missing {rung} in {text}");
+    for rung in RetryRung::DEFAULT {
+        assert!(text.contains(&rung.to_string()), "missing {rung} in {text}");
     }
+    // Not in the default policy: no worker runs 8-bit optimizer state.
+    assert!(!text.contains("cheaperOptimizer"), "{text}");
+}
+
+#[test]
+fn a_rung_no_worker_can_run_is_never_applied() {
+    let (mut job, failed) = first_cpu_plan();
+    job.allowed_rungs = vec![RetryRung::CheaperOptimizer, RetryRung::HalveMicroBatch];
+    let failure = MemoryFailure {
+        kind: MemoryFailureKind::HostOom,
+        observed_peak_bytes: None,
+    };
+    let next =
+        next_stricter_plan(&job, &Inventory::default(), &failed, &failure).expect("halving helps");
+    assert_eq!(next.rungs_applied, vec![RetryRung::HalveMicroBatch]);
+    assert_eq!(next.settings.optimizer, failed.settings.optimizer);
+
+    job.allowed_rungs = vec![RetryRung::CheaperOptimizer];
+    let err = next_stricter_plan(&job, &Inventory::default(), &failed, &failure)
+        .expect_err("nothing to offer");
+    assert!(
+        err.details.contains(
+            &"cheaperOptimizer: no cheaper-state variant of adamw on the flex backend".into()
+        ),
+        "{err}"
+    );
 }
 
 #[test]

@@ -2,7 +2,8 @@
 
 mod common;
 use common::*;
-use headroom_planner::memory::{CUDA, FLEX, StagePlacement, estimate_stage};
+use headroom_planner::backend::{CUDA, FLEX};
+use headroom_planner::memory::{StagePlacement, estimate_stage};
 use headroom_planner::search::balanced_split;
 use headroom_planner::training::divisors_desc;
 use headroom_planner::*;

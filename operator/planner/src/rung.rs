@@ -1,0 +1,473 @@
+//! The retry rungs: each one way to need less memory per worker, and how it
+//! tightens where and how an attempt runs.
+//!
+//! The rungs are the retry policy's vocabulary. The ladder
+//! ([`crate::ladder`]) asks each allowed rung in turn for stricter
+//! candidates after an out-of-memory failure; the search ([`crate::search`])
+//! asks the numerics rungs (lower precision, cheaper optimizer state) for
+//! settings when nothing fits at the user's. Both get the same answer here,
+//! so a rung means one thing wherever it is applied.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::backend::{BackendProfile, CUDA, FLEX};
+use crate::inventory::DeviceType;
+use crate::training::{Settings, divisors_desc};
+use crate::units::format_bytes;
+
+/// One way to need less memory per worker, in the default order of the ladder.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
+#[serde(rename_all = "camelCase")]
+pub enum RetryRung {
+    /// Turn activation checkpointing on.
+    ActivationCheckpointing,
+    /// Halve the micro-batch and double gradient accumulation.
+    HalveMicroBatch,
+    /// Move to a lower precision the backend supports (fp32 → bf16).
+    LowerPrecision,
+    /// Keep optimizer state in 8 bits. No worker backend runs 8-bit state
+    /// yet, so this rung is not offered (see [`RetryRung::runnable`]).
+    CheaperOptimizer,
+    /// Split the layers over more pipeline stages.
+    MorePipelineStages,
+    /// Move to a GPU type with more memory.
+    LargerGpu,
+}
+
+impl RetryRung {
+    /// Every rung, in the fixed order the ladder climbs them: cheapest in
+    /// speed and devices first.
+    pub const ALL: [RetryRung; 6] = [
+        RetryRung::ActivationCheckpointing,
+        RetryRung::HalveMicroBatch,
+        RetryRung::LowerPrecision,
+        RetryRung::CheaperOptimizer,
+        RetryRung::MorePipelineStages,
+        RetryRung::LargerGpu,
+    ];
+
+    /// What a job allows when it names no rungs: every [`runnable`](Self::runnable)
+    /// rung, in the ladder's order. A rung the worker cannot run is never offered.
+    pub const DEFAULT: [RetryRung; 5] = [
+        RetryRung::ActivationCheckpointing,
+        RetryRung::HalveMicroBatch,
+        RetryRung::LowerPrecision,
+        RetryRung::MorePipelineStages,
+        RetryRung::LargerGpu,
+    ];
+
+    /// Whether some worker backend can run what this rung produces. Only
+    /// `CheaperOptimizer` is not: no backend profile lists an 8-bit optimizer
+    /// because the worker implements none. When one does, this turns true and
+    /// the rung belongs in [`RetryRung::DEFAULT`] and the API's allowed list.
+    pub fn runnable(self) -> bool {
+        match self {
+            RetryRung::CheaperOptimizer => [&FLEX, &CUDA].into_iter().any(|p| {
+                p.optimizers
+                    .iter()
+                    .any(|o| o.cheaper().is_some_and(|c| p.optimizers.contains(&c)))
+            }),
+            _ => true,
+        }
+    }
+
+    /// The next stricter settings this rung offers from `settings` on
+    /// `profile`, keeping `micro-batch × accumulation = global_batch`; `None`
+    /// when it has nothing stricter, or when it changes where the job runs
+    /// (stages, GPU type) rather than its settings.
+    pub fn tighten_settings(
+        self,
+        settings: &Settings,
+        profile: &BackendProfile,
+        global_batch: u32,
+    ) -> Option<Settings> {
+        let mut next = *settings;
+        match self {
+            RetryRung::ActivationCheckpointing => {
+                if settings.activation_checkpointing {
+                    return None;
+                }
+                next.activation_checkpointing = true;
+            }
+            RetryRung::HalveMicroBatch => {
+                // At most half; the largest divisor keeps the global batch exact.
+                let b = divisors_desc(global_batch)
+                    .into_iter()
+                    .find(|&d| d <= settings.micro_batch / 2)?;
+                next.micro_batch = b;
+                next.gradient_accumulation = global_batch / b;
+            }
+            RetryRung::LowerPrecision => {
+                next.precision = settings
+                    .precision
+                    .lower()
+                    .filter(|l| profile.precisions.contains(l))?;
+            }
+            RetryRung::CheaperOptimizer => {
+                next.optimizer = settings
+                    .optimizer
+                    .cheaper()
+                    .filter(|o| profile.optimizers.contains(o))?;
+            }
+            RetryRung::MorePipelineStages | RetryRung::LargerGpu => return None,
+        }
+        Some(next)
+    }
+
+    /// The stricter candidates this rung offers from `from`, least strict first.
+    pub fn tighten(self, from: &Candidate, limits: &RungLimits) -> Tightening {
+        let next_settings =
+            |s: &Settings| self.tighten_settings(s, limits.profile, limits.global_batch);
+        let with = |settings: Settings| Candidate {
+            settings,
+            ..from.clone()
+        };
+        let s = &from.settings;
+        match self {
+            RetryRung::ActivationCheckpointing => match next_settings(s) {
+                Some(on) => Tightening::Try(vec![with(on)]),
+                None => Tightening::Skip("already on".into()),
+            },
+            RetryRung::HalveMicroBatch => {
+                // Every halving down to micro-batch 1: each costs speed, so
+                // the ladder stops at the first that fits.
+                let mut steps: Vec<Candidate> = Vec::new();
+                let mut at = *s;
+                while let Some(halved) = next_settings(&at) {
+                    steps.push(with(halved));
+                    at = halved;
+                }
+                Tightening::Try(steps)
+            }
+            RetryRung::LowerPrecision => match next_settings(s) {
+                Some(lower) => Tightening::Try(vec![with(lower)]),
+                None => Tightening::Skip(format!(
+                    "{} backend offers nothing below {}",
+                    limits.profile.backend, s.precision
+                )),
+            },
+            RetryRung::CheaperOptimizer => match next_settings(s) {
+                Some(cheaper) => Tightening::Try(vec![with(cheaper)]),
+                None => Tightening::Skip(format!(
+                    "no cheaper-state variant of {} on the {} backend",
+                    s.optimizer, limits.profile.backend
+                )),
+            },
+            RetryRung::MorePipelineStages => {
+                // The failed attempt's own count was free to it, whatever the
+                // inventory says now.
+                let p = from.workers;
+                let max_p = limits.max_workers.min(from.device.free.max(p));
+                if p >= max_p {
+                    return Tightening::Skip(format!(
+                        "already at {p} stage(s), the most allowed/available"
+                    ));
+                }
+                Tightening::Try(
+                    (p + 1..=max_p)
+                        .map(|workers| Candidate {
+                            workers,
+                            ..from.clone()
+                        })
+                        .collect(),
+                )
+            }
+            RetryRung::LargerGpu => {
+                let mut larger: Vec<&DeviceType> = limits
+                    .devices
+                    .iter()
+                    .filter(|d| d.memory_bytes > from.device.memory_bytes && d.free > 0)
+                    .collect();
+                larger.sort_by_key(|d| d.memory_bytes);
+                if larger.is_empty() {
+                    return Tightening::Skip(format!(
+                        "no free allowed GPU type larger than {}",
+                        format_bytes(from.device.memory_bytes)
+                    ));
+                }
+                // Smallest larger type first, fewest stages first on each.
+                Tightening::Try(
+                    larger
+                        .into_iter()
+                        .flat_map(|dev| {
+                            (1..=limits.max_workers.min(dev.free)).map(move |workers| Candidate {
+                                device: dev.clone(),
+                                workers,
+                                settings: *s,
+                            })
+                        })
+                        .collect(),
+                )
+            }
+        }
+    }
+
+    /// Why this rung did not help when none of its candidates fit: `reached`
+    /// is the strictest candidate it offered (or where the ladder stood, when
+    /// it offered none), `shortfall` that candidate's "peak > budget".
+    pub fn over_budget_note(
+        self,
+        reached: &Candidate,
+        tried: &[Candidate],
+        shortfall: impl FnOnce() -> String,
+    ) -> String {
+        let s = &reached.settings;
+        match self {
+            RetryRung::ActivationCheckpointing => format!("on → {}", shortfall()),
+            RetryRung::HalveMicroBatch => format!(
+                "down to micro-batch {} × accumulation {} → {}",
+                s.micro_batch,
+                s.gradient_accumulation,
+                shortfall()
+            ),
+            RetryRung::LowerPrecision => format!("{} → {}", s.precision, shortfall()),
+            RetryRung::CheaperOptimizer => format!("{} → {}", s.optimizer, shortfall()),
+            RetryRung::MorePipelineStages => {
+                format!("up to {} stages → {}", reached.workers, shortfall())
+            }
+            RetryRung::LargerGpu => {
+                let mut names: Vec<String> = Vec::new();
+                for c in tried {
+                    let name = format!(
+                        "{} ({})",
+                        c.device.name,
+                        format_bytes(c.device.memory_bytes)
+                    );
+                    if names.last() != Some(&name) {
+                        names.push(name);
+                    }
+                }
+                format!("tried {}; none fits", names.join(", "))
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for RetryRung {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RetryRung::ActivationCheckpointing => "activationCheckpointing",
+            RetryRung::HalveMicroBatch => "halveMicroBatch",
+            RetryRung::LowerPrecision => "lowerPrecision",
+            RetryRung::CheaperOptimizer => "cheaperOptimizer",
+            RetryRung::MorePipelineStages => "morePipelineStages",
+            RetryRung::LargerGpu => "largerGpu",
+        })
+    }
+}
+
+/// Where and how an attempt would run: what the rungs tighten.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Candidate {
+    pub device: DeviceType,
+    /// Workers, one pipeline stage (and one device) each.
+    pub workers: u32,
+    pub settings: Settings,
+}
+
+/// What the rungs may move to beyond a candidate: the job's limits and the
+/// cluster's devices.
+#[derive(Clone, Debug)]
+pub struct RungLimits {
+    /// The job's backend: the precisions and optimizers a worker runs.
+    pub profile: &'static BackendProfile,
+    /// Samples per optimizer step; every candidate keeps it.
+    pub global_batch: u32,
+    /// Most workers (stages) the job may use.
+    pub max_workers: u32,
+    /// Device types the job may use (`LargerGpu` picks the larger ones with a free device).
+    pub devices: Vec<DeviceType>,
+}
+
+/// A rung's answer to "what is stricter than this?".
+#[derive(Clone, Debug, PartialEq)]
+pub enum Tightening {
+    /// Stricter candidates, least strict first. The ladder tries each in
+    /// turn and carries the last on to the next rung. Empty when the rung
+    /// applies but has no step left (micro-batch already 1): the ladder
+    /// then says how far over budget it stands.
+    Try(Vec<Candidate>),
+    /// The rung does not apply from here, and why (e.g. "already on").
+    Skip(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::inventory::DeviceKind;
+    use crate::training::{Optimizer, Precision};
+    use crate::units::GIB;
+
+    fn settings(micro_batch: u32, accumulation: u32) -> Settings {
+        Settings {
+            micro_batch,
+            gradient_accumulation: accumulation,
+            activation_checkpointing: false,
+            precision: Precision::Fp32,
+            optimizer: Optimizer::Adamw,
+        }
+    }
+
+    fn gpu(name: &str, gib: u64, free: u32) -> DeviceType {
+        DeviceType {
+            name: name.into(),
+            kind: DeviceKind::Gpu,
+            resource: "nvidia.com/gpu".into(),
+            memory_bytes: gib * GIB,
+            free,
+            free_on_one_node: free,
+            total: free,
+        }
+    }
+
+    fn limits(devices: Vec<DeviceType>) -> RungLimits {
+        RungLimits {
+            profile: &CUDA,
+            global_batch: 12,
+            max_workers: 3,
+            devices,
+        }
+    }
+
+    #[test]
+    fn the_default_is_every_runnable_rung_in_ladder_order() {
+        let runnable: Vec<RetryRung> = RetryRung::ALL
+            .into_iter()
+            .filter(|r| r.runnable())
+            .collect();
+        assert_eq!(runnable, RetryRung::DEFAULT.to_vec());
+        assert!(!RetryRung::CheaperOptimizer.runnable());
+    }
+
+    #[test]
+    fn settings_rungs_tighten_one_step_and_keep_the_global_batch() {
+        let s = settings(12, 1);
+        let on = RetryRung::ActivationCheckpointing
+            .tighten_settings(&s, &CUDA, 12)
+            .expect("off → on");
+        assert!(on.activation_checkpointing);
+        assert_eq!(
+            RetryRung::ActivationCheckpointing.tighten_settings(&on, &CUDA, 12),
+            None
+        );
+
+        // 12 → 6 → 3 → 1: the largest divisor of the global batch at most half.
+        let mut micro = Vec::new();
+        let mut at = s;
+        while let Some(next) = RetryRung::HalveMicroBatch.tighten_settings(&at, &CUDA, 12) {
+            assert_eq!(next.global_batch(), 12);
+            micro.push(next.micro_batch);
+            at = next;
+        }
+        assert_eq!(micro, vec![6, 3, 1]);
+
+        let lower = RetryRung::LowerPrecision
+            .tighten_settings(&s, &CUDA, 12)
+            .expect("cuda offers bf16");
+        assert_eq!(lower.precision, Precision::Bf16);
+        assert_eq!(
+            RetryRung::LowerPrecision.tighten_settings(&s, &FLEX, 12),
+            None,
+            "flex trains in fp32 only"
+        );
+        // No backend runs 8-bit optimizer state, so the rung never fires.
+        assert_eq!(
+            RetryRung::CheaperOptimizer.tighten_settings(&s, &CUDA, 12),
+            None
+        );
+        for placement in [RetryRung::MorePipelineStages, RetryRung::LargerGpu] {
+            assert_eq!(placement.tighten_settings(&s, &CUDA, 12), None);
+        }
+    }
+
+    #[test]
+    fn placement_rungs_offer_more_stages_then_larger_types() {
+        let t4 = gpu("Tesla-T4", 15, 4);
+        let from = Candidate {
+            device: t4.clone(),
+            workers: 1,
+            settings: settings(12, 1),
+        };
+        let lim = limits(vec![
+            gpu("NVIDIA-A100-SXM4-80GB", 80, 1),
+            t4.clone(),
+            gpu("NVIDIA-L4", 22, 2),
+            gpu("NVIDIA-A10G", 22, 0),
+        ]);
+        let Tightening::Try(more) = RetryRung::MorePipelineStages.tighten(&from, &lim) else {
+            panic!("stages 2..=3 are allowed");
+        };
+        assert_eq!(
+            more.iter().map(|c| c.workers).collect::<Vec<_>>(),
+            vec![2, 3]
+        );
+
+        let Tightening::Try(larger) = RetryRung::LargerGpu.tighten(&from, &lim) else {
+            panic!("larger types are free");
+        };
+        let tried: Vec<(&str, u32)> = larger
+            .iter()
+            .map(|c| (c.device.name.as_str(), c.workers))
+            .collect();
+        // Smallest larger type first, fewest stages first; no free A10G.
+        assert_eq!(
+            tried,
+            vec![
+                ("NVIDIA-L4", 1),
+                ("NVIDIA-L4", 2),
+                ("NVIDIA-A100-SXM4-80GB", 1)
+            ]
+        );
+        let note = RetryRung::LargerGpu.over_budget_note(&larger[2], &larger, || unreachable!());
+        assert_eq!(
+            note,
+            "tried NVIDIA-L4 (22.0 GiB), NVIDIA-A100-SXM4-80GB (80.0 GiB); none fits"
+        );
+
+        let at_most = Candidate {
+            workers: 3,
+            ..from.clone()
+        };
+        assert!(matches!(
+            RetryRung::MorePipelineStages.tighten(&at_most, &lim),
+            Tightening::Skip(_)
+        ));
+        let largest = Candidate {
+            device: gpu("NVIDIA-A100-SXM4-80GB", 80, 1),
+            ..from
+        };
+        assert!(matches!(
+            RetryRung::LargerGpu.tighten(&largest, &lim),
+            Tightening::Skip(_)
+        ));
+    }
+
+    #[test]
+    fn a_rung_with_nothing_stricter_says_why() {
+        let from = Candidate {
+            device: gpu("Tesla-T4", 15, 1),
+            workers: 1,
+            settings: Settings {
+                activation_checkpointing: true,
+                ..settings(1, 12)
+            },
+        };
+        let lim = limits(vec![]);
+        assert_eq!(
+            RetryRung::ActivationCheckpointing.tighten(&from, &lim),
+            Tightening::Skip("already on".into())
+        );
+        assert_eq!(
+            RetryRung::CheaperOptimizer.tighten(&from, &lim),
+            Tightening::Skip("no cheaper-state variant of adamw on the cuda backend".into())
+        );
+        // Halving applies but has no step left below micro-batch 1.
+        assert_eq!(
+            RetryRung::HalveMicroBatch.tighten(&from, &lim),
+            Tightening::Try(vec![])
+        );
+    }
+}
