@@ -1,6 +1,6 @@
 //! `headroom-worker`: trains one stage of a Headroom plan. Everything it
 //! reads comes from the environment the operator sets up (see
-//! `headroom_api::contract`); its exit code and termination message are the
+//! `headroom_api::contract`), read once into a `WorkerEnv`; its exit code and termination message are the
 //! contract's. The logic lives in the library (`headroom_worker::run`).
 
 fn main() {
@@ -11,7 +11,6 @@ fn main() {
         )
         .with_writer(std::io::stderr)
         .init();
-    let env = |key: &str| std::env::var(key).ok();
-    let exit = headroom_worker::run::run(&env);
-    std::process::exit(exit.code);
+    let exit = headroom_worker::run::run(headroom_worker::WorkerEnv::from_env());
+    std::process::exit(exit.code());
 }

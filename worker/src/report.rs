@@ -21,6 +21,7 @@ use headroom_api::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Api, Patch, PatchParams};
 
+use crate::cluster::{ClusterHandle, NoClient};
 use crate::telemetry::MemoryProbe;
 
 /// Default seconds between status writes (overridden by `HEADROOM_TELEMETRY_INTERVAL_SECONDS`).
@@ -108,14 +109,28 @@ impl WritePolicy {
     }
 }
 
-/// Where telemetry goes.
-pub trait TelemetrySink: Send {
-    fn write(&mut self, telemetry: &WorkerTelemetry) -> Result<(), String>;
+/// Why a telemetry write did not happen.
+#[derive(Debug, thiserror::Error)]
+pub enum TelemetryError {
+    #[error("status write for job {job}: {source}")]
+    Apply {
+        job: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("poisoned")]
+    Poisoned,
 }
 
-/// Server-side apply of `status.workers[<pod>]` on the job.
+/// Where telemetry goes.
+pub trait TelemetrySink: Send {
+    fn write(&mut self, telemetry: &WorkerTelemetry) -> Result<(), TelemetryError>;
+}
+
+/// Server-side apply of `status.workers[<pod>]` on the job, through the
+/// worker's shared [`ClusterHandle`].
 pub struct KubeStatusSink {
-    runtime: tokio::runtime::Runtime,
+    cluster: Arc<ClusterHandle>,
     api: Api<MemoryAwareTrainingJob>,
     job: String,
     params: PatchParams,
@@ -131,50 +146,48 @@ impl std::fmt::Debug for KubeStatusSink {
 }
 
 impl KubeStatusSink {
-    /// A client from KUBECONFIG / ~/.kube/config / the in-cluster service
-    /// account; `Ok(None)` when none of them is there (telemetry stays local).
-    pub fn connect(identity: &WorkerIdentity) -> Result<Option<Self>, String> {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| format!("telemetry runtime: {e}"))?;
-        let config = match runtime.block_on(kube::Config::infer()) {
-            Ok(config) => config,
+    /// Writes through the cluster's client; `None` when there is no client
+    /// (no Kubernetes configuration: telemetry stays local).
+    pub fn connect(cluster: &Arc<ClusterHandle>, identity: &WorkerIdentity) -> Option<Self> {
+        let client = match cluster.client() {
+            Ok(client) => client,
             Err(e) => {
-                tracing::info!(
-                    "no Kubernetes configuration ({e}); telemetry is logged, not written to the job status"
-                );
-                return Ok(None);
+                match &*e {
+                    NoClient::Configuration(_) => {
+                        tracing::info!("{e}; telemetry is logged, not written to the job status")
+                    }
+                    NoClient::Client(_) => tracing::warn!("telemetry disabled: {e}"),
+                }
+                return None;
             }
         };
-        let client = {
-            let _guard = runtime.enter();
-            kube::Client::try_from(config).map_err(|e| format!("Kubernetes client: {e}"))?
-        };
-        Ok(Some(KubeStatusSink {
+        Some(KubeStatusSink {
+            cluster: cluster.clone(),
             api: Api::namespaced(client, &identity.namespace),
-            runtime,
             job: identity.job.clone(),
             params: PatchParams::apply(&identity.field_manager()).force(),
-        }))
+        })
     }
 }
 
 impl TelemetrySink for KubeStatusSink {
-    fn write(&mut self, telemetry: &WorkerTelemetry) -> Result<(), String> {
+    fn write(&mut self, telemetry: &WorkerTelemetry) -> Result<(), TelemetryError> {
         let body = serde_json::json!({
             "apiVersion": "headroom.dev/v1alpha1",
             "kind": "MemoryAwareTrainingJob",
             "metadata": { "name": self.job },
             "status": { "workers": [telemetry] },
         });
-        self.runtime
+        self.cluster
             .block_on(
                 self.api
                     .patch_status(&self.job, &self.params, &Patch::Apply(&body)),
             )
             .map(|_| ())
-            .map_err(|e| format!("status write for job {}: {e}", self.job))
+            .map_err(|source| TelemetryError::Apply {
+                job: self.job.clone(),
+                source,
+            })
     }
 }
 
@@ -183,10 +196,10 @@ impl TelemetrySink for KubeStatusSink {
 pub struct MemorySink(pub Arc<Mutex<Vec<WorkerTelemetry>>>);
 
 impl TelemetrySink for MemorySink {
-    fn write(&mut self, telemetry: &WorkerTelemetry) -> Result<(), String> {
+    fn write(&mut self, telemetry: &WorkerTelemetry) -> Result<(), TelemetryError> {
         self.0
             .lock()
-            .map_err(|_| "poisoned".to_string())?
+            .map_err(|_| TelemetryError::Poisoned)?
             .push(telemetry.clone());
         Ok(())
     }

@@ -2,55 +2,51 @@
 //! checkpoint, report, and leave with the contract's exit code and a
 //! termination message on every path.
 //!
-//! Exit codes (`headroom_api::exit_code`): 0 success; `INVALID_PLAN` for a
-//! plan that is missing, malformed, inconsistent or that this worker cannot
-//! run; `DEVICE_OUT_OF_MEMORY` for an allocation failure caught in process
-//! (a CUDA/cubecl out-of-memory panic, or the optional soft limit below);
-//! `FAILURE` for anything else. A kernel OOM kill (137) never reaches us.
+//! Exit codes (`headroom_api::exit_code`, each from its
+//! [`WorkerOutcome`]): 0 success; `INVALID_PLAN` for an environment or a plan
+//! that is missing, malformed, inconsistent or that this worker cannot run;
+//! `DEVICE_OUT_OF_MEMORY` for an allocation failure caught in process (a
+//! CUDA/cubecl out-of-memory panic, or the optional soft limit
+//! `HEADROOM_DEVICE_MEMORY_LIMIT_BYTES`); `PEER_LOST` when a pipeline
+//! neighbour went away; `FAILURE` for anything else. A kernel OOM kill (137)
+//! never reaches us.
 
+use std::net::TcpListener;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
 
+use burn::tensor::Device;
 use headroom_api::{
-    CHECKPOINT_DIR_ENV, DEFAULT_CHECKPOINT_DIR, PIPELINE_ADDRESSES_ENV, PIPELINE_PODS_ENV,
-    PIPELINE_PORT, PIPELINE_SERVICE_ENV, PIPELINE_TIMEOUT_ENV, POD_NAME_ENV,
-    TELEMETRY_INTERVAL_ENV, TERMINATION_MESSAGE_PATH, TerminationMessage, WorkerAssignment,
-    exit_code,
+    PIPELINE_ADDRESSES_ENV, PIPELINE_PODS_ENV, PIPELINE_PORT, TerminationMessage, WorkerOutcome,
 };
 
+use crate::assignment::ValidAssignment;
+use crate::checkpoint::CheckpointError;
+use crate::cluster::ClusterHandle;
+pub use crate::env::{DEVICE_MEMORY_LIMIT_ENV, TERMINATION_MESSAGE_PATH_ENV};
+use crate::env::{InvalidEnv, PipelinePeers, WorkerEnv};
 use crate::pipeline::{Hello, Links, Peers, PipelineError, establish};
 use crate::report::{
-    DEFAULT_INTERVAL, DEFAULT_SAMPLE_EVERY, KubeStatusSink, Progress, Reporter, TelemetrySink,
-    WorkerIdentity, WritePolicy,
+    DEFAULT_SAMPLE_EVERY, KubeStatusSink, Progress, Reporter, TelemetrySink, WorkerIdentity,
+    WritePolicy,
 };
 use crate::telemetry::{MemoryProbe, process_memory};
-use crate::train::{TrainConfig, Trainer, training_device};
-use crate::{load_assignment, write_termination_message};
+use crate::train::{Trainer, training_device};
+use crate::write_termination_message;
 
-/// Overrides where the termination message goes (tests, local runs).
-pub const TERMINATION_MESSAGE_PATH_ENV: &str = "HEADROOM_TERMINATION_MESSAGE_PATH";
-/// Optional soft device limit in bytes: when the worker's peak passes it, the
-/// worker stops with `DEVICE_OUT_OF_MEMORY` as a GPU worker would. Lets the
-/// CPU backend (whose real limit is the kernel's OOM kill) exercise the
-/// device-OOM path of the operator; unset in normal runs.
-pub const DEVICE_MEMORY_LIMIT_ENV: &str = "HEADROOM_DEVICE_MEMORY_LIMIT_BYTES";
-
-/// How the process ends.
+/// How the process ends: the termination message, whose outcome gives the exit code.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Exit {
-    pub code: i32,
     pub message: TerminationMessage,
 }
 
 impl Exit {
-    fn new(code: i32, outcome: &str, reason: impl Into<String>) -> Self {
+    pub fn new(outcome: WorkerOutcome, reason: impl Into<String>) -> Self {
         Exit {
-            code,
             message: TerminationMessage {
-                outcome: outcome.into(),
+                outcome,
                 reason: reason.into(),
                 step: None,
                 peak_bytes: None,
@@ -59,19 +55,22 @@ impl Exit {
         }
     }
 
+    /// The process exit code: the outcome's.
+    pub fn code(&self) -> i32 {
+        self.message.outcome.exit_code()
+    }
+
     fn invalid_plan(reason: impl Into<String>) -> Self {
-        Exit::new(exit_code::INVALID_PLAN, "invalidPlan", reason)
+        Exit::new(WorkerOutcome::InvalidPlan, reason)
     }
 
     fn failed(reason: impl Into<String>) -> Self {
-        Exit::new(exit_code::FAILURE, "failed", reason)
+        Exit::new(WorkerOutcome::Failed, reason)
     }
 
     fn pipeline(e: &PipelineError) -> Self {
         match e {
-            PipelineError::PeerLost { .. } => {
-                Exit::new(exit_code::PEER_LOST, "peerLost", e.to_string())
-            }
+            PipelineError::PeerLost { .. } => Exit::new(WorkerOutcome::PeerLost, e.to_string()),
             PipelineError::Protocol(_) => Exit::failed(e.to_string()),
         }
     }
@@ -116,105 +115,67 @@ fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "panic without a message".into())
 }
 
-/// The environment a run reads, as a lookup (the process env in `main`).
-pub type Env<'a> = &'a dyn Fn(&str) -> Option<String>;
-
-/// Runs the worker to its exit and writes the termination message.
-pub fn run(env: Env<'_>) -> Exit {
-    let exit = run_inner(env);
-    let path = env(TERMINATION_MESSAGE_PATH_ENV)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(TERMINATION_MESSAGE_PATH));
+/// Runs the worker to its exit and writes the termination message (to the
+/// path the environment names, even when the rest of it is unusable).
+pub fn run(env: Result<WorkerEnv, InvalidEnv>) -> Exit {
+    let (path, exit) = match env {
+        Ok(env) => {
+            let exit = run_inner(&env);
+            (env.termination_message_path, exit)
+        }
+        Err(invalid) => (
+            invalid.termination_message_path,
+            Exit::invalid_plan(invalid.error.to_string()),
+        ),
+    };
     if let Err(e) = write_termination_message(&path, &exit.message) {
         tracing::warn!(
             "cannot write the termination message to {}: {e}",
             path.display()
         );
     }
-    match exit.code {
-        0 => tracing::info!(reason = %exit.message.reason, "succeeded"),
-        code => {
-            tracing::error!(code, outcome = %exit.message.outcome, reason = %exit.message.reason, "exiting")
+    match exit.message.outcome {
+        WorkerOutcome::Succeeded => tracing::info!(reason = %exit.message.reason, "succeeded"),
+        outcome => {
+            tracing::error!(code = exit.code(), %outcome, reason = %exit.message.reason, "exiting")
         }
     }
     exit
 }
 
-fn run_inner(env: Env<'_>) -> Exit {
-    let assignment = match load_assignment(env) {
-        Ok(a) => a,
+fn run_inner(env: &WorkerEnv) -> Exit {
+    let plan = match ValidAssignment::load(&env.plan) {
+        Ok(plan) => plan,
         Err(e) => return Exit::invalid_plan(e.to_string()),
     };
-    let config = match TrainConfig::from_assignment(&assignment) {
-        Ok(c) => c,
-        Err(e) => return Exit::invalid_plan(e.to_string()),
-    };
-    let limit = match env(DEVICE_MEMORY_LIMIT_ENV).map(|v| v.trim().parse::<u64>()) {
-        None => None,
-        Some(Ok(v)) => Some(v),
-        Some(Err(e)) => {
-            return Exit::invalid_plan(format!("{DEVICE_MEMORY_LIMIT_ENV}: {e}"));
-        }
-    };
-    let interval = match env(TELEMETRY_INTERVAL_ENV).map(|v| v.trim().parse::<f64>()) {
-        None => DEFAULT_INTERVAL,
-        Some(Ok(s)) if s.is_finite() && s >= 0.0 => Duration::from_secs_f64(s),
-        Some(_) => {
-            return Exit::invalid_plan(format!(
-                "{TELEMETRY_INTERVAL_ENV} must be a number of seconds ≥ 0"
-            ));
-        }
-    };
+    let config = plan.config();
     let device = match training_device(config.backend, config.settings.precision) {
         Ok(d) => d,
         Err(e) => return Exit::invalid_plan(e.to_string()),
     };
-    let checkpoint_dir = env(CHECKPOINT_DIR_ENV)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_CHECKPOINT_DIR));
-    let pod = env(POD_NAME_ENV)
-        .or_else(|| env("HOSTNAME"))
-        .unwrap_or_else(|| {
-            format!(
-                "{}-{}-stage{}",
-                assignment.job, assignment.attempt, assignment.stage
-            )
-        });
-    let identity = WorkerIdentity {
-        name: pod,
-        job: assignment.job.clone(),
-        namespace: assignment.namespace.clone(),
-        attempt: assignment.attempt,
-        stage: assignment.stage,
-        layer_start: config.layout.layers.start,
-        layer_end: config.layout.layers.end,
+    let cluster = match ClusterHandle::new() {
+        Ok(cluster) => Arc::new(cluster),
+        Err(e) => return Exit::failed(e.to_string()),
     };
-    let sink: Option<Box<dyn TelemetrySink>> = match KubeStatusSink::connect(&identity) {
-        Ok(Some(sink)) => Some(Box::new(sink)),
-        Ok(None) => None,
-        Err(e) => {
-            tracing::warn!("telemetry disabled: {e}");
-            None
-        }
-    };
+    let identity = identity(&plan, env.pod_name.clone());
+    let sink = KubeStatusSink::connect(&cluster, &identity)
+        .map(|sink| Box::new(sink) as Box<dyn TelemetrySink>);
     let reporter = Reporter::start(
         identity,
         MemoryProbe::for_this_process(Some(device.clone())),
         sink,
         DEFAULT_SAMPLE_EVERY,
-        WritePolicy::new(interval),
+        WritePolicy::new(env.telemetry_interval),
     );
-    let terminate = watch_sigterm();
-    let exit = train(
+    let terminate = cluster.watch_sigterm();
+    let exit = Training {
+        plan: &plan,
         env,
-        &assignment,
-        config,
-        device,
-        &checkpoint_dir,
-        limit,
-        &reporter,
-        &terminate,
-    );
+        cluster: &cluster,
+        reporter: &reporter,
+        terminate: &terminate,
+    }
+    .run(device);
     let last = reporter.finish();
     let peak = last.peak_bytes.max(exit.message.peak_bytes.unwrap_or(0));
     let mut exit = exit;
@@ -222,272 +183,236 @@ fn run_inner(env: Env<'_>) -> Exit {
     exit
 }
 
-/// How this stage reaches the others, the socket its predecessor calls, and
-/// how long to wait for them (a multi-stage plan only).
-fn pipeline_setup(
-    env: Env<'_>,
-    assignment: &WorkerAssignment,
-    stages: u32,
-) -> Result<(Peers, Option<std::net::TcpListener>, Duration), Exit> {
-    let timeout = match env(PIPELINE_TIMEOUT_ENV).map(|v| v.trim().parse::<u64>()) {
-        None => Duration::from_secs(600),
-        Some(Ok(s)) if s > 0 => Duration::from_secs(s),
-        Some(_) => {
-            return Err(Exit::invalid_plan(format!(
-                "{PIPELINE_TIMEOUT_ENV} must be a whole number of seconds ≥ 1"
-            )));
-        }
-    };
-    let list = |v: String| -> Vec<String> {
-        v.split(',')
-            .map(|s| s.trim().to_string())
-            .filter(|s| !s.is_empty())
-            .collect()
-    };
-    let (peers, port) = match (env(PIPELINE_ADDRESSES_ENV), env(PIPELINE_PODS_ENV)) {
-        (Some(addresses), _) => {
-            let addresses = list(addresses);
-            let own = addresses
-                .get(assignment.stage as usize)
-                .cloned()
-                .unwrap_or_default();
-            let port = own
-                .rsplit_once(':')
-                .and_then(|(_, p)| p.parse::<u16>().ok())
-                .ok_or_else(|| {
-                    Exit::invalid_plan(format!(
-                        "{PIPELINE_ADDRESSES_ENV}: stage {} needs a host:port entry, got {own:?}",
-                        assignment.stage
-                    ))
-                })?;
-            (Peers::Static(addresses), port)
-        }
-        (None, Some(pods)) => {
-            let service = env(PIPELINE_SERVICE_ENV).unwrap_or_default();
-            let pods = list(pods);
-            let dns = (0..pods.len()).map(|k| format!("s{k}.{service}")).collect();
-            (
+/// Who reports: the pod (its name, else one made up from the assignment) and its stage.
+fn identity(plan: &ValidAssignment, pod: Option<String>) -> WorkerIdentity {
+    let a = plan.assignment();
+    let layers = &plan.config().layout.layers;
+    WorkerIdentity {
+        name: pod.unwrap_or_else(|| format!("{}-{}-stage{}", a.job, a.attempt, a.stage)),
+        job: a.job.clone(),
+        namespace: a.namespace.clone(),
+        attempt: a.attempt,
+        stage: a.stage,
+        layer_start: layers.start,
+        layer_end: layers.end,
+    }
+}
+
+/// What the training loop needs, gathered once by `run_inner`.
+struct Training<'a> {
+    plan: &'a ValidAssignment,
+    env: &'a WorkerEnv,
+    /// For the pipeline's neighbour lookup.
+    cluster: &'a Arc<ClusterHandle>,
+    reporter: &'a Reporter,
+    /// Set by SIGTERM.
+    terminate: &'a AtomicBool,
+}
+
+impl Training<'_> {
+    /// The highest memory figure seen so far, bytes.
+    fn peak_now(&self) -> u64 {
+        self.reporter.peak().max(process_memory().1.unwrap_or(0))
+    }
+
+    fn save(&self, trainer: &Trainer, loss: Option<f64>) -> Result<PathBuf, CheckpointError> {
+        trainer.save_checkpoint(
+            &self.env.checkpoint_dir,
+            self.plan.assignment().attempt,
+            loss,
+        )
+    }
+
+    /// How this stage reaches the others and the socket its predecessor
+    /// calls (a multi-stage plan only).
+    fn pipeline_setup(&self, stages: u32) -> Result<(Peers, Option<TcpListener>), Exit> {
+        let a = self.plan.assignment();
+        let (peers, port) = match &self.env.pipeline_peers {
+            Some(PipelinePeers::Addresses(addresses)) => {
+                let own = addresses.get(a.stage as usize).cloned().unwrap_or_default();
+                let port = own
+                    .rsplit_once(':')
+                    .and_then(|(_, p)| p.parse::<u16>().ok())
+                    .ok_or_else(|| {
+                        Exit::invalid_plan(format!(
+                            "{PIPELINE_ADDRESSES_ENV}: stage {} needs a host:port entry, got {own:?}",
+                            a.stage
+                        ))
+                    })?;
+                (Peers::Static(addresses.clone()), port)
+            }
+            Some(PipelinePeers::Pods { pods, service }) => (
                 Peers::Pods {
-                    namespace: assignment.namespace.clone(),
-                    pods,
-                    dns,
+                    namespace: a.namespace.clone(),
+                    pods: pods.clone(),
+                    dns: (0..pods.len()).map(|k| format!("s{k}.{service}")).collect(),
                     port: PIPELINE_PORT,
+                    cluster: self.cluster.clone(),
                 },
                 PIPELINE_PORT,
-            )
-        }
-        (None, None) => {
-            return Err(Exit::invalid_plan(format!(
-                "a {stages}-stage plan needs {PIPELINE_PODS_ENV} (set by the operator) or {PIPELINE_ADDRESSES_ENV}"
-            )));
-        }
-    };
-    let listener =
-        if assignment.stage > 0 {
-            Some(std::net::TcpListener::bind(("0.0.0.0", port)).map_err(|e| {
+            ),
+            None => {
+                return Err(Exit::invalid_plan(format!(
+                    "a {stages}-stage plan needs {PIPELINE_PODS_ENV} (set by the operator) or {PIPELINE_ADDRESSES_ENV}"
+                )));
+            }
+        };
+        let listener = if a.stage > 0 {
+            Some(TcpListener::bind(("0.0.0.0", port)).map_err(|e| {
                 Exit::failed(format!("pipeline: cannot listen on port {port}: {e}"))
             })?)
         } else {
             None
         };
-    Ok((peers, listener, timeout))
-}
+        Ok((peers, listener))
+    }
 
-#[allow(clippy::too_many_arguments)]
-fn train(
-    env: Env<'_>,
-    assignment: &WorkerAssignment,
-    config: TrainConfig,
-    device: burn::tensor::Device,
-    checkpoint_dir: &std::path::Path,
-    limit: Option<u64>,
-    reporter: &Reporter,
-    terminate: &AtomicBool,
-) -> Exit {
-    let peak_now = || reporter.peak().max(process_memory().1.unwrap_or(0));
-    let mut trainer = match catch_unwind(AssertUnwindSafe(|| Trainer::new(config, device))) {
-        Ok(Ok(t)) => t,
-        Ok(Err(e)) => return Exit::invalid_plan(e.to_string()),
-        Err(payload) => return classify_panic(&panic_text(&*payload), 0, peak_now()),
-    };
-    match trainer.resume(checkpoint_dir) {
-        Ok(Some(found)) => {
-            for skipped in &found.skipped {
-                tracing::warn!("skipped checkpoint: {skipped}");
-            }
-            tracing::info!(
-                step = found.meta.step,
-                dir = %found.dir.display(),
-                "resumed (checkpoint written by attempt {} with micro-batch {} × accumulation {})",
-                found.meta.attempt,
-                found.meta.settings.micro_batch,
-                found.meta.settings.gradient_accumulation
-            );
-        }
-        Ok(None) => {
-            tracing::info!(dir = %checkpoint_dir.display(), "no checkpoint; starting at step 0")
-        }
-        Err(e) => return Exit::failed(e.to_string()).at(0, peak_now()),
-    }
-    let stages = trainer.config.stages;
-    if stages > 1 {
-        let (peers, listener, timeout) = match pipeline_setup(env, assignment, stages) {
-            Ok(setup) => setup,
-            Err(exit) => return exit,
+    /// Builds the trainer, resumes, connects the pipeline and trains to the
+    /// end, a SIGTERM or the first failure.
+    fn run(&self, device: Device) -> Exit {
+        let config = self.plan.config().clone();
+        let checkpoint_dir = &self.env.checkpoint_dir;
+        let mut trainer = match catch_unwind(AssertUnwindSafe(|| Trainer::new(config, device))) {
+            Ok(Ok(t)) => t,
+            Ok(Err(e)) => return Exit::invalid_plan(e.to_string()),
+            Err(payload) => return classify_panic(&panic_text(&*payload), 0, self.peak_now()),
         };
-        let me = Hello {
-            job: assignment.job.clone(),
-            namespace: assignment.namespace.clone(),
-            attempt: assignment.attempt,
-            stage: assignment.stage,
-            stages,
-            resume_step: trainer.step,
-        };
-        tracing::info!(stage = me.stage, stages, layers = ?trainer.config.layout.layers, "pipeline: connecting to the neighbouring stages");
-        let links: Links = match establish(&me, listener, &peers, timeout, timeout) {
-            Ok(links) => links,
-            Err(e) => return Exit::pipeline(&e).at(trainer.step, peak_now()),
-        };
-        trainer.connect(links);
-    }
-    reporter.update(Progress {
-        step: trainer.step,
-        ..Progress::default()
-    });
-    let every = u64::from(trainer.config.checkpoint_every_steps.max(1));
-    let mut last_loss = None;
-    let mut saved_at = trainer.step;
-    while !trainer.finished() {
-        if terminate.load(Ordering::SeqCst) {
-            // Evicted or deleted: keep the work done since the last checkpoint.
-            let step = trainer.step;
-            let saved = if saved_at == step {
-                "the last checkpoint is at this step".to_string()
-            } else {
-                match trainer.save_checkpoint(checkpoint_dir, assignment.attempt, last_loss) {
-                    Ok(dir) => format!("checkpoint saved to {}", dir.display()),
-                    Err(e) => format!("checkpoint failed: {e}"),
+        match trainer.resume(checkpoint_dir) {
+            Ok(Some(found)) => {
+                for skipped in &found.skipped {
+                    tracing::warn!("skipped checkpoint: {skipped}");
                 }
+                tracing::info!(
+                    step = found.meta.step,
+                    dir = %found.dir.display(),
+                    "resumed (checkpoint written by attempt {} with micro-batch {} × accumulation {})",
+                    found.meta.attempt,
+                    found.meta.settings.micro_batch,
+                    found.meta.settings.gradient_accumulation
+                );
+            }
+            Ok(None) => {
+                tracing::info!(dir = %checkpoint_dir.display(), "no checkpoint; starting at step 0")
+            }
+            Err(e) => return Exit::failed(e.to_string()).at(0, self.peak_now()),
+        }
+        let stages = trainer.config.stages;
+        if stages > 1 {
+            let (peers, listener) = match self.pipeline_setup(stages) {
+                Ok(setup) => setup,
+                Err(exit) => return exit,
             };
-            return Exit::failed(format!("terminated by SIGTERM at step {step}; {saved}"))
-                .at(step, peak_now());
+            let a = self.plan.assignment();
+            let me = Hello {
+                job: a.job.clone(),
+                namespace: a.namespace.clone(),
+                attempt: a.attempt,
+                stage: a.stage,
+                stages,
+                resume_step: trainer.step,
+            };
+            tracing::info!(stage = me.stage, stages, layers = ?trainer.config.layout.layers, "pipeline: connecting to the neighbouring stages");
+            let timeout = self.env.pipeline_timeout;
+            let links: Links = match establish(&me, listener, &peers, timeout, timeout) {
+                Ok(links) => links,
+                Err(e) => return Exit::pipeline(&e).at(trainer.step, self.peak_now()),
+            };
+            trainer.connect(links);
         }
-        let step = trainer.step;
-        let report = match catch_unwind(AssertUnwindSafe(|| trainer.train_step())) {
-            Ok(Ok(r)) => r,
-            Ok(Err(e)) => {
-                // The step never reached its update, so this stage is still
-                // at `step`. A neighbour that was stopped (eviction, deletion)
-                // saved that step on its way out: saving here completes it.
-                let mut exit = Exit::pipeline(&e);
-                if saved_at != step {
-                    let saved = match trainer.save_checkpoint(
-                        checkpoint_dir,
-                        assignment.attempt,
-                        last_loss,
-                    ) {
-                        Ok(dir) => format!("checkpoint at step {step} saved to {}", dir.display()),
-                        Err(err) => format!("checkpoint at step {step} failed: {err}"),
-                    };
-                    exit.message.reason = format!("{}; {saved}", exit.message.reason);
-                }
-                return exit.at(step, peak_now());
-            }
-            Err(payload) => return classify_panic(&panic_text(&*payload), step, peak_now()),
-        };
-        if report.loss.is_some() {
-            last_loss = report.loss;
-        }
-        reporter.update(Progress {
-            step: report.step,
-            loss: report.loss,
-            tokens_per_second: Some(report.tokens_per_second()),
+        self.reporter.update(Progress {
+            step: trainer.step,
+            ..Progress::default()
         });
-        tracing::debug!(step = report.step, loss = ?report.loss, "step");
-        if let Some(loss) = report.loss.filter(|l| !l.is_finite()) {
-            return Exit::failed(format!("loss became {loss} at step {}", report.step))
-                .at(report.step, peak_now());
-        }
-        if let Some(limit) = limit {
-            let peak = peak_now();
-            if peak > limit {
-                return Exit::new(
-                    exit_code::DEVICE_OUT_OF_MEMORY,
-                    "deviceOutOfMemory",
-                    format!(
-                        "peak {peak} bytes passed the device limit of {limit} bytes ({DEVICE_MEMORY_LIMIT_ENV}) in step {}",
-                        report.step
-                    ),
-                )
-                .at(step, peak);
+        let every = u64::from(trainer.config.checkpoint_every_steps.max(1));
+        let mut last_loss = None;
+        let mut saved_at = trainer.step;
+        while !trainer.finished() {
+            if self.terminate.load(Ordering::SeqCst) {
+                // Evicted or deleted: keep the work done since the last checkpoint.
+                let step = trainer.step;
+                let saved = if saved_at == step {
+                    "the last checkpoint is at this step".to_string()
+                } else {
+                    match self.save(&trainer, last_loss) {
+                        Ok(dir) => format!("checkpoint saved to {}", dir.display()),
+                        Err(e) => format!("checkpoint failed: {e}"),
+                    }
+                };
+                return Exit::failed(format!("terminated by SIGTERM at step {step}; {saved}"))
+                    .at(step, self.peak_now());
             }
-        }
-        if trainer.step.is_multiple_of(every) || trainer.finished() {
-            match trainer.save_checkpoint(checkpoint_dir, assignment.attempt, last_loss) {
-                Ok(dir) => {
-                    saved_at = trainer.step;
-                    tracing::info!(step = trainer.step, dir = %dir.display(), "checkpoint");
+            let step = trainer.step;
+            let report = match catch_unwind(AssertUnwindSafe(|| trainer.train_step())) {
+                Ok(Ok(r)) => r,
+                Ok(Err(e)) => {
+                    // The step never reached its update, so this stage is still
+                    // at `step`. A neighbour that was stopped (eviction, deletion)
+                    // saved that step on its way out: saving here completes it.
+                    let mut exit = Exit::pipeline(&e);
+                    if saved_at != step {
+                        let saved = match self.save(&trainer, last_loss) {
+                            Ok(dir) => {
+                                format!("checkpoint at step {step} saved to {}", dir.display())
+                            }
+                            Err(err) => format!("checkpoint at step {step} failed: {err}"),
+                        };
+                        exit.message.reason = format!("{}; {saved}", exit.message.reason);
+                    }
+                    return exit.at(step, self.peak_now());
                 }
-                Err(e) => {
-                    return Exit::failed(format!("checkpoint at step {}: {e}", trainer.step))
-                        .at(trainer.step, peak_now());
+                Err(payload) => {
+                    return classify_panic(&panic_text(&*payload), step, self.peak_now());
                 }
-            }
-        }
-    }
-    Exit::new(
-        exit_code::SUCCESS,
-        "succeeded",
-        format!(
-            "trained to step {}; last loss {}",
-            trainer.step,
-            last_loss.map_or("n/a".into(), |l| format!("{l:.4}"))
-        ),
-    )
-    .at(trainer.step, peak_now())
-}
-
-/// A flag set when the process receives SIGTERM (eviction, deletion, node
-/// drain). The training loop checks it between steps, saves a checkpoint and
-/// exits, inside the pod's grace period when a step is shorter than it.
-fn watch_sigterm() -> Arc<AtomicBool> {
-    let flag = Arc::new(AtomicBool::new(false));
-    let set = flag.clone();
-    let (ready, installed) = std::sync::mpsc::channel::<bool>();
-    let spawned = std::thread::Builder::new()
-        .name("headroom-signals".into())
-        .spawn(move || {
-            let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
-                let _ = ready.send(false);
-                return;
             };
-            runtime.block_on(async move {
-                use tokio::signal::unix::{SignalKind, signal};
-                match signal(SignalKind::terminate()) {
-                    Ok(mut term) => {
-                        let _ = ready.send(true);
-                        if term.recv().await.is_some() {
-                            tracing::warn!("SIGTERM: stopping after this step");
-                            set.store(true, Ordering::SeqCst);
-                        }
+            if report.loss.is_some() {
+                last_loss = report.loss;
+            }
+            self.reporter.update(Progress {
+                step: report.step,
+                loss: report.loss,
+                tokens_per_second: Some(report.tokens_per_second()),
+            });
+            tracing::debug!(step = report.step, loss = ?report.loss, "step");
+            if let Some(loss) = report.loss.filter(|l| !l.is_finite()) {
+                return Exit::failed(format!("loss became {loss} at step {}", report.step))
+                    .at(report.step, self.peak_now());
+            }
+            if let Some(limit) = self.env.device_memory_limit {
+                let peak = self.peak_now();
+                if peak > limit {
+                    return Exit::new(
+                        WorkerOutcome::DeviceOutOfMemory,
+                        format!(
+                            "peak {peak} bytes passed the device limit of {limit} bytes ({DEVICE_MEMORY_LIMIT_ENV}) in step {}",
+                            report.step
+                        ),
+                    )
+                    .at(step, peak);
+                }
+            }
+            if trainer.step.is_multiple_of(every) || trainer.finished() {
+                match self.save(&trainer, last_loss) {
+                    Ok(dir) => {
+                        saved_at = trainer.step;
+                        tracing::info!(step = trainer.step, dir = %dir.display(), "checkpoint");
                     }
                     Err(e) => {
-                        tracing::warn!(
-                            "cannot watch SIGTERM ({e}); it will end the process at once"
-                        );
-                        let _ = ready.send(false);
+                        return Exit::failed(format!("checkpoint at step {}: {e}", trainer.step))
+                            .at(trainer.step, self.peak_now());
                     }
                 }
-            });
-        });
-    // Wait until the handler is in place so an early SIGTERM is not lost.
-    if spawned.is_ok() {
-        let _ = installed.recv_timeout(Duration::from_secs(5));
+            }
+        }
+        Exit::new(
+            WorkerOutcome::Succeeded,
+            format!(
+                "trained to step {}; last loss {}",
+                trainer.step,
+                last_loss.map_or("n/a".into(), |l| format!("{l:.4}"))
+            ),
+        )
+        .at(trainer.step, self.peak_now())
     }
-    flag
 }
 
 fn classify_panic(text: &str, step: u64, peak: u64) -> Exit {
@@ -495,8 +420,7 @@ fn classify_panic(text: &str, step: u64, peak: u64) -> Exit {
     match out_of_memory(text) {
         Some(requested) => {
             let mut exit = Exit::new(
-                exit_code::DEVICE_OUT_OF_MEMORY,
-                "deviceOutOfMemory",
+                WorkerOutcome::DeviceOutOfMemory,
                 format!("out of device memory in step {step}: {first_line}"),
             )
             .at(step, peak);
@@ -510,6 +434,7 @@ fn classify_panic(text: &str, step: u64, peak: u64) -> Exit {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use headroom_api::exit_code;
 
     #[test]
     fn recognises_out_of_memory_messages() {
@@ -528,15 +453,51 @@ mod tests {
     #[test]
     fn a_panic_is_classified_with_step_and_peak() {
         let oom = classify_panic("out of device memory allocating 42 bytes", 3, 100);
-        assert_eq!(oom.code, exit_code::DEVICE_OUT_OF_MEMORY);
+        assert_eq!(oom.code(), exit_code::DEVICE_OUT_OF_MEMORY);
+        assert_eq!(oom.message.outcome, WorkerOutcome::DeviceOutOfMemory);
         assert_eq!(oom.message.requested_bytes, Some(42));
         assert_eq!(
             (oom.message.step, oom.message.peak_bytes),
             (Some(3), Some(100))
         );
         let other = classify_panic("shape mismatch\nmore", 3, 0);
-        assert_eq!(other.code, exit_code::FAILURE);
+        assert_eq!(other.code(), exit_code::FAILURE);
         assert_eq!(other.message.reason, "step 3: shape mismatch");
         assert_eq!(other.message.peak_bytes, None);
+    }
+
+    #[test]
+    fn the_exit_code_is_the_outcomes() {
+        let lost = Exit::pipeline(&PipelineError::PeerLost {
+            stage: 1,
+            detail: "closed the connection".into(),
+        });
+        assert_eq!(
+            (lost.message.outcome, lost.code()),
+            (WorkerOutcome::PeerLost, exit_code::PEER_LOST)
+        );
+        let protocol = Exit::pipeline(&PipelineError::Protocol("x".into()));
+        assert_eq!(protocol.code(), exit_code::FAILURE);
+        assert_eq!(Exit::invalid_plan("x").code(), exit_code::INVALID_PLAN);
+        for outcome in WorkerOutcome::ALL {
+            assert_eq!(Exit::new(outcome, "").code(), outcome.exit_code());
+        }
+    }
+
+    #[test]
+    fn an_unusable_environment_exits_with_invalid_plan_at_its_termination_path() {
+        let dir = std::env::temp_dir().join(format!("headroom-run-env-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("tmp");
+        let path = dir.join("termination-log");
+        let exit = run(Err(InvalidEnv {
+            termination_message_path: path.clone(),
+            error: crate::env::EnvError::NoPlan,
+        }));
+        assert_eq!(exit.code(), exit_code::INVALID_PLAN);
+        let written: TerminationMessage =
+            serde_json::from_str(&std::fs::read_to_string(&path).expect("written")).expect("json");
+        assert_eq!(written, exit.message);
+        assert!(written.reason.starts_with("no plan"), "{}", written.reason);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -26,16 +26,16 @@ use burn::optim::{
     AdamConfig, AdamWConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig,
 };
 use burn::tensor::{Device, Int, Tensor};
-use headroom_api::WorkerAssignment;
 use headroom_planner::memory::Backend;
-use headroom_planner::{ModelShape, Optimizer, Precision, Settings, TransformerShape};
+use headroom_planner::{Optimizer, Precision, Settings, TransformerShape};
 
 use crate::checkpoint;
 use crate::data::ProgressionTask;
 use crate::model::{StageLayout, TransformerLm};
 use crate::pipeline::{Frame, Kind, Links, Op, PipelineError, one_f_one_b};
 
-/// What the trainer runs, taken from a checked [`WorkerAssignment`].
+/// What the trainer runs: one stage of a checked assignment
+/// ([`crate::ValidAssignment::config`]), or built directly (tests, calibration).
 #[derive(Clone, Debug, PartialEq)]
 pub struct TrainConfig {
     pub shape: TransformerShape,
@@ -61,7 +61,7 @@ pub struct Unsupported {
     pub problem: String,
 }
 
-fn unsupported(field: &'static str, problem: impl Into<String>) -> Unsupported {
+pub(crate) fn unsupported(field: &'static str, problem: impl Into<String>) -> Unsupported {
     Unsupported {
         field,
         problem: problem.into(),
@@ -69,89 +69,6 @@ fn unsupported(field: &'static str, problem: impl Into<String>) -> Unsupported {
 }
 
 impl TrainConfig {
-    /// The training run an assignment describes, or why this worker cannot run it.
-    pub fn from_assignment(a: &WorkerAssignment) -> Result<Self, Unsupported> {
-        let shape = match &a.model {
-            ModelShape::Transformer(t) => t.clone(),
-            ModelShape::Generic(_) => {
-                return Err(unsupported(
-                    "model",
-                    "the Headroom worker trains transformers only (model.transformer); a generic model can be planned but not run",
-                ));
-            }
-        };
-        let plan = &a.plan;
-        let stages = plan.stages.len() as u32;
-        let stage = plan
-            .stages
-            .get(a.stage as usize)
-            .ok_or_else(|| unsupported("stage", format!("no stage {} in the plan", a.stage)))?;
-        let covered = plan.stages.first().map(|s| s.layer_start) == Some(0)
-            && plan.stages.last().map(|s| s.layer_end) == Some(shape.layers)
-            && plan
-                .stages
-                .windows(2)
-                .all(|w| w[0].layer_end == w[1].layer_start)
-            && plan.stages.iter().all(|s| s.layer_end > s.layer_start);
-        if !covered {
-            return Err(unsupported(
-                "plan.stages",
-                format!(
-                    "the stages must split layers 0..{} into contiguous non-empty ranges, not {:?}",
-                    shape.layers,
-                    plan.stages
-                        .iter()
-                        .map(|s| s.layer_start..s.layer_end)
-                        .collect::<Vec<_>>()
-                ),
-            ));
-        }
-        let s = plan.settings;
-        if s.optimizer == Optimizer::Adamw8bit {
-            return Err(unsupported(
-                "plan.settings.optimizer",
-                "adamw8bit is not implemented by the burn worker; use adamw, adam, sgdMomentum or sgd",
-            ));
-        }
-        match plan.backend {
-            Backend::Flex if s.precision != Precision::Fp32 => {
-                return Err(unsupported(
-                    "plan.settings.precision",
-                    format!("the flex backend trains in fp32 only, not {}", s.precision),
-                ));
-            }
-            Backend::Cuda if !cfg!(feature = "cuda") => {
-                return Err(unsupported(
-                    "plan.backend",
-                    "this worker binary was built without the `cuda` feature; use the CUDA image",
-                ));
-            }
-            _ => {}
-        }
-        if !(a.learning_rate.is_finite() && a.learning_rate > 0.0) {
-            return Err(unsupported(
-                "learningRate",
-                format!("must be a positive number, not {}", a.learning_rate),
-            ));
-        }
-        Ok(TrainConfig {
-            layout: StageLayout {
-                layers: stage.layer_start..stage.layer_end,
-                first: a.stage == 0,
-                last: a.stage + 1 == stages,
-            },
-            stage: a.stage,
-            stages,
-            shape,
-            settings: s,
-            backend: plan.backend,
-            steps: a.steps,
-            learning_rate: a.learning_rate,
-            checkpoint_every_steps: a.checkpoint_every_steps,
-            seed: a.seed,
-        })
-    }
-
     /// The whole model on one worker.
     pub fn single_stage(
         shape: TransformerShape,

@@ -6,7 +6,7 @@ use std::process::Command;
 
 use headroom_api::{
     CHECKPOINT_DIR_ENV, PLAN_JSON_ENV, POD_NAME_ENV, TerminationMessage, WorkerAssignment,
-    exit_code,
+    WorkerOutcome, exit_code,
 };
 use headroom_planner::{
     Inventory, JobRequest, ModelShape, Optimizer, Precision, RetryRung, Target, TransformerShape,
@@ -105,7 +105,7 @@ fn trains_checkpoints_and_resumes_across_processes() {
         &[],
     );
     assert_eq!(first.code, exit_code::SUCCESS, "{}", first.stderr);
-    assert_eq!(first.message.outcome, "succeeded");
+    assert_eq!(first.message.outcome, WorkerOutcome::Succeeded);
     assert_eq!(first.message.step, Some(10));
     assert!(
         first.message.peak_bytes.unwrap_or(0) > 1 << 20,
@@ -135,7 +135,7 @@ fn invalid_plans_exit_with_invalid_plan() {
     let dir = temp_dir("invalid");
     let garbage = run_worker(&dir, "{\"job\": 1}", &[]);
     assert_eq!(garbage.code, exit_code::INVALID_PLAN);
-    assert_eq!(garbage.message.outcome, "invalidPlan");
+    assert_eq!(garbage.message.outcome, WorkerOutcome::InvalidPlan);
 
     let mut two_stages = assignment(4, None);
     let mut second = two_stages.plan.stages[0].clone();
@@ -172,7 +172,7 @@ fn a_device_out_of_memory_exits_with_its_code_and_the_peak() {
         &[(DEVICE_MEMORY_LIMIT_ENV, "1048576")],
     );
     assert_eq!(run.code, exit_code::DEVICE_OUT_OF_MEMORY, "{}", run.stderr);
-    assert_eq!(run.message.outcome, "deviceOutOfMemory");
+    assert_eq!(run.message.outcome, WorkerOutcome::DeviceOutOfMemory);
     assert_eq!(run.message.step, Some(0));
     assert!(run.message.peak_bytes.unwrap_or(0) > 1_048_576);
     let _ = std::fs::remove_dir_all(&dir);
@@ -343,7 +343,7 @@ fn a_stage_that_fails_takes_its_neighbour_down_as_peer_lost() {
     let [s0, s1] = run_two_stages("peerlost", 6, &[(DEVICE_MEMORY_LIMIT_ENV, "1".into())]);
     assert_eq!(s1.code, exit_code::DEVICE_OUT_OF_MEMORY, "{}", s1.stderr);
     assert_eq!(s0.code, exit_code::PEER_LOST, "{}", s0.stderr);
-    assert_eq!(s0.message.outcome, "peerLost");
+    assert_eq!(s0.message.outcome, WorkerOutcome::PeerLost);
     assert!(
         s0.message.reason.contains("stage 1"),
         "{}",

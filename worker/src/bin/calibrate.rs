@@ -36,10 +36,11 @@ use headroom_planner::{
     Inventory, JobRequest, ModelShape, Optimizer, Precision, RetryRung, Target, TransformerShape,
     plan,
 };
+use headroom_worker::ValidAssignment;
 use headroom_worker::report::{MemorySink, Progress, Reporter, WorkerIdentity, WritePolicy};
 use headroom_worker::run::TERMINATION_MESSAGE_PATH_ENV;
 use headroom_worker::telemetry::MemoryProbe;
-use headroom_worker::train::{TrainConfig, Trainer};
+use headroom_worker::train::Trainer;
 
 const MIB: f64 = 1024.0 * 1024.0;
 /// The calibration targets of issue 4.
@@ -363,7 +364,9 @@ fn pipeline_throughput(case: &Case, p: u32, steps: u64) -> f64 {
             stage.stage = k as u32;
             let peers = peers.clone();
             std::thread::spawn(move || {
-                let config = TrainConfig::from_assignment(&stage).expect("config");
+                let config = ValidAssignment::new(stage)
+                    .expect("valid assignment")
+                    .into_config();
                 let tokens = config.tokens_per_step() as f64;
                 let mut trainer = Trainer::new(config, Device::flex().autodiff()).expect("trainer");
                 let me = Hello {
@@ -449,7 +452,9 @@ fn step_times(rounds: u32, steps_per_segment: u32) -> (Vec<f64>, Vec<f64>) {
         checkpointing: false,
         optimizer: Optimizer::Adamw,
     };
-    let config = TrainConfig::from_assignment(&assignment(&case, 1_000_000)).expect("config");
+    let config = ValidAssignment::new(assignment(&case, 1_000_000))
+        .expect("valid assignment")
+        .into_config();
     let mut trainer = Trainer::new(config, Device::flex().autodiff()).expect("trainer");
     // Warm-up: optimizer state, allocator arenas.
     for _ in 0..2 {
@@ -524,8 +529,8 @@ fn telemetry_overhead() {
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(String::as_str) == Some("--worker") {
-        let env = |key: &str| std::env::var(key).ok();
-        std::process::exit(headroom_worker::run::run(&env).code);
+        let exit = headroom_worker::run::run(headroom_worker::WorkerEnv::from_env());
+        std::process::exit(exit.code());
     }
     let mut steps = 3;
     let mut only: Option<String> = None;

@@ -7,19 +7,22 @@
 //! from different checkpoints stop before training a single step.
 //!
 //! In a cluster a stage finds its neighbour's pod IP through the API (the
-//! job's Role allows `get` on pods), falling back to the neighbour's DNS name
+//! job's Role allows `get` on pods; the worker's one client, see
+//! [`crate::cluster`]), falling back to the neighbour's DNS name
 //! under the job's headless Service (`s<k>.<service>`), which needs cluster
 //! DNS. Pod IPs come first because a DNS record appears only once the pod is
 //! ready and negative answers are cached.
 
 use std::io::{BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
 use super::wire::{Frame, Kind, Link};
 use super::{Links, PipelineError};
+use crate::cluster::{ClusterError, ClusterHandle};
 
 /// The handshake both ends of a link send.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -45,15 +48,13 @@ impl Hello {
         }
     }
 
-    fn read(stream: &TcpStream) -> Result<Hello, String> {
+    fn read(stream: &TcpStream) -> Result<Hello, HelloError> {
         let mut reader = BufReader::new(stream);
-        let frame = Frame::read_from(&mut reader)
-            .map_err(|e| e.to_string())?
-            .ok_or("closed before the handshake")?;
+        let frame = Frame::read_from(&mut reader)?.ok_or(HelloError::Closed)?;
         if frame.kind != Kind::Hello {
-            return Err(format!("sent {:?} before the handshake", frame.kind));
+            return Err(HelloError::Unexpected(frame.kind));
         }
-        serde_json::from_slice(&frame.payload).map_err(|e| format!("handshake: {e}"))
+        Ok(serde_json::from_slice(&frame.payload)?)
     }
 
     /// Whether `other` is stage `stage` of the same attempt.
@@ -81,6 +82,54 @@ impl Hello {
     }
 }
 
+/// Why a connection did not carry a good handshake.
+#[derive(Debug, thiserror::Error)]
+enum HelloError {
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("closed before the handshake")]
+    Closed,
+    #[error("sent {0:?} before the handshake")]
+    Unexpected(Kind),
+    #[error("handshake: {0}")]
+    Malformed(#[from] serde_json::Error),
+}
+
+/// Why a stage's address is not known (yet).
+#[derive(Debug, thiserror::Error)]
+enum ResolveError {
+    #[error("no address for stage {0}")]
+    NoAddress(u32),
+    #[error("{0}")]
+    Lookup(#[source] std::io::Error),
+    #[error("no pod for stage {0}")]
+    NoPod(u32),
+    #[error("pod {pod} has IP {ip}: {source}")]
+    BadPodIp {
+        pod: String,
+        ip: String,
+        source: std::net::AddrParseError,
+    },
+    #[error("no DNS name for stage {0}")]
+    NoDnsName(u32),
+    /// Neither the API nor DNS knows the neighbour.
+    #[error("{api}; DNS {host}: {source}")]
+    Unknown {
+        api: PodIpMissing,
+        host: String,
+        source: std::io::Error,
+    },
+}
+
+/// Why the API did not give a pod's IP.
+#[derive(Debug, thiserror::Error)]
+enum PodIpMissing {
+    #[error("pod {0} has no IP yet")]
+    NotYet(String),
+    #[error("pod {pod}: {source}")]
+    Lookup { pod: String, source: ClusterError },
+}
+
 /// How to reach the other stages.
 #[derive(Clone, Debug)]
 pub enum Peers {
@@ -92,6 +141,8 @@ pub enum Peers {
         pods: Vec<String>,
         dns: Vec<String>,
         port: u16,
+        /// Asks the API server for the pods' IPs.
+        cluster: Arc<ClusterHandle>,
     },
 }
 
@@ -109,63 +160,52 @@ impl Peers {
         Ok((listeners, Peers::Static(addresses)))
     }
 
-    fn resolve(&self, stage: u32) -> Result<Vec<SocketAddr>, String> {
+    fn resolve(&self, stage: u32) -> Result<Vec<SocketAddr>, ResolveError> {
         let k = stage as usize;
         match self {
             Peers::Static(addresses) => addresses
                 .get(k)
-                .ok_or_else(|| format!("no address for stage {stage}"))?
+                .ok_or(ResolveError::NoAddress(stage))?
                 .to_socket_addrs()
                 .map(Iterator::collect)
-                .map_err(|e| e.to_string()),
+                .map_err(ResolveError::Lookup),
             Peers::Pods {
                 namespace,
                 pods,
                 dns,
                 port,
+                cluster,
             } => {
-                let name = pods
-                    .get(k)
-                    .ok_or_else(|| format!("no pod for stage {stage}"))?;
-                let api = match pod_ip(namespace, name) {
+                let name = pods.get(k).ok_or(ResolveError::NoPod(stage))?;
+                let api = match cluster.pod_ip(namespace, name) {
                     Ok(Some(ip)) => {
                         return format!("{ip}:{port}")
                             .parse::<SocketAddr>()
                             .map(|a| vec![a])
-                            .map_err(|e| format!("pod {name} has IP {ip}: {e}"));
+                            .map_err(|source| ResolveError::BadPodIp {
+                                pod: name.clone(),
+                                ip,
+                                source,
+                            });
                     }
-                    Ok(None) => format!("pod {name} has no IP yet"),
-                    Err(e) => format!("pod {name}: {e}"),
+                    Ok(None) => PodIpMissing::NotYet(name.clone()),
+                    Err(source) => PodIpMissing::Lookup {
+                        pod: name.clone(),
+                        source,
+                    },
                 };
-                let host = dns
-                    .get(k)
-                    .ok_or_else(|| format!("no DNS name for stage {stage}"))?;
+                let host = dns.get(k).ok_or(ResolveError::NoDnsName(stage))?;
                 (host.as_str(), *port)
                     .to_socket_addrs()
                     .map(Iterator::collect)
-                    .map_err(|e| format!("{api}; DNS {host}: {e}"))
+                    .map_err(|source| ResolveError::Unknown {
+                        api,
+                        host: host.clone(),
+                        source,
+                    })
             }
         }
     }
-}
-
-/// The pod's IP from the API server (in-cluster credentials).
-fn pod_ip(namespace: &str, name: &str) -> Result<Option<String>, String> {
-    use k8s_openapi::api::core::v1::Pod;
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
-    runtime.block_on(async {
-        let client = kube::Client::try_default()
-            .await
-            .map_err(|e| e.to_string())?;
-        let pod = kube::Api::<Pod>::namespaced(client, namespace)
-            .get_opt(name)
-            .await
-            .map_err(|e| e.to_string())?;
-        Ok(pod.and_then(|p| p.status).and_then(|s| s.pod_ip))
-    })
 }
 
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -297,7 +337,7 @@ fn connect_next(me: &Hello, peers: &Peers, until: Instant) -> Result<TcpStream, 
                     }
                 }
             }
-            Err(e) => last_error = e,
+            Err(e) => last_error = e.to_string(),
         }
         std::thread::sleep(pause.min(until.saturating_duration_since(Instant::now())));
         pause = (pause * 2).min(MAX_RETRY);
@@ -309,7 +349,8 @@ fn connect_next(me: &Hello, peers: &Peers, until: Instant) -> Result<TcpStream, 
 }
 
 enum HandshakeError {
-    Retry(String),
+    /// Not (yet) a good connection: try again until the deadline.
+    Retry(HelloError),
     Fatal(PipelineError),
 }
 
@@ -319,7 +360,7 @@ fn handshake(
     want: u32,
     until: Instant,
 ) -> Result<Option<TcpStream>, HandshakeError> {
-    let retry = |e: std::io::Error| HandshakeError::Retry(e.to_string());
+    let retry = |e: std::io::Error| HandshakeError::Retry(HelloError::Io(e));
     let wait = until
         .saturating_duration_since(Instant::now())
         .clamp(Duration::from_millis(100), HANDSHAKE_TIMEOUT);

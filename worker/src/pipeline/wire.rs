@@ -172,7 +172,8 @@ pub struct Link {
     /// The neighbour's stage index.
     pub peer: u32,
     writer: BufWriter<TcpStream>,
-    inbox: Receiver<Result<Frame, String>>,
+    /// The reader thread's frames; `Ok(None)` once the neighbour closed the connection.
+    inbox: Receiver<std::io::Result<Option<Frame>>>,
     timeout: Duration,
 }
 
@@ -192,20 +193,10 @@ impl Link {
             .spawn(move || {
                 let mut reader = BufReader::with_capacity(1 << 20, reader);
                 loop {
-                    match Frame::read_from(&mut reader) {
-                        Ok(Some(frame)) => {
-                            if tx.send(Ok(frame)).is_err() {
-                                return;
-                            }
-                        }
-                        Ok(None) => {
-                            let _ = tx.send(Err("closed the connection".into()));
-                            return;
-                        }
-                        Err(e) => {
-                            let _ = tx.send(Err(e.to_string()));
-                            return;
-                        }
+                    let read = Frame::read_from(&mut reader);
+                    let more = matches!(read, Ok(Some(_)));
+                    if tx.send(read).is_err() || !more {
+                        return;
                     }
                 }
             })
@@ -232,11 +223,17 @@ impl Link {
     /// is deterministic, so anything else means the stages disagree.
     pub fn recv(&self, kind: Kind, step: u64, micro: u32) -> Result<Frame, PipelineError> {
         let frame = match self.inbox.recv_timeout(self.timeout) {
-            Ok(Ok(frame)) => frame,
-            Ok(Err(detail)) => {
+            Ok(Ok(Some(frame))) => frame,
+            Ok(Ok(None)) => {
                 return Err(PipelineError::PeerLost {
                     stage: self.peer,
-                    detail,
+                    detail: "closed the connection".into(),
+                });
+            }
+            Ok(Err(e)) => {
+                return Err(PipelineError::PeerLost {
+                    stage: self.peer,
+                    detail: e.to_string(),
                 });
             }
             Err(RecvTimeoutError::Timeout) => {

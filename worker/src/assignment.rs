@@ -1,0 +1,318 @@
+//! Plan intake: the [`WorkerAssignment`] is read and checked once, into a
+//! [`ValidAssignment`] that everything downstream takes. A plan that breaks
+//! an invariant the trainer relies on (operator and worker disagree) or that
+//! this worker cannot run is a [`PlanError`]: the worker exits with
+//! `INVALID_PLAN`, distinct from any failure of training itself.
+
+use std::path::PathBuf;
+
+use headroom_api::{WorkerAssignment, exit_code};
+use headroom_planner::memory::Backend;
+use headroom_planner::{ModelShape, Optimizer, Precision};
+
+use crate::env::PlanSource;
+use crate::model::StageLayout;
+use crate::train::{TrainConfig, Unsupported, unsupported};
+
+/// Why the worker cannot run its assignment.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    #[error("cannot read plan file {path}: {source}")]
+    Unreadable {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("plan is not a valid assignment document: {0}")]
+    Malformed(#[from] serde_json::Error),
+    /// Operator and worker disagree about an invariant of the plan.
+    #[error("plan is inconsistent: {0}")]
+    Inconsistent(String),
+    /// A consistent plan this worker cannot run.
+    #[error(transparent)]
+    Unsupported(#[from] Unsupported),
+}
+
+impl PlanError {
+    pub fn exit_code(&self) -> i32 {
+        exit_code::INVALID_PLAN
+    }
+}
+
+/// An assignment that passed every check, with the training run it describes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ValidAssignment {
+    assignment: WorkerAssignment,
+    config: TrainConfig,
+}
+
+impl ValidAssignment {
+    /// Reads the assignment document from `source` and checks it.
+    pub fn load(source: &PlanSource) -> Result<Self, PlanError> {
+        let assignment: WorkerAssignment = match source {
+            PlanSource::File(path) => {
+                let json =
+                    std::fs::read_to_string(path).map_err(|source| PlanError::Unreadable {
+                        path: path.clone(),
+                        source,
+                    })?;
+                serde_json::from_str(&json)?
+            }
+            PlanSource::Json(json) => serde_json::from_str(json)?,
+        };
+        Self::new(assignment)
+    }
+
+    /// Checks the invariants the trainer relies on, then that this worker can
+    /// run the plan; the one place an assignment is validated.
+    pub fn new(assignment: WorkerAssignment) -> Result<Self, PlanError> {
+        check_consistency(&assignment)?;
+        let config = train_config(&assignment)?;
+        Ok(ValidAssignment { assignment, config })
+    }
+
+    pub fn assignment(&self) -> &WorkerAssignment {
+        &self.assignment
+    }
+
+    /// What this worker's stage trains.
+    pub fn config(&self) -> &TrainConfig {
+        &self.config
+    }
+
+    pub fn into_config(self) -> TrainConfig {
+        self.config
+    }
+}
+
+/// The invariants the trainer relies on; a violation means operator and worker disagree.
+fn check_consistency(a: &WorkerAssignment) -> Result<(), PlanError> {
+    let plan = &a.plan;
+    let s = &plan.settings;
+    let fail = |m: String| Err(PlanError::Inconsistent(m));
+    if s.micro_batch == 0 || s.gradient_accumulation == 0 {
+        return fail(format!(
+            "micro-batch {} × accumulation {} must both be ≥ 1",
+            s.micro_batch, s.gradient_accumulation
+        ));
+    }
+    if s.global_batch() != plan.global_batch {
+        return fail(format!(
+            "micro-batch {} × accumulation {} = {} ≠ global batch {}",
+            s.micro_batch,
+            s.gradient_accumulation,
+            s.global_batch(),
+            plan.global_batch
+        ));
+    }
+    if plan.stages.len() != plan.workers as usize {
+        return fail(format!(
+            "{} stages for {} workers",
+            plan.stages.len(),
+            plan.workers
+        ));
+    }
+    if a.stage as usize >= plan.stages.len() {
+        return fail(format!(
+            "stage {} of a {}-stage plan",
+            a.stage,
+            plan.stages.len()
+        ));
+    }
+    let mut next = 0;
+    for stage in &plan.stages {
+        if stage.layer_start != next || stage.layer_end <= stage.layer_start {
+            return fail(format!(
+                "stage {} holds layers {}..{}, expected to start at {next}",
+                stage.index, stage.layer_start, stage.layer_end
+            ));
+        }
+        next = stage.layer_end;
+    }
+    if a.steps == 0 || a.checkpoint_every_steps == 0 {
+        return fail("steps and checkpointEverySteps must be ≥ 1".into());
+    }
+    Ok(())
+}
+
+/// The training run a consistent assignment describes, or why this worker cannot run it.
+fn train_config(a: &WorkerAssignment) -> Result<TrainConfig, Unsupported> {
+    let shape = match &a.model {
+        ModelShape::Transformer(t) => t.clone(),
+        ModelShape::Generic(_) => {
+            return Err(unsupported(
+                "model",
+                "the Headroom worker trains transformers only (model.transformer); a generic model can be planned but not run",
+            ));
+        }
+    };
+    let plan = &a.plan;
+    let stages = plan.stages.len() as u32;
+    let stage = plan
+        .stages
+        .get(a.stage as usize)
+        .ok_or_else(|| unsupported("stage", format!("no stage {} in the plan", a.stage)))?;
+    // The consistency check saw contiguous non-empty ranges from layer 0;
+    // they must also end at the model's last layer.
+    if plan.stages.last().map(|s| s.layer_end) != Some(shape.layers) {
+        return Err(unsupported(
+            "plan.stages",
+            format!(
+                "the stages must split layers 0..{} into contiguous non-empty ranges, not {:?}",
+                shape.layers,
+                plan.stages
+                    .iter()
+                    .map(|s| s.layer_start..s.layer_end)
+                    .collect::<Vec<_>>()
+            ),
+        ));
+    }
+    let s = plan.settings;
+    if s.optimizer == Optimizer::Adamw8bit {
+        return Err(unsupported(
+            "plan.settings.optimizer",
+            "adamw8bit is not implemented by the burn worker; use adamw, adam, sgdMomentum or sgd",
+        ));
+    }
+    match plan.backend {
+        Backend::Flex if s.precision != Precision::Fp32 => {
+            return Err(unsupported(
+                "plan.settings.precision",
+                format!("the flex backend trains in fp32 only, not {}", s.precision),
+            ));
+        }
+        Backend::Cuda if !cfg!(feature = "cuda") => {
+            return Err(unsupported(
+                "plan.backend",
+                "this worker binary was built without the `cuda` feature; use the CUDA image",
+            ));
+        }
+        _ => {}
+    }
+    if !(a.learning_rate.is_finite() && a.learning_rate > 0.0) {
+        return Err(unsupported(
+            "learningRate",
+            format!("must be a positive number, not {}", a.learning_rate),
+        ));
+    }
+    Ok(TrainConfig {
+        layout: StageLayout {
+            layers: stage.layer_start..stage.layer_end,
+            first: a.stage == 0,
+            last: a.stage + 1 == stages,
+        },
+        stage: a.stage,
+        stages,
+        shape,
+        settings: s,
+        backend: plan.backend,
+        steps: a.steps,
+        learning_rate: a.learning_rate,
+        checkpoint_every_steps: a.checkpoint_every_steps,
+        seed: a.seed,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use headroom_planner::{
+        Inventory, ModelShape, Optimizer, Precision, RetryRung, Target, TransformerShape, plan,
+    };
+
+    fn assignment() -> WorkerAssignment {
+        let req = headroom_planner::JobRequest {
+            model: ModelShape::Transformer(TransformerShape {
+                layers: 4,
+                hidden: 64,
+                heads: 4,
+                sequence_length: 32,
+                vocabulary: 256,
+                feed_forward: None,
+                tied_embeddings: true,
+            }),
+            global_batch: 8,
+            precision: Precision::Fp32,
+            optimizer: Optimizer::Adamw,
+            pinned_micro_batch: None,
+            pinned_checkpointing: None,
+            pinned_stages: None,
+            target: Target::Cpu {
+                memory_limit_bytes: 1 << 30,
+                max_workers: 1,
+            },
+            headroom_fraction: 0.1,
+            allowed_rungs: RetryRung::ALL.to_vec(),
+        };
+        WorkerAssignment {
+            job: "j".into(),
+            namespace: "ns".into(),
+            attempt: 1,
+            stage: 0,
+            model: req.model.clone(),
+            plan: plan(&req, &Inventory::default()).expect("plan"),
+            steps: 10,
+            learning_rate: 1e-3,
+            checkpoint_every_steps: 5,
+            seed: 1,
+        }
+    }
+
+    #[test]
+    fn loads_and_checks_a_plan_once() {
+        let json = serde_json::to_string(&assignment()).expect("json");
+        let loaded = ValidAssignment::load(&PlanSource::Json(json)).expect("valid");
+        assert_eq!(loaded.assignment(), &assignment());
+        let config = loaded.config();
+        assert_eq!((config.stage, config.stages), (0, 1));
+        assert_eq!(config.layout.layers, 0..4);
+        assert!(config.layout.first && config.layout.last);
+        assert_eq!(config.settings, assignment().plan.settings);
+        assert_eq!(
+            (config.steps, config.checkpoint_every_steps, config.seed),
+            (10, 5, 1)
+        );
+    }
+
+    #[test]
+    fn unreadable_malformed_inconsistent_and_unsupported_plans_are_invalid() {
+        let malformed =
+            ValidAssignment::load(&PlanSource::Json("{\"job\": 1}".into())).expect_err("malformed");
+        assert!(matches!(malformed, PlanError::Malformed(_)));
+        let unreadable = ValidAssignment::load(&PlanSource::File("/nonexistent/plan.json".into()))
+            .expect_err("unreadable");
+        assert!(
+            unreadable.to_string().contains("/nonexistent/plan.json"),
+            "{unreadable}"
+        );
+
+        let mut a = assignment();
+        a.plan.settings.gradient_accumulation += 1;
+        let err = ValidAssignment::new(a).expect_err("global batch broken");
+        assert!(err.to_string().contains("≠ global batch"), "{err}");
+        assert_eq!(err.exit_code(), exit_code::INVALID_PLAN);
+        let mut b = assignment();
+        b.stage = 3;
+        assert!(matches!(
+            ValidAssignment::new(b),
+            Err(PlanError::Inconsistent(_))
+        ));
+        let mut c = assignment();
+        c.plan.stages[0].layer_end = 3;
+        let err = ValidAssignment::new(c).expect_err("layer 3 not covered");
+        assert!(err.to_string().starts_with("plan.stages: "), "{err}");
+        let mut d = assignment();
+        d.plan.settings.optimizer = Optimizer::Adamw8bit;
+        assert!(matches!(
+            ValidAssignment::new(d),
+            Err(PlanError::Unsupported(Unsupported {
+                field: "plan.settings.optimizer",
+                ..
+            }))
+        ));
+        let mut e = assignment();
+        e.learning_rate = f64::NAN;
+        let err = ValidAssignment::new(e).expect_err("learning rate");
+        assert!(err.to_string().starts_with("learningRate: "), "{err}");
+        assert_eq!(err.exit_code(), exit_code::INVALID_PLAN);
+    }
+}

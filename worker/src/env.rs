@@ -1,0 +1,297 @@
+//! Everything the worker reads from its environment, read once by
+//! [`WorkerEnv::from_env`] and checked there: a value that cannot be used is
+//! an [`EnvError`] naming the variable, and the worker exits with
+//! `INVALID_PLAN` before it trains a step.
+//!
+//! The variables the operator sets are named in `headroom_api::contract`;
+//! the two below are for tests and local runs only.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use headroom_api::{
+    CHECKPOINT_DIR_ENV, DEFAULT_CHECKPOINT_DIR, PIPELINE_ADDRESSES_ENV, PIPELINE_PODS_ENV,
+    PIPELINE_SERVICE_ENV, PIPELINE_TIMEOUT_ENV, PLAN_FILE_ENV, PLAN_JSON_ENV, POD_NAME_ENV,
+    TELEMETRY_INTERVAL_ENV, TERMINATION_MESSAGE_PATH,
+};
+
+use crate::report::DEFAULT_INTERVAL;
+
+/// Overrides where the termination message goes (tests, local runs).
+pub const TERMINATION_MESSAGE_PATH_ENV: &str = "HEADROOM_TERMINATION_MESSAGE_PATH";
+/// Optional soft device limit in bytes: when the worker's peak passes it, the
+/// worker stops with `DEVICE_OUT_OF_MEMORY` as a GPU worker would. Lets the
+/// CPU backend (whose real limit is the kernel's OOM kill) exercise the
+/// device-OOM path of the operator; unset in normal runs.
+pub const DEVICE_MEMORY_LIMIT_ENV: &str = "HEADROOM_DEVICE_MEMORY_LIMIT_BYTES";
+/// The pod name when `POD_NAME` is not set (a pod's hostname is its name).
+pub const HOSTNAME_ENV: &str = "HOSTNAME";
+/// How long a stage waits for its pipeline neighbours when
+/// `HEADROOM_PIPELINE_TIMEOUT_SECONDS` is not set.
+pub const DEFAULT_PIPELINE_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Where the assignment document comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PlanSource {
+    /// `HEADROOM_PLAN_FILE`: a JSON file (the operator's mounted ConfigMap).
+    File(PathBuf),
+    /// `HEADROOM_PLAN`: the JSON itself.
+    Json(String),
+}
+
+/// How a stage of a multi-stage plan finds the others.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PipelinePeers {
+    /// `HEADROOM_PIPELINE_ADDRESSES`: one `host:port` per stage, no cluster
+    /// needed (local runs and tests); takes precedence over the pods.
+    Addresses(Vec<String>),
+    /// `HEADROOM_PIPELINE_PODS` (set by the operator): the stages' pod names,
+    /// looked up through the API, and the headless Service
+    /// (`HEADROOM_PIPELINE_SERVICE`) for the DNS fallback.
+    Pods { pods: Vec<String>, service: String },
+}
+
+/// The worker's environment, parsed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WorkerEnv {
+    /// `HEADROOM_TERMINATION_MESSAGE_PATH`, else `/dev/termination-log`.
+    pub termination_message_path: PathBuf,
+    pub plan: PlanSource,
+    /// `HEADROOM_CHECKPOINT_DIR`, else the contract's default.
+    pub checkpoint_dir: PathBuf,
+    /// `POD_NAME`, else `HOSTNAME`.
+    pub pod_name: Option<String>,
+    /// `HEADROOM_TELEMETRY_INTERVAL_SECONDS`: the least time between status writes.
+    pub telemetry_interval: Duration,
+    /// `HEADROOM_DEVICE_MEMORY_LIMIT_BYTES`.
+    pub device_memory_limit: Option<u64>,
+    /// `HEADROOM_PIPELINE_TIMEOUT_SECONDS`: how long to wait for the neighbours
+    /// to come up, and then for any frame.
+    pub pipeline_timeout: Duration,
+    /// `None` when neither pipeline variable is set (a single-stage plan needs none).
+    pub pipeline_peers: Option<PipelinePeers>,
+}
+
+/// A variable the worker cannot use.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum EnvError {
+    #[error("no plan: set {PLAN_FILE_ENV} (a JSON file) or {PLAN_JSON_ENV} (the JSON itself)")]
+    NoPlan,
+    #[error("{variable} must be {expected}, not {value:?}")]
+    Invalid {
+        variable: &'static str,
+        expected: &'static str,
+        value: String,
+    },
+}
+
+/// The environment is unusable; the termination message saying so still
+/// goes where the environment asked.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{error}")]
+pub struct InvalidEnv {
+    pub termination_message_path: PathBuf,
+    pub error: EnvError,
+}
+
+impl WorkerEnv {
+    /// Reads the process environment (a variable that is not UTF-8 counts as unset).
+    pub fn from_env() -> Result<Self, InvalidEnv> {
+        Self::from_lookup(|key| std::env::var(key).ok())
+    }
+
+    /// Reads the environment through `env` (tests pass a map).
+    pub fn from_lookup(env: impl Fn(&str) -> Option<String>) -> Result<Self, InvalidEnv> {
+        let termination_message_path = env(TERMINATION_MESSAGE_PATH_ENV)
+            .map_or_else(|| PathBuf::from(TERMINATION_MESSAGE_PATH), PathBuf::from);
+        Self::parse(&env, termination_message_path.clone()).map_err(|error| InvalidEnv {
+            termination_message_path,
+            error,
+        })
+    }
+
+    fn parse(
+        env: &impl Fn(&str) -> Option<String>,
+        termination_message_path: PathBuf,
+    ) -> Result<Self, EnvError> {
+        let plan = match (env(PLAN_FILE_ENV), env(PLAN_JSON_ENV)) {
+            (Some(path), _) => PlanSource::File(PathBuf::from(path)),
+            (None, Some(json)) => PlanSource::Json(json),
+            (None, None) => return Err(EnvError::NoPlan),
+        };
+        let invalid =
+            |variable: &'static str, expected: &'static str, value: String| EnvError::Invalid {
+                variable,
+                expected,
+                value,
+            };
+        let device_memory_limit = env(DEVICE_MEMORY_LIMIT_ENV)
+            .map(|v| {
+                v.trim()
+                    .parse::<u64>()
+                    .map_err(|_| invalid(DEVICE_MEMORY_LIMIT_ENV, "a whole number of bytes", v))
+            })
+            .transpose()?;
+        let telemetry_interval = match env(TELEMETRY_INTERVAL_ENV) {
+            None => DEFAULT_INTERVAL,
+            Some(v) => match v.trim().parse::<f64>() {
+                Ok(s) if s.is_finite() && s >= 0.0 => Duration::from_secs_f64(s),
+                _ => {
+                    return Err(invalid(
+                        TELEMETRY_INTERVAL_ENV,
+                        "a number of seconds ≥ 0",
+                        v,
+                    ));
+                }
+            },
+        };
+        let pipeline_timeout = match env(PIPELINE_TIMEOUT_ENV) {
+            None => DEFAULT_PIPELINE_TIMEOUT,
+            Some(v) => match v.trim().parse::<u64>() {
+                Ok(s) if s > 0 => Duration::from_secs(s),
+                _ => {
+                    return Err(invalid(
+                        PIPELINE_TIMEOUT_ENV,
+                        "a whole number of seconds ≥ 1",
+                        v,
+                    ));
+                }
+            },
+        };
+        let pipeline_peers = match (env(PIPELINE_ADDRESSES_ENV), env(PIPELINE_PODS_ENV)) {
+            (Some(addresses), _) => Some(PipelinePeers::Addresses(list(&addresses))),
+            (None, Some(pods)) => Some(PipelinePeers::Pods {
+                pods: list(&pods),
+                service: env(PIPELINE_SERVICE_ENV).unwrap_or_default(),
+            }),
+            (None, None) => None,
+        };
+        Ok(WorkerEnv {
+            termination_message_path,
+            plan,
+            checkpoint_dir: env(CHECKPOINT_DIR_ENV)
+                .map_or_else(|| PathBuf::from(DEFAULT_CHECKPOINT_DIR), PathBuf::from),
+            pod_name: env(POD_NAME_ENV).or_else(|| env(HOSTNAME_ENV)),
+            telemetry_interval,
+            device_memory_limit,
+            pipeline_timeout,
+            pipeline_peers,
+        })
+    }
+}
+
+/// A comma-separated list, entries trimmed, empty ones dropped.
+fn list(value: &str) -> Vec<String> {
+    value
+        .split(',')
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env_with<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| {
+            pairs
+                .iter()
+                .find(|(key, _)| *key == k)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn defaults_for_everything_but_the_plan() {
+        let env = WorkerEnv::from_lookup(env_with(&[(PLAN_JSON_ENV, "{}"), (HOSTNAME_ENV, "h")]))
+            .expect("valid");
+        assert_eq!(
+            env,
+            WorkerEnv {
+                termination_message_path: PathBuf::from(TERMINATION_MESSAGE_PATH),
+                plan: PlanSource::Json("{}".into()),
+                checkpoint_dir: PathBuf::from(DEFAULT_CHECKPOINT_DIR),
+                pod_name: Some("h".into()),
+                telemetry_interval: DEFAULT_INTERVAL,
+                device_memory_limit: None,
+                pipeline_timeout: DEFAULT_PIPELINE_TIMEOUT,
+                pipeline_peers: None,
+            }
+        );
+    }
+
+    #[test]
+    fn every_variable_is_read() {
+        let env = WorkerEnv::from_lookup(env_with(&[
+            (PLAN_FILE_ENV, "/plan/plan.json"),
+            (PLAN_JSON_ENV, "ignored: the file wins"),
+            (TERMINATION_MESSAGE_PATH_ENV, "/tmp/t"),
+            (CHECKPOINT_DIR_ENV, "/ckpt"),
+            (POD_NAME_ENV, "job-a1-s0"),
+            (HOSTNAME_ENV, "ignored"),
+            (TELEMETRY_INTERVAL_ENV, " 0.5 "),
+            (DEVICE_MEMORY_LIMIT_ENV, "1048576"),
+            (PIPELINE_TIMEOUT_ENV, "60"),
+            (PIPELINE_PODS_ENV, "p0, p1,,"),
+            (PIPELINE_SERVICE_ENV, "job-a1"),
+        ]))
+        .expect("valid");
+        assert_eq!(env.plan, PlanSource::File("/plan/plan.json".into()));
+        assert_eq!(env.termination_message_path, PathBuf::from("/tmp/t"));
+        assert_eq!(env.checkpoint_dir, PathBuf::from("/ckpt"));
+        assert_eq!(env.pod_name.as_deref(), Some("job-a1-s0"));
+        assert_eq!(env.telemetry_interval, Duration::from_millis(500));
+        assert_eq!(env.device_memory_limit, Some(1 << 20));
+        assert_eq!(env.pipeline_timeout, Duration::from_secs(60));
+        assert_eq!(
+            env.pipeline_peers,
+            Some(PipelinePeers::Pods {
+                pods: vec!["p0".into(), "p1".into()],
+                service: "job-a1".into()
+            })
+        );
+        // Explicit addresses win over the operator's pods (local runs, tests).
+        let local = WorkerEnv::from_lookup(env_with(&[
+            (PLAN_JSON_ENV, "{}"),
+            (PIPELINE_PODS_ENV, "p0,p1"),
+            (PIPELINE_ADDRESSES_ENV, "127.0.0.1:1, 127.0.0.1:2"),
+        ]))
+        .expect("valid");
+        assert_eq!(
+            local.pipeline_peers,
+            Some(PipelinePeers::Addresses(vec![
+                "127.0.0.1:1".into(),
+                "127.0.0.1:2".into()
+            ]))
+        );
+    }
+
+    #[test]
+    fn an_unusable_variable_is_named_and_the_termination_path_kept() {
+        let missing = WorkerEnv::from_lookup(env_with(&[(TERMINATION_MESSAGE_PATH_ENV, "/t")]))
+            .expect_err("no plan");
+        assert_eq!(missing.error, EnvError::NoPlan);
+        assert!(missing.to_string().contains(PLAN_FILE_ENV), "{missing}");
+        assert_eq!(missing.termination_message_path, PathBuf::from("/t"));
+        for (variable, value) in [
+            (DEVICE_MEMORY_LIMIT_ENV, "1GiB"),
+            (TELEMETRY_INTERVAL_ENV, "-1"),
+            (TELEMETRY_INTERVAL_ENV, "NaN"),
+            (PIPELINE_TIMEOUT_ENV, "0"),
+            (PIPELINE_TIMEOUT_ENV, "1.5"),
+        ] {
+            let err = WorkerEnv::from_lookup(env_with(&[(PLAN_JSON_ENV, "{}"), (variable, value)]))
+                .expect_err("invalid");
+            assert!(
+                matches!(&err.error, EnvError::Invalid { variable: v, value: got, .. } if *v == variable && got == value),
+                "{err:?}"
+            );
+            assert!(err.to_string().starts_with(variable), "{err}");
+            assert_eq!(
+                err.termination_message_path,
+                PathBuf::from(TERMINATION_MESSAGE_PATH)
+            );
+        }
+    }
+}
