@@ -21,17 +21,13 @@ source "${HERE}/lib/cluster-env.sh"
 source "${HERE}/lib/common.sh"
 source "${HERE}/lib/packages.sh"
 source "${HERE}/lib/node-ip.sh"
-source "${HERE}/lib/pki.sh"
-source "${HERE}/lib/etcd.sh"
-source "${HERE}/lib/kube-apiserver.sh"
-source "${HERE}/lib/kube-controller-manager.sh"
+source "${HERE}/lib/control-plane.sh"
 source "${HERE}/lib/kube-scheduler.sh"
 source "${HERE}/lib/cni.sh"
 source "${HERE}/lib/containerd.sh"
 source "${HERE}/lib/kubelet.sh"
 source "${HERE}/lib/kube-proxy.sh"
 source "${HERE}/lib/storage.sh"
-source "${HERE}/lib/lifecycle.sh"
 
 # iptables, runc, sysctl live in sbin; containerd finds its shim on PATH.
 export PATH="${PATH}:/usr/local/sbin:/usr/sbin:/sbin"
@@ -39,7 +35,7 @@ export PATH="${PATH}:/usr/local/sbin:/usr/sbin:/sbin"
 KUBECTL="${HEADROOM_BIN_DIR}/kubectl"
 # Start order; stopped in reverse (with the pods torn down between kubelet and
 # containerd).
-COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler containerd kubelet kube-proxy)
+COMPONENTS=("${CONTROL_PLANE[@]}" kube-scheduler containerd kubelet kube-proxy)
 NEEDED_BINARIES="kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl hr-cri"
 
 : "${CONTAINERD_START_TIMEOUT:=30}"
@@ -74,28 +70,12 @@ need_root() {
   ((EUID == 0)) || die "cluster.sh runs containerd and the kubelet and changes iptables: run it as root"
 }
 
-need_binaries() {
-  local missing=() b
-  for b in etcd ${NEEDED_BINARIES}; do
-    [[ -x ${HEADROOM_BIN_DIR}/${b} ]] || missing+=("${b}")
-  done
-  ((${#missing[@]})) || return 0
-  [[ ${HEADROOM_AUTO_BUILD} == 1 ]] ||
-    die "missing ${missing[*]} in ${HEADROOM_BIN_DIR}; run: e2e/cluster/build-binaries.sh ${NEEDED_BINARIES}"
-  log "building ${missing[*]} (cold: several minutes)"
-  K8S_BINARIES="${NEEDED_BINARIES}" "${HERE}/build-binaries.sh"
-}
-
 node_ready_status() {
   kubectl_admin get node "${NODE_NAME}" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null
 }
 
 healthy() {
-  local c
-  for c in "${COMPONENTS[@]}"; do
-    component_pid "${c}" >/dev/null && "$(fn_prefix "${c}")_ready" || return 1
-  done
-  basics_work && [[ $(node_ready_status) == True ]]
+  components_healthy && [[ $(node_ready_status) == True ]]
 }
 
 show_node_failure() {
@@ -198,36 +178,24 @@ check_node_ip() {
 }
 
 cmd_up() {
-  local t0 deadline
+  local t0
   t0=$(now)
   need_root
   check_node_ip
   ensure_debs "${NODE_PACKAGES[@]}"
-  need_binaries
+  # shellcheck disable=SC2086 # a list of names
+  need_binaries ${NEEDED_BINARIES}
   take_lock
   if healthy; then
     storage_ensure || die "could not set up the local volumes"
     log "cluster already up (${APISERVER_URL}, node ${NODE_NAME} Ready)"
     return 0
   fi
-  mkdir -p "${RUN_DIR}" "${LOG_DIR}"
   node_sysctls
-  pki_ensure_controlplane
+  controlplane_prepare
   pki_ensure_node "${NODE_NAME}" "${NODE_IP}" "${HEADROOM_STATE}"
-  write_kubeconfig "${KUBECONFIG_ADMIN}" admin headroom-admin
 
-  start_one etcd "${ETCD_START_TIMEOUT}" || die "etcd failed to start"
-  start_one kube-apiserver "${APISERVER_START_TIMEOUT}" || die "kube-apiserver failed to start"
-  deadline=$(($(now) + APISERVER_START_TIMEOUT))
-  until basics_work; do
-    if (($(now) >= deadline)); then
-      kubectl_admin get namespace default >&2 || true
-      show_log_tail kube-apiserver
-      die "apiserver is ready but 'kubectl get namespace default' keeps failing"
-    fi
-    sleep 0.5
-  done
-  start_one kube-controller-manager "${APISERVER_START_TIMEOUT}" || die "kube-controller-manager failed to start"
+  controlplane_start
   start_one kube-scheduler "${APISERVER_START_TIMEOUT}" || die "kube-scheduler failed to start"
 
   cni_write_config
@@ -267,32 +235,17 @@ cmd_down() {
   # hard-codes); ours point into the state dir and are dangling now.
   find /var/log/containers -maxdepth 1 -type l -lname "${HEADROOM_STATE}/*" -delete 2>/dev/null || true
   stop_component kube-scheduler
-  stop_component kube-controller-manager
-  stop_component kube-apiserver
-  stop_component etcd
+  controlplane_stop
   log "cluster stopped in $(($(now) - t0))s"
 }
 
 cmd_status() {
-  local name pid rc=0 ready node
-  for name in "${COMPONENTS[@]}"; do
-    if pid=$(component_pid "${name}"); then
-      if "$(fn_prefix "${name}")_ready"; then ready=ready; else ready="NOT ready"; rc=1; fi
-      printf '%-24s running  pid %-8s %s\n' "${name}" "${pid}" "${ready}"
-    else
-      printf '%-24s stopped\n' "${name}"
-      rc=1
-    fi
-  done
+  local rc=0 node
+  components_status 24 || rc=1
   if ((rc == 0)); then
-    if ! basics_work; then
-      printf '%-24s %s\n' kubectl "cannot get namespace default"
-      rc=1
-    else
-      node=$(node_ready_status)
-      printf '%-24s Ready=%s\n' "node/${NODE_NAME}" "${node:-unregistered}"
-      [[ ${node} == True ]] || rc=1
-    fi
+    node=$(node_ready_status)
+    printf '%-24s Ready=%s\n' "node/${NODE_NAME}" "${node:-unregistered}"
+    [[ ${node} == True ]] || rc=1
   fi
   printf 'apiserver  %s (pods: https://%s:%s)\nkubeconfig %s\ncontainerd %s\nstate      %s\n' \
     "${APISERVER_URL}" "${NODE_IP}" "${APISERVER_PORT}" "${KUBECONFIG_ADMIN}" "${CONTAINERD_SOCK}" "${HEADROOM_STATE}"
@@ -300,9 +253,7 @@ cmd_status() {
 }
 
 cmd_env() {
-  printf 'export KUBECONFIG=%q\n' "${KUBECONFIG_ADMIN}"
-  # shellcheck disable=SC2016 # $PATH must expand in the caller's shell
-  printf 'export PATH=%q:"$PATH"\n' "${HEADROOM_BIN_DIR}"
+  print_env
   # Read by ctr: `ctr images ls` then shows what the kubelet sees.
   printf 'export CONTAINERD_ADDRESS=%q\n' "${CONTAINERD_SOCK}"
   printf 'export CONTAINERD_NAMESPACE=k8s.io\n'
@@ -310,13 +261,8 @@ cmd_env() {
 
 cmd_clean() {
   cmd_down
-  [[ -n ${HEADROOM_STATE} && ${HEADROOM_STATE} != / && -d ${HEADROOM_STATE} ]] || return 0
-  # Never delete through a mount (a hostPath bind mount would take host files with it).
-  if awk -v s="${HEADROOM_STATE}/" 'index($5, s) == 1 {found=1} END {exit !found}' /proc/self/mountinfo; then
-    die "mounts remain under ${HEADROOM_STATE}; not deleting anything"
-  fi
-  rm -rf --one-file-system "${PKI_DIR}" "${RUN_DIR}" "${LOG_DIR}" "${ETCD_DATA_DIR}" "${KUBECONFIG_ADMIN}" \
-    "${CONTAINERD_DIR}" "${KUBELET_DIR}" "${HEADROOM_STATE}/cni" "${HEADROOM_STATE}/pod-logs" "${VOLUMES_DIR}" \
+  state_dir_exists || return 0
+  remove_state "${CONTAINERD_DIR}" "${KUBELET_DIR}" "${HEADROOM_STATE}/cni" "${HEADROOM_STATE}/pod-logs" "${VOLUMES_DIR}" \
     "${HEADROOM_STATE}"/*.kubeconfig "${HEADROOM_STATE}"/*-config.yaml
   log "removed state in ${HEADROOM_STATE} (image archives in ${HEADROOM_IMAGES_DIR} are kept)"
 }

@@ -16,7 +16,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use headroom_api::{JobPhase, MemoryAwareTrainingJob};
-use headroom_e2e::{TestNs, pod_phase};
+use headroom_e2e::namespace::unique_name;
+use headroom_e2e::{E2E, TestNs, pod_phase};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
@@ -91,13 +92,7 @@ spec:
 /// node name, and a node re-created under a name it still remembers is
 /// marked Unknown at once.
 fn fake_node_name() -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    format!(
-        "headroom-e2e-fake-t4-{:06x}",
-        (std::process::id() ^ nanos) & 0xff_ffff
-    )
+    unique_name("headroom-e2e-fake-t4")
 }
 
 fn is_fake(node: &Node) -> bool {
@@ -448,7 +443,7 @@ async fn gfd_labelled_nodes_get_the_pods_of_the_jobs_that_need_them() {
     // The operator plans from its node cache: let the watch deliver the changes.
     tokio::time::sleep(Duration::from_secs(2)).await;
 
-    let ns = TestNs::new("e2e-gpu").await;
+    let ns = TestNs::new(E2E, "e2e-gpu").await;
     let outcome = tokio::spawn(the_test(ns.clone(), node.clone(), fake_node)).await;
     // Jobs first, then the node (a pod bound to the fake node, which has no
     // kubelet to confirm its deletion, is then removed by the pod GC).

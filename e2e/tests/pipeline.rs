@@ -8,16 +8,14 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use headroom_api::AttemptOutcome;
-use headroom_e2e::TestNs;
-
-const PIPELINE: &str = include_str!("../../samples/cpu-pipeline.yaml");
-const PIPELINE_RETRY: &str = include_str!("../../samples/cpu-pipeline-retry.yaml");
+use headroom_e2e::fixtures::{CPU_PIPELINE as PIPELINE, CPU_PIPELINE_RETRY as PIPELINE_RETRY};
+use headroom_e2e::{E2E, TestNs};
 const RUN: Duration = Duration::from_secs(600);
 
 #[tokio::test]
 #[ignore = "needs a cluster with Headroom installed: make e2e"]
 async fn a_model_too_big_for_one_worker_trains_as_pipeline_stages() {
-    let ns = TestNs::new("e2e-pipeline").await;
+    let ns = TestNs::new(E2E, "e2e-pipeline").await;
     ns.apply_job(PIPELINE).await;
     let status = ns.wait_succeeded("split-to-fit", RUN).await;
     let attempt = status.attempts.last().expect("an attempt");
@@ -84,7 +82,7 @@ async fn a_model_too_big_for_one_worker_trains_as_pipeline_stages() {
 #[tokio::test]
 #[ignore = "needs a cluster with Headroom installed: make e2e"]
 async fn a_job_that_ooms_as_one_stage_is_retried_as_more_stages() {
-    let ns = TestNs::new("e2e-pipeline-retry").await;
+    let ns = TestNs::new(E2E, "e2e-pipeline-retry").await;
     ns.apply_job(PIPELINE_RETRY).await;
     let status = ns.wait_succeeded("oom-then-split", RUN).await;
     let first = &status.attempts[0];

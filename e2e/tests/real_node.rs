@@ -7,21 +7,17 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use headroom_api::{AttemptOutcome, JobPhase, MemoryAwareTrainingJob};
+use headroom_e2e::corpus::assert_all_rejected;
+use headroom_e2e::fixtures::{CPU_OOM_FIRST as OOM_FIRST, CPU_TINY as TINY};
 use headroom_e2e::{
-    TestNs, ended, kubectl, operator_namespace, operator_selector, pod_phase, pod_ready,
+    E2E, TestNs, ended, kubectl, operator_namespace, operator_selector, phase, pod_phase, pod_ready,
 };
 use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::{Api, DeleteParams, EvictParams, ListParams, LogParams};
 use kube::{Resource, ResourceExt};
 
-const TINY: &str = include_str!("../../samples/cpu-tiny.yaml");
-const OOM_FIRST: &str = include_str!("../../samples/cpu-oom-first.yaml");
 const RUN: Duration = Duration::from_secs(600);
-
-fn phase(job: &MemoryAwareTrainingJob) -> Option<JobPhase> {
-    job.status.as_ref().and_then(|s| s.phase)
-}
 
 /// samples/cpu-tiny.yaml (about 2.4 s a step on a 2-core node) with `steps`
 /// steps and half a core requested, so the suite's workers share the node
@@ -51,7 +47,7 @@ fn telemetry_step(job: &MemoryAwareTrainingJob, attempt: u32) -> Option<u64> {
 #[tokio::test]
 #[ignore = "needs a cluster with Headroom installed: make e2e"]
 async fn a_small_job_succeeds_with_live_telemetry() {
-    let ns = TestNs::new("e2e-small").await;
+    let ns = TestNs::new(E2E, "e2e-small").await;
     ns.apply_job(&tiny(8)).await;
     // Telemetry arrives while it runs.
     let running = ns
@@ -88,7 +84,7 @@ async fn a_small_job_succeeds_with_live_telemetry() {
 #[tokio::test]
 #[ignore = "needs a cluster with Headroom installed: make e2e"]
 async fn a_job_over_its_limit_is_oom_killed_and_succeeds_stricter() {
-    let ns = TestNs::new("e2e-oom").await;
+    let ns = TestNs::new(E2E, "e2e-oom").await;
     let manifest = OOM_FIRST.replace("maxWorkers: 2}", "cores: 500m, maxWorkers: 2}");
     assert!(
         manifest.contains("cores: 500m"),
@@ -166,7 +162,7 @@ async fn a_job_over_its_limit_is_oom_killed_and_succeeds_stricter() {
 #[tokio::test]
 #[ignore = "needs a cluster with Headroom installed: make e2e"]
 async fn a_job_that_fits_nowhere_fails_without_pods() {
-    let ns = TestNs::new("e2e-nofit").await;
+    let ns = TestNs::new(E2E, "e2e-nofit").await;
     ns.apply_job(&TINY.replace("memoryLimit: 1Gi", "memoryLimit: 64Mi"))
         .await;
     let job = ns
@@ -224,7 +220,7 @@ async fn running_worker(ns: &TestNs, job: &str) -> Pod {
 #[tokio::test]
 #[ignore = "needs a cluster with Headroom installed: make e2e"]
 async fn the_operator_restarting_mid_job_duplicates_no_pods_and_the_job_finishes() {
-    let ns = TestNs::new("e2e-restart").await;
+    let ns = TestNs::new(E2E, "e2e-restart").await;
     ns.apply_job(&tiny(20)).await;
     let worker = running_worker(&ns, "tiny-cpu").await;
 
@@ -327,7 +323,7 @@ async fn owned_by(ns: &TestNs, uid: &str) -> Vec<String> {
 #[tokio::test]
 #[ignore = "needs a cluster with Headroom installed: make e2e"]
 async fn deleting_a_job_removes_everything_it_created() {
-    let ns = TestNs::new("e2e-delete").await;
+    let ns = TestNs::new(E2E, "e2e-delete").await;
     let job = ns.apply_job(&tiny(1000)).await;
     let uid = job.uid().expect("uid");
     running_worker(&ns, "tiny-cpu").await;
@@ -365,7 +361,7 @@ async fn deleting_a_job_removes_everything_it_created() {
 #[tokio::test]
 #[ignore = "needs a cluster with Headroom installed: make e2e"]
 async fn an_evicted_worker_resumes_from_its_checkpoint() {
-    let ns = TestNs::new("e2e-evict").await;
+    let ns = TestNs::new(E2E, "e2e-evict").await;
     // No periodic checkpoint before the end: the one resumed from is the
     // checkpoint the worker writes when it is told to stop (SIGTERM).
     let manifest = tiny(16).replace(
@@ -430,54 +426,30 @@ async fn an_evicted_worker_resumes_from_its_checkpoint() {
     ns.cleanup().await;
 }
 
-#[test]
+#[tokio::test]
 #[ignore = "needs a cluster with Headroom installed: make e2e"]
-fn kubectl_apply_of_invalid_manifests_fails_with_field_paths() {
-    let runtime = tokio::runtime::Runtime::new().expect("runtime");
-    let ns = runtime.block_on(TestNs::new("e2e-invalid"));
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/invalid");
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .expect("corpus")
-        .filter_map(Result::ok)
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
-        .collect();
-    files.sort();
-    assert!(files.len() >= 20, "corpus of {} manifests", files.len());
-    let mut failures = Vec::new();
-    for file in &files {
-        let manifest = std::fs::read_to_string(file).expect("read");
-        let expect = manifest
-            .lines()
-            .find_map(|l| l.strip_prefix("# expect: "))
-            .unwrap_or_else(|| panic!("{} has no `# expect:` line", file.display()))
-            .trim();
-        let out = std::process::Command::new(kubectl())
+async fn kubectl_apply_of_invalid_manifests_fails_with_field_paths() {
+    let ns = TestNs::new(E2E, "e2e-invalid").await;
+    assert_all_rejected(async |m| {
+        let out = tokio::process::Command::new(kubectl())
             .args(["apply", "-n", &ns.name, "-f"])
-            .arg(file)
+            .arg(&m.path)
             .output()
+            .await
             .unwrap_or_else(|e| panic!("run {:?} (set KUBECTL): {e}", kubectl()));
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        let name = file.file_name().unwrap_or_default().to_string_lossy();
         if out.status.success() {
-            failures.push(format!(
-                "{name}: kubectl apply succeeded; expected {expect:?}"
-            ));
-        } else if !stderr.contains(expect) {
-            failures.push(format!("{name}: stderr lacks {expect:?}:\n    {stderr}"));
+            Ok(())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).into_owned())
         }
-    }
-    let jobs = runtime
-        .block_on(ns.jobs().list(&ListParams::default()))
+    })
+    .await;
+    let jobs = ns
+        .jobs()
+        .list(&ListParams::default())
+        .await
         .expect("list jobs")
         .items;
-    assert!(
-        failures.is_empty(),
-        "{} of {} manifests misbehaved:\n{}",
-        failures.len(),
-        files.len(),
-        failures.join("\n")
-    );
     assert!(jobs.is_empty(), "nothing was created: {jobs:?}");
-    runtime.block_on(ns.cleanup());
+    ns.cleanup().await;
 }

@@ -9,23 +9,13 @@ mod support;
 use std::time::Duration;
 
 use headroom_api::{AttemptOutcome, JobPhase, LABEL_ATTEMPT, MemoryAwareTrainingJob};
+use headroom_e2e::{attempts, phase};
 use headroom_operator::controller::ControllerConfig;
-use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim, Pod, ServiceAccount};
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::ResourceExt;
 use kube::api::Api;
 use support::*;
-
-const TINY: &str = include_str!("../../samples/cpu-tiny.yaml");
-const OOM_FIRST: &str = include_str!("../../samples/cpu-oom-first.yaml");
-
-fn attempts(job: &MemoryAwareTrainingJob) -> usize {
-    job.status.as_ref().map_or(0, |s| s.attempts.len())
-}
-
-fn phase(job: &MemoryAwareTrainingJob) -> Option<JobPhase> {
-    job.status.as_ref().and_then(|s| s.phase)
-}
 
 fn pods_of_attempt(pods: &[Pod], n: u32) -> usize {
     pods.iter()
@@ -36,11 +26,13 @@ fn pods_of_attempt(pods: &[Pod], n: u32) -> usize {
 #[tokio::test]
 #[ignore = "needs the control plane: make test-apiserver"]
 async fn apply_plans_and_creates_the_workers_children() {
-    let ns = TestNs::new("hr-apply").await;
-    let op = ns.start_operator(ControllerConfig::default());
-    ns.apply_job(TINY).await;
+    let ns = test_ns("hr-apply").await;
+    let op = start_operator(&ns, ControllerConfig::default());
+    ns.apply_job(CPU_TINY).await;
     let job = ns
-        .wait_job("tiny-cpu", "attempt 1 planned", |j| attempts(j) == 1)
+        .wait_job("tiny-cpu", "attempt 1 planned", TIMEOUT, |j| {
+            attempts(j) == 1
+        })
         .await;
     let status = job.status.clone().expect("status");
     let plan = status.plan.clone().expect("plan in status");
@@ -51,7 +43,9 @@ async fn apply_plans_and_creates_the_workers_children() {
     assert!(plan.fits(), "{}", plan.fit);
     assert_eq!(status.observed_generation, job.metadata.generation);
 
-    let pods = ns.wait_pods("the worker pod", |p| p.len() == 1).await;
+    let pods = ns
+        .wait_pods("the worker pod", TIMEOUT, |p| p.len() == 1)
+        .await;
     let pod = &pods[0];
     assert_eq!(pod.name_any(), "tiny-cpu-a1-s0");
     assert_eq!(pod.owner_references()[0].uid, job.uid().expect("uid"));
@@ -89,14 +83,14 @@ async fn apply_plans_and_creates_the_workers_children() {
     );
 
     ns.set_pod_status("tiny-cpu-a1-s0", running()).await;
-    ns.wait_job("tiny-cpu", "phase Running", |j| {
+    ns.wait_job("tiny-cpu", "phase Running", TIMEOUT, |j| {
         phase(j) == Some(JobPhase::Running)
     })
     .await;
     ns.set_pod_status("tiny-cpu-a1-s0", terminated(0, "Completed", None))
         .await;
     let done = ns
-        .wait_job("tiny-cpu", "phase Succeeded", |j| {
+        .wait_job("tiny-cpu", "phase Succeeded", TIMEOUT, |j| {
             phase(j) == Some(JobPhase::Succeeded)
         })
         .await;
@@ -111,15 +105,15 @@ async fn apply_plans_and_creates_the_workers_children() {
 #[tokio::test]
 #[ignore = "needs the control plane: make test-apiserver"]
 async fn oom_kill_retries_with_stricter_settings_and_keeps_history() {
-    let ns = TestNs::new("hr-oom").await;
-    let op = ns.start_operator(ControllerConfig::default());
-    ns.apply_job(OOM_FIRST).await;
-    ns.wait_pods("attempt 1 pod", |p| pods_of_attempt(p, 1) == 1)
+    let ns = test_ns("hr-oom").await;
+    let op = start_operator(&ns, ControllerConfig::default());
+    ns.apply_job(CPU_OOM_FIRST).await;
+    ns.wait_pods("attempt 1 pod", TIMEOUT, |p| pods_of_attempt(p, 1) == 1)
         .await;
     ns.set_pod_status("oom-then-fit-a1-s0", oom_killed()).await;
 
     let job = ns
-        .wait_job("oom-then-fit", "attempt 2", |j| attempts(j) == 2)
+        .wait_job("oom-then-fit", "attempt 2", TIMEOUT, |j| attempts(j) == 2)
         .await;
     let status = job.status.expect("status");
     let (first, second) = (&status.attempts[0], &status.attempts[1]);
@@ -139,7 +133,7 @@ async fn oom_kill_retries_with_stricter_settings_and_keeps_history() {
     assert_eq!(status.phase, Some(JobPhase::Retrying));
 
     let pods = ns
-        .wait_pods("attempt 2 pod", |p| pods_of_attempt(p, 2) == 1)
+        .wait_pods("attempt 2 pod", TIMEOUT, |p| pods_of_attempt(p, 2) == 1)
         .await;
     assert_eq!(
         pods_of_attempt(&pods, 1),
@@ -152,7 +146,7 @@ async fn oom_kill_retries_with_stricter_settings_and_keeps_history() {
     ns.set_pod_status("oom-then-fit-a2-s0", terminated(88, "Error", Some(msg)))
         .await;
     let job = ns
-        .wait_job("oom-then-fit", "attempt 3", |j| attempts(j) == 3)
+        .wait_job("oom-then-fit", "attempt 3", TIMEOUT, |j| attempts(j) == 3)
         .await;
     let status = job.status.expect("status");
     let second = &status.attempts[1];
@@ -171,7 +165,7 @@ async fn oom_kill_retries_with_stricter_settings_and_keeps_history() {
     ns.set_pod_status("oom-then-fit-a3-s0", terminated(0, "Completed", None))
         .await;
     let job = ns
-        .wait_job("oom-then-fit", "success", |j| {
+        .wait_job("oom-then-fit", "success", TIMEOUT, |j| {
             phase(j) == Some(JobPhase::Succeeded)
         })
         .await;
@@ -188,17 +182,18 @@ async fn oom_kill_retries_with_stricter_settings_and_keeps_history() {
 #[tokio::test]
 #[ignore = "needs the control plane: make test-apiserver"]
 async fn eviction_retries_the_same_settings() {
-    let ns = TestNs::new("hr-evict").await;
-    let op = ns.start_operator(ControllerConfig::default());
-    let manifest = TINY.replace(
+    let ns = test_ns("hr-evict").await;
+    let op = start_operator(&ns, ControllerConfig::default());
+    let manifest = CPU_TINY.replace(
         "  worker:",
         "  memoryPolicy: {backoffSeconds: 0}\n  worker:",
     );
     ns.apply_job(&manifest).await;
-    ns.wait_pods("attempt 1 pod", |p| p.len() == 1).await;
+    ns.wait_pods("attempt 1 pod", TIMEOUT, |p| p.len() == 1)
+        .await;
     ns.set_pod_status("tiny-cpu-a1-s0", serde_json::json!({"phase": "Failed", "reason": "Evicted", "message": "The node was low on resource: memory."})).await;
     let job = ns
-        .wait_job("tiny-cpu", "attempt 2", |j| attempts(j) == 2)
+        .wait_job("tiny-cpu", "attempt 2", TIMEOUT, |j| attempts(j) == 2)
         .await;
     let status = job.status.expect("status");
     assert_eq!(status.attempts[0].outcome, AttemptOutcome::Disrupted);
@@ -213,31 +208,32 @@ async fn eviction_retries_the_same_settings() {
 #[tokio::test]
 #[ignore = "needs the control plane: make test-apiserver"]
 async fn restarts_and_a_second_replica_never_duplicate_pods_or_lose_history() {
-    let ns = TestNs::new("hr-restart").await;
-    let first = ns.start_operator(ControllerConfig::default());
-    ns.apply_job(OOM_FIRST).await;
-    ns.wait_pods("attempt 1 pod", |p| p.len() == 1).await;
+    let ns = test_ns("hr-restart").await;
+    let first = start_operator(&ns, ControllerConfig::default());
+    ns.apply_job(CPU_OOM_FIRST).await;
+    ns.wait_pods("attempt 1 pod", TIMEOUT, |p| p.len() == 1)
+        .await;
     first.stop().await;
 
     // Two replicas at once (as during a rollout without leader election).
-    let a = ns.start_operator(ControllerConfig::default());
-    let b = ns.start_operator(ControllerConfig::default());
+    let a = start_operator(&ns, ControllerConfig::default());
+    let b = start_operator(&ns, ControllerConfig::default());
     tokio::time::sleep(Duration::from_secs(2)).await;
     let job = ns
-        .wait_job("oom-then-fit", "one attempt", |j| attempts(j) == 1)
+        .wait_job("oom-then-fit", "one attempt", TIMEOUT, |j| attempts(j) == 1)
         .await;
     assert_eq!(attempts(&job), 1);
-    assert_eq!(ns.wait_pods("pods", |_| true).await.len(), 1);
+    assert_eq!(ns.pod_list().await.len(), 1);
 
     ns.set_pod_status("oom-then-fit-a1-s0", oom_killed()).await;
-    ns.wait_job("oom-then-fit", "attempt 2", |j| attempts(j) == 2)
+    ns.wait_job("oom-then-fit", "attempt 2", TIMEOUT, |j| attempts(j) == 2)
         .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let job = ns
-        .wait_job("oom-then-fit", "still two attempts", |_| true)
+        .wait_job("oom-then-fit", "still two attempts", TIMEOUT, |_| true)
         .await;
     assert_eq!(attempts(&job), 2, "the OOM was handled exactly once");
-    let pods = ns.wait_pods("pods", |_| true).await;
+    let pods = ns.pod_list().await;
     assert_eq!(
         (pods_of_attempt(&pods, 1), pods_of_attempt(&pods, 2)),
         (1, 1)
@@ -245,15 +241,17 @@ async fn restarts_and_a_second_replica_never_duplicate_pods_or_lose_history() {
     a.stop().await;
 
     // A restart while attempt 2 runs keeps everything.
-    let c = ns.start_operator(ControllerConfig::default());
+    let c = start_operator(&ns, ControllerConfig::default());
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let job = ns.wait_job("oom-then-fit", "history", |_| true).await;
+    let job = ns
+        .wait_job("oom-then-fit", "history", TIMEOUT, |_| true)
+        .await;
     assert_eq!(attempts(&job), 2);
     assert_eq!(
         job.status.expect("status").attempts[0].outcome,
         AttemptOutcome::HostOutOfMemory
     );
-    assert_eq!(ns.wait_pods("pods", |_| true).await.len(), 2);
+    assert_eq!(ns.pod_list().await.len(), 2);
     b.stop().await;
     c.stop().await;
     ns.cleanup().await;
@@ -262,12 +260,14 @@ async fn restarts_and_a_second_replica_never_duplicate_pods_or_lose_history() {
 #[tokio::test]
 #[ignore = "needs the control plane: make test-apiserver"]
 async fn infeasible_job_fails_without_pods() {
-    let ns = TestNs::new("hr-nofit").await;
-    let op = ns.start_operator(ControllerConfig::default());
-    let manifest = TINY.replace("memoryLimit: 1Gi", "memoryLimit: 64Mi");
+    let ns = test_ns("hr-nofit").await;
+    let op = start_operator(&ns, ControllerConfig::default());
+    let manifest = CPU_TINY.replace("memoryLimit: 1Gi", "memoryLimit: 64Mi");
     ns.apply_job(&manifest).await;
     let job = ns
-        .wait_job("tiny-cpu", "Failed", |j| phase(j) == Some(JobPhase::Failed))
+        .wait_job("tiny-cpu", "Failed", TIMEOUT, |j| {
+            phase(j) == Some(JobPhase::Failed)
+        })
         .await;
     let status = job.status.expect("status");
     let message = status.message.expect("message");
@@ -282,7 +282,7 @@ async fn infeasible_job_fails_without_pods() {
             .any(|c| c.type_ == "Planned" && c.status == "False" && c.reason == "NoFeasiblePlan")
     );
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(ns.wait_pods("no pods", |_| true).await.is_empty());
+    assert!(ns.pod_list().await.is_empty());
     op.stop().await;
     ns.cleanup().await;
 }
@@ -290,155 +290,52 @@ async fn infeasible_job_fails_without_pods() {
 #[tokio::test]
 #[ignore = "needs the control plane: make test-apiserver"]
 async fn deleting_a_job_garbage_collects_everything_it_created() {
-    let ns = TestNs::new("hr-gc").await;
-    let op = ns.start_operator(ControllerConfig::default());
-    ns.apply_job(TINY).await;
-    ns.wait_pods("the worker pod", |p| p.len() == 1).await;
+    let ns = test_ns("hr-gc").await;
+    let op = start_operator(&ns, ControllerConfig::default());
+    ns.apply_job(CPU_TINY).await;
+    ns.wait_pods("the worker pod", TIMEOUT, |p| p.len() == 1)
+        .await;
     ns.jobs()
         .delete("tiny-cpu", &kube::api::DeleteParams::foreground())
         .await
         .expect("delete job");
     // The garbage collector (kube-controller-manager) follows the owner references.
-    ns.wait_pods("pods collected", |p| p.is_empty()).await;
+    ns.wait_pods("pods collected", TIMEOUT, |p| p.is_empty())
+        .await;
     let sa: Api<ServiceAccount> = Api::namespaced(ns.client.clone(), &ns.name);
     let role: Api<Role> = Api::namespaced(ns.client.clone(), &ns.name);
     let rb: Api<RoleBinding> = Api::namespaced(ns.client.clone(), &ns.name);
     let pvc: Api<PersistentVolumeClaim> = Api::namespaced(ns.client.clone(), &ns.name);
-    let deadline = tokio::time::Instant::now() + TIMEOUT;
-    loop {
-        let left = [
-            sa.get_opt("tiny-cpu-worker").await.expect("get").is_some(),
-            role.get_opt("tiny-cpu-worker")
-                .await
-                .expect("get")
-                .is_some(),
-            rb.get_opt("tiny-cpu-worker").await.expect("get").is_some(),
-            pvc.get_opt("tiny-cpu-checkpoints")
-                .await
-                .expect("get")
-                .map(|p| p.metadata.deletion_timestamp.is_none())
-                .unwrap_or(false),
-            ns.jobs().get_opt("tiny-cpu").await.expect("get").is_some(),
-        ];
-        if left.iter().all(|l| !l) {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "left behind [sa, role, binding, pvc, job]: {left:?}\n{}",
-            ns.dump().await
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let last = std::cell::Cell::new(None);
+    ns.wait_for(
+        "the job's ServiceAccount, Role, RoleBinding and claim collected",
+        TIMEOUT,
+        || async {
+            let left = [
+                sa.get_opt("tiny-cpu-worker").await.ok()?.is_some(),
+                role.get_opt("tiny-cpu-worker").await.ok()?.is_some(),
+                rb.get_opt("tiny-cpu-worker").await.ok()?.is_some(),
+                pvc.get_opt("tiny-cpu-checkpoints")
+                    .await
+                    .ok()?
+                    .is_some_and(|p| p.metadata.deletion_timestamp.is_none()),
+                ns.jobs().get_opt("tiny-cpu").await.ok()?.is_some(),
+            ];
+            if last.replace(Some(left)) != Some(left) {
+                eprintln!("left behind [sa, role, binding, pvc, job]: {left:?}");
+            }
+            left.iter().all(|l| !l).then_some(())
+        },
+    )
+    .await;
     op.stop().await;
     ns.cleanup().await;
-}
-
-/// One test's fake GPU nodes, named after its namespace and offering GPU
-/// products unique to it (so nodes another run left behind never match).
-struct GpuNodes {
-    api: Api<Node>,
-    ns: String,
-    names: Vec<String>,
-}
-
-impl GpuNodes {
-    fn new(ns: &TestNs) -> Self {
-        GpuNodes {
-            api: Api::all(ns.client.clone()),
-            ns: ns.name.clone(),
-            names: vec![],
-        }
-    }
-
-    /// `Test-<kind>-<id of this test's namespace>`.
-    fn product(&self, kind: &str) -> String {
-        let id = self.ns.rsplit('-').next().unwrap_or("x");
-        format!("Test-{kind}-{id}")
-    }
-
-    /// Registers node `<namespace>-<suffix>` with one `product` GPU, the way
-    /// GPU Feature Discovery and the device plugin describe it; returns its name.
-    async fn add(&mut self, suffix: &str, product: &str, memory_mib: u64) -> String {
-        let name = format!("{}-{suffix}", self.ns);
-        gpu_node(&self.api, &name, product, memory_mib).await;
-        self.names.push(name.clone());
-        name
-    }
-
-    async fn remove(self) {
-        for name in &self.names {
-            let _ = self
-                .api
-                .delete(name, &kube::api::DeleteParams::default())
-                .await;
-        }
-    }
-}
-
-async fn gpu_node(nodes: &Api<Node>, name: &str, product: &str, memory_mib: u64) {
-    let node: Node = serde_json::from_value(serde_json::json!({
-        "metadata": {"name": name, "labels": {
-            "nvidia.com/gpu.product": product, "nvidia.com/gpu.memory": memory_mib.to_string(), "nvidia.com/gpu.count": "1",
-            "headroom.dev/test": "true"}}
-    }))
-    .expect("node");
-    nodes
-        .patch(
-            name,
-            &kube::api::PatchParams::apply("headroom-tests"),
-            &kube::api::Patch::Apply(&node),
-        )
-        .await
-        .expect("node applies");
-    // A new node is tainted not-ready (TaintNodesByCondition) until the node
-    // lifecycle controller, which this control plane does not run, sees it
-    // Ready; lift the taint as it would.
-    nodes
-        .patch(
-            name,
-            &kube::api::PatchParams::default(),
-            &kube::api::Patch::Merge(serde_json::json!({"spec": {"taints": null}})),
-        )
-        .await
-        .expect("node taints");
-    let status = serde_json::json!({"status": {
-        "allocatable": {"nvidia.com/gpu": "1", "cpu": "8", "memory": "64Gi", "pods": "110"},
-        "capacity": {"nvidia.com/gpu": "1", "cpu": "8", "memory": "64Gi", "pods": "110"},
-        "conditions": [{"type": "Ready", "status": "True", "reason": "Test", "message": "fake node",
-                        "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}});
-    nodes
-        .patch_status(
-            name,
-            &kube::api::PatchParams::default(),
-            &kube::api::Patch::Merge(&status),
-        )
-        .await
-        .expect("node status");
-}
-
-/// ~0.7e9 parameters in bf16 + AdamW: model state alone exceeds an 8 GiB
-/// GPU's budget. `worker_extra` continues the worker's flow mapping.
-fn gpu_job(name: &str, types: &[&str], max_gpus: u32, worker_extra: &str) -> String {
-    format!(
-        r#"apiVersion: headroom.dev/v1alpha1
-kind: MemoryAwareTrainingJob
-metadata: {{name: {name}}}
-spec:
-  model: {{transformer: {{layers: 24, hidden: 1536, heads: 16, sequenceLength: 1024, vocabulary: 50257}}}}
-  training: {{globalBatch: 8, steps: 10, precision: bf16}}
-  resources:
-    gpu: {{types: [{types}], maxGpus: {max_gpus}}}
-  worker: {{image: headroom-worker:dev{worker_extra}}}
-"#,
-        types = types.join(", ")
-    )
 }
 
 #[tokio::test]
 #[ignore = "needs the control plane: make test-apiserver"]
 async fn gpu_type_is_chosen_by_budget_and_replanned_when_unschedulable() {
-    let ns = TestNs::new("hr-gpu").await;
+    let ns = test_ns("hr-gpu").await;
     let mut nodes = GpuNodes::new(&ns);
     let (small, mid, big) = (
         nodes.product("Small"),
@@ -448,19 +345,22 @@ async fn gpu_type_is_chosen_by_budget_and_replanned_when_unschedulable() {
     nodes.add("small", &small, 8192).await;
     nodes.add("mid", &mid, 40960).await;
     nodes.add("big", &big, 81920).await;
-    let op = ns.start_operator(ControllerConfig {
-        unschedulable_grace: Duration::from_secs(1),
-        ..ControllerConfig::default()
-    });
+    let op = start_operator(
+        &ns,
+        ControllerConfig {
+            unschedulable_grace: Duration::from_secs(1),
+            ..ControllerConfig::default()
+        },
+    );
 
     ns.apply_job(&gpu_job("gpu-job", &[&small, &mid, &big], 1, ""))
         .await;
     let job = ns
-        .wait_job("gpu-job", "attempt 1", |j| attempts(j) == 1)
+        .wait_job("gpu-job", "attempt 1", TIMEOUT, |j| attempts(j) == 1)
         .await;
     let first = job.status.expect("status").attempts[0].plan.clone();
     assert_ne!(first.device, small, "the small GPU cannot hold the model");
-    let pods = ns.wait_pods("GPU pod", |p| p.len() == 1).await;
+    let pods = ns.wait_pods("GPU pod", TIMEOUT, |p| p.len() == 1).await;
     let spec = pods[0].spec.clone().expect("spec");
     assert_eq!(
         spec.node_selector.expect("selector")["nvidia.com/gpu.product"],
@@ -478,7 +378,9 @@ async fn gpu_type_is_chosen_by_budget_and_replanned_when_unschedulable() {
         "message": "0/3 nodes are available: 1 Insufficient nvidia.com/gpu.", "lastTransitionTime": "2026-01-01T00:00:00Z"}]});
     ns.set_pod_status(&pods[0].name_any(), pending).await;
     let job = ns
-        .wait_job("gpu-job", "attempt 2 on another type", |j| attempts(j) == 2)
+        .wait_job("gpu-job", "attempt 2 on another type", TIMEOUT, |j| {
+            attempts(j) == 2
+        })
         .await;
     let status = job.status.expect("status");
     assert_eq!(status.attempts[0].outcome, AttemptOutcome::Unschedulable);
@@ -498,7 +400,7 @@ async fn gpu_type_is_chosen_by_budget_and_replanned_when_unschedulable() {
 async fn gpus_held_by_other_workloads_are_not_planned_for() {
     use headroom_operator::inventory::node_facts;
     use headroom_planner::{Inventory, plan};
-    let ns = TestNs::new("hr-busy").await;
+    let ns = test_ns("hr-busy").await;
     let mut nodes = GpuNodes::new(&ns);
     let (mid, big) = (nodes.product("Mid"), nodes.product("Big"));
     let mid_node = nodes.add("mid", &mid, 40960).await;
@@ -542,14 +444,14 @@ async fn gpus_held_by_other_workloads_are_not_planned_for() {
         .await
         .expect("other pod");
 
-    let op = ns.start_operator(ControllerConfig::default());
+    let op = start_operator(&ns, ControllerConfig::default());
     ns.apply_job(&manifest).await;
     let job = ns
-        .wait_job("gpu-job", "attempt 1", |j| attempts(j) == 1)
+        .wait_job("gpu-job", "attempt 1", TIMEOUT, |j| attempts(j) == 1)
         .await;
     assert_eq!(job.status.expect("status").attempts[0].plan.device, mid);
     let pods = ns
-        .wait_pods("the worker pod", |p| {
+        .wait_pods("the worker pod", TIMEOUT, |p| {
             p.iter().any(|p| p.name_any() == "gpu-job-a1-s0")
         })
         .await;
@@ -579,7 +481,7 @@ async fn gpus_held_by_other_workloads_are_not_planned_for() {
 #[tokio::test]
 #[ignore = "needs the control plane: make test-apiserver"]
 async fn tainted_nodes_count_only_for_jobs_that_tolerate_them() {
-    let ns = TestNs::new("hr-taint").await;
+    let ns = test_ns("hr-taint").await;
     let mut nodes = GpuNodes::new(&ns);
     let (mid, big) = (nodes.product("Mid"), nodes.product("Big"));
     nodes.add("mid", &mid, 40960).await;
@@ -595,7 +497,7 @@ async fn tainted_nodes_count_only_for_jobs_that_tolerate_them() {
         )
         .await
         .expect("taint");
-    let op = ns.start_operator(ControllerConfig::default());
+    let op = start_operator(&ns, ControllerConfig::default());
     ns.apply_job(&gpu_job("plain", &[&mid, &big], 1, "")).await;
     ns.apply_job(&gpu_job(
         "research",
@@ -605,14 +507,18 @@ async fn tainted_nodes_count_only_for_jobs_that_tolerate_them() {
     ))
     .await;
     for (name, device) in [("plain", &mid), ("research", &big)] {
-        let job = ns.wait_job(name, "attempt 1", |j| attempts(j) == 1).await;
+        let job = ns
+            .wait_job(name, "attempt 1", TIMEOUT, |j| attempts(j) == 1)
+            .await;
         assert_eq!(
             &job.status.expect("status").attempts[0].plan.device,
             device,
             "{name}"
         );
     }
-    let pods = ns.wait_pods("both workers", |p| p.len() == 2).await;
+    let pods = ns
+        .wait_pods("both workers", TIMEOUT, |p| p.len() == 2)
+        .await;
     let research = pods
         .iter()
         .find(|p| p.name_any() == "research-a1-s0")
@@ -638,8 +544,8 @@ async fn tainted_nodes_count_only_for_jobs_that_tolerate_them() {
 #[tokio::test]
 #[ignore = "needs the control plane: make test-apiserver"]
 async fn stages_span_nodes_only_with_a_read_write_many_checkpoint_volume() {
-    use headroom_operator::controller::children::{CheckpointAccess, ChildConfig};
-    let ns = TestNs::new("hr-rwx").await;
+    use headroom_operator::controller::{CheckpointAccess, ChildConfig};
+    let ns = test_ns("hr-rwx").await;
     let mut nodes = GpuNodes::new(&ns);
     let small = nodes.product("Small");
     for i in 0..3 {
@@ -647,30 +553,35 @@ async fn stages_span_nodes_only_with_a_read_write_many_checkpoint_volume() {
     }
     let job = |name: &str| gpu_job(name, &[&small], 3, "");
 
-    let op = ns.start_operator(ControllerConfig::default());
+    let op = start_operator(&ns, ControllerConfig::default());
     ns.apply_job(&job("one-node")).await;
     let failed = ns
-        .wait_job("one-node", "Failed", |j| phase(j) == Some(JobPhase::Failed))
+        .wait_job("one-node", "Failed", TIMEOUT, |j| {
+            phase(j) == Some(JobPhase::Failed)
+        })
         .await;
     let message = failed.status.and_then(|s| s.message).expect("message");
     assert!(message.contains("ReadWriteMany"), "{message}");
     op.stop().await;
 
-    let op = ns.start_operator(ControllerConfig {
-        children: ChildConfig {
-            checkpoint_access: CheckpointAccess::ReadWriteMany,
-            ..ChildConfig::default()
+    let op = start_operator(
+        &ns,
+        ControllerConfig {
+            children: ChildConfig {
+                checkpoint_access: CheckpointAccess::ReadWriteMany,
+                ..ChildConfig::default()
+            },
+            ..ControllerConfig::default()
         },
-        ..ControllerConfig::default()
-    });
+    );
     ns.apply_job(&job("spread")).await;
     let planned = ns
-        .wait_job("spread", "attempt 1", |j| attempts(j) == 1)
+        .wait_job("spread", "attempt 1", TIMEOUT, |j| attempts(j) == 1)
         .await;
     let plan = &planned.status.expect("status").attempts[0].plan;
     assert!(plan.workers >= 2, "{plan:?}");
     let pods = ns
-        .wait_pods("the stages", |p| {
+        .wait_pods("the stages", TIMEOUT, |p| {
             p.iter()
                 .filter(|p| p.name_any().starts_with("spread-a1-"))
                 .count()
@@ -710,10 +621,10 @@ async fn stages_span_nodes_only_with_a_read_write_many_checkpoint_volume() {
 async fn refused_worker_pods_are_reported_on_the_job_and_retried() {
     use k8s_openapi::api::events::v1::Event;
     use k8s_openapi::api::scheduling::v1::PriorityClass;
-    let ns = TestNs::new("hr-refused").await;
+    let ns = test_ns("hr-refused").await;
     let class = format!("{}-batch", ns.name);
-    let op = ns.start_operator(ControllerConfig::default());
-    let manifest = TINY.replace(
+    let op = start_operator(&ns, ControllerConfig::default());
+    let manifest = CPU_TINY.replace(
         "image: localhost/headroom-worker:dev",
         &format!("image: localhost/headroom-worker:dev\n    priorityClassName: {class}"),
     );
@@ -724,27 +635,21 @@ async fn refused_worker_pods_are_reported_on_the_job_and_retried() {
     ns.apply_job(&manifest).await;
 
     let events: Api<Event> = Api::namespaced(ns.client.clone(), &ns.name);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    let refused = loop {
-        let list = events.list(&Default::default()).await.expect("events");
-        if let Some(e) = list
-            .items
-            .into_iter()
-            .find(|e| e.reason.as_deref() == Some("LaunchRefused"))
-        {
-            break e;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no LaunchRefused event\n{}",
-            ns.dump().await
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let refused = ns
+        .wait_for("a LaunchRefused event", TIMEOUT, || async {
+            events
+                .list(&Default::default())
+                .await
+                .ok()?
+                .items
+                .into_iter()
+                .find(|e| e.reason.as_deref() == Some("LaunchRefused"))
+        })
+        .await;
     let note = refused.note.unwrap_or_default();
     assert!(note.contains(&class), "{note}");
     assert_eq!(refused.type_.as_deref(), Some("Warning"));
-    assert!(ns.wait_pods("no pods yet", |_| true).await.is_empty());
+    assert!(ns.pod_list().await.is_empty());
 
     // The cluster admin creates the class: the retried reconcile starts the attempt.
     let classes: Api<PriorityClass> = Api::all(ns.client.clone());
@@ -755,7 +660,7 @@ async fn refused_worker_pods_are_reported_on_the_job_and_retried() {
         .create(&kube::api::PostParams::default(), &pc)
         .await
         .expect("priority class");
-    let pods = ns.wait_pods("the worker", |p| p.len() == 1).await;
+    let pods = ns.wait_pods("the worker", TIMEOUT, |p| p.len() == 1).await;
     assert_eq!(
         pods[0]
             .spec
@@ -773,9 +678,9 @@ async fn refused_worker_pods_are_reported_on_the_job_and_retried() {
 #[tokio::test]
 #[ignore = "needs the control plane: make test-apiserver"]
 async fn a_job_that_cannot_be_read_does_not_stall_the_others() {
-    let ns = TestNs::new("hr-guard").await;
+    let ns = test_ns("hr-guard").await;
     // Accepted by the schema (an integer), unreadable by the operator (not a u32).
-    let broken = TINY.replace("name: tiny-cpu", "name: broken");
+    let broken = CPU_TINY.replace("name: tiny-cpu", "name: broken");
     ns.apply_job(&broken).await;
     let patched = ns
         .jobs()
@@ -790,12 +695,14 @@ async fn a_job_that_cannot_be_read_does_not_stall_the_others() {
         matches!(patched, Err(kube::Error::SerdeError(_))),
         "{patched:?}"
     );
-    let op = ns.start_operator(ControllerConfig::default());
-    ns.apply_job(TINY).await;
-    ns.wait_job("tiny-cpu", "the healthy job planned", |j| attempts(j) == 1)
-        .await;
+    let op = start_operator(&ns, ControllerConfig::default());
+    ns.apply_job(CPU_TINY).await;
+    ns.wait_job("tiny-cpu", "the healthy job planned", TIMEOUT, |j| {
+        attempts(j) == 1
+    })
+    .await;
     let pods = ns
-        .wait_pods("its pod", |p| {
+        .wait_pods("its pod", TIMEOUT, |p| {
             p.iter().any(|p| p.name_any() == "tiny-cpu-a1-s0")
         })
         .await;
@@ -816,7 +723,7 @@ async fn a_job_that_cannot_be_read_does_not_stall_the_others() {
 #[ignore = "needs the control plane: make test-apiserver"]
 async fn one_leader_at_a_time_and_release_hands_over() {
     use headroom_operator::leader::LeaseLock;
-    let ns = TestNs::new("hr-lease").await;
+    let ns = test_ns("hr-lease").await;
     let api = || Api::namespaced(ns.client.clone(), &ns.name);
     let a = LeaseLock::new(
         api(),

@@ -1,13 +1,8 @@
 //! The committed CRD matches the code, and its schema is structural.
 
-use std::path::PathBuf;
-
+use headroom_e2e::fixtures::workspace_root;
 use headroom_operator::crd::{CRD_PATH, crd_yaml};
 use serde_json::Value;
-
-fn workspace_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
 
 #[test]
 fn committed_crd_matches_the_types() {

@@ -1,11 +1,9 @@
 //! `kubectl-headroom plan` end to end on the repository's samples, offline.
 
-use std::path::PathBuf;
 use std::process::{Command, Output};
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
+use headroom_e2e::corpus::INVALID_DIR;
+use headroom_e2e::fixtures::workspace_root as root;
 
 fn plugin(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_kubectl-headroom"))
@@ -180,7 +178,7 @@ fn invalid_corpus_cross_field_rules_are_caught_offline_too() {
             "toleration 0: Exists takes no value",
         ),
     ] {
-        let path = format!("e2e/testdata/invalid/{file}");
+        let path = format!("{INVALID_DIR}/{file}");
         let out = plugin(&["plan", "-f", &path]);
         assert_eq!(out.status.code(), Some(1), "{file}: {}", text(&out));
         assert!(

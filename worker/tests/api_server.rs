@@ -7,50 +7,21 @@
 //!   KUBECONFIG=~/.cache/headroom/state/controlplane/kubeconfig \
 //!     cargo test -p headroom-worker --test api_server -- --ignored --test-threads=1
 
-use std::path::PathBuf;
 use std::process::Command;
-use std::time::Duration;
 
 use headroom_api::{
     CHECKPOINT_DIR_ENV, MemoryAwareTrainingJob, PLAN_JSON_ENV, POD_NAME_ENV,
     TELEMETRY_INTERVAL_ENV, WorkerAssignment, exit_code,
 };
+use headroom_e2e::fixtures::CPU_TINY;
+use headroom_e2e::{API_SERVER, TestNs};
 use headroom_planner::Inventory;
 use headroom_worker::run::TERMINATION_MESSAGE_PATH_ENV;
-use k8s_openapi::api::core::v1::Namespace;
-use kube::Client;
-use kube::api::{Api, Patch, PatchParams};
-
-const NAMESPACE: &str = "headroom-worker-telemetry";
-const MANAGER: &str = "headroom-worker-tests";
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-async fn client_with_crd() -> Client {
-    let client = Client::try_default()
-        .await
-        .expect("KUBECONFIG must point at the test control plane (e2e/cluster/controlplane.sh up)");
-    headroom_operator::crd::install(&client, MANAGER)
-        .await
-        .expect("CRD installed and established");
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    let ns: Namespace =
-        serde_json::from_value(serde_json::json!({"metadata": {"name": NAMESPACE}})).expect("ns");
-    namespaces
-        .patch(NAMESPACE, &PatchParams::apply(MANAGER), &Patch::Apply(&ns))
-        .await
-        .expect("namespace");
-    client
-}
 
 /// The sample CPU job under `name`, shrunk so the worker trains it in seconds.
-async fn create_job(client: &Client, name: &str) -> MemoryAwareTrainingJob {
-    let text = std::fs::read_to_string(root().join("samples/cpu-tiny.yaml")).expect("sample");
-    let mut job: MemoryAwareTrainingJob = serde_yaml::from_str(&text).expect("sample parses");
+async fn create_job(ns: &TestNs, name: &str) -> MemoryAwareTrainingJob {
+    let mut job: MemoryAwareTrainingJob = serde_yaml::from_str(CPU_TINY).expect("sample parses");
     job.metadata.name = Some(name.into());
-    job.metadata.namespace = Some(NAMESPACE.into());
     let t = job
         .spec
         .model
@@ -60,32 +31,14 @@ async fn create_job(client: &Client, name: &str) -> MemoryAwareTrainingJob {
     (t.layers, t.hidden, t.heads, t.sequence_length, t.vocabulary) = (2, 32, 4, 16, 32);
     job.spec.training.global_batch = 4;
     job.spec.training.steps = 30;
-    let api: Api<MemoryAwareTrainingJob> = Api::namespaced(client.clone(), NAMESPACE);
-    // Discovery of a just-established CRD can lag by a moment.
-    for _ in 0..40 {
-        match api
-            .patch(
-                name,
-                &PatchParams::apply(MANAGER).force(),
-                &Patch::Apply(&job),
-            )
-            .await
-        {
-            Ok(created) => return created,
-            Err(kube::Error::Api(s)) if s.code == 404 => {
-                tokio::time::sleep(Duration::from_millis(250)).await
-            }
-            Err(e) => panic!("create job {name}: {e}"),
-        }
-    }
-    panic!("the job resource never became available");
+    ns.apply(job).await
 }
 
 fn assignment(job: &MemoryAwareTrainingJob) -> WorkerAssignment {
     let req = job.spec.job_request().expect("valid spec");
     WorkerAssignment {
         job: job.metadata.name.clone().expect("name"),
-        namespace: NAMESPACE.into(),
+        namespace: job.metadata.namespace.clone().expect("namespace"),
         attempt: 1,
         stage: 0,
         model: req.model.clone(),
@@ -119,8 +72,8 @@ fn run_worker(assignment: &WorkerAssignment, pod: &str) -> std::process::Output 
 #[tokio::test]
 #[ignore = "needs the control plane"]
 async fn telemetry_reaches_the_job_status_with_the_workers_own_field_manager() {
-    let client = client_with_crd().await;
-    let job = create_job(&client, "telemetry-tiny").await;
+    let ns = TestNs::new(API_SERVER, "hr-telemetry").await;
+    let job = create_job(&ns, "telemetry-tiny").await;
     let a = assignment(&job);
 
     let pods = ["telemetry-tiny-a1-s0", "telemetry-tiny-a1-s0-twin"];
@@ -134,8 +87,7 @@ async fn telemetry_reaches_the_job_status_with_the_workers_own_field_manager() {
         assert!(!stderr.contains("telemetry not written"), "{stderr}");
     }
 
-    let api: Api<MemoryAwareTrainingJob> = Api::namespaced(client.clone(), NAMESPACE);
-    let stored = api.get_status("telemetry-tiny").await.expect("job");
+    let stored = ns.jobs().get_status("telemetry-tiny").await.expect("job");
     let status = stored.status.expect("status written");
     for pod in pods {
         let entry = status
@@ -169,4 +121,5 @@ async fn telemetry_reaches_the_job_status_with_the_workers_own_field_manager() {
         let manager = format!("headroom-worker/{pod}");
         assert!(managers.contains(&manager), "{manager} not in {managers:?}");
     }
+    ns.cleanup().await;
 }

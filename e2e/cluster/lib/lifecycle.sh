@@ -1,5 +1,6 @@
 # shellcheck shell=bash
-# Start/wait/lock helpers shared by controlplane.sh and cluster.sh.
+# Start/wait/lock helpers shared by controlplane.sh and cluster.sh (through
+# control-plane.sh).
 # Needs common.sh; KUBECTL and HERE are set by the sourcing script.
 
 # Maps a component to its lib function prefix.

@@ -1,0 +1,176 @@
+//! Jobs, pod statuses and nodes the tests start from.
+
+use std::path::{Path, PathBuf};
+
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
+
+use crate::TestNs;
+
+/// The workspace root (samples/, crds/, e2e/testdata/ live there).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("e2e/ sits in the workspace")
+        .to_path_buf()
+}
+
+/// samples/cpu-tiny.yaml: job `tiny-cpu`, one CPU worker, 1Gi limit, 200 steps.
+pub const CPU_TINY: &str = include_str!("../../samples/cpu-tiny.yaml");
+/// samples/cpu-oom-first.yaml: job `oom-then-fit`, pinned settings over its limit.
+pub const CPU_OOM_FIRST: &str = include_str!("../../samples/cpu-oom-first.yaml");
+/// samples/cpu-pipeline.yaml: job `split-to-fit`, planned as several stages.
+pub const CPU_PIPELINE: &str = include_str!("../../samples/cpu-pipeline.yaml");
+/// samples/cpu-pipeline-retry.yaml: job `oom-then-split`, one stage first, then more.
+pub const CPU_PIPELINE_RETRY: &str = include_str!("../../samples/cpu-pipeline-retry.yaml");
+
+/// Every MemoryAwareTrainingJob in samples/ (path, text), by file name.
+pub fn job_samples() -> Vec<(PathBuf, String)> {
+    let dir = workspace_root().join("samples");
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    paths.sort();
+    paths
+        .into_iter()
+        .map(|p| {
+            let text =
+                std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            (p, text)
+        })
+        .filter(|(_, text)| text.contains("kind: MemoryAwareTrainingJob"))
+        .collect()
+}
+
+/// ~0.7e9 parameters in bf16 + AdamW: model state alone exceeds an 8 GiB
+/// GPU's budget. `worker_extra` continues the worker's flow mapping.
+pub fn gpu_job(name: &str, types: &[&str], max_gpus: u32, worker_extra: &str) -> String {
+    format!(
+        r#"apiVersion: headroom.dev/v1alpha1
+kind: MemoryAwareTrainingJob
+metadata: {{name: {name}}}
+spec:
+  model: {{transformer: {{layers: 24, hidden: 1536, heads: 16, sequenceLength: 1024, vocabulary: 50257}}}}
+  training: {{globalBatch: 8, steps: 10, precision: bf16}}
+  resources:
+    gpu: {{types: [{types}], maxGpus: {max_gpus}}}
+  worker: {{image: headroom-worker:dev{worker_extra}}}
+"#,
+        types = types.join(", ")
+    )
+}
+
+/// A worker pod's status as a kubelet writes it when the container was
+/// OOM-killed.
+pub fn oom_killed() -> serde_json::Value {
+    terminated(137, "OOMKilled", None)
+}
+
+/// A worker pod's status as a kubelet writes it when the container exited
+/// with `code` (0: Succeeded, else Failed) and an optional termination message.
+pub fn terminated(code: i32, reason: &str, message: Option<&str>) -> serde_json::Value {
+    let phase = if code == 0 { "Succeeded" } else { "Failed" };
+    let mut t = serde_json::json!({"exitCode": code, "reason": reason});
+    if let Some(m) = message {
+        t["message"] = serde_json::Value::String(m.into());
+    }
+    serde_json::json!({
+        "phase": phase,
+        "containerStatuses": [{"name": "worker", "image": "headroom-worker:dev", "imageID": "", "ready": false, "restartCount": 0, "state": {"terminated": t}}]
+    })
+}
+
+/// A worker pod's status while its container runs.
+pub fn running() -> serde_json::Value {
+    serde_json::json!({
+        "phase": "Running",
+        "containerStatuses": [{"name": "worker", "image": "headroom-worker:dev", "imageID": "", "ready": true, "restartCount": 0, "state": {"running": {}}}]
+    })
+}
+
+/// One test's fake GPU nodes (Node objects without a kubelet), named after
+/// its namespace and offering GPU products unique to it (so nodes another
+/// run left behind never match). For control planes without a node
+/// lifecycle controller: the nodes stay Ready as written.
+#[derive(Debug)]
+pub struct GpuNodes {
+    pub api: Api<Node>,
+    ns: String,
+    field_manager: &'static str,
+    label: &'static str,
+    names: Vec<String>,
+}
+
+impl GpuNodes {
+    pub fn new(ns: &TestNs) -> Self {
+        GpuNodes {
+            api: Api::all(ns.client.clone()),
+            ns: ns.name.clone(),
+            field_manager: ns.suite().field_manager,
+            label: ns.suite().namespace_label,
+            names: vec![],
+        }
+    }
+
+    /// `Test-<kind>-<id of this test's namespace>`.
+    pub fn product(&self, kind: &str) -> String {
+        let id = self.ns.rsplit('-').next().unwrap_or("x");
+        format!("Test-{kind}-{id}")
+    }
+
+    /// Registers node `<namespace>-<suffix>` with one `product` GPU, the way
+    /// GPU Feature Discovery and the device plugin describe it; returns its name.
+    pub async fn add(&mut self, suffix: &str, product: &str, memory_mib: u64) -> String {
+        let name = format!("{}-{suffix}", self.ns);
+        self.register(&name, product, memory_mib).await;
+        self.names.push(name.clone());
+        name
+    }
+
+    async fn register(&self, name: &str, product: &str, memory_mib: u64) {
+        let node: Node = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "labels": {
+                "nvidia.com/gpu.product": product, "nvidia.com/gpu.memory": memory_mib.to_string(), "nvidia.com/gpu.count": "1",
+                self.label: "true"}}
+        }))
+        .expect("node");
+        self.api
+            .patch(
+                name,
+                &PatchParams::apply(self.field_manager),
+                &Patch::Apply(&node),
+            )
+            .await
+            .expect("node applies");
+        // A new node is tainted not-ready (TaintNodesByCondition) until the node
+        // lifecycle controller, which this control plane does not run, sees it
+        // Ready; lift the taint as it would.
+        self.api
+            .patch(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({"spec": {"taints": null}})),
+            )
+            .await
+            .expect("node taints");
+        let status = serde_json::json!({"status": {
+            "allocatable": {"nvidia.com/gpu": "1", "cpu": "8", "memory": "64Gi", "pods": "110"},
+            "capacity": {"nvidia.com/gpu": "1", "cpu": "8", "memory": "64Gi", "pods": "110"},
+            "conditions": [{"type": "Ready", "status": "True", "reason": "Test", "message": "fake node",
+                            "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}});
+        self.api
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+            .await
+            .expect("node status");
+    }
+
+    /// Deletes the nodes this set registered.
+    pub async fn remove(self) {
+        for name in &self.names {
+            let _ = self.api.delete(name, &DeleteParams::default()).await;
+        }
+    }
+}
