@@ -1,5 +1,5 @@
-//! Headroom's operator crate: the CRD generator, the `kubectl headroom`
-//! plugin and (next) the controller. Pure pieces live in `headroom-planner`
+//! Headroom's operator crate: the controller, the CRD generator, the
+//! `kubectl headroom` plugin and the controller benchmark. Pure pieces live in `headroom-planner`
 //! and the resource types in `headroom-api`.
 
 pub mod controller;

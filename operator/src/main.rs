@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use anyhow::{Context as _, Result};
 use clap::Parser;
-use headroom_operator::controller::children::{CheckpointAccess, ChildConfig};
 use headroom_operator::controller::{self, ControllerConfig};
+use headroom_operator::controller::{CheckpointAccess, ChildConfig};
 use headroom_operator::leader::LeaseLock;
 use headroom_operator::metrics::{Metrics, router};
 use kube::Api;

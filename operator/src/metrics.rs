@@ -15,6 +15,9 @@ use prometheus_client::registry::Registry;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ErrorLabels {
+    /// The reconcile step that failed (`apply_status`, `apply_child`, …).
+    pub step: String,
+    /// What went wrong there (`conflict`, `refused`, `api`, …).
     pub error: String,
 }
 

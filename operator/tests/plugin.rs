@@ -177,6 +177,10 @@ fn invalid_corpus_cross_field_rules_are_caught_offline_too() {
             "29-toleration-exists-with-value.yaml",
             "toleration 0: Exists takes no value",
         ),
+        (
+            "30-cheaper-optimizer-rung.yaml",
+            "spec.memoryPolicy.allowedRungs: cheaperOptimizer is not offered yet",
+        ),
     ] {
         let path = format!("{INVALID_DIR}/{file}");
         let out = plugin(&["plan", "-f", &path]);

@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 
 use headroom_api::{WorkerAssignment, exit_code};
-use headroom_planner::memory::Backend;
+use headroom_planner::Backend;
 use headroom_planner::{ModelShape, Optimizer, Precision};
 
 use crate::env::PlanSource;

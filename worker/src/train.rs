@@ -26,7 +26,7 @@ use burn::optim::{
     AdamConfig, AdamWConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig,
 };
 use burn::tensor::{Device, Int, Tensor};
-use headroom_planner::memory::Backend;
+use headroom_planner::Backend;
 use headroom_planner::{Optimizer, Precision, Settings, TransformerShape};
 
 use crate::checkpoint;

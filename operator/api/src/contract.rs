@@ -98,7 +98,9 @@ impl WorkerOutcome {
     /// The outcome a worker exit code stands for; `None` for codes the worker
     /// never uses (signals such as 137, or a crash before `main`).
     pub fn from_exit_code(code: i32) -> Option<WorkerOutcome> {
-        WorkerOutcome::ALL.into_iter().find(|o| o.exit_code() == code)
+        WorkerOutcome::ALL
+            .into_iter()
+            .find(|o| o.exit_code() == code)
     }
 }
 

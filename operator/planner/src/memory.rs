@@ -17,9 +17,6 @@ use crate::backend::BackendProfile;
 use crate::model::ModelShape;
 use crate::training::Settings;
 
-// compat: the backends moved to `crate::backend`; the worker still names them here.
-pub use crate::backend::{Backend, CUDA, FLEX};
-
 /// Bytes by component for one worker. `total` is what is compared with the budget.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]

@@ -10,14 +10,10 @@
 use crate::backend::BackendProfile;
 use crate::inventory::{DeviceKind, DeviceType, Inventory};
 use crate::memory::{StagePlacement, estimate_stage};
-use crate::plan::{JobRequest, NoFeasiblePlan, Plan, Stage, Target};
+use crate::plan::{JobRequest, NoFeasiblePlan, Plan, SearchOptions, Stage, Target};
 use crate::rung::RetryRung;
 use crate::training::{Optimizer, Precision, Settings, divisors_desc};
 use crate::units::format_bytes;
-
-// compat: the request and plan types moved to `crate::plan`; the operator
-// still names `search::SearchOptions`.
-pub use crate::plan::SearchOptions;
 
 /// Usable bytes minus headroom for one device of this type.
 pub fn budget_bytes(device: &DeviceType, profile: &BackendProfile, headroom_fraction: f64) -> u64 {

@@ -11,7 +11,7 @@ use std::process::ExitCode;
 use anyhow::{Context, Result, anyhow, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use headroom_api::MemoryAwareTrainingJob;
-use headroom_operator::controller::children::CheckpointAccess;
+use headroom_operator::controller::CheckpointAccess;
 use headroom_operator::inventory::job_inventory;
 use headroom_operator::report::{infeasible_text, plan_table};
 use headroom_planner::plan;

@@ -24,57 +24,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use kube::{Resource, ResourceExt};
 
-/// Operator-wide settings that shape children (from flags / Helm values).
-#[derive(Clone, Debug, PartialEq)]
-pub struct ChildConfig {
-    /// StorageClass of the checkpoint PVC (cluster default when None).
-    pub checkpoint_storage_class: Option<String>,
-    /// Size of the checkpoint PVC, e.g. `1Gi`.
-    pub checkpoint_size: String,
-    /// Access mode of the checkpoint PVC; with ReadWriteOnce every stage of
-    /// a pipeline runs on one node, since they all write to it.
-    pub checkpoint_access: CheckpointAccess,
-    /// Host memory limit of GPU worker pods when the job does not set `resources.gpu.hostMemory`.
-    pub gpu_host_memory: String,
-}
-
-impl Default for ChildConfig {
-    fn default() -> Self {
-        ChildConfig {
-            checkpoint_storage_class: None,
-            checkpoint_size: "1Gi".into(),
-            checkpoint_access: CheckpointAccess::default(),
-            gpu_host_memory: "16Gi".into(),
-        }
-    }
-}
-
-/// Access mode of each job's checkpoint volume. All stages of a pipeline
-/// write their parts of a step to the one volume, so a ReadWriteOnce volume
-/// (one node attaches it) confines a job's stages to one node, and only a
-/// ReadWriteMany one (NFS, CephFS, a cloud file store) lets them spread.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum CheckpointAccess {
-    #[default]
-    #[value(name = "ReadWriteOnce")]
-    ReadWriteOnce,
-    #[value(name = "ReadWriteMany")]
-    ReadWriteMany,
-}
-
-impl CheckpointAccess {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            CheckpointAccess::ReadWriteOnce => "ReadWriteOnce",
-            CheckpointAccess::ReadWriteMany => "ReadWriteMany",
-        }
-    }
-
-    /// Whether a job's stages must share a node.
-    pub fn stages_share_a_node(self) -> bool {
-        self == CheckpointAccess::ReadWriteOnce
-    }
-}
+use super::config::ChildConfig;
 
 /// The non-root user workers run as.
 pub const WORKER_UID: i64 = 65532;
@@ -266,29 +216,24 @@ fn quantity_bytes(bytes: u64) -> Quantity {
     Quantity(bytes.to_string())
 }
 
-/// The worker pod for one stage of one attempt.
+/// The worker pod for one stage of one attempt. `model` is the spec's
+/// validated model shape (`JobRequest::model`), so the worker builds exactly
+/// what was planned.
 pub fn worker_pod(
     job: &MemoryAwareTrainingJob,
     attempt: u32,
     stage: u32,
     plan: &Plan,
+    model: &ModelShape,
     config: &ChildConfig,
 ) -> Result<Pod, serde_json::Error> {
     let spec = &job.spec;
-    let model = match (&spec.model.transformer, &spec.model.generic) {
-        (Some(t), _) => ModelShape::Transformer(t.clone()),
-        (None, Some(g)) => ModelShape::Generic(g.clone()),
-        (None, None) => ModelShape::Generic(headroom_planner::GenericModel {
-            parameters: 1,
-            activation_bytes_per_sample: 0,
-        }),
-    };
     let assignment = WorkerAssignment {
         job: job.name_any(),
         namespace: job.namespace().unwrap_or_default(),
         attempt,
         stage,
-        model,
+        model: model.clone(),
         plan: plan.clone(),
         steps: spec.training.steps,
         learning_rate: spec.training.learning_rate,
@@ -507,6 +452,7 @@ pub fn worker_pod(
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::controller::config::CheckpointAccess;
     use headroom_api::MemoryAwareTrainingJobSpec;
     use headroom_planner::{Inventory, plan};
 
@@ -525,11 +471,23 @@ pub(crate) mod tests {
         plan(&spec.job_request().expect("valid"), &Inventory::default()).expect("plan")
     }
 
+    /// The worker pod of one stage, with the spec's validated model.
+    fn pod_for(
+        job: &MemoryAwareTrainingJob,
+        attempt: u32,
+        stage: u32,
+        plan: &Plan,
+        config: &ChildConfig,
+    ) -> Pod {
+        let model = job.spec.job_request().expect("valid").model;
+        worker_pod(job, attempt, stage, plan, &model, config).expect("pod")
+    }
+
     #[test]
     fn cpu_worker_pod_is_restricted_and_sized_by_the_plan() {
         let job = cpu_job();
         let plan = first_plan(&job.spec);
-        let pod = worker_pod(&job, 1, 0, &plan, &ChildConfig::default()).expect("pod");
+        let pod = pod_for(&job, 1, 0, &plan, &ChildConfig::default());
         assert_eq!(pod.metadata.name.as_deref(), Some("tiny-cpu-a1-s0"));
         let owner = &pod.metadata.owner_references.as_ref().expect("owner")[0];
         assert_eq!(
@@ -580,7 +538,7 @@ pub(crate) mod tests {
         let plan = first_plan(&job.spec);
         assert!(plan.workers > 1, "the sample is a pipeline: {plan:?}");
         let affinity = |config: &ChildConfig| {
-            let pod = worker_pod(&job, 2, 1, &plan, config).expect("pod");
+            let pod = pod_for(&job, 2, 1, &plan, config);
             pod.spec.expect("spec").affinity
         };
 
@@ -617,7 +575,7 @@ pub(crate) mod tests {
         );
 
         let single = first_plan(&cpu_job().spec);
-        let pod = worker_pod(&cpu_job(), 1, 0, &single, &rwo).expect("pod");
+        let pod = pod_for(&cpu_job(), 1, 0, &single, &rwo);
         assert!(
             pod.spec.expect("spec").affinity.is_none(),
             "one stage, nothing to co-locate"
@@ -658,7 +616,7 @@ priorityClassName: batch-low
 "#,
         )
         .expect("worker spec");
-        let pod = worker_pod(&job, 2, 0, &plan, &ChildConfig::default()).expect("pod");
+        let pod = pod_for(&job, 2, 0, &plan, &ChildConfig::default());
         let spec = pod.spec.expect("spec");
         let selector = spec.node_selector.expect("selector");
         assert_eq!(selector["nvidia.com/gpu.product"], "NVIDIA-L4");

@@ -1,6 +1,6 @@
 //! What a worker pod's state says about its attempt. Pure.
 
-use headroom_api::{AttemptOutcome, TerminationMessage, exit_code};
+use headroom_api::{AttemptOutcome, TerminationMessage, WorkerOutcome};
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{ContainerStateTerminated, Pod};
 
@@ -26,11 +26,10 @@ pub struct PodFailure {
     /// From the termination message, when the worker wrote one.
     pub step: Option<u64>,
     pub peak_bytes: Option<u64>,
-    /// The worker itself found the plan unusable: retrying the same plan is pointless.
-    pub invalid_plan: bool,
-    /// A pipeline stage that stopped because a neighbour went away: a
-    /// consequence, whose cause another stage's pod shows.
-    pub peer_lost: bool,
+    /// What the worker said of its end (its exit code, confirmed by its
+    /// termination message when it wrote one); None when it said nothing
+    /// (a kill, a disruption, a crash before it could).
+    pub worker: Option<WorkerOutcome>,
     /// When the container ended (for how long to wait for the cause).
     pub finished_at: Option<Timestamp>,
 }
@@ -86,8 +85,7 @@ pub fn classify(pod: &Pod) -> PodVerdict {
             reason,
             step: None,
             peak_bytes: None,
-            invalid_plan: false,
-            peer_lost: false,
+            worker: None,
             finished_at: None,
         });
     }
@@ -106,8 +104,7 @@ pub fn classify(pod: &Pod) -> PodVerdict {
             message: status.message.clone().unwrap_or_default(),
             step: None,
             peak_bytes: None,
-            invalid_plan: false,
-            peer_lost: false,
+            worker: None,
             finished_at: None,
         }),
         "Running" => PodVerdict::Running,
@@ -131,6 +128,14 @@ pub fn classify(pod: &Pod) -> PodVerdict {
     }
 }
 
+impl PodFailure {
+    /// A pipeline stage that stopped because a neighbour went away: a
+    /// consequence, whose cause another stage's pod shows.
+    pub fn peer_lost(&self) -> bool {
+        self.worker == Some(WorkerOutcome::PeerLost)
+    }
+}
+
 fn classify_exit(t: &ContainerStateTerminated) -> PodFailure {
     let said: Option<TerminationMessage> = t
         .message
@@ -139,31 +144,30 @@ fn classify_exit(t: &ContainerStateTerminated) -> PodFailure {
     let step = said.as_ref().and_then(|m| m.step);
     let peak_bytes = said.as_ref().and_then(|m| m.peak_bytes);
     let worker_reason = said.as_ref().map(|m| m.reason.clone());
-    let (outcome, reason, invalid_plan) = if t.reason.as_deref() == Some("OOMKilled") {
-        (
-            AttemptOutcome::HostOutOfMemory,
-            "OOMKilled".to_string(),
-            false,
-        )
+    // The exit code is the worker's word (the contract pairs each outcome
+    // with one); the termination message adds the details.
+    let worker = WorkerOutcome::from_exit_code(t.exit_code);
+    let (outcome, reason) = if t.reason.as_deref() == Some("OOMKilled") {
+        (AttemptOutcome::HostOutOfMemory, "OOMKilled".to_string())
     } else if t.reason.as_deref() == Some("ContainerStatusUnknown") {
         // The kubelet lost the container (node restart): its 137 is not an OOM.
         (
             AttemptOutcome::Disrupted,
             "ContainerStatusUnknown".to_string(),
-            false,
         )
     } else {
-        match t.exit_code {
-            exit_code::DEVICE_OUT_OF_MEMORY => (
+        match (worker, t.exit_code) {
+            (Some(WorkerOutcome::DeviceOutOfMemory), _) => (
                 AttemptOutcome::DeviceOutOfMemory,
                 "DeviceOutOfMemory".to_string(),
-                false,
             ),
-            exit_code::INVALID_PLAN => (AttemptOutcome::Failed, "InvalidPlan".to_string(), true),
-            exit_code::PEER_LOST => (AttemptOutcome::Failed, "PeerLost".to_string(), false),
+            (Some(WorkerOutcome::InvalidPlan), _) => {
+                (AttemptOutcome::Failed, "InvalidPlan".to_string())
+            }
+            (Some(WorkerOutcome::PeerLost), _) => (AttemptOutcome::Failed, "PeerLost".to_string()),
             // SIGKILL without an OOMKilled reason (e.g. cgroup v1 kill racing the status) is still most likely memory.
-            137 => (AttemptOutcome::HostOutOfMemory, "Killed".to_string(), false),
-            code => (AttemptOutcome::Failed, format!("ExitCode{code}"), false),
+            (_, 137) => (AttemptOutcome::HostOutOfMemory, "Killed".to_string()),
+            (_, code) => (AttemptOutcome::Failed, format!("ExitCode{code}")),
         }
     };
     // Without a JSON termination message the kubelet falls back to the log
@@ -181,13 +185,18 @@ fn classify_exit(t: &ContainerStateTerminated) -> PodFailure {
             .unwrap_or_else(|| format!("container exited with code {}", t.exit_code)),
     };
     PodFailure {
-        peer_lost: t.exit_code == exit_code::PEER_LOST && reason == "PeerLost",
+        // An OOM kill or a lost container overrides whatever the code meant.
+        worker: worker.filter(|_| {
+            !matches!(
+                outcome,
+                AttemptOutcome::HostOutOfMemory | AttemptOutcome::Disrupted
+            )
+        }),
         outcome,
         reason,
         message,
         step,
         peak_bytes,
-        invalid_plan,
         finished_at: t.finished_at.as_ref().map(|t| t.0),
     }
 }
@@ -213,7 +222,7 @@ fn strip_ansi(text: &str) -> String {
 
 /// The failure that explains an attempt: a cause before a lost peer, then by [`severity`].
 pub fn rank(f: &PodFailure) -> (bool, u8) {
-    (!f.peer_lost, severity(f.outcome))
+    (!f.peer_lost(), severity(f.outcome))
 }
 
 /// Severity used to pick the attempt's outcome when stages fail differently:
@@ -324,7 +333,7 @@ mod tests {
         let PodVerdict::Failed(f) = classify(&p) else {
             panic!("failed expected")
         };
-        assert!(f.invalid_plan);
+        assert_eq!(f.worker, Some(WorkerOutcome::InvalidPlan));
         let p = pod(
             "  phase: Failed\n  containerStatuses: [{name: worker, image: i, imageID: '', ready: false, restartCount: 0, state: {terminated: {exitCode: 2}}}]",
         );

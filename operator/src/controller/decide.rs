@@ -1,45 +1,33 @@
 //! The reconcile decision: given a job, its pods and the inventory, what the
 //! status should say, which attempt's children must exist, which pods to stop
 //! and which events to record. Pure, so every branch is unit-tested; the I/O
-//! around it lives in `mod.rs`.
+//! around it lives in `reconcile.rs` and `apply.rs`. Phase changes go through
+//! [`lifecycle::enter`](super::lifecycle::enter); the next plan after a failed
+//! attempt comes from the planner's one [`replan`].
 
 use std::time::Duration;
 
 use headroom_api::{
     Attempt, AttemptOutcome, JobPhase, LABEL_ATTEMPT, MemoryAwareTrainingJob,
-    MemoryAwareTrainingJobStatus, WORKER_MAX_STAGES,
+    MemoryAwareTrainingJobStatus, WORKER_MAX_STAGES, WorkerOutcome,
 };
-use headroom_planner::search::{SearchOptions, plan_with};
 use headroom_planner::units::format_bytes;
 use headroom_planner::{
-    Inventory, MemoryFailure, MemoryFailureKind, Plan, next_stricter_plan, plan,
+    FailureCause, Inventory, JobRequest, MemoryFailure, MemoryFailureKind, ModelShape, Target,
+    plan, replan,
 };
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::ResourceExt;
 
 use super::classify::{PodFailure, PodVerdict, classify, rank};
+use super::lifecycle::{JobEvent, Reason, Stamp, Transition, enter};
 
 /// Longest wait between retries of non-memory failures.
 const MAX_BACKOFF: Duration = Duration::from_secs(3600);
 /// How long a pipeline stage that lost its neighbour waits for the
 /// neighbour's own failure to be reported before the attempt ends without it.
 const PEER_LOST_GRACE: Duration = Duration::from_secs(30);
-
-/// Condition types on the job.
-pub const CONDITION_PLANNED: &str = "Planned";
-pub const CONDITION_RUNNING: &str = "Running";
-pub const CONDITION_COMPLETE: &str = "Complete";
-pub const CONDITION_FAILED: &str = "Failed";
-
-/// An event to record on the job.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct JobEvent {
-    pub warning: bool,
-    pub reason: &'static str,
-    pub note: String,
-}
 
 /// What reconcile should do.
 #[derive(Clone, Debug, PartialEq)]
@@ -49,6 +37,8 @@ pub struct Decision {
     pub events: Vec<JobEvent>,
     /// Attempt whose children must exist (created when missing).
     pub launch: Option<u32>,
+    /// The validated model the workers build (None when the spec is invalid).
+    pub model: Option<ModelShape>,
     /// Pods to delete (the live stages of an attempt that has failed as a whole).
     pub delete_pods: Vec<String>,
     /// When to look again even without a change.
@@ -69,6 +59,18 @@ pub struct Observation<'a> {
     pub unschedulable_grace: Duration,
 }
 
+/// How an attempt ended, as the pods showed it.
+struct Ending {
+    outcome: AttemptOutcome,
+    /// Kubernetes' or the worker's short reason (`OOMKilled`, `ExitCode2`, …).
+    reason: String,
+    message: String,
+    peak: Option<u64>,
+    step: Option<u64>,
+    /// What the worker itself said, when it said anything.
+    worker: Option<WorkerOutcome>,
+}
+
 struct Builder<'a> {
     obs: &'a Observation<'a>,
     d: Decision,
@@ -84,6 +86,7 @@ pub fn decide(obs: &Observation<'_>) -> Decision {
             status,
             events: vec![],
             launch: None,
+            model: None,
             delete_pods: vec![],
             requeue_after: None,
             ended: None,
@@ -103,34 +106,24 @@ impl Builder<'_> {
         }
         let request = match runnable_request(self.obs.job) {
             Ok(r) => r,
-            Err(e) => return self.fail("InvalidSpec", e.to_string()),
+            Err(e) => return self.fail(Reason::InvalidSpec, e.to_string()),
         };
+        self.d.model = Some(request.model.clone());
         let Some(current) = self.d.status.attempts.last().cloned() else {
             return match plan(&request, self.obs.inventory) {
-                Ok(p) => {
-                    self.condition(CONDITION_PLANNED, true, "Planned", &summary(&p));
-                    let mut note = format!("attempt 1: {}", summary(&p));
-                    for w in &p.warnings {
-                        note.push_str(&format!("; warning: {w}"));
-                    }
-                    self.event(false, "Planned", note);
-                    self.start_attempt(1, p);
-                }
-                Err(e) => {
-                    self.condition(CONDITION_PLANNED, false, "NoFeasiblePlan", &e.to_string());
-                    self.fail("NoFeasiblePlan", e.to_string());
-                }
+                Ok(p) => self.start(1, p, None),
+                Err(e) => self.fail(Reason::NoFeasiblePlan, e.to_string()),
             };
         };
         if current.outcome == AttemptOutcome::Running {
-            self.watch_attempt(&current);
+            self.watch_attempt(&current, &request);
         } else {
-            self.after_attempt(&current, &request);
+            self.after_attempt(&current, None, &request);
         }
     }
 
     /// Follows the running attempt's pods.
-    fn watch_attempt(&mut self, attempt: &Attempt) {
+    fn watch_attempt(&mut self, attempt: &Attempt, request: &JobRequest) {
         let n = attempt.number;
         let pods: Vec<(&Pod, PodVerdict)> = self
             .obs
@@ -160,7 +153,7 @@ impl Builder<'_> {
             let others_alive = pods
                 .iter()
                 .any(|(_, v)| matches!(v, PodVerdict::Running | PodVerdict::Pending { .. }));
-            if failure.peer_lost && others_alive {
+            if failure.peer_lost() && others_alive {
                 let waited = failure.finished_at.map_or(Duration::ZERO, |t| {
                     self.obs.now.duration_since(t).unsigned_abs()
                 });
@@ -186,11 +179,15 @@ impl Builder<'_> {
                 })
                 .max();
             return self.end_attempt(
-                failure.outcome,
-                &failure.reason,
-                &failure.message,
-                failure.peak_bytes,
-                step,
+                Ending {
+                    outcome: failure.outcome,
+                    reason: failure.reason,
+                    message: failure.message,
+                    peak: failure.peak_bytes,
+                    step,
+                    worker: failure.worker,
+                },
+                request,
             );
         }
 
@@ -200,23 +197,17 @@ impl Builder<'_> {
             .count();
         if succeeded == attempt.plan.workers as usize && succeeded > 0 {
             self.end_attempt(
-                AttemptOutcome::Succeeded,
-                "Succeeded",
-                "all workers finished",
-                None,
-                None,
+                Ending {
+                    outcome: AttemptOutcome::Succeeded,
+                    reason: "Succeeded".into(),
+                    message: "all workers finished".into(),
+                    peak: None,
+                    step: None,
+                    worker: Some(WorkerOutcome::Succeeded),
+                },
+                request,
             );
-            self.d.status.phase = Some(JobPhase::Succeeded);
-            self.d.status.message = Some(format!("succeeded on attempt {n}"));
-            self.condition(CONDITION_RUNNING, false, "Succeeded", "training finished");
-            self.condition(
-                CONDITION_COMPLETE,
-                true,
-                "Succeeded",
-                &format!("succeeded on attempt {n}"),
-            );
-            self.event(false, "Succeeded", format!("attempt {n} finished"));
-            return;
+            return self.enter(Transition::Succeeded { attempt: n });
         }
 
         let stuck = pods.iter().find_map(|(_, v)| match v {
@@ -232,11 +223,15 @@ impl Builder<'_> {
                 self.d.delete_pods = pods.iter().map(|(p, _)| p.name_any()).collect();
                 let why = message.unwrap_or_else(|| "no node can take the worker".into());
                 return self.end_attempt(
-                    AttemptOutcome::Unschedulable,
-                    "Unschedulable",
-                    &why,
-                    None,
-                    None,
+                    Ending {
+                        outcome: AttemptOutcome::Unschedulable,
+                        reason: "Unschedulable".into(),
+                        message: why,
+                        peak: None,
+                        step: None,
+                        worker: None,
+                    },
+                    request,
                 );
             }
             self.d.requeue_after =
@@ -281,28 +276,17 @@ impl Builder<'_> {
             .filter(|(_, v)| *v == PodVerdict::Running)
             .count();
         if running > 0 && pods.len() == attempt.plan.workers as usize {
-            self.d.status.phase = Some(JobPhase::Running);
-            self.d.status.message = Some(format!("attempt {n}: {} worker(s) running", running));
-            self.condition(
-                CONDITION_RUNNING,
-                true,
-                "WorkersRunning",
-                &format!("attempt {n}"),
-            );
-        } else if self.d.status.phase != Some(JobPhase::Retrying) {
-            self.d.status.phase = Some(JobPhase::Pending);
+            self.enter(Transition::WorkersRunning {
+                attempt: n,
+                running,
+            });
+        } else {
+            self.enter(Transition::Waiting);
         }
     }
 
     /// Records how the current attempt ended, then moves on.
-    fn end_attempt(
-        &mut self,
-        outcome: AttemptOutcome,
-        reason: &str,
-        message: &str,
-        peak: Option<u64>,
-        step: Option<u64>,
-    ) {
+    fn end_attempt(&mut self, ending: Ending, request: &JobRequest) {
         let now = self.obs.now;
         // What the workers of this attempt reported live, for when they could not say it on exit.
         let n = self.d.status.attempts.last().map_or(0, |a| a.number);
@@ -313,50 +297,55 @@ impl Builder<'_> {
         let Some(attempt) = self.d.status.attempts.last_mut() else {
             return;
         };
-        attempt.outcome = outcome;
-        attempt.reason = Some(reason.to_string());
-        attempt.message = Some(message.to_string());
-        attempt.finished_at = Some(Time(now));
-        attempt.observed_peak_bytes = peak.max(telemetry_peak).or(attempt.observed_peak_bytes);
-        attempt.last_step = step.max(telemetry_step).or(attempt.last_step);
+        attempt.outcome = ending.outcome;
+        attempt.reason = Some(ending.reason.clone());
+        attempt.message = Some(ending.message.clone());
+        attempt.finished_at = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(now));
+        attempt.observed_peak_bytes = ending
+            .peak
+            .max(telemetry_peak)
+            .or(attempt.observed_peak_bytes);
+        attempt.last_step = ending.step.max(telemetry_step).or(attempt.last_step);
         let ended = attempt.clone();
-        self.d.ended = Some(outcome);
-        if outcome == AttemptOutcome::Succeeded {
+        self.d.ended = Some(ending.outcome);
+        if ending.outcome == AttemptOutcome::Succeeded {
             return;
         }
-        let memory = matches!(
-            outcome,
-            AttemptOutcome::HostOutOfMemory | AttemptOutcome::DeviceOutOfMemory
-        );
-        self.event(
+        let reason = if is_memory(ending.outcome) {
+            Reason::OutOfMemory
+        } else {
+            Reason::AttemptFailed
+        };
+        self.d.events.push(JobEvent::new(
             true,
-            if memory {
-                "OutOfMemory"
-            } else {
-                "AttemptFailed"
-            },
+            reason,
             format!(
-                "attempt {} {reason}: {message}{}",
+                "attempt {} {}: {}{}",
                 ended.number,
+                ending.reason,
+                ending.message,
                 peak_note(&ended)
             ),
-        );
-        if let Ok(request) = runnable_request(self.obs.job) {
-            self.after_attempt(&ended, &request);
-        }
+        ));
+        self.after_attempt(&ended, ending.worker, request);
     }
 
     /// Chooses and starts the next attempt after `ended`, or ends the job.
-    fn after_attempt(&mut self, ended: &Attempt, request: &headroom_planner::JobRequest) {
+    /// `worker`: what the ended attempt's worker said, when this reconcile saw it end.
+    fn after_attempt(
+        &mut self,
+        ended: &Attempt,
+        worker: Option<WorkerOutcome>,
+        request: &JobRequest,
+    ) {
         let policy = &self.obs.job.spec.memory_policy;
         let n = ended.number;
         if ended.outcome == AttemptOutcome::Succeeded {
-            self.d.status.phase = Some(JobPhase::Succeeded);
-            return;
+            return self.enter(Transition::Succeeded { attempt: n });
         }
-        if ended.reason.as_deref() == Some("InvalidPlan") {
+        if worker == Some(WorkerOutcome::InvalidPlan) {
             return self.fail(
-                "InvalidPlan",
+                Reason::InvalidPlan,
                 format!(
                     "the worker rejected attempt {n}'s plan: {}",
                     ended.message.clone().unwrap_or_default()
@@ -365,7 +354,7 @@ impl Builder<'_> {
         }
         if n >= policy.max_attempts {
             return self.fail(
-                "MaxAttemptsReached",
+                Reason::MaxAttemptsReached,
                 format!(
                     "attempt {n} ended {:?} ({}); memoryPolicy.maxAttempts is {}",
                     ended.outcome,
@@ -374,7 +363,7 @@ impl Builder<'_> {
                 ),
             );
         }
-        match ended.outcome {
+        let (cause, why) = match ended.outcome {
             AttemptOutcome::HostOutOfMemory | AttemptOutcome::DeviceOutOfMemory => {
                 let kind = if ended.outcome == AttemptOutcome::DeviceOutOfMemory {
                     MemoryFailureKind::DeviceOom
@@ -385,16 +374,10 @@ impl Builder<'_> {
                     kind,
                     observed_peak_bytes: ended.observed_peak_bytes,
                 };
-                match next_stricter_plan(request, self.obs.inventory, &ended.plan, &failure) {
-                    Ok(p) => self.retry(n + 1, p, "stricter settings"),
-                    Err(e) => {
-                        self.condition(CONDITION_PLANNED, false, "NoFeasiblePlan", &e.to_string());
-                        self.fail("NoFeasiblePlan", e.to_string());
-                    }
-                }
+                (FailureCause::OutOfMemory(failure), "stricter settings")
             }
             AttemptOutcome::Unschedulable => {
-                let excluded: Vec<String> = self
+                let excluded_devices = self
                     .d
                     .status
                     .attempts
@@ -402,21 +385,13 @@ impl Builder<'_> {
                     .filter(|a| a.outcome == AttemptOutcome::Unschedulable)
                     .map(|a| a.plan.device.clone())
                     .collect();
-                let opts = SearchOptions {
-                    correction: ended.plan.correction_factor,
-                    excluded_devices: excluded,
-                    ignore_pins: true,
-                };
-                match plan_with(request, self.obs.inventory, &opts) {
-                    Ok(p) => self.retry(n + 1, p, "another device type"),
-                    Err(e) => self.fail(
-                        "NoFeasiblePlan",
-                        format!("{} was unschedulable; {e}", ended.plan.device),
-                    ),
-                }
+                (
+                    FailureCause::Unschedulable { excluded_devices },
+                    "another device type",
+                )
             }
             AttemptOutcome::Disrupted | AttemptOutcome::Failed => {
-                // Same settings; exponential backoff over consecutive non-memory failures.
+                // Exponential backoff over consecutive non-memory failures.
                 let streak = self
                     .d
                     .status
@@ -439,136 +414,64 @@ impl Builder<'_> {
                 let waited = self.obs.now.duration_since(finished).unsigned_abs();
                 if waited < backoff {
                     let left = backoff - waited;
-                    self.d.status.phase = Some(JobPhase::Retrying);
-                    self.d.status.message = Some(format!(
-                        "attempt {n} {:?}; retrying with the same settings in {}s",
-                        ended.outcome,
-                        left.as_secs()
-                    ));
-                    self.condition(
-                        CONDITION_RUNNING,
-                        false,
-                        "BackingOff",
-                        &format!("retry in {}s", left.as_secs()),
-                    );
+                    self.enter(Transition::BackingOff {
+                        attempt: n,
+                        outcome: ended.outcome,
+                        left,
+                    });
                     self.d.requeue_after = Some(left);
                     return;
                 }
-                let mut same = ended.plan.clone();
-                same.rungs_applied.clear();
-                same.warnings.clear();
-                self.retry(n + 1, same, "the same settings");
+                (FailureCause::Other, "the same settings")
             }
-            AttemptOutcome::Running | AttemptOutcome::Succeeded => {}
+            AttemptOutcome::Running | AttemptOutcome::Succeeded => return,
+        };
+        match replan(request, self.obs.inventory, &ended.plan, &cause) {
+            Ok(p) => self.start(n + 1, p, Some(why.to_string())),
+            Err(e) => self.fail(Reason::NoFeasiblePlan, e.to_string()),
         }
     }
 
-    fn retry(&mut self, number: u32, p: Plan, why: &str) {
-        let rungs: Vec<String> = p.rungs_applied.iter().map(ToString::to_string).collect();
-        let how = if rungs.is_empty() {
-            String::new()
-        } else {
-            format!(" (rungs: {})", rungs.join(", "))
-        };
-        self.event(
-            false,
-            "Retrying",
-            format!("attempt {number} with {why}{how}: {}", summary(&p)),
-        );
-        self.condition(CONDITION_PLANNED, true, "Replanned", &summary(&p));
-        self.start_attempt(number, p);
-        self.d.status.phase = Some(JobPhase::Retrying);
-    }
-
-    fn start_attempt(&mut self, number: u32, p: Plan) {
-        self.d.status.attempts.push(Attempt {
+    fn start(&mut self, number: u32, plan: headroom_planner::Plan, retry: Option<String>) {
+        self.enter(Transition::Start {
             number,
-            plan: p.clone(),
-            outcome: AttemptOutcome::Running,
-            reason: None,
-            message: None,
-            started_at: Some(Time(self.obs.now)),
-            finished_at: None,
-            observed_peak_bytes: None,
-            last_step: None,
+            plan: Box::new(plan),
+            retry,
         });
-        self.d.status.attempt = Some(number);
-        self.d.status.message = Some(format!("attempt {number}: {}", summary(&p)));
-        self.d.status.plan = Some(p);
-        self.d.status.phase = Some(JobPhase::Pending);
-        self.condition(
-            CONDITION_RUNNING,
-            false,
-            "Starting",
-            &format!("attempt {number} starting"),
-        );
         self.d.launch = Some(number);
     }
 
-    fn fail(&mut self, reason: &'static str, message: String) {
-        self.d.status.phase = Some(JobPhase::Failed);
-        self.d.status.message = Some(message.clone());
-        self.condition(CONDITION_RUNNING, false, reason, "job failed");
-        self.condition(CONDITION_FAILED, true, reason, &message);
-        self.event(true, reason, message);
+    fn fail(&mut self, reason: Reason, message: String) {
+        self.enter(Transition::Failed { reason, message });
         self.d.launch = None;
     }
 
-    fn event(&mut self, warning: bool, reason: &'static str, mut note: String) {
-        if note.len() > 1000 {
-            let cut = (0..=1000)
-                .rev()
-                .find(|i| note.is_char_boundary(*i))
-                .unwrap_or(0);
-            note.truncate(cut);
-        }
-        self.d.events.push(JobEvent {
-            warning,
-            reason,
-            note,
-        });
-    }
-
-    /// Sets a condition, keeping lastTransitionTime when the status does not change.
-    fn condition(&mut self, type_: &str, status: bool, reason: &str, message: &str) {
-        let status = if status { "True" } else { "False" }.to_string();
-        let generation = self.obs.job.metadata.generation;
-        let now = Time(self.obs.now);
-        let conditions = &mut self.d.status.conditions;
-        match conditions.iter_mut().find(|c| c.type_ == type_) {
-            Some(c) => {
-                if c.status != status {
-                    c.last_transition_time = now;
-                }
-                c.status = status;
-                c.reason = reason.to_string();
-                c.message = message.to_string();
-                c.observed_generation = generation;
-            }
-            None => conditions.push(Condition {
-                type_: type_.to_string(),
-                status,
-                reason: reason.to_string(),
-                message: message.to_string(),
-                last_transition_time: now,
-                observed_generation: generation,
-            }),
+    /// The one way phases change: [`enter`] writes phase, conditions and the event together.
+    fn enter(&mut self, to: Transition) {
+        let at = Stamp {
+            now: self.obs.now,
+            generation: self.obs.job.metadata.generation,
+        };
+        // `run` returns early for ended jobs, so a refusal cannot happen here.
+        if let Ok(Some(event)) = enter(&mut self.d.status, to, at) {
+            self.d.events.push(event);
         }
     }
 }
 
+fn is_memory(outcome: AttemptOutcome) -> bool {
+    matches!(
+        outcome,
+        AttemptOutcome::HostOutOfMemory | AttemptOutcome::DeviceOutOfMemory
+    )
+}
+
 /// The job's planning request, limited to what the worker can run.
-fn runnable_request(
-    job: &MemoryAwareTrainingJob,
-) -> Result<headroom_planner::JobRequest, headroom_api::SpecError> {
+fn runnable_request(job: &MemoryAwareTrainingJob) -> Result<JobRequest, headroom_api::SpecError> {
     let mut request = job.spec.job_request()?;
     match &mut request.target {
-        headroom_planner::Target::Gpu { max_gpus, .. } => {
-            *max_gpus = (*max_gpus).min(WORKER_MAX_STAGES)
-        }
-        headroom_planner::Target::Cpu { max_workers, .. } => {
-            *max_workers = (*max_workers).min(WORKER_MAX_STAGES)
-        }
+        Target::Gpu { max_gpus, .. } => *max_gpus = (*max_gpus).min(WORKER_MAX_STAGES),
+        Target::Cpu { max_workers, .. } => *max_workers = (*max_workers).min(WORKER_MAX_STAGES),
     }
     Ok(request)
 }
@@ -592,20 +495,14 @@ fn peak_note(ended: &Attempt) -> String {
     }
 }
 
-/// One line about a plan, for events and status messages.
-pub fn summary(p: &Plan) -> String {
-    format!(
-        "{} × {}, {}; predicted {}",
-        p.workers, p.device, p.settings, p.fit
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::controller::children::tests::job;
+    use crate::controller::lifecycle::ConditionType;
     use headroom_planner::RetryRung;
     use jiff::SignedDuration;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
     fn oom_job() -> MemoryAwareTrainingJob {
         let mut j = job(include_str!("../../../samples/cpu-oom-first.yaml"));
@@ -639,6 +536,20 @@ mod tests {
         d
     }
 
+    /// Whether the status carries condition `type_` = `on` with `reason`.
+    fn has_condition(
+        status: &MemoryAwareTrainingJobStatus,
+        type_: ConditionType,
+        on: bool,
+        reason: Reason,
+    ) -> bool {
+        let on = if on { "True" } else { "False" };
+        status.conditions.iter().any(|c| {
+            (c.type_.as_str(), c.status.as_str(), c.reason.as_str())
+                == (type_.as_str(), on, reason.as_str())
+        })
+    }
+
     fn t0() -> Timestamp {
         "2026-11-21T10:00:00Z".parse().expect("time")
     }
@@ -654,7 +565,7 @@ mod tests {
         assert!(
             d.events
                 .iter()
-                .any(|e| e.reason == "Planned" && e.note.contains("pinned settings"))
+                .any(|e| e.reason == Reason::Planned && e.note.contains("pinned settings"))
         );
         assert_eq!(d.status.observed_generation, Some(1));
         // Deciding again without change does not add attempts.
@@ -693,7 +604,7 @@ mod tests {
         assert_eq!(d.launch, Some(2));
         assert_eq!(d.status.phase, Some(JobPhase::Retrying));
         let reasons: Vec<_> = d.events.iter().map(|e| e.reason).collect();
-        assert_eq!(reasons, ["OutOfMemory", "Retrying"]);
+        assert_eq!(reasons, [Reason::OutOfMemory, Reason::Retrying]);
         // The failed attempt's pods are gone from consideration: attempt 2 pods drive it now.
         let d = step(
             &mut j,
@@ -711,12 +622,12 @@ mod tests {
         let d = step(&mut j, &[pod(1, 0, DONE)], t0());
         assert_eq!(d.status.phase, Some(JobPhase::Succeeded));
         assert_eq!(d.status.attempts[0].outcome, AttemptOutcome::Succeeded);
-        assert!(
-            d.status
-                .conditions
-                .iter()
-                .any(|c| c.type_ == CONDITION_COMPLETE && c.status == "True")
-        );
+        assert!(has_condition(
+            &d.status,
+            ConditionType::Complete,
+            true,
+            Reason::Succeeded
+        ));
         assert_eq!(d.launch, None);
         // Even a later failure report cannot reopen it.
         let after = step(&mut j, &[pod(1, 0, OOM)], t0());
@@ -780,14 +691,14 @@ mod tests {
         assert!(
             d.events
                 .iter()
-                .any(|e| e.reason == "MaxAttemptsReached" && e.warning)
+                .any(|e| e.reason == Reason::MaxAttemptsReached && e.warning)
         );
-        assert!(
-            d.status
-                .conditions
-                .iter()
-                .any(|c| c.type_ == CONDITION_FAILED && c.status == "True")
-        );
+        assert!(has_condition(
+            &d.status,
+            ConditionType::Failed,
+            true,
+            Reason::MaxAttemptsReached
+        ));
     }
 
     #[test]
@@ -800,19 +711,17 @@ mod tests {
         assert_eq!(d.status.phase, Some(JobPhase::Failed));
         assert_eq!(d.launch, None);
         assert!(d.status.attempts.is_empty());
-        let msg = d.status.message.expect("message");
+        let msg = d.status.message.clone().expect("message");
         assert!(
             msg.contains("no feasible plan") && msg.contains("budget"),
             "{msg}"
         );
-        assert!(
-            d.status
-                .conditions
-                .iter()
-                .any(|c| c.type_ == CONDITION_PLANNED
-                    && c.status == "False"
-                    && c.reason == "NoFeasiblePlan")
-        );
+        assert!(has_condition(
+            &d.status,
+            ConditionType::Planned,
+            false,
+            Reason::NoFeasiblePlan
+        ));
     }
 
     #[test]
@@ -836,7 +745,21 @@ mod tests {
         assert_eq!(late.delete_pods, vec!["p-a1-s0".to_string()]);
         // The only device type (cpu) is now excluded: nothing else fits.
         assert_eq!(late.status.phase, Some(JobPhase::Failed));
-        assert!(late.status.message.expect("msg").contains("unschedulable"));
+        assert!(
+            late.status
+                .message
+                .as_deref()
+                .is_some_and(|m| m.contains("unschedulable")),
+            "{:?}",
+            late.status.message
+        );
+        // Every NoFeasiblePlan says Planned=False, whichever path led to it.
+        assert!(has_condition(
+            &late.status,
+            ConditionType::Planned,
+            false,
+            Reason::NoFeasiblePlan
+        ));
     }
 
     #[test]

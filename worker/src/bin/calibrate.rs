@@ -31,7 +31,8 @@ use headroom_api::{
     CHECKPOINT_DIR_ENV, PIPELINE_ADDRESSES_ENV, PLAN_JSON_ENV, POD_NAME_ENV, TerminationMessage,
     WorkerAssignment,
 };
-use headroom_planner::memory::{FLEX, StagePlacement, estimate_stage};
+use headroom_planner::backend::FLEX;
+use headroom_planner::memory::{StagePlacement, estimate_stage};
 use headroom_planner::{
     Inventory, JobRequest, ModelShape, Optimizer, Precision, RetryRung, Target, TransformerShape,
     plan,

@@ -1,0 +1,225 @@
+//! The apply step: everything reconcile writes to the API server. Each write
+//! fails with an [`Error`] naming its step and object.
+
+use std::time::Instant;
+
+use headroom_api::{MemoryAwareTrainingJob, MemoryAwareTrainingJobStatus, OPERATOR_FIELD_MANAGER};
+use headroom_planner::ModelShape;
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod, Service, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::runtime::events::{Event, EventType};
+use kube::{Client, Resource, ResourceExt};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::decide::Decision;
+use super::lifecycle::JobEvent;
+use super::{Context, Error, LAUNCH_EXPECTATION, children};
+
+/// Server-side applies the operator-owned status, guarded by the resourceVersion we decided on.
+pub(super) async fn apply_status(
+    client: &Client,
+    job: &MemoryAwareTrainingJob,
+    decision: &Decision,
+) -> Result<(), Error> {
+    let mut status = decision.status.clone();
+    let current = job.status.clone().unwrap_or_default();
+    status.workers = current.workers.clone();
+    if status == current {
+        return Ok(());
+    }
+    // Telemetry entries belong to the workers' field managers; leave them out.
+    status.workers.clear();
+    let api: Api<MemoryAwareTrainingJob> =
+        Api::namespaced(client.clone(), &job.namespace().unwrap_or_default());
+    let patch = serde_json::json!({
+        "apiVersion": MemoryAwareTrainingJob::api_version(&()),
+        "kind": MemoryAwareTrainingJob::kind(&()),
+        "metadata": {"name": job.name_any(), "resourceVersion": job.resource_version()},
+        "status": status,
+    });
+    api.patch_status(
+        &job.name_any(),
+        &PatchParams::apply(OPERATOR_FIELD_MANAGER).force(),
+        &Patch::Apply(&patch),
+    )
+    .await
+    .map_err(|source| Error::ApplyStatus {
+        job: job.name_any(),
+        source,
+    })?;
+    Ok(())
+}
+
+/// Records events on the job. Best effort and off the reconcile path: an
+/// event must never slow a job down or fail its reconcile.
+pub(super) fn publish_events(ctx: &Context, job: &MemoryAwareTrainingJob, events: Vec<JobEvent>) {
+    if events.is_empty() {
+        return;
+    }
+    let recorder = ctx.recorder.clone();
+    let reference = job.object_ref(&());
+    tokio::spawn(async move {
+        for e in events {
+            let event = Event {
+                type_: if e.warning {
+                    EventType::Warning
+                } else {
+                    EventType::Normal
+                },
+                reason: e.reason.as_str().into(),
+                note: Some(e.note),
+                action: "Reconcile".into(),
+                secondary: None,
+            };
+            if let Err(err) = recorder.publish(&event, &reference).await {
+                tracing::warn!(%err, reason = e.reason.as_str(), "could not record event");
+            }
+        }
+    });
+}
+
+/// Deletes one worker pod; one that is already gone is fine.
+pub(super) async fn delete_worker(client: &Client, ns: &str, pod: &str) -> Result<(), Error> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    match api.delete(pod, &DeleteParams::default()).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+        Err(source) => Err(Error::DeleteWorker {
+            pod: pod.to_string(),
+            source,
+        }),
+    }
+}
+
+/// Server-side applies one child under the operator's field manager.
+async fn apply<K>(client: &Client, ns: &str, object: &K) -> Result<(), Error>
+where
+    K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + Serialize
+        + std::fmt::Debug,
+{
+    let kind = K::kind(&()).into_owned();
+    let name = object.name_any();
+    let api: Api<K> = Api::namespaced(client.clone(), ns);
+    let mut value = serde_json::to_value(object).map_err(|source| Error::BuildChild {
+        kind: kind.clone(),
+        name: name.clone(),
+        source,
+    })?;
+    value["apiVersion"] = serde_json::Value::String(K::api_version(&()).into_owned());
+    value["kind"] = serde_json::Value::String(kind.clone());
+    api.patch(
+        &name,
+        &PatchParams::apply(OPERATOR_FIELD_MANAGER).force(),
+        &Patch::Apply(&value),
+    )
+    .await
+    .map_err(|source| Error::ApplyChild { kind, name, source })?;
+    Ok(())
+}
+
+/// Creates whatever attempt `attempt` still lacks; a no-op once all its pods exist.
+pub(super) async fn ensure_children(
+    ctx: &Context,
+    job: &MemoryAwareTrainingJob,
+    status: &MemoryAwareTrainingJobStatus,
+    attempt: u32,
+    model: &ModelShape,
+    own: &[&Pod],
+) -> Result<(), Error> {
+    let Some(plan) = status
+        .attempts
+        .iter()
+        .find(|a| a.number == attempt)
+        .map(|a| &a.plan)
+    else {
+        return Ok(());
+    };
+    let existing: Vec<String> = own.iter().map(|p| p.name_any()).collect();
+    let missing: Vec<u32> = (0..plan.workers)
+        .filter(|&stage| !existing.contains(&children::pod_name(job, attempt, stage)))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let key = (job.uid().unwrap_or_default(), attempt);
+    if ctx.launched_recently(&key) {
+        return Ok(()); // created moments ago; the pod cache has not caught up yet
+    }
+    let ns = job.namespace().unwrap_or_default();
+    let cfg = &ctx.config.children;
+    let c = &ctx.client;
+    let (sa, role, rb, pvc, svc) = (
+        children::service_account(job),
+        children::role(job),
+        children::role_binding(job),
+        children::checkpoint_claim(job, cfg),
+        children::headless_service(job),
+    );
+    let pods = missing
+        .iter()
+        .map(|&stage| {
+            children::worker_pod(job, attempt, stage, plan, model, cfg).map_err(|source| {
+                Error::BuildChild {
+                    kind: "Pod".into(),
+                    name: children::pod_name(job, attempt, stage),
+                    source,
+                }
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    // Order matters twice: a RoleBinding to a Role that does not exist yet is
+    // refused (RBAC's escalation check must resolve the Role), and a pod
+    // naming a missing ServiceAccount is refused by admission. So: account,
+    // Role, claim and Service together; then the binding; then the pods.
+    futures::try_join!(
+        apply::<ServiceAccount>(c, &ns, &sa),
+        apply::<Role>(c, &ns, &role),
+        create_claim(c, &ns, &pvc),
+        async {
+            if plan.workers > 1 {
+                apply::<Service>(c, &ns, &svc).await
+            } else {
+                Ok(())
+            }
+        },
+    )?;
+    apply::<RoleBinding>(c, &ns, &rb).await?;
+    futures::future::try_join_all(pods.iter().map(|pod| apply::<Pod>(c, &ns, pod))).await?;
+    if let Ok(mut m) = ctx.launched.lock() {
+        m.retain(|_, at| at.elapsed() < LAUNCH_EXPECTATION);
+        m.insert(key, Instant::now());
+    }
+    Ok(())
+}
+
+/// A PVC's spec is immutable once bound: create it once, never re-apply.
+async fn create_claim(
+    client: &Client,
+    ns: &str,
+    claim: &PersistentVolumeClaim,
+) -> Result<(), Error> {
+    let api: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
+    match api
+        .create(
+            &PostParams {
+                field_manager: Some(OPERATOR_FIELD_MANAGER.into()),
+                ..PostParams::default()
+            },
+            claim,
+        )
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()), // already there: keep it as it is
+        Err(source) => Err(Error::ApplyChild {
+            kind: "PersistentVolumeClaim".into(),
+            name: claim.name_any(),
+            source,
+        }),
+    }
+}

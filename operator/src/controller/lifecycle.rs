@@ -1,0 +1,623 @@
+//! The job lifecycle, written down: the phases a job moves through, the
+//! condition and event reasons it reports, and [`enter`], the one function
+//! that moves a job between phases. Each move writes the phase, the
+//! conditions that go with it and the event together, so no path can set one
+//! and forget the others. Pure.
+//!
+//! ```text
+//!            Start(first)            WorkersRunning
+//!   (none) ───────────────▶ Pending ────────────────▶ Running ──▶ Succeeded
+//!      │                      ▲  │ Waiting               │
+//!      │                      └──┘                       │ attempt ended:
+//!      │ Failed                                          │ Start(retry) / BackingOff
+//!      ▼                                                 ▼
+//!   Failed ◀──────────── Failed(reason) ────────────── Retrying ──▶ Running …
+//! ```
+//!
+//! Succeeded and Failed are final: [`enter`] refuses every move out of them.
+
+use std::time::Duration;
+
+use headroom_api::{AttemptOutcome, JobPhase, MemoryAwareTrainingJobStatus};
+use headroom_planner::Plan;
+use jiff::Timestamp;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+
+/// Condition types on the job.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConditionType {
+    /// A plan exists for the current attempt (False: none could be made).
+    Planned,
+    /// The current attempt's workers are running.
+    Running,
+    /// The job succeeded.
+    Complete,
+    /// The job failed for good.
+    Failed,
+}
+
+impl ConditionType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ConditionType::Planned => "Planned",
+            ConditionType::Running => "Running",
+            ConditionType::Complete => "Complete",
+            ConditionType::Failed => "Failed",
+        }
+    }
+}
+
+/// Reasons on the job's conditions and events. The strings are API: users
+/// and alerts match on them, so a variant's string never changes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// The first attempt was planned.
+    Planned,
+    /// A later attempt was planned (condition reason).
+    Replanned,
+    /// A later attempt starts (event reason).
+    Retrying,
+    /// An attempt's pods are being created.
+    Starting,
+    /// Every stage of the attempt exists and runs.
+    WorkersRunning,
+    /// Waiting out the backoff after a non-memory failure.
+    BackingOff,
+    Succeeded,
+    /// An attempt ran out of memory (host or device).
+    OutOfMemory,
+    /// An attempt ended for another reason.
+    AttemptFailed,
+    /// The API server refused the attempt's workers (admission).
+    LaunchRefused,
+    /// The spec cannot be planned (a field is invalid).
+    InvalidSpec,
+    /// No plan fits (first attempt or retry).
+    NoFeasiblePlan,
+    /// The worker rejected its plan: retrying it is pointless.
+    InvalidPlan,
+    /// `memoryPolicy.maxAttempts` attempts have ended.
+    MaxAttemptsReached,
+}
+
+impl Reason {
+    pub const ALL: [Reason; 14] = [
+        Reason::Planned,
+        Reason::Replanned,
+        Reason::Retrying,
+        Reason::Starting,
+        Reason::WorkersRunning,
+        Reason::BackingOff,
+        Reason::Succeeded,
+        Reason::OutOfMemory,
+        Reason::AttemptFailed,
+        Reason::LaunchRefused,
+        Reason::InvalidSpec,
+        Reason::NoFeasiblePlan,
+        Reason::InvalidPlan,
+        Reason::MaxAttemptsReached,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Planned => "Planned",
+            Reason::Replanned => "Replanned",
+            Reason::Retrying => "Retrying",
+            Reason::Starting => "Starting",
+            Reason::WorkersRunning => "WorkersRunning",
+            Reason::BackingOff => "BackingOff",
+            Reason::Succeeded => "Succeeded",
+            Reason::OutOfMemory => "OutOfMemory",
+            Reason::AttemptFailed => "AttemptFailed",
+            Reason::LaunchRefused => "LaunchRefused",
+            Reason::InvalidSpec => "InvalidSpec",
+            Reason::NoFeasiblePlan => "NoFeasiblePlan",
+            Reason::InvalidPlan => "InvalidPlan",
+            Reason::MaxAttemptsReached => "MaxAttemptsReached",
+        }
+    }
+
+    /// Failures that mean no plan could be made: they also set `Planned=False`.
+    fn is_planning_failure(self) -> bool {
+        matches!(self, Reason::InvalidSpec | Reason::NoFeasiblePlan)
+    }
+}
+
+impl std::fmt::Display for Reason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An event to record on the job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JobEvent {
+    pub warning: bool,
+    pub reason: Reason,
+    pub note: String,
+}
+
+impl JobEvent {
+    /// Event notes are capped (the API server limits them to 1 KiB).
+    pub fn new(warning: bool, reason: Reason, mut note: String) -> Self {
+        if note.len() > 1000 {
+            let cut = (0..=1000)
+                .rev()
+                .find(|i| note.is_char_boundary(*i))
+                .unwrap_or(0);
+            note.truncate(cut);
+        }
+        JobEvent {
+            warning,
+            reason,
+            note,
+        }
+    }
+}
+
+/// A move of the job between phases.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Transition {
+    /// Attempt `number` starts with `plan`. `retry` says why a later attempt
+    /// was planned as it was (`None` on the first attempt).
+    Start {
+        number: u32,
+        plan: Box<Plan>,
+        retry: Option<String>,
+    },
+    /// The attempt's pods exist but not all run yet.
+    Waiting,
+    /// Every stage of attempt `attempt` exists; `running` of them run.
+    WorkersRunning { attempt: u32, running: usize },
+    /// Attempt `attempt` ended `outcome`; the next starts after `left`.
+    BackingOff {
+        attempt: u32,
+        outcome: AttemptOutcome,
+        left: Duration,
+    },
+    /// Attempt `attempt` finished the training.
+    Succeeded { attempt: u32 },
+    /// The job ends without success.
+    Failed { reason: Reason, message: String },
+}
+
+/// When a move happens and which spec generation it answers.
+#[derive(Clone, Copy, Debug)]
+pub struct Stamp {
+    pub now: Timestamp,
+    pub generation: Option<i64>,
+}
+
+/// Moves the job: writes the phase, the conditions and the message that go
+/// with `to`, and returns the event to record (if the move has one). Refused
+/// (returns `Err`) when the job has already ended: completion is final.
+pub fn enter(
+    status: &mut MemoryAwareTrainingJobStatus,
+    to: Transition,
+    at: Stamp,
+) -> Result<Option<JobEvent>, Final> {
+    if let Some(phase @ (JobPhase::Succeeded | JobPhase::Failed)) = status.phase {
+        return Err(Final(phase));
+    }
+    Ok(match to {
+        Transition::Start {
+            number,
+            plan,
+            retry,
+        } => {
+            let summary = summary(&plan);
+            let (phase, planned, event) = match retry {
+                None => {
+                    let mut note = format!("attempt {number}: {summary}");
+                    for w in &plan.warnings {
+                        note.push_str(&format!("; warning: {w}"));
+                    }
+                    (
+                        JobPhase::Pending,
+                        Reason::Planned,
+                        JobEvent::new(false, Reason::Planned, note),
+                    )
+                }
+                Some(why) => {
+                    let rungs: Vec<String> =
+                        plan.rungs_applied.iter().map(ToString::to_string).collect();
+                    let how = if rungs.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" (rungs: {})", rungs.join(", "))
+                    };
+                    (
+                        JobPhase::Retrying,
+                        Reason::Replanned,
+                        JobEvent::new(
+                            false,
+                            Reason::Retrying,
+                            format!("attempt {number} with {why}{how}: {summary}"),
+                        ),
+                    )
+                }
+            };
+            condition(status, ConditionType::Planned, true, planned, &summary, at);
+            condition(
+                status,
+                ConditionType::Running,
+                false,
+                Reason::Starting,
+                &format!("attempt {number} starting"),
+                at,
+            );
+            status.attempts.push(headroom_api::Attempt {
+                number,
+                plan: (*plan).clone(),
+                outcome: AttemptOutcome::Running,
+                reason: None,
+                message: None,
+                started_at: Some(Time(at.now)),
+                finished_at: None,
+                observed_peak_bytes: None,
+                last_step: None,
+            });
+            status.attempt = Some(number);
+            status.message = Some(format!("attempt {number}: {summary}"));
+            status.plan = Some(*plan);
+            status.phase = Some(phase);
+            Some(event)
+        }
+        Transition::Waiting => {
+            // A retry stays Retrying until its workers run.
+            if status.phase != Some(JobPhase::Retrying) {
+                status.phase = Some(JobPhase::Pending);
+            }
+            None
+        }
+        Transition::WorkersRunning { attempt, running } => {
+            condition(
+                status,
+                ConditionType::Running,
+                true,
+                Reason::WorkersRunning,
+                &format!("attempt {attempt}"),
+                at,
+            );
+            status.phase = Some(JobPhase::Running);
+            status.message = Some(format!("attempt {attempt}: {running} worker(s) running"));
+            None
+        }
+        Transition::BackingOff {
+            attempt,
+            outcome,
+            left,
+        } => {
+            condition(
+                status,
+                ConditionType::Running,
+                false,
+                Reason::BackingOff,
+                &format!("retry in {}s", left.as_secs()),
+                at,
+            );
+            status.phase = Some(JobPhase::Retrying);
+            status.message = Some(format!(
+                "attempt {attempt} {outcome:?}; retrying with the same settings in {}s",
+                left.as_secs()
+            ));
+            None
+        }
+        Transition::Succeeded { attempt } => {
+            let message = format!("succeeded on attempt {attempt}");
+            condition(
+                status,
+                ConditionType::Running,
+                false,
+                Reason::Succeeded,
+                "training finished",
+                at,
+            );
+            condition(
+                status,
+                ConditionType::Complete,
+                true,
+                Reason::Succeeded,
+                &message,
+                at,
+            );
+            status.phase = Some(JobPhase::Succeeded);
+            status.message = Some(message);
+            Some(JobEvent::new(
+                false,
+                Reason::Succeeded,
+                format!("attempt {attempt} finished"),
+            ))
+        }
+        Transition::Failed { reason, message } => {
+            if reason.is_planning_failure() {
+                condition(status, ConditionType::Planned, false, reason, &message, at);
+            }
+            condition(
+                status,
+                ConditionType::Running,
+                false,
+                reason,
+                "job failed",
+                at,
+            );
+            condition(status, ConditionType::Failed, true, reason, &message, at);
+            status.phase = Some(JobPhase::Failed);
+            status.message = Some(message.clone());
+            Some(JobEvent::new(true, reason, message))
+        }
+    })
+}
+
+/// A move was asked of a job that has already ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Final(pub JobPhase);
+
+/// Sets a condition, keeping lastTransitionTime when its status does not change.
+fn condition(
+    status: &mut MemoryAwareTrainingJobStatus,
+    type_: ConditionType,
+    on: bool,
+    reason: Reason,
+    message: &str,
+    at: Stamp,
+) {
+    let conditions = &mut status.conditions;
+    let status = if on { "True" } else { "False" }.to_string();
+    match conditions.iter_mut().find(|c| c.type_ == type_.as_str()) {
+        Some(c) => {
+            if c.status != status {
+                c.last_transition_time = Time(at.now);
+            }
+            c.status = status;
+            c.reason = reason.as_str().to_string();
+            c.message = message.to_string();
+            c.observed_generation = at.generation;
+        }
+        None => conditions.push(Condition {
+            type_: type_.as_str().to_string(),
+            status,
+            reason: reason.as_str().to_string(),
+            message: message.to_string(),
+            last_transition_time: Time(at.now),
+            observed_generation: at.generation,
+        }),
+    }
+}
+
+/// One line about a plan, for events and status messages.
+pub fn summary(p: &Plan) -> String {
+    format!(
+        "{} × {}, {}; predicted {}",
+        p.workers, p.device, p.settings, p.fit
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::controller::children::tests::job;
+
+    fn plan() -> Plan {
+        let j = job(include_str!("../../../samples/cpu-tiny.yaml"));
+        let req = j.spec.job_request().expect("request");
+        headroom_planner::plan(&req, &headroom_planner::Inventory::default()).expect("plan")
+    }
+
+    fn at() -> Stamp {
+        Stamp {
+            now: "2026-11-21T10:00:00Z".parse().expect("time"),
+            generation: Some(3),
+        }
+    }
+
+    /// The phase a move leads to, from a given phase.
+    type Next = fn(Option<JobPhase>) -> JobPhase;
+    /// A move, where it leads, its event (warning?, reason) and the conditions it writes.
+    type Row = (
+        Transition,
+        Next,
+        Option<(bool, Reason)>,
+        Vec<(ConditionType, &'static str, Reason)>,
+    );
+
+    /// Each move × each phase a job can be in → next phase, event, conditions.
+    #[test]
+    fn every_move_from_every_phase() {
+        use ConditionType as C;
+        use JobPhase as P;
+        let rows: Vec<Row> = vec![
+            (
+                Transition::Start {
+                    number: 1,
+                    plan: Box::new(plan()),
+                    retry: None,
+                },
+                |_| P::Pending,
+                Some((false, Reason::Planned)),
+                vec![
+                    (C::Planned, "True", Reason::Planned),
+                    (C::Running, "False", Reason::Starting),
+                ],
+            ),
+            (
+                Transition::Start {
+                    number: 2,
+                    plan: Box::new(plan()),
+                    retry: Some("stricter settings".into()),
+                },
+                |_| P::Retrying,
+                Some((false, Reason::Retrying)),
+                vec![
+                    (C::Planned, "True", Reason::Replanned),
+                    (C::Running, "False", Reason::Starting),
+                ],
+            ),
+            (
+                Transition::Waiting,
+                |from| {
+                    if from == Some(P::Retrying) {
+                        P::Retrying
+                    } else {
+                        P::Pending
+                    }
+                },
+                None,
+                vec![],
+            ),
+            (
+                Transition::WorkersRunning {
+                    attempt: 1,
+                    running: 2,
+                },
+                |_| P::Running,
+                None,
+                vec![(C::Running, "True", Reason::WorkersRunning)],
+            ),
+            (
+                Transition::BackingOff {
+                    attempt: 1,
+                    outcome: AttemptOutcome::Failed,
+                    left: Duration::from_secs(10),
+                },
+                |_| P::Retrying,
+                None,
+                vec![(C::Running, "False", Reason::BackingOff)],
+            ),
+            (
+                Transition::Succeeded { attempt: 2 },
+                |_| P::Succeeded,
+                Some((false, Reason::Succeeded)),
+                vec![
+                    (C::Running, "False", Reason::Succeeded),
+                    (C::Complete, "True", Reason::Succeeded),
+                ],
+            ),
+            (
+                Transition::Failed {
+                    reason: Reason::NoFeasiblePlan,
+                    message: "no feasible plan: …".into(),
+                },
+                |_| P::Failed,
+                Some((true, Reason::NoFeasiblePlan)),
+                vec![
+                    (C::Planned, "False", Reason::NoFeasiblePlan),
+                    (C::Running, "False", Reason::NoFeasiblePlan),
+                    (C::Failed, "True", Reason::NoFeasiblePlan),
+                ],
+            ),
+            (
+                Transition::Failed {
+                    reason: Reason::InvalidSpec,
+                    message: "spec.model: …".into(),
+                },
+                |_| P::Failed,
+                Some((true, Reason::InvalidSpec)),
+                vec![
+                    (C::Planned, "False", Reason::InvalidSpec),
+                    (C::Running, "False", Reason::InvalidSpec),
+                    (C::Failed, "True", Reason::InvalidSpec),
+                ],
+            ),
+            (
+                Transition::Failed {
+                    reason: Reason::MaxAttemptsReached,
+                    message: "attempt 3 ended …".into(),
+                },
+                |_| P::Failed,
+                Some((true, Reason::MaxAttemptsReached)),
+                vec![
+                    (C::Running, "False", Reason::MaxAttemptsReached),
+                    (C::Failed, "True", Reason::MaxAttemptsReached),
+                ],
+            ),
+        ];
+        let open = [None, Some(P::Pending), Some(P::Running), Some(P::Retrying)];
+        for (to, next, event, conditions) in &rows {
+            for from in open {
+                let mut status = MemoryAwareTrainingJobStatus {
+                    phase: from,
+                    ..Default::default()
+                };
+                let got = enter(&mut status, to.clone(), at()).expect("an open job moves");
+                let case = format!("{to:?} from {from:?}");
+                assert_eq!(status.phase, Some(next(from)), "{case}");
+                assert_eq!(
+                    got.as_ref().map(|e| (e.warning, e.reason)),
+                    *event,
+                    "{case}"
+                );
+                let mut written: Vec<(String, String, String)> = status
+                    .conditions
+                    .iter()
+                    .map(|c| (c.type_.clone(), c.status.clone(), c.reason.clone()))
+                    .collect();
+                let mut expected: Vec<(String, String, String)> = conditions
+                    .iter()
+                    .map(|(t, s, r)| (t.as_str().into(), s.to_string(), r.as_str().into()))
+                    .collect();
+                written.sort();
+                expected.sort();
+                assert_eq!(written, expected, "{case}");
+                assert!(
+                    status
+                        .conditions
+                        .iter()
+                        .all(|c| c.observed_generation == Some(3)),
+                    "{case}"
+                );
+            }
+            for ended in [P::Succeeded, P::Failed] {
+                let mut status = MemoryAwareTrainingJobStatus {
+                    phase: Some(ended),
+                    ..Default::default()
+                };
+                let before = status.clone();
+                assert_eq!(
+                    enter(&mut status, to.clone(), at()),
+                    Err(Final(ended)),
+                    "{to:?} from {ended:?}: completion is final"
+                );
+                assert_eq!(status, before);
+            }
+        }
+    }
+
+    #[test]
+    fn a_condition_keeps_its_transition_time_while_its_status_holds() {
+        let mut status = MemoryAwareTrainingJobStatus::default();
+        let first = at();
+        let later = Stamp {
+            now: "2026-11-21T10:05:00Z".parse().expect("time"),
+            generation: Some(3),
+        };
+        let running = Transition::WorkersRunning {
+            attempt: 1,
+            running: 1,
+        };
+        enter(&mut status, running.clone(), first).expect("move");
+        enter(&mut status, running, later).expect("move");
+        assert_eq!(status.conditions[0].last_transition_time, Time(first.now));
+        enter(
+            &mut status,
+            Transition::BackingOff {
+                attempt: 1,
+                outcome: AttemptOutcome::Disrupted,
+                left: Duration::from_secs(5),
+            },
+            later,
+        )
+        .expect("move");
+        assert_eq!(status.conditions[0].last_transition_time, Time(later.now));
+    }
+
+    #[test]
+    fn reason_strings_are_distinct_and_event_notes_are_capped() {
+        let mut names: Vec<&str> = Reason::ALL.iter().map(|r| r.as_str()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), Reason::ALL.len());
+        let note = JobEvent::new(false, Reason::Planned, "é".repeat(800)).note;
+        assert!(note.len() <= 1000 && note.chars().all(|c| c == 'é'));
+    }
+}

@@ -1,0 +1,152 @@
+//! One reconcile: dereference (this job's pods, the inventory) → decide
+//! (pure, `decide.rs`) → apply (`apply.rs`): status first, so a crash never
+//! loses an attempt, then events, stopped pods and the attempt's children.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use headroom_api::{LABEL_JOB, MemoryAwareTrainingJob};
+use headroom_planner::Inventory;
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use kube::core::DeserializeGuard;
+use kube::runtime::controller::Action;
+
+use super::apply::{apply_status, delete_worker, ensure_children, publish_events};
+use super::decide::{Observation, decide};
+use super::lifecycle::{JobEvent, Reason};
+use super::{Context, Error};
+use crate::inventory::job_inventory;
+use crate::metrics::{ErrorLabels, OutcomeLabels};
+
+pub(super) fn error_policy(
+    _job: Arc<DeserializeGuard<MemoryAwareTrainingJob>>,
+    error: &Error,
+    ctx: Arc<Context>,
+) -> Action {
+    ctx.metrics
+        .reconcile_errors
+        .get_or_create(&ErrorLabels {
+            step: error.step().into(),
+            error: error.kind().into(),
+        })
+        .inc();
+    if error.is_conflict() {
+        // A stale read lost a race with a newer write: the watch brings the new version.
+        return Action::requeue(Duration::from_millis(500));
+    }
+    tracing::warn!(%error, step = error.step(), "reconcile failed");
+    Action::requeue(Duration::from_secs(5))
+}
+
+pub(super) async fn reconcile(
+    guard: Arc<DeserializeGuard<MemoryAwareTrainingJob>>,
+    ctx: Arc<Context>,
+) -> Result<Action, Error> {
+    ctx.metrics.reconciles.inc();
+    match &guard.0 {
+        Ok(job) => reconcile_job(job, &ctx).await,
+        Err(invalid) => {
+            // Nothing sensible can be done until someone fixes the object; its next change retriggers us.
+            ctx.metrics
+                .reconcile_errors
+                .get_or_create(&ErrorLabels {
+                    step: "read_job".into(),
+                    error: "invalid_object".into(),
+                })
+                .inc();
+            tracing::warn!(job = invalid.metadata.name.as_deref().unwrap_or(""), error = %invalid.error, "cannot read job; waiting for a change");
+            Ok(Action::await_change())
+        }
+    }
+}
+
+#[tracing::instrument(skip_all, fields(job = %job.name_any(), ns = job.namespace().unwrap_or_default()))]
+async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Action, Error> {
+    let ns = job.namespace().ok_or(Error::NoNamespace)?;
+    let name = job.name_any();
+    let uid = job.uid();
+
+    // Dereference: this job's pods, and the GPU inventory for GPU jobs.
+    let all_pods = ctx.pods.state();
+    let own: Vec<&Pod> = all_pods
+        .iter()
+        .map(AsRef::as_ref)
+        .filter(|p: &&Pod| {
+            p.namespace().as_deref() == Some(ns.as_str())
+                && p.labels().get(LABEL_JOB) == Some(&name)
+        })
+        .filter(|p| {
+            p.owner_references()
+                .iter()
+                .any(|o| Some(&o.uid) == uid.as_ref())
+        })
+        .collect();
+    let inventory = if job.spec.resources.gpu.is_some() {
+        let nodes = ctx.nodes.state();
+        let device_pods = ctx.device_pods.state();
+        job_inventory(
+            job,
+            nodes.iter().map(AsRef::as_ref),
+            device_pods.iter().map(AsRef::as_ref),
+            ctx.config.children.checkpoint_access.stages_share_a_node(),
+        )
+    } else {
+        Inventory::default()
+    };
+
+    // Decide (pure).
+    let started = Instant::now();
+    let decision = decide(&Observation {
+        job,
+        pods: &own,
+        inventory: &inventory,
+        now: Timestamp::now(),
+        unschedulable_grace: ctx.config.unschedulable_grace,
+    });
+    ctx.metrics
+        .planning_seconds
+        .observe(started.elapsed().as_secs_f64());
+
+    // Apply: status first (so a crash never loses an attempt), then events, pods.
+    apply_status(&ctx.client, job, &decision).await?;
+    if let Some(outcome) = decision.ended {
+        ctx.metrics
+            .attempts
+            .get_or_create(&OutcomeLabels {
+                outcome: format!("{outcome:?}"),
+            })
+            .inc();
+    }
+    publish_events(ctx, job, decision.events.clone());
+    for pod in &decision.delete_pods {
+        delete_worker(&ctx.client, &ns, pod).await?;
+    }
+    if let (Some(attempt), Some(model)) = (decision.launch, &decision.model)
+        && let Err(error) = ensure_children(ctx, job, &decision.status, attempt, model, &own).await
+    {
+        // A refusal the user can act on (admission: a missing PriorityClass,
+        // a pod security violation, an invalid field) goes where they look,
+        // on the job, not only into the operator's log. The reconcile is
+        // retried, so fixing the cause lets the attempt start.
+        if let Some(refusal) = error.refusal() {
+            publish_events(
+                ctx,
+                job,
+                vec![JobEvent::new(
+                    true,
+                    Reason::LaunchRefused,
+                    format!("attempt {attempt}: the API server refused the workers: {refusal}"),
+                )],
+            );
+        }
+        return Err(error);
+    }
+    Ok(Action::requeue(
+        decision
+            .requeue_after
+            .unwrap_or(ctx.config.resync)
+            .min(ctx.config.resync),
+    ))
+}

@@ -1,0 +1,160 @@
+//! The watches behind the controller: jobs (through `DeserializeGuard`), the
+//! jobs' pods (one reflector that also triggers reconciles), nodes and every
+//! GPU-holding pod (the inventory). Reconciling starts only once every cache
+//! is complete.
+
+use std::sync::Arc;
+
+use futures::StreamExt;
+use headroom_api::{LABEL_JOB, MemoryAwareTrainingJob};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::Client;
+use kube::api::Api;
+use kube::core::DeserializeGuard;
+use kube::runtime::controller::Controller;
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::reflector;
+use kube::runtime::{WatchStreamExt, watcher};
+
+use super::reconcile::{error_policy, reconcile};
+use super::{Context, ControllerConfig};
+use crate::metrics::Metrics;
+
+/// Runs the controller until `shutdown` resolves; returns after in-flight reconciles finish.
+pub async fn run(
+    client: Client,
+    metrics: Arc<Metrics>,
+    config: ControllerConfig,
+    identity: &str,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) {
+    // Jobs are read through DeserializeGuard: one object that fails to parse
+    // (e.g. status written by a mismatched worker) must not stall the others.
+    let scoped = |client: &Client| -> (Api<DeserializeGuard<MemoryAwareTrainingJob>>, Api<Pod>) {
+        match &config.namespace {
+            Some(ns) => (
+                Api::namespaced(client.clone(), ns),
+                Api::namespaced(client.clone(), ns),
+            ),
+            None => (Api::all(client.clone()), Api::all(client.clone())),
+        }
+    };
+    let (jobs, pod_api) = scoped(&client);
+
+    // Pods carrying our job label, watched once: the reflector's store is read
+    // in reconcile, and every pod it applies or deletes is forwarded as the
+    // "owns" trigger of its job. Not kube-runtime's shared store
+    // (`store_shared` + `subscribe`): its handle never yields deletions, and
+    // when a pod is deleted before the handle reads it, returns Pending
+    // without a waker; from then on no pod event triggers a reconcile, and
+    // once its 1024-event buffer fills the pod cache stops too.
+    let (pods, pod_writer) = reflector::store();
+    let (pod_tx, pod_events) = futures::channel::mpsc::unbounded::<Arc<Pod>>();
+    let pod_watch = watcher(pod_api, watcher::Config::default().labels(LABEL_JOB))
+        .default_backoff()
+        .reflect(pod_writer)
+        .for_each(move |event| {
+            if let Ok(
+                watcher::Event::Apply(pod)
+                | watcher::Event::Delete(pod)
+                | watcher::Event::InitApply(pod),
+            ) = event
+            {
+                // Fails only once the controller has stopped.
+                let _ = pod_tx.unbounded_send(Arc::new(pod));
+            }
+            std::future::ready(())
+        });
+
+    let (nodes, node_writer) = reflector::store();
+    let node_watch = watcher(Api::<Node>::all(client.clone()), watcher::Config::default())
+        .default_backoff()
+        .reflect(node_writer)
+        .for_each(|_| std::future::ready(()));
+
+    // GPUs held by any pod, not only ours, are not free. Terminal pods are
+    // filtered by the API server, pods without devices dropped here (device
+    // requests are immutable) and the rest trimmed to what the inventory
+    // reads, so the cache stays small on a big cluster.
+    let (device_pods, device_writer) = reflector::store();
+    let device_watch = watcher(
+        Api::<Pod>::all(client.clone()),
+        watcher::Config::default().fields("status.phase!=Succeeded,status.phase!=Failed"),
+    )
+    .default_backoff()
+    .filter(|event| {
+        std::future::ready(match event {
+            Ok(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod)) => {
+                crate::inventory::holds_devices(pod)
+            }
+            _ => true,
+        })
+    })
+    .modify(crate::inventory::keep_device_facts)
+    .reflect(device_writer)
+    .for_each(|_| std::future::ready(()));
+
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: "headroom-operator".into(),
+            instance: Some(identity.into()),
+        },
+    );
+    let ctx = Arc::new(Context::new(
+        client,
+        pods.clone(),
+        nodes.clone(),
+        device_pods.clone(),
+        recorder,
+        metrics.clone(),
+        config.clone(),
+    ));
+
+    // Reconciling before the caches are complete would plan against a partial
+    // inventory (or recreate pods it cannot see yet): drive the reflectors
+    // first, and start the controller only once both stores are ready.
+    let watches = async {
+        tokio::select! {
+            _ = pod_watch => tracing::warn!("pod watch ended"),
+            _ = node_watch => tracing::warn!("node watch ended"),
+            _ = device_watch => tracing::warn!("device pod watch ended"),
+        }
+    };
+    let shutdown = futures::FutureExt::shared(shutdown);
+    let controlled = async {
+        tokio::select! {
+            ready = async {
+                pods.wait_until_ready()
+                    .await
+                    .and(nodes.wait_until_ready().await)
+                    .and(device_pods.wait_until_ready().await)
+            } => {
+                if ready.is_err() {
+                    return;
+                }
+            }
+            _ = shutdown.clone() => return,
+        }
+        metrics.set_ready(true);
+        tracing::info!("caches synced; reconciling");
+        Controller::new(jobs, watcher::Config::default())
+            .owns_shared_stream(pod_events)
+            .with_config(
+                kube::runtime::controller::Config::default().concurrency(config.concurrency),
+            )
+            .graceful_shutdown_on(shutdown)
+            .run(reconcile, error_policy, ctx)
+            .for_each(|result| async move {
+                if let Err(e) = result {
+                    tracing::debug!(error = %e, "reconcile trigger failed");
+                }
+            })
+            .await;
+        tracing::info!("controller stopped");
+    };
+    tokio::select! {
+        _ = controlled => {}
+        _ = watches => {}
+    }
+}
