@@ -162,6 +162,9 @@ async fn oom_kill_retries_with_stricter_settings_and_keeps_history() {
         "history intact"
     );
 
+    // The status names attempt 3 before its pod exists (status is written first).
+    ns.wait_pods("attempt 3 pod", TIMEOUT, |p| pods_of_attempt(p, 3) == 1)
+        .await;
     ns.set_pod_status("oom-then-fit-a3-s0", terminated(0, "Completed", None))
         .await;
     let job = ns
