@@ -653,6 +653,23 @@ async fn refused_worker_pods_are_reported_on_the_job_and_retried() {
     assert!(note.contains(&class), "{note}");
     assert_eq!(refused.type_.as_deref(), Some("Warning"));
     assert!(ns.pod_list().await.is_empty());
+    // A policy decision can change (an admin acts): the job waits, saying why.
+    let job = ns
+        .wait_job("tiny-cpu", "Running=False LaunchRefused", TIMEOUT, |j| {
+            j.status.as_ref().is_some_and(|s| {
+                s.conditions
+                    .iter()
+                    .any(|c| c.type_ == "Running" && c.reason == "LaunchRefused")
+            })
+        })
+        .await;
+    let status = job.status.expect("status");
+    assert_eq!(status.phase, Some(JobPhase::Pending));
+    assert!(
+        status.message.as_deref().unwrap_or("").contains(&class),
+        "{:?}",
+        status.message
+    );
 
     // The cluster admin creates the class: the retried reconcile starts the attempt.
     let classes: Api<PriorityClass> = Api::all(ns.client.clone());
@@ -675,6 +692,100 @@ async fn refused_worker_pods_are_reported_on_the_job_and_retried() {
     let _ = classes
         .delete(&class, &kube::api::DeleteParams::default())
         .await;
+    ns.cleanup().await;
+}
+
+/// A refusal that would repeat for ever (here an admission policy that
+/// answers 422 Invalid, as a validating webhook may) ends the attempt and the
+/// job with the server's words, instead of asking again every few seconds.
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn worker_pods_refused_as_invalid_end_the_job_with_the_reason() {
+    use k8s_openapi::api::admissionregistration::v1::{
+        ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+    };
+    let ns = test_ns("hr-invalid-pod").await;
+    let name = format!("{}-no-workers", ns.name);
+    let policy: ValidatingAdmissionPolicy = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": name},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {"resourceRules": [{
+                "apiGroups": [""], "apiVersions": ["v1"],
+                "operations": ["CREATE"], "resources": ["pods"]}]},
+            "validations": [{"expression": "false", "reason": "Invalid",
+                             "message": "worker pods are not welcome here"}]
+        }
+    }))
+    .expect("policy");
+    let binding: ValidatingAdmissionPolicyBinding = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": name},
+        "spec": {
+            "policyName": name,
+            "validationActions": ["Deny"],
+            "matchResources": {"namespaceSelector": {"matchLabels": {
+                "kubernetes.io/metadata.name": ns.name}}}
+        }
+    }))
+    .expect("binding");
+    let policies: Api<ValidatingAdmissionPolicy> = Api::all(ns.client.clone());
+    let bindings: Api<ValidatingAdmissionPolicyBinding> = Api::all(ns.client.clone());
+    let pp = kube::api::PostParams::default();
+    policies.create(&pp, &policy).await.expect("policy");
+    bindings.create(&pp, &binding).await.expect("binding");
+    // Policies take effect asynchronously: wait until a probe pod is refused
+    // (it names an account of its own: this control plane makes no `default`).
+    let accounts: Api<ServiceAccount> = Api::namespaced(ns.client.clone(), &ns.name);
+    let account: ServiceAccount =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": "probe"}})).expect("sa");
+    accounts.create(&pp, &account).await.expect("probe account");
+    let probe: Pod = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "probe"},
+        "spec": {"serviceAccountName": "probe", "containers": [{"name": "c", "image": "i"}]}
+    }))
+    .expect("pod");
+    ns.wait_for("the policy in force", TIMEOUT, || async {
+        match ns.pods().create(&pp, &probe).await {
+            Err(kube::Error::Api(e)) if e.code == 422 => Some(()),
+            Ok(_) => {
+                let _ = ns.pods().delete("probe", &Default::default()).await;
+                None
+            }
+            Err(_) => None,
+        }
+    })
+    .await;
+
+    let op = start_operator(&ns, ControllerConfig::default());
+    ns.apply_job(CPU_TINY).await;
+    let job = ns
+        .wait_job("tiny-cpu", "phase Failed", TIMEOUT, |j| {
+            phase(j) == Some(JobPhase::Failed)
+        })
+        .await;
+    let status = job.status.expect("status");
+    let failed = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Failed")
+        .expect("Failed condition");
+    assert_eq!(
+        (failed.status.as_str(), failed.reason.as_str()),
+        ("True", "LaunchRefused")
+    );
+    assert!(
+        failed.message.contains("worker pods are not welcome here"),
+        "{}",
+        failed.message
+    );
+    assert!(failed.message.contains("422"), "{}", failed.message);
+    let attempt = &status.attempts[0];
+    assert_eq!(attempt.outcome, AttemptOutcome::Failed);
+    assert_eq!(attempt.reason.as_deref(), Some("LaunchRefused"));
+    assert!(ns.pod_list().await.is_empty());
+    op.stop().await;
+    let _ = bindings.delete(&name, &Default::default()).await;
+    let _ = policies.delete(&name, &Default::default()).await;
     ns.cleanup().await;
 }
 

@@ -17,17 +17,19 @@ use super::decide::Decision;
 use super::lifecycle::JobEvent;
 use super::{Context, Error, LAUNCH_EXPECTATION, children};
 
-/// Server-side applies the operator-owned status, guarded by the resourceVersion we decided on.
+/// Server-side applies the operator-owned status, guarded by the resourceVersion
+/// we decided on. Returns the job as written (None when nothing changed), for
+/// a second write in the same reconcile.
 pub(super) async fn apply_status(
     client: &Client,
     job: &MemoryAwareTrainingJob,
     decision: &Decision,
-) -> Result<(), Error> {
+) -> Result<Option<MemoryAwareTrainingJob>, Error> {
     let mut status = decision.status.clone();
     let current = job.status.clone().unwrap_or_default();
     status.workers = current.workers.clone();
     if status == current {
-        return Ok(());
+        return Ok(None);
     }
     // Telemetry entries belong to the workers' field managers; leave them out.
     status.workers.clear();
@@ -45,11 +47,11 @@ pub(super) async fn apply_status(
         &Patch::Apply(&patch),
     )
     .await
+    .map(Some)
     .map_err(|source| Error::ApplyStatus {
         job: job.name_any(),
         source,
-    })?;
-    Ok(())
+    })
 }
 
 /// Records events on the job. Best effort and off the reconcile path: an

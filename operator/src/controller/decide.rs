@@ -20,6 +20,7 @@ use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 
+use super::LaunchRefusal;
 use super::classify::{PodFailure, PodVerdict, classify, rank};
 use super::lifecycle::{JobEvent, Reason, Stamp, Transition, enter};
 
@@ -459,6 +460,74 @@ impl Builder<'_> {
     }
 }
 
+/// The decision after the API server refused one of attempt `attempt`'s
+/// children, given what reconcile had just decided and applied (`decided`)
+/// and the job's pods. A refusal that can pass is reported (condition, event)
+/// and the launch is asked again later; one that cannot ends the attempt and
+/// the job with the server's words, and stops whatever pods of the attempt
+/// did get created.
+pub fn launch_refused(
+    decided: &Decision,
+    job: &MemoryAwareTrainingJob,
+    attempt: u32,
+    refusal: &LaunchRefusal,
+    pods: &[&Pod],
+    now: Timestamp,
+) -> Decision {
+    let mut d = Decision {
+        status: decided.status.clone(),
+        events: vec![],
+        launch: None,
+        model: decided.model.clone(),
+        delete_pods: vec![],
+        requeue_after: None,
+        ended: None,
+    };
+    let at = Stamp {
+        now,
+        generation: job.metadata.generation,
+    };
+    let what = format!("{} ({} {})", refusal.message, refusal.code, refusal.object);
+    let to = if refusal.heals {
+        Transition::LaunchRefused {
+            attempt,
+            message: what,
+        }
+    } else {
+        if let Some(a) = d
+            .status
+            .attempts
+            .iter_mut()
+            .find(|a| a.number == attempt && a.outcome == AttemptOutcome::Running)
+        {
+            a.outcome = AttemptOutcome::Failed;
+            a.reason = Some(Reason::LaunchRefused.as_str().into());
+            a.message = Some(what.clone());
+            a.finished_at = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(now));
+            d.ended = Some(AttemptOutcome::Failed);
+        }
+        d.delete_pods = pods
+            .iter()
+            .filter(|p| {
+                p.labels()
+                    .get(LABEL_ATTEMPT)
+                    .is_some_and(|a| *a == attempt.to_string())
+            })
+            .map(|p| p.name_any())
+            .collect();
+        Transition::Failed {
+            reason: Reason::LaunchRefused,
+            message: format!(
+                "attempt {attempt}: the API server refused the workers, and would again: {what}"
+            ),
+        }
+    };
+    if let Ok(Some(event)) = enter(&mut d.status, to, at) {
+        d.events.push(event);
+    }
+    d
+}
+
 fn is_memory(outcome: AttemptOutcome) -> bool {
     matches!(
         outcome,
@@ -573,6 +642,70 @@ mod tests {
         assert_eq!(again.status.attempts.len(), 1);
         assert_eq!(again.launch, Some(1));
         assert!(again.events.is_empty());
+    }
+
+    fn refusal(code: u16) -> LaunchRefusal {
+        LaunchRefusal {
+            object: "Pod oom-then-fit-a1-s1".into(),
+            code,
+            message: "denied by policy".into(),
+            heals: LaunchRefusal::heals(code),
+        }
+    }
+
+    #[test]
+    fn a_refusal_that_can_pass_is_reported_and_the_attempt_waits() {
+        let mut j = oom_job();
+        let d = step(&mut j, &[], t0());
+        let after = launch_refused(&d, &j, 1, &refusal(403), &[], t0());
+        assert_eq!(after.status.phase, Some(JobPhase::Pending));
+        assert_eq!(after.status.attempts[0].outcome, AttemptOutcome::Running);
+        assert!(has_condition(
+            &after.status,
+            ConditionType::Running,
+            false,
+            Reason::LaunchRefused
+        ));
+        let e = &after.events[0];
+        assert!(e.warning && e.reason == Reason::LaunchRefused);
+        assert!(
+            e.note
+                .contains("denied by policy (403 Pod oom-then-fit-a1-s1)"),
+            "{}",
+            e.note
+        );
+        assert!(after.delete_pods.is_empty() && after.ended.is_none());
+    }
+
+    #[test]
+    fn a_refusal_that_cannot_pass_ends_the_attempt_and_the_job() {
+        for code in [400, 422] {
+            let mut j = oom_job();
+            let d = step(&mut j, &[], t0());
+            let created = pod(1, 0, "  phase: Pending");
+            let after = launch_refused(&d, &j, 1, &refusal(code), &[&created], t0());
+            assert_eq!(after.status.phase, Some(JobPhase::Failed), "{code}");
+            let a = &after.status.attempts[0];
+            assert_eq!(a.outcome, AttemptOutcome::Failed);
+            assert_eq!(a.reason.as_deref(), Some("LaunchRefused"));
+            assert!(a.finished_at.is_some());
+            assert_eq!(after.ended, Some(AttemptOutcome::Failed));
+            assert_eq!(
+                after.delete_pods,
+                vec!["p-a1-s0".to_string()],
+                "the stage that was created stops"
+            );
+            assert!(has_condition(
+                &after.status,
+                ConditionType::Failed,
+                true,
+                Reason::LaunchRefused
+            ));
+            // Completion is final: the next reconcile launches nothing.
+            j.status = Some(after.status);
+            let next = step(&mut j, &[], t0());
+            assert_eq!(next.launch, None);
+        }
     }
 
     #[test]

@@ -68,7 +68,7 @@ pub enum Reason {
     OutOfMemory,
     /// An attempt ended for another reason.
     AttemptFailed,
-    /// The API server refused the attempt's workers (admission).
+    /// The API server refused the attempt's workers (admission, quota, server error).
     LaunchRefused,
     /// The spec cannot be planned (a field is invalid).
     InvalidSpec,
@@ -175,6 +175,10 @@ pub enum Transition {
         outcome: AttemptOutcome,
         left: Duration,
     },
+    /// The API server refused attempt `attempt`'s workers for a reason that
+    /// can pass (a quota, a server error): reported, and asked again later.
+    /// A refusal that cannot pass ends the job instead ([`Transition::Failed`]).
+    LaunchRefused { attempt: u32, message: String },
     /// Attempt `attempt` finished the training.
     Succeeded { attempt: u32 },
     /// The job ends without success.
@@ -302,6 +306,22 @@ pub fn enter(
                 left.as_secs()
             ));
             None
+        }
+        Transition::LaunchRefused { attempt, message } => {
+            let message =
+                format!("attempt {attempt}: the API server refused the workers: {message}");
+            condition(
+                status,
+                ConditionType::Running,
+                false,
+                Reason::LaunchRefused,
+                &message,
+                at,
+            );
+            status.message = Some(format!("{message}; asking again"));
+            // The attempt exists and waits for its workers: Pending or Retrying as before.
+            status.phase.get_or_insert(JobPhase::Pending);
+            Some(JobEvent::new(true, Reason::LaunchRefused, message))
         }
         Transition::Succeeded { attempt } => {
             let message = format!("succeeded on attempt {attempt}");
@@ -483,6 +503,27 @@ mod tests {
                 |_| P::Retrying,
                 None,
                 vec![(C::Running, "False", Reason::BackingOff)],
+            ),
+            (
+                Transition::LaunchRefused {
+                    attempt: 1,
+                    message: "exceeded quota: pods=0".into(),
+                },
+                |from| from.unwrap_or(P::Pending),
+                Some((true, Reason::LaunchRefused)),
+                vec![(C::Running, "False", Reason::LaunchRefused)],
+            ),
+            (
+                Transition::Failed {
+                    reason: Reason::LaunchRefused,
+                    message: "Pod x: forbidden: maximum memory usage per Container is 64Mi".into(),
+                },
+                |_| P::Failed,
+                Some((true, Reason::LaunchRefused)),
+                vec![
+                    (C::Running, "False", Reason::LaunchRefused),
+                    (C::Failed, "True", Reason::LaunchRefused),
+                ],
             ),
             (
                 Transition::Succeeded { attempt: 2 },

@@ -96,12 +96,23 @@ impl Error {
         self.api_error().is_some_and(|e| e.code == 409)
     }
 
-    /// The API server's message when it refused a write the user can fix
-    /// (admission: 400, 403, 422).
-    pub fn refusal(&self) -> Option<&str> {
-        self.api_error()
-            .filter(|e| matches!(e.code, 400 | 403 | 422))
-            .map(|e| e.message.as_str())
+    /// The API server refused to create one of an attempt's children (any
+    /// status code): what to tell the user, and whether it can heal by itself.
+    pub fn launch_refusal(&self) -> Option<LaunchRefusal> {
+        let Error::ApplyChild {
+            kind,
+            name,
+            source: kube::Error::Api(e),
+        } = self
+        else {
+            return None;
+        };
+        Some(LaunchRefusal {
+            object: format!("{kind} {name}"),
+            code: e.code,
+            message: e.message.clone(),
+            heals: LaunchRefusal::heals(e.code),
+        })
     }
 
     fn api_error(&self) -> Option<&kube::core::Status> {
@@ -114,6 +125,32 @@ impl Error {
             },
             Error::NoNamespace | Error::BuildChild { .. } => None,
         }
+    }
+}
+
+/// The API server said no to one of an attempt's children.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchRefusal {
+    /// `Pod tiny-a1-s0`, `Role tiny-worker`, …
+    pub object: String,
+    /// The HTTP status code.
+    pub code: u16,
+    pub message: String,
+    /// Whether asking again later can succeed without anyone changing anything.
+    pub heals: bool,
+}
+
+impl LaunchRefusal {
+    /// Which refusals can pass. The children are a pure function of the spec
+    /// and the plan, so an object the server judged malformed or invalid (400,
+    /// 422, and the other 4xx) is refused again, identically, for ever: those
+    /// end the job with the server's reason. A policy decision (403: a quota,
+    /// Pod Security, a LimitRange, a missing PriorityClass, RBAC) changes when
+    /// pods end or an admin acts, conflicts (409) and throttling (429) pass,
+    /// and so do server-side errors (5xx, e.g. a webhook that is down): those
+    /// are reported and asked again.
+    pub fn heals(code: u16) -> bool {
+        matches!(code, 403 | 409 | 429) || code >= 500
     }
 }
 

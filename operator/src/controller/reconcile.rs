@@ -14,8 +14,7 @@ use kube::core::DeserializeGuard;
 use kube::runtime::controller::Action;
 
 use super::apply::{apply_status, delete_worker, ensure_children, publish_events};
-use super::decide::{Observation, decide};
-use super::lifecycle::{JobEvent, Reason};
+use super::decide::{Observation, decide, launch_refused};
 use super::{Context, Error};
 use crate::inventory::job_inventory;
 use crate::metrics::{ErrorLabels, OutcomeLabels};
@@ -110,15 +109,8 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
         .observe(started.elapsed().as_secs_f64());
 
     // Apply: status first (so a crash never loses an attempt), then events, pods.
-    apply_status(&ctx.client, job, &decision).await?;
-    if let Some(outcome) = decision.ended {
-        ctx.metrics
-            .attempts
-            .get_or_create(&OutcomeLabels {
-                outcome: format!("{outcome:?}"),
-            })
-            .inc();
-    }
+    let written = apply_status(&ctx.client, job, &decision).await?;
+    record_ended(ctx, decision.ended);
     publish_events(ctx, job, decision.events.clone());
     for pod in &decision.delete_pods {
         delete_worker(&ctx.client, &ns, pod).await?;
@@ -126,22 +118,25 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
     if let (Some(attempt), Some(model)) = (decision.launch, &decision.model)
         && let Err(error) = ensure_children(ctx, job, &decision.status, attempt, model, &own).await
     {
-        // A refusal the user can act on (admission: a missing PriorityClass,
-        // a pod security violation, an invalid field) goes where they look,
-        // on the job, not only into the operator's log. The reconcile is
-        // retried, so fixing the cause lets the attempt start.
-        if let Some(refusal) = error.refusal() {
-            publish_events(
-                ctx,
-                job,
-                vec![JobEvent::new(
-                    true,
-                    Reason::LaunchRefused,
-                    format!("attempt {attempt}: the API server refused the workers: {refusal}"),
-                )],
-            );
+        // Any refusal goes where the user looks, on the job: a condition, an
+        // event and the status message. One that can pass (a quota, a server
+        // error) is asked again after the error policy's delay; one that
+        // cannot ends the job with the server's reason.
+        let Some(refusal) = error.launch_refusal() else {
+            return Err(error);
+        };
+        let after = launch_refused(&decision, job, attempt, &refusal, &own, Timestamp::now());
+        apply_status(&ctx.client, written.as_ref().unwrap_or(job), &after).await?;
+        record_ended(ctx, after.ended);
+        publish_events(ctx, job, after.events);
+        for pod in &after.delete_pods {
+            delete_worker(&ctx.client, &ns, pod).await?;
         }
-        return Err(error);
+        if refusal.heals {
+            return Err(error);
+        }
+        tracing::warn!(%error, "launch refused for good; job failed");
+        return Ok(Action::await_change());
     }
     Ok(Action::requeue(
         decision
@@ -149,4 +144,16 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
             .unwrap_or(ctx.config.resync)
             .min(ctx.config.resync),
     ))
+}
+
+/// Counts an ended attempt by outcome.
+fn record_ended(ctx: &Context, ended: Option<headroom_api::AttemptOutcome>) {
+    if let Some(outcome) = ended {
+        ctx.metrics
+            .attempts
+            .get_or_create(&OutcomeLabels {
+                outcome: format!("{outcome:?}"),
+            })
+            .inc();
+    }
 }
