@@ -26,7 +26,7 @@ if [[ -n ${KUBECONFIG:-} ]]; then
   source e2e/cluster/lib/common.sh
   KUBECTL=${KUBECTL:-${HEADROOM_BIN_DIR}/kubectl}
   "${KUBECTL}" create namespace "${NS}" --dry-run=client -o yaml | "${KUBECTL}" apply -f - >/dev/null
-  "${KUBECTL}" apply --server-side --dry-run=server -f - <<<"${rendered}"
+  "${KUBECTL}" apply --server-side --force-conflicts --dry-run=server -f - <<<"${rendered}"
 fi
 
 # Least privilege, for real: run the operator with the chart's ServiceAccount
@@ -35,7 +35,8 @@ if [[ -n ${KUBECONFIG:-} && ${CHART_CHECK_RBAC:-1} == 1 ]]; then
   : "${CARGO_TARGET_DIR:=${HEADROOM_CACHE:-${HOME}/.cache/headroom}/target}"
   cargo build -q -p headroom-operator --bin headroom-operator
   k() { "${KUBECTL}" "$@"; }
-  k apply --server-side -f - <<<"${rendered}" >/dev/null
+  # --force-conflicts: the API-server tests apply the same cluster-scoped policy under their own manager.
+  k apply --server-side --force-conflicts -f - <<<"${rendered}" >/dev/null
   k -n "${NS}" scale deployment headroom-operator --replicas=0 >/dev/null # no kubelet here; we run it ourselves
   token=$(k -n "${NS}" create token headroom-operator --duration=10m)
   server=$(k config view --raw --minify -o jsonpath='{.clusters[0].cluster.server}')

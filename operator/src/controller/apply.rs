@@ -157,7 +157,7 @@ pub(super) async fn ensure_children(
     let c = &ctx.client;
     let (sa, role, rb, pvc, svc) = (
         children::service_account(job),
-        children::role(job),
+        children::role(job, attempt, plan),
         children::role_binding(job),
         children::checkpoint_claim(job, cfg),
         children::headless_service(job),

@@ -114,33 +114,44 @@ pub fn service_account(job: &MemoryAwareTrainingJob) -> ServiceAccount {
     }
 }
 
-/// Least privilege: read this one job and patch its status, and read pods by
-/// name (a pipeline stage looks up its neighbour's pod IP; no list or watch).
-pub fn role(job: &MemoryAwareTrainingJob) -> Role {
+/// Least privilege: read this one job and patch its status (the chart's
+/// admission policy narrows that to the worker's own telemetry entry), and,
+/// for a pipeline of several stages, read the pods of this attempt's stages
+/// by name (a stage looks up its neighbour's IP; no list or watch, no other
+/// pod). Re-applied with each attempt, so the pod names follow the attempt.
+pub fn role(job: &MemoryAwareTrainingJob, attempt: u32, plan: &Plan) -> Role {
+    let mut rules = vec![
+        PolicyRule {
+            api_groups: Some(vec![GROUP.into()]),
+            resources: Some(vec!["memoryawaretrainingjobs/status".into()]),
+            resource_names: Some(vec![job.name_any()]),
+            verbs: vec!["get".into(), "patch".into()],
+            ..PolicyRule::default()
+        },
+        PolicyRule {
+            api_groups: Some(vec![GROUP.into()]),
+            resources: Some(vec!["memoryawaretrainingjobs".into()]),
+            resource_names: Some(vec![job.name_any()]),
+            verbs: vec!["get".into()],
+            ..PolicyRule::default()
+        },
+    ];
+    if plan.workers > 1 {
+        rules.push(PolicyRule {
+            api_groups: Some(vec![String::new()]),
+            resources: Some(vec!["pods".into()]),
+            resource_names: Some(
+                (0..plan.workers)
+                    .map(|stage| pod_name(job, attempt, stage))
+                    .collect(),
+            ),
+            verbs: vec!["get".into()],
+            ..PolicyRule::default()
+        });
+    }
     Role {
         metadata: meta(job, worker_account_name(job), job_labels(job)),
-        rules: Some(vec![
-            PolicyRule {
-                api_groups: Some(vec![GROUP.into()]),
-                resources: Some(vec!["memoryawaretrainingjobs/status".into()]),
-                resource_names: Some(vec![job.name_any()]),
-                verbs: vec!["get".into(), "patch".into()],
-                ..PolicyRule::default()
-            },
-            PolicyRule {
-                api_groups: Some(vec![GROUP.into()]),
-                resources: Some(vec!["memoryawaretrainingjobs".into()]),
-                resource_names: Some(vec![job.name_any()]),
-                verbs: vec!["get".into()],
-                ..PolicyRule::default()
-            },
-            PolicyRule {
-                api_groups: Some(vec![String::new()]),
-                resources: Some(vec!["pods".into()]),
-                verbs: vec!["get".into()],
-                ..PolicyRule::default()
-            },
-        ]),
+        rules: Some(rules),
     }
 }
 
@@ -654,19 +665,34 @@ priorityClassName: batch-low
     }
 
     #[test]
-    fn role_grants_this_jobs_status_and_reading_pods_by_name_only() {
+    fn role_grants_this_jobs_status_and_this_attempts_stage_pods_only() {
         let job = cpu_job();
-        let rules = role(&job).rules.expect("rules");
+        let req = job.spec.job_request().expect("request");
+        let mut plan =
+            headroom_planner::plan(&req, &headroom_planner::Inventory::default()).expect("plan");
+        assert_eq!(plan.workers, 1);
+        let single = role(&job, 1, &plan).rules.expect("rules");
+        assert!(
+            !single.iter().any(|r| r
+                .resources
+                .as_ref()
+                .is_some_and(|x| x.contains(&"pods".into()))),
+            "one stage has no neighbour to look up: {single:?}"
+        );
+        plan.workers = 3;
+        let rules = role(&job, 2, &plan).rules.expect("rules");
         for rule in &rules {
             let pods = rule.resources.as_deref() == Some(&["pods".to_string()][..]);
+            let names = rule.resource_names.clone().unwrap_or_default();
             if pods {
                 // Neighbour pod IPs for pipeline stages: get by name, never list or watch.
                 assert_eq!(rule.verbs, ["get"]);
-            } else {
                 assert_eq!(
-                    rule.resource_names.as_deref(),
-                    Some(&["tiny-cpu".to_string()][..])
+                    names,
+                    ["tiny-cpu-a2-s0", "tiny-cpu-a2-s1", "tiny-cpu-a2-s2"]
                 );
+            } else {
+                assert_eq!(names, ["tiny-cpu"]);
             }
             assert!(
                 !rule
