@@ -616,6 +616,63 @@ async fn stages_span_nodes_only_with_a_read_write_many_checkpoint_volume() {
     ns.cleanup().await;
 }
 
+/// `status.workers` is the current attempt's telemetry: once attempt 2
+/// starts, attempt 1's entries are gone (what they said is in attempt 1's
+/// history), and attempt 2's entries stay.
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn telemetry_of_an_ended_attempt_is_pruned() {
+    let ns = test_ns("hr-prune").await;
+    let op = start_operator(&ns, ControllerConfig::default());
+    ns.apply_job(CPU_OOM_FIRST).await;
+    ns.wait_pods("attempt 1 pod", TIMEOUT, |p| pods_of_attempt(p, 1) == 1)
+        .await;
+    let report = |pod: &str, attempt: u32, step: u64| {
+        serde_json::json!({
+            "apiVersion": "headroom.dev/v1alpha1", "kind": "MemoryAwareTrainingJob",
+            "metadata": {"name": "oom-then-fit"},
+            "status": {"workers": [{
+                "name": pod, "attempt": attempt, "stage": 0, "layerStart": 0, "layerEnd": 2,
+                "step": step, "memory": {"peakBytes": 123_456_789u64},
+                "updatedAt": "2026-11-22T10:00:00Z"}]},
+        })
+    };
+    ns.jobs()
+        .patch_status(
+            "oom-then-fit",
+            &kube::api::PatchParams::apply("headroom-worker-a1-s0").force(),
+            &kube::api::Patch::Apply(report("oom-then-fit-a1-s0", 1, 4)),
+        )
+        .await
+        .expect("telemetry");
+    ns.set_pod_status("oom-then-fit-a1-s0", oom_killed()).await;
+    ns.wait_pods("attempt 2 pod", TIMEOUT, |p| pods_of_attempt(p, 2) == 1)
+        .await;
+    ns.jobs()
+        .patch_status(
+            "oom-then-fit",
+            &kube::api::PatchParams::apply("headroom-worker-a2-s0").force(),
+            &kube::api::Patch::Apply(report("oom-then-fit-a2-s0", 2, 1)),
+        )
+        .await
+        .expect("telemetry");
+    let job = ns
+        .wait_job("oom-then-fit", "only attempt 2's telemetry", TIMEOUT, |j| {
+            j.status
+                .as_ref()
+                .is_some_and(|s| s.workers.iter().map(|w| w.attempt).collect::<Vec<_>>() == [2])
+        })
+        .await;
+    let first = &job.status.expect("status").attempts[0];
+    assert_eq!(
+        first.last_step,
+        Some(4),
+        "attempt 1's telemetry lives on in its history"
+    );
+    op.stop().await;
+    ns.cleanup().await;
+}
+
 /// Pods the API server refuses (here: a PriorityClass that does not exist)
 /// show up on the job as a Warning event with the server's reason, and the
 /// attempt starts once the cause is fixed.

@@ -8,7 +8,8 @@
 //! `DEVICE_OUT_OF_MEMORY` for an allocation failure caught in process (a
 //! CUDA/cubecl out-of-memory panic, or the optional soft limit
 //! `HEADROOM_DEVICE_MEMORY_LIMIT_BYTES`); `PEER_LOST` when a pipeline
-//! neighbour went away; `FAILURE` for anything else. A kernel OOM kill (137)
+//! neighbour went away; `TERMINATED` when told to stop (SIGTERM) after saving a
+//! checkpoint at the step reached; `FAILURE` for anything else. A kernel OOM kill (137)
 //! never reaches us.
 
 use std::net::TcpListener;
@@ -338,8 +339,11 @@ impl Training<'_> {
                         Err(e) => format!("checkpoint failed: {e}"),
                     }
                 };
-                return Exit::failed(format!("terminated by SIGTERM at step {step}; {saved}"))
-                    .at(step, self.peak_now());
+                return Exit::new(
+                    WorkerOutcome::Terminated,
+                    format!("terminated by SIGTERM at step {step}; {saved}"),
+                )
+                .at(step, self.peak_now());
             }
             let step = trainer.step;
             let report = match catch_unwind(AssertUnwindSafe(|| trainer.train_step())) {

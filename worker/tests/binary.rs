@@ -246,11 +246,12 @@ fn sigterm_saves_a_checkpoint_and_exits() {
     assert!(killed.success());
     let out = child.wait_with_output().expect("wait");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(exit_code::FAILURE), "{stderr}");
+    assert_eq!(out.status.code(), Some(exit_code::TERMINATED), "{stderr}");
     let message: TerminationMessage =
         serde_json::from_str(&std::fs::read_to_string(&termination).expect("message"))
             .expect("json");
     assert!(message.reason.contains("SIGTERM"), "{}", message.reason);
+    assert_eq!(message.outcome, WorkerOutcome::Terminated);
     let step = message.step.expect("step");
     assert!(step >= 5);
     // The work up to the signal is on disk: the newest checkpoint is at that step.

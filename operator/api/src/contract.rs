@@ -56,6 +56,10 @@ pub mod exit_code {
     /// a consequence, not a cause; the operator looks for the cause in the
     /// other stages' pods.
     pub const PEER_LOST: i32 = 75;
+    /// Stopped by SIGTERM (a deleted or evicted pod, a drained node) after
+    /// saving a checkpoint at the step it reached: a disruption, not a
+    /// failure. 128 + 15, what a shell reports for a SIGTERM death.
+    pub const TERMINATED: i32 = 143;
     /// Any other failure.
     pub const FAILURE: i32 = 1;
 }
@@ -72,15 +76,18 @@ pub enum WorkerOutcome {
     InvalidPlan,
     /// A pipeline neighbour went away; the cause is in another stage's pod.
     PeerLost,
+    /// Told to stop (SIGTERM); the work so far is checkpointed.
+    Terminated,
     Failed,
 }
 
 impl WorkerOutcome {
-    pub const ALL: [WorkerOutcome; 5] = [
+    pub const ALL: [WorkerOutcome; 6] = [
         WorkerOutcome::Succeeded,
         WorkerOutcome::DeviceOutOfMemory,
         WorkerOutcome::InvalidPlan,
         WorkerOutcome::PeerLost,
+        WorkerOutcome::Terminated,
         WorkerOutcome::Failed,
     ];
 
@@ -91,6 +98,7 @@ impl WorkerOutcome {
             WorkerOutcome::DeviceOutOfMemory => exit_code::DEVICE_OUT_OF_MEMORY,
             WorkerOutcome::InvalidPlan => exit_code::INVALID_PLAN,
             WorkerOutcome::PeerLost => exit_code::PEER_LOST,
+            WorkerOutcome::Terminated => exit_code::TERMINATED,
             WorkerOutcome::Failed => exit_code::FAILURE,
         }
     }
@@ -111,6 +119,7 @@ impl std::fmt::Display for WorkerOutcome {
             WorkerOutcome::DeviceOutOfMemory => "deviceOutOfMemory",
             WorkerOutcome::InvalidPlan => "invalidPlan",
             WorkerOutcome::PeerLost => "peerLost",
+            WorkerOutcome::Terminated => "terminated",
             WorkerOutcome::Failed => "failed",
         })
     }

@@ -54,6 +54,51 @@ pub(super) async fn apply_status(
     })
 }
 
+/// Removes the telemetry entries of earlier attempts from `status.workers`
+/// (documented as the current attempt's). What they said is already folded
+/// into that attempt's history (`observedPeakBytes`, `lastStep`) when it ended.
+/// The entries belong to the workers' field managers, so the operator's apply
+/// cannot drop them: a merge patch writes the list without them, guarded by
+/// the resourceVersion `job` was read at, so a concurrent telemetry write
+/// makes it fail (409) rather than lose that write; the next reconcile tries
+/// again. Returns the job as written, when it wrote.
+pub(super) async fn prune_telemetry(
+    client: &Client,
+    job: &MemoryAwareTrainingJob,
+    current_attempt: Option<u32>,
+) -> Result<Option<MemoryAwareTrainingJob>, Error> {
+    let Some(current) = current_attempt else {
+        return Ok(None);
+    };
+    let workers = job.status.as_ref().map(|s| &s.workers[..]).unwrap_or(&[]);
+    if workers.iter().all(|w| w.attempt >= current) {
+        return Ok(None);
+    }
+    let kept: Vec<_> = workers.iter().filter(|w| w.attempt >= current).collect();
+    let patch = serde_json::json!({
+        "metadata": {"resourceVersion": job.resource_version()},
+        "status": {"workers": kept},
+    });
+    let api: Api<MemoryAwareTrainingJob> =
+        Api::namespaced(client.clone(), &job.namespace().unwrap_or_default());
+    match api
+        .patch_status(
+            &job.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await
+    {
+        Ok(written) => Ok(Some(written)),
+        // A telemetry write came first: the watch brings it, and us back.
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(None),
+        Err(source) => Err(Error::ApplyStatus {
+            job: job.name_any(),
+            source,
+        }),
+    }
+}
+
 /// Records events on the job. Best effort and off the reconcile path: an
 /// event must never slow a job down or fail its reconcile.
 pub(super) fn publish_events(ctx: &Context, job: &MemoryAwareTrainingJob, events: Vec<JobEvent>) {

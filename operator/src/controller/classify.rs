@@ -165,6 +165,10 @@ fn classify_exit(t: &ContainerStateTerminated) -> PodFailure {
                 (AttemptOutcome::Failed, "InvalidPlan".to_string())
             }
             (Some(WorkerOutcome::PeerLost), _) => (AttemptOutcome::Failed, "PeerLost".to_string()),
+            // Deleted, evicted or drained: the worker checkpointed and stopped.
+            (Some(WorkerOutcome::Terminated), _) => {
+                (AttemptOutcome::Disrupted, "Terminated".to_string())
+            }
             // SIGKILL without an OOMKilled reason (e.g. cgroup v1 kill racing the status) is still most likely memory.
             (_, 137) => (AttemptOutcome::HostOutOfMemory, "Killed".to_string()),
             (_, code) => (AttemptOutcome::Failed, format!("ExitCode{code}")),

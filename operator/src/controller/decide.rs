@@ -353,7 +353,17 @@ impl Builder<'_> {
                 ),
             );
         }
-        if n >= policy.max_attempts {
+        // Disruptions (a deleted or evicted pod, a drained node) are not the
+        // job's doing and lose no work (the worker checkpoints on SIGTERM):
+        // they do not use up attempts.
+        let counted = self
+            .d
+            .status
+            .attempts
+            .iter()
+            .filter(|a| a.outcome != AttemptOutcome::Disrupted)
+            .count();
+        if ended.outcome != AttemptOutcome::Disrupted && counted >= policy.max_attempts as usize {
             return self.fail(
                 Reason::MaxAttemptsReached,
                 format!(
@@ -391,20 +401,19 @@ impl Builder<'_> {
                     "another device type",
                 )
             }
-            AttemptOutcome::Disrupted | AttemptOutcome::Failed => {
-                // Exponential backoff over consecutive non-memory failures.
+            // Resume at once: nothing failed, and the checkpoint is there.
+            AttemptOutcome::Disrupted => (FailureCause::Other, "the same settings"),
+            AttemptOutcome::Failed => {
+                // Exponential backoff over consecutive failures (disruptions
+                // between them neither count nor break the streak).
                 let streak = self
                     .d
                     .status
                     .attempts
                     .iter()
                     .rev()
-                    .take_while(|a| {
-                        matches!(
-                            a.outcome,
-                            AttemptOutcome::Disrupted | AttemptOutcome::Failed
-                        )
-                    })
+                    .filter(|a| a.outcome != AttemptOutcome::Disrupted)
+                    .take_while(|a| a.outcome == AttemptOutcome::Failed)
                     .count()
                     .max(1);
                 let base = Duration::from_secs(u64::from(policy.backoff_seconds));
@@ -806,6 +815,28 @@ mod tests {
             t0() + SignedDuration::from_secs(20),
         );
         assert_eq!(d.requeue_after, Some(Duration::from_secs(20)));
+    }
+
+    /// A user deletes the worker pod: the worker checkpoints and exits 143.
+    /// That is a disruption: the next attempt starts at once and no attempt
+    /// is used up, even with maxAttempts 1.
+    #[test]
+    fn a_deleted_worker_is_a_disruption_that_costs_no_attempt() {
+        const SIGTERM: &str = "  phase: Failed\n  containerStatuses: [{name: worker, image: i, imageID: '', ready: false, restartCount: 0, state: {terminated: {exitCode: 143, message: '{\"outcome\":\"terminated\",\"reason\":\"terminated by SIGTERM at step 7; checkpoint saved\",\"step\":7}'}}}]";
+        let mut j = oom_job();
+        j.spec.memory_policy.max_attempts = 1;
+        step(&mut j, &[], t0());
+        step(&mut j, &[pod(1, 0, RUNNING)], t0());
+        let d = step(&mut j, &[pod(1, 0, SIGTERM)], t0());
+        let first = &d.status.attempts[0];
+        assert_eq!(first.outcome, AttemptOutcome::Disrupted, "{first:?}");
+        assert_eq!(first.reason.as_deref(), Some("Terminated"));
+        assert_eq!(first.last_step, Some(7));
+        assert_eq!(d.launch, Some(2), "resumes at once, no backoff");
+        assert_eq!(d.status.phase, Some(JobPhase::Retrying));
+        // A real failure afterwards is still held to maxAttempts 1.
+        let d = step(&mut j, &[pod(1, 0, SIGTERM), pod(2, 0, CRASH)], t0());
+        assert_eq!(d.status.phase, Some(JobPhase::Failed));
     }
 
     #[test]

@@ -13,7 +13,7 @@ use kube::ResourceExt;
 use kube::core::DeserializeGuard;
 use kube::runtime::controller::Action;
 
-use super::apply::{apply_status, delete_worker, ensure_children, publish_events};
+use super::apply::{apply_status, delete_worker, ensure_children, prune_telemetry, publish_events};
 use super::decide::{Observation, decide, launch_refused};
 use super::{Context, Error};
 use crate::inventory::job_inventory;
@@ -110,6 +110,10 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
 
     // Apply: status first (so a crash never loses an attempt), then events, pods.
     let written = apply_status(&ctx.client, job, &decision).await?;
+    let written = written.as_ref().unwrap_or(job);
+    let pruned = prune_telemetry(&ctx.client, written, decision.status.attempt).await?;
+    // The newest version, for a second status write below.
+    let latest = pruned.as_ref().unwrap_or(written);
     record_ended(ctx, decision.ended);
     publish_events(ctx, job, decision.events.clone());
     for pod in &decision.delete_pods {
@@ -126,7 +130,7 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
             return Err(error);
         };
         let after = launch_refused(&decision, job, attempt, &refusal, &own, Timestamp::now());
-        apply_status(&ctx.client, written.as_ref().unwrap_or(job), &after).await?;
+        apply_status(&ctx.client, latest, &after).await?;
         record_ended(ctx, after.ended);
         publish_events(ctx, job, after.events);
         for pod in &after.delete_pods {
