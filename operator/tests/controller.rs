@@ -335,6 +335,88 @@ async fn deleting_a_job_garbage_collects_everything_it_created() {
     ns.cleanup().await;
 }
 
+/// What a job trained outlives it: once it succeeds, its checkpoint claim
+/// is no longer owned by it (`RetainOnSuccess`, the default), so deleting the
+/// job leaves the claim; a new job of the same name does not resume from
+/// that claim (it waits, saying why) until the user deletes it.
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn a_succeeded_jobs_checkpoints_outlive_it() {
+    let ns = test_ns("hr-keep").await;
+    let op = start_operator(&ns, ControllerConfig::default());
+    ns.apply_job(CPU_TINY).await;
+    ns.wait_pods("the worker pod", TIMEOUT, |p| p.len() == 1)
+        .await;
+    ns.set_pod_status("tiny-cpu-a1-s0", terminated(0, "Completed", None))
+        .await;
+    let done = ns
+        .wait_job("tiny-cpu", "phase Succeeded", TIMEOUT, |j| {
+            phase(j) == Some(JobPhase::Succeeded)
+        })
+        .await;
+    let message = done.status.and_then(|s| s.message).unwrap_or_default();
+    assert!(message.contains("tiny-cpu-checkpoints"), "{message}");
+    let pvc: Api<PersistentVolumeClaim> = Api::namespaced(ns.client.clone(), &ns.name);
+    let claim = pvc.get("tiny-cpu-checkpoints").await.expect("claim");
+    assert!(claim.owner_references().is_empty(), "{:?}", claim.metadata);
+    assert_eq!(
+        claim
+            .labels()
+            .get("headroom.dev/retained-from")
+            .map(String::as_str),
+        Some("tiny-cpu")
+    );
+
+    ns.jobs()
+        .delete("tiny-cpu", &kube::api::DeleteParams::foreground())
+        .await
+        .expect("delete job");
+    ns.wait_for("the job gone", TIMEOUT, || async {
+        ns.jobs()
+            .get_opt("tiny-cpu")
+            .await
+            .ok()?
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    // The garbage collector had its chance (the job is gone): the claim stays.
+    let kept = pvc.get_opt("tiny-cpu-checkpoints").await.expect("get");
+    assert!(
+        kept.is_some_and(|c| c.metadata.deletion_timestamp.is_none()),
+        "the trained checkpoints were deleted with the job"
+    );
+
+    // The same name again: not resumed from the old job's checkpoints.
+    ns.apply_job(CPU_TINY).await;
+    let waiting = ns
+        .wait_job("tiny-cpu", "waiting for the old claim", TIMEOUT, |j| {
+            j.status.as_ref().is_some_and(|s| {
+                s.conditions.iter().any(|c| {
+                    c.reason == "LaunchRefused" && c.message.contains("kubectl delete pvc")
+                })
+            })
+        })
+        .await;
+    assert_ne!(phase(&waiting), Some(JobPhase::Failed));
+    assert!(ns.pod_list().await.is_empty());
+    pvc.delete("tiny-cpu-checkpoints", &Default::default())
+        .await
+        .expect("delete the old claim");
+    ns.wait_pods("the new job's worker", Duration::from_secs(60), |p| {
+        p.len() == 1
+    })
+    .await;
+    let fresh = pvc.get("tiny-cpu-checkpoints").await.expect("new claim");
+    assert_eq!(
+        fresh.owner_references()[0].uid,
+        waiting.uid().expect("uid"),
+        "the new claim belongs to the new job"
+    );
+    op.stop().await;
+    ns.cleanup().await;
+}
+
 #[tokio::test]
 #[ignore = "needs the control plane: make test-apiserver"]
 async fn gpu_type_is_chosen_by_budget_and_replanned_when_unschedulable() {

@@ -14,6 +14,12 @@ pub const WORKER_FIELD_MANAGER_PREFIX: &str = "headroom-worker/";
 pub const LABEL_JOB: &str = "headroom.dev/job";
 pub const LABEL_ATTEMPT: &str = "headroom.dev/attempt";
 pub const LABEL_STAGE: &str = "headroom.dev/stage";
+/// On a checkpoint claim: the uid of the job whose checkpoints it holds (a
+/// kept claim outlives its job; a new job of the same name must not resume
+/// from it).
+pub const ANNOTATION_JOB_UID: &str = "headroom.dev/job-uid";
+/// On a checkpoint claim kept after its job: the job's name.
+pub const LABEL_RETAINED_FROM: &str = "headroom.dev/retained-from";
 
 /// Where the worker finds its [`WorkerAssignment`]: a JSON file, or the JSON itself.
 pub const PLAN_FILE_ENV: &str = "HEADROOM_PLAN_FILE";

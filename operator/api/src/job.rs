@@ -70,6 +70,10 @@ pub struct MemoryAwareTrainingJobSpec {
     #[serde(default)]
     pub memory_policy: MemoryPolicy,
     pub worker: WorkerSpec,
+    /// The job's checkpoint volume (PVC `<job>-checkpoints`): what happens to it
+    /// when the job is deleted.
+    #[serde(default)]
+    pub checkpoints: CheckpointsSpec,
 }
 
 /// Exactly one of `transformer` or `generic`.
@@ -261,6 +265,43 @@ pub struct WorkerSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
     pub priority_class_name: Option<String>,
+}
+
+/// The job's checkpoint volume: every attempt resumes from it, and a
+/// finished job's last checkpoint there is its trained result.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CheckpointsSpec {
+    /// Whether the volume outlives the job: `RetainOnSuccess` (default) keeps
+    /// it once the job has succeeded, `Retain` always, `Delete` never.
+    #[serde(default)]
+    pub retention: ClaimRetention,
+}
+
+/// Whether a job's checkpoint claim outlives the job. A kept claim is no
+/// longer owned by the job (so deleting the job leaves it) and is labelled
+/// `headroom.dev/retained-from=<job>`; delete it with kubectl when done.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum ClaimRetention {
+    /// Kept once the job succeeds (its checkpoints are the trained result);
+    /// deleted with a job that never succeeded.
+    #[default]
+    RetainOnSuccess,
+    /// Always kept, whatever the job's end.
+    Retain,
+    /// Deleted with the job, always.
+    Delete,
+}
+
+impl ClaimRetention {
+    /// Whether a job that ended with `succeeded` keeps its claim.
+    pub fn keeps(self, succeeded: bool) -> bool {
+        match self {
+            ClaimRetention::RetainOnSuccess => succeeded,
+            ClaimRetention::Retain => true,
+            ClaimRetention::Delete => false,
+        }
+    }
 }
 
 /// When the kubelet pulls the worker image.

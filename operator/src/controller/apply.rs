@@ -226,7 +226,7 @@ pub(super) async fn ensure_children(
     futures::try_join!(
         apply::<ServiceAccount>(c, &ns, &sa),
         apply::<Role>(c, &ns, &role),
-        create_claim(c, &ns, &pvc),
+        create_claim(c, &ns, job, &pvc),
         async {
             if plan.workers > 1 {
                 apply::<Service>(c, &ns, &svc).await
@@ -244,13 +244,22 @@ pub(super) async fn ensure_children(
     Ok(())
 }
 
-/// A PVC's spec is immutable once bound: create it once, never re-apply.
+/// A PVC's spec is immutable once bound: create it once, never re-apply. An
+/// existing claim of the same name must be this job's: one kept after an
+/// earlier job of the same name holds that job's checkpoints, and resuming
+/// from them would be wrong (and overwriting them would lose them).
 async fn create_claim(
     client: &Client,
     ns: &str,
+    job: &MemoryAwareTrainingJob,
     claim: &PersistentVolumeClaim,
 ) -> Result<(), Error> {
     let api: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
+    let refused = |source| Error::ApplyChild {
+        kind: "PersistentVolumeClaim".into(),
+        name: claim.name_any(),
+        source,
+    };
     match api
         .create(
             &PostParams {
@@ -262,10 +271,50 @@ async fn create_claim(
         .await
     {
         Ok(_) => Ok(()),
-        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()), // already there: keep it as it is
-        Err(source) => Err(Error::ApplyChild {
-            kind: "PersistentVolumeClaim".into(),
-            name: claim.name_any(),
+        Err(kube::Error::Api(e)) if e.code == 409 => {
+            let existing = api.get(&claim.name_any()).await.map_err(refused)?;
+            if children::claim_belongs_to(&existing, job) {
+                return Ok(()); // ours: keep it as it is
+            }
+            Err(Error::ClaimTaken {
+                claim: claim.name_any(),
+                job: existing
+                    .labels()
+                    .get(headroom_api::LABEL_RETAINED_FROM)
+                    .cloned()
+                    .unwrap_or_else(|| job.name_any()),
+                holder: existing
+                    .annotations()
+                    .get(headroom_api::ANNOTATION_JOB_UID)
+                    .cloned()
+                    .unwrap_or_default(),
+            })
+        }
+        Err(source) => Err(refused(source)),
+    }
+}
+
+/// Lets the checkpoint claim outlive the job (`RetainOnSuccess` on success).
+/// Runs before the status says Succeeded, so a failure here is retried.
+pub(super) async fn keep_claim(
+    client: &Client,
+    ns: &str,
+    job: &MemoryAwareTrainingJob,
+) -> Result<(), Error> {
+    let name = children::checkpoint_claim_name(job);
+    let api: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
+    match api
+        .patch(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(children::release_claim_patch(job)),
+        )
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 404 => Ok(()), // nothing to keep
+        Err(source) => Err(Error::KeepClaim {
+            claim: name,
             source,
         }),
     }

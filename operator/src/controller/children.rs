@@ -7,9 +7,10 @@
 use std::collections::BTreeMap;
 
 use headroom_api::{
-    CHECKPOINT_DIR_ENV, DEFAULT_CHECKPOINT_DIR, GROUP, LABEL_ATTEMPT, LABEL_JOB, LABEL_STAGE,
-    MemoryAwareTrainingJob, PIPELINE_PODS_ENV, PIPELINE_PORT, PIPELINE_SERVICE_ENV, PLAN_JSON_ENV,
-    POD_NAME_ENV, TERMINATION_MESSAGE_PATH, WorkerAssignment,
+    ANNOTATION_JOB_UID, CHECKPOINT_DIR_ENV, ClaimRetention, DEFAULT_CHECKPOINT_DIR, GROUP,
+    LABEL_ATTEMPT, LABEL_JOB, LABEL_RETAINED_FROM, LABEL_STAGE, MemoryAwareTrainingJob,
+    PIPELINE_PODS_ENV, PIPELINE_PORT, PIPELINE_SERVICE_ENV, PLAN_JSON_ENV, POD_NAME_ENV,
+    TERMINATION_MESSAGE_PATH, WorkerAssignment,
 };
 use headroom_planner::{DeviceKind, ModelShape, Plan};
 use k8s_openapi::api::core::v1::{
@@ -174,12 +175,28 @@ pub fn role_binding(job: &MemoryAwareTrainingJob) -> RoleBinding {
 }
 
 /// One volume for all attempts, so a retry resumes from the last checkpoint.
+/// Annotated with the job's uid (a kept claim outlives its job); owned by the
+/// job (deleted with it) unless `spec.checkpoints.retention` is `Retain`.
+/// `RetainOnSuccess` claims are released when the job succeeds ([`release_claim_patch`]).
 pub fn checkpoint_claim(
     job: &MemoryAwareTrainingJob,
     config: &ChildConfig,
 ) -> PersistentVolumeClaim {
+    let mut metadata = meta(job, checkpoint_claim_name(job), job_labels(job));
+    metadata.annotations = Some(
+        [(
+            ANNOTATION_JOB_UID.to_string(),
+            job.uid().unwrap_or_default(),
+        )]
+        .into_iter()
+        .collect(),
+    );
+    if job.spec.checkpoints.retention == ClaimRetention::Retain {
+        metadata.owner_references = None;
+        release_labels(job, &mut metadata);
+    }
     PersistentVolumeClaim {
-        metadata: meta(job, checkpoint_claim_name(job), job_labels(job)),
+        metadata,
         spec: Some(PersistentVolumeClaimSpec {
             access_modes: Some(vec![config.checkpoint_access.as_str().into()]),
             storage_class_name: config.checkpoint_storage_class.clone(),
@@ -198,6 +215,39 @@ pub fn checkpoint_claim(
         }),
         ..PersistentVolumeClaim::default()
     }
+}
+
+fn release_labels(job: &MemoryAwareTrainingJob, metadata: &mut ObjectMeta) {
+    metadata
+        .labels
+        .get_or_insert_with(BTreeMap::new)
+        .insert(LABEL_RETAINED_FROM.into(), job.name_any());
+}
+
+/// The merge patch that lets a claim outlive its job: no owner (garbage
+/// collection leaves it), labelled with the job's name for finding it.
+pub fn release_claim_patch(job: &MemoryAwareTrainingJob) -> serde_json::Value {
+    serde_json::json!({
+        "metadata": {
+            "ownerReferences": null,
+            "labels": {LABEL_RETAINED_FROM: job.name_any()},
+        }
+    })
+}
+
+/// Whether an existing claim holds this job's checkpoints (and not those of
+/// an earlier job of the same name, kept after it ended).
+pub fn claim_belongs_to(claim: &PersistentVolumeClaim, job: &MemoryAwareTrainingJob) -> bool {
+    let Some(uid) = job.uid() else {
+        return true;
+    };
+    let annotated = claim
+        .annotations()
+        .get(ANNOTATION_JOB_UID)
+        .map(|u| *u == uid);
+    let owned = claim.owner_references().iter().any(|o| o.uid == uid);
+    // Claims made before the annotation existed are recognised by their owner.
+    annotated.unwrap_or(owned)
 }
 
 /// Stable DNS names for the stages of a multi-worker plan (`s<k>.<service>`).

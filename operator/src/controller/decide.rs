@@ -208,7 +208,7 @@ impl Builder<'_> {
                 },
                 request,
             );
-            return self.enter(Transition::Succeeded { attempt: n });
+            return self.succeed(n);
         }
 
         let stuck = pods.iter().find_map(|(_, v)| match v {
@@ -342,7 +342,7 @@ impl Builder<'_> {
         let policy = &self.obs.job.spec.memory_policy;
         let n = ended.number;
         if ended.outcome == AttemptOutcome::Succeeded {
-            return self.enter(Transition::Succeeded { attempt: n });
+            return self.succeed(n);
         }
         if worker == Some(WorkerOutcome::InvalidPlan) {
             return self.fail(
@@ -449,6 +449,17 @@ impl Builder<'_> {
             retry,
         });
         self.d.launch = Some(number);
+    }
+
+    fn succeed(&mut self, attempt: u32) {
+        let job = self.obs.job;
+        let kept_in = job
+            .spec
+            .checkpoints
+            .retention
+            .keeps(true)
+            .then(|| super::children::checkpoint_claim_name(job));
+        self.enter(Transition::Succeeded { attempt, kept_in });
     }
 
     fn fail(&mut self, reason: Reason, message: String) {

@@ -179,8 +179,12 @@ pub enum Transition {
     /// can pass (a quota, a server error): reported, and asked again later.
     /// A refusal that cannot pass ends the job instead ([`Transition::Failed`]).
     LaunchRefused { attempt: u32, message: String },
-    /// Attempt `attempt` finished the training.
-    Succeeded { attempt: u32 },
+    /// Attempt `attempt` finished the training; `kept_in` names the
+    /// checkpoint claim that outlives the job, when it does.
+    Succeeded {
+        attempt: u32,
+        kept_in: Option<String>,
+    },
     /// The job ends without success.
     Failed { reason: Reason, message: String },
 }
@@ -323,8 +327,13 @@ pub fn enter(
             status.phase.get_or_insert(JobPhase::Pending);
             Some(JobEvent::new(true, Reason::LaunchRefused, message))
         }
-        Transition::Succeeded { attempt } => {
-            let message = format!("succeeded on attempt {attempt}");
+        Transition::Succeeded { attempt, kept_in } => {
+            let mut message = format!("succeeded on attempt {attempt}");
+            if let Some(claim) = kept_in {
+                message.push_str(&format!(
+                    "; the trained checkpoints are kept in PersistentVolumeClaim {claim}, which outlives the job"
+                ));
+            }
             condition(
                 status,
                 ConditionType::Running,
@@ -526,7 +535,10 @@ mod tests {
                 ],
             ),
             (
-                Transition::Succeeded { attempt: 2 },
+                Transition::Succeeded {
+                    attempt: 2,
+                    kept_in: Some("tiny-checkpoints".into()),
+                },
                 |_| P::Succeeded,
                 Some((false, Reason::Succeeded)),
                 vec![

@@ -57,6 +57,20 @@ pub enum Error {
         #[source]
         source: serde_json::Error,
     },
+    #[error(
+        "checkpoint claim {claim} holds the checkpoints of an earlier job named {job} (uid {holder}), kept after it ended; delete the claim (kubectl delete pvc {claim}) or give this job another name"
+    )]
+    ClaimTaken {
+        claim: String,
+        job: String,
+        holder: String,
+    },
+    #[error("keeping checkpoint claim {claim} after the job: {source}")]
+    KeepClaim {
+        claim: String,
+        #[source]
+        source: kube::Error,
+    },
     #[error("deleting worker pod {pod}: {source}")]
     DeleteWorker {
         pod: String,
@@ -71,7 +85,8 @@ impl Error {
         match self {
             Error::NoNamespace => "read_job",
             Error::ApplyStatus { .. } => "apply_status",
-            Error::ApplyChild { .. } => "apply_child",
+            Error::ApplyChild { .. } | Error::ClaimTaken { .. } => "apply_child",
+            Error::KeepClaim { .. } => "keep_claim",
             Error::BuildChild { .. } => "build_child",
             Error::DeleteWorker { .. } => "delete_worker",
         }
@@ -85,6 +100,7 @@ impl Error {
             Some(_) => "api",
             None => match self {
                 Error::NoNamespace => "no_namespace",
+                Error::ClaimTaken { .. } => "claim_taken",
                 Error::BuildChild { .. } => "serialize",
                 _ => "transport",
             },
@@ -99,6 +115,15 @@ impl Error {
     /// The API server refused to create one of an attempt's children (any
     /// status code): what to tell the user, and whether it can heal by itself.
     pub fn launch_refusal(&self) -> Option<LaunchRefusal> {
+        if let Error::ClaimTaken { claim, .. } = self {
+            // Heals when the user deletes the old claim.
+            return Some(LaunchRefusal {
+                object: format!("PersistentVolumeClaim {claim}"),
+                code: 409,
+                message: self.to_string(),
+                heals: true,
+            });
+        }
         let Error::ApplyChild {
             kind,
             name,
@@ -119,11 +144,12 @@ impl Error {
         match self {
             Error::ApplyStatus { source, .. }
             | Error::ApplyChild { source, .. }
+            | Error::KeepClaim { source, .. }
             | Error::DeleteWorker { source, .. } => match source {
                 kube::Error::Api(e) => Some(e),
                 _ => None,
             },
-            Error::NoNamespace | Error::BuildChild { .. } => None,
+            Error::NoNamespace | Error::BuildChild { .. } | Error::ClaimTaken { .. } => None,
         }
     }
 }

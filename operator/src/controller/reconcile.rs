@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use headroom_api::{LABEL_JOB, MemoryAwareTrainingJob};
+use headroom_api::{ClaimRetention, JobPhase, LABEL_JOB, MemoryAwareTrainingJob};
 use headroom_planner::Inventory;
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Pod;
@@ -13,7 +13,9 @@ use kube::ResourceExt;
 use kube::core::DeserializeGuard;
 use kube::runtime::controller::Action;
 
-use super::apply::{apply_status, delete_worker, ensure_children, prune_telemetry, publish_events};
+use super::apply::{
+    apply_status, delete_worker, ensure_children, keep_claim, prune_telemetry, publish_events,
+};
 use super::decide::{Observation, decide, launch_refused};
 use super::{Context, Error};
 use crate::inventory::job_inventory;
@@ -107,6 +109,14 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
     ctx.metrics
         .planning_seconds
         .observe(started.elapsed().as_secs_f64());
+
+    // A job that succeeds now and keeps its checkpoints: release the claim
+    // before the status says Succeeded (after it, nothing would retry this).
+    let succeeds_now = decision.status.phase == Some(JobPhase::Succeeded)
+        && job.status.as_ref().and_then(|s| s.phase) != Some(JobPhase::Succeeded);
+    if succeeds_now && job.spec.checkpoints.retention == ClaimRetention::RetainOnSuccess {
+        keep_claim(&ctx.client, &ns, job).await?;
+    }
 
     // Apply: status first (so a crash never loses an attempt), then events, pods.
     let written = apply_status(&ctx.client, job, &decision).await?;
