@@ -36,6 +36,9 @@ if [[ -n ${KUBECONFIG:-} && ${CHART_CHECK_RBAC:-1} == 1 ]]; then
   cargo build -q -p headroom-operator --bin headroom-operator
   k() { "${KUBECTL}" "$@"; }
   # --force-conflicts: the API-server tests apply the same cluster-scoped policy under their own manager.
+  # Leases from earlier runs (this control plane's state persists) would hide
+  # one this run leaves behind.
+  k -n "${NS}" delete leases --all >/dev/null
   k apply --server-side --force-conflicts -f - <<<"${rendered}" >/dev/null
   k -n "${NS}" scale deployment headroom-operator --replicas=0 >/dev/null # no kubelet here; we run it ourselves
   token=$(k -n "${NS}" create token headroom-operator --duration=10m)
@@ -53,7 +56,7 @@ current-context: c
 KUBECONFIG
   log=$(mktemp)
   KUBECONFIG=${sa_kubeconfig} POD_NAMESPACE=${NS} RUST_LOG=info "${CARGO_TARGET_DIR}/debug/headroom-operator" \
-    --metrics-addr 127.0.0.1:0 --lease-seconds 5 >"${log}" 2>&1 &
+    --metrics-addr 127.0.0.1:0 --lease-seconds 5 --lease-name headroom-operator-leader >"${log}" 2>&1 &
   op=$!
   cleanup() { kill "${op}" 2>/dev/null || true; k delete namespace "${work_ns}" --wait=false >/dev/null 2>&1 || true; rm -f "${sa_kubeconfig}"; }
   trap cleanup EXIT
@@ -78,5 +81,17 @@ KUBECONFIG
   # refuses new objects with "forbidden" too; that is not RBAC.
   if grep -iE 'forbidden|cannot (create|patch|get|list|watch)' "${log}" | grep -v 'NamespaceTerminating'; then fail "the chart's RBAC is missing a permission the operator uses"; fi
   echo "chart-check: the operator ran a job through an OOM retry with only the chart's RBAC"
+  k -n "${NS}" get lease headroom-operator-leader -o jsonpath='{.spec.holderIdentity}' | grep -q . \
+    || fail "the operator did not lead through the chart's Lease"
+
+  # Uninstall, as helm does it (every templated object; CRDs stay): nothing
+  # of the release may remain in its namespace, the leader Lease included.
+  kill "${op}"; wait "${op}" 2>/dev/null || true
+  "${HELM}" template headroom "${CHART}" --namespace "${NS}" --kube-version "${KUBE_VERSION:-v1.33.0}" \
+    | k delete --ignore-not-found --wait=false -f - >/dev/null
+  left=$(k -n "${NS}" get leases,roles,rolebindings,serviceaccounts,deployments,services -l app.kubernetes.io/instance=headroom -o name)
+  stray=$(k -n "${NS}" get leases -o name)
+  [[ -z ${left} && -z ${stray} ]] || fail "left behind after uninstall: ${left} ${stray}"
+  echo "chart-check: uninstall leaves no Lease or RBAC behind"
 fi
 echo "chart-check: ok"
