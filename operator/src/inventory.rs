@@ -48,10 +48,8 @@ fn pod_device_requests(pod: &Pod) -> BTreeMap<String, u64> {
 pub fn node_facts<'a>(node: &Node, pods: impl IntoIterator<Item = &'a Pod>) -> NodeFacts {
     let name = node.metadata.name.clone().unwrap_or_default();
     let labels = node.metadata.labels.clone().unwrap_or_default();
-    let allocatable = node
-        .status
-        .as_ref()
-        .and_then(|s| s.allocatable.as_ref())
+    let reported = node.status.as_ref().and_then(|s| s.allocatable.as_ref());
+    let allocatable = reported
         .map(|a| {
             a.iter()
                 .filter(|(k, _)| is_device_resource(k))
@@ -84,6 +82,7 @@ pub fn node_facts<'a>(node: &Node, pods: impl IntoIterator<Item = &'a Pod>) -> N
         name,
         labels,
         allocatable,
+        allocatable_reported: reported.is_some_and(|a| !a.is_empty()),
         in_use,
         schedulable: !cordoned && !not_ready,
     }
@@ -272,6 +271,45 @@ mod tests {
 
     fn from_yaml<T: serde::de::DeserializeOwned>(y: &str) -> T {
         serde_yaml::from_str(y).expect("fixture")
+    }
+
+    /// A Node as GFD labels it in the mixed MIG strategy and the device
+    /// plugin advertises it: one A100-80GB cut into seven 1g.10gb slices.
+    /// Only the slices are devices (a worker pod requests
+    /// `nvidia.com/mig-1g.10gb`, see children.rs), not the full GPU its labels describe.
+    #[test]
+    fn a_mixed_mig_node_offers_its_slices_and_no_full_gpu() {
+        let node: Node = from_yaml(
+            r#"
+metadata:
+  name: mig-1
+  labels:
+    nvidia.com/gpu.product: NVIDIA-A100-SXM4-80GB
+    nvidia.com/gpu.memory: "81920"
+    nvidia.com/gpu.count: "1"
+    nvidia.com/mig.strategy: mixed
+    nvidia.com/mig-1g.10gb.count: "7"
+    nvidia.com/mig-1g.10gb.memory: "9728"
+    nvidia.com/mig-1g.10gb.product: NVIDIA-A100-SXM4-80GB-MIG-1g.10gb
+status:
+  allocatable: {nvidia.com/mig-1g.10gb: "7", memory: 1Ti, cpu: "64", pods: "110"}
+"#,
+        );
+        let facts = node_facts(&node, &[]);
+        let inv = Inventory::from_nodes([&facts]);
+        let devices: Vec<_> = inv
+            .devices
+            .iter()
+            .map(|d| (d.name.as_str(), d.resource.as_str(), d.free))
+            .collect();
+        assert_eq!(
+            devices,
+            [(
+                "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb",
+                "nvidia.com/mig-1g.10gb",
+                7
+            )]
+        );
     }
 
     #[test]

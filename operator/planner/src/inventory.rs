@@ -1,11 +1,22 @@
 //! Devices the cluster offers, read from Node facts the way GPU Feature
 //! Discovery publishes them, or a CPU budget taken from the job itself.
 //!
-//! Labels read (GFD): `nvidia.com/gpu.product`, `nvidia.com/gpu.memory`
-//! (MiB per device), `nvidia.com/gpu.count`, `nvidia.com/mig.strategy`, and
-//! for the mixed MIG strategy `nvidia.com/mig-<profile>.count|.memory`.
-//! Counts come from the node's allocatable extended resource
-//! (`nvidia.com/gpu`, `nvidia.com/mig-<profile>`) when present, else the label.
+//! Labels read, as GPU Feature Discovery writes them
+//! (NVIDIA/k8s-device-plugin, `internal/lm/mig-strategy.go` and the GFD README):
+//! * no MIG, or the `single` strategy: `nvidia.com/gpu.product` (single: the
+//!   slice, e.g. `NVIDIA-A100-SXM4-40GB-MIG-1g.5gb`), `nvidia.com/gpu.memory`
+//!   (MiB per device), `nvidia.com/gpu.count`; the device plugin advertises
+//!   `nvidia.com/gpu`;
+//! * the `mixed` strategy (`nvidia.com/mig.strategy=mixed`): per profile
+//!   `nvidia.com/mig-<profile>.count|.memory|.product`, advertised as
+//!   `nvidia.com/mig-<profile>`. GFD still writes the `nvidia.com/gpu.*`
+//!   labels of the MIG-enabled physical GPUs, but the device plugin does not
+//!   advertise them: they are not devices a pod can get.
+//!
+//! So a device exists only where the node can allocate it: when the node
+//! reports `status.allocatable`, counts come from there alone (labels without
+//! an allocatable resource are phantoms). Labels give the counts only for node
+//! descriptions without allocatable figures (e.g. a `--nodes` file).
 
 use std::collections::BTreeMap;
 
@@ -33,6 +44,10 @@ pub struct NodeFacts {
     pub in_use: BTreeMap<String, u64>,
     /// False for cordoned or NotReady nodes: their devices count as present, not free.
     pub schedulable: bool,
+    /// Whether the node reported `status.allocatable` at all: then a device
+    /// type missing from `allocatable` is not allocatable there, whatever its
+    /// labels say. False for label-only descriptions (counts from labels).
+    pub allocatable_reported: bool,
 }
 
 #[derive(
@@ -145,12 +160,12 @@ fn label_u64(node: &NodeFacts, key: &str) -> Option<u64> {
 }
 
 fn count_of(node: &NodeFacts, resource: &str, label_count: Option<u64>) -> (u32, u32) {
-    let total = node
-        .allocatable
-        .get(resource)
-        .copied()
-        .or(label_count)
-        .unwrap_or(0);
+    let allocatable = node.allocatable.get(resource).copied();
+    let total = if node.allocatable_reported {
+        allocatable.unwrap_or(0)
+    } else {
+        allocatable.or(label_count).unwrap_or(0)
+    };
     let used = node.in_use.get(resource).copied().unwrap_or(0);
     let free = if node.schedulable {
         total.saturating_sub(used)
@@ -207,9 +222,8 @@ fn node_devices(node: &NodeFacts) -> Vec<DeviceType> {
                 label_u64(node, &format!("{resource}.count")),
             );
             if total > 0 {
-                let base = product.clone().unwrap_or_else(|| "NVIDIA-GPU".into());
                 out.push(DeviceType {
-                    name: format!("{base}-MIG-{profile}"),
+                    name: mig_name(node, product.as_deref(), profile),
                     kind: DeviceKind::Gpu,
                     resource,
                     memory_bytes: mib * MIB,
@@ -221,6 +235,22 @@ fn node_devices(node: &NodeFacts) -> Vec<DeviceType> {
         }
     }
     out
+}
+
+/// A mixed-strategy MIG device's name: GFD's `nvidia.com/mig-<profile>.product`
+/// (e.g. `NVIDIA-A100-SXM4-80GB-MIG-1g.10gb`); without it, the GPU product
+/// plus `-MIG-<profile>`, never doubling a `-MIG-…` suffix already there.
+fn mig_name(node: &NodeFacts, product: Option<&str>, profile: &str) -> String {
+    if let Some(name) = node
+        .labels
+        .get(&format!("{MIG_PREFIX}{profile}.product"))
+        .filter(|n| !n.trim().is_empty())
+    {
+        return name.clone();
+    }
+    let product = product.unwrap_or("NVIDIA-GPU");
+    let base = product.split_once("-MIG-").map_or(product, |(b, _)| b);
+    format!("{base}-MIG-{profile}")
 }
 
 #[cfg(test)]
@@ -237,6 +267,7 @@ mod tests {
             allocatable: alloc.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
             in_use: BTreeMap::new(),
             schedulable: true,
+            allocatable_reported: !alloc.is_empty(),
         }
     }
 
@@ -284,6 +315,116 @@ mod tests {
             .map(|d| (d.name.as_str(), d.free))
             .collect();
         assert_eq!(free, vec![("Tesla-T4", 4), ("NVIDIA-A100-SXM4-80GB", 8)]);
+    }
+
+    /// GFD's labels for one A100-80GB in the mixed strategy, seven 1g.10gb
+    /// slices: the physical GPU keeps its `nvidia.com/gpu.*` labels, but the
+    /// device plugin advertises only the slices.
+    fn mixed_a100(product_label: &str) -> NodeFacts {
+        let mut labels = vec![
+            (LABEL_GPU_PRODUCT, product_label),
+            (LABEL_GPU_MEMORY_MIB, "81920"),
+            (LABEL_GPU_COUNT, "1"),
+            (LABEL_MIG_STRATEGY, "mixed"),
+            ("nvidia.com/mig-1g.10gb.count", "7"),
+            ("nvidia.com/mig-1g.10gb.memory", "9728"),
+            ("nvidia.com/mig-1g.10gb.multiprocessors", "14"),
+        ];
+        labels.push((
+            "nvidia.com/mig-1g.10gb.product",
+            "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb",
+        ));
+        let mut n = node("mixed", &labels, &[("nvidia.com/mig-1g.10gb", 7)]);
+        // A real Node reports cpu/memory/pods too: allocatable is known.
+        n.allocatable_reported = true;
+        n
+    }
+
+    #[test]
+    fn mixed_mig_nodes_offer_their_slices_and_no_phantom_gpu() {
+        let inv = Inventory::from_nodes([&mixed_a100("NVIDIA-A100-SXM4-80GB")]);
+        let got: Vec<_> = inv
+            .devices
+            .iter()
+            .map(|d| (d.name.as_str(), d.resource.as_str(), d.free, d.memory_bytes))
+            .collect();
+        assert_eq!(
+            got,
+            vec![(
+                "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb",
+                "nvidia.com/mig-1g.10gb",
+                7,
+                9728 * MIB
+            )],
+            "no full A100 that the device plugin does not advertise"
+        );
+    }
+
+    #[test]
+    fn mig_names_come_from_the_product_label_and_never_double_the_suffix() {
+        let mut n = mixed_a100("NVIDIA-A100-SXM4-80GB-MIG-1g.10gb");
+        assert_eq!(
+            Inventory::from_nodes([&n]).devices[0].name,
+            "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb"
+        );
+        n.labels.remove("nvidia.com/mig-1g.10gb.product");
+        assert_eq!(
+            Inventory::from_nodes([&n]).devices[0].name,
+            "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb",
+            "built from a product label that already carries a MIG suffix"
+        );
+    }
+
+    #[test]
+    fn single_strategy_slices_are_nvidia_gpu_devices() {
+        // GFD README, MIG 'single': 8 A100-40GB × 7 slices of 1g.5gb.
+        let mut n = node(
+            "single",
+            &[
+                (LABEL_MIG_STRATEGY, "single"),
+                (LABEL_GPU_PRODUCT, "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb"),
+                (LABEL_GPU_COUNT, "56"),
+                (LABEL_GPU_MEMORY_MIB, "5120"),
+            ],
+            &[(RESOURCE_GPU, 56)],
+        );
+        n.allocatable_reported = true;
+        let inv = Inventory::from_nodes([&n]);
+        assert_eq!(inv.devices.len(), 1);
+        let d = &inv.devices[0];
+        assert_eq!(
+            (
+                d.name.as_str(),
+                d.resource.as_str(),
+                d.total,
+                d.memory_bytes
+            ),
+            (
+                "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb",
+                RESOURCE_GPU,
+                56,
+                5120 * MIB
+            )
+        );
+    }
+
+    #[test]
+    fn a_labelled_gpu_the_node_cannot_allocate_is_not_there() {
+        // GFD labels, but no device plugin (or it advertises nothing yet).
+        let mut n = node(
+            "no-plugin",
+            &[
+                (LABEL_GPU_PRODUCT, "NVIDIA-L4"),
+                (LABEL_GPU_MEMORY_MIB, "23034"),
+                (LABEL_GPU_COUNT, "4"),
+            ],
+            &[],
+        );
+        n.allocatable_reported = true;
+        assert!(Inventory::from_nodes([&n]).devices.is_empty());
+        // A label-only description (no allocatable figures) counts from labels.
+        n.allocatable_reported = false;
+        assert_eq!(Inventory::from_nodes([&n]).devices[0].total, 4);
     }
 
     #[test]

@@ -70,6 +70,7 @@ pub fn gpu_node(name: &str, product: &str, memory_mib: u64, count: u64) -> NodeF
         allocatable: [(RESOURCE_GPU.to_string(), count)].into_iter().collect(),
         in_use: BTreeMap::new(),
         schedulable: true,
+        allocatable_reported: true,
     }
 }
 

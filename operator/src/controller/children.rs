@@ -658,6 +658,7 @@ pub(crate) mod tests {
             allocatable: [("nvidia.com/gpu".to_string(), 8)].into_iter().collect(),
             in_use: BTreeMap::new(),
             schedulable: true,
+            allocatable_reported: true,
         }];
         let plan = plan(
             &job.spec.job_request().expect("valid"),
