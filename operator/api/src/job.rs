@@ -18,7 +18,7 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::quantity::parse_bytes;
+use crate::quantity::{parse_bytes, parse_cores};
 
 /// A training job that Headroom plans, places and retries so it fits in memory.
 #[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -65,7 +65,11 @@ use crate::quantity::parse_bytes;
 pub struct MemoryAwareTrainingJobSpec {
     /// The model to train: `transformer` (shape) or `generic` (parameter count).
     pub model: ModelSpec,
+    /// How to train: global batch, steps, optimizer, precision, learning rate, seed
+    /// and optional pins for the first attempt.
     pub training: TrainingSpec,
+    /// Where to run: `gpu` (GPU types and count) or `cpu` (memory limit and workers),
+    /// and the share of each device's memory to keep free.
     pub resources: ResourcesSpec,
     #[serde(default)]
     pub memory_policy: MemoryPolicy,
@@ -121,6 +125,7 @@ pub struct TrainingSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 64))]
     pub pipeline_stages: Option<u32>,
+    /// Peak learning rate of the optimizer, e.g. 0.0003.
     #[serde(default = "default_learning_rate")]
     #[schemars(range(min = 0.0, max = 10.0))]
     pub learning_rate: f64,
@@ -128,6 +133,8 @@ pub struct TrainingSpec {
     #[serde(default = "default_checkpoint_every")]
     #[schemars(range(min = 1, max = 1000000))]
     pub checkpoint_every_steps: u32,
+    /// Seed of the model's initialisation and the data order; the same seed gives the
+    /// same run.
     #[serde(default)]
     pub seed: u64,
 }
@@ -140,8 +147,11 @@ pub struct TrainingSpec {
      "message": "set exactly one of resources.gpu (types, maxGpus) for a GPU job or resources.cpu (memoryLimit, maxWorkers) for a CPU job"}
 ]))]
 pub struct ResourcesSpec {
+    /// A GPU job: which GPU products it may use and how many at most.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu: Option<GpuResources>,
+    /// A CPU job: the memory limit (the budget) and cores of each worker, and how
+    /// many workers at most.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu: Option<CpuResources>,
     /// Fraction of each device's usable memory to keep free.
@@ -152,6 +162,10 @@ pub struct ResourcesSpec {
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "!has(self.hostMemory) || (isQuantity(string(self.hostMemory)) && quantity(string(self.hostMemory)).compareTo(quantity('64Mi')) >= 0)",
+     "message": "resources.gpu.hostMemory must be a quantity of at least 64Mi, e.g. 32Gi"}
+]))]
 pub struct GpuResources {
     /// Allowed GPU products as GPU Feature Discovery labels them
     /// (`nvidia.com/gpu.product`, e.g. `NVIDIA-A100-SXM4-80GB`); empty allows any.
@@ -162,23 +176,41 @@ pub struct GpuResources {
     #[serde(default = "default_one")]
     #[schemars(range(min = 1, max = 1024))]
     pub max_gpus: u32,
-    /// Host memory limit per worker pod (defaults to the operator's setting).
+    /// Host memory limit per worker pod, a quantity of at least 64Mi such as
+    /// 32Gi (defaults to the operator's setting).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "quantity_schema")]
     pub host_memory: Option<Quantity>,
+}
+
+/// A Kubernetes quantity: an integer or a string (`2`, `500m`, `4Gi`). Its
+/// syntax and range are checked by the CEL rule of the struct that holds it,
+/// with a message naming the field and an example. Bounded in length so
+/// those rules stay within the API server's cost budget.
+fn quantity_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "maxLength": 64,
+        "x-kubernetes-int-or-string": true
+    })
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
     {"rule": "isQuantity(string(self.memoryLimit)) && quantity(string(self.memoryLimit)).compareTo(quantity('64Mi')) >= 0",
-     "message": "resources.cpu.memoryLimit must be a quantity of at least 64Mi, e.g. 2Gi"}
+     "message": "resources.cpu.memoryLimit must be a quantity of at least 64Mi, e.g. 2Gi"},
+    {"rule": "!has(self.cores) || (isQuantity(string(self.cores)) && quantity(string(self.cores)).isGreaterThan(quantity('0')))",
+     "message": "resources.cpu.cores must be a CPU quantity above zero, e.g. 1, 2 or 500m"}
 ]))]
 pub struct CpuResources {
-    /// Memory limit of each worker container: the CPU job's device budget.
-    #[schemars(extend("maxLength" = 64))]
+    /// Memory limit of each worker container: the CPU job's device budget
+    /// (a quantity of at least 64Mi, e.g. 2Gi).
+    #[schemars(schema_with = "quantity_schema")]
     pub memory_limit: Quantity,
-    /// CPU request per worker (defaults to 1).
+    /// CPU request per worker, a quantity above zero such as 2 or 500m
+    /// (defaults to 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "quantity_schema")]
     pub cores: Option<Quantity>,
     /// Most workers (pipeline stages) the job may use.
     #[serde(default = "default_one")]
@@ -387,8 +419,10 @@ pub struct Attempt {
     pub number: u32,
     pub plan: Plan,
     pub outcome: AttemptOutcome,
+    /// Short reason the attempt ended (`OOMKilled`, `Terminated`, `ExitCode1`, …).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// What ended the attempt, in the worker's or Kubernetes' words.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -407,10 +441,13 @@ pub struct Attempt {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct MemorySample {
+    /// Memory the worker's cgroup uses now (memory.current / usage_in_bytes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cgroup_current_bytes: Option<u64>,
+    /// Highest memory the worker's cgroup has used (memory.peak / max_usage_in_bytes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cgroup_peak_bytes: Option<u64>,
+    /// Resident set size of the worker process.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub process_rss_bytes: Option<u64>,
     /// Bytes the backend allocator has handed out.
@@ -419,6 +456,7 @@ pub struct MemorySample {
     /// Bytes the backend allocator holds (in use + cached); the gap is fragmentation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub allocator_reserved_bytes: Option<u64>,
+    /// Per-GPU memory as NVML reports it (GPU workers only).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["index"]))]
     pub gpus: Vec<GpuMemory>,
@@ -429,8 +467,11 @@ pub struct MemorySample {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct GpuMemory {
+    /// NVML index of the GPU.
     pub index: u32,
+    /// Bytes in use on the GPU (all processes).
     pub used_bytes: u64,
+    /// The GPU's memory size.
     pub total_bytes: u64,
 }
 
@@ -440,13 +481,20 @@ pub struct GpuMemory {
 pub struct WorkerTelemetry {
     /// Pod name.
     pub name: String,
+    /// The attempt this worker belongs to.
     pub attempt: u32,
+    /// Pipeline stage this worker runs (0-based).
     pub stage: u32,
+    /// First transformer block of the stage (inclusive).
     pub layer_start: u32,
+    /// One past the last transformer block of the stage.
     pub layer_end: u32,
+    /// Optimizer steps done so far.
     pub step: u64,
+    /// Training loss of the last step (the last stage reports it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss: Option<f64>,
+    /// Training throughput over the last steps.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens_per_second: Option<f64>,
     pub memory: MemorySample,
@@ -458,8 +506,11 @@ pub struct WorkerTelemetry {
 pub struct MemoryAwareTrainingJobStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<JobPhase>,
+    /// The spec generation this status answers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// `Planned`, `Running`, `Complete`, `Failed`, each with its reason (see the
+    /// README's Job lifecycle).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
@@ -477,6 +528,8 @@ pub struct MemoryAwareTrainingJobStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
     pub workers: Vec<WorkerTelemetry>,
+    /// One line on where the job stands (the current attempt and its plan, or
+    /// why the job waits or failed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
 }
@@ -554,11 +607,26 @@ impl MemoryAwareTrainingJobSpec {
             ));
         }
         let target = match (&self.resources.gpu, &self.resources.cpu) {
-            (Some(g), None) => Target::Gpu {
-                allowed_types: g.types.clone(),
-                max_gpus: g.max_gpus.max(1),
-            },
+            (Some(g), None) => {
+                if let Some(host) = &g.host_memory {
+                    let bytes = parse_bytes(&host.0)
+                        .map_err(|e| spec_error("resources.gpu.hostMemory", e))?;
+                    if bytes < 64 << 20 {
+                        return Err(spec_error(
+                            "resources.gpu.hostMemory",
+                            "must be at least 64Mi, e.g. 32Gi",
+                        ));
+                    }
+                }
+                Target::Gpu {
+                    allowed_types: g.types.clone(),
+                    max_gpus: g.max_gpus.max(1),
+                }
+            }
             (None, Some(c)) => {
+                if let Some(cores) = &c.cores {
+                    parse_cores(&cores.0).map_err(|e| spec_error("resources.cpu.cores", e))?;
+                }
                 let limit = parse_bytes(&c.memory_limit.0)
                     .map_err(|e| spec_error("resources.cpu.memoryLimit", e))?;
                 if limit < 64 << 20 {

@@ -2,6 +2,26 @@
 
 /// Parses a memory quantity into bytes. Fractions round up (a limit is a ceiling).
 pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let bytes = parse_value(text)?.ceil();
+    if bytes > u64::MAX as f64 {
+        return Err(format!("{text:?} is too large"));
+    }
+    Ok(bytes as u64)
+}
+
+/// Parses a CPU quantity ("2", "500m", "1.5") into cores; must be above zero.
+pub fn parse_cores(text: &str) -> Result<f64, String> {
+    let negative = text.trim().starts_with('-');
+    let cores = parse_value(text.trim().trim_start_matches('-'))
+        .map_err(|_| format!("{text:?} is not a CPU quantity; use e.g. 1, 2 or 500m"))?;
+    if negative || cores <= 0.0 {
+        return Err(format!("{text:?} must be above zero, e.g. 1 or 500m"));
+    }
+    Ok(cores)
+}
+
+/// A quantity's value in base units (bytes, cores), unrounded.
+fn parse_value(text: &str) -> Result<f64, String> {
     let t = text.trim();
     let split = t
         .find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E')
@@ -34,16 +54,12 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
     if !value.is_finite() || value < 0.0 {
         return Err(format!("{text:?} must be a non-negative quantity"));
     }
-    let bytes = (value * multiplier).ceil();
-    if bytes > u64::MAX as f64 {
-        return Err(format!("{text:?} is too large"));
-    }
-    Ok(bytes as u64)
+    Ok(value * multiplier)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::parse_bytes;
+    use super::{parse_bytes, parse_cores};
 
     #[test]
     fn parses_binary_decimal_and_exponent_forms() {
@@ -61,5 +77,14 @@ mod tests {
         assert!(err.contains("4Gi"), "{err}");
         assert!(parse_bytes("lots").is_err());
         assert!(parse_bytes("-1Gi").is_err());
+    }
+
+    #[test]
+    fn cores_are_positive_cpu_quantities() {
+        assert_eq!(parse_cores("2"), Ok(2.0));
+        assert_eq!(parse_cores("500m"), Ok(0.5));
+        for bad in ["lots", "-1", "0", "0m", "1Gx"] {
+            assert!(parse_cores(bad).is_err(), "{bad}");
+        }
     }
 }

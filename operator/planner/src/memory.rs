@@ -21,15 +21,23 @@ use crate::training::Settings;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct MemoryBreakdown {
+    /// Parameters, bytes.
     pub weights: u64,
+    /// Gradients (and the accumulation buffer when accumulating), bytes.
     pub gradients: u64,
+    /// Optimizer state (e.g. AdamW's two moments), bytes.
     pub optimizer_state: u64,
+    /// Activations kept for the backward pass of the micro-batches in flight, bytes.
     pub activations: u64,
+    /// Logits and their gradient for one micro-batch, bytes.
     pub logits: u64,
+    /// The backend's fixed overhead (runtime, context, workspace), bytes.
     pub fixed_overhead: u64,
+    /// Allocator fragmentation and caching on top of the above, bytes.
     pub allocator_slack: u64,
     /// Added from the observed/predicted ratio of earlier attempts (0 on a first attempt).
     pub correction: u64,
+    /// The predicted peak: the sum of the above, bytes.
     pub total: u64,
 }
 

@@ -101,6 +101,7 @@ impl JobRequest {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Stage {
+    /// Stage number, 0-based (pipeline order).
     pub index: u32,
     /// First transformer block of this stage (inclusive).
     pub layer_start: u32,
@@ -118,6 +119,7 @@ pub struct Stage {
 pub struct Plan {
     /// GPU product (GFD label value) or `cpu`.
     pub device: String,
+    /// `gpu` or `cpu`.
     pub device_kind: DeviceKind,
     /// Resource each worker requests one of (`nvidia.com/gpu`, a MIG resource, or `memory`).
     pub resource: String,
@@ -128,6 +130,7 @@ pub struct Plan {
     pub backend: Backend,
     /// Workers (one per pipeline stage, one device each).
     pub workers: u32,
+    /// The pipeline stages, one worker each, with their layers and predicted memory.
     #[schemars(length(min = 1))]
     pub stages: Vec<Stage>,
     pub settings: Settings,
@@ -143,6 +146,7 @@ pub struct Plan {
     /// Rungs of the retry ladder that produced this plan from the previous one.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub rungs_applied: Vec<RetryRung>,
+    /// Things the user should know about this plan (e.g. a pin that was not kept).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub warnings: Vec<String>,
     /// Human summary, e.g. `3.1 GiB / 3.6 GiB (86%)`.
