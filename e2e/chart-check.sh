@@ -80,6 +80,7 @@ KUBECONFIG
   # A namespace being deleted (another test's, on the shared control plane)
   # refuses new objects with "forbidden" too; that is not RBAC.
   if grep -iE 'forbidden|cannot (create|patch|get|list|watch)' "${log}" | grep -v 'NamespaceTerminating'; then fail "the chart's RBAC is missing a permission the operator uses"; fi
+  if grep -q $'\e\[' "${log}"; then fail "the operator's log (not a terminal) carries ANSI colour codes"; fi
   echo "chart-check: the operator ran a job through an OOM retry with only the chart's RBAC"
   k -n "${NS}" get lease headroom-operator-leader -o jsonpath='{.spec.holderIdentity}' | grep -q . \
     || fail "the operator did not lead through the chart's Lease"

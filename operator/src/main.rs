@@ -75,6 +75,12 @@ async fn main() -> Result<()> {
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| "info,kube=warn".into()),
         )
+        // Colour only for a person at a terminal: log collectors store the
+        // escape codes verbatim. NO_COLOR (no-color.org) turns it off there too.
+        .with_ansi(
+            std::io::IsTerminal::is_terminal(&std::io::stdout())
+                && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()),
+        )
         .init();
     let args = Args::parse();
     let client = kube::Client::try_default()

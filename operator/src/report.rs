@@ -2,7 +2,7 @@
 
 use std::fmt::Write;
 
-use headroom_planner::units::format_bytes;
+use headroom_planner::units::{format_bytes, format_count};
 use headroom_planner::{MemoryBreakdown, NoFeasiblePlan, Plan};
 
 /// Plan summary and per-stage memory breakdown as a text table.
@@ -10,8 +10,8 @@ pub fn plan_table(title: &str, params: u64, plan: &Plan) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{title}: {:.1}M parameters, global batch {}",
-        params as f64 / 1e6,
+        "{title}: {} parameters, global batch {}",
+        format_count(params),
         plan.global_batch
     );
     let _ = writeln!(

@@ -146,6 +146,81 @@ fn bad_files_get_clear_errors() {
     );
 }
 
+/// A generic model is refused by the API server for running (the worker
+/// trains transformers), but `kubectl headroom plan` plans it: that is what
+/// it is for.
+#[test]
+fn a_generic_model_is_plan_only() {
+    let out = plugin(&[
+        "plan",
+        "-f",
+        &format!("{INVALID_DIR}/36-generic-model-not-runnable.yaml"),
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(
+        text(&out).contains("1.0 billion parameters"),
+        "{}",
+        text(&out)
+    );
+}
+
+/// A mistyped field is an error offline, as on the API server, not ignored.
+#[test]
+fn unknown_fields_are_refused_with_their_path() {
+    let dir = std::env::temp_dir().join(format!("headroom-plugin-typo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("tmp");
+    let job = std::fs::read_to_string(root().join("samples/cpu-tiny.yaml")).expect("sample");
+    assert!(job.contains("    globalBatch: 32\n"), "the sample changed");
+    let path = dir.join("unknown.yaml");
+    std::fs::write(
+        &path,
+        job.replace(
+            "    globalBatch: 32\n",
+            "    globalBatch: 32\n    lerningRate: 0.1\n",
+        ),
+    )
+    .expect("write");
+    let out = plugin(&["plan", "-f", path.to_str().expect("utf8")]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let said = text(&out);
+    assert!(said.contains("spec.training.lerningRate"), "{said}");
+    assert!(
+        said.contains("learningRate"),
+        "names what would work: {said}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `kubectl headroom plan … | head`: the reader goes away; the exit code
+/// still says whether a plan exists (0), never a panic (101).
+#[test]
+fn a_closed_stdout_is_not_a_crash() {
+    for args in [
+        &["plan", "-f", "samples/cpu-tiny.yaml"][..],
+        &[
+            "plan",
+            "-f",
+            "samples/gpu-gpt2-medium.yaml",
+            "--nodes",
+            "samples/nodes-gfd.yaml",
+            "-o",
+            "yaml",
+        ][..],
+    ] {
+        let (reader, writer) = std::io::pipe().expect("pipe");
+        drop(reader); // every write now fails with EPIPE
+        let status = Command::new(env!("CARGO_BIN_EXE_kubectl-headroom"))
+            .args(args)
+            .current_dir(root())
+            .env("KUBECONFIG", "/nonexistent/kubeconfig")
+            .stdout(writer)
+            .stderr(std::process::Stdio::null())
+            .status()
+            .expect("plugin runs");
+        assert_eq!(status.code(), Some(0), "{args:?}");
+    }
+}
+
 #[test]
 fn invalid_corpus_cross_field_rules_are_caught_offline_too() {
     // The API server is the authority (see api_server.rs); offline, the plugin
@@ -181,6 +256,14 @@ fn invalid_corpus_cross_field_rules_are_caught_offline_too() {
             "30-cheaper-optimizer-rung.yaml",
             "spec.memoryPolicy.allowedRungs: cheaperOptimizer is not offered yet",
         ),
+        ("31-cores-not-quantity.yaml", "spec.resources.cpu.cores"),
+        ("32-negative-cores.yaml", "spec.resources.cpu.cores"),
+        ("33-zero-cores.yaml", "must be above zero"),
+        (
+            "34-host-memory-not-quantity.yaml",
+            "spec.resources.gpu.hostMemory",
+        ),
+        ("35-host-memory-too-small.yaml", "at least 64Mi"),
     ] {
         let path = format!("{INVALID_DIR}/{file}");
         let out = plugin(&["plan", "-f", &path]);

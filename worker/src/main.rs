@@ -10,6 +10,12 @@ fn main() {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        // Colour only for a person at a terminal: the kubelet's logs and the
+        // termination-message fallback would keep the escape codes verbatim.
+        .with_ansi(
+            std::io::IsTerminal::is_terminal(&std::io::stderr())
+                && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()),
+        )
         .init();
     let exit = headroom_worker::run::run(headroom_worker::WorkerEnv::from_env());
     std::process::exit(exit.code());

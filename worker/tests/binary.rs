@@ -247,6 +247,10 @@ fn sigterm_saves_a_checkpoint_and_exits() {
     let out = child.wait_with_output().expect("wait");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(exit_code::TERMINATED), "{stderr}");
+    assert!(
+        !stderr.contains('\u{1b}'),
+        "logs to a pipe carry no colour codes: {stderr}"
+    );
     let message: TerminationMessage =
         serde_json::from_str(&std::fs::read_to_string(&termination).expect("message"))
             .expect("json");

@@ -60,7 +60,9 @@ use crate::quantity::{parse_bytes, parse_cores};
     {"rule": "!has(self.resources.cpu) || self.training.precision == 'fp32'",
      "message": "training.precision: the CPU backend (flex) trains in fp32 only; set precision: fp32 or use resources.gpu"},
     {"rule": "has(self.model.transformer) || !has(self.resources.cpu) || self.resources.cpu.maxWorkers == 1",
-     "message": "resources.cpu.maxWorkers: a generic model cannot be split into pipeline stages; use 1"}
+     "message": "resources.cpu.maxWorkers: a generic model cannot be split into pipeline stages; use 1"},
+    {"rule": "!has(self.model.generic)",
+     "message": "model.generic is for planning only (kubectl headroom plan -f job.yaml); a job Headroom runs needs model.transformer (layers, hidden, heads, sequenceLength, vocabulary): the worker trains transformers"}
 ]))]
 pub struct MemoryAwareTrainingJobSpec {
     /// The model to train: `transformer` (shape) or `generic` (parameter count).

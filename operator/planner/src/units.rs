@@ -4,15 +4,18 @@ pub const KIB: u64 = 1 << 10;
 pub const MIB: u64 = 1 << 20;
 pub const GIB: u64 = 1 << 30;
 
-/// Formats a count with decimal units, e.g. `70.6B`, `4.2M`, `350K`.
+/// Formats a count in words, e.g. `70.6 billion`, `4.2 million`, `350 thousand`:
+/// never a bare `B`/`M` suffix, which reads as bytes beside the memory figures.
 pub fn format_count(n: u64) -> String {
     let x = n as f64;
-    if n >= 1_000_000_000 {
-        format!("{:.1}B", x / 1e9)
+    if n >= 1_000_000_000_000 {
+        format!("{:.1} trillion", x / 1e12)
+    } else if n >= 1_000_000_000 {
+        format!("{:.1} billion", x / 1e9)
     } else if n >= 1_000_000 {
-        format!("{:.1}M", x / 1e6)
+        format!("{:.1} million", x / 1e6)
     } else if n >= 10_000 {
-        format!("{:.0}K", x / 1e3)
+        format!("{:.0} thousand", x / 1e3)
     } else {
         n.to_string()
     }
@@ -35,6 +38,15 @@ pub fn format_bytes(bytes: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn counts_read_as_counts_not_bytes() {
+        assert_eq!(format_count(1_000_000_000_000), "1.0 trillion");
+        assert_eq!(format_count(6_738_415_616), "6.7 billion");
+        assert_eq!(format_count(354_823_168), "354.8 million");
+        assert_eq!(format_count(350_000), "350 thousand");
+        assert_eq!(format_count(512), "512");
+    }
 
     #[test]
     fn formats_binary_units() {

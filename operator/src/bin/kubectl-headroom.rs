@@ -109,8 +109,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
         all_fit &= result.is_ok();
         match output {
             Output::Table => match &result {
-                Ok(p) => println!("{}", plan_table(name, request.model.total_params(), p)),
-                Err(e) => println!("{}", infeasible_text(name, e)),
+                Ok(p) => emit(&format!(
+                    "{}\n",
+                    plan_table(name, request.model.total_params(), p)
+                ))?,
+                Err(e) => emit(&format!("{}\n", infeasible_text(name, e)))?,
             },
             Output::Json | Output::Yaml => machine.push(match &result {
                 Ok(p) => serde_json::json!({"job": name, "feasible": true, "plan": p}),
@@ -124,8 +127,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
         serde_json::Value::Array(machine)
     };
     match output {
-        Output::Json => println!("{}", serde_json::to_string_pretty(&doc)?),
-        Output::Yaml => print!("{}", serde_yaml::to_string(&doc)?),
+        Output::Json => emit(&format!("{}\n", serde_json::to_string_pretty(&doc)?))?,
+        Output::Yaml => emit(&serde_yaml::to_string(&doc)?)?,
         Output::Table => {}
     }
     Ok(if all_fit {
@@ -133,6 +136,18 @@ fn run(cli: Cli) -> Result<ExitCode> {
     } else {
         ExitCode::from(3)
     })
+}
+
+/// Writes to stdout. A reader that stopped reading (`… | head`) is not an
+/// error: the exit code still says whether every job has a plan (0/3), as
+/// documented, instead of a panic (101).
+fn emit(text: &str) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
+    }
 }
 
 /// Every MemoryAwareTrainingJob in a (multi-document) YAML file, with field paths in errors.
@@ -155,6 +170,16 @@ fn read_jobs(path: &Path) -> Result<Vec<MemoryAwareTrainingJob>> {
                 "{}: document {} is a {kind}; expected kind: MemoryAwareTrainingJob (apiVersion: headroom.dev/v1alpha1)",
                 path.display(),
                 i + 1
+            );
+        }
+        // As strict as the API server: a mistyped field is an error, not ignored.
+        let unknown = headroom_operator::crd::unknown_fields(&serde_json::to_value(&value)?);
+        if !unknown.is_empty() {
+            bail!(
+                "{}: document {}: unknown field(s), which the API server would reject: {}",
+                path.display(),
+                i + 1,
+                unknown.join("; ")
             );
         }
         let job: MemoryAwareTrainingJob = serde_path_to_error::deserialize(value).map_err(|e| {

@@ -558,6 +558,14 @@ fn is_memory(outcome: AttemptOutcome) -> bool {
 /// The job's planning request, limited to what the worker can run.
 fn runnable_request(job: &MemoryAwareTrainingJob) -> Result<JobRequest, headroom_api::SpecError> {
     let mut request = job.spec.job_request()?;
+    // The API server refuses these (CEL); one created before that rule existed
+    // ends here rather than in a worker that cannot build it.
+    if let ModelShape::Generic(_) = request.model {
+        return Err(headroom_api::SpecError {
+            field: "model.generic",
+            problem: "is for planning only (kubectl headroom plan); a job Headroom runs needs model.transformer: the worker trains transformers".into(),
+        });
+    }
     match &mut request.target {
         Target::Gpu { max_gpus, .. } => *max_gpus = (*max_gpus).min(WORKER_MAX_STAGES),
         Target::Cpu { max_workers, .. } => *max_workers = (*max_workers).min(WORKER_MAX_STAGES),
