@@ -11,7 +11,8 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-use headroom_api::quantity::parse_bytes;
+use headroom_api::quantity::{parse_bytes, parse_cores};
+use headroom_planner::units::format_bytes;
 
 /// Extended resources that count devices (`nvidia.com/gpu`, `nvidia.com/mig-…`).
 fn is_device_resource(name: &str) -> bool {
@@ -263,6 +264,77 @@ pub fn keep_device_facts(pod: &mut Pod) {
         phase: s.phase,
         ..PodStatus::default()
     });
+}
+
+/// The CPU inventory `job` may plan with: how many of its workers (each
+/// `memoryLimit` of memory and `cores` of CPU) the nodes its pods may use can
+/// hold, by their allocatable memory and CPU. Nodes too small for one worker
+/// are named in `left_out` with their figures, so a job no node could ever
+/// hold is refused with numbers. What other pods use is not counted (the
+/// operator does not watch every pod): a full node shows up as unschedulable
+/// pods, and the job waits. `None` when no node is known (a control plane
+/// without kubelets): the job's own budget is then all there is to plan with.
+pub fn cpu_inventory<'a>(
+    job: &MemoryAwareTrainingJob,
+    nodes: impl IntoIterator<Item = &'a Node>,
+    one_node: bool,
+) -> Option<Inventory> {
+    let cpu = job.spec.resources.cpu.as_ref()?;
+    let limit = parse_bytes(&cpu.memory_limit.0).ok()?.max(1);
+    let cores = match &cpu.cores {
+        Some(c) => parse_cores(&c.0).ok()?,
+        None => 1.0,
+    };
+    let tolerations = worker_tolerations(job, DeviceKind::Cpu);
+    let (mut free, mut free_one, mut total, mut total_one) = (0u32, 0u32, 0u32, 0u32);
+    let mut left_out = Vec::new();
+    let mut seen = false;
+    for node in nodes {
+        seen = true;
+        let name = node.metadata.name.as_deref().unwrap_or_default();
+        if let Some(why) = refusal(node, &job.spec.worker.node_selector, &tolerations) {
+            left_out.push(format!("{name} ({why})"));
+            continue;
+        }
+        let alloc = node.status.as_ref().and_then(|s| s.allocatable.as_ref());
+        let get = |k: &str| alloc.and_then(|a| a.get(k)).map(|q| q.0.clone());
+        let memory = get("memory")
+            .and_then(|q| parse_bytes(&q).ok())
+            .unwrap_or(0);
+        let node_cores = get("cpu").and_then(|q| parse_cores(&q).ok()).unwrap_or(0.0);
+        let fit = (memory / limit).min((node_cores / cores + 1e-9).floor() as u64);
+        let fit = u32::try_from(fit).unwrap_or(u32::MAX);
+        if fit == 0 {
+            left_out.push(format!(
+                "{name} (allocatable {} memory and {node_cores} cpu; one worker needs {} and {cores} cpu)",
+                format_bytes(memory),
+                format_bytes(limit)
+            ));
+            continue;
+        }
+        total = total.saturating_add(fit);
+        total_one = total_one.max(fit);
+        if node_facts(node, []).schedulable {
+            free = free.saturating_add(fit);
+            free_one = free_one.max(fit);
+        }
+    }
+    if !seen {
+        return None;
+    }
+    let cap = cpu.max_workers.max(1);
+    let mut inventory = Inventory::cpu(limit, cap);
+    let device = &mut inventory.devices[0];
+    device.free = free.min(cap);
+    device.free_on_one_node = free_one.min(cap);
+    device.total = total.min(cap);
+    device.total_on_one_node = total_one.min(cap);
+    inventory.left_out = left_out;
+    Some(if one_node {
+        inventory.on_one_node()
+    } else {
+        inventory
+    })
 }
 
 #[cfg(test)]

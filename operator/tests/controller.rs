@@ -417,6 +417,118 @@ async fn a_succeeded_jobs_checkpoints_outlive_it() {
     ns.cleanup().await;
 }
 
+/// A busy cluster is waited out, a cluster too small is refused with numbers:
+/// on one 2-CPU, 24 GiB node, a job asking 4 TiB per worker fails at planning
+/// naming the node's size; a job that fits but whose pod the scheduler cannot
+/// place yet (a full node) waits — condition, event — instead of failing.
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn a_busy_cluster_is_waited_out_and_a_small_one_refused_with_numbers() {
+    use k8s_openapi::api::core::v1::Node;
+    use k8s_openapi::api::events::v1::Event;
+    let ns = test_ns("hr-wait").await;
+    let nodes: Api<Node> = Api::all(ns.client.clone());
+    let node_name = format!("{}-small", ns.name);
+    let node: Node = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": node_name, "labels": {"headroom.dev/test": "true"}}
+    }))
+    .expect("node");
+    nodes
+        .create(&kube::api::PostParams::default(), &node)
+        .await
+        .expect("node");
+    nodes
+        .patch(
+            &node_name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"spec": {"taints": null}})),
+        )
+        .await
+        .expect("taints");
+    nodes
+        .patch_status(
+            &node_name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"status": {
+                "allocatable": {"cpu": "2", "memory": "24Gi", "pods": "110"},
+                "capacity": {"cpu": "2", "memory": "24Gi", "pods": "110"},
+                "conditions": [{"type": "Ready", "status": "True", "reason": "Test", "message": "fake node",
+                                "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}})),
+        )
+        .await
+        .expect("node status");
+    let op = start_operator(
+        &ns,
+        ControllerConfig {
+            unschedulable_grace: Duration::from_secs(1),
+            ..ControllerConfig::default()
+        },
+    );
+
+    // Never fits: refused at planning, with the node's figures.
+    assert!(CPU_TINY.contains("memoryLimit: 1Gi"), "the sample changed");
+    let huge = CPU_TINY
+        .replace("name: tiny-cpu", "name: huge")
+        .replace("memoryLimit: 1Gi", "memoryLimit: 4Ti");
+    ns.apply_job(&huge).await;
+    let refused = ns
+        .wait_job("huge", "phase Failed", TIMEOUT, |j| {
+            phase(j) == Some(JobPhase::Failed)
+        })
+        .await;
+    let message = refused.status.and_then(|s| s.message).unwrap_or_default();
+    assert!(
+        message.contains("can hold one of its workers") && message.contains("24.0 GiB"),
+        "{message}"
+    );
+
+    // Fits, but the node is full: the scheduler leaves the pod pending.
+    ns.apply_job(CPU_TINY).await;
+    ns.wait_pods("the worker pod", TIMEOUT, |p| p.len() == 1)
+        .await;
+    let pending = serde_json::json!({"phase": "Pending", "conditions": [{
+        "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+        "message": "0/1 nodes are available: 1 Insufficient cpu.",
+        "lastTransitionTime": "2026-01-01T00:00:00Z"}]});
+    ns.set_pod_status("tiny-cpu-a1-s0", pending).await;
+    let waiting = ns
+        .wait_job("tiny-cpu", "Waiting=True", TIMEOUT, |j| {
+            j.status.as_ref().is_some_and(|s| {
+                s.conditions
+                    .iter()
+                    .any(|c| c.type_ == "Waiting" && c.status == "True")
+            })
+        })
+        .await;
+    let status = waiting.status.expect("status");
+    assert_eq!(status.phase, Some(JobPhase::Pending));
+    assert_eq!(status.attempts.len(), 1, "no attempt is used up by waiting");
+    let events: Api<Event> = Api::namespaced(ns.client.clone(), &ns.name);
+    let event = ns
+        .wait_for("a WaitingForCapacity event", TIMEOUT, || async {
+            events
+                .list(&Default::default())
+                .await
+                .ok()?
+                .items
+                .into_iter()
+                .find(|e| e.reason.as_deref() == Some("WaitingForCapacity"))
+        })
+        .await;
+    assert!(
+        event.note.unwrap_or_default().contains("Insufficient cpu"),
+        "the event says what it waits for"
+    );
+    // Still there, still waiting (not Failed) a while later.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let later = ns.jobs().get("tiny-cpu").await.expect("job");
+    assert_eq!(phase(&later), Some(JobPhase::Pending));
+    assert_eq!(ns.pod_list().await.len(), 1);
+    op.stop().await;
+    let _ = nodes.delete(&node_name, &Default::default()).await;
+    ns.cleanup().await;
+}
+
 #[tokio::test]
 #[ignore = "needs the control plane: make test-apiserver"]
 async fn gpu_type_is_chosen_by_budget_and_replanned_when_unschedulable() {

@@ -80,6 +80,23 @@ pub struct MemoryAwareTrainingJobSpec {
     /// when the job is deleted.
     #[serde(default)]
     pub checkpoints: CheckpointsSpec,
+    /// How long the job may wait for capacity on a busy cluster.
+    #[serde(default)]
+    pub scheduling: SchedulingSpec,
+}
+
+/// Waiting for capacity. A job that fits the cluster but not what is free now
+/// (or whose pods the scheduler cannot place yet) waits, with the condition
+/// `Waiting=True/WaitingForCapacity` saying for what; it never fails because
+/// the cluster is busy, unless a deadline is set here.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SchedulingSpec {
+    /// Seconds the job may wait for capacity at a time before it fails
+    /// (`WaitedTooLong`); unset: it waits as long as it takes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub max_wait_seconds: Option<u64>,
 }
 
 /// Exactly one of `transformer` or `generic`.

@@ -77,6 +77,20 @@ pub struct DeviceType {
     pub free_on_one_node: u32,
     /// Devices in the cluster.
     pub total: u32,
+    /// The most of them on any one node (free or not).
+    pub total_on_one_node: u32,
+}
+
+impl DeviceType {
+    /// How many a job could ever get at once: every device of the type, or
+    /// one node's when its stages must share a node (`one_node`).
+    pub fn reachable(&self, one_node: bool) -> u32 {
+        if one_node {
+            self.total_on_one_node
+        } else {
+            self.total
+        }
+    }
 }
 
 /// Device types sorted by memory (smallest first), then name.
@@ -103,6 +117,7 @@ impl Inventory {
                         free: 0,
                         free_on_one_node: 0,
                         total: 0,
+                        total_on_one_node: 0,
                         ..found.clone()
                     });
                 // Heterogeneous memory under one product name: plan for the smallest.
@@ -110,6 +125,7 @@ impl Inventory {
                 entry.free += found.free;
                 entry.free_on_one_node = entry.free_on_one_node.max(found.free);
                 entry.total += found.total;
+                entry.total_on_one_node = entry.total_on_one_node.max(found.total);
             }
         }
         let mut devices: Vec<DeviceType> = by_key.into_values().collect();
@@ -136,6 +152,7 @@ impl Inventory {
                 free: max_workers,
                 free_on_one_node: max_workers,
                 total: max_workers,
+                total_on_one_node: max_workers,
             }],
             one_node: false,
             left_out: vec![],
@@ -152,6 +169,17 @@ impl Inventory {
         }
         self.one_node = true;
         self
+    }
+
+    /// The same cluster with every device free (busy ones and those of
+    /// cordoned nodes included): what a job could get by waiting.
+    pub fn idle(&self) -> Self {
+        let mut idle = self.clone();
+        for d in &mut idle.devices {
+            d.free = d.reachable(self.one_node);
+            d.free_on_one_node = d.total_on_one_node;
+        }
+        idle
     }
 }
 
@@ -200,6 +228,7 @@ fn node_devices(node: &NodeFacts) -> Vec<DeviceType> {
                 free,
                 free_on_one_node: free,
                 total,
+                total_on_one_node: total,
             });
         }
     }
@@ -230,6 +259,7 @@ fn node_devices(node: &NodeFacts) -> Vec<DeviceType> {
                     free,
                     free_on_one_node: free,
                     total,
+                    total_on_one_node: total,
                 });
             }
         }

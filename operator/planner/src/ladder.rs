@@ -82,6 +82,7 @@ pub fn next_stricter_plan(
             free: failed.workers,
             free_on_one_node: failed.workers,
             total: failed.workers,
+            total_on_one_node: failed.workers,
         });
     let profile = req.backend().profile();
     let usable = (failed.device_memory_bytes as f64 * profile.usable_fraction) as u64;
@@ -152,6 +153,7 @@ pub fn next_stricter_plan(
         notes.push(format!("{rung}: {note}"));
     }
     Err(NoFeasiblePlan {
+        waits_for: None,
         summary: format!(
             "after {:?} at {} (predicted {}, corrected ×{:.2}), no allowed rung yields a plan within budget",
             failure.kind,

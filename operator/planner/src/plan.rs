@@ -159,12 +159,17 @@ impl Plan {
     }
 }
 
-/// Nothing fits: the numbers that ruled each option out.
+/// Nothing fits now: the numbers that ruled each option out, and whether
+/// the job would fit on the same cluster with its devices free.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("no feasible plan: {summary}{}", details.iter().map(|d| format!("\n  - {d}")).collect::<String>())]
 pub struct NoFeasiblePlan {
     pub summary: String,
     pub details: Vec<String>,
+    /// Set when a plan exists once devices busy with other pods are free:
+    /// what the job waits for (e.g. `2 × NVIDIA-L4 free (1 free of 8)`). A job
+    /// the cluster could never hold leaves it `None`.
+    pub waits_for: Option<String>,
 }
 
 /// Knobs the retry ladder and the operator set beyond the request.

@@ -320,6 +320,7 @@ mod tests {
             free,
             free_on_one_node: free,
             total: free,
+            total_on_one_node: free,
         }
     }
 

@@ -26,8 +26,49 @@ pub fn plan(req: &JobRequest, inventory: &Inventory) -> Result<Plan, NoFeasibleP
     plan_with(req, inventory, &SearchOptions::default())
 }
 
-/// [`plan`] with ladder/operator options.
+/// [`plan`] with ladder/operator options. When nothing fits the free
+/// devices, tells waiting from never: if the job fits the same cluster with
+/// every device free, the error says what it waits for
+/// ([`NoFeasiblePlan::waits_for`]).
 pub fn plan_with(
+    req: &JobRequest,
+    inventory: &Inventory,
+    opts: &SearchOptions,
+) -> Result<Plan, NoFeasiblePlan> {
+    let mut err = match search_with(req, inventory, opts) {
+        Ok(plan) => return Ok(plan),
+        Err(e) => e,
+    };
+    let one_node = inventory.one_node;
+    let busy = inventory
+        .devices
+        .iter()
+        .any(|d| d.free < d.reachable(one_node));
+    if busy && let Ok(p) = search_with(req, &inventory.idle(), opts) {
+        let free = inventory
+            .devices
+            .iter()
+            .find(|d| d.name == p.device)
+            .map_or(0, |d| d.free);
+        let total = inventory
+            .devices
+            .iter()
+            .find(|d| d.name == p.device)
+            .map_or(0, |d| d.reachable(one_node));
+        let place = if inventory.one_node {
+            " on one node"
+        } else {
+            ""
+        };
+        err.waits_for = Some(format!(
+            "{} × {} free{place} ({free} free of {total} now)",
+            p.workers, p.device
+        ));
+    }
+    Err(err)
+}
+
+fn search_with(
     req: &JobRequest,
     inventory: &Inventory,
     opts: &SearchOptions,
@@ -35,6 +76,7 @@ pub fn plan_with(
     let profile = req.backend().profile();
     if !profile.precisions.contains(&req.precision) {
         return Err(NoFeasiblePlan {
+            waits_for: None,
             summary: format!(
                 "precision {} is not supported by the {} backend (supported: {})",
                 req.precision,
@@ -46,6 +88,7 @@ pub fn plan_with(
     }
     if !profile.optimizers.contains(&req.optimizer) {
         return Err(NoFeasiblePlan {
+            waits_for: None,
             summary: format!(
                 "optimizer {} is not supported by the {} backend (supported: {})",
                 req.optimizer,
@@ -55,13 +98,16 @@ pub fn plan_with(
             details: vec![],
         });
     }
+    // A CPU job plans against the operator's view of the nodes when it has
+    // one (their allocatable memory and cores), else against its own budget.
     let own;
+    let has_cpu = inventory.devices.iter().any(|d| d.kind == DeviceKind::Cpu);
     let inventory = match req.own_inventory() {
-        Some(inv) => {
+        Some(inv) if !has_cpu => {
             own = inv;
             &own
         }
-        None => inventory,
+        _ => inventory,
     };
     let devices: Vec<&DeviceType> = inventory
         .devices
@@ -143,7 +189,7 @@ pub fn plan_with(
             nodes.push_str(&format!("; and {} more", inventory.left_out.len() - SHOWN));
         }
         infeasible.details.push(format!(
-            "GPU nodes this job's pods may not use (spec.worker.nodeSelector, spec.worker.tolerations): {nodes}"
+            "nodes left out (spec.worker.nodeSelector, spec.worker.tolerations, or too small for one worker): {nodes}"
         ));
     }
     // Only when one node's count may have been the limit: below the job's
@@ -512,7 +558,13 @@ impl<'a> Search<'a> {
             }
         }
         let params = req.model.total_params();
-        let summary = if devices.is_empty() {
+        let no_room = !devices.is_empty()
+            && devices
+                .iter()
+                .all(|d| d.kind == DeviceKind::Cpu && d.total == 0);
+        let summary = if no_room {
+            "no node this job's pods may use can hold one of its workers (resources.cpu.memoryLimit and cores, per worker)".to_string()
+        } else if devices.is_empty() {
             let nodes = if placement_limited {
                 "no node this job's pods may use"
             } else {
@@ -535,7 +587,11 @@ impl<'a> Search<'a> {
                 req.max_workers()
             )
         };
-        NoFeasiblePlan { summary, details }
+        NoFeasiblePlan {
+            summary,
+            details,
+            waits_for: None,
+        }
     }
 }
 

@@ -182,3 +182,36 @@ fn lower_precision_is_used_only_when_allowed_and_needed() {
         p.warnings
     );
 }
+
+/// Busy is not impossible: a job that needs 4 A100s on a cluster of 8 where
+/// 6 are held by other pods gets no plan now, but learns it waits for
+/// capacity; one that needs more than the cluster has never gets that.
+#[test]
+fn waiting_for_capacity_is_told_from_never_fitting() {
+    let model = transformer(40, 5120, 40, 2048, 32000); // ~13B: several 80-GB GPUs
+    let mut busy = gpu_node("a100", "NVIDIA-A100-SXM4-80GB", 81920, 8);
+    busy.in_use.insert("nvidia.com/gpu".into(), 6);
+    let inv = Inventory::from_nodes([&busy]);
+    let need = plan(
+        &gpu_job(model.clone(), 64, 8),
+        &Inventory::from_nodes([&gpu_node("idle", "NVIDIA-A100-SXM4-80GB", 81920, 8)]),
+    )
+    .expect("fits an idle node");
+    assert!(
+        need.workers > 2,
+        "the test needs more GPUs than are free: {}",
+        need.workers
+    );
+
+    let err = plan(&gpu_job(model.clone(), 64, 8), &inv).expect_err("only 2 free");
+    let waits = err.waits_for.expect("fits once the busy GPUs are free");
+    assert!(
+        waits.contains("NVIDIA-A100-SXM4-80GB") && waits.contains("2 free of 8"),
+        "{waits}"
+    );
+
+    // A cluster with too few such GPUs in all: no waiting helps.
+    let small = Inventory::from_nodes([&gpu_node("small", "NVIDIA-A100-SXM4-80GB", 81920, 2)]);
+    let never = plan(&gpu_job(model, 64, 8), &small).expect_err("2 GPUs are too few");
+    assert_eq!(never.waits_for, None, "{never}");
+}

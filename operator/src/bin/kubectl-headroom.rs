@@ -12,7 +12,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use headroom_api::MemoryAwareTrainingJob;
 use headroom_operator::controller::CheckpointAccess;
-use headroom_operator::inventory::job_inventory;
+use headroom_operator::inventory::{cpu_inventory, job_inventory};
 use headroom_operator::report::{infeasible_text, plan_table};
 use headroom_planner::plan;
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -99,12 +99,19 @@ fn run(cli: Cli) -> Result<ExitCode> {
         // The same inventory the operator plans this job with: the nodes its
         // workers may be placed on, less held devices, one node's worth when
         // the checkpoint volume is ReadWriteOnce.
-        let inventory = job_inventory(
-            job,
-            &cluster_nodes,
-            device_pods.iter(),
-            checkpoint_access_mode.stages_share_a_node(),
-        );
+        let one_node = checkpoint_access_mode.stages_share_a_node();
+        let inventory = if job.spec.resources.cpu.is_some() {
+            // Node sizes from --nodes; without them the budget is planned
+            // as given, and the user is told that nothing checked it.
+            cpu_inventory(job, &cluster_nodes, one_node).unwrap_or_else(|| {
+                eprintln!(
+                    "note: {name}: node sizes not checked (pass --nodes to check that a node can hold the workers)"
+                );
+                Default::default()
+            })
+        } else {
+            job_inventory(job, &cluster_nodes, device_pods.iter(), one_node)
+        };
         let result = plan(request, &inventory);
         all_fit &= result.is_ok();
         match output {

@@ -22,10 +22,13 @@ use kube::ResourceExt;
 
 use super::LaunchRefusal;
 use super::classify::{PodFailure, PodVerdict, classify, rank};
-use super::lifecycle::{JobEvent, Reason, Stamp, Transition, enter};
+use super::lifecycle::{ConditionType, JobEvent, Reason, Stamp, Transition, enter};
 
 /// Longest wait between retries of non-memory failures.
 const MAX_BACKOFF: Duration = Duration::from_secs(3600);
+/// How often a job waiting for capacity plans again (node and pod changes
+/// bring it back sooner).
+const CAPACITY_POLL: Duration = Duration::from_secs(30);
 /// How long a pipeline stage that lost its neighbour waits for the
 /// neighbour's own failure to be reported before the attempt ends without it.
 const PEER_LOST_GRACE: Duration = Duration::from_secs(30);
@@ -113,7 +116,7 @@ impl Builder<'_> {
         let Some(current) = self.d.status.attempts.last().cloned() else {
             return match plan(&request, self.obs.inventory) {
                 Ok(p) => self.start(1, p, None),
-                Err(e) => self.fail(Reason::NoFeasiblePlan, e.to_string()),
+                Err(e) => self.no_plan(e),
             };
         };
         if current.outcome == AttemptOutcome::Running {
@@ -221,19 +224,35 @@ impl Builder<'_> {
         if let Some((since, message)) = stuck {
             let waited = self.obs.now.duration_since(since).unsigned_abs();
             if waited >= self.obs.unschedulable_grace {
-                self.d.delete_pods = pods.iter().map(|(p, _)| p.name_any()).collect();
                 let why = message.unwrap_or_else(|| "no node can take the worker".into());
-                return self.end_attempt(
-                    Ending {
-                        outcome: AttemptOutcome::Unschedulable,
-                        reason: "Unschedulable".into(),
-                        message: why,
-                        peak: None,
-                        step: None,
-                        worker: None,
-                    },
-                    request,
-                );
+                let ending = Ending {
+                    outcome: AttemptOutcome::Unschedulable,
+                    reason: "Unschedulable".into(),
+                    message: why.clone(),
+                    peak: None,
+                    step: None,
+                    worker: None,
+                };
+                // Another device type that fits: move there. Otherwise the
+                // pods stay and the job waits (a busy node, a volume still
+                // being provisioned): the scheduler places them when it can.
+                let cause = FailureCause::Unschedulable {
+                    excluded_devices: self.unschedulable_devices(),
+                };
+                let elsewhere = replan(request, self.obs.inventory, &attempt.plan, &cause)
+                    .is_ok_and(|p| p.device != attempt.plan.device);
+                if elsewhere {
+                    self.d.delete_pods = pods.iter().map(|(p, _)| p.name_any()).collect();
+                    return self.end_attempt(ending, request);
+                }
+                let waiting = format!("attempt {n}'s workers cannot be scheduled yet: {why}");
+                if let Some(late) = self.past_deadline(&waiting) {
+                    self.d.delete_pods = pods.iter().map(|(p, _)| p.name_any()).collect();
+                    self.close_attempt(&ending);
+                    return self.fail(Reason::WaitedTooLong, late);
+                }
+                self.d.launch = Some(n);
+                return self.wait_for_capacity(waiting);
             }
             self.d.requeue_after =
                 Some(self.obs.unschedulable_grace.saturating_sub(waited) + Duration::from_secs(1));
@@ -388,18 +407,30 @@ impl Builder<'_> {
                 (FailureCause::OutOfMemory(failure), "stricter settings")
             }
             AttemptOutcome::Unschedulable => {
-                let excluded_devices = self
-                    .d
-                    .status
-                    .attempts
-                    .iter()
-                    .filter(|a| a.outcome == AttemptOutcome::Unschedulable)
-                    .map(|a| a.plan.device.clone())
-                    .collect();
-                (
-                    FailureCause::Unschedulable { excluded_devices },
-                    "another device type",
-                )
+                let cause = FailureCause::Unschedulable {
+                    excluded_devices: self.unschedulable_devices(),
+                };
+                // Another device type if one fits; else the same plan again,
+                // waiting for the capacity (a busy cluster never ends a job).
+                return match replan(request, self.obs.inventory, &ended.plan, &cause) {
+                    Ok(p) => self.start(n + 1, p, Some("another device type".into())),
+                    Err(_) => {
+                        let same = replan(
+                            request,
+                            self.obs.inventory,
+                            &ended.plan,
+                            &FailureCause::Other,
+                        );
+                        match same {
+                            Ok(p) => self.start(
+                                n + 1,
+                                p,
+                                Some("the same plan, waiting for capacity".into()),
+                            ),
+                            Err(e) => self.no_plan(e),
+                        }
+                    }
+                };
             }
             // Resume at once: nothing failed, and the checkpoint is there.
             AttemptOutcome::Disrupted => (FailureCause::Other, "the same settings"),
@@ -438,7 +469,85 @@ impl Builder<'_> {
         };
         match replan(request, self.obs.inventory, &ended.plan, &cause) {
             Ok(p) => self.start(n + 1, p, Some(why.to_string())),
-            Err(e) => self.fail(Reason::NoFeasiblePlan, e.to_string()),
+            Err(e) => self.no_plan(e),
+        }
+    }
+
+    /// No plan fits now: wait if one fits the cluster once busy devices are
+    /// free, else fail with the numbers.
+    fn no_plan(&mut self, e: headroom_planner::NoFeasiblePlan) {
+        match e.waits_for.clone() {
+            Some(what) => {
+                let waiting = format!("needs {what}");
+                match self.past_deadline(&waiting) {
+                    Some(late) => self.fail(Reason::WaitedTooLong, late),
+                    None => self.wait_for_capacity(waiting),
+                }
+            }
+            None => self.fail(Reason::NoFeasiblePlan, e.to_string()),
+        }
+    }
+
+    /// Device types this job's pods could not be scheduled on, so far (the
+    /// current attempt's included).
+    fn unschedulable_devices(&self) -> Vec<String> {
+        let status = &self.d.status;
+        let mut out: Vec<String> = status
+            .attempts
+            .iter()
+            .filter(|a| {
+                a.outcome == AttemptOutcome::Unschedulable
+                    || (a.outcome == AttemptOutcome::Running
+                        && Some(a.number) == status.attempts.last().map(|l| l.number))
+            })
+            .map(|a| a.plan.device.clone())
+            .collect();
+        out.dedup();
+        out
+    }
+
+    /// Waits for capacity: the condition and event say for what; look again
+    /// in a while (node and pod changes also bring the job back).
+    fn wait_for_capacity(&mut self, message: String) {
+        self.enter(Transition::WaitingForCapacity { message });
+        let left = self
+            .deadline_left()
+            .map_or(CAPACITY_POLL, |left| left.min(CAPACITY_POLL));
+        self.d.requeue_after = Some(left + Duration::from_secs(1));
+    }
+
+    /// How long the job may still wait (`spec.scheduling.maxWaitSeconds`,
+    /// counted from when it started waiting), if it has a deadline.
+    fn deadline_left(&self) -> Option<Duration> {
+        let max = Duration::from_secs(self.obs.job.spec.scheduling.max_wait_seconds?);
+        let since = self
+            .d
+            .status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == ConditionType::Waiting.as_str() && c.status == "True")
+            .map_or(self.obs.now, |c| c.last_transition_time.0);
+        let waited = self.obs.now.duration_since(since).unsigned_abs();
+        Some(max.saturating_sub(waited))
+    }
+
+    /// The failure message when the deadline has passed while waiting for `what`.
+    fn past_deadline(&self, what: &str) -> Option<String> {
+        let max = self.obs.job.spec.scheduling.max_wait_seconds?;
+        (self.deadline_left()? == Duration::ZERO)
+            .then(|| format!("waited {max}s for capacity (spec.scheduling.maxWaitSeconds): {what}"))
+    }
+
+    /// Records how the running attempt ended without moving on.
+    fn close_attempt(&mut self, ending: &Ending) {
+        if let Some(a) = self.d.status.attempts.last_mut() {
+            a.outcome = ending.outcome;
+            a.reason = Some(ending.reason.clone());
+            a.message = Some(ending.message.clone());
+            a.finished_at = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                self.obs.now,
+            ));
+            self.d.ended = Some(ending.outcome);
         }
     }
 
@@ -596,7 +705,6 @@ fn peak_note(ended: &Attempt) -> String {
 mod tests {
     use super::*;
     use crate::controller::children::tests::job;
-    use crate::controller::lifecycle::ConditionType;
     use headroom_planner::RetryRung;
     use jiff::SignedDuration;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -908,10 +1016,13 @@ mod tests {
     }
 
     #[test]
-    fn unschedulable_beyond_grace_ends_the_attempt() {
+    fn an_unschedulable_cpu_job_waits_instead_of_failing() {
+        // A busy node (or a volume still being provisioned): the scheduler
+        // says no for now. No other device type exists for a CPU job, so it
+        // waits with its pods in place: never a failure caused by a busy cluster.
         let mut j = oom_job();
         step(&mut j, &[], t0());
-        let pending = "  phase: Pending\n  conditions: [{type: PodScheduled, status: 'False', reason: Unschedulable, message: '0/1 nodes available', lastTransitionTime: '2026-11-21T10:00:00Z'}]";
+        let pending = "  phase: Pending\n  conditions: [{type: PodScheduled, status: 'False', reason: Unschedulable, message: '0/1 nodes are available: 1 Insufficient cpu', lastTransitionTime: '2026-11-21T10:00:00Z'}]";
         let early = step(
             &mut j,
             &[pod(1, 0, pending)],
@@ -924,25 +1035,89 @@ mod tests {
             &[pod(1, 0, pending)],
             t0() + SignedDuration::from_secs(61),
         );
-        assert_eq!(late.ended, Some(AttemptOutcome::Unschedulable));
-        assert_eq!(late.delete_pods, vec!["p-a1-s0".to_string()]);
-        // The only device type (cpu) is now excluded: nothing else fits.
+        assert_eq!(late.ended, None);
+        assert!(
+            late.delete_pods.is_empty(),
+            "the pods keep their place in the queue"
+        );
+        assert_eq!(late.launch, Some(1));
+        assert_eq!(late.status.phase, Some(JobPhase::Pending));
+        assert!(has_condition(
+            &late.status,
+            ConditionType::Waiting,
+            true,
+            Reason::WaitingForCapacity
+        ));
+        let e = late
+            .events
+            .iter()
+            .find(|e| e.reason == Reason::WaitingForCapacity);
+        assert!(
+            e.is_some_and(|e| e.note.contains("Insufficient cpu")),
+            "{:?}",
+            late.events
+        );
+        // Still waiting later: no new event, no failure.
+        let later = step(
+            &mut j,
+            &[pod(1, 0, pending)],
+            t0() + SignedDuration::from_secs(3600),
+        );
+        assert_eq!(later.status.phase, Some(JobPhase::Pending));
+        assert!(later.events.is_empty(), "{:?}", later.events);
+        // Scheduled at last: Waiting turns False.
+        let running = step(
+            &mut j,
+            &[pod(1, 0, RUNNING)],
+            t0() + SignedDuration::from_secs(3700),
+        );
+        assert_eq!(running.status.phase, Some(JobPhase::Running));
+        assert!(has_condition(
+            &running.status,
+            ConditionType::Waiting,
+            false,
+            Reason::CapacityAvailable
+        ));
+    }
+
+    #[test]
+    fn a_deadline_ends_the_wait() {
+        let mut j = oom_job();
+        j.spec.scheduling.max_wait_seconds = Some(600);
+        step(&mut j, &[], t0());
+        let pending = "  phase: Pending\n  conditions: [{type: PodScheduled, status: 'False', reason: Unschedulable, message: '0/1 nodes are available', lastTransitionTime: '2026-11-21T10:00:00Z'}]";
+        let waiting = step(
+            &mut j,
+            &[pod(1, 0, pending)],
+            t0() + SignedDuration::from_secs(61),
+        );
+        assert_eq!(waiting.status.phase, Some(JobPhase::Pending));
+        assert_eq!(waiting.requeue_after, Some(Duration::from_secs(31)));
+        let late = step(
+            &mut j,
+            &[pod(1, 0, pending)],
+            t0() + SignedDuration::from_secs(61 + 600),
+        );
         assert_eq!(late.status.phase, Some(JobPhase::Failed));
+        assert!(has_condition(
+            &late.status,
+            ConditionType::Failed,
+            true,
+            Reason::WaitedTooLong
+        ));
+        assert_eq!(
+            late.status.attempts[0].outcome,
+            AttemptOutcome::Unschedulable
+        );
+        assert_eq!(late.delete_pods, vec!["p-a1-s0".to_string()]);
         assert!(
             late.status
                 .message
                 .as_deref()
-                .is_some_and(|m| m.contains("unschedulable")),
+                .is_some_and(|m| m.contains("maxWaitSeconds")),
             "{:?}",
             late.status.message
         );
-        // Every NoFeasiblePlan says Planned=False, whichever path led to it.
-        assert!(has_condition(
-            &late.status,
-            ConditionType::Planned,
-            false,
-            Reason::NoFeasiblePlan
-        ));
     }
 
     #[test]

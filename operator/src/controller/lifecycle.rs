@@ -34,6 +34,8 @@ pub enum ConditionType {
     Complete,
     /// The job failed for good.
     Failed,
+    /// The job waits for capacity: it fits the cluster, not what is free now.
+    Waiting,
 }
 
 impl ConditionType {
@@ -43,6 +45,7 @@ impl ConditionType {
             ConditionType::Running => "Running",
             ConditionType::Complete => "Complete",
             ConditionType::Failed => "Failed",
+            ConditionType::Waiting => "Waiting",
         }
     }
 }
@@ -78,10 +81,17 @@ pub enum Reason {
     InvalidPlan,
     /// `memoryPolicy.maxAttempts` attempts have ended.
     MaxAttemptsReached,
+    /// The job fits the cluster but not its free capacity (or its pods are
+    /// unschedulable and no other device type fits): it waits.
+    WaitingForCapacity,
+    /// The capacity it waited for came (condition reason).
+    CapacityAvailable,
+    /// It waited longer than `spec.scheduling.maxWaitSeconds`.
+    WaitedTooLong,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 14] = [
+    pub const ALL: [Reason; 17] = [
         Reason::Planned,
         Reason::Replanned,
         Reason::Retrying,
@@ -96,6 +106,9 @@ impl Reason {
         Reason::NoFeasiblePlan,
         Reason::InvalidPlan,
         Reason::MaxAttemptsReached,
+        Reason::WaitingForCapacity,
+        Reason::CapacityAvailable,
+        Reason::WaitedTooLong,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -114,6 +127,9 @@ impl Reason {
             Reason::NoFeasiblePlan => "NoFeasiblePlan",
             Reason::InvalidPlan => "InvalidPlan",
             Reason::MaxAttemptsReached => "MaxAttemptsReached",
+            Reason::WaitingForCapacity => "WaitingForCapacity",
+            Reason::CapacityAvailable => "CapacityAvailable",
+            Reason::WaitedTooLong => "WaitedTooLong",
         }
     }
 
@@ -175,6 +191,10 @@ pub enum Transition {
         outcome: AttemptOutcome,
         left: Duration,
     },
+    /// The job fits the cluster but not what is free now; `message` says
+    /// what it waits for. The phase stays (Pending, or Retrying between
+    /// attempts); the event is recorded when what it waits for changes.
+    WaitingForCapacity { message: String },
     /// The API server refused attempt `attempt`'s workers for a reason that
     /// can pass (a quota, a server error): reported, and asked again later.
     /// A refusal that cannot pass ends the job instead ([`Transition::Failed`]).
@@ -246,6 +266,7 @@ pub fn enter(
                 }
             };
             condition(status, ConditionType::Planned, true, planned, &summary, at);
+            end_waiting(status, at);
             condition(
                 status,
                 ConditionType::Running,
@@ -279,6 +300,7 @@ pub fn enter(
             None
         }
         Transition::WorkersRunning { attempt, running } => {
+            end_waiting(status, at);
             condition(
                 status,
                 ConditionType::Running,
@@ -310,6 +332,24 @@ pub fn enter(
                 left.as_secs()
             ));
             None
+        }
+        Transition::WaitingForCapacity { message } => {
+            let already = status.conditions.iter().any(|c| {
+                c.type_ == ConditionType::Waiting.as_str()
+                    && c.status == "True"
+                    && c.message == message
+            });
+            condition(
+                status,
+                ConditionType::Waiting,
+                true,
+                Reason::WaitingForCapacity,
+                &message,
+                at,
+            );
+            status.phase.get_or_insert(JobPhase::Pending);
+            status.message = Some(format!("waiting for capacity: {message}"));
+            (!already).then(|| JobEvent::new(false, Reason::WaitingForCapacity, message))
         }
         Transition::LaunchRefused { attempt, message } => {
             let message =
@@ -376,6 +416,24 @@ pub fn enter(
             Some(JobEvent::new(true, reason, message))
         }
     })
+}
+
+/// The capacity a waiting job waited for came: `Waiting` turns False.
+fn end_waiting(status: &mut MemoryAwareTrainingJobStatus, at: Stamp) {
+    let waiting = status
+        .conditions
+        .iter()
+        .any(|c| c.type_ == ConditionType::Waiting.as_str() && c.status == "True");
+    if waiting {
+        condition(
+            status,
+            ConditionType::Waiting,
+            false,
+            Reason::CapacityAvailable,
+            "",
+            at,
+        );
+    }
 }
 
 /// A move was asked of a job that has already ended.
@@ -512,6 +570,14 @@ mod tests {
                 |_| P::Retrying,
                 None,
                 vec![(C::Running, "False", Reason::BackingOff)],
+            ),
+            (
+                Transition::WaitingForCapacity {
+                    message: "2 × NVIDIA-L4 free (1 free of 8 now)".into(),
+                },
+                |from| from.unwrap_or(P::Pending),
+                Some((false, Reason::WaitingForCapacity)),
+                vec![(C::Waiting, "True", Reason::WaitingForCapacity)],
             ),
             (
                 Transition::LaunchRefused {

@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use headroom_api::{ClaimRetention, JobPhase, LABEL_JOB, MemoryAwareTrainingJob};
-use headroom_planner::Inventory;
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
@@ -18,7 +17,7 @@ use super::apply::{
 };
 use super::decide::{Observation, decide, launch_refused};
 use super::{Context, Error};
-use crate::inventory::job_inventory;
+use crate::inventory::{cpu_inventory, job_inventory};
 use crate::metrics::{ErrorLabels, OutcomeLabels};
 
 pub(super) fn error_policy(
@@ -69,7 +68,7 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
     let name = job.name_any();
     let uid = job.uid();
 
-    // Dereference: this job's pods, and the GPU inventory for GPU jobs.
+    // Dereference: this job's pods, and the inventory it plans with.
     let all_pods = ctx.pods.state();
     let own: Vec<&Pod> = all_pods
         .iter()
@@ -94,7 +93,14 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
             ctx.config.children.checkpoint_access.stages_share_a_node(),
         )
     } else {
-        Inventory::default()
+        // A CPU job: what the nodes its pods may use can hold, by size.
+        let nodes = ctx.nodes.state();
+        cpu_inventory(
+            job,
+            nodes.iter().map(AsRef::as_ref),
+            ctx.config.children.checkpoint_access.stages_share_a_node(),
+        )
+        .unwrap_or_default()
     };
 
     // Decide (pure).
