@@ -44,14 +44,21 @@ source "${HERE}/lib/common.sh"
 # Harness tools built from this repo's e2e/cluster/tools/<name> (see below).
 KNOWN_TOOLS="hr-cri hr-probe"
 TOOLS=""
+# The local cluster's volume provisioner, from its Go module at this release.
+: "${LPP_VERSION:=v0.0.30}"
+LPP=0
 if (($#)); then K8S_BINARIES="$*"; fi
 k8s_list=""
 for b in ${K8S_BINARIES}; do
+  if [[ ${b} == local-path-provisioner ]]; then
+    LPP=1
+    continue
+  fi
   if [[ " ${KNOWN_TOOLS} " == *" ${b} "* ]]; then
     TOOLS+=" ${b}"
     continue
   fi
-  [[ " ${KNOWN_K8S_BINARIES} " == *" ${b} "* ]] || die "unknown binary '${b}' (known: ${KNOWN_K8S_BINARIES} ${KNOWN_TOOLS})"
+  [[ " ${KNOWN_K8S_BINARIES} " == *" ${b} "* ]] || die "unknown binary '${b}' (known: ${KNOWN_K8S_BINARIES} ${KNOWN_TOOLS} local-path-provisioner)"
   k8s_list+=" ${b}"
 done
 K8S_BINARIES=${k8s_list# }
@@ -245,6 +252,22 @@ for t in ${TOOLS}; do
   fi
   printf '%s\n' "${want}" >"${STAMP_DIR}/${t}"
 done
+
+# local-path-provisioner: the module proxy's zip has no vendor/ tree, so the
+# build resolves its go.sum-pinned dependencies through the proxy (-mod=mod).
+if ((LPP)); then
+  want="$(recipe "github.com/rancher/local-path-provisioner@${LPP_VERSION}")"
+  if up_to_date local-path-provisioner "${want}"; then
+    log "local-path-provisioner ${LPP_VERSION} already built, skipping"
+  else
+    dl=$(go mod download -json "github.com/rancher/local-path-provisioner@${LPP_VERSION}")
+    lpp_dir=$(sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p' <<<"${dl}")
+    [[ -d ${lpp_dir} ]] || die "could not download local-path-provisioner ${LPP_VERSION}: ${dl}"
+    GOFLAGS=-mod=mod build_one local-path-provisioner . "-s -w -X main.VERSION=${LPP_VERSION}" "${lpp_dir}"
+    printf '%s\n' "${want}" >"${STAMP_DIR}/local-path-provisioner"
+  fi
+  TOOLS+="${TOOLS:+ }local-path-provisioner"
+fi
 
 what="k8s ${K8S_VERSION}: ${K8S_BINARIES}${TOOLS:+; tools: ${TOOLS}}"
 [[ ${BUILD_ETCD} == 1 ]] && what+="; etcd ${ETCD_VERSION}"

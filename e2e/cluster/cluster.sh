@@ -35,8 +35,8 @@ export PATH="${PATH}:/usr/local/sbin:/usr/sbin:/sbin"
 KUBECTL="${HEADROOM_BIN_DIR}/kubectl"
 # Start order; stopped in reverse (with the pods torn down between kubelet and
 # containerd).
-COMPONENTS=("${CONTROL_PLANE[@]}" kube-scheduler containerd kubelet kube-proxy)
-NEEDED_BINARIES="kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl hr-cri"
+COMPONENTS=("${CONTROL_PLANE[@]}" kube-scheduler containerd kubelet kube-proxy local-path-provisioner)
+NEEDED_BINARIES="kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl hr-cri local-path-provisioner"
 
 : "${CONTAINERD_START_TIMEOUT:=30}"
 : "${KUBELET_START_TIMEOUT:=60}"
@@ -187,7 +187,7 @@ cmd_up() {
   need_binaries ${NEEDED_BINARIES}
   take_lock
   if healthy; then
-    storage_ensure || die "could not set up the local volumes"
+    storage_ensure || die "could not set up dynamic volumes (local-path-provisioner)"
     log "cluster already up (${APISERVER_URL}, node ${NODE_NAME} Ready)"
     return 0
   fi
@@ -209,7 +209,7 @@ cmd_up() {
   wait_node_ready || die "node ${NODE_NAME} did not become Ready"
   kube_proxy_write_config
   start_one kube-proxy "${KUBELET_START_TIMEOUT}" || die "kube-proxy failed to start"
-  storage_ensure || die "could not set up the local volumes"
+  storage_ensure || die "could not set up dynamic volumes (local-path-provisioner)"
 
   if [[ ${CLUSTER_SMOKE} == 1 ]]; then
     smoke_pod || die "the node is Ready but cannot run a pod"
@@ -224,6 +224,7 @@ cmd_down() {
   [[ ${HEADROOM_STATE%/} != "${HEADROOM_CACHE}/state/controlplane" ]] ||
     die "HEADROOM_STATE=${HEADROOM_STATE} is controlplane.sh's state dir; use controlplane.sh for it"
   take_lock
+  stop_component local-path-provisioner
   stop_component kube-proxy
   kube_proxy_cleanup_rules
   stop_component kubelet

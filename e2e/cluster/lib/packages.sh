@@ -22,6 +22,7 @@ NODE_PACKAGES=(
   curl
   util-linux                  # flock, setsid, findmnt, nsenter
   iproute2
+  busybox-static              # the volume helper pods' image (lib/storage.sh)
 )
 
 # packages_missing PKG...  -- prints the packages that are not installed.
