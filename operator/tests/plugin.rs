@@ -164,6 +164,55 @@ fn a_generic_model_is_plan_only() {
     );
 }
 
+/// `--model-dir` plans the model a Hugging Face config describes; the JSON
+/// output carries its parameter count, which equals the published one.
+#[test]
+fn plans_a_llama_family_model_from_its_hugging_face_config() {
+    for (dir, params) in [
+        ("samples/models/llama-3.2-1b", 1_235_814_400u64),
+        ("samples/models/llama-2-7b", 6_738_415_616),
+    ] {
+        let out = plugin(&[
+            "plan",
+            "-f",
+            "samples/gpu-gpt2-medium.yaml",
+            "--nodes",
+            "samples/nodes-gfd.yaml",
+            "--model-dir",
+            dir,
+            "--sequence-length",
+            "2048",
+            "-o",
+            "json",
+        ]);
+        assert_eq!(out.status.code(), Some(0), "{dir}: {}", text(&out));
+        let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        assert_eq!(doc["parameters"], params, "{dir}");
+        assert!(doc["plan"]["workers"].as_u64().is_some_and(|w| w >= 1));
+    }
+    // Without a sequence length (the GPU sample's model is a transformer: it
+    // gives one); a config that is not Llama-family names the key.
+    let dir = std::env::temp_dir().join(format!("headroom-plugin-hf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("tmp");
+    std::fs::write(
+        dir.join("config.json"),
+        r#"{"architectures": ["GPT2LMHeadModel"]}"#,
+    )
+    .expect("write");
+    let out = plugin(&[
+        "plan",
+        "-f",
+        "samples/gpu-gpt2-medium.yaml",
+        "--nodes",
+        "samples/nodes-gfd.yaml",
+        "--model-dir",
+        dir.to_str().expect("utf8"),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).contains("architectures"), "{}", text(&out));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A mistyped field is an error offline, as on the API server, not ignored.
 #[test]
 fn unknown_fields_are_refused_with_their_path() {

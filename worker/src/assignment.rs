@@ -144,6 +144,15 @@ fn train_config(a: &WorkerAssignment) -> Result<TrainConfig, Unsupported> {
                 "the Headroom worker trains transformers only (model.transformer); a generic model can be planned but not run",
             ));
         }
+        ModelShape::Llama(l) => {
+            return Err(unsupported(
+                "model",
+                format!(
+                    "this worker does not build {} models yet; they can be planned (kubectl headroom plan --model-config)",
+                    l.architecture.hf_name()
+                ),
+            ));
+        }
     };
     let plan = &a.plan;
     let stages = plan.stages.len() as u32;

@@ -677,10 +677,7 @@ impl MemoryAwareTrainingJobSpec {
                 Target::Gpu { max_gpus, .. } => (*max_gpus, "resources.gpu.maxGpus"),
                 Target::Cpu { max_workers, .. } => (*max_workers, "resources.cpu.maxWorkers"),
             };
-            let layers = match &model {
-                ModelShape::Transformer(m) => m.layers,
-                ModelShape::Generic(_) => 1,
-            };
+            let layers = model.splittable_layers();
             if n > max || n > layers {
                 return Err(spec_error(
                     "training.pipelineStages",

@@ -7,7 +7,8 @@
 //! Modules, each importing only those above it:
 //!
 //! * [`units`] — byte and count formatting
-//! * [`model`] — what is being trained (transformer shape or a generic parameter count)
+//! * [`llama`] — Llama-family models (Llama, Mistral, Qwen2) from a Hugging Face `config.json`
+//! * [`model`] — what is being trained (transformer shape, Llama family, or a generic parameter count)
 //! * [`training`] — precision, optimizer and batch settings
 //! * [`backend`] — the worker backends (flex, cuda): overheads and what each supports
 //! * [`memory`] — the per-worker memory model with its breakdown
@@ -21,6 +22,7 @@
 pub mod backend;
 pub mod inventory;
 pub mod ladder;
+pub mod llama;
 pub mod memory;
 pub mod model;
 pub mod plan;
@@ -33,6 +35,7 @@ pub mod units;
 pub use backend::{Backend, BackendProfile};
 pub use inventory::{DeviceKind, DeviceType, Inventory, NodeFacts};
 pub use ladder::{MemoryFailure, MemoryFailureKind, next_stricter_plan};
+pub use llama::{ConfigError, LlamaArchitecture, LlamaShape};
 pub use memory::MemoryBreakdown;
 pub use model::{GenericModel, ModelShape, TransformerShape};
 pub use plan::{JobRequest, NoFeasiblePlan, Plan, SearchOptions, Stage, Target};

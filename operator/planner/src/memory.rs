@@ -130,6 +130,35 @@ pub fn estimate_stage(
             };
             (params, act, logits)
         }
+        ModelShape::Llama(l) => {
+            let mut params = u64::from(stage.layers) * l.params_per_layer();
+            if stage.first {
+                params += l.embedding_params();
+            }
+            if stage.last {
+                params += l.head_params();
+                // A tied head on a stage without the embedding needs its own copy.
+                if l.tied_embeddings && !stage.first {
+                    params += l.embedding_params();
+                }
+            }
+            let ckpt = settings.activation_checkpointing;
+            let kept = l.block_activation_bytes(b, e, ckpt);
+            let mut act = in_flight * u64::from(stage.layers) * kept;
+            if ckpt && stage.layers > 0 {
+                act += l.block_activation_bytes(b, e, false) - kept;
+            }
+            let logits = if stage.last {
+                u64::from(l.sequence_length)
+                    * b
+                    * u64::from(l.vocabulary)
+                    * 4
+                    * profile.logit_copies
+            } else {
+                0
+            };
+            (params, act, logits)
+        }
         ModelShape::Generic(g) => {
             // Declared at 32-bit; scale to the element size. Checkpointing is
             // not modelled for an opaque model, so it never lowers the figure.

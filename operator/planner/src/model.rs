@@ -14,6 +14,9 @@ use serde::{Deserialize, Serialize};
 pub enum ModelShape {
     /// A GPT-style decoder-only transformer (the shape the Headroom worker builds).
     Transformer(TransformerShape),
+    /// A Llama-family model (Llama, Mistral, Qwen2) as its Hugging Face
+    /// `config.json` describes it. Planned; the worker does not build it yet.
+    Llama(crate::llama::LlamaShape),
     /// Any other model, described by its parameter count and activation bytes.
     Generic(GenericModel),
 }
@@ -114,6 +117,7 @@ impl ModelShape {
     pub fn total_params(&self) -> u64 {
         match self {
             ModelShape::Transformer(t) => t.total_params(),
+            ModelShape::Llama(l) => l.total_params(),
             ModelShape::Generic(g) => g.parameters,
         }
     }
@@ -122,6 +126,7 @@ impl ModelShape {
     pub fn splittable_layers(&self) -> u32 {
         match self {
             ModelShape::Transformer(t) => t.layers,
+            ModelShape::Llama(l) => l.layers,
             ModelShape::Generic(_) => 1,
         }
     }

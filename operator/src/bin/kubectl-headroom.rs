@@ -14,7 +14,7 @@ use headroom_api::MemoryAwareTrainingJob;
 use headroom_operator::controller::CheckpointAccess;
 use headroom_operator::inventory::{cpu_inventory, job_inventory};
 use headroom_operator::report::{infeasible_text, plan_table};
-use headroom_planner::plan;
+use headroom_planner::{LlamaShape, ModelShape, plan};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde::Deserialize;
 
@@ -45,7 +45,31 @@ enum Command {
         /// with ReadWriteOnce a job's stages must fit on one node's free GPUs.
         #[arg(long, value_enum, default_value = "ReadWriteOnce")]
         checkpoint_access_mode: CheckpointAccess,
+        /// Plan the model a Hugging Face `config.json` describes (Llama,
+        /// Mistral, Qwen2) instead of the manifest's `spec.model`.
+        #[arg(long, conflicts_with = "model_dir")]
+        model_config: Option<PathBuf>,
+        /// A checkpoint directory: plans from its `config.json`.
+        #[arg(long)]
+        model_dir: Option<PathBuf>,
+        /// Tokens per training sample with --model-config/--model-dir
+        /// (default: the manifest's model.transformer.sequenceLength).
+        #[arg(long)]
+        sequence_length: Option<u32>,
     },
+}
+
+/// The model of a Hugging Face config, for a job whose manifest gives
+/// `sequence_length` (or none).
+fn hf_model(path: &Path, sequence_length: Option<u32>) -> Result<ModelShape> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let s = sequence_length.context(
+        "--sequence-length is needed: the job's manifest has no model.transformer.sequenceLength to take it from",
+    )?;
+    let shape =
+        LlamaShape::from_hf_config(&text, s).with_context(|| format!("{}", path.display()))?;
+    Ok(ModelShape::Llama(shape))
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
@@ -71,7 +95,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
         nodes,
         output,
         checkpoint_access_mode,
+        model_config,
+        model_dir,
+        sequence_length,
     } = cli.command;
+    let model_config = model_config.or(model_dir.map(|d| d.join("config.json")));
     let jobs = read_jobs(&file)?;
     // Validate every spec before touching the cluster: bad input fails fast and offline.
     let mut requests = Vec::with_capacity(jobs.len());
@@ -81,10 +109,19 @@ fn run(cli: Cli) -> Result<ExitCode> {
             job.metadata.namespace.as_deref().unwrap_or("default"),
             job.metadata.name.as_deref().unwrap_or("<unnamed>")
         );
-        let request = job
+        let mut request = job
             .spec
             .job_request()
             .with_context(|| format!("{}: {name}", file.display()))?;
+        if let Some(config) = &model_config {
+            let from_manifest = job
+                .spec
+                .model
+                .transformer
+                .as_ref()
+                .map(|t| t.sequence_length);
+            request.model = hf_model(config, sequence_length.or(from_manifest))?;
+        }
         requests.push((name, request));
     }
     let needs_cluster = jobs.iter().any(|j| j.spec.resources.gpu.is_some());
@@ -123,8 +160,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 Err(e) => emit(&format!("{}\n", infeasible_text(name, e)))?,
             },
             Output::Json | Output::Yaml => machine.push(match &result {
-                Ok(p) => serde_json::json!({"job": name, "feasible": true, "plan": p}),
-                Err(e) => serde_json::json!({"job": name, "feasible": false, "summary": e.summary, "details": e.details}),
+                Ok(p) => serde_json::json!({"job": name, "parameters": request.model.total_params(), "feasible": true, "plan": p}),
+                Err(e) => serde_json::json!({"job": name, "parameters": request.model.total_params(), "feasible": false, "summary": e.summary, "details": e.details, "waitsFor": e.waits_for}),
             }),
         }
     }
