@@ -12,6 +12,8 @@
 //! * [`model`] — the decoder-only transformer (one pipeline stage's part of it)
 //! * [`pipeline`] — stages over TCP: links, handshake, the 1F1B schedule
 //! * [`data`] — the synthetic next-token task (deterministic per sample)
+//! * [`text`] — real text: JSONL/plain documents, Hugging Face tokenizer, packed
+//!   samples, seeded shuffle, per-rank shares (not yet wired into training)
 //! * [`train`] — micro-batches, accumulation, block-level checkpointing, optimizers
 //! * [`checkpoint`] — atomic, verified, per-part checkpoints and resume under any split
 //! * [`telemetry`] — cgroup, process, allocator and NVML memory sampling
@@ -35,6 +37,7 @@ pub mod pipeline;
 pub mod report;
 pub mod run;
 pub mod telemetry;
+pub mod text;
 pub mod train;
 
 use std::path::Path;
