@@ -70,8 +70,8 @@ pub enum DeviceKind {
 /// One kind of device and how many of it the cluster has.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceType {
-    /// GPU product as GFD labels it (e.g. `NVIDIA-A100-SXM4-80GB`, MIG slices
-    /// as `<product>-MIG-<profile>`), or `cpu`.
+    /// GPU product as GFD labels it (e.g. `NVIDIA-A100-SXM4-80GB`; MIG slices
+    /// e.g. `NVIDIA-A100-SXM4-80GB-MIG-1g.10gb`, see [`device_placement`]), or `cpu`.
     pub name: String,
     pub kind: DeviceKind,
     /// Resource a pod requests one of per stage: `nvidia.com/gpu`, `nvidia.com/mig-1g.10gb`; `memory` for CPU.
