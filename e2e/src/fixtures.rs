@@ -124,22 +124,57 @@ impl GpuNodes {
     /// Registers node `<namespace>-<suffix>` with one `product` GPU, the way
     /// GPU Feature Discovery and the device plugin describe it; returns its name.
     pub async fn add(&mut self, suffix: &str, product: &str, memory_mib: u64) -> String {
-        let name = format!("{}-{suffix}", self.ns);
-        self.register(&name, product, memory_mib).await;
-        self.names.push(name.clone());
-        name
+        let labels = serde_json::json!({
+            "nvidia.com/gpu.product": product, "nvidia.com/gpu.memory": memory_mib.to_string(),
+            "nvidia.com/gpu.count": "1"});
+        self.add_node(suffix, labels, serde_json::json!({"nvidia.com/gpu": "1"}))
+            .await
     }
 
-    async fn register(&self, name: &str, product: &str, memory_mib: u64) {
+    /// Registers node `<namespace>-<suffix>` with one `product` GPU of
+    /// `memory_mib` cut into `slices` MIG slices of `profile` (e.g.
+    /// `3g.40gb`, `slice_mib` each) under the mixed strategy, labelled as GFD
+    /// does (NVIDIA/k8s-device-plugin `internal/lm`: the MIG-enabled GPU keeps
+    /// its `nvidia.com/gpu.*` labels with `replicas: 0`; per profile
+    /// `nvidia.com/mig-<profile>.count|.replicas|.memory|.product`) and
+    /// advertised as the device plugin does: `nvidia.com/mig-<profile>`
+    /// only, no `nvidia.com/gpu`. Returns its name.
+    pub async fn add_mixed_mig(
+        &mut self,
+        suffix: &str,
+        product: &str,
+        memory_mib: u64,
+        profile: &str,
+        slices: u32,
+        slice_mib: u64,
+    ) -> String {
+        let mig = format!("nvidia.com/mig-{profile}");
+        let labels = serde_json::json!({
+            "nvidia.com/mig.strategy": "mixed",
+            "nvidia.com/gpu.product": product, "nvidia.com/gpu.memory": memory_mib.to_string(),
+            "nvidia.com/gpu.count": "1", "nvidia.com/gpu.replicas": "0",
+            format!("{mig}.product"): format!("{product}-MIG-{profile}"),
+            format!("{mig}.count"): slices.to_string(), format!("{mig}.replicas"): "1",
+            format!("{mig}.memory"): slice_mib.to_string()});
+        self.add_node(suffix, labels, serde_json::json!({mig: slices.to_string()}))
+            .await
+    }
+
+    async fn add_node(
+        &mut self,
+        suffix: &str,
+        mut labels: serde_json::Value,
+        mut devices: serde_json::Value,
+    ) -> String {
+        let name = format!("{}-{suffix}", self.ns);
+        labels[self.label] = "true".into();
         let node: Node = serde_json::from_value(serde_json::json!({
-            "metadata": {"name": name, "labels": {
-                "nvidia.com/gpu.product": product, "nvidia.com/gpu.memory": memory_mib.to_string(), "nvidia.com/gpu.count": "1",
-                self.label: "true"}}
+            "metadata": {"name": name, "labels": labels}
         }))
         .expect("node");
         self.api
             .patch(
-                name,
+                &name,
                 &PatchParams::apply(self.field_manager),
                 &Patch::Apply(&node),
             )
@@ -150,21 +185,25 @@ impl GpuNodes {
         // Ready; lift the taint as it would.
         self.api
             .patch(
-                name,
+                &name,
                 &PatchParams::default(),
                 &Patch::Merge(serde_json::json!({"spec": {"taints": null}})),
             )
             .await
             .expect("node taints");
+        for (k, v) in [("cpu", "8"), ("memory", "64Gi"), ("pods", "110")] {
+            devices[k] = v.into();
+        }
         let status = serde_json::json!({"status": {
-            "allocatable": {"nvidia.com/gpu": "1", "cpu": "8", "memory": "64Gi", "pods": "110"},
-            "capacity": {"nvidia.com/gpu": "1", "cpu": "8", "memory": "64Gi", "pods": "110"},
+            "allocatable": devices, "capacity": devices,
             "conditions": [{"type": "Ready", "status": "True", "reason": "Test", "message": "fake node",
                             "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}});
         self.api
-            .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+            .patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
             .await
             .expect("node status");
+        self.names.push(name.clone());
+        name
     }
 
     /// Deletes the nodes this set registered.

@@ -589,6 +589,74 @@ async fn gpu_type_is_chosen_by_budget_and_replanned_when_unschedulable() {
     ns.cleanup().await;
 }
 
+/// A mixed-strategy MIG node as GPU Feature Discovery labels it and the
+/// device plugin advertises it: the MIG-enabled GPU's `nvidia.com/gpu.*`
+/// labels describe a whole 80 GiB GPU, but only its two 3g.40gb slices can
+/// be allocated. The job is planned on a slice (named by the node's
+/// `.product` label), and its pod requests `nvidia.com/mig-3g.40gb` with a
+/// node affinity that node meets, not `nvidia.com/gpu`.
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn a_mixed_mig_node_gets_pods_for_its_slices_not_its_whole_gpu() {
+    let ns = test_ns("hr-mig").await;
+    let mut nodes = GpuNodes::new(&ns);
+    let big = nodes.product("Big");
+    let slice = format!("{big}-MIG-3g.40gb");
+    let node_name = nodes
+        .add_mixed_mig("mig", &big, 81920, "3g.40gb", 2, 40192)
+        .await;
+    let op = start_operator(&ns, ControllerConfig::default());
+
+    ns.apply_job(&gpu_job("mig-job", &[&big, &slice], 1, ""))
+        .await;
+    let job = ns
+        .wait_job("mig-job", "attempt 1", TIMEOUT, |j| attempts(j) == 1)
+        .await;
+    let plan = job.status.expect("status").attempts[0].plan.clone();
+    assert_eq!(
+        (plan.device.as_str(), plan.resource.as_str()),
+        (slice.as_str(), "nvidia.com/mig-3g.40gb"),
+        "not the whole GPU the device plugin does not advertise"
+    );
+    let pods = ns.wait_pods("MIG pod", TIMEOUT, |p| p.len() == 1).await;
+    let spec = pods[0].spec.clone().expect("spec");
+    let limits = spec.containers[0]
+        .resources
+        .clone()
+        .and_then(|r| r.limits)
+        .expect("limits");
+    let devices: Vec<_> = limits
+        .iter()
+        .filter(|(k, _)| k.starts_with("nvidia.com/"))
+        .map(|(k, q)| (k.as_str(), q.0.as_str()))
+        .collect();
+    assert_eq!(devices, [("nvidia.com/mig-3g.40gb", "1")]);
+
+    // The node, as the API server holds it, meets one of the affinity's terms.
+    let node = nodes.api.get(&node_name).await.expect("node");
+    let labels = node.labels();
+    let terms = spec
+        .affinity
+        .and_then(|a| a.node_affinity)
+        .and_then(|a| a.required_during_scheduling_ignored_during_execution)
+        .expect("a required node affinity")
+        .node_selector_terms;
+    let met = terms.iter().any(|t| {
+        t.match_expressions.iter().flatten().all(|r| {
+            let value = labels.get(&r.key);
+            match r.operator.as_str() {
+                "In" => value.is_some_and(|v| r.values.iter().flatten().any(|w| w == v)),
+                "DoesNotExist" => value.is_none(),
+                other => panic!("operator {other}"),
+            }
+        })
+    });
+    assert!(met, "{terms:?} against {labels:?}");
+    op.stop().await;
+    nodes.remove().await;
+    ns.cleanup().await;
+}
+
 /// A GPU held by a pod that is not Headroom's is not free: with the big
 /// GPU taken by another team's pod, the job goes to the mid one it would
 /// otherwise not pick.

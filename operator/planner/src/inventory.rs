@@ -1,22 +1,28 @@
 //! Devices the cluster offers, read from Node facts the way GPU Feature
 //! Discovery publishes them, or a CPU budget taken from the job itself.
 //!
-//! Labels read, as GPU Feature Discovery writes them
-//! (NVIDIA/k8s-device-plugin, `internal/lm/mig-strategy.go` and the GFD README):
-//! * no MIG, or the `single` strategy: `nvidia.com/gpu.product` (single: the
-//!   slice, e.g. `NVIDIA-A100-SXM4-40GB-MIG-1g.5gb`), `nvidia.com/gpu.memory`
-//!   (MiB per device), `nvidia.com/gpu.count`; the device plugin advertises
-//!   `nvidia.com/gpu`;
+//! Labels read, as GPU Feature Discovery writes them (NVIDIA/k8s-device-plugin
+//! `internal/lm/mig-strategy.go`, `internal/lm/resource.go` and their tests;
+//! the GFD README's "MIG 'single' strategy" and "MIG 'mixed' strategy" tables):
+//! * no MIG (`none`), or the `single` strategy: `nvidia.com/gpu.product`
+//!   (single: the slice, e.g. `NVIDIA-A100-SXM4-40GB-MIG-1g.5gb`),
+//!   `nvidia.com/gpu.memory` (MiB per device), `nvidia.com/gpu.count`; the
+//!   device plugin advertises `nvidia.com/gpu`;
 //! * the `mixed` strategy (`nvidia.com/mig.strategy=mixed`): per profile
-//!   `nvidia.com/mig-<profile>.count|.memory|.product`, advertised as
-//!   `nvidia.com/mig-<profile>`. GFD still writes the `nvidia.com/gpu.*`
-//!   labels of the MIG-enabled physical GPUs, but the device plugin does not
+//!   `nvidia.com/mig-<profile>.count|.memory|.product` (`.product` is
+//!   `<GPU model>-MIG-<profile>`; GFD releases before the device plugin's
+//!   labeller do not write it), advertised as `nvidia.com/mig-<profile>`. GFD
+//!   still writes the `nvidia.com/gpu.*` labels of the MIG-enabled physical
+//!   GPUs (with `nvidia.com/gpu.replicas=0`), but the device plugin does not
 //!   advertise them: they are not devices a pod can get.
 //!
 //! So a device exists only where the node can allocate it: when the node
 //! reports `status.allocatable`, counts come from there alone (labels without
 //! an allocatable resource are phantoms). Labels give the counts only for node
-//! descriptions without allocatable figures (e.g. a `--nodes` file).
+//! descriptions without allocatable figures (e.g. a `--nodes` file), and then
+//! `nvidia.com/gpu.replicas=0` marks GPUs GFD labelled but cannot be handed out
+//! whole. [`device_placement`] gives the labels a pod selects to land where a
+//! device type was counted.
 
 use std::collections::BTreeMap;
 
@@ -29,6 +35,8 @@ pub const LABEL_GPU_PRODUCT: &str = "nvidia.com/gpu.product";
 pub const LABEL_GPU_MEMORY_MIB: &str = "nvidia.com/gpu.memory";
 pub const LABEL_GPU_COUNT: &str = "nvidia.com/gpu.count";
 pub const LABEL_MIG_STRATEGY: &str = "nvidia.com/mig.strategy";
+/// GFD writes `0` for MIG-enabled GPUs (not shareable, not allocatable whole).
+pub const LABEL_GPU_REPLICAS: &str = "nvidia.com/gpu.replicas";
 pub const RESOURCE_GPU: &str = "nvidia.com/gpu";
 const MIG_PREFIX: &str = "nvidia.com/mig-";
 
@@ -62,8 +70,8 @@ pub enum DeviceKind {
 /// One kind of device and how many of it the cluster has.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceType {
-    /// GPU product as GFD labels it (e.g. `NVIDIA-A100-SXM4-80GB`, MIG slices
-    /// as `<product>-MIG-<profile>`), or `cpu`.
+    /// GPU product as GFD labels it (e.g. `NVIDIA-A100-SXM4-80GB`; MIG slices
+    /// e.g. `NVIDIA-A100-SXM4-80GB-MIG-1g.10gb`, see [`device_placement`]), or `cpu`.
     pub name: String,
     pub kind: DeviceKind,
     /// Resource a pod requests one of per stage: `nvidia.com/gpu`, `nvidia.com/mig-1g.10gb`; `memory` for CPU.
@@ -210,18 +218,29 @@ fn clamp_u32(x: u64) -> u32 {
 /// The device types one node contributes (full GPUs or MIG slices).
 fn node_devices(node: &NodeFacts) -> Vec<DeviceType> {
     let mut out = Vec::new();
-    let product = node.labels.get(LABEL_GPU_PRODUCT).cloned();
+    let product = node
+        .labels
+        .get(LABEL_GPU_PRODUCT)
+        .map(String::as_str)
+        .filter(|p| !p.trim().is_empty());
     let mixed_mig = node
         .labels
         .get(LABEL_MIG_STRATEGY)
         .is_some_and(|s| s == "mixed");
 
     // Full GPUs, or MIG slices under the "single" strategy (GFD relabels product and memory).
-    if let (Some(name), Some(mib)) = (product.clone(), label_u64(node, LABEL_GPU_MEMORY_MIB)) {
-        let (free, total) = count_of(node, RESOURCE_GPU, label_u64(node, LABEL_GPU_COUNT));
+    if let (Some(name), Some(mib)) = (product, label_u64(node, LABEL_GPU_MEMORY_MIB)) {
+        // Counting from labels (no allocatable figures): GPUs GFD labels with
+        // replicas 0 are MIG-enabled ones the device plugin does not hand out whole.
+        let whole = node
+            .labels
+            .get(LABEL_GPU_REPLICAS)
+            .is_none_or(|r| r.trim() != "0");
+        let label_count = label_u64(node, LABEL_GPU_COUNT).filter(|_| whole);
+        let (free, total) = count_of(node, RESOURCE_GPU, label_count);
         if total > 0 {
             out.push(DeviceType {
-                name,
+                name: name.to_string(),
                 kind: DeviceKind::Gpu,
                 resource: RESOURCE_GPU.into(),
                 memory_bytes: mib * MIB,
@@ -244,6 +263,11 @@ fn node_devices(node: &NodeFacts) -> Vec<DeviceType> {
             let Ok(mib) = value.trim().parse::<u64>() else {
                 continue;
             };
+            // A slice no label names cannot be told from other GPUs' slices
+            // of the same profile, nor selected by a pod.
+            let Some(name) = mig_name(node, product, profile) else {
+                continue;
+            };
             let resource = format!("{MIG_PREFIX}{profile}");
             let (free, total) = count_of(
                 node,
@@ -252,7 +276,7 @@ fn node_devices(node: &NodeFacts) -> Vec<DeviceType> {
             );
             if total > 0 {
                 out.push(DeviceType {
-                    name: mig_name(node, product.as_deref(), profile),
+                    name,
                     kind: DeviceKind::Gpu,
                     resource,
                     memory_bytes: mib * MIB,
@@ -268,19 +292,77 @@ fn node_devices(node: &NodeFacts) -> Vec<DeviceType> {
 }
 
 /// A mixed-strategy MIG device's name: GFD's `nvidia.com/mig-<profile>.product`
-/// (e.g. `NVIDIA-A100-SXM4-80GB-MIG-1g.10gb`); without it, the GPU product
-/// plus `-MIG-<profile>`, never doubling a `-MIG-…` suffix already there.
-fn mig_name(node: &NodeFacts, product: Option<&str>, profile: &str) -> String {
+/// (e.g. `NVIDIA-A100-SXM4-80GB-MIG-1g.10gb`); without it (GFD before the
+/// device plugin's labeller), the GPU product plus `-MIG-<profile>`, never
+/// doubling a `-MIG-…` suffix already there; `None` with neither label.
+fn mig_name(node: &NodeFacts, product: Option<&str>, profile: &str) -> Option<String> {
     if let Some(name) = node
         .labels
         .get(&format!("{MIG_PREFIX}{profile}.product"))
         .filter(|n| !n.trim().is_empty())
     {
-        return name.clone();
+        return Some(name.clone());
     }
-    let product = product.unwrap_or("NVIDIA-GPU");
+    let product = product?;
     let base = product.split_once("-MIG-").map_or(product, |(b, _)| b);
-    format!("{base}-MIG-{profile}")
+    Some(format!("{base}-MIG-{profile}"))
+}
+
+/// One condition on a node's labels.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LabelRequirement {
+    /// The node has label `key` with value `value`.
+    Equals { key: String, value: String },
+    /// The node has no label `key`.
+    Absent { key: String },
+}
+
+impl LabelRequirement {
+    pub fn holds(&self, labels: &BTreeMap<String, String>) -> bool {
+        match self {
+            LabelRequirement::Equals { key, value } => labels.get(key) == Some(value),
+            LabelRequirement::Absent { key } => !labels.contains_key(key),
+        }
+    }
+}
+
+/// Where a pod requesting one `resource` finds a device of type `device` (a
+/// name [`Inventory::from_nodes`] gave): alternatives, any one of which a node
+/// must meet in full (as Kubernetes ORs node-selector terms and ANDs the
+/// requirements of one). The labels are those the name was read from:
+/// * `nvidia.com/gpu` (full GPUs, single-strategy slices): `nvidia.com/gpu.product=<device>`;
+/// * `nvidia.com/mig-<profile>` (mixed strategy): `nvidia.com/mig-<profile>.product=<device>`,
+///   or, on nodes without that label (the name was built), none of it and
+///   `nvidia.com/gpu.product=<device less -MIG-<profile>>`.
+///
+/// The resource request itself keeps the pod off nodes that do not advertise it.
+pub fn device_placement(resource: &str, device: &str) -> Vec<Vec<LabelRequirement>> {
+    let equals = |key: &str, value: &str| LabelRequirement::Equals {
+        key: key.into(),
+        value: value.into(),
+    };
+    let Some(profile) = resource.strip_prefix(MIG_PREFIX) else {
+        return vec![vec![equals(LABEL_GPU_PRODUCT, device)]];
+    };
+    let product_label = format!("{resource}.product");
+    let mut terms = vec![vec![equals(&product_label, device)]];
+    if let Some(model) = device.strip_suffix(&format!("-MIG-{profile}")) {
+        terms.push(vec![
+            LabelRequirement::Absent { key: product_label },
+            equals(LABEL_GPU_PRODUCT, model),
+        ]);
+    }
+    terms
+}
+
+/// Whether a node with `labels` meets one of `placement`'s alternatives.
+pub fn placement_admits(
+    placement: &[Vec<LabelRequirement>],
+    labels: &BTreeMap<String, String>,
+) -> bool {
+    placement
+        .iter()
+        .any(|term| term.iter().all(|r| r.holds(labels)))
 }
 
 #[cfg(test)]
@@ -347,101 +429,189 @@ mod tests {
         assert_eq!(free, vec![("Tesla-T4", 4), ("NVIDIA-A100-SXM4-80GB", 8)]);
     }
 
-    /// GFD's labels for one A100-80GB in the mixed strategy, seven 1g.10gb
-    /// slices: the physical GPU keeps its `nvidia.com/gpu.*` labels, but the
-    /// device plugin advertises only the slices.
-    fn mixed_a100(product_label: &str) -> NodeFacts {
-        let mut labels = vec![
-            (LABEL_GPU_PRODUCT, product_label),
-            (LABEL_GPU_MEMORY_MIB, "81920"),
-            (LABEL_GPU_COUNT, "1"),
-            (LABEL_MIG_STRATEGY, "mixed"),
+    /// Label sets as GPU Feature Discovery writes them, with real product
+    /// names and sizes. Sources: NVIDIA/k8s-device-plugin
+    /// `internal/lm/mig-strategy_test.go` (none/single label sets; a
+    /// MIG-enabled GPU's `nvidia.com/gpu.*` labels with `replicas: 0`),
+    /// `internal/lm/resource.go` + `resource_test.go` (mixed: per profile
+    /// `.count`, `.replicas`, `.memory`, `.product` = `<model>-MIG-<profile>`,
+    /// `.multiprocessors`, `.slices.*`, `.engines.*`), the GFD README tables
+    /// ("MIG 'single' strategy": `A100-SXM4-40GB-MIG-1g.5gb`, 56 devices of
+    /// 5120 MiB on 8 GPUs), and the standalone NVIDIA/gpu-feature-discovery
+    /// `cmd/gpu-feature-discovery/mig-strategy.go` (mixed without `.product`).
+    mod gfd {
+        /// `none`: eight A100-80GB, whole.
+        pub const NONE_A100: &[(&str, &str)] = &[
+            ("nvidia.com/gpu.product", "NVIDIA-A100-SXM4-80GB"),
+            ("nvidia.com/gpu.count", "8"),
+            ("nvidia.com/gpu.replicas", "1"),
+            ("nvidia.com/gpu.memory", "81920"),
+            ("nvidia.com/gpu.family", "ampere"),
+            ("nvidia.com/gpu.compute.major", "8"),
+            ("nvidia.com/gpu.compute.minor", "0"),
+        ];
+        /// `single`: 8 A100-40GB × 7 slices of 1g.5gb, advertised as `nvidia.com/gpu: 56`.
+        pub const SINGLE_A100: &[(&str, &str)] = &[
+            ("nvidia.com/mig.strategy", "single"),
+            ("nvidia.com/gpu.product", "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb"),
+            ("nvidia.com/gpu.count", "56"),
+            ("nvidia.com/gpu.replicas", "1"),
+            ("nvidia.com/gpu.memory", "5120"),
+            ("nvidia.com/gpu.multiprocessors", "14"),
+            ("nvidia.com/gpu.slices.gi", "1"),
+            ("nvidia.com/gpu.slices.ci", "1"),
+            ("nvidia.com/gpu.engines.copy", "1"),
+            ("nvidia.com/gpu.engines.decoder", "0"),
+            ("nvidia.com/gpu.engines.encoder", "0"),
+            ("nvidia.com/gpu.engines.jpeg", "0"),
+            ("nvidia.com/gpu.engines.ofa", "0"),
+        ];
+        /// `mixed`: one A100-80GB cut into seven 1g.10gb slices, advertised
+        /// as `nvidia.com/mig-1g.10gb: 7` (no `nvidia.com/gpu`).
+        pub const MIXED_A100: &[(&str, &str)] = &[
+            ("nvidia.com/mig.strategy", "mixed"),
+            ("nvidia.com/gpu.product", "NVIDIA-A100-SXM4-80GB"),
+            ("nvidia.com/gpu.count", "1"),
+            ("nvidia.com/gpu.replicas", "0"),
+            ("nvidia.com/gpu.memory", "81920"),
+            (
+                "nvidia.com/mig-1g.10gb.product",
+                "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb",
+            ),
             ("nvidia.com/mig-1g.10gb.count", "7"),
+            ("nvidia.com/mig-1g.10gb.replicas", "1"),
             ("nvidia.com/mig-1g.10gb.memory", "9728"),
             ("nvidia.com/mig-1g.10gb.multiprocessors", "14"),
+            ("nvidia.com/mig-1g.10gb.slices.gi", "1"),
+            ("nvidia.com/mig-1g.10gb.slices.ci", "1"),
+            ("nvidia.com/mig-1g.10gb.engines.copy", "1"),
+            ("nvidia.com/mig-1g.10gb.engines.decoder", "0"),
+            ("nvidia.com/mig-1g.10gb.engines.encoder", "0"),
+            ("nvidia.com/mig-1g.10gb.engines.jpeg", "0"),
+            ("nvidia.com/mig-1g.10gb.engines.ofa", "0"),
         ];
-        labels.push((
-            "nvidia.com/mig-1g.10gb.product",
-            "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb",
-        ));
-        let mut n = node("mixed", &labels, &[("nvidia.com/mig-1g.10gb", 7)]);
-        // A real Node reports cpu/memory/pods too: allocatable is known.
+        /// `mixed` as the standalone GFD wrote it (no `.product`, no
+        /// `.replicas`): one A100-40GB as 2 × 3g.20gb.
+        pub const MIXED_A100_OLD_GFD: &[(&str, &str)] = &[
+            ("nvidia.com/mig.strategy", "mixed"),
+            ("nvidia.com/gpu.product", "NVIDIA-A100-SXM4-40GB"),
+            ("nvidia.com/gpu.count", "1"),
+            ("nvidia.com/gpu.memory", "40960"),
+            ("nvidia.com/mig-3g.20gb.count", "2"),
+            ("nvidia.com/mig-3g.20gb.memory", "19968"),
+            ("nvidia.com/mig-3g.20gb.multiprocessors", "42"),
+            ("nvidia.com/mig-3g.20gb.slices.gi", "3"),
+            ("nvidia.com/mig-3g.20gb.slices.ci", "3"),
+            ("nvidia.com/mig-3g.20gb.engines.copy", "3"),
+        ];
+    }
+
+    /// A Node that reports allocatable (a real one always does: cpu, memory, pods).
+    fn reported(name: &str, labels: &[(&str, &str)], alloc: &[(&str, u64)]) -> NodeFacts {
+        let mut n = node(name, labels, alloc);
         n.allocatable_reported = true;
         n
     }
 
+    fn summary(inv: &Inventory) -> Vec<(&str, &str, u32, u64)> {
+        inv.devices
+            .iter()
+            .map(|d| {
+                (
+                    d.name.as_str(),
+                    d.resource.as_str(),
+                    d.total,
+                    d.memory_bytes / MIB,
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn none_strategy_gpus_are_nvidia_gpu_devices_counted_from_allocatable() {
+        // Allocatable wins over the label: one GPU is not handed out (e.g. unhealthy).
+        let n = reported("none", gfd::NONE_A100, &[(RESOURCE_GPU, 7)]);
+        assert_eq!(
+            summary(&Inventory::from_nodes([&n])),
+            [("NVIDIA-A100-SXM4-80GB", RESOURCE_GPU, 7, 81920)]
+        );
+    }
+
+    #[test]
+    fn single_strategy_slices_are_nvidia_gpu_devices() {
+        let n = reported("single", gfd::SINGLE_A100, &[(RESOURCE_GPU, 56)]);
+        assert_eq!(
+            summary(&Inventory::from_nodes([&n])),
+            [("NVIDIA-A100-SXM4-40GB-MIG-1g.5gb", RESOURCE_GPU, 56, 5120)]
+        );
+    }
+
     #[test]
     fn mixed_mig_nodes_offer_their_slices_and_no_phantom_gpu() {
-        let inv = Inventory::from_nodes([&mixed_a100("NVIDIA-A100-SXM4-80GB")]);
-        let got: Vec<_> = inv
-            .devices
-            .iter()
-            .map(|d| (d.name.as_str(), d.resource.as_str(), d.free, d.memory_bytes))
-            .collect();
+        let n = reported("mixed", gfd::MIXED_A100, &[("nvidia.com/mig-1g.10gb", 7)]);
         assert_eq!(
-            got,
-            vec![(
+            summary(&Inventory::from_nodes([&n])),
+            [(
                 "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb",
                 "nvidia.com/mig-1g.10gb",
                 7,
-                9728 * MIB
+                9728
             )],
             "no full A100 that the device plugin does not advertise"
         );
     }
 
     #[test]
+    fn a_label_only_mixed_node_offers_no_whole_gpu() {
+        // A `--nodes` file without allocatable figures: counts from labels,
+        // but GFD's replicas 0 says the labelled GPU is MIG-enabled.
+        let n = node("mixed", gfd::MIXED_A100, &[]);
+        assert!(!n.allocatable_reported);
+        assert_eq!(
+            summary(&Inventory::from_nodes([&n])),
+            [(
+                "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb",
+                "nvidia.com/mig-1g.10gb",
+                7,
+                9728
+            )]
+        );
+        // Whole GPUs in the same file still count from their labels.
+        let whole = node("none", gfd::NONE_A100, &[]);
+        assert_eq!(Inventory::from_nodes([&whole]).devices[0].total, 8);
+    }
+
+    #[test]
     fn mig_names_come_from_the_product_label_and_never_double_the_suffix() {
-        let mut n = mixed_a100("NVIDIA-A100-SXM4-80GB-MIG-1g.10gb");
+        // The .product label wins over anything built from the GPU product.
+        let mut n = reported("mixed", gfd::MIXED_A100, &[("nvidia.com/mig-1g.10gb", 7)]);
+        n.labels.insert(
+            "nvidia.com/mig-1g.10gb.product".into(),
+            "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb-SHARED".into(),
+        );
+        assert_eq!(
+            Inventory::from_nodes([&n]).devices[0].name,
+            "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb-SHARED"
+        );
+        // Without it, built from a product label that already carries a MIG suffix.
+        n.labels.remove("nvidia.com/mig-1g.10gb.product");
+        n.labels.insert(
+            LABEL_GPU_PRODUCT.into(),
+            "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb".into(),
+        );
         assert_eq!(
             Inventory::from_nodes([&n]).devices[0].name,
             "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb"
         );
-        n.labels.remove("nvidia.com/mig-1g.10gb.product");
-        assert_eq!(
-            Inventory::from_nodes([&n]).devices[0].name,
-            "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb",
-            "built from a product label that already carries a MIG suffix"
-        );
-    }
-
-    #[test]
-    fn single_strategy_slices_are_nvidia_gpu_devices() {
-        // GFD README, MIG 'single': 8 A100-40GB × 7 slices of 1g.5gb.
-        let mut n = node(
-            "single",
-            &[
-                (LABEL_MIG_STRATEGY, "single"),
-                (LABEL_GPU_PRODUCT, "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb"),
-                (LABEL_GPU_COUNT, "56"),
-                (LABEL_GPU_MEMORY_MIB, "5120"),
-            ],
-            &[(RESOURCE_GPU, 56)],
-        );
-        n.allocatable_reported = true;
-        let inv = Inventory::from_nodes([&n]);
-        assert_eq!(inv.devices.len(), 1);
-        let d = &inv.devices[0];
-        assert_eq!(
-            (
-                d.name.as_str(),
-                d.resource.as_str(),
-                d.total,
-                d.memory_bytes
-            ),
-            (
-                "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb",
-                RESOURCE_GPU,
-                56,
-                5120 * MIB
-            )
-        );
+        // Neither label: nothing names the slices, so they are not offered.
+        n.labels.remove(LABEL_GPU_PRODUCT);
+        assert!(Inventory::from_nodes([&n]).devices.is_empty());
     }
 
     #[test]
     fn a_labelled_gpu_the_node_cannot_allocate_is_not_there() {
         // GFD labels, but no device plugin (or it advertises nothing yet).
-        let mut n = node(
+        let mut n = reported(
             "no-plugin",
             &[
                 (LABEL_GPU_PRODUCT, "NVIDIA-L4"),
@@ -450,7 +620,6 @@ mod tests {
             ],
             &[],
         );
-        n.allocatable_reported = true;
         assert!(Inventory::from_nodes([&n]).devices.is_empty());
         // A label-only description (no allocatable figures) counts from labels.
         n.allocatable_reported = false;
@@ -458,38 +627,99 @@ mod tests {
     }
 
     #[test]
-    fn reads_mixed_mig_slices() {
-        let n = node(
+    fn reads_mixed_mig_slices_labelled_without_a_product() {
+        let mut labels = gfd::MIXED_A100_OLD_GFD.to_vec();
+        labels.extend([
+            ("nvidia.com/mig-1g.5gb.count", "1"),
+            ("nvidia.com/mig-1g.5gb.memory", "4864"),
+        ]);
+        let n = reported(
             "mig",
-            &[
-                (LABEL_GPU_PRODUCT, "NVIDIA-A100-SXM4-40GB"),
-                (LABEL_MIG_STRATEGY, "mixed"),
-                ("nvidia.com/mig-1g.5gb.count", "7"),
-                ("nvidia.com/mig-1g.5gb.memory", "4864"),
-                ("nvidia.com/mig-3g.20gb.count", "2"),
-                ("nvidia.com/mig-3g.20gb.memory", "19968"),
-            ],
-            &[("nvidia.com/mig-1g.5gb", 7), ("nvidia.com/mig-3g.20gb", 2)],
+            &labels,
+            &[("nvidia.com/mig-1g.5gb", 1), ("nvidia.com/mig-3g.20gb", 2)],
         );
-        let inv = Inventory::from_nodes([&n]);
-        let names: Vec<_> = inv
-            .devices
-            .iter()
-            .map(|d| (d.name.as_str(), d.resource.as_str(), d.free))
-            .collect();
         assert_eq!(
-            names,
-            vec![
+            summary(&Inventory::from_nodes([&n])),
+            [
                 (
                     "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb",
                     "nvidia.com/mig-1g.5gb",
-                    7
+                    1,
+                    4864
                 ),
                 (
                     "NVIDIA-A100-SXM4-40GB-MIG-3g.20gb",
                     "nvidia.com/mig-3g.20gb",
-                    2
+                    2,
+                    19968
                 ),
+            ]
+        );
+    }
+
+    /// A pod placed by [`device_placement`] lands on the node each device
+    /// type was counted on, and not on another product's node with the same
+    /// slice profile (the resource name alone would allow it).
+    #[test]
+    fn every_device_type_is_placed_where_it_was_counted() {
+        let nodes = [
+            reported("none", gfd::NONE_A100, &[(RESOURCE_GPU, 8)]),
+            reported("single", gfd::SINGLE_A100, &[(RESOURCE_GPU, 56)]),
+            reported("mixed", gfd::MIXED_A100, &[("nvidia.com/mig-1g.10gb", 7)]),
+            reported(
+                "old",
+                gfd::MIXED_A100_OLD_GFD,
+                &[("nvidia.com/mig-3g.20gb", 2)],
+            ),
+        ];
+        // The same labels on an H100 node: another device type.
+        let renamed = |labels: &BTreeMap<String, String>| -> BTreeMap<String, String> {
+            labels
+                .iter()
+                .map(|(k, v)| {
+                    let v = v
+                        .replace("NVIDIA-A100-SXM4-80GB", "NVIDIA-H100-80GB-HBM3")
+                        .replace("NVIDIA-A100-SXM4-40GB", "NVIDIA-H100-80GB-HBM3");
+                    (k.clone(), v)
+                })
+                .collect()
+        };
+        for n in &nodes {
+            let devices = Inventory::from_nodes([n]).devices;
+            assert_eq!(devices.len(), 1, "{}", n.name);
+            let d = &devices[0];
+            let placement = device_placement(&d.resource, &d.name);
+            assert!(
+                placement_admits(&placement, &n.labels),
+                "{}: {placement:?}",
+                n.name
+            );
+            let h100 = renamed(&n.labels);
+            assert!(
+                !placement_admits(&placement, &h100),
+                "{}: {placement:?} admits {h100:?}",
+                n.name
+            );
+        }
+        assert_eq!(
+            device_placement(
+                "nvidia.com/mig-1g.10gb",
+                "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb"
+            ),
+            [
+                vec![LabelRequirement::Equals {
+                    key: "nvidia.com/mig-1g.10gb.product".into(),
+                    value: "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb".into()
+                }],
+                vec![
+                    LabelRequirement::Absent {
+                        key: "nvidia.com/mig-1g.10gb.product".into()
+                    },
+                    LabelRequirement::Equals {
+                        key: LABEL_GPU_PRODUCT.into(),
+                        value: "NVIDIA-A100-SXM4-80GB".into()
+                    }
+                ]
             ]
         );
     }

@@ -12,13 +12,15 @@ use headroom_api::{
     PIPELINE_PODS_ENV, PIPELINE_PORT, PIPELINE_SERVICE_ENV, PLAN_JSON_ENV, POD_NAME_ENV,
     TERMINATION_MESSAGE_PATH, WorkerAssignment,
 };
+use headroom_planner::inventory::{LabelRequirement, device_placement};
 use headroom_planner::{DeviceKind, ModelShape, Plan};
 use k8s_openapi::api::core::v1::{
     Affinity, Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, LocalObjectReference,
-    ObjectFieldSelector, PersistentVolumeClaim, PersistentVolumeClaimSpec,
-    PersistentVolumeClaimVolumeSource, Pod, PodAffinity, PodAffinityTerm, PodSecurityContext,
-    PodSpec, ResourceRequirements, SeccompProfile, SecurityContext, Service, ServiceAccount,
-    ServicePort, ServiceSpec, Volume, VolumeMount, VolumeResourceRequirements,
+    NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, ObjectFieldSelector,
+    PersistentVolumeClaim, PersistentVolumeClaimSpec, PersistentVolumeClaimVolumeSource, Pod,
+    PodAffinity, PodAffinityTerm, PodSecurityContext, PodSpec, ResourceRequirements,
+    SeccompProfile, SecurityContext, Service, ServiceAccount, ServicePort, ServiceSpec, Volume,
+    VolumeMount, VolumeResourceRequirements,
 };
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -273,6 +275,34 @@ pub fn headless_service(job: &MemoryAwareTrainingJob) -> Service {
     }
 }
 
+/// A required node affinity that a node meets by meeting any one term in full.
+fn required_node_affinity(terms: &[Vec<LabelRequirement>]) -> NodeAffinity {
+    let requirement = |r: &LabelRequirement| match r {
+        LabelRequirement::Equals { key, value } => NodeSelectorRequirement {
+            key: key.clone(),
+            operator: "In".into(),
+            values: Some(vec![value.clone()]),
+        },
+        LabelRequirement::Absent { key } => NodeSelectorRequirement {
+            key: key.clone(),
+            operator: "DoesNotExist".into(),
+            values: None,
+        },
+    };
+    NodeAffinity {
+        required_during_scheduling_ignored_during_execution: Some(NodeSelector {
+            node_selector_terms: terms
+                .iter()
+                .map(|term| NodeSelectorTerm {
+                    match_expressions: Some(term.iter().map(requirement).collect()),
+                    ..NodeSelectorTerm::default()
+                })
+                .collect(),
+        }),
+        ..NodeAffinity::default()
+    }
+}
+
 fn quantity_bytes(bytes: u64) -> Quantity {
     Quantity(bytes.to_string())
 }
@@ -347,6 +377,7 @@ pub fn worker_pod(
     // The user's placement (a node pool, tolerations for its taints), which
     // the inventory honoured when planning; the GPU product is added below.
     let mut node_selector = spec.worker.node_selector.clone();
+    let mut gpu_node_affinity: Option<NodeAffinity> = None;
     let tolerations = crate::inventory::worker_tolerations(job, plan.device_kind);
     match plan.device_kind {
         DeviceKind::Cpu => {
@@ -373,12 +404,25 @@ pub fn worker_pod(
             limits.insert("memory".into(), host.clone());
             requests.insert("memory".into(), host);
             requests.insert("cpu".into(), Quantity("1".into()));
-            // MIG slices of the mixed strategy are selected by their resource name alone.
-            if !plan.resource.starts_with("nvidia.com/mig-") {
-                node_selector.insert(
-                    headroom_planner::inventory::LABEL_GPU_PRODUCT.into(),
-                    plan.device.clone(),
-                );
+            // Onto the nodes this device type was counted on, by the labels
+            // its name was read from: the resource alone would let a mixed
+            // MIG pod land on another GPU model's slices of the same profile.
+            let placement = device_placement(&plan.resource, &plan.device);
+            match placement.as_slice() {
+                [term]
+                    if term
+                        .iter()
+                        .all(|r| matches!(r, LabelRequirement::Equals { .. })) =>
+                {
+                    for r in term {
+                        if let LabelRequirement::Equals { key, value } = r {
+                            node_selector.insert(key.clone(), value.clone());
+                        }
+                    }
+                }
+                // Alternatives need node affinity (terms are ORed); the
+                // user's nodeSelector still applies on top.
+                terms => gpu_node_affinity = Some(required_node_affinity(terms)),
             }
         }
     }
@@ -391,8 +435,8 @@ pub fn worker_pod(
     // checkpoint volume can attach to only one. The first stage's own labels
     // match the term, so the scheduler may place it anywhere; the planner
     // sized the stage count by the free devices of one node.
-    let affinity = (multi && config.checkpoint_access.stages_share_a_node()).then(|| Affinity {
-        pod_affinity: Some(PodAffinity {
+    let pod_affinity =
+        (multi && config.checkpoint_access.stages_share_a_node()).then(|| PodAffinity {
             required_during_scheduling_ignored_during_execution: Some(vec![PodAffinityTerm {
                 label_selector: Some(LabelSelector {
                     match_labels: Some(
@@ -409,7 +453,10 @@ pub fn worker_pod(
                 ..PodAffinityTerm::default()
             }]),
             ..PodAffinity::default()
-        }),
+        });
+    let affinity = (pod_affinity.is_some() || gpu_node_affinity.is_some()).then(|| Affinity {
+        pod_affinity,
+        node_affinity: gpu_node_affinity,
         ..Affinity::default()
     });
 
@@ -516,6 +563,7 @@ pub(crate) mod tests {
     use crate::controller::config::CheckpointAccess;
     use headroom_api::MemoryAwareTrainingJobSpec;
     use headroom_planner::{Inventory, plan};
+    use k8s_openapi::api::core::v1::Node;
 
     pub(crate) fn job(yaml: &str) -> MemoryAwareTrainingJob {
         let mut job: MemoryAwareTrainingJob = serde_yaml::from_str(yaml).expect("job fixture");
@@ -713,6 +761,161 @@ priorityClassName: batch-low
         assert_eq!(limits["nvidia.com/gpu"].0, "1");
         assert_eq!(limits["memory"].0, "16Gi");
         assert_eq!(pod.metadata.labels.expect("labels")[LABEL_ATTEMPT], "2");
+    }
+
+    /// Whether the scheduler could place `pod` on `node`, by the rules that
+    /// decide GPU placement: nodeSelector and taints ([`crate::inventory::admits`]),
+    /// required node affinity (a term's expressions all hold; any term will
+    /// do), and every extended resource requested being allocatable there.
+    fn fits_on(pod: &Pod, node: &Node) -> bool {
+        let spec = pod.spec.as_ref().expect("spec");
+        let labels = node.metadata.labels.clone().unwrap_or_default();
+        let selector = spec.node_selector.clone().unwrap_or_default();
+        let tolerations = spec.tolerations.clone().unwrap_or_default();
+        let holds = |r: &NodeSelectorRequirement| {
+            let value = labels.get(&r.key);
+            let values = r.values.clone().unwrap_or_default();
+            match r.operator.as_str() {
+                "In" => value.is_some_and(|v| values.contains(v)),
+                "NotIn" => value.is_none_or(|v| !values.contains(v)),
+                "Exists" => value.is_some(),
+                "DoesNotExist" => value.is_none(),
+                other => panic!("operator {other} not modelled"),
+            }
+        };
+        let affinity_ok = spec
+            .affinity
+            .as_ref()
+            .and_then(|a| a.node_affinity.as_ref())
+            .and_then(|a| {
+                a.required_during_scheduling_ignored_during_execution
+                    .as_ref()
+            })
+            .is_none_or(|s| {
+                s.node_selector_terms.iter().any(|t| {
+                    t.match_expressions.iter().flatten().all(holds) && t.match_fields.is_none()
+                })
+            });
+        let allocatable = node
+            .status
+            .as_ref()
+            .and_then(|s| s.allocatable.clone())
+            .unwrap_or_default();
+        let devices_ok = spec.containers.iter().all(|c| {
+            c.resources
+                .as_ref()
+                .and_then(|r| r.limits.as_ref())
+                .into_iter()
+                .flatten()
+                .filter(|(k, _)| k.starts_with("nvidia.com/"))
+                .all(|(k, q)| {
+                    let want: u64 = q.0.parse().expect("device count");
+                    allocatable
+                        .get(k)
+                        .and_then(|a| a.0.parse::<u64>().ok())
+                        .is_some_and(|have| have >= want)
+                })
+        });
+        crate::inventory::admits(node, &selector, &tolerations) && affinity_ok && devices_ok
+    }
+
+    /// A Node of one GPU as GPU Feature Discovery labels it in the mixed MIG
+    /// strategy (NVIDIA/k8s-device-plugin `internal/lm`: the MIG-enabled GPU
+    /// keeps `nvidia.com/gpu.*` with `replicas: 0`; per profile `.count`,
+    /// `.memory`, `.product` = `<model>-MIG-<profile>`; `with_product: false`
+    /// is the standalone GFD, which wrote no `.product`) and the device plugin
+    /// advertises it: seven `nvidia.com/mig-1g.10gb`, no `nvidia.com/gpu`.
+    fn mixed_mig_node(name: &str, model: &str, with_product: bool) -> Node {
+        let product = if with_product {
+            format!("\n    nvidia.com/mig-1g.10gb.product: {model}-MIG-1g.10gb")
+        } else {
+            String::new()
+        };
+        serde_yaml::from_str(&format!(
+            r#"
+metadata:
+  name: {name}
+  labels:
+    nvidia.com/mig.strategy: mixed
+    nvidia.com/gpu.product: {model}
+    nvidia.com/gpu.count: "1"
+    nvidia.com/gpu.replicas: "0"
+    nvidia.com/gpu.memory: "81920"
+    nvidia.com/mig-1g.10gb.count: "7"
+    nvidia.com/mig-1g.10gb.replicas: "1"
+    nvidia.com/mig-1g.10gb.memory: "9728"
+    nvidia.com/mig-1g.10gb.multiprocessors: "14"{product}
+status:
+  allocatable: {{nvidia.com/mig-1g.10gb: "7", cpu: "64", memory: 512Gi, pods: "110"}}
+"#
+        ))
+        .expect("node")
+    }
+
+    /// The pod of a plan on mixed-strategy MIG slices requests the slice
+    /// resource the device plugin advertises, and is placed by labels its
+    /// node really has: on that node, and not on another GPU model's node
+    /// advertising the same profile.
+    #[test]
+    fn a_mixed_mig_pod_requests_its_slice_on_the_node_it_was_planned_for() {
+        const A100: &str = "NVIDIA-A100-SXM4-80GB";
+        const H100: &str = "NVIDIA-H100-80GB-HBM3";
+        let mut job = job(include_str!("../../../samples/gpu-gpt2-medium.yaml"));
+        // GPT-2 small fits one 1g.10gb slice; the full A100 is listed too,
+        // and must not be planned (the device plugin does not offer it).
+        job.spec.model = serde_yaml::from_str(
+            "transformer: {layers: 12, hidden: 768, heads: 12, sequenceLength: 1024, vocabulary: 50257}",
+        )
+        .expect("model");
+        job.spec.resources.gpu.as_mut().expect("gpu").types =
+            vec![A100.into(), format!("{A100}-MIG-1g.10gb")];
+        for with_product in [true, false] {
+            let a100 = mixed_mig_node("a100", A100, with_product);
+            let h100 = mixed_mig_node("h100", H100, with_product);
+            let facts = [
+                crate::inventory::node_facts(&a100, []),
+                crate::inventory::node_facts(&h100, []),
+            ];
+            let plan = plan(
+                &job.spec.job_request().expect("valid"),
+                &Inventory::from_nodes(&facts),
+            )
+            .expect("plan");
+            assert_eq!(
+                (plan.device.as_str(), plan.resource.as_str()),
+                (
+                    "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb",
+                    "nvidia.com/mig-1g.10gb"
+                ),
+                "with .product: {with_product}"
+            );
+            let pod = pod_for(&job, 1, 0, &plan, &ChildConfig::default());
+            let resources = pod.spec.as_ref().expect("spec").containers[0]
+                .resources
+                .clone()
+                .expect("resources");
+            for devices in [resources.limits, resources.requests] {
+                let devices: Vec<_> = devices
+                    .expect("set")
+                    .into_iter()
+                    .filter(|(k, _)| k.starts_with("nvidia.com/"))
+                    .map(|(k, q)| (k, q.0))
+                    .collect();
+                assert_eq!(devices, [("nvidia.com/mig-1g.10gb".into(), "1".into())]);
+            }
+            let placement = pod
+                .spec
+                .as_ref()
+                .map(|s| (s.node_selector.clone(), s.affinity.clone()));
+            assert!(
+                fits_on(&pod, &a100),
+                "with .product: {with_product}: {placement:?}"
+            );
+            assert!(
+                !fits_on(&pod, &h100),
+                "with .product: {with_product}: another model's slices: {placement:?}"
+            );
+        }
     }
 
     #[test]
