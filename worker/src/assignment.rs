@@ -137,7 +137,7 @@ fn check_consistency(a: &WorkerAssignment) -> Result<(), PlanError> {
 /// The training run a consistent assignment describes, or why this worker cannot run it.
 fn train_config(a: &WorkerAssignment) -> Result<TrainConfig, Unsupported> {
     let shape = match &a.model {
-        ModelShape::Transformer(t) => t.clone(),
+        ModelShape::Transformer(t) => crate::model::LmShape::Gpt(t.clone()),
         ModelShape::Generic(_) => {
             return Err(unsupported(
                 "model",
@@ -145,13 +145,16 @@ fn train_config(a: &WorkerAssignment) -> Result<TrainConfig, Unsupported> {
             ));
         }
         ModelShape::Llama(l) => {
-            return Err(unsupported(
-                "model",
-                format!(
-                    "this worker does not build {} models yet; they can be planned (kubectl headroom plan --model-config)",
-                    l.architecture.hf_name()
-                ),
-            ));
+            if a.files.is_none() {
+                return Err(unsupported(
+                    "files",
+                    format!(
+                        "a {} model is fine-tuned from its checkpoint: the assignment must name the model directory, the data and the output",
+                        l.architecture.hf_name()
+                    ),
+                ));
+            }
+            crate::model::LmShape::Llama(l.clone())
         }
     };
     let plan = &a.plan;
@@ -162,12 +165,12 @@ fn train_config(a: &WorkerAssignment) -> Result<TrainConfig, Unsupported> {
         .ok_or_else(|| unsupported("stage", format!("no stage {} in the plan", a.stage)))?;
     // The consistency check saw contiguous non-empty ranges from layer 0;
     // they must also end at the model's last layer.
-    if plan.stages.last().map(|s| s.layer_end) != Some(shape.layers) {
+    if plan.stages.last().map(|s| s.layer_end) != Some(shape.layers()) {
         return Err(unsupported(
             "plan.stages",
             format!(
                 "the stages must split layers 0..{} into contiguous non-empty ranges, not {:?}",
-                shape.layers,
+                shape.layers(),
                 plan.stages
                     .iter()
                     .map(|s| s.layer_start..s.layer_end)
@@ -218,6 +221,7 @@ fn train_config(a: &WorkerAssignment) -> Result<TrainConfig, Unsupported> {
         learning_rate: a.learning_rate,
         checkpoint_every_steps: a.checkpoint_every_steps,
         seed: a.seed,
+        pretrained: a.files.as_ref().map(|f| f.model_dir.clone().into()),
     })
 }
 
@@ -263,6 +267,7 @@ mod tests {
             learning_rate: 1e-3,
             checkpoint_every_steps: 5,
             seed: 1,
+            files: None,
         }
     }
 

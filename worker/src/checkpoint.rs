@@ -42,10 +42,10 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::ModuleOptimizer;
 use burn::store::ModuleRecord;
 use burn::tensor::Tensor;
-use headroom_planner::{Settings, TransformerShape};
+use headroom_planner::Settings;
 use serde::{Deserialize, Serialize};
 
-use crate::model::{Part, StageLayout, TransformerLm};
+use crate::model::{LmShape, Part, StageLayout, TransformerLm};
 
 const OPTIMIZER_FILE: &str = "optimizer.bpk";
 const META_FILE: &str = "meta.json";
@@ -71,7 +71,7 @@ pub struct CheckpointMeta {
     pub loss: Option<f64>,
     pub seed: u64,
     pub attempt: u32,
-    pub shape: TransformerShape,
+    pub shape: LmShape,
     pub layer_start: u32,
     pub layer_end: u32,
     pub first: bool,
@@ -163,7 +163,7 @@ pub fn save(
 
     // One record at a time: each serialised copy is dropped before the next is made.
     let mut paths = Vec::new();
-    for part in layout.parts() {
+    for part in layout.parts(&meta.shape) {
         let path = tmp.join(part_file(part));
         let saved = match part {
             Part::Token => model.token.clone().map(|m| m.into_record().save(&path)),
@@ -295,7 +295,7 @@ fn read_meta(dir: &Path) -> Result<CheckpointMeta, CheckpointError> {
     let listed = |name: &str| meta.files.iter().any(|d| d.name == name);
     if let Some(missing) = meta
         .layout()
-        .parts()
+        .parts(&meta.shape)
         .into_iter()
         .map(part_file)
         .chain([OPTIMIZER_FILE.to_string()])
@@ -339,7 +339,7 @@ impl Step {
     /// when pruning (which must not re-read every checkpoint on every save).
     fn read(
         dir: PathBuf,
-        shape: &TransformerShape,
+        shape: &LmShape,
         check: fn(&Path) -> Result<CheckpointMeta, CheckpointError>,
     ) -> Result<Step, CheckpointError> {
         let mut stages = Vec::new();
@@ -348,7 +348,7 @@ impl Step {
         for (_, stage_dir) in numbered(&dir, STAGE_PREFIX)? {
             match check(&stage_dir) {
                 Ok(meta) if &meta.shape == shape => {
-                    for part in meta.layout().parts() {
+                    for part in meta.layout().parts(&meta.shape) {
                         holder.entry(part).or_insert(stages.len());
                     }
                     stages.push((stage_dir, meta));
@@ -370,16 +370,16 @@ impl Step {
     }
 
     /// Holds every part of the model.
-    fn complete(&self, shape: &TransformerShape) -> bool {
+    fn complete(&self, shape: &LmShape) -> bool {
         StageLayout::whole(shape)
-            .parts()
+            .parts(shape)
             .iter()
             .all(|p| self.holder.contains_key(p))
     }
 
-    fn missing(&self, shape: &TransformerShape) -> Vec<Part> {
+    fn missing(&self, shape: &LmShape) -> Vec<Part> {
         StageLayout::whole(shape)
-            .parts()
+            .parts(shape)
             .into_iter()
             .filter(|p| !self.holder.contains_key(p))
             .collect()
@@ -502,7 +502,7 @@ fn merged_optimizer_state(
 /// load are skipped and reported in [`Found::skipped`].
 pub fn restore_newest(
     root: &Path,
-    shape: &TransformerShape,
+    shape: &LmShape,
     layout: &StageLayout,
     model: TransformerLm,
     optimizer: ModuleOptimizer,
@@ -641,7 +641,7 @@ fn last_written(dir: &Path) -> Option<std::time::SystemTime> {
 /// prune concurrently: a directory another stage removed first is fine.
 /// Completeness here is by `meta.json` alone (written last, after every file
 /// was fsynced); the CRCs are checked when a checkpoint is loaded.
-fn prune(root: &Path, shape: &TransformerShape, keep: usize) -> Result<(), CheckpointError> {
+fn prune(root: &Path, shape: &LmShape, keep: usize) -> Result<(), CheckpointError> {
     let steps = numbered(root, PREFIX)?;
     let mut complete = 0;
     let mut oldest_kept = None;

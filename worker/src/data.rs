@@ -1,4 +1,12 @@
-//! The synthetic next-token task the worker trains on.
+//! What the worker trains on: [`Samples`], either real text packed by
+//! [`crate::text`] ([`TextSamples`]) or the synthetic next-token task below.
+//!
+//! Both give sample `i` of the run as a pure function of the job (seed, data)
+//! and `i`, and optimizer step `k` uses samples `k·G .. (k+1)·G` (G the global
+//! batch), so a step sees the same data whatever the micro-batch,
+//! accumulation or pipeline split of the attempt that runs it.
+//!
+//! ## The synthetic task
 //!
 //! Each sample is an arithmetic progression modulo the vocabulary: a random
 //! start and a stride drawn from {1, 2, 3}. Predicting the next token needs
@@ -81,6 +89,96 @@ impl ProgressionTask {
     }
 }
 
+/// Real text, packed into samples of `sequence_length + 1` tokens and
+/// visited in an order that depends on the seed alone; after the last sample
+/// of an epoch the next epoch visits them again in a fresh order.
+#[derive(Clone, Debug)]
+pub struct TextSamples {
+    samples: Vec<Vec<u32>>,
+    seed: u64,
+}
+
+impl TextSamples {
+    /// `samples` as [`crate::text::pack`] made them (at least one).
+    pub fn new(samples: Vec<Vec<u32>>, seed: u64) -> Self {
+        assert!(!samples.is_empty(), "packing yields at least one sample");
+        TextSamples { samples, seed }
+    }
+
+    pub fn len(&self) -> usize {
+        self.samples.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.samples.is_empty()
+    }
+
+    /// Sample `index` of the run.
+    pub fn sample(&self, index: u64) -> Vec<i64> {
+        let n = self.samples.len() as u64;
+        let (epoch, within) = (index / n, index % n);
+        // One permutation per epoch; recomputing it per sample is O(n) but n
+        // is the number of packed samples of one job, and a step asks for G.
+        let order = crate::text::shuffled(n as usize, splitmix(self.seed ^ splitmix(epoch)));
+        self.samples[order[within as usize]]
+            .iter()
+            .map(|&t| i64::from(t))
+            .collect()
+    }
+}
+
+/// The training data of a run.
+#[derive(Clone, Debug)]
+pub enum Samples {
+    Progression(ProgressionTask),
+    Text(TextSamples),
+}
+
+impl Samples {
+    fn sample(&self, index: u64) -> Vec<i64> {
+        match self {
+            Samples::Progression(t) => t.sample(index),
+            Samples::Text(t) => t.sample(index),
+        }
+    }
+
+    /// Inputs and targets ([samples, seq] each) for samples `first .. first + count`.
+    pub fn batch(
+        &self,
+        first: u64,
+        count: u32,
+        device: &Device,
+    ) -> (Tensor<2, Int>, Tensor<2, Int>) {
+        let n = count as usize;
+        let mut inputs = Vec::new();
+        let mut targets = Vec::new();
+        let mut s = 0;
+        for i in 0..u64::from(count) {
+            let sample = self.sample(first + i);
+            s = sample.len() - 1;
+            inputs.extend_from_slice(&sample[..s]);
+            targets.extend_from_slice(&sample[1..]);
+        }
+        (
+            Tensor::from_data(TensorData::new(inputs, [n, s]), device),
+            Tensor::from_data(TensorData::new(targets, [n, s]), device),
+        )
+    }
+
+    /// The micro-batch `micro` (0-based) of optimizer step `step` (0-based).
+    pub fn micro_batch(
+        &self,
+        step: u64,
+        global_batch: u64,
+        micro_batch: u32,
+        micro: u32,
+        device: &Device,
+    ) -> (Tensor<2, Int>, Tensor<2, Int>) {
+        let first = step * global_batch + u64::from(micro) * u64::from(micro_batch);
+        self.batch(first, micro_batch, device)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -122,5 +220,36 @@ mod tests {
             })
             .collect();
         assert_eq!(whole.iter::<i64>().collect::<Vec<_>>(), halves);
+    }
+
+    #[test]
+    fn text_epochs_visit_every_sample_once_in_a_seeded_order() {
+        let packed: Vec<Vec<u32>> = (0..5).map(|i| vec![i, i + 10, i + 20]).collect();
+        let text = TextSamples::new(packed.clone(), 3);
+        let epoch = |e: u64| -> Vec<i64> { (0..5).map(|i| text.sample(e * 5 + i)[0]).collect() };
+        for e in 0..3 {
+            let mut firsts = epoch(e);
+            firsts.sort();
+            assert_eq!(firsts, vec![0, 1, 2, 3, 4], "epoch {e} is a permutation");
+        }
+        assert_ne!(epoch(0), epoch(1), "each epoch has its own order");
+        assert_eq!(epoch(1), TextSamples::new(packed, 3).sample_firsts(5, 5));
+        let (inputs, targets) = Samples::Text(text).batch(2, 2, &Device::flex());
+        assert_eq!(inputs.dims(), [2, 2]);
+        let (i, t): (Vec<i64>, Vec<i64>) = (
+            inputs.into_data().iter().collect(),
+            targets.into_data().iter().collect(),
+        );
+        assert_eq!(
+            (i[1] - i[0], t[0] - i[0]),
+            (10, 10),
+            "targets are inputs shifted by one"
+        );
+    }
+
+    impl TextSamples {
+        fn sample_firsts(&self, first: u64, n: u64) -> Vec<i64> {
+            (first..first + n).map(|i| self.sample(i)[0]).collect()
+        }
     }
 }

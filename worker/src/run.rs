@@ -14,7 +14,7 @@
 
 use std::net::TcpListener;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -278,6 +278,15 @@ impl Training<'_> {
             Ok(Err(e)) => return Exit::invalid_plan(e.to_string()),
             Err(payload) => return classify_panic(&panic_text(&*payload), 0, self.peak_now()),
         };
+        if let Some(files) = &self.plan.assignment().files {
+            match load_text(files, &trainer.config) {
+                Ok(samples) => {
+                    tracing::info!(samples = samples.len(), data = %files.data_file, "training text");
+                    trainer.use_text(samples);
+                }
+                Err(e) => return Exit::invalid_plan(e),
+            }
+        }
         match trainer.resume(checkpoint_dir) {
             Ok(Some(found)) => {
                 for skipped in &found.skipped {
@@ -407,16 +416,82 @@ impl Training<'_> {
                 }
             }
         }
+        let mut written = String::new();
+        if let Some(files) = &self.plan.assignment().files {
+            let out = Path::new(&files.output_dir);
+            match trainer.save_pretrained(out) {
+                Ok(file) => {
+                    tracing::info!(file = %file.display(), "trained weights written");
+                    written = format!("; model written to {}", out.display());
+                }
+                Err(e) => {
+                    return Exit::failed(format!("writing the trained model: {e}"))
+                        .at(trainer.step, self.peak_now());
+                }
+            }
+        }
         Exit::new(
             WorkerOutcome::Succeeded,
             format!(
-                "trained to step {}; last loss {}",
+                "trained to step {}; last loss {}{written}",
                 trainer.step,
                 last_loss.map_or("n/a".into(), |l| format!("{l:.4}"))
             ),
         )
         .at(trainer.step, self.peak_now())
     }
+}
+
+/// The assignment's text, tokenized with the checkpoint's tokenizer and
+/// packed into the model's sequence length; errors name the file.
+fn load_text(
+    files: &headroom_api::PayloadFiles,
+    config: &crate::train::TrainConfig,
+) -> Result<crate::data::TextSamples, String> {
+    use crate::text::{Format, load_tokenizer, pack, read_documents};
+    let tokenizer_path = Path::new(&files.model_dir).join("tokenizer.json");
+    let tokenizer = load_tokenizer(&tokenizer_path).map_err(|e| e.to_string())?;
+    let eos = end_of_sequence(&files.model_dir, &tokenizer).ok_or_else(|| {
+        format!(
+            "{}: no end-of-sequence token (config.json eos_token_id, or </s>, <|endoftext|>, <|end_of_text|> in the vocabulary)",
+            tokenizer_path.display()
+        )
+    })?;
+    let format = match &files.data_format {
+        headroom_api::DataFormat::Jsonl { field } => Format::Jsonl {
+            field: field.clone(),
+        },
+        headroom_api::DataFormat::Text => Format::PlainText,
+    };
+    let data = Path::new(&files.data_file);
+    let docs = read_documents(data, &format).map_err(|e| e.to_string())?;
+    let packed = pack(
+        &tokenizer,
+        &docs,
+        eos,
+        config.shape.sequence_length() as usize,
+    )
+    .map_err(|e| format!("{}: {e}", data.display()))?;
+    Ok(crate::data::TextSamples::new(packed.samples, config.seed))
+}
+
+/// The id documents are separated by: config.json's `eos_token_id` (the
+/// first, where it is a list), else a conventional end token of the vocabulary.
+fn end_of_sequence(model_dir: &str, tokenizer: &tokenizers::Tokenizer) -> Option<u32> {
+    let config = std::fs::read_to_string(Path::new(model_dir).join("config.json")).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&config).ok()?;
+    let from_config = match &v["eos_token_id"] {
+        serde_json::Value::Number(n) => n.as_u64(),
+        serde_json::Value::Array(a) => a.first().and_then(serde_json::Value::as_u64),
+        _ => None,
+    };
+    from_config
+        .and_then(|id| u32::try_from(id).ok())
+        .or_else(|| {
+            ["</s>", "<|endoftext|>", "<|end_of_text|>"]
+                .iter()
+                .find_map(|t| tokenizer.token_to_id(t))
+        })
 }
 
 fn classify_panic(text: &str, step: u64, peak: u64) -> Exit {

@@ -7,8 +7,7 @@
 //! consecutive samples share one token), shuffled by the job's seed, and shared
 //! out over ranks so that every sample goes to exactly one rank.
 //!
-//! Not yet wired into training (issue 11): the synthetic task still feeds the
-//! transformer the worker builds today.
+//! [`crate::data::TextSamples`] turns the packed samples into training batches.
 
 use std::path::{Path, PathBuf};
 

@@ -27,18 +27,19 @@ use burn::optim::{
 };
 use burn::tensor::{Device, Int, Tensor};
 use headroom_planner::Backend;
-use headroom_planner::{Optimizer, Precision, Settings, TransformerShape};
+use headroom_planner::{Optimizer, Precision, Settings};
 
 use crate::checkpoint;
-use crate::data::ProgressionTask;
-use crate::model::{StageLayout, TransformerLm};
+use crate::data::{ProgressionTask, Samples, TextSamples};
+use crate::model::hf::HfCheckpoint;
+use crate::model::{LmShape, StageLayout, TransformerLm};
 use crate::pipeline::{Frame, Kind, Links, Op, PipelineError, one_f_one_b};
 
 /// What the trainer runs: one stage of a checked assignment
 /// ([`crate::ValidAssignment::config`]), or built directly (tests, calibration).
 #[derive(Clone, Debug, PartialEq)]
 pub struct TrainConfig {
-    pub shape: TransformerShape,
+    pub shape: LmShape,
     /// What this worker's stage holds.
     pub layout: StageLayout,
     /// This worker's stage and the plan's number of stages.
@@ -51,6 +52,9 @@ pub struct TrainConfig {
     pub learning_rate: f64,
     pub checkpoint_every_steps: u32,
     pub seed: u64,
+    /// The Hugging Face checkpoint a Llama-family model starts from (its
+    /// directory); a GPT model starts from seeded random weights.
+    pub pretrained: Option<std::path::PathBuf>,
 }
 
 /// A plan this worker cannot run; exits with `INVALID_PLAN`.
@@ -71,12 +75,13 @@ pub(crate) fn unsupported(field: &'static str, problem: impl Into<String>) -> Un
 impl TrainConfig {
     /// The whole model on one worker.
     pub fn single_stage(
-        shape: TransformerShape,
+        shape: impl Into<LmShape>,
         settings: Settings,
         steps: u64,
         learning_rate: f64,
         seed: u64,
     ) -> Self {
+        let shape = shape.into();
         TrainConfig {
             layout: StageLayout::whole(&shape),
             stage: 0,
@@ -88,7 +93,14 @@ impl TrainConfig {
             learning_rate,
             checkpoint_every_steps: 1,
             seed,
+            pretrained: None,
         }
+    }
+
+    /// Starts a Llama-family model from the Hugging Face checkpoint in `dir`.
+    pub fn with_pretrained(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
+        self.pretrained = Some(dir.into());
+        self
     }
 
     pub fn global_batch(&self) -> u64 {
@@ -97,7 +109,7 @@ impl TrainConfig {
 
     /// Tokens consumed by one optimizer step.
     pub fn tokens_per_step(&self) -> u64 {
-        self.global_batch() * u64::from(self.shape.sequence_length)
+        self.global_batch() * u64::from(self.shape.sequence_length())
     }
 }
 
@@ -178,7 +190,10 @@ pub struct Trainer {
     pub optimizer: ModuleOptimizer,
     /// Optimizer steps completed.
     pub step: u64,
-    task: ProgressionTask,
+    task: Samples,
+    /// The checkpoint a Llama-family model was loaded from (names, dtype and
+    /// files its trained weights are written back with).
+    pretrained: Option<HfCheckpoint>,
     /// Neighbouring stages; empty for a single-stage plan.
     links: Links,
 }
@@ -215,13 +230,42 @@ impl std::fmt::Debug for Trainer {
 impl Trainer {
     /// Fresh weights (each part seeded from the run's seed) on `device` (an autodiff device).
     pub fn new(config: TrainConfig, device: Device) -> Result<Self, Unsupported> {
-        let model = TransformerLm::new(&config.shape, &config.layout, config.seed, &device);
+        let mut model = TransformerLm::new(&config.shape, &config.layout, config.seed, &device);
+        let mut pretrained = None;
+        if let LmShape::Llama(shape) = &config.shape {
+            let dir = config.pretrained.as_ref().ok_or_else(|| {
+                unsupported(
+                    "model",
+                    format!(
+                        "a {} model starts from its Hugging Face checkpoint, and none was given",
+                        shape.architecture.hf_name()
+                    ),
+                )
+            })?;
+            let checkpoint = HfCheckpoint::open(dir, shape.sequence_length)
+                .map_err(|e| unsupported("model", e.to_string()))?;
+            if checkpoint.shape.without_sequence() != shape.without_sequence() {
+                return Err(unsupported(
+                    "model",
+                    format!(
+                        "{}/config.json describes another model than the plan: {:?} vs {:?}",
+                        dir.display(),
+                        checkpoint.shape,
+                        shape
+                    ),
+                ));
+            }
+            checkpoint
+                .load_stage(&mut model, &config.layout)
+                .map_err(|e| unsupported("model", e.to_string()))?;
+            pretrained = Some(checkpoint);
+        }
         let optimizer = build_optimizer(config.settings.optimizer)?;
-        let task = ProgressionTask {
+        let task = Samples::Progression(ProgressionTask {
             seed: config.seed,
-            vocabulary: config.shape.vocabulary,
-            sequence_length: config.shape.sequence_length,
-        };
+            vocabulary: config.shape.vocabulary(),
+            sequence_length: config.shape.sequence_length(),
+        });
         Ok(Trainer {
             config,
             device,
@@ -229,8 +273,32 @@ impl Trainer {
             optimizer,
             step: 0,
             task,
+            pretrained,
             links: Links::default(),
         })
+    }
+
+    /// Writes this stage's trained weights into `out` in the format of the
+    /// checkpoint it started from (see [`HfCheckpoint::save_stage`]).
+    pub fn save_pretrained(
+        &self,
+        out: &std::path::Path,
+    ) -> Result<std::path::PathBuf, crate::model::hf::HfError> {
+        let Some(checkpoint) = &self.pretrained else {
+            return Err(crate::model::hf::HfError::Index {
+                path: out.to_path_buf(),
+                problem:
+                    "only a model loaded from a Hugging Face checkpoint is written in its format"
+                        .into(),
+            });
+        };
+        let c = &self.config;
+        checkpoint.save_stage(self.model(), &c.layout, c.stage, c.stages, out)
+    }
+
+    /// Trains on real text instead of the synthetic task.
+    pub fn use_text(&mut self, samples: TextSamples) {
+        self.task = Samples::Text(samples);
     }
 
     /// Attaches the connections to the neighbouring stages (a multi-stage plan).
@@ -501,7 +569,7 @@ impl Trainer {
     /// copies stay equal. Stages in between relay both messages.
     fn exchange_tied_gradient(&mut self, grads: &mut GradientsParams) -> Result<(), PipelineError> {
         let c = &self.config;
-        if c.stages <= 1 || !c.shape.tied_embeddings {
+        if c.stages <= 1 || !c.shape.tied_embeddings() {
             return Ok(());
         }
         let step = self.step;

@@ -47,6 +47,7 @@ fn assignment(job: &MemoryAwareTrainingJob) -> WorkerAssignment {
         learning_rate: job.spec.training.learning_rate,
         checkpoint_every_steps: job.spec.training.checkpoint_every_steps,
         seed: job.spec.training.seed,
+        files: None,
     }
 }
 

@@ -54,6 +54,7 @@ fn assignment_for(
         learning_rate: 1e-2,
         checkpoint_every_steps: 5,
         seed: 3,
+        files: None,
     }
 }
 

@@ -21,8 +21,8 @@ fn temp_dir(name: &str) -> PathBuf {
 fn probe(trainer: &Trainer) -> Vec<f32> {
     let task = headroom_worker::data::ProgressionTask {
         seed: 5,
-        vocabulary: trainer.config.shape.vocabulary,
-        sequence_length: trainer.config.shape.sequence_length,
+        vocabulary: trainer.config.shape.vocabulary(),
+        sequence_length: trainer.config.shape.sequence_length(),
     };
     let (tokens, _) = task.batch(0, 2, &Device::flex());
     trainer

@@ -29,8 +29,8 @@ fn loss_falls_over_a_short_run() {
 fn probe(trainer: &Trainer) -> Vec<f32> {
     let task = headroom_worker::data::ProgressionTask {
         seed: 99,
-        vocabulary: trainer.config.shape.vocabulary,
-        sequence_length: trainer.config.shape.sequence_length,
+        vocabulary: trainer.config.shape.vocabulary(),
+        sequence_length: trainer.config.shape.sequence_length(),
     };
     let device = Device::flex();
     let (tokens, _) = task.batch(0, 2, &device);

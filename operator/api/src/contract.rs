@@ -148,6 +148,35 @@ pub struct WorkerAssignment {
     pub learning_rate: f64,
     pub checkpoint_every_steps: u32,
     pub seed: u64,
+    /// Where a Llama-family job's checkpoint, text and output are inside the
+    /// pod; absent for the synthetic `transformer`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub files: Option<PayloadFiles>,
+}
+
+/// The files a fine-tuning worker reads and writes, as paths in its pod.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PayloadFiles {
+    /// A Hugging Face checkpoint directory: config.json, `*.safetensors`
+    /// (or shards and their index), tokenizer.json.
+    pub model_dir: String,
+    /// The training text.
+    pub data_file: String,
+    /// How `data_file` holds documents.
+    pub data_format: DataFormat,
+    /// Where the fine-tuned model is written, in the checkpoint's format, on success.
+    pub output_dir: String,
+}
+
+/// How a data file holds its documents.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum DataFormat {
+    /// One JSON object a line, the document under `field` (`text` by default).
+    Jsonl { field: String },
+    /// The whole file is one document.
+    Text,
 }
 
 /// What happened inside the worker, written to the termination-message file on every exit.

@@ -35,7 +35,7 @@ pub mod units;
 pub use backend::{Backend, BackendProfile};
 pub use inventory::{DeviceKind, DeviceType, Inventory, NodeFacts};
 pub use ladder::{MemoryFailure, MemoryFailureKind, next_stricter_plan};
-pub use llama::{ConfigError, LlamaArchitecture, LlamaShape};
+pub use llama::{ConfigError, LlamaArchitecture, LlamaShape, RopeScaling};
 pub use memory::MemoryBreakdown;
 pub use model::{GenericModel, ModelShape, TransformerShape};
 pub use plan::{JobRequest, NoFeasiblePlan, Plan, SearchOptions, Stage, Target};

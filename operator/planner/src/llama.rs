@@ -73,11 +73,25 @@ pub struct LlamaShape {
     pub rope_theta: f64,
     /// RMSNorm epsilon (`rms_norm_eps`).
     pub rms_norm_eps: f64,
+    /// Llama 3's RoPE frequency scaling (`rope_scaling` with `rope_type: llama3`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_scaling: Option<RopeScaling>,
     /// Stored dtype of the checkpoint (`torch_dtype`, e.g. `bfloat16`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub torch_dtype: Option<String>,
     /// Tokens per training sample.
     pub sequence_length: u32,
+}
+
+/// `rope_scaling` of `rope_type: llama3` (Llama 3.1, 3.2): the only scaling
+/// Headroom's worker implements; other types are refused when read.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RopeScaling {
+    pub factor: f32,
+    pub low_freq_factor: f32,
+    pub high_freq_factor: f32,
+    pub original_max_position_embeddings: f32,
 }
 
 /// A `config.json` Headroom cannot plan from, with the key at fault.
@@ -93,6 +107,56 @@ fn bad(key: &'static str, problem: impl Into<String>) -> ConfigError {
         key,
         problem: problem.into(),
     }
+}
+
+/// Reads `rope_scaling`: absent, null, or Llama 3's scaling.
+/// transformers 5 writes it as `rope_parameters` (with `rope_type: default`
+/// when there is no scaling).
+fn rope_scaling(v: &Value) -> Result<Option<RopeScaling>, ConfigError> {
+    let Some(s) = v
+        .get("rope_scaling")
+        .filter(|s| !s.is_null())
+        .or_else(|| v.get("rope_parameters").filter(|s| !s.is_null()))
+    else {
+        return Ok(None);
+    };
+    let kind = s
+        .get("rope_type")
+        .or_else(|| s.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("(none)");
+    if kind == "default" {
+        return Ok(None);
+    }
+    if kind != "llama3" {
+        return Err(bad(
+            "rope_scaling",
+            format!(
+                "rope_type {kind:?} is not supported; Headroom runs the default RoPE and llama3 scaling"
+            ),
+        ));
+    }
+    let num = |key: &str, default: Option<f64>| -> Result<f32, ConfigError> {
+        s.get(key)
+            .and_then(Value::as_f64)
+            .or(default)
+            .filter(|x| x.is_finite() && *x > 0.0)
+            .map(|x| x as f32)
+            .ok_or_else(|| bad("rope_scaling", format!("{key} must be a positive number")))
+    };
+    let scaling = RopeScaling {
+        factor: num("factor", None)?,
+        low_freq_factor: num("low_freq_factor", Some(1.0))?,
+        high_freq_factor: num("high_freq_factor", Some(4.0))?,
+        original_max_position_embeddings: num("original_max_position_embeddings", Some(8192.0))?,
+    };
+    if scaling.high_freq_factor <= scaling.low_freq_factor {
+        return Err(bad(
+            "rope_scaling",
+            "high_freq_factor must be greater than low_freq_factor",
+        ));
+    }
+    Ok(Some(scaling))
 }
 
 impl LlamaShape {
@@ -162,6 +226,15 @@ impl LlamaShape {
         if sequence_length == 0 {
             return Err(bad("(sequence length)", "must be at least 1"));
         }
+        // The MLP is SwiGLU: SiLU is the only gate activation the worker builds.
+        if let Some(act) = v.get("hidden_act").and_then(Value::as_str)
+            && act != "silu"
+        {
+            return Err(bad(
+                "hidden_act",
+                format!("{act:?} is not supported; Llama-family MLPs use \"silu\""),
+            ));
+        }
         // Qwen2 always has q/k/v biases and no `attention_bias` key.
         let attention_bias = match architecture {
             LlamaArchitecture::Qwen2 => true,
@@ -179,20 +252,34 @@ impl LlamaShape {
             tied_embeddings: flag("tie_word_embeddings", false),
             attention_bias,
             mlp_bias: flag("mlp_bias", false),
+            // transformers 5 moved the base into `rope_parameters`.
             rope_theta: v
                 .get("rope_theta")
+                .or_else(|| v.get("rope_parameters").and_then(|p| p.get("rope_theta")))
                 .and_then(Value::as_f64)
                 .unwrap_or(10_000.0),
             rms_norm_eps: v
                 .get("rms_norm_eps")
                 .and_then(Value::as_f64)
                 .unwrap_or(1e-6),
+            rope_scaling: rope_scaling(&v)?,
+            // transformers 5 writes `dtype`, earlier versions `torch_dtype`.
             torch_dtype: v
                 .get("torch_dtype")
+                .or_else(|| v.get("dtype"))
                 .and_then(Value::as_str)
                 .map(str::to_string),
             sequence_length,
         })
+    }
+
+    /// The same model with the sequence length blanked: what a checkpoint's
+    /// config.json and a plan must agree on.
+    pub fn without_sequence(&self) -> LlamaShape {
+        LlamaShape {
+            sequence_length: 0,
+            ..self.clone()
+        }
     }
 
     /// Width of the query projection's output (heads × head_dim).
@@ -336,6 +423,46 @@ mod tests {
             MISTRAL_7B_V01.replace("\"num_key_value_heads\": 8", "\"num_key_value_heads\": 5");
         let e = LlamaShape::from_hf_config(&bad_gqa, 1024).expect_err("5 does not divide 32");
         assert_eq!(e.key, "num_key_value_heads");
+    }
+
+    #[test]
+    fn reads_llama3_rope_scaling_and_refuses_other_types() {
+        let with = |scaling: &str| {
+            LLAMA_32_1B.replace(
+                "\"rope_theta\": 500000.0,",
+                &format!("\"rope_theta\": 500000.0, \"rope_scaling\": {scaling},"),
+            )
+        };
+        // Llama-3.2-1B's published rope_scaling.
+        let l = LlamaShape::from_hf_config(
+            &with(
+                r#"{"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                "original_max_position_embeddings": 8192, "rope_type": "llama3"}"#,
+            ),
+            2048,
+        )
+        .expect("llama3 scaling");
+        let s = l.rope_scaling.expect("scaling read");
+        assert_eq!(
+            (s.factor, s.original_max_position_embeddings),
+            (32.0, 8192.0)
+        );
+        let e = LlamaShape::from_hf_config(&with(r#"{"type": "yarn", "factor": 4.0}"#), 2048)
+            .expect_err("yarn is not implemented");
+        assert_eq!(e.key, "rope_scaling");
+        assert!(e.problem.contains("yarn"), "{e}");
+        assert!(shape(LLAMA_2_7B).rope_scaling.is_none());
+        // transformers 5 writes `dtype` and moves the RoPE base into `rope_parameters`.
+        let v5 = LLAMA_2_7B.replace("torch_dtype", "dtype").replace(
+            "\"rope_theta\": 10000.0,",
+            "\"rope_parameters\": {\"rope_theta\": 20000.0, \"rope_type\": \"default\"},",
+        );
+        let v5 = shape(&v5);
+        assert_eq!(v5.torch_dtype.as_deref(), Some("float16"));
+        assert_eq!((v5.rope_theta, v5.rope_scaling), (20_000.0, None));
+        let gelu = LLAMA_2_7B.replace("\"vocab_size\"", "\"hidden_act\": \"gelu\", \"vocab_size\"");
+        let e = LlamaShape::from_hf_config(&gelu, 16).expect_err("not SwiGLU");
+        assert_eq!(e.key, "hidden_act");
     }
 
     #[test]

@@ -330,6 +330,7 @@ pub fn worker_pod(
         learning_rate: spec.training.learning_rate,
         checkpoint_every_steps: spec.training.checkpoint_every_steps,
         seed: spec.training.seed,
+        files: None,
     };
     let mut env = vec![
         EnvVar {

@@ -139,6 +139,7 @@ fn assignment(case: &Case, steps: u64) -> WorkerAssignment {
         learning_rate: 1e-3,
         checkpoint_every_steps: u32::try_from(steps).unwrap_or(u32::MAX),
         seed: 1,
+        files: None,
     }
 }
 

@@ -1,134 +1,183 @@
-//! The decoder-only transformer the worker trains, built from the job's
-//! [`TransformerShape`]: token + learned position embeddings, pre-norm blocks
-//! (causal self-attention, GELU feed-forward), a final layer norm and an
-//! output head tied to the token embedding unless the shape says otherwise.
+//! The decoder-only language model the worker trains, one pipeline stage's
+//! part of it at a time: a token embedding, a range of decoder blocks, and a
+//! final norm with an output head (tied to the embedding or not).
 //!
-//! No dropout (the planner's memory model assumes mask bytes of 0). The
-//! parameter count equals the planner's `TransformerShape::total_params`;
-//! a test pins that, so the memory model and the worker cannot drift.
+//! Two families share that outline ([`LmShape`]):
+//! * [`gpt`] — the synthetic `transformer` (learned positions, LayerNorm,
+//!   GELU), randomly initialised from the job's seed; kept for benchmarks and
+//!   the control-loop tests;
+//! * [`llama`] — Llama, Mistral and Qwen2 as Hugging Face builds them (RoPE,
+//!   RMSNorm, grouped-query attention, SwiGLU), loaded from a checkpoint by
+//!   [`hf`] and written back in the same format.
+//!
+//! The parameter count equals the planner's for either family; tests pin
+//! that, so the memory model and the worker cannot drift.
 //!
 //! Besides the plain [`TransformerLm::forward`], the model exposes its three
 //! parts (embedding, one block, head + loss) so the trainer can run
 //! block-level activation checkpointing: keep each block's input, recompute
 //! one block at a time in backward.
 
+pub mod gpt;
+pub mod hf;
+pub mod llama;
+
 use std::ops::Range;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{
     Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig,
+    RmsNorm,
 };
-use burn::tensor::activation::{gelu, log_softmax, softmax};
-use burn::tensor::{Bool, Device, Int, Tensor};
-use headroom_planner::TransformerShape;
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{Device, Int, Tensor};
+use headroom_planner::{LlamaShape, ModelShape, TransformerShape};
+use serde::{Deserialize, Serialize};
+
+pub use gpt::GptBlock;
+pub use llama::LlamaBlock;
 
 /// Standard deviation of the normal initialiser for embeddings (GPT-2's 0.02).
 const EMBEDDING_INIT_STD: f64 = 0.02;
 
-/// Causal multi-head self-attention: one fused QKV projection (3h² + 3h) and
-/// an output projection (h² + h).
-#[derive(Module, Debug)]
-pub struct Attention {
-    qkv: Linear,
-    out: Linear,
-    heads: usize,
+/// The shape of a model the worker can build.
+///
+/// Untagged so a checkpoint's `meta.json` written before Llama models existed
+/// (a bare `TransformerShape`) still reads.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum LmShape {
+    Gpt(TransformerShape),
+    Llama(LlamaShape),
 }
 
-impl Attention {
-    fn new(hidden: usize, heads: usize, device: &Device) -> Self {
-        Attention {
-            qkv: LinearConfig::new(hidden, 3 * hidden).init(device),
-            out: LinearConfig::new(hidden, hidden).init(device),
-            heads,
+impl LmShape {
+    /// The buildable part of a planner shape; `None` for a generic model.
+    pub fn from_model(model: &ModelShape) -> Option<Self> {
+        match model {
+            ModelShape::Transformer(t) => Some(LmShape::Gpt(t.clone())),
+            ModelShape::Llama(l) => Some(LmShape::Llama(l.clone())),
+            ModelShape::Generic(_) => None,
         }
     }
 
-    /// `x`: [batch, seq, hidden] → [batch, seq, hidden].
-    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let [b, s, h] = x.dims();
-        let a = self.heads;
-        let d = h / a;
-        let qkv = self.qkv.forward(x); // [b, s, 3h]
-        let split = |i: usize| {
-            qkv.clone()
-                .narrow(2, i * h, h)
-                .reshape([b, s, a, d])
-                .swap_dims(1, 2) // [b, a, s, d]
-        };
-        let (q, k, v) = (split(0), split(1), split(2));
-        let scores = q.matmul(k.swap_dims(2, 3)).div_scalar((d as f64).sqrt()); // [b, a, s, s]
-        // True above the diagonal: the future each position must not see.
-        let future = Tensor::<2, Bool>::tril_mask([s, s], 0, &scores.device())
-            .unsqueeze::<4>()
-            .expand([b, a, s, s]);
-        let weights = softmax(scores.mask_fill(future, -1.0e30), 3);
-        let context = weights.matmul(v).swap_dims(1, 2).reshape([b, s, h]); // [b, s, h]
-        self.out.forward(context)
+    pub fn layers(&self) -> u32 {
+        match self {
+            LmShape::Gpt(t) => t.layers,
+            LmShape::Llama(l) => l.layers,
+        }
+    }
+
+    pub fn hidden(&self) -> u32 {
+        match self {
+            LmShape::Gpt(t) => t.hidden,
+            LmShape::Llama(l) => l.hidden,
+        }
+    }
+
+    pub fn vocabulary(&self) -> u32 {
+        match self {
+            LmShape::Gpt(t) => t.vocabulary,
+            LmShape::Llama(l) => l.vocabulary,
+        }
+    }
+
+    /// Tokens per training sample.
+    pub fn sequence_length(&self) -> u32 {
+        match self {
+            LmShape::Gpt(t) => t.sequence_length,
+            LmShape::Llama(l) => l.sequence_length,
+        }
+    }
+
+    pub fn tied_embeddings(&self) -> bool {
+        match self {
+            LmShape::Gpt(t) => t.tied_embeddings,
+            LmShape::Llama(l) => l.tied_embeddings,
+        }
+    }
+
+    /// Learned position embeddings (GPT); Llama's RoPE has no weights.
+    pub fn has_positions(&self) -> bool {
+        matches!(self, LmShape::Gpt(_))
+    }
+
+    /// Parameters of the whole model, as the planner counts them.
+    pub fn total_params(&self) -> u64 {
+        match self {
+            LmShape::Gpt(t) => t.total_params(),
+            LmShape::Llama(l) => l.total_params(),
+        }
     }
 }
 
-/// One pre-norm block: x + attn(ln1(x)), then + ff(ln2(·)).
+impl From<TransformerShape> for LmShape {
+    fn from(shape: TransformerShape) -> Self {
+        LmShape::Gpt(shape)
+    }
+}
+
+impl From<LlamaShape> for LmShape {
+    fn from(shape: LlamaShape) -> Self {
+        LmShape::Llama(shape)
+    }
+}
+
+/// One decoder block of either family.
 #[derive(Module, Debug)]
-pub struct Block {
-    ln1: LayerNorm,
-    attention: Attention,
-    ln2: LayerNorm,
-    ff_in: Linear,
-    ff_out: Linear,
+pub enum Block {
+    Gpt(GptBlock),
+    Llama(LlamaBlock),
 }
 
 impl Block {
-    fn new(shape: &TransformerShape, device: &Device) -> Self {
-        let h = shape.hidden as usize;
-        let f = shape.ffn() as usize;
-        Block {
-            ln1: LayerNormConfig::new(h).init(device),
-            attention: Attention::new(h, shape.heads as usize, device),
-            ln2: LayerNormConfig::new(h).init(device),
-            ff_in: LinearConfig::new(h, f).init(device),
-            ff_out: LinearConfig::new(f, h).init(device),
-        }
-    }
-
     /// [batch, seq, hidden] → [batch, seq, hidden].
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let x = x.clone() + self.attention.forward(self.ln1.forward(x));
-        let ff = self
-            .ff_out
-            .forward(gelu(self.ff_in.forward(self.ln2.forward(x.clone()))));
-        x + ff
+        match self {
+            Block::Gpt(b) => b.forward(x),
+            Block::Llama(b) => b.forward(x),
+        }
     }
 }
 
-/// Final layer norm and, unless the head is tied to the token embedding, the
+/// The final norm of either family.
+#[derive(Module, Debug)]
+pub enum FinalNorm {
+    Layer(LayerNorm),
+    Rms(RmsNorm),
+}
+
+/// Final norm and, unless the head is tied to the token embedding, the
 /// output projection: the last stage's part after its blocks.
 #[derive(Module, Debug)]
 pub struct Head {
-    ln_f: LayerNorm,
-    projection: Option<Linear>,
+    pub norm: FinalNorm,
+    pub projection: Option<Linear>,
 }
 
 /// What one pipeline stage holds of the language model.
 ///
-/// The first stage holds the token and position embeddings, the last the
-/// final norm and head (and computes the loss); a single stage holds all of
-/// it. A tied head on a last stage that is not also the first needs the token
-/// embedding too: that stage keeps its own copy, initialised identically, and
-/// the two copies are kept equal by summing their gradients across the
-/// pipeline before each update (see [`crate::pipeline`]).
+/// The first stage holds the embeddings, the last the final norm and head
+/// (and computes the loss); a single stage holds all of it. A tied head on a
+/// last stage that is not also the first needs the token embedding too: that
+/// stage keeps its own copy, initialised identically, and the two copies are
+/// kept equal by summing their gradients across the pipeline before each
+/// update (see [`crate::pipeline`]).
 ///
-/// Every part is initialised from its own seed ([`part_seed`]), so a stage's
+/// A GPT part is initialised from its own seed ([`part_seed`]), so a stage's
 /// weights do not depend on how the model is split: p = 1, 2, 3 stages start
-/// from the same model.
+/// from the same model. A Llama part is read from the checkpoint.
 #[derive(Module, Debug)]
 pub struct TransformerLm {
     /// On the first stage, and on a last stage with a tied head.
     pub token: Option<Embedding>,
-    /// On the first stage only.
+    /// On the first stage of a GPT model only.
     pub position: Option<Embedding>,
     pub blocks: Vec<Block>,
     /// On the last stage only.
     pub head: Option<Head>,
+    /// Holds the embeddings (kept as a flag: a Llama first stage has no position embedding).
+    first: bool,
 }
 
 /// The parts a model is made of, each initialised and checkpointed on its own.
@@ -177,9 +226,9 @@ pub struct StageLayout {
 
 impl StageLayout {
     /// The whole model on one worker.
-    pub fn whole(shape: &TransformerShape) -> Self {
+    pub fn whole(shape: &LmShape) -> Self {
         StageLayout {
-            layers: 0..shape.layers,
+            layers: 0..shape.layers(),
             first: true,
             last: true,
         }
@@ -188,10 +237,13 @@ impl StageLayout {
     /// The parts this stage holds and saves, in a fixed order. The tied
     /// head's copy of the token embedding is not a part of its own: it is
     /// restored from the first stage's [`Part::Token`].
-    pub fn parts(&self) -> Vec<Part> {
+    pub fn parts(&self, shape: &LmShape) -> Vec<Part> {
         let mut parts = Vec::new();
         if self.first {
-            parts.extend([Part::Token, Part::Position]);
+            parts.push(Part::Token);
+            if shape.has_positions() {
+                parts.push(Part::Position);
+            }
         }
         parts.extend(self.layers.clone().map(Part::Block));
         if self.last {
@@ -208,12 +260,6 @@ fn embedding_init() -> Initializer {
     }
 }
 
-fn token_embedding(shape: &TransformerShape, device: &Device) -> Embedding {
-    EmbeddingConfig::new(shape.vocabulary as usize, shape.hidden as usize)
-        .with_initializer(embedding_init())
-        .init(device)
-}
-
 /// Runs every parameter's (lazy) initialiser now. burn draws initial weights
 /// on first use from a generator shared by the whole process.
 fn materialize<M: Module>(module: &M) {
@@ -227,52 +273,76 @@ fn materialize<M: Module>(module: &M) {
 }
 
 impl TransformerLm {
-    /// Builds and initialises the parts of one stage, each from its own seed.
+    /// Builds one stage. A GPT stage's parts are initialised now, each from
+    /// its own seed; a Llama stage's parameters stay uninitialised (burn
+    /// initialises lazily) until [`hf::load_stage`] fills them, so building
+    /// it costs no memory for weights that are about to be replaced.
     ///
     /// burn's generator is global to the process: models built concurrently
     /// (tests, stages in threads) take turns, so each gets its seeded weights.
-    pub fn new(shape: &TransformerShape, layout: &StageLayout, seed: u64, device: &Device) -> Self {
+    pub fn new(shape: &LmShape, layout: &StageLayout, seed: u64, device: &Device) -> Self {
         static INIT_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
         let _guard = INIT_LOCK
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let h = shape.hidden as usize;
-        let seeded = |part: Part| device.seed(part_seed(seed, part));
-        let token = (layout.first || (layout.last && shape.tied_embeddings)).then(|| {
+        let seeded = |part: Part| {
+            if shape.has_positions() {
+                device.seed(part_seed(seed, part));
+            }
+        };
+        let init = |module: &dyn Fn()| {
+            if shape.has_positions() {
+                module();
+            }
+        };
+        let (v, h) = (shape.vocabulary() as usize, shape.hidden() as usize);
+        let token = (layout.first || (layout.last && shape.tied_embeddings())).then(|| {
             seeded(Part::Token);
-            let token = token_embedding(shape, device);
-            materialize(&token);
-            token
-        });
-        let position = layout.first.then(|| {
-            seeded(Part::Position);
-            let position = EmbeddingConfig::new(shape.sequence_length as usize, h)
+            let token = EmbeddingConfig::new(v, h)
                 .with_initializer(embedding_init())
                 .init(device);
-            materialize(&position);
-            position
+            init(&|| materialize(&token));
+            token
         });
+        let position = match shape {
+            LmShape::Gpt(t) if layout.first => {
+                seeded(Part::Position);
+                let position = EmbeddingConfig::new(t.sequence_length as usize, h)
+                    .with_initializer(embedding_init())
+                    .init(device);
+                materialize(&position);
+                Some(position)
+            }
+            _ => None,
+        };
         let blocks = layout
             .layers
             .clone()
             .map(|i| {
                 seeded(Part::Block(i));
-                let block = Block::new(shape, device);
-                materialize(&block);
+                let block = match shape {
+                    LmShape::Gpt(t) => Block::Gpt(GptBlock::new(t, device)),
+                    LmShape::Llama(l) => Block::Llama(LlamaBlock::new(l, device)),
+                };
+                init(&|| materialize(&block));
                 block
             })
             .collect();
         let head = layout.last.then(|| {
             seeded(Part::Head);
-            let head = Head {
-                ln_f: LayerNormConfig::new(h).init(device),
-                projection: (!shape.tied_embeddings).then(|| {
-                    LinearConfig::new(h, shape.vocabulary as usize)
-                        .with_bias(false)
-                        .init(device)
-                }),
+            let (norm, bias) = match shape {
+                LmShape::Gpt(_) => (
+                    FinalNorm::Layer(LayerNormConfig::new(h).init(device)),
+                    false,
+                ),
+                LmShape::Llama(l) => (FinalNorm::Rms(llama::rms_norm(l, device)), false),
             };
-            materialize(&head);
+            let head = Head {
+                norm,
+                projection: (!shape.tied_embeddings())
+                    .then(|| LinearConfig::new(h, v).with_bias(bias).init(device)),
+            };
+            init(&|| materialize(&head));
             head
         });
         TransformerLm {
@@ -280,12 +350,13 @@ impl TransformerLm {
             position,
             blocks,
             head,
+            first: layout.first,
         }
     }
 
     /// Holds the embeddings (the first stage).
     pub fn is_first(&self) -> bool {
-        self.position.is_some()
+        self.first
     }
 
     /// Holds the head and computes the loss (the last stage).
@@ -293,17 +364,23 @@ impl TransformerLm {
         self.head.is_some()
     }
 
-    /// Token + position embeddings. `tokens`: [batch, seq] → [batch, seq, hidden].
+    /// Token (+ learned position) embeddings. `tokens`: [batch, seq] → [batch, seq, hidden].
     pub fn embed(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        let (Some(token), Some(position)) = (&self.token, &self.position) else {
+        let (true, Some(token)) = (self.first, &self.token) else {
             panic!("embed() on a stage without the embeddings");
         };
         let [b, s] = tokens.dims();
         let device = tokens.device();
-        let positions = Tensor::<1, Int>::arange(0..s as i64, &device)
-            .unsqueeze::<2>()
-            .expand([b, s]);
-        token.forward(tokens) + position.forward(positions)
+        let x = token.forward(tokens);
+        match &self.position {
+            Some(position) => {
+                let positions = Tensor::<1, Int>::arange(0..s as i64, &device)
+                    .unsqueeze::<2>()
+                    .expand([b, s]);
+                x + position.forward(positions)
+            }
+            None => x,
+        }
     }
 
     /// This stage's blocks in order.
@@ -318,7 +395,11 @@ impl TransformerLm {
             .as_ref()
             .expect("logits() on a stage without the head");
         let [b, s, h] = x.dims();
-        let x = head.ln_f.forward(x).reshape([b * s, h]);
+        let x = match &head.norm {
+            FinalNorm::Layer(n) => n.forward(x),
+            FinalNorm::Rms(n) => n.forward(x),
+        }
+        .reshape([b * s, h]);
         match (&head.projection, &self.token) {
             (Some(projection), _) => projection.forward(x),
             (None, Some(token)) => x.matmul(token.weight.val().transpose()),
@@ -370,7 +451,12 @@ mod tests {
             (false, Some(72)),
         ] {
             let s = shape(tied, ff);
-            let model = TransformerLm::new(&s, &StageLayout::whole(&s), 1, &device);
+            let model = TransformerLm::new(
+                &LmShape::Gpt(s.clone()),
+                &StageLayout::whole(&LmShape::Gpt(s.clone())),
+                1,
+                &device,
+            );
             assert_eq!(
                 model.num_params() as u64,
                 s.total_params(),
@@ -397,7 +483,7 @@ mod tests {
                     first,
                     last,
                 };
-                let model = TransformerLm::new(&s, &layout, 1, &device);
+                let model = TransformerLm::new(&LmShape::Gpt(s.clone()), &layout, 1, &device);
                 let mut expected = u64::from(layers.end - layers.start) * s.params_per_layer();
                 if first {
                     expected += s.embedding_params();
@@ -430,9 +516,14 @@ mod tests {
     fn weights_do_not_depend_on_the_split() {
         let device = Device::flex();
         let s = shape(true, None);
-        let whole = TransformerLm::new(&s, &StageLayout::whole(&s), 9, &device);
+        let whole = TransformerLm::new(
+            &LmShape::Gpt(s.clone()),
+            &StageLayout::whole(&LmShape::Gpt(s.clone())),
+            9,
+            &device,
+        );
         let last = TransformerLm::new(
-            &s,
+            &LmShape::Gpt(s.clone()),
             &StageLayout {
                 layers: 2..3,
                 first: false,
@@ -442,6 +533,9 @@ mod tests {
             &device,
         );
         let values = |m: &Block| {
+            let Block::Gpt(m) = m else {
+                panic!("a GPT block")
+            };
             m.ff_in
                 .weight
                 .val()
@@ -472,7 +566,12 @@ mod tests {
     fn attention_is_causal() {
         let device = Device::flex();
         let s = shape(true, None);
-        let model = TransformerLm::new(&s, &StageLayout::whole(&s), 3, &device);
+        let model = TransformerLm::new(
+            &LmShape::Gpt(s.clone()),
+            &StageLayout::whole(&LmShape::Gpt(s.clone())),
+            3,
+            &device,
+        );
         let a: Vec<i64> = (0..16).map(|i| i % 7).collect();
         let mut b = a.clone();
         b[15] = 42; // only the last token differs

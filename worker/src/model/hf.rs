@@ -1,0 +1,450 @@
+//! Hugging Face checkpoints in: `config.json` → [`LlamaShape`], and the
+//! `*.safetensors` files (one `model.safetensors`, or shards listed by
+//! `model.safetensors.index.json`) → the tensors of one pipeline stage.
+//!
+//! Loading goes through burn-store: each file is memory-mapped and only the
+//! tensors this stage's module asks for are materialised, one at a time, cast
+//! to f32 and transposed into burn's `[in, out]` linear layout as they are
+//! read. A stage never holds another stage's layers, and never a second copy
+//! of the whole checkpoint (the "load everything, then move" spike of seed
+//! `000`).
+//!
+//! Trained weights out ([`HfCheckpoint::save_stage`]): each stage writes its
+//! tensors under their original names and in the checkpoint's stored dtype
+//! (one `model.safetensors`, or one shard per stage and the index), and the
+//! config and tokenizer files are copied, so `from_pretrained(dir)` loads
+//! the result.
+//!
+//! Names: a checkpoint's `model.embed_tokens`, `model.layers.<n>`,
+//! `model.norm` and `lm_head` are this crate's `token`, `blocks.<n - first
+//! layer of the stage>`, `head.norm` and `head.projection`; the block's own
+//! fields carry Hugging Face's names, so nothing else is renamed.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use burn::tensor::DType;
+use burn_store::{
+    BurnToPyTorchAdapter, ChainAdapter, FloatCastAdapter, KeyRemapper, ModuleSnapshot,
+    PyTorchToBurnAdapter, SafetensorsStore,
+};
+use headroom_planner::{ConfigError, LlamaShape};
+
+use super::{StageLayout, TransformerLm};
+
+/// A checkpoint directory Headroom cannot read, with the file and what is wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum HfError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {source}")]
+    Config { path: PathBuf, source: ConfigError },
+    #[error("{path}: {problem}")]
+    Index { path: PathBuf, problem: String },
+    #[error("{path}: {problem}")]
+    Tensors { path: PathBuf, problem: String },
+}
+
+/// The weight files of a checkpoint directory and which tensor lives where.
+#[derive(Clone, Debug)]
+pub struct HfCheckpoint {
+    pub dir: PathBuf,
+    pub shape: LlamaShape,
+    /// Tensor name → the file holding it; `None` for a single-file checkpoint.
+    weight_map: Option<BTreeMap<String, PathBuf>>,
+}
+
+const SINGLE_FILE: &str = "model.safetensors";
+const INDEX_FILE: &str = "model.safetensors.index.json";
+
+impl HfCheckpoint {
+    /// Reads `dir/config.json` and finds the weights (`model.safetensors` or
+    /// the sharded index). `sequence_length` is the training sample length.
+    pub fn open(dir: &Path, sequence_length: u32) -> Result<Self, HfError> {
+        let config = dir.join("config.json");
+        let text = std::fs::read_to_string(&config).map_err(|source| HfError::Io {
+            path: config.clone(),
+            source,
+        })?;
+        let shape = LlamaShape::from_hf_config(&text, sequence_length).map_err(|source| {
+            HfError::Config {
+                path: config.clone(),
+                source,
+            }
+        })?;
+        let index = dir.join(INDEX_FILE);
+        let weight_map = if index.exists() {
+            Some(read_index(&index, dir)?)
+        } else if dir.join(SINGLE_FILE).exists() {
+            None
+        } else {
+            return Err(HfError::Index {
+                path: dir.to_path_buf(),
+                problem: format!(
+                    "neither {SINGLE_FILE} nor {INDEX_FILE} is here (a Hugging Face checkpoint saved with safetensors has one)"
+                ),
+            });
+        };
+        Ok(HfCheckpoint {
+            dir: dir.to_path_buf(),
+            shape,
+            weight_map,
+        })
+    }
+
+    /// The checkpoint's names of the tensors a stage holds.
+    pub fn stage_tensor_names(&self, layout: &StageLayout) -> Vec<String> {
+        let s = &self.shape;
+        let mut names = Vec::new();
+        if layout.first || (layout.last && s.tied_embeddings) {
+            names.push("model.embed_tokens.weight".to_string());
+        }
+        for layer in layout.layers.clone() {
+            let p = format!("model.layers.{layer}");
+            for proj in ["q_proj", "k_proj", "v_proj", "o_proj"] {
+                names.push(format!("{p}.self_attn.{proj}.weight"));
+            }
+            if s.attention_bias {
+                for proj in ["q_proj", "k_proj", "v_proj"] {
+                    names.push(format!("{p}.self_attn.{proj}.bias"));
+                }
+                if s.architecture != headroom_planner::LlamaArchitecture::Qwen2 {
+                    names.push(format!("{p}.self_attn.o_proj.bias"));
+                }
+            }
+            for proj in ["gate_proj", "up_proj", "down_proj"] {
+                names.push(format!("{p}.mlp.{proj}.weight"));
+                if s.mlp_bias {
+                    names.push(format!("{p}.mlp.{proj}.bias"));
+                }
+            }
+            names.push(format!("{p}.input_layernorm.weight"));
+            names.push(format!("{p}.post_attention_layernorm.weight"));
+        }
+        if layout.last {
+            names.push("model.norm.weight".to_string());
+            if !s.tied_embeddings {
+                names.push("lm_head.weight".to_string());
+            }
+        }
+        names
+    }
+
+    /// The files holding a stage's tensors, each once, in a fixed order.
+    fn stage_files(&self, layout: &StageLayout) -> Result<Vec<PathBuf>, HfError> {
+        let Some(map) = &self.weight_map else {
+            return Ok(vec![self.dir.join(SINGLE_FILE)]);
+        };
+        let mut files = BTreeSet::new();
+        for name in self.stage_tensor_names(layout) {
+            let file = map.get(&name).ok_or_else(|| HfError::Index {
+                path: self.dir.join(INDEX_FILE),
+                problem: format!("weight_map has no entry for {name}"),
+            })?;
+            files.insert(file.clone());
+        }
+        Ok(files.into_iter().collect())
+    }
+
+    /// Fills a stage built by [`TransformerLm::new`] for this checkpoint's
+    /// shape with the checkpoint's weights, as f32.
+    pub fn load_stage(
+        &self,
+        model: &mut TransformerLm,
+        layout: &StageLayout,
+    ) -> Result<(), HfError> {
+        let remap = load_remapping(layout);
+        let mut applied = BTreeSet::new();
+        let mut expected = None;
+        for file in self.stage_files(layout)? {
+            let mut store = SafetensorsStore::from_file(&file)
+                .with_from_adapter(ChainAdapter::new(
+                    PyTorchToBurnAdapter,
+                    FloatCastAdapter::to(DType::F32),
+                ))
+                .remap(remap.clone())
+                .skip_enum_variants(true)
+                .allow_partial(true);
+            let result = model.load_from(&mut store).map_err(|e| HfError::Tensors {
+                path: file.clone(),
+                problem: e.to_string(),
+            })?;
+            if let Some(error) = result.errors.first() {
+                return Err(HfError::Tensors {
+                    path: file.clone(),
+                    problem: format!("{error} (config.json says {})", self.describe()),
+                });
+            }
+            applied.extend(result.applied.iter().map(|p| strip_variants(p)));
+            // Every file reports the module's parameters it lacked; the ones
+            // no file had are the stage's missing tensors.
+            let missing: BTreeSet<String> = result
+                .missing
+                .iter()
+                .map(|(p, _)| strip_variants(p))
+                .collect();
+            expected.get_or_insert_with(|| {
+                missing
+                    .iter()
+                    .cloned()
+                    .chain(result.applied.iter().map(|p| strip_variants(p)))
+                    .collect::<BTreeSet<_>>()
+            });
+        }
+        let expected = expected.unwrap_or_default();
+        let missing: Vec<_> = expected.difference(&applied).collect();
+        if !missing.is_empty() {
+            return Err(HfError::Tensors {
+                path: self.dir.clone(),
+                problem: format!(
+                    "the checkpoint lacks tensors this {} needs for layers {:?}: {}",
+                    self.describe(),
+                    layout.layers,
+                    missing
+                        .iter()
+                        .map(|p| checkpoint_name(p, layout))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// The dtype the checkpoint stores its weights in (`dtype`/`torch_dtype`; f32 if unsaid).
+    pub fn stored_dtype(&self) -> DType {
+        match self.shape.torch_dtype.as_deref() {
+            Some("bfloat16") => DType::BF16,
+            Some("float16") => DType::F16,
+            _ => DType::F32,
+        }
+    }
+
+    /// Writes stage `stage` of `stages` into `out` in this checkpoint's
+    /// format: its tensors, by their original names, cast back to the stored
+    /// dtype, into `model.safetensors` (one stage) or shard
+    /// `model-<k>-of-<p>.safetensors`. Each file is written beside its final
+    /// name and renamed into place; the stage that sees every shard in place
+    /// writes the index, so the output is complete once the last stage is
+    /// done, whichever that is. The first stage copies `config.json` and the
+    /// tokenizer files. Returns the weight file written.
+    pub fn save_stage(
+        &self,
+        model: &TransformerLm,
+        layout: &StageLayout,
+        stage: u32,
+        stages: u32,
+        out: &Path,
+    ) -> Result<PathBuf, HfError> {
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| HfError::Io { path, source }
+        };
+        std::fs::create_dir_all(out).map_err(io(out))?;
+        let file = out.join(shard_name(stage, stages));
+        let tmp = out.join(format!(
+            ".{}.tmp-{}",
+            shard_name(stage, stages),
+            std::process::id()
+        ));
+        let _ = std::fs::remove_file(&tmp);
+        let mut store = SafetensorsStore::from_file(&tmp)
+            .with_to_adapter(ChainAdapter::new(
+                BurnToPyTorchAdapter,
+                FloatCastAdapter::to(self.stored_dtype()),
+            ))
+            .skip_enum_variants(true)
+            // A last stage's copy of a tied embedding is the first stage's to write.
+            .with_regex(if layout.first {
+                r"^(token|blocks|head)\."
+            } else {
+                r"^(blocks|head)\."
+            })
+            .remap(save_remapping(layout))
+            .clear_metadata()
+            // transformers refuses a safetensors file without this.
+            .metadata("format", "pt");
+        model.save_into(&mut store).map_err(|e| HfError::Tensors {
+            path: file.clone(),
+            problem: e.to_string(),
+        })?;
+        std::fs::rename(&tmp, &file).map_err(io(&file))?;
+        if layout.first {
+            for name in [
+                "config.json",
+                "tokenizer.json",
+                "tokenizer_config.json",
+                "special_tokens_map.json",
+                "generation_config.json",
+            ] {
+                let from = self.dir.join(name);
+                if from.exists() {
+                    let to = out.join(name);
+                    let tmp = out.join(format!(".{name}.tmp-{}", std::process::id()));
+                    std::fs::copy(&from, &tmp).map_err(io(&from))?;
+                    std::fs::rename(&tmp, &to).map_err(io(&to))?;
+                }
+            }
+        }
+        if stages > 1 {
+            write_index_when_complete(out, stages)?;
+        }
+        Ok(file)
+    }
+
+    fn describe(&self) -> String {
+        let s = &self.shape;
+        format!(
+            "{} (hidden {}, {} layers, {} heads / {} key-value heads, intermediate {}, vocabulary {})",
+            s.architecture.hf_name(),
+            s.hidden,
+            s.layers,
+            s.attention_heads,
+            s.key_value_heads,
+            s.intermediate,
+            s.vocabulary
+        )
+    }
+}
+
+/// A module path without burn's enum variant segments (`blocks.0.Llama.x` → `blocks.0.x`).
+fn strip_variants(path: &str) -> String {
+    path.split('.')
+        .filter(|seg| !matches!(*seg, "Llama" | "Gpt" | "Rms" | "Layer"))
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
+/// `model.safetensors`, or shard k (1-based in the name) of p.
+fn shard_name(stage: u32, stages: u32) -> String {
+    if stages <= 1 {
+        SINGLE_FILE.to_string()
+    } else {
+        format!("model-{:05}-of-{stages:05}.safetensors", stage + 1)
+    }
+}
+
+/// Writes `model.safetensors.index.json` once every shard is in `out`,
+/// from the shards' own headers (so any stage can write it, and the result
+/// is the same whichever does).
+fn write_index_when_complete(out: &Path, stages: u32) -> Result<(), HfError> {
+    let mut weight_map = BTreeMap::new();
+    let mut total_size = 0u64;
+    for stage in 0..stages {
+        let name = shard_name(stage, stages);
+        let path = out.join(&name);
+        let Ok(bytes) = std::fs::read(&path) else {
+            return Ok(()); // not yet: the stage that writes the last shard writes the index
+        };
+        let tensors =
+            safetensors::SafeTensors::deserialize(&bytes).map_err(|e| HfError::Tensors {
+                path: path.clone(),
+                problem: e.to_string(),
+            })?;
+        for (tensor, view) in tensors.tensors() {
+            total_size += view.data().len() as u64;
+            weight_map.insert(tensor, name.clone());
+        }
+    }
+    let index = serde_json::json!({
+        "metadata": {"total_size": total_size},
+        "weight_map": weight_map,
+    });
+    let path = out.join(INDEX_FILE);
+    let tmp = out.join(format!(".{INDEX_FILE}.tmp-{}", std::process::id()));
+    let text = serde_json::to_string_pretty(&index).expect("JSON");
+    std::fs::write(&tmp, text).map_err(|source| HfError::Io {
+        path: tmp.clone(),
+        source,
+    })?;
+    std::fs::rename(&tmp, &path).map_err(|source| HfError::Io { path, source })
+}
+
+/// Module path → checkpoint name for one stage's layer range (saving).
+fn save_remapping(layout: &StageLayout) -> KeyRemapper {
+    let mut pairs = vec![
+        (r"^token\.".to_string(), "model.embed_tokens.".to_string()),
+        (r"^head\.norm\.".to_string(), "model.norm.".to_string()),
+        (r"^head\.projection\.".to_string(), "lm_head.".to_string()),
+    ];
+    for (local, layer) in layout.layers.clone().enumerate() {
+        pairs.push((
+            format!(r"^blocks\.{local}\."),
+            format!("model.layers.{layer}."),
+        ));
+    }
+    KeyRemapper::from_patterns(pairs).expect("static patterns")
+}
+
+/// Checkpoint name → module path for one stage's layer range.
+fn load_remapping(layout: &StageLayout) -> KeyRemapper {
+    let mut pairs = vec![
+        (r"^model\.embed_tokens\.".to_string(), "token.".to_string()),
+        (r"^model\.norm\.".to_string(), "head.norm.".to_string()),
+        (r"^lm_head\.".to_string(), "head.projection.".to_string()),
+    ];
+    for (local, layer) in layout.layers.clone().enumerate() {
+        pairs.push((
+            format!(r"^model\.layers\.{layer}\."),
+            format!("blocks.{local}."),
+        ));
+    }
+    // Another stage's layers must not land on this stage's blocks.
+    pairs.push((r"^model\.layers\.".to_string(), "other_stage.".to_string()));
+    KeyRemapper::from_patterns(pairs).expect("static patterns")
+}
+
+/// Module path → the checkpoint's name, for messages.
+fn checkpoint_name(path: &str, layout: &StageLayout) -> String {
+    let path = path.replace(".gamma", ".weight");
+    if let Some(rest) = path.strip_prefix("token.") {
+        return format!("model.embed_tokens.{rest}");
+    }
+    if let Some(rest) = path.strip_prefix("head.norm.") {
+        return format!("model.norm.{rest}");
+    }
+    if let Some(rest) = path.strip_prefix("head.projection.") {
+        return format!("lm_head.{rest}");
+    }
+    if let Some(rest) = path.strip_prefix("blocks.")
+        && let Some((local, rest)) = rest.split_once('.')
+        && let Ok(local) = local.parse::<u32>()
+    {
+        return format!("model.layers.{}.{rest}", layout.layers.start + local);
+    }
+    path
+}
+
+/// Reads `model.safetensors.index.json`'s `weight_map`.
+fn read_index(index: &Path, dir: &Path) -> Result<BTreeMap<String, PathBuf>, HfError> {
+    let bad = |problem: String| HfError::Index {
+        path: index.to_path_buf(),
+        problem,
+    };
+    let text = std::fs::read_to_string(index).map_err(|source| HfError::Io {
+        path: index.to_path_buf(),
+        source,
+    })?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+    let map = value
+        .get("weight_map")
+        .and_then(serde_json::Value::as_object)
+        .ok_or_else(|| bad("no weight_map object".into()))?;
+    map.iter()
+        .map(|(name, file)| {
+            let file = file
+                .as_str()
+                .filter(|f| !f.contains('/') && f.ends_with(".safetensors"))
+                .ok_or_else(|| {
+                    bad(format!(
+                        "weight_map.{name} must name a .safetensors file in the same directory, not {file}"
+                    ))
+                })?;
+            Ok((name.clone(), dir.join(file)))
+        })
+        .collect()
+}

@@ -1,0 +1,235 @@
+//! Fine-tuning a real (tiny) Hugging Face checkpoint on real text.
+//!
+//! `tests/fixtures/llama/tiny-llama` was made by transformers (`make_tiny.py`:
+//! a LlamaForCausalLM with GQA and a tied head, and a byte-level BPE
+//! tokenizer trained on the sample text). The worker loads it, tokenizes the
+//! public-domain sample text with its tokenizer, trains, and writes the
+//! result back in Hugging Face format; reading that output back gives the
+//! trained model's logits, under the original tensor names and dtype — on one
+//! worker, and from two pipeline stages that each write a shard.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use burn::module::Module;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use headroom_planner::{Optimizer, Precision, Settings};
+use headroom_worker::data::TextSamples;
+use headroom_worker::model::hf::HfCheckpoint;
+use headroom_worker::model::{LmShape, StageLayout, TransformerLm};
+use headroom_worker::pipeline::{Hello, Peers, establish};
+use headroom_worker::text::{Format, load_tokenizer, pack, read_documents};
+use headroom_worker::train::{TrainConfig, Trainer};
+
+const SEQUENCE: u32 = 32;
+
+fn tiny() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/tiny-llama")
+}
+
+fn text_samples(seed: u64) -> TextSamples {
+    let tokenizer = load_tokenizer(&tiny().join("tokenizer.json")).expect("tokenizer");
+    let eos = tokenizer
+        .token_to_id("</s>")
+        .expect("</s> in the vocabulary");
+    let docs = read_documents(
+        &Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../samples/data/declaration-of-independence.jsonl"),
+        &Format::Jsonl {
+            field: "text".into(),
+        },
+    )
+    .expect("documents");
+    let packed = pack(&tokenizer, &docs, eos, SEQUENCE as usize).expect("packed");
+    TextSamples::new(packed.samples, seed)
+}
+
+fn config(steps: u64) -> TrainConfig {
+    let checkpoint = HfCheckpoint::open(&tiny(), SEQUENCE).expect("tiny-llama");
+    TrainConfig::single_stage(
+        checkpoint.shape,
+        Settings {
+            micro_batch: 2,
+            gradient_accumulation: 2,
+            activation_checkpointing: false,
+            precision: Precision::Fp32,
+            optimizer: Optimizer::Adamw,
+        },
+        steps,
+        3e-3,
+        5,
+    )
+    .with_pretrained(tiny())
+}
+
+fn probe_logits(model: &TransformerLm) -> Vec<f32> {
+    let ids: Vec<i64> = (0..SEQUENCE as i64).map(|i| (i * 37 + 5) % 500).collect();
+    let tokens = Tensor::<2, Int>::from_data(
+        TensorData::new(ids, [1, SEQUENCE as usize]),
+        &Device::flex(),
+    );
+    model.forward(tokens).into_data().iter::<f32>().collect()
+}
+
+fn reload(out: &Path) -> TransformerLm {
+    let checkpoint = HfCheckpoint::open(out, SEQUENCE).expect("the output is a checkpoint");
+    let shape = LmShape::Llama(checkpoint.shape.clone());
+    let layout = StageLayout::whole(&shape);
+    let mut model = TransformerLm::new(&shape, &layout, 0, &Device::flex());
+    checkpoint.load_stage(&mut model, &layout).expect("reload");
+    model
+}
+
+fn tensor_names(file: &Path) -> Vec<(String, String)> {
+    let bytes = std::fs::read(file).expect("weights");
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    let mut names: Vec<_> = tensors
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, format!("{:?}", v.dtype())))
+        .collect();
+    names.sort();
+    names
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn fine_tunes_on_real_text_and_writes_a_model_that_reloads() {
+    let out = tempdir("single");
+    let mut trainer = Trainer::new(config(12), Device::flex().autodiff()).expect("trainer");
+    trainer.use_text(text_samples(5));
+    let before = probe_logits(&trainer.model().valid());
+    let mut losses = Vec::new();
+    while !trainer.finished() {
+        losses.extend(trainer.train_step().expect("step").loss);
+    }
+    let first = losses[..3].iter().sum::<f64>() / 3.0;
+    let last = losses[losses.len() - 3..].iter().sum::<f64>() / 3.0;
+    assert!(
+        last < first - 0.3,
+        "the loss falls on the sample text: {losses:?}"
+    );
+
+    let file = trainer.save_pretrained(&out).expect("save");
+    assert_eq!(file, out.join("model.safetensors"));
+    assert_eq!(
+        tensor_names(&file),
+        tensor_names(&tiny().join("model.safetensors")),
+        "the original tensor names and dtypes"
+    );
+    for copied in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        assert!(out.join(copied).exists(), "{copied} copied");
+    }
+    let trained = probe_logits(&trainer.model().valid());
+    let reloaded = probe_logits(&reload(&out));
+    assert!(max_diff(&trained, &reloaded) < 1e-5, "reloads as trained");
+    assert!(
+        max_diff(&before, &trained) > 1e-2,
+        "training changed the weights"
+    );
+}
+
+#[test]
+fn two_stages_write_shards_and_an_index_that_reload_as_one_model() {
+    let out = tempdir("pipeline");
+    let single = {
+        let mut trainer = Trainer::new(config(3), Device::flex().autodiff()).expect("trainer");
+        trainer.use_text(text_samples(5));
+        while !trainer.finished() {
+            trainer.train_step().expect("step");
+        }
+        probe_logits(&trainer.model().valid())
+    };
+    let (listeners, peers) = Peers::loopback(2).expect("loopback sockets");
+    let handles: Vec<_> = listeners
+        .into_iter()
+        .enumerate()
+        .map(|(k, listener)| {
+            let k = k as u32;
+            let mut config = config(3);
+            config.layout = StageLayout {
+                layers: if k == 0 { 0..2 } else { 2..4 },
+                first: k == 0,
+                last: k == 1,
+            };
+            config.stage = k;
+            config.stages = 2;
+            let (peers, out) = (peers.clone(), out.clone());
+            std::thread::spawn(move || {
+                let mut trainer = Trainer::new(config, Device::flex().autodiff()).expect("trainer");
+                trainer.use_text(text_samples(5));
+                let me = Hello {
+                    job: "j".into(),
+                    namespace: "ns".into(),
+                    attempt: 1,
+                    stage: k,
+                    stages: 2,
+                    resume_step: 0,
+                };
+                let links = establish(
+                    &me,
+                    (k > 0).then_some(listener),
+                    &peers,
+                    Duration::from_secs(30),
+                    Duration::from_secs(60),
+                )
+                .expect("links");
+                trainer.connect(links);
+                while !trainer.finished() {
+                    trainer.train_step().expect("step");
+                }
+                trainer.save_pretrained(&out).expect("save shard")
+            })
+        })
+        .collect();
+    let shards: Vec<PathBuf> = handles
+        .into_iter()
+        .map(|h| h.join().expect("stage"))
+        .collect();
+    assert_eq!(
+        shards,
+        vec![
+            out.join("model-00001-of-00002.safetensors"),
+            out.join("model-00002-of-00002.safetensors")
+        ]
+    );
+    let index: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("model.safetensors.index.json")).expect("index"),
+    )
+    .expect("JSON");
+    let map = index["weight_map"].as_object().expect("weight_map");
+    assert_eq!(
+        map["model.embed_tokens.weight"],
+        "model-00001-of-00002.safetensors"
+    );
+    assert_eq!(
+        map["model.layers.3.mlp.down_proj.weight"],
+        "model-00002-of-00002.safetensors"
+    );
+    assert_eq!(map["model.norm.weight"], "model-00002-of-00002.safetensors");
+    let mut all: Vec<_> = shards.iter().flat_map(|s| tensor_names(s)).collect();
+    all.sort();
+    assert_eq!(
+        all,
+        tensor_names(&tiny().join("model.safetensors")),
+        "every tensor once (the tied head's copy is not written twice)"
+    );
+    // Pipeline training equals one worker's, so the reloaded model does too.
+    assert!(max_diff(&probe_logits(&reload(&out)), &single) < 1e-3);
+}
+
+fn tempdir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "headroom-llama-training-{name}-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
