@@ -362,3 +362,100 @@ fn a_stage_that_fails_takes_its_neighbour_down_as_peer_lost() {
         s0.message.reason
     );
 }
+
+/// A Llama-family assignment over the transformers-made tiny checkpoint and
+/// the sample text, writing its output under `dir`.
+fn llama_assignment(dir: &Path, steps: u64) -> WorkerAssignment {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/tiny-llama");
+    let config = std::fs::read_to_string(fixtures.join("config.json")).expect("config.json");
+    let shape = headroom_planner::LlamaShape::from_hf_config(&config, 32).expect("shape");
+    let req = JobRequest {
+        model: ModelShape::Llama(shape),
+        global_batch: 4,
+        precision: Precision::Fp32,
+        optimizer: Optimizer::Adamw,
+        pinned_micro_batch: Some(2),
+        pinned_checkpointing: Some(true),
+        pinned_stages: None,
+        target: Target::Cpu {
+            memory_limit_bytes: 2 << 30,
+            max_workers: 1,
+        },
+        headroom_fraction: 0.1,
+        allowed_rungs: RetryRung::ALL.to_vec(),
+    };
+    WorkerAssignment {
+        job: "tiny-llama".into(),
+        namespace: "default".into(),
+        attempt: 1,
+        stage: 0,
+        model: req.model.clone(),
+        plan: plan(&req, &Inventory::default()).expect("plan"),
+        steps,
+        learning_rate: 3e-3,
+        checkpoint_every_steps: 2,
+        seed: 3,
+        files: Some(headroom_api::PayloadFiles {
+            model_dir: fixtures.display().to_string(),
+            data_file: Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../samples/data/declaration-of-independence.jsonl")
+                .display()
+                .to_string(),
+            data_format: headroom_api::DataFormat::Jsonl {
+                field: "text".into(),
+            },
+            output_dir: dir.join("output").display().to_string(),
+        }),
+    }
+}
+
+#[test]
+fn fine_tunes_a_llama_checkpoint_resumes_and_writes_it_out() {
+    let dir = temp_dir("llama");
+    let first = run_worker(
+        &dir,
+        &serde_json::to_string(&llama_assignment(&dir, 4)).expect("json"),
+        &[],
+    );
+    assert_eq!(first.code, exit_code::SUCCESS, "{}", first.stderr);
+    assert!(
+        first.message.reason.contains("model written to"),
+        "{:?}",
+        first.message
+    );
+    // A longer run resumes from step 4's checkpoint, not from the pretrained weights.
+    let second = run_worker(
+        &dir,
+        &serde_json::to_string(&llama_assignment(&dir, 6)).expect("json"),
+        &[],
+    );
+    assert_eq!(second.code, exit_code::SUCCESS, "{}", second.stderr);
+    assert_eq!(second.message.step, Some(6));
+    assert!(second.stderr.contains("resumed"), "{}", second.stderr);
+    let out = dir.join("output");
+    for file in ["model.safetensors", "config.json", "tokenizer.json"] {
+        assert!(out.join(file).is_file(), "{file} in the output");
+    }
+}
+
+#[test]
+fn a_llama_assignment_without_its_files_is_an_invalid_plan() {
+    let dir = temp_dir("llama-nofiles");
+    let mut a = llama_assignment(&dir, 2);
+    a.files = None;
+    let run = run_worker(&dir, &serde_json::to_string(&a).expect("json"), &[]);
+    assert_eq!(run.code, exit_code::INVALID_PLAN, "{}", run.stderr);
+    assert!(run.message.reason.contains("files"), "{:?}", run.message);
+    // A data file that is not there is named.
+    let mut a = llama_assignment(&dir, 2);
+    if let Some(f) = a.files.as_mut() {
+        f.data_file = "/nonexistent/corpus.jsonl".into();
+    }
+    let run = run_worker(&dir, &serde_json::to_string(&a).expect("json"), &[]);
+    assert_eq!(run.code, exit_code::INVALID_PLAN, "{}", run.stderr);
+    assert!(
+        run.message.reason.contains("/nonexistent/corpus.jsonl"),
+        "{:?}",
+        run.message
+    );
+}

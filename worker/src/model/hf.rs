@@ -271,6 +271,12 @@ impl HfCheckpoint {
             path: file.clone(),
             problem: e.to_string(),
         })?;
+        // burn-store creates it owner-only; the output is for whoever reads the volume next.
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644))
+                .map_err(io(&tmp))?;
+        }
         std::fs::rename(&tmp, &file).map_err(io(&file))?;
         if layout.first {
             for name in [
