@@ -19,6 +19,8 @@
 //! * [`telemetry`] — cgroup, process, allocator and NVML memory sampling
 //! * [`report`] — rate-limited server-side apply of `status.workers[<pod>]`
 //! * [`run`] — one process from start to exit, with the exit contract
+//! * [`initialize`] — the binary's other mode (`HEADROOM_INITIALIZE`): fetch a
+//!   Hugging Face checkpoint, check it and the data, report what it found
 //!
 //! Exit contract (see `headroom_api::WorkerOutcome`, which gives each exit
 //! its code): every exit writes a JSON [`TerminationMessage`] to the
@@ -32,6 +34,7 @@ pub mod checkpoint;
 pub mod cluster;
 pub mod data;
 pub mod env;
+pub mod initialize;
 pub mod model;
 pub mod pipeline;
 pub mod report;

@@ -1,4 +1,5 @@
-//! `headroom-worker`: trains one stage of a Headroom plan. Everything it
+//! `headroom-worker`: trains one stage of a Headroom plan (or, with
+//! `HEADROOM_INITIALIZE`, fetches and checks a job's checkpoint and data). Everything it
 //! reads comes from the environment the operator sets up (see
 //! `headroom_api::contract`), read once into a `WorkerEnv`; its exit code and termination message are the
 //! contract's. The logic lives in the library (`headroom_worker::run`).
@@ -17,6 +18,14 @@ fn main() {
                 && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()),
         )
         .init();
+    // `HEADROOM_INITIALIZE` makes this process the job's initializer, not a trainer.
+    if let Some(env) = headroom_worker::initialize::InitializerEnv::from_env() {
+        let code = match headroom_worker::initialize::run(&env) {
+            Ok(_) => headroom_api::WorkerOutcome::Succeeded.exit_code(),
+            Err(exit) => exit.code(),
+        };
+        std::process::exit(code);
+    }
     let exit = headroom_worker::run::run(headroom_worker::WorkerEnv::from_env());
     std::process::exit(exit.code());
 }

@@ -451,18 +451,13 @@ fn load_text(
     use crate::text::{Format, load_tokenizer, pack, read_documents};
     let tokenizer_path = Path::new(&files.model_dir).join("tokenizer.json");
     let tokenizer = load_tokenizer(&tokenizer_path).map_err(|e| e.to_string())?;
-    let eos = end_of_sequence(&files.model_dir, &tokenizer).ok_or_else(|| {
+    let eos = end_of_sequence(Path::new(&files.model_dir), &tokenizer).ok_or_else(|| {
         format!(
             "{}: no end-of-sequence token (config.json eos_token_id, or </s>, <|endoftext|>, <|end_of_text|> in the vocabulary)",
             tokenizer_path.display()
         )
     })?;
-    let format = match &files.data_format {
-        headroom_api::DataFormat::Jsonl { field } => Format::Jsonl {
-            field: field.clone(),
-        },
-        headroom_api::DataFormat::Text => Format::PlainText,
-    };
+    let format = Format::from(&files.data_format);
     let data = Path::new(&files.data_file);
     let docs = read_documents(data, &format).map_err(|e| e.to_string())?;
     let packed = pack(
@@ -477,8 +472,8 @@ fn load_text(
 
 /// The id documents are separated by: config.json's `eos_token_id` (the
 /// first, where it is a list), else a conventional end token of the vocabulary.
-fn end_of_sequence(model_dir: &str, tokenizer: &tokenizers::Tokenizer) -> Option<u32> {
-    let config = std::fs::read_to_string(Path::new(model_dir).join("config.json")).ok()?;
+pub(crate) fn end_of_sequence(model_dir: &Path, tokenizer: &tokenizers::Tokenizer) -> Option<u32> {
+    let config = std::fs::read_to_string(model_dir.join("config.json")).ok()?;
     let v: serde_json::Value = serde_json::from_str(&config).ok()?;
     let from_config = match &v["eos_token_id"] {
         serde_json::Value::Number(n) => n.as_u64(),

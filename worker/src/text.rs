@@ -22,6 +22,17 @@ pub enum Format {
     PlainText,
 }
 
+impl From<&headroom_api::DataFormat> for Format {
+    fn from(format: &headroom_api::DataFormat) -> Self {
+        match format {
+            headroom_api::DataFormat::Jsonl { field } => Format::Jsonl {
+                field: field.clone(),
+            },
+            headroom_api::DataFormat::Text => Format::PlainText,
+        }
+    }
+}
+
 /// Data Headroom cannot train on, saying where and what would work.
 #[derive(Debug, thiserror::Error)]
 pub enum TextError {

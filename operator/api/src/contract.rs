@@ -179,6 +179,83 @@ pub enum DataFormat {
     Text,
 }
 
+/// `HEADROOM_INITIALIZE`: the initializer's assignment as JSON. Its presence
+/// makes the worker binary an initializer (fetch, inspect, report, exit).
+pub const INITIALIZE_JSON_ENV: &str = "HEADROOM_INITIALIZE";
+/// `HF_TOKEN`: the Hugging Face token, from the job's Secret (only the initializer gets it).
+pub const HF_TOKEN_ENV: &str = "HF_TOKEN";
+/// The Hugging Face hub, unless the job names a mirror.
+pub const DEFAULT_HF_ENDPOINT: &str = "https://huggingface.co";
+
+/// What the initializer pod does before a fine-tuning job is planned:
+/// bring the checkpoint into `model_dir` (from the hub, resumably, skipping
+/// files already there with the right size), check the checkpoint, the
+/// tokenizer and the data against each other, and report what it found.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct InitializerAssignment {
+    pub job: String,
+    pub namespace: String,
+    pub model: ModelSource,
+    /// Where the checkpoint is (a volume path), or is downloaded into.
+    pub model_dir: String,
+    pub data_file: String,
+    pub data_format: DataFormat,
+    /// Tokens per training sample (the data must give at least one sample).
+    pub sequence_length: u32,
+}
+
+/// Where a checkpoint comes from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum ModelSource {
+    /// A Hugging Face repository, downloaded into `model_dir`; the token, if
+    /// any, is in [`HF_TOKEN_ENV`].
+    HuggingFace {
+        repo: String,
+        revision: String,
+        /// The hub or a mirror (as `HF_ENDPOINT`), e.g. [`DEFAULT_HF_ENDPOINT`].
+        endpoint: String,
+    },
+    /// Already in `model_dir` (a path on a volume).
+    Volume,
+}
+
+/// What the initializer found, written as its termination message on
+/// success (kept well under Kubernetes' 4 KiB).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct InitializerReport {
+    pub model: ModelFacts,
+    pub data: DataFacts,
+    /// Bytes this run downloaded (0 when every file was already there).
+    pub downloaded_bytes: u64,
+}
+
+/// The checkpoint as its files describe it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelFacts {
+    /// The shape read from config.json, checked against the safetensors headers.
+    pub shape: headroom_planner::LlamaShape,
+    /// Parameters in the safetensors files (equal to the shape's count).
+    pub parameters: u64,
+    /// Bytes of the weight files.
+    pub bytes: u64,
+    /// Stored dtype of the weights (e.g. `BF16`).
+    pub dtype: String,
+}
+
+/// The training text as the checkpoint's tokenizer sees it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DataFacts {
+    pub documents: u64,
+    pub tokens: u64,
+    /// Packed samples of `sequence_length + 1` tokens.
+    pub samples: u64,
+}
+
 /// What happened inside the worker, written to the termination-message file on every exit.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]

@@ -59,10 +59,14 @@ use crate::quantity::{parse_bytes, parse_cores};
      "message": "worker.backend must be 'cuda' for a GPU job (resources.gpu) and 'flex' for a CPU job (resources.cpu)"},
     {"rule": "!has(self.resources.cpu) || self.training.precision == 'fp32'",
      "message": "training.precision: the CPU backend (flex) trains in fp32 only; set precision: fp32 or use resources.gpu"},
-    {"rule": "has(self.model.transformer) || !has(self.resources.cpu) || self.resources.cpu.maxWorkers == 1",
+    {"rule": "!has(self.model.generic) || !has(self.resources.cpu) || self.resources.cpu.maxWorkers == 1",
      "message": "resources.cpu.maxWorkers: a generic model cannot be split into pipeline stages; use 1"},
     {"rule": "!has(self.model.generic)",
-     "message": "model.generic is for planning only (kubectl headroom plan -f job.yaml); a job Headroom runs needs model.transformer (layers, hidden, heads, sequenceLength, vocabulary): the worker trains transformers"}
+     "message": "model.generic is for planning only (kubectl headroom plan -f job.yaml); a job Headroom runs needs model.pretrained (a Hugging Face checkpoint) or model.transformer (layers, hidden, heads, sequenceLength, vocabulary)"},
+    {"rule": "has(self.model.pretrained) == has(self.data)",
+     "message": "data: a model.pretrained job needs its training text (data.volume.claimName, data.volume.path), and only such a job takes one"},
+    {"rule": "!has(self.output) || has(self.model.pretrained)",
+     "message": "output: only a model.pretrained job writes a fine-tuned model"}
 ]))]
 pub struct MemoryAwareTrainingJobSpec {
     /// The model to train: `transformer` (shape) or `generic` (parameter count).
@@ -83,6 +87,13 @@ pub struct MemoryAwareTrainingJobSpec {
     /// How long the job may wait for capacity on a busy cluster.
     #[serde(default)]
     pub scheduling: SchedulingSpec,
+    /// The text to fine-tune on (with `model.pretrained`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<DataSpec>,
+    /// Where the fine-tuned model is written (with `model.pretrained`);
+    /// default: `output/` on the job's checkpoint claim, kept on success.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<OutputSpec>,
 }
 
 /// Waiting for capacity. A job that fits the cluster but not what is free now
@@ -99,18 +110,140 @@ pub struct SchedulingSpec {
     pub max_wait_seconds: Option<u64>,
 }
 
-/// Exactly one of `transformer` or `generic`.
+/// Exactly one of `pretrained`, `transformer` or `generic`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
-    {"rule": "has(self.transformer) != has(self.generic)",
-     "message": "set exactly one of model.transformer (layers, hidden, heads, sequenceLength, vocabulary) or model.generic (parameters, activationBytesPerSample)"}
+    {"rule": "(has(self.transformer) ? 1 : 0) + (has(self.generic) ? 1 : 0) + (has(self.pretrained) ? 1 : 0) == 1",
+     "message": "set exactly one of model.pretrained (a Hugging Face checkpoint to fine-tune), model.transformer (layers, hidden, heads, sequenceLength, vocabulary) or model.generic (parameters, activationBytesPerSample)"}
 ]))]
 pub struct ModelSpec {
+    /// A Llama-family checkpoint in Hugging Face format (Llama, Mistral,
+    /// Qwen2) to fine-tune; an initializer pod reads its shape first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pretrained: Option<PretrainedModel>,
+    /// A synthetic GPT-style model trained from random weights (benchmarks, tests).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transformer: Option<headroom_planner::TransformerShape>,
+    /// Any model by parameter count: for planning only (`kubectl headroom plan`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub generic: Option<headroom_planner::GenericModel>,
+}
+
+/// Where a checkpoint to fine-tune is, and how long its training samples are.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "has(self.huggingFace) != has(self.volume)",
+     "message": "model.pretrained: set exactly one of huggingFace (repo, revision) or volume (claimName, path)"}
+]))]
+pub struct PretrainedModel {
+    /// A Hugging Face repository, downloaded into the job's checkpoint volume
+    /// (once: retries and later attempts reuse it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hugging_face: Option<HuggingFaceSource>,
+    /// A directory on a PersistentVolumeClaim holding config.json,
+    /// `*.safetensors` (or shards and model.safetensors.index.json) and tokenizer.json.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volume: Option<VolumePath>,
+    /// Tokens per training sample.
+    #[schemars(range(min = 1, max = 131072))]
+    pub sequence_length: u32,
+}
+
+/// A Hugging Face model repository.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct HuggingFaceSource {
+    /// `owner/name`, e.g. `meta-llama/Llama-3.2-1B`.
+    #[schemars(
+        length(min = 3, max = 200),
+        regex(pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+    )]
+    pub repo: String,
+    /// A branch, tag or commit.
+    #[serde(default = "default_revision")]
+    #[schemars(length(min = 1, max = 200))]
+    pub revision: String,
+    /// The hub or a mirror, as `HF_ENDPOINT` (default `https://huggingface.co`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 500), regex(pattern = r"^https?://[^\s]+$"))]
+    pub endpoint: Option<String>,
+    /// A Secret key holding the token for gated or private repositories; only
+    /// the initializer pod sees it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_secret: Option<SecretKey>,
+}
+
+/// One key of a Secret in the job's namespace.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SecretKey {
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// Default `token`.
+    #[serde(default = "default_token_key")]
+    #[schemars(length(min = 1, max = 253))]
+    pub key: String,
+}
+
+/// A path on a PersistentVolumeClaim in the job's namespace.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "!self.path.startsWith('/') && !self.path.split('/').exists(p, p == '..')",
+     "message": "path is relative to the claim's root and must not contain '..' (e.g. models/llama-3.2-1b)"}
+]))]
+pub struct VolumePath {
+    #[schemars(length(min = 1, max = 253))]
+    pub claim_name: String,
+    /// Relative to the claim's root; empty for the root itself.
+    #[serde(default)]
+    #[schemars(length(max = 1000))]
+    pub path: String,
+}
+
+/// The training text.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DataSpec {
+    /// The data file on a claim.
+    pub volume: VolumePath,
+    /// `jsonl` (one JSON object a line, the text under `field`) or `text` (the file is one document).
+    #[serde(default)]
+    pub format: TextFormat,
+    /// The JSONL field holding the document.
+    #[serde(default = "default_text_field")]
+    #[schemars(length(min = 1, max = 200))]
+    pub field: String,
+}
+
+/// How a data file holds its documents.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum TextFormat {
+    #[default]
+    Jsonl,
+    Text,
+}
+
+/// Where the fine-tuned model goes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct OutputSpec {
+    /// A directory on a claim (created if missing), written in the
+    /// checkpoint's Hugging Face format on success.
+    pub volume: VolumePath,
+}
+
+fn default_revision() -> String {
+    "main".into()
+}
+fn default_token_key() -> String {
+    "token".into()
+}
+fn default_text_field() -> String {
+    "text".into()
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -551,6 +684,20 @@ pub struct MemoryAwareTrainingJobStatus {
     /// why the job waits or failed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
+    /// The checkpoint a `model.pretrained` job fine-tunes, as the initializer
+    /// read it (shape from config.json, checked against the weight files).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<crate::ModelFacts>,
+    /// The training text as the checkpoint's tokenizer sees it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<crate::DataFacts>,
+    /// Where the fine-tuned model is written (`<claim>:<path>`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<String>,
+    /// Initializer pods started (one unless a transient failure, e.g. a
+    /// dropped download, made the operator start another).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initializations: Option<u32>,
 }
 
 /// A spec that cannot be planned, with the field at fault.
@@ -583,6 +730,54 @@ impl MemoryAwareTrainingJobSpec {
     /// The planner's view of this spec. Repeats the API server's CEL checks so
     /// offline callers (the kubectl plugin) get the same field-named errors.
     pub fn job_request(&self) -> Result<JobRequest, SpecError> {
+        self.job_request_for(None)
+    }
+
+    /// [`Self::job_request`] for a `model.pretrained` job whose checkpoint
+    /// has been read (`pretrained`: the shape from its config.json).
+    pub fn job_request_for(
+        &self,
+        pretrained: Option<&headroom_planner::LlamaShape>,
+    ) -> Result<JobRequest, SpecError> {
+        if let Some(p) = &self.model.pretrained {
+            if self.model.transformer.is_some() || self.model.generic.is_some() {
+                return Err(spec_error(
+                    "model",
+                    "set exactly one of model.pretrained, model.transformer or model.generic",
+                ));
+            }
+            if p.hugging_face.is_some() == p.volume.is_some() {
+                return Err(spec_error(
+                    "model.pretrained",
+                    "set exactly one of huggingFace (repo, revision) or volume (claimName, path)",
+                ));
+            }
+            if self.data.is_none() {
+                return Err(spec_error(
+                    "data",
+                    "a model.pretrained job needs its training text (data.volume.claimName, data.volume.path)",
+                ));
+            }
+            let Some(shape) = pretrained else {
+                return Err(spec_error(
+                    "model.pretrained",
+                    "is planned from the checkpoint's config.json, which the initializer reads; offline, plan it with kubectl headroom plan --model-dir DIR",
+                ));
+            };
+            let mut shape = shape.clone();
+            shape.sequence_length = p.sequence_length;
+            return self.request_for_model(ModelShape::Llama(shape));
+        }
+        if self.data.is_some() || self.output.is_some() {
+            return Err(spec_error(
+                if self.data.is_some() {
+                    "data"
+                } else {
+                    "output"
+                },
+                "only a model.pretrained job takes training text and writes a fine-tuned model",
+            ));
+        }
         let model = match (&self.model.transformer, &self.model.generic) {
             (Some(t), None) => {
                 if t.heads == 0 || t.hidden % t.heads != 0 {
@@ -600,10 +795,14 @@ impl MemoryAwareTrainingJobSpec {
             _ => {
                 return Err(spec_error(
                     "model",
-                    "set exactly one of model.transformer or model.generic",
+                    "set exactly one of model.pretrained, model.transformer or model.generic",
                 ));
             }
         };
+        self.request_for_model(model)
+    }
+
+    fn request_for_model(&self, model: ModelShape) -> Result<JobRequest, SpecError> {
         let t = &self.training;
         if t.global_batch == 0 {
             return Err(spec_error("training.globalBatch", "must be at least 1"));
@@ -654,7 +853,7 @@ impl MemoryAwareTrainingJobSpec {
                         "must be at least 64Mi, e.g. 2Gi",
                     ));
                 }
-                if c.max_workers > 1 && self.model.transformer.is_none() {
+                if c.max_workers > 1 && self.model.generic.is_some() {
                     return Err(spec_error(
                         "resources.cpu.maxWorkers",
                         "a generic model cannot be split into pipeline stages; use 1",

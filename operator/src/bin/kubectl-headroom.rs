@@ -109,6 +109,19 @@ fn run(cli: Cli) -> Result<ExitCode> {
             job.metadata.namespace.as_deref().unwrap_or("default"),
             job.metadata.name.as_deref().unwrap_or("<unnamed>")
         );
+        // A model.pretrained job is planned from its checkpoint's config.json.
+        if let (Some(pretrained), Some(config)) = (&job.spec.model.pretrained, &model_config) {
+            let length = sequence_length.unwrap_or(pretrained.sequence_length);
+            let ModelShape::Llama(shape) = hf_model(config, Some(length))? else {
+                unreachable!("hf_model gives a Llama shape");
+            };
+            let request = job
+                .spec
+                .job_request_for(Some(&shape))
+                .with_context(|| format!("{}: {name}", file.display()))?;
+            requests.push((name, request));
+            continue;
+        }
         let mut request = job
             .spec
             .job_request()

@@ -248,6 +248,33 @@ pub(super) async fn ensure_children(
 /// existing claim of the same name must be this job's: one kept after an
 /// earlier job of the same name holds that job's checkpoints, and resuming
 /// from them would be wrong (and overwriting them would lose them).
+/// Makes sure initializer run `run`'s pod exists, and the checkpoint claim
+/// it downloads into.
+pub(super) async fn ensure_initializer(
+    ctx: &Context,
+    job: &MemoryAwareTrainingJob,
+    run: u32,
+    own: &[&Pod],
+) -> Result<(), Error> {
+    let name = super::payload::initializer_pod_name(job, run);
+    if own.iter().any(|p| p.name_any() == name) {
+        return Ok(());
+    }
+    let Some(pod) =
+        super::payload::initializer_pod(job, run).map_err(|source| Error::BuildChild {
+            kind: "Pod".into(),
+            name: name.clone(),
+            source,
+        })?
+    else {
+        return Ok(());
+    };
+    let ns = job.namespace().unwrap_or_default();
+    let cfg = &ctx.config.children;
+    create_claim(&ctx.client, &ns, job, &children::checkpoint_claim(job, cfg)).await?;
+    apply::<Pod>(&ctx.client, &ns, &pod).await
+}
+
 async fn create_claim(
     client: &Client,
     ns: &str,

@@ -67,7 +67,7 @@ pub fn pod_name(job: &MemoryAwareTrainingJob, attempt: u32, stage: u32) -> Strin
     dns_label(&job.name_any(), &format!("-a{attempt}-s{stage}"))
 }
 
-fn owner(job: &MemoryAwareTrainingJob) -> OwnerReference {
+pub(crate) fn owner(job: &MemoryAwareTrainingJob) -> OwnerReference {
     job.controller_owner_ref(&())
         .unwrap_or_else(|| OwnerReference {
             api_version: MemoryAwareTrainingJob::api_version(&()).into_owned(),
@@ -330,8 +330,9 @@ pub fn worker_pod(
         learning_rate: spec.training.learning_rate,
         checkpoint_every_steps: spec.training.checkpoint_every_steps,
         seed: spec.training.seed,
-        files: None,
+        files: super::payload::payload_files(job),
     };
+    let (claim_volumes, claim_mounts) = super::payload::claim_mounts(job);
     let mut env = vec![
         EnvVar {
             name: PLAN_JSON_ENV.into(),
@@ -523,35 +524,45 @@ pub fn worker_pod(
                     }),
                     ..SecurityContext::default()
                 }),
-                volume_mounts: Some(vec![
-                    VolumeMount {
-                        name: "checkpoints".into(),
-                        mount_path: DEFAULT_CHECKPOINT_DIR.into(),
-                        ..VolumeMount::default()
-                    },
-                    VolumeMount {
-                        name: "tmp".into(),
-                        mount_path: "/tmp".into(),
-                        ..VolumeMount::default()
-                    },
-                ]),
+                volume_mounts: Some(
+                    [
+                        VolumeMount {
+                            name: "checkpoints".into(),
+                            mount_path: DEFAULT_CHECKPOINT_DIR.into(),
+                            ..VolumeMount::default()
+                        },
+                        VolumeMount {
+                            name: "tmp".into(),
+                            mount_path: "/tmp".into(),
+                            ..VolumeMount::default()
+                        },
+                    ]
+                    .into_iter()
+                    .chain(claim_mounts)
+                    .collect(),
+                ),
                 ..Container::default()
             }],
-            volumes: Some(vec![
-                Volume {
-                    name: "checkpoints".into(),
-                    persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
-                        claim_name: checkpoint_claim_name(job),
-                        ..PersistentVolumeClaimVolumeSource::default()
-                    }),
-                    ..Volume::default()
-                },
-                Volume {
-                    name: "tmp".into(),
-                    empty_dir: Some(Default::default()),
-                    ..Volume::default()
-                },
-            ]),
+            volumes: Some(
+                [
+                    Volume {
+                        name: "checkpoints".into(),
+                        persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                            claim_name: checkpoint_claim_name(job),
+                            ..PersistentVolumeClaimVolumeSource::default()
+                        }),
+                        ..Volume::default()
+                    },
+                    Volume {
+                        name: "tmp".into(),
+                        empty_dir: Some(Default::default()),
+                        ..Volume::default()
+                    },
+                ]
+                .into_iter()
+                .chain(claim_volumes)
+                .collect(),
+            ),
             ..PodSpec::default()
         }),
         ..Pod::default()

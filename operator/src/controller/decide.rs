@@ -41,6 +41,8 @@ pub struct Decision {
     pub events: Vec<JobEvent>,
     /// Attempt whose children must exist (created when missing).
     pub launch: Option<u32>,
+    /// Initializer run whose pod must exist (created when missing).
+    pub initialize: Option<u32>,
     /// The validated model the workers build (None when the spec is invalid).
     pub model: Option<ModelShape>,
     /// Pods to delete (the live stages of an attempt that has failed as a whole).
@@ -90,6 +92,7 @@ pub fn decide(obs: &Observation<'_>) -> Decision {
             status,
             events: vec![],
             launch: None,
+            initialize: None,
             model: None,
             delete_pods: vec![],
             requeue_after: None,
@@ -108,7 +111,12 @@ impl Builder<'_> {
         ) {
             return; // A job's completion is final.
         }
-        let request = match runnable_request(self.obs.job) {
+        if self.obs.job.spec.model.pretrained.is_some() && self.d.status.model.is_none() {
+            if !self.initialize() {
+                return;
+            }
+        }
+        let request = match runnable_request(self.obs.job, &self.d.status) {
             Ok(r) => r,
             Err(e) => return self.fail(Reason::InvalidSpec, e.to_string()),
         };
@@ -571,6 +579,133 @@ impl Builder<'_> {
         self.enter(Transition::Succeeded { attempt, kept_in });
     }
 
+    /// A `model.pretrained` job before its first plan: start the initializer,
+    /// follow it, and take what it read into the status. True once the
+    /// checkpoint and the data are read (planning goes on in this decision).
+    fn initialize(&mut self) -> bool {
+        use super::payload::{LABEL_ROLE, ROLE_INITIALIZER, initializer_pod_name, output_location};
+        let job = self.obs.job;
+        let run = self.d.status.initializations.unwrap_or(0);
+        if run == 0 {
+            self.start_initializer(1);
+            return false;
+        }
+        let name = initializer_pod_name(job, run);
+        let Some(pod) = self.obs.pods.iter().find(|p| {
+            p.name_any() == name
+                && p.labels().get(LABEL_ROLE).map(String::as_str) == Some(ROLE_INITIALIZER)
+        }) else {
+            // Created moments ago (the cache lags), or deleted: make sure it exists.
+            self.d.initialize = Some(run);
+            self.d.requeue_after = Some(Duration::from_secs(2));
+            return false;
+        };
+        match classify(pod) {
+            PodVerdict::Running | PodVerdict::Pending { .. } => {
+                self.d.initialize = Some(run);
+                self.d.requeue_after = Some(Duration::from_secs(5));
+                false
+            }
+            PodVerdict::Succeeded => {
+                let said = terminated_message(pod).unwrap_or_default();
+                match serde_json::from_str::<headroom_api::InitializerReport>(&said) {
+                    Ok(report) => {
+                        let m = &report.model;
+                        let d = &report.data;
+                        let message = format!(
+                            "{}: {} parameters ({}, {}), {} layers; data: {} documents, {} tokens, {} samples of {} tokens{}",
+                            m.shape.architecture.hf_name(),
+                            m.parameters,
+                            m.dtype,
+                            format_bytes(m.bytes),
+                            m.shape.layers,
+                            d.documents,
+                            d.tokens,
+                            d.samples,
+                            m.shape.sequence_length,
+                            if report.downloaded_bytes > 0 {
+                                format!("; downloaded {}", format_bytes(report.downloaded_bytes))
+                            } else {
+                                String::new()
+                            }
+                        );
+                        self.d.status.model = Some(report.model);
+                        self.d.status.data = Some(report.data);
+                        self.d.status.output = output_location(job);
+                        self.enter(Transition::Initialized { message });
+                        true
+                    }
+                    Err(e) => {
+                        self.fail(
+                            Reason::InvalidSource,
+                            format!("initializer pod {name} ended without a readable report ({e}): {said}"),
+                        );
+                        false
+                    }
+                }
+            }
+            PodVerdict::Failed(f) => {
+                let transient = !matches!(f.worker, Some(WorkerOutcome::InvalidPlan));
+                let policy = &job.spec.memory_policy;
+                if transient && run < policy.max_attempts {
+                    let waited = f.finished_at.map_or(Duration::MAX, |t| {
+                        self.obs.now.duration_since(t).unsigned_abs()
+                    });
+                    let backoff = Duration::from_secs(u64::from(policy.backoff_seconds));
+                    if waited < backoff {
+                        self.d.requeue_after = Some(backoff - waited + Duration::from_secs(1));
+                        return false;
+                    }
+                    self.start_initializer(run + 1);
+                    return false;
+                }
+                let what = if transient {
+                    format!(
+                        " (initializer run {run} of at most {})",
+                        policy.max_attempts
+                    )
+                } else {
+                    String::new()
+                };
+                self.fail(
+                    Reason::InvalidSource,
+                    format!("initializer: {}{what}", f.message),
+                );
+                false
+            }
+        }
+    }
+
+    fn start_initializer(&mut self, run: u32) {
+        let job = self.obs.job;
+        let source = match job.spec.model.pretrained.as_ref() {
+            Some(p) => match (&p.hugging_face, &p.volume) {
+                (Some(hf), _) => format!(
+                    "fetching Hugging Face repository {}@{}{} and checking it",
+                    hf.repo,
+                    hf.revision,
+                    hf.endpoint
+                        .as_ref()
+                        .map(|e| format!(" from {e}"))
+                        .unwrap_or_default()
+                ),
+                (None, Some(v)) => format!(
+                    "checking the checkpoint on claim {}:{}",
+                    v.claim_name, v.path
+                ),
+                (None, None) => "checking the checkpoint".into(),
+            },
+            None => return,
+        };
+        self.d.status.initializations = Some(run);
+        self.enter(Transition::Initializing {
+            run,
+            message: format!("{source}, its tokenizer and the training text"),
+        });
+        self.d.initialize = Some(run);
+        self.d.requeue_after = Some(Duration::from_secs(2));
+    }
+
     fn fail(&mut self, reason: Reason, message: String) {
         self.enter(Transition::Failed { reason, message });
         self.d.launch = None;
@@ -607,6 +742,7 @@ pub fn launch_refused(
         status: decided.status.clone(),
         events: vec![],
         launch: None,
+        initialize: None,
         model: decided.model.clone(),
         delete_pods: vec![],
         requeue_after: None,
@@ -664,9 +800,23 @@ fn is_memory(outcome: AttemptOutcome) -> bool {
     )
 }
 
+/// What a container wrote to its termination-message path, once it ended.
+fn terminated_message(pod: &Pod) -> Option<String> {
+    pod.status
+        .as_ref()?
+        .container_statuses
+        .as_ref()?
+        .iter()
+        .find_map(|c| c.state.as_ref()?.terminated.as_ref()?.message.clone())
+}
+
 /// The job's planning request, limited to what the worker can run.
-fn runnable_request(job: &MemoryAwareTrainingJob) -> Result<JobRequest, headroom_api::SpecError> {
-    let mut request = job.spec.job_request()?;
+fn runnable_request(
+    job: &MemoryAwareTrainingJob,
+    status: &MemoryAwareTrainingJobStatus,
+) -> Result<JobRequest, headroom_api::SpecError> {
+    let read = status.model.as_ref().map(|m| &m.shape);
+    let mut request = job.spec.job_request_for(read)?;
     // The API server refuses these (CEL); one created before that rule existed
     // ends here rather than in a worker that cannot build it.
     if let ModelShape::Generic(_) = request.model {
@@ -757,6 +907,166 @@ mod tests {
 
     fn t0() -> Timestamp {
         "2026-11-21T10:00:00Z".parse().expect("time")
+    }
+
+    fn finetune_job() -> MemoryAwareTrainingJob {
+        let mut j = job(include_str!(
+            "../../../samples/cpu-finetune-tiny-llama.yaml"
+        ));
+        j.metadata.generation = Some(1);
+        j
+    }
+
+    /// The initializer pod of run `run` with `status` (a terminated container's YAML).
+    fn init_pod(run: u32, status: &str) -> Pod {
+        serde_yaml::from_str(&format!(
+            "metadata: {{name: finetune-tiny-llama-init-{run}, labels: {{headroom.dev/job: finetune-tiny-llama, headroom.dev/role: initializer}}}}\nstatus:\n{status}"
+        ))
+        .expect("pod fixture")
+    }
+
+    fn tiny_llama_report() -> String {
+        let config = include_str!("../../../worker/tests/fixtures/llama/tiny-llama/config.json");
+        let shape = headroom_planner::LlamaShape::from_hf_config(config, 64).expect("config");
+        let report = headroom_api::InitializerReport {
+            model: headroom_api::ModelFacts {
+                parameters: shape.total_params(),
+                shape,
+                bytes: 862_296,
+                dtype: "F32".into(),
+            },
+            data: headroom_api::DataFacts {
+                documents: 4,
+                tokens: 1_000,
+                samples: 15,
+            },
+            downloaded_bytes: 0,
+        };
+        serde_json::to_string(&report).expect("JSON")
+    }
+
+    fn terminated(code: i32, message: &str) -> String {
+        let phase = if code == 0 { "Succeeded" } else { "Failed" };
+        format!(
+            "  phase: {phase}\n  containerStatuses: [{{name: initializer, image: i, imageID: '', ready: false, restartCount: 0, state: {{terminated: {{exitCode: {code}, finishedAt: '2026-11-21T10:00:05Z', message: {} }}}}}}]",
+            serde_json::to_string(message).expect("quoted")
+        )
+    }
+
+    #[test]
+    fn a_pretrained_job_is_initialized_then_planned_from_what_the_initializer_read() {
+        let mut j = finetune_job();
+        let d = step(&mut j, &[], t0());
+        assert_eq!(d.initialize, Some(1), "the initializer starts first");
+        assert_eq!(
+            d.launch, None,
+            "nothing is planned before the checkpoint is read"
+        );
+        assert!(has_condition(
+            &d.status,
+            ConditionType::Initialized,
+            false,
+            Reason::Initializing
+        ));
+        assert_eq!(d.status.phase, Some(JobPhase::Pending));
+        assert!(d.events.iter().any(
+            |e| e.reason == Reason::Initializing && e.note.contains("claim models:tiny-llama")
+        ));
+
+        let running = step(&mut j, &[init_pod(1, RUNNING)], t0());
+        assert_eq!((running.initialize, running.launch), (Some(1), None));
+
+        let done = step(
+            &mut j,
+            &[init_pod(1, &terminated(0, &tiny_llama_report()))],
+            t0(),
+        );
+        assert!(has_condition(
+            &done.status,
+            ConditionType::Initialized,
+            true,
+            Reason::Initialized
+        ));
+        let model = done.status.model.as_ref().expect("status.model");
+        assert_eq!(model.parameters, 214_592);
+        assert_eq!(model.shape.sequence_length, 64);
+        assert_eq!(done.status.data.as_ref().map(|d| d.samples), Some(15));
+        assert_eq!(
+            done.status.output.as_deref(),
+            Some("finetune-tiny-llama-checkpoints:output")
+        );
+        assert_eq!(done.launch, Some(1), "planned in the same decision");
+        let Some(ModelShape::Llama(planned)) = &done.model else {
+            panic!("the workers build the checkpoint's model: {:?}", done.model);
+        };
+        assert_eq!(planned.total_params(), 214_592);
+        assert!(done.events.iter().any(|e| e.reason == Reason::Initialized
+            && e.note.contains("LlamaForCausalLM: 214592 parameters")));
+    }
+
+    #[test]
+    fn a_bad_source_fails_the_job_and_a_dropped_download_runs_the_initializer_again() {
+        let mut j = finetune_job();
+        step(&mut j, &[], t0());
+        let refused = serde_json::to_string(&headroom_api::TerminationMessage {
+            outcome: WorkerOutcome::InvalidPlan,
+            reason: "model.layers.0.self_attn.k_proj.weight: [32, 64] in the file, [64, 64] by config.json".into(),
+            step: None,
+            peak_bytes: None,
+            requested_bytes: None,
+        })
+        .expect("JSON");
+        let mut bad = j.clone();
+        let d = step(
+            &mut bad,
+            &[init_pod(
+                1,
+                &terminated(WorkerOutcome::InvalidPlan.exit_code(), &refused),
+            )],
+            t0(),
+        );
+        assert_eq!(d.status.phase, Some(JobPhase::Failed));
+        assert!(has_condition(
+            &d.status,
+            ConditionType::Failed,
+            true,
+            Reason::InvalidSource
+        ));
+        assert!(
+            d.status
+                .message
+                .as_deref()
+                .is_some_and(|m| m.contains("k_proj")),
+            "{:?}",
+            d.status.message
+        );
+        assert_eq!((d.initialize, d.launch), (None, None));
+
+        let dropped = serde_json::to_string(&headroom_api::TerminationMessage {
+            outcome: WorkerOutcome::Failed,
+            reason: "GET http://hub/…/model.safetensors: connection reset".into(),
+            step: None,
+            peak_bytes: None,
+            requested_bytes: None,
+        })
+        .expect("JSON");
+        let failed = init_pod(1, &terminated(WorkerOutcome::Failed.exit_code(), &dropped));
+        // Within the backoff (10 s after 10:00:05) nothing starts yet.
+        let early = step(
+            &mut j,
+            std::slice::from_ref(&failed),
+            t0() + SignedDuration::from_secs(8),
+        );
+        assert_eq!(early.initialize, None);
+        assert!(early.requeue_after.is_some());
+        let again = step(&mut j, &[failed], t0() + SignedDuration::from_secs(20));
+        assert_eq!(
+            again.initialize,
+            Some(2),
+            "a second initializer resumes the download"
+        );
+        assert_eq!(again.status.initializations, Some(2));
+        assert_ne!(again.status.phase, Some(JobPhase::Failed));
     }
 
     #[test]

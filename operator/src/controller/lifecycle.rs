@@ -5,6 +5,8 @@
 //! and forget the others. Pure.
 //!
 //! ```text
+//!   Initializing / Initialized (a model.pretrained job: the initializer
+//!   fetches and checks the checkpoint; the job stays Pending)
 //!            Start(first)            WorkersRunning
 //!   (none) ───────────────▶ Pending ────────────────▶ Running ──▶ Succeeded
 //!      │                      ▲  │ Waiting               │
@@ -36,6 +38,8 @@ pub enum ConditionType {
     Failed,
     /// The job waits for capacity: it fits the cluster, not what is free now.
     Waiting,
+    /// A `model.pretrained` job's checkpoint and data were fetched and checked.
+    Initialized,
 }
 
 impl ConditionType {
@@ -46,6 +50,7 @@ impl ConditionType {
             ConditionType::Complete => "Complete",
             ConditionType::Failed => "Failed",
             ConditionType::Waiting => "Waiting",
+            ConditionType::Initialized => "Initialized",
         }
     }
 }
@@ -88,10 +93,17 @@ pub enum Reason {
     CapacityAvailable,
     /// It waited longer than `spec.scheduling.maxWaitSeconds`.
     WaitedTooLong,
+    /// The initializer pod fetches and checks the checkpoint and the data.
+    Initializing,
+    /// The initializer read the checkpoint and the data (condition and event).
+    Initialized,
+    /// The checkpoint or the data cannot be used (not found, refused, a shape
+    /// mismatch, no text): retrying is pointless until the spec or the files change.
+    InvalidSource,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 17] = [
+    pub const ALL: [Reason; 20] = [
         Reason::Planned,
         Reason::Replanned,
         Reason::Retrying,
@@ -109,6 +121,9 @@ impl Reason {
         Reason::WaitingForCapacity,
         Reason::CapacityAvailable,
         Reason::WaitedTooLong,
+        Reason::Initializing,
+        Reason::Initialized,
+        Reason::InvalidSource,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -130,12 +145,18 @@ impl Reason {
             Reason::WaitingForCapacity => "WaitingForCapacity",
             Reason::CapacityAvailable => "CapacityAvailable",
             Reason::WaitedTooLong => "WaitedTooLong",
+            Reason::Initializing => "Initializing",
+            Reason::Initialized => "Initialized",
+            Reason::InvalidSource => "InvalidSource",
         }
     }
 
     /// Failures that mean no plan could be made: they also set `Planned=False`.
     fn is_planning_failure(self) -> bool {
-        matches!(self, Reason::InvalidSpec | Reason::NoFeasiblePlan)
+        matches!(
+            self,
+            Reason::InvalidSpec | Reason::NoFeasiblePlan | Reason::InvalidSource
+        )
     }
 }
 
@@ -205,6 +226,10 @@ pub enum Transition {
         attempt: u32,
         kept_in: Option<String>,
     },
+    /// Initializer run `run` starts; `message` says what it reads.
+    Initializing { run: u32, message: String },
+    /// The initializer read the checkpoint and the data; `message` says what it found.
+    Initialized { message: String },
     /// The job ends without success.
     Failed { reason: Reason, message: String },
 }
@@ -397,6 +422,37 @@ pub fn enter(
                 Reason::Succeeded,
                 format!("attempt {attempt} finished"),
             ))
+        }
+        Transition::Initializing { run, message } => {
+            condition(
+                status,
+                ConditionType::Initialized,
+                false,
+                Reason::Initializing,
+                &message,
+                at,
+            );
+            status.phase.get_or_insert(JobPhase::Pending);
+            status.message = Some(format!("initializing: {message}"));
+            let note = if run > 1 {
+                format!("initializer run {run}: {message}")
+            } else {
+                message
+            };
+            Some(JobEvent::new(false, Reason::Initializing, note))
+        }
+        Transition::Initialized { message } => {
+            condition(
+                status,
+                ConditionType::Initialized,
+                true,
+                Reason::Initialized,
+                &message,
+                at,
+            );
+            status.phase.get_or_insert(JobPhase::Pending);
+            status.message = Some(message.clone());
+            Some(JobEvent::new(false, Reason::Initialized, message))
         }
         Transition::Failed { reason, message } => {
             if reason.is_planning_failure() {
@@ -636,6 +692,36 @@ mod tests {
                     (C::Planned, "False", Reason::InvalidSpec),
                     (C::Running, "False", Reason::InvalidSpec),
                     (C::Failed, "True", Reason::InvalidSpec),
+                ],
+            ),
+            (
+                Transition::Initializing {
+                    run: 1,
+                    message: "Hugging Face repository org/m@main".into(),
+                },
+                |from| from.unwrap_or(P::Pending),
+                Some((false, Reason::Initializing)),
+                vec![(C::Initialized, "False", Reason::Initializing)],
+            ),
+            (
+                Transition::Initialized {
+                    message: "LlamaForCausalLM, 1.2 billion parameters".into(),
+                },
+                |from| from.unwrap_or(P::Pending),
+                Some((false, Reason::Initialized)),
+                vec![(C::Initialized, "True", Reason::Initialized)],
+            ),
+            (
+                Transition::Failed {
+                    reason: Reason::InvalidSource,
+                    message: "repository org/m not found".into(),
+                },
+                |_| P::Failed,
+                Some((true, Reason::InvalidSource)),
+                vec![
+                    (C::Planned, "False", Reason::InvalidSource),
+                    (C::Running, "False", Reason::InvalidSource),
+                    (C::Failed, "True", Reason::InvalidSource),
                 ],
             ),
             (

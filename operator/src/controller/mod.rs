@@ -15,6 +15,7 @@ pub mod classify;
 pub mod config;
 pub mod decide;
 pub mod lifecycle;
+pub mod payload;
 pub mod reconcile;
 pub mod watch;
 

@@ -13,7 +13,8 @@ use kube::core::DeserializeGuard;
 use kube::runtime::controller::Action;
 
 use super::apply::{
-    apply_status, delete_worker, ensure_children, keep_claim, prune_telemetry, publish_events,
+    apply_status, delete_worker, ensure_children, ensure_initializer, keep_claim, prune_telemetry,
+    publish_events,
 };
 use super::decide::{Observation, decide, launch_refused};
 use super::{Context, Error};
@@ -134,6 +135,9 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
     publish_events(ctx, job, decision.events.clone());
     for pod in &decision.delete_pods {
         delete_worker(&ctx.client, &ns, pod).await?;
+    }
+    if let Some(run) = decision.initialize {
+        ensure_initializer(ctx, job, run, &own).await?;
     }
     if let (Some(attempt), Some(model)) = (decision.launch, &decision.model)
         && let Err(error) = ensure_children(ctx, job, &decision.status, attempt, model, &own).await

@@ -133,6 +133,25 @@ impl HfCheckpoint {
         names
     }
 
+    /// Every weight file of the checkpoint, each once, in a fixed order.
+    pub fn weight_files(&self) -> Vec<PathBuf> {
+        match &self.weight_map {
+            None => vec![self.dir.join(SINGLE_FILE)],
+            Some(map) => map
+                .values()
+                .cloned()
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .collect(),
+        }
+    }
+
+    /// The file the index places a tensor in (`None` for a single-file
+    /// checkpoint, or a name the index does not list).
+    pub fn indexed_file(&self, tensor: &str) -> Option<&Path> {
+        self.weight_map.as_ref()?.get(tensor).map(PathBuf::as_path)
+    }
+
     /// The files holding a stage's tensors, each once, in a fixed order.
     fn stage_files(&self, layout: &StageLayout) -> Result<Vec<PathBuf>, HfError> {
         let Some(map) = &self.weight_map else {

@@ -1,0 +1,761 @@
+//! Downloads a checkpoint from the Hugging Face hub (or a mirror speaking its
+//! protocol) the way `huggingface_hub` does: the revision's file list from
+//! `GET {endpoint}/api/models/{repo}/revision/{revision}`, then each file from
+//! `GET {endpoint}/{repo}/resolve/{commit}/{file}`, which may redirect to a
+//! CDN. Files are resolved by the commit the listing names, so a branch that
+//! moves during a long download cannot mix two commits' files.
+//!
+//! Only what training reads is fetched ([`METADATA_FILES`] and the safetensors
+//! weights); a repository with only PyTorch `.bin` weights is refused before
+//! anything is downloaded.
+//!
+//! Downloads survive interruption: bytes go to `<file>.part`, a later try asks
+//! for the rest with `Range: bytes=N-`, and the file is renamed into place
+//! only when complete. A file already in place with the hub's size is never
+//! fetched again, so a retried initializer downloads only what is missing.
+//! Network trouble is retried here a few times ([`Retry`]) before the process
+//! gives up with `Failed` (and the pod's own retry resumes from the `.part`).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use ureq::http::HeaderMap;
+
+use super::InitError;
+
+/// The small files of a checkpoint that training (or a later
+/// `from_pretrained` of the output) reads, fetched when the repository has them.
+pub const METADATA_FILES: [&str; 5] = [
+    CONFIG_FILE,
+    TOKENIZER_FILE,
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+];
+pub const CONFIG_FILE: &str = "config.json";
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+pub const SINGLE_FILE: &str = "model.safetensors";
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// The field of the job that holds the token, for messages.
+const TOKEN_FIELD: &str = "model.pretrained.huggingFace.tokenSecret";
+/// How often a download in progress is logged.
+const PROGRESS_EVERY: Duration = Duration::from_secs(5);
+/// Read buffer of a download.
+const CHUNK: usize = 1 << 20;
+/// The largest file listing read (a repository with many files is a few MiB).
+const LISTING_LIMIT: u64 = 64 << 20;
+
+/// How network failures are retried within one run.
+#[derive(Clone, Copy, Debug)]
+pub struct Retry {
+    /// Tries per request, the first included.
+    pub attempts: u32,
+    /// Wait before the second try; doubled before each later one.
+    pub first_wait: Duration,
+}
+
+impl Default for Retry {
+    /// Four tries over about seven seconds: enough for a dropped connection
+    /// or a brief hub hiccup. Longer outages are the pod restart's to ride out.
+    fn default() -> Self {
+        Retry {
+            attempts: 4,
+            first_wait: Duration::from_secs(1),
+        }
+    }
+}
+
+/// One repository at one revision on one hub.
+pub struct Hub {
+    agent: ureq::Agent,
+    endpoint: String,
+    repo: String,
+    revision: String,
+    token: Option<String>,
+    retry: Retry,
+}
+
+impl std::fmt::Debug for Hub {
+    // Never the token.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hub")
+            .field("endpoint", &self.endpoint)
+            .field("repo", &self.repo)
+            .field("revision", &self.revision)
+            .field("token", &self.token.as_ref().map(|_| "(set)"))
+            .finish()
+    }
+}
+
+/// A revision's files as the hub lists them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Listing {
+    /// The commit the revision points at (the listing's `sha`).
+    pub commit: Option<String>,
+    /// File name → its size, where the listing gives it.
+    pub files: BTreeMap<String, Option<u64>>,
+}
+
+/// What [`Hub::fetch`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Fetched {
+    /// Body bytes received by this run.
+    pub downloaded_bytes: u64,
+    /// The commit the files came from, when the hub said.
+    pub commit: Option<String>,
+    /// The files now in the directory, in the order they were fetched.
+    pub files: Vec<String>,
+}
+
+/// Which request a failed status answered, for its message.
+enum Target<'a> {
+    Listing,
+    File(&'a str),
+}
+
+impl Hub {
+    /// Checks the repository id and the endpoint (both come from the job's
+    /// spec, so a bad one is the user's to fix).
+    pub fn new(
+        endpoint: &str,
+        repo: &str,
+        revision: &str,
+        token: Option<String>,
+        retry: Retry,
+    ) -> Result<Self, InitError> {
+        let endpoint = endpoint.trim().trim_end_matches('/').to_string();
+        let host = endpoint
+            .strip_prefix("https://")
+            .or_else(|| endpoint.strip_prefix("http://"));
+        if host.is_none_or(str::is_empty) {
+            return Err(InitError::Invalid(format!(
+                "model.pretrained.huggingFace.endpoint must be an http:// or https:// URL, not {endpoint:?}"
+            )));
+        }
+        if !valid_repo_id(repo) {
+            return Err(InitError::Invalid(format!(
+                "model.pretrained.huggingFace.repo must be a repository id such as owner/name, not {repo:?}"
+            )));
+        }
+        if revision.trim().is_empty() {
+            return Err(InitError::Invalid(
+                "model.pretrained.huggingFace.revision must not be empty".into(),
+            ));
+        }
+        let agent = ureq::Agent::config_builder()
+            // Statuses are answers to interpret (401, 404, 206), not transport errors.
+            .http_status_as_error(false)
+            // A relative redirect on the same host keeps the token (mirrors
+            // do this); a CDN on another host gets a signed URL and no token.
+            .redirect_auth_headers(ureq::config::RedirectAuthHeaders::SameHost)
+            .user_agent(concat!("headroom-worker/", env!("CARGO_PKG_VERSION")))
+            .timeout_connect(Some(Duration::from_secs(30)))
+            .timeout_recv_response(Some(Duration::from_secs(60)))
+            // A stalled transfer fails (and resumes) instead of hanging the pod;
+            // a long one that keeps moving is never cut off.
+            .timeout_per_read(Some(Duration::from_secs(60)))
+            .build()
+            .into();
+        Ok(Hub {
+            agent,
+            endpoint,
+            repo: repo.to_string(),
+            revision: revision.to_string(),
+            token: token.filter(|t| !t.trim().is_empty()),
+            retry,
+        })
+    }
+
+    /// Brings the checkpoint into `dir`: the metadata files, then (after
+    /// `check_config` has accepted the downloaded config.json, so a model
+    /// Headroom cannot train costs no weight download) the weights.
+    pub fn fetch(
+        &self,
+        dir: &Path,
+        check_config: &dyn Fn(&Path) -> Result<(), InitError>,
+    ) -> Result<Fetched, InitError> {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| InitError::Io(format!("cannot create {}: {e}", dir.display())))?;
+        let listing = self.retrying(|| self.list())?;
+        tracing::info!(
+            repo = %self.repo,
+            revision = %self.revision,
+            commit = listing.commit.as_deref().unwrap_or("(not given)"),
+            files = listing.files.len(),
+            "listed the repository"
+        );
+        let commit = listing
+            .commit
+            .clone()
+            .unwrap_or_else(|| self.revision.clone());
+        for required in [CONFIG_FILE, TOKENIZER_FILE] {
+            if !listing.files.contains_key(required) {
+                return Err(InitError::Invalid(format!(
+                    "{} has no {required}{}",
+                    self.describe(),
+                    if required == TOKENIZER_FILE {
+                        " (Headroom reads the fast tokenizer's tokenizer.json)"
+                    } else {
+                        ""
+                    }
+                )));
+            }
+        }
+        let weights_single = listing.files.contains_key(SINGLE_FILE);
+        let weights_index = listing.files.contains_key(INDEX_FILE);
+        if !weights_single && !weights_index {
+            let pytorch = listing
+                .files
+                .keys()
+                .any(|f| !f.contains('/') && (f.ends_with(".bin") || f.ends_with(".pth")));
+            return Err(InitError::Invalid(if pytorch {
+                format!(
+                    "{} has only PyTorch .bin/.pth weights; Headroom reads safetensors: pick a revision with {SINGLE_FILE} or {INDEX_FILE} (the hub's conversion bot opens one as a pull request, revision refs/pr/<n>) or upload converted weights",
+                    self.describe()
+                )
+            } else {
+                format!(
+                    "{} has neither {SINGLE_FILE} nor {INDEX_FILE}",
+                    self.describe()
+                )
+            }));
+        }
+        let mut fetched = Fetched {
+            commit: listing.commit.clone(),
+            ..Fetched::default()
+        };
+        let get = |name: &str, fetched: &mut Fetched| -> Result<(), InitError> {
+            let size = listing.files.get(name).copied().flatten();
+            fetched.downloaded_bytes += self.ensure(&commit, name, size, dir)?;
+            fetched.files.push(name.to_string());
+            Ok(())
+        };
+        for name in METADATA_FILES {
+            if listing.files.contains_key(name) {
+                get(name, &mut fetched)?;
+            }
+        }
+        check_config(&dir.join(CONFIG_FILE))?;
+        if weights_single {
+            get(SINGLE_FILE, &mut fetched)?;
+        } else {
+            get(INDEX_FILE, &mut fetched)?;
+            for shard in shards(&dir.join(INDEX_FILE))? {
+                if !listing.files.contains_key(&shard) {
+                    return Err(InitError::Invalid(format!(
+                        "{INDEX_FILE} of {} names {shard}, which the repository does not have",
+                        self.describe()
+                    )));
+                }
+                get(&shard, &mut fetched)?;
+            }
+        }
+        Ok(fetched)
+    }
+
+    /// `repository X (revision R) at ENDPOINT`.
+    fn describe(&self) -> String {
+        format!(
+            "repository {} (revision {}) at {}",
+            self.repo, self.revision, self.endpoint
+        )
+    }
+
+    fn listing_url(&self) -> String {
+        format!(
+            "{}/api/models/{}/revision/{}?blobs=true",
+            self.endpoint,
+            self.repo,
+            encode(&self.revision, false)
+        )
+    }
+
+    fn file_url(&self, commit: &str, name: &str) -> String {
+        format!(
+            "{}/{}/resolve/{}/{}",
+            self.endpoint,
+            self.repo,
+            encode(commit, false),
+            encode(name, true)
+        )
+    }
+
+    fn authorized<B>(&self, request: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
+        match &self.token {
+            Some(token) => request.header("Authorization", format!("Bearer {}", token.trim())),
+            None => request,
+        }
+    }
+
+    /// Runs `attempt` until it succeeds, fails for a reason retrying cannot
+    /// fix, or has used up its tries (network failures only).
+    fn retrying<T>(
+        &self,
+        mut attempt: impl FnMut() -> Result<T, InitError>,
+    ) -> Result<T, InitError> {
+        let mut tries = 1;
+        let mut wait = self.retry.first_wait;
+        loop {
+            match attempt() {
+                Err(InitError::Network(reason)) if tries < self.retry.attempts => {
+                    tracing::warn!(try_ = tries, wait = ?wait, "{reason}; retrying");
+                    std::thread::sleep(wait);
+                    wait = wait.saturating_mul(2);
+                    tries += 1;
+                }
+                Err(InitError::Network(reason)) if tries > 1 => {
+                    return Err(InitError::Network(format!(
+                        "{reason} (gave up after {tries} tries)"
+                    )));
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// The revision's files and the commit it points at.
+    pub fn list(&self) -> Result<Listing, InitError> {
+        let url = self.listing_url();
+        let response = self
+            .authorized(self.agent.get(&url))
+            .header("Accept", "application/json")
+            .call()
+            .map_err(|e| transport(&url, &e))?;
+        if response.status().as_u16() != 200 {
+            return Err(self.status_error(response, &url, Target::Listing));
+        }
+        let text = response
+            .into_body()
+            .into_with_config()
+            .limit(LISTING_LIMIT)
+            .read_to_string()
+            .map_err(|e| InitError::Network(format!("reading {url}: {e}")))?;
+        parse_listing(&text).map_err(|problem| {
+            InitError::Invalid(format!(
+                "{url} did not answer a Hugging Face model listing: {problem}"
+            ))
+        })
+    }
+
+    /// Makes `dir/name` the repository's file, downloading what is missing;
+    /// returns the bytes downloaded.
+    fn ensure(
+        &self,
+        commit: &str,
+        name: &str,
+        listed_size: Option<u64>,
+        dir: &Path,
+    ) -> Result<u64, InitError> {
+        let url = self.file_url(commit, name);
+        let target = dir.join(name);
+        let mut expected = listed_size;
+        if let Ok(meta) = std::fs::metadata(&target)
+            && meta.is_file()
+        {
+            if expected.is_none() {
+                expected = self.retrying(|| self.remote_size(&url, name))?;
+            }
+            match expected {
+                Some(size) if size == meta.len() => {
+                    tracing::info!(file = name, bytes = size, "already downloaded");
+                    return Ok(0);
+                }
+                None => {
+                    // Files are renamed into place only when complete, so
+                    // one that is here is whole.
+                    tracing::info!(
+                        file = name,
+                        bytes = meta.len(),
+                        "already downloaded (the hub gave no size to compare)"
+                    );
+                    return Ok(0);
+                }
+                Some(size) => tracing::warn!(
+                    file = name,
+                    have = meta.len(),
+                    hub = size,
+                    "the file here differs in size from the hub's; downloading it again"
+                ),
+            }
+        }
+        let mut downloaded = 0;
+        self.retrying(|| self.download(&url, name, expected, dir, &mut downloaded))?;
+        Ok(downloaded)
+    }
+
+    /// The size the hub gives for a file (`X-Linked-Size` or the final
+    /// response's `Content-Length`), from a HEAD request.
+    fn remote_size(&self, url: &str, name: &str) -> Result<Option<u64>, InitError> {
+        let response = self
+            .authorized(self.agent.head(url))
+            .call()
+            .map_err(|e| transport(url, &e))?;
+        if response.status().as_u16() != 200 {
+            return Err(self.status_error(response, url, Target::File(name)));
+        }
+        let headers = response.headers();
+        Ok(header_u64(headers, "x-linked-size").or_else(|| header_u64(headers, "content-length")))
+    }
+
+    /// One try at downloading `name` into `dir/name.part` from where an
+    /// earlier try stopped, renaming it into place once complete.
+    fn download(
+        &self,
+        url: &str,
+        name: &str,
+        expected: Option<u64>,
+        dir: &Path,
+        downloaded: &mut u64,
+    ) -> Result<(), InitError> {
+        let target = dir.join(name);
+        let part = dir.join(format!("{name}.part"));
+        let io = |what: &str, path: &Path, e: std::io::Error| {
+            InitError::Io(format!("{what} {}: {e}", path.display()))
+        };
+        let mut offset = std::fs::metadata(&part).map_or(0, |m| m.len());
+        if let Some(total) = expected {
+            if offset > total {
+                std::fs::remove_file(&part).map_err(|e| io("removing", &part, e))?;
+                offset = 0;
+            } else if offset == total && total > 0 {
+                // A complete download that was not renamed yet.
+                return std::fs::rename(&part, &target)
+                    .map_err(|e| io("renaming into place", &target, e));
+            }
+        }
+        let mut request = self.authorized(self.agent.get(url));
+        if offset > 0 {
+            request = request.header("Range", format!("bytes={offset}-"));
+        }
+        let response = request.call().map_err(|e| transport(url, &e))?;
+        let status = response.status().as_u16();
+        let (resume, total) = match status {
+            206 => match content_range(response.headers()) {
+                Some((start, total)) if start == offset => (true, total.or(expected)),
+                _ => {
+                    std::fs::remove_file(&part).map_err(|e| io("removing", &part, e))?;
+                    return Err(InitError::Network(format!(
+                        "{url} answered a range that does not start at byte {offset}; starting {name} over"
+                    )));
+                }
+            },
+            200 => {
+                if offset > 0 {
+                    tracing::info!(
+                        file = name,
+                        "the server does not resume downloads; starting over"
+                    );
+                }
+                (
+                    false,
+                    header_u64(response.headers(), "content-length").or(expected),
+                )
+            }
+            416 if offset > 0 => {
+                std::fs::remove_file(&part).map_err(|e| io("removing", &part, e))?;
+                return Err(InitError::Network(format!(
+                    "{url} cannot resume at byte {offset}; starting {name} over"
+                )));
+            }
+            _ => return Err(self.status_error(response, url, Target::File(name))),
+        };
+        if resume {
+            tracing::info!(file = name, from = offset, total, "resuming the download");
+        } else {
+            tracing::info!(file = name, total, "downloading");
+        }
+        let mut file = if resume {
+            OpenOptions::new().append(true).open(&part)
+        } else {
+            File::create(&part)
+        }
+        .map_err(|e| io("opening", &part, e))?;
+        let mut have = if resume { offset } else { 0 };
+        let mut reader = response.into_body().into_reader();
+        let mut buffer = vec![0u8; CHUNK];
+        let mut logged = Instant::now();
+        let lost = |have: u64, e: &dyn std::fmt::Display| {
+            InitError::Network(format!(
+                "downloading {url}: the transfer broke off after {have} of {} bytes ({e}); the next try resumes there",
+                total.map_or("?".to_string(), |t| t.to_string())
+            ))
+        };
+        loop {
+            let n = match reader.read(&mut buffer) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    file.sync_all().map_err(|e| io("writing", &part, e))?;
+                    return Err(lost(have, &e));
+                }
+            };
+            file.write_all(&buffer[..n])
+                .map_err(|e| io("writing", &part, e))?;
+            have += n as u64;
+            *downloaded += n as u64;
+            if logged.elapsed() >= PROGRESS_EVERY {
+                logged = Instant::now();
+                tracing::info!(file = name, bytes = have, total, "downloading");
+            }
+        }
+        file.sync_all().map_err(|e| io("writing", &part, e))?;
+        drop(file);
+        if let Some(total) = total
+            && have != total
+        {
+            return Err(lost(have, &"the connection closed early"));
+        }
+        std::fs::rename(&part, &target).map_err(|e| io("renaming into place", &target, e))?;
+        tracing::info!(file = name, bytes = have, "downloaded");
+        Ok(())
+    }
+
+    /// A status that is not the answer asked for, as the user should read it.
+    fn status_error(
+        &self,
+        response: ureq::http::Response<ureq::Body>,
+        url: &str,
+        target: Target<'_>,
+    ) -> InitError {
+        let status = response.status().as_u16();
+        let headers = response.headers();
+        let code = header_str(headers, "x-error-code").unwrap_or_default();
+        let hub_says = header_str(headers, "x-error-message")
+            .or_else(|| {
+                let mut body = response.into_body();
+                let text = body.with_config().limit(4096).read_to_string().ok()?;
+                let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+                v.get("error").and_then(|e| e.as_str()).map(str::to_string)
+            })
+            .map(|m| format!(" (the hub says: {m})"))
+            .unwrap_or_default();
+        let repo = &self.repo;
+        match (status, target) {
+            (401 | 403, _) if code == "GatedRepo" => InitError::Invalid(format!(
+                "{} is gated: accept its conditions on the hub with the account whose token is in {TOKEN_FIELD}{hub_says}",
+                self.describe()
+            )),
+            (401 | 403, _) if self.token.is_none() => InitError::Invalid(format!(
+                "repository {repo} needs a token (set {TOKEN_FIELD}): {url} answered {status}{hub_says}; the hub also answers so for a repository that does not exist"
+            )),
+            (401 | 403, _) => InitError::Invalid(format!(
+                "the token was refused for repository {repo}: {url} answered {status}{hub_says}; check the token in {TOKEN_FIELD} and that its account can read the repository"
+            )),
+            (404, Target::Listing) if code == "RevisionNotFound" => InitError::Invalid(format!(
+                "revision {} of repository {repo} not found at {}{hub_says}",
+                self.revision, self.endpoint
+            )),
+            (404, Target::Listing) => {
+                InitError::Invalid(format!("{} not found{hub_says}", self.describe()))
+            }
+            (404, Target::File(name)) => InitError::Invalid(format!(
+                "{name} is listed by {} but {url} answered 404{hub_says}",
+                self.describe()
+            )),
+            (408 | 425 | 429 | 500..=599, _) => {
+                InitError::Network(format!("{url} answered {status}{hub_says}"))
+            }
+            (400..=499, _) => InitError::Invalid(format!("{url} answered {status}{hub_says}")),
+            _ => InitError::Network(format!("{url} answered {status}{hub_says}")),
+        }
+    }
+}
+
+/// A transport failure, naming the URL. A malformed URL is the spec's fault;
+/// the rest may heal.
+fn transport(url: &str, e: &ureq::Error) -> InitError {
+    match e {
+        ureq::Error::BadUri(_) | ureq::Error::Http(_) => {
+            InitError::Invalid(format!("{url} is not a usable URL: {e}"))
+        }
+        _ => InitError::Network(format!("cannot reach {url}: {e}")),
+    }
+}
+
+/// `owner/name` or `name`, each part of letters, digits, `-`, `_` and `.`.
+fn valid_repo_id(repo: &str) -> bool {
+    let parts: Vec<&str> = repo.split('/').collect();
+    parts.len() <= 2
+        && parts.iter().all(|p| {
+            !p.is_empty()
+                && *p != "."
+                && *p != ".."
+                && p.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        })
+}
+
+/// Percent-encodes a path segment (all but unreserved characters, and `/`
+/// where `keep_slash`): revisions such as `refs/pr/1` are one segment.
+fn encode(s: &str, keep_slash: bool) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) || (keep_slash && b == b'/') {
+            out.push(char::from(b));
+        } else {
+            let _ = write!(out, "%{b:02X}");
+        }
+    }
+    out
+}
+
+fn header_str(headers: &HeaderMap, name: &str) -> Option<String> {
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.trim().to_string())
+}
+
+fn header_u64(headers: &HeaderMap, name: &str) -> Option<u64> {
+    header_str(headers, name)?.parse().ok()
+}
+
+/// `Content-Range: bytes START-END/TOTAL` → (START, TOTAL when not `*`).
+fn content_range(headers: &HeaderMap) -> Option<(u64, Option<u64>)> {
+    let value = header_str(headers, "content-range")?;
+    let rest = value.strip_prefix("bytes ")?;
+    let (range, total) = rest.split_once('/')?;
+    let (start, _) = range.split_once('-')?;
+    Some((start.trim().parse().ok()?, total.trim().parse().ok()))
+}
+
+/// The listing's `sha` and `siblings[].rfilename` (with `size`, or
+/// `lfs.size`, where given).
+fn parse_listing(text: &str) -> Result<Listing, String> {
+    let v: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
+    let siblings = v
+        .get("siblings")
+        .and_then(serde_json::Value::as_array)
+        .ok_or("no siblings list")?;
+    let mut files = BTreeMap::new();
+    for s in siblings {
+        let name = s
+            .get("rfilename")
+            .and_then(serde_json::Value::as_str)
+            .ok_or("a sibling without rfilename")?;
+        let size = s
+            .get("size")
+            .and_then(serde_json::Value::as_u64)
+            .or_else(|| s.pointer("/lfs/size").and_then(serde_json::Value::as_u64));
+        files.insert(name.to_string(), size);
+    }
+    Ok(Listing {
+        commit: v
+            .get("sha")
+            .and_then(serde_json::Value::as_str)
+            .filter(|s| !s.is_empty())
+            .map(str::to_string),
+        files,
+    })
+}
+
+/// The shard files a downloaded `model.safetensors.index.json` names, each
+/// once, sorted.
+fn shards(index: &Path) -> Result<Vec<String>, InitError> {
+    let bad = |problem: String| InitError::Invalid(format!("{}: {problem}", index.display()));
+    let text = std::fs::read_to_string(index)
+        .map_err(|e| InitError::Io(format!("reading {}: {e}", index.display())))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+    let map = v
+        .get("weight_map")
+        .and_then(serde_json::Value::as_object)
+        .ok_or_else(|| bad("no weight_map object".into()))?;
+    let mut files = std::collections::BTreeSet::new();
+    for (tensor, file) in map {
+        let file = file
+            .as_str()
+            .filter(|f| {
+                !f.contains('/') && !f.contains('\\') && f.ends_with(".safetensors") && *f != ".safetensors"
+            })
+            .ok_or_else(|| {
+                bad(format!(
+                    "weight_map.{tensor} must name a .safetensors file in the same directory, not {file}"
+                ))
+            })?;
+        files.insert(file.to_string());
+    }
+    Ok(files.into_iter().collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_encode_revisions_as_one_segment() {
+        let hub = Hub::new(
+            "https://huggingface.co/",
+            "meta-llama/Llama-3.2-1B",
+            "refs/pr/1",
+            Some(" ".into()),
+            Retry::default(),
+        )
+        .expect("valid");
+        assert_eq!(
+            hub.listing_url(),
+            "https://huggingface.co/api/models/meta-llama/Llama-3.2-1B/revision/refs%2Fpr%2F1?blobs=true"
+        );
+        assert_eq!(
+            hub.file_url("abc", "model-00001-of-00002.safetensors"),
+            "https://huggingface.co/meta-llama/Llama-3.2-1B/resolve/abc/model-00001-of-00002.safetensors"
+        );
+        assert!(hub.token.is_none(), "a blank token is no token");
+        let hub = Hub::new(
+            "http://m",
+            "a/b",
+            "main",
+            Some("hf_secret".into()),
+            Retry::default(),
+        )
+        .expect("valid");
+        assert!(!format!("{hub:?}").contains("hf_secret"), "{hub:?}");
+    }
+
+    #[test]
+    fn bad_repository_ids_and_endpoints_name_the_field() {
+        for repo in ["", "a/b/c", "../x", "a b", "a/"] {
+            let e =
+                Hub::new("https://hf.co", repo, "main", None, Retry::default()).expect_err(repo);
+            assert!(e.to_string().contains("huggingFace.repo"), "{e}");
+        }
+        let e = Hub::new("ftp://hf.co", "a/b", "main", None, Retry::default()).expect_err("ftp");
+        assert!(e.to_string().contains("huggingFace.endpoint"), "{e}");
+    }
+
+    #[test]
+    fn listings_give_the_commit_and_sizes_where_known() {
+        let l = parse_listing(
+            r#"{"sha":"c0ffee","siblings":[{"rfilename":"config.json"},
+                {"rfilename":"model.safetensors","size":10,"lfs":{"size":10}},
+                {"rfilename":"big.safetensors","lfs":{"size":7}}]}"#,
+        )
+        .expect("listing");
+        assert_eq!(l.commit.as_deref(), Some("c0ffee"));
+        assert_eq!(l.files["config.json"], None);
+        assert_eq!(l.files["model.safetensors"], Some(10));
+        assert_eq!(l.files["big.safetensors"], Some(7));
+        assert!(parse_listing("{}").is_err());
+    }
+
+    #[test]
+    fn content_ranges_parse() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            "content-range",
+            ureq::http::HeaderValue::from_static("bytes 100-199/200"),
+        );
+        assert_eq!(content_range(&h), Some((100, Some(200))));
+        h.insert(
+            "content-range",
+            ureq::http::HeaderValue::from_static("bytes 5-9/*"),
+        );
+        assert_eq!(content_range(&h), Some((5, None)));
+    }
+}

@@ -1,0 +1,430 @@
+//! Checks a checkpoint directory and a data file against each other before
+//! any training pod is planned, so a mistake is one clear message from the
+//! initializer rather than a crash minutes into a many-pod job.
+//!
+//! The weights are checked from their safetensors headers alone (the 8-byte
+//! length and the JSON after it; the tensor data is never read, so a 100 GB
+//! checkpoint costs a few reads): the tensor names are exactly the ones
+//! `config.json` implies, each has the shape it implies, all share one float
+//! dtype, and the parameters add up to the planner's count for the shape.
+//! The data is read, tokenized with the checkpoint's tokenizer and packed as
+//! training will, and must give at least one sample.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use headroom_api::{DataFacts, DataFormat, ModelFacts};
+use headroom_planner::{LlamaArchitecture, LlamaShape};
+use safetensors::tensor::{Dtype, Metadata};
+
+use super::InitError;
+use crate::model::StageLayout;
+use crate::model::hf::HfCheckpoint;
+use crate::text::{Format, load_tokenizer, pack, read_documents};
+
+/// safetensors' own limit on the JSON header.
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+/// How many offending names or shapes a message lists.
+const LIST_AT_MOST: usize = 4;
+
+/// One tensor as a header describes it.
+#[derive(Clone, Debug)]
+struct Found {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    file: PathBuf,
+}
+
+/// Checks the checkpoint in `dir` (see the module documentation) and
+/// describes it.
+pub fn inspect_model(dir: &Path, sequence_length: u32) -> Result<ModelFacts, InitError> {
+    let checkpoint =
+        HfCheckpoint::open(dir, sequence_length).map_err(|e| InitError::Invalid(e.to_string()))?;
+    let shape = &checkpoint.shape;
+    let layout = StageLayout::whole(&shape.clone().into());
+    let expected = checkpoint.stage_tensor_names(&layout);
+
+    let mut found: BTreeMap<String, Found> = BTreeMap::new();
+    let mut bytes = 0;
+    for file in checkpoint.weight_files() {
+        let (metadata, len) = read_header(&file)?;
+        bytes += len;
+        for (name, info) in metadata.tensors() {
+            if let Some(other) = found.get(&name) {
+                return Err(InitError::Invalid(format!(
+                    "{name} is in both {} and {}",
+                    other.file.display(),
+                    file.display()
+                )));
+            }
+            if let Some(listed) = checkpoint.indexed_file(&name)
+                && listed != file
+            {
+                return Err(InitError::Invalid(format!(
+                    "{}: model.safetensors.index.json places {name} in {} but it is in {}",
+                    dir.display(),
+                    listed.display(),
+                    file.display()
+                )));
+            }
+            found.insert(
+                name,
+                Found {
+                    dtype: info.dtype,
+                    shape: info.shape.clone(),
+                    file: file.clone(),
+                },
+            );
+        }
+    }
+
+    let wanted: BTreeSet<&str> = expected.iter().map(String::as_str).collect();
+    let missing: Vec<&str> = expected
+        .iter()
+        .map(String::as_str)
+        .filter(|n| !found.contains_key(*n))
+        .collect();
+    let mut unexpected = Vec::new();
+    for name in found.keys() {
+        if wanted.contains(name.as_str()) {
+            continue;
+        }
+        if tolerated_extra(name, shape) {
+            tracing::warn!(tensor = %name, "ignoring a tensor training does not use");
+        } else {
+            unexpected.push(name.as_str());
+        }
+    }
+    if !missing.is_empty() || !unexpected.is_empty() {
+        let mut problems = Vec::new();
+        if !missing.is_empty() {
+            problems.push(format!(
+                "missing {}: {}",
+                missing.len(),
+                first_few(&missing)
+            ));
+        }
+        if !unexpected.is_empty() {
+            problems.push(format!(
+                "unexpected {}: {}",
+                unexpected.len(),
+                first_few(&unexpected)
+            ));
+        }
+        return Err(InitError::Invalid(format!(
+            "{}: the safetensors tensors do not match config.json ({}): {}",
+            dir.display(),
+            describe(shape),
+            problems.join("; ")
+        )));
+    }
+
+    let mut mismatches = Vec::new();
+    for name in &expected {
+        let Some(tensor) = found.get(name) else {
+            continue;
+        };
+        if let Some((want, why)) = expected_shape(name, shape)
+            && tensor.shape != want
+        {
+            mismatches.push(format!(
+                "{name} is {:?} in {} but config.json implies {want:?} ({why})",
+                tensor.shape,
+                file_name(&tensor.file)
+            ));
+        }
+    }
+    if !mismatches.is_empty() {
+        let more = mismatches.len().saturating_sub(LIST_AT_MOST);
+        mismatches.truncate(LIST_AT_MOST);
+        return Err(InitError::Invalid(format!(
+            "{}: tensor shapes disagree with config.json: {}{}",
+            dir.display(),
+            mismatches.join("; "),
+            if more > 0 {
+                format!("; and {more} more")
+            } else {
+                String::new()
+            }
+        )));
+    }
+
+    let mut dtype: Option<(Dtype, &str)> = None;
+    for name in &expected {
+        let Some(tensor) = found.get(name) else {
+            continue;
+        };
+        if !matches!(tensor.dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16) {
+            return Err(InitError::Invalid(format!(
+                "{name} is stored as {} in {}; Headroom trains F32, F16 or BF16 checkpoints (not quantized ones)",
+                tensor.dtype,
+                file_name(&tensor.file)
+            )));
+        }
+        match dtype {
+            None => dtype = Some((tensor.dtype, name)),
+            Some((first, first_name)) if first != tensor.dtype => {
+                return Err(InitError::Invalid(format!(
+                    "{}: the weights mix dtypes: {first_name} is {first} but {name} is {}",
+                    dir.display(),
+                    tensor.dtype
+                )));
+            }
+            Some(_) => {}
+        }
+    }
+    let dtype = dtype.map_or_else(|| "F32".to_string(), |(d, _)| d.to_string());
+
+    let parameters: u64 = expected
+        .iter()
+        .filter_map(|n| found.get(n))
+        .map(|t| t.shape.iter().map(|&d| d as u64).product::<u64>())
+        .sum();
+    if parameters != shape.total_params() {
+        return Err(InitError::Invalid(format!(
+            "{}: the safetensors files hold {parameters} parameters but config.json implies {} ({})",
+            dir.display(),
+            shape.total_params(),
+            describe(shape)
+        )));
+    }
+    Ok(ModelFacts {
+        shape: shape.clone(),
+        parameters,
+        bytes,
+        dtype,
+    })
+}
+
+/// Reads the data as training will (the checkpoint's tokenizer and
+/// end-of-sequence token, packed into `sequence_length + 1`-token samples)
+/// and checks every token id fits the model's vocabulary.
+pub fn inspect_data(
+    model_dir: &Path,
+    data_file: &Path,
+    format: &DataFormat,
+    sequence_length: u32,
+    vocabulary: u32,
+) -> Result<DataFacts, InitError> {
+    let invalid = |e: &dyn std::fmt::Display| InitError::Invalid(e.to_string());
+    let tokenizer_path = model_dir.join("tokenizer.json");
+    let tokenizer = load_tokenizer(&tokenizer_path).map_err(|e| invalid(&e))?;
+    let eos = crate::run::end_of_sequence(model_dir, &tokenizer).ok_or_else(|| {
+        InitError::Invalid(format!(
+            "{}: no end-of-sequence token (config.json eos_token_id, or </s>, <|endoftext|>, <|end_of_text|> in the vocabulary)",
+            tokenizer_path.display()
+        ))
+    })?;
+    let format = Format::from(format);
+    let documents = read_documents(data_file, &format).map_err(|e| invalid(&e))?;
+    if documents.iter().all(|d| d.trim().is_empty()) {
+        return Err(InitError::Invalid(format!(
+            "{}: no text to train on (the file is empty{})",
+            data_file.display(),
+            match &format {
+                Format::Jsonl { field } => format!(" or every `{field}` is blank"),
+                Format::PlainText => String::new(),
+            }
+        )));
+    }
+    let packed = pack(&tokenizer, &documents, eos, sequence_length as usize)
+        .map_err(|e| InitError::Invalid(format!("{}: {e}", data_file.display())))?;
+    if let Some(id) = packed.samples.iter().flatten().copied().max()
+        && id >= vocabulary
+    {
+        return Err(InitError::Invalid(format!(
+            "{}: the tokenizer gives token id {id}, beyond config.json's vocab_size {vocabulary}",
+            tokenizer_path.display()
+        )));
+    }
+    Ok(DataFacts {
+        documents: packed.documents as u64,
+        tokens: packed.tokens as u64,
+        samples: packed.samples.len() as u64,
+    })
+}
+
+/// A safetensors file's header, read without its tensor data, and the
+/// file's length (which the header must account for exactly).
+fn read_header(path: &Path) -> Result<(Metadata, u64), InitError> {
+    let unreadable = |e: std::io::Error| {
+        let message = format!("{}: {e}", path.display());
+        if e.kind() == std::io::ErrorKind::NotFound {
+            InitError::Invalid(message)
+        } else {
+            InitError::Io(message)
+        }
+    };
+    let bad = |problem: String| {
+        InitError::Invalid(format!(
+            "{}: not a complete safetensors file: {problem}",
+            path.display()
+        ))
+    };
+    let mut file = std::fs::File::open(path).map_err(unreadable)?;
+    let len = file.metadata().map_err(unreadable)?.len();
+    let mut prefix = [0u8; 8];
+    file.read_exact(&mut prefix).map_err(|_| {
+        bad(format!(
+            "{len} bytes, shorter than the 8-byte header length"
+        ))
+    })?;
+    let n = u64::from_le_bytes(prefix);
+    if n > MAX_HEADER_BYTES || n > len - 8 {
+        return Err(bad(format!(
+            "the header length {n} does not fit the file's {len} bytes"
+        )));
+    }
+    let mut header = vec![0u8; usize::try_from(n).map_err(|_| bad("header too large".into()))?];
+    file.read_exact(&mut header).map_err(unreadable)?;
+    let metadata: Metadata =
+        serde_json::from_slice(&header).map_err(|e| bad(format!("bad header: {e}")))?;
+    let data = metadata
+        .tensors()
+        .values()
+        .map(|info| info.data_offsets.1 as u64)
+        .max()
+        .unwrap_or(0);
+    if 8 + n + data != len {
+        return Err(bad(format!(
+            "the header describes {} bytes but the file has {len} (truncated?)",
+            8 + n + data
+        )));
+    }
+    Ok((metadata, len))
+}
+
+/// Tensors some exports carry that training has no use for: older Llama
+/// checkpoints' RoPE buffers, and a tied model's copy of its embedding.
+fn tolerated_extra(name: &str, shape: &LlamaShape) -> bool {
+    name.ends_with(".self_attn.rotary_emb.inv_freq")
+        || (name == "lm_head.weight" && shape.tied_embeddings)
+}
+
+/// The shape config.json implies for a checkpoint tensor, and why.
+fn expected_shape(name: &str, s: &LlamaShape) -> Option<(Vec<usize>, String)> {
+    let (h, i, v) = (
+        s.hidden as usize,
+        s.intermediate as usize,
+        s.vocabulary as usize,
+    );
+    let (q, kv) = (s.q_dim() as usize, s.kv_dim() as usize);
+    let heads = format!(
+        "num_attention_heads {} × head_dim {}",
+        s.attention_heads, s.head_dim
+    );
+    let kv_heads = format!(
+        "num_key_value_heads {} × head_dim {}",
+        s.key_value_heads, s.head_dim
+    );
+    let hidden = format!("hidden_size {h}");
+    let inter = format!("intermediate_size {i}");
+    let pair = |a: &str, b: &str| format!("{a}, {b}");
+    let found = match name {
+        "model.embed_tokens.weight" | "lm_head.weight" => {
+            (vec![v, h], pair(&format!("vocab_size {v}"), &hidden))
+        }
+        "model.norm.weight" => (vec![h], hidden),
+        _ => {
+            let rest = name.strip_prefix("model.layers.")?;
+            let (_, tensor) = rest.split_once('.')?;
+            match tensor {
+                "self_attn.q_proj.weight" => (vec![q, h], pair(&heads, &hidden)),
+                "self_attn.q_proj.bias" => (vec![q], heads),
+                "self_attn.k_proj.weight" | "self_attn.v_proj.weight" => {
+                    (vec![kv, h], pair(&kv_heads, &hidden))
+                }
+                "self_attn.k_proj.bias" | "self_attn.v_proj.bias" => (vec![kv], kv_heads),
+                "self_attn.o_proj.weight" => (vec![h, q], pair(&hidden, &heads)),
+                "self_attn.o_proj.bias" => (vec![h], hidden),
+                "mlp.gate_proj.weight" | "mlp.up_proj.weight" => {
+                    (vec![i, h], pair(&inter, &hidden))
+                }
+                "mlp.gate_proj.bias" | "mlp.up_proj.bias" => (vec![i], inter),
+                "mlp.down_proj.weight" => (vec![h, i], pair(&hidden, &inter)),
+                "mlp.down_proj.bias"
+                | "input_layernorm.weight"
+                | "post_attention_layernorm.weight" => (vec![h], hidden),
+                _ => return None,
+            }
+        }
+    };
+    Some(found)
+}
+
+fn describe(s: &LlamaShape) -> String {
+    format!(
+        "{} with {} layers, hidden {}, {} heads / {} key-value heads, vocabulary {}{}",
+        s.architecture.hf_name(),
+        s.layers,
+        s.hidden,
+        s.attention_heads,
+        s.key_value_heads,
+        s.vocabulary,
+        if s.tied_embeddings {
+            ", tied embeddings"
+        } else {
+            ""
+        }
+    ) + if s.architecture == LlamaArchitecture::Qwen2 {
+        ", q/k/v biases"
+    } else {
+        ""
+    }
+}
+
+fn first_few(names: &[&str]) -> String {
+    let mut listed = names
+        .iter()
+        .take(LIST_AT_MOST)
+        .copied()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if names.len() > LIST_AT_MOST {
+        listed.push_str(", …");
+    }
+    listed
+}
+
+fn file_name(path: &Path) -> String {
+    path.file_name().map_or_else(
+        || path.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture() -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/tiny-llama")
+    }
+
+    #[test]
+    fn the_fixture_checks_out() {
+        let facts = inspect_model(&fixture(), 32).expect("tiny-llama is valid");
+        assert_eq!(facts.parameters, 214_592);
+        assert_eq!(facts.dtype, "F32");
+        assert_eq!(facts.shape.key_value_heads, 2);
+        assert!(facts.bytes > 4 * 214_592, "{}", facts.bytes);
+    }
+
+    #[test]
+    fn a_truncated_file_is_named() {
+        let dir = std::env::temp_dir().join(format!("headroom-inspect-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("tmp");
+        let bytes = std::fs::read(fixture().join("model.safetensors")).expect("fixture");
+        let path = dir.join("model.safetensors");
+        std::fs::write(&path, &bytes[..bytes.len() / 2]).expect("write");
+        let e = read_header(&path).expect_err("truncated");
+        assert!(
+            e.to_string().contains("model.safetensors") && e.to_string().contains("truncated"),
+            "{e}"
+        );
+        std::fs::write(&path, b"abc").expect("write");
+        assert!(read_header(&path).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,266 @@
+//! The initializer: the worker binary started with `HEADROOM_INITIALIZE`
+//! (an [`InitializerAssignment`] as JSON) instead of a plan. It runs once
+//! before a fine-tuning job is planned:
+//!
+//! 1. **fetch** ([`hub`]) — for a Hugging Face source, download the files
+//!    training needs into `model_dir`, resumably, skipping what is already
+//!    there (a retried initializer downloads only what is missing);
+//! 2. **inspect** ([`inspect`]) — check the checkpoint's safetensors headers
+//!    against its config.json, and the data against the tokenizer, the way
+//!    training will read them;
+//! 3. **report** — write what it found, an [`InitializerReport`], as JSON to
+//!    the termination-message path and exit 0, so the operator can plan from
+//!    the real checkpoint without reading the volume itself.
+//!
+//! On failure it writes an ordinary `TerminationMessage` instead: outcome
+//! `InvalidPlan` when the input is wrong (no such repository, a token
+//! missing or refused, shapes that disagree, unusable data) and retrying is
+//! pointless, `Failed` when the network or the volume may heal (the pod's
+//! retry then resumes the download where it stopped). Each reason names the
+//! file, tensor or URL at fault.
+
+pub mod hub;
+pub mod inspect;
+
+use std::path::{Path, PathBuf};
+
+use headroom_api::{
+    HF_TOKEN_ENV, INITIALIZE_JSON_ENV, InitializerAssignment, InitializerReport, ModelSource,
+    TERMINATION_MESSAGE_PATH, WorkerOutcome,
+};
+use headroom_planner::LlamaShape;
+
+use crate::env::TERMINATION_MESSAGE_PATH_ENV;
+use crate::run::Exit;
+use crate::{TERMINATION_MESSAGE_LIMIT, write_termination_message};
+
+pub use hub::Retry;
+
+/// The initializer's environment: present only when `HEADROOM_INITIALIZE` is set.
+#[derive(Clone, PartialEq, Eq)]
+pub struct InitializerEnv {
+    /// `HEADROOM_INITIALIZE`: the assignment, not yet parsed (a malformed
+    /// one is reported through the termination message like any bad input).
+    pub assignment: String,
+    /// `HF_TOKEN`, when set and not blank.
+    pub token: Option<String>,
+    /// `HEADROOM_TERMINATION_MESSAGE_PATH`, else `/dev/termination-log`.
+    pub termination_message_path: PathBuf,
+}
+
+impl std::fmt::Debug for InitializerEnv {
+    // Never the token.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InitializerEnv")
+            .field("assignment", &self.assignment)
+            .field("token", &self.token.as_ref().map(|_| "(set)"))
+            .field("termination_message_path", &self.termination_message_path)
+            .finish()
+    }
+}
+
+impl InitializerEnv {
+    /// Reads the process environment; `None` when this process is not an
+    /// initializer.
+    pub fn from_env() -> Option<Self> {
+        Self::from_lookup(|key| std::env::var(key).ok())
+    }
+
+    /// Reads the environment through `env` (tests pass a map).
+    pub fn from_lookup(env: impl Fn(&str) -> Option<String>) -> Option<Self> {
+        let assignment = env(INITIALIZE_JSON_ENV)?;
+        Some(InitializerEnv {
+            assignment,
+            token: env(HF_TOKEN_ENV).filter(|t| !t.trim().is_empty()),
+            termination_message_path: env(TERMINATION_MESSAGE_PATH_ENV)
+                .map_or_else(|| PathBuf::from(TERMINATION_MESSAGE_PATH), PathBuf::from),
+        })
+    }
+}
+
+/// Why the initializer stopped; the variant decides the outcome.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum InitError {
+    /// The input is wrong (spec, repository, token, checkpoint or data):
+    /// `InvalidPlan`, since the same input fails the same way again.
+    #[error("{0}")]
+    Invalid(String),
+    /// The network failed (after this run's own retries): `Failed`; the
+    /// next try resumes.
+    #[error("{0}")]
+    Network(String),
+    /// The volume could not be read or written: `Failed`.
+    #[error("{0}")]
+    Io(String),
+}
+
+impl InitError {
+    pub fn outcome(&self) -> WorkerOutcome {
+        match self {
+            InitError::Invalid(_) => WorkerOutcome::InvalidPlan,
+            InitError::Network(_) | InitError::Io(_) => WorkerOutcome::Failed,
+        }
+    }
+}
+
+/// Fetches (for a Hugging Face source), inspects and describes the
+/// checkpoint and the data of `assignment`.
+pub fn initialize(
+    assignment: &InitializerAssignment,
+    token: Option<String>,
+    retry: Retry,
+) -> Result<InitializerReport, InitError> {
+    let sequence_length = assignment.sequence_length;
+    if sequence_length == 0 {
+        return Err(InitError::Invalid(
+            "sequenceLength must be at least 1".into(),
+        ));
+    }
+    let dir = Path::new(&assignment.model_dir);
+    let downloaded_bytes = match &assignment.model {
+        ModelSource::HuggingFace {
+            repo,
+            revision,
+            endpoint,
+        } => {
+            let hub = hub::Hub::new(endpoint, repo, revision, token, retry)?;
+            // Refuse a model Headroom cannot train before its weights are downloaded.
+            let check_config = |config: &Path| -> Result<(), InitError> {
+                let text = std::fs::read_to_string(config)
+                    .map_err(|e| InitError::Io(format!("{}: {e}", config.display())))?;
+                LlamaShape::from_hf_config(&text, sequence_length)
+                    .map(|_| ())
+                    .map_err(|e| InitError::Invalid(format!("{repo} ({revision}): {e}")))
+            };
+            let fetched = hub.fetch(dir, &check_config)?;
+            tracing::info!(
+                repo = %repo,
+                commit = fetched.commit.as_deref().unwrap_or(revision),
+                files = fetched.files.len(),
+                downloaded_bytes = fetched.downloaded_bytes,
+                dir = %dir.display(),
+                "checkpoint fetched"
+            );
+            fetched.downloaded_bytes
+        }
+        ModelSource::Volume => 0,
+    };
+    let model = inspect::inspect_model(dir, sequence_length)?;
+    tracing::info!(
+        parameters = model.parameters,
+        bytes = model.bytes,
+        dtype = %model.dtype,
+        "checkpoint checked"
+    );
+    let data = inspect::inspect_data(
+        dir,
+        Path::new(&assignment.data_file),
+        &assignment.data_format,
+        sequence_length,
+        model.shape.vocabulary,
+    )?;
+    tracing::info!(
+        documents = data.documents,
+        tokens = data.tokens,
+        samples = data.samples,
+        data = %assignment.data_file,
+        "data checked"
+    );
+    Ok(InitializerReport {
+        model,
+        data,
+        downloaded_bytes,
+    })
+}
+
+/// Runs the initializer to its end and writes its termination message: the
+/// report on success, a `TerminationMessage` otherwise (whose outcome gives
+/// the exit code).
+pub fn run(env: &InitializerEnv) -> Result<InitializerReport, Exit> {
+    let result = serde_json::from_str::<InitializerAssignment>(&env.assignment)
+        .map_err(|e| {
+            InitError::Invalid(format!(
+                "{INITIALIZE_JSON_ENV} is not an initializer assignment: {e}"
+            ))
+        })
+        .and_then(|assignment| {
+            tracing::info!(
+                job = %assignment.job,
+                namespace = %assignment.namespace,
+                model_dir = %assignment.model_dir,
+                "initializing"
+            );
+            initialize(&assignment, env.token.clone(), Retry::default())
+        });
+    let path = &env.termination_message_path;
+    match result {
+        Ok(report) => {
+            let written = serde_json::to_string(&report)
+                .map_err(std::io::Error::other)
+                .and_then(|json| {
+                    if json.len() > TERMINATION_MESSAGE_LIMIT {
+                        tracing::warn!(
+                            bytes = json.len(),
+                            "the report is longer than Kubernetes keeps"
+                        );
+                    }
+                    std::fs::write(path, json)
+                });
+            if let Err(e) = written {
+                tracing::warn!("cannot write the report to {}: {e}", path.display());
+            }
+            tracing::info!(downloaded_bytes = report.downloaded_bytes, "initialized");
+            Ok(report)
+        }
+        Err(e) => {
+            let exit = Exit::new(e.outcome(), e.to_string());
+            if let Err(e) = write_termination_message(path, &exit.message) {
+                tracing::warn!(
+                    "cannot write the termination message to {}: {e}",
+                    path.display()
+                );
+            }
+            tracing::error!(code = exit.code(), outcome = %exit.message.outcome, reason = %exit.message.reason, "exiting");
+            Err(exit)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_an_initialize_assignment_makes_an_initializer() {
+        assert!(InitializerEnv::from_lookup(|_| None).is_none());
+        let env = InitializerEnv::from_lookup(|k| match k {
+            INITIALIZE_JSON_ENV => Some("{}".into()),
+            HF_TOKEN_ENV => Some("hf_secret".into()),
+            _ => None,
+        })
+        .expect("initializer");
+        assert_eq!(env.token.as_deref(), Some("hf_secret"));
+        assert_eq!(
+            env.termination_message_path,
+            PathBuf::from(TERMINATION_MESSAGE_PATH)
+        );
+        assert!(!format!("{env:?}").contains("hf_secret"));
+    }
+
+    #[test]
+    fn a_malformed_assignment_is_an_invalid_plan() {
+        let dir = std::env::temp_dir().join(format!("headroom-init-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("tmp");
+        let path = dir.join("termination-log");
+        let exit = run(&InitializerEnv {
+            assignment: "{\"job\": 1}".into(),
+            token: None,
+            termination_message_path: path.clone(),
+        })
+        .expect_err("malformed");
+        assert_eq!(exit.message.outcome, WorkerOutcome::InvalidPlan);
+        let written = std::fs::read_to_string(&path).expect("written");
+        assert!(written.contains(INITIALIZE_JSON_ENV), "{written}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,718 @@
+//! The `headroom-worker` binary as an initializer (`HEADROOM_INITIALIZE`),
+//! end to end against a local stand-in for the Hugging Face hub: a plain
+//! HTTP/1.1 server in the test that lists repositories as
+//! `/api/models/{repo}/revision/{rev}` does, serves files under
+//! `/{repo}/resolve/{rev}/{file}` (the weights by a 302 to a `/cdn/...`
+//! path, as the hub redirects LFS files), honours `Range` with 206, answers
+//! HEAD, wants a Bearer token for a private repository and 404s unknown
+//! ones. It records every request, so the tests can tell what was
+//! downloaded and how, and can cut a transfer off halfway through.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use headroom_api::{
+    DataFormat, HF_TOKEN_ENV, INITIALIZE_JSON_ENV, InitializerAssignment, InitializerReport,
+    ModelSource, TerminationMessage, WorkerOutcome, exit_code,
+};
+use headroom_worker::run::TERMINATION_MESSAGE_PATH_ENV;
+
+const REPO: &str = "headroom/tiny-llama";
+const PRIVATE_REPO: &str = "headroom/private-llama";
+const BIN_ONLY_REPO: &str = "headroom/bin-only-llama";
+const TOKEN: &str = "hf_test_token";
+const COMMIT: &str = "0123456789abcdef0123456789abcdef01234567";
+const WEIGHTS: &str = "model.safetensors";
+/// The fixture's files, all served by the hub stand-in.
+const FILES: [&str; 5] = [
+    "config.json",
+    "generation_config.json",
+    WEIGHTS,
+    "tokenizer.json",
+    "tokenizer_config.json",
+];
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/tiny-llama")
+}
+
+fn data_file() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../samples/data/declaration-of-independence.jsonl")
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("headroom-init-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+/// One request as the hub stand-in saw it.
+#[derive(Clone, Debug)]
+struct Seen {
+    method: String,
+    /// Without the query.
+    path: String,
+    range: Option<String>,
+    authorization: Option<String>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    requests: Vec<Seen>,
+    /// Weight downloads still to cut off after half their bytes.
+    cut_next: u32,
+    /// Cut off every weight download after half its bytes.
+    cut_always: bool,
+}
+
+/// The hub stand-in; serves until the test process ends.
+struct FakeHub {
+    endpoint: String,
+    state: Arc<Mutex<State>>,
+}
+
+impl FakeHub {
+    fn start() -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let endpoint = format!("http://{}", listener.local_addr().expect("addr"));
+        let state = Arc::new(Mutex::new(State::default()));
+        let files: Arc<BTreeMap<String, Vec<u8>>> = Arc::new(
+            FILES
+                .iter()
+                .map(|f| {
+                    (
+                        f.to_string(),
+                        std::fs::read(fixture().join(f)).expect("fixture file"),
+                    )
+                })
+                .collect(),
+        );
+        let shared = state.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming().flatten() {
+                let (state, files) = (shared.clone(), files.clone());
+                std::thread::spawn(move || serve(stream, &state, &files));
+            }
+        });
+        FakeHub { endpoint, state }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().expect("state")
+    }
+
+    /// The requests since the last call, and forget them.
+    fn take_requests(&self) -> Vec<Seen> {
+        std::mem::take(&mut self.state().requests)
+    }
+}
+
+fn serve(stream: TcpStream, state: &Mutex<State>, files: &BTreeMap<String, Vec<u8>>) {
+    let mut reader = BufReader::new(stream.try_clone().expect("clone"));
+    let mut line = String::new();
+    if reader.read_line(&mut line).is_err() || line.is_empty() {
+        return;
+    }
+    let mut parts = line.split_whitespace();
+    let method = parts.next().unwrap_or_default().to_string();
+    let target = parts.next().unwrap_or_default().to_string();
+    let mut headers = BTreeMap::new();
+    loop {
+        let mut h = String::new();
+        if reader.read_line(&mut h).is_err() || h.trim().is_empty() {
+            break;
+        }
+        if let Some((k, v)) = h.split_once(':') {
+            headers.insert(k.trim().to_lowercase(), v.trim().to_string());
+        }
+    }
+    let path = target.split('?').next().unwrap_or_default().to_string();
+    let seen = Seen {
+        method: method.clone(),
+        path: path.clone(),
+        range: headers.get("range").cloned(),
+        authorization: headers.get("authorization").cloned(),
+    };
+    state.lock().expect("state").requests.push(seen.clone());
+    let head = method == "HEAD";
+    let mut out = stream;
+    let authorized = |repo: &str| {
+        repo != PRIVATE_REPO || seen.authorization.as_deref() == Some(&format!("Bearer {TOKEN}"))
+    };
+    let known = |repo: &str| [REPO, PRIVATE_REPO, BIN_ONLY_REPO].contains(&repo);
+    let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    match segments.as_slice() {
+        ["api", "models", owner, name, "revision", rev] => {
+            let repo = format!("{owner}/{name}");
+            if !known(&repo) {
+                return json_error(&mut out, 404, "Repository not found", None);
+            }
+            if !authorized(&repo) {
+                // What the hub answers a private repository without a token.
+                return json_error(
+                    &mut out,
+                    401,
+                    "Invalid credentials in Authorization header",
+                    Some("RepoNotFound"),
+                );
+            }
+            if *rev != "main" && *rev != COMMIT {
+                return json_error(&mut out, 404, "Invalid rev id", Some("RevisionNotFound"));
+            }
+            let mut siblings = vec![
+                serde_json::json!({"rfilename": ".gitattributes"}),
+                serde_json::json!({"rfilename": "README.md"}),
+            ];
+            if repo == BIN_ONLY_REPO {
+                siblings.push(serde_json::json!({"rfilename": "config.json"}));
+                siblings.push(serde_json::json!({"rfilename": "tokenizer.json"}));
+                siblings.push(serde_json::json!({"rfilename": "pytorch_model.bin"}));
+            } else {
+                for (name, bytes) in files {
+                    // Like the hub, the size of LFS files only: the others
+                    // are sized by a HEAD request when it matters.
+                    siblings.push(if name == WEIGHTS {
+                        serde_json::json!({"rfilename": name, "size": bytes.len(),
+                            "lfs": {"size": bytes.len(), "sha256": "00", "pointerSize": 134}})
+                    } else {
+                        serde_json::json!({"rfilename": name})
+                    });
+                }
+            }
+            let body = serde_json::json!({"id": repo, "sha": COMMIT, "siblings": siblings});
+            respond(
+                &mut out,
+                "200 OK",
+                &[("Content-Type", "application/json".into())],
+                body.to_string().as_bytes(),
+                head,
+            );
+        }
+        [owner, name, "resolve", rev, file] => {
+            let repo = format!("{owner}/{name}");
+            if !known(&repo) {
+                return json_error(&mut out, 404, "Repository not found", None);
+            }
+            if !authorized(&repo) {
+                return json_error(&mut out, 401, "Invalid credentials", Some("RepoNotFound"));
+            }
+            let Some(bytes) = files
+                .get(*file)
+                .filter(|_| *rev == "main" || *rev == COMMIT)
+            else {
+                return json_error(&mut out, 404, "Entry not found", Some("EntryNotFound"));
+            };
+            if *file == WEIGHTS {
+                respond(
+                    &mut out,
+                    "302 Found",
+                    &[
+                        ("Location", format!("/cdn/{repo}/{file}?signature=x")),
+                        ("X-Linked-Size", bytes.len().to_string()),
+                    ],
+                    b"",
+                    head,
+                );
+            } else {
+                respond(&mut out, "200 OK", &[], bytes, head);
+            }
+        }
+        ["cdn", _owner, _name, file] => {
+            let Some(bytes) = files.get(*file) else {
+                return json_error(&mut out, 404, "no such object", None);
+            };
+            let start = seen
+                .range
+                .as_deref()
+                .and_then(|r| r.strip_prefix("bytes="))
+                .and_then(|r| r.strip_suffix('-'))
+                .and_then(|r| r.parse::<usize>().ok());
+            let (status, body, extra) = match start {
+                Some(s) if s < bytes.len() => (
+                    "206 Partial Content",
+                    &bytes[s..],
+                    vec![(
+                        "Content-Range",
+                        format!("bytes {s}-{}/{}", bytes.len() - 1, bytes.len()),
+                    )],
+                ),
+                Some(_) => {
+                    return respond(
+                        &mut out,
+                        "416 Range Not Satisfiable",
+                        &[("Content-Range", format!("bytes */{}", bytes.len()))],
+                        b"",
+                        head,
+                    );
+                }
+                None => ("200 OK", &bytes[..], vec![]),
+            };
+            let cut = !head && {
+                let mut s = state.lock().expect("state");
+                let cut = s.cut_always || s.cut_next > 0;
+                s.cut_next = s.cut_next.saturating_sub(1);
+                cut
+            };
+            if cut {
+                // Promise the whole body, send half, hang up.
+                let mut text = format!(
+                    "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n",
+                    body.len()
+                );
+                for (k, v) in &extra {
+                    text.push_str(&format!("{k}: {v}\r\n"));
+                }
+                text.push_str("\r\n");
+                let _ = out.write_all(text.as_bytes());
+                let _ = out.write_all(&body[..body.len() / 2]);
+                let _ = out.flush();
+                let _ = out.shutdown(std::net::Shutdown::Both);
+                return;
+            }
+            respond(&mut out, status, &extra, body, head);
+        }
+        _ => json_error(&mut out, 404, "no such route", None),
+    }
+}
+
+fn respond(out: &mut TcpStream, status: &str, headers: &[(&str, String)], body: &[u8], head: bool) {
+    let mut text = format!(
+        "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        text.push_str(&format!("{k}: {v}\r\n"));
+    }
+    text.push_str("\r\n");
+    let _ = out.write_all(text.as_bytes());
+    if !head {
+        let _ = out.write_all(body);
+    }
+    let _ = out.flush();
+}
+
+fn json_error(out: &mut TcpStream, status: u16, message: &str, code: Option<&str>) {
+    let reason = match status {
+        401 => "401 Unauthorized",
+        _ => "404 Not Found",
+    };
+    let mut headers = vec![("Content-Type", "application/json".to_string())];
+    if let Some(code) = code {
+        headers.push(("X-Error-Code", code.to_string()));
+    }
+    let body = serde_json::json!({ "error": message }).to_string();
+    respond(out, reason, &headers, body.as_bytes(), false);
+}
+
+/// What one run of the binary left.
+#[derive(Debug)]
+enum Ended {
+    Report(InitializerReport),
+    Message(i32, TerminationMessage),
+}
+
+impl Ended {
+    fn report(self) -> InitializerReport {
+        match self {
+            Ended::Report(r) => r,
+            Ended::Message(code, m) => panic!("expected success, got exit {code}: {m:?}"),
+        }
+    }
+
+    fn message(self) -> (i32, TerminationMessage) {
+        match self {
+            Ended::Message(code, m) => (code, m),
+            Ended::Report(r) => panic!("expected a failure, got {r:?}"),
+        }
+    }
+}
+
+fn assignment(model: ModelSource, model_dir: &Path, data: &Path) -> InitializerAssignment {
+    InitializerAssignment {
+        job: "tiny".into(),
+        namespace: "default".into(),
+        model,
+        model_dir: model_dir.display().to_string(),
+        data_file: data.display().to_string(),
+        data_format: DataFormat::Jsonl {
+            field: "text".into(),
+        },
+        sequence_length: 32,
+    }
+}
+
+fn from_hub(hub: &FakeHub, repo: &str) -> ModelSource {
+    ModelSource::HuggingFace {
+        repo: repo.into(),
+        revision: "main".into(),
+        endpoint: hub.endpoint.clone(),
+    }
+}
+
+fn initialize(dir: &Path, assignment: &InitializerAssignment, token: Option<&str>) -> Ended {
+    let termination = dir.join("termination-log");
+    let _ = std::fs::remove_file(&termination);
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_headroom-worker"));
+    cmd.env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("HOME", dir)
+        .env(
+            INITIALIZE_JSON_ENV,
+            serde_json::to_string(assignment).expect("json"),
+        )
+        .env(TERMINATION_MESSAGE_PATH_ENV, &termination);
+    if let Some(token) = token {
+        cmd.env(HF_TOKEN_ENV, token);
+    }
+    let out = cmd.output().expect("run the initializer");
+    let code = out.status.code().expect("exit code");
+    let text = std::fs::read_to_string(&termination).unwrap_or_else(|e| {
+        panic!(
+            "every exit writes a termination message ({e}); stderr:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    if code == exit_code::SUCCESS {
+        Ended::Report(serde_json::from_str(&text).expect("a report"))
+    } else {
+        let message: TerminationMessage = serde_json::from_str(&text).expect("a message");
+        assert_eq!(
+            message.outcome.exit_code(),
+            code,
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ended::Message(code, message)
+    }
+}
+
+fn fixture_bytes() -> u64 {
+    FILES
+        .iter()
+        .map(|f| std::fs::metadata(fixture().join(f)).expect("fixture").len())
+        .sum()
+}
+
+fn assert_same_files(dir: &Path) {
+    for f in FILES {
+        assert!(
+            std::fs::read(dir.join(f)).expect("downloaded")
+                == std::fs::read(fixture().join(f)).expect("fixture"),
+            "{f} differs from the fixture"
+        );
+        assert!(
+            !dir.join(format!("{f}.part")).exists(),
+            "{f}.part left behind"
+        );
+    }
+}
+
+fn count(requests: &[Seen], method: &str, path_part: &str) -> usize {
+    requests
+        .iter()
+        .filter(|r| r.method == method && r.path.contains(path_part))
+        .count()
+}
+
+#[test]
+fn fetches_checks_and_reports_then_downloads_nothing_the_second_time() {
+    let hub = FakeHub::start();
+    let dir = temp_dir("fetch");
+    let model_dir = dir.join("model");
+    let a = assignment(from_hub(&hub, REPO), &model_dir, &data_file());
+
+    let report = initialize(&dir, &a, None).report();
+    assert_eq!(report.model.parameters, 214_592);
+    assert_eq!(report.model.dtype, "F32");
+    assert_eq!(report.model.shape.layers, 4);
+    assert_eq!(report.model.shape.sequence_length, 32);
+    assert_eq!(
+        report.model.bytes,
+        std::fs::metadata(fixture().join(WEIGHTS))
+            .expect("fixture")
+            .len()
+    );
+    assert_eq!(report.data.documents, 8);
+    assert!(report.data.samples > 0, "{report:?}");
+    assert!(report.data.tokens > 32 * report.data.samples, "{report:?}");
+    assert_eq!(report.downloaded_bytes, fixture_bytes());
+    assert_same_files(&model_dir);
+    let first = hub.take_requests();
+    // Files came by the commit the listing named; the weights through the CDN redirect.
+    assert_eq!(
+        count(&first, "GET", &format!("/resolve/{COMMIT}/")),
+        FILES.len(),
+        "{first:#?}"
+    );
+    assert_eq!(count(&first, "GET", "/cdn/"), 1, "{first:#?}");
+    for unwanted in ["README.md", ".gitattributes"] {
+        assert_eq!(count(&first, "GET", unwanted), 0, "{first:#?}");
+    }
+
+    // Everything is in place: the second run only lists and compares sizes.
+    let again = initialize(&dir, &a, None).report();
+    assert_eq!(again.downloaded_bytes, 0);
+    assert_eq!(again.model, report.model);
+    assert_eq!(again.data, report.data);
+    let second = hub.take_requests();
+    assert_eq!(count(&second, "GET", "/api/models/"), 1, "{second:#?}");
+    assert_eq!(count(&second, "GET", "/resolve/"), 0, "{second:#?}");
+    assert_eq!(count(&second, "GET", "/cdn/"), 0, "{second:#?}");
+    // The files the listing gives no size for are sized by HEAD; the weights by the listing.
+    assert_eq!(
+        count(&second, "HEAD", "/resolve/"),
+        FILES.len() - 1,
+        "{second:#?}"
+    );
+    assert_same_files(&model_dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_broken_download_is_resumed_with_a_range_request() {
+    let hub = FakeHub::start();
+    hub.state().cut_next = 1;
+    let dir = temp_dir("resume");
+    let model_dir = dir.join("model");
+    let a = assignment(from_hub(&hub, REPO), &model_dir, &data_file());
+    // The run retries the broken transfer itself, from where it broke off.
+    let report = initialize(&dir, &a, None).report();
+    assert_eq!(report.model.parameters, 214_592);
+    let cdn: Vec<Seen> = hub
+        .take_requests()
+        .into_iter()
+        .filter(|r| r.method == "GET" && r.path.contains("/cdn/"))
+        .collect();
+    let half = std::fs::metadata(fixture().join(WEIGHTS))
+        .expect("fixture")
+        .len()
+        / 2;
+    assert_eq!(cdn.len(), 2, "{cdn:#?}");
+    assert_eq!(cdn[0].range, None);
+    assert_eq!(
+        cdn[1].range.as_deref(),
+        Some(format!("bytes={half}-").as_str())
+    );
+    // Half, then the other half: every byte once.
+    assert_eq!(report.downloaded_bytes, fixture_bytes());
+    assert_same_files(&model_dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_download_that_keeps_breaking_fails_and_the_next_run_resumes_it() {
+    let hub = FakeHub::start();
+    hub.state().cut_always = true;
+    let dir = temp_dir("keeps-breaking");
+    let model_dir = dir.join("model");
+    let a = assignment(from_hub(&hub, REPO), &model_dir, &data_file());
+    let (code, message) = initialize(&dir, &a, None).message();
+    assert_eq!(code, exit_code::FAILURE);
+    assert_eq!(message.outcome, WorkerOutcome::Failed);
+    assert!(
+        message.reason.contains(&format!(
+            "{}/{REPO}/resolve/{COMMIT}/{WEIGHTS}",
+            hub.endpoint
+        )) && message.reason.contains("resumes"),
+        "{}",
+        message.reason
+    );
+    let part = model_dir.join(format!("{WEIGHTS}.part"));
+    let kept = std::fs::metadata(&part)
+        .expect("the partial download is kept")
+        .len();
+    let full = std::fs::metadata(fixture().join(WEIGHTS))
+        .expect("fixture")
+        .len();
+    assert!(kept > full / 2 && kept < full, "{kept} of {full}");
+    assert!(!model_dir.join(WEIGHTS).exists());
+    // Each try asked for the rest of what the previous one got.
+    let ranges: Vec<Option<String>> = hub
+        .take_requests()
+        .into_iter()
+        .filter(|r| r.method == "GET" && r.path.contains("/cdn/"))
+        .map(|r| r.range)
+        .collect();
+    assert_eq!(ranges.len(), 4, "{ranges:?}");
+    assert_eq!(ranges[0], None);
+    assert!(ranges[1..].iter().all(Option::is_some), "{ranges:?}");
+
+    hub.state().cut_always = false;
+    let report = initialize(&dir, &a, None).report();
+    let cdn: Vec<Seen> = hub
+        .take_requests()
+        .into_iter()
+        .filter(|r| r.method == "GET" && r.path.contains("/cdn/"))
+        .collect();
+    assert_eq!(cdn.len(), 1, "{cdn:#?}");
+    assert_eq!(
+        cdn[0].range.as_deref(),
+        Some(format!("bytes={kept}-").as_str())
+    );
+    // Only the rest of the weights: the small files were already in place.
+    assert_eq!(report.downloaded_bytes, full - kept);
+    assert_same_files(&model_dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_private_repository_needs_the_token() {
+    let hub = FakeHub::start();
+    let dir = temp_dir("private");
+    let model_dir = dir.join("model");
+    let a = assignment(from_hub(&hub, PRIVATE_REPO), &model_dir, &data_file());
+
+    let (code, message) = initialize(&dir, &a, None).message();
+    assert_eq!(code, exit_code::INVALID_PLAN);
+    assert!(
+        message.reason.contains(PRIVATE_REPO)
+            && message.reason.contains("needs a token")
+            && message.reason.contains("tokenSecret"),
+        "{}",
+        message.reason
+    );
+    let (code, message) = initialize(&dir, &a, Some("hf_wrong")).message();
+    assert_eq!(code, exit_code::INVALID_PLAN);
+    assert!(
+        message.reason.contains("token was refused"),
+        "{}",
+        message.reason
+    );
+    assert!(!message.reason.contains("hf_wrong"), "{}", message.reason);
+    hub.take_requests();
+
+    let report = initialize(&dir, &a, Some(TOKEN)).report();
+    assert_eq!(report.model.parameters, 214_592);
+    assert_same_files(&model_dir);
+    let requests = hub.take_requests();
+    let bearer = format!("Bearer {TOKEN}");
+    for r in requests.iter().filter(|r| !r.path.starts_with("/cdn/")) {
+        assert_eq!(r.authorization.as_deref(), Some(bearer.as_str()), "{r:?}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn an_unknown_repository_is_not_found() {
+    let hub = FakeHub::start();
+    let dir = temp_dir("unknown");
+    let a = assignment(
+        from_hub(&hub, "headroom/no-such-model"),
+        &dir.join("model"),
+        &data_file(),
+    );
+    let (code, message) = initialize(&dir, &a, None).message();
+    assert_eq!(code, exit_code::INVALID_PLAN);
+    assert!(
+        message.reason.contains("headroom/no-such-model")
+            && message.reason.contains("(revision main)")
+            && message.reason.contains(&hub.endpoint)
+            && message.reason.contains("not found"),
+        "{}",
+        message.reason
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_repository_with_only_pytorch_weights_is_refused_before_any_download() {
+    let hub = FakeHub::start();
+    let dir = temp_dir("bin-only");
+    let a = assignment(
+        from_hub(&hub, BIN_ONLY_REPO),
+        &dir.join("model"),
+        &data_file(),
+    );
+    let (code, message) = initialize(&dir, &a, None).message();
+    assert_eq!(code, exit_code::INVALID_PLAN);
+    assert!(
+        message.reason.contains(BIN_ONLY_REPO)
+            && message.reason.contains(".bin")
+            && message.reason.contains("safetensors"),
+        "{}",
+        message.reason
+    );
+    let requests = hub.take_requests();
+    assert_eq!(count(&requests, "GET", "/resolve/"), 0, "{requests:#?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A copy of the fixture with config.json edited by `edit`.
+fn volume_copy(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) -> PathBuf {
+    let model = dir.join("volume-model");
+    std::fs::create_dir_all(&model).expect("dir");
+    for f in FILES {
+        std::fs::copy(fixture().join(f), model.join(f)).expect("copy");
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).expect("config"))
+            .expect("json");
+    edit(&mut config);
+    std::fs::write(model.join("config.json"), config.to_string()).expect("write");
+    model
+}
+
+#[test]
+fn a_checkpoint_on_a_volume_is_checked_against_its_config() {
+    let dir = temp_dir("volume");
+    let model = volume_copy(&dir, |_| {});
+    let report = initialize(
+        &dir,
+        &assignment(ModelSource::Volume, &model, &data_file()),
+        None,
+    )
+    .report();
+    assert_eq!(report.model.parameters, 214_592);
+    assert_eq!(report.downloaded_bytes, 0);
+
+    let tampered = volume_copy(&dir, |c| c["num_key_value_heads"] = 4.into());
+    let (code, message) = initialize(
+        &dir,
+        &assignment(ModelSource::Volume, &tampered, &data_file()),
+        None,
+    )
+    .message();
+    assert_eq!(code, exit_code::INVALID_PLAN);
+    assert!(
+        message
+            .reason
+            .contains("model.layers.0.self_attn.k_proj.weight is [32, 64]")
+            && message.reason.contains("implies [64, 64]")
+            && message.reason.contains("num_key_value_heads 4"),
+        "{}",
+        message.reason
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn data_without_the_field_names_the_file_and_the_field() {
+    let dir = temp_dir("data");
+    let data = dir.join("notes.jsonl");
+    std::fs::write(
+        &data,
+        "{\"body\": \"We hold these truths to be self-evident.\"}\n",
+    )
+    .expect("write");
+    let (code, message) = initialize(
+        &dir,
+        &assignment(ModelSource::Volume, &fixture(), &data),
+        None,
+    )
+    .message();
+    assert_eq!(code, exit_code::INVALID_PLAN);
+    assert!(
+        message.reason.contains(&format!("{}:1", data.display()))
+            && message.reason.contains("no field `text`")
+            && message.reason.contains("body"),
+        "{}",
+        message.reason
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
