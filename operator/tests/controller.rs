@@ -1195,3 +1195,175 @@ async fn one_leader_at_a_time_and_release_hands_over() {
     );
     ns.cleanup().await;
 }
+
+const CPU_FINETUNE: &str = include_str!("../../samples/cpu-finetune-tiny-llama.yaml");
+
+/// What the initializer reports for the transformers-made tiny-llama fixture.
+fn tiny_llama_report(sequence_length: u32) -> String {
+    let config = include_str!("../../worker/tests/fixtures/llama/tiny-llama/config.json");
+    let shape = headroom_planner::LlamaShape::from_hf_config(config, sequence_length)
+        .expect("fixture config");
+    serde_json::to_string(&headroom_api::InitializerReport {
+        model: headroom_api::ModelFacts {
+            parameters: shape.total_params(),
+            shape,
+            bytes: 862_296,
+            dtype: "F32".into(),
+        },
+        data: headroom_api::DataFacts {
+            documents: 4,
+            tokens: 1_000,
+            samples: 15,
+        },
+        downloaded_bytes: 0,
+    })
+    .expect("report JSON")
+}
+
+fn env_of(pod: &Pod, name: &str) -> Option<String> {
+    pod.spec.as_ref()?.containers[0]
+        .env
+        .as_ref()?
+        .iter()
+        .find(|e| e.name == name)?
+        .value
+        .clone()
+}
+
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn a_pretrained_job_is_initialized_then_planned_from_its_checkpoint() {
+    let ns = test_ns("hr-finetune").await;
+    let op = start_operator(&ns, ControllerConfig::default());
+    ns.apply_job(CPU_FINETUNE).await;
+    let pods = ns
+        .wait_pods("the initializer pod", TIMEOUT, |p| !p.is_empty())
+        .await;
+    assert_eq!(
+        pods.iter().map(|p| p.name_any()).collect::<Vec<_>>(),
+        vec!["finetune-tiny-llama-init-1"],
+        "nothing but the initializer before the checkpoint is read"
+    );
+    let init = &pods[0];
+    let assignment: headroom_api::InitializerAssignment = serde_json::from_str(
+        &env_of(init, headroom_api::INITIALIZE_JSON_ENV).expect("assignment env"),
+    )
+    .expect("assignment JSON");
+    assert_eq!(assignment.model, headroom_api::ModelSource::Volume);
+    assert_eq!(
+        assignment.model_dir,
+        "/var/lib/headroom/claims/models/tiny-llama"
+    );
+    assert_eq!(assignment.sequence_length, 64);
+    let job = ns
+        .wait_job("finetune-tiny-llama", "Initializing", TIMEOUT, |j| {
+            j.status
+                .as_ref()
+                .is_some_and(|s| s.conditions.iter().any(|c| c.type_ == "Initialized"))
+        })
+        .await;
+    assert_eq!(phase(&job), Some(JobPhase::Pending));
+
+    ns.set_pod_status(
+        "finetune-tiny-llama-init-1",
+        terminated(0, "Completed", Some(&tiny_llama_report(64))),
+    )
+    .await;
+    let job = ns
+        .wait_job("finetune-tiny-llama", "attempt 1 planned", TIMEOUT, |j| {
+            attempts(j) == 1
+        })
+        .await;
+    let status = job.status.expect("status");
+    assert_eq!(status.model.as_ref().map(|m| m.parameters), Some(214_592));
+    assert_eq!(status.data.as_ref().map(|d| d.samples), Some(15));
+    assert_eq!(
+        status.output.as_deref(),
+        Some("finetune-tiny-llama-checkpoints:output")
+    );
+    let initialized = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Initialized")
+        .expect("condition");
+    assert_eq!(
+        (initialized.status.as_str(), initialized.reason.as_str()),
+        ("True", "Initialized")
+    );
+    let workers = ns
+        .wait_pods("the worker pod", TIMEOUT, |p| pods_of_attempt(p, 1) == 1)
+        .await;
+    let worker = workers
+        .iter()
+        .find(|p| p.name_any() == "finetune-tiny-llama-a1-s0")
+        .expect("worker pod");
+    let assignment: headroom_api::WorkerAssignment =
+        serde_json::from_str(&env_of(worker, headroom_api::PLAN_JSON_ENV).expect("plan env"))
+            .expect("assignment JSON");
+    let files = assignment
+        .files
+        .expect("the worker is told where its files are");
+    assert_eq!(
+        files.model_dir,
+        "/var/lib/headroom/claims/models/tiny-llama"
+    );
+    assert_eq!(
+        files.data_file,
+        "/var/lib/headroom/claims/datasets/declaration-of-independence.jsonl"
+    );
+    let headroom_planner::ModelShape::Llama(shape) = assignment.model else {
+        panic!("the worker builds the checkpoint's model");
+    };
+    assert_eq!((shape.layers, shape.sequence_length), (4, 64));
+    op.stop().await;
+    ns.cleanup().await;
+}
+
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn a_checkpoint_the_initializer_refuses_fails_the_job_with_its_reason() {
+    let ns = test_ns("hr-badsource").await;
+    let op = start_operator(&ns, ControllerConfig::default());
+    ns.apply_job(CPU_FINETUNE).await;
+    ns.wait_pods("the initializer pod", TIMEOUT, |p| !p.is_empty())
+        .await;
+    let refusal = serde_json::to_string(&headroom_api::TerminationMessage {
+        outcome: headroom_api::WorkerOutcome::InvalidPlan,
+        reason: "model.layers.0.self_attn.k_proj.weight is [32, 64] in model.safetensors; config.json implies [64, 64]".into(),
+        step: None,
+        peak_bytes: None,
+        requested_bytes: None,
+    })
+    .expect("JSON");
+    ns.set_pod_status(
+        "finetune-tiny-llama-init-1",
+        terminated(
+            headroom_api::WorkerOutcome::InvalidPlan.exit_code(),
+            "Error",
+            Some(&refusal),
+        ),
+    )
+    .await;
+    let job = ns
+        .wait_job("finetune-tiny-llama", "Failed", TIMEOUT, |j| {
+            phase(j) == Some(JobPhase::Failed)
+        })
+        .await;
+    let status = job.status.expect("status");
+    let failed = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Failed")
+        .expect("Failed condition");
+    assert_eq!(failed.reason, "InvalidSource");
+    assert!(failed.message.contains("k_proj"), "{}", failed.message);
+    let pods = ns.pods().list(&Default::default()).await.expect("pods");
+    assert!(
+        pods.items
+            .iter()
+            .all(|p| p.labels().get(LABEL_ATTEMPT).is_none()),
+        "no worker pod for a checkpoint that cannot be used"
+    );
+    op.stop().await;
+    ns.cleanup().await;
+}

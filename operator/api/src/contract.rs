@@ -250,7 +250,9 @@ pub struct ModelFacts {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct DataFacts {
+    /// Documents in the data file.
     pub documents: u64,
+    /// Tokens after tokenizing, end-of-sequence separators included.
     pub tokens: u64,
     /// Packed samples of `sequence_length + 1` tokens.
     pub samples: u64,

@@ -179,6 +179,7 @@ pub struct HuggingFaceSource {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct SecretKey {
+    /// The Secret's name.
     #[schemars(length(min = 1, max = 253))]
     pub name: String,
     /// Default `token`.
@@ -195,6 +196,7 @@ pub struct SecretKey {
      "message": "path is relative to the claim's root and must not contain '..' (e.g. models/llama-3.2-1b)"}
 ]))]
 pub struct VolumePath {
+    /// A PersistentVolumeClaim in the job's namespace.
     #[schemars(length(min = 1, max = 253))]
     pub claim_name: String,
     /// Relative to the claim's root; empty for the root itself.

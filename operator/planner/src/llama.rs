@@ -88,9 +88,13 @@ pub struct LlamaShape {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct RopeScaling {
+    /// How much slower the longest wavelengths turn.
     pub factor: f32,
+    /// Wavelengths longer than original / low turn `factor` times slower.
     pub low_freq_factor: f32,
+    /// Wavelengths shorter than original / high are kept.
     pub high_freq_factor: f32,
+    /// The context length the model was pretrained with.
     pub original_max_position_embeddings: f32,
 }
 
