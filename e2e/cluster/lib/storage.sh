@@ -37,13 +37,14 @@ local_path_provisioner_ready() {
 }
 
 # The helper pods' image: busybox as /bin/sh, mkdir and rm (what the setup
-# and teardown scripts below use); root, as it makes directories on the host.
+# and teardown scripts below use; cp for the e2e suite, which puts files on
+# claims with it); root, as it makes directories on the host.
 volume_helper_image_ensure() {
   local busybox=/bin/busybox
   [[ -x ${busybox} ]] || die "${busybox} missing (Debian package busybox-static)"
   IMAGE_USER=0:0 ROOTFS_CA_CERTS=0 ROOTFS_BIN_DIR=/bin IMAGE_IMPORT=0 \
     "${HERE}/../images/build.sh" "${VOLUME_HELPER_IMAGE}" "${busybox}" \
-    "${busybox}:/bin/sh" "${busybox}:/bin/mkdir" "${busybox}:/bin/rm" >/dev/null
+    "${busybox}:/bin/sh" "${busybox}:/bin/mkdir" "${busybox}:/bin/rm" "${busybox}:/bin/cp" >/dev/null
 }
 
 storage_manifests() {
