@@ -24,6 +24,12 @@ use headroom_worker::run::TERMINATION_MESSAGE_PATH_ENV;
 const REPO: &str = "headroom/tiny-llama";
 const PRIVATE_REPO: &str = "headroom/private-llama";
 const BIN_ONLY_REPO: &str = "headroom/bin-only-llama";
+const SHARDED_REPO: &str = "headroom/sharded-llama";
+const SHARDS: [&str; 2] = [
+    "model-00001-of-00002.safetensors",
+    "model-00002-of-00002.safetensors",
+];
+const INDEX: &str = "model.safetensors.index.json";
 const TOKEN: &str = "hf_test_token";
 const COMMIT: &str = "0123456789abcdef0123456789abcdef01234567";
 const WEIGHTS: &str = "model.safetensors";
@@ -82,17 +88,23 @@ impl FakeHub {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
         let endpoint = format!("http://{}", listener.local_addr().expect("addr"));
         let state = Arc::new(Mutex::new(State::default()));
-        let files: Arc<BTreeMap<String, Vec<u8>>> = Arc::new(
-            FILES
-                .iter()
-                .map(|f| {
-                    (
-                        f.to_string(),
-                        std::fs::read(fixture().join(f)).expect("fixture file"),
-                    )
-                })
-                .collect(),
+        let tiny = fixture_files();
+        let mut repos = BTreeMap::new();
+        repos.insert(REPO.to_string(), tiny.clone());
+        repos.insert(PRIVATE_REPO.to_string(), tiny.clone());
+        repos.insert(SHARDED_REPO.to_string(), sharded(&tiny));
+        repos.insert(
+            BIN_ONLY_REPO.to_string(),
+            [
+                ("config.json", &tiny["config.json"][..]),
+                ("tokenizer.json", &tiny["tokenizer.json"][..]),
+                ("pytorch_model.bin", b"not really"),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_vec()))
+            .collect(),
         );
+        let files: Arc<Repos> = Arc::new(repos);
         let shared = state.clone();
         std::thread::spawn(move || {
             for stream in listener.incoming().flatten() {
@@ -113,7 +125,54 @@ impl FakeHub {
     }
 }
 
-fn serve(stream: TcpStream, state: &Mutex<State>, files: &BTreeMap<String, Vec<u8>>) {
+/// Repository → file name → bytes.
+type Repos = BTreeMap<String, BTreeMap<String, Vec<u8>>>;
+
+/// The tiny-llama fixture's files.
+fn fixture_files() -> BTreeMap<String, Vec<u8>> {
+    FILES
+        .iter()
+        .map(|f| {
+            (
+                f.to_string(),
+                std::fs::read(fixture().join(f)).expect("fixture file"),
+            )
+        })
+        .collect()
+}
+
+/// The fixture as a sharded checkpoint: the embedding and layers 0–1 in one
+/// shard, the rest in another, and the index naming them.
+fn sharded(tiny: &BTreeMap<String, Vec<u8>>) -> BTreeMap<String, Vec<u8>> {
+    let tensors = safetensors::SafeTensors::deserialize(&tiny[WEIGHTS]).expect("fixture weights");
+    let mut shards: [Vec<(String, safetensors::tensor::TensorView<'_>)>; 2] = [vec![], vec![]];
+    for (name, view) in tensors.tensors() {
+        let first = name.starts_with("model.embed_tokens")
+            || name.starts_with("model.layers.0.")
+            || name.starts_with("model.layers.1.");
+        shards[usize::from(!first)].push((name, view));
+    }
+    let mut files: BTreeMap<String, Vec<u8>> = tiny
+        .iter()
+        .filter(|(name, _)| *name != WEIGHTS)
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let mut weight_map = BTreeMap::new();
+    for (k, shard) in shards.iter().enumerate() {
+        let file = SHARDS[k].to_string();
+        for (name, _) in shard {
+            weight_map.insert(name.clone(), file.clone());
+        }
+        let bytes = safetensors::serialize(shard.iter().map(|(n, v)| (n.as_str(), v)), None)
+            .expect("serialize a shard");
+        files.insert(file, bytes);
+    }
+    let index = serde_json::json!({"metadata": {"total_size": 0}, "weight_map": weight_map});
+    files.insert(INDEX.to_string(), index.to_string().into_bytes());
+    files
+}
+
+fn serve(stream: TcpStream, state: &Mutex<State>, repos: &Repos) {
     let mut reader = BufReader::new(stream.try_clone().expect("clone"));
     let mut line = String::new();
     if reader.read_line(&mut line).is_err() || line.is_empty() {
@@ -145,14 +204,13 @@ fn serve(stream: TcpStream, state: &Mutex<State>, files: &BTreeMap<String, Vec<u
     let authorized = |repo: &str| {
         repo != PRIVATE_REPO || seen.authorization.as_deref() == Some(&format!("Bearer {TOKEN}"))
     };
-    let known = |repo: &str| [REPO, PRIVATE_REPO, BIN_ONLY_REPO].contains(&repo);
     let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
     match segments.as_slice() {
         ["api", "models", owner, name, "revision", rev] => {
             let repo = format!("{owner}/{name}");
-            if !known(&repo) {
+            let Some(files) = repos.get(&repo) else {
                 return json_error(&mut out, 404, "Repository not found", None);
-            }
+            };
             if !authorized(&repo) {
                 // What the hub answers a private repository without a token.
                 return json_error(
@@ -169,21 +227,16 @@ fn serve(stream: TcpStream, state: &Mutex<State>, files: &BTreeMap<String, Vec<u
                 serde_json::json!({"rfilename": ".gitattributes"}),
                 serde_json::json!({"rfilename": "README.md"}),
             ];
-            if repo == BIN_ONLY_REPO {
-                siblings.push(serde_json::json!({"rfilename": "config.json"}));
-                siblings.push(serde_json::json!({"rfilename": "tokenizer.json"}));
-                siblings.push(serde_json::json!({"rfilename": "pytorch_model.bin"}));
-            } else {
-                for (name, bytes) in files {
-                    // Like the hub, the size of LFS files only: the others
-                    // are sized by a HEAD request when it matters.
-                    siblings.push(if name == WEIGHTS {
-                        serde_json::json!({"rfilename": name, "size": bytes.len(),
-                            "lfs": {"size": bytes.len(), "sha256": "00", "pointerSize": 134}})
-                    } else {
-                        serde_json::json!({"rfilename": name})
-                    });
-                }
+            for (name, bytes) in files {
+                // Sizes for all but the weights (the hub gives all with
+                // `blobs=true`, a mirror may give none), so both ways to
+                // know a size are exercised: the listing's, and a HEAD
+                // request (answered by the 302's X-Linked-Size).
+                siblings.push(if is_lfs(name) {
+                    serde_json::json!({"rfilename": name})
+                } else {
+                    serde_json::json!({"rfilename": name, "size": bytes.len()})
+                });
             }
             let body = serde_json::json!({"id": repo, "sha": COMMIT, "siblings": siblings});
             respond(
@@ -196,9 +249,9 @@ fn serve(stream: TcpStream, state: &Mutex<State>, files: &BTreeMap<String, Vec<u
         }
         [owner, name, "resolve", rev, file] => {
             let repo = format!("{owner}/{name}");
-            if !known(&repo) {
+            let Some(files) = repos.get(&repo) else {
                 return json_error(&mut out, 404, "Repository not found", None);
-            }
+            };
             if !authorized(&repo) {
                 return json_error(&mut out, 401, "Invalid credentials", Some("RepoNotFound"));
             }
@@ -208,7 +261,7 @@ fn serve(stream: TcpStream, state: &Mutex<State>, files: &BTreeMap<String, Vec<u
             else {
                 return json_error(&mut out, 404, "Entry not found", Some("EntryNotFound"));
             };
-            if *file == WEIGHTS {
+            if is_lfs(file) {
                 respond(
                     &mut out,
                     "302 Found",
@@ -223,8 +276,11 @@ fn serve(stream: TcpStream, state: &Mutex<State>, files: &BTreeMap<String, Vec<u
                 respond(&mut out, "200 OK", &[], bytes, head);
             }
         }
-        ["cdn", _owner, _name, file] => {
-            let Some(bytes) = files.get(*file) else {
+        ["cdn", owner, name, file] => {
+            let Some(bytes) = repos
+                .get(&format!("{owner}/{name}"))
+                .and_then(|files| files.get(*file))
+            else {
                 return json_error(&mut out, 404, "no such object", None);
             };
             let start = seen
@@ -279,6 +335,11 @@ fn serve(stream: TcpStream, state: &Mutex<State>, files: &BTreeMap<String, Vec<u
         }
         _ => json_error(&mut out, 404, "no such route", None),
     }
+}
+
+/// Files the hub keeps in LFS (served from the CDN).
+fn is_lfs(name: &str) -> bool {
+    name.ends_with(".safetensors") || name.ends_with(".bin")
 }
 
 fn respond(out: &mut TcpStream, status: &str, headers: &[(&str, String)], body: &[u8], head: bool) {
@@ -372,6 +433,8 @@ fn initialize(dir: &Path, assignment: &InitializerAssignment, token: Option<&str
     }
     let out = cmd.output().expect("run the initializer");
     let code = out.status.code().expect("exit code");
+    // Shown for a failing test (or with --nocapture).
+    eprintln!("{}", String::from_utf8_lossy(&out.stderr));
     let text = std::fs::read_to_string(&termination).unwrap_or_else(|e| {
         panic!(
             "every exit writes a termination message ({e}); stderr:\n{}",
@@ -464,12 +527,11 @@ fn fetches_checks_and_reports_then_downloads_nothing_the_second_time() {
     assert_eq!(count(&second, "GET", "/api/models/"), 1, "{second:#?}");
     assert_eq!(count(&second, "GET", "/resolve/"), 0, "{second:#?}");
     assert_eq!(count(&second, "GET", "/cdn/"), 0, "{second:#?}");
-    // The files the listing gives no size for are sized by HEAD; the weights by the listing.
-    assert_eq!(
-        count(&second, "HEAD", "/resolve/"),
-        FILES.len() - 1,
-        "{second:#?}"
-    );
+    // The weights, which the listing gives no size for, are sized by HEAD
+    // (without following the redirect to the CDN); the rest by the listing.
+    assert_eq!(count(&second, "HEAD", "/resolve/"), 1, "{second:#?}");
+    assert_eq!(count(&second, "HEAD", WEIGHTS), 1, "{second:#?}");
+    assert_eq!(second.len(), 2, "{second:#?}");
     assert_same_files(&model_dir);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -558,6 +620,78 @@ fn a_download_that_keeps_breaking_fails_and_the_next_run_resumes_it() {
     // Only the rest of the weights: the small files were already in place.
     assert_eq!(report.downloaded_bytes, full - kept);
     assert_same_files(&model_dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_complete_part_file_is_put_in_place_without_downloading_it_again() {
+    // A run that died between the last byte and the rename.
+    let hub = FakeHub::start();
+    let dir = temp_dir("complete-part");
+    let model_dir = dir.join("model");
+    std::fs::create_dir_all(&model_dir).expect("dir");
+    for f in FILES {
+        let to = if f == WEIGHTS {
+            model_dir.join(format!("{f}.part"))
+        } else {
+            model_dir.join(f)
+        };
+        std::fs::copy(fixture().join(f), to).expect("copy");
+    }
+    let a = assignment(from_hub(&hub, REPO), &model_dir, &data_file());
+    let report = initialize(&dir, &a, None).report();
+    assert_eq!(report.downloaded_bytes, 0);
+    assert_same_files(&model_dir);
+    // The listing gives no size for the weights: the server's 416 to the
+    // range after the last byte says the part is whole.
+    let full = std::fs::metadata(fixture().join(WEIGHTS))
+        .expect("fixture")
+        .len();
+    let cdn: Vec<Seen> = hub
+        .take_requests()
+        .into_iter()
+        .filter(|r| r.path.contains("/cdn/"))
+        .collect();
+    assert_eq!(cdn.len(), 1, "{cdn:#?}");
+    assert_eq!(
+        cdn[0].range.as_deref(),
+        Some(format!("bytes={full}-").as_str())
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_sharded_checkpoint_comes_with_its_index_and_every_shard() {
+    let hub = FakeHub::start();
+    let dir = temp_dir("sharded");
+    let model_dir = dir.join("model");
+    let a = assignment(from_hub(&hub, SHARDED_REPO), &model_dir, &data_file());
+    let report = initialize(&dir, &a, None).report();
+    assert_eq!(report.model.parameters, 214_592);
+    let served = sharded(&fixture_files());
+    assert_eq!(
+        report.model.bytes,
+        SHARDS.iter().map(|s| served[*s].len() as u64).sum::<u64>()
+    );
+    assert_eq!(
+        report.downloaded_bytes,
+        served.values().map(|b| b.len() as u64).sum::<u64>()
+    );
+    for (name, bytes) in &served {
+        assert!(
+            std::fs::read(model_dir.join(name)).expect("downloaded") == *bytes,
+            "{name} differs"
+        );
+    }
+    assert!(!model_dir.join(WEIGHTS).exists());
+    let requests = hub.take_requests();
+    assert_eq!(count(&requests, "GET", "/cdn/"), 2, "{requests:#?}");
+
+    let again = initialize(&dir, &a, None).report();
+    assert_eq!(again.downloaded_bytes, 0);
+    let requests = hub.take_requests();
+    assert_eq!(count(&requests, "GET", "/resolve/"), 0, "{requests:#?}");
+    assert_eq!(count(&requests, "HEAD", "/resolve/"), 2, "{requests:#?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -111,10 +111,11 @@ impl Builder<'_> {
         ) {
             return; // A job's completion is final.
         }
-        if self.obs.job.spec.model.pretrained.is_some() && self.d.status.model.is_none() {
-            if !self.initialize() {
-                return;
-            }
+        if self.obs.job.spec.model.pretrained.is_some()
+            && self.d.status.model.is_none()
+            && !self.initialize()
+        {
+            return;
         }
         let request = match runnable_request(self.obs.job, &self.d.status) {
             Ok(r) => r,

@@ -159,6 +159,14 @@ impl Hub {
             // A stalled transfer fails (and resumes) instead of hanging the pod;
             // a long one that keeps moving is never cut off.
             .timeout_per_read(Some(Duration::from_secs(60)))
+            // The system's trust store (the image's CA bundle, or SSL_CERT_FILE):
+            // a mirror behind an internal CA, or a TLS-inspecting proxy the
+            // cluster's admins trust, verifies as it does for every other tool.
+            .tls_config(
+                ureq::tls::TlsConfig::builder()
+                    .root_certs(ureq::tls::RootCerts::PlatformVerifier)
+                    .build(),
+            )
             .build()
             .into();
         Ok(Hub {
@@ -303,7 +311,7 @@ impl Hub {
         loop {
             match attempt() {
                 Err(InitError::Network(reason)) if tries < self.retry.attempts => {
-                    tracing::warn!(try_ = tries, wait = ?wait, "{reason}; retrying");
+                    tracing::warn!(attempt = tries, wait = ?wait, "{reason}; retrying");
                     std::thread::sleep(wait);
                     wait = wait.saturating_mul(2);
                     tries += 1;
@@ -388,18 +396,37 @@ impl Hub {
         Ok(downloaded)
     }
 
-    /// The size the hub gives for a file (`X-Linked-Size` or the final
-    /// response's `Content-Length`), from a HEAD request.
+    /// The size the hub gives for a file, from HEAD requests as
+    /// `huggingface_hub` makes them: relative redirects are followed (with
+    /// the token), a redirect elsewhere is not (a CDN's URL is signed for GET
+    /// only), and the hub's `X-Linked-Size` on a redirect to the LFS object
+    /// is its size. `None` when no response says.
     fn remote_size(&self, url: &str, name: &str) -> Result<Option<u64>, InitError> {
-        let response = self
-            .authorized(self.agent.head(url))
-            .call()
-            .map_err(|e| transport(url, &e))?;
-        if response.status().as_u16() != 200 {
-            return Err(self.status_error(response, url, Target::File(name)));
+        let mut url = url.to_string();
+        for _ in 0..10 {
+            let response = self
+                .authorized(self.agent.head(&url))
+                .config()
+                .max_redirects(0)
+                .build()
+                .call()
+                .map_err(|e| transport(&url, &e))?;
+            let headers = response.headers();
+            if let Some(size) = header_u64(headers, "x-linked-size") {
+                return Ok(Some(size));
+            }
+            match response.status().as_u16() {
+                200 => return Ok(header_u64(headers, "content-length")),
+                301 | 302 | 303 | 307 | 308 => match header_str(headers, "location") {
+                    Some(location) if location.starts_with('/') && !location.starts_with("//") => {
+                        url = format!("{}{location}", origin(&url));
+                    }
+                    _ => return Ok(None),
+                },
+                _ => return Err(self.status_error(response, &url, Target::File(name))),
+            }
         }
-        let headers = response.headers();
-        Ok(header_u64(headers, "x-linked-size").or_else(|| header_u64(headers, "content-length")))
+        Ok(None)
     }
 
     /// One try at downloading `name` into `dir/name.part` from where an
@@ -457,6 +484,13 @@ impl Hub {
                 )
             }
             416 if offset > 0 => {
+                // `bytes */TOTAL`: the `.part` may already be the whole file.
+                let total = header_str(response.headers(), "content-range")
+                    .and_then(|r| r.rsplit_once('/').and_then(|(_, t)| t.trim().parse().ok()));
+                if total == Some(offset) {
+                    return std::fs::rename(&part, &target)
+                        .map_err(|e| io("renaming into place", &target, e));
+                }
                 std::fs::remove_file(&part).map_err(|e| io("removing", &part, e))?;
                 return Err(InitError::Network(format!(
                     "{url} cannot resume at byte {offset}; starting {name} over"
@@ -575,6 +609,15 @@ fn transport(url: &str, e: &ureq::Error) -> InitError {
             InitError::Invalid(format!("{url} is not a usable URL: {e}"))
         }
         _ => InitError::Network(format!("cannot reach {url}: {e}")),
+    }
+}
+
+/// `scheme://host[:port]` of a URL.
+fn origin(url: &str) -> &str {
+    let after_scheme = url.find("://").map_or(0, |i| i + 3);
+    match url[after_scheme..].find('/') {
+        Some(i) => &url[..after_scheme + i],
+        None => url,
     }
 }
 
@@ -742,6 +785,12 @@ mod tests {
         assert_eq!(l.files["model.safetensors"], Some(10));
         assert_eq!(l.files["big.safetensors"], Some(7));
         assert!(parse_listing("{}").is_err());
+    }
+
+    #[test]
+    fn origins_keep_scheme_host_and_port() {
+        assert_eq!(origin("http://127.0.0.1:9/a/b?c"), "http://127.0.0.1:9");
+        assert_eq!(origin("https://hf.co"), "https://hf.co");
     }
 
     #[test]

@@ -411,6 +411,24 @@ mod tests {
         assert!(facts.bytes > 4 * 214_592, "{}", facts.bytes);
     }
 
+    /// transformers-made checkpoints of every family: biases (Qwen2),
+    /// untied heads, BF16 storage all check out with the planner's count.
+    #[test]
+    fn every_family_of_fixture_checks_out() {
+        let root = fixture().join("..");
+        for (name, dtype) in [
+            ("llama-gqa-tied", "F32"),
+            ("llama-mha-untied", "F32"),
+            ("mistral-gqa-bf16", "BF16"),
+            ("qwen2-gqa-bias", "F32"),
+        ] {
+            let facts =
+                inspect_model(&root.join(name), 16).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(facts.dtype, dtype, "{name}");
+            assert_eq!(facts.parameters, facts.shape.total_params(), "{name}");
+        }
+    }
+
     #[test]
     fn a_truncated_file_is_named() {
         let dir = std::env::temp_dir().join(format!("headroom-inspect-{}", std::process::id()));

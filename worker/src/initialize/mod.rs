@@ -207,7 +207,15 @@ pub fn run(env: &InitializerEnv) -> Result<InitializerReport, Exit> {
                     std::fs::write(path, json)
                 });
             if let Err(e) = written {
-                tracing::warn!("cannot write the report to {}: {e}", path.display());
+                // The report is what the operator plans from: without it the
+                // run is of no use, and a retry (which downloads nothing
+                // again) is cheap.
+                let exit = Exit::new(
+                    WorkerOutcome::Failed,
+                    format!("cannot write the report to {}: {e}", path.display()),
+                );
+                tracing::error!(code = exit.code(), reason = %exit.message.reason, "exiting");
+                return Err(exit);
             }
             tracing::info!(downloaded_bytes = report.downloaded_bytes, "initialized");
             Ok(report)
