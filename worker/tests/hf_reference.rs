@@ -60,6 +60,8 @@ fn assert_close(variant: &str, what: &str, got: &[f32], want: &[f32]) {
             (0.0f32, 0),
             |(m, i), (j, d)| if d > m { (d, j) } else { (m, i) },
         );
+    // Printed for docs/benchmarks.md (`--nocapture`).
+    eprintln!("{variant} {what}: max |logit - transformers| = {worst:.2e}");
     assert!(
         worst <= TOLERANCE,
         "{variant} {what}: logit {at} differs by {worst} (got {}, transformers {})",
