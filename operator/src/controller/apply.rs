@@ -271,7 +271,14 @@ pub(super) async fn ensure_initializer(
     };
     let ns = job.namespace().unwrap_or_default();
     let cfg = &ctx.config.children;
-    create_claim(&ctx.client, &ns, job, &children::checkpoint_claim(job, cfg)).await?;
+    let (account, claim) = (
+        children::service_account(job),
+        children::checkpoint_claim(job, cfg),
+    );
+    futures::try_join!(
+        apply::<ServiceAccount>(&ctx.client, &ns, &account),
+        create_claim(&ctx.client, &ns, job, &claim),
+    )?;
     apply::<Pod>(&ctx.client, &ns, &pod).await
 }
 

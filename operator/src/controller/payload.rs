@@ -250,6 +250,9 @@ pub fn initializer_pod(
         },
         spec: Some(PodSpec {
             restart_policy: Some("Never".into()),
+            // The job's worker account (a namespace's `default` account is not
+            // guaranteed), with no token mounted: the initializer needs no API.
+            service_account_name: Some(super::children::worker_account_name(job)),
             automount_service_account_token: Some(false),
             priority_class_name: spec.worker.priority_class_name.clone(),
             image_pull_secrets: (!spec.worker.image_pull_secrets.is_empty()).then(|| {
