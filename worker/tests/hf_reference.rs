@@ -13,8 +13,9 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use headroom_worker::model::hf::HfCheckpoint;
 use headroom_worker::model::{LmShape, StageLayout, TransformerLm};
 
-/// Absolute tolerance on a logit (|logits| < 10 here; f32 sums of ~100 terms).
-const TOLERANCE: f32 = 2e-4;
+/// Absolute tolerance on a logit: the largest difference measured is 5.3e-6
+/// (docs/benchmarks.md); ten times that leaves room for another CPU.
+const TOLERANCE: f32 = 5e-5;
 
 const VARIANTS: [&str; 4] = [
     "llama-gqa-tied",
