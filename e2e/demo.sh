@@ -2,7 +2,9 @@
 # shellcheck source-path=SCRIPTDIR
 # The README demo, on a real node: a job that runs out of memory on its first
 # attempt (the kernel OOM-kills the container) and succeeds on its second,
-# stricter attempt, shown with `kubectl get` as it happens.
+# stricter attempt, shown with `kubectl get` as it happens; then a real (tiny)
+# Hugging Face checkpoint fine-tuned on real text (samples/cpu-finetune-tiny-llama.yaml):
+# initialized, planned from its config.json, trained, written out.
 #
 # With KUBECONFIG unset it starts the local single-node cluster (root; see
 # e2e/cluster/README.md), builds the operator and worker images without
@@ -56,3 +58,83 @@ say "events"
 uid=$(k get matj -n "${NS}" "${JOB}" -o jsonpath='{.metadata.uid}')
 k get events -n "${NS}" --field-selector involvedObject.uid="${uid}" -o custom-columns=TYPE:.type,REASON:.reason,MESSAGE:.message --sort-by=.metadata.creationTimestamp
 [[ $(k get matj -n "${NS}" "${JOB}" -o jsonpath='{.status.phase}') == Succeeded ]]
+
+# --- a real checkpoint, fine-tuned -------------------------------------------
+FT=finetune-tiny-llama
+FIXTURE=worker/tests/fixtures/llama/tiny-llama
+TOOLS=${DEMO_TOOLS_IMAGE:-localhost/headroom-volume-helper:dev}
+watch_job() { # name: print each change of the job's columns until it ends
+  local job=$1 last="" now deadline=$((SECONDS + TIMEOUT))
+  while ((SECONDS < deadline)); do
+    now=$(k get matj -n "${NS}" "${job}" --no-headers 2>/dev/null | awk '{print $2, $3}')
+    if [[ ${now} != "${last}" ]]; then
+      k get matj -n "${NS}" "${job}"
+      k get pods -n "${NS}" -l headroom.dev/job="${job}" --no-headers 2>/dev/null | sed 's/^/    pod: /'
+      last=${now}
+    fi
+    case ${now} in Succeeded* | Failed*) return 0 ;; esac
+    sleep 1
+  done
+}
+
+say "a real checkpoint: tiny-llama (made by Hugging Face transformers) and public-domain text, put on claims"
+k delete -n "${NS}" matj "${FT}" --ignore-not-found --wait=true >/dev/null
+# A kept claim of an earlier demo run would make the new job wait for it.
+k delete -n "${NS}" pod loader --ignore-not-found --wait=true >/dev/null
+k delete -n "${NS}" pvc "${FT}-checkpoints" models datasets --ignore-not-found --wait=true >/dev/null
+k delete -n "${NS}" configmap tiny-llama text --ignore-not-found >/dev/null
+k create -n "${NS}" configmap tiny-llama --from-file="${FIXTURE}/config.json" \
+  --from-file="${FIXTURE}/model.safetensors" --from-file="${FIXTURE}/tokenizer.json" \
+  --from-file="${FIXTURE}/tokenizer_config.json" >/dev/null
+k create -n "${NS}" configmap text --from-file=samples/data/declaration-of-independence.jsonl >/dev/null
+k apply -n "${NS}" -f - >/dev/null <<YAML
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: models}
+spec: {accessModes: [ReadWriteOnce], resources: {requests: {storage: 16Mi}}}
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: datasets}
+spec: {accessModes: [ReadWriteOnce], resources: {requests: {storage: 16Mi}}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: loader}
+spec:
+  restartPolicy: Never
+  automountServiceAccountToken: false
+  securityContext: {runAsNonRoot: true, runAsUser: 65532, seccompProfile: {type: RuntimeDefault}}
+  containers:
+  - name: load
+    image: ${TOOLS}
+    imagePullPolicy: IfNotPresent
+    command: [/bin/sh, -c, "mkdir -p /models/tiny-llama && cp /checkpoint/* /models/tiny-llama/ && cp /text/* /datasets/"]
+    securityContext: {allowPrivilegeEscalation: false, capabilities: {drop: [ALL]}, readOnlyRootFilesystem: true}
+    volumeMounts:
+    - {name: checkpoint, mountPath: /checkpoint}
+    - {name: text, mountPath: /text}
+    - {name: models, mountPath: /models}
+    - {name: datasets, mountPath: /datasets}
+  volumes:
+  - {name: checkpoint, configMap: {name: tiny-llama}}
+  - {name: text, configMap: {name: text}}
+  - {name: models, persistentVolumeClaim: {claimName: models}}
+  - {name: datasets, persistentVolumeClaim: {claimName: datasets}}
+YAML
+k wait -n "${NS}" pod/loader --for=jsonpath='{.status.phase}'=Succeeded --timeout=180s >/dev/null
+
+say "what Headroom plans from the checkpoint's config.json: kubectl headroom plan -f samples/cpu-finetune-tiny-llama.yaml --model-dir ${FIXTURE}"
+"${CARGO_TARGET_DIR}/release/kubectl-headroom" plan -f samples/cpu-finetune-tiny-llama.yaml --model-dir "${FIXTURE}" || true
+
+say "kubectl apply -f samples/cpu-finetune-tiny-llama.yaml   (initializer, then training, then the model written out)"
+k apply -n "${NS}" -f samples/cpu-finetune-tiny-llama.yaml
+watch_job "${FT}"
+say "status.model / status.data: what the initializer read"
+k get matj -n "${NS}" "${FT}" -o jsonpath='{.status.model.shape.architecture}: {.status.model.parameters} parameters ({.status.model.dtype}, {.status.model.bytes} B), {.status.model.shape.layers} layers, {.status.model.shape.attentionHeads} heads / {.status.model.shape.keyValueHeads} key-value heads{"\n"}data: {.status.data.documents} documents, {.status.data.tokens} tokens, {.status.data.samples} samples{"\n"}output: {.status.output}{"\n"}'
+say "loss, as the worker reported it"
+k get matj -n "${NS}" "${FT}" -o jsonpath='{range .status.workers[*]}{.name}: step {.step}, loss {.loss}{"\n"}{end}'
+say "events"
+uid=$(k get matj -n "${NS}" "${FT}" -o jsonpath='{.metadata.uid}')
+k get events -n "${NS}" --field-selector involvedObject.uid="${uid}" -o custom-columns=TYPE:.type,REASON:.reason,MESSAGE:.message --sort-by=.metadata.creationTimestamp
+[[ $(k get matj -n "${NS}" "${FT}" -o jsonpath='{.status.phase}') == Succeeded ]]

@@ -39,12 +39,16 @@ podLogsDir: ${HEADROOM_STATE}/pod-logs
 rotateCertificates: false
 serverTLSBootstrap: false
 registerNode: true
-# Shared dev machine: evict only when really out of memory or disk.
+# Shared dev machine: evict only when really out of memory or disk. Disk
+# thresholds are absolute: 1% of a large shared disk (2.5 GiB of 252 GiB)
+# was reached by other work on the machine, and under disk pressure the
+# kubelet deletes every unused image, the imported pause image included, so
+# no pod could start again ("the node is Ready but cannot run a pod").
 evictionHard:
   memory.available: "100Mi"
-  nodefs.available: "1%"
+  nodefs.available: "256Mi"
   nodefs.inodesFree: "1%"
-  imagefs.available: "1%"
+  imagefs.available: "256Mi"
   imagefs.inodesFree: "1%"
 evictionPressureTransitionPeriod: 30s
 # Images are imported, never pulled: garbage-collecting one would break every
