@@ -315,7 +315,7 @@ impl HfCheckpoint {
             }
         }
         if stages > 1 {
-            write_index_when_complete(out, stages)?;
+            write_index_when_complete(out, stage, stages)?;
         }
         Ok(file)
     }
@@ -355,7 +355,8 @@ fn shard_name(stage: u32, stages: u32) -> String {
 /// Writes `model.safetensors.index.json` once every shard is in `out`,
 /// from the shards' own headers (so any stage can write it, and the result
 /// is the same whichever does).
-fn write_index_when_complete(out: &Path, stages: u32) -> Result<(), HfError> {
+fn write_index_when_complete(out: &Path, stage: u32, stages: u32) -> Result<(), HfError> {
+    let writer = format!("stage{stage}");
     let mut weight_map = BTreeMap::new();
     let mut total_size = 0u64;
     for stage in 0..stages {
@@ -379,7 +380,10 @@ fn write_index_when_complete(out: &Path, stages: u32) -> Result<(), HfError> {
         "weight_map": weight_map,
     });
     let path = out.join(INDEX_FILE);
-    let tmp = out.join(format!(".{INDEX_FILE}.tmp-{}", std::process::id()));
+    // Named by stage as well as pid: stages of one process (tests) share a
+    // pid, and in containers every stage is pid 1. Each renames its own copy
+    // over the index; the copies are identical.
+    let tmp = out.join(format!(".{INDEX_FILE}.tmp-{writer}-{}", std::process::id()));
     let text = serde_json::to_string_pretty(&index).expect("JSON");
     std::fs::write(&tmp, text).map_err(|source| HfError::Io {
         path: tmp.clone(),
