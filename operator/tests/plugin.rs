@@ -213,6 +213,46 @@ fn plans_a_llama_family_model_from_its_hugging_face_config() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A `model.pretrained` job is planned from its checkpoint's config.json
+/// (`--model-dir`), at the manifest's sequence length; without one the
+/// plugin says how to plan it.
+#[test]
+fn a_pretrained_job_is_planned_from_its_checkpoint_config() {
+    let out = plugin(&[
+        "plan",
+        "-f",
+        "samples/cpu-finetune-tiny-llama.yaml",
+        "--model-dir",
+        "worker/tests/fixtures/llama/tiny-llama",
+        "-o",
+        "json",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(doc["parameters"], 214_592);
+    let out = plugin(&[
+        "plan",
+        "-f",
+        "samples/gpu-finetune-llama-3.2-1b.yaml",
+        "--nodes",
+        "samples/nodes-gfd.yaml",
+        "--model-dir",
+        "samples/models/llama-3.2-1b",
+        "-o",
+        "json",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(doc["parameters"], 1_235_814_400u64);
+    let out = plugin(&["plan", "-f", "samples/cpu-finetune-tiny-llama.yaml"]);
+    assert_eq!(out.status.code(), Some(1));
+    let said = text(&out);
+    assert!(
+        said.contains("spec.model.pretrained") && said.contains("--model-dir"),
+        "{said}"
+    );
+}
+
 /// A mistyped field is an error offline, as on the API server, not ignored.
 #[test]
 fn unknown_fields_are_refused_with_their_path() {
