@@ -1020,61 +1020,8 @@ async fn refused_worker_pods_are_reported_on_the_job_and_retried() {
 #[tokio::test]
 #[ignore = "needs the control plane: make test-apiserver"]
 async fn worker_pods_refused_as_invalid_end_the_job_with_the_reason() {
-    use k8s_openapi::api::admissionregistration::v1::{
-        ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
-    };
     let ns = test_ns("hr-invalid-pod").await;
-    let name = format!("{}-no-workers", ns.name);
-    let policy: ValidatingAdmissionPolicy = serde_json::from_value(serde_json::json!({
-        "metadata": {"name": name},
-        "spec": {
-            "failurePolicy": "Fail",
-            "matchConstraints": {"resourceRules": [{
-                "apiGroups": [""], "apiVersions": ["v1"],
-                "operations": ["CREATE"], "resources": ["pods"]}]},
-            "validations": [{"expression": "false", "reason": "Invalid",
-                             "message": "worker pods are not welcome here"}]
-        }
-    }))
-    .expect("policy");
-    let binding: ValidatingAdmissionPolicyBinding = serde_json::from_value(serde_json::json!({
-        "metadata": {"name": name},
-        "spec": {
-            "policyName": name,
-            "validationActions": ["Deny"],
-            "matchResources": {"namespaceSelector": {"matchLabels": {
-                "kubernetes.io/metadata.name": ns.name}}}
-        }
-    }))
-    .expect("binding");
-    let policies: Api<ValidatingAdmissionPolicy> = Api::all(ns.client.clone());
-    let bindings: Api<ValidatingAdmissionPolicyBinding> = Api::all(ns.client.clone());
-    let pp = kube::api::PostParams::default();
-    policies.create(&pp, &policy).await.expect("policy");
-    bindings.create(&pp, &binding).await.expect("binding");
-    // Policies take effect asynchronously: wait until a probe pod is refused
-    // (it names an account of its own: this control plane makes no `default`).
-    let accounts: Api<ServiceAccount> = Api::namespaced(ns.client.clone(), &ns.name);
-    let account: ServiceAccount =
-        serde_json::from_value(serde_json::json!({"metadata": {"name": "probe"}})).expect("sa");
-    accounts.create(&pp, &account).await.expect("probe account");
-    let probe: Pod = serde_json::from_value(serde_json::json!({
-        "metadata": {"name": "probe"},
-        "spec": {"serviceAccountName": "probe", "containers": [{"name": "c", "image": "i"}]}
-    }))
-    .expect("pod");
-    ns.wait_for("the policy in force", TIMEOUT, || async {
-        match ns.pods().create(&pp, &probe).await {
-            Err(kube::Error::Api(e)) if e.code == 422 => Some(()),
-            Ok(_) => {
-                let _ = ns.pods().delete("probe", &Default::default()).await;
-                None
-            }
-            Err(_) => None,
-        }
-    })
-    .await;
-
+    let refusal = PodRefusal::install(&ns, "worker pods are not welcome here").await;
     let op = start_operator(&ns, ControllerConfig::default());
     ns.apply_job(CPU_TINY).await;
     let job = ns
@@ -1103,8 +1050,117 @@ async fn worker_pods_refused_as_invalid_end_the_job_with_the_reason() {
     assert_eq!(attempt.reason.as_deref(), Some("LaunchRefused"));
     assert!(ns.pod_list().await.is_empty());
     op.stop().await;
-    let _ = bindings.delete(&name, &Default::default()).await;
-    let _ = policies.delete(&name, &Default::default()).await;
+    refusal.remove().await;
+    ns.cleanup().await;
+}
+
+/// A ValidatingAdmissionPolicy that refuses (422) every pod created in one
+/// test namespace, in force once a probe pod is refused.
+struct PodRefusal {
+    name: String,
+    client: kube::Client,
+}
+
+impl PodRefusal {
+    async fn install(ns: &headroom_e2e::TestNs, message: &str) -> Self {
+        use k8s_openapi::api::admissionregistration::v1::{
+            ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+        };
+        let name = format!("{}-no-pods", ns.name);
+        let policy: ValidatingAdmissionPolicy = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name},
+            "spec": {
+                "failurePolicy": "Fail",
+                "matchConstraints": {"resourceRules": [{
+                    "apiGroups": [""], "apiVersions": ["v1"],
+                    "operations": ["CREATE"], "resources": ["pods"]}]},
+                "validations": [{"expression": "false", "reason": "Invalid", "message": message}]
+            }
+        }))
+        .expect("policy");
+        let binding: ValidatingAdmissionPolicyBinding = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name},
+            "spec": {
+                "policyName": name,
+                "validationActions": ["Deny"],
+                "matchResources": {"namespaceSelector": {"matchLabels": {
+                    "kubernetes.io/metadata.name": ns.name}}}
+            }
+        }))
+        .expect("binding");
+        let policies: Api<ValidatingAdmissionPolicy> = Api::all(ns.client.clone());
+        let bindings: Api<ValidatingAdmissionPolicyBinding> = Api::all(ns.client.clone());
+        let pp = kube::api::PostParams::default();
+        policies.create(&pp, &policy).await.expect("policy");
+        bindings.create(&pp, &binding).await.expect("binding");
+        // Policies take effect asynchronously: wait until a probe pod is refused
+        // (it names an account of its own: this control plane makes no `default`).
+        let accounts: Api<ServiceAccount> = Api::namespaced(ns.client.clone(), &ns.name);
+        let account: ServiceAccount =
+            serde_json::from_value(serde_json::json!({"metadata": {"name": "probe"}})).expect("sa");
+        accounts.create(&pp, &account).await.expect("probe account");
+        let probe: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "probe"},
+            "spec": {"serviceAccountName": "probe", "containers": [{"name": "c", "image": "i"}]}
+        }))
+        .expect("pod");
+        ns.wait_for("the policy in force", TIMEOUT, || async {
+            match ns.pods().create(&pp, &probe).await {
+                Err(kube::Error::Api(e)) if e.code == 422 => Some(()),
+                Ok(_) => {
+                    let _ = ns.pods().delete("probe", &Default::default()).await;
+                    None
+                }
+                Err(_) => None,
+            }
+        })
+        .await;
+        PodRefusal {
+            name,
+            client: ns.client.clone(),
+        }
+    }
+
+    async fn remove(self) {
+        use k8s_openapi::api::admissionregistration::v1::{
+            ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+        };
+        let policies: Api<ValidatingAdmissionPolicy> = Api::all(self.client.clone());
+        let bindings: Api<ValidatingAdmissionPolicyBinding> = Api::all(self.client);
+        let _ = bindings.delete(&self.name, &Default::default()).await;
+        let _ = policies.delete(&self.name, &Default::default()).await;
+    }
+}
+
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn a_refused_initializer_pod_ends_the_job_with_the_reason() {
+    let ns = test_ns("hr-init-refused").await;
+    let refusal = PodRefusal::install(&ns, "initializers are not welcome here").await;
+    let op = start_operator(&ns, ControllerConfig::default());
+    ns.apply_job(CPU_FINETUNE).await;
+    let job = ns
+        .wait_job("finetune-tiny-llama", "phase Failed", TIMEOUT, |j| {
+            phase(j) == Some(JobPhase::Failed)
+        })
+        .await;
+    let status = job.status.expect("status");
+    let failed = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Failed")
+        .expect("Failed condition");
+    assert_eq!(failed.reason, "LaunchRefused");
+    assert!(
+        failed.message.contains("initializer pod")
+            && failed.message.contains("initializers are not welcome here")
+            && failed.message.contains("422"),
+        "{}",
+        failed.message
+    );
+    assert!(status.attempts.is_empty(), "nothing was planned");
+    op.stop().await;
+    refusal.remove().await;
     ns.cleanup().await;
 }
 

@@ -731,6 +731,47 @@ impl Builder<'_> {
 /// and the launch is asked again later; one that cannot ends the attempt and
 /// the job with the server's words, and stops whatever pods of the attempt
 /// did get created.
+/// The decision after the API server refused initializer run `run`'s pod:
+/// one that can pass (quota, server error) is reported and asked again; one
+/// that cannot (400, 422: the pod is a pure function of the spec) ends the job.
+pub fn initializer_refused(
+    decided: &Decision,
+    job: &MemoryAwareTrainingJob,
+    run: u32,
+    refusal: &LaunchRefusal,
+    now: Timestamp,
+) -> Decision {
+    let mut d = Decision {
+        status: decided.status.clone(),
+        events: vec![],
+        launch: None,
+        initialize: None,
+        model: None,
+        delete_pods: vec![],
+        requeue_after: None,
+        ended: None,
+    };
+    let at = Stamp {
+        now,
+        generation: job.metadata.generation,
+    };
+    let what = format!("{} ({} {})", refusal.message, refusal.code, refusal.object);
+    let to = if refusal.heals {
+        Transition::InitializerRefused { message: what }
+    } else {
+        Transition::Failed {
+            reason: Reason::LaunchRefused,
+            message: format!(
+                "initializer run {run}: the API server refused the initializer pod, and would again: {what}"
+            ),
+        }
+    };
+    if let Ok(Some(event)) = enter(&mut d.status, to, at) {
+        d.events.push(event);
+    }
+    d
+}
+
 pub fn launch_refused(
     decided: &Decision,
     job: &MemoryAwareTrainingJob,

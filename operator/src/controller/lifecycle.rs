@@ -230,6 +230,9 @@ pub enum Transition {
     Initializing { run: u32, message: String },
     /// The initializer read the checkpoint and the data; `message` says what it found.
     Initialized { message: String },
+    /// The API server refused the initializer pod for a reason that can
+    /// pass (a quota, a server error): reported, and asked again later.
+    InitializerRefused { message: String },
     /// The job ends without success.
     Failed { reason: Reason, message: String },
 }
@@ -453,6 +456,20 @@ pub fn enter(
             status.phase.get_or_insert(JobPhase::Pending);
             status.message = Some(message.clone());
             Some(JobEvent::new(false, Reason::Initialized, message))
+        }
+        Transition::InitializerRefused { message } => {
+            let message = format!("the API server refused the initializer pod: {message}");
+            condition(
+                status,
+                ConditionType::Initialized,
+                false,
+                Reason::LaunchRefused,
+                &message,
+                at,
+            );
+            status.phase.get_or_insert(JobPhase::Pending);
+            status.message = Some(format!("{message}; asking again"));
+            Some(JobEvent::new(true, Reason::LaunchRefused, message))
         }
         Transition::Failed { reason, message } => {
             if reason.is_planning_failure() {
@@ -710,6 +727,14 @@ mod tests {
                 |from| from.unwrap_or(P::Pending),
                 Some((false, Reason::Initialized)),
                 vec![(C::Initialized, "True", Reason::Initialized)],
+            ),
+            (
+                Transition::InitializerRefused {
+                    message: "exceeded quota: pods=0 (403 Pod x-init-1)".into(),
+                },
+                |from| from.unwrap_or(P::Pending),
+                Some((true, Reason::LaunchRefused)),
+                vec![(C::Initialized, "False", Reason::LaunchRefused)],
             ),
             (
                 Transition::Failed {

@@ -16,7 +16,7 @@ use super::apply::{
     apply_status, delete_worker, ensure_children, ensure_initializer, keep_claim, prune_telemetry,
     publish_events,
 };
-use super::decide::{Observation, decide, launch_refused};
+use super::decide::{Observation, decide, initializer_refused, launch_refused};
 use super::{Context, Error};
 use crate::inventory::{cpu_inventory, job_inventory};
 use crate::metrics::{ErrorLabels, OutcomeLabels};
@@ -136,8 +136,21 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
     for pod in &decision.delete_pods {
         delete_worker(&ctx.client, &ns, pod).await?;
     }
-    if let Some(run) = decision.initialize {
-        ensure_initializer(ctx, job, run, &own).await?;
+    if let Some(run) = decision.initialize
+        && let Err(error) = ensure_initializer(ctx, job, run, &own).await
+    {
+        // As for the workers below: the refusal goes on the job.
+        let Some(refusal) = error.launch_refusal() else {
+            return Err(error);
+        };
+        let after = initializer_refused(&decision, job, run, &refusal, Timestamp::now());
+        apply_status(&ctx.client, latest, &after).await?;
+        publish_events(ctx, job, after.events);
+        if refusal.heals {
+            return Err(error);
+        }
+        tracing::warn!(%error, "initializer refused for good; job failed");
+        return Ok(Action::await_change());
     }
     if let (Some(attempt), Some(model)) = (decision.launch, &decision.model)
         && let Err(error) = ensure_children(ctx, job, &decision.status, attempt, model, &own).await
