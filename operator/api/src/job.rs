@@ -135,7 +135,9 @@ pub struct ModelSpec {
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
     {"rule": "has(self.huggingFace) != has(self.volume)",
-     "message": "model.pretrained: set exactly one of huggingFace (repo, revision) or volume (claimName, path)"}
+     "message": "model.pretrained: set exactly one of huggingFace (repo, revision) or volume (claimName, path)"},
+    {"rule": "self == oldSelf",
+     "message": "model.pretrained is immutable: the initializer has read this checkpoint and the job is planned from it; create a new job for another checkpoint"}
 ]))]
 pub struct PretrainedModel {
     /// A Hugging Face repository, downloaded into the job's checkpoint volume
@@ -208,6 +210,10 @@ pub struct VolumePath {
 /// The training text.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "self == oldSelf",
+     "message": "data is immutable: the initializer has read this text and the job's samples come from it; create a new job for other data"}
+]))]
 pub struct DataSpec {
     /// The data file on a claim.
     pub volume: VolumePath,
