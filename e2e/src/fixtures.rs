@@ -24,6 +24,34 @@ pub const CPU_PIPELINE: &str = include_str!("../../samples/cpu-pipeline.yaml");
 /// samples/cpu-pipeline-retry.yaml: job `oom-then-split`, one stage first, then more.
 pub const CPU_PIPELINE_RETRY: &str = include_str!("../../samples/cpu-pipeline-retry.yaml");
 
+/// samples/cpu-finetune-tiny-llama.yaml: job `finetune-tiny-llama`, a
+/// `model.pretrained` job on the claims `models` and `datasets`.
+pub const CPU_FINETUNE: &str = include_str!("../../samples/cpu-finetune-tiny-llama.yaml");
+
+/// What the initializer reports for the transformers-made tiny-llama fixture
+/// (worker/tests/fixtures/llama/tiny-llama) at `sequence_length`, as its
+/// termination message.
+pub fn tiny_llama_report(sequence_length: u32) -> String {
+    let config = include_str!("../../worker/tests/fixtures/llama/tiny-llama/config.json");
+    let shape = headroom_planner::LlamaShape::from_hf_config(config, sequence_length)
+        .expect("fixture config");
+    serde_json::to_string(&headroom_api::InitializerReport {
+        model: headroom_api::ModelFacts {
+            parameters: shape.total_params(),
+            shape,
+            bytes: 862_296,
+            dtype: "F32".into(),
+        },
+        data: headroom_api::DataFacts {
+            documents: 4,
+            tokens: 1_000,
+            samples: 15,
+        },
+        downloaded_bytes: 0,
+    })
+    .expect("report JSON")
+}
+
 /// Every MemoryAwareTrainingJob in samples/ (path, text), by file name.
 pub fn job_samples() -> Vec<(PathBuf, String)> {
     let dir = workspace_root().join("samples");

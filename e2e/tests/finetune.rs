@@ -10,14 +10,13 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use headroom_api::{AttemptOutcome, JobPhase};
-use headroom_e2e::fixtures::workspace_root;
+use headroom_e2e::fixtures::{CPU_FINETUNE as FINETUNE, workspace_root};
 use headroom_e2e::{E2E, TestNs, pod_phase};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod};
 use kube::api::{Api, PostParams};
 
 const RUN: Duration = Duration::from_secs(600);
-const FINETUNE: &str = include_str!("../../samples/cpu-finetune-tiny-llama.yaml");
 
 /// An image the local cluster has with a shell and cp (its volume helper).
 fn tools_image() -> String {

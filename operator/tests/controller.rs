@@ -1252,30 +1252,6 @@ async fn one_leader_at_a_time_and_release_hands_over() {
     ns.cleanup().await;
 }
 
-const CPU_FINETUNE: &str = include_str!("../../samples/cpu-finetune-tiny-llama.yaml");
-
-/// What the initializer reports for the transformers-made tiny-llama fixture.
-fn tiny_llama_report(sequence_length: u32) -> String {
-    let config = include_str!("../../worker/tests/fixtures/llama/tiny-llama/config.json");
-    let shape = headroom_planner::LlamaShape::from_hf_config(config, sequence_length)
-        .expect("fixture config");
-    serde_json::to_string(&headroom_api::InitializerReport {
-        model: headroom_api::ModelFacts {
-            parameters: shape.total_params(),
-            shape,
-            bytes: 862_296,
-            dtype: "F32".into(),
-        },
-        data: headroom_api::DataFacts {
-            documents: 4,
-            tokens: 1_000,
-            samples: 15,
-        },
-        downloaded_bytes: 0,
-    })
-    .expect("report JSON")
-}
-
 fn env_of(pod: &Pod, name: &str) -> Option<String> {
     pod.spec.as_ref()?.containers[0]
         .env

@@ -60,19 +60,7 @@ impl ProgressionTask {
         count: u32,
         device: &Device,
     ) -> (Tensor<2, Int>, Tensor<2, Int>) {
-        let s = self.sequence_length as usize;
-        let n = count as usize;
-        let mut inputs = Vec::with_capacity(n * s);
-        let mut targets = Vec::with_capacity(n * s);
-        for i in 0..u64::from(count) {
-            let sample = self.sample(first + i);
-            inputs.extend_from_slice(&sample[..s]);
-            targets.extend_from_slice(&sample[1..]);
-        }
-        (
-            Tensor::from_data(TensorData::new(inputs, [n, s]), device),
-            Tensor::from_data(TensorData::new(targets, [n, s]), device),
-        )
+        Samples::Progression(*self).batch(first, count, device)
     }
 
     /// The micro-batch `micro` (0-based) of optimizer step `step` (0-based).
@@ -84,8 +72,7 @@ impl ProgressionTask {
         micro: u32,
         device: &Device,
     ) -> (Tensor<2, Int>, Tensor<2, Int>) {
-        let first = step * global_batch + u64::from(micro) * u64::from(micro_batch);
-        self.batch(first, micro_batch, device)
+        Samples::Progression(*self).micro_batch(step, global_batch, micro_batch, micro, device)
     }
 }
 

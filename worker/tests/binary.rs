@@ -18,18 +18,24 @@ mod common;
 use common::tiny_shape;
 
 fn assignment(steps: u64, micro_batch: Option<u32>) -> WorkerAssignment {
-    assignment_for(tiny_shape(), 8, steps, micro_batch, None)
+    assignment_for(
+        ModelShape::Transformer(tiny_shape()),
+        8,
+        steps,
+        micro_batch,
+        None,
+    )
 }
 
 fn assignment_for(
-    shape: TransformerShape,
+    model: ModelShape,
     global_batch: u32,
     steps: u64,
     micro_batch: Option<u32>,
     checkpointing: Option<bool>,
 ) -> WorkerAssignment {
     let req = JobRequest {
-        model: ModelShape::Transformer(shape),
+        model,
         global_batch,
         precision: Precision::Fp32,
         optimizer: Optimizer::Adamw,
@@ -194,7 +200,13 @@ fn activation_checkpointing_lowers_the_measured_peak() {
     };
     let peak = |checkpointing: bool| {
         let dir = temp_dir(if checkpointing { "ckpt-on" } else { "ckpt-off" });
-        let a = assignment_for(shape.clone(), 8, 1, Some(8), Some(checkpointing));
+        let a = assignment_for(
+            ModelShape::Transformer(shape.clone()),
+            8,
+            1,
+            Some(8),
+            Some(checkpointing),
+        );
         assert_eq!(a.plan.settings.activation_checkpointing, checkpointing);
         let run = run_worker(&dir, &serde_json::to_string(&a).expect("json"), &[]);
         assert_eq!(run.code, exit_code::SUCCESS, "{}", run.stderr);
@@ -204,7 +216,13 @@ fn activation_checkpointing_lowers_the_measured_peak() {
     let (off, on) = (peak(false), peak(true));
     eprintln!("peak without checkpointing {off} B, with {on} B");
     let predicted = |ckpt: bool| {
-        let a = assignment_for(shape.clone(), 8, 1, Some(8), Some(ckpt));
+        let a = assignment_for(
+            ModelShape::Transformer(shape.clone()),
+            8,
+            1,
+            Some(8),
+            Some(ckpt),
+        );
         a.plan.stages[0].memory.activations
     };
     // The planner's activation saving, and at least a third of it measured.
@@ -369,44 +387,22 @@ fn llama_assignment(dir: &Path, steps: u64) -> WorkerAssignment {
     let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/tiny-llama");
     let config = std::fs::read_to_string(fixtures.join("config.json")).expect("config.json");
     let shape = headroom_planner::LlamaShape::from_hf_config(&config, 32).expect("shape");
-    let req = JobRequest {
-        model: ModelShape::Llama(shape),
-        global_batch: 4,
-        precision: Precision::Fp32,
-        optimizer: Optimizer::Adamw,
-        pinned_micro_batch: Some(2),
-        pinned_checkpointing: Some(true),
-        pinned_stages: None,
-        target: Target::Cpu {
-            memory_limit_bytes: 2 << 30,
-            max_workers: 1,
+    let mut a = assignment_for(ModelShape::Llama(shape), 4, steps, Some(2), Some(true));
+    a.job = "tiny-llama".into();
+    a.learning_rate = 3e-3;
+    a.checkpoint_every_steps = 2;
+    a.files = Some(headroom_api::PayloadFiles {
+        model_dir: fixtures.display().to_string(),
+        data_file: Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../samples/data/declaration-of-independence.jsonl")
+            .display()
+            .to_string(),
+        data_format: headroom_api::DataFormat::Jsonl {
+            field: "text".into(),
         },
-        headroom_fraction: 0.1,
-        allowed_rungs: RetryRung::ALL.to_vec(),
-    };
-    WorkerAssignment {
-        job: "tiny-llama".into(),
-        namespace: "default".into(),
-        attempt: 1,
-        stage: 0,
-        model: req.model.clone(),
-        plan: plan(&req, &Inventory::default()).expect("plan"),
-        steps,
-        learning_rate: 3e-3,
-        checkpoint_every_steps: 2,
-        seed: 3,
-        files: Some(headroom_api::PayloadFiles {
-            model_dir: fixtures.display().to_string(),
-            data_file: Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../samples/data/declaration-of-independence.jsonl")
-                .display()
-                .to_string(),
-            data_format: headroom_api::DataFormat::Jsonl {
-                field: "text".into(),
-            },
-            output_dir: dir.join("output").display().to_string(),
-        }),
-    }
+        output_dir: dir.join("output").display().to_string(),
+    });
+    a
 }
 
 #[test]

@@ -303,6 +303,75 @@ fn required_node_affinity(terms: &[Vec<LabelRequirement>]) -> NodeAffinity {
     }
 }
 
+/// The pod-level half of the restricted Pod Security profile every pod of a
+/// job runs under: the non-root worker user, and its group owning the volumes.
+pub(crate) fn restricted_pod_security() -> PodSecurityContext {
+    PodSecurityContext {
+        run_as_non_root: Some(true),
+        run_as_user: Some(WORKER_UID),
+        run_as_group: Some(WORKER_UID),
+        fs_group: Some(WORKER_UID),
+        seccomp_profile: Some(SeccompProfile {
+            type_: "RuntimeDefault".into(),
+            ..SeccompProfile::default()
+        }),
+        ..PodSecurityContext::default()
+    }
+}
+
+/// The container-level half: no privilege escalation, no capabilities, a
+/// read-only root filesystem.
+pub(crate) fn restricted_container_security() -> SecurityContext {
+    SecurityContext {
+        allow_privilege_escalation: Some(false),
+        read_only_root_filesystem: Some(true),
+        run_as_non_root: Some(true),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".into()]),
+            ..Capabilities::default()
+        }),
+        seccomp_profile: Some(SeccompProfile {
+            type_: "RuntimeDefault".into(),
+            ..SeccompProfile::default()
+        }),
+        ..SecurityContext::default()
+    }
+}
+
+/// The volumes every pod of a job mounts: the job's checkpoint claim at the
+/// contract's checkpoint directory and a scratch `/tmp` (the root is read-only).
+pub(crate) fn job_volumes(job: &MemoryAwareTrainingJob) -> (Vec<Volume>, Vec<VolumeMount>) {
+    (
+        vec![
+            Volume {
+                name: "checkpoints".into(),
+                persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                    claim_name: checkpoint_claim_name(job),
+                    ..PersistentVolumeClaimVolumeSource::default()
+                }),
+                ..Volume::default()
+            },
+            Volume {
+                name: "tmp".into(),
+                empty_dir: Some(Default::default()),
+                ..Volume::default()
+            },
+        ],
+        vec![
+            VolumeMount {
+                name: "checkpoints".into(),
+                mount_path: DEFAULT_CHECKPOINT_DIR.into(),
+                ..VolumeMount::default()
+            },
+            VolumeMount {
+                name: "tmp".into(),
+                mount_path: "/tmp".into(),
+                ..VolumeMount::default()
+            },
+        ],
+    )
+}
+
 fn quantity_bytes(bytes: u64) -> Quantity {
     Quantity(bytes.to_string())
 }
@@ -332,7 +401,10 @@ pub fn worker_pod(
         seed: spec.training.seed,
         files: super::payload::payload_files(job),
     };
+    let (mut volumes, mut mounts) = job_volumes(job);
     let (claim_volumes, claim_mounts) = super::payload::claim_mounts(job);
+    volumes.extend(claim_volumes);
+    mounts.extend(claim_mounts);
     let mut env = vec![
         EnvVar {
             name: PLAN_JSON_ENV.into(),
@@ -480,17 +552,7 @@ pub fn worker_pod(
             node_selector: (!node_selector.is_empty()).then_some(node_selector),
             affinity,
             tolerations: (!tolerations.is_empty()).then_some(tolerations),
-            security_context: Some(PodSecurityContext {
-                run_as_non_root: Some(true),
-                run_as_user: Some(WORKER_UID),
-                run_as_group: Some(WORKER_UID),
-                fs_group: Some(WORKER_UID),
-                seccomp_profile: Some(SeccompProfile {
-                    type_: "RuntimeDefault".into(),
-                    ..SeccompProfile::default()
-                }),
-                ..PodSecurityContext::default()
-            }),
+            security_context: Some(restricted_pod_security()),
             containers: vec![Container {
                 name: "worker".into(),
                 image: Some(spec.worker.image.clone()),
@@ -510,59 +572,11 @@ pub fn worker_pod(
                 }),
                 termination_message_path: Some(TERMINATION_MESSAGE_PATH.into()),
                 termination_message_policy: Some("FallbackToLogsOnError".into()),
-                security_context: Some(SecurityContext {
-                    allow_privilege_escalation: Some(false),
-                    read_only_root_filesystem: Some(true),
-                    run_as_non_root: Some(true),
-                    capabilities: Some(Capabilities {
-                        drop: Some(vec!["ALL".into()]),
-                        ..Capabilities::default()
-                    }),
-                    seccomp_profile: Some(SeccompProfile {
-                        type_: "RuntimeDefault".into(),
-                        ..SeccompProfile::default()
-                    }),
-                    ..SecurityContext::default()
-                }),
-                volume_mounts: Some(
-                    [
-                        VolumeMount {
-                            name: "checkpoints".into(),
-                            mount_path: DEFAULT_CHECKPOINT_DIR.into(),
-                            ..VolumeMount::default()
-                        },
-                        VolumeMount {
-                            name: "tmp".into(),
-                            mount_path: "/tmp".into(),
-                            ..VolumeMount::default()
-                        },
-                    ]
-                    .into_iter()
-                    .chain(claim_mounts)
-                    .collect(),
-                ),
+                security_context: Some(restricted_container_security()),
+                volume_mounts: Some(mounts),
                 ..Container::default()
             }],
-            volumes: Some(
-                [
-                    Volume {
-                        name: "checkpoints".into(),
-                        persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
-                            claim_name: checkpoint_claim_name(job),
-                            ..PersistentVolumeClaimVolumeSource::default()
-                        }),
-                        ..Volume::default()
-                    },
-                    Volume {
-                        name: "tmp".into(),
-                        empty_dir: Some(Default::default()),
-                        ..Volume::default()
-                    },
-                ]
-                .into_iter()
-                .chain(claim_volumes)
-                .collect(),
-            ),
+            volumes: Some(volumes),
             ..PodSpec::default()
         }),
         ..Pod::default()

@@ -53,6 +53,23 @@ pub struct Decision {
     pub ended: Option<AttemptOutcome>,
 }
 
+impl Decision {
+    /// A second decision in the same reconcile, after the API server refused
+    /// what this one asked for: the status so far, nothing more to create.
+    fn follow_up(&self) -> Decision {
+        Decision {
+            status: self.status.clone(),
+            events: vec![],
+            launch: None,
+            initialize: None,
+            model: self.model.clone(),
+            delete_pods: vec![],
+            requeue_after: None,
+            ended: None,
+        }
+    }
+}
+
 /// Everything the decision depends on.
 #[derive(Debug)]
 pub struct Observation<'a> {
@@ -741,16 +758,7 @@ pub fn initializer_refused(
     refusal: &LaunchRefusal,
     now: Timestamp,
 ) -> Decision {
-    let mut d = Decision {
-        status: decided.status.clone(),
-        events: vec![],
-        launch: None,
-        initialize: None,
-        model: None,
-        delete_pods: vec![],
-        requeue_after: None,
-        ended: None,
-    };
+    let mut d = decided.follow_up();
     let at = Stamp {
         now,
         generation: job.metadata.generation,
@@ -780,16 +788,7 @@ pub fn launch_refused(
     pods: &[&Pod],
     now: Timestamp,
 ) -> Decision {
-    let mut d = Decision {
-        status: decided.status.clone(),
-        events: vec![],
-        launch: None,
-        initialize: None,
-        model: decided.model.clone(),
-        delete_pods: vec![],
-        requeue_after: None,
-        ended: None,
-    };
+    let mut d = decided.follow_up();
     let at = Stamp {
         now,
         generation: job.metadata.generation,
@@ -967,26 +966,6 @@ mod tests {
         .expect("pod fixture")
     }
 
-    fn tiny_llama_report() -> String {
-        let config = include_str!("../../../worker/tests/fixtures/llama/tiny-llama/config.json");
-        let shape = headroom_planner::LlamaShape::from_hf_config(config, 64).expect("config");
-        let report = headroom_api::InitializerReport {
-            model: headroom_api::ModelFacts {
-                parameters: shape.total_params(),
-                shape,
-                bytes: 862_296,
-                dtype: "F32".into(),
-            },
-            data: headroom_api::DataFacts {
-                documents: 4,
-                tokens: 1_000,
-                samples: 15,
-            },
-            downloaded_bytes: 0,
-        };
-        serde_json::to_string(&report).expect("JSON")
-    }
-
     fn terminated(code: i32, message: &str) -> String {
         let phase = if code == 0 { "Succeeded" } else { "Failed" };
         format!(
@@ -1020,7 +999,10 @@ mod tests {
 
         let done = step(
             &mut j,
-            &[init_pod(1, &terminated(0, &tiny_llama_report()))],
+            &[init_pod(
+                1,
+                &terminated(0, &headroom_e2e::fixtures::tiny_llama_report(64)),
+            )],
             t0(),
         );
         assert!(has_condition(

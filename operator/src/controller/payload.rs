@@ -21,14 +21,16 @@ use headroom_api::{
     TERMINATION_MESSAGE_PATH, TextFormat, VolumePath,
 };
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, EnvVar, EnvVarSource, LocalObjectReference,
-    PersistentVolumeClaimVolumeSource, Pod, PodSecurityContext, PodSpec, ResourceRequirements,
-    SeccompProfile, SecretKeySelector, SecurityContext, Volume, VolumeMount,
+    Container, EnvVar, EnvVarSource, LocalObjectReference, PersistentVolumeClaimVolumeSource, Pod,
+    PodSpec, ResourceRequirements, SecretKeySelector, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::ResourceExt;
 
-use super::children::{WORKER_UID, checkpoint_claim_name, dns_label, owner};
+use super::children::{
+    checkpoint_claim_name, dns_label, job_volumes, owner, restricted_container_security,
+    restricted_pod_security,
+};
 
 /// Where the claims a job names are mounted.
 const CLAIMS_DIR: &str = "/var/lib/headroom/claims";
@@ -200,30 +202,10 @@ pub fn initializer_pod(
             ..EnvVar::default()
         });
     }
-    let (mut volumes, mut mounts) = claim_mounts(job);
-    volumes.push(Volume {
-        name: "checkpoints".into(),
-        persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
-            claim_name: checkpoint_claim_name(job),
-            ..PersistentVolumeClaimVolumeSource::default()
-        }),
-        ..Volume::default()
-    });
-    mounts.push(VolumeMount {
-        name: "checkpoints".into(),
-        mount_path: DEFAULT_CHECKPOINT_DIR.into(),
-        ..VolumeMount::default()
-    });
-    volumes.push(Volume {
-        name: "tmp".into(),
-        empty_dir: Some(Default::default()),
-        ..Volume::default()
-    });
-    mounts.push(VolumeMount {
-        name: "tmp".into(),
-        mount_path: "/tmp".into(),
-        ..VolumeMount::default()
-    });
+    let (mut volumes, mut mounts) = job_volumes(job);
+    let (claim_volumes, claim_mounts) = claim_mounts(job);
+    volumes.extend(claim_volumes);
+    mounts.extend(claim_mounts);
     let labels: BTreeMap<String, String> = [
         (LABEL_JOB.to_string(), job.name_any()),
         (LABEL_ROLE.to_string(), ROLE_INITIALIZER.to_string()),
@@ -267,17 +249,7 @@ pub fn initializer_pod(
             tolerations: (!spec.worker.tolerations.is_empty()).then(|| {
                 crate::inventory::worker_tolerations(job, headroom_planner::DeviceKind::Cpu)
             }),
-            security_context: Some(PodSecurityContext {
-                run_as_non_root: Some(true),
-                run_as_user: Some(WORKER_UID),
-                run_as_group: Some(WORKER_UID),
-                fs_group: Some(WORKER_UID),
-                seccomp_profile: Some(SeccompProfile {
-                    type_: "RuntimeDefault".into(),
-                    ..SeccompProfile::default()
-                }),
-                ..PodSecurityContext::default()
-            }),
+            security_context: Some(restricted_pod_security()),
             containers: vec![Container {
                 name: "initializer".into(),
                 image: Some(spec.worker.image.clone()),
@@ -290,20 +262,7 @@ pub fn initializer_pod(
                 }),
                 termination_message_path: Some(TERMINATION_MESSAGE_PATH.into()),
                 termination_message_policy: Some("FallbackToLogsOnError".into()),
-                security_context: Some(SecurityContext {
-                    allow_privilege_escalation: Some(false),
-                    read_only_root_filesystem: Some(true),
-                    run_as_non_root: Some(true),
-                    capabilities: Some(Capabilities {
-                        drop: Some(vec!["ALL".into()]),
-                        ..Capabilities::default()
-                    }),
-                    seccomp_profile: Some(SeccompProfile {
-                        type_: "RuntimeDefault".into(),
-                        ..SeccompProfile::default()
-                    }),
-                    ..SecurityContext::default()
-                }),
+                security_context: Some(restricted_container_security()),
                 volume_mounts: Some(mounts),
                 ..Container::default()
             }],
