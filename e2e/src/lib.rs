@@ -12,6 +12,8 @@
 //! * [`fixtures`]: the samples, GPU job manifests, pod statuses as a kubelet
 //!   writes them, fake GPU nodes.
 //! * [`cluster`]: the e2e cluster's kubectl and the installed operator.
+//! * [`hub`]: a local stand-in for the Hugging Face hub (the initializer's
+//!   tests on loopback, the e2e suite's initializer pods over the node's address).
 //!
 //! It depends on the API types only, never on the operator or the worker, so
 //! both can use it for their tests.
@@ -20,9 +22,10 @@ pub mod cluster;
 pub mod corpus;
 pub mod crd;
 pub mod fixtures;
+pub mod hub;
 pub mod namespace;
 pub mod wait;
 
 pub use cluster::{kubectl, operator_deployment, operator_namespace, operator_selector};
 pub use namespace::{API_SERVER, E2E, Suite, TestNs};
-pub use wait::{attempts, ended, phase, pod_phase, pod_ready};
+pub use wait::{attempts, ended, phase, pod_phase, pod_ready, telemetry_step};

@@ -215,6 +215,22 @@ impl TestNs {
         pods
     }
 
+    /// The step some worker of this namespace says (in its log) it resumed
+    /// from, if one did.
+    pub async fn resumed_step(&self) -> Option<u64> {
+        for pod in self.pod_list().await {
+            let log = self
+                .pods()
+                .logs(&pod.name_any(), &LogParams::default())
+                .await
+                .unwrap_or_default();
+            if let Some(step) = wait::resumed_step(&log) {
+                return Some(step);
+            }
+        }
+        None
+    }
+
     /// Writes a pod's status the way a kubelet would.
     pub async fn set_pod_status(&self, pod: &str, status: serde_json::Value) {
         self.pods()

@@ -70,3 +70,49 @@ pub fn pod_phase(pod: &Pod) -> &str {
         .and_then(|s| s.phase.as_deref())
         .unwrap_or_default()
 }
+
+/// Highest step any worker of `attempt` reported live.
+pub fn telemetry_step(job: &MemoryAwareTrainingJob, attempt: u32) -> Option<u64> {
+    job.status
+        .as_ref()?
+        .workers
+        .iter()
+        .filter(|w| w.attempt == attempt)
+        .map(|w| w.step)
+        .max()
+}
+
+/// The text of a log without terminal colour sequences (`ESC [ ... m`).
+pub fn strip_ansi(log: &str) -> String {
+    let mut out = String::with_capacity(log.len());
+    let mut chars = log.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The step in a worker log's `resumed` line (`... resumed ... step=N ...`),
+/// if the log has one.
+pub fn resumed_step(log: &str) -> Option<u64> {
+    let log = strip_ansi(log);
+    let line = log.lines().find(|l| l.contains("resumed"))?;
+    let step = line
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("step="))
+        .and_then(|s| {
+            s.trim_matches(|c: char| !c.is_ascii_digit())
+                .parse::<u64>()
+                .ok()
+        });
+    assert!(step.is_some(), "no step in {line:?}");
+    step
+}

@@ -6,15 +6,16 @@ use std::cell::Cell;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use headroom_api::{AttemptOutcome, JobPhase, MemoryAwareTrainingJob};
+use headroom_api::{AttemptOutcome, JobPhase};
 use headroom_e2e::corpus::assert_all_rejected;
 use headroom_e2e::fixtures::{CPU_OOM_FIRST as OOM_FIRST, CPU_TINY as TINY};
 use headroom_e2e::{
-    E2E, TestNs, ended, kubectl, operator_namespace, operator_selector, phase, pod_phase, pod_ready,
+    E2E, TestNs, ended, kubectl, operator_namespace, operator_selector, phase, pod_phase,
+    pod_ready, telemetry_step,
 };
 use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
-use kube::api::{Api, DeleteParams, EvictParams, ListParams, LogParams};
+use kube::api::{Api, DeleteParams, EvictParams, ListParams};
 use kube::{Resource, ResourceExt};
 
 const RUN: Duration = Duration::from_secs(600);
@@ -31,17 +32,6 @@ fn tiny(steps: u32) -> String {
         "samples/cpu-tiny.yaml changed"
     );
     manifest
-}
-
-/// Highest step any worker of `attempt` reported live.
-fn telemetry_step(job: &MemoryAwareTrainingJob, attempt: u32) -> Option<u64> {
-    job.status
-        .as_ref()?
-        .workers
-        .iter()
-        .filter(|w| w.attempt == attempt)
-        .map(|w| w.step)
-        .max()
 }
 
 #[tokio::test]
@@ -183,24 +173,6 @@ async fn a_job_that_fits_nowhere_fails_without_pods() {
         .items;
     assert!(pods.is_empty(), "no pods for an infeasible job");
     ns.cleanup().await;
-}
-
-/// The text of a log without terminal colour sequences (`ESC [ ... m`).
-fn strip_ansi(log: &str) -> String {
-    let mut out = String::with_capacity(log.len());
-    let mut chars = log.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }
 
 /// The worker pod of attempt 1, once its container runs.
@@ -398,26 +370,7 @@ async fn an_evicted_worker_resumes_from_its_checkpoint() {
     }
 
     // The worker that finished says where it resumed.
-    let mut resumed = None;
-    for pod in ns.pod_list().await {
-        let log = ns
-            .pods()
-            .logs(&pod.name_any(), &LogParams::default())
-            .await
-            .unwrap_or_default();
-        let log = strip_ansi(&log);
-        if let Some(line) = log.lines().find(|l| l.contains("resumed")) {
-            resumed = line
-                .split_whitespace()
-                .find_map(|w| w.strip_prefix("step="))
-                .and_then(|s| {
-                    s.trim_matches(|c: char| !c.is_ascii_digit())
-                        .parse::<u64>()
-                        .ok()
-                });
-            assert!(resumed.is_some(), "no step in {line:?}");
-        }
-    }
+    let resumed = ns.resumed_step().await;
     let resumed = resumed.unwrap_or_else(|| panic!("no worker log says it resumed"));
     assert!(
         resumed >= reached && resumed < 16,

@@ -1,24 +1,19 @@
 //! The `headroom-worker` binary as an initializer (`HEADROOM_INITIALIZE`),
-//! end to end against a local stand-in for the Hugging Face hub: a plain
-//! HTTP/1.1 server in the test that lists repositories as
-//! `/api/models/{repo}/revision/{rev}` does, serves files under
-//! `/{repo}/resolve/{rev}/{file}` (the weights by a 302 to a `/cdn/...`
-//! path, as the hub redirects LFS files), honours `Range` with 206, answers
-//! HEAD, wants a Bearer token for a private repository and 404s unknown
-//! ones. It records every request, so the tests can tell what was
-//! downloaded and how, and can cut a transfer off halfway through.
+//! end to end against the test kit's local stand-in for the Hugging Face hub
+//! (`headroom_e2e::hub`: listings, `resolve` URLs with the weights behind a
+//! CDN redirect, `Range`, HEAD, tokens, 404s). It records every request, so
+//! the tests can tell what was downloaded and how, and can cut a transfer
+//! off halfway through.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Write};
-use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::{Arc, Mutex, MutexGuard};
 
 use headroom_api::{
     DataFormat, HF_TOKEN_ENV, INITIALIZE_JSON_ENV, InitializerAssignment, InitializerReport,
     ModelSource, TerminationMessage, WorkerOutcome, exit_code,
 };
+use headroom_e2e::hub::{HUB_COMMIT as COMMIT, HubRepo, HubRepos, HubRequest as Seen, LocalHub};
 use headroom_worker::run::TERMINATION_MESSAGE_PATH_ENV;
 
 const REPO: &str = "headroom/tiny-llama";
@@ -31,7 +26,6 @@ const SHARDS: [&str; 2] = [
 ];
 const INDEX: &str = "model.safetensors.index.json";
 const TOKEN: &str = "hf_test_token";
-const COMMIT: &str = "0123456789abcdef0123456789abcdef01234567";
 const WEIGHTS: &str = "model.safetensors";
 /// The fixture's files, all served by the hub stand-in.
 const FILES: [&str; 5] = [
@@ -58,43 +52,23 @@ fn temp_dir(name: &str) -> PathBuf {
     dir
 }
 
-/// One request as the hub stand-in saw it.
-#[derive(Clone, Debug)]
-struct Seen {
-    method: String,
-    /// Without the query.
-    path: String,
-    range: Option<String>,
-    authorization: Option<String>,
-}
-
-#[derive(Debug, Default)]
-struct State {
-    requests: Vec<Seen>,
-    /// Weight downloads still to cut off after half their bytes.
-    cut_next: u32,
-    /// Cut off every weight download after half its bytes.
-    cut_always: bool,
-}
-
-/// The hub stand-in; serves until the test process ends.
-struct FakeHub {
-    endpoint: String,
-    state: Arc<Mutex<State>>,
-}
-
-impl FakeHub {
-    fn start() -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-        let endpoint = format!("http://{}", listener.local_addr().expect("addr"));
-        let state = Arc::new(Mutex::new(State::default()));
-        let tiny = fixture_files();
-        let mut repos = BTreeMap::new();
-        repos.insert(REPO.to_string(), tiny.clone());
-        repos.insert(PRIVATE_REPO.to_string(), tiny.clone());
-        repos.insert(SHARDED_REPO.to_string(), sharded(&tiny));
-        repos.insert(
-            BIN_ONLY_REPO.to_string(),
+/// The hub stand-in with the repositories these tests use.
+fn start_hub() -> LocalHub {
+    let tiny = fixture_files();
+    let public = |files: BTreeMap<String, Vec<u8>>| HubRepo { files, token: None };
+    let mut repos = HubRepos::new();
+    repos.insert(REPO.to_string(), public(tiny.clone()));
+    repos.insert(
+        PRIVATE_REPO.to_string(),
+        HubRepo {
+            files: tiny.clone(),
+            token: Some(TOKEN.into()),
+        },
+    );
+    repos.insert(SHARDED_REPO.to_string(), public(sharded(&tiny)));
+    repos.insert(
+        BIN_ONLY_REPO.to_string(),
+        public(
             [
                 ("config.json", &tiny["config.json"][..]),
                 ("tokenizer.json", &tiny["tokenizer.json"][..]),
@@ -103,30 +77,10 @@ impl FakeHub {
             .into_iter()
             .map(|(k, v)| (k.to_string(), v.to_vec()))
             .collect(),
-        );
-        let files: Arc<Repos> = Arc::new(repos);
-        let shared = state.clone();
-        std::thread::spawn(move || {
-            for stream in listener.incoming().flatten() {
-                let (state, files) = (shared.clone(), files.clone());
-                std::thread::spawn(move || serve(stream, &state, &files));
-            }
-        });
-        FakeHub { endpoint, state }
-    }
-
-    fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().expect("state")
-    }
-
-    /// The requests since the last call, and forget them.
-    fn take_requests(&self) -> Vec<Seen> {
-        std::mem::take(&mut self.state().requests)
-    }
+        ),
+    );
+    LocalHub::start("127.0.0.1:0", repos)
 }
-
-/// Repository → file name → bytes.
-type Repos = BTreeMap<String, BTreeMap<String, Vec<u8>>>;
 
 /// The tiny-llama fixture's files.
 fn fixture_files() -> BTreeMap<String, Vec<u8>> {
@@ -172,205 +126,6 @@ fn sharded(tiny: &BTreeMap<String, Vec<u8>>) -> BTreeMap<String, Vec<u8>> {
     files
 }
 
-fn serve(stream: TcpStream, state: &Mutex<State>, repos: &Repos) {
-    let mut reader = BufReader::new(stream.try_clone().expect("clone"));
-    let mut line = String::new();
-    if reader.read_line(&mut line).is_err() || line.is_empty() {
-        return;
-    }
-    let mut parts = line.split_whitespace();
-    let method = parts.next().unwrap_or_default().to_string();
-    let target = parts.next().unwrap_or_default().to_string();
-    let mut headers = BTreeMap::new();
-    loop {
-        let mut h = String::new();
-        if reader.read_line(&mut h).is_err() || h.trim().is_empty() {
-            break;
-        }
-        if let Some((k, v)) = h.split_once(':') {
-            headers.insert(k.trim().to_lowercase(), v.trim().to_string());
-        }
-    }
-    let path = target.split('?').next().unwrap_or_default().to_string();
-    let seen = Seen {
-        method: method.clone(),
-        path: path.clone(),
-        range: headers.get("range").cloned(),
-        authorization: headers.get("authorization").cloned(),
-    };
-    state.lock().expect("state").requests.push(seen.clone());
-    let head = method == "HEAD";
-    let mut out = stream;
-    let authorized = |repo: &str| {
-        repo != PRIVATE_REPO || seen.authorization.as_deref() == Some(&format!("Bearer {TOKEN}"))
-    };
-    let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
-    match segments.as_slice() {
-        ["api", "models", owner, name, "revision", rev] => {
-            let repo = format!("{owner}/{name}");
-            let Some(files) = repos.get(&repo) else {
-                return json_error(&mut out, 404, "Repository not found", None);
-            };
-            if !authorized(&repo) {
-                // What the hub answers a private repository without a token.
-                return json_error(
-                    &mut out,
-                    401,
-                    "Invalid credentials in Authorization header",
-                    Some("RepoNotFound"),
-                );
-            }
-            if *rev != "main" && *rev != COMMIT {
-                return json_error(&mut out, 404, "Invalid rev id", Some("RevisionNotFound"));
-            }
-            let mut siblings = vec![
-                serde_json::json!({"rfilename": ".gitattributes"}),
-                serde_json::json!({"rfilename": "README.md"}),
-            ];
-            for (name, bytes) in files {
-                // Sizes for all but the weights (the hub gives all with
-                // `blobs=true`, a mirror may give none), so both ways to
-                // know a size are exercised: the listing's, and a HEAD
-                // request (answered by the 302's X-Linked-Size).
-                siblings.push(if is_lfs(name) {
-                    serde_json::json!({"rfilename": name})
-                } else {
-                    serde_json::json!({"rfilename": name, "size": bytes.len()})
-                });
-            }
-            let body = serde_json::json!({"id": repo, "sha": COMMIT, "siblings": siblings});
-            respond(
-                &mut out,
-                "200 OK",
-                &[("Content-Type", "application/json".into())],
-                body.to_string().as_bytes(),
-                head,
-            );
-        }
-        [owner, name, "resolve", rev, file] => {
-            let repo = format!("{owner}/{name}");
-            let Some(files) = repos.get(&repo) else {
-                return json_error(&mut out, 404, "Repository not found", None);
-            };
-            if !authorized(&repo) {
-                return json_error(&mut out, 401, "Invalid credentials", Some("RepoNotFound"));
-            }
-            let Some(bytes) = files
-                .get(*file)
-                .filter(|_| *rev == "main" || *rev == COMMIT)
-            else {
-                return json_error(&mut out, 404, "Entry not found", Some("EntryNotFound"));
-            };
-            if is_lfs(file) {
-                respond(
-                    &mut out,
-                    "302 Found",
-                    &[
-                        ("Location", format!("/cdn/{repo}/{file}?signature=x")),
-                        ("X-Linked-Size", bytes.len().to_string()),
-                    ],
-                    b"",
-                    head,
-                );
-            } else {
-                respond(&mut out, "200 OK", &[], bytes, head);
-            }
-        }
-        ["cdn", owner, name, file] => {
-            let Some(bytes) = repos
-                .get(&format!("{owner}/{name}"))
-                .and_then(|files| files.get(*file))
-            else {
-                return json_error(&mut out, 404, "no such object", None);
-            };
-            let start = seen
-                .range
-                .as_deref()
-                .and_then(|r| r.strip_prefix("bytes="))
-                .and_then(|r| r.strip_suffix('-'))
-                .and_then(|r| r.parse::<usize>().ok());
-            let (status, body, extra) = match start {
-                Some(s) if s < bytes.len() => (
-                    "206 Partial Content",
-                    &bytes[s..],
-                    vec![(
-                        "Content-Range",
-                        format!("bytes {s}-{}/{}", bytes.len() - 1, bytes.len()),
-                    )],
-                ),
-                Some(_) => {
-                    return respond(
-                        &mut out,
-                        "416 Range Not Satisfiable",
-                        &[("Content-Range", format!("bytes */{}", bytes.len()))],
-                        b"",
-                        head,
-                    );
-                }
-                None => ("200 OK", &bytes[..], vec![]),
-            };
-            let cut = !head && {
-                let mut s = state.lock().expect("state");
-                let cut = s.cut_always || s.cut_next > 0;
-                s.cut_next = s.cut_next.saturating_sub(1);
-                cut
-            };
-            if cut {
-                // Promise the whole body, send half, hang up.
-                let mut text = format!(
-                    "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n",
-                    body.len()
-                );
-                for (k, v) in &extra {
-                    text.push_str(&format!("{k}: {v}\r\n"));
-                }
-                text.push_str("\r\n");
-                let _ = out.write_all(text.as_bytes());
-                let _ = out.write_all(&body[..body.len() / 2]);
-                let _ = out.flush();
-                let _ = out.shutdown(std::net::Shutdown::Both);
-                return;
-            }
-            respond(&mut out, status, &extra, body, head);
-        }
-        _ => json_error(&mut out, 404, "no such route", None),
-    }
-}
-
-/// Files the hub keeps in LFS (served from the CDN).
-fn is_lfs(name: &str) -> bool {
-    name.ends_with(".safetensors") || name.ends_with(".bin")
-}
-
-fn respond(out: &mut TcpStream, status: &str, headers: &[(&str, String)], body: &[u8], head: bool) {
-    let mut text = format!(
-        "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n",
-        body.len()
-    );
-    for (k, v) in headers {
-        text.push_str(&format!("{k}: {v}\r\n"));
-    }
-    text.push_str("\r\n");
-    let _ = out.write_all(text.as_bytes());
-    if !head {
-        let _ = out.write_all(body);
-    }
-    let _ = out.flush();
-}
-
-fn json_error(out: &mut TcpStream, status: u16, message: &str, code: Option<&str>) {
-    let reason = match status {
-        401 => "401 Unauthorized",
-        _ => "404 Not Found",
-    };
-    let mut headers = vec![("Content-Type", "application/json".to_string())];
-    if let Some(code) = code {
-        headers.push(("X-Error-Code", code.to_string()));
-    }
-    let body = serde_json::json!({ "error": message }).to_string();
-    respond(out, reason, &headers, body.as_bytes(), false);
-}
-
 /// What one run of the binary left.
 #[derive(Debug)]
 enum Ended {
@@ -408,11 +163,11 @@ fn assignment(model: ModelSource, model_dir: &Path, data: &Path) -> InitializerA
     }
 }
 
-fn from_hub(hub: &FakeHub, repo: &str) -> ModelSource {
+fn from_hub(hub: &LocalHub, repo: &str) -> ModelSource {
     ModelSource::HuggingFace {
         repo: repo.into(),
         revision: "main".into(),
-        endpoint: hub.endpoint.clone(),
+        endpoint: hub.endpoint(),
     }
 }
 
@@ -485,7 +240,7 @@ fn count(requests: &[Seen], method: &str, path_part: &str) -> usize {
 
 #[test]
 fn fetches_checks_and_reports_then_downloads_nothing_the_second_time() {
-    let hub = FakeHub::start();
+    let hub = start_hub();
     let dir = temp_dir("fetch");
     let model_dir = dir.join("model");
     let a = assignment(from_hub(&hub, REPO), &model_dir, &data_file());
@@ -538,7 +293,7 @@ fn fetches_checks_and_reports_then_downloads_nothing_the_second_time() {
 
 #[test]
 fn a_broken_download_is_resumed_with_a_range_request() {
-    let hub = FakeHub::start();
+    let hub = start_hub();
     hub.state().cut_next = 1;
     let dir = temp_dir("resume");
     let model_dir = dir.join("model");
@@ -569,7 +324,7 @@ fn a_broken_download_is_resumed_with_a_range_request() {
 
 #[test]
 fn a_download_that_keeps_breaking_fails_and_the_next_run_resumes_it() {
-    let hub = FakeHub::start();
+    let hub = start_hub();
     hub.state().cut_always = true;
     let dir = temp_dir("keeps-breaking");
     let model_dir = dir.join("model");
@@ -580,7 +335,7 @@ fn a_download_that_keeps_breaking_fails_and_the_next_run_resumes_it() {
     assert!(
         message.reason.contains(&format!(
             "{}/{REPO}/resolve/{COMMIT}/{WEIGHTS}",
-            hub.endpoint
+            hub.endpoint()
         )) && message.reason.contains("resumes"),
         "{}",
         message.reason
@@ -626,7 +381,7 @@ fn a_download_that_keeps_breaking_fails_and_the_next_run_resumes_it() {
 #[test]
 fn a_complete_part_file_is_put_in_place_without_downloading_it_again() {
     // A run that died between the last byte and the rename.
-    let hub = FakeHub::start();
+    let hub = start_hub();
     let dir = temp_dir("complete-part");
     let model_dir = dir.join("model");
     std::fs::create_dir_all(&model_dir).expect("dir");
@@ -662,7 +417,7 @@ fn a_complete_part_file_is_put_in_place_without_downloading_it_again() {
 
 #[test]
 fn a_sharded_checkpoint_comes_with_its_index_and_every_shard() {
-    let hub = FakeHub::start();
+    let hub = start_hub();
     let dir = temp_dir("sharded");
     let model_dir = dir.join("model");
     let a = assignment(from_hub(&hub, SHARDED_REPO), &model_dir, &data_file());
@@ -697,7 +452,7 @@ fn a_sharded_checkpoint_comes_with_its_index_and_every_shard() {
 
 #[test]
 fn a_private_repository_needs_the_token() {
-    let hub = FakeHub::start();
+    let hub = start_hub();
     let dir = temp_dir("private");
     let model_dir = dir.join("model");
     let a = assignment(from_hub(&hub, PRIVATE_REPO), &model_dir, &data_file());
@@ -734,7 +489,7 @@ fn a_private_repository_needs_the_token() {
 
 #[test]
 fn an_unknown_repository_is_not_found() {
-    let hub = FakeHub::start();
+    let hub = start_hub();
     let dir = temp_dir("unknown");
     let a = assignment(
         from_hub(&hub, "headroom/no-such-model"),
@@ -746,7 +501,7 @@ fn an_unknown_repository_is_not_found() {
     assert!(
         message.reason.contains("headroom/no-such-model")
             && message.reason.contains("(revision main)")
-            && message.reason.contains(&hub.endpoint)
+            && message.reason.contains(&hub.endpoint())
             && message.reason.contains("not found"),
         "{}",
         message.reason
@@ -756,7 +511,7 @@ fn an_unknown_repository_is_not_found() {
 
 #[test]
 fn a_repository_with_only_pytorch_weights_is_refused_before_any_download() {
-    let hub = FakeHub::start();
+    let hub = start_hub();
     let dir = temp_dir("bin-only");
     let a = assignment(
         from_hub(&hub, BIN_ONLY_REPO),
