@@ -62,6 +62,9 @@ pub struct HubState {
     pub cut_next: u32,
     /// Cut off every weight download after half its bytes.
     pub cut_always: bool,
+    /// Send CDN bodies in 64 KiB pieces this far apart (a slow link, so a
+    /// download can be watched while it runs).
+    pub pace: Option<std::time::Duration>,
 }
 
 /// Repository id → repository.
@@ -285,7 +288,19 @@ fn serve_object(
         let _ = out.shutdown(std::net::Shutdown::Both);
         return;
     }
-    respond(out, status, &extra, body, head);
+    let pace = state.lock().expect("hub state").pace;
+    match pace {
+        Some(pause) if !head => {
+            let _ = out.write_all(head_text(status, body.len(), &extra).as_bytes());
+            for piece in body.chunks(64 << 10) {
+                if out.write_all(piece).and_then(|()| out.flush()).is_err() {
+                    return;
+                }
+                std::thread::sleep(pause);
+            }
+        }
+        _ => respond(out, status, &extra, body, head),
+    }
 }
 
 fn head_text(status: &str, length: usize, headers: &[(&str, String)]) -> String {

@@ -16,7 +16,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use headroom_api::{
-    MemoryAwareTrainingJob, MemorySample, WORKER_FIELD_MANAGER_PREFIX, WorkerTelemetry,
+    DownloadProgress, MemoryAwareTrainingJob, MemorySample, WORKER_FIELD_MANAGER_PREFIX,
+    WorkerTelemetry,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Api, Patch, PatchParams};
@@ -31,12 +32,14 @@ pub const DEFAULT_SAMPLE_EVERY: Duration = Duration::from_millis(500);
 /// A peak this much above the last written one is written at once.
 pub const PEAK_GROWTH_FOR_IMMEDIATE_WRITE: f64 = 0.10;
 
-/// Where the training is; updated by the training loop after each step.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+/// Where the training is; updated by the training loop after each step
+/// (or, in an initializer, where its download is).
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Progress {
     pub step: u64,
     pub loss: Option<f64>,
     pub tokens_per_second: Option<f64>,
+    pub download: Option<DownloadProgress>,
 }
 
 /// Who is reporting: the fixed part of a [`WorkerTelemetry`].
@@ -68,6 +71,7 @@ impl WorkerIdentity {
             loss: progress.loss.filter(|l| l.is_finite()),
             tokens_per_second: progress.tokens_per_second.filter(|t| t.is_finite()),
             memory,
+            download: progress.download.clone(),
             updated_at: Time(k8s_openapi::jiff::Timestamp::now()),
         }
     }
@@ -233,37 +237,38 @@ impl Reporter {
                 .name("headroom-telemetry".into())
                 .spawn(move || {
                     let mut failures = 0u64;
-                    let mut write =
-                        |sample: MemorySample, force: bool, policy: &mut WritePolicy| {
-                            let now = Instant::now();
-                            if !(force || policy.due(now, sample.peak_bytes)) {
-                                return;
-                            }
-                            let current = *progress.lock().unwrap_or_else(|p| p.into_inner());
-                            let telemetry = identity.telemetry(&current, sample);
-                            match sink.as_mut() {
-                                Some(sink) => match sink.write(&telemetry) {
-                                    Ok(()) => policy.written(now, telemetry.memory.peak_bytes),
-                                    Err(e) => {
-                                        failures += 1;
-                                        // First failure and then every 10th, to keep logs readable.
-                                        if failures % 10 == 1 {
-                                            tracing::warn!(failures, "telemetry not written: {e}");
-                                        }
+                    let mut write = |sample: MemorySample,
+                                     force: bool,
+                                     policy: &mut WritePolicy| {
+                        let now = Instant::now();
+                        if !(force || policy.due(now, sample.peak_bytes)) {
+                            return;
+                        }
+                        let current = progress.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                        let telemetry = identity.telemetry(&current, sample);
+                        match sink.as_mut() {
+                            Some(sink) => match sink.write(&telemetry) {
+                                Ok(()) => policy.written(now, telemetry.memory.peak_bytes),
+                                Err(e) => {
+                                    failures += 1;
+                                    // First failure and then every 10th, to keep logs readable.
+                                    if failures % 10 == 1 {
+                                        tracing::warn!(failures, "telemetry not written: {e}");
                                     }
-                                },
-                                None => {
-                                    tracing::info!(
-                                        step = telemetry.step,
-                                        loss = telemetry.loss,
-                                        peak_bytes = telemetry.memory.peak_bytes,
-                                        rss_bytes = telemetry.memory.process_rss_bytes,
-                                        "telemetry"
-                                    );
-                                    policy.written(now, telemetry.memory.peak_bytes);
                                 }
+                            },
+                            None => {
+                                tracing::info!(
+                                    step = telemetry.step,
+                                    loss = telemetry.loss,
+                                    peak_bytes = telemetry.memory.peak_bytes,
+                                    rss_bytes = telemetry.memory.process_rss_bytes,
+                                    "telemetry"
+                                );
+                                policy.written(now, telemetry.memory.peak_bytes);
                             }
-                        };
+                        }
+                    };
                     loop {
                         let sample = probe.sample();
                         peak.store(sample.peak_bytes, Ordering::Relaxed);
@@ -290,6 +295,13 @@ impl Reporter {
     /// Records the training loop's position (cheap: one uncontended mutex).
     pub fn update(&self, progress: Progress) {
         *self.progress.lock().unwrap_or_else(|p| p.into_inner()) = progress;
+    }
+
+    /// [`Reporter::update`] for a callback that outlives this borrow (the
+    /// initializer's download observer).
+    pub fn updater(&self) -> impl Fn(Progress) + Send + Sync + 'static {
+        let progress = self.progress.clone();
+        move |p| *progress.lock().unwrap_or_else(|e| e.into_inner()) = p
     }
 
     /// The highest peak sampled so far, bytes.
@@ -363,6 +375,7 @@ mod tests {
             step: 7,
             loss: Some(1.5),
             tokens_per_second: Some(f64::NAN),
+            download: None,
         });
         std::thread::sleep(Duration::from_millis(30));
         let last = reporter.finish();

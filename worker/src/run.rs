@@ -384,6 +384,7 @@ impl Training<'_> {
                 step: report.step,
                 loss: report.loss,
                 tokens_per_second: Some(report.tokens_per_second()),
+                download: None,
             });
             tracing::debug!(step = report.step, loss = ?report.loss, "step");
             if let Some(loss) = report.loss.filter(|l| !l.is_finite()) {

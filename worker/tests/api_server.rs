@@ -124,3 +124,121 @@ async fn telemetry_reaches_the_job_status_with_the_workers_own_field_manager() {
     }
     ns.cleanup().await;
 }
+
+/// The initializer, run as its pod runs it (`POD_NAME` set, a Kubernetes
+/// configuration at hand), against the hub stand-in on a slow link: its
+/// download shows in `status.workers[<pod>]` while it runs, and the last
+/// write says every file is in place.
+#[tokio::test]
+#[ignore = "needs the control plane"]
+async fn the_initializers_download_progress_is_in_the_status_while_it_runs() {
+    use headroom_api::{DataFormat, INITIALIZE_JSON_ENV, InitializerAssignment, ModelSource};
+    use headroom_e2e::fixtures::CPU_FINETUNE;
+    use headroom_e2e::hub::{HubRepo, HubRepos, LocalHub};
+
+    let fixture =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/tiny-llama");
+    let mut repos = HubRepos::new();
+    repos.insert(
+        "headroom/tiny-llama".into(),
+        HubRepo::from_dir(&fixture).expect("fixture"),
+    );
+    let hub = LocalHub::start("127.0.0.1:0", repos);
+    // The weights (862 KB) arrive in 64 KiB pieces 150 ms apart: about 2 s.
+    hub.state().pace = Some(std::time::Duration::from_millis(150));
+    let weights = std::fs::metadata(fixture.join("model.safetensors"))
+        .expect("fixture")
+        .len();
+
+    let ns = TestNs::new(API_SERVER, "hr-init-progress").await;
+    let manifest = CPU_FINETUNE.replace(
+        "volume: {claimName: models, path: tiny-llama}",
+        &format!(
+            "huggingFace: {{repo: headroom/tiny-llama, endpoint: \"{}\"}}",
+            hub.endpoint()
+        ),
+    );
+    assert!(manifest.contains("huggingFace"), "the sample changed");
+    let job = ns.apply_job(&manifest).await;
+    let name = job.metadata.name.clone().expect("name");
+    let pod = format!("{name}-init-1");
+
+    let dir = std::env::temp_dir().join(format!("headroom-api-init-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("tmp");
+    let assignment = InitializerAssignment {
+        job: name.clone(),
+        namespace: ns.name.clone(),
+        model: ModelSource::HuggingFace {
+            repo: "headroom/tiny-llama".into(),
+            revision: "main".into(),
+            endpoint: hub.endpoint(),
+        },
+        model_dir: dir.join("model").display().to_string(),
+        data_file: std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../samples/data/declaration-of-independence.jsonl")
+            .display()
+            .to_string(),
+        data_format: DataFormat::Jsonl {
+            field: "text".into(),
+        },
+        sequence_length: 64,
+    };
+    let child = Command::new(env!("CARGO_BIN_EXE_headroom-worker"))
+        .env(
+            INITIALIZE_JSON_ENV,
+            serde_json::to_string(&assignment).expect("json"),
+        )
+        .env(TERMINATION_MESSAGE_PATH_ENV, dir.join("termination-log"))
+        .env(POD_NAME_ENV, &pod)
+        .env(TELEMETRY_INTERVAL_ENV, "0.2")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the initializer");
+
+    // Mid-download: part of the weights, of a known total.
+    let seen = ns
+        .wait_for("the download in status.workers", RUN_TIMEOUT, || async {
+            let job = ns.jobs().get_status(&name).await.ok()?;
+            let entry = job.status?.workers.into_iter().find(|w| w.name == pod)?;
+            let d = entry.download.clone()?;
+            (d.file == "model.safetensors" && d.file_bytes > 0 && d.file_bytes < weights)
+                .then_some(entry)
+        })
+        .await;
+    assert_eq!((seen.attempt, seen.layer_end), (0, 0), "{seen:?}");
+    let mid = seen.download.expect("download");
+    assert_eq!(mid.file_total_bytes, Some(weights), "{mid:?}");
+    assert!(mid.files_done < mid.files, "{mid:?}");
+
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .expect("join")
+        .expect("the initializer ends");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(exit_code::SUCCESS), "{stderr}");
+    assert!(!stderr.contains("telemetry not written"), "{stderr}");
+    let status = ns
+        .jobs()
+        .get_status(&name)
+        .await
+        .expect("job")
+        .status
+        .expect("status");
+    let last = status
+        .workers
+        .iter()
+        .find(|w| w.name == pod)
+        .and_then(|w| w.download.clone())
+        .expect("the last write");
+    assert_eq!(last.files_done, last.files, "{last:?}");
+    let fixture_bytes: u64 = std::fs::read_dir(&fixture)
+        .expect("fixture")
+        .map(|e| e.expect("entry").metadata().expect("meta").len())
+        .sum();
+    assert_eq!(last.downloaded_bytes, fixture_bytes, "{last:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+    ns.cleanup().await;
+}
+
+const RUN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);

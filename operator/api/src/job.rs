@@ -658,7 +658,31 @@ pub struct WorkerTelemetry {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens_per_second: Option<f64>,
     pub memory: MemorySample,
+    /// The initializer's download while it runs (only on the initializer's
+    /// entry: pod `<job>-init-<n>`, attempt 0, removed once attempt 1 starts).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub download: Option<DownloadProgress>,
     pub updated_at: Time,
+}
+
+/// Where an initializer's download of a Hugging Face checkpoint stands.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DownloadProgress {
+    /// The file being fetched (or the last one fetched).
+    pub file: String,
+    /// Bytes of that file on the volume so far (a resumed file counts what an
+    /// earlier run left).
+    pub file_bytes: u64,
+    /// That file's size, once the hub has said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file_total_bytes: Option<u64>,
+    /// Files in place (downloaded, or already there with the right size).
+    pub files_done: u32,
+    /// Files to fetch as far as known (shards count once the index is read).
+    pub files: u32,
+    /// Bytes this run received.
+    pub downloaded_bytes: u64,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]

@@ -271,15 +271,22 @@ pub(super) async fn ensure_initializer(
     };
     let ns = job.namespace().unwrap_or_default();
     let cfg = &ctx.config.children;
-    let (account, claim) = (
+    let c = &ctx.client;
+    let (account, role, binding, claim) = (
         children::service_account(job),
+        children::initializer_role(job),
+        children::role_binding(job),
         children::checkpoint_claim(job, cfg),
     );
+    // The same order as for the workers (see ensure_children): the binding
+    // needs its Role, the pod its account.
     futures::try_join!(
-        apply::<ServiceAccount>(&ctx.client, &ns, &account),
-        create_claim(&ctx.client, &ns, job, &claim),
+        apply::<ServiceAccount>(c, &ns, &account),
+        apply::<Role>(c, &ns, &role),
+        create_claim(c, &ns, job, &claim),
     )?;
-    apply::<Pod>(&ctx.client, &ns, &pod).await
+    apply::<RoleBinding>(c, &ns, &binding).await?;
+    apply::<Pod>(c, &ns, &pod).await
 }
 
 async fn create_claim(

@@ -123,22 +123,7 @@ pub fn service_account(job: &MemoryAwareTrainingJob) -> ServiceAccount {
 /// by name (a stage looks up its neighbour's IP; no list or watch, no other
 /// pod). Re-applied with each attempt, so the pod names follow the attempt.
 pub fn role(job: &MemoryAwareTrainingJob, attempt: u32, plan: &Plan) -> Role {
-    let mut rules = vec![
-        PolicyRule {
-            api_groups: Some(vec![GROUP.into()]),
-            resources: Some(vec!["memoryawaretrainingjobs/status".into()]),
-            resource_names: Some(vec![job.name_any()]),
-            verbs: vec!["get".into(), "patch".into()],
-            ..PolicyRule::default()
-        },
-        PolicyRule {
-            api_groups: Some(vec![GROUP.into()]),
-            resources: Some(vec!["memoryawaretrainingjobs".into()]),
-            resource_names: Some(vec![job.name_any()]),
-            verbs: vec!["get".into()],
-            ..PolicyRule::default()
-        },
-    ];
+    let mut rules = job_status_rules(job);
     if plan.workers > 1 {
         rules.push(PolicyRule {
             api_groups: Some(vec![String::new()]),
@@ -156,6 +141,36 @@ pub fn role(job: &MemoryAwareTrainingJob, attempt: u32, plan: &Plan) -> Role {
         metadata: meta(job, worker_account_name(job), job_labels(job)),
         rules: Some(rules),
     }
+}
+
+/// The Role while the initializer runs (before any attempt): the same
+/// account, allowed only to read this job and patch its status (its
+/// progress entry; the admission policy keeps it to that entry).
+pub fn initializer_role(job: &MemoryAwareTrainingJob) -> Role {
+    Role {
+        metadata: meta(job, worker_account_name(job), job_labels(job)),
+        rules: Some(job_status_rules(job)),
+    }
+}
+
+/// Read this one job, read and patch its status.
+fn job_status_rules(job: &MemoryAwareTrainingJob) -> Vec<PolicyRule> {
+    vec![
+        PolicyRule {
+            api_groups: Some(vec![GROUP.into()]),
+            resources: Some(vec!["memoryawaretrainingjobs/status".into()]),
+            resource_names: Some(vec![job.name_any()]),
+            verbs: vec!["get".into(), "patch".into()],
+            ..PolicyRule::default()
+        },
+        PolicyRule {
+            api_groups: Some(vec![GROUP.into()]),
+            resources: Some(vec!["memoryawaretrainingjobs".into()]),
+            resource_names: Some(vec![job.name_any()]),
+            verbs: vec!["get".into()],
+            ..PolicyRule::default()
+        },
+    ]
 }
 
 pub fn role_binding(job: &MemoryAwareTrainingJob) -> RoleBinding {
@@ -991,6 +1006,13 @@ status:
             binding.subjects.expect("subjects")[0].name,
             "tiny-cpu-worker"
         );
+        // Before any attempt the initializer's Role is the job rules alone.
+        let initializer = initializer_role(&job);
+        assert_eq!(
+            initializer.metadata.name,
+            role(&job, 1, &plan).metadata.name
+        );
+        assert_eq!(initializer.rules, Some(single));
     }
 
     #[test]

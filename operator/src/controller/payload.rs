@@ -17,12 +17,13 @@ use std::collections::BTreeMap;
 
 use headroom_api::{
     DEFAULT_CHECKPOINT_DIR, DEFAULT_HF_ENDPOINT, DataFormat, HF_TOKEN_ENV, INITIALIZE_JSON_ENV,
-    InitializerAssignment, LABEL_JOB, MemoryAwareTrainingJob, ModelSource, PayloadFiles,
-    TERMINATION_MESSAGE_PATH, TextFormat, VolumePath,
+    InitializerAssignment, LABEL_JOB, MemoryAwareTrainingJob, ModelSource, POD_NAME_ENV,
+    PayloadFiles, TERMINATION_MESSAGE_PATH, TextFormat, VolumePath,
 };
 use k8s_openapi::api::core::v1::{
-    Container, EnvVar, EnvVarSource, LocalObjectReference, PersistentVolumeClaimVolumeSource, Pod,
-    PodSpec, ResourceRequirements, SecretKeySelector, Volume, VolumeMount,
+    Container, EnvVar, EnvVarSource, LocalObjectReference, ObjectFieldSelector,
+    PersistentVolumeClaimVolumeSource, Pod, PodSpec, ResourceRequirements, SecretKeySelector,
+    Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::ResourceExt;
@@ -167,8 +168,10 @@ pub fn initializer_assignment(job: &MemoryAwareTrainingJob) -> Option<Initialize
 
 /// The initializer pod: the worker image in its initializer mode, with the
 /// job's claims and, for a gated repository, the token (no other pod of the
-/// job sees it). No Kubernetes API access: it reports through its
-/// termination message, which the operator reads.
+/// job sees it). Its report comes through its termination message, which
+/// the operator reads; while it runs it writes its progress into its own
+/// entry of `status.workers` with the job's worker account (pod-bound
+/// token, [`super::children::initializer_role`]).
 pub fn initializer_pod(
     job: &MemoryAwareTrainingJob,
     run: u32,
@@ -177,11 +180,24 @@ pub fn initializer_pod(
         return Ok(None);
     };
     let spec = &job.spec;
-    let mut env = vec![EnvVar {
-        name: INITIALIZE_JSON_ENV.into(),
-        value: Some(serde_json::to_string(&assignment)?),
-        ..EnvVar::default()
-    }];
+    let mut env = vec![
+        EnvVar {
+            name: INITIALIZE_JSON_ENV.into(),
+            value: Some(serde_json::to_string(&assignment)?),
+            ..EnvVar::default()
+        },
+        EnvVar {
+            name: POD_NAME_ENV.into(),
+            value_from: Some(EnvVarSource {
+                field_ref: Some(ObjectFieldSelector {
+                    field_path: "metadata.name".into(),
+                    ..ObjectFieldSelector::default()
+                }),
+                ..EnvVarSource::default()
+            }),
+            ..EnvVar::default()
+        },
+    ];
     if let Some(secret) = spec
         .model
         .pretrained
@@ -233,9 +249,9 @@ pub fn initializer_pod(
         spec: Some(PodSpec {
             restart_policy: Some("Never".into()),
             // The job's worker account (a namespace's `default` account is not
-            // guaranteed), with no token mounted: the initializer needs no API.
+            // guaranteed): its token may only write the pod's own status entry.
             service_account_name: Some(super::children::worker_account_name(job)),
-            automount_service_account_token: Some(false),
+            automount_service_account_token: Some(true),
             priority_class_name: spec.worker.priority_class_name.clone(),
             image_pull_secrets: (!spec.worker.image_pull_secrets.is_empty()).then(|| {
                 spec.worker
@@ -345,7 +361,7 @@ mod tests {
     }
 
     #[test]
-    fn the_initializer_alone_gets_the_token_and_has_no_api_access() {
+    fn the_initializer_alone_gets_the_token_and_reports_as_the_worker_account() {
         let j = job(include_str!(
             "../../../samples/gpu-finetune-llama-3.2-1b.yaml"
         ));
@@ -353,8 +369,20 @@ mod tests {
             .expect("build")
             .expect("a pretrained job");
         let spec = pod.spec.as_ref().expect("spec");
-        assert_eq!(spec.automount_service_account_token, Some(false));
+        // The job's worker account, whose Role allows this job's status
+        // only (initializer_role) and the admission policy its own entry.
+        assert_eq!(spec.automount_service_account_token, Some(true));
+        assert_eq!(
+            spec.service_account_name.as_deref(),
+            Some(crate::controller::children::worker_account_name(&j).as_str())
+        );
         let env = spec.containers[0].env.clone().unwrap_or_default();
+        let pod_name = env
+            .iter()
+            .find(|e| e.name == POD_NAME_ENV)
+            .and_then(|e| e.value_from.as_ref()?.field_ref.as_ref())
+            .map(|f| f.field_path.as_str());
+        assert_eq!(pod_name, Some("metadata.name"));
         let token = env
             .iter()
             .find(|e| e.name == HF_TOKEN_ENV)

@@ -490,6 +490,7 @@ fn step_times(rounds: u32, steps_per_segment: u32) -> (Vec<f64>, Vec<f64>) {
                         step: r.step,
                         loss: r.loss,
                         tokens_per_second: Some(r.tokens_per_second()),
+                        download: None,
                     });
                 }
                 if telemetry { &mut with } else { &mut without }.push(r.elapsed.as_secs_f64());

@@ -21,7 +21,10 @@ use std::fmt::Write as _;
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::path::Path;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+use headroom_api::DownloadProgress;
 
 use ureq::http::HeaderMap;
 
@@ -70,6 +73,9 @@ impl Default for Retry {
     }
 }
 
+/// Told where a download stands: at each file, and as bytes arrive.
+pub type ProgressObserver = Box<dyn Fn(&DownloadProgress) + Send + Sync>;
+
 /// One repository at one revision on one hub.
 pub struct Hub {
     agent: ureq::Agent,
@@ -78,6 +84,9 @@ pub struct Hub {
     revision: String,
     token: Option<String>,
     retry: Retry,
+    /// Where the fetch stands, and who is told (the status reporter).
+    progress: Mutex<DownloadProgress>,
+    observer: Option<ProgressObserver>,
 }
 
 impl std::fmt::Debug for Hub {
@@ -176,7 +185,25 @@ impl Hub {
             revision: revision.to_string(),
             token: token.filter(|t| !t.trim().is_empty()),
             retry,
+            progress: Mutex::new(DownloadProgress::default()),
+            observer: None,
         })
+    }
+
+    /// Tells `observer` where the fetch stands: when a file starts and
+    /// ends, and after every chunk received.
+    pub fn observed(mut self, observer: ProgressObserver) -> Self {
+        self.observer = Some(observer);
+        self
+    }
+
+    /// Changes the progress and tells the observer.
+    fn progress(&self, change: impl FnOnce(&mut DownloadProgress)) {
+        let mut progress = self.progress.lock().unwrap_or_else(|p| p.into_inner());
+        change(&mut progress);
+        if let Some(observer) = &self.observer {
+            observer(&progress);
+        }
     }
 
     /// Brings the checkpoint into `dir`: the metadata files, then (after
@@ -237,6 +264,12 @@ impl Hub {
             commit: listing.commit.clone(),
             ..Fetched::default()
         };
+        let metadata = METADATA_FILES
+            .iter()
+            .filter(|name| listing.files.contains_key(**name))
+            .count();
+        // The weights, or the index (its shards are counted once it is read).
+        self.progress(|p| p.files = metadata as u32 + 1);
         let get = |name: &str, fetched: &mut Fetched| -> Result<(), InitError> {
             let size = listing.files.get(name).copied().flatten();
             fetched.downloaded_bytes += self.ensure(&commit, name, size, dir)?;
@@ -253,7 +286,9 @@ impl Hub {
             get(SINGLE_FILE, &mut fetched)?;
         } else {
             get(INDEX_FILE, &mut fetched)?;
-            for shard in shards(&dir.join(INDEX_FILE))? {
+            let shards = shards(&dir.join(INDEX_FILE))?;
+            self.progress(|p| p.files += shards.len() as u32);
+            for shard in shards {
                 if !listing.files.contains_key(&shard) {
                     return Err(InitError::Invalid(format!(
                         "{INDEX_FILE} of {} names {shard}, which the repository does not have",
@@ -359,6 +394,26 @@ impl Hub {
         listed_size: Option<u64>,
         dir: &Path,
     ) -> Result<u64, InitError> {
+        self.progress(|p| {
+            p.file = name.to_string();
+            p.file_bytes = 0;
+            p.file_total_bytes = listed_size;
+        });
+        let bytes = self.ensure_file(commit, name, listed_size, dir)?;
+        self.progress(|p| {
+            p.files_done += 1;
+            p.file_bytes = p.file_total_bytes.unwrap_or(p.file_bytes);
+        });
+        Ok(bytes)
+    }
+
+    fn ensure_file(
+        &self,
+        commit: &str,
+        name: &str,
+        listed_size: Option<u64>,
+        dir: &Path,
+    ) -> Result<u64, InitError> {
         let url = self.file_url(commit, name);
         let target = dir.join(name);
         let mut expected = listed_size;
@@ -368,6 +423,7 @@ impl Hub {
             if expected.is_none() {
                 expected = self.retrying(|| self.remote_size(&url, name))?;
             }
+            self.progress(|p| p.file_total_bytes = Some(meta.len()));
             match expected {
                 Some(size) if size == meta.len() => {
                     tracing::info!(file = name, bytes = size, "already downloaded");
@@ -510,6 +566,10 @@ impl Hub {
         }
         .map_err(|e| io("opening", &part, e))?;
         let mut have = if resume { offset } else { 0 };
+        self.progress(|p| {
+            p.file_bytes = have;
+            p.file_total_bytes = total;
+        });
         let mut reader = response.into_body().into_reader();
         let mut buffer = vec![0u8; CHUNK];
         let mut logged = Instant::now();
@@ -533,6 +593,10 @@ impl Hub {
                 .map_err(|e| io("writing", &part, e))?;
             have += n as u64;
             *downloaded += n as u64;
+            self.progress(|p| {
+                p.file_bytes = have;
+                p.downloaded_bytes += n as u64;
+            });
             if logged.elapsed() >= PROGRESS_EVERY {
                 logged = Instant::now();
                 tracing::info!(file = name, bytes = have, total, "downloading");

@@ -12,6 +12,10 @@
 //!    the termination-message path and exit 0, so the operator can plan from
 //!    the real checkpoint without reading the volume itself.
 //!
+//! While it runs in a pod (`POD_NAME` set, a Kubernetes client available)
+//! it reports like a worker: its own entry of `status.workers` (attempt 0),
+//! with its memory and, while it downloads, the download's progress.
+//!
 //! On failure it writes an ordinary `TerminationMessage` instead: outcome
 //! `InvalidPlan` when the input is wrong (no such repository, a token
 //! missing or refused, shapes that disagree, unusable data) and retrying is
@@ -23,15 +27,23 @@ pub mod hub;
 pub mod inspect;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
 
 use headroom_api::{
     HF_TOKEN_ENV, INITIALIZE_JSON_ENV, InitializerAssignment, InitializerReport, ModelSource,
-    TERMINATION_MESSAGE_PATH, WorkerOutcome,
+    POD_NAME_ENV, TELEMETRY_INTERVAL_ENV, TERMINATION_MESSAGE_PATH, WorkerOutcome,
 };
 use headroom_planner::LlamaShape;
 
+use crate::cluster::ClusterHandle;
 use crate::env::TERMINATION_MESSAGE_PATH_ENV;
+use crate::report::{
+    DEFAULT_INTERVAL, DEFAULT_SAMPLE_EVERY, KubeStatusSink, Progress, Reporter, TelemetrySink,
+    WorkerIdentity, WritePolicy,
+};
 use crate::run::Exit;
+use crate::telemetry::MemoryProbe;
 use crate::{TERMINATION_MESSAGE_LIMIT, write_termination_message};
 
 pub use hub::Retry;
@@ -46,6 +58,11 @@ pub struct InitializerEnv {
     pub token: Option<String>,
     /// `HEADROOM_TERMINATION_MESSAGE_PATH`, else `/dev/termination-log`.
     pub termination_message_path: PathBuf,
+    /// `POD_NAME`: set in a pod, where the initializer reports its progress
+    /// into the job's status under this name.
+    pub pod_name: Option<String>,
+    /// `HEADROOM_TELEMETRY_INTERVAL_SECONDS`: the least time between status writes.
+    pub telemetry_interval: Duration,
 }
 
 impl std::fmt::Debug for InitializerEnv {
@@ -55,6 +72,8 @@ impl std::fmt::Debug for InitializerEnv {
             .field("assignment", &self.assignment)
             .field("token", &self.token.as_ref().map(|_| "(set)"))
             .field("termination_message_path", &self.termination_message_path)
+            .field("pod_name", &self.pod_name)
+            .field("telemetry_interval", &self.telemetry_interval)
             .finish()
     }
 }
@@ -74,6 +93,20 @@ impl InitializerEnv {
             token: env(HF_TOKEN_ENV).filter(|t| !t.trim().is_empty()),
             termination_message_path: env(TERMINATION_MESSAGE_PATH_ENV)
                 .map_or_else(|| PathBuf::from(TERMINATION_MESSAGE_PATH), PathBuf::from),
+            pod_name: env(POD_NAME_ENV).filter(|p| !p.trim().is_empty()),
+            telemetry_interval: env(TELEMETRY_INTERVAL_ENV).map_or(DEFAULT_INTERVAL, |v| {
+                match v.trim().parse::<f64>() {
+                    Ok(s) if s.is_finite() && s >= 0.0 => Duration::from_secs_f64(s),
+                    // The operator sets it; a bad value costs only the pace of
+                    // progress reports, not the initialization.
+                    _ => {
+                        tracing::warn!(
+                            "{TELEMETRY_INTERVAL_ENV}={v:?} is not a number of seconds ≥ 0; using {DEFAULT_INTERVAL:?}"
+                        );
+                        DEFAULT_INTERVAL
+                    }
+                }
+            }),
         })
     }
 }
@@ -109,6 +142,7 @@ pub fn initialize(
     assignment: &InitializerAssignment,
     token: Option<String>,
     retry: Retry,
+    observer: Option<hub::ProgressObserver>,
 ) -> Result<InitializerReport, InitError> {
     let sequence_length = assignment.sequence_length;
     if sequence_length == 0 {
@@ -123,7 +157,10 @@ pub fn initialize(
             revision,
             endpoint,
         } => {
-            let hub = hub::Hub::new(endpoint, repo, revision, token, retry)?;
+            let mut hub = hub::Hub::new(endpoint, repo, revision, token, retry)?;
+            if let Some(observer) = observer {
+                hub = hub.observed(observer);
+            }
             // Refuse a model Headroom cannot train before its weights are downloaded.
             let check_config = |config: &Path| -> Result<(), InitError> {
                 let text = std::fs::read_to_string(config)
@@ -173,6 +210,40 @@ pub fn initialize(
     })
 }
 
+/// The status reporter of an initializer pod: its own entry of
+/// `status.workers` (attempt 0, no layers). `None` without a Kubernetes
+/// client (local runs): progress is then only logged.
+fn start_reporter(
+    pod: &str,
+    assignment: &InitializerAssignment,
+    interval: Duration,
+) -> Option<Reporter> {
+    let cluster = match ClusterHandle::new() {
+        Ok(cluster) => Arc::new(cluster),
+        Err(e) => {
+            tracing::warn!("no status reports: {e}");
+            return None;
+        }
+    };
+    let identity = WorkerIdentity {
+        name: pod.to_string(),
+        job: assignment.job.clone(),
+        namespace: assignment.namespace.clone(),
+        attempt: 0,
+        stage: 0,
+        layer_start: 0,
+        layer_end: 0,
+    };
+    let sink = KubeStatusSink::connect(&cluster, &identity)?;
+    Some(Reporter::start(
+        identity,
+        MemoryProbe::for_this_process(None),
+        Some(Box::new(sink) as Box<dyn TelemetrySink>),
+        DEFAULT_SAMPLE_EVERY,
+        WritePolicy::new(interval),
+    ))
+}
+
 /// Runs the initializer to its end and writes its termination message: the
 /// report on success, a `TerminationMessage` otherwise (whose outcome gives
 /// the exit code).
@@ -190,7 +261,23 @@ pub fn run(env: &InitializerEnv) -> Result<InitializerReport, Exit> {
                 model_dir = %assignment.model_dir,
                 "initializing"
             );
-            initialize(&assignment, env.token.clone(), Retry::default())
+            let reporter = env
+                .pod_name
+                .as_ref()
+                .and_then(|pod| start_reporter(pod, &assignment, env.telemetry_interval));
+            let observer = reporter.as_ref().map(|r| {
+                let update = r.updater();
+                Box::new(move |p: &headroom_api::DownloadProgress| {
+                    update(Progress {
+                        download: Some(p.clone()),
+                        ..Progress::default()
+                    });
+                }) as hub::ProgressObserver
+            });
+            let result = initialize(&assignment, env.token.clone(), Retry::default(), observer);
+            // A last write, with the download as it ended.
+            drop(reporter);
+            result
         });
     let path = &env.termination_message_path;
     match result {
@@ -264,6 +351,8 @@ mod tests {
             assignment: "{\"job\": 1}".into(),
             token: None,
             termination_message_path: path.clone(),
+            pod_name: None,
+            telemetry_interval: DEFAULT_INTERVAL,
         })
         .expect_err("malformed");
         assert_eq!(exit.message.outcome, WorkerOutcome::InvalidPlan);
