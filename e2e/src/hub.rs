@@ -8,7 +8,9 @@
 //! as `siblings`), serves files under `/{repo}/resolve/{rev}/{file}` (LFS
 //! files — weights — by a 302 to a `/cdn/...` path with `X-Linked-Size`, as
 //! the hub redirects to its CDN), honours `Range` with 206 and 416, answers
-//! HEAD, wants `Authorization: Bearer <token>` for a private repository
+//! HEAD, serves dataset repositories under `/api/datasets/…` and
+//! `/datasets/{repo}/resolve/…` the same way (files in subdirectories
+//! too), wants `Authorization: Bearer <token>` for a private repository
 //! (401 with the hub's `X-Error-Code` otherwise) and 404s unknown
 //! repositories, revisions and files. It records every request, so a test
 //! can tell what was downloaded and how, and it can cut a transfer off
@@ -67,7 +69,8 @@ pub struct HubState {
     pub pace: Option<std::time::Duration>,
 }
 
-/// Repository id → repository.
+/// Repository id → repository: `owner/name` for a model, `datasets/owner/name`
+/// for a dataset.
 pub type HubRepos = BTreeMap<String, HubRepo>;
 
 /// The stand-in; serves until the process ends.
@@ -159,12 +162,38 @@ fn serve(stream: TcpStream, state: &Mutex<HubState>, repos: &HubRepos) {
     };
     let known_revision = |rev: &str| rev == "main" || rev == HUB_COMMIT;
     let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
-    match segments.as_slice() {
+    // Datasets are keyed `datasets/owner/name` in the repositories; the CDN
+    // path keeps the key whole: `/cdn/{m|d}/{owner}/{name}/{file...}`.
+    let (key, route) = match segments.as_slice() {
         ["api", "models", owner, name, "revision", rev] => {
-            let id = format!("{owner}/{name}");
-            let Some(repo) = repos.get(&id) else {
-                return json_error(&mut out, 404, "Repository not found", None);
-            };
+            (format!("{owner}/{name}"), Route::Listing(rev))
+        }
+        ["api", "datasets", owner, name, "revision", rev] => {
+            (format!("datasets/{owner}/{name}"), Route::Listing(rev))
+        }
+        ["datasets", owner, name, "resolve", rev, file @ ..] if !file.is_empty() => (
+            format!("datasets/{owner}/{name}"),
+            Route::Resolve(rev, file.join("/")),
+        ),
+        [owner, name, "resolve", rev, file @ ..] if !file.is_empty() => (
+            format!("{owner}/{name}"),
+            Route::Resolve(rev, file.join("/")),
+        ),
+        ["cdn", kind @ ("m" | "d"), owner, name, file @ ..] if !file.is_empty() => {
+            let prefix = if *kind == "d" { "datasets/" } else { "" };
+            (
+                format!("{prefix}{owner}/{name}"),
+                Route::Cdn(file.join("/")),
+            )
+        }
+        _ => return json_error(&mut out, 404, "no such route", None),
+    };
+    let Some(repo) = repos.get(&key) else {
+        return json_error(&mut out, 404, "Repository not found", None);
+    };
+    let id = key.trim_start_matches("datasets/");
+    match route {
+        Route::Listing(rev) => {
             if !authorized(repo) {
                 // What the hub answers a private repository without a token.
                 return json_error(
@@ -201,23 +230,24 @@ fn serve(stream: TcpStream, state: &Mutex<HubState>, repos: &HubRepos) {
                 head,
             );
         }
-        [owner, name, "resolve", rev, file] => {
-            let id = format!("{owner}/{name}");
-            let Some(repo) = repos.get(&id) else {
-                return json_error(&mut out, 404, "Repository not found", None);
-            };
+        Route::Resolve(rev, file) => {
             if !authorized(repo) {
                 return json_error(&mut out, 401, "Invalid credentials", Some("RepoNotFound"));
             }
-            let Some(bytes) = repo.files.get(*file).filter(|_| known_revision(rev)) else {
+            let Some(bytes) = repo.files.get(&file).filter(|_| known_revision(rev)) else {
                 return json_error(&mut out, 404, "Entry not found", Some("EntryNotFound"));
             };
-            if is_lfs(file) {
+            if is_lfs(&file) {
+                let kind = if key.starts_with("datasets/") {
+                    "d"
+                } else {
+                    "m"
+                };
                 respond(
                     &mut out,
                     "302 Found",
                     &[
-                        ("Location", format!("/cdn/{id}/{file}?signature=x")),
+                        ("Location", format!("/cdn/{kind}/{id}/{file}?signature=x")),
                         ("X-Linked-Size", bytes.len().to_string()),
                     ],
                     b"",
@@ -227,17 +257,23 @@ fn serve(stream: TcpStream, state: &Mutex<HubState>, repos: &HubRepos) {
                 respond(&mut out, "200 OK", &[], bytes, head);
             }
         }
-        ["cdn", owner, name, file] => {
-            let Some(bytes) = repos
-                .get(&format!("{owner}/{name}"))
-                .and_then(|repo| repo.files.get(*file))
-            else {
+        Route::Cdn(file) => {
+            let Some(bytes) = repo.files.get(&file) else {
                 return json_error(&mut out, 404, "no such object", None);
             };
             serve_object(&mut out, state, &seen, bytes, head);
         }
-        _ => json_error(&mut out, 404, "no such route", None),
     }
+}
+
+/// What a request asks of a repository.
+enum Route<'a> {
+    /// The listing at a revision.
+    Listing(&'a str),
+    /// A file at a revision.
+    Resolve(&'a str, String),
+    /// An LFS object on the CDN.
+    Cdn(String),
 }
 
 /// A CDN object, whole or from `Range: bytes=N-`, possibly cut off halfway.

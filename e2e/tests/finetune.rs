@@ -1,22 +1,49 @@
-//! Fine-tuning a real (tiny) Hugging Face checkpoint on real pods (`make e2e`):
-//! the transformers-made tiny-llama and the public-domain sample text are
-//! put on claims, `samples/cpu-finetune-tiny-llama.yaml` is applied, the
-//! initializer reads them, the worker trains and writes the fine-tuned
-//! model; then a second job fine-tunes *that output*, so its initializer
-//! proves in the cluster that what the first wrote is a complete checkpoint
-//! of the same model (every tensor, shape and dtype against config.json).
+//! Fine-tuning a real (tiny) Hugging Face checkpoint on real pods (`make e2e`).
+//!
+//! From a claim: the transformers-made tiny-llama and the public-domain
+//! sample text are put on claims, `samples/cpu-finetune-tiny-llama.yaml` is
+//! applied, the initializer reads them, the worker trains (the loss falls)
+//! and writes the fine-tuned model; a second job fine-tunes *that output*
+//! over two pipeline stages, each writing its part; a third job's
+//! initializer then proves in the cluster that what the two stages wrote is
+//! one complete checkpoint of the same model (every tensor, shape and dtype
+//! against config.json).
+//!
+//! From the hub: the same checkpoint served by the test kit's stand-in for
+//! the Hugging Face hub, which an initializer pod reaches over the node's
+//! address (`HF_ENDPOINT`-style `endpoint`); the job's pinned settings are
+//! OOM-killed by the kernel on attempt 1, attempt 2 runs stricter and is
+//! evicted, attempt 3 resumes from attempt 2's checkpoint and finishes; the
+//! weights were downloaded once.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use headroom_api::{AttemptOutcome, JobPhase};
+use headroom_api::{AttemptOutcome, JobPhase, MemoryAwareTrainingJobStatus};
 use headroom_e2e::fixtures::{CPU_FINETUNE as FINETUNE, workspace_root};
-use headroom_e2e::{E2E, TestNs, pod_phase};
+use headroom_e2e::hub::{HubRepo, HubRepos, LocalHub};
+use headroom_e2e::{E2E, TestNs, pod_phase, telemetry_step};
 use k8s_openapi::ByteString;
-use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod};
-use kube::api::{Api, PostParams};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, PersistentVolumeClaim, Pod};
+use kube::api::{Api, EvictParams, ListParams, PostParams};
 
 const RUN: Duration = Duration::from_secs(600);
+
+/// samples/cpu-finetune-tiny-llama.yaml with half a core requested per
+/// worker, so a two-stage job and the suite's other workers share the
+/// 2-core node instead of waiting for each other.
+fn finetune() -> String {
+    let manifest = FINETUNE.replace("cores: \"1\"", "cores: 500m");
+    assert!(
+        manifest.contains("cores: 500m"),
+        "samples/cpu-finetune-tiny-llama.yaml changed"
+    );
+    manifest
+}
+const FIXTURE: &str = "worker/tests/fixtures/llama/tiny-llama";
+const TEXT: &str = "samples/data/declaration-of-independence.jsonl";
+/// Parameters of the tiny-llama fixture.
+const PARAMETERS: u64 = 214_592;
 
 /// An image the local cluster has with a shell and cp (its volume helper).
 fn tools_image() -> String {
@@ -52,8 +79,28 @@ fn files(name: &str, files: &[(&str, &str)]) -> ConfigMap {
     }
 }
 
-/// Copies the checkpoint and the text from their ConfigMaps onto the claims.
-fn loader(image: &str) -> Pod {
+/// Copies the text (and, with `checkpoint`, the tiny-llama) from their
+/// ConfigMaps onto the claims `datasets` (and `models`).
+fn loader(image: &str, checkpoint: bool) -> Pod {
+    let mut script = String::from("cp /text/* /datasets/");
+    let mut mounts = vec![
+        serde_json::json!({"name": "text", "mountPath": "/text"}),
+        serde_json::json!({"name": "datasets", "mountPath": "/datasets"}),
+    ];
+    let mut volumes = vec![
+        serde_json::json!({"name": "text", "configMap": {"name": "text"}}),
+        serde_json::json!({"name": "datasets", "persistentVolumeClaim": {"claimName": "datasets"}}),
+    ];
+    if checkpoint {
+        script.push_str(" && mkdir -p /models/tiny-llama && cp /checkpoint/* /models/tiny-llama/");
+        mounts.push(serde_json::json!({"name": "checkpoint", "mountPath": "/checkpoint"}));
+        mounts.push(serde_json::json!({"name": "models", "mountPath": "/models"}));
+        volumes
+            .push(serde_json::json!({"name": "checkpoint", "configMap": {"name": "tiny-llama"}}));
+        volumes.push(
+            serde_json::json!({"name": "models", "persistentVolumeClaim": {"claimName": "models"}}),
+        );
+    }
     serde_json::from_value(serde_json::json!({
         "metadata": {"name": "loader"},
         "spec": {
@@ -62,69 +109,47 @@ fn loader(image: &str) -> Pod {
             "securityContext": {"runAsNonRoot": true, "runAsUser": 65532, "seccompProfile": {"type": "RuntimeDefault"}},
             "containers": [{
                 "name": "load", "image": image, "imagePullPolicy": "IfNotPresent",
-                "command": ["/bin/sh", "-c",
-                    "mkdir -p /models/tiny-llama && cp /checkpoint/* /models/tiny-llama/ && cp /text/* /datasets/"],
+                "command": ["/bin/sh", "-c", script],
                 "securityContext": {"allowPrivilegeEscalation": false, "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": true},
-                "volumeMounts": [
-                    {"name": "checkpoint", "mountPath": "/checkpoint"},
-                    {"name": "text", "mountPath": "/text"},
-                    {"name": "models", "mountPath": "/models"},
-                    {"name": "datasets", "mountPath": "/datasets"}
-                ]
+                "volumeMounts": mounts
             }],
-            "volumes": [
-                {"name": "checkpoint", "configMap": {"name": "tiny-llama"}},
-                {"name": "text", "configMap": {"name": "text"}},
-                {"name": "models", "persistentVolumeClaim": {"claimName": "models"}},
-                {"name": "datasets", "persistentVolumeClaim": {"claimName": "datasets"}}
-            ]
+            "volumes": volumes
         }
     }))
     .expect("pod")
 }
 
-#[tokio::test]
-#[ignore = "needs a cluster with Headroom installed: make e2e"]
-async fn a_hugging_face_checkpoint_is_fine_tuned_and_its_output_is_a_checkpoint_again() {
-    let ns = TestNs::new(E2E, "e2e-finetune").await;
+/// Puts the text on the claim `datasets` and, with `checkpoint`, the
+/// tiny-llama on the claim `models` (directory `tiny-llama`).
+async fn load_claims(ns: &TestNs, checkpoint: bool) {
     let pp = PostParams::default();
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(ns.client.clone(), &ns.name);
     let maps: Api<ConfigMap> = Api::namespaced(ns.client.clone(), &ns.name);
-    for name in ["models", "datasets"] {
-        claims.create(&pp, &claim(name)).await.expect("claim");
-    }
-    let fixture = "worker/tests/fixtures/llama/tiny-llama";
+    claims.create(&pp, &claim("datasets")).await.expect("claim");
     maps.create(
         &pp,
-        &files(
-            "tiny-llama",
-            &[
-                ("config.json", &format!("{fixture}/config.json")),
-                ("model.safetensors", &format!("{fixture}/model.safetensors")),
-                ("tokenizer.json", &format!("{fixture}/tokenizer.json")),
-                (
-                    "tokenizer_config.json",
-                    &format!("{fixture}/tokenizer_config.json"),
-                ),
-            ],
-        ),
-    )
-    .await
-    .expect("checkpoint ConfigMap");
-    maps.create(
-        &pp,
-        &files(
-            "text",
-            &[(
-                "declaration-of-independence.jsonl",
-                "samples/data/declaration-of-independence.jsonl",
-            )],
-        ),
+        &files("text", &[("declaration-of-independence.jsonl", TEXT)]),
     )
     .await
     .expect("text ConfigMap");
+    if checkpoint {
+        claims.create(&pp, &claim("models")).await.expect("claim");
+        let paths: Vec<(&str, String)> = [
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        ]
+        .into_iter()
+        .map(|f| (f, format!("{FIXTURE}/{f}")))
+        .collect();
+        let paths: Vec<(&str, &str)> = paths.iter().map(|(f, p)| (*f, p.as_str())).collect();
+        maps.create(&pp, &files("tiny-llama", &paths))
+            .await
+            .expect("checkpoint ConfigMap");
+    }
     ns.pods()
-        .create(&pp, &loader(&tools_image()))
+        .create(&pp, &loader(&tools_image(), checkpoint))
         .await
         .expect("loader pod");
     ns.wait_for("the files on the claims", RUN, || async {
@@ -137,14 +162,49 @@ async fn a_hugging_face_checkpoint_is_fine_tuned_and_its_output_is_a_checkpoint_
         (phase.as_deref() == Some("Succeeded")).then_some(())
     })
     .await;
+}
 
-    ns.apply_job(FINETUNE).await;
+/// The loss the last stage of the last attempt reported last.
+fn final_loss(status: &MemoryAwareTrainingJobStatus) -> f64 {
+    let attempt = status.attempts.last().expect("an attempt").number;
+    status
+        .workers
+        .iter()
+        .filter(|w| w.attempt == attempt)
+        .find_map(|w| w.loss)
+        .unwrap_or_else(|| panic!("no loss reported: {:#?}", status.workers))
+}
+
+/// An address of this machine that pods reach: `HEADROOM_E2E_HUB_HOST`, or
+/// the first node's InternalIP (the local cluster's node is this machine).
+async fn hub_host(ns: &TestNs) -> String {
+    if let Ok(host) = std::env::var("HEADROOM_E2E_HUB_HOST") {
+        return host;
+    }
+    let nodes: Api<Node> = Api::all(ns.client.clone());
+    let nodes = nodes.list(&ListParams::default()).await.expect("nodes");
+    nodes
+        .items
+        .iter()
+        .flat_map(|n| n.status.iter().flat_map(|s| s.addresses.iter().flatten()))
+        .find(|a| a.type_ == "InternalIP")
+        .map(|a| a.address.clone())
+        .expect("a node with an InternalIP (or set HEADROOM_E2E_HUB_HOST)")
+}
+
+#[tokio::test]
+#[ignore = "needs a cluster with Headroom installed: make e2e"]
+async fn a_hugging_face_checkpoint_is_fine_tuned_and_its_output_is_a_checkpoint_again() {
+    let ns = TestNs::new(E2E, "e2e-finetune").await;
+    load_claims(&ns, true).await;
+
+    ns.apply_job(&finetune()).await;
     let status = ns.wait_succeeded("finetune-tiny-llama", RUN).await;
     let model = status
         .model
         .as_ref()
         .expect("status.model from the initializer");
-    assert_eq!(model.parameters, 214_592);
+    assert_eq!(model.parameters, PARAMETERS);
     assert_eq!(model.dtype, "F32");
     let data = status.data.as_ref().expect("status.data");
     assert!(data.samples > 0 && data.tokens > data.samples, "{data:?}");
@@ -154,13 +214,48 @@ async fn a_hugging_face_checkpoint_is_fine_tuned_and_its_output_is_a_checkpoint_
         status.output.as_deref(),
         Some("finetune-tiny-llama-checkpoints:output")
     );
+    // transformers initialises the fixture near uniform (initializer_range
+    // 0.02): its loss starts at about ln(vocabulary) = ln 512 ≈ 6.24.
+    let loss = final_loss(&status);
+    let uniform = 512f64.ln();
+    assert!(
+        loss < 0.8 * uniform,
+        "after 30 steps the loss is {loss:.3}, not below 0.8 × ln 512 = {:.3}",
+        0.8 * uniform
+    );
 
-    // The output, read back by a second job's initializer, is the same model.
-    let again = FINETUNE
-        .replace("name: finetune-tiny-llama", "name: finetune-again")
+    // The output, fine-tuned again over two pipeline stages: each stage
+    // writes its part of the model.
+    let two_stages = finetune()
+        .replace("name: finetune-tiny-llama", "name: finetune-two-stages")
         .replace(
             "volume: {claimName: models, path: tiny-llama}",
             "volume: {claimName: finetune-tiny-llama-checkpoints, path: output}",
+        )
+        .replace("steps: 30", "steps: 4\n    pipelineStages: 2")
+        .replace("maxWorkers: 1", "maxWorkers: 2");
+    assert!(two_stages.contains("pipelineStages: 2") && two_stages.contains("maxWorkers: 2"));
+    ns.apply_job(&two_stages).await;
+    let status = ns.wait_succeeded("finetune-two-stages", RUN).await;
+    assert_eq!(
+        status.model.as_ref().map(|m| m.parameters),
+        Some(PARAMETERS)
+    );
+    let plan = &status.attempts.last().expect("an attempt").plan;
+    let ranges: Vec<(u32, u32)> = plan
+        .stages
+        .iter()
+        .map(|s| (s.layer_start, s.layer_end))
+        .collect();
+    assert_eq!(ranges, [(0, 2), (2, 4)], "{plan:?}");
+
+    // What the two stages wrote, read back by a third job's initializer, is
+    // one complete checkpoint of the same model.
+    let again = finetune()
+        .replace("name: finetune-tiny-llama", "name: finetune-again")
+        .replace(
+            "volume: {claimName: models, path: tiny-llama}",
+            "volume: {claimName: finetune-two-stages-checkpoints, path: output}",
         )
         .replace("steps: 30", "steps: 2");
     ns.apply_job(&again).await;
@@ -168,8 +263,117 @@ async fn a_hugging_face_checkpoint_is_fine_tuned_and_its_output_is_a_checkpoint_
     assert_eq!(status.phase, Some(JobPhase::Succeeded));
     assert_eq!(
         status.model.as_ref().map(|m| m.parameters),
-        Some(214_592),
-        "the first job's output is a complete checkpoint of the same model"
+        Some(PARAMETERS),
+        "the two stages' output is a complete checkpoint of the same model"
     );
+    ns.cleanup().await;
+}
+
+/// A job that downloads the tiny-llama from the hub stand-in at `endpoint`,
+/// with settings pinned far over its 200Mi limit (predicted about twice
+/// it): micro-batch 32 of 256 tokens without checkpointing.
+fn hub_job(endpoint: &str) -> String {
+    format!(
+        r#"apiVersion: headroom.dev/v1alpha1
+kind: MemoryAwareTrainingJob
+metadata:
+  name: hub-oom-then-fit
+spec:
+  model:
+    pretrained:
+      huggingFace: {{repo: headroom/tiny-llama, endpoint: "{endpoint}"}}
+      sequenceLength: 256
+  data:
+    volume: {{claimName: datasets, path: declaration-of-independence.jsonl}}
+  training:
+    globalBatch: 32
+    microBatch: 32
+    activationCheckpointing: false
+    steps: 24
+    learningRate: 0.003
+    checkpointEverySteps: 100
+  resources:
+    cpu: {{memoryLimit: 200Mi, cores: 500m, maxWorkers: 1}}
+    headroomFraction: 0.1
+  memoryPolicy: {{maxAttempts: 4, backoffSeconds: 1}}
+  worker:
+    image: localhost/headroom-worker:dev
+"#
+    )
+}
+
+#[tokio::test]
+#[ignore = "needs a cluster with Headroom installed: make e2e"]
+async fn a_checkpoint_from_the_hub_is_oom_killed_then_fits_and_resumes_after_an_eviction() {
+    let ns = TestNs::new(E2E, "e2e-hub").await;
+    let mut repos = HubRepos::new();
+    repos.insert(
+        "headroom/tiny-llama".into(),
+        HubRepo::from_dir(&workspace_root().join(FIXTURE)).expect("fixture files"),
+    );
+    let hub = LocalHub::start("0.0.0.0:0", repos);
+    let endpoint = hub.endpoint_on(&hub_host(&ns).await);
+    load_claims(&ns, false).await;
+
+    ns.apply_job(&hub_job(&endpoint)).await;
+    // Attempt 1 runs the pinned settings and is OOM-killed; attempt 2 runs
+    // stricter. Evict it once it has trained a few steps: it saves a
+    // checkpoint on SIGTERM, and attempt 3 resumes from it.
+    let running = ns
+        .wait_job("hub-oom-then-fit", "attempt 2 at step 3", RUN, |j| {
+            telemetry_step(j, 2).is_some_and(|s| s >= 3)
+        })
+        .await;
+    let reached = telemetry_step(&running, 2).expect("step");
+    ns.pods()
+        .evict("hub-oom-then-fit-a2-s0", &EvictParams::default())
+        .await
+        .expect("evict attempt 2's worker");
+
+    let status = ns.wait_succeeded("hub-oom-then-fit", RUN).await;
+    assert_eq!(
+        status.model.as_ref().map(|m| m.parameters),
+        Some(PARAMETERS)
+    );
+    let outcomes: Vec<AttemptOutcome> = status.attempts.iter().map(|a| a.outcome).collect();
+    assert_eq!(
+        outcomes,
+        [
+            AttemptOutcome::HostOutOfMemory,
+            AttemptOutcome::Disrupted,
+            AttemptOutcome::Succeeded
+        ],
+        "{:#?}",
+        status.attempts
+    );
+    let (first, second) = (&status.attempts[0].plan, &status.attempts[1].plan);
+    assert!(
+        second.settings.micro_batch < first.settings.micro_batch
+            || second.settings.activation_checkpointing,
+        "attempt 2 runs stricter: {first:?} then {second:?}"
+    );
+    assert_eq!(status.attempts[2].last_step, Some(24));
+    let resumed = ns
+        .resumed_step()
+        .await
+        .expect("attempt 3's worker log says it resumed");
+    assert!(
+        resumed >= reached && resumed < 24,
+        "resumed at step {resumed}; attempt 2 had reached step {reached}"
+    );
+    assert!(final_loss(&status) < 0.8 * 512f64.ln());
+
+    // The initializer ran once, before attempt 1: the weights came from the
+    // CDN once, whatever happened to the attempts after.
+    let requests = hub.take_requests();
+    let weights = requests
+        .iter()
+        .filter(|r| {
+            r.method == "GET"
+                && r.path.ends_with("/model.safetensors")
+                && r.path.starts_with("/cdn/")
+        })
+        .count();
+    assert_eq!(weights, 1, "{requests:#?}");
     ns.cleanup().await;
 }

@@ -132,7 +132,9 @@ async fn telemetry_reaches_the_job_status_with_the_workers_own_field_manager() {
 #[tokio::test]
 #[ignore = "needs the control plane"]
 async fn the_initializers_download_progress_is_in_the_status_while_it_runs() {
-    use headroom_api::{DataFormat, INITIALIZE_JSON_ENV, InitializerAssignment, ModelSource};
+    use headroom_api::{
+        DataFormat, DataSource, INITIALIZE_JSON_ENV, InitializerAssignment, ModelSource,
+    };
     use headroom_e2e::fixtures::CPU_FINETUNE;
     use headroom_e2e::hub::{HubRepo, HubRepos, LocalHub};
 
@@ -179,6 +181,7 @@ async fn the_initializers_download_progress_is_in_the_status_while_it_runs() {
             .join("../samples/data/declaration-of-independence.jsonl")
             .display()
             .to_string(),
+        data: DataSource::Volume,
         data_format: DataFormat::Jsonl {
             field: "text".into(),
         },

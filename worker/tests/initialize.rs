@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use headroom_api::{
-    DataFormat, HF_TOKEN_ENV, INITIALIZE_JSON_ENV, InitializerAssignment, InitializerReport,
-    ModelSource, TerminationMessage, WorkerOutcome, exit_code,
+    DataFormat, DataSource, HF_TOKEN_ENV, INITIALIZE_JSON_ENV, InitializerAssignment,
+    InitializerReport, ModelSource, TerminationMessage, WorkerOutcome, exit_code,
 };
 use headroom_e2e::hub::{HUB_COMMIT as COMMIT, HubRepo, HubRepos, HubRequest as Seen, LocalHub};
 use headroom_worker::run::TERMINATION_MESSAGE_PATH_ENV;
@@ -26,6 +26,9 @@ const SHARDS: [&str; 2] = [
 ];
 const INDEX: &str = "model.safetensors.index.json";
 const TOKEN: &str = "hf_test_token";
+/// A dataset repository holding the sample text under a subdirectory.
+const DATASET: &str = "headroom/declaration";
+const DATASET_FILE: &str = "data/train.jsonl";
 const WEIGHTS: &str = "model.safetensors";
 /// The fixture's files, all served by the hub stand-in.
 const FILES: [&str; 5] = [
@@ -76,6 +79,17 @@ fn start_hub() -> LocalHub {
             ]
             .into_iter()
             .map(|(k, v)| (k.to_string(), v.to_vec()))
+            .collect(),
+        ),
+    );
+    repos.insert(
+        format!("datasets/{DATASET}"),
+        public(
+            [(
+                DATASET_FILE.to_string(),
+                std::fs::read(data_file()).expect("sample text"),
+            )]
+            .into_iter()
             .collect(),
         ),
     );
@@ -156,6 +170,7 @@ fn assignment(model: ModelSource, model_dir: &Path, data: &Path) -> InitializerA
         model,
         model_dir: model_dir.display().to_string(),
         data_file: data.display().to_string(),
+        data: DataSource::Volume,
         data_format: DataFormat::Jsonl {
             field: "text".into(),
         },
@@ -600,6 +615,71 @@ fn data_without_the_field_names_the_file_and_the_field() {
         message.reason.contains(&format!("{}:1", data.display()))
             && message.reason.contains("no field `text`")
             && message.reason.contains("body"),
+        "{}",
+        message.reason
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_dataset_file_comes_from_the_hub_once() {
+    let hub = start_hub();
+    let dir = temp_dir("dataset");
+    let target = dir.join("data").join(DATASET_FILE);
+    let mut a = assignment(ModelSource::Volume, &fixture(), &target);
+    a.data = DataSource::HuggingFace {
+        repo: DATASET.into(),
+        revision: "main".into(),
+        endpoint: hub.endpoint(),
+        file: DATASET_FILE.into(),
+    };
+    let report = initialize(&dir, &a, None).report();
+    let text = std::fs::read(data_file()).expect("sample");
+    assert_eq!(std::fs::read(&target).expect("downloaded"), text);
+    assert_eq!(report.downloaded_bytes, text.len() as u64);
+    // The same documents as the text on a volume gives.
+    assert_eq!(report.data.documents, 8);
+    let requests = hub.take_requests();
+    assert_eq!(
+        count(
+            &requests,
+            "GET",
+            &format!("/api/datasets/{DATASET}/revision/main")
+        ),
+        1,
+        "{requests:#?}"
+    );
+    assert_eq!(
+        count(
+            &requests,
+            "GET",
+            &format!("/datasets/{DATASET}/resolve/{COMMIT}/{DATASET_FILE}")
+        ),
+        1,
+        "{requests:#?}"
+    );
+
+    let again = initialize(&dir, &a, None).report();
+    assert_eq!(again.downloaded_bytes, 0);
+    assert_eq!(again.data, report.data);
+    assert_eq!(count(&hub.take_requests(), "GET", "/resolve/"), 0);
+
+    // A file the repository does not have: named, with what it does have.
+    a.data = DataSource::HuggingFace {
+        repo: DATASET.into(),
+        revision: "main".into(),
+        endpoint: hub.endpoint(),
+        file: "data/test.jsonl".into(),
+    };
+    a.data_file = dir.join("data/data/test.jsonl").display().to_string();
+    let (code, message) = initialize(&dir, &a, None).message();
+    assert_eq!(code, exit_code::INVALID_PLAN);
+    assert!(
+        message
+            .reason
+            .contains(&format!("dataset repository {DATASET}"))
+            && message.reason.contains("no file data/test.jsonl")
+            && message.reason.contains(DATASET_FILE),
         "{}",
         message.reason
     );

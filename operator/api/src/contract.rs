@@ -184,6 +184,8 @@ pub enum DataFormat {
 pub const INITIALIZE_JSON_ENV: &str = "HEADROOM_INITIALIZE";
 /// `HF_TOKEN`: the Hugging Face token, from the job's Secret (only the initializer gets it).
 pub const HF_TOKEN_ENV: &str = "HF_TOKEN";
+/// The token for `spec.data.huggingFace`, from its own Secret (only the initializer gets it).
+pub const HF_DATASET_TOKEN_ENV: &str = "HEADROOM_HF_DATASET_TOKEN";
 /// The Hugging Face hub, unless the job names a mirror.
 pub const DEFAULT_HF_ENDPOINT: &str = "https://huggingface.co";
 
@@ -199,7 +201,11 @@ pub struct InitializerAssignment {
     pub model: ModelSource,
     /// Where the checkpoint is (a volume path), or is downloaded into.
     pub model_dir: String,
+    /// Where the training text is (a volume path), or is downloaded to.
     pub data_file: String,
+    /// Where the training text comes from.
+    #[serde(default)]
+    pub data: DataSource,
     pub data_format: DataFormat,
     /// Tokens per training sample (the data must give at least one sample).
     pub sequence_length: u32,
@@ -218,6 +224,25 @@ pub enum ModelSource {
         endpoint: String,
     },
     /// Already in `model_dir` (a path on a volume).
+    Volume,
+}
+
+/// Where the training text comes from.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum DataSource {
+    /// One file of a Hugging Face dataset repository, downloaded to the
+    /// assignment's `data_file` (which ends with `file`); the token, if
+    /// any, is in [`HF_DATASET_TOKEN_ENV`].
+    HuggingFace {
+        repo: String,
+        revision: String,
+        endpoint: String,
+        /// The file's path in the repository, e.g. `data/train.jsonl`.
+        file: String,
+    },
+    /// Already at `data_file` (a path on a volume).
+    #[default]
     Volume,
 }
 

@@ -211,12 +211,19 @@ pub struct VolumePath {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "has(self.huggingFace) != has(self.volume)",
+     "message": "data: set exactly one of huggingFace (repo, file) or volume (claimName, path)"},
     {"rule": "self == oldSelf",
      "message": "data is immutable: the initializer has read this text and the job's samples come from it; create a new job for other data"}
 ]))]
 pub struct DataSpec {
     /// The data file on a claim.
-    pub volume: VolumePath,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volume: Option<VolumePath>,
+    /// One file of a Hugging Face dataset repository, downloaded into the
+    /// job's checkpoint volume by the initializer (once).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hugging_face: Option<HuggingFaceDataFile>,
     /// `jsonl` (one JSON object a line, the text under `field`) or `text` (the file is one document).
     #[serde(default)]
     pub format: TextFormat,
@@ -224,6 +231,39 @@ pub struct DataSpec {
     #[serde(default = "default_text_field")]
     #[schemars(length(min = 1, max = 200))]
     pub field: String,
+}
+
+/// A file of a Hugging Face dataset repository.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "!self.file.startsWith('/') && !self.file.split('/').exists(p, p == '..' || p == '.' || p == '')",
+     "message": "data.huggingFace.file is a path inside the repository (e.g. data/train.jsonl), without a leading '/', '.' or '..'"},
+    {"rule": "!self.file.endsWith('.parquet') && !self.file.endsWith('.arrow')",
+     "message": "data.huggingFace.file must be JSONL (format: jsonl) or plain text (format: text); Headroom does not read Parquet or Arrow: pick or upload such a file"}
+]))]
+pub struct HuggingFaceDataFile {
+    /// `owner/name` of a dataset repository, e.g. `stanfordnlp/imdb`.
+    #[schemars(
+        length(min = 3, max = 200),
+        regex(pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+    )]
+    pub repo: String,
+    /// A branch, tag or commit.
+    #[serde(default = "default_revision")]
+    #[schemars(length(min = 1, max = 200))]
+    pub revision: String,
+    /// The file's path in the repository, e.g. `data/train.jsonl`.
+    #[schemars(length(min = 1, max = 1000))]
+    pub file: String,
+    /// The hub or a mirror, as `HF_ENDPOINT` (default `https://huggingface.co`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 500), regex(pattern = r"^https?://[^\s]+$"))]
+    pub endpoint: Option<String>,
+    /// A Secret key holding the token for a gated or private dataset; only
+    /// the initializer pod sees it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_secret: Option<SecretKey>,
 }
 
 /// How a data file holds its documents.

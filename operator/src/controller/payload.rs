@@ -16,9 +16,9 @@
 use std::collections::BTreeMap;
 
 use headroom_api::{
-    DEFAULT_CHECKPOINT_DIR, DEFAULT_HF_ENDPOINT, DataFormat, HF_TOKEN_ENV, INITIALIZE_JSON_ENV,
-    InitializerAssignment, LABEL_JOB, MemoryAwareTrainingJob, ModelSource, POD_NAME_ENV,
-    PayloadFiles, TERMINATION_MESSAGE_PATH, TextFormat, VolumePath,
+    DEFAULT_CHECKPOINT_DIR, DEFAULT_HF_ENDPOINT, DataFormat, DataSource, HF_DATASET_TOKEN_ENV,
+    HF_TOKEN_ENV, INITIALIZE_JSON_ENV, InitializerAssignment, LABEL_JOB, MemoryAwareTrainingJob,
+    ModelSource, POD_NAME_ENV, PayloadFiles, TERMINATION_MESSAGE_PATH, TextFormat, VolumePath,
 };
 use k8s_openapi::api::core::v1::{
     Container, EnvVar, EnvVarSource, LocalObjectReference, ObjectFieldSelector,
@@ -65,9 +65,16 @@ pub fn payload_files(job: &MemoryAwareTrainingJob) -> Option<PayloadFiles> {
         Some(o) => claim_path(&o.volume),
         None => format!("{DEFAULT_CHECKPOINT_DIR}/output"),
     };
+    let data_file = match (&data.volume, &data.hugging_face) {
+        (Some(v), _) => claim_path(v),
+        // Downloaded by the initializer into the job's checkpoint volume,
+        // where every attempt's workers read it.
+        (None, Some(hf)) => format!("{DEFAULT_CHECKPOINT_DIR}/data/{}", hf.file),
+        (None, None) => return None,
+    };
     Some(PayloadFiles {
         model_dir,
-        data_file: claim_path(&data.volume),
+        data_file,
         data_format: match data.format {
             TextFormat::Jsonl => DataFormat::Jsonl {
                 field: data.field.clone(),
@@ -103,8 +110,8 @@ pub fn claim_mounts(job: &MemoryAwareTrainingJob) -> (Vec<Volume>, Vec<VolumeMou
     {
         add(v, false);
     }
-    if let Some(d) = &spec.data {
-        add(&d.volume, false);
+    if let Some(v) = spec.data.as_ref().and_then(|d| d.volume.as_ref()) {
+        add(v, false);
     }
     if let Some(o) = &spec.output {
         add(&o.volume, true);
@@ -155,12 +162,25 @@ pub fn initializer_assignment(job: &MemoryAwareTrainingJob) -> Option<Initialize
         },
         None => ModelSource::Volume,
     };
+    let data = match job.spec.data.as_ref().and_then(|d| d.hugging_face.as_ref()) {
+        Some(hf) => DataSource::HuggingFace {
+            repo: hf.repo.clone(),
+            revision: hf.revision.clone(),
+            endpoint: hf
+                .endpoint
+                .clone()
+                .unwrap_or_else(|| DEFAULT_HF_ENDPOINT.into()),
+            file: hf.file.clone(),
+        },
+        None => DataSource::Volume,
+    };
     Some(InitializerAssignment {
         job: job.name_any(),
         namespace: job.namespace().unwrap_or_default(),
         model,
         model_dir: files.model_dir,
         data_file: files.data_file,
+        data,
         data_format: files.data_format,
         sequence_length: pretrained.sequence_length,
     })
@@ -198,15 +218,24 @@ pub fn initializer_pod(
             ..EnvVar::default()
         },
     ];
-    if let Some(secret) = spec
+    let model_token = spec
         .model
         .pretrained
         .as_ref()
         .and_then(|p| p.hugging_face.as_ref())
-        .and_then(|hf| hf.token_secret.as_ref())
-    {
+        .and_then(|hf| hf.token_secret.as_ref());
+    let data_token = spec
+        .data
+        .as_ref()
+        .and_then(|d| d.hugging_face.as_ref())
+        .and_then(|hf| hf.token_secret.as_ref());
+    for (name, secret) in [
+        (HF_TOKEN_ENV, model_token),
+        (HF_DATASET_TOKEN_ENV, data_token),
+    ] {
+        let Some(secret) = secret else { continue };
         env.push(EnvVar {
-            name: HF_TOKEN_ENV.into(),
+            name: name.into(),
             value_from: Some(EnvVarSource {
                 secret_key_ref: Some(SecretKeySelector {
                     name: secret.name.clone(),
@@ -432,5 +461,60 @@ mod tests {
             .expect("restricted");
         assert_eq!(sc.read_only_root_filesystem, Some(true));
         assert_eq!(sc.allow_privilege_escalation, Some(false));
+    }
+}
+
+#[cfg(test)]
+mod hub_data_tests {
+    use super::*;
+    use crate::controller::children::tests::job;
+
+    #[test]
+    fn a_dataset_from_the_hub_goes_to_the_checkpoint_volume_with_its_own_token() {
+        let j = job(&include_str!("../../../samples/gpu-finetune-llama-3.2-1b.yaml").replace(
+            "volume: {claimName: datasets, path: support-tickets.jsonl}",
+            "huggingFace: {repo: acme/tickets, revision: v2, file: data/train.jsonl, tokenSecret: {name: hf-data}}",
+        ));
+        let files = payload_files(&j).expect("files");
+        assert_eq!(
+            files.data_file,
+            format!("{DEFAULT_CHECKPOINT_DIR}/data/data/train.jsonl")
+        );
+        let a = initializer_assignment(&j).expect("assignment");
+        assert_eq!(
+            a.data,
+            DataSource::HuggingFace {
+                repo: "acme/tickets".into(),
+                revision: "v2".into(),
+                endpoint: DEFAULT_HF_ENDPOINT.into(),
+                file: "data/train.jsonl".into(),
+            }
+        );
+        let pod = initializer_pod(&j, 1).expect("build").expect("pod");
+        let env = pod.spec.expect("spec").containers[0]
+            .env
+            .clone()
+            .unwrap_or_default();
+        let secret = |name: &str| {
+            env.iter()
+                .find(|e| e.name == name)
+                .and_then(|e| e.value_from.as_ref()?.secret_key_ref.as_ref())
+                .map(|s| (s.name.clone(), s.key.clone()))
+        };
+        assert_eq!(
+            secret(HF_TOKEN_ENV),
+            Some(("hf-token".into(), "token".into()))
+        );
+        assert_eq!(
+            secret(HF_DATASET_TOKEN_ENV),
+            Some(("hf-data".into(), "token".into()))
+        );
+        // No claim of the user's is mounted for the data any more.
+        let (volumes, _) = claim_mounts(&j);
+        let claims: Vec<String> = volumes
+            .iter()
+            .filter_map(|v| Some(v.persistent_volume_claim.as_ref()?.claim_name.clone()))
+            .collect();
+        assert_eq!(claims, ["models"], "only the output's claim");
     }
 }

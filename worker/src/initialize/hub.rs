@@ -45,7 +45,6 @@ pub const SINGLE_FILE: &str = "model.safetensors";
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 
 /// The field of the job that holds the token, for messages.
-const TOKEN_FIELD: &str = "model.pretrained.huggingFace.tokenSecret";
 /// How often a download in progress is logged.
 const PROGRESS_EVERY: Duration = Duration::from_secs(5);
 /// Read buffer of a download.
@@ -73,12 +72,40 @@ impl Default for Retry {
     }
 }
 
+/// What a repository holds: the hub keeps models and datasets apart (their
+/// own listing and file URLs), and the job's spec names each in its own field.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RepoKind {
+    /// `spec.model.pretrained.huggingFace`: `/api/models/…`, `/{repo}/resolve/…`.
+    Model,
+    /// `spec.data.huggingFace`: `/api/datasets/…`, `/datasets/{repo}/resolve/…`.
+    Dataset,
+}
+
+impl RepoKind {
+    /// The spec field the repository comes from, for messages.
+    fn field(self) -> &'static str {
+        match self {
+            RepoKind::Model => "model.pretrained.huggingFace",
+            RepoKind::Dataset => "data.huggingFace",
+        }
+    }
+
+    fn noun(self) -> &'static str {
+        match self {
+            RepoKind::Model => "repository",
+            RepoKind::Dataset => "dataset repository",
+        }
+    }
+}
+
 /// Told where a download stands: at each file, and as bytes arrive.
-pub type ProgressObserver = Box<dyn Fn(&DownloadProgress) + Send + Sync>;
+pub type ProgressObserver = std::sync::Arc<dyn Fn(&DownloadProgress) + Send + Sync>;
 
 /// One repository at one revision on one hub.
 pub struct Hub {
     agent: ureq::Agent,
+    kind: RepoKind,
     endpoint: String,
     repo: String,
     revision: String,
@@ -93,6 +120,7 @@ impl std::fmt::Debug for Hub {
     // Never the token.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Hub")
+            .field("kind", &self.kind)
             .field("endpoint", &self.endpoint)
             .field("repo", &self.repo)
             .field("revision", &self.revision)
@@ -131,6 +159,7 @@ impl Hub {
     /// Checks the repository id and the endpoint (both come from the job's
     /// spec, so a bad one is the user's to fix).
     pub fn new(
+        kind: RepoKind,
         endpoint: &str,
         repo: &str,
         revision: &str,
@@ -141,20 +170,21 @@ impl Hub {
         let host = endpoint
             .strip_prefix("https://")
             .or_else(|| endpoint.strip_prefix("http://"));
+        let field = kind.field();
         if host.is_none_or(str::is_empty) {
             return Err(InitError::Invalid(format!(
-                "model.pretrained.huggingFace.endpoint must be an http:// or https:// URL, not {endpoint:?}"
+                "{field}.endpoint must be an http:// or https:// URL, not {endpoint:?}"
             )));
         }
         if !valid_repo_id(repo) {
             return Err(InitError::Invalid(format!(
-                "model.pretrained.huggingFace.repo must be a repository id such as owner/name, not {repo:?}"
+                "{field}.repo must be a repository id such as owner/name, not {repo:?}"
             )));
         }
         if revision.trim().is_empty() {
-            return Err(InitError::Invalid(
-                "model.pretrained.huggingFace.revision must not be empty".into(),
-            ));
+            return Err(InitError::Invalid(format!(
+                "{field}.revision must not be empty"
+            )));
         }
         let agent = ureq::Agent::config_builder()
             // Statuses are answers to interpret (401, 404, 206), not transport errors.
@@ -180,6 +210,7 @@ impl Hub {
             .into();
         Ok(Hub {
             agent,
+            kind,
             endpoint,
             repo: repo.to_string(),
             revision: revision.to_string(),
@@ -301,17 +332,91 @@ impl Hub {
         Ok(fetched)
     }
 
+    /// Brings one file of the repository (a dataset's training text) to
+    /// `dir/name`, resumably, skipping it when it is already there whole.
+    pub fn fetch_file(&self, dir: &Path, name: &str) -> Result<Fetched, InitError> {
+        let field = self.kind.field();
+        if name.is_empty()
+            || name.starts_with('/')
+            || name
+                .split('/')
+                .any(|p| p.is_empty() || p == "." || p == "..")
+        {
+            return Err(InitError::Invalid(format!(
+                "{field}.file must be a path inside the repository such as data/train.jsonl, not {name:?}"
+            )));
+        }
+        let listing = self.retrying(|| self.list())?;
+        let Some(size) = listing.files.get(name).copied() else {
+            let mut near: Vec<&str> = listing
+                .files
+                .keys()
+                .map(String::as_str)
+                .filter(|f| f.ends_with(".jsonl") || f.ends_with(".json") || f.ends_with(".txt"))
+                .take(10)
+                .collect();
+            near.sort_unstable();
+            return Err(InitError::Invalid(format!(
+                "{} has no file {name}{}",
+                self.describe(),
+                if near.is_empty() {
+                    String::new()
+                } else {
+                    format!("; its JSONL and text files include: {}", near.join(", "))
+                }
+            )));
+        };
+        if name.ends_with(".parquet") || name.ends_with(".arrow") {
+            return Err(InitError::Invalid(format!(
+                "{field}.file {name} is {}; Headroom reads JSONL (data.format: jsonl) or plain text (data.format: text): pick such a file, or convert the split (e.g. datasets' to_json) and upload it",
+                if name.ends_with(".parquet") {
+                    "Parquet"
+                } else {
+                    "Arrow"
+                }
+            )));
+        }
+        let target = dir.join(name);
+        if let Some(parent) = target.parent() {
+            std::fs::create_dir_all(parent)
+                .map_err(|e| InitError::Io(format!("cannot create {}: {e}", parent.display())))?;
+        }
+        let commit = listing
+            .commit
+            .clone()
+            .unwrap_or_else(|| self.revision.clone());
+        self.progress(|p| p.files = 1);
+        let downloaded_bytes = self.ensure(&commit, name, size, dir)?;
+        Ok(Fetched {
+            downloaded_bytes,
+            commit: listing.commit,
+            files: vec![name.to_string()],
+        })
+    }
+
     /// `repository X (revision R) at ENDPOINT`.
     fn describe(&self) -> String {
         format!(
-            "repository {} (revision {}) at {}",
-            self.repo, self.revision, self.endpoint
+            "{} {} (revision {}) at {}",
+            self.kind.noun(),
+            self.repo,
+            self.revision,
+            self.endpoint
         )
     }
 
+    /// The spec field of the token, for messages.
+    fn token_field(&self) -> String {
+        format!("{}.tokenSecret", self.kind.field())
+    }
+
     fn listing_url(&self) -> String {
+        let api = match self.kind {
+            RepoKind::Model => "models",
+            RepoKind::Dataset => "datasets",
+        };
         format!(
-            "{}/api/models/{}/revision/{}?blobs=true",
+            "{}/api/{api}/{}/revision/{}?blobs=true",
             self.endpoint,
             self.repo,
             encode(&self.revision, false)
@@ -319,8 +424,12 @@ impl Hub {
     }
 
     fn file_url(&self, commit: &str, name: &str) -> String {
+        let prefix = match self.kind {
+            RepoKind::Model => "",
+            RepoKind::Dataset => "datasets/",
+        };
         format!(
-            "{}/{}/resolve/{}/{}",
+            "{}/{prefix}{}/resolve/{}/{}",
             self.endpoint,
             self.repo,
             encode(commit, false),
@@ -634,19 +743,20 @@ impl Hub {
             .map(|m| format!(" (the hub says: {m})"))
             .unwrap_or_default();
         let repo = &self.repo;
+        let (noun, token_field) = (self.kind.noun(), self.token_field());
         match (status, target) {
             (401 | 403, _) if code == "GatedRepo" => InitError::Invalid(format!(
-                "{} is gated: accept its conditions on the hub with the account whose token is in {TOKEN_FIELD}{hub_says}",
+                "{} is gated: accept its conditions on the hub with the account whose token is in {token_field}{hub_says}",
                 self.describe()
             )),
             (401 | 403, _) if self.token.is_none() => InitError::Invalid(format!(
-                "repository {repo} needs a token (set {TOKEN_FIELD}): {url} answered {status}{hub_says}; the hub also answers so for a repository that does not exist"
+                "{noun} {repo} needs a token (set {token_field}): {url} answered {status}{hub_says}; the hub also answers so for a repository that does not exist"
             )),
             (401 | 403, _) => InitError::Invalid(format!(
-                "the token was refused for repository {repo}: {url} answered {status}{hub_says}; check the token in {TOKEN_FIELD} and that its account can read the repository"
+                "the token was refused for {noun} {repo}: {url} answered {status}{hub_says}; check the token in {token_field} and that its account can read the repository"
             )),
             (404, Target::Listing) if code == "RevisionNotFound" => InitError::Invalid(format!(
-                "revision {} of repository {repo} not found at {}{hub_says}",
+                "revision {} of {noun} {repo} not found at {}{hub_says}",
                 self.revision, self.endpoint
             )),
             (404, Target::Listing) => {
@@ -798,6 +908,7 @@ mod tests {
     #[test]
     fn urls_encode_revisions_as_one_segment() {
         let hub = Hub::new(
+            RepoKind::Model,
             "https://huggingface.co/",
             "meta-llama/Llama-3.2-1B",
             "refs/pr/1",
@@ -814,7 +925,25 @@ mod tests {
             "https://huggingface.co/meta-llama/Llama-3.2-1B/resolve/abc/model-00001-of-00002.safetensors"
         );
         assert!(hub.token.is_none(), "a blank token is no token");
+        let data = Hub::new(
+            RepoKind::Dataset,
+            "https://huggingface.co",
+            "stanfordnlp/imdb",
+            "main",
+            None,
+            Retry::default(),
+        )
+        .expect("valid");
+        assert_eq!(
+            data.listing_url(),
+            "https://huggingface.co/api/datasets/stanfordnlp/imdb/revision/main?blobs=true"
+        );
+        assert_eq!(
+            data.file_url("abc", "plain_text/train.jsonl"),
+            "https://huggingface.co/datasets/stanfordnlp/imdb/resolve/abc/plain_text/train.jsonl"
+        );
         let hub = Hub::new(
+            RepoKind::Model,
             "http://m",
             "a/b",
             "main",
@@ -827,13 +956,27 @@ mod tests {
 
     #[test]
     fn bad_repository_ids_and_endpoints_name_the_field() {
+        let new =
+            |kind, endpoint, repo| Hub::new(kind, endpoint, repo, "main", None, Retry::default());
         for repo in ["", "a/b/c", "../x", "a b", "a/"] {
-            let e =
-                Hub::new("https://hf.co", repo, "main", None, Retry::default()).expect_err(repo);
-            assert!(e.to_string().contains("huggingFace.repo"), "{e}");
+            let e = new(RepoKind::Model, "https://hf.co", repo).expect_err(repo);
+            assert!(
+                e.to_string()
+                    .starts_with("model.pretrained.huggingFace.repo"),
+                "{e}"
+            );
         }
-        let e = Hub::new("ftp://hf.co", "a/b", "main", None, Retry::default()).expect_err("ftp");
-        assert!(e.to_string().contains("huggingFace.endpoint"), "{e}");
+        let e = new(RepoKind::Model, "ftp://hf.co", "a/b").expect_err("ftp");
+        assert!(
+            e.to_string()
+                .starts_with("model.pretrained.huggingFace.endpoint"),
+            "{e}"
+        );
+        let e = new(RepoKind::Dataset, "ftp://hf.co", "a/b").expect_err("ftp");
+        assert!(
+            e.to_string().starts_with("data.huggingFace.endpoint"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -31,8 +31,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use headroom_api::{
-    HF_TOKEN_ENV, INITIALIZE_JSON_ENV, InitializerAssignment, InitializerReport, ModelSource,
-    POD_NAME_ENV, TELEMETRY_INTERVAL_ENV, TERMINATION_MESSAGE_PATH, WorkerOutcome,
+    DataSource, HF_DATASET_TOKEN_ENV, HF_TOKEN_ENV, INITIALIZE_JSON_ENV, InitializerAssignment,
+    InitializerReport, ModelSource, POD_NAME_ENV, TELEMETRY_INTERVAL_ENV, TERMINATION_MESSAGE_PATH,
+    WorkerOutcome,
 };
 use headroom_planner::LlamaShape;
 
@@ -54,8 +55,10 @@ pub struct InitializerEnv {
     /// `HEADROOM_INITIALIZE`: the assignment, not yet parsed (a malformed
     /// one is reported through the termination message like any bad input).
     pub assignment: String,
-    /// `HF_TOKEN`, when set and not blank.
+    /// `HF_TOKEN`, when set and not blank: the model repository's token.
     pub token: Option<String>,
+    /// `HEADROOM_HF_DATASET_TOKEN`, when set and not blank: the dataset's.
+    pub data_token: Option<String>,
     /// `HEADROOM_TERMINATION_MESSAGE_PATH`, else `/dev/termination-log`.
     pub termination_message_path: PathBuf,
     /// `POD_NAME`: set in a pod, where the initializer reports its progress
@@ -71,6 +74,7 @@ impl std::fmt::Debug for InitializerEnv {
         f.debug_struct("InitializerEnv")
             .field("assignment", &self.assignment)
             .field("token", &self.token.as_ref().map(|_| "(set)"))
+            .field("data_token", &self.data_token.as_ref().map(|_| "(set)"))
             .field("termination_message_path", &self.termination_message_path)
             .field("pod_name", &self.pod_name)
             .field("telemetry_interval", &self.telemetry_interval)
@@ -91,6 +95,7 @@ impl InitializerEnv {
         Some(InitializerEnv {
             assignment,
             token: env(HF_TOKEN_ENV).filter(|t| !t.trim().is_empty()),
+            data_token: env(HF_DATASET_TOKEN_ENV).filter(|t| !t.trim().is_empty()),
             termination_message_path: env(TERMINATION_MESSAGE_PATH_ENV)
                 .map_or_else(|| PathBuf::from(TERMINATION_MESSAGE_PATH), PathBuf::from),
             pod_name: env(POD_NAME_ENV).filter(|p| !p.trim().is_empty()),
@@ -136,11 +141,30 @@ impl InitError {
     }
 }
 
+/// The hub tokens of a job, each from its own Secret.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Tokens {
+    /// For `model.pretrained.huggingFace`.
+    pub model: Option<String>,
+    /// For `data.huggingFace`.
+    pub data: Option<String>,
+}
+
+impl std::fmt::Debug for Tokens {
+    // Never the tokens.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokens")
+            .field("model", &self.model.as_ref().map(|_| "(set)"))
+            .field("data", &self.data.as_ref().map(|_| "(set)"))
+            .finish()
+    }
+}
+
 /// Fetches (for a Hugging Face source), inspects and describes the
 /// checkpoint and the data of `assignment`.
 pub fn initialize(
     assignment: &InitializerAssignment,
-    token: Option<String>,
+    tokens: Tokens,
     retry: Retry,
     observer: Option<hub::ProgressObserver>,
 ) -> Result<InitializerReport, InitError> {
@@ -157,9 +181,16 @@ pub fn initialize(
             revision,
             endpoint,
         } => {
-            let mut hub = hub::Hub::new(endpoint, repo, revision, token, retry)?;
-            if let Some(observer) = observer {
-                hub = hub.observed(observer);
+            let mut hub = hub::Hub::new(
+                hub::RepoKind::Model,
+                endpoint,
+                repo,
+                revision,
+                tokens.model,
+                retry,
+            )?;
+            if let Some(observer) = &observer {
+                hub = hub.observed(observer.clone());
             }
             // Refuse a model Headroom cannot train before its weights are downloaded.
             let check_config = |config: &Path| -> Result<(), InitError> {
@@ -182,6 +213,44 @@ pub fn initialize(
         }
         ModelSource::Volume => 0,
     };
+    let data_file = Path::new(&assignment.data_file);
+    let data_bytes = match &assignment.data {
+        DataSource::HuggingFace {
+            repo,
+            revision,
+            endpoint,
+            file,
+        } => {
+            let Some(data_dir) = assignment.data_file.strip_suffix(file.as_str()) else {
+                return Err(InitError::Invalid(format!(
+                    "the assignment's data file {} is not where data.huggingFace.file {file} goes",
+                    assignment.data_file
+                )));
+            };
+            let mut hub = hub::Hub::new(
+                hub::RepoKind::Dataset,
+                endpoint,
+                repo,
+                revision,
+                tokens.data,
+                retry,
+            )?;
+            if let Some(observer) = &observer {
+                hub = hub.observed(observer.clone());
+            }
+            let fetched = hub.fetch_file(Path::new(data_dir), file)?;
+            tracing::info!(
+                repo = %repo,
+                commit = fetched.commit.as_deref().unwrap_or(revision),
+                downloaded_bytes = fetched.downloaded_bytes,
+                file = %data_file.display(),
+                "data fetched"
+            );
+            fetched.downloaded_bytes
+        }
+        DataSource::Volume => 0,
+    };
+    let downloaded_bytes = downloaded_bytes + data_bytes;
     let model = inspect::inspect_model(dir, sequence_length)?;
     tracing::info!(
         parameters = model.parameters,
@@ -191,7 +260,7 @@ pub fn initialize(
     );
     let data = inspect::inspect_data(
         dir,
-        Path::new(&assignment.data_file),
+        data_file,
         &assignment.data_format,
         sequence_length,
         model.shape.vocabulary,
@@ -267,14 +336,18 @@ pub fn run(env: &InitializerEnv) -> Result<InitializerReport, Exit> {
                 .and_then(|pod| start_reporter(pod, &assignment, env.telemetry_interval));
             let observer = reporter.as_ref().map(|r| {
                 let update = r.updater();
-                Box::new(move |p: &headroom_api::DownloadProgress| {
+                Arc::new(move |p: &headroom_api::DownloadProgress| {
                     update(Progress {
                         download: Some(p.clone()),
                         ..Progress::default()
                     });
                 }) as hub::ProgressObserver
             });
-            let result = initialize(&assignment, env.token.clone(), Retry::default(), observer);
+            let tokens = Tokens {
+                model: env.token.clone(),
+                data: env.data_token.clone(),
+            };
+            let result = initialize(&assignment, tokens, Retry::default(), observer);
             // A last write, with the download as it ended.
             drop(reporter);
             result
@@ -350,6 +423,7 @@ mod tests {
         let exit = run(&InitializerEnv {
             assignment: "{\"job\": 1}".into(),
             token: None,
+            data_token: None,
             termination_message_path: path.clone(),
             pod_name: None,
             telemetry_interval: DEFAULT_INTERVAL,
