@@ -76,8 +76,12 @@ controlplane-down: ## Stop the control plane.
 ##@ Try it
 .PHONY: plan-samples demo e2e e2e-kind
 plan-samples: ## Print Headroom's plan for every sample job (offline).
-	for f in samples/cpu-*.yaml; do $(CARGO) run -q -p headroom-operator --bin kubectl-headroom -- plan -f $$f; done
+	set -e; for f in samples/cpu-*.yaml; do \
+	  case $$f in *finetune*) model="--model-dir worker/tests/fixtures/llama/tiny-llama";; *) model="";; esac; \
+	  $(CARGO) run -q -p headroom-operator --bin kubectl-headroom -- plan -f $$f $$model; done
 	$(CARGO) run -q -p headroom-operator --bin kubectl-headroom -- plan -f samples/gpu-gpt2-medium.yaml --nodes samples/nodes-gfd.yaml
+	$(CARGO) run -q -p headroom-operator --bin kubectl-headroom -- plan -f samples/gpu-finetune-llama-3.2-1b.yaml --nodes samples/nodes-gfd.yaml --model-dir samples/models/llama-3.2-1b
+	$(CARGO) run -q -p headroom-operator --bin kubectl-headroom -- plan -f samples/gpu-finetune-llama-2-7b.yaml --nodes samples/nodes-gfd.yaml --model-dir samples/models/llama-2-7b
 
 demo: ## On the local single-node cluster: a job is OOM-killed on attempt 1 and succeeds on attempt 2 (needs root).
 	e2e/demo.sh

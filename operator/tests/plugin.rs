@@ -244,6 +244,25 @@ fn a_pretrained_job_is_planned_from_its_checkpoint_config() {
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     assert_eq!(doc["parameters"], 1_235_814_400u64);
+    // The 7B-like sample: more than one 80 GB GPU's worth, so stages.
+    let out = plugin(&[
+        "plan",
+        "-f",
+        "samples/gpu-finetune-llama-2-7b.yaml",
+        "--nodes",
+        "samples/nodes-gfd.yaml",
+        "--model-dir",
+        "samples/models/llama-2-7b",
+        "-o",
+        "json",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(doc["parameters"], 6_738_415_616u64);
+    let workers = doc["plan"]["workers"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{doc:#}"));
+    assert!(workers >= 2, "7B with AdamW needs stages: {doc:#}");
     let out = plugin(&["plan", "-f", "samples/cpu-finetune-tiny-llama.yaml"]);
     assert_eq!(out.status.code(), Some(1));
     let said = text(&out);
