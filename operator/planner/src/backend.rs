@@ -24,8 +24,22 @@ pub struct BackendProfile {
     pub backend: Backend,
     /// Process/context baseline in bytes (binary, thread stacks; CUDA context and kernels).
     pub fixed_overhead_bytes: u64,
-    /// Allocator slack and fragmentation as a fraction of tensor bytes.
-    pub allocator_slack: f64,
+    /// Slack on the model states (weights, gradients, optimizer state) as a
+    /// fraction of their bytes: the optimizer's transient copies while it
+    /// updates, the serialised checkpoint, allocator caching.
+    pub state_slack: f64,
+    /// Slack on activations and logits as a fraction of their bytes: the
+    /// transient gradients backward makes beside what forward kept, and the
+    /// allocator's free-but-unreturned memory they leave.
+    pub activation_slack: f64,
+    /// How a block's kept activations are counted.
+    pub activation_count: ActivationCount,
+    /// With activation checkpointing, the loss (logits and their gradient)
+    /// and the recomputation of one block run one after the other, not
+    /// together: the larger of the two is counted whole and the smaller at
+    /// this fraction, what the allocator still holds of the earlier phase
+    /// (1: the two are simply added).
+    pub checkpoint_phase_overlap: f64,
     /// Fraction of nominal device memory that is actually allocatable.
     pub usable_fraction: f64,
     /// Dropout mask bytes per element (0: the Headroom worker trains without dropout).
@@ -36,6 +50,19 @@ pub struct BackendProfile {
     pub precisions: &'static [Precision],
     /// Optimizers the worker implements on this backend; a plan never leaves them.
     pub optimizers: &'static [Optimizer],
+}
+
+/// How the memory model counts the activations one block keeps for backward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ActivationCount {
+    /// The published counts: Korthikanti et al. 2022 for a GPT block, and a
+    /// first-principles count of the tensors a Llama block needs (without the
+    /// copies an implementation makes).
+    Published,
+    /// What burn's autodiff keeps for the Headroom worker's blocks, counted
+    /// op by op from `worker/src/model/{gpt,llama}.rs` and burn 0.22's op
+    /// implementations (see [`crate::memory`]).
+    BurnAutodiff,
 }
 
 impl Backend {
@@ -58,17 +85,36 @@ impl std::fmt::Display for Backend {
 
 /// burn `flex` on CPU: the container's memory limit is the device.
 ///
-/// Calibrated against measured worker peaks (VmHWM of the `headroom-worker`
-/// process, 16 configurations; `docs/benchmarks.md`): the process baseline
-/// is about 20 MiB, and the slack of 32 % covers the glibc allocator plus the
-/// intermediates burn's autodiff keeps beyond the Korthikanti count (the
-/// attention mask and score copies, the transient gradient of each op).
+/// Calibrated against measured worker peaks (VmHWM of the worker process,
+/// `make calibrate-worker`, 36 rows: GPT and Llama-family models, pipeline
+/// stages; `docs/benchmarks.md`, 2026-11-23). Activations are counted as
+/// burn's autodiff keeps them, so the slack left is each component's own.
 pub const FLEX: BackendProfile = BackendProfile {
     backend: Backend::Flex,
+    // A worker's baseline resident set (binary, allocator arenas, rayon
+    // threads, tokenizer): about 20 MiB; the smallest GPT row measured 44 MiB
+    // in all.
     fixed_overhead_bytes: 20 * MIB,
-    allocator_slack: 0.32,
+    // Fitted on the 36 rows with the activation counts below: the optimizer
+    // updates one parameter tensor at a time and the checkpoint is written
+    // one part at a time, so the model states leave little beside them.
+    // (The single slack it replaces was 32 % of everything.)
+    state_slack: 0.05,
+    // Fitted likewise: what backward makes beside the kept tensors (the
+    // gradient of each kept tensor, softmax's and the attention matmuls'
+    // s²-sized temporaries of the block being differentiated) and what glibc
+    // keeps of them. Attention-heavy rows (s = 512) are the ones nearest to
+    // under-prediction (−6 … −7 %).
+    activation_slack: 0.25,
+    activation_count: ActivationCount::BurnAutodiff,
+    // Fitted: with checkpointing, logits-heavy rows (v = 4096, b = 16) peak
+    // at the loss and block-heavy rows (s = 512, Llama blocks) in the
+    // recomputation; adding both over-predicted the Llama rows by up to 49 %.
+    checkpoint_phase_overlap: 0.5,
     usable_fraction: 1.0,
     dropout_mask_bytes: 0,
+    // The logits and their gradient (log-softmax's exp is a third copy; the
+    // fit keeps 2 with the activation slack above, as before).
     logit_copies: 2,
     precisions: &[Precision::Fp32],
     optimizers: &[
@@ -81,10 +127,20 @@ pub const FLEX: BackendProfile = BackendProfile {
 
 /// burn CUDA: context and kernels cost most of a GiB; drivers keep ~1 % back
 /// (an "80 GB" card offers about 79.2 GiB).
+///
+/// Not calibrated: no GPU has measured it. It keeps the behaviour it had
+/// with one allocator slack of 8 % on all tensor bytes (the same 8 % on
+/// states and on activations) and the published activation counts; the
+/// flex profile's burn-specific counts and slacks are not carried over
+/// without measurements (CUDA's caching allocator and fused kernels keep
+/// other transients than flex).
 pub const CUDA: BackendProfile = BackendProfile {
     backend: Backend::Cuda,
     fixed_overhead_bytes: 900 * MIB,
-    allocator_slack: 0.08,
+    state_slack: 0.08,
+    activation_slack: 0.08,
+    activation_count: ActivationCount::Published,
+    checkpoint_phase_overlap: 1.0,
     usable_fraction: 0.99,
     dropout_mask_bytes: 0,
     logit_copies: 2,

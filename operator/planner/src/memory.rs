@@ -1,19 +1,38 @@
 //! The memory model: bytes one worker (one pipeline stage on one device) needs.
 //!
-//! total = (weights + gradients + optimizer state + activations + logits)
-//!         × (1 + allocator slack) + fixed backend overhead, × correction.
+//! total = (weights + gradients + optimizer state) × (1 + state slack)
+//!         + (activations + logits) × (1 + activation slack)
+//!         + fixed backend overhead, × correction.
 //!
-//! Activations follow Korthikanti et al. 2022 generalised to any element size
-//! `e` and dropout-mask size `m` (bytes): per block, per micro-batch of `b`,
-//! `s·b·h·(16e + 2m) + a·s²·b·(2e + m)`, which is the published
-//! `s·b·h·(34 + 5·a·s/h)` at e = 2, m = 1. With full activation
-//! checkpointing a block keeps only its input (`s·b·h·e`) and one block at a
-//! time is recomputed in backward, so checkpointing never raises the figure.
+//! The two slacks are the backend profile's: the model states and the
+//! activations leave different transients beside them (the optimizer's
+//! per-parameter temporaries and the serialised checkpoint vs. backward's
+//! gradients of the kept tensors), so one fraction of all tensor bytes
+//! over-predicts a model with few activations and under-predicts one with
+//! many. `MemoryBreakdown::allocator_slack` is their sum.
+//!
+//! Activations are counted one of two ways ([`ActivationCount`]):
+//!
+//! * Published: Korthikanti et al. 2022 generalised to any element size `e`
+//!   and dropout-mask size `m` (bytes): per GPT block, per micro-batch of
+//!   `b`, `s·b·h·(16e + 2m) + a·s²·b·(2e + m)`, which is the published
+//!   `s·b·h·(34 + 5·a·s/h)` at e = 2, m = 1; a Llama block by
+//!   [`LlamaShape::block_activation_bytes`](crate::LlamaShape::block_activation_bytes).
+//! * Burn autodiff: the tensors burn 0.22's autodiff keeps for the Headroom
+//!   worker's blocks, op by op ([`gpt_burn_block_bytes`],
+//!   [`LlamaShape::burn_block_activation_bytes`](crate::LlamaShape::burn_block_activation_bytes)),
+//!   plus the final norm's three per-token vectors on the last stage and
+//!   the stage-boundary tensors a pipeline stage holds per in-flight
+//!   micro-batch.
+//!
+//! With full activation checkpointing a block keeps only its input
+//! (`s·b·h·e`) and one block at a time is recomputed in backward, so
+//! checkpointing never raises the figure.
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::backend::BackendProfile;
+use crate::backend::{ActivationCount, BackendProfile};
 use crate::model::ModelShape;
 use crate::training::Settings;
 
@@ -84,6 +103,20 @@ pub fn block_activation_bytes(
     }
 }
 
+/// Activation bytes burn's autodiff keeps for one Headroom GPT block
+/// (`worker/src/model/gpt.rs`), one micro-batch, without checkpointing.
+/// Per token: each LayerNorm keeps its centred input, the normalised tensor
+/// and its output (3h, twice; burn's composite layer norm); the fused QKV
+/// output (3h, which the two attention matmuls hold as views); the merged
+/// heads' contiguous copy that the output projection keeps (h); the
+/// feed-forward input's output that GELU keeps (f) and GELU's output that
+/// the second projection keeps (f). Per head and sample, s² twice: softmax's
+/// exp (kept by its division) and its output (kept by the matmul with v).
+/// Residual sums and the attention scores before softmax are not kept.
+pub fn gpt_burn_block_bytes(s: u64, b: u64, h: u64, a: u64, f: u64, e: u64) -> u64 {
+    s * b * (10 * h + 2 * f) * e + 2 * a * s * s * b * e
+}
+
 /// Predicted memory of one stage (or of the whole model when `stage` is
 /// [`StagePlacement::single`]). `correction` ≥ 1 scales the total.
 pub fn estimate_stage(
@@ -117,17 +150,25 @@ pub fn estimate_stage(
                 u64::from(t.heads),
             );
             let m = profile.dropout_mask_bytes;
-            let kept = block_activation_bytes(s, b, h, a, e, m, settings.activation_checkpointing);
-            let mut act = in_flight * u64::from(stage.layers) * kept;
-            if settings.activation_checkpointing && stage.layers > 0 {
-                // Backward recomputes one block at a time; its kept input is part of that block's full set.
-                act += block_activation_bytes(s, b, h, a, e, m, false) - kept;
-            }
+            let ckpt = settings.activation_checkpointing;
+            let block = |checkpointed: bool| match (profile.activation_count, checkpointed) {
+                (ActivationCount::BurnAutodiff, false) => {
+                    gpt_burn_block_bytes(s, b, h, a, t.ffn(), e)
+                }
+                _ => block_activation_bytes(s, b, h, a, e, m, checkpointed),
+            };
             let logits = if stage.last {
                 s * b * u64::from(t.vocabulary) * 4 * profile.logit_copies
             } else {
                 0
             };
+            let kept = block(ckpt);
+            let mut act = in_flight * u64::from(stage.layers) * kept;
+            if ckpt && stage.layers > 0 {
+                // Backward recomputes one block at a time; its kept input is part of that block's full set.
+                act += recomputation_bytes(profile, block(false) - kept, logits);
+            }
+            act += boundary_bytes(profile, stage, in_flight, s * b * h * e);
             (params, act, logits)
         }
         ModelShape::Llama(l) => {
@@ -143,11 +184,10 @@ pub fn estimate_stage(
                 }
             }
             let ckpt = settings.activation_checkpointing;
-            let kept = l.block_activation_bytes(b, e, ckpt);
-            let mut act = in_flight * u64::from(stage.layers) * kept;
-            if ckpt && stage.layers > 0 {
-                act += l.block_activation_bytes(b, e, false) - kept;
-            }
+            let block = |checkpointed: bool| match profile.activation_count {
+                ActivationCount::BurnAutodiff => l.burn_block_activation_bytes(b, e, checkpointed),
+                ActivationCount::Published => l.block_activation_bytes(b, e, checkpointed),
+            };
             let logits = if stage.last {
                 u64::from(l.sequence_length)
                     * b
@@ -157,6 +197,13 @@ pub fn estimate_stage(
             } else {
                 0
             };
+            let kept = block(ckpt);
+            let mut act = in_flight * u64::from(stage.layers) * kept;
+            if ckpt && stage.layers > 0 {
+                act += recomputation_bytes(profile, block(false) - kept, logits);
+            }
+            let tokens = u64::from(l.sequence_length) * b;
+            act += boundary_bytes(profile, stage, in_flight, tokens * u64::from(l.hidden) * e);
             (params, act, logits)
         }
         ModelShape::Generic(g) => {
@@ -175,10 +222,12 @@ pub fn estimate_stage(
     };
     let gradients = params * p.gradient_bytes() * grad_copies;
     let optimizer_state = params * (p.master_weight_bytes() + settings.optimizer.state_bytes());
-    let tensors = weights + gradients + optimizer_state + activations + logits;
-    let allocator_slack = (tensors as f64 * profile.allocator_slack).round() as u64;
+    let states = weights + gradients + optimizer_state;
+    let transient = activations + logits;
+    let allocator_slack = (states as f64 * profile.state_slack).round() as u64
+        + (transient as f64 * profile.activation_slack).round() as u64;
     let fixed_overhead = profile.fixed_overhead_bytes;
-    let uncorrected = tensors + allocator_slack + fixed_overhead;
+    let uncorrected = states + transient + allocator_slack + fixed_overhead;
     let correction = ((correction.max(1.0) - 1.0) * uncorrected as f64).round() as u64;
     MemoryBreakdown {
         weights,
@@ -191,6 +240,47 @@ pub fn estimate_stage(
         correction,
         total: uncorrected + correction,
     }
+}
+
+/// With checkpointing: what backward's recomputation of one block (`extra`
+/// beyond its kept input) adds to the activations, given that the loss's
+/// `logits` (counted on their own) come before it rather than with it. The
+/// two phases together count as the larger one plus
+/// `checkpoint_phase_overlap` of the smaller; the logits are already counted,
+/// so this returns that minus them (never negative: overlap ≥ 0).
+fn recomputation_bytes(profile: &BackendProfile, extra: u64, logits: u64) -> u64 {
+    let k = profile.checkpoint_phase_overlap.clamp(0.0, 1.0);
+    let (large, small) = (extra.max(logits), extra.min(logits));
+    let both = large + (small as f64 * k).round() as u64;
+    both.saturating_sub(logits)
+}
+
+/// Per-micro-batch activations a stage holds outside its blocks, with burn
+/// autodiff counting (`token_vector`: one [b, s, h] tensor): the last
+/// stage's final norm keeps its input, normalised tensor and output (3
+/// vectors, for the one micro-batch at the loss); a stage after the first
+/// keeps the input it received, and a stage before the last the output it
+/// sent, for each in-flight micro-batch. Nothing with the published counts.
+fn boundary_bytes(
+    profile: &BackendProfile,
+    stage: StagePlacement,
+    in_flight: u64,
+    token_vector: u64,
+) -> u64 {
+    if profile.activation_count != ActivationCount::BurnAutodiff {
+        return 0;
+    }
+    let mut vectors = 0;
+    if stage.last {
+        vectors += 3;
+    }
+    if !stage.first {
+        vectors += in_flight;
+    }
+    if !stage.last {
+        vectors += in_flight;
+    }
+    vectors * token_vector
 }
 
 /// Model-state bytes per data-parallel rank for mixed-precision Adam (K = 12)
@@ -293,6 +383,86 @@ mod tests {
         );
         let ratio = corrected.total as f64 / base.total as f64;
         assert!((ratio - 1.5).abs() < 1e-6, "{ratio}");
+    }
+
+    #[test]
+    fn slack_is_per_component() {
+        let m = estimate_stage(
+            &small(),
+            &settings(8, false),
+            StagePlacement::single(4),
+            &FLEX,
+            1.0,
+        );
+        let states = (m.weights + m.gradients + m.optimizer_state) as f64;
+        let transient = (m.activations + m.logits) as f64;
+        let expected = states * FLEX.state_slack + transient * FLEX.activation_slack;
+        assert!((m.allocator_slack as f64 - expected).abs() <= 1.0);
+    }
+
+    #[test]
+    fn cuda_keeps_one_slack_and_the_published_counts() {
+        // No GPU has measured the CUDA profile: 8 % on every tensor byte and
+        // Korthikanti's count, as before the flex profile was split.
+        use crate::backend::CUDA;
+        let s = Settings {
+            precision: Precision::Bf16,
+            ..settings(8, false)
+        };
+        let m = estimate_stage(&small(), &s, StagePlacement::single(4), &CUDA, 1.0);
+        let tensors = m.weights + m.gradients + m.optimizer_state + m.activations + m.logits;
+        assert!((m.allocator_slack as f64 - tensors as f64 * 0.08).abs() <= 1.0);
+        assert_eq!(
+            m.activations,
+            4 * block_activation_bytes(128, 8, 256, 4, 2, 0, false)
+        );
+        // Checkpointed: all block inputs plus one recomputed block, logits on top.
+        let c = estimate_stage(
+            &small(),
+            &Settings {
+                activation_checkpointing: true,
+                ..s
+            },
+            StagePlacement::single(4),
+            &CUDA,
+            1.0,
+        );
+        assert_eq!(
+            c.activations,
+            3 * block_activation_bytes(128, 8, 256, 4, 2, 0, true)
+                + block_activation_bytes(128, 8, 256, 4, 2, 0, false)
+        );
+    }
+
+    #[test]
+    fn burn_count_of_a_gpt_block() {
+        // Per token 10h + 2f, per head 2s, at 4 bytes: h 256, f 1024, a 4, s 128, b 8.
+        let (s, b, h, a, f) = (128u64, 8u64, 256u64, 4u64, 1024u64);
+        assert_eq!(
+            gpt_burn_block_bytes(s, b, h, a, f, 4),
+            s * b * (10 * 256 + 2 * 1024) * 4 + 2 * a * s * s * b * 4
+        );
+        let m = estimate_stage(
+            &small(),
+            &settings(8, false),
+            StagePlacement::single(4),
+            &FLEX,
+            1.0,
+        );
+        // Four blocks and the final norm's three vectors.
+        assert_eq!(
+            m.activations,
+            4 * gpt_burn_block_bytes(s, b, h, a, f, 4) + 3 * s * b * h * 4
+        );
+    }
+
+    #[test]
+    fn checkpointed_loss_and_recomputation_overlap() {
+        // The larger phase whole, half of the smaller; never below the logits alone.
+        assert_eq!(recomputation_bytes(&FLEX, 100, 60), 100 + 30 - 60);
+        assert_eq!(recomputation_bytes(&FLEX, 40, 60), 20);
+        assert_eq!(recomputation_bytes(&FLEX, 0, 60), 0);
+        assert_eq!(recomputation_bytes(&crate::backend::CUDA, 40, 60), 40);
     }
 
     #[test]

@@ -92,7 +92,7 @@ proptest! {
         if s.gradient_accumulation > 1 {
             prop_assert!(after.total <= before.total, "after {} > before {}", after.total, before.total);
         } else {
-            let extra_grad = before.gradients + (before.gradients as f64 * FLEX.allocator_slack).ceil() as u64;
+            let extra_grad = before.gradients + (before.gradients as f64 * FLEX.state_slack).ceil() as u64;
             prop_assert!(after.total <= before.total + extra_grad);
         }
         prop_assert_eq!(halved.global_batch(), s.global_batch());
