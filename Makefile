@@ -55,7 +55,7 @@ chart-check: controlplane-up ## helm lint + template of charts/headroom, securit
 bench-planner: ## Criterion benchmark: plan a 70B model over 1,000 nodes of 6 GPU types.
 	$(CARGO) bench -p headroom-planner --bench plan_70b
 
-calibrate-worker: ## Planner-vs-measured peak memory of real CPU workers (release, ~3 min) and telemetry overhead.
+calibrate-worker: ## Planner-vs-measured peak memory of real CPU workers, GPT and Llama (release, ~8 min) and telemetry overhead.
 	$(CARGO) run --release -q -p headroom-worker --bin calibrate
 
 bench-controller: controlplane-up ## 500 jobs through the operator on the local API server: latencies and peak RSS.
