@@ -39,7 +39,7 @@ manifests: ## Regenerate crds/ and the chart's CRD from the Rust types.
 	cp crds/memoryawaretrainingjobs.headroom.dev.yaml charts/headroom/crds/
 
 ##@ Test
-.PHONY: test test-unit test-apiserver chart-check bench-planner bench-controller calibrate-worker
+.PHONY: test test-unit test-apiserver chart-check bench-planner bench-controller calibrate-worker bench-load-peak
 test: fmt-check lint test-unit test-apiserver chart-check ## Everything CI runs: format, clippy, unit, property, CLI and real-API-server tests.
 
 test-unit: ## Unit, property, CRD-drift and plugin tests (no cluster needed).
@@ -57,6 +57,9 @@ bench-planner: ## Criterion benchmark: plan a 70B model over 1,000 nodes of 6 GP
 
 calibrate-worker: ## Planner-vs-measured peak memory of real CPU workers, GPT and Llama (release, ~8 min) and telemetry overhead.
 	$(CARGO) run --release -q -p headroom-worker --bin calibrate
+
+bench-load-peak: ## Load peak per pipeline stage of a 156M-parameter Llama checkpoint (bf16, f32, sharded) against the planner's training peak (release, ~1 min).
+	$(CARGO) run --release -q -p headroom-worker --bin load_peak
 
 bench-controller: controlplane-up ## 500 jobs through the operator on the local API server: latencies and peak RSS.
 	$(CARGO) build --release -q -p headroom-operator --bins
