@@ -123,8 +123,16 @@ async fn oom_kill_retries_with_stricter_settings_and_keeps_history() {
         "attempt 1 ran the pinned settings"
     );
     assert!(!first.plan.settings.activation_checkpointing);
+    // Stricter: checkpointing (the ladder's first rung here; a smaller
+    // micro-batch only if that alone were predicted not to fit).
     assert!(second.plan.settings.activation_checkpointing);
-    assert!(second.plan.settings.micro_batch < 32);
+    assert!(second.plan.settings.micro_batch <= 32);
+    assert!(
+        second.plan.predicted_peak_bytes < first.plan.predicted_peak_bytes,
+        "{} then {}",
+        first.plan.fit,
+        second.plan.fit
+    );
     assert_eq!(
         second.plan.global_batch, 32,
         "the global batch is preserved"
