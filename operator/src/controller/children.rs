@@ -29,6 +29,22 @@ use kube::{Resource, ResourceExt};
 
 use super::config::ChildConfig;
 
+/// `POD_NAME` from the downward API: the name a worker or the initializer
+/// reports its status entry under.
+pub fn pod_name_env() -> EnvVar {
+    EnvVar {
+        name: POD_NAME_ENV.into(),
+        value_from: Some(EnvVarSource {
+            field_ref: Some(ObjectFieldSelector {
+                field_path: "metadata.name".into(),
+                ..ObjectFieldSelector::default()
+            }),
+            ..EnvVarSource::default()
+        }),
+        ..EnvVar::default()
+    }
+}
+
 /// The non-root user workers run as.
 pub const WORKER_UID: i64 = 65532;
 
@@ -426,17 +442,7 @@ pub fn worker_pod(
             value: Some(serde_json::to_string(&assignment)?),
             ..EnvVar::default()
         },
-        EnvVar {
-            name: POD_NAME_ENV.into(),
-            value_from: Some(EnvVarSource {
-                field_ref: Some(ObjectFieldSelector {
-                    field_path: "metadata.name".into(),
-                    ..ObjectFieldSelector::default()
-                }),
-                ..EnvVarSource::default()
-            }),
-            ..EnvVar::default()
-        },
+        pod_name_env(),
         EnvVar {
             name: CHECKPOINT_DIR_ENV.into(),
             value: Some(DEFAULT_CHECKPOINT_DIR.into()),

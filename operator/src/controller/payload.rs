@@ -18,12 +18,11 @@ use std::collections::BTreeMap;
 use headroom_api::{
     DEFAULT_CHECKPOINT_DIR, DEFAULT_HF_ENDPOINT, DataFormat, DataSource, HF_DATASET_TOKEN_ENV,
     HF_TOKEN_ENV, INITIALIZE_JSON_ENV, InitializerAssignment, LABEL_JOB, MemoryAwareTrainingJob,
-    ModelSource, POD_NAME_ENV, PayloadFiles, TERMINATION_MESSAGE_PATH, TextFormat, VolumePath,
+    ModelSource, PayloadFiles, TERMINATION_MESSAGE_PATH, TextFormat, VolumePath,
 };
 use k8s_openapi::api::core::v1::{
-    Container, EnvVar, EnvVarSource, LocalObjectReference, ObjectFieldSelector,
-    PersistentVolumeClaimVolumeSource, Pod, PodSpec, ResourceRequirements, SecretKeySelector,
-    Volume, VolumeMount,
+    Container, EnvVar, EnvVarSource, LocalObjectReference, PersistentVolumeClaimVolumeSource, Pod,
+    PodSpec, ResourceRequirements, SecretKeySelector, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::ResourceExt;
@@ -147,6 +146,13 @@ pub fn initializer_pod_name(job: &MemoryAwareTrainingJob, run: u32) -> String {
     dns_label(&job.name_any(), &format!("-init-{run}"))
 }
 
+/// A spec's `endpoint`, else the Hugging Face hub.
+fn endpoint_or_hub(endpoint: &Option<String>) -> String {
+    endpoint
+        .clone()
+        .unwrap_or_else(|| DEFAULT_HF_ENDPOINT.into())
+}
+
 /// What the initializer is asked to do.
 pub fn initializer_assignment(job: &MemoryAwareTrainingJob) -> Option<InitializerAssignment> {
     let pretrained = job.spec.model.pretrained.as_ref()?;
@@ -155,10 +161,7 @@ pub fn initializer_assignment(job: &MemoryAwareTrainingJob) -> Option<Initialize
         Some(hf) => ModelSource::HuggingFace {
             repo: hf.repo.clone(),
             revision: hf.revision.clone(),
-            endpoint: hf
-                .endpoint
-                .clone()
-                .unwrap_or_else(|| DEFAULT_HF_ENDPOINT.into()),
+            endpoint: endpoint_or_hub(&hf.endpoint),
         },
         None => ModelSource::Volume,
     };
@@ -166,10 +169,7 @@ pub fn initializer_assignment(job: &MemoryAwareTrainingJob) -> Option<Initialize
         Some(hf) => DataSource::HuggingFace {
             repo: hf.repo.clone(),
             revision: hf.revision.clone(),
-            endpoint: hf
-                .endpoint
-                .clone()
-                .unwrap_or_else(|| DEFAULT_HF_ENDPOINT.into()),
+            endpoint: endpoint_or_hub(&hf.endpoint),
             file: hf.file.clone(),
         },
         None => DataSource::Volume,
@@ -206,17 +206,7 @@ pub fn initializer_pod(
             value: Some(serde_json::to_string(&assignment)?),
             ..EnvVar::default()
         },
-        EnvVar {
-            name: POD_NAME_ENV.into(),
-            value_from: Some(EnvVarSource {
-                field_ref: Some(ObjectFieldSelector {
-                    field_path: "metadata.name".into(),
-                    ..ObjectFieldSelector::default()
-                }),
-                ..EnvVarSource::default()
-            }),
-            ..EnvVar::default()
-        },
+        super::children::pod_name_env(),
     ];
     let model_token = spec
         .model
@@ -322,6 +312,7 @@ pub fn initializer_pod(
 mod tests {
     use super::*;
     use crate::controller::children::tests::job;
+    use headroom_api::POD_NAME_ENV;
 
     fn finetune(yaml_extra: &str) -> MemoryAwareTrainingJob {
         let base = include_str!("../../../samples/cpu-finetune-tiny-llama.yaml");
