@@ -1034,6 +1034,7 @@ impl MemoryAwareTrainingJobSpec {
             target,
             headroom_fraction: self.resources.headroom_fraction,
             allowed_rungs,
+            adapters: None,
         })
     }
 }

@@ -4,6 +4,7 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::adapters::BaseFormat;
 use crate::training::{Optimizer, Precision};
 use crate::units::MIB;
 
@@ -50,6 +51,16 @@ pub struct BackendProfile {
     pub precisions: &'static [Precision],
     /// Optimizers the worker implements on this backend; a plan never leaves them.
     pub optimizers: &'static [Optimizer],
+    /// Formats the worker stores a frozen LoRA base in on this backend
+    /// (dense for LoRA; int8/int4 for QLoRA); a plan never leaves them.
+    pub base_formats: &'static [BaseFormat],
+    /// Bytes one stored int4 value really occupies: 1.0 where the backend
+    /// keeps a 4-bit value in a byte, 0.5 where it packs two per byte. The
+    /// planner promises only the saving the backend gives.
+    pub int4_value_bytes: f64,
+    /// Whether the worker can keep optimizer state in host memory (GPU
+    /// backends; on CPU the state is in host memory already).
+    pub optimizer_offload: bool,
 }
 
 /// How the memory model counts the activations one block keeps for backward.
@@ -123,6 +134,9 @@ pub const FLEX: BackendProfile = BackendProfile {
         Optimizer::SgdMomentum,
         Optimizer::Sgd,
     ],
+    base_formats: &[BaseFormat::Dense],
+    int4_value_bytes: 1.0,
+    optimizer_offload: false,
 };
 
 /// burn CUDA: context and kernels cost most of a GiB; drivers keep ~1 % back
@@ -151,4 +165,7 @@ pub const CUDA: BackendProfile = BackendProfile {
         Optimizer::SgdMomentum,
         Optimizer::Sgd,
     ],
+    base_formats: &[BaseFormat::Dense],
+    int4_value_bytes: 0.5,
+    optimizer_offload: false,
 };

@@ -8,6 +8,7 @@
 //!
 //! * [`units`] — byte and count formatting
 //! * [`llama`] — Llama-family models (Llama, Mistral, Qwen2) from a Hugging Face `config.json`
+//! * [`adapters`] — LoRA adapters and the frozen base's storage format (QLoRA)
 //! * [`model`] — what is being trained (transformer shape, Llama family, or a generic parameter count)
 //! * [`training`] — precision, optimizer and batch settings
 //! * [`backend`] — the worker backends (flex, cuda): overheads and what each supports
@@ -19,6 +20,7 @@
 //! * [`ladder`] — the next, stricter plan after an out-of-memory failure
 //! * [`retry`] — [`replan`]: the next attempt's plan after any failure
 
+pub mod adapters;
 pub mod backend;
 pub mod inventory;
 pub mod ladder;
@@ -32,6 +34,7 @@ pub mod search;
 pub mod training;
 pub mod units;
 
+pub use adapters::{BaseFormat, LoraConfig, TargetModule};
 pub use backend::{Backend, BackendProfile};
 pub use inventory::{DeviceKind, DeviceType, Inventory, NodeFacts};
 pub use ladder::{MemoryFailure, MemoryFailureKind, next_stricter_plan};

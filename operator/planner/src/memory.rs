@@ -344,6 +344,8 @@ mod tests {
             activation_checkpointing: ckpt,
             precision: Precision::Fp32,
             optimizer: Optimizer::Adamw,
+            base_format: crate::adapters::BaseFormat::Dense,
+            offload_optimizer: false,
         }
     }
 

@@ -8,6 +8,7 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::adapters::LoraConfig;
 use crate::backend::Backend;
 use crate::inventory::{DeviceKind, DeviceType, Inventory};
 use crate::memory::MemoryBreakdown;
@@ -35,6 +36,9 @@ pub enum Target {
 #[derive(Clone, Debug, PartialEq)]
 pub struct JobRequest {
     pub model: ModelShape,
+    /// LoRA adapters on a frozen base (`None`: full fine-tuning). Only for
+    /// Llama-family models.
+    pub adapters: Option<LoraConfig>,
     /// Samples per optimizer step; every plan preserves it exactly.
     pub global_batch: u32,
     pub precision: Precision,
@@ -134,6 +138,9 @@ pub struct Plan {
     #[schemars(length(min = 1))]
     pub stages: Vec<Stage>,
     pub settings: Settings,
+    /// The LoRA adapters trained on a frozen base; absent for full fine-tuning.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapters: Option<LoraConfig>,
     /// Samples per optimizer step (micro-batch × accumulation).
     pub global_batch: u64,
     /// Largest stage total, bytes.

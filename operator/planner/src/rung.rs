@@ -308,6 +308,8 @@ mod tests {
             activation_checkpointing: false,
             precision: Precision::Fp32,
             optimizer: Optimizer::Adamw,
+            base_format: crate::adapters::BaseFormat::Dense,
+            offload_optimizer: false,
         }
     }
 

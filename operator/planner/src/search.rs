@@ -163,6 +163,8 @@ fn search_with(
             activation_checkpointing: checkpointing[0],
             precision: req.precision,
             optimizer: req.optimizer,
+            base_format: crate::adapters::BaseFormat::Dense,
+            offload_optimizer: false,
         };
         let mut plan = search
             .build(largest, pinned_p, settings)
@@ -228,6 +230,8 @@ fn numerics_options(req: &JobRequest) -> Vec<(Precision, Optimizer, Vec<RetryRun
         activation_checkpointing: false,
         precision: req.precision,
         optimizer: req.optimizer,
+        base_format: crate::adapters::BaseFormat::Dense,
+        offload_optimizer: false,
     };
     let tighten = |rung: RetryRung, from: &Settings| {
         req.allows(rung)
@@ -343,6 +347,8 @@ impl<'a> Search<'a> {
             activation_checkpointing: ckpt,
             precision,
             optimizer,
+            base_format: crate::adapters::BaseFormat::Dense,
+            offload_optimizer: false,
         };
         // Cheap prune: if the leanest option on this device count does not fit, none will.
         let leanest_b = *micro_batches.last()?;
@@ -504,6 +510,7 @@ impl<'a> Search<'a> {
                 format_bytes(budget),
                 100.0 * peak as f64 / budget.max(1) as f64
             ),
+            adapters: self.req.adapters.clone(),
         }
     }
 
@@ -540,6 +547,8 @@ impl<'a> Search<'a> {
                 activation_checkpointing: leanest_ckpt,
                 precision,
                 optimizer,
+                base_format: crate::adapters::BaseFormat::Dense,
+                offload_optimizer: false,
             };
             if let Some(plan) = self.build_unchecked(device, usable_p, settings) {
                 details.push(format!(

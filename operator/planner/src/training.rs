@@ -3,6 +3,8 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::adapters::BaseFormat;
+
 /// Training precision. `bf16`/`fp16` mean mixed precision: 16-bit weights,
 /// gradients and activations with 32-bit master weights in the optimizer.
 #[derive(
@@ -119,6 +121,14 @@ pub struct Settings {
     pub activation_checkpointing: bool,
     pub precision: Precision,
     pub optimizer: Optimizer,
+    /// How the frozen base weights are stored (LoRA: dense; QLoRA: int8 or
+    /// int4). Always dense for full fine-tuning.
+    #[serde(default)]
+    pub base_format: BaseFormat,
+    /// Keep the optimizer state (and its step) in host memory instead of
+    /// on the GPU; never on CPU workers, whose state is on the host already.
+    #[serde(default)]
+    pub offload_optimizer: bool,
 }
 
 impl Settings {
@@ -140,7 +150,14 @@ impl std::fmt::Display for Settings {
             f,
             "micro-batch {} × {}, checkpointing {ckpt}, {}, {}",
             self.micro_batch, self.gradient_accumulation, self.precision, self.optimizer
-        )
+        )?;
+        if self.base_format.is_quantized() {
+            write!(f, ", {} base", self.base_format)?;
+        }
+        if self.offload_optimizer {
+            f.write_str(", optimizer offloaded")?;
+        }
+        Ok(())
     }
 }
 

@@ -50,6 +50,8 @@ fn arb_settings() -> impl Strategy<Value = Settings> {
                 activation_checkpointing: ckpt,
                 precision,
                 optimizer,
+                base_format: headroom_planner::BaseFormat::Dense,
+                offload_optimizer: false,
             },
         )
 }

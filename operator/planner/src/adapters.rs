@@ -1,0 +1,290 @@
+//! Parameter-efficient fine-tuning: LoRA adapters on a frozen base, and the
+//! base's storage format (QLoRA quantizes it).
+//!
+//! The vocabulary is PEFT's (and Kubeflow Trainer v2's `LoraConfig`): rank,
+//! alpha, dropout and target modules named like the Hugging Face Llama
+//! modules (`q_proj` … `down_proj`, `lm_head`). A targeted `d_in × d_out`
+//! matrix gets two trainable factors, `A: d_in × r` and `B: r × d_out`, so
+//! `r·(d_in + d_out)` trainable parameters; every base parameter is frozen
+//! (no gradient, no optimizer state). The counts equal PEFT's
+//! `print_trainable_parameters()` for the same config (tests below).
+//!
+//! What a job trains is the user's choice and never changed by a retry
+//! (full fine-tuning and LoRA give different things); how the frozen base is
+//! stored ([`BaseFormat`]) is a setting a retry may make stricter.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::llama::LlamaShape;
+
+/// A Llama-family module LoRA may adapt, named as in Hugging Face / PEFT.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum TargetModule {
+    QProj,
+    KProj,
+    VProj,
+    OProj,
+    GateProj,
+    UpProj,
+    DownProj,
+    LmHead,
+}
+
+impl TargetModule {
+    pub const ALL: [TargetModule; 8] = [
+        TargetModule::QProj,
+        TargetModule::KProj,
+        TargetModule::VProj,
+        TargetModule::OProj,
+        TargetModule::GateProj,
+        TargetModule::UpProj,
+        TargetModule::DownProj,
+        TargetModule::LmHead,
+    ];
+
+    /// The Hugging Face module name (`q_proj`, …, `lm_head`).
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            TargetModule::QProj => "q_proj",
+            TargetModule::KProj => "k_proj",
+            TargetModule::VProj => "v_proj",
+            TargetModule::OProj => "o_proj",
+            TargetModule::GateProj => "gate_proj",
+            TargetModule::UpProj => "up_proj",
+            TargetModule::DownProj => "down_proj",
+            TargetModule::LmHead => "lm_head",
+        }
+    }
+
+    /// Whether the module sits in every decoder block (all but `lm_head`).
+    pub fn per_layer(self) -> bool {
+        self != TargetModule::LmHead
+    }
+
+    /// `(d_in, d_out)` of the module's weight in `shape` (as `nn.Linear(d_in, d_out)`).
+    pub fn dims(self, shape: &LlamaShape) -> (u64, u64) {
+        let h = u64::from(shape.hidden);
+        let i = u64::from(shape.intermediate);
+        let (q, kv) = (shape.q_dim(), shape.kv_dim());
+        match self {
+            TargetModule::QProj => (h, q),
+            TargetModule::KProj | TargetModule::VProj => (h, kv),
+            TargetModule::OProj => (q, h),
+            TargetModule::GateProj | TargetModule::UpProj => (h, i),
+            TargetModule::DownProj => (i, h),
+            TargetModule::LmHead => (h, u64::from(shape.vocabulary)),
+        }
+    }
+}
+
+impl std::fmt::Display for TargetModule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.hf_name())
+    }
+}
+
+/// LoRA adapters as PEFT configures them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LoraConfig {
+    /// Rank r of the low-rank update (PEFT `r`).
+    pub rank: u32,
+    /// Scaling numerator: the update is scaled by alpha / r (PEFT `lora_alpha`).
+    pub alpha: f64,
+    /// Dropout on the adapter's input (PEFT `lora_dropout`).
+    #[serde(default)]
+    pub dropout: f64,
+    /// Modules that get adapters (PEFT `target_modules`).
+    pub target_modules: Vec<TargetModule>,
+    /// Elements per quantization block of a quantized base (QLoRA); each
+    /// block stores one scale.
+    #[serde(default = "default_block_size")]
+    pub block_size: u32,
+}
+
+pub fn default_block_size() -> u32 {
+    64
+}
+
+impl LoraConfig {
+    pub fn targets(&self, module: TargetModule) -> bool {
+        self.target_modules.contains(&module)
+    }
+
+    /// Trainable adapter parameters of one decoder block.
+    pub fn params_per_layer(&self, shape: &LlamaShape) -> u64 {
+        self.target_modules
+            .iter()
+            .filter(|m| m.per_layer())
+            .map(|m| self.factor_params(*m, shape))
+            .sum()
+    }
+
+    /// Trainable adapter parameters of the output head (last stage), 0 unless
+    /// `lm_head` is targeted.
+    pub fn head_params(&self, shape: &LlamaShape) -> u64 {
+        if self.targets(TargetModule::LmHead) {
+            self.factor_params(TargetModule::LmHead, shape)
+        } else {
+            0
+        }
+    }
+
+    /// Trainable parameters of the whole model: PEFT's "trainable params".
+    pub fn trainable_params(&self, shape: &LlamaShape) -> u64 {
+        u64::from(shape.layers) * self.params_per_layer(shape) + self.head_params(shape)
+    }
+
+    /// `r·(d_in + d_out)`: the two factors of one adapted matrix.
+    pub fn factor_params(&self, module: TargetModule, shape: &LlamaShape) -> u64 {
+        let (d_in, d_out) = module.dims(shape);
+        u64::from(self.rank) * (d_in + d_out)
+    }
+}
+
+/// How the frozen base weights are stored. Full fine-tuning and LoRA keep
+/// them dense at the training precision; QLoRA quantizes them block-wise.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+    JsonSchema,
+)]
+#[serde(rename_all = "camelCase")]
+pub enum BaseFormat {
+    /// At the training precision.
+    #[default]
+    Dense,
+    /// 8-bit integers with one scale per block.
+    Int8,
+    /// 4-bit integers with one scale per block.
+    Int4,
+}
+
+impl BaseFormat {
+    pub fn is_quantized(self) -> bool {
+        self != BaseFormat::Dense
+    }
+
+    /// Bits of one stored value.
+    pub fn bits(self) -> Option<u32> {
+        match self {
+            BaseFormat::Dense => None,
+            BaseFormat::Int8 => Some(8),
+            BaseFormat::Int4 => Some(4),
+        }
+    }
+
+    /// The next stricter format (seed 002's order: dense → int8 → int4).
+    pub fn stricter(self) -> Option<BaseFormat> {
+        match self {
+            BaseFormat::Dense => Some(BaseFormat::Int8),
+            BaseFormat::Int8 => Some(BaseFormat::Int4),
+            BaseFormat::Int4 => None,
+        }
+    }
+}
+
+impl std::fmt::Display for BaseFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BaseFormat::Dense => "dense",
+            BaseFormat::Int8 => "int8",
+            BaseFormat::Int4 => "int4",
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn llama_2_7b() -> LlamaShape {
+        LlamaShape::from_hf_config(
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4096,"intermediate_size":11008,
+               "num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":32,
+               "vocab_size":32000,"rms_norm_eps":1e-5,"rope_theta":10000.0,
+               "tie_word_embeddings":false,"torch_dtype":"float16"}"#,
+            4096,
+        )
+        .unwrap()
+    }
+
+    fn lora(rank: u32, targets: &[TargetModule]) -> LoraConfig {
+        LoraConfig {
+            rank,
+            alpha: 16.0,
+            dropout: 0.05,
+            target_modules: targets.to_vec(),
+            block_size: default_block_size(),
+        }
+    }
+
+    #[test]
+    fn llama_2_7b_r8_on_q_and_v_trains_peft_s_4_194_304() {
+        // PEFT's README / print_trainable_parameters() for Llama-2-7B,
+        // r = 8, target_modules = ["q_proj", "v_proj"]:
+        // "trainable params: 4,194,304 || all params: 6,742,609,920".
+        let l = lora(8, &[TargetModule::QProj, TargetModule::VProj]);
+        let shape = llama_2_7b();
+        assert_eq!(l.trainable_params(&shape), 4_194_304);
+        assert_eq!(
+            shape.total_params() + l.trainable_params(&shape),
+            6_742_609_920
+        );
+    }
+
+    #[test]
+    fn llama_2_7b_r16_on_all_linear_layers_trains_39_976_960() {
+        // QLoRA paper setting (all linear layers of the blocks), r = 16:
+        // 32 · 16 · (4·(4096+4096) + 2·(4096+11008) + (11008+4096)) = 39,976,960,
+        // PEFT's count for target_modules = "all-linear" on Llama-2-7B.
+        let l = lora(
+            16,
+            &[
+                TargetModule::QProj,
+                TargetModule::KProj,
+                TargetModule::VProj,
+                TargetModule::OProj,
+                TargetModule::GateProj,
+                TargetModule::UpProj,
+                TargetModule::DownProj,
+            ],
+        );
+        assert_eq!(l.trainable_params(&llama_2_7b()), 39_976_960);
+    }
+
+    #[test]
+    fn gqa_shrinks_k_and_v_adapters() {
+        // Llama-3.2-1B: h 2048, 8 of 32 heads for k/v (kv_dim 512), 16 layers.
+        let shape = LlamaShape::from_hf_config(
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":2048,"intermediate_size":8192,
+               "num_hidden_layers":16,"num_attention_heads":32,"num_key_value_heads":8,
+               "vocab_size":128256,"rms_norm_eps":1e-5,"rope_theta":500000.0,
+               "tie_word_embeddings":true,"head_dim":64}"#,
+            2048,
+        )
+        .unwrap();
+        let l = lora(8, &[TargetModule::KProj]);
+        assert_eq!(l.trainable_params(&shape), 16 * 8 * (2048 + 512));
+    }
+
+    #[test]
+    fn base_formats_climb_dense_int8_int4() {
+        assert_eq!(BaseFormat::Dense.stricter(), Some(BaseFormat::Int8));
+        assert_eq!(BaseFormat::Int8.stricter(), Some(BaseFormat::Int4));
+        assert_eq!(BaseFormat::Int4.stricter(), None);
+    }
+}
