@@ -255,6 +255,7 @@ mod tests {
             },
             headroom_fraction: 0.1,
             allowed_rungs: RetryRung::ALL.to_vec(),
+            adapters: None,
         };
         WorkerAssignment {
             job: "j".into(),

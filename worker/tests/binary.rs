@@ -48,6 +48,7 @@ fn assignment_for(
         },
         headroom_fraction: 0.1,
         allowed_rungs: RetryRung::ALL.to_vec(),
+        adapters: None,
     };
     WorkerAssignment {
         job: "tiny".into(),

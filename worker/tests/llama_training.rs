@@ -54,6 +54,8 @@ fn config(steps: u64) -> TrainConfig {
             activation_checkpointing: false,
             precision: Precision::Fp32,
             optimizer: Optimizer::Adamw,
+            base_format: headroom_planner::BaseFormat::Dense,
+            offload_optimizer: false,
         },
         steps,
         3e-3,

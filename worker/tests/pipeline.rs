@@ -34,6 +34,8 @@ fn settings(checkpointing: bool) -> Settings {
         activation_checkpointing: checkpointing,
         precision: headroom_planner::Precision::Fp32,
         optimizer: Optimizer::Adamw,
+        base_format: headroom_planner::BaseFormat::Dense,
+        offload_optimizer: false,
     }
 }
 

@@ -212,6 +212,7 @@ fn assignment(case: &Case, steps: u64) -> WorkerAssignment {
         },
         headroom_fraction: 0.1,
         allowed_rungs: RetryRung::ALL.to_vec(),
+        adapters: None,
     };
     WorkerAssignment {
         job: "calibrate".into(),

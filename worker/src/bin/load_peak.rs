@@ -492,6 +492,8 @@ fn bench(variant: Variant, runs: usize, root: &Path, exe: &Path) {
         activation_checkpointing: true,
         precision: Precision::Fp32,
         optimizer: Optimizer::Adamw,
+        base_format: headroom_planner::BaseFormat::Dense,
+        offload_optimizer: false,
     };
     let header = [
         [

@@ -26,6 +26,8 @@ pub fn tiny_config(micro_batch: u32, accumulation: u32, checkpointing: bool) -> 
             activation_checkpointing: checkpointing,
             precision: Precision::Fp32,
             optimizer: Optimizer::Adamw,
+            base_format: headroom_planner::BaseFormat::Dense,
+            offload_optimizer: false,
         },
         40,
         1e-2,
