@@ -787,6 +787,17 @@ fn spec_error(field: &'static str, problem: impl Into<String>) -> SpecError {
     }
 }
 
+/// What the first CRD defaulted `memoryPolicy.allowedRungs` to: every rung
+/// there was, `cheaperOptimizer` included, which no worker could run.
+const PREVIOUS_CRD_DEFAULT_RUNGS: [RetryRung; 6] = [
+    RetryRung::ActivationCheckpointing,
+    RetryRung::HalveMicroBatch,
+    RetryRung::LowerPrecision,
+    RetryRung::CheaperOptimizer,
+    RetryRung::MorePipelineStages,
+    RetryRung::LargerGpu,
+];
+
 impl MemoryAwareTrainingJobSpec {
     /// The backend this job's workers run on.
     pub fn backend(&self) -> Backend {
@@ -1002,7 +1013,7 @@ impl MemoryAwareTrainingJobSpec {
         // does not upgrade crds/), run on with today's default; the rung
         // could never fire, so nothing else changes for them.
         let mut allowed_rungs = self.memory_policy.allowed_rungs.clone();
-        if allowed_rungs == RetryRung::ALL {
+        if allowed_rungs == PREVIOUS_CRD_DEFAULT_RUNGS {
             allowed_rungs = RetryRung::DEFAULT.to_vec();
         } else if allowed_rungs.contains(&RetryRung::CheaperOptimizer) {
             return Err(spec_error(
@@ -1081,7 +1092,7 @@ mod tests {
     fn a_job_defaulted_by_the_previous_crd_runs_with_todays_default() {
         let mut spec = invalid_manifest("30-cheaper-optimizer-rung.yaml").spec;
         // What the previous CRD stored for a job that named no rungs.
-        spec.memory_policy.allowed_rungs = RetryRung::ALL.to_vec();
+        spec.memory_policy.allowed_rungs = PREVIOUS_CRD_DEFAULT_RUNGS.to_vec();
         let request = spec.job_request().expect("a stored job keeps running");
         assert_eq!(request.allowed_rungs, RetryRung::DEFAULT.to_vec());
     }

@@ -31,6 +31,11 @@ pub enum RetryRung {
     /// Keep optimizer state in 8 bits. No worker backend runs 8-bit state
     /// yet, so this rung is not offered (see [`RetryRung::runnable`]).
     CheaperOptimizer,
+    /// LoRA jobs only: store the frozen base in fewer bits (dense → int8 →
+    /// int4, seed 002's order), where the backend really saves memory.
+    QuantizeBase,
+    /// GPU workers only: keep the optimizer state, and its step, in host memory.
+    OffloadOptimizer,
     /// Split the layers over more pipeline stages.
     MorePipelineStages,
     /// Move to a GPU type with more memory.
@@ -40,11 +45,13 @@ pub enum RetryRung {
 impl RetryRung {
     /// Every rung, in the fixed order the ladder climbs them: cheapest in
     /// speed and devices first.
-    pub const ALL: [RetryRung; 6] = [
+    pub const ALL: [RetryRung; 8] = [
         RetryRung::ActivationCheckpointing,
         RetryRung::HalveMicroBatch,
         RetryRung::LowerPrecision,
         RetryRung::CheaperOptimizer,
+        RetryRung::QuantizeBase,
+        RetryRung::OffloadOptimizer,
         RetryRung::MorePipelineStages,
         RetryRung::LargerGpu,
     ];
@@ -70,6 +77,10 @@ impl RetryRung {
                     .iter()
                     .any(|o| o.cheaper().is_some_and(|c| p.optimizers.contains(&c)))
             }),
+            RetryRung::QuantizeBase => [&FLEX, &CUDA]
+                .into_iter()
+                .any(|p| p.base_formats.iter().any(|f| f.is_quantized())),
+            RetryRung::OffloadOptimizer => [&FLEX, &CUDA].into_iter().any(|p| p.optimizer_offload),
             _ => true,
         }
     }
@@ -112,6 +123,8 @@ impl RetryRung {
                     .cheaper()
                     .filter(|o| profile.optimizers.contains(o))?;
             }
+            // Not offered yet: no worker runs a quantized base or offloaded state.
+            RetryRung::QuantizeBase | RetryRung::OffloadOptimizer => return None,
             RetryRung::MorePipelineStages | RetryRung::LargerGpu => return None,
         }
         Some(next)
@@ -156,6 +169,9 @@ impl RetryRung {
                     s.optimizer, limits.profile.backend
                 )),
             },
+            RetryRung::QuantizeBase | RetryRung::OffloadOptimizer => {
+                Tightening::Skip("no worker backend runs it yet".into())
+            }
             RetryRung::MorePipelineStages => {
                 // The failed attempt's own count was free to it, whatever the
                 // inventory says now.
@@ -225,6 +241,8 @@ impl RetryRung {
             ),
             RetryRung::LowerPrecision => format!("{} → {}", s.precision, shortfall()),
             RetryRung::CheaperOptimizer => format!("{} → {}", s.optimizer, shortfall()),
+            RetryRung::QuantizeBase => format!("{} base → {}", s.base_format, shortfall()),
+            RetryRung::OffloadOptimizer => format!("optimizer offloaded → {}", shortfall()),
             RetryRung::MorePipelineStages => {
                 format!("up to {} stages → {}", reached.workers, shortfall())
             }
@@ -253,6 +271,8 @@ impl std::fmt::Display for RetryRung {
             RetryRung::HalveMicroBatch => "halveMicroBatch",
             RetryRung::LowerPrecision => "lowerPrecision",
             RetryRung::CheaperOptimizer => "cheaperOptimizer",
+            RetryRung::QuantizeBase => "quantizeBase",
+            RetryRung::OffloadOptimizer => "offloadOptimizer",
             RetryRung::MorePipelineStages => "morePipelineStages",
             RetryRung::LargerGpu => "largerGpu",
         })
