@@ -28,6 +28,15 @@ pub enum Optimizer {
     Adamw8bit,
 }
 
+/// 8-bit optimizer state as bitsandbytes keeps it (`Adam8bit`, block-wise):
+/// each moment in one byte per element with one f32 absmax per block of
+/// this many elements. Shared by the planner's count and the worker's
+/// optimizer, so the two cannot drift.
+pub const OPTIMIZER_8BIT_BLOCK: u64 = 256;
+/// Tensors with fewer elements than this keep 32-bit state (bitsandbytes'
+/// `min_8bit_size`): norms and biases, whose state is tiny anyway.
+pub const OPTIMIZER_8BIT_MIN_ELEMENTS: u64 = 4096;
+
 impl Precision {
     /// Bytes per weight element held by the model.
     pub fn weight_bytes(self) -> u64 {
