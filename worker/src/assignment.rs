@@ -256,6 +256,7 @@ mod tests {
             headroom_fraction: 0.1,
             allowed_rungs: RetryRung::ALL.to_vec(),
             adapters: None,
+            base_format: headroom_planner::BaseFormat::Dense,
         };
         WorkerAssignment {
             job: "j".into(),

@@ -49,6 +49,7 @@ fn assignment_for(
         headroom_fraction: 0.1,
         allowed_rungs: RetryRung::ALL.to_vec(),
         adapters: None,
+        base_format: headroom_planner::BaseFormat::Dense,
     };
     WorkerAssignment {
         job: "tiny".into(),

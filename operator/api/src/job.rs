@@ -1046,6 +1046,7 @@ impl MemoryAwareTrainingJobSpec {
             headroom_fraction: self.resources.headroom_fraction,
             allowed_rungs,
             adapters: None,
+            base_format: headroom_planner::BaseFormat::Dense,
         })
     }
 }

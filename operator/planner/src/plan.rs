@@ -8,7 +8,7 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::adapters::LoraConfig;
+use crate::adapters::{BaseFormat, LoraConfig};
 use crate::backend::Backend;
 use crate::inventory::{DeviceKind, DeviceType, Inventory};
 use crate::memory::MemoryBreakdown;
@@ -39,6 +39,9 @@ pub struct JobRequest {
     /// LoRA adapters on a frozen base (`None`: full fine-tuning). Only for
     /// Llama-family models.
     pub adapters: Option<LoraConfig>,
+    /// How the frozen base is stored on the first attempt (QLoRA: int8 or
+    /// int4; dense otherwise).
+    pub base_format: BaseFormat,
     /// Samples per optimizer step; every plan preserves it exactly.
     pub global_batch: u32,
     pub precision: Precision,

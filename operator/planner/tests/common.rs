@@ -37,6 +37,7 @@ pub fn gpu_job(model: ModelShape, global_batch: u32, max_gpus: u32) -> JobReques
         headroom_fraction: 0.1,
         allowed_rungs: RetryRung::DEFAULT.to_vec(),
         adapters: None,
+        base_format: headroom_planner::BaseFormat::Dense,
     }
 }
 

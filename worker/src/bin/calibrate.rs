@@ -213,6 +213,7 @@ fn assignment(case: &Case, steps: u64) -> WorkerAssignment {
         headroom_fraction: 0.1,
         allowed_rungs: RetryRung::ALL.to_vec(),
         adapters: None,
+        base_format: headroom_planner::BaseFormat::Dense,
     };
     WorkerAssignment {
         job: "calibrate".into(),
