@@ -66,7 +66,9 @@ use crate::quantity::{parse_bytes, parse_cores};
     {"rule": "has(self.model.pretrained) == has(self.data)",
      "message": "data: a model.pretrained job needs its training text (data.volume.claimName, data.volume.path), and only such a job takes one"},
     {"rule": "!has(self.output) || has(self.model.pretrained)",
-     "message": "output: only a model.pretrained job writes a fine-tuned model"}
+     "message": "output: only a model.pretrained job writes a fine-tuned model"},
+    {"rule": "!has(self.training.method) || self.training.method == 'full' || has(self.model.pretrained)",
+     "message": "training.method: lora and qlora adapt a pretrained checkpoint; set model.pretrained, or use method: full"}
 ]))]
 pub struct MemoryAwareTrainingJobSpec {
     /// The model to train: `transformer` (shape) or `generic` (parameter count).
@@ -298,7 +300,11 @@ fn default_text_field() -> String {
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
     {"rule": "!has(self.microBatch) || self.globalBatch % self.microBatch == 0",
-     "message": "training.microBatch must divide training.globalBatch so the global batch is kept exactly (e.g. globalBatch 32 with microBatch 8)"}
+     "message": "training.microBatch must divide training.globalBatch so the global batch is kept exactly (e.g. globalBatch 32 with microBatch 8)"},
+    {"rule": "!has(self.lora) || self.method != 'full'",
+     "message": "training.lora: adapters are for method lora or qlora; set training.method: lora (or qlora), or remove training.lora"},
+    {"rule": "!has(self.lora) || !has(self.lora.baseFormat) || self.method == 'qlora'",
+     "message": "training.lora.baseFormat: only a qlora job quantizes its base (lora keeps it dense); set training.method: qlora, or remove baseFormat"}
 ]))]
 pub struct TrainingSpec {
     /// Samples per optimizer step; every attempt keeps it exactly (micro-batch × accumulation).
@@ -337,6 +343,125 @@ pub struct TrainingSpec {
     /// same run.
     #[serde(default)]
     pub seed: u64,
+    /// What is trained: `full` (every parameter), `lora` (adapters on a
+    /// frozen base) or `qlora` (adapters on a quantized frozen base). A retry
+    /// never switches between full fine-tuning and LoRA: the two give
+    /// different things.
+    #[serde(default)]
+    pub method: TrainingMethod,
+    /// The adapters of a `lora` or `qlora` job, as PEFT's LoraConfig names
+    /// them; defaults when omitted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<LoraSpec>,
+}
+
+/// What a job trains.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum TrainingMethod {
+    /// Every parameter.
+    #[default]
+    Full,
+    /// LoRA adapters on a dense frozen base.
+    Lora,
+    /// LoRA adapters on a frozen base quantized to `lora.baseFormat`.
+    Qlora,
+}
+
+/// LoRA adapters (PEFT / Kubeflow Trainer `LoraConfig`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "self.dropout == 0.0",
+     "message": "training.lora.dropout: the burn worker adds the adapter into the weight for each forward pass, so adapter-input dropout is not available; set 0"}
+]))]
+pub struct LoraSpec {
+    /// Rank r of the low-rank update (PEFT `r`).
+    #[serde(default = "default_lora_rank")]
+    #[schemars(range(min = 1, max = 4096))]
+    pub rank: u32,
+    /// The update is scaled by alpha / rank (PEFT `lora_alpha`).
+    #[serde(default = "default_lora_alpha")]
+    #[schemars(range(min = 0.0, max = 1000000.0))]
+    pub alpha: f64,
+    /// Dropout on the adapter's input (PEFT `lora_dropout`). Only 0 runs.
+    #[serde(default)]
+    #[schemars(range(min = 0.0, max = 1.0))]
+    pub dropout: f64,
+    /// Modules that get adapters: q_proj, k_proj, v_proj, o_proj,
+    /// gate_proj, up_proj, down_proj, lm_head (PEFT's default for Llama:
+    /// q_proj and v_proj).
+    #[serde(default = "default_lora_targets")]
+    #[schemars(length(min = 1, max = 8))]
+    #[schemars(extend("x-kubernetes-list-type" = "set"))]
+    pub target_modules: Vec<headroom_planner::TargetModule>,
+    /// QLoRA only: how the frozen base is stored on the first attempt
+    /// (`int8` or `int4`; default int4). The quantizeBase rung may go
+    /// further down.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_format: Option<QuantizedFormat>,
+    /// QLoRA: values per quantization block (one scale each).
+    #[serde(default = "headroom_planner::adapters::default_block_size")]
+    #[schemars(range(min = 16, max = 4096))]
+    pub block_size: u32,
+}
+
+/// A quantized base format a QLoRA job may start from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum QuantizedFormat {
+    Int8,
+    Int4,
+}
+
+impl From<QuantizedFormat> for headroom_planner::BaseFormat {
+    fn from(f: QuantizedFormat) -> Self {
+        match f {
+            QuantizedFormat::Int8 => headroom_planner::BaseFormat::Int8,
+            QuantizedFormat::Int4 => headroom_planner::BaseFormat::Int4,
+        }
+    }
+}
+
+fn default_lora_rank() -> u32 {
+    8
+}
+
+fn default_lora_alpha() -> f64 {
+    16.0
+}
+
+fn default_lora_targets() -> Vec<headroom_planner::TargetModule> {
+    vec![
+        headroom_planner::TargetModule::QProj,
+        headroom_planner::TargetModule::VProj,
+    ]
+}
+
+impl Default for LoraSpec {
+    fn default() -> Self {
+        LoraSpec {
+            rank: default_lora_rank(),
+            alpha: default_lora_alpha(),
+            dropout: 0.0,
+            target_modules: default_lora_targets(),
+            base_format: None,
+            block_size: headroom_planner::adapters::default_block_size(),
+        }
+    }
+}
+
+impl LoraSpec {
+    /// The planner's and the worker's view.
+    pub fn config(&self) -> headroom_planner::LoraConfig {
+        headroom_planner::LoraConfig {
+            rank: self.rank,
+            alpha: self.alpha,
+            dropout: self.dropout,
+            target_modules: self.target_modules.clone(),
+            block_size: self.block_size,
+        }
+    }
 }
 
 /// Exactly one of `gpu` or `cpu`.
@@ -851,6 +976,12 @@ impl MemoryAwareTrainingJobSpec {
             shape.sequence_length = p.sequence_length;
             return self.request_for_model(ModelShape::Llama(shape));
         }
+        if self.training.method != TrainingMethod::Full {
+            return Err(spec_error(
+                "training.method",
+                "lora and qlora adapt a pretrained checkpoint; set model.pretrained, or use method: full",
+            ));
+        }
         if self.data.is_some() || self.output.is_some() {
             return Err(spec_error(
                 if self.data.is_some() {
@@ -1034,6 +1165,7 @@ impl MemoryAwareTrainingJobSpec {
                 "Headroom chooses nvidia.com/gpu.product itself; list the allowed products in resources.gpu.types",
             ));
         }
+        let (adapters, base_format) = self.adapters(backend)?;
         Ok(JobRequest {
             model,
             global_batch: t.global_batch,
@@ -1045,9 +1177,73 @@ impl MemoryAwareTrainingJobSpec {
             target,
             headroom_fraction: self.resources.headroom_fraction,
             allowed_rungs,
-            adapters: None,
-            base_format: headroom_planner::BaseFormat::Dense,
+            adapters,
+            base_format,
         })
+    }
+
+    /// The adapters and the first attempt's base format, checked as the
+    /// API server's CEL rules check them, plus what only the backend knows.
+    fn adapters(
+        &self,
+        backend: Backend,
+    ) -> Result<
+        (
+            Option<headroom_planner::LoraConfig>,
+            headroom_planner::BaseFormat,
+        ),
+        SpecError,
+    > {
+        use headroom_planner::BaseFormat;
+        let t = &self.training;
+        if t.method == TrainingMethod::Full {
+            if t.lora.is_some() {
+                return Err(spec_error(
+                    "training.lora",
+                    "adapters are for method lora or qlora; set training.method: lora (or qlora), or remove training.lora",
+                ));
+            }
+            return Ok((None, BaseFormat::Dense));
+        }
+        let lora = t.lora.clone().unwrap_or_default();
+        if lora.dropout != 0.0 {
+            return Err(spec_error(
+                "training.lora.dropout",
+                "the burn worker adds the adapter into the weight for each forward pass, so adapter-input dropout is not available; set 0",
+            ));
+        }
+        if lora.rank == 0 || lora.target_modules.is_empty() {
+            return Err(spec_error(
+                "training.lora",
+                "rank must be at least 1 and targetModules must name at least one module (e.g. [q_proj, v_proj])",
+            ));
+        }
+        let format = match (t.method, lora.base_format) {
+            (TrainingMethod::Qlora, f) => BaseFormat::from(f.unwrap_or(QuantizedFormat::Int4)),
+            (_, Some(_)) => {
+                return Err(spec_error(
+                    "training.lora.baseFormat",
+                    "only a qlora job quantizes its base (lora keeps it dense); set training.method: qlora, or remove baseFormat",
+                ));
+            }
+            (_, None) => BaseFormat::Dense,
+        };
+        let profile = backend.profile();
+        if !profile.base_formats.contains(&format) {
+            let runs: Vec<String> = profile.base_formats.iter().map(|f| f.to_string()).collect();
+            return Err(spec_error(
+                if t.method == TrainingMethod::Qlora {
+                    "training.lora.baseFormat"
+                } else {
+                    "training.method"
+                },
+                format!(
+                    "the {backend} worker does not run a {format} base yet; it runs: {}",
+                    runs.join(", ")
+                ),
+            ));
+        }
+        Ok((Some(lora.config()), format))
     }
 }
 
@@ -1087,6 +1283,88 @@ mod tests {
         allowed
             .job_request()
             .expect("every default rung is accepted");
+    }
+
+    /// The LoRA rules of the corpus, offline: the field and the words of
+    /// each manifest's CEL message (`# expect:`), for a pretrained job whose
+    /// config.json has been read.
+    #[test]
+    fn lora_rules_are_checked_offline_with_the_api_servers_words() {
+        let shape = headroom_planner::LlamaShape::from_hf_config(
+            &std::fs::read_to_string(format!(
+                "{}/../../worker/tests/fixtures/llama/tiny-llama/config.json",
+                env!("CARGO_MANIFEST_DIR")
+            ))
+            .expect("tiny-llama config"),
+            64,
+        )
+        .expect("config");
+        for (file, field) in [
+            ("44-lora-block-on-full-finetune.yaml", "training.lora"),
+            ("45-lora-dropout.yaml", "training.lora.dropout"),
+            (
+                "46-lora-base-format-without-qlora.yaml",
+                "training.lora.baseFormat",
+            ),
+            ("49-lora-on-a-model-from-scratch.yaml", "training.method"),
+        ] {
+            let path = format!(
+                "{}/../../e2e/testdata/invalid/{file}",
+                env!("CARGO_MANIFEST_DIR")
+            );
+            let text = std::fs::read_to_string(&path).expect("manifest");
+            let expect = text
+                .lines()
+                .find_map(|l| l.strip_prefix("# expect: "))
+                .expect("expect line");
+            let err = invalid_manifest(file)
+                .spec
+                .job_request_for(Some(&shape))
+                .expect_err(file);
+            assert_eq!(err.field, field, "{file}");
+            assert_eq!(format!("{field}: {}", err.problem), expect, "{file}");
+        }
+    }
+
+    #[test]
+    fn a_lora_job_plans_with_peft_defaults_and_a_qlora_job_with_an_int4_base() {
+        let shape = headroom_planner::LlamaShape::from_hf_config(
+            &std::fs::read_to_string(format!(
+                "{}/../../worker/tests/fixtures/llama/tiny-llama/config.json",
+                env!("CARGO_MANIFEST_DIR")
+            ))
+            .expect("tiny-llama config"),
+            64,
+        )
+        .expect("config");
+        let mut spec = invalid_manifest("45-lora-dropout.yaml").spec;
+        spec.training.lora = None;
+        let request = spec.job_request_for(Some(&shape)).expect("lora");
+        let adapters = request.adapters.expect("adapters");
+        assert_eq!((adapters.rank, adapters.alpha), (8, 16.0));
+        assert_eq!(
+            adapters.target_modules,
+            vec![
+                headroom_planner::TargetModule::QProj,
+                headroom_planner::TargetModule::VProj
+            ]
+        );
+        assert_eq!(request.base_format, headroom_planner::BaseFormat::Dense);
+
+        spec.training.method = TrainingMethod::Qlora;
+        let profile = Backend::Flex.profile();
+        match spec.job_request_for(Some(&shape)) {
+            Ok(r) => assert_eq!(r.base_format, headroom_planner::BaseFormat::Int4),
+            Err(e) => {
+                // Until the worker runs a quantized base on this backend.
+                assert!(
+                    !profile
+                        .base_formats
+                        .contains(&headroom_planner::BaseFormat::Int4)
+                );
+                assert_eq!(e.field, "training.lora.baseFormat", "{e}");
+            }
+        }
     }
 
     #[test]
