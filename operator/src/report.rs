@@ -3,17 +3,54 @@
 use std::fmt::Write;
 
 use headroom_planner::units::{format_bytes, format_count};
-use headroom_planner::{MemoryBreakdown, NoFeasiblePlan, Plan};
+use headroom_planner::{JobRequest, MemoryBreakdown, ModelShape, NoFeasiblePlan, Plan};
+
+/// Parameters the optimizer trains: the adapters' of a LoRA job (PEFT's
+/// "trainable params"), every parameter otherwise.
+pub fn trainable_params(request: &JobRequest) -> u64 {
+    match (&request.adapters, &request.model) {
+        (Some(lora), ModelShape::Llama(shape)) => lora.trainable_params(shape),
+        _ => request.model.total_params(),
+    }
+}
+
+/// `4194304` as `4,194,304`, as PEFT prints trainable parameters.
+fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
 
 /// Plan summary and per-stage memory breakdown as a text table.
-pub fn plan_table(title: &str, params: u64, plan: &Plan) -> String {
+pub fn plan_table(title: &str, request: &JobRequest, plan: &Plan) -> String {
     let mut out = String::new();
+    let params = request.model.total_params();
     let _ = writeln!(
         out,
         "{title}: {} parameters, global batch {}",
         format_count(params),
         plan.global_batch
     );
+    if let Some(lora) = &plan.adapters {
+        let targets: Vec<&str> = lora.target_modules.iter().map(|m| m.hf_name()).collect();
+        let trainable = trainable_params(request);
+        let _ = writeln!(
+            out,
+            "Adapters:  LoRA r {} alpha {} on {}: {} trainable ({:.3} % of all), base {}",
+            lora.rank,
+            lora.alpha,
+            targets.join(", "),
+            thousands(trainable),
+            100.0 * trainable as f64 / (params + trainable).max(1) as f64,
+            plan.settings.base_format
+        );
+    }
     let _ = writeln!(
         out,
         "Plan:      {} × {} ({} backend), {} of {} nominal per worker after headroom",

@@ -263,6 +263,36 @@ fn a_pretrained_job_is_planned_from_its_checkpoint_config() {
         .as_u64()
         .unwrap_or_else(|| panic!("{doc:#}"));
     assert!(workers >= 2, "7B with AdamW needs stages: {doc:#}");
+    // LoRA on the 7B: PEFT's trainable count for r 8 on q_proj and v_proj.
+    let out = plugin(&[
+        "plan",
+        "-f",
+        "samples/gpu-lora-llama-2-7b.yaml",
+        "--nodes",
+        "samples/nodes-gfd.yaml",
+        "--model-dir",
+        "samples/models/llama-2-7b",
+        "-o",
+        "json",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(doc["trainableParameters"], 4_194_304u64, "{doc:#}");
+    assert_eq!(doc["plan"]["adapters"]["rank"], 8, "{doc:#}");
+    let out = plugin(&[
+        "plan",
+        "-f",
+        "samples/gpu-lora-llama-2-7b.yaml",
+        "--nodes",
+        "samples/nodes-gfd.yaml",
+        "--model-dir",
+        "samples/models/llama-2-7b",
+    ]);
+    assert!(
+        text(&out).contains("on q_proj, v_proj: 4,194,304 trainable"),
+        "{}",
+        text(&out)
+    );
     let out = plugin(&["plan", "-f", "samples/cpu-finetune-tiny-llama.yaml"]);
     assert_eq!(out.status.code(), Some(1));
     let said = text(&out);

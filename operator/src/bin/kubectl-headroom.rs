@@ -13,7 +13,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use headroom_api::MemoryAwareTrainingJob;
 use headroom_operator::controller::CheckpointAccess;
 use headroom_operator::inventory::{cpu_inventory, job_inventory};
-use headroom_operator::report::{infeasible_text, plan_table};
+use headroom_operator::report::{infeasible_text, plan_table, trainable_params};
 use headroom_planner::{LlamaShape, ModelShape, plan};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde::Deserialize;
@@ -168,13 +168,13 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Output::Table => match &result {
                 Ok(p) => emit(&format!(
                     "{}\n",
-                    plan_table(name, request.model.total_params(), p)
+                    plan_table(name, request, p)
                 ))?,
                 Err(e) => emit(&format!("{}\n", infeasible_text(name, e)))?,
             },
             Output::Json | Output::Yaml => machine.push(match &result {
-                Ok(p) => serde_json::json!({"job": name, "parameters": request.model.total_params(), "feasible": true, "plan": p}),
-                Err(e) => serde_json::json!({"job": name, "parameters": request.model.total_params(), "feasible": false, "summary": e.summary, "details": e.details, "waitsFor": e.waits_for}),
+                Ok(p) => serde_json::json!({"job": name, "parameters": request.model.total_params(), "trainableParameters": trainable_params(request), "feasible": true, "plan": p}),
+                Err(e) => serde_json::json!({"job": name, "parameters": request.model.total_params(), "trainableParameters": trainable_params(request), "feasible": false, "summary": e.summary, "details": e.details, "waitsFor": e.waits_for}),
             }),
         }
     }
