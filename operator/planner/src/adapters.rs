@@ -219,7 +219,7 @@ mod tests {
                "tie_word_embeddings":false,"torch_dtype":"float16"}"#,
             4096,
         )
-        .unwrap()
+        .expect("valid test config")
     }
 
     fn lora(rank: u32, targets: &[TargetModule]) -> LoraConfig {
@@ -276,7 +276,7 @@ mod tests {
                "tie_word_embeddings":true,"head_dim":64}"#,
             2048,
         )
-        .unwrap();
+        .expect("valid test config");
         let l = lora(8, &[TargetModule::KProj]);
         assert_eq!(l.trainable_params(&shape), 16 * 8 * (2048 + 512));
     }

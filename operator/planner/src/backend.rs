@@ -61,6 +61,11 @@ pub struct BackendProfile {
     /// Whether the worker can keep optimizer state in host memory (GPU
     /// backends; on CPU the state is in host memory already).
     pub optimizer_offload: bool,
+    /// Whether the budgeted device memory is the host's (CPU workers): then
+    /// the checkpoint load's host-side transient counts against the budget;
+    /// on a GPU it is the pod's host memory instead
+    /// ([`MemoryBreakdown::host_bytes`](crate::MemoryBreakdown::host_bytes)).
+    pub device_is_host: bool,
 }
 
 /// How the memory model counts the activations one block keeps for backward.
@@ -137,6 +142,7 @@ pub const FLEX: BackendProfile = BackendProfile {
     base_formats: &[BaseFormat::Dense],
     int4_value_bytes: 1.0,
     optimizer_offload: false,
+    device_is_host: true,
 };
 
 /// burn CUDA: context and kernels cost most of a GiB; drivers keep ~1 % back
@@ -168,4 +174,5 @@ pub const CUDA: BackendProfile = BackendProfile {
     base_formats: &[BaseFormat::Dense],
     int4_value_bytes: 0.5,
     optimizer_offload: false,
+    device_is_host: false,
 };

@@ -405,6 +405,7 @@ impl<'a> Search<'a> {
         let placement = self.placement(layers, k, settings);
         estimate_stage(
             &self.req.model,
+            self.req.adapters.as_ref(),
             settings,
             placement,
             self.profile,
@@ -472,6 +473,7 @@ impl<'a> Search<'a> {
             let placement = self.placement(layers, k, &settings);
             let memory = estimate_stage(
                 &self.req.model,
+                self.req.adapters.as_ref(),
                 &settings,
                 placement,
                 self.profile,

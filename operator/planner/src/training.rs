@@ -85,6 +85,21 @@ impl Optimizer {
         }
     }
 
+    /// Optimizer state bytes of one tensor of `elements` parameters,
+    /// excluding master weights. 8-bit AdamW counts exactly what the
+    /// block-wise 8-bit state keeps: both moments at one byte an element plus
+    /// one f32 absmax per moment and [`OPTIMIZER_8BIT_BLOCK`] elements; a
+    /// tensor below [`OPTIMIZER_8BIT_MIN_ELEMENTS`] keeps 32-bit moments.
+    pub fn tensor_state_bytes(self, elements: u64) -> u64 {
+        match self {
+            Optimizer::Adamw8bit if elements >= OPTIMIZER_8BIT_MIN_ELEMENTS => {
+                2 * elements + 2 * 4 * elements.div_ceil(OPTIMIZER_8BIT_BLOCK)
+            }
+            Optimizer::Adamw8bit => 8 * elements,
+            _ => self.state_bytes() * elements,
+        }
+    }
+
     /// A cheaper-state variant with the same update rule family, if any.
     /// Switching Adam to SGD would change the training itself, so it is not offered.
     pub fn cheaper(self) -> Option<Optimizer> {
@@ -208,6 +223,18 @@ mod tests {
             p.weight_bytes() + p.gradient_bytes() + Optimizer::Adamw.state_bytes(),
             16
         );
+    }
+
+    #[test]
+    fn eight_bit_adamw_counts_blocks_and_keeps_small_tensors_at_32_bits() {
+        let o = Optimizer::Adamw8bit;
+        // 4096 elements: 2 bytes each plus 16 blocks × 2 absmax × 4 bytes.
+        assert_eq!(o.tensor_state_bytes(4096), 2 * 4096 + 16 * 8);
+        // A partial block still has its absmax.
+        assert_eq!(o.tensor_state_bytes(4097), 2 * 4097 + 17 * 8);
+        // Below the minimum (a norm weight of h = 3072): 32-bit moments.
+        assert_eq!(o.tensor_state_bytes(3072), 8 * 3072);
+        assert_eq!(Optimizer::Adamw.tensor_state_bytes(10), 80);
     }
 
     #[test]

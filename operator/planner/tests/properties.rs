@@ -74,8 +74,8 @@ proptest! {
     fn checkpointing_never_raises_the_estimate(model in arb_model(), s in arb_settings(), placement in arb_placement(48)) {
         let layers = placement.layers.min(model.splittable_layers());
         let placement = StagePlacement { layers, ..placement };
-        let off = estimate_stage(&model, &Settings { activation_checkpointing: false, ..s }, placement, &CUDA, 1.0);
-        let on = estimate_stage(&model, &Settings { activation_checkpointing: true, ..s }, placement, &CUDA, 1.0);
+        let off = estimate_stage(&model, None, &Settings { activation_checkpointing: false, ..s }, placement, &CUDA, 1.0);
+        let on = estimate_stage(&model, None, &Settings { activation_checkpointing: true, ..s }, placement, &CUDA, 1.0);
         prop_assert!(on.total <= off.total, "on {} > off {}", on.total, off.total);
     }
 
@@ -88,9 +88,9 @@ proptest! {
         prop_assume!(s.micro_batch >= 2);
         let layers = placement.layers.min(model.splittable_layers());
         let placement = StagePlacement { layers, in_flight: 1, ..placement };
-        let before = estimate_stage(&model, &s, placement, &FLEX, 1.0);
+        let before = estimate_stage(&model, None, &s, placement, &FLEX, 1.0);
         let halved = Settings { micro_batch: s.micro_batch / 2, gradient_accumulation: s.gradient_accumulation * 2, ..s };
-        let after = estimate_stage(&model, &halved, placement, &FLEX, 1.0);
+        let after = estimate_stage(&model, None, &halved, placement, &FLEX, 1.0);
         if s.gradient_accumulation > 1 {
             prop_assert!(after.total <= before.total, "after {} > before {}", after.total, before.total);
         } else {
