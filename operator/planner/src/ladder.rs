@@ -98,6 +98,7 @@ pub fn next_stricter_plan(
     let limits = RungLimits {
         profile,
         global_batch: u32::try_from(failed.global_batch).unwrap_or(req.global_batch),
+        lora: req.adapters.is_some(),
         max_workers: req.max_workers(),
         devices: inventory
             .devices

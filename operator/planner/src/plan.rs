@@ -191,4 +191,7 @@ pub struct SearchOptions {
     pub excluded_devices: Vec<String>,
     /// Ignore the user's pinned micro-batch / checkpointing (retries).
     pub ignore_pins: bool,
+    /// Plan with this profile instead of the job's backend's own (tests
+    /// and what-if questions, e.g. a backend that runs QLoRA).
+    pub profile: Option<&'static crate::backend::BackendProfile>,
 }

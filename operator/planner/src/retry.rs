@@ -46,6 +46,7 @@ pub fn replan(
                 correction: ended.correction_factor,
                 excluded_devices: excluded,
                 ignore_pins: true,
+                profile: None,
             };
             plan_with(request, inventory, &opts).map_err(|mut e| {
                 e.summary = format!("{} was unschedulable; {}", ended.device, e.summary);

@@ -7,13 +7,41 @@
 //! asks the numerics rungs (lower precision, cheaper optimizer state) for
 //! settings when nothing fits at the user's. Both get the same answer here,
 //! so a rung means one thing wherever it is applied.
+//!
+//! # Order
+//!
+//! The ladder climbs the rungs cheapest first: first what costs only speed
+//! and keeps the numerics, then what changes the numerics least, then what
+//! costs devices.
+//!
+//! 1. `activationCheckpointing`: one more forward per block, about a third
+//!    more compute; nothing else changes.
+//! 2. `halveMicroBatch`: the same samples per step in smaller passes; costs
+//!    device utilisation, which small micro-batches show most.
+//! 3. `lowerPrecision` (fp32 → bf16): faster on GPUs, but the numerics change.
+//! 4. `cheaperOptimizer` (AdamW → 8-bit AdamW): block-wise (de)quantization
+//!    of the moments in the step, negligible beside forward and backward;
+//!    the moments lose precision. For LoRA jobs it saves little (the
+//!    adapters' state is small), but it costs nearly nothing.
+//! 5. `quantizeBase` (LoRA only: dense → int8 → int4): every forward
+//!    (and every recomputation) dequantizes the base's block linears
+//!    (burn composes a dense weight, see [`crate::memory`]), and the frozen
+//!    base loses precision; each format step is its own candidate, and a
+//!    step the backend does not store smaller (int4 on flex keeps one byte
+//!    a value) is never offered.
+//! 6. `offloadOptimizer` (GPU only): every step moves gradients to the host
+//!    and weights back over PCIe and runs the update on the CPU; costly per
+//!    step unless accumulation amortises it, but it needs no more devices.
+//! 7. `morePipelineStages`, 8. `largerGpu`: more or larger devices, the
+//!    scarce thing the search minimises first.
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::adapters::BaseFormat;
 use crate::backend::{BackendProfile, CUDA, FLEX};
 use crate::inventory::DeviceType;
-use crate::training::{Settings, divisors_desc};
+use crate::training::{Precision, Settings, divisors_desc};
 use crate::units::format_bytes;
 
 /// One way to need less memory per worker, in the default order of the ladder.
@@ -28,8 +56,8 @@ pub enum RetryRung {
     HalveMicroBatch,
     /// Move to a lower precision the backend supports (fp32 → bf16).
     LowerPrecision,
-    /// Keep optimizer state in 8 bits. No worker backend runs 8-bit state
-    /// yet, so this rung is not offered (see [`RetryRung::runnable`]).
+    /// Keep optimizer state in 8 bits where the backend runs it (see
+    /// [`RetryRung::runnable`]).
     CheaperOptimizer,
     /// LoRA jobs only: store the frozen base in fewer bits (dense → int8 →
     /// int4, seed 002's order), where the backend really saves memory.
@@ -44,7 +72,7 @@ pub enum RetryRung {
 
 impl RetryRung {
     /// Every rung, in the fixed order the ladder climbs them: cheapest in
-    /// speed and devices first.
+    /// speed and devices first (the reasons are in the module docs).
     pub const ALL: [RetryRung; 8] = [
         RetryRung::ActivationCheckpointing,
         RetryRung::HalveMicroBatch,
@@ -66,10 +94,12 @@ impl RetryRung {
         RetryRung::LargerGpu,
     ];
 
-    /// Whether some worker backend can run what this rung produces. Only
-    /// `CheaperOptimizer` is not: no backend profile lists an 8-bit optimizer
-    /// because the worker implements none. When one does, this turns true and
-    /// the rung belongs in [`RetryRung::DEFAULT`] and the API's allowed list.
+    /// Whether some worker backend can run what this rung produces:
+    /// `CheaperOptimizer` needs a profile listing an 8-bit optimizer,
+    /// `QuantizeBase` a quantized base format that stores fewer bytes than
+    /// bf16, `OffloadOptimizer` a profile with `optimizer_offload`. When a
+    /// profile starts listing one, this turns true and the rung belongs in
+    /// [`RetryRung::DEFAULT`] (a test says so) and the API's allowed list.
     pub fn runnable(self) -> bool {
         match self {
             RetryRung::CheaperOptimizer => [&FLEX, &CUDA].into_iter().any(|p| {
@@ -77,9 +107,11 @@ impl RetryRung {
                     .iter()
                     .any(|o| o.cheaper().is_some_and(|c| p.optimizers.contains(&c)))
             }),
-            RetryRung::QuantizeBase => [&FLEX, &CUDA]
-                .into_iter()
-                .any(|p| p.base_formats.iter().any(|f| f.is_quantized())),
+            RetryRung::QuantizeBase => [&FLEX, &CUDA].into_iter().any(|p| {
+                p.precisions
+                    .iter()
+                    .any(|&precision| next_base_format(BaseFormat::Dense, precision, p).is_some())
+            }),
             RetryRung::OffloadOptimizer => [&FLEX, &CUDA].into_iter().any(|p| p.optimizer_offload),
             _ => true,
         }
@@ -88,12 +120,15 @@ impl RetryRung {
     /// The next stricter settings this rung offers from `settings` on
     /// `profile`, keeping `micro-batch × accumulation = global_batch`; `None`
     /// when it has nothing stricter, or when it changes where the job runs
-    /// (stages, GPU type) rather than its settings.
+    /// (stages, GPU type) rather than its settings. `lora`: the job trains
+    /// adapters on a frozen base (only then may the base be quantized; a
+    /// retry never switches between full fine-tuning and LoRA).
     pub fn tighten_settings(
         self,
         settings: &Settings,
         profile: &BackendProfile,
         global_batch: u32,
+        lora: bool,
     ) -> Option<Settings> {
         let mut next = *settings;
         match self {
@@ -123,8 +158,22 @@ impl RetryRung {
                     .cheaper()
                     .filter(|o| profile.optimizers.contains(o))?;
             }
-            // Not offered yet: no worker runs a quantized base or offloaded state.
-            RetryRung::QuantizeBase | RetryRung::OffloadOptimizer => return None,
+            RetryRung::QuantizeBase => {
+                if !lora {
+                    return None;
+                }
+                next.base_format =
+                    next_base_format(settings.base_format, settings.precision, profile)?;
+            }
+            RetryRung::OffloadOptimizer => {
+                if settings.offload_optimizer
+                    || !profile.optimizer_offload
+                    || profile.device_is_host
+                {
+                    return None;
+                }
+                next.offload_optimizer = true;
+            }
             RetryRung::MorePipelineStages | RetryRung::LargerGpu => return None,
         }
         Some(next)
@@ -132,8 +181,9 @@ impl RetryRung {
 
     /// The stricter candidates this rung offers from `from`, least strict first.
     pub fn tighten(self, from: &Candidate, limits: &RungLimits) -> Tightening {
-        let next_settings =
-            |s: &Settings| self.tighten_settings(s, limits.profile, limits.global_batch);
+        let next_settings = |s: &Settings| {
+            self.tighten_settings(s, limits.profile, limits.global_batch, limits.lora)
+        };
         let with = |settings: Settings| Candidate {
             settings,
             ..from.clone()
@@ -169,9 +219,35 @@ impl RetryRung {
                     s.optimizer, limits.profile.backend
                 )),
             },
-            RetryRung::QuantizeBase | RetryRung::OffloadOptimizer => {
-                Tightening::Skip("no worker backend runs it yet".into())
+            RetryRung::QuantizeBase => {
+                if !limits.lora {
+                    return Tightening::Skip(
+                        "full fine-tuning: only a LoRA job's frozen base may be quantized".into(),
+                    );
+                }
+                // Each stricter format the backend stores smaller, one at a time.
+                let mut steps: Vec<Candidate> = Vec::new();
+                let mut at = *s;
+                while let Some(q) = next_settings(&at) {
+                    steps.push(with(q));
+                    at = q;
+                }
+                if steps.is_empty() {
+                    return Tightening::Skip(format!(
+                        "the {} backend stores no base format smaller than {}",
+                        limits.profile.backend, s.base_format
+                    ));
+                }
+                Tightening::Try(steps)
             }
+            RetryRung::OffloadOptimizer => match next_settings(s) {
+                Some(off) => Tightening::Try(vec![with(off)]),
+                None if s.offload_optimizer => Tightening::Skip("already offloaded".into()),
+                None => Tightening::Skip(format!(
+                    "the {} backend keeps optimizer state on its device",
+                    limits.profile.backend
+                )),
+            },
             RetryRung::MorePipelineStages => {
                 // The failed attempt's own count was free to it, whatever the
                 // inventory says now.
@@ -264,6 +340,39 @@ impl RetryRung {
     }
 }
 
+/// Bytes one stored base value occupies on `profile`: the training
+/// precision's for a dense base, 1 for int8, the profile's
+/// `int4_value_bytes` for int4 (per-block scales aside).
+pub fn base_value_bytes(format: BaseFormat, precision: Precision, profile: &BackendProfile) -> f64 {
+    match format {
+        BaseFormat::Dense => precision.weight_bytes() as f64,
+        BaseFormat::Int8 => 1.0,
+        BaseFormat::Int4 => profile.int4_value_bytes,
+    }
+}
+
+/// The next stricter base format (dense → int8 → int4) that `profile` lists
+/// and that stores a value in fewer bytes than `from`; `None` when none
+/// saves anything (int4 after int8 on flex, which keeps an int4 value in a
+/// byte).
+pub fn next_base_format(
+    from: BaseFormat,
+    precision: Precision,
+    profile: &BackendProfile,
+) -> Option<BaseFormat> {
+    let current = base_value_bytes(from, precision, profile);
+    let mut at = from.stricter();
+    while let Some(format) = at {
+        if profile.base_formats.contains(&format)
+            && base_value_bytes(format, precision, profile) < current
+        {
+            return Some(format);
+        }
+        at = format.stricter();
+    }
+    None
+}
+
 impl std::fmt::Display for RetryRung {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
@@ -296,6 +405,8 @@ pub struct RungLimits {
     pub profile: &'static BackendProfile,
     /// Samples per optimizer step; every candidate keeps it.
     pub global_batch: u32,
+    /// The job trains LoRA adapters (only then is `QuantizeBase` offered).
+    pub lora: bool,
     /// Most workers (stages) the job may use.
     pub max_workers: u32,
     /// Device types the job may use (`LargerGpu` picks the larger ones with a free device).
@@ -350,6 +461,7 @@ mod tests {
         RungLimits {
             profile: &CUDA,
             global_batch: 12,
+            lora: false,
             max_workers: 3,
             devices,
         }
@@ -369,18 +481,18 @@ mod tests {
     fn settings_rungs_tighten_one_step_and_keep_the_global_batch() {
         let s = settings(12, 1);
         let on = RetryRung::ActivationCheckpointing
-            .tighten_settings(&s, &CUDA, 12)
+            .tighten_settings(&s, &CUDA, 12, false)
             .expect("off → on");
         assert!(on.activation_checkpointing);
         assert_eq!(
-            RetryRung::ActivationCheckpointing.tighten_settings(&on, &CUDA, 12),
+            RetryRung::ActivationCheckpointing.tighten_settings(&on, &CUDA, 12, false),
             None
         );
 
         // 12 → 6 → 3 → 1: the largest divisor of the global batch at most half.
         let mut micro = Vec::new();
         let mut at = s;
-        while let Some(next) = RetryRung::HalveMicroBatch.tighten_settings(&at, &CUDA, 12) {
+        while let Some(next) = RetryRung::HalveMicroBatch.tighten_settings(&at, &CUDA, 12, false) {
             assert_eq!(next.global_batch(), 12);
             micro.push(next.micro_batch);
             at = next;
@@ -388,21 +500,21 @@ mod tests {
         assert_eq!(micro, vec![6, 3, 1]);
 
         let lower = RetryRung::LowerPrecision
-            .tighten_settings(&s, &CUDA, 12)
+            .tighten_settings(&s, &CUDA, 12, false)
             .expect("cuda offers bf16");
         assert_eq!(lower.precision, Precision::Bf16);
         assert_eq!(
-            RetryRung::LowerPrecision.tighten_settings(&s, &FLEX, 12),
+            RetryRung::LowerPrecision.tighten_settings(&s, &FLEX, 12, false),
             None,
             "flex trains in fp32 only"
         );
         // No backend runs 8-bit optimizer state, so the rung never fires.
         assert_eq!(
-            RetryRung::CheaperOptimizer.tighten_settings(&s, &CUDA, 12),
+            RetryRung::CheaperOptimizer.tighten_settings(&s, &CUDA, 12, false),
             None
         );
         for placement in [RetryRung::MorePipelineStages, RetryRung::LargerGpu] {
-            assert_eq!(placement.tighten_settings(&s, &CUDA, 12), None);
+            assert_eq!(placement.tighten_settings(&s, &CUDA, 12, false), None);
         }
     }
 
@@ -492,5 +604,93 @@ mod tests {
             RetryRung::HalveMicroBatch.tighten(&from, &lim),
             Tightening::Try(vec![])
         );
+    }
+
+    /// FLEX as it will be once the worker runs QLoRA and 8-bit AdamW:
+    /// every base format listed, int4 still one byte a value.
+    static FLEX_QLORA: BackendProfile = BackendProfile {
+        base_formats: &[BaseFormat::Dense, BaseFormat::Int8, BaseFormat::Int4],
+        optimizers: &[Optimizer::Adamw, Optimizer::Adamw8bit],
+        ..FLEX
+    };
+    /// CUDA with packed int4 and optimizer offload.
+    static CUDA_QLORA: BackendProfile = BackendProfile {
+        base_formats: &[BaseFormat::Dense, BaseFormat::Int8, BaseFormat::Int4],
+        optimizers: &[Optimizer::Adamw, Optimizer::Adamw8bit],
+        optimizer_offload: true,
+        ..CUDA
+    };
+
+    #[test]
+    fn quantize_base_offers_only_formats_that_save_bytes_and_only_to_lora_jobs() {
+        let dense = settings(4, 3);
+        let step = |s: &Settings, p: &BackendProfile, lora: bool| {
+            RetryRung::QuantizeBase.tighten_settings(s, p, 12, lora)
+        };
+        // flex: int8 saves 3 of 4 bytes; int4 costs what int8 does, never offered.
+        let int8 = step(&dense, &FLEX_QLORA, true).expect("dense → int8");
+        assert_eq!(int8.base_format, BaseFormat::Int8);
+        assert_eq!(step(&int8, &FLEX_QLORA, true), None);
+        // cuda packs int4: dense → int8 → int4.
+        let int8 = step(&dense, &CUDA_QLORA, true).expect("dense → int8");
+        let int4 = step(&int8, &CUDA_QLORA, true).expect("int8 → int4");
+        assert_eq!(int4.base_format, BaseFormat::Int4);
+        // Never for full fine-tuning, never where no format is listed.
+        assert_eq!(step(&dense, &CUDA_QLORA, false), None);
+        assert_eq!(step(&dense, &CUDA, true), None);
+        let from = Candidate {
+            device: gpu("NVIDIA-L4", 22, 1),
+            workers: 1,
+            settings: dense,
+        };
+        let lim = RungLimits {
+            profile: &CUDA_QLORA,
+            lora: true,
+            ..limits(vec![])
+        };
+        let Tightening::Try(steps) = RetryRung::QuantizeBase.tighten(&from, &lim) else {
+            panic!("int8 and int4 are offered");
+        };
+        let formats: Vec<BaseFormat> = steps.iter().map(|c| c.settings.base_format).collect();
+        assert_eq!(formats, vec![BaseFormat::Int8, BaseFormat::Int4]);
+        let full = RungLimits {
+            lora: false,
+            ..lim.clone()
+        };
+        assert!(matches!(
+            RetryRung::QuantizeBase.tighten(&from, &full),
+            Tightening::Skip(_)
+        ));
+    }
+
+    #[test]
+    fn offload_only_where_the_backend_offers_it() {
+        let s = settings(4, 3);
+        let off = RetryRung::OffloadOptimizer
+            .tighten_settings(&s, &CUDA_QLORA, 12, false)
+            .expect("cuda with offload");
+        assert!(off.offload_optimizer);
+        assert_eq!(
+            RetryRung::OffloadOptimizer.tighten_settings(&off, &CUDA_QLORA, 12, false),
+            None
+        );
+        assert_eq!(
+            RetryRung::OffloadOptimizer.tighten_settings(&s, &CUDA, 12, false),
+            None
+        );
+        // A CPU worker's state is in host memory already.
+        let flex = BackendProfile {
+            optimizer_offload: true,
+            ..FLEX
+        };
+        assert_eq!(
+            RetryRung::OffloadOptimizer.tighten_settings(&s, &flex, 12, false),
+            None
+        );
+        // 8-bit AdamW where listed.
+        let cheaper = RetryRung::CheaperOptimizer
+            .tighten_settings(&s, &FLEX_QLORA, 12, false)
+            .expect("adamw → adamw8bit");
+        assert_eq!(cheaper.optimizer, Optimizer::Adamw8bit);
     }
 }

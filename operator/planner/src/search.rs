@@ -12,7 +12,7 @@ use crate::inventory::{DeviceKind, DeviceType, Inventory};
 use crate::memory::{StagePlacement, estimate_stage};
 use crate::plan::{JobRequest, NoFeasiblePlan, Plan, SearchOptions, Stage, Target};
 use crate::rung::RetryRung;
-use crate::training::{Optimizer, Precision, Settings, divisors_desc};
+use crate::training::{Precision, Settings, divisors_desc};
 use crate::units::format_bytes;
 
 /// Usable bytes minus headroom for one device of this type.
@@ -73,7 +73,14 @@ fn search_with(
     inventory: &Inventory,
     opts: &SearchOptions,
 ) -> Result<Plan, NoFeasiblePlan> {
-    let profile = req.backend().profile();
+    let profile = opts.profile.unwrap_or(req.backend().profile());
+    if let Some(e) = adapter_errors(req, profile) {
+        return Err(NoFeasiblePlan {
+            waits_for: None,
+            summary: e,
+            details: vec![],
+        });
+    }
     if !profile.precisions.contains(&req.precision) {
         return Err(NoFeasiblePlan {
             waits_for: None,
@@ -125,20 +132,17 @@ fn search_with(
         _ => vec![false, true],
     };
 
-    for (precision, optimizer, rungs) in numerics_options(req) {
-        let found = search.cheapest_then_fastest(
-            &devices,
-            precision,
-            optimizer,
-            &micro_batches,
-            &checkpointing,
-        );
+    let options = numerics_options(req, profile);
+    for (numerics, rungs) in &options {
+        let found =
+            search.cheapest_then_fastest(&devices, numerics, &micro_batches, &checkpointing);
         if let Some(mut plan) = found {
-            plan.rungs_applied = rungs;
+            plan.rungs_applied = rungs.clone();
             if !plan.rungs_applied.is_empty() {
                 plan.warnings.push(format!(
-                    "nothing fits at {} / {}; planned with {} / {}",
-                    req.precision, req.optimizer, plan.settings.precision, plan.settings.optimizer
+                    "nothing fits at {}; planned with {}",
+                    describe_numerics(&options[0].0),
+                    describe_numerics(&plan.settings)
                 ));
             }
             return Ok(plan);
@@ -161,10 +165,7 @@ fn search_with(
             micro_batch: micro_batches[0],
             gradient_accumulation: req.global_batch / micro_batches[0],
             activation_checkpointing: checkpointing[0],
-            precision: req.precision,
-            optimizer: req.optimizer,
-            base_format: crate::adapters::BaseFormat::Dense,
-            offload_optimizer: false,
+            ..options[0].0
         };
         let mut plan = search
             .build(largest, pinned_p, settings)
@@ -179,6 +180,7 @@ fn search_with(
     }
 
     let mut infeasible = search.explain(
+        &options,
         &devices,
         &micro_batches,
         &checkpointing,
@@ -216,48 +218,96 @@ fn list<T: std::fmt::Display>(items: &[T]) -> String {
         .join(", ")
 }
 
-/// Precision/optimizer combinations to try, in order, with the rungs each
-/// implies: the user's own first, then what the allowed numerics rungs offer
-/// from there (lower precision, cheaper optimizer state, then both).
-fn numerics_options(req: &JobRequest) -> Vec<(Precision, Optimizer, Vec<RetryRung>)> {
-    let profile = req.backend().profile();
+/// Why a LoRA request cannot be planned at all, if it cannot: adapters on
+/// a model that is not Llama-family, a quantized base without adapters, or
+/// a base format the backend does not store.
+fn adapter_errors(req: &JobRequest, profile: &BackendProfile) -> Option<String> {
+    if req.adapters.is_some() && !matches!(req.model, crate::model::ModelShape::Llama(_)) {
+        return Some("LoRA adapters need a Llama-family model (model.llama)".into());
+    }
+    if req.adapters.is_none() && req.base_format.is_quantized() {
+        return Some(format!(
+            "base format {} needs LoRA adapters: full fine-tuning trains a dense base",
+            req.base_format
+        ));
+    }
+    if req.adapters.is_some() && !profile.base_formats.contains(&req.base_format) {
+        return Some(format!(
+            "base format {} is not supported by the {} backend (supported: {})",
+            req.base_format,
+            profile.backend,
+            list(profile.base_formats)
+        ));
+    }
+    None
+}
+
+/// `bf16 / adamw`, with the base format and offload when they are not the defaults.
+fn describe_numerics(s: &Settings) -> String {
+    let mut out = format!("{} / {}", s.precision, s.optimizer);
+    if s.base_format.is_quantized() {
+        out.push_str(&format!(" / {} base", s.base_format));
+    }
+    if s.offload_optimizer {
+        out.push_str(" / optimizer offloaded");
+    }
+    out
+}
+
+/// The numerics rungs, in the ladder's order.
+const NUMERICS_RUNGS: [RetryRung; 4] = [
+    RetryRung::LowerPrecision,
+    RetryRung::CheaperOptimizer,
+    RetryRung::QuantizeBase,
+    RetryRung::OffloadOptimizer,
+];
+
+/// Numerics to try, in order, with the rungs each implies: the user's own
+/// first (precision, optimizer, the request's base format, state on the
+/// device), then every combination the allowed numerics rungs offer from
+/// there, ordered by the costliest rung they use (ladder order: lower
+/// precision, cheaper optimizer, quantized base, offload) and then by how
+/// many steps they take. Only the numerics fields of the settings matter;
+/// the batch fields are placeholders the search replaces.
+fn numerics_options(req: &JobRequest, profile: &BackendProfile) -> Vec<(Settings, Vec<RetryRung>)> {
     let g = req.global_batch;
-    // The numerics rungs change only precision and optimizer; the batch
-    // fields here are placeholders the search replaces.
+    let lora = req.adapters.is_some();
     let asked = Settings {
         micro_batch: g,
         gradient_accumulation: 1,
         activation_checkpointing: false,
         precision: req.precision,
         optimizer: req.optimizer,
-        base_format: crate::adapters::BaseFormat::Dense,
+        base_format: if lora {
+            req.base_format
+        } else {
+            crate::adapters::BaseFormat::Dense
+        },
         offload_optimizer: false,
     };
-    let tighten = |rung: RetryRung, from: &Settings| {
-        req.allows(rung)
-            .then(|| rung.tighten_settings(from, profile, g))
-            .flatten()
-    };
-    let mut out = vec![(req.precision, req.optimizer, vec![])];
-    let lower = tighten(RetryRung::LowerPrecision, &asked);
-    if let Some(l) = lower {
-        out.push((l.precision, l.optimizer, vec![RetryRung::LowerPrecision]));
-    }
-    if let Some(cheaper) = tighten(RetryRung::CheaperOptimizer, &asked) {
-        out.push((
-            cheaper.precision,
-            cheaper.optimizer,
-            vec![RetryRung::CheaperOptimizer],
-        ));
-        if let Some(both) = tighten(RetryRung::LowerPrecision, &cheaper) {
-            out.push((
-                both.precision,
-                both.optimizer,
-                vec![RetryRung::LowerPrecision, RetryRung::CheaperOptimizer],
-            ));
+    // (settings, rungs applied, steps taken, index of the costliest rung + 1)
+    let mut all: Vec<(Settings, Vec<RetryRung>, usize, usize)> = vec![(asked, vec![], 0, 0)];
+    for (index, rung) in NUMERICS_RUNGS.into_iter().enumerate() {
+        if !req.allows(rung) {
+            continue;
         }
+        let mut grown = Vec::new();
+        for (from, rungs, steps, _) in &all {
+            let mut at = *from;
+            let mut taken = *steps;
+            // Every step of the rung (quantizeBase: int8, then int4).
+            while let Some(next) = rung.tighten_settings(&at, profile, g, lora) {
+                taken += 1;
+                let mut applied = rungs.clone();
+                applied.push(rung);
+                grown.push((next, applied, taken, index + 1));
+                at = next;
+            }
+        }
+        all.extend(grown);
     }
-    out
+    all.sort_by_key(|(_, _, steps, costliest)| (*costliest, *steps));
+    all.into_iter().map(|(s, r, _, _)| (s, r)).collect()
 }
 
 /// One search's fixed inputs.
@@ -278,7 +328,7 @@ impl<'a> Search<'a> {
         };
         Search {
             req,
-            profile: req.backend().profile(),
+            profile: opts.profile.unwrap_or(req.backend().profile()),
             correction,
             pin_stages: !opts.ignore_pins,
         }
@@ -301,24 +351,17 @@ impl<'a> Search<'a> {
     fn cheapest_then_fastest(
         &self,
         devices: &[&DeviceType],
-        precision: Precision,
-        optimizer: Optimizer,
+        numerics: &Settings,
         micro_batches: &[u32],
         checkpointing: &[bool],
     ) -> Option<Plan> {
         for p in self.stage_counts() {
             let mut best: Option<Plan> = None;
             for device in devices.iter().filter(|d| d.free >= p) {
-                if let Some(plan) = self.best_on(
-                    device,
-                    p,
-                    precision,
-                    optimizer,
-                    micro_batches,
-                    checkpointing,
-                ) && best
-                    .as_ref()
-                    .is_none_or(|b| plan.relative_step_time < b.relative_step_time)
+                if let Some(plan) = self.best_on(device, p, numerics, micro_batches, checkpointing)
+                    && best
+                        .as_ref()
+                        .is_none_or(|b| plan.relative_step_time < b.relative_step_time)
                 {
                     best = Some(plan);
                 }
@@ -330,13 +373,13 @@ impl<'a> Search<'a> {
         None
     }
 
-    /// The fastest fitting plan on `p` devices of one type, if any.
+    /// The fastest fitting plan on `p` devices of one type, if any, with
+    /// the numerics (precision, optimizer, base format, offload) of `numerics`.
     pub(crate) fn best_on(
         &self,
         device: &DeviceType,
         p: u32,
-        precision: Precision,
-        optimizer: Optimizer,
+        numerics: &Settings,
         micro_batches: &[u32],
         checkpointing: &[bool],
     ) -> Option<Plan> {
@@ -345,10 +388,7 @@ impl<'a> Search<'a> {
             micro_batch: b,
             gradient_accumulation: g / b,
             activation_checkpointing: ckpt,
-            precision,
-            optimizer,
-            base_format: crate::adapters::BaseFormat::Dense,
-            offload_optimizer: false,
+            ..*numerics
         };
         // Cheap prune: if the leanest option on this device count does not fit, none will.
         let leanest_b = *micro_batches.last()?;
@@ -521,6 +561,7 @@ impl<'a> Search<'a> {
     /// not use (the summary then says so).
     fn explain(
         &self,
+        options: &[(Settings, Vec<RetryRung>)],
         devices: &[&DeviceType],
         micro_batches: &[u32],
         checkpointing: &[bool],
@@ -530,10 +571,14 @@ impl<'a> Search<'a> {
         let mut details = Vec::new();
         let leanest_b = micro_batches.last().copied().unwrap_or(1);
         let leanest_ckpt = checkpointing.iter().any(|c| *c);
-        let (precision, optimizer, _) =
-            numerics_options(req)
-                .pop()
-                .unwrap_or((req.precision, req.optimizer, vec![]));
+        // The strictest numerics the search tried.
+        let Some((numerics, _)) = options.last() else {
+            return NoFeasiblePlan {
+                summary: "no numerics to try".into(),
+                details: vec![],
+                waits_for: None,
+            };
+        };
         for device in devices {
             let usable_p = req.max_workers().min(device.free);
             if usable_p == 0 {
@@ -547,20 +592,16 @@ impl<'a> Search<'a> {
                 micro_batch: leanest_b,
                 gradient_accumulation: req.global_batch / leanest_b,
                 activation_checkpointing: leanest_ckpt,
-                precision,
-                optimizer,
-                base_format: crate::adapters::BaseFormat::Dense,
-                offload_optimizer: false,
+                ..*numerics
             };
             if let Some(plan) = self.build_unchecked(device, usable_p, settings) {
                 details.push(format!(
-                    "{}: even {} stage(s), micro-batch {}, checkpointing {}, {} / {} predict a peak of {} against a budget of {} ({} nominal, {:.0}% headroom)",
+                    "{}: even {} stage(s), micro-batch {}, checkpointing {}, {} predict a peak of {} against a budget of {} ({} nominal, {:.0}% headroom)",
                     device.name,
                     usable_p,
                     leanest_b,
                     if leanest_ckpt { "on" } else { "off" },
-                    precision,
-                    optimizer,
+                    describe_numerics(numerics),
                     format_bytes(plan.predicted_peak_bytes),
                     format_bytes(plan.budget_bytes),
                     format_bytes(device.memory_bytes),
@@ -619,8 +660,11 @@ pub fn balanced_split(layers: u32, p: u32) -> Option<Vec<u32>> {
 
 /// Unitless step-time estimate: recompute costs about a third more compute;
 /// 16-bit math runs about twice as fast on GPUs; a 1F1B pipeline idles for
-/// (p − 1)/m of a step; tiny micro-batches use a device poorly. The work is
-/// divided over p stages.
+/// (p − 1)/m of a step; tiny micro-batches use a device poorly; a quantized
+/// base is dequantized on every forward (a fifth more, unmeasured); an
+/// offloaded optimizer moves gradients and weights over PCIe and steps on
+/// the CPU once per step (half a step more at accumulation 1, amortised
+/// over the micro-batches; unmeasured). The work is divided over p stages.
 pub fn relative_step_time(settings: &Settings, p: u32, kind: DeviceKind) -> f64 {
     let recompute = if settings.activation_checkpointing {
         4.0 / 3.0
@@ -634,5 +678,15 @@ pub fn relative_step_time(settings: &Settings, p: u32, kind: DeviceKind) -> f64 
     let m = f64::from(settings.gradient_accumulation.max(1));
     let bubble = 1.0 + (f64::from(p) - 1.0) / m;
     let small_batch = 1.0 + 0.5 / f64::from(settings.micro_batch.max(1));
-    recompute * math * bubble * small_batch / f64::from(p.max(1))
+    let dequantize = if settings.base_format.is_quantized() {
+        1.2
+    } else {
+        1.0
+    };
+    let offload = if settings.offload_optimizer {
+        1.0 + 0.5 / m
+    } else {
+        1.0
+    };
+    recompute * math * bubble * small_batch * dequantize * offload / f64::from(p.max(1))
 }
