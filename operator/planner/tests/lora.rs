@@ -1,0 +1,234 @@
+//! Acceptance: LoRA and QLoRA plans for published model shapes on small
+//! GPUs, with a CUDA profile that runs them (packed int4, 8-bit AdamW,
+//! optimizer offload), so the tests hold once the real profile lists them.
+//! Each prints its breakdown (`cargo test -p headroom-planner --test lora -- --nocapture`).
+
+mod common;
+use common::*;
+use headroom_planner::backend::CUDA;
+use headroom_planner::units::format_bytes;
+use headroom_planner::*;
+
+static CUDA_QLORA: BackendProfile = BackendProfile {
+    base_formats: &[BaseFormat::Dense, BaseFormat::Int8, BaseFormat::Int4],
+    optimizers: &[
+        Optimizer::Adamw,
+        Optimizer::Adam,
+        Optimizer::SgdMomentum,
+        Optimizer::Sgd,
+        Optimizer::Adamw8bit,
+    ],
+    optimizer_offload: true,
+    ..CUDA
+};
+
+fn opts() -> SearchOptions {
+    SearchOptions {
+        profile: Some(&CUDA_QLORA),
+        ..SearchOptions::default()
+    }
+}
+
+fn llama(config: &str, seq: u32) -> ModelShape {
+    ModelShape::Llama(LlamaShape::from_hf_config(config, seq).expect("valid config"))
+}
+
+const LLAMA_2_7B: &str = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4096,
+    "intermediate_size":11008,"num_hidden_layers":32,"num_attention_heads":32,
+    "num_key_value_heads":32,"vocab_size":32000,"tie_word_embeddings":false,"torch_dtype":"float16"}"#;
+const LLAMA_2_13B: &str = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":5120,
+    "intermediate_size":13824,"num_hidden_layers":40,"num_attention_heads":40,
+    "num_key_value_heads":40,"vocab_size":32000,"tie_word_embeddings":false,"torch_dtype":"float16"}"#;
+/// Phi-4-mini's config values as a Llama-family shape (3.8 B parameters).
+const PHI_4_MINI: &str = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":3072,
+    "intermediate_size":8192,"num_hidden_layers":32,"num_attention_heads":24,
+    "num_key_value_heads":8,"vocab_size":200064,"tie_word_embeddings":true,"torch_dtype":"bfloat16"}"#;
+
+const ALL_LINEAR: [TargetModule; 7] = [
+    TargetModule::QProj,
+    TargetModule::KProj,
+    TargetModule::VProj,
+    TargetModule::OProj,
+    TargetModule::GateProj,
+    TargetModule::UpProj,
+    TargetModule::DownProj,
+];
+
+fn lora(rank: u32) -> LoraConfig {
+    LoraConfig {
+        rank,
+        alpha: 2.0 * f64::from(rank),
+        dropout: 0.0,
+        target_modules: ALL_LINEAR.to_vec(),
+        block_size: 64,
+    }
+}
+
+fn job(model: ModelShape, global_batch: u32, max_gpus: u32) -> JobRequest {
+    JobRequest {
+        allowed_rungs: RetryRung::ALL.to_vec(),
+        ..gpu_job(model, global_batch, max_gpus)
+    }
+}
+
+fn one_node(product: &str, memory_mib: u64, count: u64) -> Inventory {
+    Inventory::from_nodes(&[gpu_node("node-0", product, memory_mib, count)]).on_one_node()
+}
+
+fn show(title: &str, plan: &Plan) {
+    println!(
+        "{title}: {} × {}, {}, rungs {:?}, fit {}",
+        plan.workers, plan.device, plan.settings, plan.rungs_applied, plan.fit
+    );
+    for s in &plan.stages {
+        let m = &s.memory;
+        println!(
+            "  stage {} layers {}..{}: weights {} grads {} optimizer {} activations {} logits {} composed {} fixed {} slack {} | training {} load {} host {} total {}",
+            s.index,
+            s.layer_start,
+            s.layer_end,
+            format_bytes(m.weights),
+            format_bytes(m.gradients),
+            format_bytes(m.optimizer_state),
+            format_bytes(m.activations),
+            format_bytes(m.logits),
+            format_bytes(m.composed_weights),
+            format_bytes(m.fixed_overhead),
+            format_bytes(m.allocator_slack),
+            format_bytes(m.training_total()),
+            format_bytes(m.load_peak),
+            format_bytes(m.host_bytes),
+            format_bytes(m.total),
+        );
+    }
+}
+
+#[test]
+fn llama_2_13b_on_one_node_of_two_24_gb_gpus() {
+    // LoRA r = 16 on all block linears, bf16, global batch 8, sequence 2048,
+    // every rung allowed: the search picks the base format and stages.
+    let mut req = job(llama(LLAMA_2_13B, 2048), 8, 2);
+    req.adapters = Some(lora(16));
+    let plan = plan_with(
+        &req,
+        &one_node("NVIDIA-GeForce-RTX-4090", 24564, 2),
+        &opts(),
+    )
+    .expect("13B fits two 24 GB GPUs as (Q)LoRA");
+    show("Llama-2-13B LoRA r16, 2 × 24 GB", &plan);
+    assert!(plan.fits());
+    assert!(plan.workers <= 2);
+}
+
+#[test]
+fn phi_4_mini_qlora_on_one_6_gb_gpu() {
+    // Seed 001: LoRA on a 4-bit base, micro-batch 1 × accumulation 8,
+    // checkpointing, fp16, sequence 1024, "Total ~6-7GB" on a 6 GB GPU.
+    let mut req = job(llama(PHI_4_MINI, 1024), 8, 1);
+    req.adapters = Some(lora(16));
+    req.base_format = BaseFormat::Int4;
+    req.precision = Precision::Fp16;
+    req.pinned_micro_batch = Some(1);
+    req.pinned_checkpointing = Some(true);
+    req.allowed_rungs = vec![];
+    let inventory = one_node("NVIDIA-GeForce-RTX-3060-Laptop", 6144, 1);
+    let result = plan_with(&req, &inventory, &opts());
+    match &result {
+        Ok(plan) => show("Phi-4-mini QLoRA int4, 6 GB", plan),
+        Err(e) => println!("Phi-4-mini QLoRA int4, 6 GB: {e}"),
+    }
+    let plan = result.expect("a pinned first attempt runs as asked");
+    println!("warnings: {:?}", plan.warnings);
+}
+
+#[test]
+fn llama_2_7b_on_one_24_gb_gpu_full_fine_tuning_refused_qlora_accepted() {
+    let inventory = one_node("NVIDIA-GeForce-RTX-4090", 24564, 1);
+    let full = job(llama(LLAMA_2_7B, 2048), 8, 1);
+    let refused = plan_with(&full, &inventory, &opts()).expect_err("7B full fine-tuning");
+    println!("Llama-2-7B full fine-tuning, 1 × 24 GB: {refused}");
+
+    let mut qlora = full.clone();
+    qlora.adapters = Some(lora(16));
+    qlora.base_format = BaseFormat::Int4;
+    let plan = plan_with(&qlora, &inventory, &opts()).expect("7B QLoRA fits 24 GB");
+    show("Llama-2-7B QLoRA int4 r16, 1 × 24 GB", &plan);
+    assert_eq!(plan.settings.base_format, BaseFormat::Int4);
+    assert!(plan.fits());
+}
+
+/// docs/benchmarks.md: Headroom's QLoRA (int4, r = 16 on all block
+/// linears, bf16, micro-batch 1, sequence 2048, checkpointing) and 16-bit
+/// LoRA figures for one GPU, beside Unsloth's minimum-VRAM table.
+#[test]
+fn qlora_minimums_beside_unsloth() {
+    use headroom_planner::memory::{StagePlacement, estimate_stage};
+    let models = [
+        ("7B (Llama-2-7B)", LLAMA_2_7B.to_string(), 5.0, 19.0),
+        (
+            "8B (Llama-3-8B)",
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4096,"intermediate_size":14336,
+               "num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,
+               "vocab_size":128256,"tie_word_embeddings":false,"torch_dtype":"bfloat16"}"#
+                .to_string(),
+            6.0,
+            22.0,
+        ),
+        (
+            "14B (Qwen2.5-14B)",
+            r#"{"architectures":["Qwen2ForCausalLM"],"hidden_size":5120,"intermediate_size":13824,
+               "num_hidden_layers":48,"num_attention_heads":40,"num_key_value_heads":8,
+               "vocab_size":152064,"tie_word_embeddings":false,"torch_dtype":"bfloat16"}"#
+                .to_string(),
+            8.5,
+            33.0,
+        ),
+        (
+            "70B (Llama-2-70B)",
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":8192,"intermediate_size":28672,
+               "num_hidden_layers":80,"num_attention_heads":64,"num_key_value_heads":8,
+               "vocab_size":32000,"tie_word_embeddings":false,"torch_dtype":"float16"}"#
+                .to_string(),
+            41.0,
+            164.0,
+        ),
+    ];
+    let gb = |b: u64| b as f64 / 1e9;
+    for (name, config, unsloth_q, unsloth_l) in models {
+        let model = llama(&config, 2048);
+        let layers = model.splittable_layers();
+        let a = lora(16);
+        let at = |format: BaseFormat| {
+            let s = Settings {
+                micro_batch: 1,
+                gradient_accumulation: 1,
+                activation_checkpointing: true,
+                precision: Precision::Bf16,
+                optimizer: Optimizer::Adamw,
+                base_format: format,
+                offload_optimizer: false,
+            };
+            estimate_stage(
+                &model,
+                Some(&a),
+                &s,
+                StagePlacement::single(layers),
+                &CUDA_QLORA,
+                1.0,
+            )
+        };
+        let (q, l) = (at(BaseFormat::Int4), at(BaseFormat::Dense));
+        println!(
+            "| {name} | {:.1} | {:.1} (weights {:.1}, logits {:.1}, composed {:.1}, load {:.1}) | {unsloth_l:.0} | {:.1} (weights {:.1}) |",
+            unsloth_q,
+            gb(q.total),
+            gb(q.weights),
+            gb(q.logits),
+            gb(q.composed_weights),
+            gb(q.load_peak),
+            gb(l.total),
+            gb(l.weights),
+        );
+        assert!(gb(q.total) < gb(l.total));
+    }
+}
