@@ -36,6 +36,7 @@ pub mod data;
 pub mod env;
 pub mod initialize;
 pub mod model;
+pub mod optim;
 pub mod pipeline;
 pub mod report;
 pub mod run;
