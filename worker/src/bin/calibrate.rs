@@ -332,6 +332,7 @@ fn measure(case: &Case, steps: u64) -> Measured {
     );
     let predicted = estimate_stage(
         &case.model,
+        None,
         &settings,
         StagePlacement::single(case.layers()),
         &FLEX,
@@ -481,7 +482,8 @@ fn measure_pipeline(case: &Case, p: u32, steps: u64) -> Vec<Measured> {
                 last: k + 1 == p,
                 in_flight: stage.in_flight_micro_batches,
             };
-            let predicted = estimate_stage(&model, &a.plan.settings, placement, &FLEX, 1.0).total;
+            let predicted =
+                estimate_stage(&model, None, &a.plan.settings, placement, &FLEX, 1.0).total;
             Measured {
                 label: format!(
                     "{} p{p} s{k} (L{}-{})",

@@ -570,6 +570,7 @@ fn bench(variant: Variant, runs: usize, root: &Path, exe: &Path) {
             let w_stored = params * stored.bytes();
             let predicted = estimate_stage(
                 &model,
+                None,
                 &settings,
                 StagePlacement {
                     layers: layout.layers.end - layout.layers.start,
