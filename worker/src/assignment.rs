@@ -200,6 +200,7 @@ fn train_config(a: &WorkerAssignment) -> Result<TrainConfig, Unsupported> {
         }
         _ => {}
     }
+    check_adapters(a, &shape)?;
     if !(a.learning_rate.is_finite() && a.learning_rate > 0.0) {
         return Err(unsupported(
             "learningRate",
@@ -222,7 +223,68 @@ fn train_config(a: &WorkerAssignment) -> Result<TrainConfig, Unsupported> {
         checkpoint_every_steps: a.checkpoint_every_steps,
         seed: a.seed,
         pretrained: a.files.as_ref().map(|f| f.model_dir.clone().into()),
+        adapters: plan.adapters.clone(),
     })
+}
+
+/// LoRA adapters and the base format this worker can run (burn's LoRA).
+fn check_adapters(a: &WorkerAssignment, shape: &crate::model::LmShape) -> Result<(), Unsupported> {
+    let format = a.plan.settings.base_format;
+    let Some(lora) = &a.plan.adapters else {
+        if format.is_quantized() {
+            return Err(unsupported(
+                "plan.settings.baseFormat",
+                format!(
+                    "a {format} base is for LoRA adapters (qlora), and the plan has none; use dense"
+                ),
+            ));
+        }
+        return Ok(());
+    };
+    let crate::model::LmShape::Llama(llama) = shape else {
+        return Err(unsupported(
+            "training.lora",
+            "adapters are for Llama-family checkpoints (model.pretrained), not the synthetic transformer; use method: full",
+        ));
+    };
+    if lora.dropout != 0.0 {
+        return Err(unsupported(
+            "training.lora.dropout",
+            format!(
+                "{}: the burn worker adds the adapter into the weight for each forward pass, so adapter-input dropout is not available; set 0",
+                lora.dropout
+            ),
+        ));
+    }
+    if lora.rank == 0 {
+        return Err(unsupported("training.lora.rank", "must be at least 1"));
+    }
+    if !(lora.alpha.is_finite() && lora.alpha > 0.0) {
+        return Err(unsupported(
+            "training.lora.alpha",
+            format!("must be a positive number, not {}", lora.alpha),
+        ));
+    }
+    if lora.target_modules.is_empty() {
+        return Err(unsupported(
+            "training.lora.targetModules",
+            "name at least one of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head",
+        ));
+    }
+    if llama.tied_embeddings && lora.targets(headroom_planner::TargetModule::LmHead) {
+        return Err(unsupported(
+            "training.lora.targetModules",
+            "lm_head is tied to the token embedding in this checkpoint (tie_word_embeddings), and an adapter on it would change the embedding too; remove lm_head",
+        ));
+    }
+    crate::model::lora::quant_scheme(format, lora.block_size).map_err(|e| {
+        unsupported(
+            "training.lora.blockSize",
+            e.0.trim_start_matches("training.lora.blockSize: ")
+                .to_string(),
+        )
+    })?;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -317,14 +379,10 @@ mod tests {
         let err = ValidAssignment::new(c).expect_err("layer 3 not covered");
         assert!(err.to_string().starts_with("plan.stages: "), "{err}");
         let mut d = assignment();
+        // adamw8bit runs (crate::optim::AdamW8bit); it is no longer refused.
         d.plan.settings.optimizer = Optimizer::Adamw8bit;
-        assert!(matches!(
-            ValidAssignment::new(d),
-            Err(PlanError::Unsupported(Unsupported {
-                field: "plan.settings.optimizer",
-                ..
-            }))
-        ));
+        let eight_bit = ValidAssignment::new(d).expect("adamw8bit is a plan the worker runs");
+        assert_eq!(eight_bit.config().settings.optimizer, Optimizer::Adamw8bit);
         let mut e = assignment();
         e.learning_rate = f64::NAN;
         let err = ValidAssignment::new(e).expect_err("learning rate");

@@ -32,6 +32,16 @@
 //! Nothing in a checkpoint depends on micro-batch or accumulation, and the
 //! data of step k is fixed by (seed, k), so an attempt with other settings
 //! resumes the same run.
+//!
+//! With LoRA adapters the base is frozen and is the Hugging Face checkpoint
+//! the run started from, so a part file holds only that part's adapter
+//! factors (an empty record for a part without adapters) and the optimizer
+//! file only their state. A resuming stage loads its base from the original
+//! checkpoint files, stores it in the attempt's base format (dense, int8 or
+//! int4: what the retry ladder changes) and attaches the saved factors, so a
+//! retry with a stricter base format continues the same adapters. A
+//! checkpoint written with other adapters (rank, alpha, targets), or with
+//! none, is not this run's and is skipped.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{self, File};
@@ -42,9 +52,10 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::ModuleOptimizer;
 use burn::store::ModuleRecord;
 use burn::tensor::Tensor;
-use headroom_planner::Settings;
+use headroom_planner::{LoraConfig, Settings};
 use serde::{Deserialize, Serialize};
 
+use crate::model::lora::adapter_ids;
 use crate::model::{LmShape, Part, StageLayout, TransformerLm};
 
 const OPTIMIZER_FILE: &str = "optimizer.bpk";
@@ -78,7 +89,25 @@ pub struct CheckpointMeta {
     pub last: bool,
     /// Settings of the attempt that wrote it (informational: resuming does not need them).
     pub settings: Settings,
+    /// The adapters whose factors the part files hold (absent: every parameter).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapters: Option<LoraConfig>,
     pub files: Vec<FileDigest>,
+}
+
+/// Whether checkpoints written with adapters `a` resume a run with `b`: the
+/// same rank, alpha and targets, or neither has adapters. Dropout and the
+/// base's block size do not change what the factors are.
+pub fn same_adapters(a: Option<&LoraConfig>, b: Option<&LoraConfig>) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(a), Some(b)) => {
+            let targets =
+                |c: &LoraConfig| c.target_modules.iter().copied().collect::<BTreeSet<_>>();
+            a.rank == b.rank && a.alpha == b.alpha && targets(a) == targets(b)
+        }
+        _ => false,
+    }
 }
 
 impl CheckpointMeta {
@@ -162,17 +191,19 @@ pub fn save(
     fs::create_dir(&tmp).map_err(io(&tmp))?;
 
     // One record at a time: each serialised copy is dropped before the next is made.
+    let adapters = meta.adapters.is_some();
+    let record = |m: &dyn RecordPart| m.record(adapters);
     let mut paths = Vec::new();
     for part in layout.parts(&meta.shape) {
         let path = tmp.join(part_file(part));
         let saved = match part {
-            Part::Token => model.token.clone().map(|m| m.into_record().save(&path)),
-            Part::Position => model.position.clone().map(|m| m.into_record().save(&path)),
+            Part::Token => model.token.as_ref().map(|m| record(m).save(&path)),
+            Part::Position => model.position.as_ref().map(|m| record(m).save(&path)),
             Part::Block(i) => model
                 .blocks
                 .get((i - layout.layers.start) as usize)
-                .map(|b| b.clone().into_record().save(&path)),
-            Part::Head => model.head.clone().map(|m| m.into_record().save(&path)),
+                .map(|b| record(b).save(&path)),
+            Part::Head => model.head.as_ref().map(|m| record(m).save(&path)),
         };
         saved
             .ok_or_else(|| record_error(&path, format!("the stage has no {part:?}")))?
@@ -208,8 +239,26 @@ pub fn save(
     fs::rename(&tmp, &done).map_err(io(&done))?;
     sync_dir(&step_dir)?;
     sync_dir(root)?;
-    prune(root, &meta.shape, KEEP)?;
+    prune(root, &meta.shape, meta.adapters.as_ref(), KEEP)?;
     Ok(done)
+}
+
+/// A part's record: all of it, or only its adapter factors (the rest is the
+/// base, which is the pretrained checkpoint's).
+trait RecordPart {
+    fn record(&self, adapters_only: bool) -> ModuleRecord;
+}
+
+impl<M: Module> RecordPart for M {
+    fn record(&self, adapters_only: bool) -> ModuleRecord {
+        if adapters_only {
+            let ids = adapter_ids(self);
+            self.clone()
+                .into_record_group(burn::module::ParamGroup::from_ids(ids))
+        } else {
+            self.clone().into_record()
+        }
+    }
 }
 
 /// Tells this process's temporaries from another pod's: the pod name (a
@@ -340,6 +389,7 @@ impl Step {
     fn read(
         dir: PathBuf,
         shape: &LmShape,
+        adapters: Option<&LoraConfig>,
         check: fn(&Path) -> Result<CheckpointMeta, CheckpointError>,
     ) -> Result<Step, CheckpointError> {
         let mut stages = Vec::new();
@@ -347,6 +397,14 @@ impl Step {
         let mut skipped = Vec::new();
         for (_, stage_dir) in numbered(&dir, STAGE_PREFIX)? {
             match check(&stage_dir) {
+                Ok(meta) if !same_adapters(meta.adapters.as_ref(), adapters) => {
+                    skipped.push(format!(
+                        "{}: written with other adapters ({:?}, this run: {:?})",
+                        stage_dir.display(),
+                        meta.adapters,
+                        adapters
+                    ))
+                }
                 Ok(meta) if &meta.shape == shape => {
                     for part in meta.layout().parts(&meta.shape) {
                         holder.entry(part).or_insert(stages.len());
@@ -416,10 +474,13 @@ impl std::fmt::Debug for Restored {
     }
 }
 
-fn load_part<M: Module>(module: M, path: &Path) -> Result<M, CheckpointError> {
+/// `partial`: the file holds the part's adapter factors only (the base is
+/// already loaded).
+fn load_part<M: Module>(module: M, path: &Path, partial: bool) -> Result<M, CheckpointError> {
     let record = ModuleRecord::load(path)
         .map_err(|e| record_error(path, e))?
-        .cast_to_module_dtype();
+        .cast_to_module_dtype()
+        .allow_partial(partial);
     module
         .try_load_record(record)
         .map_err(|e| record_error(path, e))
@@ -504,13 +565,14 @@ pub fn restore_newest(
     root: &Path,
     shape: &LmShape,
     layout: &StageLayout,
+    adapters: Option<&LoraConfig>,
     model: TransformerLm,
     optimizer: ModuleOptimizer,
 ) -> Result<Option<Restored>, CheckpointError> {
     remove_stale_temporaries(root)?;
     let mut skipped = Vec::new();
     for (_, dir) in numbered(root, PREFIX)? {
-        let step = Step::read(dir, shape, verify)?;
+        let step = Step::read(dir, shape, adapters, verify)?;
         skipped.extend(step.skipped.iter().cloned());
         if !step.complete(shape) {
             skipped.push(format!(
@@ -520,7 +582,13 @@ pub fn restore_newest(
             ));
             continue;
         }
-        match load_stage(&step, layout, model.clone(), optimizer.clone()) {
+        match load_stage(
+            &step,
+            layout,
+            adapters.is_some(),
+            model.clone(),
+            optimizer.clone(),
+        ) {
             Ok((model, optimizer)) => {
                 let meta = step
                     .stages
@@ -549,6 +617,7 @@ pub fn restore_newest(
 fn load_stage(
     step: &Step,
     layout: &StageLayout,
+    partial: bool,
     mut model: TransformerLm,
     optimizer: ModuleOptimizer,
 ) -> Result<(TransformerLm, ModuleOptimizer), CheckpointError> {
@@ -566,11 +635,11 @@ fn load_stage(
     };
     // A tied head's copy of the token embedding is the first stage's, ParamId included.
     if let Some(token) = model.token.take() {
-        model.token = Some(load_part(token, &path(Part::Token)?)?);
+        model.token = Some(load_part(token, &path(Part::Token)?, partial)?);
         note(Part::Token);
     }
     if let Some(position) = model.position.take() {
-        model.position = Some(load_part(position, &path(Part::Position)?)?);
+        model.position = Some(load_part(position, &path(Part::Position)?, partial)?);
         note(Part::Position);
     }
     let mut blocks = Vec::with_capacity(model.blocks.len());
@@ -578,12 +647,12 @@ fn load_stage(
         .into_iter()
         .zip(layout.layers.clone().map(Part::Block))
     {
-        blocks.push(load_part(block, &path(part)?)?);
+        blocks.push(load_part(block, &path(part)?, partial)?);
         note(part);
     }
     model.blocks = blocks;
     if let Some(head) = model.head.take() {
-        model.head = Some(load_part(head, &path(Part::Head)?)?);
+        model.head = Some(load_part(head, &path(Part::Head)?, partial)?);
         note(Part::Head);
     }
     let files: Vec<PathBuf> = sources.into_iter().collect();
@@ -641,12 +710,17 @@ fn last_written(dir: &Path) -> Option<std::time::SystemTime> {
 /// prune concurrently: a directory another stage removed first is fine.
 /// Completeness here is by `meta.json` alone (written last, after every file
 /// was fsynced); the CRCs are checked when a checkpoint is loaded.
-fn prune(root: &Path, shape: &LmShape, keep: usize) -> Result<(), CheckpointError> {
+fn prune(
+    root: &Path,
+    shape: &LmShape,
+    adapters: Option<&LoraConfig>,
+    keep: usize,
+) -> Result<(), CheckpointError> {
     let steps = numbered(root, PREFIX)?;
     let mut complete = 0;
     let mut oldest_kept = None;
     for (n, dir) in &steps {
-        if Step::read(dir.clone(), shape, read_meta)?.complete(shape) {
+        if Step::read(dir.clone(), shape, adapters, read_meta)?.complete(shape) {
             complete += 1;
             if complete == keep {
                 oldest_kept = Some(*n);

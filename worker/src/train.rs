@@ -27,12 +27,12 @@ use burn::optim::{
 };
 use burn::tensor::{Device, Int, Tensor};
 use headroom_planner::Backend;
-use headroom_planner::{Optimizer, Precision, Settings};
+use headroom_planner::{LoraConfig, Optimizer, Precision, Settings};
 
 use crate::checkpoint;
 use crate::data::{ProgressionTask, Samples, TextSamples};
 use crate::model::hf::HfCheckpoint;
-use crate::model::{LmShape, StageLayout, TransformerLm};
+use crate::model::{LmShape, StageLayout, TransformerLm, lora, peft};
 use crate::pipeline::{Frame, Kind, Links, Op, PipelineError, one_f_one_b};
 
 /// What the trainer runs: one stage of a checked assignment
@@ -55,6 +55,9 @@ pub struct TrainConfig {
     /// The Hugging Face checkpoint a Llama-family model starts from (its
     /// directory); a GPT model starts from seeded random weights.
     pub pretrained: Option<std::path::PathBuf>,
+    /// LoRA adapters on the frozen base (stored as `settings.base_format`
+    /// says); `None` trains every parameter.
+    pub adapters: Option<LoraConfig>,
 }
 
 /// A plan this worker cannot run; exits with `INVALID_PLAN`.
@@ -94,7 +97,14 @@ impl TrainConfig {
             checkpoint_every_steps: 1,
             seed,
             pretrained: None,
+            adapters: None,
         }
+    }
+
+    /// Trains LoRA adapters on the frozen base instead of every parameter.
+    pub fn with_adapters(mut self, adapters: LoraConfig) -> Self {
+        self.adapters = Some(adapters);
+        self
     }
 
     /// Starts a Llama-family model from the Hugging Face checkpoint in `dir`.
@@ -162,6 +172,10 @@ pub fn build_optimizer(optimizer: Optimizer) -> Result<ModuleOptimizer, Unsuppor
         }
     })
 }
+
+/// Where, under the output, an adapter run also writes its merged weights
+/// (Hugging Face format; dense base only).
+pub const MERGED_DIR: &str = "merged";
 
 /// What one optimizer step did.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -260,6 +274,17 @@ impl Trainer {
                 .map_err(|e| unsupported("model", e.to_string()))?;
             pretrained = Some(checkpoint);
         }
+        if let Some(adapters) = &config.adapters {
+            model = lora::attach(
+                model,
+                adapters,
+                config.settings.base_format,
+                &config.layout,
+                config.seed,
+                &device,
+            )
+            .map_err(|e| unsupported("training.lora", e.0))?;
+        }
         let optimizer = build_optimizer(config.settings.optimizer)?;
         let task = Samples::Progression(ProgressionTask {
             seed: config.seed,
@@ -279,7 +304,10 @@ impl Trainer {
     }
 
     /// Writes this stage's trained weights into `out` in the format of the
-    /// checkpoint it started from (see [`HfCheckpoint::save_stage`]).
+    /// checkpoint it started from (see [`HfCheckpoint::save_stage`]); with
+    /// adapters, the adapter in PEFT's format ([`peft::save_stage`]) and,
+    /// over a dense base, the merged weights in `out/merged/`. Returns the
+    /// weight (or adapter) file written.
     pub fn save_pretrained(
         &self,
         out: &std::path::Path,
@@ -293,7 +321,30 @@ impl Trainer {
             });
         };
         let c = &self.config;
-        checkpoint.save_stage(self.model(), &c.layout, c.stage, c.stages, out)
+        let Some(adapters) = &c.adapters else {
+            return checkpoint.save_stage(self.model(), &c.layout, c.stage, c.stages, out);
+        };
+        let base = c
+            .pretrained
+            .as_ref()
+            .map(|p| p.display().to_string())
+            .unwrap_or_default();
+        let file = peft::save_stage(
+            self.model(),
+            &c.layout,
+            adapters,
+            c.stage,
+            c.stages,
+            out,
+            &base,
+        )?;
+        // Merging a quantized base would write its rounded weights; only a
+        // dense base merges into what PEFT's merge_and_unload() gives.
+        if !c.settings.base_format.is_quantized() {
+            let merged = self.model().valid().materialize();
+            checkpoint.save_stage(&merged, &c.layout, c.stage, c.stages, &out.join(MERGED_DIR))?;
+        }
+        Ok(file)
     }
 
     /// Trains on real text instead of the synthetic task.
@@ -550,6 +601,8 @@ impl Trainer {
                     accumulator.accumulate(model, GradientsParams::from_grads(grads, block));
                 }
                 match tokens {
+                    // A frozen embedding (adapters) has no gradient to take.
+                    Some(_) if self.config.adapters.is_some() => {}
                     Some(tokens) => {
                         // Embeddings (a tied head's embedding gradient adds to the one from the head).
                         let embedded = model.embed(tokens);
@@ -569,7 +622,8 @@ impl Trainer {
     /// copies stay equal. Stages in between relay both messages.
     fn exchange_tied_gradient(&mut self, grads: &mut GradientsParams) -> Result<(), PipelineError> {
         let c = &self.config;
-        if c.stages <= 1 || !c.shape.tied_embeddings() {
+        // With adapters the embedding is frozen: no gradient to share.
+        if c.stages <= 1 || !c.shape.tied_embeddings() || c.adapters.is_some() {
             return Ok(());
         }
         let step = self.step;
@@ -629,6 +683,7 @@ impl Trainer {
             first: c.layout.first,
             last: c.layout.last,
             settings: c.settings,
+            adapters: c.adapters.clone(),
             files: vec![],
         };
         checkpoint::save(root, self.model(), &self.optimizer, meta)
@@ -649,6 +704,7 @@ impl Trainer {
             root,
             &self.config.shape,
             &self.config.layout,
+            self.config.adapters.as_ref(),
             self.model().clone(),
             fresh_optimizer,
         )?;

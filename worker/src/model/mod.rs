@@ -13,6 +13,9 @@
 //! The parameter count equals the planner's for either family; tests pin
 //! that, so the memory model and the worker cannot drift.
 //!
+//! A stage may carry LoRA adapters on its frozen base ([`lora`]), read and
+//! written in PEFT's format by [`peft`].
+//!
 //! Besides the plain [`TransformerLm::forward`], the model exposes its three
 //! parts (embedding, one block, head + loss) so the trainer can run
 //! block-level activation checkpointing: keep each block's input, recompute
@@ -21,6 +24,8 @@
 pub mod gpt;
 pub mod hf;
 pub mod llama;
+pub mod lora;
+pub mod peft;
 
 use std::ops::Range;
 
@@ -263,6 +268,11 @@ fn embedding_init() -> Initializer {
     }
 }
 
+/// burn's generator is global to the process: whatever draws seeded weights
+/// (models built concurrently in tests, stages in threads) takes this first,
+/// so each gets the draws of its own seed.
+pub(crate) static INIT_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Runs every parameter's (lazy) initialiser now. burn draws initial weights
 /// on first use from a generator shared by the whole process.
 fn materialize<M: Module>(module: &M) {
@@ -284,7 +294,6 @@ impl TransformerLm {
     /// burn's generator is global to the process: models built concurrently
     /// (tests, stages in threads) take turns, so each gets its seeded weights.
     pub fn new(shape: &LmShape, layout: &StageLayout, seed: u64, device: &Device) -> Self {
-        static INIT_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
         let _guard = INIT_LOCK
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());

@@ -1,0 +1,473 @@
+//! LoRA and QLoRA on a loaded stage, through burn's own reparameterisation
+//! (`Module::apply_lora` / `apply_qlora`): a targeted weight `W` [d_in, d_out]
+//! becomes `W + (alpha / r) · A @ B` with trainable `A` [d_in, r] and `B`
+//! [r, d_out] (B starts at 0, so the adapted model starts as the base).
+//!
+//! What [`attach`] does to a stage, after its base was loaded:
+//! * every base parameter is frozen (no gradient, so no optimizer state);
+//! * the targeted linears of the stage's blocks, and `lm_head` on the last
+//!   stage when targeted, get adapters; each block's factors are drawn from
+//!   the run's seed and the block (not the split), so p = 1 and p = 2 start alike;
+//! * with a quantized base format (QLoRA) the seven linear weights of each
+//!   decoder block are quantized block-wise (one f32 scale per `block_size`
+//!   values along a weight's output dimension); embeddings, norms, biases
+//!   and `lm_head` stay dense, as bitsandbytes leaves them in PEFT's QLoRA.
+//!
+//! burn composes the adapted weight densely for each forward pass, so PEFT's
+//! dropout on the adapter's input cannot be expressed; the assignment check
+//! refuses a dropout above 0 (see [`crate::assignment`]).
+
+use burn::module::{Lora, LoraAdapter, Module, ParamGroup, ParamId, QLora, Quantizer};
+use burn::nn::Linear;
+use burn::tensor::Device;
+use burn::tensor::quantization::{Calibration, QuantScheme, QuantValue, ScaleDtype};
+use headroom_planner::{BaseFormat, LoraConfig, TargetModule};
+
+use super::{Block, INIT_LOCK, LlamaBlock, Part, StageLayout, TransformerLm, part_seed};
+
+/// Mixed into a part's seed so its adapter draws are not its weights' draws.
+const ADAPTER_SEED_SALT: u64 = 0x4c6f_5241_2d41_0001;
+
+/// The seven linear modules of a Llama-family decoder block.
+pub const BLOCK_LINEARS: [TargetModule; 7] = [
+    TargetModule::QProj,
+    TargetModule::KProj,
+    TargetModule::VProj,
+    TargetModule::OProj,
+    TargetModule::GateProj,
+    TargetModule::UpProj,
+    TargetModule::DownProj,
+];
+
+/// A stage this module cannot adapt, with what would work.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct AdapterError(pub String);
+
+/// The block's linear a per-layer target names (`None` for `lm_head`).
+pub fn block_linear(block: &LlamaBlock, module: TargetModule) -> Option<&Linear> {
+    Some(match module {
+        TargetModule::QProj => &block.self_attn.q_proj,
+        TargetModule::KProj => &block.self_attn.k_proj,
+        TargetModule::VProj => &block.self_attn.v_proj,
+        TargetModule::OProj => &block.self_attn.o_proj,
+        TargetModule::GateProj => &block.mlp.gate_proj,
+        TargetModule::UpProj => &block.mlp.up_proj,
+        TargetModule::DownProj => &block.mlp.down_proj,
+        TargetModule::LmHead => return None,
+    })
+}
+
+/// The module's Hugging Face path in layer `layer` (`model.layers.3.self_attn.q_proj`), or `lm_head`.
+pub fn hf_module(module: TargetModule, layer: u32) -> String {
+    match module {
+        TargetModule::LmHead => "lm_head".to_string(),
+        TargetModule::QProj | TargetModule::KProj | TargetModule::VProj | TargetModule::OProj => {
+            format!("model.layers.{layer}.self_attn.{}", module.hf_name())
+        }
+        _ => format!("model.layers.{layer}.mlp.{}", module.hf_name()),
+    }
+}
+
+/// The block-wise scheme of a quantized base format: symmetric 8- or 4-bit
+/// values, one f32 scale per `block_size` consecutive values of a row.
+/// `None` for a dense base.
+pub fn quant_scheme(
+    format: BaseFormat,
+    block_size: u32,
+) -> Result<Option<QuantScheme>, AdapterError> {
+    let value = match format {
+        BaseFormat::Dense => return Ok(None),
+        BaseFormat::Int8 => QuantValue::Q8S,
+        BaseFormat::Int4 => QuantValue::Q4S,
+    };
+    let block = u8::try_from(block_size)
+        .ok()
+        .filter(|b| *b >= 1)
+        .ok_or_else(|| {
+            AdapterError(format!(
+                "training.lora.blockSize: burn quantizes in blocks of 1 to 255 values, not {block_size}; use 64"
+            ))
+        })?;
+    Ok(Some(
+        QuantScheme::default()
+            .with_value(value)
+            .per_block([block], ScaleDtype::F32),
+    ))
+}
+
+/// Freezes the stage's base, quantizes its block linears for a quantized
+/// `format`, and attaches adapters to the targeted modules it holds. The
+/// stage must be a Llama-family stage whose base is loaded.
+pub fn attach(
+    model: TransformerLm,
+    config: &LoraConfig,
+    format: BaseFormat,
+    layout: &StageLayout,
+    seed: u64,
+    device: &Device,
+) -> Result<TransformerLm, AdapterError> {
+    let scheme = quant_scheme(format, config.block_size)?;
+    let lora = || Lora::new(config.rank as usize, config.alpha);
+    let _guard = INIT_LOCK
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let tied_head = model.head.as_ref().is_some_and(|h| h.projection.is_none());
+    if tied_head && config.targets(TargetModule::LmHead) {
+        return Err(AdapterError(
+            "training.lora.targetModules: lm_head is tied to the token embedding in this checkpoint (tie_word_embeddings), and an adapter on it would change the embedding too; remove lm_head".into(),
+        ));
+    }
+    let TransformerLm {
+        token,
+        position,
+        blocks,
+        head,
+        first,
+    } = model;
+    let mut adapted = Vec::with_capacity(blocks.len());
+    for (block, layer) in blocks.into_iter().zip(layout.layers.clone()) {
+        let Block::Llama(block) = block else {
+            return Err(AdapterError(
+                "training.lora: adapters are for Llama-family checkpoints (Llama, Mistral, Qwen2), not the synthetic transformer".into(),
+            ));
+        };
+        let ids = |modules: &mut dyn Iterator<Item = TargetModule>| {
+            modules
+                .filter_map(|m| block_linear(&block, m).map(|l| l.weight.id))
+                .collect::<Vec<ParamId>>()
+        };
+        let targets = ids(&mut config.target_modules.iter().copied());
+        let lora = lora().set_param_group(ParamGroup::from_ids(targets));
+        device.seed(part_seed(seed ^ ADAPTER_SEED_SALT, Part::Block(layer)));
+        let block = match &scheme {
+            None => block.apply_lora(lora),
+            Some(scheme) => {
+                let mut quantizer = Quantizer::new(Calibration::MinMax, *scheme);
+                quantizer.set_param_group(ParamGroup::from_ids(ids(&mut BLOCK_LINEARS
+                    .iter()
+                    .copied())));
+                block.apply_qlora(QLora::new(lora, quantizer))
+            }
+        };
+        adapted.push(Block::Llama(block));
+    }
+    let head = head.map(|head| {
+        let targets = match (&head.projection, config.targets(TargetModule::LmHead)) {
+            (Some(projection), true) => vec![projection.weight.id],
+            _ => vec![],
+        };
+        device.seed(part_seed(seed ^ ADAPTER_SEED_SALT, Part::Head));
+        head.apply_lora(lora().set_param_group(ParamGroup::from_ids(targets)))
+    });
+    Ok(TransformerLm {
+        token: token.map(Module::no_grad),
+        position: position.map(Module::no_grad),
+        blocks: adapted,
+        head,
+        first,
+    })
+}
+
+/// One adapted module of a stage: its Hugging Face path and its factors.
+#[derive(Debug)]
+pub struct Adapted<'a> {
+    pub module: TargetModule,
+    /// `model.layers.<n>.self_attn.q_proj`, …, or `lm_head`.
+    pub hf_path: String,
+    pub adapter: &'a LoraAdapter,
+}
+
+/// The stage's adapters in a fixed order (blocks in order, modules in
+/// [`TargetModule::ALL`]'s order, then `lm_head`).
+pub fn stage_adapters<'a>(model: &'a TransformerLm, layout: &StageLayout) -> Vec<Adapted<'a>> {
+    let mut found = Vec::new();
+    for (block, layer) in model.blocks.iter().zip(layout.layers.clone()) {
+        let Block::Llama(block) = block else { continue };
+        for module in BLOCK_LINEARS {
+            let linear = block_linear(block, module).expect("a block linear");
+            if let Some(adapter) = linear.weight.adapter() {
+                found.push(Adapted {
+                    module,
+                    hf_path: hf_module(module, layer),
+                    adapter,
+                });
+            }
+        }
+    }
+    if let Some(adapter) = model
+        .head
+        .as_ref()
+        .and_then(|h| h.projection.as_ref())
+        .and_then(|p| p.weight.adapter())
+    {
+        found.push(Adapted {
+            module: TargetModule::LmHead,
+            hf_path: hf_module(TargetModule::LmHead, 0),
+            adapter,
+        });
+    }
+    found
+}
+
+/// The ParamIds of the adapter factors a module (a block, the head, …) holds.
+pub fn adapter_ids<M: Module>(module: &M) -> Vec<ParamId> {
+    use burn::module::{ModuleVisitor, Param};
+    use burn::tensor::Tensor;
+    // burn visits an adapted weight's base first, then its factors inside a
+    // "Reparameterization" container.
+    struct Factors {
+        ids: Vec<ParamId>,
+        inside: usize,
+    }
+    impl ModuleVisitor for Factors {
+        fn enter_module(&mut self, _name: &str, container_type: &str) {
+            if container_type == "Reparameterization" {
+                self.inside += 1;
+            }
+        }
+        fn exit_module(&mut self, _name: &str, container_type: &str) {
+            if container_type == "Reparameterization" {
+                self.inside -= 1;
+            }
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if self.inside > 0 {
+                self.ids.push(param.id);
+            }
+        }
+    }
+    let mut factors = Factors {
+        ids: Vec::new(),
+        inside: 0,
+    };
+    module.visit(&mut factors);
+    factors.ids
+}
+
+/// Whether any parameter of the stage carries an adapter.
+pub fn is_adapted(model: &TransformerLm) -> bool {
+    !adapter_ids(model).is_empty()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::module::{ModuleVisitor, Param};
+    use burn::optim::{AdamWConfig, GradientsParams};
+    use burn::tensor::{Int, Tensor, TensorData};
+    use headroom_planner::{LlamaArchitecture, LlamaShape};
+
+    use crate::model::LmShape;
+
+    fn shape() -> LlamaShape {
+        let text = r#"{"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "vocab_size": 40, "hidden_size": 16, "intermediate_size": 24,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5, "tie_word_embeddings": false, "max_position_embeddings": 64}"#;
+        let s = LlamaShape::from_hf_config(text, 8).expect("config");
+        assert_eq!(s.architecture, LlamaArchitecture::Llama);
+        s
+    }
+
+    /// A stage with random (not checkpoint) weights, materialised.
+    fn base(device: &Device) -> (TransformerLm, StageLayout) {
+        let shape = LmShape::Llama(shape());
+        let layout = StageLayout::whole(&shape);
+        device.seed(7);
+        let model = TransformerLm::new(&shape, &layout, 7, device);
+        super::super::materialize(&model);
+        (model, layout)
+    }
+
+    fn config(targets: &[TargetModule]) -> LoraConfig {
+        LoraConfig {
+            rank: 2,
+            alpha: 4.0,
+            dropout: 0.0,
+            target_modules: targets.to_vec(),
+            block_size: 8,
+        }
+    }
+
+    fn tokens(device: &Device) -> Tensor<2, Int> {
+        let ids: Vec<i64> = (0..16).map(|i| (i * 7 + 3) % 40).collect();
+        Tensor::from_data(TensorData::new(ids, [2, 8]), device)
+    }
+
+    fn values(t: Tensor<2>) -> Vec<f32> {
+        t.into_data().iter::<f32>().collect()
+    }
+
+    /// Every float parameter's id and values.
+    fn snapshot<M: Module>(module: &M) -> Vec<(ParamId, Vec<f32>)> {
+        struct All(Vec<(ParamId, Vec<f32>)>);
+        impl ModuleVisitor for All {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let v = param
+                    .base()
+                    .dequantize()
+                    .into_data()
+                    .iter::<f32>()
+                    .collect();
+                self.0.push((param.id, v));
+            }
+        }
+        let mut all = All(Vec::new());
+        module.visit(&mut all);
+        all.0
+    }
+
+    #[test]
+    fn with_b_zero_the_adapted_model_is_the_base() {
+        let device = Device::flex();
+        let (model, layout) = base(&device);
+        let want = values(model.forward(tokens(&device)));
+        let all = config(&TargetModule::ALL);
+        let adapted = attach(model, &all, BaseFormat::Dense, &layout, 1, &device).expect("attach");
+        assert_eq!(stage_adapters(&adapted, &layout).len(), 2 * 7 + 1);
+        assert_eq!(
+            adapter_ids(&adapted).len() as u64 / 2,
+            2 * 7 + 1,
+            "two factors per adapted module"
+        );
+        let got = values(adapted.forward(tokens(&device)));
+        assert_eq!(
+            got, want,
+            "B = 0: the adapted model computes the base's logits"
+        );
+    }
+
+    #[test]
+    fn trainable_parameters_equal_the_planners_count() {
+        let device = Device::flex();
+        for targets in [
+            vec![TargetModule::QProj, TargetModule::VProj],
+            TargetModule::ALL.to_vec(),
+        ] {
+            let (model, layout) = base(&device);
+            let c = config(&targets);
+            let adapted =
+                attach(model, &c, BaseFormat::Dense, &layout, 1, &device).expect("attach");
+            let trainable: usize = stage_adapters(&adapted, &layout)
+                .iter()
+                .map(|a| {
+                    a.adapter.a.val().dims().iter().product::<usize>()
+                        + a.adapter.b.val().dims().iter().product::<usize>()
+                })
+                .sum();
+            assert_eq!(
+                trainable as u64,
+                c.trainable_params(&shape()),
+                "{targets:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn only_the_adapter_factors_get_gradients_and_change() {
+        let device = Device::flex().autodiff();
+        for format in [BaseFormat::Dense, BaseFormat::Int8, BaseFormat::Int4] {
+            let (model, layout) = base(&device);
+            let c = config(&[
+                TargetModule::QProj,
+                TargetModule::VProj,
+                TargetModule::LmHead,
+            ]);
+            let model = attach(model, &c, format, &layout, 1, &device).expect("attach");
+            let factors = adapter_ids(&model);
+            let before = snapshot(&model);
+            let targets = tokens(&device);
+            let loss = model.loss(tokens(&device), targets);
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            let with_grad: Vec<ParamId> = before
+                .iter()
+                .map(|(id, _)| *id)
+                .filter(|id| grads.get::<2>(*id).is_some() || grads.get::<1>(*id).is_some())
+                .collect();
+            let mut sorted = factors.clone();
+            sorted.sort();
+            let mut got = with_grad.clone();
+            got.sort();
+            assert_eq!(got, sorted, "{format}: gradients exactly for the factors");
+            let mut optim = AdamWConfig::new().init();
+            let model = optim.step(1e-2, model, grads);
+            let after = snapshot(&model);
+            for ((id, b), (id2, a)) in before.iter().zip(&after) {
+                assert_eq!(id, id2);
+                let changed = b != a;
+                assert_eq!(
+                    changed,
+                    factors.contains(id),
+                    "{format}: parameter {id} changed: {changed}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_quantized_base_stores_the_block_linears_only_and_stays_close() {
+        let device = Device::flex();
+        for (format, tolerance) in [(BaseFormat::Int8, 0.05f32), (BaseFormat::Int4, 0.6)] {
+            let (model, layout) = base(&device);
+            let want = values(model.forward(tokens(&device)));
+            let c = config(&[TargetModule::QProj]);
+            let model = attach(model, &c, format, &layout, 1, &device).expect("attach");
+            let Block::Llama(block) = &model.blocks[0] else {
+                panic!("llama")
+            };
+            for m in BLOCK_LINEARS {
+                let w = block_linear(block, m).expect("linear").weight.base();
+                assert!(
+                    matches!(w.dtype(), burn::tensor::DType::QFloat(_)),
+                    "{format}: {m} is stored quantized"
+                );
+            }
+            let dense = |t: burn::tensor::DType| !matches!(t, burn::tensor::DType::QFloat(_));
+            assert!(dense(block.input_layernorm.gamma.base().dtype()));
+            assert!(dense(
+                model.token.as_ref().expect("token").weight.base().dtype()
+            ));
+            let head = model.head.as_ref().expect("head");
+            assert!(dense(
+                head.projection
+                    .as_ref()
+                    .expect("lm_head")
+                    .weight
+                    .base()
+                    .dtype()
+            ));
+            let got = values(model.forward(tokens(&device)));
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(g, w)| (g - w).abs())
+                .fold(0.0f32, f32::max);
+            eprintln!("{format}: max |logit - dense| = {worst:.4}");
+            assert!(worst < tolerance, "{format}: {worst}");
+        }
+    }
+
+    #[test]
+    fn a_tied_lm_head_is_refused() {
+        let device = Device::flex();
+        let text = r#"{"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "vocab_size": 40, "hidden_size": 16, "intermediate_size": 24,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "tie_word_embeddings": true}"#;
+        let shape = LmShape::Llama(LlamaShape::from_hf_config(text, 8).expect("config"));
+        let layout = StageLayout::whole(&shape);
+        let model = TransformerLm::new(&shape, &layout, 7, &device);
+        super::super::materialize(&model);
+        let err = attach(
+            model,
+            &config(&[TargetModule::LmHead]),
+            BaseFormat::Dense,
+            &layout,
+            1,
+            &device,
+        )
+        .expect_err("tied");
+        assert!(err.0.starts_with("training.lora.targetModules: "), "{err}");
+    }
+}
