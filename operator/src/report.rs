@@ -79,21 +79,43 @@ pub fn plan_table(title: &str, request: &JobRequest, plan: &Plan) -> String {
         let _ = writeln!(out, "Rungs:     {}", rungs.join(", "));
     }
     let _ = writeln!(out);
-    let header = [
-        "STAGE",
-        "LAYERS",
-        "IN-FLIGHT",
-        "WEIGHTS",
-        "GRADIENTS",
-        "OPTIMIZER",
-        "ACTIVATIONS",
-        "LOGITS",
-        "OVERHEAD",
-        "SLACK",
-        "CORRECTION",
-        "TOTAL",
+    // Columns that are zero on every stage (no adapters, no checkpoint to
+    // load, nothing in host memory) are left out.
+    type Column = (&'static str, fn(&MemoryBreakdown) -> u64);
+    let all: [Column; 13] = [
+        ("WEIGHTS", |m| m.weights),
+        ("GRADIENTS", |m| m.gradients),
+        ("OPTIMIZER", |m| m.optimizer_state),
+        ("ACTIVATIONS", |m| m.activations),
+        ("LOGITS", |m| m.logits),
+        ("COMPOSED", |m| m.composed_weights),
+        ("OVERHEAD", |m| m.fixed_overhead),
+        ("SLACK", |m| m.allocator_slack),
+        ("CORRECTION", |m| m.correction),
+        ("TRAINING", |m| m.training_total()),
+        ("LOAD", |m| m.load_peak),
+        ("TOTAL", |m| m.total),
+        ("HOST", |m| m.host_bytes),
     ];
-    let mut rows: Vec<Vec<String>> = vec![header.iter().map(ToString::to_string).collect()];
+    let optional = ["COMPOSED", "LOAD", "HOST", "TRAINING"];
+    let shown: Vec<&Column> = all
+        .iter()
+        .filter(|(name, get)| {
+            !optional.contains(name)
+                || plan.stages.iter().any(|s| {
+                    // TRAINING only says something when the load peak is shown beside it.
+                    let m = &s.memory;
+                    if *name == "TRAINING" {
+                        m.load_peak > 0
+                    } else {
+                        get(m) > 0
+                    }
+                })
+        })
+        .collect();
+    let mut header = vec!["STAGE".to_string(), "LAYERS".into(), "IN-FLIGHT".into()];
+    header.extend(shown.iter().map(|(name, _)| name.to_string()));
+    let mut rows: Vec<Vec<String>> = vec![header];
     for stage in &plan.stages {
         let m: &MemoryBreakdown = &stage.memory;
         let mut row = vec![
@@ -105,21 +127,7 @@ pub fn plan_table(title: &str, request: &JobRequest, plan: &Plan) -> String {
             ),
             stage.in_flight_micro_batches.to_string(),
         ];
-        row.extend(
-            [
-                m.weights,
-                m.gradients,
-                m.optimizer_state,
-                m.activations,
-                m.logits,
-                m.fixed_overhead,
-                m.allocator_slack,
-                m.correction,
-                m.total,
-            ]
-            .into_iter()
-            .map(format_bytes),
-        );
+        row.extend(shown.iter().map(|(_, get)| format_bytes(get(m))));
         rows.push(row);
     }
     out.push_str(&columns(&rows));

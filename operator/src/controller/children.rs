@@ -407,6 +407,26 @@ fn quantity_bytes(bytes: u64) -> Quantity {
     Quantity(bytes.to_string())
 }
 
+/// Host memory of a GPU stage's pod: the job's baseline (`resources.gpu.hostMemory`
+/// or the operator's default) plus what the plan puts in host memory on
+/// top of it (`hostBytes`: offloaded optimizer state, or the checkpoint
+/// load's host-side transient). The baseline alone when the plan adds nothing,
+/// so the user's quantity is kept as written.
+fn gpu_worker_host_memory(baseline: &Quantity, plan: &Plan, stage: u32) -> Quantity {
+    let extra = plan
+        .stages
+        .get(stage as usize)
+        .map_or(0, |s| s.memory.host_bytes);
+    if extra == 0 {
+        return baseline.clone();
+    }
+    match headroom_api::quantity::parse_bytes(&baseline.0) {
+        Ok(bytes) => quantity_bytes(bytes + extra),
+        // Validated when the job was planned; never reached.
+        Err(_) => baseline.clone(),
+    }
+}
+
 /// The worker pod for one stage of one attempt. `model` is the spec's
 /// validated model shape (`JobRequest::model`), so the worker builds exactly
 /// what was planned.
@@ -490,12 +510,13 @@ pub fn worker_pod(
         DeviceKind::Gpu => {
             limits.insert(plan.resource.clone(), Quantity("1".into()));
             requests.insert(plan.resource.clone(), Quantity("1".into()));
-            let host = spec
+            let baseline = spec
                 .resources
                 .gpu
                 .as_ref()
                 .and_then(|g| g.host_memory.clone())
                 .unwrap_or_else(|| Quantity(config.gpu_host_memory.clone()));
+            let host = gpu_worker_host_memory(&baseline, plan, stage);
             limits.insert("memory".into(), host.clone());
             requests.insert("memory".into(), host);
             requests.insert("cpu".into(), Quantity("1".into()));
@@ -807,6 +828,19 @@ priorityClassName: batch-low
             .expect("limits");
         assert_eq!(limits["nvidia.com/gpu"].0, "1");
         assert_eq!(limits["memory"].0, "16Gi");
+
+        // What the plan puts in host memory (offloaded optimizer state, the
+        // checkpoint load's transient) comes on top of the baseline.
+        let mut offloaded = plan.clone();
+        offloaded.stages[0].memory.host_bytes = 3 << 30;
+        let pod = pod_for(&job, 2, 0, &offloaded, &ChildConfig::default());
+        let resources = pod.spec.expect("spec").containers[0]
+            .resources
+            .clone()
+            .expect("resources");
+        let want = ((16u64 << 30) + (3 << 30)).to_string();
+        assert_eq!(resources.limits.expect("limits")["memory"].0, want);
+        assert_eq!(resources.requests.expect("requests")["memory"].0, want);
         assert_eq!(pod.metadata.labels.expect("labels")[LABEL_ATTEMPT], "2");
     }
 
