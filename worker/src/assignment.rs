@@ -241,12 +241,6 @@ fn check_adapters(a: &WorkerAssignment, shape: &crate::model::LmShape) -> Result
         }
         return Ok(());
     };
-    let crate::model::LmShape::Llama(llama) = shape else {
-        return Err(unsupported(
-            "training.lora",
-            "adapters are for Llama-family checkpoints (model.pretrained), not the synthetic transformer; use method: full",
-        ));
-    };
     if lora.dropout != 0.0 {
         return Err(unsupported(
             "training.lora.dropout",
@@ -256,6 +250,12 @@ fn check_adapters(a: &WorkerAssignment, shape: &crate::model::LmShape) -> Result
             ),
         ));
     }
+    let crate::model::LmShape::Llama(llama) = shape else {
+        return Err(unsupported(
+            "training.lora",
+            "adapters are for Llama-family checkpoints (model.pretrained), not the synthetic transformer; use method: full",
+        ));
+    };
     if lora.rank == 0 {
         return Err(unsupported("training.lora.rank", "must be at least 1"));
     }
@@ -277,13 +277,16 @@ fn check_adapters(a: &WorkerAssignment, shape: &crate::model::LmShape) -> Result
             "lm_head is tied to the token embedding in this checkpoint (tie_word_embeddings), and an adapter on it would change the embedding too; remove lm_head",
         ));
     }
-    crate::model::lora::quant_scheme(format, lora.block_size).map_err(|e| {
-        unsupported(
-            "training.lora.blockSize",
-            e.0.trim_start_matches("training.lora.blockSize: ")
-                .to_string(),
-        )
-    })?;
+    let block_size = |e: crate::model::lora::AdapterError| {
+        let problem = e.0.trim_start_matches("training.lora.blockSize: ");
+        unsupported("training.lora.blockSize", problem.to_string())
+    };
+    if crate::model::lora::quant_scheme(format, lora.block_size)
+        .map_err(block_size)?
+        .is_some()
+    {
+        crate::model::lora::check_block_size(llama, lora.block_size).map_err(block_size)?;
+    }
     Ok(())
 }
 
@@ -379,10 +382,32 @@ mod tests {
         let err = ValidAssignment::new(c).expect_err("layer 3 not covered");
         assert!(err.to_string().starts_with("plan.stages: "), "{err}");
         let mut d = assignment();
-        // adamw8bit runs (crate::optim::AdamW8bit); it is no longer refused.
         d.plan.settings.optimizer = Optimizer::Adamw8bit;
-        let eight_bit = ValidAssignment::new(d).expect("adamw8bit is a plan the worker runs");
-        assert_eq!(eight_bit.config().settings.optimizer, Optimizer::Adamw8bit);
+        assert!(matches!(
+            ValidAssignment::new(d),
+            Err(PlanError::Unsupported(Unsupported {
+                field: "plan.settings.optimizer",
+                ..
+            }))
+        ));
+        let mut f = assignment();
+        f.plan.adapters = Some(headroom_planner::LoraConfig {
+            rank: 8,
+            alpha: 16.0,
+            dropout: 0.05,
+            target_modules: vec![headroom_planner::TargetModule::QProj],
+            block_size: 64,
+        });
+        let err = ValidAssignment::new(f).expect_err("dropout");
+        assert!(
+            err.to_string().starts_with("training.lora.dropout: 0.05: ")
+                && err.to_string().ends_with("set 0"),
+            "{err}"
+        );
+        let mut g = assignment();
+        g.plan.settings.base_format = headroom_planner::BaseFormat::Int8;
+        let err = ValidAssignment::new(g).expect_err("int8 base without adapters");
+        assert!(err.to_string().starts_with("plan.settings.baseFormat: "), "{err}");
         let mut e = assignment();
         e.learning_rate = f64::NAN;
         let err = ValidAssignment::new(e).expect_err("learning rate");

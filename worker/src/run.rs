@@ -423,7 +423,19 @@ impl Training<'_> {
             match trainer.save_pretrained(out) {
                 Ok(file) => {
                     tracing::info!(file = %file.display(), "trained weights written");
-                    written = format!("; model written to {}", out.display());
+                    written = match &trainer.config.adapters {
+                        None => format!("; model written to {}", out.display()),
+                        Some(_) if trainer.config.settings.base_format.is_quantized() => format!(
+                            "; PEFT adapter written to {} (no merged weights over a {} base)",
+                            out.display(),
+                            trainer.config.settings.base_format
+                        ),
+                        Some(_) => format!(
+                            "; PEFT adapter written to {}, merged weights to {}",
+                            out.display(),
+                            out.join(crate::train::MERGED_DIR).display()
+                        ),
+                    };
                 }
                 Err(e) => {
                     return Exit::failed(format!("writing the trained model: {e}"))

@@ -96,6 +96,27 @@ pub fn quant_scheme(
     ))
 }
 
+/// The first block linear whose output dimension `block_size` does not
+/// divide (burn quantizes a `[d_in, d_out]` weight in blocks of `[1,
+/// block_size]` and needs whole blocks), as the error a user sees.
+pub fn check_block_size(shape: &headroom_planner::LlamaShape, block_size: u32) -> Result<(), AdapterError> {
+    for module in BLOCK_LINEARS {
+        let (d_in, d_out) = module.dims(shape);
+        if block_size == 0 || d_out % u64::from(block_size) != 0 {
+            let fits: Vec<String> = [128u64, 64, 32, 16, 8]
+                .into_iter()
+                .filter(|b| BLOCK_LINEARS.iter().all(|m| m.dims(shape).1 % b == 0))
+                .map(|b| b.to_string())
+                .collect();
+            return Err(AdapterError(format!(
+                "training.lora.blockSize: {block_size} does not divide the {d_out} outputs of {module} ({d_in} × {d_out}), and the quantized base is stored in whole blocks of a row; use {}",
+                if fits.is_empty() { "a divisor of every block linear's output size".to_string() } else { fits.join(" or ") }
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Freezes the stage's base, quantizes its block linears for a quantized
 /// `format`, and attaches adapters to the targeted modules it holds. The
 /// stage must be a Llama-family stage whose base is loaded.
@@ -143,6 +164,16 @@ pub fn attach(
         let block = match &scheme {
             None => block.apply_lora(lora),
             Some(scheme) => {
+                for module in BLOCK_LINEARS {
+                    let weight = &block_linear(&block, module).expect("a block linear").weight;
+                    let [d_in, d_out] = weight.base().dims();
+                    if d_out % config.block_size as usize != 0 {
+                        return Err(AdapterError(format!(
+                            "training.lora.blockSize: {} does not divide the {d_out} outputs of {module} ({d_in} × {d_out}), and the quantized base is stored in whole blocks of a row",
+                            config.block_size
+                        )));
+                    }
+                }
                 let mut quantizer = Quantizer::new(Calibration::MinMax, *scheme);
                 quantizer.set_param_group(ParamGroup::from_ids(ids(&mut BLOCK_LINEARS
                     .iter()

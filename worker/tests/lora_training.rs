@@ -1,0 +1,365 @@
+//! Training LoRA adapters on a frozen (dense or quantized) base: what moves,
+//! what a checkpoint holds, resuming after the retry ladder changed the base
+//! format, pipeline stages, and the output (a PEFT adapter + merged weights).
+//!
+//! The bases are the tiny transformers checkpoints of `tests/fixtures/llama`;
+//! the data is the synthetic task (the fixtures have no tokenizer).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use burn::module::Module;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use headroom_planner::{BaseFormat, LoraConfig, Optimizer, Precision, Settings, TargetModule};
+use headroom_worker::model::hf::HfCheckpoint;
+use headroom_worker::model::{LmShape, StageLayout, TransformerLm, lora, peft};
+use headroom_worker::pipeline::{Hello, Peers, establish};
+use headroom_worker::train::{MERGED_DIR, TrainConfig, Trainer};
+
+const SEQUENCE: u32 = 12;
+
+fn base(variant: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/llama")
+        .join(variant)
+}
+
+fn adapters(targets: &[TargetModule]) -> LoraConfig {
+    LoraConfig {
+        rank: 4,
+        alpha: 8.0,
+        dropout: 0.0,
+        target_modules: targets.to_vec(),
+        block_size: 8,
+    }
+}
+
+fn config(
+    variant: &str,
+    lora: LoraConfig,
+    format: BaseFormat,
+    checkpointing: bool,
+    steps: u64,
+) -> TrainConfig {
+    let checkpoint = HfCheckpoint::open(&base(variant), SEQUENCE).expect("fixture");
+    TrainConfig::single_stage(
+        checkpoint.shape,
+        Settings {
+            micro_batch: 2,
+            gradient_accumulation: 2,
+            activation_checkpointing: checkpointing,
+            precision: Precision::Fp32,
+            optimizer: Optimizer::Adamw,
+            base_format: format,
+            offload_optimizer: false,
+        },
+        steps,
+        1e-2,
+        3,
+    )
+    .with_pretrained(base(variant))
+    .with_adapters(lora)
+}
+
+/// The two input rows of the PEFT fixtures.
+fn input_ids() -> Vec<Vec<i64>> {
+    vec![
+        (0..12i64).map(|i| (7 * i + 3) % 96).collect(),
+        (0..12i64).map(|i| (95 - 11 * i).rem_euclid(96)).collect(),
+    ]
+}
+
+fn logits(model: &TransformerLm) -> Vec<f32> {
+    let tokens = Tensor::<2, Int>::from_data(
+        TensorData::new(input_ids().concat(), [2, 12]),
+        &Device::flex(),
+    );
+    model.forward(tokens).into_data().iter::<f32>().collect()
+}
+
+fn factors(trainer: &Trainer) -> Vec<Vec<f32>> {
+    lora::stage_adapters(trainer.model(), &trainer.config.layout)
+        .iter()
+        .flat_map(|a| [a.adapter.a.val(), a.adapter.b.val()])
+        .map(|t| t.into_data().iter::<f32>().collect())
+        .collect()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn tempdir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "headroom-lora-training-{name}-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn dense_base(variant: &str) -> TransformerLm {
+    let checkpoint = HfCheckpoint::open(&base(variant), SEQUENCE).expect("fixture");
+    let shape = LmShape::Llama(checkpoint.shape.clone());
+    let layout = StageLayout::whole(&shape);
+    let mut model = TransformerLm::new(&shape, &layout, 0, &Device::flex());
+    checkpoint.load_stage(&mut model, &layout).expect("load");
+    model
+}
+
+#[test]
+fn checkpoints_hold_the_adapters_and_resume_at_a_stricter_base_format() {
+    let root = tempdir("resume");
+    let all = adapters(&TargetModule::ALL);
+    let mut trainer = Trainer::new(
+        config("llama-mha-untied", all.clone(), BaseFormat::Dense, false, 6),
+        Device::flex().autodiff(),
+    )
+    .expect("trainer");
+    let untouched = logits(&dense_base("llama-mha-untied"));
+    assert_eq!(
+        logits(&trainer.model().valid()),
+        untouched,
+        "B = 0: training starts from the base's logits"
+    );
+    for _ in 0..2 {
+        let loss = trainer.train_step().expect("step").loss.expect("loss");
+        assert!(loss.is_finite());
+    }
+    let dir = trainer.save_checkpoint(&root, 1, None).expect("save");
+    let trained = factors(&trainer);
+    let trained_logits = logits(&trainer.model().valid());
+    assert!(max_diff(&trained_logits, &untouched) > 1e-3, "the adapters moved");
+
+    // The checkpoint holds factors and their optimizer state, not the base.
+    let size = |name: &str| std::fs::metadata(dir.join(name)).expect(name).len();
+    let base_bytes = std::fs::metadata(base("llama-mha-untied").join("model.safetensors"))
+        .expect("base")
+        .len();
+    let factor_bytes = 4 * all.trainable_params(&HfCheckpoint::open(&base("llama-mha-untied"), SEQUENCE).expect("fixture").shape);
+    let total: u64 = ["token.bpk", "block-0000.bpk", "block-0001.bpk", "head.bpk"]
+        .iter()
+        .map(|f| size(f))
+        .sum();
+    eprintln!(
+        "part files {total} B, optimizer {} B, factors {factor_bytes} B, base {base_bytes} B",
+        size("optimizer.bpk")
+    );
+    assert!(total < factor_bytes + 16 * 1024, "parts hold the factors only: {total} B");
+    assert!(size("token.bpk") < 1024, "no adapter on the embedding");
+    assert!(size("optimizer.bpk") < 2 * factor_bytes + 16 * 1024);
+
+    // The retry ladder's order: dense → int8 → int4. Each attempt reloads the
+    // base from the original files at its format and continues the same factors.
+    for format in [BaseFormat::Dense, BaseFormat::Int8, BaseFormat::Int4] {
+        let mut resumed = Trainer::new(
+            config("llama-mha-untied", all.clone(), format, false, 6),
+            Device::flex().autodiff(),
+        )
+        .expect("trainer");
+        let found = resumed.resume(&root).expect("resume").expect("a checkpoint");
+        assert_eq!((found.meta.step, resumed.step), (2, 2), "{format}");
+        assert_eq!(factors(&resumed), trained, "{format}: the saved factors");
+        let got = logits(&resumed.model().valid());
+        let worst = max_diff(&got, &trained_logits);
+        eprintln!("{format}: max |logit - dense-base logit| after resume = {worst:.2e}");
+        match format {
+            BaseFormat::Dense => assert_eq!(got, trained_logits, "dense: exactly the run's model"),
+            // Logits of these random fixtures reach ±14; the int4 error is
+            // about 127/7 times int8's (0.22 and 3.7 measured), as the levels are.
+            BaseFormat::Int8 => assert!(worst < 0.5, "int8: close to the dense run ({worst})"),
+            BaseFormat::Int4 => assert!(worst < 5.0, "int4: close to the dense run ({worst})"),
+        }
+        let loss = resumed.train_step().expect("step").loss.expect("loss");
+        assert!(loss.is_finite(), "{format}: trains on");
+        assert_eq!(resumed.step, 3);
+    }
+
+    // Other adapters are another run: the checkpoint is skipped.
+    let mut other = Trainer::new(
+        config(
+            "llama-mha-untied",
+            adapters(&[TargetModule::QProj, TargetModule::VProj]),
+            BaseFormat::Dense,
+            false,
+            6,
+        ),
+        Device::flex().autodiff(),
+    )
+    .expect("trainer");
+    assert!(other.resume(&root).expect("resume").is_none());
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn the_output_is_a_peft_adapter_and_merged_weights() {
+    let out = tempdir("output");
+    let targets = [TargetModule::QProj, TargetModule::VProj, TargetModule::LmHead];
+    let mut trainer = Trainer::new(
+        config("llama-mha-untied", adapters(&targets), BaseFormat::Dense, true, 3),
+        Device::flex().autodiff(),
+    )
+    .expect("trainer");
+    while !trainer.finished() {
+        trainer.train_step().expect("step");
+    }
+    let file = trainer.save_pretrained(&out).expect("output");
+    assert_eq!(file, out.join(peft::ADAPTER_FILE));
+    let trained = logits(&trainer.model().valid());
+
+    // The adapter reads back into a fresh adapted base with the same logits.
+    let config = peft::read_config(&out).expect("adapter_config.json");
+    assert_eq!(config.target_modules, targets.to_vec());
+    let layout = trainer.config.layout.clone();
+    let fresh = lora::attach(
+        dense_base("llama-mha-untied"),
+        &config,
+        BaseFormat::Dense,
+        &layout,
+        99,
+        &Device::flex(),
+    )
+    .expect("attach");
+    let reread = peft::load_stage(fresh, &layout, &config, &out).expect("read");
+    assert_eq!(logits(&reread), trained, "the adapter is the trained one");
+
+    // merged/ is a Hugging Face checkpoint of base + scale·A@B.
+    let merged = HfCheckpoint::open(&out.join(MERGED_DIR), SEQUENCE).expect("merged");
+    let shape = LmShape::Llama(merged.shape.clone());
+    let mut model = TransformerLm::new(&shape, &layout, 0, &Device::flex());
+    merged.load_stage(&mut model, &layout).expect("load merged");
+    let worst = max_diff(&logits(&model), &trained);
+    eprintln!("merged: max |logit - adapted| = {worst:.2e}");
+    assert!(worst < 1e-4);
+
+    // For the recorded PEFT check (fixtures/peft/README.md): keep the adapter
+    // and the worker's logits where the caller asks.
+    if let Ok(keep) = std::env::var("HEADROOM_KEEP_LORA_OUTPUT") {
+        let keep = PathBuf::from(keep);
+        std::fs::create_dir_all(&keep).expect("keep dir");
+        for name in [peft::ADAPTER_FILE, peft::CONFIG_FILE] {
+            std::fs::copy(out.join(name), keep.join(name)).expect("copy");
+        }
+        let logits: Vec<Vec<Vec<f32>>> = trained
+            .chunks(12 * 96)
+            .map(|row| row.chunks(96).map(<[f32]>::to_vec).collect())
+            .collect();
+        let expected = serde_json::json!({"input_ids": input_ids(), "logits": logits});
+        std::fs::write(keep.join("expected.json"), expected.to_string()).expect("write");
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn a_quantized_base_writes_the_adapter_without_merged_weights() {
+    let out = tempdir("qlora-output");
+    let mut trainer = Trainer::new(
+        config(
+            "qwen2-gqa-bias",
+            adapters(&[TargetModule::QProj, TargetModule::VProj]),
+            BaseFormat::Int8,
+            false,
+            2,
+        ),
+        Device::flex().autodiff(),
+    )
+    .expect("trainer");
+    while !trainer.finished() {
+        trainer.train_step().expect("step");
+    }
+    trainer.save_pretrained(&out).expect("output");
+    assert!(out.join(peft::ADAPTER_FILE).exists());
+    assert!(!out.join(MERGED_DIR).exists(), "no merge of a rounded base");
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// Two pipeline stages train the same adapters as one worker (each stage
+/// adapts its own layers; the tied embedding is frozen, so no exchange).
+#[test]
+fn two_stages_train_the_adapters_one_worker_trains() {
+    for checkpointing in [false, true] {
+        let lora = adapters(&[TargetModule::QProj, TargetModule::VProj, TargetModule::DownProj]);
+        let variant = "llama-gqa-tied";
+        let single = {
+            let mut trainer = Trainer::new(
+                config(variant, lora.clone(), BaseFormat::Dense, checkpointing, 3),
+                Device::flex().autodiff(),
+            )
+            .expect("trainer");
+            while !trainer.finished() {
+                trainer.train_step().expect("step");
+            }
+            factors(&trainer)
+        };
+        let out = tempdir(&format!("pipeline-{checkpointing}"));
+        let (listeners, peers) = Peers::loopback(2).expect("loopback sockets");
+        let handles: Vec<_> = listeners
+            .into_iter()
+            .enumerate()
+            .map(|(k, listener)| {
+                let k = k as u32;
+                let mut config = config(variant, lora.clone(), BaseFormat::Dense, checkpointing, 3);
+                config.layout = StageLayout {
+                    layers: k..k + 1,
+                    first: k == 0,
+                    last: k == 1,
+                };
+                config.stage = k;
+                config.stages = 2;
+                let (peers, out) = (peers.clone(), out.clone());
+                std::thread::spawn(move || {
+                    let mut trainer =
+                        Trainer::new(config, Device::flex().autodiff()).expect("trainer");
+                    let me = Hello {
+                        job: "j".into(),
+                        namespace: "ns".into(),
+                        attempt: 1,
+                        stage: k,
+                        stages: 2,
+                        resume_step: 0,
+                    };
+                    let links = establish(
+                        &me,
+                        (k > 0).then_some(listener),
+                        &peers,
+                        Duration::from_secs(30),
+                        Duration::from_secs(60),
+                    )
+                    .expect("links");
+                    trainer.connect(links);
+                    while !trainer.finished() {
+                        trainer.train_step().expect("step");
+                    }
+                    trainer.save_pretrained(&out).expect("save");
+                    factors(&trainer)
+                })
+            })
+            .collect();
+        let staged: Vec<Vec<f32>> = handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("stage"))
+            .collect();
+        assert_eq!(staged.len(), single.len());
+        let worst = staged
+            .iter()
+            .zip(&single)
+            .map(|(a, b)| max_diff(a, b))
+            .fold(0.0, f32::max);
+        assert!(worst < 1e-4, "checkpointing {checkpointing}: factors differ by {worst}");
+        let names = |file: &Path| {
+            let bytes = std::fs::read(file).expect("adapter");
+            let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+            let mut n: Vec<String> = st.names().into_iter().map(String::from).collect();
+            n.sort();
+            n
+        };
+        let got = names(&out.join(peft::ADAPTER_FILE));
+        assert_eq!(got.len(), 2 * 2 * 3, "both stages' factors in one adapter");
+        assert!(got.contains(&"base_model.model.model.layers.1.mlp.down_proj.lora_B.weight".to_string()));
+        let _ = std::fs::remove_dir_all(&out);
+    }
+}
