@@ -400,9 +400,10 @@ pub struct LoraSpec {
     /// further down.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base_format: Option<QuantizedFormat>,
-    /// QLoRA: values per quantization block (one scale each).
+    /// QLoRA: values per quantization block (one scale each); at most 255,
+    /// and it must divide the output size of every block linear.
     #[serde(default = "headroom_planner::adapters::default_block_size")]
-    #[schemars(range(min = 16, max = 4096))]
+    #[schemars(range(min = 1, max = 255))]
     pub block_size: u32,
 }
 
@@ -974,6 +975,7 @@ impl MemoryAwareTrainingJobSpec {
             };
             let mut shape = shape.clone();
             shape.sequence_length = p.sequence_length;
+            self.check_adapters_fit(&shape)?;
             return self.request_for_model(ModelShape::Llama(shape));
         }
         if self.training.method != TrainingMethod::Full {
@@ -1182,6 +1184,72 @@ impl MemoryAwareTrainingJobSpec {
         })
     }
 
+    /// What only the checkpoint's shape decides about the adapters: an
+    /// adapter on a tied head would change the embedding too (PEFT allows it;
+    /// Headroom's worker does not), and a quantized base needs a block size
+    /// that divides every block linear's output size (burn quantizes whole
+    /// blocks only).
+    fn check_adapters_fit(&self, shape: &headroom_planner::LlamaShape) -> Result<(), SpecError> {
+        use headroom_planner::TargetModule;
+        let t = &self.training;
+        if t.method == TrainingMethod::Full {
+            return Ok(());
+        }
+        let lora = t.lora.clone().unwrap_or_default();
+        if shape.tied_embeddings && lora.target_modules.contains(&TargetModule::LmHead) {
+            return Err(spec_error(
+                "training.lora.targetModules",
+                "lm_head is tied to the token embedding in this checkpoint (tie_word_embeddings), so an adapter there would change the embedding too; remove lm_head",
+            ));
+        }
+        if t.method == TrainingMethod::Qlora {
+            let block = u64::from(lora.block_size);
+            let outputs: Vec<u64> = [
+                TargetModule::QProj,
+                TargetModule::KProj,
+                TargetModule::OProj,
+                TargetModule::GateProj,
+                TargetModule::DownProj,
+            ]
+            .iter()
+            .map(|m| m.dims(shape).1)
+            .collect();
+            if block == 0 || block > 255 || outputs.iter().any(|o| o % block != 0) {
+                // The largest block sizes that fit: divisors of the outputs' gcd.
+                let gcd = outputs.iter().fold(0u64, |a, &b| {
+                    let (mut x, mut y) = (a, b);
+                    while y != 0 {
+                        (x, y) = (y, x % y);
+                    }
+                    x
+                });
+                let fits: Vec<String> = (1..=gcd.min(255))
+                    .rev()
+                    .filter(|b| gcd % b == 0)
+                    .take(3)
+                    .map(|b| b.to_string())
+                    .collect();
+                return Err(spec_error(
+                    "training.lora.blockSize",
+                    format!(
+                        "{block} must be at most 255 and divide the output size of every block linear ({}); e.g. {}",
+                        outputs
+                            .iter()
+                            .map(|o| o.to_string())
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                        if fits.is_empty() {
+                            "1".into()
+                        } else {
+                            fits.join(" or ")
+                        }
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// The adapters and the first attempt's base format, checked as the
     /// API server's CEL rules check them, plus what only the backend knows.
     fn adapters(
@@ -1352,6 +1420,10 @@ mod tests {
         assert_eq!(request.base_format, headroom_planner::BaseFormat::Dense);
 
         spec.training.method = TrainingMethod::Qlora;
+        spec.training.lora = Some(LoraSpec {
+            block_size: 4,
+            ..LoraSpec::default()
+        });
         let profile = Backend::Flex.profile();
         match spec.job_request_for(Some(&shape)) {
             Ok(r) => assert_eq!(r.base_format, headroom_planner::BaseFormat::Int4),
@@ -1365,6 +1437,49 @@ mod tests {
                 assert_eq!(e.field, "training.lora.baseFormat", "{e}");
             }
         }
+    }
+
+    #[test]
+    fn adapters_the_checkpoint_cannot_take_are_refused_naming_the_field() {
+        let shape = headroom_planner::LlamaShape::from_hf_config(
+            &std::fs::read_to_string(format!(
+                "{}/../../worker/tests/fixtures/llama/tiny-llama/config.json",
+                env!("CARGO_MANIFEST_DIR")
+            ))
+            .expect("tiny-llama config"),
+            64,
+        )
+        .expect("config");
+        assert!(shape.tied_embeddings, "tiny-llama ties its head");
+        let mut spec = invalid_manifest("45-lora-dropout.yaml").spec;
+        spec.training.lora = Some(LoraSpec {
+            target_modules: vec![
+                headroom_planner::TargetModule::QProj,
+                headroom_planner::TargetModule::LmHead,
+            ],
+            ..LoraSpec::default()
+        });
+        let err = spec.job_request_for(Some(&shape)).expect_err("tied head");
+        assert_eq!(err.field, "training.lora.targetModules", "{err}");
+
+        // k/v project to 2 heads × 16 = 32 values and gate/up to 172: a
+        // 64-value block divides neither; 4 divides all.
+        spec.training.method = TrainingMethod::Qlora;
+        spec.training.lora = Some(LoraSpec::default());
+        let err = spec.job_request_for(Some(&shape)).expect_err("block 64");
+        assert_eq!(err.field, "training.lora.blockSize", "{err}");
+        assert!(err.problem.contains("e.g. 4 or 2 or 1"), "{err}");
+        spec.training.lora = Some(LoraSpec {
+            block_size: 4,
+            ..LoraSpec::default()
+        });
+        let result = spec.job_request_for(Some(&shape));
+        assert!(
+            result
+                .as_ref()
+                .map_or_else(|e| e.field != "training.lora.blockSize", |_| true),
+            "{result:?}"
+        );
     }
 
     #[test]
