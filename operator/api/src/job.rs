@@ -549,7 +549,7 @@ pub struct CpuResources {
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
     {"rule": "!has(self.allowedRungs) || !('cheaperOptimizer' in self.allowedRungs)",
-     "message": "memoryPolicy.allowedRungs: cheaperOptimizer is not offered yet (no worker backend runs 8-bit optimizer state); allow any of activationCheckpointing, halveMicroBatch, lowerPrecision, morePipelineStages, largerGpu"}
+     "message": "memoryPolicy.allowedRungs: cheaperOptimizer is not offered yet (no worker backend runs 8-bit optimizer state); allow any of activationCheckpointing, halveMicroBatch, lowerPrecision, quantizeBase, morePipelineStages, largerGpu"}
 ]))]
 pub struct MemoryPolicy {
     /// Retry rungs allowed, applied in Headroom's fixed order
@@ -1342,7 +1342,7 @@ mod tests {
         assert_eq!(err.field, "memoryPolicy.allowedRungs");
         // The same words as the CEL rule, so one `# expect:` line serves both.
         let schema = serde_json::to_string(&schemars::schema_for!(MemoryPolicy)).expect("json");
-        let cel = "memoryPolicy.allowedRungs: cheaperOptimizer is not offered yet (no worker backend runs 8-bit optimizer state); allow any of activationCheckpointing, halveMicroBatch, lowerPrecision, morePipelineStages, largerGpu";
+        let cel = "memoryPolicy.allowedRungs: cheaperOptimizer is not offered yet (no worker backend runs 8-bit optimizer state); allow any of activationCheckpointing, halveMicroBatch, lowerPrecision, quantizeBase, morePipelineStages, largerGpu";
         assert_eq!(format!("spec.{cel}"), err.to_string());
         assert!(schema.contains(cel), "{schema}");
 

@@ -139,7 +139,11 @@ pub const FLEX: BackendProfile = BackendProfile {
         Optimizer::SgdMomentum,
         Optimizer::Sgd,
     ],
-    base_formats: &[BaseFormat::Dense],
+    // The worker quantizes a QLoRA base with burn's block-wise scheme
+    // (worker/src/model/lora.rs); burn-flex keeps every quantized value,
+    // int4 included, in one i8 (burn-flex-0.22.1/src/qtensor.rs), so int4
+    // runs but stores what int8 does.
+    base_formats: &[BaseFormat::Dense, BaseFormat::Int8, BaseFormat::Int4],
     int4_value_bytes: 1.0,
     optimizer_offload: false,
     device_is_host: true,
@@ -171,7 +175,9 @@ pub const CUDA: BackendProfile = BackendProfile {
         Optimizer::SgdMomentum,
         Optimizer::Sgd,
     ],
-    base_formats: &[BaseFormat::Dense],
+    // The same burn code as on flex; cubecl packs int4 values two per byte.
+    // Unverified on a GPU (none here).
+    base_formats: &[BaseFormat::Dense, BaseFormat::Int8, BaseFormat::Int4],
     int4_value_bytes: 0.5,
     optimizer_offload: false,
     device_is_host: false,

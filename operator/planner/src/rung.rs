@@ -86,10 +86,11 @@ impl RetryRung {
 
     /// What a job allows when it names no rungs: every [`runnable`](Self::runnable)
     /// rung, in the ladder's order. A rung the worker cannot run is never offered.
-    pub const DEFAULT: [RetryRung; 5] = [
+    pub const DEFAULT: [RetryRung; 6] = [
         RetryRung::ActivationCheckpointing,
         RetryRung::HalveMicroBatch,
         RetryRung::LowerPrecision,
+        RetryRung::QuantizeBase,
         RetryRung::MorePipelineStages,
         RetryRung::LargerGpu,
     ];
@@ -637,7 +638,11 @@ mod tests {
         assert_eq!(int4.base_format, BaseFormat::Int4);
         // Never for full fine-tuning, never where no format is listed.
         assert_eq!(step(&dense, &CUDA_QLORA, false), None);
-        assert_eq!(step(&dense, &CUDA, true), None);
+        static DENSE_ONLY: BackendProfile = BackendProfile {
+            base_formats: &[BaseFormat::Dense],
+            ..CUDA
+        };
+        assert_eq!(step(&dense, &DENSE_ONLY, true), None);
         let from = Candidate {
             device: gpu("NVIDIA-L4", 22, 1),
             workers: 1,
