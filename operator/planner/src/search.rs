@@ -133,7 +133,15 @@ fn search_with(
     };
 
     let options = numerics_options(req, profile);
-    for (numerics, rungs) in &options {
+    let pinned = !opts.ignore_pins
+        && (req.pinned_micro_batch.is_some()
+            || req.pinned_checkpointing.is_some()
+            || req.pinned_stages.is_some());
+    // A first attempt with pins runs the user's numerics too (precision,
+    // optimizer, base format): pins say "run this", and the retry ladder,
+    // not the search, relaxes what was asked once memory proves it must.
+    let tried = if pinned { &options[..1] } else { &options[..] };
+    for (numerics, rungs) in tried {
         let found =
             search.cheapest_then_fastest(&devices, numerics, &micro_batches, &checkpointing);
         if let Some(mut plan) = found {
@@ -149,10 +157,6 @@ fn search_with(
         }
     }
 
-    let pinned = !opts.ignore_pins
-        && (req.pinned_micro_batch.is_some()
-            || req.pinned_checkpointing.is_some()
-            || req.pinned_stages.is_some());
     let pinned_p = search.stage_counts().next().unwrap_or(1);
     if pinned
         && let Some(largest) = devices

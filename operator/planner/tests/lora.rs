@@ -232,3 +232,40 @@ fn qlora_minimums_beside_unsloth() {
         assert!(gb(q.total) < gb(l.total));
     }
 }
+
+/// A LoRA job that pins its micro-batch and checkpointing runs its dense
+/// base on the first attempt even when it is predicted over budget (pins
+/// are the user's call; the ladder relaxes them after an OOM), while the
+/// same job without pins is planned on an int8 base at once: quantizeBase
+/// is one of the numerics rungs the search may use when nothing else fits.
+#[test]
+fn pins_keep_a_lora_job_on_its_dense_base_until_a_retry_quantizes_it() {
+    let inventory = one_node("NVIDIA-GeForce-RTX-4090", 24564, 1);
+    let mut unpinned = job(llama(LLAMA_2_13B, 2048), 8, 1);
+    unpinned.adapters = Some(lora(16));
+    unpinned.allowed_rungs = vec![RetryRung::QuantizeBase];
+    let plan = plan_with(&unpinned, &inventory, &opts()).expect("13B LoRA on int8 fits 24 GB");
+    assert_eq!(plan.settings.base_format, BaseFormat::Int8, "{plan:?}");
+    assert_eq!(plan.rungs_applied, vec![RetryRung::QuantizeBase]);
+    assert!(plan.fits());
+
+    let pinned = JobRequest {
+        pinned_micro_batch: Some(plan.settings.micro_batch),
+        pinned_checkpointing: Some(plan.settings.activation_checkpointing),
+        ..unpinned
+    };
+    let plan = plan_with(&pinned, &inventory, &opts()).expect("pins run as asked");
+    assert_eq!(plan.settings.base_format, BaseFormat::Dense, "{plan:?}");
+    assert!(
+        !plan.fits(),
+        "the dense 13B base does not fit 24 GB: {}",
+        plan.fit
+    );
+    assert!(
+        plan.warnings
+            .iter()
+            .any(|w| w.contains("running them as asked")),
+        "{:?}",
+        plan.warnings
+    );
+}
