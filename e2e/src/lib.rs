@@ -14,16 +14,20 @@
 //! * [`cluster`]: the e2e cluster's kubectl and the installed operator.
 //! * [`hub`]: a local stand-in for the Hugging Face hub (the initializer's
 //!   tests on loopback, the e2e suite's initializer pods over the node's address).
+//! * [`checkpoint`]: random Llama checkpoints of any size in Hugging Face's layout.
+//! * [`payload`]: claims with the sample text and checkpoints, read back by helper pods.
 //!
 //! It depends on the API types only, never on the operator or the worker, so
 //! both can use it for their tests.
 
+pub mod checkpoint;
 pub mod cluster;
 pub mod corpus;
 pub mod crd;
 pub mod fixtures;
 pub mod hub;
 pub mod namespace;
+pub mod payload;
 pub mod wait;
 
 pub use cluster::{kubectl, operator_deployment, operator_namespace, operator_selector};
