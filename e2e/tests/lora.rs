@@ -1,0 +1,271 @@
+//! LoRA and QLoRA on real pods (`make e2e`).
+//!
+//! A random 17-million-parameter Llama checkpoint (bf16 on disk, 16 blocks
+//! of hidden 256: its block linears are most of its memory, which is what
+//! quantizing a base saves) is served by the test kit's stand-in for the
+//! Hugging Face hub.
+//!
+//! * A LoRA job pins settings whose dense fp32 base the kernel OOM-kills
+//!   under its 85Mi limit; the retry ladder (only `quantizeBase` allowed)
+//!   stores the base in int8 on attempt 2, which is evicted after a few
+//!   steps; attempt 3 resumes the adapters from attempt 2's checkpoint,
+//!   finishes, and writes a PEFT adapter (`adapter_config.json`,
+//!   `adapter_model.safetensors` with PEFT's tensor names and shapes; that
+//!   PEFT loads what the worker writes and gives its logits is checked
+//!   against PEFT itself in worker/tests/lora_peft.rs and its fixtures).
+//! * A QLoRA job on an int4 base succeeds on its first attempt.
+
+use std::time::Duration;
+
+use headroom_api::{AttemptOutcome, MemoryAwareTrainingJobStatus};
+use headroom_e2e::checkpoint::RandomLlama;
+use headroom_e2e::hub::{HubRepo, HubRepos, LocalHub};
+use headroom_e2e::payload::{claim_output, final_loss, hub_host, load_claims};
+use headroom_e2e::{E2E, TestNs, telemetry_step};
+use headroom_planner::BaseFormat;
+use kube::api::EvictParams;
+
+const RUN: Duration = Duration::from_secs(600);
+const REPO: &str = "headroom/random-llama-17m";
+const MODEL: RandomLlama = RandomLlama {
+    hidden: 256,
+    intermediate: 1024,
+    layers: 16,
+    heads: 4,
+    kv_heads: 4,
+};
+const RANK: usize = 8;
+
+/// The hub stand-in serving a freshly written random checkpoint as `REPO`.
+fn hub() -> LocalHub {
+    let dir = std::env::temp_dir().join(format!("headroom-e2e-lora-{}", std::process::id()));
+    MODEL.write(&dir, 17).expect("random checkpoint");
+    let mut repos = HubRepos::new();
+    repos.insert(
+        REPO.into(),
+        HubRepo::from_dir(&dir).expect("checkpoint files"),
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    LocalHub::start("0.0.0.0:0", repos)
+}
+
+/// A job on the random checkpoint: four 32-token samples a step, so a step
+/// costs little CPU; `training` is the method-specific part.
+fn job(name: &str, endpoint: &str, training: &str, limit: &str, extra: &str) -> String {
+    format!(
+        r#"apiVersion: headroom.dev/v1alpha1
+kind: MemoryAwareTrainingJob
+metadata:
+  name: {name}
+spec:
+  model:
+    pretrained:
+      huggingFace: {{repo: {REPO}, endpoint: "{endpoint}"}}
+      sequenceLength: 32
+  data:
+    volume: {{claimName: datasets, path: declaration-of-independence.jsonl}}
+  training:
+{training}
+    globalBatch: 4
+    steps: 12
+    learningRate: 0.003
+    checkpointEverySteps: 100
+  resources:
+    cpu: {{memoryLimit: {limit}, cores: 500m, maxWorkers: 1}}
+    headroomFraction: 0.05
+{extra}
+  worker:
+    image: localhost/headroom-worker:dev
+"#
+    )
+}
+
+/// The adapter the job wrote to its output: `adapter_config.json` and the
+/// safetensors header of `adapter_model.safetensors`, read by a pod.
+async fn written_adapter(
+    ns: &TestNs,
+    job: &str,
+    status: &MemoryAwareTrainingJobStatus,
+) -> (serde_json::Value, serde_json::Value, Vec<String>) {
+    let output = status.output.clone().expect("status.output");
+    let (claim, path) = output.split_once(':').expect("claim:path");
+    let script = format!(
+        "cd /claim/{path} && ls && echo '--config--' && cat adapter_config.json && echo && echo '--header--' \
+         && n=$(od -An -t u8 -N8 adapter_model.safetensors | tr -d ' ') \
+         && dd if=adapter_model.safetensors bs=1 skip=8 count=$n 2>/dev/null && echo"
+    );
+    let log = claim_output(ns, &format!("{job}-read-adapter"), claim, &script).await;
+    let (listing, rest) = log
+        .split_once("--config--")
+        .unwrap_or_else(|| panic!("{log}"));
+    let (config, header) = rest
+        .split_once("--header--")
+        .unwrap_or_else(|| panic!("{log}"));
+    let config: serde_json::Value =
+        serde_json::from_str(config.trim()).unwrap_or_else(|e| panic!("{e}: {log}"));
+    let header: serde_json::Value =
+        serde_json::from_str(header.trim()).unwrap_or_else(|e| panic!("{e}: {log}"));
+    let files = listing.split_whitespace().map(String::from).collect();
+    (config, header, files)
+}
+
+/// PEFT's names and shapes for rank-`RANK` adapters on q_proj and v_proj of
+/// every block: `lora_A.weight` [r, d_in], `lora_B.weight` [d_out, r].
+fn check_peft_adapter(config: &serde_json::Value, header: &serde_json::Value) {
+    assert_eq!(config["peft_type"], "LORA", "{config}");
+    assert_eq!(config["task_type"], "CAUSAL_LM", "{config}");
+    assert_eq!(config["r"], RANK, "{config}");
+    assert_eq!(config["lora_alpha"].as_f64(), Some(16.0), "{config}");
+    let mut targets: Vec<&str> = config["target_modules"]
+        .as_array()
+        .expect("target_modules")
+        .iter()
+        .filter_map(|t| t.as_str())
+        .collect();
+    targets.sort_unstable();
+    assert_eq!(targets, ["q_proj", "v_proj"], "{config}");
+    let tensors = header
+        .as_object()
+        .expect("header")
+        .keys()
+        .filter(|k| *k != "__metadata__")
+        .count();
+    assert_eq!(tensors, 4 * MODEL.layers, "{header}");
+    let (h, kv) = (MODEL.hidden, MODEL.kv_heads * MODEL.head_dim());
+    for layer in 0..MODEL.layers {
+        for (module, d_out) in [("q_proj", h), ("v_proj", kv)] {
+            let name = |f: &str| {
+                format!("base_model.model.model.layers.{layer}.self_attn.{module}.{f}.weight")
+            };
+            assert_eq!(
+                header[name("lora_A")]["shape"],
+                serde_json::json!([RANK, h]),
+                "{header}"
+            );
+            assert_eq!(
+                header[name("lora_B")]["shape"],
+                serde_json::json!([d_out, RANK]),
+                "{header}"
+            );
+        }
+    }
+}
+
+#[tokio::test]
+#[ignore = "needs a cluster with Headroom installed: make e2e"]
+async fn a_lora_job_oom_killed_on_its_dense_base_retries_on_int8_and_resumes_its_adapters() {
+    let ns = TestNs::new(E2E, "e2e-lora").await;
+    let hub = hub();
+    let endpoint = hub.endpoint_on(&hub_host(&ns).await);
+    load_claims(&ns, false).await;
+
+    // Pinned: micro-batch 4 with checkpointing on a dense fp32 base, about
+    // 99 MiB in training (124 MiB at load, mapped file pages included)
+    // under an 85Mi limit. The ladder may only quantize the base.
+    let name = "lora-dense-then-int8";
+    ns.apply_job(&job(
+        name,
+        &endpoint,
+        "    method: lora\n    lora: {rank: 8, alpha: 16, targetModules: [q_proj, v_proj]}\n    microBatch: 4\n    activationCheckpointing: true",
+        "85Mi",
+        "  memoryPolicy: {maxAttempts: 4, backoffSeconds: 1, allowedRungs: [quantizeBase]}",
+    ))
+    .await;
+    let running = ns
+        .wait_job(name, "attempt 2 at step 3", RUN, |j| {
+            telemetry_step(j, 2).is_some_and(|s| s >= 3)
+        })
+        .await;
+    let reached = telemetry_step(&running, 2).expect("step");
+    ns.pods()
+        .evict(&format!("{name}-a2-s0"), &EvictParams::default())
+        .await
+        .expect("evict attempt 2's worker");
+
+    let status = ns.wait_succeeded(name, RUN).await;
+    assert_eq!(
+        status.model.as_ref().map(|m| m.parameters),
+        Some(MODEL.parameters())
+    );
+    let outcomes: Vec<AttemptOutcome> = status.attempts.iter().map(|a| a.outcome).collect();
+    assert_eq!(
+        outcomes,
+        [
+            AttemptOutcome::HostOutOfMemory,
+            AttemptOutcome::Disrupted,
+            AttemptOutcome::Succeeded
+        ],
+        "{:#?}",
+        status.attempts
+    );
+    let formats: Vec<BaseFormat> = status
+        .attempts
+        .iter()
+        .map(|a| a.plan.settings.base_format)
+        .collect();
+    assert_eq!(
+        formats,
+        [BaseFormat::Dense, BaseFormat::Int8, BaseFormat::Int8],
+        "only the base format changes"
+    );
+    for attempt in &status.attempts {
+        let s = &attempt.plan.settings;
+        assert_eq!((s.micro_batch, s.activation_checkpointing), (4, true));
+        assert_eq!(attempt.plan.adapters.as_ref().map(|a| a.rank), Some(8));
+    }
+    assert_eq!(status.attempts[2].last_step, Some(12));
+    let resumed = ns
+        .resumed_step()
+        .await
+        .expect("attempt 3's worker log says it resumed");
+    assert!(
+        resumed >= reached && resumed < 12,
+        "resumed at step {resumed}; attempt 2 had reached step {reached}"
+    );
+    let loss = final_loss(&status);
+    assert!(loss.is_finite() && loss < 512f64.ln(), "loss {loss}");
+
+    let (config, header, files) = written_adapter(&ns, name, &status).await;
+    check_peft_adapter(&config, &header);
+    assert!(
+        !files.iter().any(|f| f == "merged"),
+        "no merged weights over a quantized base: {files:?}"
+    );
+    ns.cleanup().await;
+}
+
+#[tokio::test]
+#[ignore = "needs a cluster with Headroom installed: make e2e"]
+async fn a_qlora_job_on_an_int4_base_succeeds_first_time() {
+    let ns = TestNs::new(E2E, "e2e-qlora").await;
+    let hub = hub();
+    let endpoint = hub.endpoint_on(&hub_host(&ns).await);
+    load_claims(&ns, false).await;
+
+    let name = "qlora-int4";
+    ns.apply_job(&job(
+        name,
+        &endpoint,
+        "    method: qlora\n    lora: {rank: 8, alpha: 16, targetModules: [q_proj, v_proj], baseFormat: int4, blockSize: 64}",
+        "200Mi",
+        "  memoryPolicy: {maxAttempts: 2, backoffSeconds: 1}",
+    ))
+    .await;
+    let status = ns.wait_succeeded(name, RUN).await;
+    let outcomes: Vec<AttemptOutcome> = status.attempts.iter().map(|a| a.outcome).collect();
+    assert_eq!(
+        outcomes,
+        [AttemptOutcome::Succeeded],
+        "{:#?}",
+        status.attempts
+    );
+    assert_eq!(
+        status.attempts[0].plan.settings.base_format,
+        BaseFormat::Int4
+    );
+    let loss = final_loss(&status);
+    assert!(loss.is_finite() && loss < 512f64.ln(), "loss {loss}");
+    let (config, header, _) = written_adapter(&ns, name, &status).await;
+    check_peft_adapter(&config, &header);
+    ns.cleanup().await;
+}
