@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use headroom_api::{WorkerAssignment, exit_code};
 use headroom_planner::Backend;
-use headroom_planner::{ModelShape, Optimizer, Precision};
+use headroom_planner::{ModelShape, Precision};
 
 use crate::env::PlanSource;
 use crate::model::StageLayout;
@@ -179,12 +179,6 @@ fn train_config(a: &WorkerAssignment) -> Result<TrainConfig, Unsupported> {
         ));
     }
     let s = plan.settings;
-    if s.optimizer == Optimizer::Adamw8bit {
-        return Err(unsupported(
-            "plan.settings.optimizer",
-            "adamw8bit is not implemented by the burn worker; use adamw, adam, sgdMomentum or sgd",
-        ));
-    }
     match plan.backend {
         Backend::Flex if s.precision != Precision::Fp32 => {
             return Err(unsupported(
@@ -382,14 +376,10 @@ mod tests {
         let err = ValidAssignment::new(c).expect_err("layer 3 not covered");
         assert!(err.to_string().starts_with("plan.stages: "), "{err}");
         let mut d = assignment();
+        // adamw8bit runs (crate::optim::AdamW8bit); it is no longer refused.
         d.plan.settings.optimizer = Optimizer::Adamw8bit;
-        assert!(matches!(
-            ValidAssignment::new(d),
-            Err(PlanError::Unsupported(Unsupported {
-                field: "plan.settings.optimizer",
-                ..
-            }))
-        ));
+        let eight_bit = ValidAssignment::new(d).expect("adamw8bit is a plan the worker runs");
+        assert_eq!(eight_bit.config().settings.optimizer, Optimizer::Adamw8bit);
         let mut f = assignment();
         f.plan.adapters = Some(headroom_planner::LoraConfig {
             rank: 8,

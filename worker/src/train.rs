@@ -33,6 +33,7 @@ use crate::checkpoint;
 use crate::data::{ProgressionTask, Samples, TextSamples};
 use crate::model::hf::HfCheckpoint;
 use crate::model::{LmShape, StageLayout, TransformerLm, lora, peft};
+use crate::optim::AdamW8bitConfig;
 use crate::pipeline::{Frame, Kind, Links, Op, PipelineError, one_f_one_b};
 
 /// What the trainer runs: one stage of a checked assignment
@@ -164,12 +165,8 @@ pub fn build_optimizer(optimizer: Optimizer) -> Result<ModuleOptimizer, Unsuppor
             .with_momentum(Some(MomentumConfig::new().with_dampening(0.0)))
             .init(),
         Optimizer::Sgd => SgdConfig::new().init(),
-        Optimizer::Adamw8bit => {
-            return Err(unsupported(
-                "plan.settings.optimizer",
-                "adamw8bit is not implemented by the burn worker",
-            ));
-        }
+        // bitsandbytes-style block-wise 8-bit moments, burn's AdamW update.
+        Optimizer::Adamw8bit => AdamW8bitConfig::new().init(),
     })
 }
 
