@@ -61,6 +61,10 @@ calibrate-worker: ## Planner-vs-measured peak memory of real CPU workers, GPT an
 bench-load-peak: ## Load peak per pipeline stage of a 156M-parameter Llama checkpoint (bf16, f32, sharded) against the planner's training peak (release, ~1 min).
 	$(CARGO) run --release -q -p headroom-worker --bin load_peak
 
+.PHONY: bench-adamw8bit
+bench-adamw8bit: ## 8-bit vs f32 AdamW on the tiny Llama: moment bytes, record bytes, update and step medians (release, ~10 s).
+	$(CARGO) run --release -q -p headroom-worker --bin adamw8bit
+
 bench-controller: controlplane-up ## 500 jobs through the operator on the local API server: latencies and peak RSS.
 	$(CARGO) build --release -q -p headroom-operator --bins
 	KUBECONFIG=$(KUBECONFIG_TEST) $(CARGO_TARGET_DIR)/release/bench-controller --jobs 500 --failures 100
