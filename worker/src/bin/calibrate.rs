@@ -20,8 +20,16 @@
 //! `files`, so the worker loads the checkpoint, tokenizes and packs the text,
 //! trains, checkpoints and writes the trained model back out.
 //!
-//! Pipeline rows: a GPT model split over p = 2 and 3 stages and a Llama model
-//! over p = 2, each stage a
+//! LoRA rows (issue 12): the Lq model with rank-8 adapters on q,v or on all
+//! seven block linears, over a dense base (LoRA) and an int8 or int4 base
+//! (QLoRA, block 64; flex stores int4 one byte a value), checkpointing off
+//! (b 4) and on (b 16, where training rather than the checkpoint load
+//! peaks), planned with the adapters and base format as the operator plans
+//! a LoRA job. 8-bit AdamW rows: full fine-tuning and LoRA. Set
+//! `CALIBRATE_BREAKDOWN=1` to print each row's predicted components.
+//!
+//! Pipeline rows: a GPT model split over p = 2 and 3 stages, a Llama model
+//! and the Lq QLoRA int8 model over p = 2, each stage a
 //! worker process talking to its neighbours over loopback TCP; every stage's
 //! peak is compared with the planner's per-stage prediction (the first
 //! stage's in-flight micro-batches included). Then tokens/s of p = 1, 2, 3 on
@@ -42,11 +50,13 @@ use headroom_api::{
     CHECKPOINT_DIR_ENV, DataFormat, PIPELINE_ADDRESSES_ENV, PLAN_JSON_ENV, POD_NAME_ENV,
     PayloadFiles, TerminationMessage, WorkerAssignment,
 };
+use headroom_planner::backend::BackendProfile;
 use headroom_planner::backend::FLEX;
 use headroom_planner::memory::{StagePlacement, estimate_stage};
+use headroom_planner::search::plan_with;
 use headroom_planner::{
-    Inventory, JobRequest, LlamaShape, ModelShape, Optimizer, Precision, RetryRung, Target,
-    TransformerShape, plan,
+    BaseFormat, Inventory, JobRequest, LlamaShape, LoraConfig, ModelShape, Optimizer, Precision,
+    RetryRung, SearchOptions, Target, TargetModule, TransformerShape,
 };
 use headroom_worker::ValidAssignment;
 use headroom_worker::model::hf::HfCheckpoint;
@@ -62,6 +72,18 @@ const MIB: f64 = 1024.0 * 1024.0;
 const MEDIAN_TARGET: f64 = 0.05;
 const UNDER_TARGET: f64 = 0.10;
 
+/// FLEX with the worker's 8-bit AdamW among its optimizers (see `assignment`).
+static FLEX_WITH_8BIT: BackendProfile = BackendProfile {
+    optimizers: &[
+        Optimizer::Adamw,
+        Optimizer::Adam,
+        Optimizer::Adamw8bit,
+        Optimizer::SgdMomentum,
+        Optimizer::Sgd,
+    ],
+    ..FLEX
+};
+
 #[derive(Clone, Debug)]
 struct Case {
     name: &'static str,
@@ -72,6 +94,10 @@ struct Case {
     accumulation: u32,
     checkpointing: bool,
     optimizer: Optimizer,
+    /// LoRA adapters on the frozen base (`None`: full fine-tuning).
+    adapters: Option<LoraConfig>,
+    /// How the frozen base is stored (QLoRA: int8/int4; dense otherwise).
+    base_format: BaseFormat,
 }
 
 impl Case {
@@ -164,8 +190,22 @@ fn grid() -> Vec<Case> {
         accumulation: acc,
         checkpointing: ckpt,
         optimizer: opt,
+        adapters: None,
+        base_format: BaseFormat::Dense,
     };
-    use Optimizer::{Adamw, Sgd, SgdMomentum};
+    // LoRA rows: Lq, 25M parameters (h 512, GQA 8/2, SwiGLU 1408 = 22 × 64,
+    // so the default QLoRA block of 64 divides every block linear), untied;
+    // rank 8, alpha 16 on q,v or on all seven block linears.
+    let lq = llama(6, 512, (8, 2), 1408, 128, 8192, false);
+    let lora = |name, b, ckpt, opt, targets: &[TargetModule], format| Case {
+        adapters: Some(lora_config(targets)),
+        base_format: format,
+        ..c(name, &lq, b, 1, ckpt, opt)
+    };
+    use BaseFormat::{Dense, Int4, Int8};
+    use Optimizer::{Adamw, Adamw8bit, Sgd, SgdMomentum};
+    let qv = &[TargetModule::QProj, TargetModule::VProj][..];
+    let all7 = &BLOCK_LINEARS[..];
     vec![
         c("S b4", &s, 4, 1, false, Adamw),
         c("S b16", &s, 16, 1, false, Adamw),
@@ -194,7 +234,54 @@ fn grid() -> Vec<Case> {
         c("Llama Qs s512 b8 ckpt", &qs, 8, 1, true, Adamw),
         c("Llama B untied b4", &big, 4, 1, false, Adamw),
         c("Llama B untied b8 ckpt mom", &big, 8, 1, true, SgdMomentum),
+        c("Llama B untied b4 8bit", &big, 4, 1, false, Adamw8bit),
+        c("Llama B untied b8 ckpt 8bit", &big, 8, 1, true, Adamw8bit),
+        c("Llama Q gqa b16 8bit", &q, 16, 1, false, Adamw8bit),
+        lora("Lq lora qv b4", 4, false, Adamw, qv, Dense),
+        lora("Lq lora qv b16 ckpt", 16, true, Adamw, qv, Dense),
+        lora("Lq lora all7 b4", 4, false, Adamw, all7, Dense),
+        lora("Lq lora all7 b16 ckpt", 16, true, Adamw, all7, Dense),
+        lora("Lq qlora8 qv b4", 4, false, Adamw, qv, Int8),
+        lora("Lq qlora8 qv b16 ckpt", 16, true, Adamw, qv, Int8),
+        lora("Lq qlora8 all7 b4", 4, false, Adamw, all7, Int8),
+        lora("Lq qlora8 all7 b16 ckpt", 16, true, Adamw, all7, Int8),
+        lora("Lq qlora4 qv b4", 4, false, Adamw, qv, Int4),
+        lora("Lq qlora4 qv b16 ckpt", 16, true, Adamw, qv, Int4),
+        lora("Lq qlora4 all7 b4", 4, false, Adamw, all7, Int4),
+        lora("Lq qlora4 all7 b16 ckpt", 16, true, Adamw, all7, Int4),
+        lora("Lq lora all7 b4 8bit", 4, false, Adamw8bit, all7, Dense),
+        lora(
+            "Lq qlora8 all7 b16 ckpt 8bit",
+            16,
+            true,
+            Adamw8bit,
+            all7,
+            Int8,
+        ),
     ]
+}
+
+/// The seven linear modules of a Llama decoder block (all but `lm_head`).
+const BLOCK_LINEARS: [TargetModule; 7] = [
+    TargetModule::QProj,
+    TargetModule::KProj,
+    TargetModule::VProj,
+    TargetModule::OProj,
+    TargetModule::GateProj,
+    TargetModule::UpProj,
+    TargetModule::DownProj,
+];
+
+/// Rank 8, alpha 16 (PEFT's common pairing), no dropout, QLoRA block 64
+/// (the API's default).
+fn lora_config(targets: &[TargetModule]) -> LoraConfig {
+    LoraConfig {
+        rank: 8,
+        alpha: 16.0,
+        dropout: 0.0,
+        target_modules: targets.to_vec(),
+        block_size: headroom_planner::adapters::default_block_size(),
+    }
 }
 
 fn assignment(case: &Case, steps: u64) -> WorkerAssignment {
@@ -212,8 +299,15 @@ fn assignment(case: &Case, steps: u64) -> WorkerAssignment {
         },
         headroom_fraction: 0.1,
         allowed_rungs: RetryRung::ALL.to_vec(),
-        adapters: None,
-        base_format: headroom_planner::BaseFormat::Dense,
+        adapters: case.adapters.clone(),
+        base_format: case.base_format,
+    };
+    // The worker runs adamw8bit (worker/src/optim/), but FLEX does not list
+    // it yet (the API still refuses the cheaperOptimizer rung): plan such a
+    // row with FLEX plus adamw8bit, everything else as the operator plans it.
+    let options = SearchOptions {
+        profile: (!FLEX.optimizers.contains(&case.optimizer)).then_some(&FLEX_WITH_8BIT),
+        ..SearchOptions::default()
     };
     WorkerAssignment {
         job: "calibrate".into(),
@@ -221,7 +315,8 @@ fn assignment(case: &Case, steps: u64) -> WorkerAssignment {
         attempt: 1,
         stage: 0,
         model: req.model.clone(),
-        plan: plan(&req, &Inventory::default()).expect("a 64 GiB budget fits every grid case"),
+        plan: plan_with(&req, &Inventory::default(), &options)
+            .expect("a 64 GiB budget fits every grid case"),
         steps,
         learning_rate: 1e-3,
         checkpoint_every_steps: u32::try_from(steps).unwrap_or(u32::MAX),
@@ -324,21 +419,37 @@ fn measure(case: &Case, steps: u64) -> Measured {
         (
             settings.micro_batch,
             settings.gradient_accumulation,
-            settings.activation_checkpointing
+            settings.activation_checkpointing,
+            settings.optimizer,
+            settings.base_format,
         ),
-        (case.micro_batch, case.accumulation, case.checkpointing),
+        (
+            case.micro_batch,
+            case.accumulation,
+            case.checkpointing,
+            case.optimizer,
+            case.base_format,
+        ),
         "{}: the plan kept the pinned settings",
         case.name
     );
-    let predicted = estimate_stage(
+    assert_eq!(
+        a.plan.adapters, case.adapters,
+        "{}: the plan's adapters",
+        case.name
+    );
+    let breakdown = estimate_stage(
         &case.model,
-        None,
+        a.plan.adapters.as_ref(),
         &settings,
         StagePlacement::single(case.layers()),
         &FLEX,
         1.0,
-    )
-    .total;
+    );
+    if std::env::var_os("CALIBRATE_BREAKDOWN").is_some() {
+        eprintln!("  {}: {}", case.name, breakdown_mib(&breakdown));
+    }
+    let predicted = breakdown.total;
     let dir = std::env::temp_dir().join(format!("headroom-calibrate-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("temp dir");
@@ -482,8 +593,18 @@ fn measure_pipeline(case: &Case, p: u32, steps: u64) -> Vec<Measured> {
                 last: k + 1 == p,
                 in_flight: stage.in_flight_micro_batches,
             };
-            let predicted =
-                estimate_stage(&model, None, &a.plan.settings, placement, &FLEX, 1.0).total;
+            let breakdown = estimate_stage(
+                &model,
+                a.plan.adapters.as_ref(),
+                &a.plan.settings,
+                placement,
+                &FLEX,
+                1.0,
+            );
+            if std::env::var_os("CALIBRATE_BREAKDOWN").is_some() {
+                eprintln!("  {} p{p} s{k}: {}", case.name, breakdown_mib(&breakdown));
+            }
+            let predicted = breakdown.total;
             Measured {
                 label: format!(
                     "{} p{p} s{k} (L{}-{})",
@@ -511,6 +632,20 @@ fn pipeline_case() -> Case {
         accumulation: 4,
         checkpointing: false,
         optimizer: Optimizer::Adamw,
+        adapters: None,
+        base_format: BaseFormat::Dense,
+    }
+}
+
+/// The LoRA pipeline rows: the Lq model as QLoRA int8 on all seven block
+/// linears, the same micro-batches as P.
+fn qlora_pipeline_case() -> Case {
+    Case {
+        name: "Lq qlora8 all7 PL",
+        model: llama(6, 512, (8, 2), 1408, 128, 8192, false),
+        adapters: Some(lora_config(&BLOCK_LINEARS)),
+        base_format: BaseFormat::Int8,
+        ..pipeline_case()
     }
 }
 
@@ -576,6 +711,7 @@ fn pipeline_report(steps: u64) -> Vec<Measured> {
     for (case, stages) in [
         (pipeline_case(), &[2, 3][..]),
         (llama_pipeline_case(), &[2][..]),
+        (qlora_pipeline_case(), &[2][..]),
     ] {
         let mut whole = measure(&case, steps);
         whole.label = format!("{} p1", case.name);
@@ -635,6 +771,8 @@ fn step_times(rounds: u32, steps_per_segment: u32) -> (Vec<f64>, Vec<f64>) {
         accumulation: 1,
         checkpointing: false,
         optimizer: Optimizer::Adamw,
+        adapters: None,
+        base_format: BaseFormat::Dense,
     };
     let config = ValidAssignment::new(assignment(&case, 1_000_000))
         .expect("valid assignment")
@@ -751,9 +889,9 @@ fn main() {
         FLEX.activation_count,
     );
     println!(
-        "| case | L | h | heads | ffn | s | v | params | micro × acc | ckpt | optimizer | predicted MiB | measured MiB | error |"
+        "| case | L | h | heads | ffn | s | v | params | micro × acc | ckpt | optimizer | adapters | predicted MiB | measured MiB | error |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut rows = Vec::new();
     for case in grid()
         .into_iter()
@@ -793,17 +931,58 @@ fn print_row(m: &Measured) {
         ModelShape::Generic(_) => unreachable!("the grid builds transformers"),
     };
     println!(
-        "| {} | {layers} | {hidden} | {heads} | {ffn} | {seq} | {vocab} | {:.2}M | {} × {} | {} | {} | {:.0} | {:.0} | {:+.1} % |",
+        "| {} | {layers} | {hidden} | {heads} | {ffn} | {seq} | {vocab} | {:.2}M | {} × {} | {} | {} | {} | {:.0} | {:.0} | {:+.1} % |",
         m.label,
         m.case.model.total_params() as f64 / 1e6,
         m.case.micro_batch,
         m.case.accumulation,
         if m.case.checkpointing { "on" } else { "off" },
         m.case.optimizer,
+        adapters_cell(&m.case),
         m.predicted as f64 / MIB,
         m.measured as f64 / MIB,
         100.0 * m.error(),
     );
+}
+
+/// The predicted components in MiB (`CALIBRATE_BREAKDOWN=1`, on stderr).
+fn breakdown_mib(b: &headroom_planner::MemoryBreakdown) -> String {
+    let m = |x: u64| x as f64 / MIB;
+    format!(
+        "weights {:.1}, gradients {:.1}, optimizer {:.1}, activations {:.1}, logits {:.1}, composed {:.1}, slack {:.1}, fixed {:.0}: training {:.1}; load peak {:.1}",
+        m(b.weights),
+        m(b.gradients),
+        m(b.optimizer_state),
+        m(b.activations),
+        m(b.logits),
+        m(b.composed_weights),
+        m(b.allocator_slack),
+        m(b.fixed_overhead),
+        m(b.training_total()),
+        m(b.load_peak)
+    )
+}
+
+/// "—" for full fine-tuning; else the rank, the targets (q,v or all 7 block
+/// linears) and the base format (with its block for a quantized base).
+fn adapters_cell(case: &Case) -> String {
+    let Some(a) = &case.adapters else {
+        return "—".into();
+    };
+    let targets = if a.target_modules.len() == 7 && a.target_modules.iter().all(|m| m.per_layer()) {
+        "all 7".to_string()
+    } else {
+        a.target_modules
+            .iter()
+            .map(|m| m.hf_name().trim_end_matches("_proj"))
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let base = match case.base_format {
+        BaseFormat::Dense => "dense".to_string(),
+        f => format!("{f}/{}", a.block_size),
+    };
+    format!("r{} {targets}, {base}", a.rank)
 }
 
 fn summary(rows: &[Measured], overhead: bool, pipeline: bool) {
