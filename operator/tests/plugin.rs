@@ -391,8 +391,8 @@ fn invalid_corpus_cross_field_rules_are_caught_offline_too() {
             "toleration 0: Exists takes no value",
         ),
         (
-            "30-cheaper-optimizer-rung.yaml",
-            "spec.memoryPolicy.allowedRungs: cheaperOptimizer is not offered yet",
+            "30-offload-optimizer-rung.yaml",
+            "spec.memoryPolicy.allowedRungs: offloadOptimizer is not offered yet",
         ),
         ("31-cores-not-quantity.yaml", "spec.resources.cpu.cores"),
         ("32-negative-cores.yaml", "spec.resources.cpu.cores"),

@@ -548,15 +548,15 @@ pub struct CpuResources {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
-    {"rule": "!has(self.allowedRungs) || !('cheaperOptimizer' in self.allowedRungs)",
-     "message": "memoryPolicy.allowedRungs: cheaperOptimizer is not offered yet (no worker backend runs 8-bit optimizer state); allow any of activationCheckpointing, halveMicroBatch, lowerPrecision, quantizeBase, morePipelineStages, largerGpu"}
+    {"rule": "!has(self.allowedRungs) || !('offloadOptimizer' in self.allowedRungs)",
+     "message": "memoryPolicy.allowedRungs: offloadOptimizer is not offered yet (no worker keeps optimizer state in host memory); allow any of activationCheckpointing, halveMicroBatch, lowerPrecision, cheaperOptimizer, quantizeBase, morePipelineStages, largerGpu"}
 ]))]
 pub struct MemoryPolicy {
     /// Retry rungs allowed, applied in Headroom's fixed order
     /// (activationCheckpointing, halveMicroBatch, lowerPrecision,
-    /// morePipelineStages, largerGpu); all of them by default.
-    /// `cheaperOptimizer` is rejected until a worker backend runs 8-bit
-    /// optimizer state.
+    /// cheaperOptimizer, quantizeBase, morePipelineStages, largerGpu); all
+    /// of them by default. `offloadOptimizer` is rejected until a worker
+    /// keeps optimizer state in host memory.
     #[serde(default = "default_rungs")]
     #[schemars(length(max = 6), extend("x-kubernetes-list-type" = "set"))]
     pub allowed_rungs: Vec<RetryRung>,
@@ -913,17 +913,6 @@ fn spec_error(field: &'static str, problem: impl Into<String>) -> SpecError {
     }
 }
 
-/// What the first CRD defaulted `memoryPolicy.allowedRungs` to: every rung
-/// there was, `cheaperOptimizer` included, which no worker could run.
-const PREVIOUS_CRD_DEFAULT_RUNGS: [RetryRung; 6] = [
-    RetryRung::ActivationCheckpointing,
-    RetryRung::HalveMicroBatch,
-    RetryRung::LowerPrecision,
-    RetryRung::CheaperOptimizer,
-    RetryRung::MorePipelineStages,
-    RetryRung::LargerGpu,
-];
-
 impl MemoryAwareTrainingJobSpec {
     /// The backend this job's workers run on.
     pub fn backend(&self) -> Backend {
@@ -1140,19 +1129,13 @@ impl MemoryAwareTrainingJobSpec {
             }
         }
         // A rung no worker can run is never offered (RetryRung::runnable);
-        // the API server rejects it too (CEL on memoryPolicy). One exception:
-        // the exact list the previous CRD defaulted every job to. Jobs stored
-        // under it, or created while an upgrade left that CRD in place (Helm
-        // does not upgrade crds/), run on with today's default; the rung
-        // could never fire, so nothing else changes for them.
-        let mut allowed_rungs = self.memory_policy.allowed_rungs.clone();
-        if allowed_rungs == PREVIOUS_CRD_DEFAULT_RUNGS {
-            allowed_rungs = RetryRung::DEFAULT.to_vec();
-        } else if allowed_rungs.contains(&RetryRung::CheaperOptimizer) {
+        // the API server rejects it too (CEL on memoryPolicy).
+        let allowed_rungs = self.memory_policy.allowed_rungs.clone();
+        if let Some(rung) = allowed_rungs.iter().find(|r| !r.runnable()) {
             return Err(spec_error(
                 "memoryPolicy.allowedRungs",
                 format!(
-                    "cheaperOptimizer is not offered yet (no worker backend runs 8-bit optimizer state); allow any of {}",
+                    "{rung} is not offered yet (no worker keeps optimizer state in host memory); allow any of {}",
                     RetryRung::DEFAULT.map(|r| r.to_string()).join(", ")
                 ),
             ));
@@ -1337,12 +1320,12 @@ mod tests {
 
     #[test]
     fn a_rung_no_worker_can_run_is_rejected_offline_like_the_api_server_does() {
-        let job = invalid_manifest("30-cheaper-optimizer-rung.yaml");
-        let err = job.spec.job_request().expect_err("cheaperOptimizer");
+        let job = invalid_manifest("30-offload-optimizer-rung.yaml");
+        let err = job.spec.job_request().expect_err("offloadOptimizer");
         assert_eq!(err.field, "memoryPolicy.allowedRungs");
         // The same words as the CEL rule, so one `# expect:` line serves both.
         let schema = serde_json::to_string(&schemars::schema_for!(MemoryPolicy)).expect("json");
-        let cel = "memoryPolicy.allowedRungs: cheaperOptimizer is not offered yet (no worker backend runs 8-bit optimizer state); allow any of activationCheckpointing, halveMicroBatch, lowerPrecision, quantizeBase, morePipelineStages, largerGpu";
+        let cel = "memoryPolicy.allowedRungs: offloadOptimizer is not offered yet (no worker keeps optimizer state in host memory); allow any of activationCheckpointing, halveMicroBatch, lowerPrecision, cheaperOptimizer, quantizeBase, morePipelineStages, largerGpu";
         assert_eq!(format!("spec.{cel}"), err.to_string());
         assert!(schema.contains(cel), "{schema}");
 
@@ -1480,14 +1463,5 @@ mod tests {
                 .map_or_else(|e| e.field != "training.lora.blockSize", |_| true),
             "{result:?}"
         );
-    }
-
-    #[test]
-    fn a_job_defaulted_by_the_previous_crd_runs_with_todays_default() {
-        let mut spec = invalid_manifest("30-cheaper-optimizer-rung.yaml").spec;
-        // What the previous CRD stored for a job that named no rungs.
-        spec.memory_policy.allowed_rungs = PREVIOUS_CRD_DEFAULT_RUNGS.to_vec();
-        let request = spec.job_request().expect("a stored job keeps running");
-        assert_eq!(request.allowed_rungs, RetryRung::DEFAULT.to_vec());
     }
 }

@@ -138,6 +138,8 @@ pub const FLEX: BackendProfile = BackendProfile {
         Optimizer::Adam,
         Optimizer::SgdMomentum,
         Optimizer::Sgd,
+        // bitsandbytes-style block-wise 8-bit moments (worker/src/optim/).
+        Optimizer::Adamw8bit,
     ],
     // The worker quantizes a QLoRA base with burn's block-wise scheme
     // (worker/src/model/lora.rs); burn-flex keeps every quantized value,
@@ -174,6 +176,8 @@ pub const CUDA: BackendProfile = BackendProfile {
         Optimizer::Adam,
         Optimizer::SgdMomentum,
         Optimizer::Sgd,
+        // bitsandbytes-style block-wise 8-bit moments (worker/src/optim/).
+        Optimizer::Adamw8bit,
     ],
     // The same burn code as on flex; cubecl packs int4 values two per byte.
     // Unverified on a GPU (none here).

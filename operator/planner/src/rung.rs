@@ -86,10 +86,11 @@ impl RetryRung {
 
     /// What a job allows when it names no rungs: every [`runnable`](Self::runnable)
     /// rung, in the ladder's order. A rung the worker cannot run is never offered.
-    pub const DEFAULT: [RetryRung; 6] = [
+    pub const DEFAULT: [RetryRung; 7] = [
         RetryRung::ActivationCheckpointing,
         RetryRung::HalveMicroBatch,
         RetryRung::LowerPrecision,
+        RetryRung::CheaperOptimizer,
         RetryRung::QuantizeBase,
         RetryRung::MorePipelineStages,
         RetryRung::LargerGpu,
@@ -475,7 +476,8 @@ mod tests {
             .filter(|r| r.runnable())
             .collect();
         assert_eq!(runnable, RetryRung::DEFAULT.to_vec());
-        assert!(!RetryRung::CheaperOptimizer.runnable());
+        assert!(RetryRung::CheaperOptimizer.runnable());
+        assert!(!RetryRung::OffloadOptimizer.runnable());
     }
 
     #[test]
@@ -509,10 +511,14 @@ mod tests {
             None,
             "flex trains in fp32 only"
         );
-        // No backend runs 8-bit optimizer state, so the rung never fires.
+        let cheaper = RetryRung::CheaperOptimizer
+            .tighten_settings(&s, &FLEX, 12, false)
+            .expect("adamw → adamw8bit");
+        assert_eq!(cheaper.optimizer, Optimizer::Adamw8bit);
         assert_eq!(
-            RetryRung::CheaperOptimizer.tighten_settings(&s, &CUDA, 12, false),
-            None
+            RetryRung::CheaperOptimizer.tighten_settings(&cheaper, &FLEX, 12, false),
+            None,
+            "nothing cheaper than 8-bit AdamW"
         );
         for placement in [RetryRung::MorePipelineStages, RetryRung::LargerGpu] {
             assert_eq!(placement.tighten_settings(&s, &CUDA, 12, false), None);
@@ -596,9 +602,16 @@ mod tests {
             RetryRung::ActivationCheckpointing.tighten(&from, &lim),
             Tightening::Skip("already on".into())
         );
+        let eight_bit = Candidate {
+            settings: Settings {
+                optimizer: Optimizer::Adamw8bit,
+                ..from.settings
+            },
+            ..from.clone()
+        };
         assert_eq!(
-            RetryRung::CheaperOptimizer.tighten(&from, &lim),
-            Tightening::Skip("no cheaper-state variant of adamw on the cuda backend".into())
+            RetryRung::CheaperOptimizer.tighten(&eight_bit, &lim),
+            Tightening::Skip("no cheaper-state variant of adamw8bit on the cuda backend".into())
         );
         // Halving applies but has no step left below micro-batch 1.
         assert_eq!(

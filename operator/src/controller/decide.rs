@@ -1332,6 +1332,11 @@ mod tests {
         j.spec.training.micro_batch = None;
         j.spec.training.activation_checkpointing = None;
         j.spec.resources.cpu.as_mut().expect("cpu").memory_limit.0 = "64Mi".into();
+        // 8-bit AdamW state would just fit this model in 64Mi; without it nothing does.
+        j.spec.memory_policy.allowed_rungs = vec![
+            headroom_planner::RetryRung::ActivationCheckpointing,
+            headroom_planner::RetryRung::HalveMicroBatch,
+        ];
         let d = step(&mut j, &[], t0());
         assert_eq!(d.status.phase, Some(JobPhase::Failed));
         assert_eq!(d.launch, None);
