@@ -266,12 +266,34 @@ impl Trainer {
                     ),
                 ));
             }
-            checkpoint
-                .load_stage(&mut model, &config.layout)
-                .map_err(|e| unsupported("model", e.to_string()))?;
+            match &config.adapters {
+                // QLoRA: each block is quantized as soon as it is read, so
+                // the load never holds the whole base dense.
+                Some(adapters) if config.settings.base_format.is_quantized() => {
+                    model = lora::load_quantized(
+                        &checkpoint,
+                        model,
+                        adapters,
+                        config.settings.base_format,
+                        &config.layout,
+                        config.seed,
+                        &device,
+                    )
+                    .map_err(|e| match e {
+                        lora::QuantizedLoadError::Checkpoint(e) => {
+                            unsupported("model", e.to_string())
+                        }
+                        lora::QuantizedLoadError::Adapter(e) => unsupported("training.lora", e.0),
+                    })?;
+                }
+                _ => checkpoint
+                    .load_stage(&mut model, &config.layout)
+                    .map_err(|e| unsupported("model", e.to_string()))?,
+            }
             pretrained = Some(checkpoint);
         }
-        if let Some(adapters) = &config.adapters {
+        let loaded_adapted = pretrained.is_some() && config.settings.base_format.is_quantized();
+        if let Some(adapters) = config.adapters.as_ref().filter(|_| !loaded_adapted) {
             model = lora::attach(
                 model,
                 adapters,

@@ -39,9 +39,12 @@ use std::time::{Duration, Instant};
 use headroom_planner::backend::FLEX;
 use headroom_planner::memory::{StagePlacement, estimate_stage};
 use headroom_planner::search::balanced_split;
-use headroom_planner::{Backend, LlamaShape, ModelShape, Optimizer, Precision, Settings};
+use headroom_planner::{
+    Backend, BaseFormat, LlamaShape, LoraConfig, ModelShape, Optimizer, Precision, Settings,
+    TargetModule,
+};
 use headroom_worker::model::hf::HfCheckpoint;
-use headroom_worker::model::{LmShape, StageLayout, TransformerLm};
+use headroom_worker::model::{LmShape, StageLayout, TransformerLm, lora};
 use headroom_worker::train::training_device;
 use serde_json::{Value, json};
 
@@ -303,7 +306,7 @@ fn sample_until(stop: Arc<AtomicBool>) -> std::thread::JoinHandle<(u64, u64, u64
 }
 
 /// One stage's load in this process; prints one JSON line.
-fn child(dir: &Path, p: u32, k: u32) {
+fn child(dir: &Path, p: u32, k: u32, format: BaseFormat) {
     let checkpoint = HfCheckpoint::open(dir, SEQUENCE).expect("checkpoint");
     let shape = LmShape::Llama(checkpoint.shape.clone());
     let layout = layout(shape.layers(), p, k);
@@ -315,9 +318,15 @@ fn child(dir: &Path, p: u32, k: u32) {
     let stop = Arc::new(AtomicBool::new(false));
     let sampler = sample_until(stop.clone());
     let start = Instant::now();
-    checkpoint
-        .load_stage(&mut model, &layout)
-        .expect("load_stage");
+    if format.is_quantized() {
+        // As the worker loads a QLoRA stage (worker/src/train.rs).
+        model = lora::load_quantized(&checkpoint, model, &qlora(), format, &layout, 0, &device)
+            .expect("load_quantized");
+    } else {
+        checkpoint
+            .load_stage(&mut model, &layout)
+            .expect("load_stage");
+    }
     let seconds = start.elapsed().as_secs_f64();
     let after = Status::read();
     stop.store(true, Ordering::Relaxed);
@@ -412,12 +421,13 @@ fn median(mut xs: Vec<f64>) -> f64 {
     }
 }
 
-fn run_child(exe: &Path, dir: &Path, p: u32, k: u32) -> Value {
+fn run_child(exe: &Path, dir: &Path, p: u32, k: u32, format: BaseFormat) -> Value {
     let out = Command::new(exe)
         .arg("--child")
         .arg(dir)
         .arg(p.to_string())
         .arg(k.to_string())
+        .arg(format.to_string())
         .output()
         .expect("child");
     assert!(
@@ -467,7 +477,7 @@ const VARIANTS: [Variant; 3] = [
     },
 ];
 
-fn bench(variant: Variant, runs: usize, root: &Path, exe: &Path) {
+fn bench(variant: Variant, runs: usize, formats: &[BaseFormat], root: &Path, exe: &Path) {
     let stored = variant.stored;
     let dir = root.join(variant.name);
     let start = Instant::now();
@@ -492,9 +502,10 @@ fn bench(variant: Variant, runs: usize, root: &Path, exe: &Path) {
         activation_checkpointing: true,
         precision: Precision::Fp32,
         optimizer: Optimizer::Adamw,
-        base_format: headroom_planner::BaseFormat::Dense,
+        base_format: BaseFormat::Dense,
         offload_optimizer: false,
     };
+    let mut dense_peaks = BTreeMap::new();
     let header = [
         [
             "p",
@@ -582,7 +593,9 @@ fn bench(variant: Variant, runs: usize, root: &Path, exe: &Path) {
                 1.0,
             )
             .total as f64;
-            let results: Vec<Value> = (0..runs).map(|_| run_child(exe, &dir, p, k)).collect();
+            let results: Vec<Value> = (0..runs)
+                .map(|_| run_child(exe, &dir, p, k, BaseFormat::Dense))
+                .collect();
             let get = |key: &str| -> Vec<f64> {
                 results
                     .iter()
@@ -603,6 +616,7 @@ fn bench(variant: Variant, runs: usize, root: &Path, exe: &Path) {
             let before = median(get("rss_before"));
             let after = median(get("rss_after"));
             let peak = median(get("hwm_after"));
+            dense_peaks.insert((p, k), peak);
             let transient = median(diff("hwm_after", "rss_after"));
             let file = median(diff("file_max", "file_before"));
             let over_weights = median(diff("hwm_after", "rss_before")) - w_f32 as f64;
@@ -645,6 +659,142 @@ fn bench(variant: Variant, runs: usize, root: &Path, exe: &Path) {
             );
         }
     }
+    for &format in formats {
+        qlora_table(format, runs, &dir, exe, &model, &settings, &dense_peaks);
+    }
+}
+
+/// The adapters of the QLoRA rows: Unsloth's defaults (rank 16, alpha 32,
+/// every block linear), quantized in blocks of 64.
+fn qlora() -> LoraConfig {
+    LoraConfig {
+        rank: 16,
+        alpha: 32.0,
+        dropout: 0.0,
+        target_modules: TargetModule::ALL
+            .into_iter()
+            .filter(|m| m.per_layer())
+            .collect(),
+        block_size: 64,
+    }
+}
+
+/// The same stages loaded as the worker loads a QLoRA stage (`format`
+/// int8 or int4): measured peak beside the dense load's and the planner's
+/// `load_peak`.
+fn qlora_table(
+    format: BaseFormat,
+    runs: usize,
+    dir: &Path,
+    exe: &Path,
+    model: &ModelShape,
+    settings: &Settings,
+    dense_peaks: &BTreeMap<(u32, u32), f64>,
+) {
+    let ModelShape::Llama(shape) = model else {
+        unreachable!("a Llama checkpoint")
+    };
+    let settings = Settings {
+        base_format: format,
+        ..*settings
+    };
+    let adapters = qlora();
+    println!(
+        "  QLoRA {format} (rank {}, all 7 block linears, block {}): the same stages, loaded with lora::load_quantized",
+        adapters.rank, adapters.block_size
+    );
+    println!(
+        "{:>3} {:>5} {:>6} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>9} {:>7} {:>6} {:>8} {:>6} {:>7} {:>5}",
+        "p",
+        "stage",
+        "layers",
+        "W f32",
+        "W held",
+        "before",
+        "after",
+        "dense",
+        "peak",
+        "transient",
+        "file pg",
+        "anon",
+        "load",
+        "peak/",
+        "train",
+        "load"
+    );
+    println!(
+        "{:>3} {:>5} {:>6} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>9} {:>7} {:>6} {:>8} {:>6} {:>7} {:>5}",
+        "",
+        "",
+        "",
+        "MiB",
+        "pred",
+        "RSS",
+        "RSS",
+        "peak",
+        "VmHWM",
+        "pk−after",
+        "max",
+        "rest",
+        "pred",
+        "load",
+        "pred",
+        "s"
+    );
+    for p in STAGE_COUNTS {
+        for k in 0..p {
+            let layout = layout(shape.layers, p, k);
+            let w_f32 = stage_params(shape, &layout) * 4;
+            let predicted = estimate_stage(
+                model,
+                Some(&adapters),
+                &settings,
+                StagePlacement {
+                    layers: layout.layers.end - layout.layers.start,
+                    first: layout.first,
+                    last: layout.last,
+                    in_flight: p - k,
+                },
+                &FLEX,
+                1.0,
+            );
+            let results: Vec<Value> = (0..runs)
+                .map(|_| run_child(exe, dir, p, k, format))
+                .collect();
+            let get = |key: &str| -> Vec<f64> {
+                results
+                    .iter()
+                    .map(|r| r[key].as_f64().expect("number"))
+                    .collect()
+            };
+            let diff = |a: &str, b: &str| -> Vec<f64> {
+                get(a).into_iter().zip(get(b)).map(|(x, y)| x - y).collect()
+            };
+            let peak = median(get("hwm_after"));
+            let transient = median(diff("hwm_after", "rss_after"));
+            let file = median(diff("file_max", "file_before"));
+            let load = predicted.load_peak as f64;
+            println!(
+                "{:>3} {:>5} {:>6} {:>7.1} {:>7.1} {:>7.1} {:>7.1} {:>7.1} {:>7.1} {:>9.1} {:>7.1} {:>6.1} {:>8.1} {:>6.2} {:>7.1} {:>5.2}",
+                p,
+                k,
+                format!("{}-{}", layout.layers.start, layout.layers.end - 1),
+                w_f32 as f64 / MIB,
+                predicted.weights as f64 / MIB,
+                median(get("rss_before")) / MIB,
+                median(get("rss_after")) / MIB,
+                dense_peaks.get(&(p, k)).copied().unwrap_or(f64::NAN) / MIB,
+                peak / MIB,
+                transient / MIB,
+                file / MIB,
+                (transient - file) / MIB,
+                load / MIB,
+                peak / load,
+                predicted.training_total() as f64 / MIB,
+                median(get("seconds")),
+            );
+        }
+    }
 }
 
 fn main() {
@@ -653,11 +803,17 @@ fn main() {
         let dir = PathBuf::from(&args[1]);
         let p = args[2].parse().expect("p");
         let k = args[3].parse().expect("stage");
-        child(&dir, p, k);
+        let format = match args.get(4).map(String::as_str) {
+            Some("int8") => BaseFormat::Int8,
+            Some("int4") => BaseFormat::Int4,
+            _ => BaseFormat::Dense,
+        };
+        child(&dir, p, k, format);
         return;
     }
     let mut runs = 3;
     let mut variants = VARIANTS.to_vec();
+    let mut formats = vec![BaseFormat::Int8, BaseFormat::Int4];
     let mut it = args.iter();
     while let Some(arg) = it.next() {
         match arg.as_str() {
@@ -667,7 +823,10 @@ fn main() {
                 variants.retain(|v| v.name == name.as_str());
                 assert!(!variants.is_empty(), "--only bf16|f32|bf16-sharded");
             }
-            other => panic!("unknown argument {other}; use --runs N, --only bf16|f32|bf16-sharded"),
+            "--dense-only" => formats.clear(),
+            other => panic!(
+                "unknown argument {other}; use --runs N, --only bf16|f32|bf16-sharded, --dense-only"
+            ),
         }
     }
     if cfg!(debug_assertions) {
@@ -687,7 +846,7 @@ fn main() {
          train pred: estimate_stage (flex profile, micro-batch 1, seq {SEQUENCE}, checkpointing, fp32, AdamW, 1F1B)"
     );
     for variant in variants {
-        bench(variant, runs, &root.0, &exe);
+        bench(variant, runs, &formats, &root.0, &exe);
         let _ = std::fs::remove_dir_all(root.0.join(variant.name));
     }
 }

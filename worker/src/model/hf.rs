@@ -30,7 +30,7 @@ use burn_store::{
 };
 use headroom_planner::{ConfigError, LlamaShape};
 
-use super::{StageLayout, TransformerLm};
+use super::{Block, LlamaBlock, StageLayout, TransformerLm};
 
 /// A checkpoint directory Headroom cannot read, with the file and what is wrong.
 #[derive(Debug, thiserror::Error)]
@@ -152,14 +152,14 @@ impl HfCheckpoint {
         self.weight_map.as_ref()?.get(tensor).map(PathBuf::as_path)
     }
 
-    /// The files holding a stage's tensors, each once, in a fixed order.
-    fn stage_files(&self, layout: &StageLayout) -> Result<Vec<PathBuf>, HfError> {
+    /// The files holding the tensors `names`, each once, in a fixed order.
+    fn files_of(&self, names: &[String]) -> Result<Vec<PathBuf>, HfError> {
         let Some(map) = &self.weight_map else {
             return Ok(vec![self.dir.join(SINGLE_FILE)]);
         };
         let mut files = BTreeSet::new();
-        for name in self.stage_tensor_names(layout) {
-            let file = map.get(&name).ok_or_else(|| HfError::Index {
+        for name in names {
+            let file = map.get(name).ok_or_else(|| HfError::Index {
                 path: self.dir.join(INDEX_FILE),
                 problem: format!("weight_map has no entry for {name}"),
             })?;
@@ -175,10 +175,79 @@ impl HfCheckpoint {
         model: &mut TransformerLm,
         layout: &StageLayout,
     ) -> Result<(), HfError> {
-        let remap = load_remapping(layout);
+        let names = self.stage_tensor_names(layout);
+        self.load_part(model, &names, load_remapping(layout), "", layout)
+    }
+
+    /// Fills a Llama stage built by [`TransformerLm::new`] as
+    /// [`Self::load_stage`] does, but one part at a time — the token
+    /// embedding, the head, then each decoder block — each from stores of
+    /// its own, dropped (with the pages of the checkpoint they mapped)
+    /// before the next part is read; each block goes through `each_block`
+    /// as soon as it is loaded. When `each_block` quantizes (QLoRA), the
+    /// stage holds at most one dense block at a time besides its quantized
+    /// ones and its dense embedding and head.
+    pub fn load_stage_by_part(
+        &self,
+        model: &mut TransformerLm,
+        layout: &StageLayout,
+        mut each_block: impl FnMut(LlamaBlock, u32) -> LlamaBlock,
+    ) -> Result<(), HfError> {
+        let part = |layers: std::ops::Range<u32>, first: bool, last: bool| StageLayout {
+            layers,
+            first,
+            last,
+        };
+        let empty = layout.layers.start..layout.layers.start;
+        if let Some(token) = &mut model.token {
+            let names = self.stage_tensor_names(&part(empty.clone(), true, false));
+            let remap = part_remapping(&[(r"^model\.embed_tokens\.", "")]);
+            self.load_part(token, &names, remap, "token.", layout)?;
+        }
+        if let Some(head) = &mut model.head {
+            let mut names = self.stage_tensor_names(&part(empty, false, true));
+            names.retain(|n| n != "model.embed_tokens.weight");
+            let remap =
+                part_remapping(&[(r"^model\.norm\.", "norm."), (r"^lm_head\.", "projection.")]);
+            self.load_part(head, &names, remap, "head.", layout)?;
+        }
+        let blocks = std::mem::take(&mut model.blocks);
+        for (local, (block, layer)) in blocks.into_iter().zip(layout.layers.clone()).enumerate() {
+            let Block::Llama(mut block) = block else {
+                return Err(HfError::Tensors {
+                    path: self.dir.clone(),
+                    problem: "a Hugging Face checkpoint loads into Llama-family blocks, not the synthetic transformer's".into(),
+                });
+            };
+            let names = self.stage_tensor_names(&part(layer..layer + 1, false, false));
+            let prefix = format!(r"^model\.layers\.{layer}\.");
+            let remap = part_remapping(&[(prefix.as_str(), "")]);
+            self.load_part(
+                &mut block,
+                &names,
+                remap,
+                &format!("blocks.{local}."),
+                layout,
+            )?;
+            model.blocks.push(Block::Llama(each_block(block, layer)));
+        }
+        Ok(())
+    }
+
+    /// Loads `module`, a stage or a part of one (`prefix`: its path in the
+    /// stage, for messages), from the files holding the checkpoint tensors
+    /// `names`, one store per file, `remap` naming them by the module's paths.
+    fn load_part<M: ModuleSnapshot>(
+        &self,
+        module: &mut M,
+        names: &[String],
+        remap: KeyRemapper,
+        prefix: &str,
+        layout: &StageLayout,
+    ) -> Result<(), HfError> {
         let mut applied = BTreeSet::new();
         let mut expected = None;
-        for file in self.stage_files(layout)? {
+        for file in self.files_of(names)? {
             let mut store = SafetensorsStore::from_file(&file)
                 .with_from_adapter(ChainAdapter::new(
                     PyTorchToBurnAdapter,
@@ -187,7 +256,7 @@ impl HfCheckpoint {
                 .remap(remap.clone())
                 .skip_enum_variants(true)
                 .allow_partial(true);
-            let result = model.load_from(&mut store).map_err(|e| HfError::Tensors {
+            let result = module.load_from(&mut store).map_err(|e| HfError::Tensors {
                 path: file.clone(),
                 problem: e.to_string(),
             })?;
@@ -224,7 +293,7 @@ impl HfCheckpoint {
                     layout.layers,
                     missing
                         .iter()
-                        .map(|p| checkpoint_name(p, layout))
+                        .map(|p| checkpoint_name(&format!("{prefix}{p}"), layout))
                         .collect::<Vec<_>>()
                         .join(", ")
                 ),
@@ -423,6 +492,20 @@ fn load_remapping(layout: &StageLayout) -> KeyRemapper {
     }
     // Another stage's layers must not land on this stage's blocks.
     pairs.push((r"^model\.layers\.".to_string(), "other_stage.".to_string()));
+    KeyRemapper::from_patterns(pairs).expect("static patterns")
+}
+
+/// Checkpoint name → path in one part of a stage: `pairs` (checkpoint
+/// prefix pattern, the part's path) for the part's tensors; every other
+/// tensor of the checkpoint is moved out of the way, under `other.`.
+fn part_remapping(pairs: &[(&str, &str)]) -> KeyRemapper {
+    let mut pairs: Vec<(String, String)> = pairs
+        .iter()
+        .map(|(from, to)| (from.to_string(), to.to_string()))
+        .collect();
+    // Applied in order, each to the name the previous ones left: the
+    // part's tensors no longer start with either prefix here.
+    pairs.push((r"^(model|lm_head)\.".to_string(), "other.$1.".to_string()));
     KeyRemapper::from_patterns(pairs).expect("static patterns")
 }
 

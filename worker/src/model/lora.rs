@@ -13,6 +13,12 @@
 //!   values along a weight's output dimension); embeddings, norms, biases
 //!   and `lm_head` stay dense, as bitsandbytes leaves them in PEFT's QLoRA.
 //!
+//! A quantized base is not loaded whole first: [`load_quantized`] reads the
+//! stage part by part and quantizes each block as soon as it is read, so
+//! the load holds one dense block beside the quantized ones (bitsandbytes
+//! likewise quantizes each weight as it moves to the device). The result
+//! equals [`attach`] on the stage loaded whole (`tests/qlora_load.rs`).
+//!
 //! burn composes the adapted weight densely for each forward pass, so PEFT's
 //! dropout on the adapter's input cannot be expressed; the assignment check
 //! refuses a dropout above 0 (see [`crate::assignment`]).
@@ -23,6 +29,7 @@ use burn::tensor::Device;
 use burn::tensor::quantization::{Calibration, QuantScheme, QuantValue, ScaleDtype};
 use headroom_planner::{BaseFormat, LoraConfig, TargetModule};
 
+use super::hf::{HfCheckpoint, HfError};
 use super::{Block, INIT_LOCK, LlamaBlock, Part, StageLayout, TransformerLm, part_seed};
 
 /// Mixed into a part's seed so its adapter draws are not its weights' draws.
@@ -99,7 +106,10 @@ pub fn quant_scheme(
 /// The first block linear whose output dimension `block_size` does not
 /// divide (burn quantizes a `[d_in, d_out]` weight in blocks of `[1,
 /// block_size]` and needs whole blocks), as the error a user sees.
-pub fn check_block_size(shape: &headroom_planner::LlamaShape, block_size: u32) -> Result<(), AdapterError> {
+pub fn check_block_size(
+    shape: &headroom_planner::LlamaShape,
+    block_size: u32,
+) -> Result<(), AdapterError> {
     for module in BLOCK_LINEARS {
         let (d_in, d_out) = module.dims(shape);
         if block_size == 0 || d_out % u64::from(block_size) != 0 {
@@ -110,11 +120,110 @@ pub fn check_block_size(shape: &headroom_planner::LlamaShape, block_size: u32) -
                 .collect();
             return Err(AdapterError(format!(
                 "training.lora.blockSize: {block_size} does not divide the {d_out} outputs of {module} ({d_in} × {d_out}), and the quantized base is stored in whole blocks of a row; use {}",
-                if fits.is_empty() { "a divisor of every block linear's output size".to_string() } else { fits.join(" or ") }
+                if fits.is_empty() {
+                    "a divisor of every block linear's output size".to_string()
+                } else {
+                    fits.join(" or ")
+                }
             )));
         }
     }
     Ok(())
+}
+
+/// What [`attach`] does to a stage's parts, set up once: each decoder block
+/// is frozen, its seven linears quantized for a quantized base format, and
+/// its targeted linears adapted; the head gets its adapter and the
+/// embeddings are frozen. Split from [`attach`] so that a quantized base can
+/// be adapted block by block as it loads ([`load_quantized`]): a block is
+/// quantized before the next one is read, and the stage never holds its
+/// whole base dense.
+#[derive(Debug)]
+pub struct StageAdapter {
+    config: LoraConfig,
+    scheme: Option<QuantScheme>,
+    seed: u64,
+}
+
+impl StageAdapter {
+    /// Fails on a block size burn cannot quantize with.
+    pub fn new(config: &LoraConfig, format: BaseFormat, seed: u64) -> Result<Self, AdapterError> {
+        Ok(StageAdapter {
+            scheme: quant_scheme(format, config.block_size)?,
+            config: config.clone(),
+            seed,
+        })
+    }
+
+    fn lora(&self) -> Lora {
+        Lora::new(self.config.rank as usize, self.config.alpha)
+    }
+
+    /// Adapts decoder block `layer` (and, for a quantized base, quantizes
+    /// its seven linears). Its adapter factors are drawn from the run's seed
+    /// and the block, whatever the order blocks are adapted in.
+    pub fn block(&self, block: LlamaBlock, layer: u32, device: &Device) -> LlamaBlock {
+        let ids = |modules: &mut dyn Iterator<Item = TargetModule>| {
+            modules
+                .filter_map(|m| block_linear(&block, m).map(|l| l.weight.id))
+                .collect::<Vec<ParamId>>()
+        };
+        let targets = ids(&mut self.config.target_modules.iter().copied());
+        let lora = self.lora().set_param_group(ParamGroup::from_ids(targets));
+        let quantizer = self.scheme.map(|scheme| {
+            let mut quantizer = Quantizer::new(Calibration::MinMax, scheme);
+            quantizer.set_param_group(ParamGroup::from_ids(ids(&mut BLOCK_LINEARS
+                .iter()
+                .copied())));
+            quantizer
+        });
+        let _guard = INIT_LOCK
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        device.seed(part_seed(self.seed ^ ADAPTER_SEED_SALT, Part::Block(layer)));
+        match quantizer {
+            None => block.apply_lora(lora),
+            Some(quantizer) => block.apply_qlora(QLora::new(lora, quantizer)),
+        }
+    }
+
+    /// Adapts the head (`lm_head` when targeted) and freezes the embeddings;
+    /// the blocks are left as they are.
+    pub fn rest(&self, model: TransformerLm, device: &Device) -> TransformerLm {
+        let TransformerLm {
+            token,
+            position,
+            blocks,
+            head,
+            first,
+        } = model;
+        let head = head.map(|head| {
+            let targets = match (&head.projection, self.config.targets(TargetModule::LmHead)) {
+                (Some(projection), true) => vec![projection.weight.id],
+                _ => vec![],
+            };
+            let lora = self.lora().set_param_group(ParamGroup::from_ids(targets));
+            let _guard = INIT_LOCK
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            device.seed(part_seed(self.seed ^ ADAPTER_SEED_SALT, Part::Head));
+            head.apply_lora(lora)
+        });
+        TransformerLm {
+            token: token.map(Module::no_grad),
+            position: position.map(Module::no_grad),
+            blocks,
+            head,
+            first,
+        }
+    }
+}
+
+/// The refusal of an adapter on a head tied to the token embedding.
+fn tied_head_error() -> AdapterError {
+    AdapterError(
+        "training.lora.targetModules: lm_head is tied to the token embedding in this checkpoint (tie_word_embeddings), and an adapter on it would change the embedding too; remove lm_head".into(),
+    )
 }
 
 /// Freezes the stage's base, quantizes its block linears for a quantized
@@ -128,24 +237,13 @@ pub fn attach(
     seed: u64,
     device: &Device,
 ) -> Result<TransformerLm, AdapterError> {
-    let scheme = quant_scheme(format, config.block_size)?;
-    let lora = || Lora::new(config.rank as usize, config.alpha);
-    let _guard = INIT_LOCK
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let adapter = StageAdapter::new(config, format, seed)?;
     let tied_head = model.head.as_ref().is_some_and(|h| h.projection.is_none());
     if tied_head && config.targets(TargetModule::LmHead) {
-        return Err(AdapterError(
-            "training.lora.targetModules: lm_head is tied to the token embedding in this checkpoint (tie_word_embeddings), and an adapter on it would change the embedding too; remove lm_head".into(),
-        ));
+        return Err(tied_head_error());
     }
-    let TransformerLm {
-        token,
-        position,
-        blocks,
-        head,
-        first,
-    } = model;
+    let mut model = model;
+    let blocks = std::mem::take(&mut model.blocks);
     let mut adapted = Vec::with_capacity(blocks.len());
     for (block, layer) in blocks.into_iter().zip(layout.layers.clone()) {
         let Block::Llama(block) = block else {
@@ -153,51 +251,64 @@ pub fn attach(
                 "training.lora: adapters are for Llama-family checkpoints (Llama, Mistral, Qwen2), not the synthetic transformer".into(),
             ));
         };
-        let ids = |modules: &mut dyn Iterator<Item = TargetModule>| {
-            modules
-                .filter_map(|m| block_linear(&block, m).map(|l| l.weight.id))
-                .collect::<Vec<ParamId>>()
-        };
-        let targets = ids(&mut config.target_modules.iter().copied());
-        let lora = lora().set_param_group(ParamGroup::from_ids(targets));
-        device.seed(part_seed(seed ^ ADAPTER_SEED_SALT, Part::Block(layer)));
-        let block = match &scheme {
-            None => block.apply_lora(lora),
-            Some(scheme) => {
-                for module in BLOCK_LINEARS {
-                    let weight = &block_linear(&block, module).expect("a block linear").weight;
-                    let [d_in, d_out] = weight.base().dims();
-                    if d_out % config.block_size as usize != 0 {
-                        return Err(AdapterError(format!(
-                            "training.lora.blockSize: {} does not divide the {d_out} outputs of {module} ({d_in} × {d_out}), and the quantized base is stored in whole blocks of a row",
-                            config.block_size
-                        )));
-                    }
+        if adapter.scheme.is_some() {
+            for module in BLOCK_LINEARS {
+                let weight = &block_linear(&block, module).expect("a block linear").weight;
+                let [d_in, d_out] = weight.base().dims();
+                if d_out % config.block_size as usize != 0 {
+                    return Err(AdapterError(format!(
+                        "training.lora.blockSize: {} does not divide the {d_out} outputs of {module} ({d_in} × {d_out}), and the quantized base is stored in whole blocks of a row",
+                        config.block_size
+                    )));
                 }
-                let mut quantizer = Quantizer::new(Calibration::MinMax, *scheme);
-                quantizer.set_param_group(ParamGroup::from_ids(ids(&mut BLOCK_LINEARS
-                    .iter()
-                    .copied())));
-                block.apply_qlora(QLora::new(lora, quantizer))
             }
-        };
-        adapted.push(Block::Llama(block));
+        }
+        adapted.push(Block::Llama(adapter.block(block, layer, device)));
     }
-    let head = head.map(|head| {
-        let targets = match (&head.projection, config.targets(TargetModule::LmHead)) {
-            (Some(projection), true) => vec![projection.weight.id],
-            _ => vec![],
-        };
-        device.seed(part_seed(seed ^ ADAPTER_SEED_SALT, Part::Head));
-        head.apply_lora(lora().set_param_group(ParamGroup::from_ids(targets)))
-    });
-    Ok(TransformerLm {
-        token: token.map(Module::no_grad),
-        position: position.map(Module::no_grad),
-        blocks: adapted,
-        head,
-        first,
-    })
+    model.blocks = adapted;
+    Ok(adapter.rest(model, device))
+}
+
+/// A QLoRA stage that could not be loaded: the checkpoint, or the adapters.
+#[derive(Debug, thiserror::Error)]
+pub enum QuantizedLoadError {
+    #[error(transparent)]
+    Checkpoint(#[from] HfError),
+    #[error(transparent)]
+    Adapter(#[from] AdapterError),
+}
+
+/// Loads a stage built by [`TransformerLm::new`] from `checkpoint` and
+/// attaches `config`'s adapters, as [`HfCheckpoint::load_stage`] followed by
+/// [`attach`] would, with the same weights, factors and quantized values;
+/// but part by part ([`HfCheckpoint::load_stage_by_part`]), each block
+/// quantized (for a quantized `format`) as soon as it is read. The load's
+/// peak is then the quantized base, the dense embedding and head, and one
+/// dense block with its conversion copies — not the whole stage dense, as
+/// it would be if every block were loaded before the first is quantized.
+/// The block size and a tied `lm_head` are checked before anything is read.
+pub fn load_quantized(
+    checkpoint: &HfCheckpoint,
+    model: TransformerLm,
+    config: &LoraConfig,
+    format: BaseFormat,
+    layout: &StageLayout,
+    seed: u64,
+    device: &Device,
+) -> Result<TransformerLm, QuantizedLoadError> {
+    let adapter = StageAdapter::new(config, format, seed)?;
+    let shape = &checkpoint.shape;
+    if layout.last && shape.tied_embeddings && config.targets(TargetModule::LmHead) {
+        return Err(tied_head_error().into());
+    }
+    if adapter.scheme.is_some() {
+        check_block_size(shape, config.block_size)?;
+    }
+    let mut model = model;
+    checkpoint.load_stage_by_part(&mut model, layout, |block, layer| {
+        adapter.block(block, layer, device)
+    })?;
+    Ok(adapter.rest(model, device))
 }
 
 /// One adapted module of a stage: its Hugging Face path and its factors.
