@@ -397,7 +397,10 @@ mod tests {
         let mut g = assignment();
         g.plan.settings.base_format = headroom_planner::BaseFormat::Int8;
         let err = ValidAssignment::new(g).expect_err("int8 base without adapters");
-        assert!(err.to_string().starts_with("plan.settings.baseFormat: "), "{err}");
+        assert!(
+            err.to_string().starts_with("plan.settings.baseFormat: "),
+            "{err}"
+        );
         let mut e = assignment();
         e.learning_rate = f64::NAN;
         let err = ValidAssignment::new(e).expect_err("learning rate");

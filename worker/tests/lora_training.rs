@@ -133,14 +133,21 @@ fn checkpoints_hold_the_adapters_and_resume_at_a_stricter_base_format() {
     let dir = trainer.save_checkpoint(&root, 1, None).expect("save");
     let trained = factors(&trainer);
     let trained_logits = logits(&trainer.model().valid());
-    assert!(max_diff(&trained_logits, &untouched) > 1e-3, "the adapters moved");
+    assert!(
+        max_diff(&trained_logits, &untouched) > 1e-3,
+        "the adapters moved"
+    );
 
     // The checkpoint holds factors and their optimizer state, not the base.
     let size = |name: &str| std::fs::metadata(dir.join(name)).expect(name).len();
     let base_bytes = std::fs::metadata(base("llama-mha-untied").join("model.safetensors"))
         .expect("base")
         .len();
-    let factor_bytes = 4 * all.trainable_params(&HfCheckpoint::open(&base("llama-mha-untied"), SEQUENCE).expect("fixture").shape);
+    let factor_bytes = 4 * all.trainable_params(
+        &HfCheckpoint::open(&base("llama-mha-untied"), SEQUENCE)
+            .expect("fixture")
+            .shape,
+    );
     let total: u64 = ["token.bpk", "block-0000.bpk", "block-0001.bpk", "head.bpk"]
         .iter()
         .map(|f| size(f))
@@ -149,7 +156,10 @@ fn checkpoints_hold_the_adapters_and_resume_at_a_stricter_base_format() {
         "part files {total} B, optimizer {} B, factors {factor_bytes} B, base {base_bytes} B",
         size("optimizer.bpk")
     );
-    assert!(total < factor_bytes + 16 * 1024, "parts hold the factors only: {total} B");
+    assert!(
+        total < factor_bytes + 16 * 1024,
+        "parts hold the factors only: {total} B"
+    );
     assert!(size("token.bpk") < 1024, "no adapter on the embedding");
     assert!(size("optimizer.bpk") < 2 * factor_bytes + 16 * 1024);
 
@@ -161,7 +171,10 @@ fn checkpoints_hold_the_adapters_and_resume_at_a_stricter_base_format() {
             Device::flex().autodiff(),
         )
         .expect("trainer");
-        let found = resumed.resume(&root).expect("resume").expect("a checkpoint");
+        let found = resumed
+            .resume(&root)
+            .expect("resume")
+            .expect("a checkpoint");
         assert_eq!((found.meta.step, resumed.step), (2, 2), "{format}");
         assert_eq!(factors(&resumed), trained, "{format}: the saved factors");
         let got = logits(&resumed.model().valid());
@@ -198,9 +211,19 @@ fn checkpoints_hold_the_adapters_and_resume_at_a_stricter_base_format() {
 #[test]
 fn the_output_is_a_peft_adapter_and_merged_weights() {
     let out = tempdir("output");
-    let targets = [TargetModule::QProj, TargetModule::VProj, TargetModule::LmHead];
+    let targets = [
+        TargetModule::QProj,
+        TargetModule::VProj,
+        TargetModule::LmHead,
+    ];
     let mut trainer = Trainer::new(
-        config("llama-mha-untied", adapters(&targets), BaseFormat::Dense, true, 3),
+        config(
+            "llama-mha-untied",
+            adapters(&targets),
+            BaseFormat::Dense,
+            true,
+            3,
+        ),
         Device::flex().autodiff(),
     )
     .expect("trainer");
@@ -282,7 +305,11 @@ fn a_quantized_base_writes_the_adapter_without_merged_weights() {
 #[test]
 fn two_stages_train_the_adapters_one_worker_trains() {
     for checkpointing in [false, true] {
-        let lora = adapters(&[TargetModule::QProj, TargetModule::VProj, TargetModule::DownProj]);
+        let lora = adapters(&[
+            TargetModule::QProj,
+            TargetModule::VProj,
+            TargetModule::DownProj,
+        ]);
         let variant = "llama-gqa-tied";
         let single = {
             let mut trainer = Trainer::new(
@@ -349,7 +376,10 @@ fn two_stages_train_the_adapters_one_worker_trains() {
             .zip(&single)
             .map(|(a, b)| max_diff(a, b))
             .fold(0.0, f32::max);
-        assert!(worst < 1e-4, "checkpointing {checkpointing}: factors differ by {worst}");
+        assert!(
+            worst < 1e-4,
+            "checkpointing {checkpointing}: factors differ by {worst}"
+        );
         let names = |file: &Path| {
             let bytes = std::fs::read(file).expect("adapter");
             let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
@@ -359,7 +389,11 @@ fn two_stages_train_the_adapters_one_worker_trains() {
         };
         let got = names(&out.join(peft::ADAPTER_FILE));
         assert_eq!(got.len(), 2 * 2 * 3, "both stages' factors in one adapter");
-        assert!(got.contains(&"base_model.model.model.layers.1.mlp.down_proj.lora_B.weight".to_string()));
+        assert!(
+            got.contains(
+                &"base_model.model.model.layers.1.mlp.down_proj.lora_B.weight".to_string()
+            )
+        );
         let _ = std::fs::remove_dir_all(&out);
     }
 }
