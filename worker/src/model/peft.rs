@@ -183,7 +183,10 @@ fn write_safetensors(
     serialize_to_file(views, Some(metadata), path).map_err(|e| tensor_error(path, e))
 }
 
-fn read_safetensors(path: &Path) -> Result<BTreeMap<String, (Vec<usize>, Vec<f32>)>, HfError> {
+/// Tensors by name: shape and f32 values.
+type NamedTensors = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
+
+fn read_safetensors(path: &Path) -> Result<NamedTensors, HfError> {
     let bytes = std::fs::read(path).map_err(|source| HfError::Io {
         path: path.to_path_buf(),
         source,

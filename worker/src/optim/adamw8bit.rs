@@ -77,6 +77,10 @@ pub struct AdamW8bit {
 }
 
 /// One parameter's moments.
+// The quantized variant carries two code tensors and their scales; one
+// value exists per parameter, so boxing it would save nothing worth a
+// pointer chase in every step.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug)]
 pub enum Moments<const D: usize> {
     /// f32, the parameter's shape (parameters under `min_8bit_elements`).
@@ -172,7 +176,7 @@ impl Optimizer for AdamW8bit {
             let (m, v) = self.moments(padded(grad), previous);
             let direction = self
                 .direction(m.clone(), v.clone(), time)
-                .slice([0..elements])
+                .slice(0..elements)
                 .reshape(shape);
             let moments = Moments::Blockwise {
                 first: Quantized::quantize(m, &self.first_map),
