@@ -558,7 +558,7 @@ pub struct MemoryPolicy {
     /// of them by default. `offloadOptimizer` is rejected until a worker
     /// keeps optimizer state in host memory.
     #[serde(default = "default_rungs")]
-    #[schemars(length(max = 6), extend("x-kubernetes-list-type" = "set"))]
+    #[schemars(length(max = 8), extend("x-kubernetes-list-type" = "set"))]
     pub allowed_rungs: Vec<RetryRung>,
     /// Attempts in total, the first included.
     #[serde(default = "default_max_attempts")]
