@@ -36,9 +36,10 @@ const MODEL: RandomLlama = RandomLlama {
 };
 const RANK: usize = 8;
 
-/// The hub stand-in serving a freshly written random checkpoint as `REPO`.
-fn hub() -> LocalHub {
-    let dir = std::env::temp_dir().join(format!("headroom-e2e-lora-{}", std::process::id()));
+/// The hub stand-in serving a freshly written random checkpoint as `REPO`;
+/// `test` names the directory it is written to (tests run in parallel).
+fn hub(test: &str) -> LocalHub {
+    let dir = std::env::temp_dir().join(format!("headroom-e2e-{test}-{}", std::process::id()));
     MODEL.write(&dir, 17).expect("random checkpoint");
     let mut repos = HubRepos::new();
     repos.insert(
@@ -155,7 +156,7 @@ fn check_peft_adapter(config: &serde_json::Value, header: &serde_json::Value) {
 #[ignore = "needs a cluster with Headroom installed: make e2e"]
 async fn a_lora_job_oom_killed_on_its_dense_base_retries_on_int8_and_resumes_its_adapters() {
     let ns = TestNs::new(E2E, "e2e-lora").await;
-    let hub = hub();
+    let hub = hub("lora");
     let endpoint = hub.endpoint_on(&hub_host(&ns).await);
     load_claims(&ns, false).await;
 
@@ -238,7 +239,7 @@ async fn a_lora_job_oom_killed_on_its_dense_base_retries_on_int8_and_resumes_its
 #[ignore = "needs a cluster with Headroom installed: make e2e"]
 async fn a_qlora_job_on_an_int4_base_succeeds_first_time() {
     let ns = TestNs::new(E2E, "e2e-qlora").await;
-    let hub = hub();
+    let hub = hub("qlora");
     let endpoint = hub.endpoint_on(&hub_host(&ns).await);
     load_claims(&ns, false).await;
 
