@@ -135,14 +135,14 @@ fn exhausted_ladder_explains_every_rung() {
     for rung in RetryRung::DEFAULT {
         assert!(text.contains(&rung.to_string()), "missing {rung} in {text}");
     }
-    // Not in the default policy: no worker runs 8-bit optimizer state.
-    assert!(!text.contains("cheaperOptimizer"), "{text}");
+    // Not in the default policy: no worker keeps optimizer state on the host.
+    assert!(!text.contains("offloadOptimizer"), "{text}");
 }
 
 #[test]
 fn a_rung_no_worker_can_run_is_never_applied() {
     let (mut job, failed) = first_cpu_plan();
-    job.allowed_rungs = vec![RetryRung::CheaperOptimizer, RetryRung::HalveMicroBatch];
+    job.allowed_rungs = vec![RetryRung::OffloadOptimizer, RetryRung::HalveMicroBatch];
     let failure = MemoryFailure {
         kind: MemoryFailureKind::HostOom,
         observed_peak_bytes: None,
@@ -152,12 +152,12 @@ fn a_rung_no_worker_can_run_is_never_applied() {
     assert_eq!(next.rungs_applied, vec![RetryRung::HalveMicroBatch]);
     assert_eq!(next.settings.optimizer, failed.settings.optimizer);
 
-    job.allowed_rungs = vec![RetryRung::CheaperOptimizer];
+    job.allowed_rungs = vec![RetryRung::OffloadOptimizer];
     let err = next_stricter_plan(&job, &Inventory::default(), &failed, &failure)
         .expect_err("nothing to offer");
     assert!(
         err.details.contains(
-            &"cheaperOptimizer: no cheaper-state variant of adamw on the flex backend".into()
+            &"offloadOptimizer: the flex backend keeps optimizer state on its device".into()
         ),
         "{err}"
     );
