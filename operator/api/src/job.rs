@@ -1336,12 +1336,9 @@ mod tests {
             .expect("every default rung is accepted");
     }
 
-    /// The LoRA rules of the corpus, offline: the field and the words of
-    /// each manifest's CEL message (`# expect:`), for a pretrained job whose
-    /// config.json has been read.
-    #[test]
-    fn lora_rules_are_checked_offline_with_the_api_servers_words() {
-        let shape = headroom_planner::LlamaShape::from_hf_config(
+    /// The tiny-llama fixture's shape, read from its config.json.
+    fn tiny_llama() -> headroom_planner::LlamaShape {
+        headroom_planner::LlamaShape::from_hf_config(
             &std::fs::read_to_string(format!(
                 "{}/../../worker/tests/fixtures/llama/tiny-llama/config.json",
                 env!("CARGO_MANIFEST_DIR")
@@ -1349,7 +1346,15 @@ mod tests {
             .expect("tiny-llama config"),
             64,
         )
-        .expect("config");
+        .expect("config")
+    }
+
+    /// The LoRA rules of the corpus, offline: the field and the words of
+    /// each manifest's CEL message (`# expect:`), for a pretrained job whose
+    /// config.json has been read.
+    #[test]
+    fn lora_rules_are_checked_offline_with_the_api_servers_words() {
+        let shape = tiny_llama();
         for (file, field) in [
             ("44-lora-block-on-full-finetune.yaml", "training.lora"),
             ("45-lora-dropout.yaml", "training.lora.dropout"),
@@ -1379,15 +1384,7 @@ mod tests {
 
     #[test]
     fn a_lora_job_plans_with_peft_defaults_and_a_qlora_job_with_an_int4_base() {
-        let shape = headroom_planner::LlamaShape::from_hf_config(
-            &std::fs::read_to_string(format!(
-                "{}/../../worker/tests/fixtures/llama/tiny-llama/config.json",
-                env!("CARGO_MANIFEST_DIR")
-            ))
-            .expect("tiny-llama config"),
-            64,
-        )
-        .expect("config");
+        let shape = tiny_llama();
         let mut spec = invalid_manifest("45-lora-dropout.yaml").spec;
         spec.training.lora = None;
         let request = spec.job_request_for(Some(&shape)).expect("lora");
@@ -1424,15 +1421,7 @@ mod tests {
 
     #[test]
     fn adapters_the_checkpoint_cannot_take_are_refused_naming_the_field() {
-        let shape = headroom_planner::LlamaShape::from_hf_config(
-            &std::fs::read_to_string(format!(
-                "{}/../../worker/tests/fixtures/llama/tiny-llama/config.json",
-                env!("CARGO_MANIFEST_DIR")
-            ))
-            .expect("tiny-llama config"),
-            64,
-        )
-        .expect("config");
+        let shape = tiny_llama();
         assert!(shape.tied_embeddings, "tiny-llama ties its head");
         let mut spec = invalid_manifest("45-lora-dropout.yaml").spec;
         spec.training.lora = Some(LoraSpec {
