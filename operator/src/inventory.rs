@@ -79,11 +79,15 @@ pub fn node_facts<'a>(node: &Node, pods: impl IntoIterator<Item = &'a Pod>) -> N
         .and_then(|s| s.conditions.as_ref())
         .and_then(|c| c.iter().find(|c| c.type_ == "Ready"))
         .is_some_and(|c| c.status != "True");
+    let host_memory_bytes = reported
+        .and_then(|a| a.get("memory"))
+        .and_then(|q| parse_bytes(&q.0).ok());
     NodeFacts {
         name,
         labels,
         allocatable,
         allocatable_reported: reported.is_some_and(|a| !a.is_empty()),
+        host_memory_bytes,
         in_use,
         schedulable: !cordoned && !not_ready,
     }

@@ -83,6 +83,13 @@ async fn main() -> Result<()> {
         )
         .init();
     let args = Args::parse();
+    // Every GPU job without resources.gpu.hostMemory is planned with it.
+    headroom_api::quantity::parse_bytes(&args.gpu_host_memory).map_err(|e| {
+        anyhow::anyhow!(
+            "--gpu-host-memory {:?}: {e} (e.g. 16Gi)",
+            args.gpu_host_memory
+        )
+    })?;
     let client = kube::Client::try_default()
         .await
         .context("connecting to the Kubernetes API")?;

@@ -391,8 +391,8 @@ fn invalid_corpus_cross_field_rules_are_caught_offline_too() {
             "toleration 0: Exists takes no value",
         ),
         (
-            "30-offload-optimizer-rung.yaml",
-            "spec.memoryPolicy.allowedRungs: offloadOptimizer is not offered yet",
+            "30-duplicate-rung.yaml",
+            "spec.memoryPolicy.allowedRungs[2]: Duplicate value",
         ),
         ("31-cores-not-quantity.yaml", "spec.resources.cpu.cores"),
         ("32-negative-cores.yaml", "spec.resources.cpu.cores"),
@@ -495,6 +495,9 @@ spec:
   resources:
     gpu: {types: [Tesla-T4], maxGpus: 8}
   worker: {image: localhost/headroom-worker:dev, backend: cuda}
+  # Offloading the optimizer state would fit 3 T4s (see the test below).
+  memoryPolicy:
+    allowedRungs: [activationCheckpointing, halveMicroBatch, lowerPrecision, cheaperOptimizer, morePipelineStages, largerGpu]
 ",
     )
     .expect("job file");
@@ -528,6 +531,81 @@ spec:
     assert!(
         details.contains("Tesla-T4") && details.contains("ReadWriteMany"),
         "the explanation names the device and the way out: {one_node}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Offloading the optimizer puts its state in the worker pods' host memory:
+/// the same 3.8B bf16 job fits 3 T4s of one node that can hold three pods'
+/// state (plus the default 16Gi each), takes 8-bit state where a node holds
+/// less, and is refused, with the figures, where a node cannot hold even that.
+#[test]
+fn offloaded_state_needs_nodes_with_the_host_memory_for_it() {
+    let dir = std::env::temp_dir().join(format!("headroom-plugin-host-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let job = dir.join("job.yaml");
+    std::fs::write(
+        &job,
+        "apiVersion: headroom.dev/v1alpha1
+kind: MemoryAwareTrainingJob
+metadata: {name: wide}
+spec:
+  model:
+    transformer: {layers: 32, hidden: 3072, heads: 24, sequenceLength: 1024, vocabulary: 50257}
+  training: {globalBatch: 64, steps: 100, precision: bf16}
+  resources:
+    gpu: {types: [Tesla-T4], maxGpus: 8}
+  worker: {image: localhost/headroom-worker:dev, backend: cuda}
+",
+    )
+    .expect("job file");
+    let plan = |host_memory: &str| {
+        let nodes = dir.join(format!("nodes-{host_memory}.yaml"));
+        std::fs::write(
+            &nodes,
+            format!(
+                "apiVersion: v1\nkind: NodeList\nitems:\n- metadata:\n    name: t4\n    labels: {{nvidia.com/gpu.product: Tesla-T4, nvidia.com/gpu.memory: \"15360\", nvidia.com/gpu.count: \"4\"}}\n  status:\n    allocatable: {{nvidia.com/gpu: \"4\", memory: {host_memory}, cpu: \"48\"}}\n"
+            ),
+        )
+        .expect("nodes file");
+        let out = plugin(&[
+            "plan",
+            "-f",
+            job.to_str().expect("utf-8"),
+            "--nodes",
+            nodes.to_str().expect("utf-8"),
+            "-o",
+            "json",
+        ]);
+        let doc: serde_json::Value =
+            serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&out)));
+        doc
+    };
+    let big = plan("256Gi");
+    assert_eq!(big["feasible"], true, "{big}");
+    assert_eq!(big["plan"]["settings"]["offloadOptimizer"], true, "{big}");
+    let host: u64 = big["plan"]["stages"]
+        .as_array()
+        .expect("stages")
+        .iter()
+        .map(|s| s["memory"]["hostBytes"].as_u64().expect("hostBytes"))
+        .sum();
+    let pods = big["plan"]["workers"].as_u64().expect("workers");
+    let need = host + pods * (16 << 30);
+    assert!(need <= 256 << 30 && need > 80 << 30, "{need}");
+
+    // Less host memory: 8-bit moments make the offloaded state fit.
+    let mid = plan("80Gi");
+    assert_eq!(mid["feasible"], true, "{mid}");
+    assert_eq!(mid["plan"]["settings"]["optimizer"], "adamw8bit", "{mid}");
+    assert_eq!(mid["plan"]["settings"]["offloadOptimizer"], true, "{mid}");
+
+    let small = plan("48Gi");
+    assert_eq!(small["feasible"], false, "{small}");
+    let details = small["details"].to_string();
+    assert!(
+        details.contains("of host memory on one node") && details.contains("allocates 48.0 GiB"),
+        "the refusal gives the figures: {small}"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -33,7 +33,7 @@ use crate::checkpoint;
 use crate::data::{ProgressionTask, Samples, TextSamples};
 use crate::model::hf::HfCheckpoint;
 use crate::model::{LmShape, StageLayout, TransformerLm, lora, peft};
-use crate::optim::AdamW8bitConfig;
+use crate::optim::{AdamW8bitConfig, Offloaded};
 use crate::pipeline::{Frame, Kind, Links, Op, PipelineError, one_f_one_b};
 
 /// What the trainer runs: one stage of a checked assignment
@@ -156,17 +156,31 @@ pub fn training_device(backend: Backend, precision: Precision) -> Result<Device,
     }
 }
 
-/// The optimizer a plan names, with burn's defaults otherwise.
-pub fn build_optimizer(optimizer: Optimizer) -> Result<ModuleOptimizer, Unsupported> {
-    Ok(match optimizer {
-        Optimizer::Adamw => AdamWConfig::new().init(),
-        Optimizer::Adam => AdamConfig::new().init(),
-        Optimizer::SgdMomentum => SgdConfig::new()
-            .with_momentum(Some(MomentumConfig::new().with_dampening(0.0)))
-            .init(),
-        Optimizer::Sgd => SgdConfig::new().init(),
+/// The optimizer a plan's settings name, with burn's defaults otherwise;
+/// with `offload_optimizer`, its state and step in host memory
+/// ([`Offloaded`]: the planner asks for it on GPU backends only; on the CPU
+/// it runs, with nothing to move).
+pub fn build_optimizer(settings: &Settings) -> Result<ModuleOptimizer, Unsupported> {
+    fn module<O: burn::optim::Optimizer>(optimizer: O, offload: bool) -> ModuleOptimizer {
+        if offload {
+            ModuleOptimizer::from(Offloaded::new(optimizer, Device::flex()))
+        } else {
+            ModuleOptimizer::from(optimizer)
+        }
+    }
+    let offload = settings.offload_optimizer;
+    Ok(match settings.optimizer {
+        Optimizer::Adamw => module(AdamWConfig::new().build(), offload),
+        Optimizer::Adam => module(AdamConfig::new().build(), offload),
+        Optimizer::SgdMomentum => module(
+            SgdConfig::new()
+                .with_momentum(Some(MomentumConfig::new().with_dampening(0.0)))
+                .build(),
+            offload,
+        ),
+        Optimizer::Sgd => module(SgdConfig::new().build(), offload),
         // bitsandbytes-style block-wise 8-bit moments, burn's AdamW update.
-        Optimizer::Adamw8bit => AdamW8bitConfig::new().init(),
+        Optimizer::Adamw8bit => module(AdamW8bitConfig::new().build(), offload),
     })
 }
 
@@ -304,7 +318,7 @@ impl Trainer {
             )
             .map_err(|e| unsupported("training.lora", e.0))?;
         }
-        let optimizer = build_optimizer(config.settings.optimizer)?;
+        let optimizer = build_optimizer(&config.settings)?;
         let task = Samples::Progression(ProgressionTask {
             seed: config.seed,
             vocabulary: config.shape.vocabulary(),
@@ -713,7 +727,7 @@ impl Trainer {
         &mut self,
         root: &std::path::Path,
     ) -> Result<Option<checkpoint::Found>, checkpoint::CheckpointError> {
-        let fresh_optimizer = build_optimizer(self.config.settings.optimizer).map_err(|e| {
+        let fresh_optimizer = build_optimizer(&self.config.settings).map_err(|e| {
             checkpoint::CheckpointError::Invalid {
                 path: root.to_path_buf(),
                 reason: e.to_string(),

@@ -183,6 +183,8 @@ pub const CUDA: BackendProfile = BackendProfile {
     // Unverified on a GPU (none here).
     base_formats: &[BaseFormat::Dense, BaseFormat::Int8, BaseFormat::Int4],
     int4_value_bytes: 0.5,
-    optimizer_offload: false,
+    // The worker wraps the optimizer to keep its state, and run its step,
+    // on the host (worker/src/optim/offload.rs). Unverified on a GPU.
+    optimizer_offload: true,
     device_is_host: false,
 };

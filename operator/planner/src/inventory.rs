@@ -56,6 +56,9 @@ pub struct NodeFacts {
     /// type missing from `allocatable` is not allocatable there, whatever its
     /// labels say. False for label-only descriptions (counts from labels).
     pub allocatable_reported: bool,
+    /// Allocatable host memory (`status.allocatable.memory`), bytes; `None`
+    /// when the node does not say (label-only descriptions).
+    pub host_memory_bytes: Option<u64>,
 }
 
 #[derive(
@@ -87,6 +90,12 @@ pub struct DeviceType {
     pub total: u32,
     /// The most of them on any one node (free or not).
     pub total_on_one_node: u32,
+    /// Allocatable host memory of the smallest node offering this type,
+    /// bytes (`None`: no node said): a GPU worker's pod requests its
+    /// host-side bytes (offloaded optimizer state, the checkpoint load) from
+    /// it, so a plan whose pods a node cannot hold is not a fit there. Like
+    /// `memory_bytes`, the smallest node decides.
+    pub host_memory_bytes: Option<u64>,
 }
 
 impl DeviceType {
@@ -130,6 +139,10 @@ impl Inventory {
                     });
                 // Heterogeneous memory under one product name: plan for the smallest.
                 entry.memory_bytes = entry.memory_bytes.min(found.memory_bytes);
+                entry.host_memory_bytes = match (entry.host_memory_bytes, found.host_memory_bytes) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
                 entry.free += found.free;
                 entry.free_on_one_node = entry.free_on_one_node.max(found.free);
                 entry.total += found.total;
@@ -161,6 +174,8 @@ impl Inventory {
                 free_on_one_node: max_workers,
                 total: max_workers,
                 total_on_one_node: max_workers,
+                // A CPU worker's memory is its budget (`memory_bytes`).
+                host_memory_bytes: None,
             }],
             one_node: false,
             left_out: vec![],
@@ -248,6 +263,7 @@ fn node_devices(node: &NodeFacts) -> Vec<DeviceType> {
                 free_on_one_node: free,
                 total,
                 total_on_one_node: total,
+                host_memory_bytes: node.host_memory_bytes,
             });
         }
     }
@@ -284,6 +300,7 @@ fn node_devices(node: &NodeFacts) -> Vec<DeviceType> {
                     free_on_one_node: free,
                     total,
                     total_on_one_node: total,
+                    host_memory_bytes: node.host_memory_bytes,
                 });
             }
         }
@@ -380,6 +397,7 @@ mod tests {
             in_use: BTreeMap::new(),
             schedulable: true,
             allocatable_reported: !alloc.is_empty(),
+            host_memory_bytes: None,
         }
     }
 

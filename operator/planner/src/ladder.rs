@@ -83,6 +83,7 @@ pub fn next_stricter_plan(
             free_on_one_node: failed.workers,
             total: failed.workers,
             total_on_one_node: failed.workers,
+            host_memory_bytes: None,
         });
     let profile = req.backend().profile();
     let usable = (failed.device_memory_bytes as f64 * profile.usable_fraction) as u64;
@@ -94,6 +95,7 @@ pub fn next_stricter_plan(
             ignore_pins: true,
             ..SearchOptions::default()
         },
+        inventory.one_node,
     );
     let limits = RungLimits {
         profile,

@@ -24,6 +24,10 @@ pub enum Target {
         /// GPU products allowed (GFD `nvidia.com/gpu.product` values); empty: any.
         allowed_types: Vec<String>,
         max_gpus: u32,
+        /// Host memory every worker pod requests before the plan's
+        /// `hostBytes` (`resources.gpu.hostMemory`, or the operator's
+        /// default); `None`: not known here, only `hostBytes` is counted.
+        host_baseline_bytes: Option<u64>,
     },
     /// CPU workers, each with its own container memory limit.
     Cpu {
@@ -61,6 +65,19 @@ pub struct JobRequest {
 }
 
 impl JobRequest {
+    /// Sets the host memory a GPU worker pod gets before the plan's
+    /// `hostBytes` when the job left it to the operator (`bytes`: its
+    /// `--gpu-host-memory`).
+    pub fn default_host_baseline(&mut self, bytes: u64) {
+        if let Target::Gpu {
+            host_baseline_bytes,
+            ..
+        } = &mut self.target
+        {
+            host_baseline_bytes.get_or_insert(bytes);
+        }
+    }
+
     pub fn backend(&self) -> Backend {
         match self.target {
             Target::Gpu { .. } => Backend::Cuda,

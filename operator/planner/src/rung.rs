@@ -86,15 +86,7 @@ impl RetryRung {
 
     /// What a job allows when it names no rungs: every [`runnable`](Self::runnable)
     /// rung, in the ladder's order. A rung the worker cannot run is never offered.
-    pub const DEFAULT: [RetryRung; 7] = [
-        RetryRung::ActivationCheckpointing,
-        RetryRung::HalveMicroBatch,
-        RetryRung::LowerPrecision,
-        RetryRung::CheaperOptimizer,
-        RetryRung::QuantizeBase,
-        RetryRung::MorePipelineStages,
-        RetryRung::LargerGpu,
-    ];
+    pub const DEFAULT: [RetryRung; 8] = Self::ALL;
 
     /// Whether some worker backend can run what this rung produces:
     /// `CheaperOptimizer` needs a profile listing an 8-bit optimizer,
@@ -245,6 +237,10 @@ impl RetryRung {
             RetryRung::OffloadOptimizer => match next_settings(s) {
                 Some(off) => Tightening::Try(vec![with(off)]),
                 None if s.offload_optimizer => Tightening::Skip("already offloaded".into()),
+                None if limits.profile.device_is_host => Tightening::Skip(format!(
+                    "not applicable on the {} backend: a CPU worker's optimizer state is in host memory already",
+                    limits.profile.backend
+                )),
                 None => Tightening::Skip(format!(
                     "the {} backend keeps optimizer state on its device",
                     limits.profile.backend
@@ -456,6 +452,7 @@ mod tests {
             free_on_one_node: free,
             total: free,
             total_on_one_node: free,
+            host_memory_bytes: None,
         }
     }
 
@@ -477,7 +474,8 @@ mod tests {
             .collect();
         assert_eq!(runnable, RetryRung::DEFAULT.to_vec());
         assert!(RetryRung::CheaperOptimizer.runnable());
-        assert!(!RetryRung::OffloadOptimizer.runnable());
+        // GPU workers step the optimizer on the host (worker/src/optim/offload.rs).
+        assert!(RetryRung::OffloadOptimizer.runnable());
     }
 
     #[test]
@@ -692,9 +690,18 @@ mod tests {
             RetryRung::OffloadOptimizer.tighten_settings(&off, &CUDA_QLORA, 12, false),
             None
         );
+        let no_offload = BackendProfile {
+            optimizer_offload: false,
+            ..CUDA
+        };
         assert_eq!(
-            RetryRung::OffloadOptimizer.tighten_settings(&s, &CUDA, 12, false),
+            RetryRung::OffloadOptimizer.tighten_settings(&s, &no_offload, 12, false),
             None
+        );
+        assert!(
+            RetryRung::OffloadOptimizer
+                .tighten_settings(&s, &CUDA, 12, false)
+                .is_some()
         );
         // A CPU worker's state is in host memory already.
         let flex = BackendProfile {

@@ -121,7 +121,7 @@ fn search_with(
         .iter()
         .filter(|d| req.accepts(d) && !opts.excluded_devices.contains(&d.name))
         .collect();
-    let search = Search::new(req, opts);
+    let search = Search::new(req, opts, inventory.one_node);
 
     let micro_batches = match (opts.ignore_pins, req.pinned_micro_batch) {
         (false, Some(b)) => vec![b],
@@ -321,10 +321,13 @@ pub(crate) struct Search<'a> {
     correction: f64,
     /// The user's pinned stage count applies (a first attempt).
     pin_stages: bool,
+    /// Every worker of the job shares one node ([`Inventory::on_one_node`]):
+    /// their host memory requests add up on it.
+    one_node: bool,
 }
 
 impl<'a> Search<'a> {
-    pub(crate) fn new(req: &'a JobRequest, opts: &SearchOptions) -> Self {
+    pub(crate) fn new(req: &'a JobRequest, opts: &SearchOptions, one_node: bool) -> Self {
         let correction = if opts.correction.is_finite() {
             opts.correction.max(1.0)
         } else {
@@ -335,6 +338,7 @@ impl<'a> Search<'a> {
             profile: opts.profile.unwrap_or(req.backend().profile()),
             correction,
             pin_stages: !opts.ignore_pins,
+            one_node,
         }
     }
 
@@ -420,7 +424,46 @@ impl<'a> Search<'a> {
         let budget = budget_bytes(device, self.profile, self.req.headroom_fraction);
         let layers = self.split(p, &settings, budget)?;
         let plan = self.assemble(device, &layers, settings, budget);
-        plan.fits().then_some(plan)
+        (plan.fits() && self.host_shortfall(device, &plan).is_none()).then_some(plan)
+    }
+
+    /// Host memory `plan`'s worker pods request from one node: each stage's
+    /// baseline plus its `hostBytes` (what the operator puts in the pod's
+    /// request and limit), the largest stage's — or all stages' when they
+    /// share a node.
+    pub(crate) fn host_request(&self, plan: &Plan) -> u64 {
+        let baseline = match &self.req.target {
+            Target::Gpu {
+                host_baseline_bytes,
+                ..
+            } => host_baseline_bytes.unwrap_or(0),
+            Target::Cpu { .. } => return 0,
+        };
+        let pods = plan.stages.iter().map(|s| baseline + s.memory.host_bytes);
+        if self.one_node {
+            pods.sum()
+        } else {
+            pods.max().unwrap_or(0)
+        }
+    }
+
+    /// Why nodes of `device` cannot hold `plan`'s pods' host memory, if they cannot.
+    pub(crate) fn host_shortfall(&self, device: &DeviceType, plan: &Plan) -> Option<String> {
+        let node = device.host_memory_bytes?;
+        let need = self.host_request(plan);
+        (need > node).then(|| {
+            format!(
+                "its worker pods need {} of host memory{} (optimizer state and load buffers kept there) and the smallest {} node allocates {}",
+                format_bytes(need),
+                if self.one_node && plan.workers > 1 {
+                    " on one node"
+                } else {
+                    " each"
+                },
+                device.name,
+                format_bytes(node)
+            )
+        })
     }
 
     /// A plan for these settings on `p` devices even when over budget (pinned first attempts, explanations).
@@ -599,6 +642,18 @@ impl<'a> Search<'a> {
                 ..*numerics
             };
             if let Some(plan) = self.build_unchecked(device, usable_p, settings) {
+                if plan.fits()
+                    && let Some(why) = self.host_shortfall(device, &plan)
+                {
+                    details.push(format!(
+                        "{}: {} stage(s), micro-batch {}, {} fit its memory, but {why}",
+                        device.name,
+                        usable_p,
+                        leanest_b,
+                        describe_numerics(numerics),
+                    ));
+                    continue;
+                }
                 details.push(format!(
                     "{}: even {} stage(s), micro-batch {}, checkpointing {}, {} predict a peak of {} against a budget of {} ({} nominal, {:.0}% headroom)",
                     device.name,

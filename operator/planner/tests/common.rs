@@ -33,6 +33,7 @@ pub fn gpu_job(model: ModelShape, global_batch: u32, max_gpus: u32) -> JobReques
         target: Target::Gpu {
             allowed_types: vec![],
             max_gpus,
+            host_baseline_bytes: None,
         },
         headroom_fraction: 0.1,
         allowed_rungs: RetryRung::DEFAULT.to_vec(),
@@ -73,6 +74,7 @@ pub fn gpu_node(name: &str, product: &str, memory_mib: u64, count: u64) -> NodeF
         in_use: BTreeMap::new(),
         schedulable: true,
         allocatable_reported: true,
+        host_memory_bytes: None,
     }
 }
 

@@ -135,12 +135,15 @@ fn exhausted_ladder_explains_every_rung() {
     for rung in RetryRung::DEFAULT {
         assert!(text.contains(&rung.to_string()), "missing {rung} in {text}");
     }
-    // Not in the default policy: no worker keeps optimizer state on the host.
-    assert!(!text.contains("offloadOptimizer"), "{text}");
+    // A CPU worker has nothing to offload, and the ladder says so.
+    assert!(
+        text.contains("offloadOptimizer: not applicable on the flex backend"),
+        "{text}"
+    );
 }
 
 #[test]
-fn a_rung_no_worker_can_run_is_never_applied() {
+fn a_rung_that_does_not_apply_to_cpu_workers_is_never_applied() {
     let (mut job, failed) = first_cpu_plan();
     job.allowed_rungs = vec![RetryRung::OffloadOptimizer, RetryRung::HalveMicroBatch];
     let failure = MemoryFailure {
@@ -157,7 +160,7 @@ fn a_rung_no_worker_can_run_is_never_applied() {
         .expect_err("nothing to offer");
     assert!(
         err.details.contains(
-            &"offloadOptimizer: the flex backend keeps optimizer state on its device".into()
+            &"offloadOptimizer: not applicable on the flex backend: a CPU worker's optimizer state is in host memory already".into()
         ),
         "{err}"
     );

@@ -96,6 +96,7 @@ fn unknown_gpu_type_is_explained() {
     job.target = Target::Gpu {
         allowed_types: vec!["NVIDIA-B200".into()],
         max_gpus: 1,
+        host_baseline_bytes: None,
     };
     let err = plan(&job, &inv).expect_err("no such type");
     assert!(err.summary.contains("NVIDIA-B200"), "{err}");
@@ -192,8 +193,13 @@ fn waiting_for_capacity_is_told_from_never_fitting() {
     let mut busy = gpu_node("a100", "NVIDIA-A100-SXM4-80GB", 81920, 8);
     busy.in_use.insert("nvidia.com/gpu".into(), 6);
     let inv = Inventory::from_nodes([&busy]);
+    // Offloaded optimizer state would fit it on 2 (see
+    // `offload_needs_nodes_with_the_host_memory_for_it`); this job does not allow it.
+    let mut job = gpu_job(model.clone(), 64, 8);
+    job.allowed_rungs
+        .retain(|r| *r != RetryRung::OffloadOptimizer);
     let need = plan(
-        &gpu_job(model.clone(), 64, 8),
+        &job,
         &Inventory::from_nodes([&gpu_node("idle", "NVIDIA-A100-SXM4-80GB", 81920, 8)]),
     )
     .expect("fits an idle node");
@@ -203,7 +209,7 @@ fn waiting_for_capacity_is_told_from_never_fitting() {
         need.workers
     );
 
-    let err = plan(&gpu_job(model.clone(), 64, 8), &inv).expect_err("only 2 free");
+    let err = plan(&job, &inv).expect_err("only 2 free");
     let waits = err.waits_for.expect("fits once the busy GPUs are free");
     assert!(
         waits.contains("NVIDIA-A100-SXM4-80GB") && waits.contains("2 free of 8"),
@@ -212,6 +218,44 @@ fn waiting_for_capacity_is_told_from_never_fitting() {
 
     // A cluster with too few such GPUs in all: no waiting helps.
     let small = Inventory::from_nodes([&gpu_node("small", "NVIDIA-A100-SXM4-80GB", 81920, 2)]);
-    let never = plan(&gpu_job(model, 64, 8), &small).expect_err("2 GPUs are too few");
+    let never = plan(&job, &small).expect_err("2 GPUs are too few");
     assert_eq!(never.waits_for, None, "{never}");
+}
+
+/// The same 13B job with offload allowed: 2 A100s hold it with the
+/// optimizer state in host memory — on nodes that can hold that state.
+#[test]
+fn offload_needs_nodes_with_the_host_memory_for_it() {
+    let model = transformer(40, 5120, 40, 2048, 32000);
+    let mut job = gpu_job(model, 64, 8);
+    job.target = Target::Gpu {
+        allowed_types: vec![],
+        max_gpus: 8,
+        host_baseline_bytes: Some(16 << 30),
+    };
+    let node = |host_gib: u64| {
+        let mut n = gpu_node("a100", "NVIDIA-A100-SXM4-80GB", 81920, 2);
+        n.host_memory_bytes = Some(host_gib << 30);
+        Inventory::from_nodes([&n])
+    };
+    let big = plan(&job, &node(1024)).expect("2 GPUs with the state on the host");
+    assert_eq!(big.workers, 2);
+    assert!(big.settings.offload_optimizer, "{big:?}");
+    let host = big
+        .stages
+        .iter()
+        .map(|s| s.memory.host_bytes)
+        .max()
+        .expect("stages");
+    assert!(
+        host > 64 << 30,
+        "fp32 moments and master weights of ~6.5B parameters: {host}"
+    );
+
+    let err = plan(&job, &node(64)).expect_err("64 GiB of host memory holds no stage's state");
+    let detail = err.details.join("\n");
+    assert!(
+        detail.contains("of host memory each") && detail.contains("allocates 64.0 GiB"),
+        "{err}"
+    );
 }

@@ -45,6 +45,11 @@ enum Command {
         /// with ReadWriteOnce a job's stages must fit on one node's free GPUs.
         #[arg(long, value_enum, default_value = "ReadWriteOnce")]
         checkpoint_access_mode: CheckpointAccess,
+        /// The operator's host memory for GPU workers whose job does not set
+        /// resources.gpu.hostMemory (Helm `gpuHostMemory`): the plan adds
+        /// what it keeps on the host, and a node must hold the sum.
+        #[arg(long, default_value = "16Gi")]
+        gpu_host_memory: String,
         /// Plan the model a Hugging Face `config.json` describes (Llama,
         /// Mistral, Qwen2) instead of the manifest's `spec.model`.
         #[arg(long, conflicts_with = "model_dir")]
@@ -95,10 +100,13 @@ fn run(cli: Cli) -> Result<ExitCode> {
         nodes,
         output,
         checkpoint_access_mode,
+        gpu_host_memory,
         model_config,
         model_dir,
         sequence_length,
     } = cli.command;
+    let gpu_host_memory = headroom_api::quantity::parse_bytes(&gpu_host_memory)
+        .map_err(|e| anyhow::anyhow!("--gpu-host-memory {gpu_host_memory:?}: {e} (e.g. 16Gi)"))?;
     let model_config = model_config.or(model_dir.map(|d| d.join("config.json")));
     let jobs = read_jobs(&file)?;
     // Validate every spec before touching the cluster: bad input fails fast and offline.
@@ -115,10 +123,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let ModelShape::Llama(shape) = hf_model(config, Some(length))? else {
                 unreachable!("hf_model gives a Llama shape");
             };
-            let request = job
+            let mut request = job
                 .spec
                 .job_request_for(Some(&shape))
                 .with_context(|| format!("{}: {name}", file.display()))?;
+            request.default_host_baseline(gpu_host_memory);
             requests.push((name, request));
             continue;
         }
@@ -135,6 +144,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 .map(|t| t.sequence_length);
             request.model = hf_model(config, sequence_length.or(from_manifest))?;
         }
+        request.default_host_baseline(gpu_host_memory);
         requests.push((name, request));
     }
     let needs_cluster = jobs.iter().any(|j| j.spec.resources.gpu.is_some());

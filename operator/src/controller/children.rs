@@ -775,6 +775,7 @@ pub(crate) mod tests {
             in_use: BTreeMap::new(),
             schedulable: true,
             allocatable_reported: true,
+            host_memory_bytes: None,
         }];
         let plan = plan(
             &job.spec.job_request().expect("valid"),

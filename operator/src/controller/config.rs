@@ -52,6 +52,13 @@ impl Default for ChildConfig {
     }
 }
 
+impl ChildConfig {
+    /// `gpu_host_memory` in bytes (checked when the operator starts; 0 if unreadable).
+    pub fn gpu_host_memory_bytes(&self) -> u64 {
+        headroom_api::quantity::parse_bytes(&self.gpu_host_memory).unwrap_or(0)
+    }
+}
+
 /// Access mode of each job's checkpoint volume. All stages of a pipeline
 /// write their parts of a step to the one volume, so a ReadWriteOnce volume
 /// (one node attaches it) confines a job's stages to one node, and only a

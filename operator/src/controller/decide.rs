@@ -80,6 +80,9 @@ pub struct Observation<'a> {
     pub now: Timestamp,
     /// How long a pod may stay unschedulable before the attempt is given up.
     pub unschedulable_grace: Duration,
+    /// Host memory a GPU worker pod gets when its job does not set
+    /// `resources.gpu.hostMemory` (the operator's `--gpu-host-memory`), bytes.
+    pub default_gpu_host_memory: u64,
 }
 
 /// How an attempt ended, as the pods showed it.
@@ -134,7 +137,11 @@ impl Builder<'_> {
         {
             return;
         }
-        let request = match runnable_request(self.obs.job, &self.d.status) {
+        let request = match runnable_request(
+            self.obs.job,
+            &self.d.status,
+            self.obs.default_gpu_host_memory,
+        ) {
             Ok(r) => r,
             Err(e) => return self.fail(Reason::InvalidSpec, e.to_string()),
         };
@@ -855,6 +862,7 @@ fn terminated_message(pod: &Pod) -> Option<String> {
 fn runnable_request(
     job: &MemoryAwareTrainingJob,
     status: &MemoryAwareTrainingJobStatus,
+    default_gpu_host_memory: u64,
 ) -> Result<JobRequest, headroom_api::SpecError> {
     let read = status.model.as_ref().map(|m| &m.shape);
     let mut request = job.spec.job_request_for(read)?;
@@ -862,7 +870,7 @@ fn runnable_request(
     // ends here rather than in a worker that cannot build it.
     if let ModelShape::Generic(_) = request.model {
         return Err(headroom_api::SpecError {
-            field: "model.generic",
+            field: "model.generic".into(),
             problem: "is for planning only (kubectl headroom plan); a job Headroom runs needs model.transformer: the worker trains transformers".into(),
         });
     }
@@ -870,6 +878,9 @@ fn runnable_request(
         Target::Gpu { max_gpus, .. } => *max_gpus = (*max_gpus).min(WORKER_MAX_STAGES),
         Target::Cpu { max_workers, .. } => *max_workers = (*max_workers).min(WORKER_MAX_STAGES),
     }
+    // What the pods will request (children.rs): the plan then fits only
+    // node types that can hold it.
+    request.default_host_baseline(default_gpu_host_memory);
     Ok(request)
 }
 
@@ -927,6 +938,7 @@ mod tests {
             inventory: &inv,
             now,
             unschedulable_grace: Duration::from_secs(60),
+            default_gpu_host_memory: 16 << 30,
         });
         job.status = Some(d.status.clone());
         d

@@ -112,6 +112,7 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
         inventory: &inventory,
         now: Timestamp::now(),
         unschedulable_grace: ctx.config.unschedulable_grace,
+        default_gpu_host_memory: ctx.config.children.gpu_host_memory_bytes(),
     });
     ctx.metrics
         .planning_seconds

@@ -1,7 +1,11 @@
 //! Optimizers burn 0.22 does not ship: AdamW with 8-bit block-wise moments
-//! (bitsandbytes' `AdamW8bit`), for plans whose `optimizer` is `adamw8bit`.
+//! (bitsandbytes' `AdamW8bit`), for plans whose `optimizer` is `adamw8bit`;
+//! and any optimizer with its state and step in host memory (`Offloaded`),
+//! for plans that offload the optimizer from a GPU.
 
 pub mod adamw8bit;
 pub mod blockwise;
+pub mod offload;
 
 pub use adamw8bit::{AdamW8bit, AdamW8bitConfig, AdamW8bitState, Moments};
+pub use offload::{Offloaded, OffloadedState};

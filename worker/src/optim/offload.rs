@@ -1,0 +1,246 @@
+//! Optimizer state kept in host memory, and the step run there: the
+//! `offloadOptimizer` rung for GPU workers (ZeRO-Offload's split, one
+//! parameter tensor at a time).
+//!
+//! [`Offloaded`] wraps any per-parameter burn [`Optimizer`]. For each
+//! parameter burn's `ModuleOptimizer` hands it the weights and gradient on
+//! the training device; it moves both to the host device (flex), runs the
+//! wrapped optimizer's update there with state that never leaves the host,
+//! and sends the updated weights back. The device then holds weights and
+//! gradients only; the host holds the optimizer state and, when the device
+//! trains in a half precision, an f32 master copy of the weights (the
+//! update is computed in f32 and the device gets it rounded to its dtype,
+//! so small updates are not lost to bf16 rounding). Device memory in flight
+//! is one parameter's f32 copy at a time.
+//!
+//! The record is the wrapped optimizer's, leaf for leaf, plus an optional
+//! `offload_master` leaf: a checkpoint written with offload resumes without
+//! it and the other way round (a retry can turn offload on mid-job).
+//!
+//! On a CPU worker the device is the host: offloading has nothing to move,
+//! and the planner never asks for it there.
+
+use burn::optim::{LearningRate, Optimizer, RecordState, StateSink, StateSource};
+use burn::tensor::{DType, Device, FloatDType, Tensor};
+
+/// `inner`, with its state and its step on `host`.
+#[derive(Clone, Debug)]
+pub struct Offloaded<O> {
+    inner: O,
+    host: Device,
+}
+
+impl<O> Offloaded<O> {
+    /// `inner` stepping on the host device `host` (the worker passes `Device::flex()`).
+    pub fn new(inner: O, host: Device) -> Self {
+        Self { inner, host }
+    }
+}
+
+/// One parameter's host-side state: the wrapped optimizer's, and the f32
+/// master weights when the device trains in a half precision.
+#[derive(Clone, Debug)]
+pub struct OffloadedState<S, const D: usize> {
+    pub inner: Option<S>,
+    pub master: Option<Tensor<D>>,
+}
+
+const MASTER_LEAF: &str = "offload_master";
+
+impl<S: RecordState + Clone, const D: usize> RecordState for OffloadedState<S, D> {
+    fn state_flatten(&self, prefix: &str, out: &mut StateSink) {
+        if let Some(inner) = &self.inner {
+            inner.state_flatten(prefix, out);
+        }
+        if let Some(master) = &self.master {
+            out.push_tensor(prefix, MASTER_LEAF, master.to_data());
+        }
+    }
+
+    fn state_unflatten(prefix: &str, src: &mut StateSource, device: &Device) -> Option<Self> {
+        let master = src
+            .take_tensor(prefix, MASTER_LEAF)
+            .map(|data| Tensor::from_data(data, device));
+        let inner = S::state_unflatten(prefix, src, device);
+        (inner.is_some() || master.is_some()).then_some(Self { inner, master })
+    }
+}
+
+impl<O: Optimizer> Optimizer for Offloaded<O> {
+    type State<const D: usize> = OffloadedState<O::State<D>, D>;
+
+    fn step<const D: usize>(
+        &self,
+        lr: LearningRate,
+        tensor: Tensor<D>,
+        grad: Tensor<D>,
+        state: Option<Self::State<D>>,
+    ) -> (Tensor<D>, Option<Self::State<D>>) {
+        let device = tensor.device();
+        let dtype = tensor.dtype();
+        let half = dtype != DType::F32;
+        let (inner, master) = match state {
+            // A state restored from a checkpoint lands on the default
+            // device; move it once, later steps find it on the host.
+            Some(s) => (
+                s.inner.map(|i| O::to_device(i, &self.host)),
+                s.master.map(|m| m.to_device(&self.host)),
+            ),
+            None => (None, None),
+        };
+        // Cast on the device, where the tensor is, so the host backend only
+        // ever sees f32.
+        let weights = match master.filter(|_| half) {
+            Some(m) => m,
+            None => tensor.cast(FloatDType::F32).to_device(&self.host),
+        };
+        let grad = grad.cast(FloatDType::F32).to_device(&self.host);
+        let (updated, inner) = self.inner.step(lr, weights, grad, inner);
+        let on_device = updated
+            .clone()
+            .to_device(&device)
+            .cast(FloatDType::from(dtype));
+        let master = half.then_some(updated);
+        let state =
+            (inner.is_some() || master.is_some()).then_some(OffloadedState { inner, master });
+        (on_device, state)
+    }
+
+    /// The state stays on the host whatever device the parameter is on
+    /// (`ModuleOptimizer` asks to move it to the gradient's device before
+    /// every step).
+    fn to_device<const D: usize>(state: Self::State<D>, _device: &Device) -> Self::State<D> {
+        state
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::optim::{AdamWConfig, ModuleOptimizer, SgdConfig};
+    use burn::tensor::Distribution;
+
+    fn pair(device: &Device) -> (Tensor<2>, Tensor<2>) {
+        let w = Tensor::<2>::random([8, 16], Distribution::Normal(0.0, 1.0), device);
+        let g = Tensor::<2>::random([8, 16], Distribution::Normal(0.0, 0.1), device);
+        (w, g)
+    }
+
+    /// Offloaded AdamW gives burn's AdamW's weights step for step.
+    #[test]
+    fn offloaded_step_equals_the_wrapped_step() {
+        let device = Device::flex();
+        let plain = AdamWConfig::new().build();
+        let offloaded = Offloaded::new(plain.clone(), Device::flex());
+        let (mut w_plain, _) = pair(&device);
+        let mut w_off = w_plain.clone();
+        let (mut s_plain, mut s_off) = (None, None);
+        for _ in 0..3 {
+            let (_, g) = pair(&device);
+            let (w, s) = plain.step(1e-2, w_plain, g.clone(), s_plain);
+            (w_plain, s_plain) = (w, s);
+            let (w, s) = offloaded.step(1e-2, w_off, g, s_off);
+            (w_off, s_off) = (w, s);
+        }
+        let s = s_off.expect("adamw keeps state");
+        assert!(s.inner.is_some());
+        assert!(s.master.is_none(), "f32 weights need no master copy");
+        w_plain
+            .to_data()
+            .assert_approx_eq::<f32>(&w_off.to_data(), burn::tensor::Tolerance::absolute(0.0));
+    }
+
+    /// The record is the wrapped optimizer's: a checkpoint of either loads
+    /// into the other (offload turned on or off by a retry).
+    #[test]
+    fn record_is_the_wrapped_optimizers() {
+        let device = Device::flex();
+        let plain = AdamWConfig::new().build();
+        let offloaded = Offloaded::new(plain.clone(), Device::flex());
+        let (w, g) = pair(&device);
+        let (_, s) = offloaded.step(1e-2, w, g, None);
+        let mut sink = StateSink::default();
+        s.expect("state").state_flatten("p", &mut sink);
+        let mut names: Vec<&str> = sink.tensors.iter().map(|(n, _)| n.as_str()).collect();
+        names.sort();
+        let (w, g) = pair(&device);
+        let (_, plain_state) = plain.step(1e-2, w, g, None);
+        let mut plain_sink = StateSink::default();
+        plain_state.expect("state").state_flatten("p", &mut plain_sink);
+        let mut plain_names: Vec<&str> =
+            plain_sink.tensors.iter().map(|(n, _)| n.as_str()).collect();
+        plain_names.sort();
+        assert_eq!(names, plain_names);
+
+        let mut src = StateSource::new(plain_sink.scalars.into_iter().collect());
+        for (name, data) in plain_sink.tensors {
+            src.insert_tensor(name, data);
+        }
+        let restored = <OffloadedState<burn::optim::AdamWState<2>, 2>>::state_unflatten(
+            "p", &mut src, &device,
+        )
+        .expect("a plain AdamW record restores as offloaded state");
+        assert!(restored.inner.is_some() && restored.master.is_none());
+    }
+
+    /// bf16 weights on the device: the host keeps an f32 master copy, the
+    /// update is computed in f32 from it, and the device gets it rounded.
+    #[test]
+    fn half_weights_step_in_f32_on_a_master_copy() {
+        let device = Device::flex();
+        let adamw = AdamWConfig::new().build();
+        let offloaded = Offloaded::new(adamw.clone(), Device::flex());
+        let (w, _) = pair(&device);
+        let mut on_device = w.cast(FloatDType::BF16);
+        let mut reference = on_device.clone().cast(FloatDType::F32);
+        let (mut s_ref, mut s_off) = (None, None);
+        for _ in 0..3 {
+            let (_, g) = pair(&device);
+            let g = g.cast(FloatDType::BF16);
+            let (r, s) = adamw.step(1e-4, reference, g.clone().cast(FloatDType::F32), s_ref);
+            (reference, s_ref) = (r, s);
+            let (d, s) = offloaded.step(1e-4, on_device, g, s_off);
+            (on_device, s_off) = (d, s);
+        }
+        assert_eq!(on_device.dtype(), DType::BF16);
+        let master = s_off
+            .and_then(|s| s.master)
+            .expect("a master copy for bf16 weights");
+        assert_eq!(master.dtype(), DType::F32);
+        let exact = burn::tensor::Tolerance::absolute(0.0);
+        master
+            .to_data()
+            .assert_approx_eq::<f32>(&reference.to_data(), exact);
+        on_device
+            .cast(FloatDType::F32)
+            .to_data()
+            .assert_approx_eq::<f32>(
+                &reference
+                    .cast(FloatDType::BF16)
+                    .cast(FloatDType::F32)
+                    .to_data(),
+                exact,
+            );
+    }
+
+    /// A stateless optimizer (plain SGD) keeps no tensors on the host either.
+    #[test]
+    fn stateless_inner_keeps_nothing() {
+        let device = Device::flex();
+        let offloaded = Offloaded::new(SgdConfig::new().build(), Device::flex());
+        let (w, g) = pair(&device);
+        let (_, s) = offloaded.step(1e-2, w, g, None);
+        let mut sink = StateSink::default();
+        if let Some(s) = s {
+            assert!(s.master.is_none());
+            s.state_flatten("p", &mut sink);
+        }
+        assert!(
+            sink.tensors.is_empty(),
+            "no tensors kept: {:?}",
+            sink.tensors
+        );
+        // And it wraps into a whole-module optimizer.
+        let _ = ModuleOptimizer::from(offloaded);
+    }
+}
