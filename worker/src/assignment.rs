@@ -217,6 +217,7 @@ fn train_config(a: &WorkerAssignment) -> Result<TrainConfig, Unsupported> {
         checkpoint_every_steps: a.checkpoint_every_steps,
         seed: a.seed,
         pretrained: a.files.as_ref().map(|f| f.model_dir.clone().into()),
+        hub_model: a.files.as_ref().and_then(|f| f.hub_model.clone()),
         adapters: plan.adapters.clone(),
     })
 }

@@ -56,6 +56,9 @@ pub struct TrainConfig {
     /// The Hugging Face checkpoint a Llama-family model starts from (its
     /// directory); a GPT model starts from seeded random weights.
     pub pretrained: Option<std::path::PathBuf>,
+    /// The hub repo `pretrained` was downloaded from: what an adapter names
+    /// as its base (`None`: it names the `pretrained` directory).
+    pub hub_model: Option<headroom_api::HubModel>,
     /// LoRA adapters on the frozen base (stored as `settings.base_format`
     /// says); `None` trains every parameter.
     pub adapters: Option<LoraConfig>,
@@ -98,6 +101,7 @@ impl TrainConfig {
             checkpoint_every_steps: 1,
             seed,
             pretrained: None,
+            hub_model: None,
             adapters: None,
         }
     }
@@ -357,11 +361,19 @@ impl Trainer {
         let Some(adapters) = &c.adapters else {
             return checkpoint.save_stage(self.model(), &c.layout, c.stage, c.stages, out);
         };
-        let base = c
-            .pretrained
-            .as_ref()
-            .map(|p| p.display().to_string())
-            .unwrap_or_default();
+        let base = match (&c.hub_model, &c.pretrained) {
+            (Some(hub), _) => peft::BaseModel {
+                name_or_path: hub.repo.clone(),
+                revision: Some(hub.revision.clone()),
+            },
+            (None, dir) => peft::BaseModel {
+                name_or_path: dir
+                    .as_ref()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_default(),
+                revision: None,
+            },
+        };
         let file = peft::save_stage(
             self.model(),
             &c.layout,

@@ -403,6 +403,7 @@ fn llama_assignment(dir: &Path, steps: u64) -> WorkerAssignment {
             field: "text".into(),
         },
         output_dir: dir.join("output").display().to_string(),
+        hub_model: None,
     });
     a
 }

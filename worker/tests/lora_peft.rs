@@ -174,8 +174,14 @@ fn the_adapter_the_worker_writes_is_pefts() {
         let config = peft::read_config(&dir).expect("config");
         let model = adapted(case, variant, e.seq, &layout, Some(&dir));
         let out = tempdir(case);
+        // A model from the hub: the adapter names the repo and revision,
+        // so PEFT fetches the same base wherever the adapter goes.
+        let base = peft::BaseModel {
+            name_or_path: "headroom-tests/tiny-llama".into(),
+            revision: Some("v1".into()),
+        };
         let file =
-            peft::save_stage(&model, &layout, &config, 0, 1, &out, "base").expect("write adapter");
+            peft::save_stage(&model, &layout, &config, 0, 1, &out, &base).expect("write adapter");
         assert_eq!(file, out.join(peft::ADAPTER_FILE));
         assert_eq!(
             tensors(&file),
@@ -193,7 +199,11 @@ fn the_adapter_the_worker_writes_is_pefts() {
             ("task_type", serde_json::json!("CAUSAL_LM")),
             ("bias", serde_json::json!("none")),
             ("fan_in_fan_out", serde_json::json!(false)),
-            ("base_model_name_or_path", serde_json::json!("base")),
+            (
+                "base_model_name_or_path",
+                serde_json::json!("headroom-tests/tiny-llama"),
+            ),
+            ("revision", serde_json::json!("v1")),
         ] {
             assert_eq!(json[key], value, "{case}: {key}");
         }
@@ -231,7 +241,11 @@ fn two_stages_write_one_adapter() {
     for k in [1u32, 0] {
         let layout = &layouts[k as usize];
         let model = adapted(case, variant, e.seq, layout, Some(&dir));
-        peft::save_stage(&model, layout, &config, k, 2, &out, "base").expect("write part");
+        let base = peft::BaseModel {
+            name_or_path: "base".into(),
+            revision: None,
+        };
+        peft::save_stage(&model, layout, &config, k, 2, &out, &base).expect("write part");
         assert_eq!(
             out.join(peft::ADAPTER_FILE).exists(),
             k == 0,

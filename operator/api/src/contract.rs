@@ -167,6 +167,21 @@ pub struct PayloadFiles {
     pub data_format: DataFormat,
     /// Where the fine-tuned model is written, in the checkpoint's format, on success.
     pub output_dir: String,
+    /// The Hugging Face repo the model came from (`model.pretrained.huggingFace`):
+    /// what an adapter's `adapter_config.json` names as its base
+    /// (`base_model_name_or_path`, `revision`), so PEFT can fetch the base
+    /// wherever the adapter goes. `None` for a model from a volume: the
+    /// adapter then names `model_dir`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hub_model: Option<HubModel>,
+}
+
+/// A model on the Hugging Face hub: repo id and revision.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HubModel {
+    pub repo: String,
+    pub revision: String,
 }
 
 /// How a data file holds its documents.

@@ -10,7 +10,10 @@
 //! per-parameter temporaries and the serialised checkpoint vs. backward's
 //! gradients of the kept tensors), so one fraction of all tensor bytes
 //! over-predicts a model with few activations and under-predicts one with
-//! many. `MemoryBreakdown::allocator_slack` is their sum.
+//! many. `MemoryBreakdown::allocator_slack` is their sum. A stage training
+//! LoRA adapters without checkpointing takes the profile's
+//! `adapter_activation_slack` instead: backward through its frozen
+//! projections makes no weight gradients.
 //!
 //! Activations are counted one of two ways ([`ActivationCount`]):
 //!
@@ -665,8 +668,12 @@ pub fn estimate_stage(
 
     let states = weights + gradients + optimizer_state;
     let transient = activations + logits + composed_weights;
-    let allocator_slack =
-        slack(states, profile.state_slack) + slack(transient, profile.activation_slack);
+    let activation_slack = if lora.is_some() && !settings.activation_checkpointing {
+        profile.adapter_activation_slack
+    } else {
+        profile.activation_slack
+    };
+    let allocator_slack = slack(states, profile.state_slack) + slack(transient, activation_slack);
     let fixed_overhead = profile.fixed_overhead_bytes;
     let uncorrected = states + transient + allocator_slack + fixed_overhead;
     let factor = correction.max(1.0);

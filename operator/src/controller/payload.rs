@@ -17,8 +17,9 @@ use std::collections::BTreeMap;
 
 use headroom_api::{
     DEFAULT_CHECKPOINT_DIR, DEFAULT_HF_ENDPOINT, DataFormat, DataSource, HF_DATASET_TOKEN_ENV,
-    HF_TOKEN_ENV, INITIALIZE_JSON_ENV, InitializerAssignment, LABEL_JOB, MemoryAwareTrainingJob,
-    ModelSource, PayloadFiles, TERMINATION_MESSAGE_PATH, TextFormat, VolumePath,
+    HF_TOKEN_ENV, HubModel, INITIALIZE_JSON_ENV, InitializerAssignment, LABEL_JOB,
+    MemoryAwareTrainingJob, ModelSource, PayloadFiles, TERMINATION_MESSAGE_PATH, TextFormat,
+    VolumePath,
 };
 use k8s_openapi::api::core::v1::{
     Container, EnvVar, EnvVarSource, LocalObjectReference, PersistentVolumeClaimVolumeSource, Pod,
@@ -81,6 +82,10 @@ pub fn payload_files(job: &MemoryAwareTrainingJob) -> Option<PayloadFiles> {
             TextFormat::Text => DataFormat::Text,
         },
         output_dir,
+        hub_model: pretrained.hugging_face.as_ref().map(|hf| HubModel {
+            repo: hf.repo.clone(),
+            revision: hf.revision.clone(),
+        }),
     })
 }
 
@@ -355,6 +360,10 @@ mod tests {
             files.output_dir,
             "/var/lib/headroom/claims/models/tuned/tiny"
         );
+        assert_eq!(
+            files.hub_model, None,
+            "a model from a volume names its directory"
+        );
         let (volumes, mounts) = claim_mounts(&j);
         assert_eq!(volumes.len(), 2, "each claim once");
         let writable: Vec<_> = mounts
@@ -470,6 +479,14 @@ mod hub_data_tests {
         assert_eq!(
             files.data_file,
             format!("{DEFAULT_CHECKPOINT_DIR}/data/data/train.jsonl")
+        );
+        // The model's hub id reaches the workers, for the adapter's config.
+        assert_eq!(
+            files.hub_model,
+            Some(HubModel {
+                repo: "meta-llama/Llama-3.2-1B".into(),
+                revision: "main".into(),
+            })
         );
         let a = initializer_assignment(&j).expect("assignment");
         assert_eq!(

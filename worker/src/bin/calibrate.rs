@@ -50,7 +50,6 @@ use headroom_api::{
     CHECKPOINT_DIR_ENV, DataFormat, PIPELINE_ADDRESSES_ENV, PLAN_JSON_ENV, POD_NAME_ENV,
     PayloadFiles, TerminationMessage, WorkerAssignment,
 };
-use headroom_planner::backend::BackendProfile;
 use headroom_planner::backend::FLEX;
 use headroom_planner::memory::{StagePlacement, estimate_stage};
 use headroom_planner::search::plan_with;
@@ -71,18 +70,6 @@ const MIB: f64 = 1024.0 * 1024.0;
 /// default headroom) and issue 11's median of 5 %.
 const MEDIAN_TARGET: f64 = 0.05;
 const UNDER_TARGET: f64 = 0.10;
-
-/// FLEX with the worker's 8-bit AdamW among its optimizers (see `assignment`).
-static FLEX_WITH_8BIT: BackendProfile = BackendProfile {
-    optimizers: &[
-        Optimizer::Adamw,
-        Optimizer::Adam,
-        Optimizer::Adamw8bit,
-        Optimizer::SgdMomentum,
-        Optimizer::Sgd,
-    ],
-    ..FLEX
-};
 
 #[derive(Clone, Debug)]
 struct Case {
@@ -302,13 +289,7 @@ fn assignment(case: &Case, steps: u64) -> WorkerAssignment {
         adapters: case.adapters.clone(),
         base_format: case.base_format,
     };
-    // The worker runs adamw8bit (worker/src/optim/), but FLEX does not list
-    // it yet (the API still refuses the cheaperOptimizer rung): plan such a
-    // row with FLEX plus adamw8bit, everything else as the operator plans it.
-    let options = SearchOptions {
-        profile: (!FLEX.optimizers.contains(&case.optimizer)).then_some(&FLEX_WITH_8BIT),
-        ..SearchOptions::default()
-    };
+    let options = SearchOptions::default();
     WorkerAssignment {
         job: "calibrate".into(),
         namespace: "default".into(),
@@ -393,6 +374,7 @@ fn fine_tuning_files(case: &Case, dir: &Path) -> Option<PayloadFiles> {
         data_file: data.display().to_string(),
         data_format: DataFormat::Text,
         output_dir: dir.join("output").display().to_string(),
+        hub_model: None,
     })
 }
 
@@ -880,10 +862,11 @@ fn main() {
         eprintln!("warning: a debug build; calibrate with --release");
     }
     println!(
-        "FLEX profile: fixed overhead {:.0} MiB, state slack {:.0} %, activation slack {:.0} %, logit copies {}, checkpointed phase overlap {}, {:?} activation count; {steps} steps per case, peak = worker VmHWM\n",
+        "FLEX profile: fixed overhead {:.0} MiB, state slack {:.0} %, activation slack {:.0} % ({:.0} % for adapters without checkpointing), logit copies {}, checkpointed phase overlap {}, {:?} activation count; {steps} steps per case, peak = worker VmHWM\n",
         FLEX.fixed_overhead_bytes as f64 / MIB,
         FLEX.state_slack * 100.0,
         FLEX.activation_slack * 100.0,
+        FLEX.adapter_activation_slack * 100.0,
         FLEX.logit_copies,
         FLEX.checkpoint_phase_overlap,
         FLEX.activation_count,

@@ -43,9 +43,17 @@ pub fn factor_names(hf_path: &str) -> [String; 2] {
     ]
 }
 
+/// What an adapter names as its base: PEFT's `base_model_name_or_path`
+/// (a hub repo id, or a directory) and `revision` (the hub revision).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BaseModel {
+    pub name_or_path: String,
+    pub revision: Option<String>,
+}
+
 /// `adapter_config.json` for `config`, as PEFT writes the fields it reads
 /// (the rest take PEFT's defaults).
-pub fn config_json(config: &LoraConfig, base_model: &str) -> serde_json::Value {
+pub fn config_json(config: &LoraConfig, base_model: &BaseModel) -> serde_json::Value {
     serde_json::json!({
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -60,7 +68,8 @@ pub fn config_json(config: &LoraConfig, base_model: &str) -> serde_json::Value {
         "init_lora_weights": true,
         "inference_mode": true,
         "modules_to_save": null,
-        "base_model_name_or_path": base_model,
+        "base_model_name_or_path": base_model.name_or_path,
+        "revision": base_model.revision,
     })
 }
 
@@ -240,7 +249,7 @@ fn part_name(stage: u32, stages: u32) -> String {
 /// Writes stage `stage` of `stages`' adapters into `out` as PEFT's
 /// `adapter_model.safetensors` and `adapter_config.json` (see the module
 /// docs for how a pipeline's stages make one adapter). `base_model` goes
-/// into `base_model_name_or_path`. Returns the adapter file (which another
+/// into `base_model_name_or_path` and `revision`. Returns the adapter file (which another
 /// stage may complete).
 pub fn save_stage(
     model: &TransformerLm,
@@ -249,7 +258,7 @@ pub fn save_stage(
     stage: u32,
     stages: u32,
     out: &Path,
-    base_model: &str,
+    base_model: &BaseModel,
 ) -> Result<PathBuf, HfError> {
     let io = |path: &Path| {
         let path = path.to_path_buf();

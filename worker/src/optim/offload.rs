@@ -166,7 +166,9 @@ mod tests {
         let (w, g) = pair(&device);
         let (_, plain_state) = plain.step(1e-2, w, g, None);
         let mut plain_sink = StateSink::default();
-        plain_state.expect("state").state_flatten("p", &mut plain_sink);
+        plain_state
+            .expect("state")
+            .state_flatten("p", &mut plain_sink);
         let mut plain_names: Vec<&str> =
             plain_sink.tensors.iter().map(|(n, _)| n.as_str()).collect();
         plain_names.sort();
