@@ -421,6 +421,8 @@ status: {phase: Succeeded}
         assert_eq!(facts.in_use.get("nvidia.com/gpu"), Some(&3));
         assert!(facts.schedulable);
         assert!(!facts.allocatable.contains_key("memory"));
+        // Host memory is kept apart: GPU pods request their host-side bytes from it.
+        assert_eq!(facts.host_memory_bytes, Some(64 << 30));
         assert!(holds_devices(&running) && !holds_devices(&done));
     }
 

@@ -810,9 +810,9 @@ async fn tainted_nodes_count_only_for_jobs_that_tolerate_them() {
     ns.cleanup().await;
 }
 
-/// Three 1-GPU nodes and a model that needs two of those GPUs: with the
-/// default ReadWriteOnce checkpoint volume its stages would have to share a
-/// node, so there is no plan, and the message says how to get one; an
+/// Three 1-GPU nodes and a model that needs two of those GPUs (without
+/// optimizer offload): with the default ReadWriteOnce checkpoint volume its
+/// stages would have to share a node, so there is no plan, and the message says how to get one; an
 /// operator configured for ReadWriteMany plans it across nodes.
 #[tokio::test]
 #[ignore = "needs the control plane: make test-apiserver"]
@@ -824,7 +824,12 @@ async fn stages_span_nodes_only_with_a_read_write_many_checkpoint_volume() {
     for i in 0..3 {
         nodes.add(&format!("n{i}"), &small, 8192).await;
     }
-    let job = |name: &str| gpu_job(name, &[&small], 3, "");
+    // Offloading the optimizer state to host memory would fit it on one
+    // GPU (the nodes allocate 64Gi); this job does not allow it.
+    let job = |name: &str| {
+        gpu_job(name, &[&small], 3, "")
+            + "  memoryPolicy: {allowedRungs: [activationCheckpointing, halveMicroBatch, lowerPrecision, cheaperOptimizer, morePipelineStages, largerGpu]}\n"
+    };
 
     let op = start_operator(&ns, ControllerConfig::default());
     ns.apply_job(&job("one-node")).await;
