@@ -55,7 +55,7 @@ chart-check: controlplane-up ## helm lint + template of charts/headroom, securit
 bench-planner: ## Criterion benchmark: plan a 70B model over 1,000 nodes of 6 GPU types.
 	$(CARGO) bench -p headroom-planner --bench plan_70b
 
-calibrate-worker: ## Planner-vs-measured peak memory of real CPU workers, GPT and Llama (release, ~8 min) and telemetry overhead.
+calibrate-worker: ## Planner-vs-measured peak memory of real CPU workers: GPT, Llama, LoRA/QLoRA, 8-bit AdamW, pipelines (release, ~20 min); telemetry overhead.
 	$(CARGO) run --release -q -p headroom-worker --bin calibrate
 
 bench-load-peak: ## Load peak per pipeline stage of a 156M-parameter Llama checkpoint (bf16, f32, sharded) against the planner's training peak (release, ~1 min).

@@ -109,9 +109,10 @@ impl std::fmt::Display for Backend {
 /// burn `flex` on CPU: the container's memory limit is the device.
 ///
 /// Calibrated against measured worker peaks (VmHWM of the worker process,
-/// `make calibrate-worker`, 36 rows: GPT and Llama-family models, pipeline
-/// stages; `docs/benchmarks.md`, 2026-11-23). Activations are counted as
-/// burn's autodiff keeps them, so the slack left is each component's own.
+/// `make calibrate-worker`, 56 rows: GPT and Llama-family models, pipeline
+/// stages, LoRA/QLoRA and 8-bit AdamW; median |error| 4.5 %,
+/// `docs/benchmarks.md`, 2026-11-23). Activations are counted as burn's
+/// autodiff keeps them, so the slack left is each component's own.
 pub const FLEX: BackendProfile = BackendProfile {
     backend: Backend::Flex,
     // A worker's baseline resident set (binary, allocator arenas, rayon
