@@ -152,6 +152,9 @@ fn check_peft_adapter(config: &serde_json::Value, header: &serde_json::Value) {
     }
 }
 
+/// Steps of the job that is evicted mid-run (about 0.2 s each on the e2e node).
+const EVICTED_JOB_STEPS: u64 = 80;
+
 #[tokio::test]
 #[ignore = "needs a cluster with Headroom installed: make e2e"]
 async fn a_lora_job_oom_killed_on_its_dense_base_retries_on_int8_and_resumes_its_adapters() {
@@ -170,7 +173,10 @@ async fn a_lora_job_oom_killed_on_its_dense_base_retries_on_int8_and_resumes_its
         "    method: lora\n    lora: {rank: 8, alpha: 16, targetModules: [q_proj, v_proj]}\n    microBatch: 4\n    activationCheckpointing: true",
         "85Mi",
         "  memoryPolicy: {maxAttempts: 4, backoffSeconds: 1, allowedRungs: [quantizeBase]}",
-    ))
+    )
+    // Long enough that attempt 2 is still training when it is evicted: 12
+    // steps took 2 s, less than the telemetry report and the eviction.
+    .replace("steps: 12", &format!("steps: {EVICTED_JOB_STEPS}")))
     .await;
     let running = ns
         .wait_job(name, "attempt 2 at step 3", RUN, |j| {
@@ -214,13 +220,13 @@ async fn a_lora_job_oom_killed_on_its_dense_base_retries_on_int8_and_resumes_its
         assert_eq!((s.micro_batch, s.activation_checkpointing), (4, true));
         assert_eq!(attempt.plan.adapters.as_ref().map(|a| a.rank), Some(8));
     }
-    assert_eq!(status.attempts[2].last_step, Some(12));
+    assert_eq!(status.attempts[2].last_step, Some(EVICTED_JOB_STEPS));
     let resumed = ns
         .resumed_step()
         .await
         .expect("attempt 3's worker log says it resumed");
     assert!(
-        resumed >= reached && resumed < 12,
+        resumed >= reached && resumed < EVICTED_JOB_STEPS,
         "resumed at step {resumed}; attempt 2 had reached step {reached}"
     );
     let loss = final_loss(&status);
