@@ -100,7 +100,7 @@ e2e-kind: ## The same suite on a kind cluster (needs Docker and kind): images fr
 	e2e/kind.sh
 
 ##@ Local single-node cluster (real pods: containerd + kubelet; run as root)
-.PHONY: cluster-up cluster-down cluster-status cluster-test images
+.PHONY: cluster-up cluster-down cluster-status cluster-test worker-cuda images
 KUBECONFIG_CLUSTER := $(HEADROOM_CACHE)/state/cluster/kubeconfig
 IMAGE_TAG ?= dev
 
@@ -116,6 +116,12 @@ cluster-status: ## Exit 0 only if every component is ready and the node is Ready
 
 cluster-test: cluster-up ## On the real node: OOM kill (137), Succeeded, API via the kubernetes Service, PVC.
 	$(CLUSTER)/node-test.sh
+
+LLVM_SHIM_HOME ?= /opt/headroom/llvm-shim
+
+worker-cuda: ## The CUDA worker binary, offline: Debian's LLVM 22 stands in for the LLVM 23 bundle cubecl downloads (docs/gpu.md; release, ~15 min on 2 cores).
+	HEADROOM_LLVM_SHIM_HOME=$(LLVM_SHIM_HOME) bash worker/cuda/install-build-deps.sh
+	XDG_DATA_HOME=$(LLVM_SHIM_HOME) $(CARGO) build --release -p headroom-worker --features cuda
 
 images: ## Build localhost/headroom-{operator,worker}:$(IMAGE_TAG) without Docker; import into the cluster if up.
 	$(CARGO) build --release -p headroom-operator --bin headroom-operator
