@@ -553,8 +553,8 @@ pub struct MemoryPolicy {
     /// cheaperOptimizer, quantizeBase, offloadOptimizer,
     /// morePipelineStages, largerGpu); all of them by default. A rung that
     /// does not apply to a job (offloadOptimizer on a CPU worker,
-    /// quantizeBase on a full fine-tune) is skipped, with the reason in the
-    /// plan's ladder.
+    /// quantizeBase on a full fine-tune) is skipped; when no rung helps, the
+    /// job's failure lists why each one did not.
     #[serde(default = "default_rungs")]
     #[schemars(length(max = 8), extend("x-kubernetes-list-type" = "set"))]
     pub allowed_rungs: Vec<RetryRung>,
