@@ -460,6 +460,35 @@ fn a_job_is_planned_only_on_nodes_its_workers_may_use() {
     );
 }
 
+/// A 3.8B-parameter bf16 job allowed up to 8 T4s.
+const WIDE_T4_JOB: &str = "apiVersion: headroom.dev/v1alpha1
+kind: MemoryAwareTrainingJob
+metadata: {name: wide}
+spec:
+  model:
+    transformer: {layers: 32, hidden: 3072, heads: 24, sequenceLength: 1024, vocabulary: 50257}
+  training: {globalBatch: 64, steps: 100, precision: bf16}
+  resources:
+    gpu: {types: [Tesla-T4], maxGpus: 8}
+  worker: {image: localhost/headroom-worker:dev, backend: cuda}
+";
+
+/// `kubectl-headroom plan -f job --nodes nodes -o json [extra]`, parsed.
+fn plan_json(job: &std::path::Path, nodes: &std::path::Path, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec![
+        "plan",
+        "-f",
+        job.to_str().expect("utf-8"),
+        "--nodes",
+        nodes.to_str().expect("utf-8"),
+        "-o",
+        "json",
+    ];
+    args.extend_from_slice(extra);
+    let out = plugin(&args);
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&out)))
+}
+
 /// With a ReadWriteOnce checkpoint volume (the default) a job's stages share
 /// a node, so two 4-GPU nodes offer 4 stages, not 8; ReadWriteMany lets the
 /// same job spread over both.
@@ -483,40 +512,10 @@ fn read_write_once_checkpoints_cap_stages_at_one_nodes_gpus() {
     )
     .expect("nodes file");
     let job = dir.join("job.yaml");
-    std::fs::write(
-        &job,
-        "apiVersion: headroom.dev/v1alpha1
-kind: MemoryAwareTrainingJob
-metadata: {name: wide}
-spec:
-  model:
-    transformer: {layers: 32, hidden: 3072, heads: 24, sequenceLength: 1024, vocabulary: 50257}
-  training: {globalBatch: 64, steps: 100, precision: bf16}
-  resources:
-    gpu: {types: [Tesla-T4], maxGpus: 8}
-  worker: {image: localhost/headroom-worker:dev, backend: cuda}
-  # Offloading the optimizer state would fit 3 T4s (see the test below).
-  memoryPolicy:
-    allowedRungs: [activationCheckpointing, halveMicroBatch, lowerPrecision, cheaperOptimizer, morePipelineStages, largerGpu]
-",
-    )
-    .expect("job file");
-    let plan = |mode: &str| {
-        let out = plugin(&[
-            "plan",
-            "-f",
-            job.to_str().expect("utf-8"),
-            "--nodes",
-            nodes.to_str().expect("utf-8"),
-            "--checkpoint-access-mode",
-            mode,
-            "-o",
-            "json",
-        ]);
-        let doc: serde_json::Value =
-            serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&out)));
-        doc
-    };
+    // Offloading the optimizer state would fit 3 T4s (see the test below).
+    let policy = "  memoryPolicy:\n    allowedRungs: [activationCheckpointing, halveMicroBatch, lowerPrecision, cheaperOptimizer, morePipelineStages, largerGpu]\n";
+    std::fs::write(&job, format!("{WIDE_T4_JOB}{policy}")).expect("job file");
+    let plan = |mode: &str| plan_json(&job, &nodes, &["--checkpoint-access-mode", mode]);
     let spread = plan("ReadWriteMany");
     let workers = spread["plan"]["workers"]
         .as_u64()
@@ -544,21 +543,7 @@ fn offloaded_state_needs_nodes_with_the_host_memory_for_it() {
     let dir = std::env::temp_dir().join(format!("headroom-plugin-host-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let job = dir.join("job.yaml");
-    std::fs::write(
-        &job,
-        "apiVersion: headroom.dev/v1alpha1
-kind: MemoryAwareTrainingJob
-metadata: {name: wide}
-spec:
-  model:
-    transformer: {layers: 32, hidden: 3072, heads: 24, sequenceLength: 1024, vocabulary: 50257}
-  training: {globalBatch: 64, steps: 100, precision: bf16}
-  resources:
-    gpu: {types: [Tesla-T4], maxGpus: 8}
-  worker: {image: localhost/headroom-worker:dev, backend: cuda}
-",
-    )
-    .expect("job file");
+    std::fs::write(&job, WIDE_T4_JOB).expect("job file");
     let plan = |host_memory: &str| {
         let nodes = dir.join(format!("nodes-{host_memory}.yaml"));
         std::fs::write(
@@ -568,18 +553,7 @@ spec:
             ),
         )
         .expect("nodes file");
-        let out = plugin(&[
-            "plan",
-            "-f",
-            job.to_str().expect("utf-8"),
-            "--nodes",
-            nodes.to_str().expect("utf-8"),
-            "-o",
-            "json",
-        ]);
-        let doc: serde_json::Value =
-            serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&out)));
-        doc
+        plan_json(&job, &nodes, &[])
     };
     let big = plan("256Gi");
     assert_eq!(big["feasible"], true, "{big}");

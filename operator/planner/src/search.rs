@@ -431,7 +431,7 @@ impl<'a> Search<'a> {
     /// baseline plus its `hostBytes` (what the operator puts in the pod's
     /// request and limit), the largest stage's — or all stages' when they
     /// share a node.
-    pub(crate) fn host_request(&self, plan: &Plan) -> u64 {
+    fn host_request(&self, plan: &Plan) -> u64 {
         let baseline = match &self.req.target {
             Target::Gpu {
                 host_baseline_bytes,
@@ -448,7 +448,7 @@ impl<'a> Search<'a> {
     }
 
     /// Why nodes of `device` cannot hold `plan`'s pods' host memory, if they cannot.
-    pub(crate) fn host_shortfall(&self, device: &DeviceType, plan: &Plan) -> Option<String> {
+    fn host_shortfall(&self, device: &DeviceType, plan: &Plan) -> Option<String> {
         let node = device.host_memory_bytes?;
         let need = self.host_request(plan);
         (need > node).then(|| {
