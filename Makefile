@@ -100,7 +100,7 @@ e2e-kind: ## The same suite on a kind cluster (needs Docker and kind): images fr
 	e2e/kind.sh
 
 ##@ Local single-node cluster (real pods: containerd + kubelet; run as root)
-.PHONY: cluster-up cluster-down cluster-status cluster-test worker-cuda images
+.PHONY: cluster-up cluster-down cluster-status cluster-test worker-cuda cuda-runtime image-cuda gpu-bundle gpu-check images
 KUBECONFIG_CLUSTER := $(HEADROOM_CACHE)/state/cluster/kubeconfig
 IMAGE_TAG ?= dev
 
@@ -119,9 +119,50 @@ cluster-test: cluster-up ## On the real node: OOM kill (137), Succeeded, API via
 
 LLVM_SHIM_HOME ?= /opt/headroom/llvm-shim
 
-worker-cuda: ## The CUDA worker binary, offline: Debian's LLVM 22 stands in for the LLVM 23 bundle cubecl downloads (docs/gpu.md; release, ~15 min on 2 cores).
+# CUDA 12.8 driver-API bindings (cudarc's default without nvcc is 13, which needs an R580+ driver).
+CUDARC_CUDA_VERSION ?= 12080
+CUDA_DIR := $(CARGO_TARGET_DIR)/cuda
+CUDA_RUNTIME := $(HEADROOM_CACHE)/cuda-runtime/cuda-12.8
+GPU_BUNDLE := gpu-bundle
+
+worker-cuda: ## The CUDA worker and calibrate binaries, offline, in ~/.cache/headroom/target/cuda/: Debian's LLVM 22 stands in for the LLVM 23 bundle cubecl downloads (docs/gpu.md; release, ~15 min on 2 cores).
 	HEADROOM_LLVM_SHIM_HOME=$(LLVM_SHIM_HOME) bash worker/cuda/install-build-deps.sh
-	XDG_DATA_HOME=$(LLVM_SHIM_HOME) $(CARGO) build --release -p headroom-worker --features cuda
+	XDG_DATA_HOME=$(LLVM_SHIM_HOME) CUDARC_CUDA_VERSION=$(CUDARC_CUDA_VERSION) \
+	  $(CARGO) build --release -p headroom-worker --features cuda --bin headroom-worker --bin calibrate
+	# Their own directory: the CPU build writes release/headroom-worker and release/calibrate too.
+	# Debug info stripped (line tables of a statically linked LLVM: ~600 MB); symbols kept for backtraces.
+	mkdir -p $(CUDA_DIR)
+	for b in headroom-worker calibrate; do \
+	  objcopy --strip-debug $(CARGO_TARGET_DIR)/release/$$b $(CUDA_DIR)/$$b.tmp && mv -f $(CUDA_DIR)/$$b.tmp $(CUDA_DIR)/$$b; done
+	ls -la $(CUDA_DIR)
+	# They start: the worker refuses to run without a plan (exit 78); without a GPU, calibrate --backend cuda says so (exit 2).
+	rc=0; $(CUDA_DIR)/headroom-worker 2>/dev/null || rc=$$?; test $$rc = 78 || { echo "CUDA worker without a plan exited $$rc, expected 78" >&2; exit 1; }
+	if ! ls /dev/nvidia[0-9]* >/dev/null 2>&1; then rc=0; out=$$($(CUDA_DIR)/calibrate --backend cuda 2>&1) || rc=$$?; \
+	  test $$rc = 2 && grep -q "NVML did not start" <<<"$$out" || { echo "calibrate --backend cuda without a GPU: exit $$rc: $$out" >&2; exit 1; }; fi
+
+cuda-runtime: ## libdevice (and NVIDIA's license) from the pinned nvidia-cuda-nvcc-cu12 wheel on PyPI, CUDA_PATH-shaped, in ~/.cache/headroom/cuda-runtime.
+	HEADROOM_CACHE=$(HEADROOM_CACHE) bash worker/cuda/fetch-runtime.sh
+
+image-cuda: cuda-runtime ## localhost/headroom-worker-cuda:$(IMAGE_TAG) without Docker, from make worker-cuda's binary (the driver comes from the node).
+	@test -x $(CUDA_DIR)/headroom-worker || { echo "no $(CUDA_DIR)/headroom-worker: run make worker-cuda first" >&2; exit 1; }
+	IMAGE_TAG=$(IMAGE_TAG) IMAGE_ENV="CUDA_PATH=/usr/local/cuda NVIDIA_DRIVER_CAPABILITIES=compute,utility" \
+	  e2e/images/build.sh headroom-worker-cuda $(CUDA_DIR)/headroom-worker \
+	  $(CUDA_RUNTIME)/nvvm/libdevice/libdevice.10.bc:/usr/local/cuda/nvvm/libdevice/libdevice.10.bc \
+	  $(CUDA_RUNTIME)/LICENSE:/usr/local/cuda/LICENSE.nvidia
+
+gpu-bundle: cuda-runtime ## gpu-bundle/: make worker-cuda's calibrate (xz) and libdevice, < 64 MiB, for make gpu-check on a GPU machine without network or toolchain.
+	@test -x $(CUDA_DIR)/calibrate || { echo "no $(CUDA_DIR)/calibrate: run make worker-cuda first" >&2; exit 1; }
+	rm -rf $(GPU_BUNDLE) && mkdir -p $(GPU_BUNDLE)/cuda/nvvm/libdevice
+	strip -o $(GPU_BUNDLE)/calibrate $(CUDA_DIR)/calibrate
+	xz -9e -T2 $(GPU_BUNDLE)/calibrate
+	cp $(CUDA_RUNTIME)/nvvm/libdevice/libdevice.10.bc $(GPU_BUNDLE)/cuda/nvvm/libdevice/
+	cp $(CUDA_RUNTIME)/LICENSE $(GPU_BUNDLE)/cuda/LICENSE
+	cd $(GPU_BUNDLE) && sha256sum calibrate.xz cuda/nvvm/libdevice/libdevice.10.bc > SHA256SUMS
+	@size=$$(du -sb $(GPU_BUNDLE) | cut -f1); echo "gpu-bundle: $$size bytes"; \
+	  test $$size -le $$((64 * 1024 * 1024)) || { echo "gpu-bundle is over 64 MiB" >&2; exit 1; }
+
+gpu-check: ## On a machine with an NVIDIA GPU: bf16 smoke run, CUDA calibration grid, tokens/s, telemetry overhead (worker/cuda/gpu-check.sh; exits 2 without a GPU).
+	bash worker/cuda/gpu-check.sh $(GPU_CHECK_ARGS)
 
 images: ## Build localhost/headroom-{operator,worker}:$(IMAGE_TAG) without Docker; import into the cluster if up.
 	$(CARGO) build --release -p headroom-operator --bin headroom-operator

@@ -24,6 +24,7 @@
 #
 # Environment:
 #   IMAGE_TAG=dev  IMAGE_REGISTRY=localhost  IMAGE_USER=65532:65532
+#   IMAGE_ENV="K=V ..." more environment for the image (PATH is always set)
 #   IMAGE_IMPORT=auto   auto: import if the cluster's containerd is up; 1: must; 0: never
 #   IMAGE_FORCE=1       rebuild even if the archive matches the inputs
 #   SOURCE_DATE_EPOCH   timestamps in the image (default 0)
@@ -49,6 +50,11 @@ EXTRAS=("$@")
 : "${IMAGE_USER:=65532:65532}"
 : "${IMAGE_IMPORT:=auto}"
 : "${IMAGE_FORCE:=0}"
+: "${IMAGE_ENV:=}"
+read -r -a IMAGE_ENV_LIST <<<"${IMAGE_ENV}"
+for kv in "${IMAGE_ENV_LIST[@]}"; do
+  [[ ${kv} =~ ^[A-Za-z_][A-Za-z0-9_]*=[^[:space:]]*$ ]] || die "IMAGE_ENV: '${kv}' is not KEY=VALUE"
+done
 : "${SOURCE_DATE_EPOCH:=0}"
 
 # --- image reference ---------------------------------------------------------
@@ -76,7 +82,7 @@ mkdir -p "${HEADROOM_IMAGES_DIR}"
 # Everything that decides the archive's bytes.
 inputs_digest() {
   {
-    printf 'ref=%s user=%s epoch=%s entry=%s\n' "${REF}" "${IMAGE_USER}" "${SOURCE_DATE_EPOCH}" "${ENTRY}"
+    printf 'ref=%s user=%s epoch=%s entry=%s env=%s\n' "${REF}" "${IMAGE_USER}" "${SOURCE_DATE_EPOCH}" "${ENTRY}" "${IMAGE_ENV}"
     sha256sum "${HERE}/build.sh" "${HERE}/mkrootfs.sh" | cut -d' ' -f1
     sha256sum "$(readlink -f "${BINARY}")" | cut -d' ' -f1
     ldd "${BINARY}" 2>/dev/null | awk '$3 ~ /^\// {print $3} $1 ~ /^\// {print $1}' | xargs -r readlink -f | xargs -r sha256sum || true
@@ -139,12 +145,15 @@ umoci new --image "${L}:${TAG}"
 umoci raw add-layer --image "${L}:${TAG}" \
   --history.created "${CREATED}" --history.created_by "e2e/images/build.sh $(basename "${BINARY}")" \
   "${WORK}/layer.tar"
+env_args=()
+for kv in "${IMAGE_ENV_LIST[@]}"; do env_args+=(--config.env "${kv}"); done
 umoci config --image "${L}:${TAG}" --no-history \
   --created "${CREATED}" --author "headroom e2e/images/build.sh" \
   --architecture amd64 --os linux \
   --config.user "${IMAGE_USER}" \
   --config.workingdir /home/nonroot \
   --config.env PATH=/usr/local/bin:/usr/local/sbin:/usr/bin:/usr/sbin:/bin:/sbin \
+  "${env_args[@]}" \
   --config.entrypoint "${ENTRY}" \
   --config.label "org.opencontainers.image.title=${REPO##*/}"
 umoci gc --layout "${L}"

@@ -36,6 +36,7 @@ use crate::report::{
 use crate::telemetry::{MemoryProbe, process_memory};
 use crate::train::{Trainer, training_device};
 use crate::write_termination_message;
+use headroom_planner::Backend;
 
 /// How the process ends: the termination message, whose outcome gives the exit code.
 #[derive(Clone, Debug, PartialEq)]
@@ -161,9 +162,14 @@ fn run_inner(env: &WorkerEnv) -> Exit {
     let identity = identity(&plan, env.pod_name.clone());
     let sink = KubeStatusSink::connect(&cluster, &identity)
         .map(|sink| Box::new(sink) as Box<dyn TelemetrySink>);
+    let mut probe = MemoryProbe::for_this_process(Some(device.clone()));
+    if config.backend != Backend::Flex {
+        probe = probe.device_peak();
+    }
+    let on_device = probe.peaks_on_device();
     let reporter = Reporter::start(
         identity,
-        MemoryProbe::for_this_process(Some(device.clone())),
+        probe,
         sink,
         DEFAULT_SAMPLE_EVERY,
         WritePolicy::new(env.telemetry_interval),
@@ -175,6 +181,7 @@ fn run_inner(env: &WorkerEnv) -> Exit {
         cluster: &cluster,
         reporter: &reporter,
         terminate: &terminate,
+        peak_on_device: on_device,
     }
     .run(device);
     let last = reporter.finish();
@@ -208,12 +215,19 @@ struct Training<'a> {
     reporter: &'a Reporter,
     /// Set by SIGTERM.
     terminate: &'a AtomicBool,
+    /// The plan budgets GPU memory: the process's host memory is not the peak.
+    peak_on_device: bool,
 }
 
 impl Training<'_> {
     /// The highest memory figure seen so far, bytes.
     fn peak_now(&self) -> u64 {
-        self.reporter.peak().max(process_memory().1.unwrap_or(0))
+        let host = if self.peak_on_device {
+            0
+        } else {
+            process_memory().1.unwrap_or(0)
+        };
+        self.reporter.peak().max(host)
     }
 
     fn save(&self, trainer: &Trainer, loss: Option<f64>) -> Result<PathBuf, CheckpointError> {

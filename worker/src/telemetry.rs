@@ -7,10 +7,19 @@
 //! guessing.
 //!
 //! `peak_bytes` (what the operator compares with the plan's prediction) is the
-//! highest of: the process high-water mark (VmHWM: the planner's model is of
-//! the process), the allocator's reserved bytes and the GPUs' used bytes. The
-//! cgroup figures are reported beside it; they also count page cache and other
-//! processes in the container, which the planner does not model.
+//! peak of the memory the plan budgets. On the CPU (flex: the device is the
+//! host) that is the highest of the process high-water mark (VmHWM: the
+//! planner's model is of the process) and the allocator's reserved bytes. On
+//! a GPU ([`MemoryProbe::device_peak`]) it is the highest of the allocator's
+//! reserved bytes and NVML's used bytes (which also count the CUDA context);
+//! the process's host memory is reported beside it but budgeted separately
+//! (the pod's host memory limit), so a large host-side checkpoint load does
+//! not read as a GPU peak. GPU figures are sampled, not a hardware
+//! high-water mark: cubecl's pool keeps the pages it reserved, so the
+//! reserved bytes a sample sees after a step include that step's transient
+//! peak. The cgroup figures are reported beside it; they also count page
+//! cache and other processes in the container, which the planner does not
+//! model.
 
 use std::path::{Path, PathBuf};
 
@@ -116,6 +125,8 @@ pub struct MemoryProbe {
     device: Option<Device>,
     #[cfg(feature = "cuda")]
     nvml: Option<nvml_wrapper::Nvml>,
+    /// Whether the budgeted memory is the GPU's rather than the process's.
+    device_peak: bool,
     peak: u64,
     cgroup_peak_seen: u64,
 }
@@ -153,9 +164,22 @@ impl MemoryProbe {
                     None
                 }
             },
+            device_peak: false,
             peak: 0,
             cgroup_peak_seen: 0,
         }
+    }
+
+    /// The peak this probe keeps is the GPU's (allocator reserved, NVML
+    /// used), not the process's: for a worker whose plan budgets GPU memory.
+    pub fn device_peak(mut self) -> Self {
+        self.device_peak = true;
+        self
+    }
+
+    /// Whether [`MemoryProbe::peak`] is the GPU's.
+    pub fn peaks_on_device(&self) -> bool {
+        self.device_peak
     }
 
     pub fn cgroup(&self) -> Option<&CgroupFiles> {
@@ -188,15 +212,12 @@ impl MemoryProbe {
         let pool = self.device.as_ref().and_then(|d| d.memory_pool_usage());
         let gpus = self.gpus();
         let gpu_used = gpus.iter().map(|g| g.used_bytes).max();
-        let now = [
-            hwm.or(rss),
-            pool.as_ref().map(|p| p.bytes_reserved),
-            gpu_used,
-        ]
-        .into_iter()
-        .flatten()
-        .max()
-        .unwrap_or(0);
+        let host = if self.device_peak { None } else { hwm.or(rss) };
+        let now = [host, pool.as_ref().map(|p| p.bytes_reserved), gpu_used]
+            .into_iter()
+            .flatten()
+            .max()
+            .unwrap_or(0);
         self.peak = self.peak.max(now);
         MemorySample {
             cgroup_current_bytes: cgroup_current,
@@ -304,6 +325,23 @@ mod tests {
             (Some(1024 * 1024), Some(2048 * 1024))
         );
         assert_eq!(parse_proc_status("garbage"), (None, None));
+    }
+
+    #[test]
+    fn a_device_peak_leaves_the_process_memory_out() {
+        let mut host = MemoryProbe::for_this_process(None);
+        let mut device = MemoryProbe::for_this_process(None).device_peak();
+        assert!(device.peaks_on_device() && !host.peaks_on_device());
+        let (h, d) = (host.sample(), device.sample());
+        assert!(h.peak_bytes > 0, "the host probe keeps VmHWM");
+        assert!(
+            d.process_rss_bytes.unwrap_or(0) > 0,
+            "RSS is still reported"
+        );
+        // No allocator and (here) no GPU: nothing on the device to peak.
+        if d.gpus.is_empty() {
+            assert_eq!(d.peak_bytes, 0);
+        }
     }
 
     #[test]

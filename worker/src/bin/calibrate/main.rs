@@ -38,8 +38,12 @@
 //! Then it measures the step-time cost of telemetry: the same training steps
 //! with and without the sampling/reporting thread.
 //!
+//! `--backend cuda` (a CUDA build, on an NVIDIA GPU; `gpu.rs`, run by
+//! `make gpu-check`) runs a GPU grid of bf16 Llama models instead and
+//! compares with the CUDA profile.
+//!
 //! Usage (release build; debug figures are meaningless):
-//!   cargo run --release -p headroom-worker --bin calibrate -- [--steps N] [--only NAME] [--skip-pipeline | --pipeline-only] [--skip-overhead | --overhead-only]
+//!   cargo run --release -p headroom-worker --bin calibrate -- [--backend flex|cuda [--large]] [--steps N] [--only NAME] [--skip-pipeline | --pipeline-only] [--skip-overhead | --overhead-only]
 
 use std::path::Path;
 use std::process::Command;
@@ -65,6 +69,8 @@ use headroom_worker::run::TERMINATION_MESSAGE_PATH_ENV;
 use headroom_worker::telemetry::MemoryProbe;
 use headroom_worker::train::Trainer;
 
+mod gpu;
+
 const MIB: f64 = 1024.0 * 1024.0;
 /// The calibration targets: issue 4's 10 % under-prediction bound (the
 /// default headroom) and issue 11's median of 5 %.
@@ -85,6 +91,8 @@ struct Case {
     adapters: Option<LoraConfig>,
     /// How the frozen base is stored (QLoRA: int8/int4; dense otherwise).
     base_format: BaseFormat,
+    /// Fp32 on flex (its only precision); bf16 in the CUDA grid.
+    precision: Precision,
 }
 
 impl Case {
@@ -179,6 +187,7 @@ fn grid() -> Vec<Case> {
         optimizer: opt,
         adapters: None,
         base_format: BaseFormat::Dense,
+        precision: Precision::Fp32,
     };
     // LoRA rows: Lq, 25M parameters (h 512, GQA 8/2, SwiGLU 1408 = 22 × 64,
     // so the default QLoRA block of 64 divides every block linear), untied;
@@ -271,33 +280,37 @@ fn lora_config(targets: &[TargetModule]) -> LoraConfig {
     }
 }
 
-fn assignment(case: &Case, steps: u64) -> WorkerAssignment {
-    let req = JobRequest {
+/// The job a case is: its settings pinned, on `target`.
+fn job_request(case: &Case, target: Target) -> JobRequest {
+    JobRequest {
         model: case.model.clone(),
         global_batch: case.micro_batch * case.accumulation,
-        precision: Precision::Fp32,
+        precision: case.precision,
         optimizer: case.optimizer,
         pinned_micro_batch: Some(case.micro_batch),
         pinned_checkpointing: Some(case.checkpointing),
         pinned_stages: None,
-        target: Target::Cpu {
-            memory_limit_bytes: 64 << 30,
-            max_workers: 1,
-        },
+        target,
         headroom_fraction: 0.1,
         allowed_rungs: RetryRung::ALL.to_vec(),
         adapters: case.adapters.clone(),
         base_format: case.base_format,
-    };
-    let options = SearchOptions::default();
+    }
+}
+
+/// A single worker's assignment for `plan`, checkpointing at the end.
+fn worker_assignment(
+    model: &ModelShape,
+    plan: headroom_planner::Plan,
+    steps: u64,
+) -> WorkerAssignment {
     WorkerAssignment {
         job: "calibrate".into(),
         namespace: "default".into(),
         attempt: 1,
         stage: 0,
-        model: req.model.clone(),
-        plan: plan_with(&req, &Inventory::default(), &options)
-            .expect("a 64 GiB budget fits every grid case"),
+        model: model.clone(),
+        plan,
         steps,
         learning_rate: 1e-3,
         checkpoint_every_steps: u32::try_from(steps).unwrap_or(u32::MAX),
@@ -306,16 +319,67 @@ fn assignment(case: &Case, steps: u64) -> WorkerAssignment {
     }
 }
 
+fn assignment(case: &Case, steps: u64) -> WorkerAssignment {
+    let req = job_request(
+        case,
+        Target::Cpu {
+            memory_limit_bytes: 64 << 30,
+            max_workers: 1,
+        },
+    );
+    let plan = plan_with(&req, &Inventory::default(), &SearchOptions::default())
+        .expect("a 64 GiB budget fits every grid case");
+    worker_assignment(&case.model, plan, steps)
+}
+
 /// For a Llama case: a randomly initialised checkpoint of its shape, the
 /// tiny-llama fixture's tokenizer and a generated text under `dir`, named in
 /// the assignment as a fine-tuning job's files. Written by this process, so
 /// the worker's peak does not include it; the worker's own load and
 /// write-back do count.
 fn fine_tuning_files(case: &Case, dir: &Path) -> Option<PayloadFiles> {
+    fine_tuning_files_with(case, dir, dir, 3)
+}
+
+/// [`fine_tuning_files`] with the checkpoint under `models` (reused by every
+/// case of the same shape: a 1B checkpoint takes a while to write) and text
+/// for at least `steps` steps.
+fn fine_tuning_files_with(
+    case: &Case,
+    dir: &Path,
+    models: &Path,
+    steps: u64,
+) -> Option<PayloadFiles> {
     let ModelShape::Llama(l) = &case.model else {
         return None;
     };
-    let model_dir = dir.join("model");
+    let model_dir = models.join(format!(
+        "model-{}-{}-{}-{}-{}-{}-{}",
+        l.layers,
+        l.hidden,
+        l.attention_heads,
+        l.key_value_heads,
+        l.intermediate,
+        l.vocabulary,
+        if l.tied_embeddings { "tied" } else { "untied" }
+    ));
+    let data = dir.join("text.txt");
+    write_text(
+        &data,
+        u64::from(case.micro_batch * case.accumulation)
+            * u64::from(l.sequence_length)
+            * (steps + 1),
+    );
+    let files = PayloadFiles {
+        model_dir: model_dir.display().to_string(),
+        data_file: data.display().to_string(),
+        data_format: DataFormat::Text,
+        output_dir: dir.join("output").display().to_string(),
+        hub_model: None,
+    };
+    if model_dir.join("config.json").is_file() {
+        return Some(files);
+    }
     std::fs::create_dir_all(&model_dir).expect("model dir");
     let config = llama_config(
         l.layers,
@@ -341,7 +405,12 @@ fn fine_tuning_files(case: &Case, dir: &Path) -> Option<PayloadFiles> {
     checkpoint
         .save_stage(&model, &layout, 0, 1, &model_dir)
         .expect("write the random checkpoint");
-    // Enough text for several samples per micro-batch at s = 512.
+    Some(files)
+}
+
+/// A generated text of at least 60,000 words and `tokens` words (each word
+/// is at least one token of the tiny-llama tokenizer).
+fn write_text(path: &Path, tokens: u64) {
     const WORDS: [&str; 16] = [
         "people",
         "government",
@@ -362,20 +431,12 @@ fn fine_tuning_files(case: &Case, dir: &Path) -> Option<PayloadFiles> {
     ];
     let mut text = String::new();
     let mut x = 7u64;
-    for i in 0..60_000u64 {
+    for i in 0..tokens.max(60_000) {
         x = headroom_worker::data::splitmix(x ^ i);
         text.push_str(WORDS[(x % 16) as usize]);
         text.push(if i % 17 == 16 { '.' } else { ' ' });
     }
-    let data = dir.join("text.txt");
-    std::fs::write(&data, text).expect("text");
-    Some(PayloadFiles {
-        model_dir: model_dir.display().to_string(),
-        data_file: data.display().to_string(),
-        data_format: DataFormat::Text,
-        output_dir: dir.join("output").display().to_string(),
-        hub_model: None,
-    })
+    std::fs::write(path, text).expect("text");
 }
 
 struct Measured {
@@ -437,37 +498,7 @@ fn measure(case: &Case, steps: u64) -> Measured {
     std::fs::create_dir_all(&dir).expect("temp dir");
     let mut a = a;
     a.files = fine_tuning_files(case, &dir);
-    let termination = dir.join("termination-log");
-    let started = Instant::now();
-    let out = Command::new(std::env::current_exe().expect("own path"))
-        .arg("--worker")
-        .env(PLAN_JSON_ENV, serde_json::to_string(&a).expect("json"))
-        .env(CHECKPOINT_DIR_ENV, dir.join("checkpoints"))
-        .env(TERMINATION_MESSAGE_PATH_ENV, &termination)
-        .env(POD_NAME_ENV, "calibrate")
-        .env("KUBECONFIG", dir.join("none"))
-        .env("HOME", &dir)
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("run a worker");
-    let seconds = started.elapsed().as_secs_f64();
-    let message: TerminationMessage = std::fs::read_to_string(&termination)
-        .ok()
-        .and_then(|t| serde_json::from_str(&t).ok())
-        .unwrap_or_else(|| {
-            panic!(
-                "{}: no termination message; stderr:\n{}",
-                case.name,
-                String::from_utf8_lossy(&out.stderr)
-            )
-        });
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}: worker failed: {message:?}\n{}",
-        case.name,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (message, seconds) = run_worker(case.name, &a, &dir);
     let _ = std::fs::remove_dir_all(&dir);
     Measured {
         label: case.name.to_string(),
@@ -478,6 +509,42 @@ fn measure(case: &Case, steps: u64) -> Measured {
             .expect("peak bytes in the termination message"),
         seconds,
     }
+}
+
+/// Runs `a` in a worker process (this binary with `--worker`, the
+/// production code path) with its checkpoints and termination message under
+/// `dir`; panics unless it succeeds. The message and the wall time.
+fn run_worker(name: &str, a: &WorkerAssignment, dir: &Path) -> (TerminationMessage, f64) {
+    let termination = dir.join("termination-log");
+    let started = Instant::now();
+    let out = Command::new(std::env::current_exe().expect("own path"))
+        .arg("--worker")
+        .env(PLAN_JSON_ENV, serde_json::to_string(a).expect("json"))
+        .env(CHECKPOINT_DIR_ENV, dir.join("checkpoints"))
+        .env(TERMINATION_MESSAGE_PATH_ENV, &termination)
+        .env(POD_NAME_ENV, "calibrate")
+        .env("KUBECONFIG", dir.join("none"))
+        .env("HOME", dir)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run a worker");
+    let seconds = started.elapsed().as_secs_f64();
+    let message: TerminationMessage = std::fs::read_to_string(&termination)
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or_else(|| {
+            panic!(
+                "{name}: no termination message; stderr:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{name}: worker failed: {message:?}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (message, seconds)
 }
 
 /// `a` split over `p` balanced stages (the planner's split when it fits).
@@ -616,6 +683,7 @@ fn pipeline_case() -> Case {
         optimizer: Optimizer::Adamw,
         adapters: None,
         base_format: BaseFormat::Dense,
+        precision: Precision::Fp32,
     }
 }
 
@@ -743,10 +811,9 @@ fn median(mut xs: Vec<f64>) -> f64 {
     }
 }
 
-/// Step times (seconds) of one trainer, alternating segments without and with
-/// the telemetry thread so both see the same model, data and machine state.
-fn step_times(rounds: u32, steps_per_segment: u32) -> (Vec<f64>, Vec<f64>) {
-    let case = Case {
+/// The model of the CPU telemetry-overhead figure.
+fn overhead_case() -> Case {
+    Case {
         name: "overhead",
         model: shape(4, 256, 4, 256, 4096, true),
         micro_batch: 8,
@@ -755,11 +822,26 @@ fn step_times(rounds: u32, steps_per_segment: u32) -> (Vec<f64>, Vec<f64>) {
         optimizer: Optimizer::Adamw,
         adapters: None,
         base_format: BaseFormat::Dense,
-    };
-    let config = ValidAssignment::new(assignment(&case, 1_000_000))
+        precision: Precision::Fp32,
+    }
+}
+
+/// Step times (seconds) of one trainer of `a` on `device`, alternating
+/// segments without and with the telemetry thread so both see the same
+/// model, data and machine state; and the tokens one step trains.
+fn step_times(
+    a: WorkerAssignment,
+    device: Device,
+    rounds: u32,
+    steps_per_segment: u32,
+) -> (Vec<f64>, Vec<f64>, f64) {
+    let layer_end = a.plan.stages[0].layer_end;
+    let peak_on_device = a.plan.backend != headroom_planner::Backend::Flex;
+    let config = ValidAssignment::new(a)
         .expect("valid assignment")
         .into_config();
-    let mut trainer = Trainer::new(config, Device::flex().autodiff()).expect("trainer");
+    let tokens = config.tokens_per_step() as f64;
+    let mut trainer = Trainer::new(config, device).expect("trainer");
     // Warm-up: optimizer state, allocator arenas.
     for _ in 0..2 {
         trainer.train_step().expect("single stage");
@@ -776,9 +858,9 @@ fn step_times(rounds: u32, steps_per_segment: u32) -> (Vec<f64>, Vec<f64>) {
                         attempt: 1,
                         stage: 0,
                         layer_start: 0,
-                        layer_end: 4,
+                        layer_end,
                     },
-                    MemoryProbe::for_this_process(Some(trainer.device.clone())),
+                    probe(&trainer.device, peak_on_device),
                     Some(Box::new(MemorySink::default())),
                     headroom_worker::report::DEFAULT_SAMPLE_EVERY,
                     // Every sample is written: the worst case of the rate limit.
@@ -799,12 +881,29 @@ fn step_times(rounds: u32, steps_per_segment: u32) -> (Vec<f64>, Vec<f64>) {
             }
         }
     }
-    (without, with)
+    (without, with, tokens)
+}
+
+/// The worker's probe for `device` (with NVML in a CUDA build).
+fn probe(device: &Device, peak_on_device: bool) -> MemoryProbe {
+    let probe = MemoryProbe::for_this_process(Some(device.clone()));
+    if peak_on_device {
+        probe.device_peak()
+    } else {
+        probe
+    }
 }
 
 fn telemetry_overhead() {
-    // Direct cost of one sample (reading /proc and cgroup files).
-    let mut probe = MemoryProbe::for_this_process(Some(Device::flex()));
+    let a = assignment(&overhead_case(), 1_000_000);
+    telemetry_overhead_on(a, Device::flex().autodiff());
+}
+
+/// The cost of one memory sample on `device` (reading /proc, cgroup files,
+/// the allocator and, in a CUDA build, NVML), then one trainer of `a` with
+/// and without the reporter thread: median step, tokens/s, overhead.
+fn telemetry_overhead_on(a: WorkerAssignment, device: Device) {
+    let mut probe = probe(&device, a.plan.backend != headroom_planner::Backend::Flex);
     let n = 2000;
     let t = Instant::now();
     for _ in 0..n {
@@ -819,33 +918,46 @@ fn telemetry_overhead() {
         100.0 * per_sample / every
     );
     // End to end: one trainer, alternating segments without and with the telemetry thread.
-    let (without, with) = step_times(8, 4);
+    let (without, with, tokens) = step_times(a, device, 8, 4);
     let n = with.len();
     let (a, b) = (median(without), median(with));
     println!(
-        "telemetry: median step {:.1} ms without, {:.1} ms with the reporter ({n} steps each, sample every {:.1} s, every sample written): {:+.2} %",
+        "telemetry: median step {:.1} ms without, {:.1} ms with the reporter ({n} steps each, sample every {:.1} s, every sample written): {:+.2} %; {:.0} tokens/s without",
         a * 1e3,
         b * 1e3,
         every,
-        100.0 * (b - a) / a
+        100.0 * (b - a) / a,
+        tokens / a
     );
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.first().map(String::as_str) == Some("--worker") {
-        let exit = headroom_worker::run::run(headroom_worker::WorkerEnv::from_env());
-        std::process::exit(exit.code());
+    match args.first().map(String::as_str) {
+        Some("--worker") => {
+            let exit = headroom_worker::run::run(headroom_worker::WorkerEnv::from_env());
+            std::process::exit(exit.code());
+        }
+        Some("--gpu-smoke") => std::process::exit(gpu::smoke()),
+        _ => {}
     }
     let mut steps = 3;
     let mut only: Option<String> = None;
     let mut overhead = true;
     let mut pipeline = true;
+    let mut cuda = false;
+    let mut large = false;
     let mut it = args.iter();
     while let Some(arg) = it.next() {
         match arg.as_str() {
             "--steps" => steps = it.next().and_then(|v| v.parse().ok()).expect("--steps N"),
             "--only" => only = it.next().cloned(),
+            "--backend" => match it.next().map(String::as_str) {
+                Some("cuda") => cuda = true,
+                Some("flex") => cuda = false,
+                other => panic!("--backend {other:?}: use flex (CPU, the default) or cuda"),
+            },
+            "--large" => large = true,
             "--skip-overhead" => overhead = false,
             "--skip-pipeline" => pipeline = false,
             "--pipeline-only" => only = Some("--pipeline-only".into()),
@@ -853,13 +965,16 @@ fn main() {
                 telemetry_overhead();
                 return;
             }
-            other => {
-                panic!("unknown argument {other}; use --steps N, --only NAME, --skip-overhead")
-            }
+            other => panic!(
+                "unknown argument {other}; use --backend flex|cuda, --large (cuda: add 3B rows), --steps N, --only NAME, --skip-pipeline, --pipeline-only, --skip-overhead, --overhead-only"
+            ),
         }
     }
     if cfg!(debug_assertions) {
         eprintln!("warning: a debug build; calibrate with --release");
+    }
+    if cuda {
+        std::process::exit(gpu::run(steps, only.as_deref(), overhead, large));
     }
     println!(
         "FLEX profile: fixed overhead {:.0} MiB, state slack {:.0} %, activation slack {:.0} % ({:.0} % for adapters without checkpointing), logit copies {}, checkpointed phase overlap {}, {:?} activation count; {steps} steps per case, peak = worker VmHWM\n",

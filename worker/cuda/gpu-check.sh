@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# `make gpu-check`: validates the CUDA worker on this machine's NVIDIA GPU and
+# prints the figures docs/gpu.md asks for (issue 14). Needs no network and no
+# Rust toolchain: only the CUDA build's calibrate binary (which contains the
+# worker: it runs each case as `calibrate --worker`, the production code
+# path) and libdevice, either
+#   - from a build here: $CARGO_TARGET_DIR/cuda/calibrate (make worker-cuda)
+#     and $HEADROOM_CACHE/cuda-runtime/cuda-12.8 (worker/cuda/fetch-runtime.sh), or
+#   - from gpu-bundle/ in the working tree (make gpu-bundle on the build
+#     machine: calibrate.xz + libdevice, under 64 MiB, to carry to a GPU
+#     machine that receives only the working tree and a few build outputs).
+#
+#   worker/cuda/gpu-check.sh [calibrate options]   e.g. --only B, --large, --steps 5
+#
+# What it runs (calibrate --backend cuda, worker/src/bin/calibrate/gpu.rs):
+#   1. a bf16 smoke run: 5 training steps on GPU 0, NVML used/total and the
+#      allocator's in-use/reserved bytes as the worker's probe reads them;
+#   2. the calibration grid: bf16 Llama models (110M-1.1B; 3B with --large)
+#      planned by the real planner for this GPU, each a worker process; the
+#      planner's CUDA prediction against the measured device peak, in the
+#      table format of docs/benchmarks.md;
+#   3. tokens/s and the telemetry overhead (one sample's cost with NVML; the
+#      step time with and without the reporter thread).
+# The output is also written to gpu-check.md in the current directory (or
+# $GPU_CHECK_OUT).
+#
+# Exit: 0 targets met; 1 a step failed or the targets were missed (the CUDA
+# profile needs calibrating: operator/planner/src/backend.rs); 2 nothing to
+# run here (no NVIDIA GPU, or no CUDA build), with the reason.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+: "${HEADROOM_CACHE:=${HOME}/.cache/headroom}"
+: "${CARGO_TARGET_DIR:=${HEADROOM_CACHE}/target}"
+: "${GPU_CHECK_OUT:=gpu-check.md}"
+BUNDLE="${ROOT}/gpu-bundle"
+
+say() { printf 'gpu-check: %s\n' "$*" >&2; }
+
+# --- a GPU? -------------------------------------------------------------------
+if ! ls /dev/nvidia[0-9]* >/dev/null 2>&1 && ! command -v nvidia-smi >/dev/null 2>&1; then
+  say "no NVIDIA GPU on this machine (no /dev/nvidia0, no nvidia-smi): nothing to check."
+  say "Run it on a machine with an NVIDIA GPU and its driver; bring the CUDA build with"
+  say "'make gpu-bundle' (here) and the working tree with gpu-bundle/ (there). docs/gpu.md."
+  exit 2
+fi
+command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >&2 || true
+
+# --- the CUDA build -------------------------------------------------------------
+work=$(mktemp -d)
+trap 'rm -rf "${work}"' EXIT
+if [[ -x ${CARGO_TARGET_DIR}/cuda/calibrate ]]; then
+  calibrate=${CARGO_TARGET_DIR}/cuda/calibrate
+elif [[ -s ${BUNDLE}/calibrate.xz ]]; then
+  (cd "${BUNDLE}" && sha256sum -c --quiet SHA256SUMS) || { say "gpu-bundle/ does not match its SHA256SUMS"; exit 1; }
+  calibrate=${work}/calibrate
+  xz -dc "${BUNDLE}/calibrate.xz" >"${calibrate}"
+  chmod +x "${calibrate}"
+else
+  say "no CUDA build: neither ${CARGO_TARGET_DIR}/cuda/calibrate (make worker-cuda) nor gpu-bundle/calibrate.xz (make gpu-bundle)."
+  exit 2
+fi
+
+# --- libdevice (CUDA_PATH) ---------------------------------------------------------
+if [[ -n ${CUDA_PATH:-} && -s ${CUDA_PATH}/nvvm/libdevice/libdevice.10.bc ]]; then
+  :
+elif [[ -s ${BUNDLE}/cuda/nvvm/libdevice/libdevice.10.bc ]]; then
+  export CUDA_PATH=${BUNDLE}/cuda
+elif [[ -s ${HEADROOM_CACHE}/cuda-runtime/cuda-12.8/nvvm/libdevice/libdevice.10.bc ]]; then
+  export CUDA_PATH=${HEADROOM_CACHE}/cuda-runtime/cuda-12.8
+elif [[ -s /usr/local/cuda/nvvm/libdevice/libdevice.10.bc ]]; then
+  export CUDA_PATH=/usr/local/cuda
+else
+  say "no libdevice.10.bc (worker/cuda/fetch-runtime.sh, or a CUDA toolkit at CUDA_PATH): kernels with math functions would not compile."
+  exit 2
+fi
+say "calibrate: ${calibrate}; CUDA_PATH=${CUDA_PATH}; output: ${GPU_CHECK_OUT}"
+
+set +e
+"${calibrate}" --backend cuda "$@" | tee "${GPU_CHECK_OUT}"
+rc=${PIPESTATUS[0]}
+set -e
+case ${rc} in
+  0) say "targets met" ;;
+  1) say "a step failed or the CUDA profile missed its targets (see above and docs/gpu.md)" ;;
+  2) say "could not run on this machine (see above)" ;;
+  *) say "calibrate exited ${rc}" ;;
+esac
+exit "${rc}"

@@ -1,0 +1,407 @@
+//! `calibrate --backend cuda`: the planner's CUDA profile against real
+//! workers on an NVIDIA GPU (issue 14; `make gpu-check` runs it).
+//!
+//! The same method as the CPU grid: each case is planned by the real
+//! planner (one GPU of the type NVML reports, the job's settings pinned),
+//! run by a worker process of this binary (`--worker`, the production code
+//! path) for a few steps with a checkpoint at the end, and its peak read
+//! from the termination message. On a GPU the peak is the device's
+//! (`MemoryProbe::device_peak`: the highest of NVML's used bytes and
+//! cubecl's reserved bytes, sampled every 500 ms), less what NVML counted
+//! as used before the worker started. Models are bf16 Llama-family
+//! fine-tunes from random checkpoints this process writes (f32, reused by
+//! every case of a shape), sized so GPU memory matters: 110M to 1.1B
+//! parameters, 3B with `--large`; a case the planner says does not fit
+//! this GPU is listed as skipped.
+//!
+//! Before the grid a child process (`--gpu-smoke`) trains a few bf16 steps
+//! and prints NVML and the allocator's in-use/reserved bytes, so a broken
+//! CUDA setup fails in seconds with its own error. After it: the cost of
+//! one memory sample with NVML, and tokens/s with and without the
+//! reporter thread.
+
+use super::*;
+use headroom_planner::backend::CUDA;
+use headroom_planner::{Backend, NodeFacts};
+use headroom_worker::train::training_device;
+
+/// The GPU the grid runs on (NVML's index 0).
+pub struct Gpu {
+    pub name: String,
+    pub memory_bytes: u64,
+    pub driver: String,
+    /// The newest CUDA the driver supports, e.g. "12.8".
+    pub cuda: String,
+}
+
+#[cfg(feature = "cuda")]
+fn nvml() -> Result<nvml_wrapper::Nvml, String> {
+    nvml_wrapper::Nvml::init().map_err(|e| {
+        format!(
+            "NVML did not start ({e}): no NVIDIA driver here. gpu-check needs a machine with an NVIDIA GPU and its driver (libnvidia-ml.so.1, /dev/nvidia*)"
+        )
+    })
+}
+
+#[cfg(feature = "cuda")]
+pub fn detect() -> Result<Gpu, String> {
+    let nvml = nvml()?;
+    let count = nvml.device_count().map_err(|e| format!("NVML: {e}"))?;
+    if count == 0 {
+        return Err("NVML runs but sees no GPU".into());
+    }
+    let device = nvml
+        .device_by_index(0)
+        .map_err(|e| format!("NVML GPU 0: {e}"))?;
+    let cuda = nvml.sys_cuda_driver_version().unwrap_or(0);
+    Ok(Gpu {
+        name: device.name().map_err(|e| format!("NVML GPU 0 name: {e}"))?,
+        memory_bytes: device
+            .memory_info()
+            .map_err(|e| format!("NVML GPU 0 memory: {e}"))?
+            .total,
+        driver: nvml.sys_driver_version().unwrap_or_default(),
+        cuda: format!("{}.{}", cuda / 1000, (cuda % 1000) / 10),
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn detect() -> Result<Gpu, String> {
+    Err("this calibrate binary was built without the `cuda` feature: build it with `make worker-cuda`".into())
+}
+
+/// Bytes NVML counts as used on GPU 0 now (all processes).
+#[cfg(feature = "cuda")]
+fn used_bytes() -> u64 {
+    nvml()
+        .ok()
+        .and_then(|n| n.device_by_index(0).ok()?.memory_info().ok())
+        .map_or(0, |m| m.used)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn used_bytes() -> u64 {
+    0
+}
+
+/// One node with this GPU, labelled as GPU feature discovery labels it
+/// (the product with spaces as dashes; memory in MiB as NVML reports it).
+fn inventory(gpu: &Gpu) -> Inventory {
+    let labels = [
+        (
+            headroom_planner::inventory::LABEL_GPU_PRODUCT,
+            gpu.name.replace(' ', "-"),
+        ),
+        (
+            headroom_planner::inventory::LABEL_GPU_MEMORY_MIB,
+            (gpu.memory_bytes >> 20).to_string(),
+        ),
+        (headroom_planner::inventory::LABEL_GPU_COUNT, "1".into()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    let node = NodeFacts {
+        name: "gpu-check".into(),
+        labels,
+        allocatable: [("nvidia.com/gpu".to_string(), 1)].into_iter().collect(),
+        in_use: Default::default(),
+        schedulable: true,
+        allocatable_reported: true,
+        host_memory_bytes: None,
+    };
+    Inventory::from_nodes([&node])
+}
+
+/// The case planned on one GPU, or why it does not fit.
+fn assignment(case: &Case, steps: u64, gpu: &Gpu) -> Result<WorkerAssignment, String> {
+    let req = job_request(
+        case,
+        Target::Gpu {
+            allowed_types: vec![],
+            max_gpus: 1,
+            host_baseline_bytes: None,
+        },
+    );
+    let plan =
+        plan_with(&req, &inventory(gpu), &SearchOptions::default()).map_err(|e| e.to_string())?;
+    Ok(worker_assignment(&case.model, plan, steps))
+}
+
+/// bf16 Llama shapes with the Llama-2 vocabulary: T (110M, 12 × 768, MHA,
+/// tied), M (350M, 24 × 1024, untied), B (TinyLlama-1.1B: 22 × 2048, GQA
+/// 32/4, SwiGLU 5632, untied) and, with `large`, X (OpenLLaMA-3B: 26 × 3200,
+/// SwiGLU 8640).
+pub fn grid(large: bool) -> Vec<Case> {
+    let t = llama(12, 768, (12, 12), 2048, 1024, 32000, true);
+    let m = llama(24, 1024, (16, 16), 2816, 1024, 32000, false);
+    let b = llama(22, 2048, (32, 4), 5632, 2048, 32000, false);
+    let x = llama(26, 3200, (32, 32), 8640, 2048, 32000, false);
+    let c = |name, model: &ModelShape, mb, acc, ckpt, opt| Case {
+        name,
+        model: model.clone(),
+        micro_batch: mb,
+        accumulation: acc,
+        checkpointing: ckpt,
+        optimizer: opt,
+        adapters: None,
+        base_format: BaseFormat::Dense,
+        precision: Precision::Bf16,
+    };
+    let lora = |name, model: &ModelShape, mb, ckpt, targets: &[TargetModule], format| Case {
+        adapters: Some(lora_config(targets)),
+        base_format: format,
+        ..c(name, model, mb, 1, ckpt, Optimizer::Adamw)
+    };
+    use BaseFormat::{Dense, Int4, Int8};
+    use Optimizer::{Adamw, Adamw8bit};
+    let qv = &[TargetModule::QProj, TargetModule::VProj][..];
+    let all7 = &BLOCK_LINEARS[..];
+    let mut cases = vec![
+        c("T b8", &t, 8, 1, false, Adamw),
+        c("T b16", &t, 16, 1, false, Adamw),
+        c("T b16 ckpt", &t, 16, 1, true, Adamw),
+        c("T b8 acc2", &t, 8, 2, false, Adamw),
+        c("M b8", &m, 8, 1, false, Adamw),
+        c("M b8 ckpt", &m, 8, 1, true, Adamw),
+        c("M b8 8bit", &m, 8, 1, false, Adamw8bit),
+        c("B b4", &b, 4, 1, false, Adamw),
+        c("B b8 ckpt", &b, 8, 1, true, Adamw),
+        c("B b8 ckpt 8bit", &b, 8, 1, true, Adamw8bit),
+        lora("B lora qv b4", &b, 4, false, qv, Dense),
+        lora("B lora all7 b8 ckpt", &b, 8, true, all7, Dense),
+        lora("B qlora8 all7 b8 ckpt", &b, 8, true, all7, Int8),
+        lora("B qlora4 all7 b8 ckpt", &b, 8, true, all7, Int4),
+    ];
+    if large {
+        cases.extend([
+            c("X b2 ckpt", &x, 2, 1, true, Adamw),
+            lora("X lora all7 b4 ckpt", &x, 4, true, all7, Dense),
+            lora("X qlora4 all7 b8 ckpt", &x, 8, true, all7, Int4),
+        ]);
+    }
+    cases
+}
+
+/// Trains a few bf16 steps on the GPU in this process and prints what the
+/// worker's probe reads (the `--gpu-smoke` child). 0 when the losses are
+/// finite.
+pub fn smoke() -> i32 {
+    let gpu = match detect() {
+        Ok(gpu) => gpu,
+        Err(e) => {
+            eprintln!("gpu-check: {e}");
+            return 2;
+        }
+    };
+    let case = Case {
+        name: "smoke",
+        model: shape(4, 256, 4, 256, 4096, true),
+        micro_batch: 8,
+        accumulation: 1,
+        checkpointing: false,
+        optimizer: Optimizer::Adamw,
+        adapters: None,
+        base_format: BaseFormat::Dense,
+        precision: Precision::Bf16,
+    };
+    let a = match assignment(&case, 5, &gpu) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!(
+                "gpu-check: the smoke model does not plan on {}: {e}",
+                gpu.name
+            );
+            return 1;
+        }
+    };
+    let device = match training_device(Backend::Cuda, Precision::Bf16) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("gpu-check: no CUDA device: {e}");
+            return 1;
+        }
+    };
+    let config = ValidAssignment::new(a).expect("valid").into_config();
+    let mut trainer = Trainer::new(config, device.clone()).expect("trainer");
+    let mut losses = Vec::new();
+    for _ in 0..5 {
+        let r = trainer.train_step().expect("single stage");
+        println!(
+            "smoke: step {} loss {:.4} in {:.1} ms ({:.0} tokens/s)",
+            r.step,
+            r.loss.unwrap_or(f64::NAN),
+            r.elapsed.as_secs_f64() * 1e3,
+            r.tokens_per_second()
+        );
+        losses.extend(r.loss);
+    }
+    let s = probe(&device, true).sample();
+    let mib = |b: Option<u64>| b.map_or("—".into(), |b| format!("{:.0} MiB", b as f64 / MIB));
+    for g in &s.gpus {
+        println!(
+            "smoke: NVML GPU {}: {} used of {}",
+            g.index,
+            mib(Some(g.used_bytes)),
+            mib(Some(g.total_bytes))
+        );
+    }
+    println!(
+        "smoke: allocator {} in use, {} reserved; process RSS {}; device peak {}",
+        mib(s.allocator_in_use_bytes),
+        mib(s.allocator_reserved_bytes),
+        mib(s.process_rss_bytes),
+        mib(Some(s.peak_bytes))
+    );
+    if s.gpus.is_empty() {
+        eprintln!("gpu-check: the worker's probe read no GPU through NVML");
+        return 1;
+    }
+    if losses.len() != 5 || losses.iter().any(|l| !l.is_finite()) {
+        eprintln!("gpu-check: losses {losses:?}: not 5 finite values");
+        return 1;
+    }
+    0
+}
+
+/// The GPU grid, the summary and (with `overhead`) telemetry cost and
+/// tokens/s. The exit code: 0 when the targets are met, 1 when missed, 2
+/// when there is no GPU or CUDA build to run on.
+pub fn run(steps: u64, only: Option<&str>, overhead: bool, large: bool) -> i32 {
+    let gpu = match detect() {
+        Ok(gpu) => gpu,
+        Err(e) => {
+            eprintln!("gpu-check: {e}");
+            return 2;
+        }
+    };
+    println!(
+        "GPU: {} ({:.1} GiB), driver {}, CUDA {} (driver API)\n",
+        gpu.name,
+        gpu.memory_bytes as f64 / (1u64 << 30) as f64,
+        gpu.driver,
+        gpu.cuda
+    );
+    let status = Command::new(std::env::current_exe().expect("own path"))
+        .arg("--gpu-smoke")
+        .status()
+        .expect("run the smoke child");
+    if !status.success() {
+        eprintln!("gpu-check: the bf16 smoke run failed ({status}); no grid");
+        return 1;
+    }
+    println!(
+        "\nCUDA profile: fixed overhead {:.0} MiB, state slack {:.0} %, activation slack {:.0} % ({:.0} % for adapters without checkpointing), logit copies {}, checkpointed phase overlap {}, {:?} activation count, usable {:.0} %; bf16, {steps} steps per case, peak = worker device peak (NVML used, allocator reserved) less the NVML baseline\n",
+        CUDA.fixed_overhead_bytes as f64 / MIB,
+        CUDA.state_slack * 100.0,
+        CUDA.activation_slack * 100.0,
+        CUDA.adapter_activation_slack * 100.0,
+        CUDA.logit_copies,
+        CUDA.checkpoint_phase_overlap,
+        CUDA.activation_count,
+        CUDA.usable_fraction * 100.0,
+    );
+    println!(
+        "| case | L | h | heads | ffn | s | v | params | micro × acc | ckpt | optimizer | adapters | predicted MiB | measured MiB | error |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let models = std::env::temp_dir().join(format!("headroom-gpu-models-{}", std::process::id()));
+    let mut rows = Vec::new();
+    for case in grid(large)
+        .into_iter()
+        .filter(|c| only.is_none_or(|o| c.name.contains(o)))
+    {
+        let a = match assignment(&case, steps, &gpu) {
+            Ok(a) => a,
+            Err(e) => {
+                let first = e.lines().next().unwrap_or_default().to_string();
+                println!(
+                    "| {} | skipped: does not fit this GPU ({first}) |",
+                    case.name
+                );
+                continue;
+            }
+        };
+        let breakdown = estimate_stage(
+            &case.model,
+            a.plan.adapters.as_ref(),
+            &a.plan.settings,
+            StagePlacement::single(case.layers()),
+            &CUDA,
+            1.0,
+        );
+        if std::env::var_os("CALIBRATE_BREAKDOWN").is_some() {
+            eprintln!("  {}: {}", case.name, breakdown_mib(&breakdown));
+        }
+        let dir = std::env::temp_dir().join(format!("headroom-gpu-case-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let mut a = a;
+        a.files = fine_tuning_files_with(&case, &dir, &models, steps);
+        let baseline = used_bytes();
+        let (message, seconds) = run_worker(case.name, &a, &dir);
+        let _ = std::fs::remove_dir_all(&dir);
+        let peak = message
+            .peak_bytes
+            .expect("peak bytes in the termination message");
+        let m = Measured {
+            label: case.name.to_string(),
+            case,
+            predicted: breakdown.total,
+            measured: peak.saturating_sub(baseline),
+            seconds,
+        };
+        print_row(&m);
+        eprintln!(
+            "  ({} took {:.1} s; NVML baseline {:.0} MiB)",
+            m.case.name,
+            m.seconds,
+            baseline as f64 / MIB
+        );
+        rows.push(m);
+    }
+    let _ = std::fs::remove_dir_all(&models);
+    if overhead {
+        // A GPT-2-small shape trained from random weights (no checkpoint to
+        // write): tokens/s and the reporter's cost on this GPU.
+        let case = Case {
+            name: "GPT 12 × 768 s1024",
+            model: shape(12, 768, 12, 1024, 32000, true),
+            micro_batch: 8,
+            ..grid(false).remove(0)
+        };
+        match assignment(&case, 1_000_000, &gpu) {
+            Ok(a) => match training_device(Backend::Cuda, Precision::Bf16) {
+                Ok(device) => {
+                    println!(
+                        "\ntokens/s and telemetry, model {} bf16, micro-batch {}:",
+                        case.name, case.micro_batch
+                    );
+                    telemetry_overhead_on(a, device);
+                }
+                Err(e) => eprintln!("gpu-check: no CUDA device for the overhead run: {e}"),
+            },
+            Err(e) => eprintln!("gpu-check: the overhead model does not fit: {e}"),
+        }
+    }
+    if rows.is_empty() {
+        eprintln!("gpu-check: no case ran");
+        return 1;
+    }
+    summarize(&rows)
+}
+
+/// The median |error| and worst under-prediction against the targets.
+fn summarize(rows: &[Measured]) -> i32 {
+    let med = median(rows.iter().map(|m| m.error().abs()).collect());
+    let worst_under = rows.iter().map(Measured::error).fold(0.0f64, f64::min);
+    println!(
+        "\n{} cases: median |error| {:.1} % (target ≤ {:.0} %), worst under-prediction {:.1} % (target ≥ −{:.0} %)",
+        rows.len(),
+        100.0 * med,
+        100.0 * MEDIAN_TARGET,
+        100.0 * worst_under,
+        100.0 * UNDER_TARGET
+    );
+    i32::from(!(med <= MEDIAN_TARGET && worst_under >= -UNDER_TARGET))
+}
