@@ -149,6 +149,7 @@ image-cuda: cuda-runtime ## localhost/headroom-worker-cuda:$(IMAGE_TAG) without 
 	  e2e/images/build.sh headroom-worker-cuda $(CUDA_DIR)/headroom-worker \
 	  $(CUDA_RUNTIME)/nvvm/libdevice/libdevice.10.bc:/usr/local/cuda/nvvm/libdevice/libdevice.10.bc \
 	  $(CUDA_RUNTIME)/LICENSE:/usr/local/cuda/LICENSE.nvidia
+	bash worker/cuda/check-image.sh $(HEADROOM_CACHE)/images/headroom-worker-cuda_$(IMAGE_TAG).oci.tar $(CUDA_RUNTIME)/nvvm/libdevice/libdevice.10.bc
 
 gpu-bundle: cuda-runtime ## gpu-bundle/: make worker-cuda's calibrate (xz) and libdevice, < 64 MiB, for make gpu-check on a GPU machine without network or toolchain.
 	@test -x $(CUDA_DIR)/calibrate || { echo "no $(CUDA_DIR)/calibrate: run make worker-cuda first" >&2; exit 1; }

@@ -125,6 +125,39 @@ fn assignment(case: &Case, steps: u64, gpu: &Gpu) -> Result<WorkerAssignment, St
     );
     let plan =
         plan_with(&req, &inventory(gpu), &SearchOptions::default()).map_err(|e| e.to_string())?;
+    // The row measures the case's settings: a plan that only fits by
+    // changing them (8-bit state, offload, a quantized base, more GPUs) is
+    // not this case.
+    let s = &plan.settings;
+    let kept = (
+        s.micro_batch,
+        s.gradient_accumulation,
+        s.activation_checkpointing,
+        s.optimizer,
+        s.base_format,
+        s.offload_optimizer,
+        plan.stages.len(),
+    ) == (
+        case.micro_batch,
+        case.accumulation,
+        case.checkpointing,
+        case.optimizer,
+        case.base_format,
+        false,
+        1,
+    );
+    if !kept {
+        return Err(format!(
+            "fits only as {} × {}, checkpointing {}, {}, base {}, offload {}, {} stage(s)",
+            s.micro_batch,
+            s.gradient_accumulation,
+            s.activation_checkpointing,
+            s.optimizer,
+            s.base_format,
+            s.offload_optimizer,
+            plan.stages.len()
+        ));
+    }
     Ok(worker_assignment(&case.model, plan, steps))
 }
 
@@ -307,6 +340,7 @@ pub fn run(steps: u64, only: Option<&str>, overhead: bool, large: bool) -> i32 {
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let models = std::env::temp_dir().join(format!("headroom-gpu-models-{}", std::process::id()));
     let mut rows = Vec::new();
+    let mut failed = 0;
     for case in grid(large)
         .into_iter()
         .filter(|c| only.is_none_or(|o| c.name.contains(o)))
@@ -339,8 +373,20 @@ pub fn run(steps: u64, only: Option<&str>, overhead: bool, large: bool) -> i32 {
         let mut a = a;
         a.files = fine_tuning_files_with(&case, &dir, &models, steps);
         let baseline = used_bytes();
-        let (message, seconds) = run_worker(case.name, &a, &dir);
+        let run = try_run_worker(case.name, &a, &dir);
         let _ = std::fs::remove_dir_all(&dir);
+        // One case failing (a CUDA out-of-memory, a kernel that does not
+        // compile) is a finding; the other rows still run.
+        let (message, seconds) = match run {
+            Ok(run) => run,
+            Err(e) => {
+                let first = e.lines().next().unwrap_or_default().to_string();
+                println!("| {} | failed: {first} |", case.name);
+                eprintln!("{e}");
+                failed += 1;
+                continue;
+            }
+        };
         let peak = message
             .peak_bytes
             .expect("peak bytes in the termination message");
@@ -388,7 +434,12 @@ pub fn run(steps: u64, only: Option<&str>, overhead: bool, large: bool) -> i32 {
         eprintln!("gpu-check: no case ran");
         return 1;
     }
-    summarize(&rows)
+    let missed = summarize(&rows);
+    if failed > 0 {
+        eprintln!("gpu-check: {failed} case(s) failed");
+        return 1;
+    }
+    missed
 }
 
 /// The median |error| and worst under-prediction against the targets.

@@ -515,6 +515,15 @@ fn measure(case: &Case, steps: u64) -> Measured {
 /// production code path) with its checkpoints and termination message under
 /// `dir`; panics unless it succeeds. The message and the wall time.
 fn run_worker(name: &str, a: &WorkerAssignment, dir: &Path) -> (TerminationMessage, f64) {
+    try_run_worker(name, a, dir).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// [`run_worker`], with a failed worker as an error that says why.
+fn try_run_worker(
+    name: &str,
+    a: &WorkerAssignment,
+    dir: &Path,
+) -> Result<(TerminationMessage, f64), String> {
     let termination = dir.join("termination-log");
     let started = Instant::now();
     let out = Command::new(std::env::current_exe().expect("own path"))
@@ -529,22 +538,18 @@ fn run_worker(name: &str, a: &WorkerAssignment, dir: &Path) -> (TerminationMessa
         .output()
         .expect("run a worker");
     let seconds = started.elapsed().as_secs_f64();
+    let stderr = String::from_utf8_lossy(&out.stderr);
     let message: TerminationMessage = std::fs::read_to_string(&termination)
         .ok()
         .and_then(|t| serde_json::from_str(&t).ok())
-        .unwrap_or_else(|| {
-            panic!(
-                "{name}: no termination message; stderr:\n{}",
-                String::from_utf8_lossy(&out.stderr)
-            )
-        });
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{name}: worker failed: {message:?}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (message, seconds)
+        .ok_or_else(|| format!("{name}: no termination message; stderr:\n{stderr}"))?;
+    if out.status.code() != Some(0) {
+        return Err(format!(
+            "{name}: worker failed ({}): {} {}\n{stderr}",
+            out.status, message.outcome, message.reason
+        ));
+    }
+    Ok((message, seconds))
 }
 
 /// `a` split over `p` balanced stages (the planner's split when it fits).
