@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{Context as _, Result};
 use clap::Parser;
 use headroom_operator::controller::{self, ControllerConfig};
-use headroom_operator::controller::{CheckpointAccess, ChildConfig};
+use headroom_operator::controller::{CheckpointAccess, ChildConfig, WorkerImages};
 use headroom_operator::leader::LeaseLock;
 use headroom_operator::metrics::{Metrics, router};
 use kube::Api;
@@ -54,6 +54,14 @@ struct Args {
     /// Host memory limit for GPU workers whose job does not set resources.gpu.hostMemory.
     #[arg(long, env = "HEADROOM_GPU_HOST_MEMORY", default_value = "16Gi")]
     gpu_host_memory: String,
+    /// Image of CPU (flex) workers for jobs that set no spec.worker.image.
+    /// Without it, such a CPU job fails with a spec error.
+    #[arg(long, env = "HEADROOM_WORKER_IMAGE")]
+    worker_image: Option<String>,
+    /// Image of CUDA workers for jobs that set no spec.worker.image.
+    /// Without it, such a GPU job fails with a spec error.
+    #[arg(long, env = "HEADROOM_CUDA_WORKER_IMAGE")]
+    cuda_worker_image: Option<String>,
     /// Seconds a worker may stay unschedulable before the attempt is replanned.
     #[arg(
         long,
@@ -90,6 +98,9 @@ async fn main() -> Result<()> {
             args.gpu_host_memory
         )
     })?;
+    // Checked here, not when the first job needs one.
+    let worker_images = WorkerImages::from_flags(args.worker_image, args.cuda_worker_image)
+        .map_err(anyhow::Error::msg)?;
     let client = kube::Client::try_default()
         .await
         .context("connecting to the Kubernetes API")?;
@@ -140,6 +151,7 @@ async fn main() -> Result<()> {
             checkpoint_size: args.checkpoint_size,
             checkpoint_access: args.checkpoint_access_mode,
             gpu_host_memory: args.gpu_host_memory,
+            worker_images,
         },
         unschedulable_grace: Duration::from_secs(args.unschedulable_grace_seconds),
         concurrency: args.concurrency.max(1),

@@ -298,6 +298,80 @@ async fn infeasible_job_fails_without_pods() {
     ns.cleanup().await;
 }
 
+/// A job that names no worker image: an operator without a default for its
+/// backend fails it at once with a spec error naming the field, and starts no
+/// pod; one with a default runs that image.
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn a_job_without_an_image_runs_the_default_or_fails_naming_the_field() {
+    use headroom_operator::controller::{ChildConfig, WorkerImages};
+    let ns = test_ns("hr-noimage").await;
+    let manifest = CPU_TINY.replace(
+        "  worker:\n    image: localhost/headroom-worker:dev\n",
+        "  worker: {}\n",
+    );
+    assert_ne!(manifest, CPU_TINY, "the premise: the sample names an image");
+
+    let op = start_operator(&ns, ControllerConfig::default());
+    ns.apply_job(&manifest).await;
+    let job = ns
+        .wait_job("tiny-cpu", "Failed", TIMEOUT, |j| {
+            phase(j) == Some(JobPhase::Failed)
+        })
+        .await;
+    let status = job.status.expect("status");
+    assert_eq!(
+        status.message.as_deref(),
+        Some(
+            "spec.worker.image: required: this operator has no default image for backend flex (install the chart with workerImages.cpu, which sets --worker-image, or set spec.worker.image)"
+        )
+    );
+    assert!(
+        status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "Failed" && c.status == "True" && c.reason == "InvalidSpec"),
+        "{:?}",
+        status.conditions
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(ns.pod_list().await.is_empty());
+    op.stop().await;
+
+    let op = start_operator(
+        &ns,
+        ControllerConfig {
+            children: ChildConfig {
+                worker_images: WorkerImages {
+                    flex: Some("registry.example/headroom-worker:9".into()),
+                    cuda: None,
+                },
+                ..ChildConfig::default()
+            },
+            ..ControllerConfig::default()
+        },
+    );
+    ns.apply_job(&manifest.replace("name: tiny-cpu", "name: tiny-default"))
+        .await;
+    let pods = ns
+        .wait_pods("the worker pod", TIMEOUT, |p| {
+            p.iter().any(|p| p.name_any() == "tiny-default-a1-s0")
+        })
+        .await;
+    let pod = pods
+        .iter()
+        .find(|p| p.name_any() == "tiny-default-a1-s0")
+        .expect("pod");
+    assert_eq!(
+        pod.spec.as_ref().expect("spec").containers[0]
+            .image
+            .as_deref(),
+        Some("registry.example/headroom-worker:9")
+    );
+    op.stop().await;
+    ns.cleanup().await;
+}
+
 #[tokio::test]
 #[ignore = "needs the control plane: make test-apiserver"]
 async fn deleting_a_job_garbage_collects_everything_it_created() {

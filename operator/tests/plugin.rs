@@ -146,6 +146,28 @@ fn bad_files_get_clear_errors() {
     );
 }
 
+/// `spec.worker.image` is optional (the operator picks its default image for
+/// the job's backend): a job without one plans offline.
+#[test]
+fn a_job_without_a_worker_image_plans() {
+    let dir = std::env::temp_dir().join(format!("headroom-plugin-noimage-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("tmp");
+    let job = std::fs::read_to_string(root().join("samples/cpu-tiny.yaml")).expect("sample");
+    let without = job.replace(
+        "  worker:\n    image: localhost/headroom-worker:dev\n",
+        "  worker: {}\n",
+    );
+    assert_ne!(without, job, "the premise: the sample names an image");
+    let path = dir.join("no-image.yaml");
+    std::fs::write(&path, without).expect("write");
+    let out = plugin(&["plan", "-f", path.to_str().expect("utf8"), "-o", "json"]);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(out.status.success(), "{}", text(&out));
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(doc["feasible"], true, "{doc}");
+    assert_eq!(doc["plan"]["backend"], "flex", "{doc}");
+}
+
 /// A generic model is refused by the API server for running (the worker
 /// trains transformers), but `kubectl headroom plan` plans it: that is what
 /// it is for.

@@ -592,9 +592,13 @@ impl Default for MemoryPolicy {
      "message": "worker.tolerations: Exists takes no value, and Equal (the default) needs a key"}
 ]))]
 pub struct WorkerSpec {
-    /// Worker container image.
+    /// Worker container image. When unset, the operator's default image for
+    /// the job's backend (`backend`, or the one derived from resources: GPU
+    /// jobs `cuda`, CPU jobs `flex`), which the chart sets with
+    /// `workerImages.cuda` and `workerImages.cpu`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 512))]
-    pub image: String,
+    pub image: Option<String>,
     /// `flex` (CPU) or `cuda`; derived from resources when unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backend: Option<Backend>,

@@ -169,13 +169,15 @@ where
     Ok(())
 }
 
-/// Creates whatever attempt `attempt` still lacks; a no-op once all its pods exist.
+/// Creates whatever attempt `attempt` still lacks; a no-op once all its pods
+/// exist. `image`: the workers' image, as the decision chose it.
 pub(super) async fn ensure_children(
     ctx: &Context,
     job: &MemoryAwareTrainingJob,
     status: &MemoryAwareTrainingJobStatus,
     attempt: u32,
     model: &ModelShape,
+    image: &str,
     own: &[&Pod],
 ) -> Result<(), Error> {
     let Some(plan) = status
@@ -210,7 +212,7 @@ pub(super) async fn ensure_children(
     let pods = missing
         .iter()
         .map(|&stage| {
-            children::worker_pod(job, attempt, stage, plan, model, cfg).map_err(|source| {
+            children::worker_pod(job, attempt, stage, plan, model, image, cfg).map_err(|source| {
                 Error::BuildChild {
                     kind: "Pod".into(),
                     name: children::pod_name(job, attempt, stage),
@@ -249,11 +251,12 @@ pub(super) async fn ensure_children(
 /// earlier job of the same name holds that job's checkpoints, and resuming
 /// from them would be wrong (and overwriting them would lose them).
 /// Makes sure initializer run `run`'s pod exists, and the checkpoint claim
-/// it downloads into.
+/// it downloads into. `image`: the job's image, as the decision chose it.
 pub(super) async fn ensure_initializer(
     ctx: &Context,
     job: &MemoryAwareTrainingJob,
     run: u32,
+    image: &str,
     own: &[&Pod],
 ) -> Result<(), Error> {
     let name = super::payload::initializer_pod_name(job, run);
@@ -261,7 +264,7 @@ pub(super) async fn ensure_initializer(
         return Ok(());
     }
     let Some(pod) =
-        super::payload::initializer_pod(job, run).map_err(|source| Error::BuildChild {
+        super::payload::initializer_pod(job, run, image).map_err(|source| Error::BuildChild {
             kind: "Pod".into(),
             name: name.clone(),
             source,

@@ -429,13 +429,15 @@ fn gpu_worker_host_memory(baseline: &Quantity, plan: &Plan, stage: u32) -> Quant
 
 /// The worker pod for one stage of one attempt. `model` is the spec's
 /// validated model shape (`JobRequest::model`), so the worker builds exactly
-/// what was planned.
+/// what was planned; `image` the one the decision chose
+/// ([`WorkerImages::resolve`](super::config::WorkerImages::resolve)).
 pub fn worker_pod(
     job: &MemoryAwareTrainingJob,
     attempt: u32,
     stage: u32,
     plan: &Plan,
     model: &ModelShape,
+    image: &str,
     config: &ChildConfig,
 ) -> Result<Pod, serde_json::Error> {
     let spec = &job.spec;
@@ -597,7 +599,7 @@ pub fn worker_pod(
             security_context: Some(restricted_pod_security()),
             containers: vec![Container {
                 name: "worker".into(),
-                image: Some(spec.worker.image.clone()),
+                image: Some(image.into()),
                 image_pull_policy: spec.worker.image_pull_policy.map(|p| p.as_str().into()),
                 env: Some(env),
                 ports: multi.then(|| {
@@ -628,7 +630,7 @@ pub fn worker_pod(
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::controller::config::CheckpointAccess;
+    use crate::controller::config::{CheckpointAccess, WorkerImages};
     use headroom_api::MemoryAwareTrainingJobSpec;
     use headroom_planner::{Inventory, plan};
     use k8s_openapi::api::core::v1::Node;
@@ -648,7 +650,17 @@ pub(crate) mod tests {
         plan(&spec.job_request().expect("valid"), &Inventory::default()).expect("plan")
     }
 
-    /// The worker pod of one stage, with the spec's validated model.
+    /// Default images of an operator installed with both.
+    pub(crate) fn both_images() -> WorkerImages {
+        WorkerImages {
+            flex: Some("registry.example/headroom-worker:2".into()),
+            cuda: Some("registry.example/headroom-worker-cuda:2".into()),
+        }
+    }
+
+    /// The worker pod of one stage, with the spec's validated model and the
+    /// image the decision would choose (`config`'s defaults, or
+    /// [`both_images`] when it has none).
     fn pod_for(
         job: &MemoryAwareTrainingJob,
         attempt: u32,
@@ -657,7 +669,42 @@ pub(crate) mod tests {
         config: &ChildConfig,
     ) -> Pod {
         let model = job.spec.job_request().expect("valid").model;
-        worker_pod(job, attempt, stage, plan, &model, config).expect("pod")
+        let image = config
+            .worker_images
+            .resolve(&job.spec)
+            .or_else(|_| both_images().resolve(&job.spec))
+            .expect("an image");
+        worker_pod(job, attempt, stage, plan, &model, &image, config).expect("pod")
+    }
+
+    fn image_of(pod: &Pod) -> Option<&str> {
+        pod.spec.as_ref()?.containers[0].image.as_deref()
+    }
+
+    /// The job's own image wins; without one, the operator's default for
+    /// the job's backend; the CPU sample's plan gets the CPU image.
+    #[test]
+    fn the_worker_runs_the_jobs_image_else_the_default_for_its_backend() {
+        let named = cpu_job();
+        let plan = first_plan(&named.spec);
+        let with_defaults = ChildConfig {
+            worker_images: both_images(),
+            ..ChildConfig::default()
+        };
+        for config in [&ChildConfig::default(), &with_defaults] {
+            let pod = pod_for(&named, 1, 0, &plan, config);
+            assert_eq!(image_of(&pod), Some("localhost/headroom-worker:dev"));
+        }
+
+        let mut unnamed = cpu_job();
+        unnamed.spec.worker.image = None;
+        let pod = pod_for(&unnamed, 1, 0, &plan, &with_defaults);
+        assert_eq!(image_of(&pod), Some("registry.example/headroom-worker:2"));
+        // Nothing else about the pod depends on where the image came from.
+        let mut same = pod_for(&named, 1, 0, &plan, &with_defaults);
+        same.spec.as_mut().expect("spec").containers[0].image =
+            Some("registry.example/headroom-worker:2".into());
+        assert_eq!(pod, same);
     }
 
     #[test]
@@ -796,6 +843,7 @@ priorityClassName: batch-low
         )
         .expect("worker spec");
         let pod = pod_for(&job, 2, 0, &plan, &ChildConfig::default());
+        assert_eq!(image_of(&pod), Some("registry.example/headroom-worker:1"));
         let spec = pod.spec.expect("spec");
         let selector = spec.node_selector.expect("selector");
         assert_eq!(selector["nvidia.com/gpu.product"], "NVIDIA-L4");

@@ -22,6 +22,7 @@ use kube::ResourceExt;
 
 use super::LaunchRefusal;
 use super::classify::{PodFailure, PodVerdict, classify, rank};
+use super::config::WorkerImages;
 use super::lifecycle::{ConditionType, JobEvent, Reason, Stamp, Transition, enter};
 
 /// Longest wait between retries of non-memory failures.
@@ -45,6 +46,9 @@ pub struct Decision {
     pub initialize: Option<u32>,
     /// The validated model the workers build (None when the spec is invalid).
     pub model: Option<ModelShape>,
+    /// The image the job's pods run: `spec.worker.image`, else the
+    /// operator's default for the job's backend (None when it has neither).
+    pub image: Option<String>,
     /// Pods to delete (the live stages of an attempt that has failed as a whole).
     pub delete_pods: Vec<String>,
     /// When to look again even without a change.
@@ -63,6 +67,7 @@ impl Decision {
             launch: None,
             initialize: None,
             model: self.model.clone(),
+            image: self.image.clone(),
             delete_pods: vec![],
             requeue_after: None,
             ended: None,
@@ -83,6 +88,8 @@ pub struct Observation<'a> {
     /// Host memory a GPU worker pod gets when its job does not set
     /// `resources.gpu.hostMemory` (the operator's `--gpu-host-memory`), bytes.
     pub default_gpu_host_memory: u64,
+    /// The operator's images for jobs that name none, by backend.
+    pub worker_images: &'a WorkerImages,
 }
 
 /// How an attempt ended, as the pods showed it.
@@ -114,6 +121,7 @@ pub fn decide(obs: &Observation<'_>) -> Decision {
             launch: None,
             initialize: None,
             model: None,
+            image: None,
             delete_pods: vec![],
             requeue_after: None,
             ended: None,
@@ -130,6 +138,12 @@ impl Builder<'_> {
             Some(JobPhase::Succeeded | JobPhase::Failed)
         ) {
             return; // A job's completion is final.
+        }
+        // Every pod the job gets (initializer, workers) runs this image:
+        // without one, nothing can start.
+        match self.obs.worker_images.resolve(&self.obs.job.spec) {
+            Ok(image) => self.d.image = Some(image),
+            Err(e) => return self.fail(Reason::InvalidSpec, e.to_string()),
         }
         if self.obs.job.spec.model.pretrained.is_some()
             && self.d.status.model.is_none()
@@ -930,6 +944,16 @@ mod tests {
     const DONE: &str = "  phase: Succeeded\n  containerStatuses: [{name: worker, image: i, imageID: '', ready: false, restartCount: 0, state: {terminated: {exitCode: 0}}}]";
 
     fn step(job: &mut MemoryAwareTrainingJob, pods: &[Pod], now: Timestamp) -> Decision {
+        step_with(job, pods, now, &WorkerImages::default())
+    }
+
+    /// [`step`] for an operator with these default worker images.
+    fn step_with(
+        job: &mut MemoryAwareTrainingJob,
+        pods: &[Pod],
+        now: Timestamp,
+        worker_images: &WorkerImages,
+    ) -> Decision {
         let refs: Vec<&Pod> = pods.iter().collect();
         let inv = Inventory::default();
         let d = decide(&Observation {
@@ -939,6 +963,7 @@ mod tests {
             now,
             unschedulable_grace: Duration::from_secs(60),
             default_gpu_host_memory: 16 << 30,
+            worker_images,
         });
         job.status = Some(d.status.clone());
         d
@@ -1124,6 +1149,71 @@ mod tests {
         assert_eq!(again.status.attempts.len(), 1);
         assert_eq!(again.launch, Some(1));
         assert!(again.events.is_empty());
+    }
+
+    /// A job that names no image runs the operator's default for its
+    /// backend; with no default, it fails with a spec error before any pod
+    /// (initializer or worker) is asked for, and stays failed.
+    #[test]
+    fn a_job_without_an_image_runs_the_default_or_fails_naming_the_field() {
+        let cpu_default = WorkerImages {
+            flex: Some("registry.example/headroom-worker:1".into()),
+            cuda: None,
+        };
+        let mut named = oom_job();
+        let d = step_with(&mut named, &[], t0(), &WorkerImages::default());
+        assert_eq!(
+            (d.launch, d.image.as_deref()),
+            (Some(1), Some("localhost/headroom-worker:dev")),
+            "a job that names its image needs no default"
+        );
+
+        let mut unnamed = oom_job();
+        unnamed.spec.worker.image = None;
+        let d = step_with(&mut unnamed.clone(), &[], t0(), &cpu_default);
+        assert_eq!(
+            (d.launch, d.image.as_deref()),
+            (Some(1), Some("registry.example/headroom-worker:1"))
+        );
+
+        let d = step_with(&mut unnamed, &[], t0(), &WorkerImages::default());
+        assert_eq!(d.status.phase, Some(JobPhase::Failed));
+        assert_eq!((d.launch, d.initialize, d.image), (None, None, None));
+        assert!(d.status.attempts.is_empty(), "nothing was planned");
+        assert!(has_condition(
+            &d.status,
+            ConditionType::Failed,
+            true,
+            Reason::InvalidSpec
+        ));
+        assert_eq!(
+            d.status.message.as_deref(),
+            Some(
+                "spec.worker.image: required: this operator has no default image for backend flex (install the chart with workerImages.cpu, which sets --worker-image, or set spec.worker.image)"
+            )
+        );
+        assert!(
+            d.events
+                .iter()
+                .any(|e| e.reason == Reason::InvalidSpec && e.note.contains("spec.worker.image")),
+            "{:?}",
+            d.events
+        );
+        // Final: a default that appears later does not revive it.
+        let later = step_with(&mut unnamed, &[], t0(), &cpu_default);
+        assert_eq!(
+            (later.status.phase, later.launch),
+            (Some(JobPhase::Failed), None)
+        );
+
+        // A fine-tuning job: not even the initializer starts.
+        let mut finetune = finetune_job();
+        finetune.spec.worker.image = None;
+        let d = step_with(&mut finetune, &[], t0(), &WorkerImages::default());
+        assert_eq!(
+            (d.status.phase, d.initialize),
+            (Some(JobPhase::Failed), None)
+        );
     }
 
     fn refusal(code: u16) -> LaunchRefusal {

@@ -28,7 +28,7 @@ use kube::Client;
 use kube::runtime::events::Recorder;
 use kube::runtime::reflector::Store;
 
-pub use config::{CheckpointAccess, ChildConfig, ControllerConfig};
+pub use config::{CheckpointAccess, ChildConfig, ControllerConfig, WorkerImages};
 pub use watch::run;
 
 use crate::metrics::Metrics;

@@ -191,8 +191,8 @@ pub fn initializer_assignment(job: &MemoryAwareTrainingJob) -> Option<Initialize
     })
 }
 
-/// The initializer pod: the worker image in its initializer mode, with the
-/// job's claims and, for a gated repository, the token (no other pod of the
+/// The initializer pod: the worker image (`image`, the one the job's workers
+/// run) in its initializer mode, with the job's claims and, for a gated repository, the token (no other pod of the
 /// job sees it). Its report comes through its termination message, which
 /// the operator reads; while it runs it writes its progress into its own
 /// entry of `status.workers` with the job's worker account (pod-bound
@@ -200,6 +200,7 @@ pub fn initializer_assignment(job: &MemoryAwareTrainingJob) -> Option<Initialize
 pub fn initializer_pod(
     job: &MemoryAwareTrainingJob,
     run: u32,
+    image: &str,
 ) -> Result<Option<Pod>, serde_json::Error> {
     let Some(assignment) = initializer_assignment(job) else {
         return Ok(None);
@@ -292,7 +293,7 @@ pub fn initializer_pod(
             security_context: Some(restricted_pod_security()),
             containers: vec![Container {
                 name: "initializer".into(),
-                image: Some(spec.worker.image.clone()),
+                image: Some(image.into()),
                 image_pull_policy: spec.worker.image_pull_policy.map(|p| p.as_str().into()),
                 env: Some(env),
                 resources: Some(ResourceRequirements {
@@ -394,7 +395,7 @@ mod tests {
         let j = job(include_str!(
             "../../../samples/gpu-finetune-llama-3.2-1b.yaml"
         ));
-        let pod = initializer_pod(&j, 1)
+        let pod = initializer_pod(&j, 1, "registry.example/headroom-worker-cuda:1")
             .expect("build")
             .expect("a pretrained job");
         let spec = pod.spec.as_ref().expect("spec");
@@ -498,7 +499,9 @@ mod hub_data_tests {
                 file: "data/train.jsonl".into(),
             }
         );
-        let pod = initializer_pod(&j, 1).expect("build").expect("pod");
+        let pod = initializer_pod(&j, 1, "registry.example/headroom-worker-cuda:1")
+            .expect("build")
+            .expect("pod");
         let env = pod.spec.expect("spec").containers[0]
             .env
             .clone()

@@ -113,6 +113,7 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
         now: Timestamp::now(),
         unschedulable_grace: ctx.config.unschedulable_grace,
         default_gpu_host_memory: ctx.config.children.gpu_host_memory_bytes(),
+        worker_images: &ctx.config.children.worker_images,
     });
     ctx.metrics
         .planning_seconds
@@ -137,8 +138,8 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
     for pod in &decision.delete_pods {
         delete_worker(&ctx.client, &ns, pod).await?;
     }
-    if let Some(run) = decision.initialize
-        && let Err(error) = ensure_initializer(ctx, job, run, &own).await
+    if let (Some(run), Some(image)) = (decision.initialize, decision.image.as_deref())
+        && let Err(error) = ensure_initializer(ctx, job, run, image, &own).await
     {
         // As for the workers below: the refusal goes on the job.
         let Some(refusal) = error.launch_refusal() else {
@@ -153,8 +154,10 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
         tracing::warn!(%error, "initializer refused for good; job failed");
         return Ok(Action::await_change());
     }
-    if let (Some(attempt), Some(model)) = (decision.launch, &decision.model)
-        && let Err(error) = ensure_children(ctx, job, &decision.status, attempt, model, &own).await
+    if let (Some(attempt), Some(model), Some(image)) =
+        (decision.launch, &decision.model, decision.image.as_deref())
+        && let Err(error) =
+            ensure_children(ctx, job, &decision.status, attempt, model, image, &own).await
     {
         // Any refusal goes where the user looks, on the job: a condition, an
         // event and the status message. One that can pass (a quota, a server
