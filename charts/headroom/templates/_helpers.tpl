@@ -16,6 +16,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
+{{/* A default worker image, repository:tag (the tag defaults to the chart's
+appVersion); empty when its repository is "". */}}
+{{- define "headroom.workerImage" -}}
+{{- with .image.repository -}}
+{{- printf "%s:%s" . ($.image.tag | default $.chart.AppVersion) -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "headroom.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "headroom.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
