@@ -33,7 +33,10 @@ HELM=$(e2e/tools/build-helm.sh --print)
 "${KUBECTL}" apply --server-side --force-conflicts --field-manager=headroom-install -f charts/headroom/crds/ >&2
 "${KUBECTL}" wait --for=condition=Established --timeout=60s crd/memoryawaretrainingjobs.headroom.dev >&2
 "${HELM}" upgrade --install headroom charts/headroom -n headroom-system --create-namespace \
-  --set image.repository=localhost/headroom-operator --set image.tag=dev --wait --timeout 180s >&2
+  --set image.repository=localhost/headroom-operator --set image.tag=dev \
+  --set workerImages.cpu.repository=localhost/headroom-worker --set workerImages.cpu.tag=dev \
+  --set workerImages.cuda.repository=localhost/headroom-worker-cuda --set workerImages.cuda.tag=dev \
+  --wait --timeout 180s >&2
 # The tag stays `dev` across rebuilds: restart so the new build runs.
 "${KUBECTL}" -n headroom-system rollout restart deployment/headroom-operator >&2
 "${KUBECTL}" -n headroom-system rollout status deployment/headroom-operator --timeout=180s >&2

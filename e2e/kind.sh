@@ -117,7 +117,10 @@ say "helm upgrade --install headroom charts/headroom"
 "${KUBECTL}" apply --server-side --force-conflicts --field-manager=headroom-install -f charts/headroom/crds/ >&2
 "${KUBECTL}" wait --for=condition=Established --timeout=60s crd/memoryawaretrainingjobs.headroom.dev >&2
 "${HELM}" upgrade --install headroom charts/headroom -n headroom-system --create-namespace \
-  --set image.repository=localhost/headroom-operator --set image.tag="${IMAGE_TAG}" --wait --timeout 180s >&2
+  --set image.repository=localhost/headroom-operator --set image.tag="${IMAGE_TAG}" \
+  --set workerImages.cpu.repository=localhost/headroom-worker --set workerImages.cpu.tag="${IMAGE_TAG}" \
+  --set workerImages.cuda.repository=localhost/headroom-worker-cuda --set workerImages.cuda.tag="${IMAGE_TAG}" \
+  --wait --timeout 180s >&2
 # A reused cluster may run an older build under the same tag.
 "${KUBECTL}" -n headroom-system rollout restart deployment/headroom-operator >&2
 "${KUBECTL}" -n headroom-system rollout status deployment/headroom-operator --timeout=180s >&2

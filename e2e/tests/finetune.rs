@@ -146,8 +146,9 @@ spec:
     cpu: {{memoryLimit: 200Mi, cores: 500m, maxWorkers: 1}}
     headroomFraction: 0.1
   memoryPolicy: {{maxAttempts: 4, backoffSeconds: 1}}
-  worker:
-    image: localhost/headroom-worker:dev
+  # No image: the operator's default for flex jobs (install.sh sets the
+  # chart's workerImages.cpu to localhost/headroom-worker:dev).
+  worker: {{}}
 "#
     )
 }
