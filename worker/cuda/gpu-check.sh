@@ -53,7 +53,12 @@ if [[ -x ${CARGO_TARGET_DIR}/cuda/calibrate ]]; then
 elif [[ -s ${BUNDLE}/calibrate.xz ]]; then
   (cd "${BUNDLE}" && sha256sum -c --quiet SHA256SUMS) || { say "gpu-bundle/ does not match its SHA256SUMS"; exit 1; }
   calibrate=${work}/calibrate
-  xz -dc "${BUNDLE}/calibrate.xz" >"${calibrate}"
+  if command -v xz >/dev/null 2>&1; then
+    xz -dc "${BUNDLE}/calibrate.xz" >"${calibrate}"
+  else # a bare GPU machine may lack xz; Python's lzma reads it too
+    python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer)' \
+      "${BUNDLE}/calibrate.xz" >"${calibrate}"
+  fi
   chmod +x "${calibrate}"
 else
   say "no CUDA build: neither ${CARGO_TARGET_DIR}/cuda/calibrate (make worker-cuda) nor gpu-bundle/calibrate.xz (make gpu-bundle)."

@@ -125,6 +125,11 @@ fn assignment(case: &Case, steps: u64, gpu: &Gpu) -> Result<WorkerAssignment, St
     );
     let plan =
         plan_with(&req, &inventory(gpu), &SearchOptions::default()).map_err(|e| e.to_string())?;
+    // Pinned settings are planned even over budget (a first attempt runs
+    // them as asked); the grid keeps to what fits this GPU.
+    if plan.predicted_peak_bytes > plan.budget_bytes {
+        return Err(format!("predicted {}", plan.fit));
+    }
     // The row measures the case's settings: a plan that only fits by
     // changing them (8-bit state, offload, a quantized base, more GPUs) is
     // not this case.
@@ -455,4 +460,53 @@ fn summarize(rows: &[Measured]) -> i32 {
         100.0 * UNDER_TARGET
     );
     i32::from(!(med <= MEDIAN_TARGET && worst_under >= -UNDER_TARGET))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpu(name: &str, mib: u64) -> Gpu {
+        Gpu {
+            name: name.into(),
+            memory_bytes: mib << 20,
+            driver: "test".into(),
+            cuda: "12.8".into(),
+        }
+    }
+
+    /// What the grid does before any GPU runs it: every case plans on one
+    /// H100 (NVML: 81559 MiB) with its own settings, so its row measures
+    /// what its name says; on a T4 (15360 MiB) the 1.1B full fine-tunes do
+    /// not fit and are skipped while the LoRA rows still plan.
+    #[test]
+    fn the_grid_plans_on_an_h100_and_a_t4_skips_what_does_not_fit() {
+        let h100 = gpu("NVIDIA H100 80GB HBM3", 81559);
+        for case in grid(true) {
+            let a = assignment(&case, 3, &h100)
+                .unwrap_or_else(|e| panic!("{} on an H100: {e}", case.name));
+            assert_eq!(a.plan.backend, Backend::Cuda);
+            assert_eq!(a.plan.settings.precision, Precision::Bf16);
+            assert_eq!(a.plan.device, "NVIDIA-H100-80GB-HBM3");
+            assert!(
+                a.plan.predicted_peak_bytes < h100.memory_bytes,
+                "{}",
+                case.name
+            );
+        }
+        let t4 = gpu("Tesla T4", 15360);
+        let fits = |name: &str| {
+            let case = grid(false)
+                .into_iter()
+                .find(|c| c.name == name)
+                .expect("a grid case");
+            assignment(&case, 3, &t4).is_ok()
+        };
+        assert!(fits("T b8"));
+        assert!(fits("B qlora4 all7 b8 ckpt"));
+        assert!(
+            !fits("B b4"),
+            "1.1B full fine-tuning in bf16 with AdamW on 15 GiB"
+        );
+    }
 }
