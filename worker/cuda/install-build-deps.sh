@@ -36,7 +36,11 @@ fi
 
 prefix="$SHIM_HOME/tracel/$BUNDLE_ID"
 mkdir -p "$prefix/bin"
-cat > "$prefix/bin/llvm-config" <<SH
+# Written only when it changes, and the sentinel created only once: the
+# bundler's build script reruns when the sentinel's mtime changes
+# (rerun-if-changed), and with it cubecl-llvm and every crate above it
+# (about 10 minutes of release build on 2 cores).
+cat > "$prefix/bin/llvm-config.new" <<SH
 #!/bin/sh
 # Forwards to Debian's llvm-config; rewrites absolute library paths (e.g. libz3.so),
 # which tracel-llvm-bundler would otherwise turn into a bogus -llibz3.
@@ -46,8 +50,13 @@ cat > "$prefix/bin/llvm-config" <<SH
   | sed -E -e 's#(^| )/[^ ]*/lib([A-Za-z0-9_+-]+)\.so[.0-9]*#\1-l\2#g' \\
            -e 's#(^| )-lPolly(ISL)?( |\$)#\1#g; s#(^| )-lPolly(ISL)?( |\$)#\1#g'
 SH
-chmod +x "$prefix/bin/llvm-config"
-touch "$prefix/.tracel-llvm-installed"
+chmod +x "$prefix/bin/llvm-config.new"
+if cmp -s "$prefix/bin/llvm-config.new" "$prefix/bin/llvm-config"; then
+  rm -f "$prefix/bin/llvm-config.new"
+else
+  mv -f "$prefix/bin/llvm-config.new" "$prefix/bin/llvm-config"
+fi
+[[ -e "$prefix/.tracel-llvm-installed" ]] || touch "$prefix/.tracel-llvm-installed"
 
 echo "LLVM stand-in ready at $prefix ($("$prefix/bin/llvm-config" --version))"
 echo "Build with:"
