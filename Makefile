@@ -155,10 +155,13 @@ gpu-bundle: cuda-runtime ## gpu-bundle/: make worker-cuda's calibrate (xz) and l
 	@test -x $(CUDA_DIR)/calibrate || { echo "no $(CUDA_DIR)/calibrate: run make worker-cuda first" >&2; exit 1; }
 	rm -rf $(GPU_BUNDLE) && mkdir -p $(GPU_BUNDLE)/cuda/nvvm/libdevice
 	strip -o $(GPU_BUNDLE)/calibrate $(CUDA_DIR)/calibrate
-	xz -9e -T2 $(GPU_BUNDLE)/calibrate
+	xz -6 -T2 $(GPU_BUNDLE)/calibrate
 	cp $(CUDA_RUNTIME)/nvvm/libdevice/libdevice.10.bc $(GPU_BUNDLE)/cuda/nvvm/libdevice/
 	cp $(CUDA_RUNTIME)/LICENSE $(GPU_BUNDLE)/cuda/LICENSE
-	cd $(GPU_BUNDLE) && sha256sum calibrate.xz cuda/nvvm/libdevice/libdevice.10.bc > SHA256SUMS
+	# The libraries it links besides glibc, for a GPU machine that lacks them (used only then).
+	mkdir -p $(GPU_BUNDLE)/lib && ldd $(CUDA_DIR)/calibrate | awk '$$3 ~ /^\// {print $$3}' \
+	  | grep -E '/lib(z|zstd|stdc\+\+|gcc_s)\.so' | xargs -r cp -L -t $(GPU_BUNDLE)/lib
+	cd $(GPU_BUNDLE) && sha256sum calibrate.xz cuda/nvvm/libdevice/libdevice.10.bc lib/* > SHA256SUMS
 	@size=$$(du -sb $(GPU_BUNDLE) | cut -f1); echo "gpu-bundle: $$size bytes"; \
 	  test $$size -le $$((64 * 1024 * 1024)) || { echo "gpu-bundle is over 64 MiB" >&2; exit 1; }
 

@@ -60,6 +60,10 @@ elif [[ -s ${BUNDLE}/calibrate.xz ]]; then
       "${BUNDLE}/calibrate.xz" >"${calibrate}"
   fi
   chmod +x "${calibrate}"
+  # Built on Debian 12: libstdc++, libzstd, libz from the bundle where this machine lacks them.
+  if ldd "${calibrate}" 2>/dev/null | grep -q "not found"; then
+    export LD_LIBRARY_PATH=${BUNDLE}/lib${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}
+  fi
 else
   say "no CUDA build: neither ${CARGO_TARGET_DIR}/cuda/calibrate (make worker-cuda) nor gpu-bundle/calibrate.xz (make gpu-bundle)."
   exit 2
