@@ -162,11 +162,12 @@ fn run_inner(env: &WorkerEnv) -> Exit {
     let identity = identity(&plan, env.pod_name.clone());
     let sink = KubeStatusSink::connect(&cluster, &identity)
         .map(|sink| Box::new(sink) as Box<dyn TelemetrySink>);
+    // A GPU plan budgets the device's memory; the host's is the pod's limit.
+    let peak_on_device = config.backend != Backend::Flex;
     let mut probe = MemoryProbe::for_this_process(Some(device.clone()));
-    if config.backend != Backend::Flex {
+    if peak_on_device {
         probe = probe.device_peak();
     }
-    let on_device = probe.peaks_on_device();
     let reporter = Reporter::start(
         identity,
         probe,
@@ -181,7 +182,7 @@ fn run_inner(env: &WorkerEnv) -> Exit {
         cluster: &cluster,
         reporter: &reporter,
         terminate: &terminate,
-        peak_on_device: on_device,
+        peak_on_device,
     }
     .run(device);
     let last = reporter.finish();

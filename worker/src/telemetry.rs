@@ -177,11 +177,6 @@ impl MemoryProbe {
         self
     }
 
-    /// Whether [`MemoryProbe::peak`] is the GPU's.
-    pub fn peaks_on_device(&self) -> bool {
-        self.device_peak
-    }
-
     pub fn cgroup(&self) -> Option<&CgroupFiles> {
         self.cgroup.as_ref()
     }
@@ -331,7 +326,6 @@ mod tests {
     fn a_device_peak_leaves_the_process_memory_out() {
         let mut host = MemoryProbe::for_this_process(None);
         let mut device = MemoryProbe::for_this_process(None).device_peak();
-        assert!(device.peaks_on_device() && !host.peaks_on_device());
         let (h, d) = (host.sample(), device.sample());
         assert!(h.peak_bytes > 0, "the host probe keeps VmHWM");
         assert!(
