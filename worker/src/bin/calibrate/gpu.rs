@@ -175,16 +175,8 @@ pub fn grid(large: bool) -> Vec<Case> {
     let m = llama(24, 1024, (16, 16), 2816, 1024, 32000, false);
     let b = llama(22, 2048, (32, 4), 5632, 2048, 32000, false);
     let x = llama(26, 3200, (32, 32), 8640, 2048, 32000, false);
-    let c = |name, model: &ModelShape, mb, acc, ckpt, opt| Case {
-        name,
-        model: model.clone(),
-        micro_batch: mb,
-        accumulation: acc,
-        checkpointing: ckpt,
-        optimizer: opt,
-        adapters: None,
-        base_format: BaseFormat::Dense,
-        precision: Precision::Bf16,
+    let c = |name, model: &ModelShape, mb, acc, ckpt, opt| {
+        Case::full(name, model, (mb, acc), ckpt, opt, Precision::Bf16)
     };
     let lora = |name, model: &ModelShape, mb, ckpt, targets: &[TargetModule], format| Case {
         adapters: Some(lora_config(targets)),
@@ -232,16 +224,11 @@ pub fn smoke() -> i32 {
             return 2;
         }
     };
+    // The CPU overhead model, in bf16.
     let case = Case {
         name: "smoke",
-        model: shape(4, 256, 4, 256, 4096, true),
-        micro_batch: 8,
-        accumulation: 1,
-        checkpointing: false,
-        optimizer: Optimizer::Adamw,
-        adapters: None,
-        base_format: BaseFormat::Dense,
         precision: Precision::Bf16,
+        ..overhead_case()
     };
     let a = match assignment(&case, 5, &gpu) {
         Ok(a) => a,
@@ -415,12 +402,14 @@ pub fn run(steps: u64, only: Option<&str>, overhead: bool, large: bool) -> i32 {
     if overhead {
         // A GPT-2-small shape trained from random weights (no checkpoint to
         // write): tokens/s and the reporter's cost on this GPU.
-        let case = Case {
-            name: "GPT 12 × 768 s1024",
-            model: shape(12, 768, 12, 1024, 32000, true),
-            micro_batch: 8,
-            ..grid(false).remove(0)
-        };
+        let case = Case::full(
+            "GPT 12 × 768 s1024",
+            &shape(12, 768, 12, 1024, 32000, true),
+            (8, 1),
+            false,
+            Optimizer::Adamw,
+            Precision::Bf16,
+        );
         match assignment(&case, 1_000_000, &gpu) {
             Ok(a) => match training_device(Backend::Cuda, Precision::Bf16) {
                 Ok(device) => {

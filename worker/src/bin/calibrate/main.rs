@@ -63,6 +63,7 @@ use headroom_planner::{
 };
 use headroom_worker::ValidAssignment;
 use headroom_worker::model::hf::HfCheckpoint;
+use headroom_worker::model::lora::BLOCK_LINEARS;
 use headroom_worker::model::{LmShape, StageLayout, TransformerLm};
 use headroom_worker::report::{MemorySink, Progress, Reporter, WorkerIdentity, WritePolicy};
 use headroom_worker::run::TERMINATION_MESSAGE_PATH_ENV;
@@ -96,6 +97,28 @@ struct Case {
 }
 
 impl Case {
+    /// Full fine-tuning (no adapters) of a dense model.
+    fn full(
+        name: &'static str,
+        model: &ModelShape,
+        (micro_batch, accumulation): (u32, u32),
+        checkpointing: bool,
+        optimizer: Optimizer,
+        precision: Precision,
+    ) -> Case {
+        Case {
+            name,
+            model: model.clone(),
+            micro_batch,
+            accumulation,
+            checkpointing,
+            optimizer,
+            adapters: None,
+            base_format: BaseFormat::Dense,
+            precision,
+        }
+    }
+
     fn layers(&self) -> u32 {
         self.model.splittable_layers()
     }
@@ -178,16 +201,8 @@ fn grid() -> Vec<Case> {
     let qu = llama(4, 256, (8, 2), 688, 256, 8192, false);
     let qs = llama(4, 256, (8, 2), 688, 512, 2048, true);
     let big = llama(6, 512, (8, 2), 1376, 128, 8192, false);
-    let c = |name, model: &ModelShape, b, acc, ckpt, opt| Case {
-        name,
-        model: model.clone(),
-        micro_batch: b,
-        accumulation: acc,
-        checkpointing: ckpt,
-        optimizer: opt,
-        adapters: None,
-        base_format: BaseFormat::Dense,
-        precision: Precision::Fp32,
+    let c = |name, model: &ModelShape, b, acc, ckpt, opt| {
+        Case::full(name, model, (b, acc), ckpt, opt, Precision::Fp32)
     };
     // LoRA rows: Lq, 25M parameters (h 512, GQA 8/2, SwiGLU 1408 = 22 × 64,
     // so the default QLoRA block of 64 divides every block linear), untied;
@@ -256,17 +271,6 @@ fn grid() -> Vec<Case> {
         ),
     ]
 }
-
-/// The seven linear modules of a Llama decoder block (all but `lm_head`).
-const BLOCK_LINEARS: [TargetModule; 7] = [
-    TargetModule::QProj,
-    TargetModule::KProj,
-    TargetModule::VProj,
-    TargetModule::OProj,
-    TargetModule::GateProj,
-    TargetModule::UpProj,
-    TargetModule::DownProj,
-];
 
 /// Rank 8, alpha 16 (PEFT's common pairing), no dropout, QLoRA block 64
 /// (the API's default).
@@ -679,17 +683,15 @@ fn measure_pipeline(case: &Case, p: u32, steps: u64) -> Vec<Measured> {
 
 /// The model the pipeline rows and the throughput figures use.
 fn pipeline_case() -> Case {
-    Case {
-        name: "P",
-        model: shape(6, 256, 4, 128, 4096, true),
-        micro_batch: 4,
-        accumulation: 4,
-        checkpointing: false,
-        optimizer: Optimizer::Adamw,
-        adapters: None,
-        base_format: BaseFormat::Dense,
-        precision: Precision::Fp32,
-    }
+    let model = shape(6, 256, 4, 128, 4096, true);
+    Case::full(
+        "P",
+        &model,
+        (4, 4),
+        false,
+        Optimizer::Adamw,
+        Precision::Fp32,
+    )
 }
 
 /// The LoRA pipeline rows: the Lq model as QLoRA int8 on all seven block
@@ -818,17 +820,15 @@ fn median(mut xs: Vec<f64>) -> f64 {
 
 /// The model of the CPU telemetry-overhead figure.
 fn overhead_case() -> Case {
-    Case {
-        name: "overhead",
-        model: shape(4, 256, 4, 256, 4096, true),
-        micro_batch: 8,
-        accumulation: 1,
-        checkpointing: false,
-        optimizer: Optimizer::Adamw,
-        adapters: None,
-        base_format: BaseFormat::Dense,
-        precision: Precision::Fp32,
-    }
+    let model = shape(4, 256, 4, 256, 4096, true);
+    Case::full(
+        "overhead",
+        &model,
+        (8, 1),
+        false,
+        Optimizer::Adamw,
+        Precision::Fp32,
+    )
 }
 
 /// Step times (seconds) of one trainer of `a` on `device`, alternating
