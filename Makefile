@@ -39,7 +39,7 @@ manifests: ## Regenerate crds/ and the chart's CRD from the Rust types.
 	cp crds/memoryawaretrainingjobs.headroom.dev.yaml charts/headroom/crds/
 
 ##@ Test
-.PHONY: test test-unit test-apiserver chart-check bench-planner bench-controller calibrate-worker bench-load-peak
+.PHONY: test test-unit test-apiserver chart-check bench-planner bench-controller bench-peers calibrate-worker bench-load-peak
 test: fmt-check lint test-unit test-apiserver chart-check ## Everything CI runs: format, clippy, unit, property, CLI and real-API-server tests.
 
 test-unit: ## Unit, property, CRD-drift and plugin tests (no cluster needed).
@@ -68,6 +68,9 @@ bench-adamw8bit: ## 8-bit vs f32 AdamW on the tiny Llama: moment bytes, record b
 bench-controller: controlplane-up ## 500 jobs through the operator on the local API server: latencies and peak RSS.
 	$(CARGO) build --release -q -p headroom-operator --bins
 	KUBECONFIG=$(KUBECONFIG_TEST) $(CARGO_TARGET_DIR)/release/bench-controller --jobs 500 --failures 100
+
+bench-peers: k8s-binaries ## Headroom vs Kubeflow training-operator v1.9.3 (built from its Go module, tuned: 16 threads, QPS raised) on the local API server, one neutral harness, 3 interleaved rounds of 500 jobs (~10 min; not in CI).
+	e2e/peers/bench-peers.sh $(BENCH_PEERS_FLAGS)
 
 ##@ Local control plane (real etcd + kube-apiserver on loopback)
 .PHONY: k8s-binaries controlplane-up controlplane-down
