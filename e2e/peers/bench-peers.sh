@@ -24,6 +24,7 @@ cd "${ROOT}"
 source e2e/cluster/lib/common.sh
 : "${KUBEFLOW_VERSION:=v1.9.3}"
 : "${CARGO_TARGET_DIR:=${HEADROOM_CACHE}/target}"
+export CARGO_TARGET_DIR
 PEERS="${HEADROOM_CACHE}/peers"
 KUBEFLOW_MODULE=github.com/kubeflow/training-operator
 KUBEFLOW_BIN="${PEERS}/training-operator-${KUBEFLOW_VERSION}"

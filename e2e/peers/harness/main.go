@@ -68,6 +68,9 @@ type round struct {
 	single     []time.Duration // the same, one job at a time
 	roundTrip  []time.Duration // the single jobs' create calls
 	peakRSSKiB int64
+	// API server requests per burst job, by "VERB resource[/sub]", from its
+	// apiserver_request_total counters (the harness's own creates removed).
+	requests map[string]float64
 }
 
 var (
@@ -125,6 +128,7 @@ func main() {
 		}
 	}
 	printTable(ops, results)
+	printRequests(ops, results)
 }
 
 func kubeflowOperator() operator {
@@ -263,9 +267,10 @@ func runRound(cfg *rest.Config, op operator, ns string) (round, error) {
 	if _, err := core.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
 		return res, fmt.Errorf("namespace: %w", err)
 	}
-	defer func() {
-		_ = core.CoreV1().Namespaces().Delete(context.Background(), ns, metav1.DeleteOptions{})
-	}()
+	// The namespace goes at the end, and the round waits until it is gone:
+	// deleting 500 jobs and their children keeps the API server busy for
+	// a while, and that must not land on the next round.
+	defer removeNamespace(core, ns)
 	// Kubeflow's pods name the namespace's `default` account. On a cluster
 	// kube-controller-manager's serviceaccount controller makes it; the
 	// loopback control plane runs without that controller, so the harness
@@ -370,7 +375,11 @@ func runRound(cfg *rest.Config, op operator, ns string) (round, error) {
 		res.single = append(res.single, nonNegative(times.at(uid).Sub(returned)))
 	}
 
-	// 3. The burst.
+	// 3. The burst, with the API server's request counters around it.
+	before, err := requestCounts(ctx, core)
+	if err != nil {
+		return res, err
+	}
 	type made struct {
 		uid      types.UID
 		returned time.Time
@@ -424,7 +433,76 @@ func runRound(cfg *rest.Config, op operator, ns string) (round, error) {
 	}
 	res.allPods = last.Sub(start)
 	res.peakRSSKiB = vmHWM(cmd.Process.Pid)
+	after, err := requestCounts(ctx, core)
+	if err != nil {
+		return res, err
+	}
+	res.requests = map[string]float64{}
+	for k, v := range after {
+		if d := v - before[k]; d > 0 {
+			res.requests[k] = d / float64(*jobs)
+		}
+	}
+	res.requests["POST "+op.resource.Resource] -= 1 // the harness's own create
+	if res.requests["POST "+op.resource.Resource] <= 0 {
+		delete(res.requests, "POST "+op.resource.Resource)
+	}
 	return res, nil
+}
+
+// requestCounts reads apiserver_request_total from the API server's
+// /metrics, summed by verb and resource (and subresource). Watches and the
+// harness's own reads are few; every figure is over the whole server.
+func requestCounts(ctx context.Context, core kubernetes.Interface) (map[string]float64, error) {
+	raw, err := core.CoreV1().RESTClient().Get().AbsPath("/metrics").DoRaw(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("reading the API server's /metrics: %w", err)
+	}
+	counts := map[string]float64{}
+	for _, line := range strings.Split(string(raw), "\n") {
+		rest, ok := strings.CutPrefix(line, "apiserver_request_total{")
+		if !ok {
+			continue
+		}
+		end := strings.LastIndex(rest, "} ")
+		if end < 0 {
+			continue
+		}
+		labels := map[string]string{}
+		for _, kv := range strings.Split(rest[:end], ",") {
+			if k, v, ok := strings.Cut(kv, "="); ok {
+				labels[k] = strings.Trim(v, `"`)
+			}
+		}
+		value, err := strconv.ParseFloat(strings.TrimSpace(rest[end+2:]), 64)
+		if err != nil || labels["verb"] == "WATCH" || labels["resource"] == "" {
+			continue
+		}
+		key := labels["verb"] + " " + labels["resource"]
+		if labels["subresource"] != "" {
+			key += "/" + labels["subresource"]
+		}
+		counts[key] += value
+	}
+	return counts, nil
+}
+
+func removeNamespace(core kubernetes.Interface, ns string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	t0 := time.Now()
+	if err := core.CoreV1().Namespaces().Delete(ctx, ns, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+		fmt.Fprintf(os.Stderr, "  deleting %s: %v\n", ns, err)
+		return
+	}
+	for ctx.Err() == nil {
+		if _, err := core.CoreV1().Namespaces().Get(ctx, ns, metav1.GetOptions{}); apierrors.IsNotFound(err) {
+			fmt.Fprintf(os.Stderr, "  %s deleted in %.1f s\n", ns, time.Since(t0).Seconds())
+			return
+		}
+		time.Sleep(time.Second)
+	}
+	fmt.Fprintf(os.Stderr, "  %s still there after 10 min; going on\n", ns)
 }
 
 func nonNegative(d time.Duration) time.Duration {
@@ -530,6 +608,43 @@ func printTable(ops []operator, results map[string][]round) {
 			}
 		}
 		fmt.Println(line)
+	}
+}
+
+// printRequests prints, per operator, the API server requests per burst job
+// (median over rounds) that are at least 0.05 a job.
+func printRequests(ops []operator, results map[string][]round) {
+	fmt.Printf("\nAPI server requests per job during the burst (median of rounds; watches and the harness's creates left out)\n\n")
+	for _, op := range ops {
+		keys := map[string]bool{}
+		for _, r := range results[op.name] {
+			for k := range r.requests {
+				keys[k] = true
+			}
+		}
+		var names []string
+		for k := range keys {
+			names = append(names, k)
+		}
+		sort.Strings(names)
+		var parts []string
+		var writes, total float64
+		for _, k := range names {
+			var xs []float64
+			for _, r := range results[op.name] {
+				xs = append(xs, r.requests[k])
+			}
+			m := median(xs)
+			if m < 0.05 {
+				continue
+			}
+			total += m
+			if !strings.HasPrefix(k, "GET ") && !strings.HasPrefix(k, "LIST ") {
+				writes += m
+			}
+			parts = append(parts, fmt.Sprintf("%s %.2f", k, m))
+		}
+		fmt.Printf("- %s: %.2f writes, %.2f requests: %s\n", op.name, writes, total, strings.Join(parts, ", "))
 	}
 }
 
