@@ -169,6 +169,53 @@ where
     Ok(())
 }
 
+/// Creates one child (a POST under the operator's field manager); one that
+/// exists already is server-side applied instead, as [`apply`] does. For an
+/// object that does not exist yet a create is the cheaper request: the API
+/// server skips the apply merge and its managed-fields bookkeeping, which
+/// for a pod is a large part of the write.
+async fn create_or_apply<K>(client: &Client, ns: &str, object: &K) -> Result<(), Error>
+where
+    K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + Serialize
+        + std::fmt::Debug,
+{
+    let api: Api<K> = Api::namespaced(client.clone(), ns);
+    let params = PostParams {
+        field_manager: Some(OPERATOR_FIELD_MANAGER.into()),
+        ..PostParams::default()
+    };
+    match api.create(&params, object).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 409 => apply(client, ns, object).await,
+        Err(source) => Err(Error::ApplyChild {
+            kind: K::kind(&()).into_owned(),
+            name: object.name_any(),
+            source,
+        }),
+    }
+}
+
+/// Writes a child of a launch: created when the launch is the job's first
+/// (nothing of it can exist yet), applied otherwise (the account and binding
+/// exist, and the Role must change to the new attempt's).
+async fn put<K>(client: &Client, ns: &str, object: &K, first_launch: bool) -> Result<(), Error>
+where
+    K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + Serialize
+        + std::fmt::Debug,
+{
+    if first_launch {
+        create_or_apply(client, ns, object).await
+    } else {
+        apply(client, ns, object).await
+    }
+}
+
 /// Creates whatever attempt `attempt` still lacks; a no-op once all its pods
 /// exist. `image`: the workers' image, as the decision chose it.
 pub(super) async fn ensure_children(
@@ -221,24 +268,29 @@ pub(super) async fn ensure_children(
             })
         })
         .collect::<Result<Vec<_>, _>>()?;
-    // Order matters twice: a RoleBinding to a Role that does not exist yet is
-    // refused (RBAC's escalation check must resolve the Role), and a pod
-    // naming a missing ServiceAccount is refused by admission. So: account,
-    // Role, claim and Service together; then the binding; then the pods.
+    // Two rounds of writes. A pod naming a missing ServiceAccount is refused
+    // by admission, and a RoleBinding to a Role that does not exist yet is
+    // refused (RBAC's escalation check must resolve the Role): so account,
+    // Role, claim and Service first. The pods need neither the Role nor the
+    // binding to be created, only to report telemetry and find their peers,
+    // which they retry; so the binding goes in the same round as the pods.
+    let first_launch = attempt == 1 && status.initializations.unwrap_or(0) == 0;
     futures::try_join!(
-        apply::<ServiceAccount>(c, &ns, &sa),
-        apply::<Role>(c, &ns, &role),
+        put::<ServiceAccount>(c, &ns, &sa, first_launch),
+        put::<Role>(c, &ns, &role, first_launch),
         create_claim(c, &ns, job, &pvc),
         async {
             if plan.workers > 1 {
-                apply::<Service>(c, &ns, &svc).await
+                put::<Service>(c, &ns, &svc, first_launch).await
             } else {
                 Ok(())
             }
         },
     )?;
-    apply::<RoleBinding>(c, &ns, &rb).await?;
-    futures::future::try_join_all(pods.iter().map(|pod| apply::<Pod>(c, &ns, pod))).await?;
+    futures::try_join!(
+        put::<RoleBinding>(c, &ns, &rb, first_launch),
+        futures::future::try_join_all(pods.iter().map(|pod| create_or_apply::<Pod>(c, &ns, pod))),
+    )?;
     if let Ok(mut m) = ctx.launched.lock() {
         m.retain(|_, at| at.elapsed() < LAUNCH_EXPECTATION);
         m.insert(key, Instant::now());
