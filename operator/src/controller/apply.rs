@@ -140,15 +140,28 @@ pub(super) async fn delete_worker(client: &Client, ns: &str, pod: &str) -> Resul
     }
 }
 
-/// Server-side applies one child under the operator's field manager.
-async fn apply<K>(client: &Client, ns: &str, object: &K) -> Result<(), Error>
-where
+/// What the operator writes as a job's child: a namespaced object it can
+/// serialize for a create or an apply.
+trait Child:
+    Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+    + Clone
+    + DeserializeOwned
+    + Serialize
+    + std::fmt::Debug
+{
+}
+
+impl<K> Child for K where
     K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
         + Clone
         + DeserializeOwned
         + Serialize
-        + std::fmt::Debug,
+        + std::fmt::Debug
 {
+}
+
+/// Server-side applies one child under the operator's field manager.
+async fn apply<K: Child>(client: &Client, ns: &str, object: &K) -> Result<(), Error> {
     let kind = K::kind(&()).into_owned();
     let name = object.name_any();
     let api: Api<K> = Api::namespaced(client.clone(), ns);
@@ -169,19 +182,23 @@ where
     Ok(())
 }
 
-/// Creates one child (a POST under the operator's field manager); one that
-/// exists already is server-side applied instead, as [`apply`] does. For an
-/// object that does not exist yet a create is the cheaper request: the API
-/// server skips the apply merge and its managed-fields bookkeeping, which
-/// for a pod is a large part of the write.
-async fn create_or_apply<K>(client: &Client, ns: &str, object: &K) -> Result<(), Error>
-where
-    K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
-        + Clone
-        + DeserializeOwned
-        + Serialize
-        + std::fmt::Debug,
-{
+/// Writes one child of a launch. With `create_first` (the job's first
+/// launch, where nothing of it can exist yet, and every new pod) it is a POST
+/// under the operator's field manager, server-side applied instead when it
+/// exists already (409). A create is the cheaper request for an object that
+/// does not exist: the API server skips the apply merge and its managed-fields
+/// bookkeeping, which for a pod is a large part of the write. Otherwise it is
+/// applied: the account and binding exist, and the Role must change to the
+/// new attempt's.
+async fn put<K: Child>(
+    client: &Client,
+    ns: &str,
+    object: &K,
+    create_first: bool,
+) -> Result<(), Error> {
+    if !create_first {
+        return apply(client, ns, object).await;
+    }
     let api: Api<K> = Api::namespaced(client.clone(), ns);
     let params = PostParams {
         field_manager: Some(OPERATOR_FIELD_MANAGER.into()),
@@ -195,24 +212,6 @@ where
             name: object.name_any(),
             source,
         }),
-    }
-}
-
-/// Writes a child of a launch: created when the launch is the job's first
-/// (nothing of it can exist yet), applied otherwise (the account and binding
-/// exist, and the Role must change to the new attempt's).
-async fn put<K>(client: &Client, ns: &str, object: &K, first_launch: bool) -> Result<(), Error>
-where
-    K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
-        + Clone
-        + DeserializeOwned
-        + Serialize
-        + std::fmt::Debug,
-{
-    if first_launch {
-        create_or_apply(client, ns, object).await
-    } else {
-        apply(client, ns, object).await
     }
 }
 
@@ -289,7 +288,7 @@ pub(super) async fn ensure_children(
     )?;
     futures::try_join!(
         put::<RoleBinding>(c, &ns, &rb, first_launch),
-        futures::future::try_join_all(pods.iter().map(|pod| create_or_apply::<Pod>(c, &ns, pod))),
+        futures::future::try_join_all(pods.iter().map(|pod| put::<Pod>(c, &ns, pod, true))),
     )?;
     if let Ok(mut m) = ctx.launched.lock() {
         m.retain(|_, at| at.elapsed() < LAUNCH_EXPECTATION);
