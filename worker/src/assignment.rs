@@ -309,6 +309,8 @@ mod tests {
             pinned_micro_batch: None,
             pinned_checkpointing: None,
             pinned_stages: None,
+            pinned_replicas: None,
+            objective: Default::default(),
             target: Target::Cpu {
                 memory_limit_bytes: 1 << 30,
                 max_workers: 1,

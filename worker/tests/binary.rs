@@ -42,6 +42,8 @@ fn assignment_for(
         pinned_micro_batch: micro_batch,
         pinned_checkpointing: checkpointing,
         pinned_stages: None,
+        pinned_replicas: None,
+        objective: Default::default(),
         target: Target::Cpu {
             memory_limit_bytes: 2 << 30,
             max_workers: 1,

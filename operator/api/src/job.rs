@@ -301,6 +301,10 @@ fn default_text_field() -> String {
 #[schemars(extend("x-kubernetes-validations" = [
     {"rule": "!has(self.microBatch) || self.globalBatch % self.microBatch == 0",
      "message": "training.microBatch must divide training.globalBatch so the global batch is kept exactly (e.g. globalBatch 32 with microBatch 8)"},
+    {"rule": "!has(self.dataParallelReplicas) || self.globalBatch % self.dataParallelReplicas == 0",
+     "message": "training.dataParallelReplicas must divide training.globalBatch so every replica trains an equal share (e.g. globalBatch 32 with 4 replicas)"},
+    {"rule": "!has(self.dataParallelReplicas) || !has(self.microBatch) || (self.globalBatch / self.dataParallelReplicas) % self.microBatch == 0",
+     "message": "training.microBatch must divide each replica's share of training.globalBatch (globalBatch / dataParallelReplicas)"},
     {"rule": "!has(self.lora) || self.method != 'full'",
      "message": "training.lora: adapters are for method lora or qlora; set training.method: lora (or qlora), or remove training.lora"},
     {"rule": "!has(self.lora) || !has(self.lora.baseFormat) || self.method == 'qlora'",
@@ -331,6 +335,14 @@ pub struct TrainingSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 64))]
     pub pipeline_stages: Option<u32>,
+    /// Pin the number of data-parallel replicas of each stage for the first
+    /// attempt (must divide globalBatch: each replica trains an equal share
+    /// and gradients are averaged every step; each keeps the optimizer state
+    /// of its share of the parameters). Stages × replicas workers in all, at
+    /// most resources.cpu.maxWorkers / resources.gpu.maxGpus.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1024))]
+    pub data_parallel_replicas: Option<u32>,
     /// Peak learning rate of the optimizer, e.g. 0.0003.
     #[serde(default = "default_learning_rate")]
     #[schemars(range(min = 0.0, max = 10.0))]
@@ -498,10 +510,16 @@ pub struct GpuResources {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 32), extend("x-kubernetes-list-type" = "set"))]
     pub types: Vec<String>,
-    /// Most GPUs (pipeline stages) the job may use at once.
+    /// Most GPUs the job may use at once (pipeline stages × data-parallel replicas).
     #[serde(default = "default_one")]
     #[schemars(range(min = 1, max = 1024))]
     pub max_gpus: u32,
+    /// What the planner ranks fitting plans by: `fastest` (the default: the
+    /// lowest estimated time per optimizer step within maxGpus and the free
+    /// GPUs, so idle GPUs become data-parallel replicas or stages when that
+    /// is faster) or `fewestGpus` (the fewest GPUs that fit, then the fastest).
+    #[serde(default)]
+    pub objective: headroom_planner::Objective,
     /// Host memory limit per worker pod, a quantity of at least 64Mi such as
     /// 32Gi (defaults to the operator's setting).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -1100,6 +1118,43 @@ impl MemoryAwareTrainingJobSpec {
                 ));
             }
         }
+        if let Some(d) = t.data_parallel_replicas {
+            let (max, field) = match &target {
+                Target::Gpu { max_gpus, .. } => (*max_gpus, "resources.gpu.maxGpus"),
+                Target::Cpu { max_workers, .. } => (*max_workers, "resources.cpu.maxWorkers"),
+            };
+            let p = t.pipeline_stages.unwrap_or(1);
+            if d == 0 || !t.global_batch.is_multiple_of(d) {
+                return Err(spec_error(
+                    "training.dataParallelReplicas",
+                    format!(
+                        "{d} replicas must divide training.globalBatch ({}) so every replica trains an equal share",
+                        t.global_batch
+                    ),
+                ));
+            }
+            if let Some(b) = t.micro_batch
+                && !(t.global_batch / d).is_multiple_of(b)
+            {
+                return Err(spec_error(
+                    "training.microBatch",
+                    format!(
+                        "{b} must divide each replica's share of training.globalBatch ({} / {d} = {})",
+                        t.global_batch,
+                        t.global_batch / d
+                    ),
+                ));
+            }
+            if p * d > max {
+                return Err(spec_error(
+                    "training.dataParallelReplicas",
+                    format!(
+                        "{p} stage(s) × {d} replicas = {} workers: at most {field} ({max}); raise {field} or pin fewer",
+                        p * d
+                    ),
+                ));
+            }
+        }
         let backend = self.backend();
         if (backend == Backend::Cuda) != self.resources.gpu.is_some() {
             return Err(spec_error(
@@ -1167,6 +1222,15 @@ impl MemoryAwareTrainingJobSpec {
             pinned_micro_batch: t.micro_batch,
             pinned_checkpointing: t.activation_checkpointing,
             pinned_stages: t.pipeline_stages,
+            pinned_replicas: t.data_parallel_replicas,
+            // CPU workers of one job share their nodes' cores, so more of
+            // them is not the speed-up it is on GPUs: a CPU job takes the
+            // fewest workers that fit.
+            objective: self
+                .resources
+                .gpu
+                .as_ref()
+                .map_or(headroom_planner::Objective::FewestGpus, |g| g.objective),
             target,
             headroom_fraction: self.resources.headroom_fraction,
             allowed_rungs,
@@ -1337,6 +1401,32 @@ mod tests {
         let mut allowed = job.spec.clone();
         allowed.memory_policy.allowed_rungs = RetryRung::ALL.to_vec();
         allowed.job_request().expect("every rung is accepted once");
+    }
+
+    /// The replica rules of the corpus hold offline too, naming the field;
+    /// and a pinned count over the worker cap is refused before planning.
+    #[test]
+    fn replica_pins_are_checked_offline() {
+        for (file, field) in [
+            ("50-replicas-not-dividing.yaml", "training.dataParallelReplicas"),
+            (
+                "51-micro-batch-not-dividing-a-replicas-share.yaml",
+                "training.microBatch",
+            ),
+        ] {
+            let err = invalid_manifest(file).spec.job_request().expect_err(file);
+            assert_eq!(err.field, field, "{file}: {err}");
+        }
+        let mut job = invalid_manifest("50-replicas-not-dividing.yaml").spec;
+        job.training.data_parallel_replicas = Some(8);
+        let err = job.job_request().expect_err("8 replicas over 4 workers");
+        assert_eq!(err.field, "training.dataParallelReplicas");
+        assert!(err.problem.contains("resources.cpu.maxWorkers (4)"), "{err}");
+        job.training.data_parallel_replicas = Some(4);
+        let request = job.job_request().expect("4 replicas of 8 samples");
+        assert_eq!(request.pinned_replicas, Some(4));
+        // CPU jobs take the fewest workers; GPU jobs default to the fastest plan.
+        assert_eq!(request.objective, headroom_planner::Objective::FewestGpus);
     }
 
     /// The tiny-llama fixture's shape, read from its config.json.

@@ -73,6 +73,23 @@ pub struct BackendProfile {
     /// on a GPU it is the pod's host memory instead
     /// ([`MemoryBreakdown::host_bytes`](crate::MemoryBreakdown::host_bytes)).
     pub device_is_host: bool,
+    /// Whether the worker runs data-parallel replicas on this backend
+    /// (gradients averaged by an all-reduce, optimizer state sharded ZeRO-1
+    /// style). A plan never has more than one replica where it does not.
+    pub data_parallel: bool,
+    /// Sustained fp32 arithmetic of one device, FLOP/s: with the model's
+    /// FLOPs per step it turns the step-time model's relative compute into
+    /// seconds, so that it can be weighed against the all-reduce.
+    pub fp32_flops_per_second: f64,
+    /// Bus bandwidth of the all-reduce between two devices of this backend,
+    /// bytes/s (what a ring moves per link; see [`crate::timing`]).
+    pub collective_bytes_per_second: f64,
+    /// Fixed cost of one collective message (latency), seconds.
+    pub collective_latency_seconds: f64,
+    /// f32 bytes the worker reduces or gathers at once: what bounds the
+    /// collective's buffers (memory) and sets the number of messages
+    /// (latency, [`crate::timing`]).
+    pub collective_bucket_bytes: u64,
 }
 
 /// How the memory model counts the activations one block keeps for backward.
@@ -162,6 +179,19 @@ pub const FLEX: BackendProfile = BackendProfile {
     int4_value_bytes: 1.0,
     optimizer_offload: false,
     device_is_host: true,
+    // Not yet: the worker has no data-parallel training loop.
+    data_parallel: false,
+    // burn-flex's fp32 matmuls on the 2-core machine the calibration ran on
+    // (docs/benchmarks.md, tokens/s of the calibration models): an order of
+    // magnitude, not a calibration; only its ratio to the link matters.
+    fp32_flops_per_second: 2.0e10,
+    // TCP between worker pods on one node (veth, loopback): about 1 GB/s
+    // through the ring (e2e/…, allreduce_bench).
+    collective_bytes_per_second: 1.0e9,
+    collective_latency_seconds: 1.0e-4,
+    // Small: on CPU the buffers come out of the same memory limit as the
+    // model, and a small model must still gain from sharding its state.
+    collective_bucket_bytes: 4 * MIB,
 };
 
 /// burn CUDA: context and kernels cost most of a GiB; drivers keep ~1 % back
@@ -201,4 +231,17 @@ pub const CUDA: BackendProfile = BackendProfile {
     // on the host (worker/src/optim/offload.rs). Unverified on a GPU.
     optimizer_offload: true,
     device_is_host: false,
+    data_parallel: false,
+    // An A100/H100-class GPU at a typical 40-50 % of its TF32/bf16 peak in
+    // training (bf16 counts twice this, `timing::relative_compute`).
+    // Uncalibrated: no GPU has measured it.
+    fp32_flops_per_second: 1.0e14,
+    // NCCL's ring bus bandwidth over PCIe 4.0 x16 between GPUs of one node
+    // (about 20 GB/s in nccl-tests); NVLink gives several times more, so
+    // this is the conservative end.
+    collective_bytes_per_second: 2.0e10,
+    collective_latency_seconds: 5.0e-6,
+    // PyTorch DDP's default bucket (25 MB): few enough messages that the
+    // ring's latency stays small beside its bandwidth.
+    collective_bucket_bytes: 32 * MIB,
 };

@@ -99,9 +99,10 @@ pub fn next_stricter_plan(
     );
     let limits = RungLimits {
         profile,
-        global_batch: u32::try_from(failed.global_batch).unwrap_or(req.global_batch),
+        global_batch: u32::try_from(failed.settings.global_batch()).unwrap_or(req.global_batch),
         lora: req.adapters.is_some(),
         max_workers: req.max_workers(),
+        max_devices: req.max_devices(),
         devices: inventory
             .devices
             .iter()
@@ -111,7 +112,7 @@ pub fn next_stricter_plan(
     };
     let shortfall = |c: &Candidate| {
         let peak = search
-            .build_unchecked(&c.device, c.workers, c.settings)
+            .build_unchecked(&c.device, c.shape(), c.settings)
             .map_or_else(
                 || "no split".to_string(),
                 |pl| format_bytes(pl.predicted_peak_bytes),
@@ -123,7 +124,8 @@ pub fn next_stricter_plan(
     // Rungs are cumulative: each starts where the previous one stopped.
     let mut state = Candidate {
         device,
-        workers: failed.workers,
+        stages: failed.stage_count(),
+        replicas: failed.replicas.max(1),
         settings: failed.settings,
     };
     let mut applied: Vec<RetryRung> = Vec::new();
@@ -140,7 +142,7 @@ pub fn next_stricter_plan(
             applied.push(rung);
         }
         for c in &tried {
-            if let Some(mut plan) = search.build(&c.device, c.workers, c.settings) {
+            if let Some(mut plan) = search.build(&c.device, c.shape(), c.settings) {
                 plan.rungs_applied = applied;
                 plan.warnings.push(format!(
                     "retry after {:?}: estimates corrected ×{:.2} from what the failure proved",

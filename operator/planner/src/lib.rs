@@ -11,9 +11,11 @@
 //! * [`adapters`] — LoRA adapters and the frozen base's storage format (QLoRA)
 //! * [`model`] — what is being trained (transformer shape, Llama family, or a generic parameter count)
 //! * [`training`] — precision, optimizer and batch settings
+//! * [`sharding`] — which data-parallel replica keeps each tensor's optimizer state (ZeRO-1)
 //! * [`backend`] — the worker backends (flex, cuda): overheads and what each supports
 //! * [`memory`] — the per-worker memory model with its breakdown
 //! * [`inventory`] — devices the cluster offers (GPU Feature Discovery labels) or a CPU budget
+//! * [`timing`] — the estimated time of an optimizer step (compute, all-reduce)
 //! * [`rung`] — the retry rungs and how each tightens settings or placement
 //! * [`plan`](mod@plan) — the request, the options, and the plan (or why none fits)
 //! * [`search`] — the cheapest-then-fastest plan that fits, or an explanation with numbers
@@ -31,6 +33,8 @@ pub mod plan;
 pub mod retry;
 pub mod rung;
 pub mod search;
+pub mod sharding;
+pub mod timing;
 pub mod training;
 pub mod units;
 
@@ -41,8 +45,9 @@ pub use ladder::{MemoryFailure, MemoryFailureKind, next_stricter_plan};
 pub use llama::{ConfigError, LlamaArchitecture, LlamaShape, RopeScaling};
 pub use memory::MemoryBreakdown;
 pub use model::{GenericModel, ModelShape, TransformerShape};
-pub use plan::{JobRequest, NoFeasiblePlan, Plan, SearchOptions, Stage, Target};
+pub use plan::{JobRequest, NoFeasiblePlan, Objective, Plan, SearchOptions, Stage, Target};
 pub use retry::{FailureCause, replan};
 pub use rung::{RetryRung, Tightening};
 pub use search::{plan, plan_with};
+pub use timing::StepTime;
 pub use training::{Optimizer, Precision, Settings};

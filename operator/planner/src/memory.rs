@@ -162,6 +162,11 @@ pub struct MemoryBreakdown {
     /// fine-tuning; see the module docs).
     #[serde(default)]
     pub composed_weights: u64,
+    /// Data-parallel replicas: the buffers of the gradient reduce-scatter and
+    /// the weight all-gather, two buckets
+    /// ([`BackendProfile::collective_bucket_bytes`]) at most, bytes.
+    #[serde(default)]
+    pub collective_buffers: u64,
     /// The backend's fixed overhead (runtime, context, workspace), bytes.
     pub fixed_overhead: u64,
     /// Allocator fragmentation and caching on top of the above, bytes.
@@ -195,6 +200,7 @@ impl MemoryBreakdown {
             + self.activations
             + self.logits
             + self.composed_weights
+            + self.collective_buffers
             + self.fixed_overhead
             + self.allocator_slack
             + self.correction
@@ -212,6 +218,9 @@ pub struct StagePlacement {
     pub last: bool,
     /// Micro-batches whose activations are alive at once (1F1B: p − k on stage k).
     pub in_flight: u32,
+    /// Data-parallel replicas of this stage: each keeps the optimizer state
+    /// of its share of the trained tensors ([`crate::sharding`]; 1: all).
+    pub replicas: u32,
 }
 
 impl StagePlacement {
@@ -222,6 +231,7 @@ impl StagePlacement {
             first: true,
             last: true,
             in_flight: 1,
+            replicas: 1,
         }
     }
 }
@@ -653,11 +663,14 @@ pub fn estimate_stage(
         1
     };
     let gradients = trained_params * p.gradient_bytes() * grad_copies;
-    let optimizer_total = trained_params * p.master_weight_bytes()
-        + trained
-            .iter()
-            .map(|t| t.count * settings.optimizer.tensor_state_bytes(t.elements))
-            .sum::<u64>();
+    // Under ZeRO-1 the largest replica's share of the state (and of the
+    // master weights, which live with the state).
+    let optimizer_total = sharded_state_bytes(&trained, settings, stage.replicas);
+    let collective_buffers = if stage.replicas > 1 {
+        (2 * profile.collective_bucket_bytes).min(2 * 4 * trained_params)
+    } else {
+        0
+    };
     let offloaded = settings.offload_optimizer && !profile.device_is_host;
     let optimizer_state = if offloaded { 0 } else { optimizer_total };
 
@@ -667,7 +680,7 @@ pub fn estimate_stage(
     };
 
     let states = weights + gradients + optimizer_state;
-    let transient = activations + logits + composed_weights;
+    let transient = activations + logits + composed_weights + collective_buffers;
     let activation_slack = if lora.is_some() && !settings.activation_checkpointing {
         profile.adapter_activation_slack
     } else {
@@ -724,6 +737,7 @@ pub fn estimate_stage(
         activations,
         logits,
         composed_weights,
+        collective_buffers,
         fixed_overhead,
         allocator_slack,
         correction,
@@ -731,6 +745,44 @@ pub fn estimate_stage(
         host_bytes,
         total: training.max(load_peak),
     }
+}
+
+/// Optimizer state and master weights of the replica holding the most of
+/// them when `replicas` share the `trained` tensors ZeRO-1 style (all of
+/// them for one replica), bytes.
+fn sharded_state_bytes(trained: &[StageTensor], settings: &Settings, replicas: u32) -> u64 {
+    let master = settings.precision.master_weight_bytes();
+    let state = |elements: u64| settings.optimizer.tensor_state_bytes(elements) + elements * master;
+    if replicas <= 1 {
+        return trained.iter().map(|t| t.count * state(t.elements)).sum();
+    }
+    let sizes: Vec<u64> = trained
+        .iter()
+        .flat_map(|t| std::iter::repeat_n(t.elements, t.count as usize))
+        .collect();
+    let mut per_rank = vec![0u64; replicas as usize];
+    for (elements, owner) in sizes
+        .iter()
+        .zip(crate::sharding::shard_owners(&sizes, replicas))
+    {
+        per_rank[owner as usize] += state(*elements);
+    }
+    per_rank.into_iter().max().unwrap_or(0)
+}
+
+/// Elements of the tensors a stage trains (every parameter, or the adapters).
+pub fn trained_elements(
+    model: &ModelShape,
+    adapters: Option<&LoraConfig>,
+    stage: StagePlacement,
+) -> u64 {
+    match (model, adapters) {
+        (ModelShape::Llama(l), Some(a)) => adapter_tensors(l, a, stage),
+        _ => stage_tensors(model, stage),
+    }
+    .iter()
+    .map(StageTensor::total_elements)
+    .sum()
 }
 
 fn slack(bytes: u64, fraction: f64) -> u64 {
@@ -1244,6 +1296,7 @@ mod lora_and_load_tests {
                 first: k == 0,
                 last: k + 1 == p as usize,
                 in_flight: p - k as u32,
+                replicas: 1,
             })
             .collect()
     }
@@ -1264,6 +1317,7 @@ mod lora_and_load_tests {
             first: false,
             last: false,
             in_flight: 1,
+            replicas: 1,
         };
         assert_eq!(sum(mid), 3 * l.params_per_layer());
         let gpt = ModelShape::Transformer(crate::model::TransformerShape {
@@ -1460,6 +1514,7 @@ mod lora_and_load_tests {
             first: false,
             last: false,
             in_flight: 3,
+            replicas: 1,
         };
         let composed = |ckpt: bool, format: BaseFormat| {
             let s = Settings {

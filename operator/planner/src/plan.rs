@@ -14,6 +14,7 @@ use crate::inventory::{DeviceKind, DeviceType, Inventory};
 use crate::memory::MemoryBreakdown;
 use crate::model::ModelShape;
 use crate::rung::RetryRung;
+use crate::timing::StepTime;
 use crate::training::{Optimizer, Precision, Settings};
 
 /// Where a job may run.
@@ -36,6 +37,21 @@ pub enum Target {
     },
 }
 
+/// What the search ranks plans by.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum Objective {
+    /// The lowest estimated time per optimizer step ([`crate::timing`])
+    /// within the device cap and what is free: idle devices become
+    /// data-parallel replicas (or deeper stages) when the step gets faster
+    /// for it. On a backend whose worker runs no replicas, the same as
+    /// `FewestGpus`.
+    #[default]
+    Fastest,
+    /// The fewest devices that fit, then the fastest plan on that many.
+    FewestGpus,
+}
+
 /// Everything the planner needs to know about a job.
 #[derive(Clone, Debug, PartialEq)]
 pub struct JobRequest {
@@ -56,6 +72,10 @@ pub struct JobRequest {
     pub pinned_checkpointing: Option<bool>,
     /// User-pinned number of pipeline stages (honoured on the first attempt).
     pub pinned_stages: Option<u32>,
+    /// User-pinned number of data-parallel replicas (honoured on the first attempt).
+    pub pinned_replicas: Option<u32>,
+    /// What the search ranks fitting plans by.
+    pub objective: Objective,
     pub target: Target,
     /// Fraction of usable device memory kept free, in [0, 1).
     pub headroom_fraction: f64,
@@ -85,13 +105,20 @@ impl JobRequest {
         }
     }
 
-    /// Most workers (stages) the job may use.
-    pub fn max_workers(&self) -> u32 {
-        let cap = match &self.target {
+    /// Most workers (devices: stages × replicas) the job may use.
+    pub fn max_devices(&self) -> u32 {
+        match &self.target {
             Target::Gpu { max_gpus, .. } => *max_gpus,
             Target::Cpu { max_workers, .. } => *max_workers,
-        };
-        cap.min(self.model.splittable_layers()).max(1)
+        }
+        .max(1)
+    }
+
+    /// Most pipeline stages: the device cap, and one layer a stage at least.
+    pub fn max_workers(&self) -> u32 {
+        self.max_devices()
+            .min(self.model.splittable_layers())
+            .max(1)
     }
 
     pub(crate) fn allows(&self, rung: RetryRung) -> bool {
@@ -152,16 +179,24 @@ pub struct Plan {
     /// Usable bytes minus headroom: what each worker must stay under.
     pub budget_bytes: u64,
     pub backend: Backend,
-    /// Workers (one per pipeline stage, one device each).
+    /// Workers, one device each: stages × replicas.
     pub workers: u32,
-    /// The pipeline stages, one worker each, with their layers and predicted memory.
+    /// Data-parallel replicas of every stage (d): each trains on its share
+    /// of the global batch, gradients are averaged across them every step,
+    /// and each keeps the optimizer state of its share of the trained
+    /// tensors (ZeRO-1).
+    #[serde(default = "one")]
+    pub replicas: u32,
+    /// The pipeline stages, `replicas` workers each, with their layers and
+    /// predicted memory (of the replica with the largest optimizer-state share).
     #[schemars(length(min = 1))]
     pub stages: Vec<Stage>,
+    /// Per replica: micro-batch × accumulation is the global batch over `replicas`.
     pub settings: Settings,
     /// The LoRA adapters trained on a frozen base; absent for full fine-tuning.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub adapters: Option<LoraConfig>,
-    /// Samples per optimizer step (micro-batch × accumulation).
+    /// Samples per optimizer step (micro-batch × accumulation × replicas).
     pub global_batch: u64,
     /// Largest stage total, bytes.
     pub predicted_peak_bytes: u64,
@@ -170,6 +205,9 @@ pub struct Plan {
     /// Estimated time per optimizer step relative to one device running the
     /// whole batch at once without checkpointing (unitless; lower is faster).
     pub relative_step_time: f64,
+    /// The estimated time of one optimizer step ([`crate::timing`]).
+    #[serde(default)]
+    pub step_time: StepTime,
     /// Rungs of the retry ladder that produced this plan from the previous one.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub rungs_applied: Vec<RetryRung>,
@@ -180,9 +218,18 @@ pub struct Plan {
     pub fit: String,
 }
 
+fn one() -> u32 {
+    1
+}
+
 impl Plan {
     pub fn fits(&self) -> bool {
         self.predicted_peak_bytes <= self.budget_bytes
+    }
+
+    /// Pipeline stages (p).
+    pub fn stage_count(&self) -> u32 {
+        self.stages.len() as u32
     }
 }
 

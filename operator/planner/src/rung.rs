@@ -249,8 +249,10 @@ impl RetryRung {
             RetryRung::MorePipelineStages => {
                 // The failed attempt's own count was free to it, whatever the
                 // inventory says now.
-                let p = from.workers;
-                let max_p = limits.max_workers.min(from.device.free.max(p));
+                let p = from.stages;
+                let d = from.replicas;
+                let free_p = from.device.free.max(from.devices()) / d;
+                let max_p = limits.max_workers.min(limits.max_devices / d).min(free_p);
                 if p >= max_p {
                     return Tightening::Skip(format!(
                         "already at {p} stage(s), the most allowed/available"
@@ -258,34 +260,41 @@ impl RetryRung {
                 }
                 Tightening::Try(
                     (p + 1..=max_p)
-                        .map(|workers| Candidate {
-                            workers,
+                        .map(|stages| Candidate {
+                            stages,
                             ..from.clone()
                         })
                         .collect(),
                 )
             }
             RetryRung::LargerGpu => {
+                let d = from.replicas;
                 let mut larger: Vec<&DeviceType> = limits
                     .devices
                     .iter()
-                    .filter(|d| d.memory_bytes > from.device.memory_bytes && d.free > 0)
+                    .filter(|dev| dev.memory_bytes > from.device.memory_bytes && dev.free >= d)
                     .collect();
-                larger.sort_by_key(|d| d.memory_bytes);
+                larger.sort_by_key(|dev| dev.memory_bytes);
                 if larger.is_empty() {
                     return Tightening::Skip(format!(
                         "no free allowed GPU type larger than {}",
                         format_bytes(from.device.memory_bytes)
                     ));
                 }
-                // Smallest larger type first, fewest stages first on each.
+                // Smallest larger type first, fewest stages first on each;
+                // the replicas stay (the batch split is the failed one's).
                 Tightening::Try(
                     larger
                         .into_iter()
                         .flat_map(|dev| {
-                            (1..=limits.max_workers.min(dev.free)).map(move |workers| Candidate {
+                            let max_p = limits
+                                .max_workers
+                                .min(limits.max_devices / d)
+                                .min(dev.free / d);
+                            (1..=max_p).map(move |stages| Candidate {
                                 device: dev.clone(),
-                                workers,
+                                stages,
+                                replicas: d,
                                 settings: *s,
                             })
                         })
@@ -318,7 +327,7 @@ impl RetryRung {
             RetryRung::QuantizeBase => format!("{} base → {}", s.base_format, shortfall()),
             RetryRung::OffloadOptimizer => format!("optimizer offloaded → {}", shortfall()),
             RetryRung::MorePipelineStages => {
-                format!("up to {} stages → {}", reached.workers, shortfall())
+                format!("up to {} stages → {}", reached.stages, shortfall())
             }
             RetryRung::LargerGpu => {
                 let mut names: Vec<String> = Vec::new();
@@ -390,9 +399,23 @@ impl std::fmt::Display for RetryRung {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Candidate {
     pub device: DeviceType,
-    /// Workers, one pipeline stage (and one device) each.
-    pub workers: u32,
+    /// Pipeline stages (p).
+    pub stages: u32,
+    /// Data-parallel replicas of each stage (d); p × d devices in all.
+    pub replicas: u32,
     pub settings: Settings,
+}
+
+impl Candidate {
+    /// Devices it needs: stages × replicas.
+    pub fn devices(&self) -> u32 {
+        self.stages * self.replicas
+    }
+
+    /// (stages, replicas).
+    pub fn shape(&self) -> (u32, u32) {
+        (self.stages, self.replicas)
+    }
 }
 
 /// What the rungs may move to beyond a candidate: the job's limits and the
@@ -401,12 +424,15 @@ pub struct Candidate {
 pub struct RungLimits {
     /// The job's backend: the precisions and optimizers a worker runs.
     pub profile: &'static BackendProfile,
-    /// Samples per optimizer step; every candidate keeps it.
+    /// Samples per optimizer step of one replica (micro-batch ×
+    /// accumulation); every candidate keeps it.
     pub global_batch: u32,
     /// The job trains LoRA adapters (only then is `QuantizeBase` offered).
     pub lora: bool,
-    /// Most workers (stages) the job may use.
+    /// Most pipeline stages the job may use.
     pub max_workers: u32,
+    /// Most devices (stages × replicas) the job may use.
+    pub max_devices: u32,
     /// Device types the job may use (`LargerGpu` picks the larger ones with a free device).
     pub devices: Vec<DeviceType>,
 }
@@ -462,6 +488,7 @@ mod tests {
             global_batch: 12,
             lora: false,
             max_workers: 3,
+            max_devices: 3,
             devices,
         }
     }
@@ -528,7 +555,8 @@ mod tests {
         let t4 = gpu("Tesla-T4", 15, 4);
         let from = Candidate {
             device: t4.clone(),
-            workers: 1,
+            stages: 1,
+            replicas: 1,
             settings: settings(12, 1),
         };
         let lim = limits(vec![
@@ -541,7 +569,7 @@ mod tests {
             panic!("stages 2..=3 are allowed");
         };
         assert_eq!(
-            more.iter().map(|c| c.workers).collect::<Vec<_>>(),
+            more.iter().map(|c| c.stages).collect::<Vec<_>>(),
             vec![2, 3]
         );
 
@@ -550,7 +578,7 @@ mod tests {
         };
         let tried: Vec<(&str, u32)> = larger
             .iter()
-            .map(|c| (c.device.name.as_str(), c.workers))
+            .map(|c| (c.device.name.as_str(), c.stages))
             .collect();
         // Smallest larger type first, fewest stages first; no free A10G.
         assert_eq!(
@@ -568,7 +596,8 @@ mod tests {
         );
 
         let at_most = Candidate {
-            workers: 3,
+            stages: 3,
+            replicas: 1,
             ..from.clone()
         };
         assert!(matches!(
@@ -589,7 +618,8 @@ mod tests {
     fn a_rung_with_nothing_stricter_says_why() {
         let from = Candidate {
             device: gpu("Tesla-T4", 15, 1),
-            workers: 1,
+            stages: 1,
+            replicas: 1,
             settings: Settings {
                 activation_checkpointing: true,
                 ..settings(1, 12)
@@ -656,7 +686,8 @@ mod tests {
         assert_eq!(step(&dense, &DENSE_ONLY, true), None);
         let from = Candidate {
             device: gpu("NVIDIA-L4", 22, 1),
-            workers: 1,
+            stages: 1,
+            replicas: 1,
             settings: dense,
         };
         let lim = RungLimits {

@@ -1,18 +1,26 @@
-//! Plan search: the plan that fits every worker's budget, cheapest in devices,
-//! then fastest; or an explanation, with numbers, of why nothing fits.
+//! Plan search: the plan that fits every worker's budget, fastest or
+//! cheapest in devices as the job asks; or an explanation, with numbers, of
+//! why nothing fits.
 //!
-//! Order of preference, from the issue and the field's practice: fewest
-//! devices first (they are the scarce thing); among equals, the lowest
-//! estimated step time; the user's precision and optimizer are kept unless
-//! nothing fits and the policy allows changing them. Pipeline stages run a
-//! 1F1B schedule, so stage k holds min(p − k, accumulation) micro-batches.
+//! A plan is p pipeline stages × d data-parallel replicas on p · d devices
+//! of one type, with micro-batch × accumulation × d = the global batch.
+//! Order of preference ([`Objective`]): `fastest` takes the lowest estimated
+//! step time ([`crate::timing`]) within the device cap and the free devices,
+//! preferring fewer devices when more would gain under 2 %; `fewestGpus`
+//! takes the fewest devices that fit, then the fastest plan on that many.
+//! The user's precision and optimizer are kept unless nothing fits and the
+//! policy allows changing them. Pipeline stages run a 1F1B schedule, so
+//! stage k holds min(p − k, accumulation) micro-batches; each replica of a
+//! stage keeps the optimizer state of its share of the trained tensors
+//! (ZeRO-1, [`crate::sharding`]).
 
 use crate::backend::BackendProfile;
 use crate::inventory::{DeviceKind, DeviceType, Inventory};
-use crate::memory::{StagePlacement, estimate_stage};
-use crate::plan::{JobRequest, NoFeasiblePlan, Plan, SearchOptions, Stage, Target};
+use crate::memory::{StagePlacement, estimate_stage, trained_elements};
+use crate::plan::{JobRequest, NoFeasiblePlan, Objective, Plan, SearchOptions, Stage, Target};
 use crate::rung::RetryRung;
-use crate::training::{Precision, Settings, divisors_desc};
+use crate::timing::{self, StepTime};
+use crate::training::{Settings, divisors_desc};
 use crate::units::format_bytes;
 
 /// Usable bytes minus headroom for one device of this type.
@@ -122,28 +130,32 @@ fn search_with(
         .filter(|d| req.accepts(d) && !opts.excluded_devices.contains(&d.name))
         .collect();
     let search = Search::new(req, opts, inventory.one_node);
+    if let Some(d) = search.pinned_replicas()
+        && d > 1
+        && !search.profile.data_parallel
+    {
+        return Err(NoFeasiblePlan {
+            waits_for: None,
+            summary: format!(
+                "training.dataParallelReplicas {d}: the {} worker does not run data-parallel replicas yet; remove the field (or set 1)",
+                search.profile.backend
+            ),
+            details: vec![],
+        });
+    }
 
-    let micro_batches = match (opts.ignore_pins, req.pinned_micro_batch) {
-        (false, Some(b)) => vec![b],
-        _ => divisors_desc(req.global_batch),
-    };
-    let checkpointing = match (opts.ignore_pins, req.pinned_checkpointing) {
-        (false, Some(c)) => vec![c],
-        _ => vec![false, true],
-    };
-
-    let options = numerics_options(req, profile);
+    let options = numerics_options(req, search.profile);
     let pinned = !opts.ignore_pins
         && (req.pinned_micro_batch.is_some()
             || req.pinned_checkpointing.is_some()
-            || req.pinned_stages.is_some());
+            || req.pinned_stages.is_some()
+            || req.pinned_replicas.is_some());
     // A first attempt with pins runs the user's numerics too (precision,
     // optimizer, base format): pins say "run this", and the retry ladder,
     // not the search, relaxes what was asked once memory proves it must.
     let tried = if pinned { &options[..1] } else { &options[..] };
     for (numerics, rungs) in tried {
-        let found =
-            search.cheapest_then_fastest(&devices, numerics, &micro_batches, &checkpointing);
+        let found = search.best(&devices, numerics);
         if let Some(mut plan) = found {
             plan.rungs_applied = rungs.clone();
             if !plan.rungs_applied.is_empty() {
@@ -158,22 +170,27 @@ fn search_with(
     }
 
     let pinned_p = search.stage_counts().next().unwrap_or(1);
+    let pinned_d = search.pinned_replicas().unwrap_or(1);
+    let per_replica = req.global_batch / pinned_d;
     if pinned
+        && req.global_batch.is_multiple_of(pinned_d)
+        && let Some(&micro_batch) = search.micro_batches(pinned_d).first()
         && let Some(largest) = devices
             .iter()
-            .filter(|d| d.free >= pinned_p)
+            .filter(|d| d.free >= pinned_p * pinned_d)
             .max_by_key(|d| d.memory_bytes)
     {
         // Pins are the user's call on a first attempt: run them, and say so.
         let settings = Settings {
-            micro_batch: micro_batches[0],
-            gradient_accumulation: req.global_batch / micro_batches[0],
-            activation_checkpointing: checkpointing[0],
+            micro_batch,
+            gradient_accumulation: per_replica / micro_batch,
+            activation_checkpointing: search.checkpointing()[0],
             ..options[0].0
         };
+        let shape = (pinned_p, pinned_d);
         let mut plan = search
-            .build(largest, pinned_p, settings)
-            .or_else(|| search.build_unchecked(largest, pinned_p, settings));
+            .build(largest, shape, settings)
+            .or_else(|| search.build_unchecked(largest, shape, settings));
         if let Some(plan) = plan.as_mut() {
             plan.warnings.push(format!(
                 "pinned settings are predicted over budget ({}); running them as asked — a retry will relax them",
@@ -183,13 +200,7 @@ fn search_with(
         }
     }
 
-    let mut infeasible = search.explain(
-        &options,
-        &devices,
-        &micro_batches,
-        &checkpointing,
-        !inventory.left_out.is_empty(),
-    );
+    let mut infeasible = search.explain(&options, &devices, !inventory.left_out.is_empty());
     if !inventory.left_out.is_empty() {
         const SHOWN: usize = 5;
         let mut nodes = inventory.left_out[..inventory.left_out.len().min(SHOWN)].join("; ");
@@ -319,12 +330,16 @@ pub(crate) struct Search<'a> {
     req: &'a JobRequest,
     profile: &'static BackendProfile,
     correction: f64,
-    /// The user's pinned stage count applies (a first attempt).
-    pin_stages: bool,
+    /// The user's pins (stages, replicas, micro-batch, checkpointing) apply (a first attempt).
+    pins: bool,
     /// Every worker of the job shares one node ([`Inventory::on_one_node`]):
     /// their host memory requests add up on it.
     one_node: bool,
 }
+
+/// More devices must make a step at least this much faster under
+/// [`Objective::Fastest`]: estimates this close are not worth the devices.
+const FASTER_ENOUGH: f64 = 0.02;
 
 impl<'a> Search<'a> {
     pub(crate) fn new(req: &'a JobRequest, opts: &SearchOptions, one_node: bool) -> Self {
@@ -337,7 +352,7 @@ impl<'a> Search<'a> {
             req,
             profile: opts.profile.unwrap_or(req.backend().profile()),
             correction,
-            pin_stages: !opts.ignore_pins,
+            pins: !opts.ignore_pins,
             one_node,
         }
     }
@@ -346,7 +361,7 @@ impl<'a> Search<'a> {
     /// attempt (within what the model and the target allow), else 1..=max.
     pub(crate) fn stage_counts(&self) -> std::ops::RangeInclusive<u32> {
         let max = self.req.max_workers();
-        match self.req.pinned_stages.filter(|_| self.pin_stages) {
+        match self.req.pinned_stages.filter(|_| self.pins) {
             Some(n) => {
                 let n = n.clamp(1, max);
                 n..=n
@@ -355,63 +370,199 @@ impl<'a> Search<'a> {
         }
     }
 
+    /// The user's replica count, when pins apply.
+    fn pinned_replicas(&self) -> Option<u32> {
+        self.req.pinned_replicas.filter(|_| self.pins)
+    }
+
+    /// Replica counts for `p` stages, fewest first: divisors of the global
+    /// batch (each replica takes an equal share) within the device cap; the
+    /// pinned one on a first attempt; 1 where the backend has no
+    /// data-parallel worker.
+    fn replica_counts(&self, p: u32) -> Vec<u32> {
+        let g = self.req.global_batch;
+        let cap = self.req.max_devices() / p.max(1);
+        match self.pinned_replicas() {
+            Some(d) => vec![d],
+            None if !self.profile.data_parallel => vec![1],
+            None => divisors_desc(g)
+                .into_iter()
+                .rev()
+                .filter(|&d| d <= cap)
+                .collect(),
+        }
+    }
+
+    /// Every (stages, replicas) shape to consider.
+    fn shapes(&self) -> Vec<(u32, u32)> {
+        self.stage_counts()
+            .flat_map(|p| self.replica_counts(p).into_iter().map(move |d| (p, d)))
+            .collect()
+    }
+
+    /// Micro-batches to try with `d` replicas, largest first: the divisors
+    /// of a replica's share of the global batch, or the pinned one when it
+    /// divides that share (none otherwise).
+    fn micro_batches(&self, d: u32) -> Vec<u32> {
+        let g = self.req.global_batch;
+        if d == 0 || !g.is_multiple_of(d) {
+            return vec![];
+        }
+        let share = g / d;
+        match self.req.pinned_micro_batch.filter(|_| self.pins) {
+            Some(b) if share.is_multiple_of(b) => vec![b],
+            Some(_) => vec![],
+            None => divisors_desc(share),
+        }
+    }
+
+    /// Activation checkpointing off, then on; or the pinned value.
+    fn checkpointing(&self) -> Vec<bool> {
+        match self.req.pinned_checkpointing.filter(|_| self.pins) {
+            Some(c) => vec![c],
+            None => vec![false, true],
+        }
+    }
+
+    /// One device's time for the whole global batch in fp32 (the unit of
+    /// [`Plan::relative_step_time`]), seconds.
+    fn one_device_seconds(&self) -> f64 {
+        timing::step_flops(
+            &self.req.model,
+            self.req.adapters.as_ref(),
+            u64::from(self.req.global_batch),
+        ) / self.profile.fp32_flops_per_second
+    }
+
+    /// The best fitting plan with these numerics by the job's objective.
+    fn best(&self, devices: &[&DeviceType], numerics: &Settings) -> Option<Plan> {
+        match self.req.objective {
+            Objective::Fastest if self.profile.data_parallel => self.fastest(devices, numerics),
+            // Without replicas, more devices could only deepen the pipeline:
+            // its stage-to-stage transfers (through host memory and TCP in
+            // the worker) are not in the time model, so it is not trusted
+            // to say a deeper pipeline than memory needs is faster.
+            Objective::Fastest | Objective::FewestGpus => {
+                self.fewest_then_fastest(devices, numerics)
+            }
+        }
+    }
+
     /// Fewest devices first, then the fastest plan at that count.
-    fn cheapest_then_fastest(
-        &self,
-        devices: &[&DeviceType],
-        numerics: &Settings,
-        micro_batches: &[u32],
-        checkpointing: &[bool],
-    ) -> Option<Plan> {
-        for p in self.stage_counts() {
-            let mut best: Option<Plan> = None;
-            for device in devices.iter().filter(|d| d.free >= p) {
-                if let Some(plan) = self.best_on(device, p, numerics, micro_batches, checkpointing)
+    fn fewest_then_fastest(&self, devices: &[&DeviceType], numerics: &Settings) -> Option<Plan> {
+        let mut shapes = self.shapes();
+        shapes.sort_by_key(|&(p, d)| (p * d, p));
+        let mut best: Option<Plan> = None;
+        for (p, d) in shapes {
+            if best.as_ref().is_some_and(|b| b.workers < p * d) {
+                break;
+            }
+            for device in devices.iter().filter(|dev| dev.free >= p * d) {
+                if let Some(plan) = self.best_on(device, (p, d), numerics)
                     && best
                         .as_ref()
-                        .is_none_or(|b| plan.relative_step_time < b.relative_step_time)
+                        .is_none_or(|b| plan.step_time.seconds < b.step_time.seconds)
                 {
                     best = Some(plan);
                 }
             }
-            if best.is_some() {
-                return best;
-            }
         }
-        None
+        best
     }
 
-    /// The fastest fitting plan on `p` devices of one type, if any, with
-    /// the numerics (precision, optimizer, base format, offload) of `numerics`.
+    /// The lowest estimated step time over every shape and device type, the
+    /// fewest devices among plans within [`FASTER_ENOUGH`] of it. Shapes are
+    /// visited by a lower bound of their step time (no bubble, the largest
+    /// micro-batch, no checkpointing, the all-reduce of an even split), and
+    /// the visit stops once the bound passes the fastest plan found.
+    fn fastest(&self, devices: &[&DeviceType], numerics: &Settings) -> Option<Plan> {
+        let one = self.one_device_seconds();
+        let kind = devices.first().map_or(DeviceKind::Cpu, |d| d.kind);
+        let all_trained = trained_elements(
+            &self.req.model,
+            self.req.adapters.as_ref(),
+            StagePlacement::single(self.req.model.splittable_layers()),
+        );
+        let mut shapes: Vec<((u32, u32), f64)> = self
+            .shapes()
+            .into_iter()
+            .map(|(p, d)| {
+                let quickest = Settings {
+                    micro_batch: self.req.global_batch / d,
+                    gradient_accumulation: 1,
+                    activation_checkpointing: false,
+                    ..*numerics
+                };
+                let compute = timing::relative_compute(&quickest, 1, d, kind) / f64::from(p) * one;
+                let ring = timing::all_reduce_seconds(
+                    all_trained / u64::from(p),
+                    numerics.precision.gradient_bytes(),
+                    d,
+                    self.profile,
+                );
+                ((p, d), compute + ring)
+            })
+            .collect();
+        shapes.sort_by(|a, b| {
+            a.1.total_cmp(&b.1)
+                .then((a.0.0 * a.0.1).cmp(&(b.0.0 * b.0.1)))
+        });
+        let mut found: Vec<Plan> = Vec::new();
+        let mut fastest = f64::INFINITY;
+        for ((p, d), bound) in shapes {
+            if bound > fastest * (1.0 + FASTER_ENOUGH) {
+                break;
+            }
+            for device in devices.iter().filter(|dev| dev.free >= p * d) {
+                if let Some(plan) = self.best_on(device, (p, d), numerics) {
+                    fastest = fastest.min(plan.step_time.seconds);
+                    found.push(plan);
+                }
+            }
+        }
+        found
+            .into_iter()
+            .filter(|plan| plan.step_time.seconds <= fastest * (1.0 + FASTER_ENOUGH))
+            .min_by(|a, b| {
+                a.workers
+                    .cmp(&b.workers)
+                    .then(a.step_time.seconds.total_cmp(&b.step_time.seconds))
+            })
+    }
+
+    /// The fastest fitting plan on `shape` (stages, replicas) devices of one
+    /// type, if any, with the numerics (precision, optimizer, base format,
+    /// offload) of `numerics`.
     pub(crate) fn best_on(
         &self,
         device: &DeviceType,
-        p: u32,
+        shape: (u32, u32),
         numerics: &Settings,
-        micro_batches: &[u32],
-        checkpointing: &[bool],
     ) -> Option<Plan> {
-        let g = self.req.global_batch;
+        let (_, d) = shape;
+        let share = self.req.global_batch / d.max(1);
+        let micro_batches = self.micro_batches(d);
+        let checkpointing = self.checkpointing();
         let settings = |b: u32, ckpt: bool| Settings {
             micro_batch: b,
-            gradient_accumulation: g / b,
+            gradient_accumulation: share / b,
             activation_checkpointing: ckpt,
             ..*numerics
         };
-        // Cheap prune: if the leanest option on this device count does not fit, none will.
+        // Cheap prune: if the leanest option on this shape does not fit, none will.
         let leanest_b = *micro_batches.last()?;
         let leanest_ckpt = checkpointing.iter().any(|c| *c);
-        self.build(device, p, settings(leanest_b, leanest_ckpt))?;
+        self.build(device, shape, settings(leanest_b, leanest_ckpt))?;
 
         let mut best: Option<Plan> = None;
-        for &ckpt in checkpointing {
+        for &ckpt in &checkpointing {
             // Largest micro-batch that fits (descending scan; the first fit wins).
             if let Some(plan) = micro_batches
                 .iter()
-                .find_map(|&b| self.build(device, p, settings(b, ckpt)))
+                .find_map(|&b| self.build(device, shape, settings(b, ckpt)))
                 && best
                     .as_ref()
-                    .is_none_or(|b| plan.relative_step_time < b.relative_step_time)
+                    .is_none_or(|b| plan.step_time.seconds < b.step_time.seconds)
             {
                 best = Some(plan);
             }
@@ -419,18 +570,24 @@ impl<'a> Search<'a> {
         best
     }
 
-    /// A fitting plan for these exact settings on `p` devices, if the layers can be split to fit.
-    pub(crate) fn build(&self, device: &DeviceType, p: u32, settings: Settings) -> Option<Plan> {
+    /// A fitting plan for these exact settings on `(stages, replicas)`
+    /// devices, if the layers can be split to fit.
+    pub(crate) fn build(
+        &self,
+        device: &DeviceType,
+        (p, d): (u32, u32),
+        settings: Settings,
+    ) -> Option<Plan> {
         let budget = budget_bytes(device, self.profile, self.req.headroom_fraction);
-        let layers = self.split(p, &settings, budget)?;
-        let plan = self.assemble(device, &layers, settings, budget);
+        let layers = self.split(p, d, &settings, budget)?;
+        let plan = self.assemble(device, &layers, d, settings, budget);
         (plan.fits() && self.host_shortfall(device, &plan).is_none()).then_some(plan)
     }
 
     /// Host memory `plan`'s worker pods request from one node: each stage's
     /// baseline plus its `hostBytes` (what the operator puts in the pod's
-    /// request and limit), the largest stage's — or all stages' when they
-    /// share a node.
+    /// request and limit), the largest stage's — or all workers' (every
+    /// stage's replicas) when they share a node.
     fn host_request(&self, plan: &Plan) -> u64 {
         let baseline = match &self.req.target {
             Target::Gpu {
@@ -441,7 +598,7 @@ impl<'a> Search<'a> {
         };
         let pods = plan.stages.iter().map(|s| baseline + s.memory.host_bytes);
         if self.one_node {
-            pods.sum()
+            pods.sum::<u64>() * u64::from(plan.replicas.max(1))
         } else {
             pods.max().unwrap_or(0)
         }
@@ -466,30 +623,32 @@ impl<'a> Search<'a> {
         })
     }
 
-    /// A plan for these settings on `p` devices even when over budget (pinned first attempts, explanations).
+    /// A plan for these settings on `(stages, replicas)` devices even when
+    /// over budget (pinned first attempts, explanations).
     pub(crate) fn build_unchecked(
         &self,
         device: &DeviceType,
-        p: u32,
+        (p, d): (u32, u32),
         settings: Settings,
     ) -> Option<Plan> {
         let budget = budget_bytes(device, self.profile, self.req.headroom_fraction);
         let layers = balanced_split(self.req.model.splittable_layers(), p)?;
-        Some(self.assemble(device, &layers, settings, budget))
+        Some(self.assemble(device, &layers, d, settings, budget))
     }
 
-    fn placement(&self, layers: &[u32], k: usize, settings: &Settings) -> StagePlacement {
+    fn placement(&self, layers: &[u32], k: usize, d: u32, settings: &Settings) -> StagePlacement {
         let p = layers.len() as u32;
         StagePlacement {
             layers: layers[k],
             first: k == 0,
             last: k + 1 == layers.len(),
             in_flight: (p - k as u32).min(settings.gradient_accumulation).max(1),
+            replicas: d,
         }
     }
 
-    fn stage_total(&self, layers: &[u32], k: usize, settings: &Settings) -> u64 {
-        let placement = self.placement(layers, k, settings);
+    fn stage_total(&self, layers: &[u32], k: usize, d: u32, settings: &Settings) -> u64 {
+        let placement = self.placement(layers, k, d, settings);
         estimate_stage(
             &self.req.model,
             self.req.adapters.as_ref(),
@@ -503,10 +662,10 @@ impl<'a> Search<'a> {
 
     /// Layers per stage: balanced when that fits, otherwise shifted away from
     /// the stages that hold more in-flight activations, embeddings or the head.
-    fn split(&self, p: u32, settings: &Settings, budget: u64) -> Option<Vec<u32>> {
+    fn split(&self, p: u32, d: u32, settings: &Settings, budget: u64) -> Option<Vec<u32>> {
         let total_layers = self.req.model.splittable_layers();
         let balanced = balanced_split(total_layers, p)?;
-        if (0..balanced.len()).all(|k| self.stage_total(&balanced, k, settings) <= budget) {
+        if (0..balanced.len()).all(|k| self.stage_total(&balanced, k, d, settings) <= budget) {
             return Some(balanced);
         }
         if p == 1 {
@@ -517,13 +676,13 @@ impl<'a> Search<'a> {
         for k in 0..p as usize {
             let mut probe = balanced.clone();
             probe[k] = 1;
-            let one = self.stage_total(&probe, k, settings);
+            let one = self.stage_total(&probe, k, d, settings);
             if one > budget {
                 return None;
             }
             probe[k] = 2;
             let per_layer = self
-                .stage_total(&probe, k, settings)
+                .stage_total(&probe, k, d, settings)
                 .saturating_sub(one)
                 .max(1);
             caps.push(1 + ((budget - one) / per_layer) as u32);
@@ -551,13 +710,14 @@ impl<'a> Search<'a> {
         &self,
         device: &DeviceType,
         layers: &[u32],
+        d: u32,
         settings: Settings,
         budget: u64,
     ) -> Plan {
         let mut stages = Vec::with_capacity(layers.len());
         let mut start = 0;
         for k in 0..layers.len() {
-            let placement = self.placement(layers, k, &settings);
+            let placement = self.placement(layers, k, d, &settings);
             let memory = estimate_stage(
                 &self.req.model,
                 self.req.adapters.as_ref(),
@@ -577,6 +737,21 @@ impl<'a> Search<'a> {
         }
         let peak = stages.iter().map(|s| s.memory.total).max().unwrap_or(0);
         let p = layers.len() as u32;
+        let model = &self.req.model;
+        let adapters = self.req.adapters.as_ref();
+        let stage_trained = (0..layers.len())
+            .map(|k| trained_elements(model, adapters, self.placement(layers, k, d, &settings)))
+            .max()
+            .unwrap_or(0);
+        let step_time: StepTime = timing::estimate(
+            model,
+            adapters,
+            &settings,
+            (p, d),
+            device.kind,
+            self.profile,
+            stage_trained,
+        );
         Plan {
             device: device.name.clone(),
             device_kind: device.kind,
@@ -584,13 +759,15 @@ impl<'a> Search<'a> {
             device_memory_bytes: device.memory_bytes,
             budget_bytes: budget,
             backend: self.profile.backend,
-            workers: p,
+            workers: p * d,
+            replicas: d,
             stages,
             settings,
-            global_batch: settings.global_batch(),
+            global_batch: settings.global_batch() * u64::from(d),
             predicted_peak_bytes: peak,
             correction_factor: self.correction,
-            relative_step_time: relative_step_time(&settings, p, device.kind),
+            relative_step_time: step_time.seconds / self.one_device_seconds(),
+            step_time,
             rungs_applied: vec![],
             warnings: vec![],
             fit: format!(
@@ -610,14 +787,12 @@ impl<'a> Search<'a> {
         &self,
         options: &[(Settings, Vec<RetryRung>)],
         devices: &[&DeviceType],
-        micro_batches: &[u32],
-        checkpointing: &[bool],
         placement_limited: bool,
     ) -> NoFeasiblePlan {
         let req = self.req;
         let mut details = Vec::new();
-        let leanest_b = micro_batches.last().copied().unwrap_or(1);
-        let leanest_ckpt = checkpointing.iter().any(|c| *c);
+        let leanest_b = self.micro_batches(1).last().copied().unwrap_or(1);
+        let leanest_ckpt = self.checkpointing().iter().any(|c| *c);
         // The strictest numerics the search tried.
         let Some((numerics, _)) = options.last() else {
             return NoFeasiblePlan {
@@ -641,7 +816,7 @@ impl<'a> Search<'a> {
                 activation_checkpointing: leanest_ckpt,
                 ..*numerics
             };
-            if let Some(plan) = self.build_unchecked(device, usable_p, settings) {
+            if let Some(plan) = self.build_unchecked(device, (usable_p, 1), settings) {
                 if plan.fits()
                     && let Some(why) = self.host_shortfall(device, &plan)
                 {
@@ -715,37 +890,4 @@ pub fn balanced_split(layers: u32, p: u32) -> Option<Vec<u32>> {
     let base = layers / p;
     let extra = layers % p;
     Some((0..p).map(|k| base + u32::from(k >= p - extra)).collect())
-}
-
-/// Unitless step-time estimate: recompute costs about a third more compute;
-/// 16-bit math runs about twice as fast on GPUs; a 1F1B pipeline idles for
-/// (p − 1)/m of a step; tiny micro-batches use a device poorly; a quantized
-/// base is dequantized on every forward (a fifth more, unmeasured); an
-/// offloaded optimizer moves gradients and weights over PCIe and steps on
-/// the CPU once per step (half a step more at accumulation 1, amortised
-/// over the micro-batches; unmeasured). The work is divided over p stages.
-pub fn relative_step_time(settings: &Settings, p: u32, kind: DeviceKind) -> f64 {
-    let recompute = if settings.activation_checkpointing {
-        4.0 / 3.0
-    } else {
-        1.0
-    };
-    let math = match (kind, settings.precision) {
-        (DeviceKind::Gpu, Precision::Bf16 | Precision::Fp16) => 0.5,
-        _ => 1.0,
-    };
-    let m = f64::from(settings.gradient_accumulation.max(1));
-    let bubble = 1.0 + (f64::from(p) - 1.0) / m;
-    let small_batch = 1.0 + 0.5 / f64::from(settings.micro_batch.max(1));
-    let dequantize = if settings.base_format.is_quantized() {
-        1.2
-    } else {
-        1.0
-    };
-    let offload = if settings.offload_optimizer {
-        1.0 + 0.5 / m
-    } else {
-        1.0
-    };
-    recompute * math * bubble * small_batch * dequantize * offload / f64::from(p.max(1))
 }

@@ -30,6 +30,8 @@ pub fn gpu_job(model: ModelShape, global_batch: u32, max_gpus: u32) -> JobReques
         pinned_micro_batch: None,
         pinned_checkpointing: None,
         pinned_stages: None,
+        pinned_replicas: None,
+        objective: Default::default(),
         target: Target::Gpu {
             allowed_types: vec![],
             max_gpus,

@@ -63,6 +63,7 @@ fn arb_placement(layers: u32) -> impl Strategy<Value = StagePlacement> {
             first,
             last,
             in_flight,
+            replicas: 1,
         },
     )
 }

@@ -67,6 +67,7 @@ fn a_quantized_stage_load_peak_matches_the_bench() {
             first,
             last,
             in_flight,
+            replicas: 1,
         };
         let q = estimate_stage(
             model,

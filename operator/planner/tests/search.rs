@@ -8,7 +8,9 @@ use headroom_planner::*;
 #[test]
 fn small_model_fits_one_small_gpu_without_checkpointing() {
     let inv = Inventory::from_nodes(&six_type_cluster(12));
-    let plan = plan(&gpu_job(transformer(12, 768, 12, 1024, 50257), 32, 8), &inv).expect("fits");
+    let mut job = gpu_job(transformer(12, 768, 12, 1024, 50257), 32, 8);
+    job.objective = Objective::FewestGpus;
+    let plan = plan(&job, &inv).expect("fits");
     assert_eq!(plan.workers, 1);
     assert!(plan.fits());
     assert_eq!(plan.global_batch, 32);
@@ -22,7 +24,9 @@ fn small_model_fits_one_small_gpu_without_checkpointing() {
 #[test]
 fn model_70b_needs_a_pipeline_and_every_stage_fits() {
     let inv = Inventory::from_nodes(&six_type_cluster(1000));
-    let plan = plan(&gpu_job(model_70b(), 1024, 64), &inv).expect("a 70B plan exists");
+    let mut job = gpu_job(model_70b(), 1024, 64);
+    job.objective = Objective::FewestGpus;
+    let plan = plan(&job, &inv).expect("a 70B plan exists");
     let params = model_70b().total_params();
     assert!((69e9..71e9).contains(&(params as f64)), "{params}");
     // 16 bytes/param of model state alone needs > 1.1 TB, so more than 14 80-GB GPUs.
@@ -49,6 +53,7 @@ fn model_70b_needs_a_pipeline_and_every_stage_fits() {
     // One fewer stage must not fit on any allowed type (cheapest in GPUs).
     let mut fewer = gpu_job(model_70b(), 1024, plan.workers - 1);
     fewer.allowed_rungs.clear();
+    fewer.objective = Objective::FewestGpus;
     assert!(headroom_planner::plan(&fewer, &inv).is_err());
 }
 

@@ -294,6 +294,8 @@ fn job_request(case: &Case, target: Target) -> JobRequest {
         pinned_micro_batch: Some(case.micro_batch),
         pinned_checkpointing: Some(case.checkpointing),
         pinned_stages: None,
+        pinned_replicas: None,
+        objective: Default::default(),
         target,
         headroom_fraction: 0.1,
         allowed_rungs: RetryRung::ALL.to_vec(),
@@ -650,6 +652,7 @@ fn measure_pipeline(case: &Case, p: u32, steps: u64) -> Vec<Measured> {
                 first: k == 0,
                 last: k + 1 == p,
                 in_flight: stage.in_flight_micro_batches,
+                replicas: 1,
             };
             let breakdown = estimate_stage(
                 &model,

@@ -1,0 +1,234 @@
+//! How long an optimizer step takes: the model the `fastest` objective ranks
+//! plans by, and what `kubectl headroom plan` shows beside each alternative.
+//!
+//! **Compute.** The step's model FLOPs at one device's sustained fp32 rate
+//! ([`BackendProfile::fp32_flops_per_second`]), times the factors that make
+//! one plan slower than another on the same devices, divided over the p · d
+//! devices ([`relative_compute`]). FLOPs per token: 6 per trained parameter
+//! (forward 2, backward 4: the gradients of input and weight); a frozen
+//! LoRA base 4 (forward, and backward for its input gradient only).
+//!
+//! **All-reduce.** The d replicas of a stage average their gradients each
+//! step. Ring reduce-scatter + all-gather moves 2 (d − 1) / d of the
+//! stage's gradient bytes over every link (the bandwidth-optimal all-reduce
+//! NCCL and the worker's TCP ring both run), at the backend's bus bandwidth
+//! ([`BackendProfile::collective_bytes_per_second`]), plus one latency per
+//! message: 2 (d − 1) per bucket of
+//! [`BackendProfile::collective_bucket_bytes`].
+//! ZeRO-1 adds nothing: its reduce-scatter of gradients and all-gather of
+//! updated weights move the same bytes. Stages reduce at the same time, so
+//! the stage with the most trained bytes counts. The worker reduces after a
+//! step's last micro-batch rather than overlapping it with backward, so the
+//! two times add. Stage-to-stage transfers of a pipeline (one micro-batch's
+//! activations, s · b · h values, each way) are not counted: beside the
+//! stage's compute on the same micro-batch they are small.
+//!
+//! Constants are orders of magnitude until calibrated (the flex figures
+//! from this machine, the CUDA ones from published rates); only the ratio
+//! of compute to link speed decides between plans.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::adapters::LoraConfig;
+use crate::backend::BackendProfile;
+use crate::inventory::DeviceKind;
+use crate::model::ModelShape;
+use crate::training::{Precision, Settings};
+
+/// The estimated time of one optimizer step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct StepTime {
+    /// Forward, backward and update on each device, seconds.
+    pub compute_seconds: f64,
+    /// The gradient all-reduce between data-parallel replicas, seconds (0 for one replica).
+    pub all_reduce_seconds: f64,
+    /// Their sum: the estimated time per optimizer step, seconds.
+    pub seconds: f64,
+}
+
+/// Unitless compute time: 1 is one device running the whole global batch at
+/// once, in fp32, without checkpointing. Recompute costs about a third more
+/// compute; 16-bit math runs about twice as fast on GPUs; a 1F1B pipeline
+/// idles for (p − 1)/m of a step; tiny micro-batches use a device poorly; a
+/// quantized base is dequantized on every forward (a fifth more,
+/// unmeasured); an offloaded optimizer moves gradients and weights over
+/// PCIe and steps on the CPU once per step (half a step more at
+/// accumulation 1, amortised over the micro-batches; unmeasured). The work
+/// is divided over p stages × d replicas.
+pub fn relative_compute(settings: &Settings, stages: u32, replicas: u32, kind: DeviceKind) -> f64 {
+    let recompute = if settings.activation_checkpointing {
+        4.0 / 3.0
+    } else {
+        1.0
+    };
+    let math = match (kind, settings.precision) {
+        (DeviceKind::Gpu, Precision::Bf16 | Precision::Fp16) => 0.5,
+        _ => 1.0,
+    };
+    let m = f64::from(settings.gradient_accumulation.max(1));
+    let bubble = 1.0 + (f64::from(stages) - 1.0) / m;
+    let small_batch = 1.0 + 0.5 / f64::from(settings.micro_batch.max(1));
+    let dequantize = if settings.base_format.is_quantized() {
+        1.2
+    } else {
+        1.0
+    };
+    let offload = if settings.offload_optimizer {
+        1.0 + 0.5 / m
+    } else {
+        1.0
+    };
+    let devices = f64::from(stages.max(1)) * f64::from(replicas.max(1));
+    recompute * math * bubble * small_batch * dequantize * offload / devices
+}
+
+/// Model FLOPs of one optimizer step over `global_batch` samples.
+pub fn step_flops(model: &ModelShape, adapters: Option<&LoraConfig>, global_batch: u64) -> f64 {
+    let (tokens_per_sample, params) = match model {
+        ModelShape::Transformer(t) => (u64::from(t.sequence_length), t.total_params()),
+        ModelShape::Llama(l) => (u64::from(l.sequence_length), l.total_params()),
+        // An opaque model: a sample is its unit of work.
+        ModelShape::Generic(g) => (1, g.parameters),
+    };
+    let per_token = match (model, adapters) {
+        (ModelShape::Llama(l), Some(a)) => 4.0 * params as f64 + 6.0 * a.trainable_params(l) as f64,
+        _ => 6.0 * params as f64,
+    };
+    per_token * (tokens_per_sample * global_batch) as f64
+}
+
+/// One ring all-reduce of `elements` values of `element_bytes` each over
+/// `replicas`, seconds (0 for one replica).
+pub fn all_reduce_seconds(
+    elements: u64,
+    element_bytes: u64,
+    replicas: u32,
+    profile: &BackendProfile,
+) -> f64 {
+    if replicas <= 1 {
+        return 0.0;
+    }
+    let d = f64::from(replicas);
+    let bytes = (elements * element_bytes) as f64;
+    let buckets = (elements * 4)
+        .div_ceil(profile.collective_bucket_bytes.max(1))
+        .max(1) as f64;
+    2.0 * (d - 1.0) / d * bytes / profile.collective_bytes_per_second
+        + 2.0 * (d - 1.0) * buckets * profile.collective_latency_seconds
+}
+
+/// The step time of a plan: `settings` on `stages` × `replicas` devices of
+/// `kind`, whose largest stage trains `stage_trained_elements` values.
+pub fn estimate(
+    model: &ModelShape,
+    adapters: Option<&LoraConfig>,
+    settings: &Settings,
+    (stages, replicas): (u32, u32),
+    kind: DeviceKind,
+    profile: &BackendProfile,
+    stage_trained_elements: u64,
+) -> StepTime {
+    let global_batch = settings.global_batch() * u64::from(replicas.max(1));
+    let one_device = step_flops(model, adapters, global_batch) / profile.fp32_flops_per_second;
+    let compute_seconds = relative_compute(settings, stages, replicas, kind) * one_device;
+    let all_reduce_seconds = all_reduce_seconds(
+        stage_trained_elements,
+        settings.precision.gradient_bytes(),
+        replicas,
+        profile,
+    );
+    StepTime {
+        compute_seconds,
+        all_reduce_seconds,
+        seconds: compute_seconds + all_reduce_seconds,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{CUDA, FLEX};
+    use crate::training::Optimizer;
+
+    fn settings(b: u32, m: u32) -> Settings {
+        Settings {
+            micro_batch: b,
+            gradient_accumulation: m,
+            activation_checkpointing: false,
+            precision: Precision::Bf16,
+            optimizer: Optimizer::Adamw,
+            base_format: Default::default(),
+            offload_optimizer: false,
+        }
+    }
+
+    #[test]
+    fn the_ring_moves_two_d_minus_one_over_d_of_the_bytes() {
+        let bytes = 1_000_000_000u64;
+        let no_latency = BackendProfile {
+            collective_latency_seconds: 0.0,
+            ..FLEX
+        };
+        assert_eq!(all_reduce_seconds(bytes / 4, 4, 1, &no_latency), 0.0);
+        let two = all_reduce_seconds(bytes / 4, 4, 2, &no_latency);
+        let eight = all_reduce_seconds(bytes / 4, 4, 8, &no_latency);
+        assert!((two - 1.0).abs() < 1e-9, "{two}"); // 2·1/2 · 1 GB at 1 GB/s
+        assert!((eight - 1.75).abs() < 1e-9, "{eight}");
+    }
+
+    #[test]
+    fn replicas_divide_compute_and_pay_the_all_reduce() {
+        // A 6.6B-parameter GPT, 32 samples of 2048 tokens: 6·P·T ≈ 2.6 PFLOP.
+        let shape = crate::model::TransformerShape {
+            layers: 32,
+            hidden: 4096,
+            heads: 32,
+            sequence_length: 2048,
+            vocabulary: 32000,
+            feed_forward: None,
+            tied_embeddings: true,
+        };
+        let params = shape.total_params();
+        let model = ModelShape::Transformer(shape);
+        let one = estimate(
+            &model,
+            None,
+            &settings(4, 8),
+            (1, 1),
+            DeviceKind::Gpu,
+            &CUDA,
+            params,
+        );
+        let eight = estimate(
+            &model,
+            None,
+            &settings(4, 1),
+            (1, 8),
+            DeviceKind::Gpu,
+            &CUDA,
+            params,
+        );
+        assert_eq!(one.all_reduce_seconds, 0.0);
+        // bf16 gradients: 2·7/8 of 2·P bytes at 20 GB/s, plus latencies.
+        let ring = 2.0 * 7.0 / 8.0 * (2 * params) as f64 / 2.0e10;
+        assert!(
+            (eight.all_reduce_seconds / ring - 1.0).abs() < 0.05,
+            "{eight:?} vs {ring}"
+        );
+        // Compute divides by 8 (the micro-batch is the same), the ring adds.
+        assert!((eight.compute_seconds * 8.0 / one.compute_seconds - 1.0).abs() < 1e-9);
+        assert!(eight.seconds < one.seconds / 2.0, "{one:?} vs {eight:?}");
+    }
+
+    #[test]
+    fn a_pipeline_pays_its_bubble() {
+        let s = settings(1, 4);
+        let p1 = relative_compute(&s, 1, 1, DeviceKind::Cpu);
+        let p2 = relative_compute(&s, 2, 1, DeviceKind::Cpu);
+        let d2 = relative_compute(&s, 1, 2, DeviceKind::Cpu);
+        assert!((p2 / p1 - 1.25 / 2.0).abs() < 1e-12);
+        assert!((d2 / p1 - 0.5).abs() < 1e-12);
+    }
+}
