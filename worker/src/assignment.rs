@@ -325,6 +325,7 @@ mod tests {
             namespace: "ns".into(),
             attempt: 1,
             stage: 0,
+            replica: 0,
             model: req.model.clone(),
             plan: plan(&req, &Inventory::default()).expect("plan"),
             steps: 10,

@@ -41,6 +41,7 @@ fn assignment(job: &MemoryAwareTrainingJob) -> WorkerAssignment {
         namespace: job.metadata.namespace.clone().expect("namespace"),
         attempt: 1,
         stage: 0,
+        replica: 0,
         model: req.model.clone(),
         plan: headroom_planner::plan(&req, &Inventory::default()).expect("plan"),
         steps: job.spec.training.steps,

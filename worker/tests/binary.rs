@@ -58,6 +58,7 @@ fn assignment_for(
         namespace: "default".into(),
         attempt: 1,
         stage: 0,
+        replica: 0,
         model: req.model.clone(),
         plan: plan(&req, &Inventory::default()).expect("plan"),
         steps,

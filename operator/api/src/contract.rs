@@ -14,6 +14,8 @@ pub const WORKER_FIELD_MANAGER_PREFIX: &str = "headroom-worker/";
 pub const LABEL_JOB: &str = "headroom.dev/job";
 pub const LABEL_ATTEMPT: &str = "headroom.dev/attempt";
 pub const LABEL_STAGE: &str = "headroom.dev/stage";
+/// On a worker pod of a plan with data-parallel replicas: its replica (rank) within its stage.
+pub const LABEL_REPLICA: &str = "headroom.dev/replica";
 /// On a checkpoint claim: the uid of the job whose checkpoints it holds (a
 /// kept claim outlives its job; a new job of the same name must not resume
 /// from it).
@@ -46,6 +48,14 @@ pub const PIPELINE_PODS_ENV: &str = "HEADROOM_PIPELINE_PODS";
 pub const PIPELINE_SERVICE_ENV: &str = "HEADROOM_PIPELINE_SERVICE";
 /// Overrides: comma-separated `host:port` of every stage (local runs, tests).
 pub const PIPELINE_ADDRESSES_ENV: &str = "HEADROOM_PIPELINE_ADDRESSES";
+/// Data-parallel replicas: the port every replica listens on for the
+/// previous replica of its stage in the ring (gradient reduce-scatter,
+/// weight all-gather).
+pub const REPLICA_PORT: u16 = 29_501;
+/// Comma-separated pod names of the replicas of this worker's stage, rank order.
+pub const REPLICA_PODS_ENV: &str = "HEADROOM_REPLICA_PODS";
+/// Overrides: comma-separated `host:port` of the replicas of this worker's stage (local runs, tests).
+pub const REPLICA_ADDRESSES_ENV: &str = "HEADROOM_REPLICA_ADDRESSES";
 /// Seconds a stage waits for its neighbours to come up, and then for any one
 /// message from them, before it gives up with `PEER_LOST`.
 pub const PIPELINE_TIMEOUT_ENV: &str = "HEADROOM_PIPELINE_TIMEOUT_SECONDS";
@@ -141,6 +151,11 @@ pub struct WorkerAssignment {
     pub attempt: u32,
     /// Index into `plan.stages`.
     pub stage: u32,
+    /// Data-parallel rank within the stage, `0..plan.replicas`: which share
+    /// of every global batch it trains and which tensors' optimizer state it
+    /// keeps ([`headroom_planner::sharding`]).
+    #[serde(default)]
+    pub replica: u32,
     /// The model to build (the Headroom worker trains transformers only).
     pub model: ModelShape,
     pub plan: Plan,

@@ -446,6 +446,7 @@ pub fn worker_pod(
         namespace: job.namespace().unwrap_or_default(),
         attempt,
         stage,
+        replica: 0,
         model: model.clone(),
         plan: plan.clone(),
         steps: spec.training.steps,

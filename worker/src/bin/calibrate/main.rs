@@ -315,6 +315,7 @@ fn worker_assignment(
         namespace: "default".into(),
         attempt: 1,
         stage: 0,
+        replica: 0,
         model: model.clone(),
         plan,
         steps,
