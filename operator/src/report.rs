@@ -51,10 +51,19 @@ pub fn plan_table(title: &str, request: &JobRequest, plan: &Plan) -> String {
             plan.settings.base_format
         );
     }
+    let shape = if plan.replicas > 1 {
+        format!(
+            "{} stage(s) × {} data-parallel replicas (optimizer state sharded) = {}",
+            plan.stage_count(),
+            plan.replicas,
+            plan.workers
+        )
+    } else {
+        plan.workers.to_string()
+    };
     let _ = writeln!(
         out,
-        "Plan:      {} × {} ({} backend), {} of {} nominal per worker after headroom",
-        plan.workers,
+        "Plan:      {shape} × {} ({} backend), {} of {} nominal per worker after headroom",
         plan.device,
         plan.backend,
         format_bytes(plan.budget_bytes),
@@ -62,9 +71,17 @@ pub fn plan_table(title: &str, request: &JobRequest, plan: &Plan) -> String {
     );
     let _ = writeln!(out, "Peak:      {}", plan.fit);
     let _ = writeln!(out, "Settings:  {}", plan.settings);
+    let t = &plan.step_time;
     let _ = writeln!(
         out,
-        "Step time: {:.2} (relative; lower is faster)",
+        "Step time: {} (compute {}{}; estimated, relative {:.2})",
+        seconds(t.seconds),
+        seconds(t.compute_seconds),
+        if t.all_reduce_seconds > 0.0 {
+            format!(", all-reduce {}", seconds(t.all_reduce_seconds))
+        } else {
+            String::new()
+        },
         plan.relative_step_time
     );
     if plan.correction_factor > 1.0 {
@@ -165,4 +182,15 @@ fn columns(rows: &[Vec<String>]) -> String {
         let _ = writeln!(out, "{}", line.join("  ").trim_end());
     }
     out
+}
+
+/// `1.23 s`, `45 ms`, `0.8 ms`.
+fn seconds(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.2} s")
+    } else if s >= 0.01 {
+        format!("{:.0} ms", s * 1e3)
+    } else {
+        format!("{:.1} ms", s * 1e3)
+    }
 }

@@ -1408,7 +1408,10 @@ mod tests {
     #[test]
     fn replica_pins_are_checked_offline() {
         for (file, field) in [
-            ("50-replicas-not-dividing.yaml", "training.dataParallelReplicas"),
+            (
+                "50-replicas-not-dividing.yaml",
+                "training.dataParallelReplicas",
+            ),
             (
                 "51-micro-batch-not-dividing-a-replicas-share.yaml",
                 "training.microBatch",
@@ -1421,7 +1424,10 @@ mod tests {
         job.training.data_parallel_replicas = Some(8);
         let err = job.job_request().expect_err("8 replicas over 4 workers");
         assert_eq!(err.field, "training.dataParallelReplicas");
-        assert!(err.problem.contains("resources.cpu.maxWorkers (4)"), "{err}");
+        assert!(
+            err.problem.contains("resources.cpu.maxWorkers (4)"),
+            "{err}"
+        );
         job.training.data_parallel_replicas = Some(4);
         let request = job.job_request().expect("4 replicas of 8 samples");
         assert_eq!(request.pinned_replicas, Some(4));

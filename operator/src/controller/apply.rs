@@ -235,8 +235,8 @@ pub(super) async fn ensure_children(
         return Ok(());
     };
     let existing: Vec<String> = own.iter().map(|p| p.name_any()).collect();
-    let missing: Vec<u32> = (0..plan.workers)
-        .filter(|&stage| !existing.contains(&children::pod_name(job, attempt, stage)))
+    let missing: Vec<children::Slot> = children::slots(plan)
+        .filter(|&slot| !existing.contains(&children::pod_name(job, attempt, plan, slot)))
         .collect();
     if missing.is_empty() {
         return Ok(());
@@ -257,11 +257,11 @@ pub(super) async fn ensure_children(
     );
     let pods = missing
         .iter()
-        .map(|&stage| {
-            children::worker_pod(job, attempt, stage, plan, model, image, cfg).map_err(|source| {
+        .map(|&slot| {
+            children::worker_pod(job, attempt, slot, plan, model, image, cfg).map_err(|source| {
                 Error::BuildChild {
                     kind: "Pod".into(),
-                    name: children::pod_name(job, attempt, stage),
+                    name: children::pod_name(job, attempt, plan, slot),
                     source,
                 }
             })

@@ -8,9 +8,9 @@ use std::collections::BTreeMap;
 
 use headroom_api::{
     ANNOTATION_JOB_UID, CHECKPOINT_DIR_ENV, ClaimRetention, DEFAULT_CHECKPOINT_DIR, GROUP,
-    LABEL_ATTEMPT, LABEL_JOB, LABEL_RETAINED_FROM, LABEL_STAGE, MemoryAwareTrainingJob,
-    PIPELINE_PODS_ENV, PIPELINE_PORT, PIPELINE_SERVICE_ENV, PLAN_JSON_ENV, POD_NAME_ENV,
-    TERMINATION_MESSAGE_PATH, WorkerAssignment,
+    LABEL_ATTEMPT, LABEL_JOB, LABEL_REPLICA, LABEL_RETAINED_FROM, LABEL_STAGE,
+    MemoryAwareTrainingJob, PIPELINE_PODS_ENV, PIPELINE_PORT, PIPELINE_SERVICE_ENV, PLAN_JSON_ENV,
+    POD_NAME_ENV, REPLICA_PODS_ENV, REPLICA_PORT, TERMINATION_MESSAGE_PATH, WorkerAssignment,
 };
 use headroom_planner::inventory::{LabelRequirement, device_placement};
 use headroom_planner::{DeviceKind, ModelShape, Plan};
@@ -78,9 +78,37 @@ pub fn service_name(job: &MemoryAwareTrainingJob) -> String {
     dns_label(&job.name_any(), "-workers")
 }
 
-/// Pod name of one stage of one attempt: stable, so re-applying never duplicates.
-pub fn pod_name(job: &MemoryAwareTrainingJob, attempt: u32, stage: u32) -> String {
-    dns_label(&job.name_any(), &format!("-a{attempt}-s{stage}"))
+/// One worker of a plan: a pipeline stage's data-parallel replica.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Slot {
+    pub stage: u32,
+    pub replica: u32,
+}
+
+/// Every worker of `plan`, stage by stage, replicas in rank order.
+pub fn slots(plan: &Plan) -> impl Iterator<Item = Slot> {
+    let replicas = plan.replicas.max(1);
+    (0..plan.stage_count())
+        .flat_map(move |stage| (0..replicas).map(move |replica| Slot { stage, replica }))
+}
+
+/// Pod name of one worker of one attempt: stable, so re-applying never
+/// duplicates. `-a<attempt>-s<stage>`, with `-r<replica>` when the plan has
+/// data-parallel replicas.
+pub fn pod_name(job: &MemoryAwareTrainingJob, attempt: u32, plan: &Plan, slot: Slot) -> String {
+    dns_label(
+        &job.name_any(),
+        &format!("-a{attempt}-{}", host_name(plan, slot)),
+    )
+}
+
+/// A worker's hostname under the job's headless Service (`s<k>`, `s<k>-r<r>`).
+fn host_name(plan: &Plan, Slot { stage, replica }: Slot) -> String {
+    if plan.replicas > 1 {
+        format!("s{stage}-r{replica}")
+    } else {
+        format!("s{stage}")
+    }
 }
 
 pub(crate) fn owner(job: &MemoryAwareTrainingJob) -> OwnerReference {
@@ -135,8 +163,8 @@ pub fn service_account(job: &MemoryAwareTrainingJob) -> ServiceAccount {
 
 /// Least privilege: read this one job and patch its status (the chart's
 /// admission policy narrows that to the worker's own telemetry entry), and,
-/// for a pipeline of several stages, read the pods of this attempt's stages
-/// by name (a stage looks up its neighbour's IP; no list or watch, no other
+/// for a plan of several workers, read the pods of this attempt's workers
+/// by name (a worker looks up its neighbours' IPs; no list or watch, no other
 /// pod). Re-applied with each attempt, so the pod names follow the attempt.
 pub fn role(job: &MemoryAwareTrainingJob, attempt: u32, plan: &Plan) -> Role {
     let mut rules = job_status_rules(job);
@@ -145,8 +173,8 @@ pub fn role(job: &MemoryAwareTrainingJob, attempt: u32, plan: &Plan) -> Role {
             api_groups: Some(vec![String::new()]),
             resources: Some(vec!["pods".into()]),
             resource_names: Some(
-                (0..plan.workers)
-                    .map(|stage| pod_name(job, attempt, stage))
+                slots(plan)
+                    .map(|slot| pod_name(job, attempt, plan, slot))
                     .collect(),
             ),
             verbs: vec!["get".into()],
@@ -427,26 +455,27 @@ fn gpu_worker_host_memory(baseline: &Quantity, plan: &Plan, stage: u32) -> Quant
     }
 }
 
-/// The worker pod for one stage of one attempt. `model` is the spec's
+/// The worker pod for one stage's replica of one attempt. `model` is the spec's
 /// validated model shape (`JobRequest::model`), so the worker builds exactly
 /// what was planned; `image` the one the decision chose
 /// ([`WorkerImages::resolve`](super::config::WorkerImages::resolve)).
 pub fn worker_pod(
     job: &MemoryAwareTrainingJob,
     attempt: u32,
-    stage: u32,
+    slot: Slot,
     plan: &Plan,
     model: &ModelShape,
     image: &str,
     config: &ChildConfig,
 ) -> Result<Pod, serde_json::Error> {
     let spec = &job.spec;
+    let Slot { stage, replica } = slot;
     let assignment = WorkerAssignment {
         job: job.name_any(),
         namespace: job.namespace().unwrap_or_default(),
         attempt,
         stage,
-        replica: 0,
+        replica,
         model: model.clone(),
         plan: plan.clone(),
         steps: spec.training.steps,
@@ -474,20 +503,29 @@ pub fn worker_pod(
     ];
 
     let multi = plan.workers > 1;
-    if multi {
-        let pods: Vec<String> = (0..plan.workers)
-            .map(|k| pod_name(job, attempt, k))
+    let pipeline = plan.stage_count() > 1;
+    let replicated = plan.replicas > 1;
+    let name_of = |stage: u32, replica: u32| pod_name(job, attempt, plan, Slot { stage, replica });
+    let mut peers: Vec<(&str, String)> = Vec::new();
+    if pipeline {
+        // This replica's pipeline: the same replica of every stage.
+        let pods: Vec<String> = (0..plan.stage_count())
+            .map(|k| name_of(k, replica))
             .collect();
-        for (name, value) in [
-            (PIPELINE_PODS_ENV, pods.join(",")),
-            (PIPELINE_SERVICE_ENV, service_name(job)),
-        ] {
-            env.push(EnvVar {
-                name: name.into(),
-                value: Some(value),
-                ..EnvVar::default()
-            });
-        }
+        peers.push((PIPELINE_PODS_ENV, pods.join(",")));
+        peers.push((PIPELINE_SERVICE_ENV, service_name(job)));
+    }
+    if replicated {
+        // This stage's ring: its replicas in rank order.
+        let pods: Vec<String> = (0..plan.replicas).map(|r| name_of(stage, r)).collect();
+        peers.push((REPLICA_PODS_ENV, pods.join(",")));
+    }
+    for (name, value) in peers {
+        env.push(EnvVar {
+            name: name.into(),
+            value: Some(value),
+            ..EnvVar::default()
+        });
     }
 
     let mut limits: BTreeMap<String, Quantity> = BTreeMap::new();
@@ -549,6 +587,9 @@ pub fn worker_pod(
     let mut labels = job_labels(job);
     labels.insert(LABEL_ATTEMPT.into(), attempt.to_string());
     labels.insert(LABEL_STAGE.into(), stage.to_string());
+    if replicated {
+        labels.insert(LABEL_REPLICA.into(), replica.to_string());
+    }
 
     // Stages of one attempt together on one node when their shared
     // checkpoint volume can attach to only one. The first stage's own labels
@@ -580,7 +621,7 @@ pub fn worker_pod(
     });
 
     Ok(Pod {
-        metadata: meta(job, pod_name(job, attempt, stage), labels),
+        metadata: meta(job, name_of(stage, replica), labels),
         spec: Some(PodSpec {
             restart_policy: Some("Never".into()),
             service_account_name: Some(worker_account_name(job)),
@@ -592,7 +633,7 @@ pub fn worker_pod(
                     .map(|name| LocalObjectReference { name: name.clone() })
                     .collect()
             }),
-            hostname: multi.then(|| format!("s{stage}")),
+            hostname: multi.then(|| host_name(plan, slot)),
             subdomain: multi.then(|| service_name(job)),
             node_selector: (!node_selector.is_empty()).then_some(node_selector),
             affinity,
@@ -604,11 +645,19 @@ pub fn worker_pod(
                 image_pull_policy: spec.worker.image_pull_policy.map(|p| p.as_str().into()),
                 env: Some(env),
                 ports: multi.then(|| {
-                    vec![ContainerPort {
-                        name: Some("pipeline".into()),
-                        container_port: i32::from(PIPELINE_PORT),
+                    let port = |name: &str, port: u16| ContainerPort {
+                        name: Some(name.into()),
+                        container_port: i32::from(port),
                         ..ContainerPort::default()
-                    }]
+                    };
+                    let mut ports = Vec::new();
+                    if pipeline {
+                        ports.push(port("pipeline", PIPELINE_PORT));
+                    }
+                    if replicated {
+                        ports.push(port("replicas", REPLICA_PORT));
+                    }
+                    ports
                 }),
                 resources: Some(ResourceRequirements {
                     limits: Some(limits),
@@ -675,7 +724,8 @@ pub(crate) mod tests {
             .resolve(&job.spec)
             .or_else(|_| both_images().resolve(&job.spec))
             .expect("an image");
-        worker_pod(job, attempt, stage, plan, &model, &image, config).expect("pod")
+        let slot = Slot { stage, replica: 0 };
+        worker_pod(job, attempt, slot, plan, &model, &image, config).expect("pod")
     }
 
     fn image_of(pod: &Pod) -> Option<&str> {
@@ -755,6 +805,75 @@ pub(crate) mod tests {
         );
         assert!(spec.node_selector.is_none(), "CPU jobs need no GPU node");
         assert!(spec.subdomain.is_none(), "single worker needs no service");
+    }
+
+    /// A 2-stage × 2-replica plan: four pods, each in its replica's pipeline
+    /// and its stage's ring, and a Role naming exactly those four.
+    #[test]
+    fn replicas_get_a_pod_each_with_their_pipeline_and_their_ring() {
+        let job = job(include_str!("../../../samples/cpu-pipeline.yaml"));
+        let mut plan = first_plan(&job.spec);
+        assert_eq!(plan.stage_count(), 2, "the sample is a 2-stage pipeline");
+        plan.replicas = 2;
+        plan.workers = 4;
+        let names: Vec<String> = slots(&plan)
+            .map(|slot| pod_name(&job, 3, &plan, slot))
+            .collect();
+        let base = job.name_any();
+        assert_eq!(
+            names,
+            ["s0-r0", "s0-r1", "s1-r0", "s1-r1"].map(|s| format!("{base}-a3-{s}"))
+        );
+        let model = job.spec.job_request().expect("valid").model;
+        let config = ChildConfig::default();
+        let pod = worker_pod(
+            &job,
+            3,
+            Slot {
+                stage: 1,
+                replica: 1,
+            },
+            &plan,
+            &model,
+            "img",
+            &config,
+        )
+        .expect("pod");
+        assert_eq!(pod.metadata.name.as_deref(), Some(names[3].as_str()));
+        let labels = pod.metadata.labels.as_ref().expect("labels");
+        assert_eq!(
+            (labels[LABEL_STAGE].as_str(), labels[LABEL_REPLICA].as_str()),
+            ("1", "1")
+        );
+        let spec = pod.spec.as_ref().expect("spec");
+        assert_eq!(spec.hostname.as_deref(), Some("s1-r1"));
+        let c = &spec.containers[0];
+        let env = |name: &str| {
+            c.env
+                .as_ref()
+                .and_then(|e| e.iter().find(|v| v.name == name))
+                .and_then(|v| v.value.clone())
+        };
+        assert_eq!(
+            env(PIPELINE_PODS_ENV),
+            Some(format!("{},{}", names[1], names[3]))
+        );
+        assert_eq!(
+            env(REPLICA_PODS_ENV),
+            Some(format!("{},{}", names[2], names[3]))
+        );
+        let assignment: WorkerAssignment =
+            serde_json::from_str(&env(PLAN_JSON_ENV).expect("plan")).expect("assignment");
+        assert_eq!((assignment.stage, assignment.replica), (1, 1));
+        let ports: Vec<i32> = c.ports.iter().flatten().map(|p| p.container_port).collect();
+        assert_eq!(ports, [i32::from(PIPELINE_PORT), i32::from(REPLICA_PORT)]);
+        let pods_rule = role(&job, 3, &plan)
+            .rules
+            .expect("rules")
+            .into_iter()
+            .find(|r| r.resources.as_deref() == Some(&["pods".to_string()][..]))
+            .expect("a pods rule");
+        assert_eq!(pods_rule.resource_names, Some(names));
     }
 
     #[test]
@@ -1064,6 +1183,12 @@ status:
                 .is_some_and(|x| x.contains(&"pods".into()))),
             "one stage has no neighbour to look up: {single:?}"
         );
+        plan.stages = (0..3)
+            .map(|index| headroom_planner::Stage {
+                index,
+                ..plan.stages[0].clone()
+            })
+            .collect();
         plan.workers = 3;
         let rules = role(&job, 2, &plan).rules.expect("rules");
         for rule in &rules {
