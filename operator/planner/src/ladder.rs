@@ -151,7 +151,11 @@ pub fn next_stricter_plan(
                 return Ok(plan);
             }
         }
-        if let Some(last) = tried.last() {
+        // More replicas that did not fit are not carried on: the stage and
+        // GPU rungs after it would otherwise multiply them.
+        if let Some(last) = tried.last()
+            && rung != RetryRung::ShardOptimizerState
+        {
             state = last.clone();
         }
         let note = rung.over_budget_note(&state, &tried, || shortfall(&state));

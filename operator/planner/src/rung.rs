@@ -32,8 +32,15 @@
 //! 6. `offloadOptimizer` (GPU only): every step moves gradients to the host
 //!    and weights back over PCIe and runs the update on the CPU; costly per
 //!    step unless accumulation amortises it, but it needs no more devices.
-//! 7. `morePipelineStages`, 8. `largerGpu`: more or larger devices, the
-//!    scarce thing the search minimises first.
+//! 7. `shardOptimizerState`: more data-parallel replicas, each keeping a
+//!    smaller share of the optimizer state (ZeRO-1); it costs devices but
+//!    no speed (the step gets faster, less the larger all-reduce), so it
+//!    comes first among the rungs that cost devices. It helps only where
+//!    the state is what overflowed: its candidates are checked against the
+//!    corrected estimate like any rung's, and when none fits the ladder
+//!    goes on from the replicas the failed plan had.
+//! 8. `morePipelineStages`, 9. `largerGpu`: more or larger devices, the
+//!    scarce thing the search minimises first; the replicas stay.
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -64,6 +71,9 @@ pub enum RetryRung {
     QuantizeBase,
     /// GPU workers only: keep the optimizer state, and its step, in host memory.
     OffloadOptimizer,
+    /// More data-parallel replicas, each keeping a smaller share of the
+    /// optimizer state (where the worker runs replicas).
+    ShardOptimizerState,
     /// Split the layers over more pipeline stages.
     MorePipelineStages,
     /// Move to a GPU type with more memory.
@@ -73,7 +83,21 @@ pub enum RetryRung {
 impl RetryRung {
     /// Every rung, in the fixed order the ladder climbs them: cheapest in
     /// speed and devices first (the reasons are in the module docs).
-    pub const ALL: [RetryRung; 8] = [
+    pub const ALL: [RetryRung; 9] = [
+        RetryRung::ActivationCheckpointing,
+        RetryRung::HalveMicroBatch,
+        RetryRung::LowerPrecision,
+        RetryRung::CheaperOptimizer,
+        RetryRung::QuantizeBase,
+        RetryRung::OffloadOptimizer,
+        RetryRung::ShardOptimizerState,
+        RetryRung::MorePipelineStages,
+        RetryRung::LargerGpu,
+    ];
+
+    /// What a job allows when it names no rungs: every [`runnable`](Self::runnable)
+    /// rung, in the ladder's order. A rung the worker cannot run is never offered.
+    pub const DEFAULT: [RetryRung; 8] = [
         RetryRung::ActivationCheckpointing,
         RetryRung::HalveMicroBatch,
         RetryRung::LowerPrecision,
@@ -83,10 +107,6 @@ impl RetryRung {
         RetryRung::MorePipelineStages,
         RetryRung::LargerGpu,
     ];
-
-    /// What a job allows when it names no rungs: every [`runnable`](Self::runnable)
-    /// rung, in the ladder's order. A rung the worker cannot run is never offered.
-    pub const DEFAULT: [RetryRung; 8] = Self::ALL;
 
     /// Whether some worker backend can run what this rung produces:
     /// `CheaperOptimizer` needs a profile listing an 8-bit optimizer,
@@ -107,6 +127,7 @@ impl RetryRung {
                     .any(|&precision| next_base_format(BaseFormat::Dense, precision, p).is_some())
             }),
             RetryRung::OffloadOptimizer => [&FLEX, &CUDA].into_iter().any(|p| p.optimizer_offload),
+            RetryRung::ShardOptimizerState => [&FLEX, &CUDA].into_iter().any(|p| p.data_parallel),
             _ => true,
         }
     }
@@ -168,7 +189,9 @@ impl RetryRung {
                 }
                 next.offload_optimizer = true;
             }
-            RetryRung::MorePipelineStages | RetryRung::LargerGpu => return None,
+            RetryRung::ShardOptimizerState
+            | RetryRung::MorePipelineStages
+            | RetryRung::LargerGpu => return None,
         }
         Some(next)
     }
@@ -246,6 +269,48 @@ impl RetryRung {
                     limits.profile.backend
                 )),
             },
+            RetryRung::ShardOptimizerState => {
+                if !limits.profile.data_parallel {
+                    return Tightening::Skip(format!(
+                        "the {} worker runs no data-parallel replicas",
+                        limits.profile.backend
+                    ));
+                }
+                let (p, d) = from.shape();
+                let global = s.global_batch() * u64::from(d);
+                let free = from.device.free.max(from.devices());
+                let max_d = (limits.max_devices / p).min(free / p);
+                // Every larger replica count that divides the global batch,
+                // each with the largest micro-batch at most the current one
+                // that divides its share.
+                let more: Vec<Candidate> = divisors_desc(u32::try_from(global).unwrap_or(u32::MAX))
+                    .into_iter()
+                    .rev()
+                    .filter(|&n| n > d && n <= max_d)
+                    .filter_map(|n| {
+                        let share = u32::try_from(global / u64::from(n)).ok()?;
+                        let micro_batch = divisors_desc(share)
+                            .into_iter()
+                            .find(|&b| b <= s.micro_batch)?;
+                        Some(Candidate {
+                            replicas: n,
+                            settings: Settings {
+                                micro_batch,
+                                gradient_accumulation: share / micro_batch,
+                                ..*s
+                            },
+                            ..from.clone()
+                        })
+                    })
+                    .collect();
+                if more.is_empty() {
+                    return Tightening::Skip(format!(
+                        "already at {d} replica(s): no more that divide the global batch {global} within {} device(s)",
+                        limits.max_devices.min(free)
+                    ));
+                }
+                Tightening::Try(more)
+            }
             RetryRung::MorePipelineStages => {
                 // The failed attempt's own count was free to it, whatever the
                 // inventory says now.
@@ -326,6 +391,9 @@ impl RetryRung {
             RetryRung::CheaperOptimizer => format!("{} → {}", s.optimizer, shortfall()),
             RetryRung::QuantizeBase => format!("{} base → {}", s.base_format, shortfall()),
             RetryRung::OffloadOptimizer => format!("optimizer offloaded → {}", shortfall()),
+            RetryRung::ShardOptimizerState => {
+                format!("up to {} replicas → {}", reached.replicas, shortfall())
+            }
             RetryRung::MorePipelineStages => {
                 format!("up to {} stages → {}", reached.stages, shortfall())
             }
@@ -389,6 +457,7 @@ impl std::fmt::Display for RetryRung {
             RetryRung::CheaperOptimizer => "cheaperOptimizer",
             RetryRung::QuantizeBase => "quantizeBase",
             RetryRung::OffloadOptimizer => "offloadOptimizer",
+            RetryRung::ShardOptimizerState => "shardOptimizerState",
             RetryRung::MorePipelineStages => "morePipelineStages",
             RetryRung::LargerGpu => "largerGpu",
         })
@@ -503,6 +572,63 @@ mod tests {
         assert!(RetryRung::CheaperOptimizer.runnable());
         // GPU workers step the optimizer on the host (worker/src/optim/offload.rs).
         assert!(RetryRung::OffloadOptimizer.runnable());
+    }
+
+    /// More replicas: every larger divisor of the global batch within the
+    /// devices, micro-batch kept where it divides the new share.
+    #[test]
+    fn shard_optimizer_state_adds_replicas_and_keeps_the_global_batch() {
+        static CUDA_DP: BackendProfile = BackendProfile {
+            data_parallel: true,
+            ..CUDA
+        };
+        let from = Candidate {
+            device: gpu("NVIDIA-H100-80GB-HBM3", 80, 8),
+            stages: 1,
+            replicas: 2,
+            settings: settings(4, 2),
+        };
+        let limits = RungLimits {
+            profile: &CUDA_DP,
+            global_batch: 8,
+            max_workers: 8,
+            max_devices: 8,
+            ..limits(vec![])
+        };
+        let Tightening::Try(more) = RetryRung::ShardOptimizerState.tighten(&from, &limits) else {
+            panic!("replicas can be added");
+        };
+        let shapes: Vec<(u32, u32, u32, u32)> = more
+            .iter()
+            .map(|c| {
+                (
+                    c.stages,
+                    c.replicas,
+                    c.settings.micro_batch,
+                    c.settings.gradient_accumulation,
+                )
+            })
+            .collect();
+        // Global batch 16: 4 replicas of 4 (micro-batch 4 × 1), 8 of 2 (2 × 1).
+        assert_eq!(shapes, [(1, 4, 4, 1), (1, 8, 2, 1)]);
+        // Two stages: at most 4 replicas on 8 devices.
+        let two = Candidate {
+            stages: 2,
+            ..from.clone()
+        };
+        let Tightening::Try(more) = RetryRung::ShardOptimizerState.tighten(&two, &limits) else {
+            panic!("4 replicas fit 8 devices");
+        };
+        assert_eq!(more.iter().map(|c| c.replicas).collect::<Vec<_>>(), [4]);
+        // Where the worker runs no replicas, the rung says so.
+        let plain = RungLimits {
+            profile: &CUDA,
+            ..limits.clone()
+        };
+        assert!(matches!(
+            RetryRung::ShardOptimizerState.tighten(&from, &plain),
+            Tightening::Skip(why) if why.contains("no data-parallel replicas")
+        ));
     }
 
     #[test]
