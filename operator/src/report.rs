@@ -154,6 +154,45 @@ pub fn plan_table(title: &str, request: &JobRequest, plan: &Plan) -> String {
     out
 }
 
+/// The plans the search weighed and did not choose, one line each
+/// (`alternatives` from [`headroom_planner::alternatives`], fastest first).
+pub fn alternatives_table(chosen: &Plan, alternatives: &[Plan], objective: &str) -> String {
+    if alternatives.is_empty() {
+        return String::new();
+    }
+    let mut rows: Vec<Vec<String>> = vec![
+        [
+            "STAGES×REPLICAS",
+            "DEVICE",
+            "SETTINGS",
+            "PEAK/BUDGET",
+            "STEP",
+            "ALL-REDUCE",
+        ]
+        .map(String::from)
+        .to_vec(),
+    ];
+    for plan in std::iter::once(chosen).chain(alternatives) {
+        let mark = if std::ptr::eq(plan, chosen) {
+            " (chosen)"
+        } else {
+            ""
+        };
+        rows.push(vec![
+            format!("{} × {}{mark}", plan.stage_count(), plan.replicas),
+            plan.device.clone(),
+            plan.settings.to_string(),
+            plan.fit.clone(),
+            seconds(plan.step_time.seconds),
+            seconds(plan.step_time.all_reduce_seconds),
+        ]);
+    }
+    format!(
+        "Weighed ({objective}; estimated step times, the fastest fitting plan of each shape):\n{}",
+        columns(&rows)
+    )
+}
+
 /// The planner's explanation, one reason per line.
 pub fn infeasible_text(title: &str, err: &NoFeasiblePlan) -> String {
     let mut out = format!("{title}: no feasible plan\n{}\n", err.summary);

@@ -48,6 +48,6 @@ pub use model::{GenericModel, ModelShape, TransformerShape};
 pub use plan::{JobRequest, NoFeasiblePlan, Objective, Plan, SearchOptions, Stage, Target};
 pub use retry::{FailureCause, replan};
 pub use rung::{RetryRung, Tightening};
-pub use search::{plan, plan_with};
+pub use search::{alternatives, plan, plan_with};
 pub use timing::StepTime;
 pub use training::{Optimizer, Precision, Settings};

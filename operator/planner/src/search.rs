@@ -76,6 +76,41 @@ pub fn plan_with(
     Err(err)
 }
 
+/// What the search weighed beside the plan it chose: the fastest fitting
+/// plan of every other shape (stages × replicas) with the chosen plan's
+/// numerics, fastest first. What `kubectl headroom plan` lists as rejected.
+pub fn alternatives(req: &JobRequest, inventory: &Inventory, chosen: &Plan) -> Vec<Plan> {
+    let search = Search::new(req, &SearchOptions::default(), inventory.one_node);
+    let own;
+    let has_cpu = inventory.devices.iter().any(|d| d.kind == DeviceKind::Cpu);
+    let inventory = match req.own_inventory() {
+        Some(inv) if !has_cpu => {
+            own = inv;
+            &own
+        }
+        _ => inventory,
+    };
+    let devices: Vec<&DeviceType> = inventory
+        .devices
+        .iter()
+        .filter(|d| req.accepts(d))
+        .collect();
+    let mut found: Vec<Plan> = search
+        .shapes()
+        .into_iter()
+        .filter(|&(p, d)| (p, d) != (chosen.stage_count(), chosen.replicas))
+        .filter_map(|(p, d)| {
+            devices
+                .iter()
+                .filter(|dev| dev.free >= p * d)
+                .filter_map(|dev| search.best_on(dev, (p, d), &chosen.settings))
+                .min_by(|a, b| a.step_time.seconds.total_cmp(&b.step_time.seconds))
+        })
+        .collect();
+    found.sort_by(|a, b| a.step_time.seconds.total_cmp(&b.step_time.seconds));
+    found
+}
+
 fn search_with(
     req: &JobRequest,
     inventory: &Inventory,

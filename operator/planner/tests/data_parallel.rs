@@ -212,3 +212,22 @@ fn pinned_replicas_are_refused_where_the_worker_has_none() {
         err.summary
     );
 }
+
+#[test]
+fn alternatives_are_the_other_shapes_that_fit_fastest_first() {
+    let job = gpu_job(llama_7b(), 32, 8);
+    let chosen = plan(&job, &eight_h100()).expect("fits");
+    let weighed = alternatives(&job, &eight_h100(), &chosen);
+    assert!(!weighed.is_empty());
+    for pair in weighed.windows(2) {
+        assert!(pair[0].step_time.seconds <= pair[1].step_time.seconds);
+    }
+    for alt in &weighed {
+        assert!(alt.fits(), "{}", alt.fit);
+        assert_ne!(
+            (alt.stage_count(), alt.replicas),
+            (chosen.stage_count(), chosen.replicas)
+        );
+        assert_batch(alt, 32);
+    }
+}

@@ -13,7 +13,9 @@ use clap::{Parser, Subcommand, ValueEnum};
 use headroom_api::MemoryAwareTrainingJob;
 use headroom_operator::controller::CheckpointAccess;
 use headroom_operator::inventory::{cpu_inventory, job_inventory};
-use headroom_operator::report::{infeasible_text, plan_table, trainable_params};
+use headroom_operator::report::{
+    alternatives_table, infeasible_text, plan_table, trainable_params,
+};
 use headroom_planner::{LlamaShape, ModelShape, plan};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde::Deserialize;
@@ -176,10 +178,22 @@ fn run(cli: Cli) -> Result<ExitCode> {
         all_fit &= result.is_ok();
         match output {
             Output::Table => match &result {
-                Ok(p) => emit(&format!(
-                    "{}\n",
-                    plan_table(name, request, p)
-                ))?,
+                Ok(p) => {
+                    let weighed = headroom_planner::alternatives(request, &inventory, p);
+                    let replicas = request.backend().profile().data_parallel;
+                    let objective = match request.objective {
+                        headroom_planner::Objective::Fastest if replicas => "objective fastest",
+                        headroom_planner::Objective::Fastest => {
+                            "objective fastest, as fewest devices: this backend's worker runs no replicas yet"
+                        }
+                        headroom_planner::Objective::FewestGpus => "objective fewest devices",
+                    };
+                    emit(&format!(
+                        "{}\n{}",
+                        plan_table(name, request, p),
+                        alternatives_table(p, &weighed, objective)
+                    ))?
+                }
                 Err(e) => emit(&format!("{}\n", infeasible_text(name, e)))?,
             },
             Output::Json | Output::Yaml => machine.push(match &result {
