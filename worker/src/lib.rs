@@ -11,6 +11,8 @@
 //! * the termination message — this file
 //! * [`model`] — the decoder-only transformer (one pipeline stage's part of it)
 //! * [`pipeline`] — stages over TCP: links, handshake, the 1F1B schedule
+//! * [`collective`] — sums and gathers across data-parallel replicas (a TCP
+//!   ring now; the interface NCCL would sit behind)
 //! * [`data`] — the synthetic next-token task (deterministic per sample)
 //! * [`text`] — real text: JSONL/plain documents, Hugging Face tokenizer, packed
 //!   samples, seeded shuffle, per-rank shares (not yet wired into training)
@@ -32,6 +34,7 @@
 pub mod assignment;
 pub mod checkpoint;
 pub mod cluster;
+pub mod collective;
 pub mod data;
 pub mod env;
 pub mod initialize;
