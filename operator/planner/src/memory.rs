@@ -163,8 +163,8 @@ pub struct MemoryBreakdown {
     #[serde(default)]
     pub composed_weights: u64,
     /// Data-parallel replicas: the buffers of the gradient reduce-scatter and
-    /// the weight all-gather, two buckets
-    /// ([`BackendProfile::collective_bucket_bytes`]) at most, bytes.
+    /// the weight all-gather (a bucket and the ring's chunks in flight,
+    /// [`crate::sharding::collective_buffer_bytes`]), bytes.
     #[serde(default)]
     pub collective_buffers: u64,
     /// The backend's fixed overhead (runtime, context, workspace), bytes.
@@ -666,11 +666,11 @@ pub fn estimate_stage(
     // Under ZeRO-1 the largest replica's share of the state (and of the
     // master weights, which live with the state).
     let optimizer_total = sharded_state_bytes(&trained, settings, stage.replicas);
-    let collective_buffers = if stage.replicas > 1 {
-        (2 * profile.collective_bucket_bytes).min(2 * 4 * trained_params)
-    } else {
-        0
-    };
+    // A bucket is never larger than the stage's trained values (f32).
+    let collective_buffers = crate::sharding::collective_buffer_bytes(
+        profile.collective_bucket_bytes.min(4 * trained_params),
+        stage.replicas,
+    );
     let offloaded = settings.offload_optimizer && !profile.device_is_host;
     let optimizer_state = if offloaded { 0 } else { optimizer_total };
 

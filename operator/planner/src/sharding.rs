@@ -14,9 +14,28 @@
 //! gradients are reduce-scattered (each replica receives the sum of the
 //! tensors it owns) and the updated weights all-gathered, together the bytes
 //! of one all-reduce. The worker moves them in buckets
-//! ([`BackendProfile::collective_bucket_bytes`](crate::backend::BackendProfile::collective_bucket_bytes)),
-//! so the transient a replica holds beside its model states is bounded by
-//! two of them whatever the model's size.
+//! ([`BackendProfile::collective_bucket_bytes`](crate::backend::BackendProfile::collective_bucket_bytes))
+//! through the ring in chunks of an eighth of a bucket, so the transient a
+//! replica holds beside its model states is bounded
+//! ([`collective_buffer_bytes`]) whatever the model's size.
+
+/// Chunk the ring moves at once for a bucket of `bucket_bytes`: an eighth,
+/// so that the ring's queues stay a few buckets' worth.
+pub fn ring_chunk_bytes(bucket_bytes: u64) -> u64 {
+    (bucket_bytes / 8).max(4096)
+}
+
+/// What a replica holds for the collective beside its model states, bytes:
+/// the bucket itself, and the ring's chunks in flight (the worker's TCP
+/// ring keeps up to 8 spare chunk buffers and 3 queued to its socket, and
+/// up to 5 per replica queued from its predecessor:
+/// `worker/src/collective/ring.rs`).
+pub fn collective_buffer_bytes(bucket_bytes: u64, replicas: u32) -> u64 {
+    if replicas <= 1 {
+        return 0;
+    }
+    bucket_bytes + (11 + 5 * u64::from(replicas)) * ring_chunk_bytes(bucket_bytes)
+}
 
 /// The replica that owns each tensor of `sizes` (elements), for `replicas`
 /// ranks: longest-processing-time greedy (largest tensor first to the least
