@@ -185,8 +185,9 @@ pub const FLEX: BackendProfile = BackendProfile {
     // (docs/benchmarks.md, tokens/s of the calibration models): an order of
     // magnitude, not a calibration; only its ratio to the link matters.
     fp32_flops_per_second: 2.0e10,
-    // TCP between worker pods on one node (veth, loopback): about 1 GB/s
-    // through the ring (e2e/…, allreduce_bench).
+    // The worker's TCP ring on loopback, 2 cores: bus bandwidth 0.6-1.3 GB/s
+    // at d = 2 and 0.3-0.9 GB/s at d = 4 for 4-256 MiB (`cargo run --release
+    // -p headroom-worker --bin allreduce_bench`, docs/benchmarks.md).
     collective_bytes_per_second: 1.0e9,
     collective_latency_seconds: 1.0e-4,
     // Small: on CPU the buffers come out of the same memory limit as the
