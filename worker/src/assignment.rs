@@ -95,20 +95,31 @@ fn check_consistency(a: &WorkerAssignment) -> Result<(), PlanError> {
             s.micro_batch, s.gradient_accumulation
         ));
     }
-    if s.global_batch() != plan.global_batch {
+    if plan.replicas == 0 {
+        return fail("replicas must be ≥ 1".into());
+    }
+    if s.global_batch() * u64::from(plan.replicas) != plan.global_batch {
         return fail(format!(
-            "micro-batch {} × accumulation {} = {} ≠ global batch {}",
+            "micro-batch {} × accumulation {} × replicas {} = {} ≠ global batch {}",
             s.micro_batch,
             s.gradient_accumulation,
-            s.global_batch(),
+            plan.replicas,
+            s.global_batch() * u64::from(plan.replicas),
             plan.global_batch
         ));
     }
-    if plan.stages.len() != plan.workers as usize {
+    if plan.stages.len() as u64 * u64::from(plan.replicas) != u64::from(plan.workers) {
         return fail(format!(
-            "{} stages for {} workers",
+            "{} stages × {} replicas for {} workers",
             plan.stages.len(),
+            plan.replicas,
             plan.workers
+        ));
+    }
+    if a.replica >= plan.replicas {
+        return fail(format!(
+            "replica {} of a plan with {} replicas",
+            a.replica, plan.replicas
         ));
     }
     if a.stage as usize >= plan.stages.len() {
@@ -209,6 +220,8 @@ fn train_config(a: &WorkerAssignment) -> Result<TrainConfig, Unsupported> {
         },
         stage: a.stage,
         stages,
+        replica: a.replica,
+        replicas: plan.replicas,
         shape,
         settings: s,
         backend: plan.backend,
@@ -353,6 +366,19 @@ mod tests {
     }
 
     #[test]
+    fn a_replica_of_a_plan_with_replicas() {
+        let mut a = assignment();
+        a.plan.replicas = 2;
+        a.plan.workers = 2;
+        a.plan.global_batch *= 2;
+        a.replica = 1;
+        let valid = ValidAssignment::new(a).expect("valid");
+        let config = valid.config();
+        assert_eq!((config.replica, config.replicas), (1, 2));
+        assert_eq!(config.global_batch(), valid.assignment().plan.global_batch);
+    }
+
+    #[test]
     fn unreadable_malformed_inconsistent_and_unsupported_plans_are_invalid() {
         let malformed =
             ValidAssignment::load(&PlanSource::Json("{\"job\": 1}".into())).expect_err("malformed");
@@ -369,6 +395,31 @@ mod tests {
         let err = ValidAssignment::new(a).expect_err("global batch broken");
         assert!(err.to_string().contains("≠ global batch"), "{err}");
         assert_eq!(err.exit_code(), exit_code::INVALID_PLAN);
+        let mut r = assignment();
+        r.replica = 1;
+        let err = ValidAssignment::new(r).expect_err("replica 1 of 1");
+        assert!(
+            err.to_string()
+                .contains("replica 1 of a plan with 1 replicas"),
+            "{err}"
+        );
+        let mut r = assignment();
+        r.plan.replicas = 2;
+        let err = ValidAssignment::new(r).expect_err("the global batch counts the replicas");
+        assert!(
+            err.to_string()
+                .contains("× replicas 2 = 16 ≠ global batch 8"),
+            "{err}"
+        );
+        let mut r = assignment();
+        r.plan.replicas = 2;
+        r.plan.global_batch *= 2;
+        let err = ValidAssignment::new(r).expect_err("workers are stages × replicas");
+        assert!(
+            err.to_string()
+                .contains("1 stages × 2 replicas for 1 workers"),
+            "{err}"
+        );
         let mut b = assignment();
         b.stage = 3;
         assert!(matches!(

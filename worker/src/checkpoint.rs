@@ -33,6 +33,27 @@
 //! data of step k is fixed by (seed, k), so an attempt with other settings
 //! resumes the same run.
 //!
+//! **Data-parallel replicas.** The replicas of a stage hold the same
+//! parameters and each its own shard of the optimizer state (ZeRO-1,
+//! [`crate::data_parallel`]), so with d > 1 replica 0 writes the parts and
+//! its shard and every other replica its shard alone, each in its own
+//! directory named after the stage and the replica:
+//!
+//! ```text
+//! step-000000000050/
+//!   stage-0000-0004-r0000-of-0002/    replica 0: the parts, its optimizer.bpk, meta.json
+//!   stage-0000-0004-r0001-of-0002/    replica 1: its optimizer.bpk, meta.json
+//! ```
+//!
+//! A stage's directories count only when all d of them are there and
+//! verify, so a step is complete when every shard of every stage is. On
+//! resume the optimizer files of all shards are merged (each tensor's state
+//! is in exactly one) and filtered to the tensors the resuming replica owns
+//! under the attempt's d, which may differ from the writer's: a retry that
+//! changes d resumes the same run. A plan without replicas writes exactly the
+//! layout above, format 2; directories of d > 1 say format 3, which workers
+//! that predate replicas refuse instead of resuming one shard's state.
+//!
 //! With LoRA adapters the base is frozen and is the Hugging Face checkpoint
 //! the run started from, so a part file holds only that part's adapter
 //! factors (an empty record for a part without adapters) and the optimizer
@@ -68,8 +89,31 @@ pub const KEEP: usize = 2;
 /// A temporary stage directory untouched this long is a crashed writer's.
 /// Writing a stage's files takes seconds to minutes; this is well above.
 pub const STALE_TEMPORARY_AGE: std::time::Duration = std::time::Duration::from_secs(15 * 60);
-/// `meta.json` format.
+/// `meta.json` format of a stage directory without replicas.
 pub const FORMAT: u32 = 2;
+/// `meta.json` format of one replica's directory (d > 1): it may hold no
+/// parts and only part of the optimizer state.
+pub const SHARDED_FORMAT: u32 = 3;
+
+/// The optimizer-state shard a data-parallel replica keeps: replica
+/// `replica` of `replicas`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shard {
+    pub replica: u32,
+    pub replicas: u32,
+}
+
+impl Shard {
+    /// No replicas: one worker keeps all of its stage's state.
+    pub const WHOLE: Shard = Shard {
+        replica: 0,
+        replicas: 1,
+    };
+}
+
+fn one() -> u32 {
+    1
+}
 
 /// `meta.json` of one stage directory: what it holds and how to verify it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -92,6 +136,12 @@ pub struct CheckpointMeta {
     /// The adapters whose factors the part files hold (absent: every parameter).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub adapters: Option<LoraConfig>,
+    /// The data-parallel replica that wrote it (0 holds the parts) and the
+    /// attempt's replicas; 0 of 1 in checkpoints that predate replicas.
+    #[serde(default)]
+    pub replica: u32,
+    #[serde(default = "one")]
+    pub replicas: u32,
     pub files: Vec<FileDigest>,
 }
 
@@ -117,6 +167,26 @@ impl CheckpointMeta {
             first: self.first,
             last: self.last,
         }
+    }
+
+    /// The parts its directory holds: the stage's, or none for a replica other than 0.
+    fn parts(&self) -> Vec<Part> {
+        if self.replica == 0 {
+            self.layout().parts(&self.shape)
+        } else {
+            vec![]
+        }
+    }
+
+    /// The directories that together make this stage's checkpoint.
+    fn group(&self) -> (u32, u32, bool, bool, u32) {
+        (
+            self.layer_start,
+            self.layer_end,
+            self.first,
+            self.last,
+            self.replicas.max(1),
+        )
     }
 }
 
@@ -160,20 +230,26 @@ pub fn dir_name(step: u64) -> String {
     format!("{PREFIX}{step:012}")
 }
 
-fn stage_dir_name(layout: &StageLayout) -> String {
-    format!(
+fn stage_dir_name(layout: &StageLayout, replica: u32, replicas: u32) -> String {
+    let stage = format!(
         "{STAGE_PREFIX}{:04}-{:04}",
         layout.layers.start, layout.layers.end
-    )
+    );
+    if replicas > 1 {
+        format!("{stage}-r{replica:04}-of-{replicas:04}")
+    } else {
+        stage
+    }
 }
 
 fn part_file(part: Part) -> String {
     format!("{}.bpk", part.file_stem())
 }
 
-/// Writes this stage's checkpoint at `meta.step` under `root` atomically,
-/// then prunes steps older than the newest [`KEEP`] complete ones. Returns
-/// the stage's directory.
+/// Writes this stage's checkpoint at `meta.step` under `root` atomically
+/// (with replicas, this replica's part of it: the parts from replica 0 only,
+/// and its optimizer shard), then prunes steps older than the newest [`KEEP`]
+/// complete ones. Returns the directory written.
 pub fn save(
     root: &Path,
     model: &TransformerLm,
@@ -183,7 +259,7 @@ pub fn save(
     let layout = meta.layout();
     let step_dir = root.join(dir_name(meta.step));
     fs::create_dir_all(&step_dir).map_err(io(&step_dir))?;
-    let name = stage_dir_name(&layout);
+    let name = stage_dir_name(&layout, meta.replica, meta.replicas);
     let tmp = step_dir.join(format!("{TMP_PREFIX}{name}-{}", writer_id()));
     if tmp.exists() {
         fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
@@ -194,7 +270,7 @@ pub fn save(
     let adapters = meta.adapters.is_some();
     let record = |m: &dyn RecordPart| m.record(adapters);
     let mut paths = Vec::new();
-    for part in layout.parts(&meta.shape) {
+    for part in meta.parts() {
         let path = tmp.join(part_file(part));
         let saved = match part {
             Part::Token => model.token.as_ref().map(|m| record(m).save(&path)),
@@ -216,7 +292,11 @@ pub fn save(
         .map_err(|e| record_error(&optimizer_path, e))?;
     paths.push(optimizer_path);
 
-    meta.format = FORMAT;
+    meta.format = if meta.replicas > 1 {
+        SHARDED_FORMAT
+    } else {
+        FORMAT
+    };
     meta.files = paths.iter().map(|p| digest(p)).collect::<Result<_, _>>()?;
     let meta_path = tmp.join(META_FILE);
     let json = serde_json::to_vec_pretty(&meta).map_err(|e| record_error(&meta_path, e))?;
@@ -335,16 +415,21 @@ fn read_meta(dir: &Path) -> Result<CheckpointMeta, CheckpointError> {
     let json = fs::read(&meta_path).map_err(|e| invalid(format!("{META_FILE}: {e}")))?;
     let meta: CheckpointMeta =
         serde_json::from_slice(&json).map_err(|e| invalid(format!("{META_FILE}: {e}")))?;
-    if meta.format != FORMAT {
+    if meta.format != FORMAT && meta.format != SHARDED_FORMAT {
         return Err(invalid(format!(
-            "format {}, expected {FORMAT}",
+            "format {}, expected {FORMAT} or {SHARDED_FORMAT}",
             meta.format
+        )));
+    }
+    if meta.replica >= meta.replicas.max(1) {
+        return Err(invalid(format!(
+            "replica {} of {}",
+            meta.replica, meta.replicas
         )));
     }
     let listed = |name: &str| meta.files.iter().any(|d| d.name == name);
     if let Some(missing) = meta
-        .layout()
-        .parts(&meta.shape)
+        .parts()
         .into_iter()
         .map(part_file)
         .chain([OPTIMIZER_FILE.to_string()])
@@ -375,10 +460,12 @@ pub fn verify(dir: &Path) -> Result<CheckpointMeta, CheckpointError> {
     Ok(meta)
 }
 
-/// One step's verified stage directories, and which holds each part.
+/// One step's verified stages, and which holds each part.
 struct Step {
     dir: PathBuf,
-    stages: Vec<(PathBuf, CheckpointMeta)>,
+    /// Stages whose every replica's directory is there: the directories in
+    /// replica order (the first holds the parts; one without replicas).
+    stages: Vec<Vec<(PathBuf, CheckpointMeta)>>,
     holder: BTreeMap<Part, usize>,
     skipped: Vec<String>,
 }
@@ -392,8 +479,7 @@ impl Step {
         adapters: Option<&LoraConfig>,
         check: fn(&Path) -> Result<CheckpointMeta, CheckpointError>,
     ) -> Result<Step, CheckpointError> {
-        let mut stages = Vec::new();
-        let mut holder = BTreeMap::new();
+        let mut groups: BTreeMap<_, BTreeMap<u32, (PathBuf, CheckpointMeta)>> = BTreeMap::new();
         let mut skipped = Vec::new();
         for (_, stage_dir) in numbered(&dir, STAGE_PREFIX)? {
             match check(&stage_dir) {
@@ -406,10 +492,10 @@ impl Step {
                     ))
                 }
                 Ok(meta) if &meta.shape == shape => {
-                    for part in meta.layout().parts(&meta.shape) {
-                        holder.entry(part).or_insert(stages.len());
-                    }
-                    stages.push((stage_dir, meta));
+                    groups
+                        .entry(meta.group())
+                        .or_default()
+                        .insert(meta.replica, (stage_dir, meta));
                 }
                 Ok(meta) => skipped.push(format!(
                     "{}: written for another model shape ({:?})",
@@ -418,6 +504,23 @@ impl Step {
                 )),
                 Err(e) => skipped.push(e.to_string()),
             }
+        }
+        let mut stages = Vec::new();
+        let mut holder = BTreeMap::new();
+        for ((start, end, _, _, replicas), shards) in groups {
+            if shards.len() != replicas as usize {
+                let have: Vec<u32> = shards.keys().copied().collect();
+                skipped.push(format!(
+                    "{}: layers {start}..{end} have the directories of replicas {have:?} of {replicas}, not all",
+                    dir.display()
+                ));
+                continue;
+            }
+            let shards: Vec<(PathBuf, CheckpointMeta)> = shards.into_values().collect();
+            for part in shards[0].1.parts() {
+                holder.entry(part).or_insert(stages.len());
+            }
+            stages.push(shards);
         }
         Ok(Step {
             dir,
@@ -445,7 +548,7 @@ impl Step {
 
     fn path_of(&self, part: Part) -> Option<PathBuf> {
         let i = *self.holder.get(&part)?;
-        Some(self.stages[i].0.join(part_file(part)))
+        Some(self.stages[i][0].0.join(part_file(part)))
     }
 }
 
@@ -459,7 +562,8 @@ pub struct Restored {
 /// Where a resumed run came from.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Found {
-    /// The step's metadata (the last stage's, which carries the loss).
+    /// The step's metadata (the last stage's, which carries the loss; its
+    /// first replica's with replicas).
     pub meta: CheckpointMeta,
     pub dir: PathBuf,
     /// Newer checkpoints (or stage directories) that could not be used, with why.
@@ -558,14 +662,16 @@ fn merged_optimizer_state(
 }
 
 /// Loads this stage's parts of the newest complete step under `root` into
-/// `model` and the matching optimizer state into `optimizer`. `Ok(None)`
-/// when there is none (a fresh start); steps that are incomplete or fail to
-/// load are skipped and reported in [`Found::skipped`].
+/// `model` and the matching optimizer state into `optimizer`: with replicas,
+/// the state of the tensors `shard` owns. `Ok(None)` when there is none (a
+/// fresh start); steps that are incomplete or fail to load are skipped and
+/// reported in [`Found::skipped`].
 pub fn restore_newest(
     root: &Path,
     shape: &LmShape,
     layout: &StageLayout,
     adapters: Option<&LoraConfig>,
+    shard: Shard,
     model: TransformerLm,
     optimizer: ModuleOptimizer,
 ) -> Result<Option<Restored>, CheckpointError> {
@@ -586,6 +692,7 @@ pub fn restore_newest(
             &step,
             layout,
             adapters.is_some(),
+            shard,
             model.clone(),
             optimizer.clone(),
         ) {
@@ -593,9 +700,9 @@ pub fn restore_newest(
                 let meta = step
                     .stages
                     .iter()
-                    .map(|(_, m)| m)
+                    .map(|shards| &shards[0].1)
                     .find(|m| m.last)
-                    .or(step.stages.first().map(|(_, m)| m))
+                    .or(step.stages.first().map(|shards| &shards[0].1))
                     .cloned()
                     .expect("a complete step has stages");
                 return Ok(Some(Restored {
@@ -618,6 +725,7 @@ fn load_stage(
     step: &Step,
     layout: &StageLayout,
     partial: bool,
+    shard: Shard,
     mut model: TransformerLm,
     optimizer: ModuleOptimizer,
 ) -> Result<(TransformerLm, ModuleOptimizer), CheckpointError> {
@@ -628,9 +736,12 @@ fn load_stage(
         })
     };
     let mut sources = BTreeSet::new();
+    // Every replica's shard of the stage that holds the part.
     let mut note = |part: Part| {
         if let Some(i) = step.holder.get(&part) {
-            sources.insert(step.stages[*i].0.join(OPTIMIZER_FILE));
+            for (dir, _) in &step.stages[*i] {
+                sources.insert(dir.join(OPTIMIZER_FILE));
+            }
         }
     };
     // A tied head's copy of the token embedding is the first stage's, ParamId included.
@@ -656,7 +767,14 @@ fn load_stage(
         note(Part::Head);
     }
     let files: Vec<PathBuf> = sources.into_iter().collect();
-    let state = merged_optimizer_state(&files, &param_ids(&model))?;
+    // The ids come from the part files, the same on every replica; which of
+    // them this replica owns depends on the attempt's replicas only.
+    let keep = if shard.replicas > 1 {
+        crate::data_parallel::Shards::of(&model, partial, shard.replicas).owned(shard.replica)
+    } else {
+        param_ids(&model)
+    };
+    let state = merged_optimizer_state(&files, &keep)?;
     let optimizer = optimizer
         .from_bytes(state)
         .map_err(|e| record_error(&step.dir, e))?;

@@ -12,7 +12,7 @@ use std::time::Duration;
 use headroom_api::{
     CHECKPOINT_DIR_ENV, DEFAULT_CHECKPOINT_DIR, PIPELINE_ADDRESSES_ENV, PIPELINE_PODS_ENV,
     PIPELINE_SERVICE_ENV, PIPELINE_TIMEOUT_ENV, PLAN_FILE_ENV, PLAN_JSON_ENV, POD_NAME_ENV,
-    TELEMETRY_INTERVAL_ENV, TERMINATION_MESSAGE_PATH,
+    REPLICA_ADDRESSES_ENV, REPLICA_PODS_ENV, TELEMETRY_INTERVAL_ENV, TERMINATION_MESSAGE_PATH,
 };
 
 use crate::report::DEFAULT_INTERVAL;
@@ -39,15 +39,18 @@ pub enum PlanSource {
     Json(String),
 }
 
-/// How a stage of a multi-stage plan finds the others.
+/// How a stage of a multi-stage plan finds the others, and how a replica
+/// finds the other replicas of its stage.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PipelinePeers {
-    /// `HEADROOM_PIPELINE_ADDRESSES`: one `host:port` per stage, no cluster
-    /// needed (local runs and tests); takes precedence over the pods.
+    /// `HEADROOM_PIPELINE_ADDRESSES` (`HEADROOM_REPLICA_ADDRESSES`): one
+    /// `host:port` per stage (replica), no cluster needed (local runs and
+    /// tests); takes precedence over the pods.
     Addresses(Vec<String>),
-    /// `HEADROOM_PIPELINE_PODS` (set by the operator): the stages' pod names,
-    /// looked up through the API, and the headless Service
-    /// (`HEADROOM_PIPELINE_SERVICE`) for the DNS fallback.
+    /// `HEADROOM_PIPELINE_PODS` (`HEADROOM_REPLICA_PODS`), set by the
+    /// operator: the pod names, looked up through the API, and the headless
+    /// Service (`HEADROOM_PIPELINE_SERVICE`, empty when not set) for the DNS
+    /// fallback.
     Pods { pods: Vec<String>, service: String },
 }
 
@@ -70,6 +73,9 @@ pub struct WorkerEnv {
     pub pipeline_timeout: Duration,
     /// `None` when neither pipeline variable is set (a single-stage plan needs none).
     pub pipeline_peers: Option<PipelinePeers>,
+    /// The replicas of this worker's stage, rank order; `None` when neither
+    /// replica variable is set (a plan without replicas needs none).
+    pub replica_peers: Option<PipelinePeers>,
 }
 
 /// A variable the worker cannot use.
@@ -166,6 +172,14 @@ impl WorkerEnv {
             }),
             (None, None) => None,
         };
+        let replica_peers = match (env(REPLICA_ADDRESSES_ENV), env(REPLICA_PODS_ENV)) {
+            (Some(addresses), _) => Some(PipelinePeers::Addresses(list(&addresses))),
+            (None, Some(pods)) => Some(PipelinePeers::Pods {
+                pods: list(&pods),
+                service: env(PIPELINE_SERVICE_ENV).unwrap_or_default(),
+            }),
+            (None, None) => None,
+        };
         Ok(WorkerEnv {
             termination_message_path,
             plan,
@@ -176,6 +190,7 @@ impl WorkerEnv {
             device_memory_limit,
             pipeline_timeout,
             pipeline_peers,
+            replica_peers,
         })
     }
 }
@@ -217,6 +232,7 @@ mod tests {
                 device_memory_limit: None,
                 pipeline_timeout: DEFAULT_PIPELINE_TIMEOUT,
                 pipeline_peers: None,
+                replica_peers: None,
             }
         );
     }
@@ -235,6 +251,7 @@ mod tests {
             (PIPELINE_TIMEOUT_ENV, "60"),
             (PIPELINE_PODS_ENV, "p0, p1,,"),
             (PIPELINE_SERVICE_ENV, "job-a1"),
+            (REPLICA_PODS_ENV, "p0,p0-r1"),
         ]))
         .expect("valid");
         assert_eq!(env.plan, PlanSource::File("/plan/plan.json".into()));
@@ -251,13 +268,29 @@ mod tests {
                 service: "job-a1".into()
             })
         );
+        assert_eq!(
+            env.replica_peers,
+            Some(PipelinePeers::Pods {
+                pods: vec!["p0".into(), "p0-r1".into()],
+                service: "job-a1".into()
+            })
+        );
         // Explicit addresses win over the operator's pods (local runs, tests).
         let local = WorkerEnv::from_lookup(env_with(&[
             (PLAN_JSON_ENV, "{}"),
             (PIPELINE_PODS_ENV, "p0,p1"),
             (PIPELINE_ADDRESSES_ENV, "127.0.0.1:1, 127.0.0.1:2"),
+            (REPLICA_PODS_ENV, "p0,p0-r1"),
+            (REPLICA_ADDRESSES_ENV, "127.0.0.1:3,127.0.0.1:4"),
         ]))
         .expect("valid");
+        assert_eq!(
+            local.replica_peers,
+            Some(PipelinePeers::Addresses(vec![
+                "127.0.0.1:3".into(),
+                "127.0.0.1:4".into()
+            ]))
+        );
         assert_eq!(
             local.pipeline_peers,
             Some(PipelinePeers::Addresses(vec![

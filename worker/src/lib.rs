@@ -13,6 +13,8 @@
 //! * [`pipeline`] — stages over TCP: links, handshake, the 1F1B schedule
 //! * [`collective`] — sums and gathers across data-parallel replicas (a TCP
 //!   ring now; the interface NCCL would sit behind)
+//! * [`data_parallel`] — replicas of a stage: gradient reduce-scatter, ZeRO-1
+//!   optimizer shards, weight all-gather, in buckets
 //! * [`data`] — the synthetic next-token task (deterministic per sample)
 //! * [`text`] — real text: JSONL/plain documents, Hugging Face tokenizer, packed
 //!   samples, seeded shuffle, per-rank shares (not yet wired into training)
@@ -28,14 +30,15 @@
 //! its code): every exit writes a JSON [`TerminationMessage`] to the
 //! termination-message path, and an unusable environment or an unreadable
 //! or inconsistent plan exits with `INVALID_PLAN`, distinct from any failure
-//! of training itself; a stage whose pipeline neighbour went away exits with
-//! `PEER_LOST`.
+//! of training itself; a stage whose pipeline neighbour or data-parallel
+//! replica went away exits with `PEER_LOST`.
 
 pub mod assignment;
 pub mod checkpoint;
 pub mod cluster;
 pub mod collective;
 pub mod data;
+pub mod data_parallel;
 pub mod env;
 pub mod initialize;
 pub mod model;

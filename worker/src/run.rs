@@ -8,7 +8,8 @@
 //! `DEVICE_OUT_OF_MEMORY` for an allocation failure caught in process (a
 //! CUDA/cubecl out-of-memory panic, or the optional soft limit
 //! `HEADROOM_DEVICE_MEMORY_LIMIT_BYTES`); `PEER_LOST` when a pipeline
-//! neighbour went away; `TERMINATED` when told to stop (SIGTERM) after saving a
+//! neighbour or a data-parallel replica of the stage went away (or never
+//! came up); `TERMINATED` when told to stop (SIGTERM) after saving a
 //! checkpoint at the step reached; `FAILURE` for anything else. A kernel OOM kill (137)
 //! never reaches us.
 
@@ -17,15 +18,18 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use burn::tensor::Device;
 use headroom_api::{
-    PIPELINE_ADDRESSES_ENV, PIPELINE_PODS_ENV, PIPELINE_PORT, TerminationMessage, WorkerOutcome,
+    PIPELINE_ADDRESSES_ENV, PIPELINE_PODS_ENV, PIPELINE_PORT, REPLICA_ADDRESSES_ENV,
+    REPLICA_PODS_ENV, REPLICA_PORT, TerminationMessage, WorkerOutcome,
 };
 
 use crate::assignment::ValidAssignment;
 use crate::checkpoint::CheckpointError;
 use crate::cluster::ClusterHandle;
+use crate::collective::{CollectiveError, Ring, RingHello, RingTimeouts};
 pub use crate::env::{DEVICE_MEMORY_LIMIT_ENV, TERMINATION_MESSAGE_PATH_ENV};
 use crate::env::{InvalidEnv, PipelinePeers, WorkerEnv};
 use crate::pipeline::{Hello, Links, Peers, PipelineError, establish};
@@ -34,7 +38,7 @@ use crate::report::{
     WritePolicy,
 };
 use crate::telemetry::{MemoryProbe, process_memory};
-use crate::train::{Trainer, training_device};
+use crate::train::{StepError, Trainer, training_device};
 use crate::write_termination_message;
 use headroom_planner::Backend;
 
@@ -74,6 +78,25 @@ impl Exit {
         match e {
             PipelineError::PeerLost { .. } => Exit::new(WorkerOutcome::PeerLost, e.to_string()),
             PipelineError::Protocol(_) => Exit::failed(e.to_string()),
+        }
+    }
+
+    /// A replica of the stage went away (`PEER_LOST`, as a pipeline
+    /// neighbour), or the replicas disagree (a failure).
+    fn replicas(e: &CollectiveError) -> Self {
+        let reason = format!("data-parallel replicas: {e}");
+        match e {
+            CollectiveError::PeerLost { .. } => Exit::new(WorkerOutcome::PeerLost, reason),
+            CollectiveError::Protocol(_) | CollectiveError::InvalidSegments(_) => {
+                Exit::failed(reason)
+            }
+        }
+    }
+
+    fn step(e: &StepError) -> Self {
+        match e {
+            StepError::Pipeline(e) => Exit::pipeline(e),
+            StepError::Replicas(e) => Exit::replicas(e),
         }
     }
 
@@ -196,8 +219,13 @@ fn run_inner(env: &WorkerEnv) -> Exit {
 fn identity(plan: &ValidAssignment, pod: Option<String>) -> WorkerIdentity {
     let a = plan.assignment();
     let layers = &plan.config().layout.layers;
+    let replica = if a.plan.replicas > 1 {
+        format!("-replica{}", a.replica)
+    } else {
+        String::new()
+    };
     WorkerIdentity {
-        name: pod.unwrap_or_else(|| format!("{}-{}-stage{}", a.job, a.attempt, a.stage)),
+        name: pod.unwrap_or_else(|| format!("{}-{}-stage{}{replica}", a.job, a.attempt, a.stage)),
         job: a.job.clone(),
         namespace: a.namespace.clone(),
         attempt: a.attempt,
@@ -261,7 +289,9 @@ impl Training<'_> {
                 Peers::Pods {
                     namespace: a.namespace.clone(),
                     pods: pods.clone(),
-                    dns: (0..pods.len()).map(|k| format!("s{k}.{service}")).collect(),
+                    dns: (0..pods.len() as u32)
+                        .map(|k| format!("{}.{service}", host_name(k, a.replica, a.plan.replicas)))
+                        .collect(),
                     port: PIPELINE_PORT,
                     cluster: self.cluster.clone(),
                 },
@@ -281,6 +311,105 @@ impl Training<'_> {
             None
         };
         Ok((peers, listener))
+    }
+
+    /// This replica's ring: one `host:port` per replica (the next one's
+    /// resolved; the others are never called) and its listening socket, on
+    /// which the previous replica calls.
+    fn ring_setup(&self, replicas: u32) -> Result<(Vec<String>, TcpListener), Exit> {
+        let a = self.plan.assignment();
+        let next = (a.replica + 1) % replicas;
+        let count = |n: usize, variable: &str| {
+            if n == replicas as usize {
+                Ok(())
+            } else {
+                Err(Exit::invalid_plan(format!(
+                    "{variable}: {n} entries for a plan with {replicas} replicas"
+                )))
+            }
+        };
+        match &self.env.replica_peers {
+            Some(PipelinePeers::Addresses(addresses)) => {
+                count(addresses.len(), REPLICA_ADDRESSES_ENV)?;
+                let own = &addresses[a.replica as usize];
+                let port = own
+                    .rsplit_once(':')
+                    .and_then(|(_, p)| p.parse::<u16>().ok())
+                    .ok_or_else(|| {
+                        Exit::invalid_plan(format!(
+                            "{REPLICA_ADDRESSES_ENV}: replica {} needs a host:port entry, got {own:?}",
+                            a.replica
+                        ))
+                    })?;
+                Ok((addresses.clone(), self.listen(port)?))
+            }
+            Some(PipelinePeers::Pods { pods, service }) => {
+                count(pods.len(), REPLICA_PODS_ENV)?;
+                // Listen first: the previous replica may be calling already.
+                let listener = self.listen(REPLICA_PORT)?;
+                let dns = (!service.is_empty())
+                    .then(|| format!("{}.{service}", host_name(a.stage, next, replicas)));
+                let pod = &pods[next as usize];
+                let address = self.pod_address(pod, dns, REPLICA_PORT, next)?;
+                let mut addresses: Vec<String> =
+                    pods.iter().map(|p| format!("{p}:{REPLICA_PORT}")).collect();
+                addresses[next as usize] = address;
+                Ok((addresses, listener))
+            }
+            None => Err(Exit::invalid_plan(format!(
+                "a plan with {replicas} replicas needs {REPLICA_PODS_ENV} (set by the operator) or {REPLICA_ADDRESSES_ENV}"
+            ))),
+        }
+    }
+
+    fn listen(&self, port: u16) -> Result<TcpListener, Exit> {
+        TcpListener::bind(("0.0.0.0", port)).map_err(|e| {
+            Exit::failed(format!(
+                "data-parallel replicas: cannot listen on port {port}: {e}"
+            ))
+        })
+    }
+
+    /// `pod`'s `ip:port` from the API server, asking until it has an IP or
+    /// the pipeline timeout passes; `dns:port` when the API cannot be asked.
+    fn pod_address(
+        &self,
+        pod: &str,
+        dns: Option<String>,
+        port: u16,
+        replica: u32,
+    ) -> Result<String, Exit> {
+        let namespace = &self.plan.assignment().namespace;
+        let until = Instant::now() + self.env.pipeline_timeout;
+        let mut pause = Duration::from_millis(250);
+        loop {
+            let last = match self.cluster.pod_ip(namespace, pod) {
+                Ok(Some(ip)) if ip.contains(':') => return Ok(format!("[{ip}]:{port}")),
+                Ok(Some(ip)) => return Ok(format!("{ip}:{port}")),
+                Ok(None) => "it has no IP yet".to_string(),
+                Err(e) => match &dns {
+                    Some(dns) => {
+                        tracing::warn!(
+                            pod,
+                            "replica ring: cannot ask the API for the pod's IP ({e}); calling {dns}"
+                        );
+                        return Ok(format!("{dns}:{port}"));
+                    }
+                    None => e.to_string(),
+                },
+            };
+            if Instant::now() >= until {
+                return Err(Exit::replicas(&CollectiveError::PeerLost {
+                    rank: replica,
+                    detail: format!(
+                        "pod {pod} not found in {:?}: {last}",
+                        self.env.pipeline_timeout
+                    ),
+                }));
+            }
+            std::thread::sleep(pause.min(until.saturating_duration_since(Instant::now())));
+            pause = (pause * 2).min(Duration::from_secs(2));
+        }
     }
 
     /// Builds the trainer, resumes, connects the pipeline and trains to the
@@ -310,10 +439,11 @@ impl Training<'_> {
                 tracing::info!(
                     step = found.meta.step,
                     dir = %found.dir.display(),
-                    "resumed (checkpoint written by attempt {} with micro-batch {} × accumulation {})",
+                    "resumed (checkpoint written by attempt {} with micro-batch {} × accumulation {} × {} replicas)",
                     found.meta.attempt,
                     found.meta.settings.micro_batch,
-                    found.meta.settings.gradient_accumulation
+                    found.meta.settings.gradient_accumulation,
+                    found.meta.replicas
                 );
             }
             Ok(None) => {
@@ -343,6 +473,45 @@ impl Training<'_> {
                 Err(e) => return Exit::pipeline(&e).at(trainer.step, self.peak_now()),
             };
             trainer.connect(links);
+        }
+        let replicas = trainer.config.replicas;
+        if replicas > 1 {
+            let (addresses, listener) = match self.ring_setup(replicas) {
+                Ok(setup) => setup,
+                Err(exit) => return exit.at(trainer.step, self.peak_now()),
+            };
+            let a = self.plan.assignment();
+            let me = RingHello {
+                job: a.job.clone(),
+                namespace: a.namespace.clone(),
+                attempt: a.attempt,
+                stage: a.stage,
+                replica: a.replica,
+                replicas,
+                resume_step: trainer.step,
+            };
+            tracing::info!(
+                stage = me.stage,
+                replica = me.replica,
+                replicas,
+                "replica ring: connecting to the other replicas of the stage"
+            );
+            let timeouts = RingTimeouts {
+                rendezvous: self.env.pipeline_timeout,
+                io: self.env.pipeline_timeout,
+            };
+            let joined = Ring::establish(&me, &addresses, listener, timeouts)
+                .and_then(|ring| trainer.join_replicas(Box::new(ring)));
+            if let Err(e) = joined {
+                return Exit::replicas(&e).at(trainer.step, self.peak_now());
+            }
+            let shards = trainer.shards(replicas);
+            tracing::info!(
+                owned = shards.owned(me.replica).len(),
+                tensors = shards.tensors.len(),
+                loads = ?shards.loads(),
+                "replica ring: connected; optimizer state sharded (elements per replica)"
+            );
         }
         self.reporter.update(Progress {
             step: trainer.step,
@@ -376,8 +545,10 @@ impl Training<'_> {
                     // The step never reached its update, so this stage is still
                     // at `step`. A neighbour that was stopped (eviction, deletion)
                     // saved that step on its way out: saving here completes it.
-                    let mut exit = Exit::pipeline(&e);
-                    if saved_at != step {
+                    // (Unless the replicas failed half way through sharing
+                    // their updates: then this model is no step's.)
+                    let mut exit = Exit::step(&e);
+                    if saved_at != step && trainer.can_checkpoint() {
                         let saved = match self.save(&trainer, last_loss) {
                             Ok(dir) => {
                                 format!("checkpoint at step {step} saved to {}", dir.display())
@@ -517,6 +688,16 @@ pub(crate) fn end_of_sequence(model_dir: &Path, tokenizer: &tokenizers::Tokenize
         })
 }
 
+/// A worker's hostname under the job's headless Service, as the operator
+/// sets it: `s<k>`, or `s<k>-r<r>` in a plan with replicas.
+fn host_name(stage: u32, replica: u32, replicas: u32) -> String {
+    if replicas > 1 {
+        format!("s{stage}-r{replica}")
+    } else {
+        format!("s{stage}")
+    }
+}
+
 fn classify_panic(text: &str, step: u64, peak: u64) -> Exit {
     let first_line = text.lines().next().unwrap_or_default().to_string();
     match out_of_memory(text) {
@@ -580,6 +761,21 @@ mod tests {
         );
         let protocol = Exit::pipeline(&PipelineError::Protocol("x".into()));
         assert_eq!(protocol.code(), exit_code::FAILURE);
+        let replica = Exit::step(&StepError::Replicas(CollectiveError::PeerLost {
+            rank: 1,
+            detail: "closed the connection".into(),
+        }));
+        assert_eq!(replica.code(), exit_code::PEER_LOST);
+        assert!(
+            replica
+                .message
+                .reason
+                .starts_with("data-parallel replicas: replica 1"),
+            "{}",
+            replica.message.reason
+        );
+        let disagree = Exit::step(&StepError::Replicas(CollectiveError::Protocol("x".into())));
+        assert_eq!(disagree.code(), exit_code::FAILURE);
         assert_eq!(Exit::invalid_plan("x").code(), exit_code::INVALID_PLAN);
         for outcome in WorkerOutcome::ALL {
             assert_eq!(Exit::new(outcome, "").code(), outcome.exit_code());

@@ -30,7 +30,9 @@ use headroom_planner::Backend;
 use headroom_planner::{LoraConfig, Optimizer, Precision, Settings};
 
 use crate::checkpoint;
+use crate::collective::{Collective, CollectiveError};
 use crate::data::{ProgressionTask, Samples, TextSamples};
+use crate::data_parallel::{Replicas, Shards, stable_param_ids};
 use crate::model::hf::HfCheckpoint;
 use crate::model::{LmShape, StageLayout, TransformerLm, lora, peft};
 use crate::optim::{AdamW8bitConfig, Offloaded};
@@ -46,6 +48,13 @@ pub struct TrainConfig {
     /// This worker's stage and the plan's number of stages.
     pub stage: u32,
     pub stages: u32,
+    /// This worker's data-parallel rank within its stage and the plan's
+    /// number of replicas (d): replica r trains micro-batches
+    /// `r·accumulation ..` of every step and keeps the optimizer state of
+    /// the tensors [`crate::data_parallel::Shards`] gives it.
+    pub replica: u32,
+    pub replicas: u32,
+    /// Per replica: micro-batch × accumulation is the global batch over `replicas`.
     pub settings: Settings,
     pub backend: Backend,
     /// Optimizer steps in the whole run (a resumed attempt stops at the same total).
@@ -93,6 +102,8 @@ impl TrainConfig {
             layout: StageLayout::whole(&shape),
             stage: 0,
             stages: 1,
+            replica: 0,
+            replicas: 1,
             shape,
             settings,
             backend: Backend::Flex,
@@ -118,8 +129,17 @@ impl TrainConfig {
         self
     }
 
+    /// Samples per optimizer step over all replicas (the plan's global batch).
     pub fn global_batch(&self) -> u64 {
-        self.settings.global_batch()
+        self.settings.global_batch() * u64::from(self.replicas.max(1))
+    }
+
+    /// Runs as replica `replica` of `replicas` (each with `settings`, the
+    /// per-replica micro-batch and accumulation).
+    pub fn with_replica(mut self, replica: u32, replicas: u32) -> Self {
+        self.replica = replica;
+        self.replicas = replicas;
+        self
     }
 
     /// Tokens consumed by one optimizer step.
@@ -192,13 +212,22 @@ pub fn build_optimizer(settings: &Settings) -> Result<ModuleOptimizer, Unsupport
 /// (Hugging Face format; dense base only).
 pub const MERGED_DIR: &str = "merged";
 
+/// Why an optimizer step failed: the pipeline or the replicas' ring.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum StepError {
+    #[error(transparent)]
+    Pipeline(#[from] PipelineError),
+    #[error("data-parallel replicas: {0}")]
+    Replicas(#[from] CollectiveError),
+}
+
 /// What one optimizer step did.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepReport {
     /// Optimizer steps completed, this one included.
     pub step: u64,
-    /// Mean loss over the global batch (before the update); only the last
-    /// pipeline stage computes it.
+    /// Mean loss over the global batch (before the update), the same on
+    /// every replica; only the last pipeline stage computes it.
     pub loss: Option<f64>,
     pub tokens: u64,
     pub elapsed: Duration,
@@ -225,6 +254,12 @@ pub struct Trainer {
     pretrained: Option<HfCheckpoint>,
     /// Neighbouring stages; empty for a single-stage plan.
     links: Links,
+    /// The other replicas of this stage (none until [`Trainer::join_replicas`]).
+    replicas: Replicas,
+    /// Set when a step failed after this replica's update and before it had
+    /// every other replica's: the model is then no step's, and must not be
+    /// saved.
+    torn: Option<String>,
 }
 
 /// What a forward pass keeps of one micro-batch until its backward pass.
@@ -322,6 +357,9 @@ impl Trainer {
             )
             .map_err(|e| unsupported("training.lora", e.0))?;
         }
+        // The same ids on every replica and attempt (optimizer state and
+        // checkpoint shards are keyed by them).
+        let model = stable_param_ids(model, &config.layout);
         let optimizer = build_optimizer(&config.settings)?;
         let task = Samples::Progression(ProgressionTask {
             seed: config.seed,
@@ -337,6 +375,8 @@ impl Trainer {
             task,
             pretrained,
             links: Links::default(),
+            replicas: Replicas::default(),
+            torn: None,
         })
     }
 
@@ -402,6 +442,46 @@ impl Trainer {
         self.links = links;
     }
 
+    /// Joins the other replicas of this stage (a plan with replicas), with
+    /// buckets of the backend's `collective_bucket_bytes`.
+    pub fn join_replicas(
+        &mut self,
+        collective: Box<dyn Collective>,
+    ) -> Result<(), CollectiveError> {
+        let c = &self.config;
+        if (collective.rank(), collective.size()) != (c.replica, c.replicas) {
+            return Err(CollectiveError::Protocol(format!(
+                "the ring has this worker as replica {} of {}, its assignment says {} of {}",
+                collective.rank(),
+                collective.size(),
+                c.replica,
+                c.replicas
+            )));
+        }
+        let bucket = c.backend.profile().collective_bucket_bytes;
+        self.replicas = Replicas::new(collective, bucket);
+        Ok(())
+    }
+
+    /// Moves gradients and weights between the replicas in buckets of
+    /// `bytes` instead of the backend's (after [`Trainer::join_replicas`];
+    /// every replica must use the same): tests and benchmarks.
+    pub fn set_collective_bucket_bytes(&mut self, bytes: u64) {
+        self.replicas.set_bucket_bytes(bytes);
+    }
+
+    /// The stage's trained tensors and which replica owns each (for `replicas`).
+    pub fn shards(&self, replicas: u32) -> Shards {
+        let c = &self.config;
+        let shards = Shards::of(self.model(), c.adapters.is_some(), replicas);
+        // A tied embedding split across stages: both copies all-reduced alike.
+        let tied = c.stages > 1 && c.shape.tied_embeddings() && c.adapters.is_none();
+        match self.model().token.as_ref().filter(|_| tied) {
+            Some(token) => shards.all_reducing(token.weight.id),
+            None => shards,
+        }
+    }
+
     pub fn model(&self) -> &TransformerLm {
         self.model
             .as_ref()
@@ -425,8 +505,20 @@ impl Trainer {
     }
 
     /// One optimizer step over the plan's global batch: this stage's part of
-    /// the 1F1B schedule, the tied-embedding exchange, one update.
-    pub fn train_step(&mut self) -> Result<StepReport, PipelineError> {
+    /// the 1F1B schedule on this replica's share, the tied-embedding
+    /// exchange, the replicas' gradient reduce-scatter, one update of the
+    /// owned tensors, their all-gather.
+    pub fn train_step(&mut self) -> Result<StepReport, StepError> {
+        if let Some(torn) = &self.torn {
+            return Err(CollectiveError::Protocol(torn.clone()).into());
+        }
+        if self.replicas.size() != self.config.replicas.max(1) {
+            return Err(CollectiveError::Protocol(format!(
+                "replica {} of {}: join the other replicas before training",
+                self.config.replica, self.config.replicas
+            ))
+            .into());
+        }
         let started = Instant::now();
         let s = self.config.settings;
         let accumulation = s.gradient_accumulation.max(1);
@@ -460,15 +552,33 @@ impl Trainer {
         }
         let mut grads = single.unwrap_or_else(|| accumulator.grads());
         self.exchange_tied_gradient(&mut grads)?;
+        let loss = self.replicas.mean_loss(&losses)?;
+        let shards = self.shards(self.replicas.size());
+        self.replicas.reduce_gradients(&mut grads, &shards)?;
         let model = self.take_model();
-        self.model = Some(self.optimizer.step(self.config.learning_rate, model, grads));
+        let model = self.optimizer.step(self.config.learning_rate, model, grads);
+        let (model, gathered) = self.replicas.gather_parameters(model, &shards);
+        self.model = Some(model);
+        if let Err(e) = gathered {
+            self.torn = Some(format!(
+                "step {} was applied on some replicas only ({e}): this replica's model belongs to no step",
+                self.step + 1
+            ));
+            return Err(e.into());
+        }
         self.step += 1;
         Ok(StepReport {
             step: self.step,
-            loss: (!losses.is_empty()).then(|| losses.iter().sum::<f64>() / losses.len() as f64),
+            loss,
             tokens: self.config.tokens_per_step(),
             elapsed: started.elapsed(),
         })
+    }
+
+    /// Whether the model and optimizer are those of [`Trainer::step`]
+    /// (false after a failure half way through the replicas' exchange).
+    pub fn can_checkpoint(&self) -> bool {
+        self.torn.is_none()
     }
 
     /// Inputs (first stage) and targets (last stage) of a micro-batch of this step.
@@ -477,11 +587,13 @@ impl Trainer {
         if !layout.first && !layout.last {
             return (None, None);
         }
+        // Replica r's micro-batches follow those of replicas 0..r in the step.
+        let accumulation = self.config.settings.gradient_accumulation.max(1);
         let (tokens, targets) = self.task.micro_batch(
             self.step,
             self.config.global_batch(),
             self.config.settings.micro_batch,
-            micro,
+            self.config.replica * accumulation + micro,
             &self.device,
         );
         (
@@ -708,13 +820,21 @@ impl Trainer {
         Ok(())
     }
 
-    /// Saves this stage's parts + optimizer + step under `root` (see [`crate::checkpoint`]).
+    /// Saves this stage's parts + optimizer + step under `root` (see
+    /// [`crate::checkpoint`]; with replicas, this replica's optimizer shard
+    /// and, from replica 0, the parts).
     pub fn save_checkpoint(
         &self,
         root: &std::path::Path,
         attempt: u32,
         loss: Option<f64>,
     ) -> Result<std::path::PathBuf, checkpoint::CheckpointError> {
+        if let Some(torn) = &self.torn {
+            return Err(checkpoint::CheckpointError::Invalid {
+                path: root.to_path_buf(),
+                reason: format!("not saved: {torn}"),
+            });
+        }
         let c = &self.config;
         let meta = checkpoint::CheckpointMeta {
             format: checkpoint::FORMAT,
@@ -729,6 +849,8 @@ impl Trainer {
             last: c.layout.last,
             settings: c.settings,
             adapters: c.adapters.clone(),
+            replica: c.replica,
+            replicas: c.replicas.max(1),
             files: vec![],
         };
         checkpoint::save(root, self.model(), &self.optimizer, meta)
@@ -750,6 +872,10 @@ impl Trainer {
             &self.config.shape,
             &self.config.layout,
             self.config.adapters.as_ref(),
+            checkpoint::Shard {
+                replica: self.config.replica,
+                replicas: self.config.replicas.max(1),
+            },
             self.model().clone(),
             fresh_optimizer,
         )?;
