@@ -192,7 +192,7 @@ pub const FLEX: BackendProfile = BackendProfile {
     collective_latency_seconds: 1.0e-4,
     // Small: on CPU the buffers come out of the same memory limit as the
     // model, and a small model must still gain from sharding its state.
-    collective_bucket_bytes: 4 * MIB,
+    collective_bucket_bytes: 2 * MIB,
 };
 
 /// burn CUDA: context and kernels cost most of a GiB; drivers keep ~1 % back

@@ -231,3 +231,26 @@ fn alternatives_are_the_other_shapes_that_fit_fastest_first() {
         assert_batch(alt, 32);
     }
 }
+
+/// The e2e scenario's job (`e2e/tests/data_parallel.rs`): one worker is over
+/// its 190Mi limit, two ZeRO-1 replicas fit its budget (stages pinned to 1:
+/// a pipeline would fit too).
+#[test]
+fn the_e2e_job_needs_two_replicas() {
+    let model = transformer(4, 384, 6, 64, 8192);
+    let mut job = cpu_job(model, 2, 190 << 20, 2);
+    job.pinned_micro_batch = None;
+    job.pinned_stages = Some(1);
+    job.pinned_checkpointing = Some(false);
+    let at = |d: u32| {
+        let mut j = job.clone();
+        j.pinned_replicas = Some(d);
+        plan_with(&j, &Inventory::default(), &opts(&FLEX_DP)).expect("planned")
+    };
+    let (one, two) = (at(1), at(2));
+    show("e2e d=1", &one);
+    show("e2e d=2", &two);
+    // Over the limit itself, not only the budget: the kernel kills it.
+    assert!(one.predicted_peak_bytes > 190 << 20, "{}", one.fit);
+    assert!(two.fits(), "{}", two.fit);
+}
