@@ -386,6 +386,166 @@ fn a_stage_that_fails_takes_its_neighbour_down_as_peer_lost() {
     );
 }
 
+/// Replica `replica` of a 1-stage plan with two replicas: micro-batch 2 ×
+/// 2 micro-batches each, the global batch of [`assignment`] (8).
+fn two_replica(steps: u64, replica: u32) -> WorkerAssignment {
+    let mut a = assignment(steps, Some(2));
+    assert_eq!(
+        a.plan.settings.gradient_accumulation, 4,
+        "{:?}",
+        a.plan.settings
+    );
+    a.plan.settings.gradient_accumulation = 2;
+    a.plan.replicas = 2;
+    a.plan.workers = 2;
+    a.replica = replica;
+    a
+}
+
+/// Runs both replicas of a 2-replica plan as two processes over loopback,
+/// checkpointing into `root/checkpoints`.
+fn run_two_replicas(
+    root: &Path,
+    steps: u64,
+    replica1_extra: &[(&'static str, String)],
+) -> [Run; 2] {
+    let addresses = format!("127.0.0.1:{},127.0.0.1:{}", free_port(), free_port());
+    let checkpoints = root.join("checkpoints");
+    let runs: Vec<Run> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..2u32)
+            .map(|r| {
+                let dir = root.join(format!("r{r}"));
+                std::fs::create_dir_all(&dir).expect("dir");
+                let json = serde_json::to_string(&two_replica(steps, r)).expect("json");
+                let mut extra = vec![
+                    (headroom_api::REPLICA_ADDRESSES_ENV, addresses.clone()),
+                    (CHECKPOINT_DIR_ENV, checkpoints.display().to_string()),
+                    (headroom_api::PIPELINE_TIMEOUT_ENV, "60".to_string()),
+                ];
+                if r == 1 {
+                    extra.extend(replica1_extra.iter().cloned());
+                }
+                scope.spawn(move || {
+                    let extra: Vec<(&str, &str)> =
+                        extra.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                    run_worker(&dir, &json, &extra)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("replica"))
+            .collect()
+    });
+    let mut runs = runs.into_iter();
+    [
+        runs.next().expect("replica 0"),
+        runs.next().expect("replica 1"),
+    ]
+}
+
+#[test]
+fn two_replica_processes_train_together_and_a_single_worker_resumes() {
+    let root = temp_dir("replicas");
+    let [r0, r1] = run_two_replicas(&root, 5, &[]);
+    for (r, run) in [&r0, &r1].iter().enumerate() {
+        assert_eq!(run.code, exit_code::SUCCESS, "replica {r}: {}", run.stderr);
+        assert_eq!(run.message.step, Some(5));
+    }
+    // Both report the loss of the whole global batch.
+    assert!(
+        r0.message.reason.contains("last loss"),
+        "{}",
+        r0.message.reason
+    );
+    assert_eq!(r0.message.reason, r1.message.reason);
+    assert!(
+        r0.stderr.contains("optimizer state sharded"),
+        "{}",
+        r0.stderr
+    );
+    let step = root.join("checkpoints/step-000000000005");
+    for r in 0..2 {
+        assert!(
+            step.join(format!("stage-0000-0002-r{r:04}-of-0002/meta.json"))
+                .is_file()
+        );
+    }
+    // A retry with one worker (d = 2 → 1) resumes from both shards.
+    let dir = root.join("single");
+    std::fs::create_dir_all(&dir).expect("dir");
+    let checkpoints = root.join("checkpoints").display().to_string();
+    let single = run_worker(
+        &dir,
+        &serde_json::to_string(&assignment(8, Some(2))).expect("json"),
+        &[(CHECKPOINT_DIR_ENV, checkpoints.as_str())],
+    );
+    assert_eq!(single.code, exit_code::SUCCESS, "{}", single.stderr);
+    assert_eq!(single.message.step, Some(8));
+    assert!(single.stderr.contains("× 2 replicas"), "{}", single.stderr);
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn a_replica_that_fails_takes_the_other_down_as_peer_lost() {
+    // Replica 1 passes its (tiny) device limit after step 1 and exits with
+    // the device-OOM code; replica 0 loses it in step 2's exchange.
+    let root = temp_dir("replica-lost");
+    let [r0, r1] = run_two_replicas(&root, 6, &[(DEVICE_MEMORY_LIMIT_ENV, "1".into())]);
+    assert_eq!(r1.code, exit_code::DEVICE_OUT_OF_MEMORY, "{}", r1.stderr);
+    assert_eq!(r0.code, exit_code::PEER_LOST, "{}", r0.stderr);
+    assert_eq!(r0.message.outcome, WorkerOutcome::PeerLost);
+    assert!(
+        r0.message
+            .reason
+            .starts_with("data-parallel replicas: replica 1"),
+        "{}",
+        r0.message.reason
+    );
+    // Replica 0 failed before its update: it saved its shard of step 1.
+    assert!(
+        r0.message.reason.contains("checkpoint at step 1 saved"),
+        "{}",
+        r0.message.reason
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// A replica listed under a port nobody answers: it exits as `PEER_LOST`
+/// when the rendezvous times out.
+#[test]
+fn a_replica_whose_ring_never_comes_up_is_peer_lost() {
+    let dir = temp_dir("replica-alone");
+    let addresses = format!("127.0.0.1:{},127.0.0.1:{}", free_port(), free_port());
+    let run = run_worker(
+        &dir,
+        &serde_json::to_string(&two_replica(3, 0)).expect("json"),
+        &[
+            (headroom_api::REPLICA_ADDRESSES_ENV, addresses.as_str()),
+            (headroom_api::PIPELINE_TIMEOUT_ENV, "2"),
+        ],
+    );
+    assert_eq!(run.code, exit_code::PEER_LOST, "{}", run.stderr);
+    assert!(
+        run.message.reason.starts_with("data-parallel replicas: "),
+        "{}",
+        run.message.reason
+    );
+    // Without the replica peers the plan cannot run.
+    let run = run_worker(
+        &dir,
+        &serde_json::to_string(&two_replica(3, 0)).expect("json"),
+        &[],
+    );
+    assert_eq!(run.code, exit_code::INVALID_PLAN, "{}", run.stderr);
+    assert!(
+        run.message.reason.contains(headroom_api::REPLICA_PODS_ENV),
+        "{}",
+        run.message.reason
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A Llama-family assignment over the transformers-made tiny checkpoint and
 /// the sample text, writing its output under `dir`.
 fn llama_assignment(dir: &Path, steps: u64) -> WorkerAssignment {

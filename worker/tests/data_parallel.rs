@@ -101,14 +101,10 @@ fn outcome(trainer: &Trainer, losses: Vec<f64>) -> Outcome {
             .token
             .as_ref()
             .map(|t| values(t.weight.val())),
-        token_owner: trainer.model().token.as_ref().map(|t| {
+        // None also when the embedding is frozen (adapters).
+        token_owner: trainer.model().token.as_ref().and_then(|t| {
             let id = t.weight.id;
-            shards
-                .tensors
-                .iter()
-                .find(|s| s.id == id)
-                .expect("trained")
-                .owner
+            shards.tensors.iter().find(|s| s.id == id).map(|s| s.owner)
         }),
         state: state_ids(
             burn_pack::Reader::from_bytes(trainer.optimizer.into_bytes().expect("record"))
@@ -130,21 +126,26 @@ fn run(
     steps: u64,
     dir: Option<&Path>,
 ) -> Vec<Vec<Outcome>> {
-    run_with_buckets(p, d, shape, settings, steps, dir, None)
+    run_with_buckets(p, d, &gpt(shape, settings), steps, dir, None)
 }
 
-/// [`run`] with collective buckets of `bucket_bytes` (the backend's 4 MiB
-/// otherwise, which holds these models whole).
+/// The synthetic GPT model with per-replica `settings`.
+fn gpt(shape: &TransformerShape, settings: Settings) -> TrainConfig {
+    TrainConfig::single_stage(shape.clone(), settings, 0, 5e-3, 7)
+}
+
+/// [`run`] for any model (`base`: the whole model on one worker, with the
+/// per-replica settings) and collective buckets of `bucket_bytes` (the
+/// backend's 4 MiB otherwise, which holds these models whole).
 fn run_with_buckets(
     p: u32,
     d: u32,
-    shape: &TransformerShape,
-    settings: Settings,
+    base: &TrainConfig,
     steps: u64,
     dir: Option<&Path>,
     bucket_bytes: Option<u64>,
 ) -> Vec<Vec<Outcome>> {
-    let split = balanced_split(shape.layers, p).expect("split");
+    let split = balanced_split(base.shape.layers(), p).expect("split");
     let timeouts = RingTimeouts {
         rendezvous: Duration::from_secs(30),
         io: Duration::from_secs(60),
@@ -174,8 +175,7 @@ fn run_with_buckets(
         };
         start += split[k as usize];
         for r in 0..d {
-            let mut config =
-                TrainConfig::single_stage(shape.clone(), settings, 0, 5e-3, 7).with_replica(r, d);
+            let mut config = base.clone().with_replica(r, d);
             config.layout = layout.clone();
             config.stage = k;
             config.stages = p;
@@ -311,7 +311,8 @@ fn two_and_four_replicas_give_the_losses_and_weights_of_one() {
     // d = 4 with 1 KiB buckets: tensors cut across buckets, and buckets
     // carrying what is left of the larger shares.
     for (d, bucket) in [(2, None), (4, Some(1024))] {
-        let many = run_with_buckets(1, d, &shape, settings(GLOBAL, d, false), 4, None, bucket);
+        let base = gpt(&shape, settings(GLOBAL, d, false));
+        let many = run_with_buckets(1, d, &base, 4, None, bucket);
         assert_close(&reference, &losses(&many), &format!("d = {d}"));
         assert_replicas_agree_and_shard(&many[0], &format!("d = {d}"));
         let diff = max_diff(&one[0][0].params, &many[0][0].params);
@@ -462,4 +463,49 @@ fn a_checkpoint_written_by_two_replicas_resumes_on_one_and_on_four() {
     );
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_dir_all(&elsewhere);
+}
+
+/// LoRA adapters on a tiny Llama checkpoint, dense and int8 (QLoRA) base:
+/// the replicas shard the factors' state only and train what one worker does.
+#[test]
+fn replicas_train_lora_adapters_on_a_dense_and_a_quantized_base() {
+    use headroom_planner::{BaseFormat, LoraConfig, TargetModule};
+    use headroom_worker::model::hf::HfCheckpoint;
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/llama-gqa-tied");
+    let checkpoint = HfCheckpoint::open(&dir, 12).expect("fixture");
+    let lora = LoraConfig {
+        rank: 4,
+        alpha: 8.0,
+        dropout: 0.0,
+        target_modules: vec![
+            TargetModule::QProj,
+            TargetModule::VProj,
+            TargetModule::DownProj,
+        ],
+        block_size: 8,
+    };
+    for format in [BaseFormat::Dense, BaseFormat::Int8] {
+        let config = |d: u32| {
+            let settings = Settings {
+                base_format: format,
+                ..settings(GLOBAL, d, false)
+            };
+            TrainConfig::single_stage(checkpoint.shape.clone(), settings, 0, 1e-2, 3)
+                .with_pretrained(&dir)
+                .with_adapters(lora.clone())
+        };
+        let one = run_with_buckets(1, 1, &config(1), 3, None, None);
+        let two = run_with_buckets(1, 2, &config(2), 3, None, Some(1024));
+        let what = format!("{format:?} base");
+        assert_close(&losses(&one), &losses(&two), &what);
+        assert_replicas_agree_and_shard(&two[0], &what);
+        let factors = one[0][0].trained.len();
+        assert_eq!(
+            factors,
+            2 * 3 * checkpoint.shape.layers as usize,
+            "{what}: A and B per target and layer"
+        );
+        let diff = max_diff(&one[0][0].params, &two[0][0].params);
+        assert!(diff < 1e-4, "{what}: weights differ from d = 1 by {diff}");
+    }
 }
