@@ -509,3 +509,150 @@ fn replicas_train_lora_adapters_on_a_dense_and_a_quantized_base() {
         assert!(diff < 1e-4, "{what}: weights differ from d = 1 by {diff}");
     }
 }
+
+/// The element counts of the tensors a stage trains, sorted: the worker's
+/// (what it shards) and the planner's (what it budgets the largest share of).
+fn sorted(mut sizes: Vec<u64>) -> Vec<u64> {
+    sizes.sort_unstable();
+    sizes
+}
+
+#[test]
+fn the_worker_shards_the_tensors_the_planner_budgets() {
+    use headroom_planner::memory::{StagePlacement, stage_tensors};
+    use headroom_planner::sharding::shard_loads;
+    use headroom_planner::{BaseFormat, LoraConfig, ModelShape, TargetModule};
+    use headroom_worker::model::LmShape;
+    use headroom_worker::model::hf::HfCheckpoint;
+
+    let planned = |model: &ModelShape, layout: &StageLayout| -> Vec<u64> {
+        let placement = StagePlacement {
+            layers: layout.layers.len() as u32,
+            first: layout.first,
+            last: layout.last,
+            in_flight: 1,
+            replicas: 1,
+        };
+        stage_tensors(model, placement)
+            .iter()
+            .flat_map(|t| std::iter::repeat_n(t.elements, t.count as usize))
+            .collect()
+    };
+    let worker = |config: TrainConfig| -> Vec<u64> {
+        let trainer = Trainer::new(config, Device::flex().autodiff()).expect("trainer");
+        trainer
+            .shards(1)
+            .tensors
+            .iter()
+            .map(|t| t.elements as u64)
+            .collect()
+    };
+    let layouts = |layers: u32| {
+        [
+            StageLayout {
+                layers: 0..layers,
+                first: true,
+                last: true,
+            },
+            StageLayout {
+                layers: 0..1,
+                first: true,
+                last: false,
+            },
+            StageLayout {
+                layers: 1..layers,
+                first: false,
+                last: true,
+            },
+        ]
+    };
+    let llama = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama");
+    let mut cases: Vec<(String, TrainConfig, ModelShape)> = Vec::new();
+    for tied in [true, false] {
+        let shape = TransformerShape {
+            feed_forward: Some(48),
+            ..shape(tied)
+        };
+        let config = gpt(&shape, settings(GLOBAL, 1, false));
+        cases.push((
+            format!("gpt tied {tied}"),
+            config,
+            ModelShape::Transformer(shape),
+        ));
+    }
+    for variant in ["llama-gqa-tied", "llama-mha-untied", "qwen2-gqa-bias"] {
+        let dir = llama.join(variant);
+        let checkpoint = HfCheckpoint::open(&dir, 12).expect("fixture");
+        let config = TrainConfig::single_stage(
+            checkpoint.shape.clone(),
+            settings(GLOBAL, 1, false),
+            0,
+            1e-2,
+            3,
+        )
+        .with_pretrained(&dir);
+        cases.push((variant.into(), config, ModelShape::Llama(checkpoint.shape)));
+    }
+    for (name, config, model) in cases {
+        for layout in layouts(config.shape.layers()) {
+            let mut config = config.clone();
+            config.layout = layout.clone();
+            config.stages = if layout.first && layout.last { 1 } else { 2 };
+            config.stage = u32::from(!layout.first);
+            let ours = worker(config);
+            let theirs = planned(&model, &layout);
+            assert_eq!(
+                sorted(ours.clone()),
+                sorted(theirs.clone()),
+                "{name} {layout:?}"
+            );
+            for d in [2, 3, 4] {
+                assert_eq!(
+                    shard_loads(&ours, d),
+                    shard_loads(&theirs, d),
+                    "{name} {layout:?} d {d}"
+                );
+            }
+        }
+    }
+
+    // Adapters: A (in × r) and B (r × out) per targeted matrix.
+    let dir = llama.join("llama-gqa-tied");
+    let checkpoint = HfCheckpoint::open(&dir, 12).expect("fixture");
+    let l = checkpoint.shape.clone();
+    let targets = vec![
+        TargetModule::QProj,
+        TargetModule::KProj,
+        TargetModule::UpProj,
+    ];
+    let lora = LoraConfig {
+        rank: 4,
+        alpha: 8.0,
+        dropout: 0.0,
+        target_modules: targets.clone(),
+        block_size: 8,
+    };
+    for format in [BaseFormat::Dense, BaseFormat::Int4] {
+        let settings = Settings {
+            base_format: format,
+            ..settings(GLOBAL, 1, false)
+        };
+        let config = TrainConfig::single_stage(l.clone(), settings, 0, 1e-2, 3)
+            .with_pretrained(&dir)
+            .with_adapters(lora.clone());
+        assert!(matches!(config.shape, LmShape::Llama(_)));
+        let ours = worker(config);
+        let theirs: Vec<u64> = targets
+            .iter()
+            .flat_map(|m| {
+                let (d_in, d_out) = m.dims(&l);
+                [d_in * 4, 4 * d_out].repeat(l.layers as usize)
+            })
+            .collect();
+        assert_eq!(
+            sorted(ours),
+            sorted(theirs),
+            "adapters over a {format:?} base"
+        );
+    }
+}
