@@ -179,8 +179,9 @@ pub const FLEX: BackendProfile = BackendProfile {
     int4_value_bytes: 1.0,
     optimizer_offload: false,
     device_is_host: true,
-    // Not yet: the worker has no data-parallel training loop.
-    data_parallel: false,
+    // The worker's replicas over its TCP ring (worker/src/data_parallel.rs):
+    // gradients reduce-scattered, ZeRO-1 shards stepped, weights all-gathered.
+    data_parallel: true,
     // burn-flex's fp32 matmuls on the 2-core machine the calibration ran on
     // (docs/benchmarks.md, tokens/s of the calibration models): an order of
     // magnitude, not a calibration; only its ratio to the link matters.

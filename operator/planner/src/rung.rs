@@ -97,13 +97,14 @@ impl RetryRung {
 
     /// What a job allows when it names no rungs: every [`runnable`](Self::runnable)
     /// rung, in the ladder's order. A rung the worker cannot run is never offered.
-    pub const DEFAULT: [RetryRung; 8] = [
+    pub const DEFAULT: [RetryRung; 9] = [
         RetryRung::ActivationCheckpointing,
         RetryRung::HalveMicroBatch,
         RetryRung::LowerPrecision,
         RetryRung::CheaperOptimizer,
         RetryRung::QuantizeBase,
         RetryRung::OffloadOptimizer,
+        RetryRung::ShardOptimizerState,
         RetryRung::MorePipelineStages,
         RetryRung::LargerGpu,
     ];
@@ -572,6 +573,8 @@ mod tests {
         assert!(RetryRung::CheaperOptimizer.runnable());
         // GPU workers step the optimizer on the host (worker/src/optim/offload.rs).
         assert!(RetryRung::OffloadOptimizer.runnable());
+        // CPU workers run ZeRO-1 replicas (worker/src/data_parallel.rs).
+        assert!(RetryRung::ShardOptimizerState.runnable());
     }
 
     /// More replicas: every larger divisor of the global batch within the

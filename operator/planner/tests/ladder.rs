@@ -73,7 +73,11 @@ fn forbidden_rungs_are_skipped() {
 #[test]
 fn more_stages_when_the_observed_peak_shows_one_worker_is_too_small() {
     let model = transformer(8, 1024, 8, 128, 8000);
-    let job = cpu_job(model, 8, 4 * GI, 4);
+    // Fewest workers: the fastest plan would take the four as replicas.
+    let job = JobRequest {
+        objective: Objective::FewestGpus,
+        ..cpu_job(model, 8, 4 * GI, 4)
+    };
     let failed = plan(&job, &Inventory::default()).expect("fits one worker on paper");
     assert_eq!(failed.workers, 1);
     let mut stages_only = job.clone();

@@ -139,7 +139,11 @@ proptest! {
             match next_stricter_plan(&job, &Inventory::default(), &failed, &failure) {
                 Ok(next) => {
                     prop_assert_eq!(next.global_batch, 1u64 << log_g);
-                    prop_assert_eq!(next.settings.global_batch(), 1u64 << log_g);
+                    // Settings are per replica.
+                    prop_assert_eq!(
+                        next.settings.global_batch() * u64::from(next.replicas),
+                        1u64 << log_g
+                    );
                     prop_assert!(next.fits());
                     prop_assert!(!next.rungs_applied.is_empty());
                     prop_assert!(next.correction_factor >= failed.correction_factor);
