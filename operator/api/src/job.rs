@@ -570,10 +570,9 @@ pub struct MemoryPolicy {
     /// (activationCheckpointing, halveMicroBatch, lowerPrecision,
     /// cheaperOptimizer, quantizeBase, offloadOptimizer,
     /// shardOptimizerState, morePipelineStages, largerGpu); all of them by
-    /// default. A rung that
-    /// does not apply to a job (offloadOptimizer on a CPU worker,
-    /// quantizeBase on a full fine-tune) is skipped; when no rung helps, the
-    /// job's failure lists why each one did not.
+    /// default. A rung that does not apply to a job (offloadOptimizer on a
+    /// CPU worker, quantizeBase on a full fine-tune) is skipped; when no rung
+    /// helps, the job's failure lists why each one did not.
     #[serde(default = "default_rungs")]
     #[schemars(length(max = 9), extend("x-kubernetes-list-type" = "set"))]
     pub allowed_rungs: Vec<RetryRung>,
