@@ -487,22 +487,21 @@ fn write_grad(grads: &mut GradientsParams, t: &TrainedTensor, start: usize, valu
         values: &[f32],
     ) {
         let grad: Tensor<D> = grads.remove(t.id).expect("a gradient checked present");
-        grads.register(t.id, assign(grad, start, values));
+        grads.register(t.id, assign(grad, start, values.to_vec()));
     }
     by_rank!(t.rank, write(grads, t, start, values))
 }
 
 /// `tensor` with elements `start..` (flattened) replaced by `values`: in
 /// place when the caller held the only reference.
-fn assign<const D: usize>(tensor: Tensor<D>, start: usize, values: &[f32]) -> Tensor<D> {
+fn assign<const D: usize>(tensor: Tensor<D>, start: usize, values: Vec<f32>) -> Tensor<D> {
     let dims = tensor.dims();
     let elements: usize = dims.iter().product();
     let flat = tensor.reshape([elements]);
     let device = flat.device();
-    let piece = Tensor::<1>::from_data(TensorData::new(values.to_vec(), [values.len()]), &device)
-        .cast(flat.dtype());
-    flat.slice_assign(start..start + values.len(), piece)
-        .reshape(dims)
+    let len = values.len();
+    let piece = Tensor::<1>::from_data(TensorData::new(values, [len]), &device).cast(flat.dtype());
+    flat.slice_assign(start..start + len, piece).reshape(dims)
 }
 
 /// A 1-D tensor's values into `out` (same length), as f32.
@@ -550,7 +549,7 @@ impl ModuleMapper for WritePieces {
         let checkpointing = tensor.gradient_checkpointing_strategy();
         let mut value = tensor.inner();
         for (start, values) in pieces {
-            value = assign(value, start, &values);
+            value = assign(value, start, values);
         }
         if autodiff {
             value = Tensor::from_inner(value);
