@@ -500,8 +500,16 @@ impl Training<'_> {
                 rendezvous: self.env.pipeline_timeout,
                 io: self.env.pipeline_timeout,
             };
-            let joined = Ring::establish(&me, &addresses, listener, timeouts)
-                .and_then(|ring| trainer.join_replicas(Box::new(ring)));
+            // Chunks of an eighth of a bucket: the ring's chunks in flight
+            // are what the planner counts beside the bucket
+            // (`sharding::collective_buffer_bytes`).
+            let bucket = trainer.config.backend.profile().collective_bucket_bytes;
+            let chunk = headroom_planner::sharding::ring_chunk_bytes(bucket);
+            let joined =
+                Ring::establish(&me, &addresses, listener, timeouts).and_then(|mut ring| {
+                    ring.set_chunk_bytes(usize::try_from(chunk).unwrap_or(usize::MAX));
+                    trainer.join_replicas(Box::new(ring))
+                });
             if let Err(e) = joined {
                 return Exit::replicas(&e).at(trainer.step, self.peak_now());
             }

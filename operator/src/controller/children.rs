@@ -513,6 +513,10 @@ pub fn worker_pod(
             .map(|k| name_of(k, replica))
             .collect();
         peers.push((PIPELINE_PODS_ENV, pods.join(",")));
+    }
+    if multi {
+        // The headless Service every worker's DNS name is under: the
+        // fallback when a peer's pod IP cannot be read from the API.
         peers.push((PIPELINE_SERVICE_ENV, service_name(job)));
     }
     if replicated {
