@@ -736,11 +736,20 @@ fn load_stage(
         })
     };
     let mut sources = BTreeSet::new();
-    // Every replica's shard of the stage that holds the part.
+    // Every replica's shard of the stage that holds the part; written by the
+    // same stage under the same replica count, only this replica's own
+    // (ownership depends on the stage's tensors and d alone, so it owns what
+    // it owned), which keeps the other shards' state out of memory while
+    // resuming.
     let mut note = |part: Part| {
         if let Some(i) = step.holder.get(&part) {
-            for (dir, _) in &step.stages[*i] {
-                sources.insert(dir.join(OPTIMIZER_FILE));
+            for (dir, meta) in &step.stages[*i] {
+                let same_split = shard.replicas > 1
+                    && meta.replicas == shard.replicas
+                    && meta.layout() == *layout;
+                if !same_split || meta.replica == shard.replica {
+                    sources.insert(dir.join(OPTIMIZER_FILE));
+                }
             }
         }
     };
