@@ -24,8 +24,10 @@
 //! tensor may span buckets. The bucket is shared among the ranks that still
 //! have elements left, fairly (the smallest remainders first, the rest split
 //! evenly), so buckets stay full while the loads differ. Besides the model
-//! states a replica holds the bucket and the pieces being copied in or out
-//! of it: two buckets, what the planner counts as `collective_buffers`.
+//! states a replica holds the bucket, the pieces being copied in or out of
+//! it, and the ring's chunks in flight (an eighth of a bucket each): what
+//! the planner counts as `collective_buffers`
+//! (`headroom_planner::sharding::collective_buffer_bytes`).
 //! Pieces are read with zero-copy slices and written back with
 //! `slice_assign` on a uniquely held tensor, which the CPU backend does in
 //! place.
