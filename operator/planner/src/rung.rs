@@ -97,17 +97,7 @@ impl RetryRung {
 
     /// What a job allows when it names no rungs: every [`runnable`](Self::runnable)
     /// rung, in the ladder's order. A rung the worker cannot run is never offered.
-    pub const DEFAULT: [RetryRung; 9] = [
-        RetryRung::ActivationCheckpointing,
-        RetryRung::HalveMicroBatch,
-        RetryRung::LowerPrecision,
-        RetryRung::CheaperOptimizer,
-        RetryRung::QuantizeBase,
-        RetryRung::OffloadOptimizer,
-        RetryRung::ShardOptimizerState,
-        RetryRung::MorePipelineStages,
-        RetryRung::LargerGpu,
-    ];
+    pub const DEFAULT: [RetryRung; 9] = Self::ALL;
 
     /// Whether some worker backend can run what this rung produces:
     /// `CheaperOptimizer` needs a profile listing an 8-bit optimizer,

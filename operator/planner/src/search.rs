@@ -80,21 +80,9 @@ pub fn plan_with(
 /// plan of every other shape (stages × replicas) with the chosen plan's
 /// numerics, fastest first. What `kubectl headroom plan` lists as rejected.
 pub fn alternatives(req: &JobRequest, inventory: &Inventory, chosen: &Plan) -> Vec<Plan> {
+    let inventory = planning_inventory(req, inventory);
     let search = Search::new(req, &SearchOptions::default(), inventory.one_node);
-    let own;
-    let has_cpu = inventory.devices.iter().any(|d| d.kind == DeviceKind::Cpu);
-    let inventory = match req.own_inventory() {
-        Some(inv) if !has_cpu => {
-            own = inv;
-            &own
-        }
-        _ => inventory,
-    };
-    let devices: Vec<&DeviceType> = inventory
-        .devices
-        .iter()
-        .filter(|d| req.accepts(d))
-        .collect();
+    let devices = job_devices(req, &inventory, &[]);
     let mut found: Vec<Plan> = search
         .shapes()
         .into_iter()
@@ -148,22 +136,9 @@ fn search_with(
             details: vec![],
         });
     }
-    // A CPU job plans against the operator's view of the nodes when it has
-    // one (their allocatable memory and cores), else against its own budget.
-    let own;
-    let has_cpu = inventory.devices.iter().any(|d| d.kind == DeviceKind::Cpu);
-    let inventory = match req.own_inventory() {
-        Some(inv) if !has_cpu => {
-            own = inv;
-            &own
-        }
-        _ => inventory,
-    };
-    let devices: Vec<&DeviceType> = inventory
-        .devices
-        .iter()
-        .filter(|d| req.accepts(d) && !opts.excluded_devices.contains(&d.name))
-        .collect();
+    let inventory = planning_inventory(req, inventory);
+    let inventory = &*inventory;
+    let devices = job_devices(req, inventory, &opts.excluded_devices);
     let search = Search::new(req, opts, inventory.one_node);
     if let Some(d) = search.pinned_replicas()
         && d > 1
@@ -258,6 +233,33 @@ fn search_with(
         );
     }
     Err(infeasible)
+}
+
+/// What a job plans against: a CPU job the operator's view of the nodes
+/// when it has one (their allocatable memory and cores), else its own
+/// budget; a GPU job the cluster's inventory.
+fn planning_inventory<'a>(
+    req: &JobRequest,
+    inventory: &'a Inventory,
+) -> std::borrow::Cow<'a, Inventory> {
+    let has_cpu = inventory.devices.iter().any(|d| d.kind == DeviceKind::Cpu);
+    match req.own_inventory() {
+        Some(own) if !has_cpu => std::borrow::Cow::Owned(own),
+        _ => std::borrow::Cow::Borrowed(inventory),
+    }
+}
+
+/// The device types of `inventory` the job may use, less `excluded`.
+fn job_devices<'a>(
+    req: &JobRequest,
+    inventory: &'a Inventory,
+    excluded: &[String],
+) -> Vec<&'a DeviceType> {
+    inventory
+        .devices
+        .iter()
+        .filter(|d| req.accepts(d) && !excluded.contains(&d.name))
+        .collect()
 }
 
 fn list<T: std::fmt::Display>(items: &[T]) -> String {
