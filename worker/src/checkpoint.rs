@@ -603,6 +603,26 @@ fn param_ids<M: Module>(module: &M) -> BTreeSet<u64> {
     ids.0
 }
 
+/// The parameter ids whose optimizer state `path` holds (its tensors are not read).
+fn state_ids(path: &Path) -> Result<BTreeSet<u64>, CheckpointError> {
+    let reader = burn_pack::Reader::from_file(path).map_err(|e| record_error(path, e))?;
+    Ok(ids_in(&reader))
+}
+
+/// State keys are "<param id>" or "<param id>.<field>".
+fn ids_in(reader: &burn_pack::Reader) -> BTreeSet<u64> {
+    reader
+        .scalars()
+        .keys()
+        .chain(reader.metadata().keys())
+        .filter_map(|k| state_id(k))
+        .collect()
+}
+
+fn state_id(key: &str) -> Option<u64> {
+    key.split('.').next().and_then(|id| id.parse::<u64>().ok())
+}
+
 /// The optimizer state of `ids`, gathered from several stages' optimizer files.
 fn merged_optimizer_state(
     files: &[PathBuf],
@@ -614,18 +634,13 @@ fn merged_optimizer_state(
     // A parameter's state comes from the first file that has it: the first
     // and last stage both hold the state of a tied token embedding.
     let mut taken = BTreeSet::new();
-    let id_of = |key: &str| key.split('.').next().and_then(|id| id.parse::<u64>().ok());
     for path in files {
         let reader = burn_pack::Reader::from_file(path).map_err(|e| record_error(path, e))?;
-        // State keys are "<param id>" or "<param id>.<field>".
-        let here: BTreeSet<u64> = reader
-            .scalars()
-            .keys()
-            .chain(reader.metadata().keys())
-            .filter_map(|k| id_of(k))
+        let here: BTreeSet<u64> = ids_in(&reader)
+            .into_iter()
             .filter(|id| ids.contains(id) && !taken.contains(id))
             .collect();
-        let ours = |key: &str| id_of(key).is_some_and(|id| here.contains(&id));
+        let ours = |key: &str| state_id(key).is_some_and(|id| here.contains(&id));
         scalars.extend(
             reader
                 .scalars()
@@ -783,10 +798,22 @@ fn load_stage(
     } else {
         param_ids(&model)
     };
-    let state = merged_optimizer_state(&files, &keep)?;
-    let optimizer = optimizer
-        .from_bytes(state)
-        .map_err(|e| record_error(&step.dir, e))?;
+    let optimizer = match files.as_slice() {
+        // The usual resume (same stages, same replicas): one file holding
+        // only state this worker keeps, loaded file-backed tensor by tensor
+        // so the state is in memory once. Merging builds the whole pack in
+        // memory first and the optimizer copies it again, which put a
+        // resumed replica's peak a shard's state above a fresh one's.
+        [only] if state_ids(only)?.is_subset(&keep) => {
+            optimizer.load(only).map_err(|e| record_error(only, e))?
+        }
+        // Another split (the retry changed the stages or the replicas): the
+        // merged pack is in memory while it loads, one extra copy of this
+        // worker's state for the length of the load.
+        _ => optimizer
+            .from_bytes(merged_optimizer_state(&files, &keep)?)
+            .map_err(|e| record_error(&step.dir, e))?,
+    };
     Ok((model, optimizer))
 }
 
