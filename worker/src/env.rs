@@ -4,7 +4,8 @@
 //! `INVALID_PLAN` before it trains a step.
 //!
 //! The variables the operator sets are named in `headroom_api::contract`;
-//! the two below are for tests and local runs only.
+//! the ones below are set by hand: two for tests and local runs, one to
+//! choose the GPU replicas' collective.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -24,6 +25,11 @@ pub const TERMINATION_MESSAGE_PATH_ENV: &str = "HEADROOM_TERMINATION_MESSAGE_PAT
 /// CPU backend (whose real limit is the kernel's OOM kill) exercise the
 /// device-OOM path of the operator; unset in normal runs.
 pub const DEVICE_MEMORY_LIMIT_ENV: &str = "HEADROOM_DEVICE_MEMORY_LIMIT_BYTES";
+/// How the data-parallel replicas of a CUDA plan exchange gradients:
+/// `auto` (the default: NCCL when the worker was built with CUDA and libnccl
+/// loads, else the TCP ring) or `ring` (the TCP ring always). CPU plans use
+/// the ring whatever it says. Every replica must make the same choice.
+pub const COLLECTIVE_ENV: &str = "HEADROOM_COLLECTIVE";
 /// The pod name when `POD_NAME` is not set (a pod's hostname is its name).
 pub const HOSTNAME_ENV: &str = "HOSTNAME";
 /// How long a stage waits for its pipeline neighbours when
@@ -54,6 +60,16 @@ pub enum PipelinePeers {
     Pods { pods: Vec<String>, service: String },
 }
 
+/// `HEADROOM_COLLECTIVE`: what the replicas of a CUDA plan talk through.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CollectiveChoice {
+    /// NCCL when the binary has CUDA and libnccl loads, else the TCP ring.
+    #[default]
+    Auto,
+    /// The TCP ring, even where NCCL would do.
+    Ring,
+}
+
 /// The worker's environment, parsed.
 #[derive(Clone, Debug, PartialEq)]
 pub struct WorkerEnv {
@@ -76,6 +92,8 @@ pub struct WorkerEnv {
     /// The replicas of this worker's stage, rank order; `None` when neither
     /// replica variable is set (a plan without replicas needs none).
     pub replica_peers: Option<PipelinePeers>,
+    /// `HEADROOM_COLLECTIVE` (`auto` when not set).
+    pub collective: CollectiveChoice,
 }
 
 /// A variable the worker cannot use.
@@ -164,6 +182,14 @@ impl WorkerEnv {
                 }
             },
         };
+        let collective = match env(COLLECTIVE_ENV) {
+            None => CollectiveChoice::Auto,
+            Some(v) => match v.trim() {
+                "auto" | "" => CollectiveChoice::Auto,
+                "ring" => CollectiveChoice::Ring,
+                _ => return Err(invalid(COLLECTIVE_ENV, "auto or ring", v)),
+            },
+        };
         let pipeline_peers = match (env(PIPELINE_ADDRESSES_ENV), env(PIPELINE_PODS_ENV)) {
             (Some(addresses), _) => Some(PipelinePeers::Addresses(list(&addresses))),
             (None, Some(pods)) => Some(PipelinePeers::Pods {
@@ -191,6 +217,7 @@ impl WorkerEnv {
             pipeline_timeout,
             pipeline_peers,
             replica_peers,
+            collective,
         })
     }
 }
@@ -233,6 +260,7 @@ mod tests {
                 pipeline_timeout: DEFAULT_PIPELINE_TIMEOUT,
                 pipeline_peers: None,
                 replica_peers: None,
+                collective: CollectiveChoice::Auto,
             }
         );
     }
@@ -252,9 +280,11 @@ mod tests {
             (PIPELINE_PODS_ENV, "p0, p1,,"),
             (PIPELINE_SERVICE_ENV, "job-a1"),
             (REPLICA_PODS_ENV, "p0,p0-r1"),
+            (COLLECTIVE_ENV, " ring "),
         ]))
         .expect("valid");
         assert_eq!(env.plan, PlanSource::File("/plan/plan.json".into()));
+        assert_eq!(env.collective, CollectiveChoice::Ring);
         assert_eq!(env.termination_message_path, PathBuf::from("/tmp/t"));
         assert_eq!(env.checkpoint_dir, PathBuf::from("/ckpt"));
         assert_eq!(env.pod_name.as_deref(), Some("job-a1-s0"));
@@ -313,6 +343,7 @@ mod tests {
             (TELEMETRY_INTERVAL_ENV, "NaN"),
             (PIPELINE_TIMEOUT_ENV, "0"),
             (PIPELINE_TIMEOUT_ENV, "1.5"),
+            (COLLECTIVE_ENV, "nccl"),
         ] {
             let err = WorkerEnv::from_lookup(env_with(&[(PLAN_JSON_ENV, "{}"), (variable, value)]))
                 .expect_err("invalid");

@@ -12,7 +12,7 @@
 //! * [`model`] — the decoder-only transformer (one pipeline stage's part of it)
 //! * [`pipeline`] — stages over TCP: links, handshake, the 1F1B schedule
 //! * [`collective`] — sums and gathers across data-parallel replicas (a TCP
-//!   ring now; the interface NCCL would sit behind)
+//!   ring; NCCL over it in the CUDA build, host-staged)
 //! * [`data_parallel`] — replicas of a stage: gradient reduce-scatter, ZeRO-1
 //!   optimizer shards, weight all-gather, in buckets
 //! * [`data`] — the synthetic next-token task (deterministic per sample)

@@ -29,9 +29,9 @@ use headroom_api::{
 use crate::assignment::ValidAssignment;
 use crate::checkpoint::CheckpointError;
 use crate::cluster::ClusterHandle;
-use crate::collective::{CollectiveError, Ring, RingHello, RingTimeouts};
+use crate::collective::{Collective, CollectiveError, Ring, RingHello, RingTimeouts};
+use crate::env::{COLLECTIVE_ENV, CollectiveChoice, InvalidEnv, PipelinePeers, WorkerEnv};
 pub use crate::env::{DEVICE_MEMORY_LIMIT_ENV, TERMINATION_MESSAGE_PATH_ENV};
-use crate::env::{InvalidEnv, PipelinePeers, WorkerEnv};
 use crate::pipeline::{Hello, Links, Peers, PipelineError, establish};
 use crate::report::{
     DEFAULT_SAMPLE_EVERY, KubeStatusSink, Progress, Reporter, TelemetrySink, WorkerIdentity,
@@ -105,6 +105,45 @@ impl Exit {
         self.message.peak_bytes = (peak > 0).then_some(peak);
         self
     }
+}
+
+/// What the replicas of a stage exchange through, once their TCP ring is up:
+/// the ring itself on the CPU; on CUDA, NCCL formed over the ring unless
+/// `HEADROOM_COLLECTIVE=ring` says otherwise or libnccl cannot be loaded
+/// (then the ring, slower, with a warning). Every replica decides alike
+/// (same binary, image and environment); one that does not finds out at the
+/// first exchange (the ring's frames and NCCL's id do not match).
+fn replica_collective(
+    ring: Ring,
+    backend: Backend,
+    choice: CollectiveChoice,
+) -> Result<Box<dyn Collective>, CollectiveError> {
+    #[cfg(feature = "cuda")]
+    if backend == Backend::Cuda {
+        use crate::collective::nccl::{Nccl, available};
+        match choice {
+            CollectiveChoice::Ring => tracing::info!(
+                "replica ring: {COLLECTIVE_ENV}=ring, the replicas exchange over TCP"
+            ),
+            CollectiveChoice::Auto => match available() {
+                Ok(version) => {
+                    tracing::info!(
+                        nccl = version,
+                        "replica ring: forming the NCCL communicator"
+                    );
+                    // Device 0: the one `training_device` trains on.
+                    return Ok(Box::new(Nccl::over(ring, 0)?));
+                }
+                Err(missing) => tracing::warn!(
+                    "replica ring: no NCCL ({missing}); the replicas exchange over TCP through \
+                     host memory instead, slower ({COLLECTIVE_ENV}=ring chooses this quietly)"
+                ),
+            },
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = (backend, choice, COLLECTIVE_ENV);
+    Ok(Box::new(ring))
 }
 
 /// If a panic message is an out-of-memory error, the bytes requested (when said).
@@ -505,10 +544,12 @@ impl Training<'_> {
             // (`sharding::collective_buffer_bytes`).
             let bucket = trainer.config.backend.profile().collective_bucket_bytes;
             let chunk = headroom_planner::sharding::ring_chunk_bytes(bucket);
+            let backend = trainer.config.backend;
             let joined =
                 Ring::establish(&me, &addresses, listener, timeouts).and_then(|mut ring| {
                     ring.set_chunk_bytes(usize::try_from(chunk).unwrap_or(usize::MAX));
-                    trainer.join_replicas(Box::new(ring))
+                    let collective = replica_collective(ring, backend, self.env.collective)?;
+                    trainer.join_replicas(collective)
                 });
             if let Err(e) = joined {
                 return Exit::replicas(&e).at(trainer.step, self.peak_now());

@@ -8,11 +8,12 @@
 //! ([`Collective::reduce_scatter_sum`]) and the updated shards shared again
 //! ([`Collective::all_gather`]).
 //!
-//! **Why an interface with one implementation.** The worker trains on the
-//! CPU today and its replicas talk over TCP ([`ring::Ring`]); on GPUs the
-//! same three calls belong to NCCL, which does the same ring (or tree) on
-//! device memory. Training code calls the trait only, and [`Single`] lets a
-//! plan with one replica run the same code path.
+//! **Why an interface.** On the CPU the replicas talk over TCP
+//! ([`ring::Ring`]); on GPUs the same three calls belong to NCCL, which does
+//! the same ring (or tree) between the devices over NVLink or PCIe and adds
+//! on the GPU (`nccl::Nccl`, the CUDA build only). Training code calls the
+//! trait only, and [`Single`] lets a plan with one replica run the same code
+//! path.
 //!
 //! **Why f32 only.** Gradients and weights cross the wire as f32 whatever the
 //! training dtype (as pipeline activations do): the caller converts, and the
@@ -26,7 +27,15 @@
 //! * [`ring`] — the TCP ring: rendezvous, handshake, the pipelined
 //!   reduce-scatter/all-gather
 //! * `wire` — its frames and the reader/writer threads that carry them
+//! * `nccl` (feature `cuda`) — NCCL over the GPUs, its communicator id
+//!   handed round the TCP ring. Host-staged: the trait's buffers are host
+//!   slices (the training code reads gradients out of its tensors into
+//!   them), so each call copies to the device and back; NCCL still saves
+//!   the TCP exchange and does the additions on the GPU. Unequal segments
+//!   are padded to the largest, as NCCL wants one count per rank.
 
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod ring;
 mod wire;
 

@@ -207,6 +207,8 @@ pub struct Ring {
     /// The last operation's sequence number (0 before the first).
     seq: u64,
     chunk_bytes: usize,
+    /// How long a neighbour may stay silent ([`RingTimeouts::io`]).
+    io_timeout: Duration,
     /// Set by the first failure: the ring's state is then unknown.
     broken: Option<CollectiveError>,
 }
@@ -242,6 +244,7 @@ impl Ring {
             links: None,
             seq: 0,
             chunk_bytes: DEFAULT_CHUNK_BYTES,
+            io_timeout: timeouts.io,
             broken: None,
         };
         if d == 1 {
@@ -335,6 +338,69 @@ impl Ring {
         self.chunk_bytes = bytes.clamp(4, MAX_PAYLOAD) / 4 * 4;
     }
 
+    /// How long a neighbour may stay silent before it counts as lost
+    /// ([`RingTimeouts::io`]): what a collective built over this ring waits.
+    pub fn io_timeout(&self) -> Duration {
+        self.io_timeout
+    }
+
+    /// Rank 0's `len` bytes, returned on every rank: passed round the ring
+    /// once, rank 0 to 1, 1 to 2, … d − 2 to d − 1, in one frame each.
+    /// `root_bytes` must be `Some` of `len` bytes on rank 0 and is ignored
+    /// elsewhere; `len` at most one frame (64 MiB). Every rank must call it
+    /// at the same point of its sequence of operations with the same `len`:
+    /// a rank that receives anything else gets a
+    /// [`CollectiveError::Protocol`] error, and the ring is then broken as
+    /// after any failed operation. For small things every replica needs
+    /// from one of them: the NCCL communicator id.
+    pub fn broadcast_bytes(
+        &mut self,
+        root_bytes: Option<&[u8]>,
+        len: usize,
+    ) -> Result<Vec<u8>, CollectiveError> {
+        if let Some(e) = &self.broken {
+            return Err(e.clone());
+        }
+        if len > MAX_PAYLOAD {
+            return Err(CollectiveError::InvalidSegments(format!(
+                "a broadcast of {len} bytes: at most {MAX_PAYLOAD} go in one frame"
+            )));
+        }
+        let root = match (self.rank, root_bytes) {
+            (0, Some(bytes)) if bytes.len() == len => Some(bytes),
+            (0, Some(bytes)) => {
+                return Err(CollectiveError::InvalidSegments(format!(
+                    "rank 0 broadcasts {} bytes where {len} were announced",
+                    bytes.len()
+                )));
+            }
+            (0, None) => {
+                return Err(CollectiveError::InvalidSegments(
+                    "rank 0 is the broadcast's root: give it the bytes".into(),
+                ));
+            }
+            _ => None,
+        };
+        let Some(links) = &self.links else {
+            // One replica: rank 0, its own bytes.
+            return Ok(root.unwrap_or_default().to_vec());
+        };
+        self.seq += 1;
+        let header = Header {
+            kind: Kind::Bytes,
+            seq: self.seq,
+            step: 0,
+            chunk: 0,
+            len: len as u32,
+        };
+        let result = pass_on(links, header, root);
+        if let Err(e) = &result {
+            links.shutdown();
+            self.broken = Some(e.clone());
+        }
+        result
+    }
+
     fn run(&mut self, op: Op, data: &mut [f32], counts: &[usize]) -> Result<(), CollectiveError> {
         if let Some(e) = &self.broken {
             return Err(e.clone());
@@ -387,6 +453,29 @@ impl Collective for Ring {
     fn all_gather(&mut self, data: &mut [f32], counts: &[usize]) -> Result<(), CollectiveError> {
         self.run(Op::AllGather, data, counts)
     }
+}
+
+/// One broadcast on one rank: the root's bytes, or the previous rank's,
+/// handed on unless the next rank is the root.
+fn pass_on(
+    links: &RingLinks,
+    header: Header,
+    root: Option<&[u8]>,
+) -> Result<Vec<u8>, CollectiveError> {
+    let bytes = match root {
+        Some(bytes) => bytes.to_vec(),
+        None => {
+            let frame = links.recv(header)?;
+            let bytes = frame.payload().to_vec();
+            links.pool().give(frame.into_buf());
+            bytes
+        }
+    };
+    if links.next != 0 {
+        links.send(Frame::with_payload(header, &bytes, links.pool()))?;
+        links.flush(header.seq)?;
+    }
+    Ok(bytes)
 }
 
 /// One operation on one rank.
@@ -899,6 +988,62 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn every_rank_gets_rank_0s_bytes_and_the_ring_goes_on() {
+        let id: Vec<u8> = (0..128u32).map(|i| (i * 37 % 251) as u8).collect();
+        for d in 1..=3u32 {
+            let results = on_ring(d, DEFAULT_CHUNK_BYTES, {
+                let id = id.clone();
+                move |ring| {
+                    let root = (ring.rank() == 0).then_some(id.as_slice());
+                    let got = ring.broadcast_bytes(root, id.len()).expect("broadcast");
+                    // The operations after it still line up.
+                    let mut data = vec![ring.rank() as f32 + 1.0; 5];
+                    ring.all_reduce_sum(&mut data).expect("all-reduce");
+                    let again = ring
+                        .broadcast_bytes(root, id.len())
+                        .expect("second broadcast");
+                    (got, data, again)
+                }
+            });
+            let sum = (1..=d).sum::<u32>() as f32;
+            for (r, (got, data, again)) in results.iter().enumerate() {
+                assert_eq!(got, &id, "d {d}: rank {r}");
+                assert_eq!(again, &id, "d {d}: rank {r}, second time");
+                assert_eq!(data, &vec![sum; 5], "d {d}: rank {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_broadcast_is_refused_without_the_roots_bytes_or_against_another_call() {
+        let results = on_ring(3, DEFAULT_CHUNK_BYTES, |ring| {
+            let refused = match ring.rank() {
+                0 => Some(ring.broadcast_bytes(None, 4).expect_err("no bytes")),
+                _ => None,
+            };
+            if let Some(e) = &refused {
+                assert!(matches!(e, CollectiveError::InvalidSegments(_)), "{e}");
+            }
+            // Nothing was sent: now rank 0 broadcasts while rank 1 all-reduces.
+            if ring.rank() == 1 {
+                let mut data = vec![1f32; 4];
+                ring.all_reduce_sum(&mut data).map(|()| Vec::new())
+            } else {
+                let root = (ring.rank() == 0).then_some(&[7u8, 7, 7, 7][..]);
+                ring.broadcast_bytes(root, 4)
+            }
+        });
+        // Rank 1 reads rank 0's bytes where it waits for a Begin, rank 2
+        // rank 1's Begin where it waits for bytes (or the connection rank 1
+        // closed on noticing).
+        assert!(
+            matches!(&results[1], Err(CollectiveError::Protocol(_))),
+            "{results:?}"
+        );
+        assert!(results[2].is_err(), "{results:?}");
     }
 
     #[test]

@@ -2,7 +2,8 @@
 //!
 //! A frame is a 32-byte header (magic, kind, operation sequence number,
 //! ring step, chunk index, payload length) followed by its payload: f32
-//! values, little-endian, for a chunk of a segment; JSON for the handshake.
+//! values, little-endian, for a chunk of a segment; JSON for the handshake;
+//! raw bytes for a broadcast.
 //! Header and payload live in one buffer, so a frame goes out in one `write`
 //! and comes in without a copy between the socket and the caller.
 //!
@@ -50,6 +51,9 @@ pub enum Kind {
     Begin = 2,
     /// Part of a segment in one ring step.
     Chunk = 3,
+    /// Rank 0's bytes passed round the ring once (`Ring::broadcast_bytes`:
+    /// the NCCL communicator id).
+    Bytes = 4,
 }
 
 impl Kind {
@@ -58,6 +62,7 @@ impl Kind {
             1 => Kind::Hello,
             2 => Kind::Begin,
             3 => Kind::Chunk,
+            4 => Kind::Bytes,
             _ => return None,
         })
     }
