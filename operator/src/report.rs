@@ -77,11 +77,14 @@ pub fn plan_table(title: &str, request: &JobRequest, plan: &Plan) -> String {
         "Step time: {} (compute {}{}; estimated, relative {:.2})",
         seconds(t.seconds),
         seconds(t.compute_seconds),
-        if t.all_reduce_seconds > 0.0 {
-            format!(", all-reduce {}", seconds(t.all_reduce_seconds))
-        } else {
-            String::new()
-        },
+        [
+            ("all-reduce", t.all_reduce_seconds),
+            ("stage transfers", t.transfer_seconds)
+        ]
+        .into_iter()
+        .filter(|(_, s)| *s > 0.0)
+        .map(|(what, s)| format!(", {what} {}", seconds(s)))
+        .collect::<String>(),
         plan.relative_step_time
     );
     if plan.correction_factor > 1.0 {
@@ -168,6 +171,7 @@ pub fn alternatives_table(chosen: &Plan, alternatives: &[Plan], objective: &str)
             "PEAK/BUDGET",
             "STEP",
             "ALL-REDUCE",
+            "TRANSFERS",
         ]
         .map(String::from)
         .to_vec(),
@@ -185,6 +189,7 @@ pub fn alternatives_table(chosen: &Plan, alternatives: &[Plan], objective: &str)
             plan.fit.clone(),
             seconds(plan.step_time.seconds),
             seconds(plan.step_time.all_reduce_seconds),
+            seconds(plan.step_time.transfer_seconds),
         ]);
     }
     format!(

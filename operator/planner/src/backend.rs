@@ -90,6 +90,10 @@ pub struct BackendProfile {
     /// collective's buffers (memory) and sets the number of messages
     /// (latency, [`crate::timing`]).
     pub collective_bucket_bytes: u64,
+    /// Bandwidth of the link between two pipeline stages, bytes/s: the
+    /// worker's TCP connections (worker/src/pipeline), which carry each
+    /// micro-batch's activations forward and their gradients back.
+    pub stage_link_bytes_per_second: f64,
 }
 
 /// How the memory model counts the activations one block keeps for backward.
@@ -194,6 +198,8 @@ pub const FLEX: BackendProfile = BackendProfile {
     // Small: on CPU the buffers come out of the same memory limit as the
     // model, and a small model must still gain from sharding its state.
     collective_bucket_bytes: 2 * MIB,
+    // The same TCP as the ring, pod to pod.
+    stage_link_bytes_per_second: 1.0e9,
 };
 
 /// burn CUDA: context and kernels cost most of a GiB; drivers keep ~1 % back
@@ -233,17 +239,27 @@ pub const CUDA: BackendProfile = BackendProfile {
     // on the host (worker/src/optim/offload.rs). Unverified on a GPU.
     optimizer_offload: true,
     device_is_host: false,
-    data_parallel: false,
+    // Replicas all-reduce over NCCL (worker/src/collective/nccl.rs), or the
+    // TCP ring when the image has no libnccl. Unverified on a GPU.
+    data_parallel: true,
     // An A100/H100-class GPU at a typical 40-50 % of its TF32/bf16 peak in
     // training (bf16 counts twice this, `timing::relative_compute`).
     // Uncalibrated: no GPU has measured it.
     fp32_flops_per_second: 1.0e14,
-    // NCCL's ring bus bandwidth over PCIe 4.0 x16 between GPUs of one node
-    // (about 20 GB/s in nccl-tests); NVLink gives several times more, so
-    // this is the conservative end.
-    collective_bytes_per_second: 2.0e10,
+    // The worker's NCCL collective is host-staged: a bucket of gradients
+    // crosses PCIe four times (down out of burn, up into NCCL's buffer, the
+    // reduced shard down, the updated weights up), each at ~12 GB/s for
+    // pageable memory, which is a bucket every ~0.33 s per GB whatever d;
+    // NCCL's own ring (20 GB/s bus bandwidth over PCIe 4.0, several times
+    // that over NVLink) is small beside it. 3 GB/s charges that at d = 2
+    // and overcharges larger d (the formula's 2(d-1)/d grows with d, the
+    // staging does not): the conservative end. Uncalibrated.
+    collective_bytes_per_second: 3.0e9,
     collective_latency_seconds: 5.0e-6,
     // PyTorch DDP's default bucket (25 MB): few enough messages that the
     // ring's latency stays small beside its bandwidth.
     collective_bucket_bytes: 32 * MIB,
+    // Stages talk over the worker's TCP connections on GPUs too, each
+    // tensor staged through host memory: the flex figure, not NVLink's.
+    stage_link_bytes_per_second: 1.0e9,
 };

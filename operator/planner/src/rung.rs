@@ -563,7 +563,7 @@ mod tests {
         assert!(RetryRung::CheaperOptimizer.runnable());
         // GPU workers step the optimizer on the host (worker/src/optim/offload.rs).
         assert!(RetryRung::OffloadOptimizer.runnable());
-        // CPU workers run ZeRO-1 replicas (worker/src/data_parallel.rs).
+        // Workers run ZeRO-1 replicas (worker/src/data_parallel.rs).
         assert!(RetryRung::ShardOptimizerState.runnable());
     }
 
@@ -571,10 +571,6 @@ mod tests {
     /// devices, micro-batch kept where it divides the new share.
     #[test]
     fn shard_optimizer_state_adds_replicas_and_keeps_the_global_batch() {
-        static CUDA_DP: BackendProfile = BackendProfile {
-            data_parallel: true,
-            ..CUDA
-        };
         let from = Candidate {
             device: gpu("NVIDIA-H100-80GB-HBM3", 80, 8),
             stages: 1,
@@ -582,7 +578,7 @@ mod tests {
             settings: settings(4, 2),
         };
         let limits = RungLimits {
-            profile: &CUDA_DP,
+            profile: &CUDA,
             global_batch: 8,
             max_workers: 8,
             max_devices: 8,
@@ -614,8 +610,12 @@ mod tests {
         };
         assert_eq!(more.iter().map(|c| c.replicas).collect::<Vec<_>>(), [4]);
         // Where the worker runs no replicas, the rung says so.
+        static NO_REPLICAS: BackendProfile = BackendProfile {
+            data_parallel: false,
+            ..CUDA
+        };
         let plain = RungLimits {
-            profile: &CUDA,
+            profile: &NO_REPLICAS,
             ..limits.clone()
         };
         assert!(matches!(

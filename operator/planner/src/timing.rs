@@ -19,9 +19,16 @@
 //! updated weights move the same bytes. Stages reduce at the same time, so
 //! the stage with the most trained bytes counts. The worker reduces after a
 //! step's last micro-batch rather than overlapping it with backward, so the
-//! two times add. Stage-to-stage transfers of a pipeline (one micro-batch's
-//! activations, s · b · h values, each way) are not counted: beside the
-//! stage's compute on the same micro-batch they are small.
+//! two times add.
+//!
+//! **Stage transfers.** A pipeline's stages pass each micro-batch's
+//! activations forward and their gradients back: b · s · h f32 values each
+//! way over each link ([`BackendProfile::stage_link_bytes_per_second`]). In
+//! a 1F1B schedule of m micro-batches over p stages the step has m + p − 1
+//! slots, and the worker sends in the slot it computes rather than beside
+//! it, so each slot pays one transfer each way ([`stage_transfer_seconds`]).
+//! Without this term a deeper pipeline looked free and `fastest` chose the
+//! most stages there were devices for.
 //!
 //! Constants are orders of magnitude until calibrated (the flex figures
 //! from this machine, the CUDA ones from published rates); only the ratio
@@ -44,6 +51,9 @@ pub struct StepTime {
     pub compute_seconds: f64,
     /// The gradient all-reduce between data-parallel replicas, seconds (0 for one replica).
     pub all_reduce_seconds: f64,
+    /// Activations and their gradients between pipeline stages, seconds (0 for one stage).
+    #[serde(default)]
+    pub transfer_seconds: f64,
     /// Their sum: the estimated time per optimizer step, seconds.
     pub seconds: f64,
 }
@@ -119,6 +129,28 @@ pub fn all_reduce_seconds(
         + 2.0 * (d - 1.0) * buckets * profile.collective_latency_seconds
 }
 
+/// The stage-to-stage transfers of one step, seconds (0 for one stage):
+/// m + p − 1 slots, each moving one micro-batch's b · s · h f32 values
+/// forward and as many back. An opaque model has no known activation width.
+pub fn stage_transfer_seconds(
+    model: &ModelShape,
+    settings: &Settings,
+    stages: u32,
+    profile: &BackendProfile,
+) -> f64 {
+    if stages <= 1 {
+        return 0.0;
+    }
+    let width = match model {
+        ModelShape::Transformer(t) => u64::from(t.sequence_length) * u64::from(t.hidden),
+        ModelShape::Llama(l) => u64::from(l.sequence_length) * u64::from(l.hidden),
+        ModelShape::Generic(_) => 0,
+    };
+    let bytes = (u64::from(settings.micro_batch) * width * 4) as f64;
+    let slots = f64::from(settings.gradient_accumulation.max(1) + stages - 1);
+    slots * 2.0 * bytes / profile.stage_link_bytes_per_second
+}
+
 /// The step time of a plan: `settings` on `stages` × `replicas` devices of
 /// `kind`, whose largest stage trains `stage_trained_elements` values.
 pub fn estimate(
@@ -139,10 +171,12 @@ pub fn estimate(
         replicas,
         profile,
     );
+    let transfer_seconds = stage_transfer_seconds(model, settings, stages, profile);
     StepTime {
         compute_seconds,
         all_reduce_seconds,
-        seconds: compute_seconds + all_reduce_seconds,
+        transfer_seconds,
+        seconds: compute_seconds + all_reduce_seconds + transfer_seconds,
     }
 }
 
@@ -211,15 +245,44 @@ mod tests {
             params,
         );
         assert_eq!(one.all_reduce_seconds, 0.0);
-        // bf16 gradients: 2·7/8 of 2·P bytes at 20 GB/s, plus latencies.
-        let ring = 2.0 * 7.0 / 8.0 * (2 * params) as f64 / 2.0e10;
+        // bf16 gradients: 2·7/8 of 2·P bytes at the profile's bus
+        // bandwidth, plus latencies.
+        let ring = 2.0 * 7.0 / 8.0 * (2 * params) as f64 / CUDA.collective_bytes_per_second;
         assert!(
             (eight.all_reduce_seconds / ring - 1.0).abs() < 0.05,
             "{eight:?} vs {ring}"
         );
         // Compute divides by 8 (the micro-batch is the same), the ring adds.
         assert!((eight.compute_seconds * 8.0 / one.compute_seconds - 1.0).abs() < 1e-9);
-        assert!(eight.seconds < one.seconds / 2.0, "{one:?} vs {eight:?}");
+        assert!(
+            (eight.seconds - eight.compute_seconds - eight.all_reduce_seconds).abs() < 1e-9
+                && eight.transfer_seconds == 0.0
+                && eight.seconds < one.seconds,
+            "{one:?} vs {eight:?}"
+        );
+    }
+
+    #[test]
+    fn stages_pay_a_transfer_each_way_per_slot() {
+        let shape = crate::model::TransformerShape {
+            layers: 8,
+            hidden: 1024,
+            heads: 8,
+            sequence_length: 512,
+            vocabulary: 1000,
+            feed_forward: None,
+            tied_embeddings: true,
+        };
+        let model = ModelShape::Transformer(shape);
+        let s = settings(2, 4);
+        assert_eq!(stage_transfer_seconds(&model, &s, 1, &FLEX), 0.0);
+        // 4 + 2 − 1 slots, 2 · 512 · 1024 f32 values each way per slot.
+        let bytes = 2.0 * 512.0 * 1024.0 * 4.0;
+        let three = stage_transfer_seconds(&model, &s, 3, &FLEX);
+        assert!((three - 6.0 * 2.0 * bytes / FLEX.stage_link_bytes_per_second).abs() < 1e-12);
+        let t = estimate(&model, None, &s, (3, 1), DeviceKind::Cpu, &FLEX, 1000);
+        assert_eq!(t.transfer_seconds, three);
+        assert!((t.seconds - t.compute_seconds - t.transfer_seconds).abs() < 1e-12);
     }
 
     #[test]

@@ -1,8 +1,8 @@
 //! Acceptance: plans in two dimensions (p pipeline stages × d data-parallel
 //! replicas) with the optimizer state sharded over the replicas (ZeRO-1),
-//! ranked by the `fastest` or `fewestGpus` objective. Planned with a CUDA
-//! profile whose worker runs replicas, so the tests hold once the real
-//! profile says it does. `-- --nocapture` prints each plan.
+//! ranked by the `fastest` or `fewestGpus` objective, with the backends'
+//! own profiles (the CUDA worker's replicas run over NCCL, unverified on a
+//! GPU). `-- --nocapture` prints each plan.
 
 mod common;
 use common::*;
@@ -10,15 +10,6 @@ use headroom_planner::backend::{CUDA, FLEX};
 use headroom_planner::memory::{StagePlacement, estimate_stage};
 use headroom_planner::units::format_bytes;
 use headroom_planner::*;
-
-static CUDA_DP: BackendProfile = BackendProfile {
-    data_parallel: true,
-    ..CUDA
-};
-static FLEX_DP: BackendProfile = BackendProfile {
-    data_parallel: true,
-    ..FLEX
-};
 
 fn opts(profile: &'static BackendProfile) -> SearchOptions {
     SearchOptions {
@@ -41,7 +32,7 @@ fn eight_h100() -> Inventory {
 
 fn show(name: &str, plan: &Plan) {
     println!(
-        "{name}: {} stage(s) × {} replica(s) on {} × {}, {}, step {:.2} s (compute {:.2} s, all-reduce {:.2} s), optimizer state {} per rank",
+        "{name}: {} stage(s) × {} replica(s) on {} × {}, {}, step {:.2} s (compute {:.2} s, all-reduce {:.2} s, stage transfers {:.2} s), optimizer state {} per rank",
         plan.stage_count(),
         plan.replicas,
         plan.workers,
@@ -50,6 +41,7 @@ fn show(name: &str, plan: &Plan) {
         plan.step_time.seconds,
         plan.step_time.compute_seconds,
         plan.step_time.all_reduce_seconds,
+        plan.step_time.transfer_seconds,
         format_bytes(plan.stages[0].memory.optimizer_state)
     );
 }
@@ -67,33 +59,38 @@ fn assert_batch(plan: &Plan, global_batch: u32) {
 #[test]
 fn seven_b_on_eight_h100s_uses_the_free_gpus_when_fastest() {
     let mut job = gpu_job(llama_7b(), 32, 8);
-    let fastest = plan_with(&job, &eight_h100(), &opts(&CUDA_DP)).expect("fits");
+    let fastest = plan_with(&job, &eight_h100(), &opts(&CUDA)).expect("fits");
     show("fastest", &fastest);
+    for alt in alternatives(&job, &eight_h100(), &fastest) {
+        show("  weighed", &alt);
+    }
     assert_batch(&fastest, 32);
-    assert_eq!(fastest.workers, 8, "every free GPU at work");
     assert!(fastest.replicas > 1, "replicas, not only stages");
     assert!(fastest.step_time.all_reduce_seconds > 0.0);
 
     job.objective = Objective::FewestGpus;
-    let fewest = plan_with(&job, &eight_h100(), &opts(&CUDA_DP)).expect("fits");
+    let fewest = plan_with(&job, &eight_h100(), &opts(&CUDA)).expect("fits");
     show("fewestGpus", &fewest);
     assert_batch(&fewest, 32);
     assert_eq!(
-        fewest.workers, 2,
+        (fewest.workers, fewest.replicas),
+        (2, 1),
         "16 bytes a parameter do not fit one 80 GB GPU"
     );
+    // The free GPUs at work: at least three times the devices, in well under
+    // half the time per step.
+    assert!(fastest.workers >= 3 * fewest.workers, "{}", fastest.workers);
     assert!(
         fastest.step_time.seconds < fewest.step_time.seconds / 2.0,
         "{} vs {}",
         fastest.step_time.seconds,
         fewest.step_time.seconds
     );
-
-    // Without a worker that runs replicas, today's answer: the fewest
-    // stages (a deeper pipeline's transfers are not in the time model).
-    job.objective = Objective::Fastest;
-    let no_dp = plan_with(&job, &eight_h100(), &opts(&CUDA)).expect("fits");
-    assert_eq!((no_dp.stage_count(), no_dp.replicas), (2, 1));
+    // Nothing weighed is faster than the chosen plan by more than the 2 %
+    // the fewer devices are allowed.
+    for alt in alternatives(&job, &eight_h100(), &fastest) {
+        assert!(alt.step_time.seconds * 1.02 >= fastest.step_time.seconds);
+    }
 }
 
 #[test]
@@ -162,7 +159,7 @@ fn a_cpu_job_too_small_for_its_optimizer_state_fits_as_two_replicas() {
         };
         j.pinned_checkpointing = Some(false);
         j.pinned_micro_batch = Some(4);
-        plan_with(&j, &Inventory::default(), &opts(&FLEX_DP)).expect("fits")
+        plan_with(&j, &Inventory::default(), &opts(&FLEX)).expect("fits")
     };
     let two = unlimited(&job);
     let one = unlimited(&single);
@@ -177,7 +174,7 @@ fn a_cpu_job_too_small_for_its_optimizer_state_fits_as_two_replicas() {
     };
     job.pinned_micro_batch = Some(4);
     job.pinned_checkpointing = Some(false);
-    let plan = plan_with(&job, &Inventory::default(), &opts(&FLEX_DP)).expect("fits");
+    let plan = plan_with(&job, &Inventory::default(), &opts(&FLEX)).expect("fits");
     show("cpu d=2", &plan);
     assert!(plan.fits());
     assert_batch(&plan, 8);
@@ -186,7 +183,7 @@ fn a_cpu_job_too_small_for_its_optimizer_state_fits_as_two_replicas() {
     // worker of the same settings does not fit.
     let mut one_worker = job.clone();
     one_worker.pinned_replicas = Some(1);
-    let over = plan_with(&one_worker, &Inventory::default(), &opts(&FLEX_DP)).expect("pinned");
+    let over = plan_with(&one_worker, &Inventory::default(), &opts(&FLEX)).expect("pinned");
     assert!(!over.fits(), "{}", over.fit);
 }
 
@@ -194,7 +191,7 @@ fn a_cpu_job_too_small_for_its_optimizer_state_fits_as_two_replicas() {
 fn replicas_divide_the_global_batch_and_respect_the_cap() {
     // Global batch 12 over at most 8 GPUs: replicas 1, 2, 3, 4, 6 (not 8).
     let job = gpu_job(llama_7b(), 12, 8);
-    let plan = plan_with(&job, &eight_h100(), &opts(&CUDA_DP)).expect("fits");
+    let plan = plan_with(&job, &eight_h100(), &opts(&CUDA)).expect("fits");
     show("batch 12", &plan);
     assert_batch(&plan, 12);
     assert!(plan.workers <= 8);
@@ -203,14 +200,22 @@ fn replicas_divide_the_global_batch_and_respect_the_cap() {
 
 #[test]
 fn pinned_replicas_are_refused_where_the_worker_has_none() {
+    static NO_REPLICAS: BackendProfile = BackendProfile {
+        data_parallel: false,
+        ..CUDA
+    };
     let mut job = gpu_job(llama_7b(), 32, 8);
     job.pinned_replicas = Some(2);
-    let err = plan_with(&job, &eight_h100(), &opts(&CUDA)).expect_err("no data-parallel worker");
+    let err =
+        plan_with(&job, &eight_h100(), &opts(&NO_REPLICAS)).expect_err("no data-parallel worker");
     assert!(
         err.summary.contains("training.dataParallelReplicas"),
         "{}",
         err.summary
     );
+    // The CUDA worker runs them.
+    let two = plan_with(&job, &eight_h100(), &opts(&CUDA)).expect("fits");
+    assert_eq!(two.replicas, 2);
 }
 
 #[test]
@@ -232,24 +237,48 @@ fn alternatives_are_the_other_shapes_that_fit_fastest_first() {
     }
 }
 
-/// The e2e scenario's job (`e2e/tests/data_parallel.rs`): one worker is over
-/// the budget of its 300Mi limit less 35 % headroom, two ZeRO-1 replicas fit
-/// it (stages pinned to 1: a pipeline would fit too).
+/// The e2e scenario's job (`e2e/tests/data_parallel.rs`): pinned to one
+/// worker, it is over the budget of its 320Mi limit less 15 % headroom and
+/// runs as asked; after the kernel kills it, the retry shards the optimizer
+/// state over two replicas, which fit. The job allows no cheaper optimizer
+/// (8-bit AdamW would fit one worker, and comes first in the ladder); a
+/// retry keeps one stage because sharding comes before more stages.
 #[test]
 fn the_e2e_job_needs_two_replicas() {
-    let model = transformer(4, 384, 6, 64, 8192);
-    let mut job = cpu_job(model, 2, 300 << 20, 2);
-    job.headroom_fraction = 0.35;
+    let model = transformer(4, 512, 8, 64, 8192);
+    let mut job = cpu_job(model, 2, 320 << 20, 2);
+    job.headroom_fraction = 0.15;
     job.pinned_stages = Some(1);
     job.pinned_checkpointing = Some(false);
-    let at = |d: u32| {
-        let mut j = job.clone();
-        j.pinned_replicas = Some(d);
-        plan_with(&j, &Inventory::default(), &opts(&FLEX_DP)).expect("planned")
+    job.pinned_replicas = Some(1);
+    job.allowed_rungs = vec![
+        RetryRung::ActivationCheckpointing,
+        RetryRung::HalveMicroBatch,
+        RetryRung::ShardOptimizerState,
+    ];
+    let first = plan_with(&job, &Inventory::default(), &opts(&FLEX)).expect("planned");
+    show("e2e attempt 1", &first);
+    assert_eq!((first.stage_count(), first.replicas), (1, 1));
+    assert!(!first.fits(), "{}", first.fit);
+    // Measured in release on this machine, one worker peaked at 377 MiB:
+    // the kernel kills it at 320Mi.
+    let failure = MemoryFailure {
+        kind: MemoryFailureKind::HostOom,
+        observed_peak_bytes: Some(320 << 20),
     };
-    let (one, two) = (at(1), at(2));
-    show("e2e d=1", &one);
-    show("e2e d=2", &two);
-    assert!(!one.fits(), "{}", one.fit);
-    assert!(two.fits(), "{}", two.fit);
+    let retry = next_stricter_plan(&job, &Inventory::default(), &first, &failure).expect("retry");
+    show("e2e attempt 2", &retry);
+    assert_eq!(
+        (retry.stage_count(), retry.replicas),
+        (1, 2),
+        "{:?}",
+        retry.rungs_applied
+    );
+    assert!(
+        retry
+            .rungs_applied
+            .contains(&RetryRung::ShardOptimizerState)
+    );
+    assert!(retry.fits(), "{}", retry.fit);
+    assert_batch(&retry, 2);
 }

@@ -61,7 +61,7 @@ fn model_70b_needs_a_pipeline_and_every_stage_fits() {
 fn first_stage_holds_the_most_in_flight_micro_batches() {
     let inv = Inventory::from_nodes(&six_type_cluster(1000));
     let plan = plan(&gpu_job(model_70b(), 1024, 64), &inv).expect("fits");
-    let p = plan.workers;
+    let p = plan.stage_count();
     assert_eq!(
         plan.stages[0].in_flight_micro_batches,
         p.min(plan.settings.gradient_accumulation)
