@@ -143,16 +143,19 @@ worker-cuda: ## The CUDA worker and calibrate binaries, offline, in ~/.cache/hea
 	if ! ls /dev/nvidia[0-9]* >/dev/null 2>&1; then rc=0; out=$$($(CUDA_DIR)/calibrate --backend cuda 2>&1) || rc=$$?; \
 	  test $$rc = 2 && grep -q "NVML did not start" <<<"$$out" || { echo "calibrate --backend cuda without a GPU: exit $$rc: $$out" >&2; exit 1; }; fi
 
-cuda-runtime: ## libdevice (and NVIDIA's license) from the pinned nvidia-cuda-nvcc-cu12 wheel on PyPI, CUDA_PATH-shaped, in ~/.cache/headroom/cuda-runtime.
+cuda-runtime: ## libdevice and NCCL (and NVIDIA's licenses) from the pinned nvidia-cuda-nvcc-cu12 and nvidia-nccl-cu12 wheels on PyPI, CUDA_PATH-shaped, in ~/.cache/headroom/cuda-runtime.
 	HEADROOM_CACHE=$(HEADROOM_CACHE) bash worker/cuda/fetch-runtime.sh
 
 image-cuda: cuda-runtime ## localhost/headroom-worker-cuda:$(IMAGE_TAG) without Docker, from make worker-cuda's binary (the driver comes from the node).
 	@test -x $(CUDA_DIR)/headroom-worker || { echo "no $(CUDA_DIR)/headroom-worker: run make worker-cuda first" >&2; exit 1; }
-	IMAGE_TAG=$(IMAGE_TAG) IMAGE_ENV="CUDA_PATH=/usr/local/cuda NVIDIA_DRIVER_CAPABILITIES=compute,utility" \
+	# NCCL under the name cudarc opens (libnccl.so), on LD_LIBRARY_PATH.
+	IMAGE_TAG=$(IMAGE_TAG) IMAGE_ENV="CUDA_PATH=/usr/local/cuda NVIDIA_DRIVER_CAPABILITIES=compute,utility LD_LIBRARY_PATH=/usr/local/cuda/lib64" \
 	  e2e/images/build.sh headroom-worker-cuda $(CUDA_DIR)/headroom-worker \
 	  $(CUDA_RUNTIME)/nvvm/libdevice/libdevice.10.bc:/usr/local/cuda/nvvm/libdevice/libdevice.10.bc \
-	  $(CUDA_RUNTIME)/LICENSE:/usr/local/cuda/LICENSE.nvidia
-	bash worker/cuda/check-image.sh $(HEADROOM_CACHE)/images/headroom-worker-cuda_$(IMAGE_TAG).oci.tar $(CUDA_RUNTIME)/nvvm/libdevice/libdevice.10.bc
+	  $(CUDA_RUNTIME)/LICENSE:/usr/local/cuda/LICENSE.nvidia \
+	  $(CUDA_RUNTIME)/lib64/libnccl.so.2:/usr/local/cuda/lib64/libnccl.so \
+	  $(CUDA_RUNTIME)/LICENSE.nccl:/usr/local/cuda/LICENSE.nccl
+	bash worker/cuda/check-image.sh $(HEADROOM_CACHE)/images/headroom-worker-cuda_$(IMAGE_TAG).oci.tar $(CUDA_RUNTIME)/nvvm/libdevice/libdevice.10.bc $(CUDA_RUNTIME)/lib64/libnccl.so.2
 
 gpu-bundle: cuda-runtime ## gpu-bundle/: make worker-cuda's calibrate (xz) and libdevice, < 64 MiB, for make gpu-check on a GPU machine without network or toolchain.
 	@test -x $(CUDA_DIR)/calibrate || { echo "no $(CUDA_DIR)/calibrate: run make worker-cuda first" >&2; exit 1; }

@@ -5,6 +5,8 @@
 #
 #   $HEADROOM_CACHE/cuda-runtime/cuda-12.8/nvvm/libdevice/libdevice.10.bc
 #   $HEADROOM_CACHE/cuda-runtime/cuda-12.8/LICENSE (NVIDIA's, from the wheel)
+#   $HEADROOM_CACHE/cuda-runtime/cuda-12.8/lib64/libnccl.so.2 and LICENSE.nccl
+#     (nvidia-nccl-cu12, the NCCL build PyTorch's CUDA 12.8 wheels pin)
 #
 # Why only libdevice: burn 0.22's CUDA backend (cubecl-cuda 0.11) compiles
 # kernels through LLVM's NVPTX target by default (cubecl-cuda src/compiler.rs:
@@ -14,7 +16,10 @@
 # libdevice bitcode, which cubecl-llvm looks for at
 # $CUDA_PATH/nvvm/libdevice/libdevice.10.bc (src/nvptx/libdevice.rs).
 # libcuda and libnvidia-ml come from the node's driver (the NVIDIA container
-# toolkit mounts them into the container).
+# toolkit mounts them into the container). NCCL is for data-parallel
+# replicas (worker/src/collective/nccl.rs): no driver or toolkit ships it, so
+# the image carries it; cudarc opens it by the name libnccl.so, which the
+# image gives it (Makefile image-cuda).
 #
 # Prints the directory. Idempotent; the wheel is checked against a pinned
 # sha256.
@@ -26,14 +31,26 @@ WHEEL=nvidia_cuda_nvcc_cu12-${WHEEL_VERSION}-py3-none-manylinux2010_x86_64.manyl
 WHEEL_SHA256=2d6dc36fb7cb5ac9c0b8825bc13d193c35487a315664007287d0126531238011
 OUT="${HEADROOM_CACHE}/cuda-runtime/cuda-12.8"
 LIBDEVICE="${OUT}/nvvm/libdevice/libdevice.10.bc"
+NCCL_VERSION=2.26.2
+NCCL_WHEEL=nvidia_nccl_cu12-${NCCL_VERSION}-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl
+NCCL_SHA256=694cf3879a206553cc9d7dbda76b13efaf610fdb70a50cba303de1b0d1530ac6
+NCCL="${OUT}/lib64/libnccl.so.2"
 
-if [[ -s ${LIBDEVICE} && -s ${OUT}/LICENSE ]]; then
+if [[ -s ${LIBDEVICE} && -s ${OUT}/LICENSE && -s ${NCCL} && -s ${OUT}/LICENSE.nccl ]]; then
   printf '%s\n' "${OUT}"
   exit 0
 fi
 
 wheels="${HEADROOM_CACHE}/wheels"
 mkdir -p "${wheels}"
+if ! echo "${NCCL_SHA256}  ${wheels}/${NCCL_WHEEL}" | sha256sum -c --quiet >/dev/null 2>&1; then
+  command -v python3 >/dev/null || { echo "fetch-runtime: python3 with pip is needed to download ${NCCL_WHEEL} from PyPI" >&2; exit 1; }
+  python3 -m pip download --quiet --no-deps --only-binary=:all: \
+    --platform manylinux2014_x86_64 --python-version 3.11 \
+    "nvidia-nccl-cu12==${NCCL_VERSION}" -d "${wheels}" >&2
+  echo "${NCCL_SHA256}  ${wheels}/${NCCL_WHEEL}" | sha256sum -c --quiet ||
+    { echo "fetch-runtime: ${NCCL_WHEEL} does not match its pinned sha256" >&2; exit 1; }
+fi
 if ! echo "${WHEEL_SHA256}  ${wheels}/${WHEEL}" | sha256sum -c --quiet >/dev/null 2>&1; then
   command -v python3 >/dev/null || { echo "fetch-runtime: python3 with pip is needed to download ${WHEEL} from PyPI" >&2; exit 1; }
   python3 -m pip download --quiet --no-deps --only-binary=:all: \
@@ -54,6 +71,18 @@ with zipfile.ZipFile(wheel) as z:
     z.extract(lic, out)
     open(out + "/license-path", "w").write(lic)
 PY
+python3 - "${wheels}/${NCCL_WHEEL}" "${tmp}" <<'PY'
+import sys, zipfile
+wheel, out = sys.argv[1], sys.argv[2]
+with zipfile.ZipFile(wheel) as z:
+    z.extract("nvidia/nccl/lib/libnccl.so.2", out)
+    lic = [n for n in z.namelist() if n.endswith(".dist-info/License.txt")][0]
+    z.extract(lic, out)
+    open(out + "/nccl-license-path", "w").write(lic)
+PY
+mkdir -p "${OUT}/lib64"
+install -m 0755 "${tmp}/nvidia/nccl/lib/libnccl.so.2" "${NCCL}"
+install -m 0644 "${tmp}/$(cat "${tmp}/nccl-license-path")" "${OUT}/LICENSE.nccl"
 mkdir -p "${OUT}/nvvm/libdevice"
 install -m 0644 "${tmp}/nvidia/cuda_nvcc/nvvm/libdevice/libdevice.10.bc" "${LIBDEVICE}"
 install -m 0644 "${tmp}/$(cat "${tmp}/license-path")" "${OUT}/LICENSE"
