@@ -388,6 +388,7 @@ pub fn run(steps: u64, only: Option<&str>, overhead: bool, large: bool) -> i32 {
             predicted: breakdown.total,
             measured: peak.saturating_sub(baseline),
             seconds,
+            replicas: 1,
         };
         print_row(&m);
         eprintln!(
