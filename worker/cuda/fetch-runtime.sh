@@ -26,14 +26,8 @@
 set -euo pipefail
 
 : "${HEADROOM_CACHE:=${HOME}/.cache/headroom}"
-WHEEL_VERSION=12.8.93
-WHEEL=nvidia_cuda_nvcc_cu12-${WHEEL_VERSION}-py3-none-manylinux2010_x86_64.manylinux_2_12_x86_64.whl
-WHEEL_SHA256=2d6dc36fb7cb5ac9c0b8825bc13d193c35487a315664007287d0126531238011
 OUT="${HEADROOM_CACHE}/cuda-runtime/cuda-12.8"
 LIBDEVICE="${OUT}/nvvm/libdevice/libdevice.10.bc"
-NCCL_VERSION=2.26.2
-NCCL_WHEEL=nvidia_nccl_cu12-${NCCL_VERSION}-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl
-NCCL_SHA256=694cf3879a206553cc9d7dbda76b13efaf610fdb70a50cba303de1b0d1530ac6
 NCCL="${OUT}/lib64/libnccl.so.2"
 
 if [[ -s ${LIBDEVICE} && -s ${OUT}/LICENSE && -s ${NCCL} && -s ${OUT}/LICENSE.nccl ]]; then
@@ -43,47 +37,43 @@ fi
 
 wheels="${HEADROOM_CACHE}/wheels"
 mkdir -p "${wheels}"
-if ! echo "${NCCL_SHA256}  ${wheels}/${NCCL_WHEEL}" | sha256sum -c --quiet >/dev/null 2>&1; then
-  command -v python3 >/dev/null || { echo "fetch-runtime: python3 with pip is needed to download ${NCCL_WHEEL} from PyPI" >&2; exit 1; }
-  python3 -m pip download --quiet --no-deps --only-binary=:all: \
-    --platform manylinux2014_x86_64 --python-version 3.11 \
-    "nvidia-nccl-cu12==${NCCL_VERSION}" -d "${wheels}" >&2
-  echo "${NCCL_SHA256}  ${wheels}/${NCCL_WHEEL}" | sha256sum -c --quiet ||
-    { echo "fetch-runtime: ${NCCL_WHEEL} does not match its pinned sha256" >&2; exit 1; }
-fi
-if ! echo "${WHEEL_SHA256}  ${wheels}/${WHEEL}" | sha256sum -c --quiet >/dev/null 2>&1; then
-  command -v python3 >/dev/null || { echo "fetch-runtime: python3 with pip is needed to download ${WHEEL} from PyPI" >&2; exit 1; }
-  python3 -m pip download --quiet --no-deps --only-binary=:all: \
-    --platform manylinux2014_x86_64 --python-version 3.11 \
-    "nvidia-cuda-nvcc-cu12==${WHEEL_VERSION}" -d "${wheels}" >&2
-  echo "${WHEEL_SHA256}  ${wheels}/${WHEEL}" | sha256sum -c --quiet ||
-    { echo "fetch-runtime: ${WHEEL} does not match its pinned sha256" >&2; exit 1; }
-fi
-
 tmp=$(mktemp -d)
 trap 'rm -rf "${tmp}"' EXIT
-python3 - "${wheels}/${WHEEL}" "${tmp}" <<'PY'
+
+# unpack PACKAGE==VERSION WHEEL_FILE SHA256 MEMBER DEST MODE LICENSE_DEST:
+# the pinned wheel from PyPI (cached in $wheels, checked against SHA256),
+# its MEMBER installed as DEST and its license as LICENSE_DEST.
+unpack() {
+  local requirement=$1 wheel=${wheels}/$2 sha256=$3 member=$4 dest=$5 mode=$6 license=$7
+  if ! echo "${sha256}  ${wheel}" | sha256sum -c --quiet >/dev/null 2>&1; then
+    command -v python3 >/dev/null || { echo "fetch-runtime: python3 with pip is needed to download ${requirement} from PyPI" >&2; exit 1; }
+    python3 -m pip download --quiet --no-deps --only-binary=:all: \
+      --platform manylinux2014_x86_64 --python-version 3.11 \
+      "${requirement}" -d "${wheels}" >&2
+    echo "${sha256}  ${wheel}" | sha256sum -c --quiet ||
+      { echo "fetch-runtime: $(basename "${wheel}") does not match its pinned sha256" >&2; exit 1; }
+  fi
+  rm -rf "${tmp:?}"/*
+  python3 - "${wheel}" "${tmp}" "${member}" <<'PY'
 import sys, zipfile
-wheel, out = sys.argv[1], sys.argv[2]
+wheel, out, member = sys.argv[1:4]
 with zipfile.ZipFile(wheel) as z:
-    z.extract("nvidia/cuda_nvcc/nvvm/libdevice/libdevice.10.bc", out)
+    z.extract(member, out)
     lic = [n for n in z.namelist() if n.endswith(".dist-info/License.txt")][0]
     z.extract(lic, out)
     open(out + "/license-path", "w").write(lic)
 PY
-python3 - "${wheels}/${NCCL_WHEEL}" "${tmp}" <<'PY'
-import sys, zipfile
-wheel, out = sys.argv[1], sys.argv[2]
-with zipfile.ZipFile(wheel) as z:
-    z.extract("nvidia/nccl/lib/libnccl.so.2", out)
-    lic = [n for n in z.namelist() if n.endswith(".dist-info/License.txt")][0]
-    z.extract(lic, out)
-    open(out + "/nccl-license-path", "w").write(lic)
-PY
-mkdir -p "${OUT}/lib64"
-install -m 0755 "${tmp}/nvidia/nccl/lib/libnccl.so.2" "${NCCL}"
-install -m 0644 "${tmp}/$(cat "${tmp}/nccl-license-path")" "${OUT}/LICENSE.nccl"
-mkdir -p "${OUT}/nvvm/libdevice"
-install -m 0644 "${tmp}/nvidia/cuda_nvcc/nvvm/libdevice/libdevice.10.bc" "${LIBDEVICE}"
-install -m 0644 "${tmp}/$(cat "${tmp}/license-path")" "${OUT}/LICENSE"
+  mkdir -p "$(dirname "${dest}")"
+  install -m "${mode}" "${tmp}/${member}" "${dest}"
+  install -m 0644 "${tmp}/$(cat "${tmp}/license-path")" "${license}"
+}
+
+unpack nvidia-cuda-nvcc-cu12==12.8.93 \
+  nvidia_cuda_nvcc_cu12-12.8.93-py3-none-manylinux2010_x86_64.manylinux_2_12_x86_64.whl \
+  2d6dc36fb7cb5ac9c0b8825bc13d193c35487a315664007287d0126531238011 \
+  nvidia/cuda_nvcc/nvvm/libdevice/libdevice.10.bc "${LIBDEVICE}" 0644 "${OUT}/LICENSE"
+unpack nvidia-nccl-cu12==2.26.2 \
+  nvidia_nccl_cu12-2.26.2-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl \
+  694cf3879a206553cc9d7dbda76b13efaf610fdb70a50cba303de1b0d1530ac6 \
+  nvidia/nccl/lib/libnccl.so.2 "${NCCL}" 0755 "${OUT}/LICENSE.nccl"
 printf '%s\n' "${OUT}"
