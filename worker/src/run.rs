@@ -653,7 +653,18 @@ impl Training<'_> {
             }
         }
         let mut written = String::new();
-        if let Some(files) = &self.plan.assignment().files {
+        let replica = self.plan.assignment().replica;
+        if let Some(files) = &self.plan.assignment().files
+            && replica > 0
+        {
+            // The replicas of a stage hold the same weights bitwise (the
+            // all-gather), so one of them writes the stage's output: two
+            // writers of the same files would race.
+            written = format!(
+                "; replica {replica}: replica 0 writes the trained model to {}",
+                files.output_dir
+            );
+        } else if let Some(files) = &self.plan.assignment().files {
             let out = Path::new(&files.output_dir);
             match trainer.save_pretrained(out) {
                 Ok(file) => {

@@ -457,6 +457,20 @@ fn run_two_replicas(
     steps: u64,
     replica1_extra: &[(&'static str, String)],
 ) -> [Run; 2] {
+    run_replicas(
+        root,
+        [two_replica(steps, 0), two_replica(steps, 1)],
+        replica1_extra,
+    )
+}
+
+/// Runs `replicas` (replica 0 and 1 of one plan) as two processes over
+/// loopback, checkpointing into `root/checkpoints`.
+fn run_replicas(
+    root: &Path,
+    replicas: [WorkerAssignment; 2],
+    replica1_extra: &[(&'static str, String)],
+) -> [Run; 2] {
     let addresses = format!("127.0.0.1:{},127.0.0.1:{}", free_port(), free_port());
     let checkpoints = root.join("checkpoints");
     let runs: Vec<Run> = std::thread::scope(|scope| {
@@ -464,7 +478,7 @@ fn run_two_replicas(
             .map(|r| {
                 let dir = root.join(format!("r{r}"));
                 std::fs::create_dir_all(&dir).expect("dir");
-                let json = serde_json::to_string(&two_replica(steps, r)).expect("json");
+                let json = serde_json::to_string(&replicas[r as usize]).expect("json");
                 let mut extra = vec![
                     (headroom_api::REPLICA_ADDRESSES_ENV, addresses.clone()),
                     (CHECKPOINT_DIR_ENV, checkpoints.display().to_string()),
@@ -646,6 +660,55 @@ fn fine_tunes_a_llama_checkpoint_resumes_and_writes_it_out() {
     for file in ["model.safetensors", "config.json", "tokenizer.json"] {
         assert!(out.join(file).is_file(), "{file} in the output");
     }
+}
+
+/// Two replicas fine-tune the tiny Llama checkpoint together; replica 0
+/// alone writes the trained model (the replicas' weights are the same), so
+/// the output is written once, not raced over.
+#[test]
+fn two_replicas_fine_tune_a_llama_checkpoint_and_one_writes_it_out() {
+    let root = temp_dir("llama-replicas");
+    let replica = |r: u32| {
+        let mut a = llama_assignment(&root, 4);
+        a.plan.settings.gradient_accumulation = 1;
+        a.plan.replicas = 2;
+        a.plan.workers = 2;
+        a.replica = r;
+        a
+    };
+    let [r0, r1] = run_replicas(&root, [replica(0), replica(1)], &[]);
+    for (r, run) in [&r0, &r1].iter().enumerate() {
+        assert_eq!(run.code, exit_code::SUCCESS, "replica {r}: {}", run.stderr);
+        assert_eq!(run.message.step, Some(4));
+    }
+    assert!(
+        r0.message.reason.contains("model written to"),
+        "{}",
+        r0.message.reason
+    );
+    assert!(
+        r1.message.reason.contains("replica 1: replica 0 writes"),
+        "{}",
+        r1.message.reason
+    );
+    assert!(
+        !r1.stderr.contains("trained weights written"),
+        "{}",
+        r1.stderr
+    );
+    let output = root.join("output");
+    let weights: Vec<_> = std::fs::read_dir(&output)
+        .expect("output dir")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".safetensors"))
+        .collect();
+    assert!(
+        !weights.is_empty(),
+        "{:?}",
+        std::fs::read_dir(&output).map(|d| d.count())
+    );
+    let _ = std::fs::remove_dir_all(&root);
 }
 
 #[test]
