@@ -14,6 +14,8 @@
 //!   PEFT loads what the worker writes and gives its logits is checked
 //!   against PEFT itself in worker/tests/lora_peft.rs and its fixtures).
 //! * A QLoRA job on an int4 base succeeds on its first attempt.
+//! * A LoRA job runs as two data-parallel replicas; replica 0 writes the
+//!   adapter.
 
 use std::time::Duration;
 
@@ -276,6 +278,54 @@ async fn a_qlora_job_on_an_int4_base_succeeds_first_time() {
         status.attempts[0].plan.settings.base_format,
         BaseFormat::Int4
     );
+    let loss = final_loss(&status);
+    assert!(loss.is_finite() && loss < 512f64.ln(), "loss {loss}");
+    let (config, header, _) = written_adapter(&ns, name, &status).await;
+    check_peft_adapter(&config, &header);
+    ns.cleanup().await;
+}
+
+/// LoRA with data-parallel replicas, the common case: two replicas fine-tune
+/// the dense base together (each half of every step's samples, the adapters'
+/// gradients summed over the ring, their optimizer state sharded), and the
+/// adapter is written once, by replica 0.
+#[tokio::test]
+#[ignore = "needs a cluster with Headroom installed: make e2e"]
+async fn a_lora_job_trains_as_two_replicas_and_writes_one_adapter() {
+    let ns = TestNs::new(E2E, "e2e-lora-dp").await;
+    let hub = hub("lora-dp");
+    let endpoint = hub.endpoint_on(&hub_host(&ns).await);
+    load_claims(&ns, false).await;
+
+    let name = "lora-replicas";
+    let manifest = job(
+        name,
+        &endpoint,
+        "    method: lora\n    lora: {rank: 8, alpha: 16, targetModules: [q_proj, v_proj]}\n    dataParallelReplicas: 2",
+        "200Mi",
+        "  memoryPolicy: {maxAttempts: 2, backoffSeconds: 1}",
+    )
+    .replace("maxWorkers: 1}", "maxWorkers: 2}");
+    assert!(manifest.contains("maxWorkers: 2}"), "job() changed");
+    ns.apply_job(&manifest).await;
+    let status = ns.wait_succeeded(name, RUN).await;
+    let outcomes: Vec<AttemptOutcome> = status.attempts.iter().map(|a| a.outcome).collect();
+    assert_eq!(
+        outcomes,
+        [AttemptOutcome::Succeeded],
+        "{:#?}",
+        status.attempts
+    );
+    let plan = &status.attempts[0].plan;
+    assert_eq!((plan.stage_count(), plan.replicas, plan.workers), (1, 2, 2));
+    assert_eq!(plan.adapters.as_ref().map(|a| a.rank), Some(8));
+    // Both replicas trained and reported; the attempt ran to the last step.
+    let reports: Vec<_> = status.workers.iter().filter(|w| w.attempt == 1).collect();
+    assert_eq!(reports.len(), 2, "{reports:#?}");
+    for w in &reports {
+        assert!(w.step > 0 && w.memory.peak_bytes > 0, "{w:?}");
+    }
+    assert_eq!(status.attempts[0].last_step, Some(12));
     let loss = final_loss(&status);
     assert!(loss.is_finite() && loss < 512f64.ln(), "loss {loss}");
     let (config, header, _) = written_adapter(&ns, name, &status).await;
