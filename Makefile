@@ -102,6 +102,11 @@ e2e: ## The end-to-end suite on real pods (local single-node cluster unless KUBE
 e2e-kind: ## The same suite on a kind cluster (needs Docker and kind): images from the Dockerfiles, Helm, suite, cluster deleted.
 	e2e/kind.sh
 
+.PHONY: kind-base-image
+kind-base-image: ## kind's base image built here (debootstrap, Debian's containerd/runc/CNI, kind's files), under a private dockerd, then checked as a node (root; issue 17, e2e/kind/README.md).
+	e2e/kind/dockerd.sh up
+	export $$(e2e/kind/dockerd.sh env) && image=$$(e2e/kind/base-image.sh) && e2e/kind/check-base-image.sh $$image
+
 ##@ Local single-node cluster (real pods: containerd + kubelet; run as root)
 .PHONY: cluster-up cluster-down cluster-status cluster-test worker-cuda cuda-runtime image-cuda gpu-bundle gpu-check images
 KUBECONFIG_CLUSTER := $(HEADROOM_CACHE)/state/cluster/kubeconfig
