@@ -14,11 +14,20 @@ set -euo pipefail
 : "${HEADROOM_CACHE:=${HOME}/.cache/headroom}"
 : "${KIND_VERSION:=v0.33.0}"
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# K8S_VERSION, HEADROOM_BIN_DIR (where e2e/cluster/build-binaries.sh puts binaries).
+# shellcheck source=../cluster/lib/common.sh
+source "${HERE}/../cluster/lib/common.sh"
 SUITE=bookworm
 # kind's package list (images/base/Dockerfile) less nfs-common, open-iscsi and
 # fuse-overlayfs (rootless and storage extras), plus what kind builds itself.
 PACKAGES=systemd,systemd-sysv,dbus,conntrack,iptables,nftables,iproute2,ethtool,util-linux,mount,kmod,libseccomp2,pigz,e2fsprogs,bash,ca-certificates,curl,jq,procps,containerd,runc,containernetworking-plugins
-tag=$(printf '%s\n' "${KIND_VERSION}" "${SUITE}" "${PACKAGES}" | cat - "$0" | sha256sum | cut -c1-12)
+# crictl: kind runs `crictl inspecti` and `crictl images` on its nodes, and
+# cri-tools is not served by the Go module proxy; the project's CRI client
+# answers those (e2e/cluster/tools/hr-cri).
+"${HERE}/../cluster/build-binaries.sh" hr-cri >/dev/null 2>&1 ||
+  { echo "base-image: building hr-cri failed (e2e/cluster/build-binaries.sh hr-cri)" >&2; exit 1; }
+CRICTL="${HEADROOM_BIN_DIR}/hr-cri"
+tag=$(printf '%s\n' "${KIND_VERSION}" "${SUITE}" "${PACKAGES}" | cat - "$0" "${CRICTL}" | sha256sum | cut -c1-12)
 IMAGE="localhost/kind-base:${SUITE}-${tag}"
 if docker image inspect "${IMAGE}" >/dev/null 2>&1; then
   printf '%s\n' "${IMAGE}"
@@ -49,6 +58,7 @@ ln -sf /usr/bin/containerd-shim-runc-v2 "${root}/usr/local/bin/containerd-shim-r
 install -d "${root}/usr/local/sbin" "${root}/opt/cni"
 ln -sf /usr/sbin/runc "${root}/usr/local/sbin/runc"
 ln -sfn /usr/lib/cni "${root}/opt/cni/bin"
+install -m 0755 "${CRICTL}" "${root}/usr/local/bin/crictl"
 # The base runtime spec kind's containerd config names (its Dockerfile: ctr oci spec | jq).
 chroot "${root}" ctr oci spec |
   jq '.hooks.createContainer[.hooks.createContainer | length] |= . + {"path": "/kind/bin/mount-product-files.sh"}' |

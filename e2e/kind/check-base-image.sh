@@ -3,7 +3,8 @@
 # /var volume, /lib/modules read-only) and checks what kind needs of it:
 # systemd reaches `running` with no failed unit, containerd is active, and
 # its runc starts a privileged and an unprivileged container (the pause image
-# of e2e/images, imported into the node's k8s.io namespace). Removes the
+# of e2e/images, imported into the node's k8s.io namespace), and crictl
+# reports that image's ID as kind reads it. Removes the
 # container again.
 #
 #   e2e/kind/check-base-image.sh IMAGE
@@ -32,6 +33,9 @@ docker exec "${node}" ctr -n k8s.io images import /var/pause.tar >/dev/null || f
 image=$(docker exec "${node}" ctr -n k8s.io images ls -q | head -1)
 docker exec "${node}" ctr -n k8s.io run -d --privileged "${image}" privileged >/dev/null || fail "a privileged container did not start"
 docker exec "${node}" ctr -n k8s.io run -d "${image}" plain >/dev/null || fail "a plain container did not start"
+# kind reads an image's ID through `crictl inspecti` (status.id).
+id=$(docker exec "${node}" crictl inspecti "${image}" | jq -r .status.id) || fail "crictl inspecti ${image} failed"
+[[ ${id} == sha256:* ]] || fail "crictl inspecti gave no image id: ${id}"
 running=$(docker exec "${node}" ctr -n k8s.io tasks ls | grep -c RUNNING || true)
 [[ ${running} == 2 ]] || fail "${running} of 2 containers running"
-echo "check-base-image: ${IMAGE}: ok (systemd running, containerd $(docker exec "${node}" ctr version 2>/dev/null | awk '/Version/ {print $2; exit}'), privileged and plain containers run)"
+echo "check-base-image: ${IMAGE}: ok (systemd running, containerd $(docker exec "${node}" ctr version 2>/dev/null | awk '/Version/ {print $2; exit}'), privileged and plain containers run, crictl inspecti gives ${id:0:19}…)"

@@ -6,6 +6,12 @@
 //	hr-cri -endpoint ... ps                                  # containers
 //	hr-cri -endpoint ... images                              # images the kubelet can see
 //	hr-cri -endpoint ... teardown                            # stop + remove every sandbox
+//	hr-cri -endpoint ... inspecti IMAGE                      # crictl's JSON: status.id, status.repoTags
+//
+// Installed as crictl in kind's base image (e2e/kind/base-image.sh): kind
+// runs `crictl inspecti` and `crictl images` on its nodes. Without
+// -endpoint it reads runtime-endpoint from /etc/crictl.yaml, as crictl does
+// (default unix:///run/containerd/containerd.sock).
 //
 // teardown goes through the CRI (StopPodSandbox/RemovePodSandbox) rather
 // than `ctr tasks kill`, so the CNI DEL runs: pod IPs are released, veths and
@@ -14,9 +20,11 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"flag"
 	"fmt"
 	"os"
+	"strings"
 	"time"
 
 	"google.golang.org/grpc"
@@ -28,8 +36,15 @@ func main() {
 	endpoint := flag.String("endpoint", "", "CRI endpoint, e.g. unix:///run/containerd/containerd.sock")
 	timeout := flag.Duration("timeout", 60*time.Second, "per-call timeout")
 	flag.Parse()
-	if *endpoint == "" || flag.NArg() != 1 {
-		fmt.Fprintln(os.Stderr, "usage: hr-cri -endpoint unix:///path.sock pods|ps|images|teardown")
+	if *endpoint == "" {
+		*endpoint = crictlEndpoint()
+	}
+	want := 1
+	if flag.Arg(0) == "inspecti" {
+		want = 2
+	}
+	if flag.NArg() != want {
+		fmt.Fprintln(os.Stderr, "usage: hr-cri [-endpoint unix:///path.sock] pods|ps|images|teardown|inspecti IMAGE")
 		os.Exit(2)
 	}
 	conn, err := grpc.NewClient(*endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
@@ -94,6 +109,25 @@ func main() {
 		for _, i := range resp.Images {
 			fmt.Printf("%v %s pinned=%v\n", i.RepoTags, i.Id, i.Pinned)
 		}
+	case "inspecti":
+		c, cancel := ctx()
+		defer cancel()
+		resp, err := im.ImageStatus(c, &runtime.ImageStatusRequest{Image: &runtime.ImageSpec{Image: flag.Arg(1)}})
+		if err != nil {
+			fatal(err)
+		}
+		if resp.Image == nil {
+			fatal(fmt.Errorf("no such image %q present", flag.Arg(1)))
+		}
+		// The fields of crictl's output that kind reads, under crictl's names.
+		out, _ := json.MarshalIndent(map[string]any{"status": map[string]any{
+			"id":          resp.Image.Id,
+			"repoTags":    resp.Image.RepoTags,
+			"repoDigests": resp.Image.RepoDigests,
+			"size":        fmt.Sprint(resp.Image.Size_),
+			"pinned":      resp.Image.Pinned,
+		}}, "", "  ")
+		fmt.Println(string(out))
 	default:
 		fmt.Fprintf(os.Stderr, "unknown command %q\n", flag.Arg(0))
 		os.Exit(2)
@@ -103,4 +137,17 @@ func main() {
 func fatal(err error) {
 	fmt.Fprintln(os.Stderr, "hr-cri:", err)
 	os.Exit(1)
+}
+
+// crictlEndpoint is crictl's choice of endpoint: runtime-endpoint from
+// /etc/crictl.yaml, else containerd's default socket.
+func crictlEndpoint() string {
+	if data, err := os.ReadFile("/etc/crictl.yaml"); err == nil {
+		for _, line := range strings.Split(string(data), "\n") {
+			if v, ok := strings.CutPrefix(strings.TrimSpace(line), "runtime-endpoint:"); ok {
+				return strings.TrimSpace(v)
+			}
+		}
+	}
+	return "unix:///run/containerd/containerd.sock"
 }
