@@ -51,6 +51,22 @@ cp -r "${files}/kind/." "${root}/kind/"
 cp -r "${files}/etc/." "${root}/etc/"
 install -m 0755 "${files}/usr/local/bin/"* "${root}/usr/local/bin/"
 chmod 0755 "${root}"/kind/bin/*
+# This VM drops CAP_SYS_RESOURCE from every bounding set, so no process may
+# lower an OOM score: kind's containerd config asks for the pod sandboxes'
+# -998 (restrict_oom_score_adj = false) and runc init dies ("can't get final
+# child's PID from pipe"). Restricted, containerd clamps the score to its own
+# (what the local cluster's containerd does, e2e/cluster/lib/containerd.sh).
+sed -i 's/restrict_oom_score_adj = false/restrict_oom_score_adj = true/' "${root}/etc/containerd/config.toml"
+grep -q 'restrict_oom_score_adj = true' "${root}/etc/containerd/config.toml" ||
+  { echo "base-image: kind's containerd config no longer sets restrict_oom_score_adj" >&2; exit 1; }
+# On a cgroup v1 host with cgroupns, the entrypoint leaves the kubelet's
+# cgroup to systemd, which creates kubelet.slice only under the controllers
+# it manages; the kubelet refuses to start while hugetlb (and any other v1
+# controller) lacks it.
+cat >"${root}/etc/systemd/system/kubelet.service.d/12-headroom-cgroup-v1.conf" <<'UNIT'
+[Service]
+ExecStartPre=/bin/sh -c "[ -f /sys/fs/cgroup/cgroup.controllers ] || for d in /sys/fs/cgroup/*/; do [ -L \"$${d%%/}\" ] || mkdir -p \"$${d}kubelet.slice\" \"$${d}kubelet\" 2>/dev/null || true; done"
+UNIT
 # Where kind's units and scripts expect Debian's binaries.
 ln -sf /usr/bin/containerd "${root}/usr/local/bin/containerd"
 ln -sf /usr/bin/ctr "${root}/usr/local/bin/ctr"

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# kind's node image for the local cluster's Kubernetes version, assembled here
+# without `kind build node-image` (which pulls etcd, CoreDNS, pause, kindnetd
+# and the storage images from registries this machine cannot reach): the base
+# image of base-image.sh, kubeadm, kubelet and kubectl from
+# e2e/cluster/build-binaries.sh, and the control-plane images made with
+# e2e/images/build.sh from the same binaries, imported into the node's
+# containerd the way kind's builder does it (containerd started by hand in a
+# build container, `ctr images import`, `docker commit`).
+#
+#   e2e/kind/node-image.sh          prints the image name (cached by input hash)
+#
+# Not in it (e2e/kind/README.md): CoreDNS (the harness builds it), kindnetd
+# (the harness writes each node's CNI config instead).
+set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=../cluster/lib/common.sh
+source "${HERE}/../cluster/lib/common.sh"
+BASE=$("${HERE}/base-image.sh")
+"${HERE}/../cluster/build-binaries.sh" kubeadm kubelet kubectl kube-apiserver kube-controller-manager kube-scheduler kube-proxy >/dev/null 2>&1 || true
+for b in kubeadm kubelet kubectl kube-apiserver kube-controller-manager kube-scheduler kube-proxy etcd; do
+  [[ -x ${HEADROOM_BIN_DIR}/${b} ]] || { echo "node-image: no ${HEADROOM_BIN_DIR}/${b} (e2e/cluster/build-binaries.sh ${b})" >&2; exit 1; }
+done
+ETCD_TAG=${ETCD_VERSION#v}-0
+tag=$( (echo "${BASE}"; cat "$0" "${HEADROOM_BIN_DIR}"/{kubeadm,kubelet,kubectl}) | sha256sum | cut -c1-12)
+IMAGE="localhost/kind-node:${K8S_VERSION}-${tag}"
+if docker image inspect "${IMAGE}" >/dev/null 2>&1; then
+  printf '%s\n' "${IMAGE}"
+  exit 0
+fi
+
+# Control-plane images under the names kubeadm asks for (etcd under its own
+# version: the cluster config patches kubeadm's etcd tag to it). Root: the
+# static pods read the node's keys.
+archives=()
+image() { # NAME BINARY [EXTRA...]
+  IMAGE_IMPORT=0 IMAGE_USER=0:0 "${HERE}/../images/build.sh" "$@" >/dev/null
+  local last=${1##*/}
+  archives+=("${HEADROOM_CACHE}/images/${last/:/_}.oci.tar")
+}
+for c in kube-apiserver kube-controller-manager kube-scheduler; do
+  image "registry.k8s.io/${c}:${K8S_VERSION}" "${HEADROOM_BIN_DIR}/${c}"
+done
+# kube-proxy programs iptables (legacy: the mode kind's entrypoint picks here).
+xt=$(command -v xtables-legacy-multi)
+image "registry.k8s.io/kube-proxy:${K8S_VERSION}" "${HEADROOM_BIN_DIR}/kube-proxy" \
+  "${xt}:/usr/sbin/iptables" "${xt}:/usr/sbin/iptables-save" "${xt}:/usr/sbin/iptables-restore" \
+  "${xt}:/usr/sbin/ip6tables" "${xt}:/usr/sbin/ip6tables-save" "${xt}:/usr/sbin/ip6tables-restore" \
+  "$(command -v conntrack):/usr/sbin/conntrack"
+image "registry.k8s.io/etcd:${ETCD_TAG}" "${HEADROOM_BIN_DIR}/etcd"
+archives+=("${HEADROOM_CACHE}/images/headroom-pause_3.10.oci.tar")
+[[ -s ${archives[-1]} ]] || { echo "node-image: no pause image (make cluster-up builds it)" >&2; exit 1; }
+
+build="headroom-kind-node-build-$$"
+trap 'docker rm -f "${build}" >/dev/null 2>&1 || true' EXIT
+docker run -d --name "${build}" --privileged --entrypoint sleep "${BASE}" infinity >/dev/null
+for b in kubeadm kubelet kubectl; do
+  docker cp "${HEADROOM_BIN_DIR}/${b}" "${build}:/usr/bin/${b}"
+done
+docker exec "${build}" sh -c "echo ${K8S_VERSION} > /kind/version && mkdir -p /kind/images"
+for a in "${archives[@]}"; do
+  docker cp "${a}" "${build}:/kind/images/"
+done
+docker exec -d "${build}" containerd
+docker exec "${build}" sh -ec '
+  for _ in $(seq 60); do ctr version >/dev/null 2>&1 && break; sleep 0.5; done
+  for a in /kind/images/*.tar; do ctr -n k8s.io images import --no-unpack "$a" >/dev/null; done
+  # The sandbox image kind'"'"'s containerd config names.
+  ctr -n k8s.io images tag localhost/headroom-pause:3.10 registry.k8s.io/pause:3.10 >/dev/null
+  ctr -n k8s.io images ls -q
+  rm -rf /kind/images
+  pkill containerd; sleep 1'
+docker commit --change 'ENTRYPOINT ["/usr/local/bin/entrypoint", "/sbin/init"]' "${build}" "${IMAGE}" >/dev/null
+printf '%s\n' "${IMAGE}"
