@@ -20,7 +20,9 @@
 #                                    `kind load docker-image`; oci: the Docker-free OCI
 #                                    archives of e2e/images/build.sh (umoci; Debian/Ubuntu
 #                                    host), then `kind load image-archive`
-#   KIND_NODE_IMAGE                  passed to `kind create cluster --image` when set
+#   KIND_NODE_IMAGE                  passed to `kind create cluster --image` when set;
+#                                    local: the node image built here (e2e/kind/cluster.sh),
+#                                    the default when this script had to start dockerd
 #   E2E_TEST_THREADS=2, KUBECTL, HELM
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -28,6 +30,7 @@ cd "${ROOT}"
 : "${HEADROOM_CACHE:=${HOME}/.cache/headroom}"
 : "${CARGO_TARGET_DIR:=${HEADROOM_CACHE}/target}"
 : "${KIND_CLUSTER_NAME:=headroom-e2e}"
+KIND_IMAGES_GIVEN=${KIND_IMAGES:-}
 : "${KIND_IMAGES:=docker}"
 : "${E2E_TEST_THREADS:=2}"
 # The suite's jobs (samples/) name localhost/headroom-worker:dev.
@@ -40,9 +43,29 @@ source e2e/cluster/lib/common.sh
 say() { printf '\n\033[1m== %s\033[0m\n' "$*" >&2; }
 
 # --- prerequisites, checked before anything is built or created -------------
+# No Docker daemon answering: start Debian's docker.io by hand (root;
+# e2e/kind/dockerd.sh), and since such a machine has no Docker Hub either,
+# build kind's node image here (KIND_NODE_IMAGE=local, e2e/kind/README.md).
+# The same when DOCKER_HOST is already that daemon's socket.
+STARTED_DOCKERD=0
+OUR_DOCKER="unix://${HEADROOM_CACHE}/state/docker/docker.sock"
+if [[ ${DOCKER_HOST:-} == "${OUR_DOCKER}" ]] || { ! docker info >/dev/null 2>&1 && [[ $(id -u) == 0 ]]; }; then
+  if ! DOCKER_HOST=${OUR_DOCKER} docker info >/dev/null 2>&1; then
+    e2e/kind/dockerd.sh up
+    STARTED_DOCKERD=1
+  fi
+  export DOCKER_HOST=${OUR_DOCKER}
+  : "${KIND_NODE_IMAGE:=local}"
+  # No registry for the Dockerfiles' base images either.
+  KIND_IMAGES=${KIND_IMAGES_GIVEN:-oci}
+fi
 command -v docker >/dev/null 2>&1 || die "docker not found: make e2e-kind needs Docker (use make e2e for the Docker-free local cluster)"
 docker info >/dev/null 2>&1 || die "the Docker daemon is not reachable ('docker info' fails): start it, or use make e2e"
-command -v kind >/dev/null 2>&1 || die "kind not found: install it (https://kind.sigs.k8s.io/docs/user/quick-start/#installation), or use make e2e"
+if ! command -v kind >/dev/null 2>&1; then
+  command -v go >/dev/null 2>&1 || die "kind not found and no go to build it: install kind, or use make e2e"
+  GOBIN=${HEADROOM_CACHE}/kind/bin go install sigs.k8s.io/kind@v0.33.0 >&2
+  PATH=${HEADROOM_CACHE}/kind/bin:${PATH}
+fi
 command -v cargo >/dev/null 2>&1 || die "cargo not found: the suite is a Rust test crate"
 case ${KIND_IMAGES} in
   docker) ;;
@@ -79,6 +102,9 @@ finish() {
     kind delete cluster --name "${KIND_CLUSTER_NAME}" >&2 || rc=1
   fi
   rm -f "${KUBECONFIG_KIND}"
+  if ((STARTED_DOCKERD)) && [[ ${HEADROOM_KEEP_CLUSTER:-0} != 1 ]]; then
+    e2e/kind/dockerd.sh down || rc=1
+  fi
   exit "${rc}"
 }
 trap finish EXIT
@@ -88,7 +114,12 @@ if kind get clusters 2>/dev/null | grep -qx "${KIND_CLUSTER_NAME}"; then
   say "reusing kind cluster ${KIND_CLUSTER_NAME}"
 else
   say "kind create cluster --name ${KIND_CLUSTER_NAME}"
-  kind create cluster --name "${KIND_CLUSTER_NAME}" ${KIND_NODE_IMAGE:+--image "${KIND_NODE_IMAGE}"} --wait 180s >&2
+  if [[ ${KIND_NODE_IMAGE:-} == local ]]; then
+    # 1 control-plane + 2 workers from the node image built here.
+    e2e/kind/cluster.sh create "${KIND_CLUSTER_NAME}"
+  else
+    kind create cluster --name "${KIND_CLUSTER_NAME}" ${KIND_NODE_IMAGE:+--image "${KIND_NODE_IMAGE}"} --wait 180s >&2
+  fi
 fi
 kind get kubeconfig --name "${KIND_CLUSTER_NAME}" >"${KUBECONFIG_KIND}"
 export KUBECONFIG=${KUBECONFIG_KIND}

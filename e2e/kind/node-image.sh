@@ -10,8 +10,8 @@
 #
 #   e2e/kind/node-image.sh          prints the image name (cached by input hash)
 #
-# Not in it (e2e/kind/README.md): CoreDNS (the harness builds it), kindnetd
-# (the harness writes each node's CNI config instead).
+# Not in it (e2e/kind/README.md): kindnetd (cni.sh writes each node's CNI
+# config instead).
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=../cluster/lib/common.sh
@@ -22,7 +22,16 @@ for b in kubeadm kubelet kubectl kube-apiserver kube-controller-manager kube-sch
   [[ -x ${HEADROOM_BIN_DIR}/${b} ]] || { echo "node-image: no ${HEADROOM_BIN_DIR}/${b} (e2e/cluster/build-binaries.sh ${b})" >&2; exit 1; }
 done
 ETCD_TAG=${ETCD_VERSION#v}-0
-tag=$( (echo "${BASE}"; cat "$0" "${HEADROOM_BIN_DIR}"/{kubeadm,kubelet,kubectl}) | sha256sum | cut -c1-12)
+# CoreDNS: the Go module proxy serves v1.14.3 and later only (kubeadm 1.33
+# names v1.12.0); cluster.sh points kubeadm's dns.imageTag at it.
+COREDNS_VERSION=v1.14.3
+COREDNS="${HEADROOM_CACHE}/kind/bin/coredns-${COREDNS_VERSION}"
+if [[ ! -x ${COREDNS} ]]; then
+  mkdir -p "${HEADROOM_CACHE}/kind/bin"
+  (cd /tmp && CGO_ENABLED=0 GOBIN="${HEADROOM_CACHE}/kind/go-bin" go install -ldflags "-s -w" "github.com/coredns/coredns@${COREDNS_VERSION}") >&2
+  mv "${HEADROOM_CACHE}/kind/go-bin/coredns" "${COREDNS}"
+fi
+tag=$( (echo "${BASE}"; cat "$0" "${HERE}/files/iptables-wrapper" "${HEADROOM_BIN_DIR}"/{kubeadm,kubelet,kubectl} "${COREDNS}") | sha256sum | cut -c1-12)
 IMAGE="localhost/kind-node:${K8S_VERSION}-${tag}"
 if docker image inspect "${IMAGE}" >/dev/null 2>&1; then
   printf '%s\n' "${IMAGE}"
@@ -41,13 +50,20 @@ image() { # NAME BINARY [EXTRA...]
 for c in kube-apiserver kube-controller-manager kube-scheduler; do
   image "registry.k8s.io/${c}:${K8S_VERSION}" "${HEADROOM_BIN_DIR}/${c}"
 done
-# kube-proxy programs iptables (legacy: the mode kind's entrypoint picks here).
-xt=$(command -v xtables-legacy-multi)
-image "registry.k8s.io/kube-proxy:${K8S_VERSION}" "${HEADROOM_BIN_DIR}/kube-proxy" \
-  "${xt}:/usr/sbin/iptables" "${xt}:/usr/sbin/iptables-save" "${xt}:/usr/sbin/iptables-restore" \
-  "${xt}:/usr/sbin/ip6tables" "${xt}:/usr/sbin/ip6tables-save" "${xt}:/usr/sbin/ip6tables-restore" \
-  "$(command -v conntrack):/usr/sbin/conntrack"
+# kube-proxy programs iptables with the node's backend (files/iptables-wrapper
+# picks legacy or nft), with the xtables match and target extensions, and
+# conntrack; the wrapper runs under dash.
+wrapper="${HERE}/files/iptables-wrapper"
+proxy_files=("$(command -v dash):/bin/sh" "$(command -v xtables-legacy-multi)" "$(command -v xtables-nft-multi)"
+  "$(command -v conntrack):/usr/sbin/conntrack")
+for t in iptables iptables-save iptables-restore ip6tables ip6tables-save ip6tables-restore; do
+  proxy_files+=("${wrapper}:/usr/sbin/${t}")
+done
+for ext in /usr/lib/x86_64-linux-gnu/xtables/*.so; do proxy_files+=("${ext}"); done
+image "registry.k8s.io/kube-proxy:${K8S_VERSION}" "${HEADROOM_BIN_DIR}/kube-proxy" "${proxy_files[@]}"
 image "registry.k8s.io/etcd:${ETCD_TAG}" "${HEADROOM_BIN_DIR}/etcd"
+# Root: it binds port 53 (the upstream image sets a file capability instead).
+image "registry.k8s.io/coredns/coredns:${COREDNS_VERSION}" "${COREDNS}"
 archives+=("${HEADROOM_CACHE}/images/headroom-pause_3.10.oci.tar")
 [[ -s ${archives[-1]} ]] || { echo "node-image: no pause image (make cluster-up builds it)" >&2; exit 1; }
 
@@ -67,7 +83,7 @@ docker exec "${build}" sh -ec '
   for a in /kind/images/*.tar; do ctr -n k8s.io images import --no-unpack "$a" >/dev/null; done
   # The sandbox image kind'"'"'s containerd config names.
   ctr -n k8s.io images tag localhost/headroom-pause:3.10 registry.k8s.io/pause:3.10 >/dev/null
-  ctr -n k8s.io images ls -q
+  ctr -n k8s.io images ls -q >&2
   rm -rf /kind/images
   pkill containerd; sleep 1'
 docker commit --change 'ENTRYPOINT ["/usr/local/bin/entrypoint", "/sbin/init"]' "${build}" "${IMAGE}" >/dev/null
