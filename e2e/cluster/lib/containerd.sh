@@ -72,7 +72,30 @@ TOML
   mv -f "${CONTAINERD_DIR}/config.toml.tmp" "${CONTAINERD_DIR}/config.toml"
 }
 
+# Every cgroup v1 controller hierarchy this machine has must be mounted: the
+# runc shim loads a container's cgroups from /proc/<pid>/cgroup and, when a
+# listed hierarchy has no mount point, watches no memory cgroup, so a kernel
+# OOM kill reaches the kubelet as a plain SIGKILL (reason Error, not
+# OOMKilled). A hierarchy appears when something mounts a controller for the
+# first time, e.g. hugetlb, net_cls,net_prio and perf_event by kind's nodes
+# (e2e/kind), and stays after its mount is gone. Named hierarchies
+# (name=systemd) are not controllers and are left alone.
+mount_cgroup_hierarchies() {
+  local _n controllers _path dir
+  [[ $(stat -fc %T /sys/fs/cgroup) == tmpfs ]] || return 0 # cgroup v2: one hierarchy
+  while IFS=: read -r _n controllers _path; do
+    [[ -n ${controllers} && ${controllers} != name=* ]] || continue
+    grep -Eq "^cgroup /sys/fs/cgroup/[^ ]+ cgroup ([^ ]*,)?${controllers}(,[^ ]*)? " /proc/mounts && continue
+    dir="/sys/fs/cgroup/${controllers}"
+    mkdir -p "${dir}"
+    mount -t cgroup -o "${controllers}" cgroup "${dir}" ||
+      die "cgroup v1 hierarchy ${controllers} is not mounted and mounting it at ${dir} failed"
+    log "mounted the cgroup v1 hierarchy ${controllers} at ${dir} (containerd watches OOM kills through it)"
+  done </proc/self/cgroup
+}
+
 containerd_start() {
+  mount_cgroup_hierarchies
   # A socket left by a killed containerd makes the new one fail to listen.
   [[ -S ${CONTAINERD_SOCK} ]] && rm -f "${CONTAINERD_SOCK}" "${CONTAINERD_SOCK}.ttrpc"
   # shellcheck disable=SC2206 # deliberate word splitting of user-supplied flags
