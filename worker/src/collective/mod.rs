@@ -107,6 +107,18 @@ pub fn even_segments(len: usize, parts: u32) -> Vec<usize> {
     (0..parts).map(|r| base + usize::from(r < extra)).collect()
 }
 
+/// Where each of the consecutive segments of `counts` starts.
+pub(crate) fn segment_offsets(counts: &[usize]) -> Vec<usize> {
+    counts
+        .iter()
+        .scan(0, |at, &c| {
+            let start = *at;
+            *at += c;
+            Some(start)
+        })
+        .collect()
+}
+
 /// Checks that `counts` cuts a buffer of `len` elements into `size` segments.
 pub(crate) fn check_segments(
     len: usize,

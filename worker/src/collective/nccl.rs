@@ -58,7 +58,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
 use cudarc::nccl::result::NcclError;
 use cudarc::nccl::{Comm, Id, ReduceOp};
 
-use super::{Collective, CollectiveError, Ring, check_segments};
+use super::{Collective, CollectiveError, Ring, check_segments, segment_offsets};
 
 /// Bytes of an `ncclUniqueId`.
 const ID_BYTES: usize = 128;
@@ -354,18 +354,6 @@ impl Nccl {
     }
 }
 
-/// Where each segment starts.
-fn offsets(counts: &[usize]) -> Vec<usize> {
-    counts
-        .iter()
-        .scan(0, |at, &c| {
-            let start = *at;
-            *at += c;
-            Some(start)
-        })
-        .collect()
-}
-
 /// The NCCL thread: joins the communicator, then runs every call it is
 /// handed until the [`Nccl`] is dropped.
 fn serve(
@@ -464,7 +452,7 @@ impl Collective for Nccl {
                 return Ok(());
             }
             let d = nccl.size as usize;
-            let at = offsets(counts);
+            let at = segment_offsets(counts);
             let mut buffers = nccl.buffers(d * block, block)?;
             for (r, (&start, &count)) in at.iter().zip(counts).enumerate() {
                 nccl.upload(&data[start..start + count], &mut buffers.send, r * block)?;
@@ -489,7 +477,7 @@ impl Collective for Nccl {
             }
             let d = nccl.size as usize;
             let me = nccl.rank as usize;
-            let at = offsets(counts);
+            let at = segment_offsets(counts);
             let mut buffers = nccl.buffers(block, d * block)?;
             nccl.upload(&data[at[me]..at[me] + counts[me]], &mut buffers.send, 0)?;
             let buffers = nccl.run(Op::AllGather { block }, buffers)?;

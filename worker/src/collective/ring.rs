@@ -50,7 +50,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::wire::{Frame, Header, Kind, MAX_PAYLOAD, RingLinks, write_frame};
-use super::{Collective, CollectiveError, check_segments, even_segments};
+use super::{Collective, CollectiveError, check_segments, even_segments, segment_offsets};
 
 /// Default bytes of a segment sent in one frame: large enough that the
 /// per-frame cost (header, wake-ups, syscalls) disappears, small enough
@@ -540,14 +540,7 @@ impl Schedule {
     ) -> Result<(), CollectiveError> {
         let steps = self.steps();
         let reduce_until = self.size - 1;
-        let offsets: Vec<usize> = counts
-            .iter()
-            .scan(0, |at, &c| {
-                let start = *at;
-                *at += c;
-                Some(start)
-            })
-            .collect();
+        let offsets = segment_offsets(counts);
         let segment = |s: usize| offsets[s]..offsets[s] + counts[s];
 
         let begin = Header {
