@@ -4,6 +4,9 @@
 # single-node cluster (root; e2e/cluster/README.md); then the operator and
 # worker images built without Docker, and the Helm chart. Prints the
 # KUBECONFIG to use. Shared by the README demo and `make e2e`.
+# Workers write telemetry every HEADROOM_TELEMETRY_INTERVAL_SECONDS (default 1,
+# so tests that act at a reported step act while it is current; the chart's
+# default is 10).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "${ROOT}"
@@ -36,6 +39,7 @@ HELM=$(e2e/tools/build-helm.sh --print)
   --set image.repository=localhost/headroom-operator --set image.tag=dev \
   --set workerImages.cpu.repository=localhost/headroom-worker --set workerImages.cpu.tag=dev \
   --set workerImages.cuda.repository=localhost/headroom-worker-cuda --set workerImages.cuda.tag=dev \
+  --set telemetryIntervalSeconds="${HEADROOM_TELEMETRY_INTERVAL_SECONDS:-1}" \
   --wait --timeout 180s >&2
 # The tag stays `dev` across rebuilds: restart so the new build runs.
 "${KUBECTL}" -n headroom-system rollout restart deployment/headroom-operator >&2

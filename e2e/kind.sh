@@ -151,6 +151,7 @@ say "helm upgrade --install headroom charts/headroom"
   --set image.repository=localhost/headroom-operator --set image.tag="${IMAGE_TAG}" \
   --set workerImages.cpu.repository=localhost/headroom-worker --set workerImages.cpu.tag="${IMAGE_TAG}" \
   --set workerImages.cuda.repository=localhost/headroom-worker-cuda --set workerImages.cuda.tag="${IMAGE_TAG}" \
+  --set telemetryIntervalSeconds="${HEADROOM_TELEMETRY_INTERVAL_SECONDS:-1}" \
   --wait --timeout 180s >&2
 # A reused cluster may run an older build under the same tag.
 "${KUBECTL}" -n headroom-system rollout restart deployment/headroom-operator >&2

@@ -12,7 +12,11 @@ use headroom_e2e::{E2E, TestNs, telemetry_step};
 use kube::api::EvictParams;
 
 const RUN: Duration = Duration::from_secs(600);
-const STEPS: u64 = 24;
+/// A replica's step takes about 0.5 s here, so attempt 2 trains for ~16 s:
+/// the eviction (at a reported step 5; telemetry every 1 s, `e2e/install.sh`)
+/// must land while it still trains. At 24 steps and the chart's 10 s
+/// interval it once landed as the replicas finished (CI at d7de3ea).
+const STEPS: u64 = 32;
 
 /// A 16.8 M-parameter GPT in fp32 with AdamW: weights and gradients 64 MiB
 /// each, the moments 128 MiB. The planner predicts one worker at 326 MiB,

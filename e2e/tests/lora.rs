@@ -156,8 +156,8 @@ fn check_peft_adapter(config: &serde_json::Value, header: &serde_json::Value) {
 
 /// Steps of the job that is evicted mid-run. An int8-base step takes 0.7–2 s
 /// on the e2e node, so attempt 2 trains for well over 15 s: far longer than
-/// the telemetry interval (0.5 s) plus the eviction call, which must land
-/// while it is still training.
+/// the telemetry interval (1 s, `e2e/install.sh`) plus the eviction call,
+/// which must land while it is still training.
 const EVICTED_JOB_STEPS: u64 = 24;
 
 #[tokio::test]

@@ -69,6 +69,16 @@ struct Args {
         default_value_t = 120
     )]
     unschedulable_grace_seconds: u64,
+    /// How often a worker writes its live telemetry into the job's status,
+    /// seconds (sooner when its memory peak grows). Each write is one API
+    /// request per worker: shorter shows progress sooner, longer spares the
+    /// API server on a large cluster.
+    #[arg(
+        long,
+        env = "HEADROOM_TELEMETRY_INTERVAL_SECONDS",
+        default_value_t = 10.0
+    )]
+    telemetry_interval_seconds: f64,
     #[arg(long, env = "HEADROOM_CONCURRENCY", default_value_t = 8)]
     concurrency: u16,
     /// Watch jobs in this namespace only (default: all namespaces).
@@ -98,6 +108,15 @@ async fn main() -> Result<()> {
             args.gpu_host_memory
         )
     })?;
+    let telemetry_interval = Some(args.telemetry_interval_seconds)
+        .filter(|s| s.is_finite() && *s >= 0.5)
+        .map(Duration::from_secs_f64)
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "--telemetry-interval-seconds {}: must be a number of seconds ≥ 0.5 (e.g. 10)",
+                args.telemetry_interval_seconds
+            )
+        })?;
     // Checked here, not when the first job needs one.
     let worker_images = WorkerImages::from_flags(args.worker_image, args.cuda_worker_image)
         .map_err(anyhow::Error::msg)?;
@@ -152,6 +171,7 @@ async fn main() -> Result<()> {
             checkpoint_access: args.checkpoint_access_mode,
             gpu_host_memory: args.gpu_host_memory,
             worker_images,
+            telemetry_interval,
         },
         unschedulable_grace: Duration::from_secs(args.unschedulable_grace_seconds),
         concurrency: args.concurrency.max(1),

@@ -490,8 +490,18 @@ impl Training<'_> {
             }
             Err(e) => return Exit::failed(e.to_string()).at(0, self.peak_now()),
         }
+        // Live telemetry says where this attempt starts before it waits for peers.
+        self.reporter.update(Progress {
+            step: trainer.step,
+            ..Progress::default()
+        });
+        // Resumed from the last step's checkpoint (a peer that was stopped
+        // after the others had finished, and was started again): there is
+        // nothing left to exchange, and the peers may be gone, so connect to
+        // none of them and go straight to the output.
+        let done = trainer.finished();
         let stages = trainer.config.stages;
-        if stages > 1 {
+        if stages > 1 && !done {
             let (peers, listener) = match self.pipeline_setup(stages) {
                 Ok(setup) => setup,
                 Err(exit) => return exit,
@@ -514,7 +524,7 @@ impl Training<'_> {
             trainer.connect(links);
         }
         let replicas = trainer.config.replicas;
-        if replicas > 1 {
+        if replicas > 1 && !done {
             let (addresses, listener) = match self.ring_setup(replicas) {
                 Ok(setup) => setup,
                 Err(exit) => return exit.at(trainer.step, self.peak_now()),
@@ -562,10 +572,6 @@ impl Training<'_> {
                 "replica ring: connected; optimizer state sharded (elements per replica)"
             );
         }
-        self.reporter.update(Progress {
-            step: trainer.step,
-            ..Progress::default()
-        });
         let every = u64::from(trainer.config.checkpoint_every_steps.max(1));
         let mut last_loss = None;
         let mut saved_at = trainer.step;

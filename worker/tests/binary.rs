@@ -533,10 +533,27 @@ fn two_replica_processes_train_together_and_a_single_worker_resumes() {
                 .is_file()
         );
     }
+    // A replica started again after the others finished (its pod was
+    // deleted as they ended) resumes at the last step: it has nothing left
+    // to exchange and its peer is gone, so it connects to no ring and ends.
+    let dir = root.join("late");
+    std::fs::create_dir_all(&dir).expect("dir");
+    let checkpoints = root.join("checkpoints").display().to_string();
+    let nobody = format!("127.0.0.1:{},127.0.0.1:{}", free_port(), free_port());
+    let late = run_worker(
+        &dir,
+        &serde_json::to_string(&two_replica(5, 1)).expect("json"),
+        &[
+            (CHECKPOINT_DIR_ENV, checkpoints.as_str()),
+            (headroom_api::REPLICA_ADDRESSES_ENV, nobody.as_str()),
+            (headroom_api::PIPELINE_TIMEOUT_ENV, "2"),
+        ],
+    );
+    assert_eq!(late.code, exit_code::SUCCESS, "{}", late.stderr);
+    assert_eq!(late.message.step, Some(5));
     // A retry with one worker (d = 2 → 1) resumes from both shards.
     let dir = root.join("single");
     std::fs::create_dir_all(&dir).expect("dir");
-    let checkpoints = root.join("checkpoints").display().to_string();
     let single = run_worker(
         &dir,
         &serde_json::to_string(&assignment(8, Some(2))).expect("json"),

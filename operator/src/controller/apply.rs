@@ -314,8 +314,8 @@ pub(super) async fn ensure_initializer(
     if own.iter().any(|p| p.name_any() == name) {
         return Ok(());
     }
-    let Some(pod) =
-        super::payload::initializer_pod(job, run, image).map_err(|source| Error::BuildChild {
+    let Some(pod) = super::payload::initializer_pod(job, run, image, &ctx.config.children)
+        .map_err(|source| Error::BuildChild {
             kind: "Pod".into(),
             name: name.clone(),
             source,

@@ -10,7 +10,8 @@ use headroom_api::{
     ANNOTATION_JOB_UID, CHECKPOINT_DIR_ENV, ClaimRetention, DEFAULT_CHECKPOINT_DIR, GROUP,
     LABEL_ATTEMPT, LABEL_JOB, LABEL_REPLICA, LABEL_RETAINED_FROM, LABEL_STAGE,
     MemoryAwareTrainingJob, PIPELINE_PODS_ENV, PIPELINE_PORT, PIPELINE_SERVICE_ENV, PLAN_JSON_ENV,
-    POD_NAME_ENV, REPLICA_PODS_ENV, REPLICA_PORT, TERMINATION_MESSAGE_PATH, WorkerAssignment,
+    POD_NAME_ENV, REPLICA_PODS_ENV, REPLICA_PORT, TELEMETRY_INTERVAL_ENV, TERMINATION_MESSAGE_PATH,
+    WorkerAssignment,
 };
 use headroom_planner::inventory::{LabelRequirement, device_placement};
 use headroom_planner::{DeviceKind, ModelShape, Plan};
@@ -28,6 +29,15 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, 
 use kube::{Resource, ResourceExt};
 
 use super::config::ChildConfig;
+
+/// How often the pod writes its telemetry (the operator's `--telemetry-interval-seconds`).
+pub fn telemetry_interval_env(cfg: &ChildConfig) -> EnvVar {
+    EnvVar {
+        name: TELEMETRY_INTERVAL_ENV.into(),
+        value: Some(cfg.telemetry_interval.as_secs_f64().to_string()),
+        ..EnvVar::default()
+    }
+}
 
 /// `POD_NAME` from the downward API: the name a worker or the initializer
 /// reports its status entry under.
@@ -500,6 +510,7 @@ pub fn worker_pod(
             value: Some(DEFAULT_CHECKPOINT_DIR.into()),
             ..EnvVar::default()
         },
+        telemetry_interval_env(config),
     ];
 
     let multi = plan.workers > 1;
@@ -805,10 +816,29 @@ pub(crate) mod tests {
             serde_json::from_str(&plan_json).expect("assignment parses");
         assert_eq!(
             (assignment.attempt, assignment.stage, assignment.plan),
-            (1, 0, plan)
+            (1, 0, plan.clone())
         );
         assert!(spec.node_selector.is_none(), "CPU jobs need no GPU node");
         assert!(spec.subdomain.is_none(), "single worker needs no service");
+        let interval = |pod: &Pod| {
+            pod.spec.as_ref().expect("spec").containers[0]
+                .env
+                .iter()
+                .flatten()
+                .find(|e| e.name == TELEMETRY_INTERVAL_ENV)
+                .and_then(|e| e.value.clone())
+        };
+        assert_eq!(interval(&pod).as_deref(), Some("10"));
+        let often = ChildConfig {
+            telemetry_interval: std::time::Duration::from_millis(1500),
+            ..ChildConfig::default()
+        };
+        let pod = pod_for(&job, 1, 0, &plan, &often);
+        assert_eq!(
+            interval(&pod).as_deref(),
+            Some("1.5"),
+            "the worker parses seconds as f64"
+        );
     }
 
     /// A 2-stage × 2-replica plan: four pods, each in its replica's pipeline

@@ -44,6 +44,8 @@ pub struct ChildConfig {
     pub gpu_host_memory: String,
     /// Images for jobs that name none (`spec.worker.image` unset), by backend.
     pub worker_images: WorkerImages,
+    /// How often each worker writes its telemetry into the job's status.
+    pub telemetry_interval: Duration,
 }
 
 impl Default for ChildConfig {
@@ -54,6 +56,7 @@ impl Default for ChildConfig {
             checkpoint_access: CheckpointAccess::default(),
             gpu_host_memory: "16Gi".into(),
             worker_images: WorkerImages::default(),
+            telemetry_interval: Duration::from_secs(10),
         }
     }
 }

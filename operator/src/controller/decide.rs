@@ -261,6 +261,39 @@ impl Builder<'_> {
             return self.succeed(n);
         }
 
+        // A worker that reported and whose pod is gone: deleted from outside
+        // (the eviction API, `kubectl delete pod`, a node drained or lost)
+        // after the kubelet had finished it, before this operator saw it
+        // fail. Starting a pod in its place would not continue the attempt:
+        // its peers were mid-exchange with the one that left. So the attempt
+        // ends as disrupted, and the next resumes from the newest checkpoint.
+        let vanished: Vec<&str> = self
+            .d
+            .status
+            .workers
+            .iter()
+            .filter(|w| w.attempt == n && !pods.iter().any(|(p, _)| p.name_any() == w.name))
+            .map(|w| w.name.as_str())
+            .collect();
+        if let Some(first) = vanished.first() {
+            let ending = Ending {
+                outcome: AttemptOutcome::Disrupted,
+                reason: "PodDeleted".into(),
+                message: format!(
+                    "pod {first} was deleted while attempt {n} ran (an eviction, a deletion or a lost node)"
+                ),
+                peak: None,
+                step: None,
+                worker: None,
+            };
+            self.d.delete_pods = pods
+                .iter()
+                .filter(|(_, v)| matches!(v, PodVerdict::Running | PodVerdict::Pending { .. }))
+                .map(|(p, _)| p.name_any())
+                .collect();
+            return self.end_attempt(ending, request);
+        }
+
         let stuck = pods.iter().find_map(|(_, v)| match v {
             PodVerdict::Pending {
                 unschedulable_since: Some(since),
@@ -1400,6 +1433,43 @@ mod tests {
         // A real failure afterwards is still held to maxAttempts 1.
         let d = step(&mut j, &[pod(1, 0, SIGTERM), pod(2, 0, CRASH)], t0());
         assert_eq!(d.status.phase, Some(JobPhase::Failed));
+    }
+
+    /// A worker's pod is deleted from outside and gone before this operator
+    /// saw it fail (the kubelet finished it at once): once it has reported,
+    /// the attempt ends as disrupted instead of starting a lone pod in its
+    /// place that its peers would never exchange with (a ZeRO replica
+    /// started again waited for a ring whose other replica had finished).
+    #[test]
+    fn a_worker_that_reported_and_vanished_ends_its_attempt_as_disrupted() {
+        let mut j = oom_job();
+        step(&mut j, &[], t0());
+        step(&mut j, &[pod(1, 0, RUNNING)], t0());
+        // Gone before it ever reported: not known to have run, so started again.
+        let d = step(&mut j, &[], t0());
+        assert_eq!(d.launch, Some(1));
+        assert_eq!(d.status.attempts[0].outcome, AttemptOutcome::Running);
+        let report: headroom_api::WorkerTelemetry = serde_json::from_value(serde_json::json!({
+            "name": "p-a1-s0", "attempt": 1, "stage": 0, "layerStart": 0, "layerEnd": 2,
+            "step": 7, "memory": {"peakBytes": 1000}, "updatedAt": "2026-11-21T10:00:00Z"
+        }))
+        .expect("telemetry");
+        j.status.as_mut().expect("status").workers.push(report);
+        let d = step(&mut j, &[pod(1, 0, RUNNING)], t0());
+        assert_eq!(d.status.attempts[0].outcome, AttemptOutcome::Running);
+        let d = step(&mut j, &[], t0());
+        let first = &d.status.attempts[0];
+        assert_eq!(first.outcome, AttemptOutcome::Disrupted, "{first:?}");
+        assert_eq!(first.reason.as_deref(), Some("PodDeleted"));
+        assert!(
+            first
+                .message
+                .as_deref()
+                .is_some_and(|m| m.contains("p-a1-s0")),
+            "{first:?}"
+        );
+        assert_eq!(first.last_step, Some(7), "the step it reported");
+        assert_eq!(d.launch, Some(2), "resumes at once");
     }
 
     #[test]

@@ -201,6 +201,7 @@ pub fn initializer_pod(
     job: &MemoryAwareTrainingJob,
     run: u32,
     image: &str,
+    cfg: &super::config::ChildConfig,
 ) -> Result<Option<Pod>, serde_json::Error> {
     let Some(assignment) = initializer_assignment(job) else {
         return Ok(None);
@@ -213,6 +214,7 @@ pub fn initializer_pod(
             ..EnvVar::default()
         },
         super::children::pod_name_env(),
+        super::children::telemetry_interval_env(cfg),
     ];
     let model_token = spec
         .model
@@ -318,6 +320,7 @@ pub fn initializer_pod(
 mod tests {
     use super::*;
     use crate::controller::children::tests::job;
+    use crate::controller::config::ChildConfig;
     use headroom_api::POD_NAME_ENV;
 
     fn finetune(yaml_extra: &str) -> MemoryAwareTrainingJob {
@@ -395,9 +398,14 @@ mod tests {
         let j = job(include_str!(
             "../../../samples/gpu-finetune-llama-3.2-1b.yaml"
         ));
-        let pod = initializer_pod(&j, 1, "registry.example/headroom-worker-cuda:1")
-            .expect("build")
-            .expect("a pretrained job");
+        let pod = initializer_pod(
+            &j,
+            1,
+            "registry.example/headroom-worker-cuda:1",
+            &ChildConfig::default(),
+        )
+        .expect("build")
+        .expect("a pretrained job");
         let spec = pod.spec.as_ref().expect("spec");
         // The job's worker account, whose Role allows this job's status
         // only (initializer_role) and the admission policy its own entry.
@@ -469,6 +477,7 @@ mod tests {
 mod hub_data_tests {
     use super::*;
     use crate::controller::children::tests::job;
+    use crate::controller::config::ChildConfig;
 
     #[test]
     fn a_dataset_from_the_hub_goes_to_the_checkpoint_volume_with_its_own_token() {
@@ -499,9 +508,14 @@ mod hub_data_tests {
                 file: "data/train.jsonl".into(),
             }
         );
-        let pod = initializer_pod(&j, 1, "registry.example/headroom-worker-cuda:1")
-            .expect("build")
-            .expect("pod");
+        let pod = initializer_pod(
+            &j,
+            1,
+            "registry.example/headroom-worker-cuda:1",
+            &ChildConfig::default(),
+        )
+        .expect("build")
+        .expect("pod");
         let env = pod.spec.expect("spec").containers[0]
             .env
             .clone()
