@@ -55,12 +55,16 @@ contexts: [{name: c, context: {cluster: c, user: operator}}]
 current-context: c
 KUBECONFIG
   log=$(mktemp)
+  worker_api_port=${CHART_CHECK_WORKER_API_PORT:-18081}
   KUBECONFIG=${sa_kubeconfig} POD_NAMESPACE=${NS} RUST_LOG=info "${CARGO_TARGET_DIR}/debug/headroom-operator" \
-    --metrics-addr 127.0.0.1:0 --lease-seconds 5 --lease-name headroom-operator-leader >"${log}" 2>&1 &
+    --metrics-addr 127.0.0.1:0 --lease-seconds 5 --lease-name headroom-operator-leader \
+    --worker-api-addr "127.0.0.1:${worker_api_port}" --worker-api-service headroom-operator-worker-api >"${log}" 2>&1 &
   op=$!
   cleanup() { kill "${op}" 2>/dev/null || true; k delete namespace "${work_ns}" --wait=false >/dev/null 2>&1 || true; rm -f "${sa_kubeconfig}"; }
   trap cleanup EXIT
   k create namespace "${work_ns}" >/dev/null
+  # No service-account controller on this control plane; workers run under `default`.
+  k -n "${work_ns}" create serviceaccount default >/dev/null
   k apply -n "${work_ns}" -f samples/cpu-oom-first.yaml >/dev/null
   ok=0
   for _ in $(seq 1 150); do
@@ -68,6 +72,18 @@ KUBECONFIG
     sleep 0.2
   done
   ((ok)) || { cat "${log}" >&2; fail "the operator could not create the worker pod with the chart's RBAC"; }
+  # The worker API with the chart's RBAC (a TokenReview, the pod, the status
+  # patch): the pod's own projected-style token, bound to it, reports telemetry.
+  grep -q -- '"--worker-api-service=headroom-operator-worker-api"\|--worker-api-service=headroom-operator-worker-api' <<<"${rendered}" \
+    || fail "the worker API Service is not passed to the operator"
+  worker_token=$(k -n "${work_ns}" create token default --audience headroom.dev/worker-api \
+    --bound-object-kind Pod --bound-object-name oom-then-fit-a1-s0 --duration=10m)
+  telemetry='{"name":"oom-then-fit-a1-s0","attempt":1,"stage":0,"layerStart":0,"layerEnd":1,"step":1,"memory":{"peakBytes":1000},"updatedAt":"2026-11-26T10:00:00Z"}'
+  code=$(curl -s -o /dev/stderr -w '%{http_code}' -X POST -H "Authorization: Bearer ${worker_token}" \
+    -H 'Content-Type: application/json' --data "${telemetry}" "http://127.0.0.1:${worker_api_port}/v1/telemetry")
+  [[ ${code} == 204 ]] || { cat "${log}" >&2; fail "the worker API refused a worker's own telemetry with the chart's RBAC (HTTP ${code})"; }
+  k -n "${work_ns}" get memoryawaretrainingjob oom-then-fit -o jsonpath='{.status.workers[0].name}' | grep -q oom-then-fit-a1-s0 \
+    || fail "the worker's telemetry is not in the job status"
   k -n "${work_ns}" patch pod oom-then-fit-a1-s0 --subresource=status --type=merge \
     -p '{"status":{"phase":"Failed","containerStatuses":[{"name":"worker","image":"i","imageID":"","ready":false,"restartCount":0,"state":{"terminated":{"exitCode":137,"reason":"OOMKilled"}}}]}}' >/dev/null
   ok=0

@@ -7,7 +7,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use headroom_api::{JobPhase, MemoryAwareTrainingJob, MemoryAwareTrainingJobStatus};
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, DeleteParams, ListParams, LogParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
@@ -102,6 +102,17 @@ impl TestNs {
             )
             .await
             .unwrap_or_else(|e| panic!("namespace {name}: {e}"));
+        if suite.install_crd {
+            // A bare control plane runs no service-account controller; pods
+            // (Headroom's workers run under `default`) need the account.
+            let account: ServiceAccount =
+                serde_json::from_value(serde_json::json!({"metadata": {"name": "default"}}))
+                    .expect("account object");
+            Api::<ServiceAccount>::namespaced(client.clone(), &name)
+                .create(&kube::api::PostParams::default(), &account)
+                .await
+                .unwrap_or_else(|e| panic!("the default ServiceAccount of {name}: {e}"));
+        }
         TestNs {
             client,
             name,

@@ -8,3 +8,4 @@ pub mod inventory;
 pub mod leader;
 pub mod metrics;
 pub mod report;
+pub mod worker_api;

@@ -10,6 +10,8 @@ use headroom_operator::controller::{self, ControllerConfig};
 use headroom_operator::controller::{CheckpointAccess, ChildConfig, WorkerImages};
 use headroom_operator::leader::LeaseLock;
 use headroom_operator::metrics::{Metrics, router};
+use headroom_operator::worker_api;
+use k8s_openapi::api::core::v1::Service;
 use kube::Api;
 use tokio::sync::watch;
 
@@ -23,6 +25,23 @@ struct Args {
     /// Address of the /metrics, /healthz and /readyz server.
     #[arg(long, env = "HEADROOM_METRICS_ADDR", default_value = "0.0.0.0:8080")]
     metrics_addr: SocketAddr,
+    /// Address of the worker API (workers' telemetry and peer lookups, each
+    /// call authenticated by the worker pod's projected token).
+    #[arg(long, env = "HEADROOM_WORKER_API_ADDR", default_value = "0.0.0.0:8081")]
+    worker_api_addr: SocketAddr,
+    /// The URL workers reach the worker API at (`http://host:port`). Without
+    /// it (and without --worker-api-service) workers only log their telemetry.
+    #[arg(
+        long,
+        env = "HEADROOM_WORKER_API_URL",
+        conflicts_with = "worker_api_service"
+    )]
+    worker_api_url: Option<String>,
+    /// The operator's Service (in its own namespace) whose `worker-api` port
+    /// workers call: read once at start, its cluster IP becomes the URL (cluster
+    /// DNS is not assumed).
+    #[arg(long, env = "HEADROOM_WORKER_API_SERVICE")]
+    worker_api_service: Option<String>,
     /// Run without leader election (a single replica, or local development).
     #[arg(long, env = "HEADROOM_NO_LEADER_ELECTION")]
     no_leader_election: bool,
@@ -134,6 +153,27 @@ async fn main() -> Result<()> {
             tracing::error!(%e, "metrics server stopped");
         }
     });
+    // Every replica serves the worker API (a standby too: it needs no cache),
+    // so the Service answers whichever one it picks.
+    let listener = tokio::net::TcpListener::bind(args.worker_api_addr)
+        .await
+        .with_context(|| format!("binding {}", args.worker_api_addr))?;
+    let server = axum::serve(listener, worker_api::router(client.clone()));
+    tokio::spawn(async move {
+        if let Err(e) = server.await {
+            tracing::error!(%e, "worker API server stopped");
+        }
+    });
+    let worker_api_url = match (args.worker_api_url, &args.worker_api_service) {
+        (Some(url), _) => Some(url),
+        (None, Some(service)) => Some(service_url(&client, &args.lease_namespace, service).await?),
+        (None, None) => {
+            tracing::warn!(
+                "no --worker-api-url or --worker-api-service: workers will only log their telemetry, and pipeline peers need cluster DNS"
+            );
+            None
+        }
+    };
 
     // One shutdown signal for everything: SIGTERM/SIGINT, or lost leadership.
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -172,6 +212,7 @@ async fn main() -> Result<()> {
             gpu_host_memory: args.gpu_host_memory,
             worker_images,
             telemetry_interval,
+            worker_api_url,
         },
         unschedulable_grace: Duration::from_secs(args.unschedulable_grace_seconds),
         concurrency: args.concurrency.max(1),
@@ -261,6 +302,38 @@ async fn shutdown_signal() {
     }
     #[cfg(not(unix))]
     let _ = ctrl_c.await;
+}
+
+/// `http://<cluster IP>:<port>` of `service`'s `worker-api` port.
+async fn service_url(client: &kube::Client, namespace: &str, service: &str) -> Result<String> {
+    let svc = Api::<Service>::namespaced(client.clone(), namespace)
+        .get(service)
+        .await
+        .with_context(|| format!("--worker-api-service: reading Service {namespace}/{service}"))?;
+    let spec = svc.spec.unwrap_or_default();
+    let ip = spec
+        .cluster_ip
+        .filter(|ip| !ip.is_empty() && ip != "None")
+        .with_context(|| {
+            format!("--worker-api-service: Service {namespace}/{service} has no cluster IP (a headless Service will not do)")
+        })?;
+    let port = spec
+        .ports
+        .unwrap_or_default()
+        .into_iter()
+        .find(|p| p.name.as_deref() == Some("worker-api"))
+        .map(|p| p.port)
+        .with_context(|| {
+            format!(
+                "--worker-api-service: Service {namespace}/{service} has no port named worker-api"
+            )
+        })?;
+    let host = if ip.contains(':') {
+        format!("[{ip}]")
+    } else {
+        ip
+    };
+    Ok(format!("http://{host}:{port}"))
 }
 
 fn hostname() -> String {

@@ -64,17 +64,17 @@ async fn apply_plans_and_creates_the_workers_children() {
         Some(true)
     );
 
-    let sa: Api<ServiceAccount> = Api::namespaced(ns.client.clone(), &ns.name);
+    // No API rights for the worker: the namespace's default account, no
+    // API token mounted, and no Role or binding of the job's.
+    let spec = pod.spec.as_ref().expect("spec");
+    assert_eq!(spec.service_account_name.as_deref(), Some("default"));
+    assert_eq!(spec.automount_service_account_token, Some(false));
     let role: Api<Role> = Api::namespaced(ns.client.clone(), &ns.name);
     let rb: Api<RoleBinding> = Api::namespaced(ns.client.clone(), &ns.name);
+    let none = kube::api::ListParams::default();
+    assert!(role.list(&none).await.expect("roles").items.is_empty());
+    assert!(rb.list(&none).await.expect("bindings").items.is_empty());
     let pvc: Api<PersistentVolumeClaim> = Api::namespaced(ns.client.clone(), &ns.name);
-    assert!(sa.get_opt("tiny-cpu-worker").await.expect("get").is_some());
-    let role = role.get("tiny-cpu-worker").await.expect("role");
-    assert_eq!(
-        role.rules.expect("rules")[0].resource_names,
-        Some(vec!["tiny-cpu".to_string()])
-    );
-    assert!(rb.get_opt("tiny-cpu-worker").await.expect("get").is_some());
     assert!(
         pvc.get_opt("tiny-cpu-checkpoints")
             .await
@@ -387,31 +387,21 @@ async fn deleting_a_job_garbage_collects_everything_it_created() {
     // The garbage collector (kube-controller-manager) follows the owner references.
     ns.wait_pods("pods collected", TIMEOUT, |p| p.is_empty())
         .await;
-    let sa: Api<ServiceAccount> = Api::namespaced(ns.client.clone(), &ns.name);
-    let role: Api<Role> = Api::namespaced(ns.client.clone(), &ns.name);
-    let rb: Api<RoleBinding> = Api::namespaced(ns.client.clone(), &ns.name);
     let pvc: Api<PersistentVolumeClaim> = Api::namespaced(ns.client.clone(), &ns.name);
     let last = std::cell::Cell::new(None);
-    ns.wait_for(
-        "the job's ServiceAccount, Role, RoleBinding and claim collected",
-        TIMEOUT,
-        || async {
-            let left = [
-                sa.get_opt("tiny-cpu-worker").await.ok()?.is_some(),
-                role.get_opt("tiny-cpu-worker").await.ok()?.is_some(),
-                rb.get_opt("tiny-cpu-worker").await.ok()?.is_some(),
-                pvc.get_opt("tiny-cpu-checkpoints")
-                    .await
-                    .ok()?
-                    .is_some_and(|p| p.metadata.deletion_timestamp.is_none()),
-                ns.jobs().get_opt("tiny-cpu").await.ok()?.is_some(),
-            ];
-            if last.replace(Some(left)) != Some(left) {
-                eprintln!("left behind [sa, role, binding, pvc, job]: {left:?}");
-            }
-            left.iter().all(|l| !l).then_some(())
-        },
-    )
+    ns.wait_for("the job's claim collected", TIMEOUT, || async {
+        let left = [
+            pvc.get_opt("tiny-cpu-checkpoints")
+                .await
+                .ok()?
+                .is_some_and(|p| p.metadata.deletion_timestamp.is_none()),
+            ns.jobs().get_opt("tiny-cpu").await.ok()?.is_some(),
+        ];
+        if last.replace(Some(left)) != Some(left) {
+            eprintln!("left behind [pvc, job]: {left:?}");
+        }
+        left.iter().all(|l| !l).then_some(())
+    })
     .await;
     op.stop().await;
     ns.cleanup().await;
@@ -771,15 +761,6 @@ async fn gpus_held_by_other_workloads_are_not_planned_for() {
     assert_eq!(free.device, big, "the premise");
 
     // Another team's pod, bound to the big GPU's node (no Headroom labels).
-    // No controller-manager here makes the namespace's default account.
-    let accounts: Api<ServiceAccount> = Api::namespaced(ns.client.clone(), &ns.name);
-    let default_account: ServiceAccount =
-        serde_json::from_value(serde_json::json!({"metadata": {"name": "default"}}))
-            .expect("account");
-    accounts
-        .create(&kube::api::PostParams::default(), &default_account)
-        .await
-        .expect("default account");
     let other: Pod = serde_json::from_value(serde_json::json!({
         "metadata": {"name": "other-team-trainer", "labels": {"app": "trainer"}},
         "spec": {"nodeName": big_node, "containers": [{"name": "w", "image": "example/trainer:1",
@@ -1181,7 +1162,7 @@ impl PodRefusal {
         policies.create(&pp, &policy).await.expect("policy");
         bindings.create(&pp, &binding).await.expect("binding");
         // Policies take effect asynchronously: wait until a probe pod is refused
-        // (it names an account of its own: this control plane makes no `default`).
+        // (it names an account of its own, made here).
         let accounts: Api<ServiceAccount> = Api::namespaced(ns.client.clone(), &ns.name);
         let account: ServiceAccount =
             serde_json::from_value(serde_json::json!({"metadata": {"name": "probe"}})).expect("sa");

@@ -3,7 +3,8 @@
 //! an [`EnvError`] naming the variable, and the worker exits with
 //! `INVALID_PLAN` before it trains a step.
 //!
-//! The variables the operator sets are named in `headroom_api::contract`;
+//! The variables the operator sets are named in `headroom_api::contract`
+//! (the worker API's two are read by [`crate::worker_api::WorkerApi::from_env`]);
 //! the ones below are set by hand: two for tests and local runs, one to
 //! choose the GPU replicas' collective.
 
@@ -54,7 +55,7 @@ pub enum PipelinePeers {
     /// tests); takes precedence over the pods.
     Addresses(Vec<String>),
     /// `HEADROOM_PIPELINE_PODS` (`HEADROOM_REPLICA_PODS`), set by the
-    /// operator: the pod names, looked up through the API, and the headless
+    /// operator: the pod names, looked up through the worker API, and the headless
     /// Service (`HEADROOM_PIPELINE_SERVICE`, empty when not set) for the DNS
     /// fallback.
     Pods { pods: Vec<String>, service: String },

@@ -6,8 +6,9 @@
 //!
 //! * [`mod@env`] — [`WorkerEnv`]: every environment variable, read and checked once
 //! * [`assignment`] — [`ValidAssignment`]: the plan, read and validated once
-//! * [`cluster`] — [`ClusterHandle`]: the one tokio runtime and the Kubernetes
-//!   client, shared by the status reporter, the peer lookup and the SIGTERM watch
+//! * [`cluster`] — [`ClusterHandle`]: the one tokio runtime, for the SIGTERM watch
+//! * [`worker_api`] — [`WorkerApi`]: the operator's worker API, the worker's
+//!   only way to the cluster (telemetry, peers' pod IPs); no Kubernetes rights
 //! * the termination message — this file
 //! * [`model`] — the decoder-only transformer (one pipeline stage's part of it)
 //! * [`pipeline`] — stages over TCP: links, handshake, the 1F1B schedule
@@ -21,7 +22,7 @@
 //! * [`train`] — micro-batches, accumulation, block-level checkpointing, optimizers
 //! * [`checkpoint`] — atomic, verified, per-part checkpoints and resume under any split
 //! * [`telemetry`] — cgroup, process, allocator and NVML memory sampling
-//! * [`report`] — rate-limited server-side apply of `status.workers[<pod>]`
+//! * [`report`] — rate-limited telemetry for `status.workers[<pod>]`, through the worker API
 //! * [`run`] — one process from start to exit, with the exit contract
 //! * [`initialize`] — the binary's other mode (`HEADROOM_INITIALIZE`): fetch a
 //!   Hugging Face checkpoint, check it and the data, report what it found
@@ -49,6 +50,7 @@ pub mod run;
 pub mod telemetry;
 pub mod text;
 pub mod train;
+pub mod worker_api;
 
 use std::path::Path;
 
@@ -57,6 +59,7 @@ use headroom_api::TerminationMessage;
 pub use assignment::{PlanError, ValidAssignment};
 pub use cluster::ClusterHandle;
 pub use env::WorkerEnv;
+pub use worker_api::WorkerApi;
 
 /// Kubernetes keeps at most this many bytes of a termination message.
 pub const TERMINATION_MESSAGE_LIMIT: usize = 4096;

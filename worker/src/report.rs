@@ -1,7 +1,10 @@
-//! Live telemetry into the job's status: `status.workers[<pod>]`, written by
-//! server-side apply on the status subresource with this worker's own field
-//! manager (`headroom-worker/<pod>`), so each worker owns only its entry of
-//! the list-map and never conflicts with the operator or its peers.
+//! Live telemetry into the job's status: `status.workers[<pod>]`. The
+//! worker posts it to the operator's worker API ([`crate::worker_api`]);
+//! the operator writes it by server-side apply on the status subresource
+//! under the worker's own field manager (`headroom-worker/<pod>`), so each
+//! worker owns only its entry of the list-map and never conflicts with the
+//! operator or its peers. Without a worker API (local runs, tests) it is
+//! logged.
 //!
 //! A background thread samples memory every `sample_every` and writes when
 //! the [`WritePolicy`] says so: at most once per interval, and at once when
@@ -16,14 +19,12 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use headroom_api::{
-    DownloadProgress, MemoryAwareTrainingJob, MemorySample, WORKER_FIELD_MANAGER_PREFIX,
-    WorkerTelemetry,
+    DownloadProgress, MemorySample, WORKER_API_ENV, WORKER_FIELD_MANAGER_PREFIX, WorkerTelemetry,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kube::api::{Api, Patch, PatchParams};
 
-use crate::cluster::{ClusterHandle, NoClient};
 use crate::telemetry::MemoryProbe;
+use crate::worker_api::{WorkerApi, WorkerApiError};
 
 /// Default seconds between status writes (overridden by `HEADROOM_TELEMETRY_INTERVAL_SECONDS`).
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
@@ -117,10 +118,10 @@ impl WritePolicy {
 #[derive(Debug, thiserror::Error)]
 pub enum TelemetryError {
     #[error("status write for job {job}: {source}")]
-    Apply {
+    WorkerApi {
         job: String,
         #[source]
-        source: kube::Error,
+        source: WorkerApiError,
     },
     #[error("poisoned")]
     Poisoned,
@@ -131,64 +132,36 @@ pub trait TelemetrySink: Send {
     fn write(&mut self, telemetry: &WorkerTelemetry) -> Result<(), TelemetryError>;
 }
 
-/// Server-side apply of `status.workers[<pod>]` on the job, through the
-/// worker's shared [`ClusterHandle`].
-pub struct KubeStatusSink {
-    cluster: Arc<ClusterHandle>,
-    api: Api<MemoryAwareTrainingJob>,
+/// Posts telemetry to the operator's worker API, which writes it as this
+/// worker's `status.workers` entry.
+#[derive(Debug)]
+pub struct WorkerApiSink {
+    api: WorkerApi,
     job: String,
-    params: PatchParams,
 }
 
-impl std::fmt::Debug for KubeStatusSink {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KubeStatusSink")
-            .field("job", &self.job)
-            .field("field_manager", &self.params.field_manager)
-            .finish_non_exhaustive()
-    }
-}
-
-impl KubeStatusSink {
-    /// Writes through the cluster's client; `None` when there is no client
-    /// (no Kubernetes configuration: telemetry stays local).
-    pub fn connect(cluster: &Arc<ClusterHandle>, identity: &WorkerIdentity) -> Option<Self> {
-        let client = match cluster.client() {
-            Ok(client) => client,
-            Err(e) => {
-                match &*e {
-                    NoClient::Configuration(_) => {
-                        tracing::info!("{e}; telemetry is logged, not written to the job status")
-                    }
-                    NoClient::Client(_) => tracing::warn!("telemetry disabled: {e}"),
-                }
-                return None;
-            }
+impl WorkerApiSink {
+    /// Writes through `api`; `None` when there is none (`HEADROOM_WORKER_API`
+    /// unset: telemetry stays local).
+    pub fn connect(api: Option<&WorkerApi>, identity: &WorkerIdentity) -> Option<Self> {
+        let Some(api) = api else {
+            tracing::info!(
+                "no {WORKER_API_ENV}; telemetry is logged, not written to the job status"
+            );
+            return None;
         };
-        Some(KubeStatusSink {
-            cluster: cluster.clone(),
-            api: Api::namespaced(client, &identity.namespace),
+        Some(WorkerApiSink {
+            api: api.clone(),
             job: identity.job.clone(),
-            params: PatchParams::apply(&identity.field_manager()).force(),
         })
     }
 }
 
-impl TelemetrySink for KubeStatusSink {
+impl TelemetrySink for WorkerApiSink {
     fn write(&mut self, telemetry: &WorkerTelemetry) -> Result<(), TelemetryError> {
-        let body = serde_json::json!({
-            "apiVersion": "headroom.dev/v1alpha1",
-            "kind": "MemoryAwareTrainingJob",
-            "metadata": { "name": self.job },
-            "status": { "workers": [telemetry] },
-        });
-        self.cluster
-            .block_on(
-                self.api
-                    .patch_status(&self.job, &self.params, &Patch::Apply(&body)),
-            )
-            .map(|_| ())
-            .map_err(|source| TelemetryError::Apply {
+        self.api
+            .post_telemetry(telemetry)
+            .map_err(|source| TelemetryError::WorkerApi {
                 job: self.job.clone(),
                 source,
             })

@@ -16,14 +16,13 @@
 use std::net::TcpListener;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use burn::tensor::Device;
 use headroom_api::{
     PIPELINE_ADDRESSES_ENV, PIPELINE_PODS_ENV, PIPELINE_PORT, REPLICA_ADDRESSES_ENV,
-    REPLICA_PODS_ENV, REPLICA_PORT, TerminationMessage, WorkerOutcome,
+    REPLICA_PODS_ENV, REPLICA_PORT, TerminationMessage, WORKER_API_ENV, WorkerOutcome,
 };
 
 use crate::assignment::ValidAssignment;
@@ -34,11 +33,12 @@ use crate::env::{COLLECTIVE_ENV, CollectiveChoice, InvalidEnv, PipelinePeers, Wo
 pub use crate::env::{DEVICE_MEMORY_LIMIT_ENV, TERMINATION_MESSAGE_PATH_ENV};
 use crate::pipeline::{Hello, Links, Peers, PipelineError, establish};
 use crate::report::{
-    DEFAULT_SAMPLE_EVERY, KubeStatusSink, Progress, Reporter, TelemetrySink, WorkerIdentity,
+    DEFAULT_SAMPLE_EVERY, Progress, Reporter, TelemetrySink, WorkerApiSink, WorkerIdentity,
     WritePolicy,
 };
 use crate::telemetry::{MemoryProbe, process_memory};
 use crate::train::{StepError, Trainer, training_device};
+use crate::worker_api::WorkerApi;
 use crate::write_termination_message;
 use headroom_planner::Backend;
 
@@ -218,11 +218,12 @@ fn run_inner(env: &WorkerEnv) -> Exit {
         Err(e) => return Exit::invalid_plan(e.to_string()),
     };
     let cluster = match ClusterHandle::new() {
-        Ok(cluster) => Arc::new(cluster),
-        Err(e) => return Exit::failed(e.to_string()),
+        Ok(cluster) => cluster,
+        Err(e) => return Exit::failed(format!("tokio runtime: {e}")),
     };
     let identity = identity(&plan, env.pod_name.clone());
-    let sink = KubeStatusSink::connect(&cluster, &identity)
+    let worker_api = WorkerApi::from_env();
+    let sink = WorkerApiSink::connect(worker_api.as_ref(), &identity)
         .map(|sink| Box::new(sink) as Box<dyn TelemetrySink>);
     // A GPU plan budgets the device's memory; the host's is the pod's limit.
     let peak_on_device = config.backend != Backend::Flex;
@@ -241,7 +242,7 @@ fn run_inner(env: &WorkerEnv) -> Exit {
     let exit = Training {
         plan: &plan,
         env,
-        cluster: &cluster,
+        worker_api: worker_api.as_ref(),
         reporter: &reporter,
         terminate: &terminate,
         peak_on_device,
@@ -278,8 +279,8 @@ fn identity(plan: &ValidAssignment, pod: Option<String>) -> WorkerIdentity {
 struct Training<'a> {
     plan: &'a ValidAssignment,
     env: &'a WorkerEnv,
-    /// For the pipeline's neighbour lookup.
-    cluster: &'a Arc<ClusterHandle>,
+    /// For the pipeline's and the ring's neighbour lookup; `None`: DNS only.
+    worker_api: Option<&'a WorkerApi>,
     reporter: &'a Reporter,
     /// Set by SIGTERM.
     terminate: &'a AtomicBool,
@@ -326,13 +327,12 @@ impl Training<'_> {
             }
             Some(PipelinePeers::Pods { pods, service }) => (
                 Peers::Pods {
-                    namespace: a.namespace.clone(),
                     pods: pods.clone(),
                     dns: (0..pods.len() as u32)
                         .map(|k| format!("{}.{service}", host_name(k, a.replica, a.plan.replicas)))
                         .collect(),
                     port: PIPELINE_PORT,
-                    cluster: self.cluster.clone(),
+                    api: self.worker_api.cloned(),
                 },
                 PIPELINE_PORT,
             ),
@@ -409,8 +409,9 @@ impl Training<'_> {
         })
     }
 
-    /// `pod`'s `ip:port` from the API server, asking until it has an IP or
-    /// the pipeline timeout passes; `dns:port` when the API cannot be asked.
+    /// `pod`'s `ip:port` from the worker API, asking until it has an IP or
+    /// the pipeline timeout passes; `dns:port` when the worker API cannot be
+    /// asked (there is none, or the call failed).
     fn pod_address(
         &self,
         pod: &str,
@@ -418,11 +419,14 @@ impl Training<'_> {
         port: u16,
         replica: u32,
     ) -> Result<String, Exit> {
-        let namespace = &self.plan.assignment().namespace;
         let until = Instant::now() + self.env.pipeline_timeout;
         let mut pause = Duration::from_millis(250);
         loop {
-            let last = match self.cluster.pod_ip(namespace, pod) {
+            let asked = match self.worker_api {
+                Some(api) => api.pod_ip(pod).map_err(|e| e.to_string()),
+                None => Err(format!("no worker API ({WORKER_API_ENV} not set)")),
+            };
+            let last = match asked {
                 Ok(Some(ip)) if ip.contains(':') => return Ok(format!("[{ip}]:{port}")),
                 Ok(Some(ip)) => return Ok(format!("{ip}:{port}")),
                 Ok(None) => "it has no IP yet".to_string(),
@@ -430,7 +434,7 @@ impl Training<'_> {
                     Some(dns) => {
                         tracing::warn!(
                             pod,
-                            "replica ring: cannot ask the API for the pod's IP ({e}); calling {dns}"
+                            "replica ring: cannot ask the worker API for the pod's IP ({e}); calling {dns}"
                         );
                         return Ok(format!("{dns}:{port}"));
                     }

@@ -1,22 +1,147 @@
 //! Telemetry reaches `status.workers[<pod>]` of a job on a real kube-apiserver
-//! (the e2e control-plane harness), written by the worker binary itself with
-//! its own field manager; two workers keep their own entries.
+//! (the e2e control-plane harness) the way it does in a cluster: the worker
+//! binary posts it to the operator's worker API
+//! (`headroom_operator::worker_api`, served here on a loopback port),
+//! presenting a token bound to its pod, and the operator writes it under the
+//! worker's own field manager; two workers keep their own entries. The
+//! worker runs without any Kubernetes configuration: it needs no API rights.
 //!
 //! Ignored by plain `cargo test`. Run with the control plane up:
 //!   e2e/cluster/controlplane.sh up
 //!   KUBECONFIG=~/.cache/headroom/state/controlplane/kubeconfig \
 //!     cargo test -p headroom-worker --test api_server -- --ignored --test-threads=1
 
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use headroom_api::{
-    CHECKPOINT_DIR_ENV, MemoryAwareTrainingJob, PLAN_JSON_ENV, POD_NAME_ENV,
-    TELEMETRY_INTERVAL_ENV, WorkerAssignment, exit_code,
+    CHECKPOINT_DIR_ENV, LABEL_ATTEMPT, LABEL_JOB, LABEL_STAGE, MemoryAwareTrainingJob,
+    PLAN_JSON_ENV, POD_NAME_ENV, TELEMETRY_INTERVAL_ENV, WORKER_API_AUDIENCE, WORKER_API_ENV,
+    WORKER_API_TOKEN_ENV, WorkerAssignment, exit_code,
 };
 use headroom_e2e::fixtures::CPU_TINY;
 use headroom_e2e::{API_SERVER, TestNs};
 use headroom_planner::Inventory;
 use headroom_worker::run::TERMINATION_MESSAGE_PATH_ENV;
+use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
+use kube::api::{Api, PostParams};
+use kube::{Resource, ResourceExt};
+
+/// The operator's worker API on a loopback port, acting with the test's
+/// (admin) client as the operator acts with its own: its base URL.
+async fn serve_worker_api(ns: &TestNs) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("a loopback port");
+    let base = format!("http://{}", listener.local_addr().expect("address"));
+    let router = headroom_operator::worker_api::router(ns.client.clone());
+    tokio::spawn(async move {
+        axum::serve(listener, router)
+            .await
+            .expect("the worker API serves");
+    });
+    base
+}
+
+/// The worker pods' account. A bare control plane runs no service-account
+/// controller, so the test creates it (unless the test kit already did).
+async fn default_account(ns: &TestNs) {
+    let account: ServiceAccount =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": "default"}}))
+            .expect("account object");
+    match Api::<ServiceAccount>::namespaced(ns.client.clone(), &ns.name)
+        .create(&PostParams::default(), &account)
+        .await
+    {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 409 => {}
+        Err(e) => panic!("the default ServiceAccount of {}: {e}", ns.name),
+    }
+}
+
+/// The pod object of a worker (or initializer) of `job` named `name`, as the
+/// operator creates it: labelled with the job and controlled by it. It never
+/// runs (no kubelet); the worker binary runs in its stead on this machine.
+async fn worker_pod(
+    ns: &TestNs,
+    job: &MemoryAwareTrainingJob,
+    name: &str,
+    labels: &[(&str, &str)],
+) -> Pod {
+    default_account(ns).await;
+    let mut all = BTreeMap::from([(LABEL_JOB.to_string(), job.name_any())]);
+    all.extend(labels.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+    let pod: Pod = serde_json::from_value(serde_json::json!({
+        "metadata": {
+            "name": name,
+            "labels": all,
+            "ownerReferences": [job.controller_owner_ref(&()).expect("the job has a uid")],
+        },
+        "spec": {
+            "serviceAccountName": "default",
+            "automountServiceAccountToken": false,
+            "containers": [{"name": "worker", "image": "headroom-worker:test"}],
+        },
+    }))
+    .expect("pod object");
+    ns.pods()
+        .create(&PostParams::default(), &pod)
+        .await
+        .unwrap_or_else(|e| panic!("pod {name}: {e}"))
+}
+
+/// A token bound to `pod` for the worker API, as the kubelet projects it,
+/// written to `dir/token`: the file `HEADROOM_WORKER_API_TOKEN` names.
+async fn token_file(ns: &TestNs, pod: &Pod, dir: &Path) -> PathBuf {
+    let request = TokenRequest {
+        spec: TokenRequestSpec {
+            audiences: vec![WORKER_API_AUDIENCE.to_string()],
+            bound_object_ref: Some(BoundObjectReference {
+                kind: Some("Pod".into()),
+                api_version: Some("v1".into()),
+                name: Some(pod.name_any()),
+                uid: pod.uid(),
+            }),
+            expiration_seconds: Some(600),
+        },
+        ..TokenRequest::default()
+    };
+    let token = Api::<ServiceAccount>::namespaced(ns.client.clone(), &ns.name)
+        .create_token_request("default", &PostParams::default(), &request)
+        .await
+        .unwrap_or_else(|e| panic!("a token for pod {}: {e}", pod.name_any()))
+        .status
+        .expect("token")
+        .token;
+    let path = dir.join("token");
+    std::fs::write(&path, token).expect("token file");
+    path
+}
+
+/// A fresh scratch directory for one worker process.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("headroom-api-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("tmp");
+    dir
+}
+
+/// The worker binary with the worker API and its token, and no Kubernetes
+/// configuration to fall back on (no KUBECONFIG, a HOME without ~/.kube).
+fn worker_command(dir: &Path, worker_api: &str, token: &Path) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_headroom-worker"));
+    command
+        .env_remove("KUBECONFIG")
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .env_remove("KUBERNETES_SERVICE_PORT")
+        .env("HOME", dir)
+        .env(WORKER_API_ENV, worker_api)
+        .env(WORKER_API_TOKEN_ENV, token)
+        .env(TELEMETRY_INTERVAL_ENV, "0.2");
+    command
+}
 
 /// The sample CPU job under `name`, shrunk so the worker trains it in seconds.
 async fn create_job(ns: &TestNs, name: &str) -> MemoryAwareTrainingJob {
@@ -52,11 +177,14 @@ fn assignment(job: &MemoryAwareTrainingJob) -> WorkerAssignment {
     }
 }
 
-fn run_worker(assignment: &WorkerAssignment, pod: &str) -> std::process::Output {
-    let dir = std::env::temp_dir().join(format!("headroom-api-{pod}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("tmp");
-    let out = Command::new(env!("CARGO_BIN_EXE_headroom-worker"))
+fn run_worker(
+    assignment: &WorkerAssignment,
+    pod: &str,
+    dir: &Path,
+    worker_api: &str,
+    token: &Path,
+) -> std::process::Output {
+    worker_command(dir, worker_api, token)
         .env(
             PLAN_JSON_ENV,
             serde_json::to_string(assignment).expect("json"),
@@ -64,26 +192,29 @@ fn run_worker(assignment: &WorkerAssignment, pod: &str) -> std::process::Output 
         .env(CHECKPOINT_DIR_ENV, dir.join("checkpoints"))
         .env(TERMINATION_MESSAGE_PATH_ENV, dir.join("termination-log"))
         .env(POD_NAME_ENV, pod)
-        .env(TELEMETRY_INTERVAL_ENV, "0.2")
         .output()
-        .expect("run the worker");
-    let _ = std::fs::remove_dir_all(&dir);
-    out
+        .expect("run the worker")
 }
 
 #[tokio::test]
 #[ignore = "needs the control plane"]
 async fn telemetry_reaches_the_job_status_with_the_workers_own_field_manager() {
     let ns = TestNs::new(API_SERVER, "hr-telemetry").await;
+    let worker_api = serve_worker_api(&ns).await;
     let job = create_job(&ns, "telemetry-tiny").await;
     let a = assignment(&job);
 
     let pods = ["telemetry-tiny-a1-s0", "telemetry-tiny-a1-s0-twin"];
     for pod in pods {
-        let a = a.clone();
-        let out = tokio::task::spawn_blocking(move || run_worker(&a, pod))
-            .await
-            .expect("join");
+        let object = worker_pod(&ns, &job, pod, &[(LABEL_ATTEMPT, "1"), (LABEL_STAGE, "0")]).await;
+        let dir = scratch(pod);
+        let token = token_file(&ns, &object, &dir).await;
+        let (a, worker_api, run_dir) = (a.clone(), worker_api.clone(), dir.clone());
+        let out =
+            tokio::task::spawn_blocking(move || run_worker(&a, pod, &run_dir, &worker_api, &token))
+                .await
+                .expect("join");
+        let _ = std::fs::remove_dir_all(&dir);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(exit_code::SUCCESS), "{stderr}");
         assert!(!stderr.contains("telemetry not written"), "{stderr}");
@@ -126,10 +257,11 @@ async fn telemetry_reaches_the_job_status_with_the_workers_own_field_manager() {
     ns.cleanup().await;
 }
 
-/// The initializer, run as its pod runs it (`POD_NAME` set, a Kubernetes
-/// configuration at hand), against the hub stand-in on a slow link: its
-/// download shows in `status.workers[<pod>]` while it runs, and the last
-/// write says every file is in place.
+/// The initializer, run as its pod runs it (`POD_NAME`, the worker API and
+/// a token bound to its pod; no Kubernetes configuration), against the hub
+/// stand-in on a slow link: its download shows in `status.workers[<pod>]`
+/// while it runs, through the worker API, and the last write says every
+/// file is in place.
 #[tokio::test]
 #[ignore = "needs the control plane"]
 async fn the_initializers_download_progress_is_in_the_status_while_it_runs() {
@@ -138,6 +270,7 @@ async fn the_initializers_download_progress_is_in_the_status_while_it_runs() {
     };
     use headroom_e2e::fixtures::CPU_FINETUNE;
     use headroom_e2e::hub::{HubRepo, HubRepos, LocalHub};
+    use headroom_operator::controller::payload::LABEL_ROLE;
 
     let fixture =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/tiny-llama");
@@ -162,13 +295,14 @@ async fn the_initializers_download_progress_is_in_the_status_while_it_runs() {
         ),
     );
     assert!(manifest.contains("huggingFace"), "the sample changed");
+    let worker_api = serve_worker_api(&ns).await;
     let job = ns.apply_job(&manifest).await;
     let name = job.metadata.name.clone().expect("name");
     let pod = format!("{name}-init-1");
+    let object = worker_pod(&ns, &job, &pod, &[(LABEL_ROLE, "initializer")]).await;
 
-    let dir = std::env::temp_dir().join(format!("headroom-api-init-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("tmp");
+    let dir = scratch("init");
+    let token = token_file(&ns, &object, &dir).await;
     let assignment = InitializerAssignment {
         job: name.clone(),
         namespace: ns.name.clone(),
@@ -188,14 +322,13 @@ async fn the_initializers_download_progress_is_in_the_status_while_it_runs() {
         },
         sequence_length: 64,
     };
-    let child = Command::new(env!("CARGO_BIN_EXE_headroom-worker"))
+    let child = worker_command(&dir, &worker_api, &token)
         .env(
             INITIALIZE_JSON_ENV,
             serde_json::to_string(&assignment).expect("json"),
         )
         .env(TERMINATION_MESSAGE_PATH_ENV, dir.join("termination-log"))
         .env(POD_NAME_ENV, &pod)
-        .env(TELEMETRY_INTERVAL_ENV, "0.2")
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("start the initializer");

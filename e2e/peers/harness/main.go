@@ -201,7 +201,11 @@ func headroomOperator(name, binary string) operator {
 				"--metrics-addr", "127.0.0.1:0",
 				"--concurrency", strconv.Itoa(*concurrency),
 			)
-			cmd.Env = append(os.Environ(), "RUST_LOG=warn", "KUBECONFIG="+*kubeconfig)
+			// The worker API as a user's install has it (pods carry its URL
+			// and token volume); environment, not flags, so an older
+			// -headroom-baseline binary starts with the same command.
+			cmd.Env = append(os.Environ(), "RUST_LOG=warn", "KUBECONFIG="+*kubeconfig,
+				"HEADROOM_WORKER_API_ADDR=127.0.0.1:0", "HEADROOM_WORKER_API_URL=http://127.0.0.1:9")
 			return cmd
 		},
 	}

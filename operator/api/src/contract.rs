@@ -33,6 +33,35 @@ pub const DEFAULT_CHECKPOINT_DIR: &str = "/var/lib/headroom/checkpoints";
 pub const POD_NAME_ENV: &str = "POD_NAME";
 /// Seconds between telemetry writes to the job status (a markedly higher peak writes at once).
 pub const TELEMETRY_INTERVAL_ENV: &str = "HEADROOM_TELEMETRY_INTERVAL_SECONDS";
+/// The operator's worker API: the base URL (`http://host:port`) through which
+/// workers and the initializer report telemetry and look up their peers.
+/// Workers hold no Kubernetes API rights of their own: the operator checks
+/// each call's pod-bound token with a TokenReview and writes on its behalf.
+/// Unset (local runs, tests): telemetry is logged, peers come from the
+/// address overrides or DNS.
+pub const WORKER_API_ENV: &str = "HEADROOM_WORKER_API";
+/// Path of the token the worker presents to the worker API (a projected
+/// service-account token bound to the pod, audience [`WORKER_API_AUDIENCE`];
+/// the kubelet rotates it, so it is read again for every call).
+pub const WORKER_API_TOKEN_ENV: &str = "HEADROOM_WORKER_API_TOKEN";
+pub const WORKER_API_TOKEN_PATH: &str = "/var/run/secrets/headroom.dev/worker-api/token";
+/// The audience of that token: the API server accepts it for nothing else.
+pub const WORKER_API_AUDIENCE: &str = "headroom.dev/worker-api";
+/// `POST` a [`crate::WorkerTelemetry`] as JSON: it becomes the caller's own
+/// `status.workers` entry (204).
+pub const WORKER_API_TELEMETRY_PATH: &str = "/v1/telemetry";
+/// `GET /v1/peers/<pod>`: a [`PeerAddress`] for a pod of the caller's own job.
+pub const WORKER_API_PEERS_PATH: &str = "/v1/peers/";
+
+/// The worker API's answer to a peer lookup.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PeerAddress {
+    /// The pod's IP; `None` while it has none (not yet scheduled or started).
+    #[serde(default)]
+    pub pod_ip: Option<String>,
+}
+
 /// Where Kubernetes reads the termination message from.
 pub const TERMINATION_MESSAGE_PATH: &str = "/dev/termination-log";
 

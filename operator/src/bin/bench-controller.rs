@@ -67,6 +67,13 @@ async fn main() -> Result<()> {
             &serde_json::from_value(serde_json::json!({"metadata": {"name": ns}}))?,
         )
         .await?;
+    // Workers run under `default`; a bare control plane makes no accounts.
+    Api::<k8s_openapi::api::core::v1::ServiceAccount>::namespaced(client.clone(), &ns)
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(serde_json::json!({"metadata": {"name": "default"}}))?,
+        )
+        .await?;
 
     let operator = args.operator.clone().unwrap_or_else(|| {
         std::env::current_exe()
@@ -84,6 +91,9 @@ async fn main() -> Result<()> {
             "16",
         ])
         .env("RUST_LOG", "warn")
+        // Pods as a user's install makes them (the worker API's URL and token volume).
+        .env("HEADROOM_WORKER_API_ADDR", "127.0.0.1:0")
+        .env("HEADROOM_WORKER_API_URL", "http://127.0.0.1:9")
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .kill_on_drop(true)

@@ -5,8 +5,7 @@ use std::time::Instant;
 
 use headroom_api::{MemoryAwareTrainingJob, MemoryAwareTrainingJobStatus, OPERATOR_FIELD_MANAGER};
 use headroom_planner::ModelShape;
-use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod, Service, ServiceAccount};
-use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod, Service};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::events::{Event, EventType};
 use kube::{Client, Resource, ResourceExt};
@@ -188,8 +187,7 @@ async fn apply<K: Child>(client: &Client, ns: &str, object: &K) -> Result<(), Er
 /// exists already (409). A create is the cheaper request for an object that
 /// does not exist: the API server skips the apply merge and its managed-fields
 /// bookkeeping, which for a pod is a large part of the write. Otherwise it is
-/// applied: the account and binding exist, and the Role must change to the
-/// new attempt's.
+/// applied (the Service of an earlier attempt exists).
 async fn put<K: Child>(
     client: &Client,
     ns: &str,
@@ -215,8 +213,34 @@ async fn put<K: Child>(
     }
 }
 
-/// Creates whatever attempt `attempt` still lacks; a no-op once all its pods
-/// exist. `image`: the workers' image, as the decision chose it.
+/// The workers attempt `attempt` still lacks, with its plan; None once all
+/// its pods exist, or while a launch moments ago has not reached the pod
+/// cache yet.
+pub(super) fn missing_workers<'a>(
+    ctx: &Context,
+    job: &MemoryAwareTrainingJob,
+    status: &'a MemoryAwareTrainingJobStatus,
+    attempt: u32,
+    own: &[&Pod],
+) -> Option<(&'a headroom_planner::Plan, Vec<children::Slot>)> {
+    let plan = status
+        .attempts
+        .iter()
+        .find(|a| a.number == attempt)
+        .map(|a| &a.plan)?;
+    let existing: Vec<String> = own.iter().map(|p| p.name_any()).collect();
+    let missing: Vec<children::Slot> = children::slots(plan)
+        .filter(|&slot| !existing.contains(&children::pod_name(job, attempt, plan, slot)))
+        .collect();
+    let key = (job.uid().unwrap_or_default(), attempt);
+    (!missing.is_empty() && !ctx.launched_recently(&key)).then_some((plan, missing))
+}
+
+/// Creates the pods (and the Service) attempt `attempt` still lacks; a
+/// no-op once all its pods exist. The checkpoint claim must exist and be
+/// this job's first ([`ensure_claim`], in the status write's round): a pod
+/// must never mount a kept claim of an earlier job of the same name.
+/// `image`: the workers' image, as the decision chose it.
 pub(super) async fn ensure_children(
     ctx: &Context,
     job: &MemoryAwareTrainingJob,
@@ -226,58 +250,26 @@ pub(super) async fn ensure_children(
     image: &str,
     own: &[&Pod],
 ) -> Result<(), Error> {
-    let Some(plan) = status
-        .attempts
-        .iter()
-        .find(|a| a.number == attempt)
-        .map(|a| &a.plan)
-    else {
+    let Some((plan, missing)) = missing_workers(ctx, job, status, attempt, own) else {
         return Ok(());
     };
-    let existing: Vec<String> = own.iter().map(|p| p.name_any()).collect();
-    let missing: Vec<children::Slot> = children::slots(plan)
-        .filter(|&slot| !existing.contains(&children::pod_name(job, attempt, plan, slot)))
-        .collect();
-    if missing.is_empty() {
-        return Ok(());
-    }
-    let key = (job.uid().unwrap_or_default(), attempt);
-    if ctx.launched_recently(&key) {
-        return Ok(()); // created moments ago; the pod cache has not caught up yet
-    }
     let ns = job.namespace().unwrap_or_default();
-    let cfg = &ctx.config.children;
     let c = &ctx.client;
-    let (sa, role, rb, pvc, svc) = (
-        children::service_account(job),
-        children::role(job, attempt, plan),
-        children::role_binding(job),
-        children::checkpoint_claim(job, cfg),
-        children::headless_service(job),
-    );
+    let svc = children::headless_service(job);
     let pods = missing
         .iter()
         .map(|&slot| {
-            children::worker_pod(job, attempt, slot, plan, model, image, cfg).map_err(|source| {
-                Error::BuildChild {
+            children::worker_pod(job, attempt, slot, plan, model, image, &ctx.config.children)
+                .map_err(|source| Error::BuildChild {
                     kind: "Pod".into(),
                     name: children::pod_name(job, attempt, plan, slot),
                     source,
-                }
-            })
+                })
         })
         .collect::<Result<Vec<_>, _>>()?;
-    // Two rounds of writes. A pod naming a missing ServiceAccount is refused
-    // by admission, and a RoleBinding to a Role that does not exist yet is
-    // refused (RBAC's escalation check must resolve the Role): so account,
-    // Role, claim and Service first. The pods need neither the Role nor the
-    // binding to be created, only to report telemetry and find their peers,
-    // which they retry; so the binding goes in the same round as the pods.
+    // One round: the Service only gives the pods DNS names.
     let first_launch = attempt == 1 && status.initializations.unwrap_or(0) == 0;
     futures::try_join!(
-        put::<ServiceAccount>(c, &ns, &sa, first_launch),
-        put::<Role>(c, &ns, &role, first_launch),
-        create_claim(c, &ns, job, &pvc),
         async {
             if plan.workers > 1 {
                 put::<Service>(c, &ns, &svc, first_launch).await
@@ -285,22 +277,23 @@ pub(super) async fn ensure_children(
                 Ok(())
             }
         },
-    )?;
-    futures::try_join!(
-        put::<RoleBinding>(c, &ns, &rb, first_launch),
         futures::future::try_join_all(pods.iter().map(|pod| put::<Pod>(c, &ns, pod, true))),
     )?;
     if let Ok(mut m) = ctx.launched.lock() {
         m.retain(|_, at| at.elapsed() < LAUNCH_EXPECTATION);
-        m.insert(key, Instant::now());
+        m.insert((job.uid().unwrap_or_default(), attempt), Instant::now());
     }
     Ok(())
 }
 
-/// A PVC's spec is immutable once bound: create it once, never re-apply. An
-/// existing claim of the same name must be this job's: one kept after an
-/// earlier job of the same name holds that job's checkpoints, and resuming
-/// from them would be wrong (and overwriting them would lose them).
+/// The job's checkpoint claim, created if missing and checked to be this
+/// job's ([`create_claim`]).
+pub(super) async fn ensure_claim(ctx: &Context, job: &MemoryAwareTrainingJob) -> Result<(), Error> {
+    let ns = job.namespace().unwrap_or_default();
+    let claim = children::checkpoint_claim(job, &ctx.config.children);
+    create_claim(&ctx.client, &ns, job, &claim).await
+}
+
 /// Makes sure initializer run `run`'s pod exists, and the checkpoint claim
 /// it downloads into. `image`: the job's image, as the decision chose it.
 pub(super) async fn ensure_initializer(
@@ -323,26 +316,16 @@ pub(super) async fn ensure_initializer(
     else {
         return Ok(());
     };
+    // The claim first, checked to be this job's (see ensure_children).
+    ensure_claim(ctx, job).await?;
     let ns = job.namespace().unwrap_or_default();
-    let cfg = &ctx.config.children;
-    let c = &ctx.client;
-    let (account, role, binding, claim) = (
-        children::service_account(job),
-        children::initializer_role(job),
-        children::role_binding(job),
-        children::checkpoint_claim(job, cfg),
-    );
-    // The same order as for the workers (see ensure_children): the binding
-    // needs its Role, the pod its account.
-    futures::try_join!(
-        apply::<ServiceAccount>(c, &ns, &account),
-        apply::<Role>(c, &ns, &role),
-        create_claim(c, &ns, job, &claim),
-    )?;
-    apply::<RoleBinding>(c, &ns, &binding).await?;
-    apply::<Pod>(c, &ns, &pod).await
+    apply::<Pod>(&ctx.client, &ns, &pod).await
 }
 
+/// A PVC's spec is immutable once bound: create it once, never re-apply. An
+/// existing claim of the same name must be this job's: one kept after an
+/// earlier job of the same name holds that job's checkpoints, and resuming
+/// from them would be wrong (and overwriting them would lose them).
 async fn create_claim(
     client: &Client,
     ns: &str,

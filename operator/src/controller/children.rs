@@ -1,16 +1,19 @@
-//! Pure builders for everything the operator creates for a job: the workers'
-//! ServiceAccount, Role and RoleBinding (patch only this job's status), the
+//! Pure builders for everything the operator creates for a job: the
 //! checkpoint PVC, the headless Service of a multi-worker attempt, and one Pod
-//! per pipeline stage. All carry a controller owner reference to the job and
-//! are written with server-side apply under one field manager.
+//! per worker. All carry a controller owner reference to the job and are
+//! written under one field manager. Workers get no Kubernetes API rights:
+//! they run under the namespace's `default` account with no API token
+//! mounted, and reach the operator's worker API ([`crate::worker_api`]) with
+//! a token bound to their pod that only that API accepts.
 
 use std::collections::BTreeMap;
 
 use headroom_api::{
-    ANNOTATION_JOB_UID, CHECKPOINT_DIR_ENV, ClaimRetention, DEFAULT_CHECKPOINT_DIR, GROUP,
-    LABEL_ATTEMPT, LABEL_JOB, LABEL_REPLICA, LABEL_RETAINED_FROM, LABEL_STAGE,
-    MemoryAwareTrainingJob, PIPELINE_PODS_ENV, PIPELINE_PORT, PIPELINE_SERVICE_ENV, PLAN_JSON_ENV,
-    POD_NAME_ENV, REPLICA_PODS_ENV, REPLICA_PORT, TELEMETRY_INTERVAL_ENV, TERMINATION_MESSAGE_PATH,
+    ANNOTATION_JOB_UID, CHECKPOINT_DIR_ENV, ClaimRetention, DEFAULT_CHECKPOINT_DIR, LABEL_ATTEMPT,
+    LABEL_JOB, LABEL_REPLICA, LABEL_RETAINED_FROM, LABEL_STAGE, MemoryAwareTrainingJob,
+    PIPELINE_PODS_ENV, PIPELINE_PORT, PIPELINE_SERVICE_ENV, PLAN_JSON_ENV, POD_NAME_ENV,
+    REPLICA_PODS_ENV, REPLICA_PORT, TELEMETRY_INTERVAL_ENV, TERMINATION_MESSAGE_PATH,
+    WORKER_API_AUDIENCE, WORKER_API_ENV, WORKER_API_TOKEN_ENV, WORKER_API_TOKEN_PATH,
     WorkerAssignment,
 };
 use headroom_planner::inventory::{LabelRequirement, device_placement};
@@ -19,11 +22,10 @@ use k8s_openapi::api::core::v1::{
     Affinity, Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, LocalObjectReference,
     NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, ObjectFieldSelector,
     PersistentVolumeClaim, PersistentVolumeClaimSpec, PersistentVolumeClaimVolumeSource, Pod,
-    PodAffinity, PodAffinityTerm, PodSecurityContext, PodSpec, ResourceRequirements,
-    SeccompProfile, SecurityContext, Service, ServiceAccount, ServicePort, ServiceSpec, Volume,
-    VolumeMount, VolumeResourceRequirements,
+    PodAffinity, PodAffinityTerm, PodSecurityContext, PodSpec, ProjectedVolumeSource,
+    ResourceRequirements, SeccompProfile, SecurityContext, Service, ServiceAccountTokenProjection,
+    ServicePort, ServiceSpec, Volume, VolumeMount, VolumeProjection, VolumeResourceRequirements,
 };
-use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use kube::{Resource, ResourceExt};
@@ -55,6 +57,57 @@ pub fn pod_name_env() -> EnvVar {
     }
 }
 
+/// Seconds a worker's worker-API token is valid; the kubelet renews it at
+/// 80 % of that, and the worker reads it again for every call.
+const WORKER_API_TOKEN_SECONDS: i64 = 3600;
+
+/// What a pod needs to reach the operator's worker API: its URL and token
+/// path in the environment, and the token itself, projected by the kubelet
+/// and bound to the pod, for the worker API's audience only. Nothing when
+/// the operator has no worker API URL (workers then log their telemetry).
+pub fn worker_api_access(config: &ChildConfig) -> (Vec<EnvVar>, Vec<Volume>, Vec<VolumeMount>) {
+    let Some(url) = &config.worker_api_url else {
+        return (Vec::new(), Vec::new(), Vec::new());
+    };
+    let dir = WORKER_API_TOKEN_PATH
+        .rsplit_once('/')
+        .map_or(WORKER_API_TOKEN_PATH, |(dir, _)| dir);
+    let file = WORKER_API_TOKEN_PATH.rsplit('/').next().unwrap_or("token");
+    let env = [
+        (WORKER_API_ENV, url.as_str()),
+        (WORKER_API_TOKEN_ENV, WORKER_API_TOKEN_PATH),
+    ]
+    .into_iter()
+    .map(|(name, value)| EnvVar {
+        name: name.into(),
+        value: Some(value.into()),
+        ..EnvVar::default()
+    })
+    .collect();
+    let volume = Volume {
+        name: "worker-api-token".into(),
+        projected: Some(ProjectedVolumeSource {
+            sources: Some(vec![VolumeProjection {
+                service_account_token: Some(ServiceAccountTokenProjection {
+                    audience: Some(WORKER_API_AUDIENCE.into()),
+                    expiration_seconds: Some(WORKER_API_TOKEN_SECONDS),
+                    path: file.into(),
+                }),
+                ..VolumeProjection::default()
+            }]),
+            ..ProjectedVolumeSource::default()
+        }),
+        ..Volume::default()
+    };
+    let mount = VolumeMount {
+        name: "worker-api-token".into(),
+        mount_path: dir.into(),
+        read_only: Some(true),
+        ..VolumeMount::default()
+    };
+    (env, vec![volume], vec![mount])
+}
+
 /// The non-root user workers run as.
 pub const WORKER_UID: i64 = 65532;
 
@@ -74,10 +127,6 @@ pub fn dns_label(base: &str, suffix: &str) -> String {
         &base[..keep.min(base.len())].trim_end_matches('-'),
         hash as u32
     )
-}
-
-pub fn worker_account_name(job: &MemoryAwareTrainingJob) -> String {
-    dns_label(&job.name_any(), "-worker")
 }
 
 pub fn checkpoint_claim_name(job: &MemoryAwareTrainingJob) -> String {
@@ -160,88 +209,6 @@ fn meta(
         labels: Some(labels),
         owner_references: Some(vec![owner(job)]),
         ..ObjectMeta::default()
-    }
-}
-
-/// The identity workers use to report telemetry.
-pub fn service_account(job: &MemoryAwareTrainingJob) -> ServiceAccount {
-    ServiceAccount {
-        metadata: meta(job, worker_account_name(job), job_labels(job)),
-        ..ServiceAccount::default()
-    }
-}
-
-/// Least privilege: read this one job and patch its status (the chart's
-/// admission policy narrows that to the worker's own telemetry entry), and,
-/// for a plan of several workers, read the pods of this attempt's workers
-/// by name (a worker looks up its neighbours' IPs; no list or watch, no other
-/// pod). Re-applied with each attempt, so the pod names follow the attempt.
-pub fn role(job: &MemoryAwareTrainingJob, attempt: u32, plan: &Plan) -> Role {
-    let mut rules = job_status_rules(job);
-    if plan.workers > 1 {
-        rules.push(PolicyRule {
-            api_groups: Some(vec![String::new()]),
-            resources: Some(vec!["pods".into()]),
-            resource_names: Some(
-                slots(plan)
-                    .map(|slot| pod_name(job, attempt, plan, slot))
-                    .collect(),
-            ),
-            verbs: vec!["get".into()],
-            ..PolicyRule::default()
-        });
-    }
-    Role {
-        metadata: meta(job, worker_account_name(job), job_labels(job)),
-        rules: Some(rules),
-    }
-}
-
-/// The Role while the initializer runs (before any attempt): the same
-/// account, allowed only to read this job and patch its status (its
-/// progress entry; the admission policy keeps it to that entry).
-pub fn initializer_role(job: &MemoryAwareTrainingJob) -> Role {
-    Role {
-        metadata: meta(job, worker_account_name(job), job_labels(job)),
-        rules: Some(job_status_rules(job)),
-    }
-}
-
-/// Read this one job, read and patch its status.
-fn job_status_rules(job: &MemoryAwareTrainingJob) -> Vec<PolicyRule> {
-    vec![
-        PolicyRule {
-            api_groups: Some(vec![GROUP.into()]),
-            resources: Some(vec!["memoryawaretrainingjobs/status".into()]),
-            resource_names: Some(vec![job.name_any()]),
-            verbs: vec!["get".into(), "patch".into()],
-            ..PolicyRule::default()
-        },
-        PolicyRule {
-            api_groups: Some(vec![GROUP.into()]),
-            resources: Some(vec!["memoryawaretrainingjobs".into()]),
-            resource_names: Some(vec![job.name_any()]),
-            verbs: vec!["get".into()],
-            ..PolicyRule::default()
-        },
-    ]
-}
-
-pub fn role_binding(job: &MemoryAwareTrainingJob) -> RoleBinding {
-    let name = worker_account_name(job);
-    RoleBinding {
-        metadata: meta(job, name.clone(), job_labels(job)),
-        role_ref: RoleRef {
-            api_group: "rbac.authorization.k8s.io".into(),
-            kind: "Role".into(),
-            name: name.clone(),
-        },
-        subjects: Some(vec![Subject {
-            kind: "ServiceAccount".into(),
-            name,
-            namespace: job.namespace(),
-            ..Subject::default()
-        }]),
     }
 }
 
@@ -512,6 +479,10 @@ pub fn worker_pod(
         },
         telemetry_interval_env(config),
     ];
+    let (api_env, api_volumes, api_mounts) = worker_api_access(config);
+    env.extend(api_env);
+    volumes.extend(api_volumes);
+    mounts.extend(api_mounts);
 
     let multi = plan.workers > 1;
     let pipeline = plan.stage_count() > 1;
@@ -639,7 +610,10 @@ pub fn worker_pod(
         metadata: meta(job, name_of(stage, replica), labels),
         spec: Some(PodSpec {
             restart_policy: Some("Never".into()),
-            service_account_name: Some(worker_account_name(job)),
+            // No API rights and no API token: telemetry and peer lookups go
+            // through the operator's worker API (worker_api_access).
+            service_account_name: Some("default".into()),
+            automount_service_account_token: Some(false),
             priority_class_name: spec.worker.priority_class_name.clone(),
             image_pull_secrets: (!spec.worker.image_pull_secrets.is_empty()).then(|| {
                 spec.worker
@@ -901,13 +875,6 @@ pub(crate) mod tests {
         assert_eq!((assignment.stage, assignment.replica), (1, 1));
         let ports: Vec<i32> = c.ports.iter().flatten().map(|p| p.container_port).collect();
         assert_eq!(ports, [i32::from(PIPELINE_PORT), i32::from(REPLICA_PORT)]);
-        let pods_rule = role(&job, 3, &plan)
-            .rules
-            .expect("rules")
-            .into_iter()
-            .find(|r| r.resources.as_deref() == Some(&["pods".to_string()][..]))
-            .expect("a pods rule");
-        assert_eq!(pods_rule.resource_names, Some(names));
     }
 
     #[test]
@@ -1200,68 +1167,6 @@ status:
                 "with .product: {with_product}: another model's slices: {placement:?}"
             );
         }
-    }
-
-    #[test]
-    fn role_grants_this_jobs_status_and_this_attempts_stage_pods_only() {
-        let job = cpu_job();
-        let req = job.spec.job_request().expect("request");
-        let mut plan =
-            headroom_planner::plan(&req, &headroom_planner::Inventory::default()).expect("plan");
-        assert_eq!(plan.workers, 1);
-        let single = role(&job, 1, &plan).rules.expect("rules");
-        assert!(
-            !single.iter().any(|r| r
-                .resources
-                .as_ref()
-                .is_some_and(|x| x.contains(&"pods".into()))),
-            "one stage has no neighbour to look up: {single:?}"
-        );
-        plan.stages = (0..3)
-            .map(|index| headroom_planner::Stage {
-                index,
-                ..plan.stages[0].clone()
-            })
-            .collect();
-        plan.workers = 3;
-        let rules = role(&job, 2, &plan).rules.expect("rules");
-        for rule in &rules {
-            let pods = rule.resources.as_deref() == Some(&["pods".to_string()][..]);
-            let names = rule.resource_names.clone().unwrap_or_default();
-            if pods {
-                // Neighbour pod IPs for pipeline stages: get by name, never list or watch.
-                assert_eq!(rule.verbs, ["get"]);
-                assert_eq!(
-                    names,
-                    ["tiny-cpu-a2-s0", "tiny-cpu-a2-s1", "tiny-cpu-a2-s2"]
-                );
-            } else {
-                assert_eq!(names, ["tiny-cpu"]);
-            }
-            assert!(
-                !rule
-                    .verbs
-                    .iter()
-                    .any(|v| v == "*" || v == "delete" || v == "create" || v == "update")
-            );
-        }
-        assert!(rules.iter().any(|r| {
-            r.resources
-                .as_ref()
-                .is_some_and(|x| x.contains(&"memoryawaretrainingjobs/status".to_string()))
-        }));
-        let binding = role_binding(&job);
-        assert_eq!(
-            binding.subjects.expect("subjects")[0].name,
-            "tiny-cpu-worker"
-        );
-        // Before any attempt the initializer's Role is the job rules alone.
-        let initializer = initializer_role(&job);
-        assert_eq!(
-            initializer.metadata.name,
-            role(&job, 1, &plan).metadata.name
-        );
-        assert_eq!(initializer.rules, Some(single));
     }
 
     #[test]

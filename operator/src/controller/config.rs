@@ -46,6 +46,10 @@ pub struct ChildConfig {
     pub worker_images: WorkerImages,
     /// How often each worker writes its telemetry into the job's status.
     pub telemetry_interval: Duration,
+    /// The URL workers reach the operator's worker API at
+    /// ([`crate::worker_api`]); None: workers only log their telemetry and
+    /// find pipeline peers by DNS.
+    pub worker_api_url: Option<String>,
 }
 
 impl Default for ChildConfig {
@@ -57,6 +61,7 @@ impl Default for ChildConfig {
             gpu_host_memory: "16Gi".into(),
             worker_images: WorkerImages::default(),
             telemetry_interval: Duration::from_secs(10),
+            worker_api_url: None,
         }
     }
 }

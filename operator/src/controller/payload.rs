@@ -194,9 +194,10 @@ pub fn initializer_assignment(job: &MemoryAwareTrainingJob) -> Option<Initialize
 /// The initializer pod: the worker image (`image`, the one the job's workers
 /// run) in its initializer mode, with the job's claims and, for a gated repository, the token (no other pod of the
 /// job sees it). Its report comes through its termination message, which
-/// the operator reads; while it runs it writes its progress into its own
-/// entry of `status.workers` with the job's worker account (pod-bound
-/// token, [`super::children::initializer_role`]).
+/// the operator reads; while it runs it reports its progress, as the
+/// workers their telemetry, through the operator's worker API
+/// ([`super::children::worker_api_access`]), which writes it into its own
+/// entry of `status.workers`.
 pub fn initializer_pod(
     job: &MemoryAwareTrainingJob,
     run: u32,
@@ -249,6 +250,10 @@ pub fn initializer_pod(
     let (claim_volumes, claim_mounts) = claim_mounts(job);
     volumes.extend(claim_volumes);
     mounts.extend(claim_mounts);
+    let (api_env, api_volumes, api_mounts) = super::children::worker_api_access(cfg);
+    env.extend(api_env);
+    volumes.extend(api_volumes);
+    mounts.extend(api_mounts);
     let labels: BTreeMap<String, String> = [
         (LABEL_JOB.to_string(), job.name_any()),
         (LABEL_ROLE.to_string(), ROLE_INITIALIZER.to_string()),
@@ -275,10 +280,10 @@ pub fn initializer_pod(
         },
         spec: Some(PodSpec {
             restart_policy: Some("Never".into()),
-            // The job's worker account (a namespace's `default` account is not
-            // guaranteed): its token may only write the pod's own status entry.
-            service_account_name: Some(super::children::worker_account_name(job)),
-            automount_service_account_token: Some(true),
+            // No API rights and no API token: its download progress goes
+            // through the operator's worker API, as the workers' telemetry.
+            service_account_name: Some("default".into()),
+            automount_service_account_token: Some(false),
             priority_class_name: spec.worker.priority_class_name.clone(),
             image_pull_secrets: (!spec.worker.image_pull_secrets.is_empty()).then(|| {
                 spec.worker
@@ -394,27 +399,39 @@ mod tests {
     }
 
     #[test]
-    fn the_initializer_alone_gets_the_token_and_reports_as_the_worker_account() {
+    fn the_initializer_alone_gets_the_token_and_reports_through_the_worker_api() {
         let j = job(include_str!(
             "../../../samples/gpu-finetune-llama-3.2-1b.yaml"
         ));
-        let pod = initializer_pod(
-            &j,
-            1,
-            "registry.example/headroom-worker-cuda:1",
-            &ChildConfig::default(),
-        )
-        .expect("build")
-        .expect("a pretrained job");
+        let config = ChildConfig {
+            worker_api_url: Some("http://10.96.0.20:8081".into()),
+            ..ChildConfig::default()
+        };
+        let pod = initializer_pod(&j, 1, "registry.example/headroom-worker-cuda:1", &config)
+            .expect("build")
+            .expect("a pretrained job");
         let spec = pod.spec.as_ref().expect("spec");
-        // The job's worker account, whose Role allows this job's status
-        // only (initializer_role) and the admission policy its own entry.
-        assert_eq!(spec.automount_service_account_token, Some(true));
-        assert_eq!(
-            spec.service_account_name.as_deref(),
-            Some(crate::controller::children::worker_account_name(&j).as_str())
-        );
+        // No API token and no rights: progress goes through the worker API
+        // with a token only that API accepts.
+        assert_eq!(spec.automount_service_account_token, Some(false));
+        assert_eq!(spec.service_account_name.as_deref(), Some("default"));
         let env = spec.containers[0].env.clone().unwrap_or_default();
+        let value = |name: &str| env.iter().find(|e| e.name == name)?.value.clone();
+        assert_eq!(
+            value(headroom_api::WORKER_API_ENV).as_deref(),
+            Some("http://10.96.0.20:8081")
+        );
+        let projected = spec
+            .volumes
+            .iter()
+            .flatten()
+            .find_map(|v| v.projected.as_ref())
+            .and_then(|p| p.sources.as_ref()?.first()?.service_account_token.clone())
+            .expect("a projected token");
+        assert_eq!(
+            projected.audience.as_deref(),
+            Some(headroom_api::WORKER_API_AUDIENCE)
+        );
         let pod_name = env
             .iter()
             .find(|e| e.name == POD_NAME_ENV)

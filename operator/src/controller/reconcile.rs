@@ -13,8 +13,8 @@ use kube::core::DeserializeGuard;
 use kube::runtime::controller::Action;
 
 use super::apply::{
-    apply_status, delete_worker, ensure_children, ensure_initializer, keep_claim, prune_telemetry,
-    publish_events,
+    apply_status, delete_worker, ensure_children, ensure_claim, ensure_initializer, keep_claim,
+    missing_workers, prune_telemetry, publish_events,
 };
 use super::decide::{Observation, decide, initializer_refused, launch_refused};
 use super::{Context, Error};
@@ -127,8 +127,20 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
         keep_claim(&ctx.client, &ns, job).await?;
     }
 
-    // Apply: status first (so a crash never loses an attempt), then events, pods.
-    let written = apply_status(&ctx.client, job, &decision).await?;
+    // Apply: status first (so a crash never loses an attempt), then events,
+    // pods. The checkpoint claim of an attempt about to launch goes in the
+    // status write's round: it needs no plan, and the pods wait for it.
+    let launching = decision.launch.is_some_and(|attempt| {
+        missing_workers(ctx, job, &decision.status, attempt, &own).is_some()
+    });
+    let (written, claimed) = futures::join!(apply_status(&ctx.client, job, &decision), async {
+        if launching {
+            ensure_claim(ctx, job).await
+        } else {
+            Ok(())
+        }
+    });
+    let written = written?;
     let written = written.as_ref().unwrap_or(job);
     let pruned = prune_telemetry(&ctx.client, written, decision.status.attempt).await?;
     // The newest version, for a second status write below.
@@ -156,8 +168,12 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
     }
     if let (Some(attempt), Some(model), Some(image)) =
         (decision.launch, &decision.model, decision.image.as_deref())
-        && let Err(error) =
-            ensure_children(ctx, job, &decision.status, attempt, model, image, &own).await
+        && let Err(error) = match claimed {
+            Ok(()) => {
+                ensure_children(ctx, job, &decision.status, attempt, model, image, &own).await
+            }
+            Err(error) => Err(error),
+        }
     {
         // Any refusal goes where the user looks, on the job: a condition, an
         // event and the status message. One that can pass (a quota, a server

@@ -12,9 +12,10 @@
 //!    the termination-message path and exit 0, so the operator can plan from
 //!    the real checkpoint without reading the volume itself.
 //!
-//! While it runs in a pod (`POD_NAME` set, a Kubernetes client available)
-//! it reports like a worker: its own entry of `status.workers` (attempt 0),
-//! with its memory and, while it downloads, the download's progress.
+//! While it runs in a pod (`POD_NAME` and the operator's worker API set) it
+//! reports like a worker, through the worker API: its own entry of
+//! `status.workers` (attempt 0), with its memory and, while it downloads,
+//! the download's progress.
 //!
 //! On failure it writes an ordinary `TerminationMessage` instead: outcome
 //! `InvalidPlan` when the input is wrong (no such repository, a token
@@ -37,14 +38,14 @@ use headroom_api::{
 };
 use headroom_planner::LlamaShape;
 
-use crate::cluster::ClusterHandle;
 use crate::env::TERMINATION_MESSAGE_PATH_ENV;
 use crate::report::{
-    DEFAULT_INTERVAL, DEFAULT_SAMPLE_EVERY, KubeStatusSink, Progress, Reporter, TelemetrySink,
+    DEFAULT_INTERVAL, DEFAULT_SAMPLE_EVERY, Progress, Reporter, TelemetrySink, WorkerApiSink,
     WorkerIdentity, WritePolicy,
 };
 use crate::run::Exit;
 use crate::telemetry::MemoryProbe;
+use crate::worker_api::WorkerApi;
 use crate::{TERMINATION_MESSAGE_LIMIT, write_termination_message};
 
 pub use hub::Retry;
@@ -280,20 +281,13 @@ pub fn initialize(
 }
 
 /// The status reporter of an initializer pod: its own entry of
-/// `status.workers` (attempt 0, no layers). `None` without a Kubernetes
-/// client (local runs): progress is then only logged.
+/// `status.workers` (attempt 0, no layers), through the worker API. `None`
+/// without one (local runs): progress is then only logged.
 fn start_reporter(
     pod: &str,
     assignment: &InitializerAssignment,
     interval: Duration,
 ) -> Option<Reporter> {
-    let cluster = match ClusterHandle::new() {
-        Ok(cluster) => Arc::new(cluster),
-        Err(e) => {
-            tracing::warn!("no status reports: {e}");
-            return None;
-        }
-    };
     let identity = WorkerIdentity {
         name: pod.to_string(),
         job: assignment.job.clone(),
@@ -303,7 +297,7 @@ fn start_reporter(
         layer_start: 0,
         layer_end: 0,
     };
-    let sink = KubeStatusSink::connect(&cluster, &identity)?;
+    let sink = WorkerApiSink::connect(WorkerApi::from_env().as_ref(), &identity)?;
     Some(Reporter::start(
         identity,
         MemoryProbe::for_this_process(None),

@@ -6,23 +6,23 @@
 //! that is still shutting down is turned away, and stages that would resume
 //! from different checkpoints stop before training a single step.
 //!
-//! In a cluster a stage finds its neighbour's pod IP through the API (the
-//! job's Role allows `get` on pods; the worker's one client, see
-//! [`crate::cluster`]), falling back to the neighbour's DNS name
-//! under the job's headless Service (`s<k>.<service>`), which needs cluster
-//! DNS. Pod IPs come first because a DNS record appears only once the pod is
-//! ready and negative answers are cached.
+//! In a cluster a stage asks the operator's worker API for its neighbour's
+//! pod IP ([`crate::worker_api`]; the worker has no Kubernetes API rights of
+//! its own), falling back to the neighbour's DNS name under the job's
+//! headless Service (`s<k>.<service>`), which needs cluster DNS. Pod IPs
+//! come first because a DNS record appears only once the pod is ready and
+//! negative answers are cached.
 
 use std::io::{BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use headroom_api::WORKER_API_ENV;
 use serde::{Deserialize, Serialize};
 
 use super::wire::{Frame, Kind, Link};
 use super::{Links, PipelineError};
-use crate::cluster::{ClusterError, ClusterHandle};
+use crate::worker_api::{WorkerApi, WorkerApiError};
 
 /// The handshake both ends of a link send.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -112,7 +112,7 @@ enum ResolveError {
     },
     #[error("no DNS name for stage {0}")]
     NoDnsName(u32),
-    /// Neither the API nor DNS knows the neighbour.
+    /// Neither the worker API nor DNS knows the neighbour.
     #[error("{api}; DNS {host}: {source}")]
     Unknown {
         api: PodIpMissing,
@@ -121,13 +121,15 @@ enum ResolveError {
     },
 }
 
-/// Why the API did not give a pod's IP.
+/// Why the worker API did not give a pod's IP.
 #[derive(Debug, thiserror::Error)]
 enum PodIpMissing {
     #[error("pod {0} has no IP yet")]
     NotYet(String),
+    #[error("pod {0}: no worker API ({WORKER_API_ENV} not set)")]
+    NoWorkerApi(String),
     #[error("pod {pod}: {source}")]
-    Lookup { pod: String, source: ClusterError },
+    Lookup { pod: String, source: WorkerApiError },
 }
 
 /// How to reach the other stages.
@@ -137,12 +139,11 @@ pub enum Peers {
     Static(Vec<String>),
     /// In a cluster: the stages' pod names and DNS names, and the port all listen on.
     Pods {
-        namespace: String,
         pods: Vec<String>,
         dns: Vec<String>,
         port: u16,
-        /// Asks the API server for the pods' IPs.
-        cluster: Arc<ClusterHandle>,
+        /// Asked for the pods' IPs; `None`: DNS only.
+        api: Option<WorkerApi>,
     },
 }
 
@@ -170,14 +171,16 @@ impl Peers {
                 .map(Iterator::collect)
                 .map_err(ResolveError::Lookup),
             Peers::Pods {
-                namespace,
                 pods,
                 dns,
                 port,
-                cluster,
+                api,
             } => {
                 let name = pods.get(k).ok_or(ResolveError::NoPod(stage))?;
-                let api = match cluster.pod_ip(namespace, name) {
+                let Some(worker_api) = api else {
+                    return dns_lookup(dns, stage, *port, PodIpMissing::NoWorkerApi(name.clone()));
+                };
+                let api = match worker_api.pod_ip(name) {
                     Ok(Some(ip)) => {
                         return format!("{ip}:{port}")
                             .parse::<SocketAddr>()
@@ -194,23 +197,35 @@ impl Peers {
                         source,
                     },
                 };
-                let host = dns.get(k).ok_or(ResolveError::NoDnsName(stage))?;
-                (host.as_str(), *port)
-                    .to_socket_addrs()
-                    .map(Iterator::collect)
-                    .map_err(|source| ResolveError::Unknown {
-                        api,
-                        host: host.clone(),
-                        source,
-                    })
+                dns_lookup(dns, stage, *port, api)
             }
         }
     }
 }
 
+/// Stage `stage`'s DNS name, resolved; `api` says why its pod IP is not known.
+fn dns_lookup(
+    dns: &[String],
+    stage: u32,
+    port: u16,
+    api: PodIpMissing,
+) -> Result<Vec<SocketAddr>, ResolveError> {
+    let host = dns
+        .get(stage as usize)
+        .ok_or(ResolveError::NoDnsName(stage))?;
+    (host.as_str(), port)
+        .to_socket_addrs()
+        .map(Iterator::collect)
+        .map_err(|source| ResolveError::Unknown {
+            api,
+            host: host.clone(),
+            source,
+        })
+}
+
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// First and largest pause between tries to reach the next stage (each try
-/// may ask the API server for the pod's IP).
+/// may ask the worker API for the pod's IP).
 const RETRY: Duration = Duration::from_millis(250);
 const MAX_RETRY: Duration = Duration::from_secs(2);
 

@@ -1,0 +1,244 @@
+//! The operator's worker API (`headroom_operator::worker_api`) on a real
+//! kube-apiserver: a worker pod, which runs under the namespace's `default`
+//! account with no API token and no Role, reports its telemetry through the
+//! operator with the token the kubelet projects into it (bound to the pod,
+//! audience `headroom.dev/worker-api`), and looks up a peer of its own job;
+//! it cannot write another pod's entry, reach another job's pods, or use the
+//! token against the API server itself.
+//!
+//! The API-server test is ignored by plain `cargo test`; `make test-apiserver` runs it.
+
+mod support;
+
+use axum::body::Body;
+use axum::http::{Method, Request, StatusCode, header};
+use headroom_api::{
+    PeerAddress, WORKER_API_AUDIENCE, WORKER_API_PEERS_PATH, WORKER_API_TELEMETRY_PATH,
+    WORKER_FIELD_MANAGER_PREFIX,
+};
+use headroom_operator::controller::ControllerConfig;
+use headroom_operator::worker_api;
+use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
+use kube::api::{Api, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::{Value, json};
+use support::*;
+use tower::ServiceExt;
+
+/// A token for `pod`, as the kubelet projects it into the worker.
+async fn pod_token(ns: &TestNs, pod: &Pod, audiences: &[&str]) -> String {
+    let request = TokenRequest {
+        spec: TokenRequestSpec {
+            audiences: audiences.iter().map(|a| a.to_string()).collect(),
+            bound_object_ref: Some(BoundObjectReference {
+                kind: Some("Pod".into()),
+                api_version: Some("v1".into()),
+                name: Some(pod.name_any()),
+                uid: pod.uid(),
+            }),
+            expiration_seconds: Some(600),
+        },
+        ..TokenRequest::default()
+    };
+    let account = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.service_account_name.clone())
+        .unwrap_or_else(|| "default".into());
+    Api::<ServiceAccount>::namespaced(ns.client.clone(), &ns.name)
+        .create_token_request(&account, &PostParams::default(), &request)
+        .await
+        .expect("token request")
+        .status
+        .expect("token")
+        .token
+}
+
+fn entry(pod: &str, step: u64) -> Value {
+    json!({
+        "name": pod, "attempt": 1, "stage": 0, "layerStart": 0, "layerEnd": 2, "step": step,
+        "memory": {"cgroupCurrentBytes": 1000, "peakBytes": 2000},
+        "updatedAt": "2026-11-26T10:00:00Z"
+    })
+}
+
+/// One call to the worker API: the status code and the body.
+async fn call(
+    api: &axum::Router,
+    method: Method,
+    path: &str,
+    token: Option<&str>,
+    body: Option<Value>,
+) -> (StatusCode, String) {
+    let mut request = Request::builder().method(method).uri(path);
+    if let Some(token) = token {
+        request = request.header(header::AUTHORIZATION, format!("Bearer {token}"));
+    }
+    let body = body.map_or_else(Body::empty, |b| Body::from(b.to_string()));
+    let response = api
+        .clone()
+        .oneshot(request.body(body).expect("request"))
+        .await
+        .expect("infallible");
+    let code = response.status();
+    let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+        .await
+        .expect("body");
+    (code, String::from_utf8_lossy(&bytes).into_owned())
+}
+
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn a_worker_reports_its_own_telemetry_through_the_operator_and_nothing_else() {
+    let ns = test_ns("hr-worker-api").await;
+    let config = ControllerConfig {
+        children: headroom_operator::controller::ChildConfig {
+            worker_api_url: Some("http://10.96.0.99:8081".into()),
+            ..Default::default()
+        },
+        ..ControllerConfig::default()
+    };
+    let op = start_operator(&ns, config);
+    ns.apply_job(CPU_TINY).await;
+    let pods = ns
+        .wait_pods("the worker pod", TIMEOUT, |p| p.len() == 1)
+        .await;
+    let pod = &pods[0];
+    let spec = pod.spec.as_ref().expect("spec");
+    assert_eq!(spec.automount_service_account_token, Some(false));
+    let env: Vec<String> = spec.containers[0]
+        .env
+        .iter()
+        .flatten()
+        .map(|e| format!("{}={}", e.name, e.value.clone().unwrap_or_default()))
+        .collect();
+    assert!(
+        env.contains(&"HEADROOM_WORKER_API=http://10.96.0.99:8081".to_string()),
+        "{env:?}"
+    );
+    let api = worker_api::router(ns.client.clone());
+    let token = pod_token(&ns, pod, &[WORKER_API_AUDIENCE]).await;
+    let me = pod.name_any();
+
+    // Its own entry: written under its own field manager, as if it had written it.
+    let (code, text) = call(
+        &api,
+        Method::POST,
+        WORKER_API_TELEMETRY_PATH,
+        Some(&token),
+        Some(entry(&me, 3)),
+    )
+    .await;
+    assert_eq!(code, StatusCode::NO_CONTENT, "{text}");
+    let job = ns.jobs().get("tiny-cpu").await.expect("job");
+    let workers = &job.status.as_ref().expect("status").workers;
+    assert_eq!((workers.len(), workers[0].step), (1, 3), "{workers:?}");
+    let managers: Vec<String> = job
+        .metadata
+        .managed_fields
+        .iter()
+        .flatten()
+        .filter_map(|m| m.manager.clone())
+        .collect();
+    assert!(
+        managers.contains(&format!("{WORKER_FIELD_MANAGER_PREFIX}{me}")),
+        "{managers:?}"
+    );
+    // The operator's own status writes leave it there.
+    ns.wait_job("tiny-cpu", "the entry kept", TIMEOUT, |j| {
+        j.status.as_ref().is_some_and(|s| s.workers.len() == 1)
+    })
+    .await;
+
+    // Another worker's entry: refused, with the reason.
+    let (code, text) = call(
+        &api,
+        Method::POST,
+        WORKER_API_TELEMETRY_PATH,
+        Some(&token),
+        Some(entry("someone-else", 1)),
+    )
+    .await;
+    assert_eq!(code, StatusCode::FORBIDDEN, "{text}");
+    assert!(text.contains("only its own entry"), "{text}");
+    // A body that is not telemetry: the field that is wrong.
+    let (code, text) = call(
+        &api,
+        Method::POST,
+        WORKER_API_TELEMETRY_PATH,
+        Some(&token),
+        Some(json!({"name": me, "attempt": "one"})),
+    )
+    .await;
+    assert_eq!(code, StatusCode::BAD_REQUEST, "{text}");
+    assert!(text.contains("attempt"), "{text}");
+    // No token, or a token for another audience (the API server's own).
+    let (code, text) = call(&api, Method::POST, WORKER_API_TELEMETRY_PATH, None, None).await;
+    assert_eq!(code, StatusCode::UNAUTHORIZED, "{text}");
+    let api_token = pod_token(&ns, pod, &[]).await;
+    let (code, text) = call(
+        &api,
+        Method::POST,
+        WORKER_API_TELEMETRY_PATH,
+        Some(&api_token),
+        Some(entry(&me, 4)),
+    )
+    .await;
+    assert_eq!(code, StatusCode::UNAUTHORIZED, "{text}");
+
+    // Peers: a pod of its own job (no IP: no kubelet here); another pod is refused.
+    let (code, text) = call(
+        &api,
+        Method::GET,
+        &format!("{WORKER_API_PEERS_PATH}{me}"),
+        Some(&token),
+        None,
+    )
+    .await;
+    assert_eq!(code, StatusCode::OK, "{text}");
+    let address: PeerAddress = serde_json::from_str(&text).expect("a PeerAddress");
+    assert_eq!(address.pod_ip, None);
+    let stranger: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "stranger"},
+        "spec": {"containers": [{"name": "c", "image": "example/c:1"}]}
+    }))
+    .expect("pod");
+    ns.pods()
+        .create(&PostParams::default(), &stranger)
+        .await
+        .expect("stranger");
+    let (code, text) = call(
+        &api,
+        Method::GET,
+        &format!("{WORKER_API_PEERS_PATH}stranger"),
+        Some(&token),
+        None,
+    )
+    .await;
+    assert_eq!(code, StatusCode::FORBIDDEN, "{text}");
+    // A pod that is no worker cannot report at all.
+    let stranger = ns.pods().get("stranger").await.expect("stranger");
+    let stranger_token = pod_token(&ns, &stranger, &[WORKER_API_AUDIENCE]).await;
+    let (code, text) = call(
+        &api,
+        Method::POST,
+        WORKER_API_TELEMETRY_PATH,
+        Some(&stranger_token),
+        Some(entry("stranger", 1)),
+    )
+    .await;
+    assert_eq!(code, StatusCode::FORBIDDEN, "{text}");
+
+    // The worker's token is worth nothing to the API server itself.
+    let mut config = kube::Config::infer().await.expect("kubeconfig");
+    config.auth_info = serde_json::from_value(json!({ "token": token })).expect("auth info");
+    let as_worker = Client::try_from(config).expect("worker client");
+    let read = Api::<Pod>::namespaced(as_worker, &ns.name).get(&me).await;
+    assert!(
+        matches!(&read, Err(kube::Error::Api(e)) if e.code == 401),
+        "{read:?}"
+    );
+    op.stop().await;
+    ns.cleanup().await;
+}
