@@ -120,6 +120,39 @@ impl TestNs {
         }
     }
 
+    /// A token bound to `pod` for `audiences` (none: the API server's own),
+    /// issued for the pod's account as the kubelet projects it into the pod.
+    pub async fn pod_token(&self, pod: &Pod, audiences: &[&str]) -> String {
+        use k8s_openapi::api::authentication::v1::{
+            BoundObjectReference, TokenRequest, TokenRequestSpec,
+        };
+        let request = TokenRequest {
+            spec: TokenRequestSpec {
+                audiences: audiences.iter().map(|a| a.to_string()).collect(),
+                bound_object_ref: Some(BoundObjectReference {
+                    kind: Some("Pod".into()),
+                    api_version: Some("v1".into()),
+                    name: Some(pod.name_any()),
+                    uid: pod.uid(),
+                }),
+                expiration_seconds: Some(600),
+            },
+            ..TokenRequest::default()
+        };
+        let account = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.service_account_name.clone())
+            .unwrap_or_else(|| "default".into());
+        Api::<ServiceAccount>::namespaced(self.client.clone(), &self.name)
+            .create_token_request(&account, &kube::api::PostParams::default(), &request)
+            .await
+            .unwrap_or_else(|e| panic!("a token for pod {}: {e}", pod.name_any()))
+            .status
+            .expect("token")
+            .token
+    }
+
     /// The suite this namespace belongs to.
     pub fn suite(&self) -> Suite {
         self.suite

@@ -18,42 +18,12 @@ use headroom_api::{
 };
 use headroom_operator::controller::ControllerConfig;
 use headroom_operator::worker_api;
-use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
-use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 use support::*;
 use tower::ServiceExt;
-
-/// A token for `pod`, as the kubelet projects it into the worker.
-async fn pod_token(ns: &TestNs, pod: &Pod, audiences: &[&str]) -> String {
-    let request = TokenRequest {
-        spec: TokenRequestSpec {
-            audiences: audiences.iter().map(|a| a.to_string()).collect(),
-            bound_object_ref: Some(BoundObjectReference {
-                kind: Some("Pod".into()),
-                api_version: Some("v1".into()),
-                name: Some(pod.name_any()),
-                uid: pod.uid(),
-            }),
-            expiration_seconds: Some(600),
-        },
-        ..TokenRequest::default()
-    };
-    let account = pod
-        .spec
-        .as_ref()
-        .and_then(|s| s.service_account_name.clone())
-        .unwrap_or_else(|| "default".into());
-    Api::<ServiceAccount>::namespaced(ns.client.clone(), &ns.name)
-        .create_token_request(&account, &PostParams::default(), &request)
-        .await
-        .expect("token request")
-        .status
-        .expect("token")
-        .token
-}
 
 fn entry(pod: &str, step: u64) -> Value {
     json!({
@@ -118,7 +88,7 @@ async fn a_worker_reports_its_own_telemetry_through_the_operator_and_nothing_els
         "{env:?}"
     );
     let api = worker_api::router(ns.client.clone());
-    let token = pod_token(&ns, pod, &[WORKER_API_AUDIENCE]).await;
+    let token = ns.pod_token(pod, &[WORKER_API_AUDIENCE]).await;
     let me = pod.name_any();
 
     // Its own entry: written under its own field manager, as if it had written it.
@@ -176,7 +146,7 @@ async fn a_worker_reports_its_own_telemetry_through_the_operator_and_nothing_els
     // No token, or a token for another audience (the API server's own).
     let (code, text) = call(&api, Method::POST, WORKER_API_TELEMETRY_PATH, None, None).await;
     assert_eq!(code, StatusCode::UNAUTHORIZED, "{text}");
-    let api_token = pod_token(&ns, pod, &[]).await;
+    let api_token = ns.pod_token(pod, &[]).await;
     let (code, text) = call(
         &api,
         Method::POST,
@@ -219,7 +189,7 @@ async fn a_worker_reports_its_own_telemetry_through_the_operator_and_nothing_els
     assert_eq!(code, StatusCode::FORBIDDEN, "{text}");
     // A pod that is no worker cannot report at all.
     let stranger = ns.pods().get("stranger").await.expect("stranger");
-    let stranger_token = pod_token(&ns, &stranger, &[WORKER_API_AUDIENCE]).await;
+    let stranger_token = ns.pod_token(&stranger, &[WORKER_API_AUDIENCE]).await;
     let (code, text) = call(
         &api,
         Method::POST,

@@ -24,8 +24,7 @@ use headroom_e2e::fixtures::CPU_TINY;
 use headroom_e2e::{API_SERVER, TestNs};
 use headroom_planner::Inventory;
 use headroom_worker::run::TERMINATION_MESSAGE_PATH_ENV;
-use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
-use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
 use kube::{Resource, ResourceExt};
 
@@ -45,22 +44,6 @@ async fn serve_worker_api(ns: &TestNs) -> String {
     base
 }
 
-/// The worker pods' account. A bare control plane runs no service-account
-/// controller, so the test creates it (unless the test kit already did).
-async fn default_account(ns: &TestNs) {
-    let account: ServiceAccount =
-        serde_json::from_value(serde_json::json!({"metadata": {"name": "default"}}))
-            .expect("account object");
-    match Api::<ServiceAccount>::namespaced(ns.client.clone(), &ns.name)
-        .create(&PostParams::default(), &account)
-        .await
-    {
-        Ok(_) => {}
-        Err(kube::Error::Api(e)) if e.code == 409 => {}
-        Err(e) => panic!("the default ServiceAccount of {}: {e}", ns.name),
-    }
-}
-
 /// The pod object of a worker (or initializer) of `job` named `name`, as the
 /// operator creates it: labelled with the job and controlled by it. It never
 /// runs (no kubelet); the worker binary runs in its stead on this machine.
@@ -70,7 +53,6 @@ async fn worker_pod(
     name: &str,
     labels: &[(&str, &str)],
 ) -> Pod {
-    default_account(ns).await;
     let mut all = BTreeMap::from([(LABEL_JOB.to_string(), job.name_any())]);
     all.extend(labels.iter().map(|(k, v)| (k.to_string(), v.to_string())));
     let pod: Pod = serde_json::from_value(serde_json::json!({
@@ -95,26 +77,7 @@ async fn worker_pod(
 /// A token bound to `pod` for the worker API, as the kubelet projects it,
 /// written to `dir/token`: the file `HEADROOM_WORKER_API_TOKEN` names.
 async fn token_file(ns: &TestNs, pod: &Pod, dir: &Path) -> PathBuf {
-    let request = TokenRequest {
-        spec: TokenRequestSpec {
-            audiences: vec![WORKER_API_AUDIENCE.to_string()],
-            bound_object_ref: Some(BoundObjectReference {
-                kind: Some("Pod".into()),
-                api_version: Some("v1".into()),
-                name: Some(pod.name_any()),
-                uid: pod.uid(),
-            }),
-            expiration_seconds: Some(600),
-        },
-        ..TokenRequest::default()
-    };
-    let token = Api::<ServiceAccount>::namespaced(ns.client.clone(), &ns.name)
-        .create_token_request("default", &PostParams::default(), &request)
-        .await
-        .unwrap_or_else(|e| panic!("a token for pod {}: {e}", pod.name_any()))
-        .status
-        .expect("token")
-        .token;
+    let token = ns.pod_token(pod, &[WORKER_API_AUDIENCE]).await;
     let path = dir.join("token");
     std::fs::write(&path, token).expect("token file");
     path

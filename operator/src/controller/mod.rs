@@ -19,14 +19,16 @@ pub mod payload;
 pub mod reconcile;
 pub mod watch;
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use headroom_api::MemoryAwareTrainingJob;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::Client;
 use kube::runtime::events::Recorder;
 use kube::runtime::reflector::Store;
+use kube::{Client, ResourceExt};
 
 pub use config::{CheckpointAccess, ChildConfig, ControllerConfig, WorkerImages};
 pub use watch::run;
@@ -196,9 +198,89 @@ pub struct Context {
     /// yet (job uid, attempt) → when. Without it, the reconcile triggered by
     /// our own status write would create the same children a second time.
     launched: Mutex<HashMap<(String, u32), Instant>>,
+    /// This operator's last status write per job uid: the job as the API
+    /// server returned it, and the versions it supersedes. A reconcile woken
+    /// by another watch (a new pod's) can run before the job cache shows
+    /// that write; deciding on the older job would re-apply a status guarded
+    /// by a stale resourceVersion, be refused (409) and wait out a requeue.
+    written: OwnWrites,
 }
 
-/// How long a fresh launch is trusted to show up in the pod cache.
+/// This operator's status writes the job cache may not show yet, per job
+/// uid (read your own writes; see [`Context::written`]).
+#[derive(Default)]
+struct OwnWrites(Mutex<HashMap<String, OwnWrite>>);
+
+impl OwnWrites {
+    /// `cached`, or this operator's own newer write of it while `cached` is
+    /// one of the versions that write superseded.
+    fn newest<'a>(&self, cached: &'a MemoryAwareTrainingJob) -> Cow<'a, MemoryAwareTrainingJob> {
+        let (Some(uid), Some(version)) = (cached.uid(), cached.resource_version()) else {
+            return Cow::Borrowed(cached);
+        };
+        let Ok(mut written) = self.0.lock() else {
+            return Cow::Borrowed(cached);
+        };
+        match written.get(&uid) {
+            Some(own)
+                if own.superseded.contains(&version) && own.at.elapsed() < LAUNCH_EXPECTATION =>
+            {
+                Cow::Owned((*own.job).clone())
+            }
+            Some(_) => {
+                // The cache has it (or something newer): forget ours.
+                written.remove(&uid);
+                Cow::Borrowed(cached)
+            }
+            None => Cow::Borrowed(cached),
+        }
+    }
+
+    /// Remembers a status write that turned `before` into `after`.
+    fn wrote(&self, before: &MemoryAwareTrainingJob, after: &MemoryAwareTrainingJob) {
+        let (Some(uid), Some(from)) = (after.uid(), before.resource_version()) else {
+            return;
+        };
+        let Ok(mut written) = self.0.lock() else {
+            return;
+        };
+        written.retain(|_, own| own.at.elapsed() < LAUNCH_EXPECTATION);
+        let mut superseded = match written.remove(&uid) {
+            // A second write in the same reconcile, or on top of our last one.
+            Some(own)
+                if own.job.resource_version().as_ref() == Some(&from)
+                    || own.superseded.contains(&from) =>
+            {
+                let mut older = own.superseded;
+                older.extend(own.job.resource_version());
+                older
+            }
+            _ => Vec::new(),
+        };
+        if !superseded.contains(&from) {
+            superseded.push(from);
+        }
+        written.insert(
+            uid,
+            OwnWrite {
+                job: Arc::new(after.clone()),
+                superseded,
+                at: Instant::now(),
+            },
+        );
+    }
+}
+
+struct OwnWrite {
+    job: Arc<MemoryAwareTrainingJob>,
+    /// resourceVersions older than `job`'s that came from this operator's
+    /// reads or writes: the cache showing one of them is behind.
+    superseded: Vec<String>,
+    at: Instant,
+}
+
+/// How long a fresh launch is trusted to show up in the pod cache (and a
+/// status write in the job cache).
 const LAUNCH_EXPECTATION: Duration = Duration::from_secs(10);
 
 impl Context {
@@ -220,7 +302,19 @@ impl Context {
             metrics,
             config,
             launched: Mutex::default(),
+            written: OwnWrites::default(),
         }
+    }
+
+    /// The job to decide on: `cached`, or this operator's own newer status
+    /// write while the cache has not caught up with it.
+    fn newest<'a>(&self, cached: &'a MemoryAwareTrainingJob) -> Cow<'a, MemoryAwareTrainingJob> {
+        self.written.newest(cached)
+    }
+
+    /// Remembers a status write that turned `before` into `after`.
+    fn wrote(&self, before: &MemoryAwareTrainingJob, after: &MemoryAwareTrainingJob) {
+        self.written.wrote(before, after);
     }
 
     /// Whether this attempt's children were created moments ago.
@@ -238,5 +332,60 @@ impl std::fmt::Debug for Context {
         f.debug_struct("Context")
             .field("config", &self.config)
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job(version: &str) -> MemoryAwareTrainingJob {
+        let mut job: MemoryAwareTrainingJob =
+            serde_yaml::from_str(include_str!("../../../samples/cpu-tiny.yaml")).expect("sample");
+        job.metadata.uid = Some("uid-1".into());
+        job.metadata.resource_version = Some(version.into());
+        job
+    }
+
+    #[test]
+    fn a_cache_behind_our_own_write_reads_the_write_until_it_catches_up() {
+        let writes = OwnWrites::default();
+        let v1 = job("1");
+        assert!(
+            matches!(writes.newest(&v1), Cow::Borrowed(_)),
+            "nothing written yet"
+        );
+        // Status write 1 → 2, then the telemetry prune 2 → 3, in one reconcile.
+        writes.wrote(&v1, &job("2"));
+        writes.wrote(&job("2"), &job("3"));
+        for behind in ["1", "2"] {
+            let cached = job(behind);
+            let seen = writes.newest(&cached);
+            assert_eq!(
+                seen.resource_version().as_deref(),
+                Some("3"),
+                "cache at {behind}"
+            );
+        }
+        // The cache shows our write (or anything newer): it wins, ours is forgotten.
+        let caught_up = job("3");
+        assert!(matches!(writes.newest(&caught_up), Cow::Borrowed(_)));
+        assert!(
+            matches!(writes.newest(&job("1")), Cow::Borrowed(_)),
+            "forgotten"
+        );
+    }
+
+    #[test]
+    fn a_write_on_a_version_from_elsewhere_supersedes_only_that_version() {
+        let writes = OwnWrites::default();
+        writes.wrote(&job("1"), &job("2"));
+        // A worker's telemetry made 5; the operator wrote 5 → 6.
+        writes.wrote(&job("5"), &job("6"));
+        assert_eq!(
+            writes.newest(&job("5")).resource_version().as_deref(),
+            Some("6")
+        );
+        assert!(matches!(writes.newest(&job("1")), Cow::Borrowed(_)));
     }
 }

@@ -47,7 +47,7 @@ pub(super) async fn reconcile(
 ) -> Result<Action, Error> {
     ctx.metrics.reconciles.inc();
     match &guard.0 {
-        Ok(job) => reconcile_job(job, &ctx).await,
+        Ok(job) => reconcile_job(&ctx.newest(job), &ctx).await,
         Err(invalid) => {
             // Nothing sensible can be done until someone fixes the object; its next change retriggers us.
             ctx.metrics
@@ -141,8 +141,14 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
         }
     });
     let written = written?;
+    if let Some(after) = &written {
+        ctx.wrote(job, after);
+    }
     let written = written.as_ref().unwrap_or(job);
     let pruned = prune_telemetry(&ctx.client, written, decision.status.attempt).await?;
+    if let Some(after) = &pruned {
+        ctx.wrote(written, after);
+    }
     // The newest version, for a second status write below.
     let latest = pruned.as_ref().unwrap_or(written);
     record_ended(ctx, decision.ended);
@@ -158,7 +164,9 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
             return Err(error);
         };
         let after = initializer_refused(&decision, job, run, &refusal, Timestamp::now());
-        apply_status(&ctx.client, latest, &after).await?;
+        if let Some(written) = apply_status(&ctx.client, latest, &after).await? {
+            ctx.wrote(latest, &written);
+        }
         publish_events(ctx, job, after.events);
         if refusal.heals {
             return Err(error);
@@ -183,7 +191,9 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
             return Err(error);
         };
         let after = launch_refused(&decision, job, attempt, &refusal, &own, Timestamp::now());
-        apply_status(&ctx.client, latest, &after).await?;
+        if let Some(written) = apply_status(&ctx.client, latest, &after).await? {
+            ctx.wrote(latest, &written);
+        }
         record_ended(ctx, after.ended);
         publish_events(ctx, job, after.events);
         for pod in &after.delete_pods {
