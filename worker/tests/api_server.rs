@@ -25,7 +25,7 @@ use headroom_e2e::{API_SERVER, TestNs};
 use headroom_planner::Inventory;
 use headroom_worker::run::TERMINATION_MESSAGE_PATH_ENV;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, PostParams};
+use kube::api::PostParams;
 use kube::{Resource, ResourceExt};
 
 /// The operator's worker API on a loopback port, acting with the test's
