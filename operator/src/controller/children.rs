@@ -69,10 +69,9 @@ pub fn worker_api_access(config: &ChildConfig) -> (Vec<EnvVar>, Vec<Volume>, Vec
     let Some(url) = &config.worker_api_url else {
         return (Vec::new(), Vec::new(), Vec::new());
     };
-    let dir = WORKER_API_TOKEN_PATH
+    let (dir, file) = WORKER_API_TOKEN_PATH
         .rsplit_once('/')
-        .map_or(WORKER_API_TOKEN_PATH, |(dir, _)| dir);
-    let file = WORKER_API_TOKEN_PATH.rsplit('/').next().unwrap_or("token");
+        .unwrap_or(("/", WORKER_API_TOKEN_PATH));
     let env = [
         (WORKER_API_ENV, url.as_str()),
         (WORKER_API_TOKEN_ENV, WORKER_API_TOKEN_PATH),
