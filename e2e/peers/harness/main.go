@@ -68,9 +68,17 @@ type round struct {
 	single     []time.Duration // the same, one job at a time
 	roundTrip  []time.Duration // the single jobs' create calls
 	peakRSSKiB int64
+	// CPU time per burst job, in ms, of the operator, kube-apiserver and
+	// etcd (utime + stime from /proc, around the burst): on 2 cores the
+	// burst is bounded by their sum.
+	operatorCPUMs, apiserverCPUMs, etcdCPUMs float64
 	// API server requests per burst job, by "VERB resource[/sub]", from its
 	// apiserver_request_total counters (the harness's own creates removed).
 	requests map[string]float64
+	// The API server's time per burst job, in ms, by the same keys, from
+	// apiserver_request_duration_seconds_sum (the harness's creates kept:
+	// they cost the server the same for both operators' jobs).
+	serverMs map[string]float64
 }
 
 var (
@@ -379,11 +387,14 @@ func runRound(cfg *rest.Config, op operator, ns string) (round, error) {
 		res.single = append(res.single, nonNegative(times.at(uid).Sub(returned)))
 	}
 
-	// 3. The burst, with the API server's request counters around it.
+	// 3. The burst, with the API server's request counters and the CPU
+	// time of the processes that serve it around it.
 	before, err := requestCounts(ctx, core)
 	if err != nil {
 		return res, err
 	}
+	apiserverPid, etcdPid := pidOf("kube-apiserver"), pidOf("etcd")
+	cpu0 := [3]float64{cpuMs(cmd.Process.Pid), cpuMs(apiserverPid), cpuMs(etcdPid)}
 	type made struct {
 		uid      types.UID
 		returned time.Time
@@ -437,13 +448,24 @@ func runRound(cfg *rest.Config, op operator, ns string) (round, error) {
 	}
 	res.allPods = last.Sub(start)
 	res.peakRSSKiB = vmHWM(cmd.Process.Pid)
+	perJob := func(now, then float64) float64 { return (now - then) / float64(*jobs) }
+	res.operatorCPUMs = perJob(cpuMs(cmd.Process.Pid), cpu0[0])
+	res.apiserverCPUMs = perJob(cpuMs(apiserverPid), cpu0[1])
+	res.etcdCPUMs = perJob(cpuMs(etcdPid), cpu0[2])
 	after, err := requestCounts(ctx, core)
 	if err != nil {
 		return res, err
 	}
 	res.requests = map[string]float64{}
+	res.serverMs = map[string]float64{}
 	for k, v := range after {
-		if d := v - before[k]; d > 0 {
+		d := v - before[k]
+		if d <= 0 {
+			continue
+		}
+		if key, ok := strings.CutPrefix(k, secondsPrefix); ok {
+			res.serverMs[key] = d * 1000 / float64(*jobs)
+		} else {
 			res.requests[k] = d / float64(*jobs)
 		}
 	}
@@ -454,9 +476,14 @@ func runRound(cfg *rest.Config, op operator, ns string) (round, error) {
 	return res, nil
 }
 
-// requestCounts reads apiserver_request_total from the API server's
-// /metrics, summed by verb and resource (and subresource). Watches and the
-// harness's own reads are few; every figure is over the whole server.
+// secondsPrefix marks, in requestCounts' map, the seconds the API server
+// spent on a kind of request rather than how many there were.
+const secondsPrefix = "seconds "
+
+// requestCounts reads apiserver_request_total (and, under secondsPrefix,
+// apiserver_request_duration_seconds_sum) from the API server's /metrics,
+// summed by verb and resource (and subresource). Watches and the harness's
+// own reads are few; every figure is over the whole server.
 func requestCounts(ctx context.Context, core kubernetes.Interface) (map[string]float64, error) {
 	raw, err := core.CoreV1().RESTClient().Get().AbsPath("/metrics").DoRaw(ctx)
 	if err != nil {
@@ -464,9 +491,13 @@ func requestCounts(ctx context.Context, core kubernetes.Interface) (map[string]f
 	}
 	counts := map[string]float64{}
 	for _, line := range strings.Split(string(raw), "\n") {
+		prefix := ""
 		rest, ok := strings.CutPrefix(line, "apiserver_request_total{")
 		if !ok {
-			continue
+			if rest, ok = strings.CutPrefix(line, "apiserver_request_duration_seconds_sum{"); !ok {
+				continue
+			}
+			prefix = secondsPrefix
 		}
 		end := strings.LastIndex(rest, "} ")
 		if end < 0 {
@@ -482,7 +513,7 @@ func requestCounts(ctx context.Context, core kubernetes.Interface) (map[string]f
 		if err != nil || labels["verb"] == "WATCH" || labels["resource"] == "" {
 			continue
 		}
-		key := labels["verb"] + " " + labels["resource"]
+		key := prefix + labels["verb"] + " " + labels["resource"]
 		if labels["subresource"] != "" {
 			key += "/" + labels["subresource"]
 		}
@@ -516,6 +547,46 @@ func nonNegative(d time.Duration) time.Duration {
 		return 0
 	}
 	return d
+}
+
+// cpuMs is a process's user + system CPU time so far, in ms (0 when it
+// cannot be read).
+func cpuMs(pid int) float64 {
+	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil || pid <= 0 {
+		return 0
+	}
+	// Fields after the command name (which may hold spaces): state is the
+	// 3rd field of the whole line, utime the 14th, stime the 15th.
+	rest := string(raw)
+	if i := strings.LastIndex(rest, ") "); i >= 0 {
+		rest = rest[i+2:]
+	}
+	f := strings.Fields(rest)
+	if len(f) < 13 {
+		return 0
+	}
+	utime, _ := strconv.ParseFloat(f[11], 64)
+	stime, _ := strconv.ParseFloat(f[12], 64)
+	const ticksPerSecond = 100 // USER_HZ on Linux
+	return (utime + stime) * 1000 / ticksPerSecond
+}
+
+// pidOf finds the process whose command name is `name` (the control plane's
+// kube-apiserver, etcd); 0 when there is none.
+func pidOf(name string) int {
+	entries, _ := os.ReadDir("/proc")
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		comm, err := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid))
+		if err == nil && strings.TrimSpace(string(comm)) == name {
+			return pid
+		}
+	}
+	return 0
 }
 
 func vmHWM(pid int) int64 {
@@ -572,6 +643,9 @@ func printTable(ops []operator, results map[string][]round) {
 		{"single job create → pod p50", "ms", func(r round) float64 { return float64(pct(r.single, 0.5).Microseconds()) / 1000 }},
 		{"one create round trip p50", "ms", func(r round) float64 { return float64(pct(r.roundTrip, 0.5).Microseconds()) / 1000 }},
 		{"operator peak RSS", "MiB", func(r round) float64 { return float64(r.peakRSSKiB) / 1024 }},
+		{"operator CPU per burst job", "ms", func(r round) float64 { return r.operatorCPUMs }},
+		{"kube-apiserver CPU per burst job", "ms", func(r round) float64 { return r.apiserverCPUMs }},
+		{"etcd CPU per burst job", "ms", func(r round) float64 { return r.etcdCPUMs }},
 	}
 	fmt.Printf("\n%d jobs, %d in flight; %d single jobs; medians of %d interleaved rounds (range)\n\n", *jobs, *parallel, *singles, *rounds)
 	header := "| figure |"
@@ -649,6 +723,35 @@ func printRequests(ops []operator, results map[string][]round) {
 			parts = append(parts, fmt.Sprintf("%s %.2f", k, m))
 		}
 		fmt.Printf("- %s: %.2f writes, %.2f requests: %s\n", op.name, writes, total, strings.Join(parts, ", "))
+	}
+	fmt.Printf("\nAPI server time per job during the burst, ms (median of rounds; the harness's creates included, watches left out)\n\n")
+	for _, op := range ops {
+		keys := map[string]bool{}
+		for _, r := range results[op.name] {
+			for k := range r.serverMs {
+				keys[k] = true
+			}
+		}
+		var names []string
+		for k := range keys {
+			names = append(names, k)
+		}
+		sort.Strings(names)
+		var parts []string
+		var total float64
+		for _, k := range names {
+			var xs []float64
+			for _, r := range results[op.name] {
+				xs = append(xs, r.serverMs[k])
+			}
+			m := median(xs)
+			if m < 0.05 {
+				continue
+			}
+			total += m
+			parts = append(parts, fmt.Sprintf("%s %.2f", k, m))
+		}
+		fmt.Printf("- %s: %.2f ms: %s\n", op.name, total, strings.Join(parts, ", "))
 	}
 }
 

@@ -274,7 +274,8 @@ pub fn release_claim_patch(job: &MemoryAwareTrainingJob) -> serde_json::Value {
 
 /// Whether an existing claim holds this job's checkpoints (and not those of
 /// an earlier job of the same name, kept after it ended).
-pub fn claim_belongs_to(claim: &PersistentVolumeClaim, job: &MemoryAwareTrainingJob) -> bool {
+/// `claim`: the claim or its metadata (the claim cache holds only that).
+pub fn claim_belongs_to(claim: &impl ResourceExt, job: &MemoryAwareTrainingJob) -> bool {
     let Some(uid) = job.uid() else {
         return true;
     };

@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use headroom_api::{
     Attempt, AttemptOutcome, JobPhase, LABEL_ATTEMPT, MemoryAwareTrainingJob,
-    MemoryAwareTrainingJobStatus, WORKER_MAX_STAGES, WorkerOutcome,
+    MemoryAwareTrainingJobStatus, PLAN_JSON_ENV, WORKER_MAX_STAGES, WorkerAssignment,
+    WorkerOutcome,
 };
 use headroom_planner::units::format_bytes;
 use headroom_planner::{
@@ -632,12 +633,36 @@ impl Builder<'_> {
     }
 
     fn start(&mut self, number: u32, plan: headroom_planner::Plan, retry: Option<String>) {
+        // The operator creates an attempt's pods in the same round as the
+        // status write that records it. When that write was lost (refused,
+        // or the operator stopped between the two), the pods exist already:
+        // they keep the plan they run, and the status records that plan,
+        // not one made now from a changed inventory.
+        let plan = self.launched_plan(number).unwrap_or(plan);
         self.enter(Transition::Start {
             number,
             plan: Box::new(plan),
             retry,
         });
         self.d.launch = Some(number);
+    }
+
+    /// The plan attempt `number`'s pods run, when any exist: what the
+    /// worker's assignment (its `HEADROOM_PLAN` variable) says.
+    fn launched_plan(&self, number: u32) -> Option<headroom_planner::Plan> {
+        self.obs
+            .pods
+            .iter()
+            .filter(|p| {
+                p.labels()
+                    .get(LABEL_ATTEMPT)
+                    .is_some_and(|a| *a == number.to_string())
+            })
+            .flat_map(|p| p.spec.iter().flat_map(|s| &s.containers))
+            .flat_map(|c| c.env.iter().flatten())
+            .filter(|e| e.name == PLAN_JSON_ENV)
+            .find_map(|e| serde_json::from_str::<WorkerAssignment>(e.value.as_deref()?).ok())
+            .map(|a| a.plan)
     }
 
     fn succeed(&mut self, attempt: u32) {
@@ -1715,5 +1740,43 @@ mod tests {
             t0() + SignedDuration::from_secs(31),
         );
         assert_eq!(later.launch, Some(2));
+    }
+
+    /// A launch writes the status and creates the pods in one round; when
+    /// the status write is lost, the next decision must not plan afresh over
+    /// pods that run another plan (it would record one plan and run another).
+    #[test]
+    fn pods_of_an_attempt_whose_status_write_was_lost_keep_their_plan() {
+        use crate::controller::children::{Slot, worker_pod};
+        use crate::controller::config::ChildConfig;
+        let mut j = oom_job();
+        let planned_now = step(&mut j.clone(), &[], t0());
+        let mut theirs = planned_now.status.attempts[0].plan.clone();
+        theirs
+            .warnings
+            .push("made before the inventory changed".into());
+        let model = planned_now.model.clone().expect("model");
+        let pod = worker_pod(
+            &j,
+            1,
+            Slot {
+                stage: 0,
+                replica: 0,
+            },
+            &theirs,
+            &model,
+            "worker:test",
+            &ChildConfig::default(),
+        )
+        .expect("pod");
+
+        let d = step(&mut j, &[pod], t0());
+        assert_eq!(d.launch, Some(1));
+        assert_eq!(d.status.attempts.len(), 1);
+        assert_eq!(
+            d.status.attempts[0].plan, theirs,
+            "the status records the plan the pods run"
+        );
+        assert_eq!(d.status.plan.as_ref(), Some(&theirs));
     }
 }

@@ -25,7 +25,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use headroom_api::MemoryAwareTrainingJob;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim, Pod};
+use kube::core::PartialObjectMeta;
 use kube::runtime::events::Recorder;
 use kube::runtime::reflector::Store;
 use kube::{Client, ResourceExt};
@@ -191,6 +192,9 @@ pub struct Context {
     /// Every pod in the cluster that holds GPUs, Headroom's or not, trimmed
     /// to its node and device requests: the inventory's in-use counts.
     pub device_pods: Store<Pod>,
+    /// Every claim in scope, metadata only: a launch checks its job's
+    /// checkpoint claim here rather than with a request.
+    pub claims: Store<PartialObjectMeta<PersistentVolumeClaim>>,
     pub recorder: Recorder,
     pub metrics: Arc<Metrics>,
     pub config: ControllerConfig,
@@ -284,11 +288,13 @@ struct OwnWrite {
 const LAUNCH_EXPECTATION: Duration = Duration::from_secs(10);
 
 impl Context {
+    #[allow(clippy::too_many_arguments)] // one per cache and handle every reconcile shares
     pub fn new(
         client: Client,
         pods: Store<Pod>,
         nodes: Store<Node>,
         device_pods: Store<Pod>,
+        claims: Store<PartialObjectMeta<PersistentVolumeClaim>>,
         recorder: Recorder,
         metrics: Arc<Metrics>,
         config: ControllerConfig,
@@ -298,6 +304,7 @@ impl Context {
             pods,
             nodes,
             device_pods,
+            claims,
             recorder,
             metrics,
             config,

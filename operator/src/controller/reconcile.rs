@@ -1,6 +1,6 @@
 //! One reconcile: dereference (this job's pods, the inventory) → decide
-//! (pure, `decide.rs`) → apply (`apply.rs`): status first, so a crash never
-//! loses an attempt, then events, stopped pods and the attempt's children.
+//! (pure, `decide.rs`) → apply (`apply.rs`): the status and a new attempt's
+//! children in one round, then events and stopped pods.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,8 +13,8 @@ use kube::core::DeserializeGuard;
 use kube::runtime::controller::Action;
 
 use super::apply::{
-    apply_status, delete_worker, ensure_children, ensure_claim, ensure_initializer, keep_claim,
-    missing_workers, prune_telemetry, publish_events,
+    apply_status, delete_worker, ensure_initializer, keep_claim, launch_attempt, missing_workers,
+    publish_events, undo_launch,
 };
 use super::decide::{Observation, decide, initializer_refused, launch_refused};
 use super::{Context, Error};
@@ -127,30 +127,43 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
         keep_claim(&ctx.client, &ns, job).await?;
     }
 
-    // Apply: status first (so a crash never loses an attempt), then events,
-    // pods. The checkpoint claim of an attempt about to launch goes in the
-    // status write's round: it needs no plan, and the pods wait for it.
-    let launching = decision.launch.is_some_and(|attempt| {
-        missing_workers(ctx, job, &decision.status, attempt, &own).is_some()
-    });
-    let (written, claimed) = futures::join!(apply_status(&ctx.client, job, &decision), async {
-        if launching {
-            ensure_claim(ctx, job).await
-        } else {
-            Ok(())
+    // Apply. A launch with nothing to stop first is one round: the status
+    // that records the attempt, and the attempt's pods with their claim
+    // (`launch_attempt`). If the status write fails, the pods are deleted
+    // again; if the operator stops between the two, the next decision finds
+    // the pods and records the plan they run (`Builder::start`). With pods
+    // to stop first: status, deletions, then the launch.
+    let launch = match (decision.launch, &decision.model, decision.image.as_deref()) {
+        (Some(attempt), Some(model), Some(image))
+            if missing_workers(ctx, job, &decision.status, attempt, &own).is_some() =>
+        {
+            Some((attempt, model, image))
+        }
+        _ => None,
+    };
+    let at_once = launch.filter(|_| decision.delete_pods.is_empty());
+    let (written, launched) = futures::join!(apply_status(&ctx.client, job, &decision), async {
+        match at_once {
+            Some((attempt, model, image)) => {
+                Some(launch_attempt(ctx, job, &decision.status, attempt, model, image, &own).await)
+            }
+            None => None,
         }
     });
-    let written = written?;
+    let written = match written {
+        Ok(written) => written,
+        Err(error) => {
+            if let Some((attempt, ..)) = at_once {
+                undo_launch(ctx, job, &decision.status, attempt).await;
+            }
+            return Err(error);
+        }
+    };
     if let Some(after) = &written {
         ctx.wrote(job, after);
     }
-    let written = written.as_ref().unwrap_or(job);
-    let pruned = prune_telemetry(&ctx.client, written, decision.status.attempt).await?;
-    if let Some(after) = &pruned {
-        ctx.wrote(written, after);
-    }
     // The newest version, for a second status write below.
-    let latest = pruned.as_ref().unwrap_or(written);
+    let latest = written.as_ref().unwrap_or(job);
     record_ended(ctx, decision.ended);
     publish_events(ctx, job, decision.events.clone());
     for pod in &decision.delete_pods {
@@ -174,15 +187,14 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
         tracing::warn!(%error, "initializer refused for good; job failed");
         return Ok(Action::await_change());
     }
-    if let (Some(attempt), Some(model), Some(image)) =
-        (decision.launch, &decision.model, decision.image.as_deref())
-        && let Err(error) = match claimed {
-            Ok(()) => {
-                ensure_children(ctx, job, &decision.status, attempt, model, image, &own).await
-            }
-            Err(error) => Err(error),
+    let launched = match (launched, launch) {
+        (Some(result), _) => result,
+        (None, Some((attempt, model, image))) => {
+            launch_attempt(ctx, job, &decision.status, attempt, model, image, &own).await
         }
-    {
+        (None, None) => Ok(()),
+    };
+    if let (Some((attempt, ..)), Err(error)) = (launch, launched) {
         // Any refusal goes where the user looks, on the job: a condition, an
         // event and the status message. One that can pass (a quota, a server
         // error) is asked again after the error policy's delay; one that

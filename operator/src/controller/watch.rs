@@ -1,16 +1,17 @@
 //! The watches behind the controller: jobs (through `DeserializeGuard`), the
 //! jobs' pods (one reflector that also triggers reconciles), nodes and every
-//! GPU-holding pod (the inventory). Reconciling starts only once every cache
-//! is complete.
+//! GPU-holding pod (the inventory), and the metadata of claims (whether a
+//! job's checkpoint claim exists, and whose it is). Reconciling starts only
+//! once every cache is complete.
 
 use std::sync::Arc;
 
 use futures::StreamExt;
 use headroom_api::{LABEL_JOB, MemoryAwareTrainingJob};
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim, Pod};
 use kube::Client;
 use kube::api::Api;
-use kube::core::DeserializeGuard;
+use kube::core::{DeserializeGuard, PartialObjectMeta};
 use kube::runtime::controller::Controller;
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector;
@@ -94,6 +95,22 @@ pub async fn run(
     .reflect(device_writer)
     .for_each(|_| std::future::ready(()));
 
+    // Claims by metadata only (name, owner, annotations: whose checkpoints
+    // they hold), every claim in scope and not just labelled ones: a launch
+    // reads here whether its checkpoint claim is missing, this job's, or
+    // someone else's, and creates its pods in the same round as the claim
+    // instead of after it.
+    // (`Api<PartialObjectMeta<_>>` lists and watches with metadata-only requests.)
+    let claim_api: Api<PartialObjectMeta<PersistentVolumeClaim>> = match &config.namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    let (claims, claim_writer) = reflector::store();
+    let claim_watch = watcher(claim_api, watcher::Config::default())
+        .default_backoff()
+        .reflect(claim_writer)
+        .for_each(|_| std::future::ready(()));
+
     let recorder = Recorder::new(
         client.clone(),
         Reporter {
@@ -106,6 +123,7 @@ pub async fn run(
         pods.clone(),
         nodes.clone(),
         device_pods.clone(),
+        claims.clone(),
         recorder,
         metrics.clone(),
         config.clone(),
@@ -113,12 +131,13 @@ pub async fn run(
 
     // Reconciling before the caches are complete would plan against a partial
     // inventory (or recreate pods it cannot see yet): drive the reflectors
-    // first, and start the controller only once both stores are ready.
+    // first, and start the controller only once every store is ready.
     let watches = async {
         tokio::select! {
             _ = pod_watch => tracing::warn!("pod watch ended"),
             _ = node_watch => tracing::warn!("node watch ended"),
             _ = device_watch => tracing::warn!("device pod watch ended"),
+            _ = claim_watch => tracing::warn!("claim watch ended"),
         }
     };
     let shutdown = futures::FutureExt::shared(shutdown);
@@ -129,6 +148,7 @@ pub async fn run(
                     .await
                     .and(nodes.wait_until_ready().await)
                     .and(device_pods.wait_until_ready().await)
+                    .and(claims.wait_until_ready().await)
             } => {
                 if ready.is_err() {
                     return;
