@@ -21,11 +21,12 @@ use super::{Context, Error, LAUNCH_EXPECTATION, children};
 /// guarded by the resourceVersion we decided on. Returns the job as written
 /// (None when nothing changed), for a second write in the same reconcile.
 ///
-/// A merge patch, not a server-side apply: on a burst of launches the
-/// status write was the API server's largest cost (a CPU profile put 60 % of
-/// its request handling there), and a third of that was parsing the apply
-/// body as YAML (twice) and merging it field by field; a JSON patch of the
-/// changed fields skips both, and is smaller.
+/// A merge patch rather than a server-side apply: it carries only the
+/// changed fields, and the telemetry prune below goes in the same write
+/// (a retry used to take two). The API server's CPU for the write is about
+/// the same either way (profiled on a burst of launches: the apply's YAML
+/// parsing and merge give way to the patch's decode and JSON merge); what
+/// it costs is the size of the job object it decodes, validates and stores.
 ///
 /// Telemetry entries (`status.workers`) belong to the workers' field
 /// managers and stay out of the patch, except that the entries of earlier
