@@ -9,13 +9,13 @@ use std::sync::Arc;
 use futures::StreamExt;
 use headroom_api::{LABEL_JOB, MemoryAwareTrainingJob};
 use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim, Pod};
-use kube::{Client, ResourceExt};
 use kube::api::Api;
 use kube::core::{DeserializeGuard, PartialObjectMeta};
 use kube::runtime::controller::Controller;
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector;
 use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, ResourceExt};
 
 use super::reconcile::{error_policy, reconcile};
 use super::{Context, ControllerConfig};
