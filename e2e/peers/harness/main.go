@@ -694,65 +694,59 @@ func printTable(ops []operator, results map[string][]round) {
 func printRequests(ops []operator, results map[string][]round) {
 	fmt.Printf("\nAPI server requests per job during the burst (median of rounds; watches and the harness's creates left out)\n\n")
 	for _, op := range ops {
-		keys := map[string]bool{}
-		for _, r := range results[op.name] {
-			for k := range r.requests {
-				keys[k] = true
-			}
-		}
-		var names []string
-		for k := range keys {
-			names = append(names, k)
-		}
-		sort.Strings(names)
 		var parts []string
 		var writes, total float64
-		for _, k := range names {
-			var xs []float64
-			for _, r := range results[op.name] {
-				xs = append(xs, r.requests[k])
+		for _, km := range medians(results[op.name], func(r round) map[string]float64 { return r.requests }) {
+			total += km.value
+			if !strings.HasPrefix(km.key, "GET ") && !strings.HasPrefix(km.key, "LIST ") {
+				writes += km.value
 			}
-			m := median(xs)
-			if m < 0.05 {
-				continue
-			}
-			total += m
-			if !strings.HasPrefix(k, "GET ") && !strings.HasPrefix(k, "LIST ") {
-				writes += m
-			}
-			parts = append(parts, fmt.Sprintf("%s %.2f", k, m))
+			parts = append(parts, fmt.Sprintf("%s %.2f", km.key, km.value))
 		}
 		fmt.Printf("- %s: %.2f writes, %.2f requests: %s\n", op.name, writes, total, strings.Join(parts, ", "))
 	}
 	fmt.Printf("\nAPI server time per job during the burst, ms (median of rounds; the harness's creates included, watches left out)\n\n")
 	for _, op := range ops {
-		keys := map[string]bool{}
-		for _, r := range results[op.name] {
-			for k := range r.serverMs {
-				keys[k] = true
-			}
-		}
-		var names []string
-		for k := range keys {
-			names = append(names, k)
-		}
-		sort.Strings(names)
 		var parts []string
 		var total float64
-		for _, k := range names {
-			var xs []float64
-			for _, r := range results[op.name] {
-				xs = append(xs, r.serverMs[k])
-			}
-			m := median(xs)
-			if m < 0.05 {
-				continue
-			}
-			total += m
-			parts = append(parts, fmt.Sprintf("%s %.2f", k, m))
+		for _, km := range medians(results[op.name], func(r round) map[string]float64 { return r.serverMs }) {
+			total += km.value
+			parts = append(parts, fmt.Sprintf("%s %.2f", km.key, km.value))
 		}
 		fmt.Printf("- %s: %.2f ms: %s\n", op.name, total, strings.Join(parts, ", "))
 	}
+}
+
+type keyedMedian struct {
+	key   string
+	value float64
+}
+
+// medians is, per key of the rounds' maps (sorted), the median over rounds
+// (a round without the key counts 0), leaving out those under 0.05.
+func medians(rounds []round, pick func(round) map[string]float64) []keyedMedian {
+	keys := map[string]bool{}
+	for _, r := range rounds {
+		for k := range pick(r) {
+			keys[k] = true
+		}
+	}
+	var names []string
+	for k := range keys {
+		names = append(names, k)
+	}
+	sort.Strings(names)
+	var out []keyedMedian
+	for _, k := range names {
+		var xs []float64
+		for _, r := range rounds {
+			xs = append(xs, pick(r)[k])
+		}
+		if m := median(xs); m >= 0.05 {
+			out = append(out, keyedMedian{k, m})
+		}
+	}
+	return out
 }
 
 func num(x float64) string {
