@@ -87,7 +87,9 @@ if is_elf "${BIN}"; then add_libs "${BIN}"; fi
 
 for extra in "$@"; do
   src=${extra%%:*}
-  if [[ ${extra} == *:* ]]; then dest=${extra#*:}; else dest=$(readlink -f "${src}"); fi
+  # SRC alone: its own name in its canonical directory (a symlink such as
+  # xtables' libxt_MASQUERADE.so -> libxt_NAT.so keeps the name programs look for).
+  if [[ ${extra} == *:* ]]; then dest=${extra#*:}; else dest=$(readlink -f "$(dirname "${src}")")/$(basename "${src}"); fi
   [[ ${dest} == /* ]] || { echo "mkrootfs: destination of ${extra} must be absolute" >&2; exit 1; }
   [[ -e ${src} ]] || { echo "mkrootfs: extra file ${src} does not exist" >&2; exit 1; }
   if [[ -d ${src} ]]; then

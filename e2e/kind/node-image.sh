@@ -31,13 +31,6 @@ if [[ ! -x ${COREDNS} ]]; then
   (cd /tmp && CGO_ENABLED=0 GOBIN="${HEADROOM_CACHE}/kind/go-bin" go install -ldflags "-s -w" "github.com/coredns/coredns@${COREDNS_VERSION}") >&2
   mv "${HEADROOM_CACHE}/kind/go-bin/coredns" "${COREDNS}"
 fi
-tag=$( (echo "${BASE}"; cat "$0" "${HERE}/files/iptables-wrapper" "${HEADROOM_BIN_DIR}"/{kubeadm,kubelet,kubectl} "${COREDNS}") | sha256sum | cut -c1-12)
-IMAGE="localhost/kind-node:${K8S_VERSION}-${tag}"
-if docker image inspect "${IMAGE}" >/dev/null 2>&1; then
-  printf '%s\n' "${IMAGE}"
-  exit 0
-fi
-
 # Control-plane images under the names kubeadm asks for (etcd under its own
 # version: the cluster config patches kubeadm's etcd tag to it). Root: the
 # static pods read the node's keys.
@@ -66,6 +59,15 @@ image "registry.k8s.io/etcd:${ETCD_TAG}" "${HEADROOM_BIN_DIR}/etcd"
 image "registry.k8s.io/coredns/coredns:${COREDNS_VERSION}" "${COREDNS}"
 archives+=("${HEADROOM_CACHE}/images/headroom-pause_3.10.oci.tar")
 [[ -s ${archives[-1]} ]] || { echo "node-image: no pause image (make cluster-up builds it)" >&2; exit 1; }
+
+# The image is named by everything in it: the base, the node's binaries and
+# the images' archives (each cached by build.sh on its own inputs).
+tag=$( (echo "${BASE}"; cat "$0" "${HEADROOM_BIN_DIR}"/{kubeadm,kubelet,kubectl} "${archives[@]}") | sha256sum | cut -c1-12)
+IMAGE="localhost/kind-node:${K8S_VERSION}-${tag}"
+if docker image inspect "${IMAGE}" >/dev/null 2>&1; then
+  printf '%s\n' "${IMAGE}"
+  exit 0
+fi
 
 build="headroom-kind-node-build-$$"
 trap 'docker rm -f "${build}" >/dev/null 2>&1 || true' EXIT
