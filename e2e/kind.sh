@@ -147,18 +147,43 @@ say "helm upgrade --install headroom charts/headroom"
 # Helm never upgrades a chart's crds/: apply the CRD first (a reused cluster may hold an older one).
 "${KUBECTL}" apply --server-side --force-conflicts --field-manager=headroom-install -f charts/headroom/crds/ >&2
 "${KUBECTL}" wait --for=condition=Established --timeout=60s crd/memoryawaretrainingjobs.headroom.dev >&2
-"${HELM}" upgrade --install headroom charts/headroom -n headroom-system --create-namespace \
-  --set image.repository=localhost/headroom-operator --set image.tag="${IMAGE_TAG}" \
-  --set workerImages.cpu.repository=localhost/headroom-worker --set workerImages.cpu.tag="${IMAGE_TAG}" \
-  --set workerImages.cuda.repository=localhost/headroom-worker-cuda --set workerImages.cuda.tag="${IMAGE_TAG}" \
-  --set telemetryIntervalSeconds="${HEADROOM_TELEMETRY_INTERVAL_SECONDS:-1}" \
-  --wait --timeout 180s >&2
-# A reused cluster may run an older build under the same tag.
-"${KUBECTL}" -n headroom-system rollout restart deployment/headroom-operator >&2
-"${KUBECTL}" -n headroom-system rollout status deployment/headroom-operator --timeout=180s >&2
+# install ACCESS_MODE STORAGE_CLASS: the chart, with the checkpoint volumes given.
+install() {
+  "${HELM}" upgrade --install headroom charts/headroom -n headroom-system --create-namespace \
+    --set image.repository=localhost/headroom-operator --set image.tag="${IMAGE_TAG}" \
+    --set workerImages.cpu.repository=localhost/headroom-worker --set workerImages.cpu.tag="${IMAGE_TAG}" \
+    --set workerImages.cuda.repository=localhost/headroom-worker-cuda --set workerImages.cuda.tag="${IMAGE_TAG}" \
+    --set telemetryIntervalSeconds="${HEADROOM_TELEMETRY_INTERVAL_SECONDS:-1}" \
+    --set checkpoints.accessMode="$1" --set checkpoints.storageClassName="$2" \
+    --wait --timeout 180s >&2
+  # A reused cluster may run an older build under the same tag.
+  "${KUBECTL}" -n headroom-system rollout restart deployment/headroom-operator >&2
+  "${KUBECTL}" -n headroom-system rollout status deployment/headroom-operator --timeout=180s >&2
+}
+install ReadWriteOnce ""
 
 # --- suite ---------------------------------------------------------------------
-say "cargo test -p headroom-e2e --tests --no-fail-fast -- --ignored --test-threads=${E2E_TEST_THREADS} $*"
+# The fine-tuning scenarios serve a hub stand-in on this machine; pods reach it
+# at the kind network's gateway (the host's address on that bridge).
+if [[ -z ${HEADROOM_E2E_HUB_HOST:-} ]]; then
+  HEADROOM_E2E_HUB_HOST=$(docker network inspect kind -f '{{range .IPAM.Config}}{{if .Gateway}}{{.Gateway}} {{end}}{{end}}' | tr ' ' '\n' | grep -m1 '\.')
+  export HEADROOM_E2E_HUB_HOST
+fi
+say "cargo test -p headroom-e2e --tests --no-fail-fast -- --ignored --test-threads=${E2E_TEST_THREADS} --skip read_write_many $*"
 t1=${SECONDS}
-cargo test -p headroom-e2e --tests --no-fail-fast -- --ignored --test-threads="${E2E_TEST_THREADS}" "$@"
+# The whole suite, with the several-node scenarios (tests/several_nodes.rs),
+# on the chart's default ReadWriteOnce checkpoints...
+cargo test -p headroom-e2e --tests --no-fail-fast -- --ignored --test-threads="${E2E_TEST_THREADS}" --skip read_write_many "$@"
+# ...then the chart again with ReadWriteMany checkpoints on the cluster's
+# shared-filesystem class (e2e/kind/files/default-storage.yaml), for the
+# scenarios that need it.
+rwx_tests=0
+for f in "${@:-read_write_many}"; do
+  [[ several_nodes::read_write_many_stages_train_on_several_nodes_when_none_has_room_for_two == *"${f}"* ]] && rwx_tests=1
+done
+if ((rwx_tests)); then
+  say "helm upgrade: checkpoints.accessMode=ReadWriteMany, storageClassName=headroom-shared"
+  install ReadWriteMany headroom-shared
+  cargo test -p headroom-e2e --test several_nodes -- --ignored read_write_many
+fi
 say "e2e on kind passed: setup $((t1 - t0)) s, tests $((SECONDS - t1)) s"

@@ -14,11 +14,18 @@
 # config instead).
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=../cluster/lib/cluster-env.sh
+source "${HERE}/../cluster/lib/cluster-env.sh"
 # shellcheck source=../cluster/lib/common.sh
 source "${HERE}/../cluster/lib/common.sh"
+# pause_image_ensure, volume_helper_image_ensure: the local cluster's images.
+# shellcheck source=../cluster/lib/containerd.sh
+source "${HERE}/../cluster/lib/containerd.sh"
+# shellcheck source=../cluster/lib/storage.sh
+source "${HERE}/../cluster/lib/storage.sh"
 BASE=$("${HERE}/base-image.sh")
-"${HERE}/../cluster/build-binaries.sh" kubeadm kubelet kubectl kube-apiserver kube-controller-manager kube-scheduler kube-proxy >/dev/null 2>&1 || true
-for b in kubeadm kubelet kubectl kube-apiserver kube-controller-manager kube-scheduler kube-proxy etcd; do
+"${HERE}/../cluster/build-binaries.sh" kubeadm kubelet kubectl kube-apiserver kube-controller-manager kube-scheduler kube-proxy local-path-provisioner >/dev/null 2>&1 || true
+for b in kubeadm kubelet kubectl kube-apiserver kube-controller-manager kube-scheduler kube-proxy etcd local-path-provisioner; do
   [[ -x ${HEADROOM_BIN_DIR}/${b} ]] || { echo "node-image: no ${HEADROOM_BIN_DIR}/${b} (e2e/cluster/build-binaries.sh ${b})" >&2; exit 1; }
 done
 ETCD_TAG=${ETCD_VERSION#v}-0
@@ -35,10 +42,13 @@ fi
 # version: the cluster config patches kubeadm's etcd tag to it). Root: the
 # static pods read the node's keys.
 archives=()
-image() { # NAME BINARY [EXTRA...]
-  IMAGE_IMPORT=0 IMAGE_USER=0:0 "${HERE}/../images/build.sh" "$@" >/dev/null
+archive_of() { # REF: where build.sh leaves its archive
   local last=${1##*/}
-  archives+=("${HEADROOM_CACHE}/images/${last/:/_}.oci.tar")
+  printf '%s\n' "${HEADROOM_IMAGES_DIR}/${last/:/_}.oci.tar"
+}
+image() { # NAME BINARY [EXTRA...]
+  IMAGE_IMPORT=0 IMAGE_USER=${IMAGE_USER:-0:0} "${HERE}/../images/build.sh" "$@" >/dev/null
+  archives+=("$(archive_of "$1")")
 }
 for c in kube-apiserver kube-controller-manager kube-scheduler; do
   image "registry.k8s.io/${c}:${K8S_VERSION}" "${HEADROOM_BIN_DIR}/${c}"
@@ -57,12 +67,23 @@ image "registry.k8s.io/kube-proxy:${K8S_VERSION}" "${HEADROOM_BIN_DIR}/kube-prox
 image "registry.k8s.io/etcd:${ETCD_TAG}" "${HEADROOM_BIN_DIR}/etcd"
 # Root: it binds port 53 (the upstream image sets a file capability instead).
 image "registry.k8s.io/coredns/coredns:${COREDNS_VERSION}" "${COREDNS}"
-archives+=("${HEADROOM_CACHE}/images/headroom-pause_3.10.oci.tar")
-[[ -s ${archives[-1]} ]] || { echo "node-image: no pause image (make cluster-up builds it)" >&2; exit 1; }
+# The sandbox image, and what the default storage runs (files/default-storage.yaml):
+# the provisioner and its helper pods' busybox, the same images as the local cluster's.
+pause_image_ensure
+archives+=("$(archive_of "${PAUSE_IMAGE}")")
+volume_helper_image_ensure
+archives+=("$(archive_of "${VOLUME_HELPER_IMAGE}")")
+LPP_VERSION=$(sed -n 's/^: "${LPP_VERSION:=\(.*\)}"$/\1/p' "${HERE}/../cluster/build-binaries.sh")
+LPP_IMAGE="localhost/local-path-provisioner:${LPP_VERSION}"
+IMAGE_USER=65532:65532 image "${LPP_IMAGE}" "${HEADROOM_BIN_DIR}/local-path-provisioner"
+storage=$(sed -e "s|\${LPP_IMAGE}|${LPP_IMAGE}|g" -e "s|\${VOLUME_HELPER_IMAGE}|${VOLUME_HELPER_IMAGE}|g" "${HERE}/files/default-storage.yaml")
+for a in "${archives[@]}"; do
+  [[ -s ${a} ]] || { echo "node-image: ${a} was not built" >&2; exit 1; }
+done
 
 # The image is named by everything in it: the base, the node's binaries and
 # the images' archives (each cached by build.sh on its own inputs).
-tag=$( (echo "${BASE}"; cat "$0" "${HEADROOM_BIN_DIR}"/{kubeadm,kubelet,kubectl} "${archives[@]}") | sha256sum | cut -c1-12)
+tag=$( (echo "${BASE}" "${storage}"; cat "$0" "${HEADROOM_BIN_DIR}"/{kubeadm,kubelet,kubectl} "${archives[@]}") | sha256sum | cut -c1-12)
 IMAGE="localhost/kind-node:${K8S_VERSION}-${tag}"
 if docker image inspect "${IMAGE}" >/dev/null 2>&1; then
   printf '%s\n' "${IMAGE}"
@@ -75,7 +96,8 @@ docker run -d --name "${build}" --privileged --entrypoint sleep "${BASE}" infini
 for b in kubeadm kubelet kubectl; do
   docker cp "${HEADROOM_BIN_DIR}/${b}" "${build}:/usr/bin/${b}"
 done
-docker exec "${build}" sh -c "echo ${K8S_VERSION} > /kind/version && mkdir -p /kind/images"
+docker exec "${build}" sh -c "echo ${K8S_VERSION} > /kind/version && mkdir -p /kind/images /kind/manifests"
+docker exec -i "${build}" sh -c 'cat > /kind/manifests/default-storage.yaml' <<<"${storage}"
 for a in "${archives[@]}"; do
   docker cp "${a}" "${build}:/kind/images/"
 done

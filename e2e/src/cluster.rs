@@ -50,3 +50,23 @@ pub async fn operator_selector(client: &Client) -> String {
         .collect::<Vec<_>>()
         .join(",")
 }
+
+/// The operator's `--checkpoint-access-mode` (Helm `checkpoints.accessMode`),
+/// read from its Deployment: whether pipeline stages must share a node.
+pub async fn operator_checkpoint_access(client: &Client) -> String {
+    let deployment = Api::<Deployment>::namespaced(client.clone(), &operator_namespace())
+        .get(&operator_deployment())
+        .await
+        .unwrap_or_else(|e| panic!("deployment {}: {e}", operator_deployment()));
+    deployment
+        .spec
+        .and_then(|s| s.template.spec)
+        .into_iter()
+        .flat_map(|s| s.containers)
+        .flat_map(|c| c.args.unwrap_or_default())
+        .find_map(|a| {
+            a.strip_prefix("--checkpoint-access-mode=")
+                .map(String::from)
+        })
+        .unwrap_or_else(|| "ReadWriteOnce".into())
+}

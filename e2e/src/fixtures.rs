@@ -73,6 +73,46 @@ pub fn job_samples() -> Vec<(PathBuf, String)> {
         .collect()
 }
 
+// GPU-type selection (tests/gpu_selection.rs, tests/several_nodes.rs), on
+// nodes labelled as GPU Feature Discovery does.
+
+/// 1.3B parameters in bf16 with AdamW: about 54 GiB on one GPU, more than a
+/// T4's 15 GiB, so one A100-80GB is the fewest devices it fits on.
+pub const GPU_NEEDS_A100: &str = r#"
+apiVersion: headroom.dev/v1alpha1
+kind: MemoryAwareTrainingJob
+metadata:
+  name: needs-a100
+spec:
+  model:
+    transformer: {layers: 24, hidden: 2048, heads: 16, sequenceLength: 1024, vocabulary: 50257}
+  training: {globalBatch: 64, steps: 10, precision: bf16}
+  resources:
+    gpu: {types: [Tesla-T4, NVIDIA-A100-SXM4-80GB], maxGpus: 4, hostMemory: 256Mi}
+  memoryPolicy: {maxAttempts: 1}
+  worker: {image: localhost/headroom-worker:dev, backend: cuda}
+"#;
+
+/// 4M parameters: fits one T4 easily. It tolerates the taint of
+/// gpu_selection's fake node, as a job would a team's dedicated GPU pool.
+pub const GPU_FITS_A_T4: &str = r#"
+apiVersion: headroom.dev/v1alpha1
+kind: MemoryAwareTrainingJob
+metadata:
+  name: fits-a-t4
+spec:
+  model:
+    transformer: {layers: 4, hidden: 256, heads: 4, sequenceLength: 128, vocabulary: 4096}
+  training: {globalBatch: 32, steps: 10}
+  resources:
+    gpu: {types: [Tesla-T4], maxGpus: 1, hostMemory: 256Mi}
+  memoryPolicy: {maxAttempts: 1}
+  worker:
+    image: localhost/headroom-worker:dev
+    backend: cuda
+    tolerations: [{key: headroom.dev/e2e-fake-node, operator: Exists, effect: NoSchedule}]
+"#;
+
 /// ~0.7e9 parameters in bf16 + AdamW: model state alone exceeds an 8 GiB
 /// GPU's budget. `worker_extra` continues the worker's flow mapping.
 pub fn gpu_job(name: &str, types: &[&str], max_gpus: u32, worker_extra: &str) -> String {

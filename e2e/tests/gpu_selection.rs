@@ -16,6 +16,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use headroom_api::{JobPhase, MemoryAwareTrainingJob};
+use headroom_e2e::fixtures::{GPU_FITS_A_T4 as FITS_A_T4, GPU_NEEDS_A100 as NEEDS_A100};
 use headroom_e2e::namespace::unique_name;
 use headroom_e2e::{E2E, TestNs, pod_phase};
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -33,43 +34,6 @@ const GFD_LABELS: [&str; 3] = [
     "nvidia.com/gpu.memory",
     "nvidia.com/gpu.count",
 ];
-
-/// 1.3B parameters in bf16 with AdamW: about 54 GiB on one GPU, more than a
-/// T4's 15 GiB, so one A100-80GB is the fewest devices it fits on.
-const NEEDS_A100: &str = r#"
-apiVersion: headroom.dev/v1alpha1
-kind: MemoryAwareTrainingJob
-metadata:
-  name: needs-a100
-spec:
-  model:
-    transformer: {layers: 24, hidden: 2048, heads: 16, sequenceLength: 1024, vocabulary: 50257}
-  training: {globalBatch: 64, steps: 10, precision: bf16}
-  resources:
-    gpu: {types: [Tesla-T4, NVIDIA-A100-SXM4-80GB], maxGpus: 4, hostMemory: 256Mi}
-  memoryPolicy: {maxAttempts: 1}
-  worker: {image: localhost/headroom-worker:dev, backend: cuda}
-"#;
-
-/// 4M parameters: fits one T4 easily. It tolerates the fake node's taint,
-/// as a job would a team's dedicated GPU pool.
-const FITS_A_T4: &str = r#"
-apiVersion: headroom.dev/v1alpha1
-kind: MemoryAwareTrainingJob
-metadata:
-  name: fits-a-t4
-spec:
-  model:
-    transformer: {layers: 4, hidden: 256, heads: 4, sequenceLength: 128, vocabulary: 4096}
-  training: {globalBatch: 32, steps: 10}
-  resources:
-    gpu: {types: [Tesla-T4], maxGpus: 1, hostMemory: 256Mi}
-  memoryPolicy: {maxAttempts: 1}
-  worker:
-    image: localhost/headroom-worker:dev
-    backend: cuda
-    tolerations: [{key: headroom.dev/e2e-fake-node, operator: Exists, effect: NoSchedule}]
-"#;
 
 /// The same job without the toleration: the only T4s are on a node its
 /// pods may not use, so there is no plan (rather than a pod that never schedules).
