@@ -99,7 +99,7 @@ demo: ## On the local single-node cluster: a job is OOM-killed on attempt 1 and 
 e2e: ## The end-to-end suite on real pods (local single-node cluster unless KUBECONFIG is set, stopped again if it started it; root).
 	e2e/e2e.sh
 
-e2e-kind: ## The same suite on a kind cluster: Docker and kind, or (root, no daemon) both from local parts (e2e/kind/README.md; not working end to end yet); Helm, suite, cluster deleted.
+e2e-kind: ## The same suite on a 3-node kind cluster, plus the several-node scenarios: Docker and kind, or (root, no daemon) both from local parts (e2e/kind/README.md); Helm, suite, cluster deleted.
 	e2e/kind.sh
 
 .PHONY: kind-base-image

@@ -34,10 +34,9 @@ if docker image inspect "${IMAGE}" >/dev/null 2>&1; then
   exit 0
 fi
 
-if ! command -v debootstrap >/dev/null; then
-  [[ $(id -u) == 0 ]] || { echo "base-image: no debootstrap; install it (Debian: apt-get install debootstrap)" >&2; exit 1; }
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap >&2
-fi
+# shellcheck source=../cluster/lib/packages.sh
+source "${HERE}/../cluster/lib/packages.sh"
+ensure_debs debootstrap jq
 files=$(cd /tmp && go mod download -json "sigs.k8s.io/kind@${KIND_VERSION}" | jq -r .Dir)/images/base/files
 [[ -d ${files} ]] || { echo "base-image: no images/base/files in the kind module (${files})" >&2; exit 1; }
 work="${HEADROOM_CACHE}/kind/base-build"

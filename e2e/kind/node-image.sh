@@ -23,6 +23,11 @@ source "${HERE}/../cluster/lib/common.sh"
 source "${HERE}/../cluster/lib/containerd.sh"
 # shellcheck source=../cluster/lib/storage.sh
 source "${HERE}/../cluster/lib/storage.sh"
+# shellcheck source=../cluster/lib/packages.sh
+source "${HERE}/../cluster/lib/packages.sh"
+# What the images below are made of (kube-proxy's iptables and conntrack, the
+# pause binary's gcc, busybox), as for the local cluster.
+ensure_debs "${NODE_PACKAGES[@]}" dash
 BASE=$("${HERE}/base-image.sh")
 "${HERE}/../cluster/build-binaries.sh" kubeadm kubelet kubectl kube-apiserver kube-controller-manager kube-scheduler kube-proxy local-path-provisioner >/dev/null 2>&1 || true
 for b in kubeadm kubelet kubectl kube-apiserver kube-controller-manager kube-scheduler kube-proxy etcd local-path-provisioner; do

@@ -25,6 +25,7 @@ pub mod cluster;
 pub mod corpus;
 pub mod crd;
 pub mod fixtures;
+pub mod gfd;
 pub mod hub;
 pub mod namespace;
 pub mod payload;

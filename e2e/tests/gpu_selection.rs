@@ -12,11 +12,10 @@
 //! so nothing else in the suite runs beside it. The labels, resources and the
 //! fake node are removed afterwards, also when an assertion fails.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
-use headroom_api::{JobPhase, MemoryAwareTrainingJob};
 use headroom_e2e::fixtures::{GPU_FITS_A_T4 as FITS_A_T4, GPU_NEEDS_A100 as NEEDS_A100};
+use headroom_e2e::gfd::{job_failed, label_gpu, plan_device, unlabel_gpu};
 use headroom_e2e::namespace::unique_name;
 use headroom_e2e::{E2E, TestNs, pod_phase};
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -29,11 +28,6 @@ use serde_json::json;
 const FAKE_MARK: &str = "headroom.dev/e2e-fake-node";
 const BIG_GPU: &str = "NVIDIA-A100-SXM4-80GB";
 const SMALL_GPU: &str = "Tesla-T4";
-const GFD_LABELS: [&str; 3] = [
-    "nvidia.com/gpu.product",
-    "nvidia.com/gpu.memory",
-    "nvidia.com/gpu.count",
-];
 
 /// The same job without the toleration: the only T4s are on a node its
 /// pods may not use, so there is no plan (rather than a pod that never schedules).
@@ -100,26 +94,7 @@ async fn real_node(nodes: &Api<Node>) -> String {
 
 /// Labels and advertises the real node as one A100, and creates the fake T4 node.
 async fn set_up(nodes: &Api<Node>, node: &str, fake_node: &str) {
-    let labels = json!({"metadata": {"labels": {
-        "nvidia.com/gpu.product": BIG_GPU,
-        "nvidia.com/gpu.memory": "81920",
-        "nvidia.com/gpu.count": "1",
-    }}});
-    nodes
-        .patch(node, &PatchParams::default(), &Patch::Merge(&labels))
-        .await
-        .expect("label the node");
-    // Extended resources are advertised in the node's status: capacity (the
-    // kubelet copies it to allocatable on its next status update; set both so
-    // the scheduler and the operator need not wait for it).
-    let gpu = json!({"status": {
-        "capacity": {"nvidia.com/gpu": "1"},
-        "allocatable": {"nvidia.com/gpu": "1"},
-    }});
-    nodes
-        .patch_status(node, &PatchParams::default(), &Patch::Merge(&gpu))
-        .await
-        .expect("advertise nvidia.com/gpu");
+    label_gpu(nodes, node, BIG_GPU, 81920).await;
 
     // A node object without a kubelet: Ready as created (node status may be
     // set on create), with a heartbeat of now, so the operator counts its GPUs
@@ -163,24 +138,7 @@ async fn set_up(nodes: &Api<Node>, node: &str, fake_node: &str) {
 
 /// Undoes [`set_up`]; safe to run when nothing (or only part) was set up.
 async fn tear_down(nodes: &Api<Node>, node: &str) -> Vec<String> {
-    let mut problems = Vec::new();
-    let unlabel = json!({"metadata": {"labels": GFD_LABELS.iter().map(|l| (*l, None::<String>)).collect::<BTreeMap<_, _>>()}});
-    if let Err(e) = nodes
-        .patch(node, &PatchParams::default(), &Patch::Merge(&unlabel))
-        .await
-    {
-        problems.push(format!("unlabel {node}: {e}"));
-    }
-    let no_gpu = json!({"status": {
-        "capacity": {"nvidia.com/gpu": null},
-        "allocatable": {"nvidia.com/gpu": null},
-    }});
-    if let Err(e) = nodes
-        .patch_status(node, &PatchParams::default(), &Patch::Merge(&no_gpu))
-        .await
-    {
-        problems.push(format!("remove nvidia.com/gpu from {node}: {e}"));
-    }
+    let mut problems = unlabel_gpu(nodes, node).await;
     if let Err(e) = nodes
         .delete_collection(
             &DeleteParams::default(),
@@ -190,40 +148,7 @@ async fn tear_down(nodes: &Api<Node>, node: &str) -> Vec<String> {
     {
         problems.push(format!("delete the nodes labelled {FAKE_MARK}: {e}"));
     }
-    match nodes.get(node).await {
-        Ok(n) => {
-            let left: Vec<&String> = n
-                .labels()
-                .keys()
-                .filter(|k| GFD_LABELS.contains(&k.as_str()))
-                .collect();
-            let advertised = n.status.as_ref().is_some_and(|s| {
-                [&s.capacity, &s.allocatable]
-                    .iter()
-                    .any(|r| r.as_ref().is_some_and(|r| r.contains_key("nvidia.com/gpu")))
-            });
-            if !left.is_empty() || advertised {
-                problems.push(format!(
-                    "{node} still has {left:?} / nvidia.com/gpu advertised: {advertised}"
-                ));
-            }
-        }
-        Err(e) => problems.push(format!("get {node}: {e}")),
-    }
     problems
-}
-
-fn failed(job: &MemoryAwareTrainingJob) -> bool {
-    job.status
-        .as_ref()
-        .is_some_and(|s| s.phase == Some(JobPhase::Failed))
-}
-
-fn plan_device(job: &MemoryAwareTrainingJob) -> Option<String> {
-    job.status
-        .as_ref()
-        .and_then(|s| s.plan.as_ref())
-        .map(|p| p.device.clone())
 }
 
 async fn worker_pod(ns: &TestNs, job: &str) -> Pod {
@@ -287,7 +212,7 @@ async fn the_test(ns: TestNs, node: String, fake_node: String) {
     ns.apply_job(T4_NOT_TOLERATED).await;
     let big = ns
         .wait_job("needs-a100", "a plan", Duration::from_secs(60), |j| {
-            plan_device(j).is_some() || failed(j)
+            plan_device(j).is_some() || job_failed(j)
         })
         .await;
     assert_eq!(
@@ -330,7 +255,7 @@ async fn the_test(ns: TestNs, node: String, fake_node: String) {
 
     // The CPU-only worker image refuses a CUDA plan (exit 78): not retried.
     let refused_plan = ns
-        .wait_job("needs-a100", "Failed", Duration::from_secs(180), failed)
+        .wait_job("needs-a100", "Failed", Duration::from_secs(180), job_failed)
         .await;
     let attempt = &refused_plan.status.expect("status").attempts[0];
     assert_eq!(
@@ -344,7 +269,7 @@ async fn the_test(ns: TestNs, node: String, fake_node: String) {
     // selects them (and stays Pending: nothing runs on the fake node).
     let small = ns
         .wait_job("fits-a-t4", "a plan", Duration::from_secs(60), |j| {
-            plan_device(j).is_some() || failed(j)
+            plan_device(j).is_some() || job_failed(j)
         })
         .await;
     assert_eq!(
@@ -374,7 +299,7 @@ async fn the_test(ns: TestNs, node: String, fake_node: String) {
             "t4-not-tolerated",
             "Failed",
             Duration::from_secs(60),
-            failed,
+            job_failed,
         )
         .await;
     let status = refused.status.expect("status");

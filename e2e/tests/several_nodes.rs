@@ -21,23 +21,19 @@ mod several_nodes {
     use std::time::Duration;
 
     use headroom_api::quantity::parse_bytes;
-    use headroom_api::{AttemptOutcome, JobPhase, MemoryAwareTrainingJob};
+    use headroom_api::{AttemptOutcome, MemoryAwareTrainingJob};
     use headroom_e2e::cluster::operator_checkpoint_access;
     use headroom_e2e::fixtures::{CPU_PIPELINE, GPU_FITS_A_T4, GPU_NEEDS_A100};
+    use headroom_e2e::gfd::{job_failed, label_gpu, plan_device, unlabel_gpu};
     use headroom_e2e::{E2E, TestNs, pod_phase};
     use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim, Pod};
-    use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+    use kube::api::{Api, DeleteParams, ListParams, PostParams};
     use kube::{Client, ResourceExt};
     use serde_json::json;
 
     const RUN: Duration = Duration::from_secs(600);
     const BIG_GPU: &str = "NVIDIA-A100-SXM4-80GB";
     const SMALL_GPU: &str = "Tesla-T4";
-    const GFD_LABELS: [&str; 3] = [
-        "nvidia.com/gpu.product",
-        "nvidia.com/gpu.memory",
-        "nvidia.com/gpu.count",
-    ];
     /// The sandbox image every kind node holds (e2e/kind/node-image.sh).
     const PAUSE_IMAGE: &str = "registry.k8s.io/pause:3.10";
 
@@ -189,64 +185,6 @@ mod several_nodes {
         ns.cleanup().await;
     }
 
-    /// Labels `node` as GFD does for one GPU of `product` and advertises it.
-    async fn label_gpu(nodes: &Api<Node>, node: &str, product: &str, memory_mib: u32) {
-        let labels = json!({"metadata": {"labels": {
-            "nvidia.com/gpu.product": product,
-            "nvidia.com/gpu.memory": memory_mib.to_string(),
-            "nvidia.com/gpu.count": "1",
-        }}});
-        nodes
-            .patch(node, &PatchParams::default(), &Patch::Merge(&labels))
-            .await
-            .expect("label the node");
-        let gpu = json!({"status": {
-            "capacity": {"nvidia.com/gpu": "1"},
-            "allocatable": {"nvidia.com/gpu": "1"},
-        }});
-        nodes
-            .patch_status(node, &PatchParams::default(), &Patch::Merge(&gpu))
-            .await
-            .expect("advertise nvidia.com/gpu");
-    }
-
-    /// Undoes [`label_gpu`]; what could not be undone.
-    async fn unlabel_gpu(nodes: &Api<Node>, node: &str) -> Vec<String> {
-        let mut problems = Vec::new();
-        let labels: serde_json::Map<String, serde_json::Value> = GFD_LABELS
-            .iter()
-            .map(|l| ((*l).to_string(), serde_json::Value::Null))
-            .collect();
-        let unlabel = json!({"metadata": {"labels": labels}});
-        if let Err(e) = nodes
-            .patch(node, &PatchParams::default(), &Patch::Merge(&unlabel))
-            .await
-        {
-            problems.push(format!("unlabel {node}: {e}"));
-        }
-        let no_gpu = json!({"status": {
-            "capacity": {"nvidia.com/gpu": null},
-            "allocatable": {"nvidia.com/gpu": null},
-        }});
-        if let Err(e) = nodes
-            .patch_status(node, &PatchParams::default(), &Patch::Merge(&no_gpu))
-            .await
-        {
-            problems.push(format!("remove nvidia.com/gpu from {node}: {e}"));
-        }
-        problems
-    }
-
-    fn plan_device(job: &MemoryAwareTrainingJob) -> Option<String> {
-        job.status.as_ref()?.plan.as_ref().map(|p| p.device.clone())
-    }
-
-    fn failed(job: &MemoryAwareTrainingJob) -> bool {
-        job.status
-            .as_ref()
-            .is_some_and(|s| s.phase == Some(JobPhase::Failed))
-    }
-
     /// The node the job's first pod is bound to, once it is.
     async fn bound_node(ns: &TestNs, job: &str) -> String {
         let pod = format!("{job}-a1-s0");
@@ -274,7 +212,7 @@ mod several_nodes {
         ] {
             let planned = ns
                 .wait_job(job, "a plan", Duration::from_secs(60), |j| {
-                    plan_device(j).is_some() || failed(j)
+                    plan_device(j).is_some() || job_failed(j)
                 })
                 .await;
             assert_eq!(
@@ -357,6 +295,20 @@ mod several_nodes {
             })
             .expect("the sample job");
         let stage_cpu = requests(&stage).0;
+        // Earlier tests' pods still terminating hold CPU they are about to give
+        // back, room the fillers would not account for.
+        ns.wait_for("no pod terminating", Duration::from_secs(180), || async {
+            let pods = Api::<Pod>::all(ns.client.clone())
+                .list(&ListParams::default())
+                .await
+                .ok()?;
+            (!pods
+                .items
+                .iter()
+                .any(|p| p.metadata.deletion_timestamp.is_some()))
+            .then_some(())
+        })
+        .await;
         // Each worker keeps room for one stage, not two.
         for w in &workers {
             let (cpu, _) = free(&ns.client, w).await;
