@@ -398,12 +398,11 @@ fn fine_tuning_files_with(
         l.tied_embeddings,
     );
     std::fs::write(model_dir.join("config.json"), config.to_string()).expect("config.json");
-    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/tiny-llama");
-    std::fs::copy(
-        fixture.join("tokenizer.json"),
-        model_dir.join("tokenizer.json"),
-    )
-    .expect("tokenizer.json");
+    // In the binary, not read from the source tree: `make gpu-bundle` carries
+    // this binary alone to a GPU machine, where the build's path does not exist.
+    const TOKENIZER: &[u8] =
+        include_bytes!("../../../tests/fixtures/llama/tiny-llama/tokenizer.json");
+    std::fs::write(model_dir.join("tokenizer.json"), TOKENIZER).expect("tokenizer.json");
     // `open` wants a weight file; `save_stage` replaces it with the real one.
     std::fs::write(model_dir.join("model.safetensors"), b"").expect("placeholder");
     let checkpoint = HfCheckpoint::open(&model_dir, l.sequence_length).expect("config");
