@@ -44,8 +44,6 @@ source "${HERE}/lib/common.sh"
 # Harness tools built from this repo's e2e/cluster/tools/<name> (see below).
 KNOWN_TOOLS="hr-cri hr-probe"
 TOOLS=""
-# The local cluster's volume provisioner, from its Go module at this release.
-: "${LPP_VERSION:=v0.0.30}"
 LPP=0
 if (($#)); then K8S_BINARIES="$*"; fi
 k8s_list=""

@@ -8,8 +8,9 @@
 //!   (defaults: `headroom-system` / `headroom-operator`, the Helm chart's).
 
 use k8s_openapi::api::apps::v1::Deployment;
-use kube::Client;
-use kube::api::Api;
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{Api, ListParams};
+use kube::{Client, ResourceExt};
 
 /// The kubectl binary: `$KUBECTL`, else `kubectl` on `PATH`.
 pub fn kubectl() -> std::path::PathBuf {
@@ -69,4 +70,33 @@ pub async fn operator_checkpoint_access(client: &Client) -> String {
                 .map(String::from)
         })
         .unwrap_or_else(|| "ReadWriteOnce".into())
+}
+
+/// Whether the node's Ready condition is True.
+pub fn node_ready(node: &Node) -> bool {
+    node.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// The nodes pods may be scheduled to: Ready, without a NoSchedule taint, by name.
+pub async fn schedulable_nodes(nodes: &Api<Node>) -> Vec<Node> {
+    let mut schedulable: Vec<Node> = nodes
+        .list(&ListParams::default())
+        .await
+        .expect("list nodes")
+        .items
+        .into_iter()
+        .filter(|n| {
+            let no_schedule = n
+                .spec
+                .as_ref()
+                .and_then(|s| s.taints.as_ref())
+                .is_some_and(|t| t.iter().any(|t| t.effect == "NoSchedule"));
+            node_ready(n) && !no_schedule
+        })
+        .collect();
+    schedulable.sort_by_key(ResourceExt::name_any);
+    schedulable
 }

@@ -14,6 +14,7 @@
 
 use std::time::Duration;
 
+use headroom_e2e::cluster::{node_ready, schedulable_nodes};
 use headroom_e2e::fixtures::{GPU_FITS_A_T4 as FITS_A_T4, GPU_NEEDS_A100 as NEEDS_A100};
 use headroom_e2e::gfd::{job_failed, label_gpu, plan_device, unlabel_gpu};
 use headroom_e2e::namespace::unique_name;
@@ -57,38 +58,17 @@ fn is_fake(node: &Node) -> bool {
     node.labels().contains_key(FAKE_MARK)
 }
 
-fn ready(node: &Node) -> bool {
-    node.status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-}
-
 /// The node the pods really run on: `$HEADROOM_E2E_NODE`, else the first
 /// Ready node by name that pods may schedule to.
 async fn real_node(nodes: &Api<Node>) -> String {
     if let Ok(name) = std::env::var("HEADROOM_E2E_NODE") {
         return name;
     }
-    let mut candidates: Vec<String> = nodes
-        .list(&ListParams::default())
+    schedulable_nodes(nodes)
         .await
-        .expect("list nodes")
-        .items
         .into_iter()
-        .filter(|n| !is_fake(n) && ready(n))
-        .filter(|n| {
-            !n.spec
-                .as_ref()
-                .and_then(|s| s.taints.as_ref())
-                .is_some_and(|t| t.iter().any(|t| t.effect == "NoSchedule"))
-        })
+        .find(|n| !is_fake(n))
         .map(|n| n.name_any())
-        .collect();
-    candidates.sort();
-    candidates
-        .into_iter()
-        .next()
         .expect("a Ready node without NoSchedule taints")
 }
 
@@ -123,7 +103,7 @@ async fn set_up(nodes: &Api<Node>, node: &str, fake_node: &str) {
         .create(&PostParams::default(), &fake)
         .await
         .expect("create the fake node");
-    if !ready(&created) {
+    if !node_ready(&created) {
         // In case this API server drops status on create.
         nodes
             .patch_status(
@@ -193,7 +173,7 @@ async fn fake_node_ready(ns: &TestNs, fake_node: &str) -> bool {
                 .as_ref()
                 .and_then(|s| s.taints.as_ref())
                 .is_some_and(|t| t.iter().any(|t| t.key == "node.kubernetes.io/not-ready"));
-            ready(&n) && !not_ready_taint
+            node_ready(&n) && !not_ready_taint
         })
 }
 

@@ -22,7 +22,7 @@ mod several_nodes {
 
     use headroom_api::quantity::parse_bytes;
     use headroom_api::{AttemptOutcome, MemoryAwareTrainingJob};
-    use headroom_e2e::cluster::operator_checkpoint_access;
+    use headroom_e2e::cluster::{operator_checkpoint_access, schedulable_nodes};
     use headroom_e2e::fixtures::{CPU_PIPELINE, GPU_FITS_A_T4, GPU_NEEDS_A100};
     use headroom_e2e::gfd::{job_failed, label_gpu, plan_device, unlabel_gpu};
     use headroom_e2e::{E2E, TestNs, pod_phase};
@@ -39,29 +39,9 @@ mod several_nodes {
 
     pub static NODES: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-    /// The nodes pods may go to: Ready, no NoSchedule taint, by name. At least two.
+    /// The nodes pods may go to, by name: at least two.
     async fn workers(client: &Client) -> Vec<Node> {
-        let mut nodes: Vec<Node> = Api::<Node>::all(client.clone())
-            .list(&ListParams::default())
-            .await
-            .expect("list nodes")
-            .items
-            .into_iter()
-            .filter(|n| {
-                let ready = n
-                    .status
-                    .as_ref()
-                    .and_then(|s| s.conditions.as_ref())
-                    .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
-                let tainted = n
-                    .spec
-                    .as_ref()
-                    .and_then(|s| s.taints.as_ref())
-                    .is_some_and(|t| t.iter().any(|t| t.effect == "NoSchedule"));
-                ready && !tainted
-            })
-            .collect();
-        nodes.sort_by_key(ResourceExt::name_any);
+        let nodes = schedulable_nodes(&Api::all(client.clone())).await;
         assert!(
             nodes.len() >= 2,
             "these tests need two schedulable nodes (make e2e-kind), found {:?}",
@@ -285,16 +265,11 @@ mod several_nodes {
     }
 
     async fn spread(ns: TestNs, workers: Vec<Node>) {
-        let stage: Pod = serde_yaml::from_str::<MemoryAwareTrainingJob>(CPU_PIPELINE)
-            .map(|job| {
-                let cores = job.spec.resources.cpu.expect("a CPU job").cores;
-                let millis = cores.map_or(1000, |q| millicores(&q.0));
-                serde_json::from_value(json!({"spec": {"containers": [{"name": "s",
-                    "resources": {"requests": {"cpu": format!("{millis}m")}}}]}}))
-                .expect("pod")
-            })
-            .expect("the sample job");
-        let stage_cpu = requests(&stage).0;
+        // What each stage pod requests: the job's cores (a whole core by default).
+        let job: MemoryAwareTrainingJob =
+            serde_yaml::from_str(CPU_PIPELINE).expect("the sample job");
+        let cores = job.spec.resources.cpu.expect("a CPU job").cores;
+        let stage_cpu = cores.map_or(1000, |q| millicores(&q.0));
         // Earlier tests' pods still terminating hold CPU they are about to give
         // back, room the fillers would not account for.
         ns.wait_for("no pod terminating", Duration::from_secs(180), || async {

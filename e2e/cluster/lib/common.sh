@@ -25,6 +25,8 @@
 # The etcd minor Kubernetes 1.33 itself is tested against (hack/lib/etcd.sh,
 # cluster/images/etcd use 3.5.x); newest 3.5 patch on the proxy.
 : "${ETCD_VERSION:=v3.5.35}"
+# The clusters' volume provisioner (local and kind), from its Go module.
+: "${LPP_VERSION:=v0.0.30}"
 
 # --- locations --------------------------------------------------------------
 : "${HEADROOM_CACHE:=${HOME}/.cache/headroom}"
