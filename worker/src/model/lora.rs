@@ -416,9 +416,11 @@ mod tests {
     fn base(device: &Device) -> (TransformerLm, StageLayout) {
         let shape = LmShape::Llama(shape());
         let layout = StageLayout::whole(&shape);
-        device.seed(7);
         let model = TransformerLm::new(&shape, &layout, 7, device);
-        super::super::materialize(&model);
+        super::super::with_generator(|| {
+            device.seed(7);
+            super::super::materialize(&model);
+        });
         (model, layout)
     }
 
@@ -600,7 +602,7 @@ mod tests {
         let shape = LmShape::Llama(LlamaShape::from_hf_config(text, 8).expect("config"));
         let layout = StageLayout::whole(&shape);
         let model = TransformerLm::new(&shape, &layout, 7, &device);
-        super::super::materialize(&model);
+        super::super::with_generator(|| super::super::materialize(&model));
         let err = attach(
             model,
             &config(&[TargetModule::LmHead]),

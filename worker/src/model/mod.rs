@@ -273,6 +273,19 @@ fn embedding_init() -> Initializer {
 /// so each gets the draws of its own seed.
 pub(crate) static INIT_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// Runs `draw` holding [`INIT_LOCK`], for tests that seed or draw from burn's
+/// generator themselves (random tensors, lazily initialised Llama weights):
+/// unlocked, a `seed` or a draw in one test lands in the middle of another
+/// test's seeded initialisation (CI saw `weights_do_not_depend_on_the_split`
+/// fail that way). `draw` must not call [`TransformerLm::new`] (it takes the lock).
+#[cfg(test)]
+pub(crate) fn with_generator<R>(draw: impl FnOnce() -> R) -> R {
+    let _guard = INIT_LOCK
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    draw()
+}
+
 /// Runs every parameter's (lazy) initialiser now. burn draws initial weights
 /// on first use from a generator shared by the whole process.
 fn materialize<M: Module>(module: &M) {

@@ -121,9 +121,11 @@ mod tests {
     use burn::tensor::Distribution;
 
     fn pair(device: &Device) -> (Tensor<2>, Tensor<2>) {
-        let w = Tensor::<2>::random([8, 16], Distribution::Normal(0.0, 1.0), device);
-        let g = Tensor::<2>::random([8, 16], Distribution::Normal(0.0, 0.1), device);
-        (w, g)
+        crate::model::with_generator(|| {
+            let w = Tensor::<2>::random([8, 16], Distribution::Normal(0.0, 1.0), device);
+            let g = Tensor::<2>::random([8, 16], Distribution::Normal(0.0, 0.1), device);
+            (w, g)
+        })
     }
 
     /// Offloaded AdamW gives burn's AdamW's weights step for step.
