@@ -4,7 +4,7 @@
 //!
 //! Loading goes through burn-store: each file is memory-mapped and only the
 //! tensors this stage's module asks for are materialised, one at a time, cast
-//! to f32 and transposed into burn's `[in, out]` linear layout as they are
+//! to the stage's float dtype (f32, or the job's half precision on a GPU) and transposed into burn's `[in, out]` linear layout as they are
 //! read. A stage never holds another stage's layers, and never a second copy
 //! of the whole checkpoint (the "load everything, then move" spike of seed
 //! `000`).
@@ -247,11 +247,20 @@ impl HfCheckpoint {
     ) -> Result<(), HfError> {
         let mut applied = BTreeSet::new();
         let mut expected = None;
+        // Weights take the stage's float dtype (its device's default: bf16
+        // when the job trains in bf16), whatever the files store. burn-store
+        // keeps a tensor's own dtype, and f32 weights in a bf16 stage mix
+        // dtypes in every op that meets a tensor made on the device (rotary
+        // tables, activations): an error on flex, garbage on CUDA.
+        let float: DType = module
+            .devices()
+            .first()
+            .map_or(DType::F32, |device| device.settings().float_dtype.into());
         for file in self.files_of(names)? {
             let mut store = SafetensorsStore::from_file(&file)
                 .with_from_adapter(ChainAdapter::new(
                     PyTorchToBurnAdapter,
-                    FloatCastAdapter::to(DType::F32),
+                    FloatCastAdapter::to(float),
                 ))
                 .remap(remap.clone())
                 .skip_enum_variants(true)

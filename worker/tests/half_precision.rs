@@ -1,0 +1,172 @@
+//! bf16 training of a Hugging Face checkpoint, on the CPU.
+//!
+//! The worker trains in bf16 only on CUDA (flex plans are fp32), but the
+//! code is the same: the device's default float dtype is set, the model is
+//! built and loaded on it, and every tensor made on the device follows it.
+//! burn's flex backend computes in bf16 too, so that path is tested here.
+//! This binary sets flex's default float dtype to bf16 for the whole process
+//! (burn allows it once, before the first tensor), so every test in it is a
+//! bf16 test.
+//!
+//! The first GPU run trained f32 weights in a bf16 stage: the checkpoint
+//! loader cast every tensor to f32 and burn-store keeps a tensor's own
+//! dtype, so ops mixed f32 weights with bf16 tensors made on the device
+//! (rotary tables): flex refuses that, CUDA gave NaN losses (docs/gpu.md).
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::{DType, Device, FloatDType, Tensor};
+use headroom_planner::{BaseFormat, Optimizer, Precision, Settings};
+use headroom_worker::data::TextSamples;
+use headroom_worker::model::TransformerLm;
+use headroom_worker::model::hf::HfCheckpoint;
+use headroom_worker::text::{Format, load_tokenizer, pack, read_documents};
+use headroom_worker::train::{TrainConfig, Trainer};
+
+const SEQUENCE: u32 = 32;
+const STEPS: u64 = 12;
+
+/// Flex with bf16 as its default float dtype, configured once per process.
+fn bf16() -> Device {
+    static DEVICE: OnceLock<Device> = OnceLock::new();
+    DEVICE
+        .get_or_init(|| {
+            let mut device = Device::flex();
+            device
+                .configure(FloatDType::BF16)
+                .expect("bf16 set before any tensor of this process");
+            device
+        })
+        .clone()
+}
+
+fn tiny() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/tiny-llama")
+}
+
+fn text_samples() -> TextSamples {
+    let tokenizer = load_tokenizer(&tiny().join("tokenizer.json")).expect("tokenizer");
+    let eos = tokenizer.token_to_id("</s>").expect("</s>");
+    let docs = read_documents(
+        &Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../samples/data/declaration-of-independence.jsonl"),
+        &Format::Jsonl {
+            field: "text".into(),
+        },
+    )
+    .expect("documents");
+    let packed = pack(&tokenizer, &docs, eos, SEQUENCE as usize).expect("packed");
+    TextSamples::new(packed.samples, 5)
+}
+
+fn trainer(checkpointing: bool, optimizer: Optimizer) -> Trainer {
+    let checkpoint = HfCheckpoint::open(&tiny(), SEQUENCE).expect("tiny-llama");
+    let config = TrainConfig::single_stage(
+        checkpoint.shape,
+        Settings {
+            micro_batch: 2,
+            gradient_accumulation: 1,
+            activation_checkpointing: checkpointing,
+            precision: Precision::Bf16,
+            optimizer,
+            base_format: BaseFormat::Dense,
+            offload_optimizer: false,
+        },
+        STEPS,
+        3e-3,
+        5,
+    )
+    .with_pretrained(tiny());
+    let mut trainer = Trainer::new(config, bf16().autodiff()).expect("trainer");
+    trainer.use_text(text_samples());
+    trainer
+}
+
+fn losses(trainer: &mut Trainer) -> Vec<f64> {
+    let mut losses = Vec::new();
+    while !trainer.finished() {
+        losses.extend(trainer.train_step().expect("step").loss);
+    }
+    assert_eq!(losses.len() as u64, STEPS);
+    assert!(losses.iter().all(|l| l.is_finite()), "finite: {losses:?}");
+    losses
+}
+
+/// Mean of the first three minus the mean of the last three.
+fn fall(losses: &[f64]) -> f64 {
+    let mean = |l: &[f64]| l.iter().sum::<f64>() / l.len() as f64;
+    mean(&losses[..3]) - mean(&losses[losses.len() - 3..])
+}
+
+/// The dtype of every float parameter, by count.
+fn dtypes(model: &TransformerLm) -> Vec<(DType, usize)> {
+    struct Dtypes(Vec<(DType, usize)>);
+    impl ModuleVisitor for Dtypes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let dtype = param.val().dtype();
+            match self.0.iter_mut().find(|(d, _)| *d == dtype) {
+                Some((_, n)) => *n += 1,
+                None => self.0.push((dtype, 1)),
+            }
+        }
+    }
+    let mut visitor = Dtypes(Vec::new());
+    model.visit(&mut visitor);
+    visitor.0
+}
+
+#[test]
+fn an_f32_checkpoint_loads_as_bf16_trains_and_is_written_back_as_f32() {
+    let mut trainer = trainer(false, Optimizer::Adamw);
+    let loaded = dtypes(trainer.model());
+    assert!(
+        loaded.len() == 1 && loaded[0].0 == DType::BF16,
+        "every weight in the training dtype: {loaded:?}"
+    );
+    let losses = losses(&mut trainer);
+    assert!(fall(&losses) > 0.1, "the loss falls in bf16: {losses:?}");
+    assert!(
+        dtypes(trainer.model())
+            .iter()
+            .all(|(d, _)| *d == DType::BF16),
+        "still bf16 after the optimizer's steps"
+    );
+
+    let out = std::env::temp_dir().join(format!("headroom-half-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let file = trainer.save_pretrained(&out).expect("save");
+    let bytes = std::fs::read(&file).expect("weights");
+    let written = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    let source = std::fs::read(tiny().join("model.safetensors")).expect("source");
+    let source = safetensors::SafeTensors::deserialize(&source).expect("source safetensors");
+    for (name, view) in source.tensors() {
+        let out = written.tensor(&name).expect("every tensor written");
+        assert_eq!(
+            out.dtype(),
+            view.dtype(),
+            "{name}: the checkpoint's own dtype"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn checkpointing_and_8bit_state_train_like_the_plain_step_in_bf16() {
+    let plain = losses(&mut trainer(false, Optimizer::Adamw));
+    let checkpointed = losses(&mut trainer(true, Optimizer::Adamw));
+    // The same arithmetic in another order: bf16 keeps 8 significant bits,
+    // 1/32 at a loss of 6, so allow two of its steps.
+    for (step, (a, b)) in plain.iter().zip(&checkpointed).enumerate() {
+        assert!(
+            (a - b).abs() <= 2.0 / 32.0,
+            "step {step}: {plain:?} vs checkpointed {checkpointed:?}"
+        );
+    }
+    let eight_bit = losses(&mut trainer(true, Optimizer::Adamw8bit));
+    assert!(
+        fall(&eight_bit) > 0.1,
+        "8-bit AdamW with checkpointing trains in bf16: {eight_bit:?}"
+    );
+}
