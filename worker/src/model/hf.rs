@@ -4,10 +4,10 @@
 //!
 //! Loading goes through burn-store: each file is memory-mapped and only the
 //! tensors this stage's module asks for are materialised, one at a time, cast
-//! to the stage's float dtype (f32, or the job's half precision on a GPU) and transposed into burn's `[in, out]` linear layout as they are
-//! read. A stage never holds another stage's layers, and never a second copy
-//! of the whole checkpoint (the "load everything, then move" spike of seed
-//! `000`).
+//! to the stage's float dtype (f32, or the job's half precision on a GPU) and
+//! transposed into burn's `[in, out]` linear layout as they are read. A
+//! stage never holds another stage's layers, and never a second copy of the
+//! whole checkpoint (the "load everything, then move" spike of seed `000`).
 //!
 //! Trained weights out ([`HfCheckpoint::save_stage`]): each stage writes its
 //! tensors under their original names and in the checkpoint's stored dtype
