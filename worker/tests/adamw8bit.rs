@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
@@ -12,11 +12,11 @@ use burn::optim::grad_clipping::GradientClippingConfig;
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer, Optimizer as _};
 use burn::tensor::{DType, Device, Distribution, Tensor, TensorData};
 use headroom_planner::Optimizer;
-use headroom_worker::data::TextSamples;
 use headroom_worker::model::hf::HfCheckpoint;
 use headroom_worker::optim::{AdamW8bitConfig, Moments};
-use headroom_worker::text::{Format, load_tokenizer, pack, read_documents};
 use headroom_worker::train::{TrainConfig, Trainer};
+
+use common::{tiny_llama, tiny_llama_text};
 
 /// Model initialisation draws from burn's global RNG (a Trainer seeds it):
 /// tests that run in parallel would interleave their draws, so each takes this.
@@ -269,25 +269,6 @@ fn probe_tokens() -> Tensor<2, burn::tensor::Int> {
 
 const SEQUENCE: u32 = 32;
 
-fn tiny_llama() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/tiny-llama")
-}
-
-fn text_samples(seed: u64) -> TextSamples {
-    let tokenizer = load_tokenizer(&tiny_llama().join("tokenizer.json")).expect("tokenizer");
-    let eos = tokenizer.token_to_id("</s>").expect("</s>");
-    let docs = read_documents(
-        &Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../samples/data/declaration-of-independence.jsonl"),
-        &Format::Jsonl {
-            field: "text".into(),
-        },
-    )
-    .expect("documents");
-    let packed = pack(&tokenizer, &docs, eos, SEQUENCE as usize).expect("packed");
-    TextSamples::new(packed.samples, seed)
-}
-
 fn llama_losses(optimizer: Optimizer, steps: u64) -> Vec<f64> {
     let checkpoint = HfCheckpoint::open(&tiny_llama(), SEQUENCE).expect("tiny-llama");
     let mut config = TrainConfig::single_stage(
@@ -308,7 +289,7 @@ fn llama_losses(optimizer: Optimizer, steps: u64) -> Vec<f64> {
     .with_pretrained(tiny_llama());
     config.checkpoint_every_steps = 1000;
     let mut trainer = Trainer::new(config, device()).expect("trainer");
-    trainer.use_text(text_samples(5));
+    trainer.use_text(tiny_llama_text(SEQUENCE, 5));
     let mut losses = Vec::new();
     while !trainer.finished() {
         losses.extend(trainer.train_step().expect("step").loss);

@@ -13,17 +13,18 @@
 //! dtype, so ops mixed f32 weights with bf16 tensors made on the device
 //! (rotary tables): flex refuses that, CUDA gave NaN losses (docs/gpu.md).
 
-use std::path::{Path, PathBuf};
+mod common;
+
 use std::sync::OnceLock;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{DType, Device, FloatDType, Tensor};
 use headroom_planner::{BaseFormat, Optimizer, Precision, Settings};
-use headroom_worker::data::TextSamples;
 use headroom_worker::model::TransformerLm;
 use headroom_worker::model::hf::HfCheckpoint;
-use headroom_worker::text::{Format, load_tokenizer, pack, read_documents};
 use headroom_worker::train::{TrainConfig, Trainer};
+
+use common::{tiny_llama, tiny_llama_text};
 
 const SEQUENCE: u32 = 32;
 const STEPS: u64 = 12;
@@ -42,27 +43,8 @@ fn bf16() -> Device {
         .clone()
 }
 
-fn tiny() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/tiny-llama")
-}
-
-fn text_samples() -> TextSamples {
-    let tokenizer = load_tokenizer(&tiny().join("tokenizer.json")).expect("tokenizer");
-    let eos = tokenizer.token_to_id("</s>").expect("</s>");
-    let docs = read_documents(
-        &Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../samples/data/declaration-of-independence.jsonl"),
-        &Format::Jsonl {
-            field: "text".into(),
-        },
-    )
-    .expect("documents");
-    let packed = pack(&tokenizer, &docs, eos, SEQUENCE as usize).expect("packed");
-    TextSamples::new(packed.samples, 5)
-}
-
 fn trainer(checkpointing: bool, optimizer: Optimizer) -> Trainer {
-    let checkpoint = HfCheckpoint::open(&tiny(), SEQUENCE).expect("tiny-llama");
+    let checkpoint = HfCheckpoint::open(&tiny_llama(), SEQUENCE).expect("tiny-llama");
     let config = TrainConfig::single_stage(
         checkpoint.shape,
         Settings {
@@ -78,9 +60,9 @@ fn trainer(checkpointing: bool, optimizer: Optimizer) -> Trainer {
         3e-3,
         5,
     )
-    .with_pretrained(tiny());
+    .with_pretrained(tiny_llama());
     let mut trainer = Trainer::new(config, bf16().autodiff()).expect("trainer");
-    trainer.use_text(text_samples());
+    trainer.use_text(tiny_llama_text(SEQUENCE, 5));
     trainer
 }
 
@@ -139,7 +121,7 @@ fn an_f32_checkpoint_loads_as_bf16_trains_and_is_written_back_as_f32() {
     let file = trainer.save_pretrained(&out).expect("save");
     let bytes = std::fs::read(&file).expect("weights");
     let written = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
-    let source = std::fs::read(tiny().join("model.safetensors")).expect("source");
+    let source = std::fs::read(tiny_llama().join("model.safetensors")).expect("source");
     let source = safetensors::SafeTensors::deserialize(&source).expect("source safetensors");
     for (name, view) in source.tensors() {
         let out = written.tensor(&name).expect("every tensor written");

@@ -8,44 +8,25 @@
 //! trained model's logits, under the original tensor names and dtype — on one
 //! worker, and from two pipeline stages that each write a shard.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use headroom_planner::{Optimizer, Precision, Settings};
-use headroom_worker::data::TextSamples;
 use headroom_worker::model::hf::HfCheckpoint;
 use headroom_worker::model::{LmShape, StageLayout, TransformerLm};
 use headroom_worker::pipeline::{Hello, Peers, establish};
-use headroom_worker::text::{Format, load_tokenizer, pack, read_documents};
 use headroom_worker::train::{TrainConfig, Trainer};
+
+use common::{tiny_llama, tiny_llama_text};
 
 const SEQUENCE: u32 = 32;
 
-fn tiny() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/tiny-llama")
-}
-
-fn text_samples(seed: u64) -> TextSamples {
-    let tokenizer = load_tokenizer(&tiny().join("tokenizer.json")).expect("tokenizer");
-    let eos = tokenizer
-        .token_to_id("</s>")
-        .expect("</s> in the vocabulary");
-    let docs = read_documents(
-        &Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../samples/data/declaration-of-independence.jsonl"),
-        &Format::Jsonl {
-            field: "text".into(),
-        },
-    )
-    .expect("documents");
-    let packed = pack(&tokenizer, &docs, eos, SEQUENCE as usize).expect("packed");
-    TextSamples::new(packed.samples, seed)
-}
-
 fn config(steps: u64) -> TrainConfig {
-    let checkpoint = HfCheckpoint::open(&tiny(), SEQUENCE).expect("tiny-llama");
+    let checkpoint = HfCheckpoint::open(&tiny_llama(), SEQUENCE).expect("tiny-llama");
     TrainConfig::single_stage(
         checkpoint.shape,
         Settings {
@@ -61,7 +42,7 @@ fn config(steps: u64) -> TrainConfig {
         3e-3,
         5,
     )
-    .with_pretrained(tiny())
+    .with_pretrained(tiny_llama())
 }
 
 fn probe_logits(model: &TransformerLm) -> Vec<f32> {
@@ -106,7 +87,7 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 fn fine_tunes_on_real_text_and_writes_a_model_that_reloads() {
     let out = tempdir("single");
     let mut trainer = Trainer::new(config(12), Device::flex().autodiff()).expect("trainer");
-    trainer.use_text(text_samples(5));
+    trainer.use_text(tiny_llama_text(SEQUENCE, 5));
     let before = probe_logits(&trainer.model().valid());
     let mut losses = Vec::new();
     while !trainer.finished() {
@@ -123,7 +104,7 @@ fn fine_tunes_on_real_text_and_writes_a_model_that_reloads() {
     assert_eq!(file, out.join("model.safetensors"));
     assert_eq!(
         tensor_names(&file),
-        tensor_names(&tiny().join("model.safetensors")),
+        tensor_names(&tiny_llama().join("model.safetensors")),
         "the original tensor names and dtypes"
     );
     for copied in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
@@ -143,7 +124,7 @@ fn two_stages_write_shards_and_an_index_that_reload_as_one_model() {
     let out = tempdir("pipeline");
     let single = {
         let mut trainer = Trainer::new(config(3), Device::flex().autodiff()).expect("trainer");
-        trainer.use_text(text_samples(5));
+        trainer.use_text(tiny_llama_text(SEQUENCE, 5));
         while !trainer.finished() {
             trainer.train_step().expect("step");
         }
@@ -166,7 +147,7 @@ fn two_stages_write_shards_and_an_index_that_reload_as_one_model() {
             let (peers, out) = (peers.clone(), out.clone());
             std::thread::spawn(move || {
                 let mut trainer = Trainer::new(config, Device::flex().autodiff()).expect("trainer");
-                trainer.use_text(text_samples(5));
+                trainer.use_text(tiny_llama_text(SEQUENCE, 5));
                 let me = Hello {
                     job: "j".into(),
                     namespace: "ns".into(),
@@ -220,7 +201,7 @@ fn two_stages_write_shards_and_an_index_that_reload_as_one_model() {
     all.sort();
     assert_eq!(
         all,
-        tensor_names(&tiny().join("model.safetensors")),
+        tensor_names(&tiny_llama().join("model.safetensors")),
         "every tensor once (the tied head's copy is not written twice)"
     );
     // Pipeline training equals one worker's, so the reloaded model does too.

@@ -1,7 +1,11 @@
 //! Shared fixtures: tiny configurations that train in seconds in debug builds.
 #![allow(dead_code)]
 
+use std::path::{Path, PathBuf};
+
 use headroom_planner::{Optimizer, Precision, Settings, TransformerShape};
+use headroom_worker::data::TextSamples;
+use headroom_worker::text::{Format, load_tokenizer, pack, read_documents};
 use headroom_worker::train::TrainConfig;
 
 pub fn tiny_shape() -> TransformerShape {
@@ -35,4 +39,26 @@ pub fn tiny_config(micro_batch: u32, accumulation: u32, checkpointing: bool) -> 
     );
     config.checkpoint_every_steps = 10;
     config
+}
+
+/// The tiny Llama checkpoint transformers wrote (`tests/fixtures/llama/tiny-llama`).
+pub fn tiny_llama() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/tiny-llama")
+}
+
+/// The sample text, tokenized with tiny-llama's tokenizer and packed into
+/// `sequence`-token samples, shuffled by `seed`.
+pub fn tiny_llama_text(sequence: u32, seed: u64) -> TextSamples {
+    let tokenizer = load_tokenizer(&tiny_llama().join("tokenizer.json")).expect("tokenizer");
+    let eos = tokenizer.token_to_id("</s>").expect("</s>");
+    let docs = read_documents(
+        &Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../samples/data/declaration-of-independence.jsonl"),
+        &Format::Jsonl {
+            field: "text".into(),
+        },
+    )
+    .expect("documents");
+    let packed = pack(&tokenizer, &docs, eos, sequence as usize).expect("packed");
+    TextSamples::new(packed.samples, seed)
 }
