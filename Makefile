@@ -42,12 +42,13 @@ manifests: ## Regenerate crds/ and the chart's CRD from the Rust types.
 .PHONY: test test-unit test-apiserver chart-check bench-planner bench-controller bench-peers calibrate-worker bench-load-peak
 test: fmt-check lint test-unit test-apiserver chart-check ## Everything CI runs: format, clippy, unit, property, CLI and real-API-server tests.
 
+# --no-fail-fast: every test binary runs after a failure, so one run shows every failure.
 test-unit: ## Unit, property, CRD-drift and plugin tests (no cluster needed).
-	$(CARGO) test --workspace --all-targets
+	$(CARGO) test --workspace --all-targets --no-fail-fast
 
 test-apiserver: controlplane-up ## CRD, samples, invalid-manifest corpus and the controller against a real kube-apiserver.
 	# --workspace --tests: the same feature resolution as test-unit, so nothing is rebuilt.
-	KUBECONFIG=$(KUBECONFIG_TEST) $(CARGO) test --workspace --exclude headroom-e2e --tests -- --ignored --test-threads=1
+	KUBECONFIG=$(KUBECONFIG_TEST) $(CARGO) test --workspace --exclude headroom-e2e --tests --no-fail-fast -- --ignored --test-threads=1
 
 chart-check: controlplane-up ## helm lint + template of charts/headroom, security checks, server-side dry run.
 	KUBECONFIG=$(KUBECONFIG_TEST) e2e/chart-check.sh
@@ -108,7 +109,7 @@ kind-base-image: ## kind's base image built here (debootstrap, Debian's containe
 	export $$(e2e/kind/dockerd.sh env) && image=$$(e2e/kind/base-image.sh) && e2e/kind/check-base-image.sh $$image
 
 ##@ Local single-node cluster (real pods: containerd + kubelet; run as root)
-.PHONY: cluster-up cluster-down cluster-status cluster-test worker-cuda cuda-runtime image-cuda gpu-bundle gpu-check images
+.PHONY: cluster-up cluster-down cluster-status cluster-test worker-cuda worker-cuda-check cuda-runtime image-cuda gpu-bundle gpu-check images
 KUBECONFIG_CLUSTER := $(HEADROOM_CACHE)/state/cluster/kubeconfig
 IMAGE_TAG ?= dev
 
@@ -147,6 +148,14 @@ worker-cuda: ## The CUDA worker and calibrate binaries, offline, in ~/.cache/hea
 	rc=0; $(CUDA_DIR)/headroom-worker 2>/dev/null || rc=$$?; test $$rc = 78 || { echo "CUDA worker without a plan exited $$rc, expected 78" >&2; exit 1; }
 	if ! ls /dev/nvidia[0-9]* >/dev/null 2>&1; then rc=0; out=$$($(CUDA_DIR)/calibrate --backend cuda 2>&1) || rc=$$?; \
 	  test $$rc = 2 && grep -q "NVML did not start" <<<"$$out" || { echo "calibrate --backend cuda without a GPU: exit $$rc: $$out" >&2; exit 1; }; fi
+
+# What CI builds of the GPU path: the type and borrow check plus clippy of the
+# worker with the cuda feature (about 4 min cold), not the 25-minute release
+# link of make worker-cuda, whose binary nothing here can run (no GPU).
+worker-cuda-check: ## Clippy (check, no codegen) of the worker, its tests and tools with the cuda feature, offline (what CI builds of the GPU path).
+	HEADROOM_LLVM_SHIM_HOME=$(LLVM_SHIM_HOME) bash worker/cuda/install-build-deps.sh
+	XDG_DATA_HOME=$(LLVM_SHIM_HOME) CUDARC_CUDA_VERSION=$(CUDARC_CUDA_VERSION) \
+	  $(CARGO) clippy -p headroom-worker --features cuda --all-targets -- -D warnings
 
 cuda-runtime: ## libdevice and NCCL (and NVIDIA's licenses) from the pinned nvidia-cuda-nvcc-cu12 and nvidia-nccl-cu12 wheels on PyPI, CUDA_PATH-shaped, in ~/.cache/headroom/cuda-runtime.
 	HEADROOM_CACHE=$(HEADROOM_CACHE) bash worker/cuda/fetch-runtime.sh
