@@ -18,7 +18,7 @@
 //!   optimizer shards, weight all-gather, in buckets
 //! * [`data`] — the synthetic next-token task (deterministic per sample)
 //! * [`text`] — real text: JSONL/plain documents, Hugging Face tokenizer, packed
-//!   samples, seeded shuffle, per-rank shares (not yet wired into training)
+//!   samples, seeded shuffle, per-rank shares (what a fine-tuning job trains on)
 //! * [`train`] — micro-batches, accumulation, block-level checkpointing, optimizers
 //! * [`checkpoint`] — atomic, verified, per-part checkpoints and resume under any split
 //! * [`telemetry`] — cgroup, process, allocator and NVML memory sampling

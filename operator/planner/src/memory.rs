@@ -49,31 +49,32 @@
 //! burn keeps, which is not what PEFT keeps:
 //!
 //! * Every base parameter is frozen: no gradient, no optimizer state
-//!   (burn-core-0.22.1/src/module/lora.rs:99-116, `set_require_grad(false)`).
+//!   (burn-core 0.22.1, `module::lora`: `<Lora as Reparameterizer>::reparameterize`
+//!   calls `set_require_grad(false)` on the base).
 //!   The factors `A: d_in × r` and `B: r × d_out` of each targeted matrix
-//!   are built at the training precision (lora.rs:103-113, `dtype`) and
+//!   are built at the training precision (the same function, `dtype`) and
 //!   carry weights, gradients, optimizer state and, in mixed precision,
 //!   fp32 master weights.
 //! * QLoRA quantizes the seven linear weights of each decoder block (q, k,
 //!   v, o, gate, up, down); embeddings, norms, biases and `lm_head` stay
 //!   dense. A quantized tensor of n values stores `n × v` bytes (int8:
 //!   v = 1; int4: the profile's `int4_value_bytes`: burn-flex keeps every
-//!   quantized value as one i8, burn-flex-0.22.1/src/qtensor.rs:10-19,
+//!   quantized value as one i8, burn-flex 0.22.1's `FlexQTensor`,
 //!   so 1.0 there; 0.5 where the backend packs) plus one f32 scale per
 //!   `block_size` values.
 //! * burn does **not** run the adapter beside the frozen matmul (PEFT's
 //!   `x·W + x·A·B`): the parameter composes a dense weight, `W_eff = base +
-//!   scale·(A@B)`, on every `val()` (burn-core-0.22.1/src/module/param/base.rs:310-316,
-//!   param/lora.rs:27-40 and 43-45), and a quantized base is dequantized
-//!   first (burn-tensor-0.22.1/src/bridge/ops/float.rs:22-36, the mixed
-//!   add). `W_eff` requires grad, so the block's matmul keeps it for the
-//!   input's gradient (burn-autodiff-0.22.1/src/ops/tensor.rs:666-667: the
+//!   scale·(A@B)`, on every `val()` (burn-core 0.22.1: `Param::val`,
+//!   which applies the `LoraAdapter` in `module::param::lora`), and a quantized base is dequantized
+//!   first (burn-tensor 0.22.1, `bridge::ops::float`'s `from_q_primitive`, the
+//!   mixed add). `W_eff` requires grad, so the block's matmul keeps it for the
+//!   input's gradient (burn-autodiff 0.22.1, `float_matmul`'s backward: the
 //!   rhs is kept whenever the lhs is tracked) — the "memory limitations" of
-//!   `QLora`'s doc comment (lora.rs:139-147). A quantized base that is not
+//!   `QLora`'s doc comment (burn-core's `module::lora`). A quantized base that is not
 //!   adapted is dequantized per forward too: `linear` routes a quantized
-//!   weight to `q_matmul` (burn-tensor-0.22.1/src/tensor/module.rs:744-760),
-//!   whose default dequantizes it (burn-backend-0.22.1/src/backend/ops/qtensor.rs:499-535)
-//!   into an untracked leaf (burn-autodiff-0.22.1/src/ops/qtensor.rs:38-43),
+//!   weight to `q_matmul` (burn-tensor 0.22.1, `module::linear`),
+//!   whose default dequantizes it (burn-backend 0.22.1, `QTensorOps::q_matmul`)
+//!   into an untracked leaf (burn-autodiff 0.22.1, its `QTensorOps::dequantize`),
 //!   which the same matmul keeps because its input is tracked. A dense
 //!   frozen base that is not adapted costs nothing more: the matmul keeps
 //!   the parameter itself.
@@ -94,8 +95,8 @@
 //! * The adapters add no activations of their own (they never see `x`),
 //!   and the frozen blocks keep less than under full fine-tuning, by
 //!   burn's rule that a matmul or product keeps one operand only for the
-//!   other's gradient (burn-autodiff-0.22.1/src/ops/tensor.rs:367-381,
-//!   658-667): a frozen projection does not keep its input, a frozen γ not
+//!   other's gradient (burn-autodiff 0.22.1, the backward
+//!   of `float_mul` and of `float_matmul`): a frozen projection does not keep its input, a frozen γ not
 //!   the RMSNorm's normalised tensor, and the first stage's first block
 //!   (its input is the frozen embedding's) keeps nothing before its first
 //!   adapted projection. `AdaptedBlock` follows the tracked flags through
@@ -847,8 +848,8 @@ fn composed_weight_bytes(
 /// What one Llama decoder block keeps for backward under LoRA, following
 /// burn 0.22's autodiff rule for a binary op: a matmul or product keeps its
 /// left operand only when the right one is tracked, and the right only
-/// when the left is (burn-autodiff-0.22.1/src/ops/tensor.rs:367-381 and
-/// 658-667). Every base parameter is frozen, so, compared with full
+/// when the left is (burn-autodiff 0.22.1, the backward of
+/// `float_mul` and of `float_matmul`). Every base parameter is frozen, so, compared with full
 /// fine-tuning ([`LlamaShape::burn_block_activation_bytes`], the same ops):
 /// the RMSNorms' normalised tensors are not kept (γ is frozen); a norm's
 /// output, the merged heads and SwiGLU's product are kept only when a
