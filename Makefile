@@ -85,7 +85,7 @@ controlplane-down: ## Stop the control plane.
 	$(CLUSTER)/controlplane.sh down
 
 ##@ Try it
-.PHONY: plan-samples demo e2e e2e-kind
+.PHONY: plan-samples demo e2e e2e-kind release-bins
 plan-samples: ## Print Headroom's plan for every sample job (offline).
 	set -e; for f in samples/cpu-*.yaml; do \
 	  case $$f in *finetune*) model="--model-dir worker/tests/fixtures/llama/tiny-llama";; *) model="";; esac; \
@@ -100,8 +100,16 @@ demo: ## On the local single-node cluster: a job is OOM-killed on attempt 1 and 
 e2e: ## The end-to-end suite on real pods (local single-node cluster unless KUBECONFIG is set, stopped again if it started it; root).
 	e2e/e2e.sh
 
-e2e-kind: ## The same suite on a 3-node kind cluster, plus the several-node scenarios: Docker and kind, or (root, no daemon) both from local parts (e2e/kind/README.md); Helm, suite, cluster deleted.
-	e2e/kind.sh
+# E2E_KIND_TESTS: cargo test name filters (any matches); empty runs the whole suite.
+E2E_KIND_TESTS ?=
+e2e-kind: ## The same suite on a 3-node kind cluster, plus the several-node scenarios: Docker and kind, or (root, no daemon) both from local parts (e2e/kind/README.md); Helm, suite, cluster deleted. E2E_KIND_TESTS="f1 f2" runs a subset.
+	e2e/kind.sh $(E2E_KIND_TESTS)
+
+# The release binaries the images carry, exactly as e2e/install.sh and
+# e2e/kind.sh build them (the same packages, so the same feature resolution
+# and the same artifacts): CI starts this in the background while the tests run.
+release-bins: ## The release operator, kubectl plugin and worker that make e2e, e2e-kind and demo package.
+	$(CARGO) build --release -q -p headroom-operator --bin headroom-operator --bin kubectl-headroom -p headroom-worker --bin headroom-worker
 
 .PHONY: kind-base-image
 kind-base-image: ## kind's base image built here (debootstrap, Debian's containerd/runc/CNI, kind's files), under a private dockerd, then checked as a node (root; issue 17, e2e/kind/README.md).
