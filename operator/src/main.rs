@@ -223,7 +223,7 @@ async fn main() -> Result<()> {
     let shutdown = async move {
         let _ = rx.wait_for(|stop| *stop).await;
     };
-    controller::run(client, metrics, config, &identity, shutdown).await;
+    controller::watch::run(client, metrics, config, &identity, shutdown).await;
     if let Some(lock) = &lock
         && let Err(e) = lock.release().await
     {

@@ -228,12 +228,12 @@ async fn telemetry_reaches_the_job_status_with_the_workers_own_field_manager() {
 #[tokio::test]
 #[ignore = "needs the control plane"]
 async fn the_initializers_download_progress_is_in_the_status_while_it_runs() {
+    use headroom_api::LABEL_ROLE;
     use headroom_api::{
         DataFormat, DataSource, INITIALIZE_JSON_ENV, InitializerAssignment, ModelSource,
     };
     use headroom_e2e::fixtures::CPU_FINETUNE;
     use headroom_e2e::hub::{HubRepo, HubRepos, LocalHub};
-    use headroom_operator::controller::payload::LABEL_ROLE;
 
     let fixture =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/tiny-llama");

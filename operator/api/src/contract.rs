@@ -22,6 +22,19 @@ pub const LABEL_REPLICA: &str = "headroom.dev/replica";
 pub const ANNOTATION_JOB_UID: &str = "headroom.dev/job-uid";
 /// On a checkpoint claim kept after its job: the job's name.
 pub const LABEL_RETAINED_FROM: &str = "headroom.dev/retained-from";
+/// On an initializer pod: [`ROLE_INITIALIZER`], which tells it from the
+/// workers (worker pods carry no role label).
+pub const LABEL_ROLE: &str = "headroom.dev/role";
+pub const ROLE_INITIALIZER: &str = "initializer";
+/// Kubernetes' recommended labels, on everything the operator creates for a
+/// job: [`MANAGED_BY`], and the part of the job it is. The initializer pod
+/// is [`COMPONENT_INITIALIZER`]; the worker pods, their headless Service and
+/// the checkpoint claim are [`COMPONENT_WORKER`].
+pub const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+pub const MANAGED_BY: &str = "headroom";
+pub const LABEL_COMPONENT: &str = "app.kubernetes.io/component";
+pub const COMPONENT_WORKER: &str = "worker";
+pub const COMPONENT_INITIALIZER: &str = "initializer";
 
 /// Where the worker finds its [`WorkerAssignment`]: a JSON file, or the JSON itself.
 pub const PLAN_FILE_ENV: &str = "HEADROOM_PLAN_FILE";

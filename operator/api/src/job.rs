@@ -757,6 +757,16 @@ pub enum AttemptOutcome {
     Failed,
 }
 
+impl AttemptOutcome {
+    /// Out of memory, on the host or on the device: the retry is stricter.
+    pub fn is_memory(self) -> bool {
+        matches!(
+            self,
+            AttemptOutcome::HostOutOfMemory | AttemptOutcome::DeviceOutOfMemory
+        )
+    }
+}
+
 /// One attempt, kept forever in `status.attempts`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]

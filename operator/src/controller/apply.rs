@@ -15,7 +15,7 @@ use serde::de::DeserializeOwned;
 
 use super::decide::Decision;
 use super::lifecycle::JobEvent;
-use super::{Context, Error, LAUNCH_EXPECTATION, children};
+use super::{Context, Error, LAUNCH_EXPECTATION, pods};
 
 /// Writes the operator's status as a JSON merge patch of what changed,
 /// guarded by the resourceVersion we decided on. Returns the job as written
@@ -227,15 +227,15 @@ pub(super) fn missing_workers<'a>(
     status: &'a MemoryAwareTrainingJobStatus,
     attempt: u32,
     own: &[&Pod],
-) -> Option<(&'a headroom_planner::Plan, Vec<children::Slot>)> {
+) -> Option<(&'a headroom_planner::Plan, Vec<pods::Slot>)> {
     let plan = status
         .attempts
         .iter()
         .find(|a| a.number == attempt)
         .map(|a| &a.plan)?;
     let existing: Vec<String> = own.iter().map(|p| p.name_any()).collect();
-    let missing: Vec<children::Slot> = children::slots(plan)
-        .filter(|&slot| !existing.contains(&children::pod_name(job, attempt, plan, slot)))
+    let missing: Vec<pods::Slot> = pods::slots(plan)
+        .filter(|&slot| !existing.contains(&pods::pod_name(job, attempt, plan, slot)))
         .collect();
     let key = (job.uid().unwrap_or_default(), attempt);
     (!missing.is_empty() && !ctx.launched_recently(&key)).then_some((plan, missing))
@@ -265,11 +265,11 @@ pub(super) async fn launch_attempt(
     own: &[&Pod],
 ) -> Result<(), Error> {
     let ns = job.namespace().unwrap_or_default();
-    let name = children::checkpoint_claim_name(job);
+    let name = pods::checkpoint_claim_name(job);
     let cached = ctx
         .claims
         .get(&ObjectRef::new(&name).within(&ns))
-        .map(|claim| children::claim_belongs_to(claim.as_ref(), job));
+        .map(|claim| pods::claim_belongs_to(claim.as_ref(), job));
     match cached {
         Some(true) => ensure_children(ctx, job, status, attempt, model, image, own).await,
         // Not this job's, says the cache: the server's word (and the
@@ -310,8 +310,8 @@ pub(super) async fn undo_launch(
         return;
     };
     let ns = job.namespace().unwrap_or_default();
-    for slot in children::slots(plan) {
-        let pod = children::pod_name(job, attempt, plan, slot);
+    for slot in pods::slots(plan) {
+        let pod = pods::pod_name(job, attempt, plan, slot);
         if let Err(error) = delete_worker(&ctx.client, &ns, &pod).await {
             tracing::warn!(%error, "could not delete a pod of an undone launch");
         }
@@ -339,16 +339,17 @@ async fn ensure_children(
     };
     let ns = job.namespace().unwrap_or_default();
     let c = &ctx.client;
-    let svc = children::headless_service(job);
-    let pods = missing
+    let svc = pods::headless_service(job);
+    let workers = missing
         .iter()
         .map(|&slot| {
-            children::worker_pod(job, attempt, slot, plan, model, image, &ctx.config.children)
-                .map_err(|source| Error::BuildChild {
+            pods::worker_pod(job, attempt, slot, plan, model, image, &ctx.config.children).map_err(
+                |source| Error::BuildChild {
                     kind: "Pod".into(),
-                    name: children::pod_name(job, attempt, plan, slot),
+                    name: pods::pod_name(job, attempt, plan, slot),
                     source,
-                })
+                },
+            )
         })
         .collect::<Result<Vec<_>, _>>()?;
     // One round: the Service only gives the pods DNS names.
@@ -361,7 +362,7 @@ async fn ensure_children(
                 Ok(())
             }
         },
-        futures::future::try_join_all(pods.iter().map(|pod| put::<Pod>(c, &ns, pod, true))),
+        futures::future::try_join_all(workers.iter().map(|pod| put::<Pod>(c, &ns, pod, true))),
     )?;
     if let Ok(mut m) = ctx.launched.lock() {
         m.retain(|_, at| at.elapsed() < LAUNCH_EXPECTATION);
@@ -374,7 +375,7 @@ async fn ensure_children(
 /// job's ([`create_claim`]).
 async fn ensure_claim(ctx: &Context, job: &MemoryAwareTrainingJob) -> Result<(), Error> {
     let ns = job.namespace().unwrap_or_default();
-    let claim = children::checkpoint_claim(job, &ctx.config.children);
+    let claim = pods::checkpoint_claim(job, &ctx.config.children);
     create_claim(&ctx.client, &ns, job, &claim).await
 }
 
@@ -387,15 +388,17 @@ pub(super) async fn ensure_initializer(
     image: &str,
     own: &[&Pod],
 ) -> Result<(), Error> {
-    let name = super::payload::initializer_pod_name(job, run);
+    let name = pods::initializer_pod_name(job, run);
     if own.iter().any(|p| p.name_any() == name) {
         return Ok(());
     }
-    let Some(pod) = super::payload::initializer_pod(job, run, image, &ctx.config.children)
-        .map_err(|source| Error::BuildChild {
-            kind: "Pod".into(),
-            name: name.clone(),
-            source,
+    let Some(pod) =
+        pods::initializer_pod(job, run, image, &ctx.config.children).map_err(|source| {
+            Error::BuildChild {
+                kind: "Pod".into(),
+                name: name.clone(),
+                source,
+            }
         })?
     else {
         return Ok(());
@@ -435,7 +438,7 @@ async fn create_claim(
         Ok(_) => Ok(()),
         Err(kube::Error::Api(e)) if e.code == 409 => {
             let existing = api.get(&claim.name_any()).await.map_err(refused)?;
-            if children::claim_belongs_to(&existing, job) {
+            if pods::claim_belongs_to(&existing, job) {
                 return Ok(()); // ours: keep it as it is
             }
             Err(Error::ClaimTaken {
@@ -463,13 +466,13 @@ pub(super) async fn keep_claim(
     ns: &str,
     job: &MemoryAwareTrainingJob,
 ) -> Result<(), Error> {
-    let name = children::checkpoint_claim_name(job);
+    let name = pods::checkpoint_claim_name(job);
     let api: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
     match api
         .patch(
             &name,
             &PatchParams::default(),
-            &Patch::Merge(children::release_claim_patch(job)),
+            &Patch::Merge(pods::release_claim_patch(job)),
         )
         .await
     {

@@ -128,6 +128,13 @@ pub fn classify(pod: &Pod) -> PodVerdict {
     }
 }
 
+impl PodVerdict {
+    /// Still running or waiting to run: a pod to stop when its attempt ends.
+    pub fn is_live(&self) -> bool {
+        matches!(self, PodVerdict::Running | PodVerdict::Pending { .. })
+    }
+}
+
 impl PodFailure {
     /// A pipeline stage that stopped because a neighbour went away: a
     /// consequence, whose cause another stage's pod shows.

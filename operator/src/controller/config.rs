@@ -178,7 +178,7 @@ impl CheckpointAccess {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::controller::children::tests::{both_images, job};
+    use crate::controller::pods::tests::{both_images, job};
 
     fn gpu_job_without_image_or_backend() -> MemoryAwareTrainingJobSpec {
         let mut spec = job(include_str!(

@@ -16,12 +16,18 @@
 //!   Failed ◀──────────── Failed(reason) ────────────── Retrying ──▶ Running …
 //! ```
 //!
+//! Attempts open ([`Transition::Start`]) and close ([`Transition::AttemptEnded`])
+//! here too, so an attempt's outcome, reason, message, end time and observed
+//! peak are written in one place whatever ended it (its pods, a refusal, a
+//! deadline).
+//!
 //! Succeeded and Failed are final: [`enter`] refuses every move out of them.
 
 use std::time::Duration;
 
-use headroom_api::{AttemptOutcome, JobPhase, MemoryAwareTrainingJobStatus};
+use headroom_api::{Attempt, AttemptOutcome, JobPhase, MemoryAwareTrainingJobStatus};
 use headroom_planner::Plan;
+use headroom_planner::units::format_bytes;
 use jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
@@ -202,6 +208,10 @@ pub enum Transition {
         plan: Box<Plan>,
         retry: Option<String>,
     },
+    /// The running attempt ended (its pods, a refusal or a deadline ended
+    /// it). The phase does not change: what comes next (a retry, a backoff,
+    /// success, failure) is the next move.
+    AttemptEnded(AttemptEnding),
     /// The attempt's pods exist but not all run yet.
     Waiting,
     /// Every stage of attempt `attempt` exists; `running` of them run.
@@ -235,6 +245,32 @@ pub enum Transition {
     InitializerRefused { message: String },
     /// The job ends without success.
     Failed { reason: Reason, message: String },
+}
+
+/// How an attempt ended, as its pods (or the API server) showed it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttemptEnding {
+    pub outcome: AttemptOutcome,
+    /// Kubernetes' or the worker's short reason (`OOMKilled`, `ExitCode2`, …).
+    pub reason: String,
+    pub message: String,
+    /// The peak the pods' exit showed, bytes; the workers' live reports of
+    /// the attempt are merged in by [`enter`].
+    pub peak: Option<u64>,
+    /// The last step the pods' exit showed; merged with the live reports too.
+    pub step: Option<u64>,
+}
+
+impl AttemptEnding {
+    pub fn new(outcome: AttemptOutcome, reason: impl Into<String>, message: String) -> Self {
+        AttemptEnding {
+            outcome,
+            reason: reason.into(),
+            message,
+            peak: None,
+            step: None,
+        }
+    }
 }
 
 /// When a move happens and which spec generation it answers.
@@ -320,6 +356,7 @@ pub fn enter(
             status.phase = Some(phase);
             Some(event)
         }
+        Transition::AttemptEnded(ending) => end_attempt(status, ending, at),
         Transition::Waiting => {
             // A retry stays Retrying until its workers run.
             if status.phase != Some(JobPhase::Retrying) {
@@ -491,6 +528,71 @@ pub fn enter(
     })
 }
 
+/// Closes the running attempt: outcome, reason, message, end time, and the
+/// peak and step from the exit and the workers' live reports together. A
+/// failed attempt's event says how it ended; a successful one has none (the
+/// job's own `Succeeded` move records it).
+fn end_attempt(
+    status: &mut MemoryAwareTrainingJobStatus,
+    ending: AttemptEnding,
+    at: Stamp,
+) -> Option<JobEvent> {
+    let attempt = status
+        .attempts
+        .last()
+        .filter(|a| a.outcome == AttemptOutcome::Running)?
+        .number;
+    // What the attempt's workers reported live, for when they could not say it on exit.
+    let reports = status.workers.iter().filter(|w| w.attempt == attempt);
+    let (telemetry_peak, telemetry_step) = reports.fold((None, None), |(peak, step), w| {
+        (peak.max(Some(w.memory.peak_bytes)), step.max(Some(w.step)))
+    });
+    let a = status.attempts.last_mut()?;
+    a.outcome = ending.outcome;
+    a.reason = Some(ending.reason.clone());
+    a.message = Some(ending.message.clone());
+    a.finished_at = Some(Time(at.now));
+    a.observed_peak_bytes = ending.peak.max(telemetry_peak).or(a.observed_peak_bytes);
+    a.last_step = ending.step.max(telemetry_step).or(a.last_step);
+    if ending.outcome == AttemptOutcome::Succeeded {
+        return None;
+    }
+    let reason = if ending.outcome.is_memory() {
+        Reason::OutOfMemory
+    } else {
+        Reason::AttemptFailed
+    };
+    Some(JobEvent::new(
+        true,
+        reason,
+        format!(
+            "attempt {attempt} {}: {}{}",
+            ending.reason,
+            ending.message,
+            peak_note(a)
+        ),
+    ))
+}
+
+/// What an event can say about an ended attempt's memory. A kernel OOM kill
+/// ends the process between telemetry samples, so the last sample is only a
+/// lower bound: the kill itself says the limit was reached.
+fn peak_note(ended: &Attempt) -> String {
+    let limit = ended.plan.device_memory_bytes;
+    match (ended.outcome, ended.observed_peak_bytes) {
+        (AttemptOutcome::HostOutOfMemory, Some(b)) if b < limit => format!(
+            " (killed at its {} limit; the last telemetry sample before the kill was {})",
+            format_bytes(limit),
+            format_bytes(b)
+        ),
+        (AttemptOutcome::HostOutOfMemory, None) => {
+            format!(" (killed at its {} limit)", format_bytes(limit))
+        }
+        (_, Some(b)) => format!(" (observed peak {})", format_bytes(b)),
+        (_, None) => String::new(),
+    }
+}
+
 /// The capacity a waiting job waited for came: `Waiting` turns False.
 fn end_waiting(status: &mut MemoryAwareTrainingJobStatus, at: Stamp) {
     let waiting = status
@@ -556,7 +658,7 @@ pub fn summary(p: &Plan) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::controller::children::tests::job;
+    use crate::controller::pods::tests::job;
 
     fn plan() -> Plan {
         let j = job(include_str!("../../../samples/cpu-tiny.yaml"));
@@ -839,6 +941,86 @@ mod tests {
         )
         .expect("move");
         assert_eq!(status.conditions[0].last_transition_time, Time(later.now));
+    }
+
+    /// An attempt opens with `Start` and closes with `AttemptEnded`: the
+    /// outcome, reason, message and end time together, the peak and step the
+    /// exit showed merged with the workers' live reports, the phase
+    /// unchanged, and an event only for a failure.
+    #[test]
+    fn attempts_open_and_close_through_enter() {
+        let start = Transition::Start {
+            number: 1,
+            plan: Box::new(plan()),
+            retry: None,
+        };
+        let mut status = MemoryAwareTrainingJobStatus::default();
+        enter(&mut status, start.clone(), at()).expect("move");
+        status.workers.push(headroom_api::WorkerTelemetry {
+            name: "w".into(),
+            attempt: 1,
+            stage: 0,
+            layer_start: 0,
+            layer_end: 2,
+            step: 7,
+            loss: None,
+            tokens_per_second: None,
+            memory: headroom_api::MemorySample {
+                peak_bytes: 900,
+                ..Default::default()
+            },
+            download: None,
+            updated_at: Time(at().now),
+        });
+        let later = Stamp {
+            now: "2026-11-21T10:05:00Z".parse().expect("time"),
+            generation: Some(3),
+        };
+        let ending = AttemptEnding {
+            outcome: AttemptOutcome::HostOutOfMemory,
+            reason: "OOMKilled".into(),
+            message: "killed".into(),
+            peak: Some(800),
+            step: None,
+        };
+        let event = enter(&mut status, Transition::AttemptEnded(ending.clone()), later)
+            .expect("move")
+            .expect("a failed attempt has an event");
+        assert_eq!((event.warning, event.reason), (true, Reason::OutOfMemory));
+        assert!(
+            event.note.starts_with("attempt 1 OOMKilled: killed"),
+            "{}",
+            event.note
+        );
+        let a = &status.attempts[0];
+        assert_eq!(a.outcome, AttemptOutcome::HostOutOfMemory);
+        assert_eq!(
+            (a.reason.as_deref(), a.message.as_deref()),
+            (Some("OOMKilled"), Some("killed"))
+        );
+        assert_eq!(a.finished_at, Some(Time(later.now)));
+        assert_eq!((a.observed_peak_bytes, a.last_step), (Some(900), Some(7)));
+        assert_eq!(
+            status.phase,
+            Some(JobPhase::Pending),
+            "the phase waits for the next move"
+        );
+        // Closed: a second ending changes nothing.
+        let before = status.clone();
+        assert_eq!(
+            enter(&mut status, Transition::AttemptEnded(ending), later),
+            Ok(None)
+        );
+        assert_eq!(status, before);
+        // A success closes quietly: the job's own Succeeded move records it.
+        let mut status = MemoryAwareTrainingJobStatus::default();
+        enter(&mut status, start, at()).expect("move");
+        let done = AttemptEnding::new(AttemptOutcome::Succeeded, "Succeeded", "done".into());
+        assert_eq!(
+            enter(&mut status, Transition::AttemptEnded(done), later),
+            Ok(None)
+        );
+        assert_eq!(status.attempts[0].outcome, AttemptOutcome::Succeeded);
     }
 
     #[test]

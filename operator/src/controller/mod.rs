@@ -2,20 +2,26 @@
 //!
 //! * [`watch`] — the watches and caches; starts reconciling once they are complete
 //! * [`reconcile`] — one reconcile: dereference → decide → apply
-//! * [`decide`] — the pure decision (what the status says, what to create or stop)
+//! * [`decide`] — the pure decision (what the status says, what to create or
+//!   stop), by concern: the running attempt's verdict, the retry, the
+//!   initializer, a refusal
 //! * [`lifecycle`] — phases, condition/event reasons and the one function that moves a job
 //! * [`classify`] — what a worker pod's state says about its attempt (pure)
-//! * [`children`] — pure builders of what the operator creates for a job
+//! * [`pods`] — pure builders of what the operator creates for a job: the
+//!   worker and initializer pods, the checkpoint claim, the headless Service
 //! * [`apply`] — every write to the API server, each failing with its step
 //! * [`config`] — operator-wide settings (flags / Helm values)
+//!
+//! Imports run one way, from [`watch`] down to [`lifecycle`], [`classify`]
+//! and [`config`]; this file holds what they all share (the context, the
+//! errors) and imports none of them but [`config`].
 
 pub mod apply;
-pub mod children;
 pub mod classify;
 pub mod config;
 pub mod decide;
 pub mod lifecycle;
-pub mod payload;
+pub mod pods;
 pub mod reconcile;
 pub mod watch;
 
@@ -32,7 +38,6 @@ use kube::runtime::reflector::Store;
 use kube::{Client, ResourceExt};
 
 pub use config::{CheckpointAccess, ChildConfig, ControllerConfig, WorkerImages};
-pub use watch::run;
 
 use crate::metrics::Metrics;
 

@@ -1,5 +1,5 @@
 //! One reconcile: dereference (this job's pods, the inventory) → decide
-//! (pure, `decide.rs`) → apply (`apply.rs`): the status and a new attempt's
+//! (pure, `decide/`) → apply (`apply.rs`): the status and a new attempt's
 //! children in one round, then events and stopped pods.
 
 use std::sync::Arc;
@@ -16,7 +16,8 @@ use super::apply::{
     apply_status, delete_worker, ensure_initializer, keep_claim, launch_attempt, missing_workers,
     publish_events, undo_launch,
 };
-use super::decide::{Observation, decide, initializer_refused, launch_refused};
+use super::decide::refused::{Refused, refused};
+use super::decide::{Decision, Observation, decide};
 use super::{Context, Error};
 use crate::inventory::{cpu_inventory, job_inventory};
 use crate::metrics::{ErrorLabels, OutcomeLabels};
@@ -133,28 +134,33 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
     // again; if the operator stops between the two, the next decision finds
     // the pods and records the plan they run (`Builder::start`). With pods
     // to stop first: status, deletions, then the launch.
-    let launch = match (decision.launch, &decision.model, decision.image.as_deref()) {
-        (Some(attempt), Some(model), Some(image))
-            if missing_workers(ctx, job, &decision.status, attempt, &own).is_some() =>
-        {
-            Some((attempt, model, image))
-        }
-        _ => None,
-    };
+    let launch = decision
+        .launch
+        .as_ref()
+        .filter(|l| missing_workers(ctx, job, &decision.status, l.attempt, &own).is_some());
     let at_once = launch.filter(|_| decision.delete_pods.is_empty());
     let (written, launched) = futures::join!(apply_status(&ctx.client, job, &decision), async {
         match at_once {
-            Some((attempt, model, image)) => {
-                Some(launch_attempt(ctx, job, &decision.status, attempt, model, image, &own).await)
-            }
+            Some(l) => Some(
+                launch_attempt(
+                    ctx,
+                    job,
+                    &decision.status,
+                    l.attempt,
+                    &l.model,
+                    &l.image,
+                    &own,
+                )
+                .await,
+            ),
             None => None,
         }
     });
     let written = match written {
         Ok(written) => written,
         Err(error) => {
-            if let Some((attempt, ..)) = at_once {
-                undo_launch(ctx, job, &decision.status, attempt).await;
+            if let Some(l) = at_once {
+                undo_launch(ctx, job, &decision.status, l.attempt).await;
             }
             return Err(error);
         }
@@ -169,53 +175,34 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
     for pod in &decision.delete_pods {
         delete_worker(&ctx.client, &ns, pod).await?;
     }
-    if let (Some(run), Some(image)) = (decision.initialize, decision.image.as_deref())
-        && let Err(error) = ensure_initializer(ctx, job, run, image, &own).await
+    if let Some(init) = &decision.initialize
+        && let Err(error) = ensure_initializer(ctx, job, init.run, &init.image, &own).await
     {
-        // As for the workers below: the refusal goes on the job.
-        let Some(refusal) = error.launch_refusal() else {
-            return Err(error);
-        };
-        let after = initializer_refused(&decision, job, run, &refusal, Timestamp::now());
-        if let Some(written) = apply_status(&ctx.client, latest, &after).await? {
-            ctx.wrote(latest, &written);
-        }
-        publish_events(ctx, job, after.events);
-        if refusal.heals {
-            return Err(error);
-        }
-        tracing::warn!(%error, "initializer refused for good; job failed");
-        return Ok(Action::await_change());
+        let what = Refused::Initializer { run: init.run };
+        return on_refusal(ctx, job, latest, &decision, what, error).await;
     }
     let launched = match (launched, launch) {
         (Some(result), _) => result,
-        (None, Some((attempt, model, image))) => {
-            launch_attempt(ctx, job, &decision.status, attempt, model, image, &own).await
+        (None, Some(l)) => {
+            launch_attempt(
+                ctx,
+                job,
+                &decision.status,
+                l.attempt,
+                &l.model,
+                &l.image,
+                &own,
+            )
+            .await
         }
         (None, None) => Ok(()),
     };
-    if let (Some((attempt, ..)), Err(error)) = (launch, launched) {
-        // Any refusal goes where the user looks, on the job: a condition, an
-        // event and the status message. One that can pass (a quota, a server
-        // error) is asked again after the error policy's delay; one that
-        // cannot ends the job with the server's reason.
-        let Some(refusal) = error.launch_refusal() else {
-            return Err(error);
+    if let (Some(l), Err(error)) = (launch, launched) {
+        let what = Refused::Launch {
+            attempt: l.attempt,
+            pods: &own,
         };
-        let after = launch_refused(&decision, job, attempt, &refusal, &own, Timestamp::now());
-        if let Some(written) = apply_status(&ctx.client, latest, &after).await? {
-            ctx.wrote(latest, &written);
-        }
-        record_ended(ctx, after.ended);
-        publish_events(ctx, job, after.events);
-        for pod in &after.delete_pods {
-            delete_worker(&ctx.client, &ns, pod).await?;
-        }
-        if refusal.heals {
-            return Err(error);
-        }
-        tracing::warn!(%error, "launch refused for good; job failed");
-        return Ok(Action::await_change());
+        return on_refusal(ctx, job, latest, &decision, what, error).await;
     }
     Ok(Action::requeue(
         decision
@@ -223,6 +210,41 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
             .unwrap_or(ctx.config.resync)
             .min(ctx.config.resync),
     ))
+}
+
+/// The API server refused what `decision` asked for (`what`). Any refusal
+/// goes where the user looks, on the job: a condition, an event and the
+/// status message, written over `latest` (the job as the first status write
+/// returned it). One that can pass (a quota, a server error) is asked again
+/// after the error policy's delay; one that cannot ends the job with the
+/// server's reason. An error that is not a refusal (a transport error) is
+/// only retried.
+async fn on_refusal(
+    ctx: &Context,
+    job: &MemoryAwareTrainingJob,
+    latest: &MemoryAwareTrainingJob,
+    decision: &Decision,
+    what: Refused<'_>,
+    error: Error,
+) -> Result<Action, Error> {
+    let Some(refusal) = error.launch_refusal() else {
+        return Err(error);
+    };
+    let after = refused(decision, job, what, &refusal, Timestamp::now());
+    if let Some(written) = apply_status(&ctx.client, latest, &after).await? {
+        ctx.wrote(latest, &written);
+    }
+    record_ended(ctx, after.ended);
+    publish_events(ctx, job, after.events);
+    let ns = job.namespace().unwrap_or_default();
+    for pod in &after.delete_pods {
+        delete_worker(&ctx.client, &ns, pod).await?;
+    }
+    if refusal.heals {
+        return Err(error);
+    }
+    tracing::warn!(%error, "refused for good; job failed");
+    Ok(Action::await_change())
 }
 
 /// Counts an ended attempt by outcome.

@@ -36,7 +36,7 @@ pub fn start_operator(ns: &TestNs, config: ControllerConfig) -> Operator {
         let shutdown = async move {
             let _ = rx.wait_for(|s| *s).await;
         };
-        controller::run(client, m, config, "test-operator", shutdown).await;
+        controller::watch::run(client, m, config, "test-operator", shutdown).await;
     });
     Operator {
         stop,

@@ -1,315 +1,31 @@
-//! Pure builders for everything the operator creates for a job: the
-//! checkpoint PVC, the headless Service of a multi-worker attempt, and one Pod
-//! per worker. All carry a controller owner reference to the job and are
-//! written under one field manager. Workers get no Kubernetes API rights:
-//! they run under the namespace's `default` account with no API token
-//! mounted, and reach the operator's worker API ([`crate::worker_api`]) with
-//! a token bound to their pod that only that API accepts.
+//! The worker pods: one per stage replica of an attempt, on the restricted
+//! skeleton ([`super::skeleton::restricted_pod`]), with the worker's
+//! assignment, its peers, the resources and placement the plan sized, and
+//! the ports and DNS name a multi-worker attempt's peers reach it by.
 
 use std::collections::BTreeMap;
 
 use headroom_api::{
-    ANNOTATION_JOB_UID, CHECKPOINT_DIR_ENV, ClaimRetention, DEFAULT_CHECKPOINT_DIR, LABEL_ATTEMPT,
-    LABEL_JOB, LABEL_REPLICA, LABEL_RETAINED_FROM, LABEL_STAGE, MemoryAwareTrainingJob,
-    PIPELINE_PODS_ENV, PIPELINE_PORT, PIPELINE_SERVICE_ENV, PLAN_JSON_ENV, POD_NAME_ENV,
-    REPLICA_PODS_ENV, REPLICA_PORT, TELEMETRY_INTERVAL_ENV, TERMINATION_MESSAGE_PATH,
-    WORKER_API_AUDIENCE, WORKER_API_ENV, WORKER_API_TOKEN_ENV, WORKER_API_TOKEN_PATH,
-    WorkerAssignment,
+    CHECKPOINT_DIR_ENV, DEFAULT_CHECKPOINT_DIR, LABEL_ATTEMPT, LABEL_JOB, LABEL_REPLICA,
+    LABEL_STAGE, MemoryAwareTrainingJob, PIPELINE_PODS_ENV, PIPELINE_PORT, PIPELINE_SERVICE_ENV,
+    PLAN_JSON_ENV, REPLICA_PODS_ENV, REPLICA_PORT, WorkerAssignment,
 };
 use headroom_planner::inventory::{LabelRequirement, device_placement};
 use headroom_planner::{DeviceKind, ModelShape, Plan};
 use k8s_openapi::api::core::v1::{
-    Affinity, Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, LocalObjectReference,
-    NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, ObjectFieldSelector,
-    PersistentVolumeClaim, PersistentVolumeClaimSpec, PersistentVolumeClaimVolumeSource, Pod,
-    PodAffinity, PodAffinityTerm, PodSecurityContext, PodSpec, ProjectedVolumeSource,
-    ResourceRequirements, SeccompProfile, SecurityContext, Service, ServiceAccountTokenProjection,
-    ServicePort, ServiceSpec, Volume, VolumeMount, VolumeProjection, VolumeResourceRequirements,
+    Affinity, ContainerPort, EnvVar, NodeAffinity, NodeSelector, NodeSelectorRequirement,
+    NodeSelectorTerm, Pod, PodAffinity, PodAffinityTerm, ResourceRequirements,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
-use kube::{Resource, ResourceExt};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use kube::ResourceExt;
 
-use super::config::ChildConfig;
-
-/// How often the pod writes its telemetry (the operator's `--telemetry-interval-seconds`).
-pub fn telemetry_interval_env(cfg: &ChildConfig) -> EnvVar {
-    EnvVar {
-        name: TELEMETRY_INTERVAL_ENV.into(),
-        value: Some(cfg.telemetry_interval.as_secs_f64().to_string()),
-        ..EnvVar::default()
-    }
-}
-
-/// `POD_NAME` from the downward API: the name a worker or the initializer
-/// reports its status entry under.
-pub fn pod_name_env() -> EnvVar {
-    EnvVar {
-        name: POD_NAME_ENV.into(),
-        value_from: Some(EnvVarSource {
-            field_ref: Some(ObjectFieldSelector {
-                field_path: "metadata.name".into(),
-                ..ObjectFieldSelector::default()
-            }),
-            ..EnvVarSource::default()
-        }),
-        ..EnvVar::default()
-    }
-}
-
-/// Seconds a worker's worker-API token is valid; the kubelet renews it at
-/// 80 % of that, and the worker reads it again for every call.
-const WORKER_API_TOKEN_SECONDS: i64 = 3600;
-
-/// What a pod needs to reach the operator's worker API: its URL and token
-/// path in the environment, and the token itself, projected by the kubelet
-/// and bound to the pod, for the worker API's audience only. Nothing when
-/// the operator has no worker API URL (workers then log their telemetry).
-pub fn worker_api_access(config: &ChildConfig) -> (Vec<EnvVar>, Vec<Volume>, Vec<VolumeMount>) {
-    let Some(url) = &config.worker_api_url else {
-        return (Vec::new(), Vec::new(), Vec::new());
-    };
-    let (dir, file) = WORKER_API_TOKEN_PATH
-        .rsplit_once('/')
-        .unwrap_or(("/", WORKER_API_TOKEN_PATH));
-    let env = [
-        (WORKER_API_ENV, url.as_str()),
-        (WORKER_API_TOKEN_ENV, WORKER_API_TOKEN_PATH),
-    ]
-    .into_iter()
-    .map(|(name, value)| EnvVar {
-        name: name.into(),
-        value: Some(value.into()),
-        ..EnvVar::default()
-    })
-    .collect();
-    let volume = Volume {
-        name: "worker-api-token".into(),
-        projected: Some(ProjectedVolumeSource {
-            sources: Some(vec![VolumeProjection {
-                service_account_token: Some(ServiceAccountTokenProjection {
-                    audience: Some(WORKER_API_AUDIENCE.into()),
-                    expiration_seconds: Some(WORKER_API_TOKEN_SECONDS),
-                    path: file.into(),
-                }),
-                ..VolumeProjection::default()
-            }]),
-            ..ProjectedVolumeSource::default()
-        }),
-        ..Volume::default()
-    };
-    let mount = VolumeMount {
-        name: "worker-api-token".into(),
-        mount_path: dir.into(),
-        read_only: Some(true),
-        ..VolumeMount::default()
-    };
-    (env, vec![volume], vec![mount])
-}
-
-/// The non-root user workers run as.
-pub const WORKER_UID: i64 = 65532;
-
-/// A DNS-1123 label from `base` + `suffix`, shortened with a stable hash when too long.
-pub fn dns_label(base: &str, suffix: &str) -> String {
-    let full = format!("{base}{suffix}");
-    if full.len() <= 63 {
-        return full;
-    }
-    // FNV-1a: stable across releases (std's hasher is not).
-    let hash = base.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    });
-    let keep = 63 - suffix.len() - 9;
-    format!(
-        "{}-{:08x}{suffix}",
-        &base[..keep.min(base.len())].trim_end_matches('-'),
-        hash as u32
-    )
-}
-
-pub fn checkpoint_claim_name(job: &MemoryAwareTrainingJob) -> String {
-    dns_label(&job.name_any(), "-checkpoints")
-}
-
-pub fn service_name(job: &MemoryAwareTrainingJob) -> String {
-    dns_label(&job.name_any(), "-workers")
-}
-
-/// One worker of a plan: a pipeline stage's data-parallel replica.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Slot {
-    pub stage: u32,
-    pub replica: u32,
-}
-
-/// Every worker of `plan`, stage by stage, replicas in rank order.
-pub fn slots(plan: &Plan) -> impl Iterator<Item = Slot> {
-    let replicas = plan.replicas.max(1);
-    (0..plan.stage_count())
-        .flat_map(move |stage| (0..replicas).map(move |replica| Slot { stage, replica }))
-}
-
-/// Pod name of one worker of one attempt: stable, so re-applying never
-/// duplicates. `-a<attempt>-s<stage>`, with `-r<replica>` when the plan has
-/// data-parallel replicas.
-pub fn pod_name(job: &MemoryAwareTrainingJob, attempt: u32, plan: &Plan, slot: Slot) -> String {
-    dns_label(
-        &job.name_any(),
-        &format!("-a{attempt}-{}", host_name(plan, slot)),
-    )
-}
-
-/// A worker's hostname under the job's headless Service (`s<k>`, `s<k>-r<r>`).
-fn host_name(plan: &Plan, Slot { stage, replica }: Slot) -> String {
-    if plan.replicas > 1 {
-        format!("s{stage}-r{replica}")
-    } else {
-        format!("s{stage}")
-    }
-}
-
-pub(crate) fn owner(job: &MemoryAwareTrainingJob) -> OwnerReference {
-    job.controller_owner_ref(&())
-        .unwrap_or_else(|| OwnerReference {
-            api_version: MemoryAwareTrainingJob::api_version(&()).into_owned(),
-            kind: MemoryAwareTrainingJob::kind(&()).into_owned(),
-            name: job.name_any(),
-            uid: job.metadata.uid.clone().unwrap_or_default(),
-            controller: Some(true),
-            block_owner_deletion: Some(true),
-        })
-}
-
-fn job_labels(job: &MemoryAwareTrainingJob) -> BTreeMap<String, String> {
-    [
-        (LABEL_JOB.to_string(), job.name_any()),
-        (
-            "app.kubernetes.io/managed-by".to_string(),
-            "headroom".to_string(),
-        ),
-        (
-            "app.kubernetes.io/component".to_string(),
-            "worker".to_string(),
-        ),
-    ]
-    .into_iter()
-    .collect()
-}
-
-fn meta(
-    job: &MemoryAwareTrainingJob,
-    name: String,
-    labels: BTreeMap<String, String>,
-) -> ObjectMeta {
-    ObjectMeta {
-        name: Some(name),
-        namespace: job.namespace(),
-        labels: Some(labels),
-        owner_references: Some(vec![owner(job)]),
-        ..ObjectMeta::default()
-    }
-}
-
-/// One volume for all attempts, so a retry resumes from the last checkpoint.
-/// Annotated with the job's uid (a kept claim outlives its job); owned by the
-/// job (deleted with it) unless `spec.checkpoints.retention` is `Retain`.
-/// `RetainOnSuccess` claims are released when the job succeeds ([`release_claim_patch`]).
-pub fn checkpoint_claim(
-    job: &MemoryAwareTrainingJob,
-    config: &ChildConfig,
-) -> PersistentVolumeClaim {
-    let mut metadata = meta(job, checkpoint_claim_name(job), job_labels(job));
-    metadata.annotations = Some(
-        [(
-            ANNOTATION_JOB_UID.to_string(),
-            job.uid().unwrap_or_default(),
-        )]
-        .into_iter()
-        .collect(),
-    );
-    if job.spec.checkpoints.retention == ClaimRetention::Retain {
-        metadata.owner_references = None;
-        release_labels(job, &mut metadata);
-    }
-    PersistentVolumeClaim {
-        metadata,
-        spec: Some(PersistentVolumeClaimSpec {
-            access_modes: Some(vec![config.checkpoint_access.as_str().into()]),
-            storage_class_name: config.checkpoint_storage_class.clone(),
-            resources: Some(VolumeResourceRequirements {
-                requests: Some(
-                    [(
-                        "storage".to_string(),
-                        Quantity(config.checkpoint_size.clone()),
-                    )]
-                    .into_iter()
-                    .collect(),
-                ),
-                ..VolumeResourceRequirements::default()
-            }),
-            ..PersistentVolumeClaimSpec::default()
-        }),
-        ..PersistentVolumeClaim::default()
-    }
-}
-
-fn release_labels(job: &MemoryAwareTrainingJob, metadata: &mut ObjectMeta) {
-    metadata
-        .labels
-        .get_or_insert_with(BTreeMap::new)
-        .insert(LABEL_RETAINED_FROM.into(), job.name_any());
-}
-
-/// The merge patch that lets a claim outlive its job: no owner (garbage
-/// collection leaves it), labelled with the job's name for finding it.
-pub fn release_claim_patch(job: &MemoryAwareTrainingJob) -> serde_json::Value {
-    serde_json::json!({
-        "metadata": {
-            "ownerReferences": null,
-            "labels": {LABEL_RETAINED_FROM: job.name_any()},
-        }
-    })
-}
-
-/// Whether an existing claim holds this job's checkpoints (and not those of
-/// an earlier job of the same name, kept after it ended).
-/// `claim`: the claim or its metadata (the claim cache holds only that).
-pub fn claim_belongs_to(claim: &impl ResourceExt, job: &MemoryAwareTrainingJob) -> bool {
-    let Some(uid) = job.uid() else {
-        return true;
-    };
-    let annotated = claim
-        .annotations()
-        .get(ANNOTATION_JOB_UID)
-        .map(|u| *u == uid);
-    let owned = claim.owner_references().iter().any(|o| o.uid == uid);
-    // Claims made before the annotation existed are recognised by their owner.
-    annotated.unwrap_or(owned)
-}
-
-/// Stable DNS names for the stages of a multi-worker plan (`s<k>.<service>`).
-pub fn headless_service(job: &MemoryAwareTrainingJob) -> Service {
-    Service {
-        metadata: meta(job, service_name(job), job_labels(job)),
-        spec: Some(ServiceSpec {
-            cluster_ip: Some("None".into()),
-            selector: Some(
-                [(LABEL_JOB.to_string(), job.name_any())]
-                    .into_iter()
-                    .collect(),
-            ),
-            publish_not_ready_addresses: Some(true),
-            ports: Some(vec![ServicePort {
-                name: Some("pipeline".into()),
-                port: i32::from(PIPELINE_PORT),
-                ..ServicePort::default()
-            }]),
-            ..ServiceSpec::default()
-        }),
-        ..Service::default()
-    }
-}
+use super::files::payload_files;
+use super::names::{Slot, host_name, pod_name, service_name};
+use super::skeleton::{
+    Component, PodParts, pod_name_env, restricted_pod, telemetry_interval_env, worker_api_access,
+};
+use crate::controller::config::ChildConfig;
 
 /// A required node affinity that a node meets by meeting any one term in full.
 fn required_node_affinity(terms: &[Vec<LabelRequirement>]) -> NodeAffinity {
@@ -339,75 +55,6 @@ fn required_node_affinity(terms: &[Vec<LabelRequirement>]) -> NodeAffinity {
     }
 }
 
-/// The pod-level half of the restricted Pod Security profile every pod of a
-/// job runs under: the non-root worker user, and its group owning the volumes.
-pub(crate) fn restricted_pod_security() -> PodSecurityContext {
-    PodSecurityContext {
-        run_as_non_root: Some(true),
-        run_as_user: Some(WORKER_UID),
-        run_as_group: Some(WORKER_UID),
-        fs_group: Some(WORKER_UID),
-        seccomp_profile: Some(SeccompProfile {
-            type_: "RuntimeDefault".into(),
-            ..SeccompProfile::default()
-        }),
-        ..PodSecurityContext::default()
-    }
-}
-
-/// The container-level half: no privilege escalation, no capabilities, a
-/// read-only root filesystem.
-pub(crate) fn restricted_container_security() -> SecurityContext {
-    SecurityContext {
-        allow_privilege_escalation: Some(false),
-        read_only_root_filesystem: Some(true),
-        run_as_non_root: Some(true),
-        capabilities: Some(Capabilities {
-            drop: Some(vec!["ALL".into()]),
-            ..Capabilities::default()
-        }),
-        seccomp_profile: Some(SeccompProfile {
-            type_: "RuntimeDefault".into(),
-            ..SeccompProfile::default()
-        }),
-        ..SecurityContext::default()
-    }
-}
-
-/// The volumes every pod of a job mounts: the job's checkpoint claim at the
-/// contract's checkpoint directory and a scratch `/tmp` (the root is read-only).
-pub(crate) fn job_volumes(job: &MemoryAwareTrainingJob) -> (Vec<Volume>, Vec<VolumeMount>) {
-    (
-        vec![
-            Volume {
-                name: "checkpoints".into(),
-                persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
-                    claim_name: checkpoint_claim_name(job),
-                    ..PersistentVolumeClaimVolumeSource::default()
-                }),
-                ..Volume::default()
-            },
-            Volume {
-                name: "tmp".into(),
-                empty_dir: Some(Default::default()),
-                ..Volume::default()
-            },
-        ],
-        vec![
-            VolumeMount {
-                name: "checkpoints".into(),
-                mount_path: DEFAULT_CHECKPOINT_DIR.into(),
-                ..VolumeMount::default()
-            },
-            VolumeMount {
-                name: "tmp".into(),
-                mount_path: "/tmp".into(),
-                ..VolumeMount::default()
-            },
-        ],
-    )
-}
-
 fn quantity_bytes(bytes: u64) -> Quantity {
     Quantity(bytes.to_string())
 }
@@ -435,7 +82,7 @@ fn gpu_worker_host_memory(baseline: &Quantity, plan: &Plan, stage: u32) -> Quant
 /// The worker pod for one stage's replica of one attempt. `model` is the spec's
 /// validated model shape (`JobRequest::model`), so the worker builds exactly
 /// what was planned; `image` the one the decision chose
-/// ([`WorkerImages::resolve`](super::config::WorkerImages::resolve)).
+/// ([`WorkerImages::resolve`](crate::controller::config::WorkerImages::resolve)).
 pub fn worker_pod(
     job: &MemoryAwareTrainingJob,
     attempt: u32,
@@ -459,12 +106,8 @@ pub fn worker_pod(
         learning_rate: spec.training.learning_rate,
         checkpoint_every_steps: spec.training.checkpoint_every_steps,
         seed: spec.training.seed,
-        files: super::payload::payload_files(job),
+        files: payload_files(job),
     };
-    let (mut volumes, mut mounts) = job_volumes(job);
-    let (claim_volumes, claim_mounts) = super::payload::claim_mounts(job);
-    volumes.extend(claim_volumes);
-    mounts.extend(claim_mounts);
     let mut env = vec![
         EnvVar {
             name: PLAN_JSON_ENV.into(),
@@ -479,10 +122,7 @@ pub fn worker_pod(
         },
         telemetry_interval_env(config),
     ];
-    let (api_env, api_volumes, api_mounts) = worker_api_access(config);
-    env.extend(api_env);
-    volumes.extend(api_volumes);
-    mounts.extend(api_mounts);
+    env.extend(worker_api_access(config).0);
 
     let multi = plan.workers > 1;
     let pipeline = plan.stage_count() > 1;
@@ -570,7 +210,7 @@ pub fn worker_pod(
         }
     }
 
-    let mut labels = job_labels(job);
+    let mut labels: BTreeMap<String, String> = BTreeMap::new();
     labels.insert(LABEL_ATTEMPT.into(), attempt.to_string());
     labels.insert(LABEL_STAGE.into(), stage.to_string());
     if replicated {
@@ -606,120 +246,61 @@ pub fn worker_pod(
         ..Affinity::default()
     });
 
-    Ok(Pod {
-        metadata: meta(job, name_of(stage, replica), labels),
-        spec: Some(PodSpec {
-            restart_policy: Some("Never".into()),
-            // No API rights and no API token: telemetry and peer lookups go
-            // through the operator's worker API (worker_api_access).
-            service_account_name: Some("default".into()),
-            automount_service_account_token: Some(false),
-            priority_class_name: spec.worker.priority_class_name.clone(),
-            image_pull_secrets: (!spec.worker.image_pull_secrets.is_empty()).then(|| {
-                spec.worker
-                    .image_pull_secrets
-                    .iter()
-                    .map(|name| LocalObjectReference { name: name.clone() })
-                    .collect()
-            }),
-            hostname: multi.then(|| host_name(plan, slot)),
-            subdomain: multi.then(|| service_name(job)),
-            node_selector: (!node_selector.is_empty()).then_some(node_selector),
-            affinity,
-            tolerations: (!tolerations.is_empty()).then_some(tolerations),
-            security_context: Some(restricted_pod_security()),
-            containers: vec![Container {
-                name: "worker".into(),
-                image: Some(image.into()),
-                image_pull_policy: spec.worker.image_pull_policy.map(|p| p.as_str().into()),
-                env: Some(env),
-                ports: multi.then(|| {
-                    let port = |name: &str, port: u16| ContainerPort {
-                        name: Some(name.into()),
-                        container_port: i32::from(port),
-                        ..ContainerPort::default()
-                    };
-                    let mut ports = Vec::new();
-                    if pipeline {
-                        ports.push(port("pipeline", PIPELINE_PORT));
-                    }
-                    if replicated {
-                        ports.push(port("replicas", REPLICA_PORT));
-                    }
-                    ports
-                }),
-                resources: Some(ResourceRequirements {
-                    limits: Some(limits),
-                    requests: Some(requests),
-                    ..ResourceRequirements::default()
-                }),
-                termination_message_path: Some(TERMINATION_MESSAGE_PATH.into()),
-                termination_message_policy: Some("FallbackToLogsOnError".into()),
-                security_context: Some(restricted_container_security()),
-                volume_mounts: Some(mounts),
-                ..Container::default()
-            }],
-            volumes: Some(volumes),
-            ..PodSpec::default()
-        }),
-        ..Pod::default()
-    })
+    let mut pod = restricted_pod(
+        job,
+        config,
+        PodParts {
+            name: name_of(stage, replica),
+            component: Component::Worker,
+            labels,
+            container: "worker",
+            image,
+            env,
+            resources: ResourceRequirements {
+                limits: Some(limits),
+                requests: Some(requests),
+                ..ResourceRequirements::default()
+            },
+            node_selector,
+            tolerations,
+        },
+    );
+    // On top of the skeleton: a multi-worker attempt's peers reach each
+    // worker by its name under the Service, on its ports.
+    let ports = multi.then(|| {
+        let port = |name: &str, port: u16| ContainerPort {
+            name: Some(name.into()),
+            container_port: i32::from(port),
+            ..ContainerPort::default()
+        };
+        let mut ports = Vec::new();
+        if pipeline {
+            ports.push(port("pipeline", PIPELINE_PORT));
+        }
+        if replicated {
+            ports.push(port("replicas", REPLICA_PORT));
+        }
+        ports
+    });
+    let pod_spec = pod.spec.get_or_insert_default();
+    pod_spec.hostname = multi.then(|| host_name(plan, slot));
+    pod_spec.subdomain = multi.then(|| service_name(job));
+    pod_spec.affinity = affinity;
+    for container in &mut pod_spec.containers {
+        container.ports = ports.clone();
+    }
+    Ok(pod)
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
-    use super::*;
-    use crate::controller::config::{CheckpointAccess, WorkerImages};
-    use headroom_api::MemoryAwareTrainingJobSpec;
+mod tests {
+    use headroom_api::TELEMETRY_INTERVAL_ENV;
     use headroom_planner::{Inventory, plan};
     use k8s_openapi::api::core::v1::Node;
 
-    pub(crate) fn job(yaml: &str) -> MemoryAwareTrainingJob {
-        let mut job: MemoryAwareTrainingJob = serde_yaml::from_str(yaml).expect("job fixture");
-        job.metadata.namespace = Some("team-a".into());
-        job.metadata.uid = Some("0000-1111".into());
-        job
-    }
-
-    pub(crate) fn cpu_job() -> MemoryAwareTrainingJob {
-        job(include_str!("../../../samples/cpu-tiny.yaml"))
-    }
-
-    fn first_plan(spec: &MemoryAwareTrainingJobSpec) -> Plan {
-        plan(&spec.job_request().expect("valid"), &Inventory::default()).expect("plan")
-    }
-
-    /// Default images of an operator installed with both.
-    pub(crate) fn both_images() -> WorkerImages {
-        WorkerImages {
-            flex: Some("registry.example/headroom-worker:2".into()),
-            cuda: Some("registry.example/headroom-worker-cuda:2".into()),
-        }
-    }
-
-    /// The worker pod of one stage, with the spec's validated model and the
-    /// image the decision would choose (`config`'s defaults, or
-    /// [`both_images`] when it has none).
-    fn pod_for(
-        job: &MemoryAwareTrainingJob,
-        attempt: u32,
-        stage: u32,
-        plan: &Plan,
-        config: &ChildConfig,
-    ) -> Pod {
-        let model = job.spec.job_request().expect("valid").model;
-        let image = config
-            .worker_images
-            .resolve(&job.spec)
-            .or_else(|_| both_images().resolve(&job.spec))
-            .expect("an image");
-        let slot = Slot { stage, replica: 0 };
-        worker_pod(job, attempt, slot, plan, &model, &image, config).expect("pod")
-    }
-
-    fn image_of(pod: &Pod) -> Option<&str> {
-        pod.spec.as_ref()?.containers[0].image.as_deref()
-    }
+    use super::super::names::slots;
+    use super::super::tests::{both_images, cpu_job, first_plan, image_of, job, pod_for};
+    use super::*;
 
     /// The job's own image wins; without one, the operator's default for
     /// the job's backend; the CPU sample's plan gets the CPU image.
@@ -819,7 +400,7 @@ pub(crate) mod tests {
     /// and its stage's ring, and a Role naming exactly those four.
     #[test]
     fn replicas_get_a_pod_each_with_their_pipeline_and_their_ring() {
-        let job = job(include_str!("../../../samples/cpu-pipeline.yaml"));
+        let job = job(include_str!("../../../../samples/cpu-pipeline.yaml"));
         let mut plan = first_plan(&job.spec);
         assert_eq!(plan.stage_count(), 2, "the sample is a 2-stage pipeline");
         plan.replicas = 2;
@@ -878,58 +459,8 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn pipeline_stages_share_a_node_only_when_the_checkpoint_volume_is_read_write_once() {
-        let job = job(include_str!("../../../samples/cpu-pipeline.yaml"));
-        let plan = first_plan(&job.spec);
-        assert!(plan.workers > 1, "the sample is a pipeline: {plan:?}");
-        let affinity = |config: &ChildConfig| {
-            let pod = pod_for(&job, 2, 1, &plan, config);
-            pod.spec.expect("spec").affinity
-        };
-
-        let rwo = ChildConfig::default();
-        let term = affinity(&rwo)
-            .and_then(|a| a.pod_affinity)
-            .and_then(|a| a.required_during_scheduling_ignored_during_execution)
-            .expect("a required pod-affinity term")
-            .remove(0);
-        assert_eq!(term.topology_key, "kubernetes.io/hostname");
-        let selector = term
-            .label_selector
-            .and_then(|l| l.match_labels)
-            .expect("labels");
-        assert_eq!(selector[LABEL_JOB], job.name_any());
-        assert_eq!(selector[LABEL_ATTEMPT], "2", "this attempt's stages only");
-        assert_eq!(
-            checkpoint_claim(&job, &rwo)
-                .spec
-                .and_then(|s| s.access_modes),
-            Some(vec!["ReadWriteOnce".to_string()])
-        );
-
-        let rwx = ChildConfig {
-            checkpoint_access: CheckpointAccess::ReadWriteMany,
-            ..ChildConfig::default()
-        };
-        assert!(affinity(&rwx).is_none(), "stages may spread over nodes");
-        assert_eq!(
-            checkpoint_claim(&job, &rwx)
-                .spec
-                .and_then(|s| s.access_modes),
-            Some(vec!["ReadWriteMany".to_string()])
-        );
-
-        let single = first_plan(&cpu_job().spec);
-        let pod = pod_for(&cpu_job(), 1, 0, &single, &rwo);
-        assert!(
-            pod.spec.expect("spec").affinity.is_none(),
-            "one stage, nothing to co-locate"
-        );
-    }
-
-    #[test]
     fn gpu_worker_pod_selects_the_planned_product_and_requests_one_gpu() {
-        let job = job(include_str!("../../../samples/gpu-gpt2-medium.yaml"));
+        let job = job(include_str!("../../../../samples/gpu-gpt2-medium.yaml"));
         let nodes = [headroom_planner::NodeFacts {
             name: "n".into(),
             labels: [
@@ -1111,7 +642,7 @@ status:
     fn a_mixed_mig_pod_requests_its_slice_on_the_node_it_was_planned_for() {
         const A100: &str = "NVIDIA-A100-SXM4-80GB";
         const H100: &str = "NVIDIA-H100-80GB-HBM3";
-        let mut job = job(include_str!("../../../samples/gpu-gpt2-medium.yaml"));
+        let mut job = job(include_str!("../../../../samples/gpu-gpt2-medium.yaml"));
         // GPT-2 small fits one 1g.10gb slice; the full A100 is listed too,
         // and must not be planned (the device plugin does not offer it).
         job.spec.model = serde_yaml::from_str(
@@ -1167,16 +698,5 @@ status:
                 "with .product: {with_product}: another model's slices: {placement:?}"
             );
         }
-    }
-
-    #[test]
-    fn long_names_stay_valid_dns_labels_and_distinct() {
-        let base = "x".repeat(80);
-        let a = dns_label(&base, "-a1-s0");
-        let b = dns_label(&format!("{base}y"), "-a1-s0");
-        assert!(a.len() <= 63 && b.len() <= 63);
-        assert_ne!(a, b);
-        assert!(a.ends_with("-a1-s0"));
-        assert_eq!(dns_label("short", "-workers"), "short-workers");
     }
 }

@@ -1,0 +1,459 @@
+//! The running attempt, as its pods show it: one [`Verdict`], computed once
+//! by [`verdict`] (pure), then acted on by [`Builder::follow`].
+
+use std::time::Duration;
+
+use headroom_api::{Attempt, AttemptOutcome, LABEL_ATTEMPT, WorkerOutcome};
+use headroom_planner::{FailureCause, JobRequest, replan};
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+
+use super::super::classify::{PodFailure, PodVerdict, classify, rank};
+use super::super::lifecycle::{AttemptEnding, Reason, Transition};
+use super::{Builder, Observation, of_attempt};
+
+/// How long a pipeline stage that lost its neighbour waits for the
+/// neighbour's own failure to be reported before the attempt ends without it.
+const PEER_LOST_GRACE: Duration = Duration::from_secs(30);
+
+/// What the running attempt's pods say, most decisive first.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) enum Verdict {
+    /// A stage failed (the worst failure if several did): the attempt has
+    /// failed as a whole, and `live` are its stages still running.
+    Failed {
+        ending: AttemptEnding,
+        worker: Option<WorkerOutcome>,
+        live: Vec<String>,
+    },
+    /// Only lost peers so far: the stage that caused it is still being
+    /// reported (its OOM kill decides the retry); look again after `left`.
+    PeerLost { left: Duration },
+    /// Every worker finished.
+    Succeeded,
+    /// A worker that reported and whose pod is gone: deleted from outside
+    /// (the eviction API, `kubectl delete pod`, a node drained or lost)
+    /// after the kubelet had finished it, before this operator saw it fail.
+    Vanished { pod: String, live: Vec<String> },
+    /// A pod has been unschedulable for the whole grace period; `all` are
+    /// the attempt's pods.
+    Stuck { why: String, all: Vec<String> },
+    /// No pod of this attempt yet, and an earlier attempt's pods are still
+    /// shutting down (deleted stages save a checkpoint on SIGTERM).
+    Blocked { stopping: Vec<String> },
+    /// Every stage exists and `running` of them run.
+    Running {
+        running: usize,
+        recheck: Option<Duration>,
+    },
+    /// Pods are missing or not running yet (`recheck`: when an unschedulable
+    /// pod's grace period ends).
+    Waiting { recheck: Option<Duration> },
+}
+
+/// The verdict on running attempt `attempt` from the job's pods and the
+/// workers' live reports.
+pub(super) fn verdict(
+    obs: &Observation<'_>,
+    attempt: &Attempt,
+    reported: &[headroom_api::WorkerTelemetry],
+) -> Verdict {
+    let n = attempt.number;
+    let pods: Vec<(&Pod, PodVerdict)> = of_attempt(obs.pods, n).map(|p| (p, classify(p))).collect();
+    let live = || -> Vec<String> {
+        pods.iter()
+            .filter(|(_, v)| v.is_live())
+            .map(|(p, _)| p.name_any())
+            .collect()
+    };
+    let failures = || {
+        pods.iter().filter_map(|(_, v)| match v {
+            PodVerdict::Failed(f) => Some(f),
+            _ => None,
+        })
+    };
+
+    if let Some(failure) = failures().max_by_key(|f| rank(f)) {
+        let others_alive = pods.iter().any(|(_, v)| v.is_live());
+        if failure.peer_lost() && others_alive {
+            let waited = failure
+                .finished_at
+                .map_or(Duration::ZERO, |t| since(obs.now, t));
+            if waited < PEER_LOST_GRACE {
+                return Verdict::PeerLost {
+                    left: PEER_LOST_GRACE - waited + Duration::from_secs(1),
+                };
+            }
+        }
+        let PodFailure {
+            outcome,
+            reason,
+            message,
+            peak_bytes,
+            worker,
+            ..
+        } = failure.clone();
+        return Verdict::Failed {
+            ending: AttemptEnding {
+                outcome,
+                reason,
+                message,
+                peak: peak_bytes,
+                step: failures().filter_map(|f| f.step).max(),
+            },
+            worker,
+            live: live(),
+        };
+    }
+
+    let succeeded = pods
+        .iter()
+        .filter(|(_, v)| *v == PodVerdict::Succeeded)
+        .count();
+    if succeeded == attempt.plan.workers as usize && succeeded > 0 {
+        return Verdict::Succeeded;
+    }
+
+    // Starting a pod in a vanished one's place would not continue the
+    // attempt: its peers were mid-exchange with the one that left.
+    if let Some(gone) = reported
+        .iter()
+        .find(|w| w.attempt == n && !pods.iter().any(|(p, _)| p.name_any() == w.name))
+    {
+        return Verdict::Vanished {
+            pod: gone.name.clone(),
+            live: live(),
+        };
+    }
+
+    let mut recheck = None;
+    let stuck = pods.iter().find_map(|(_, v)| match v {
+        PodVerdict::Pending {
+            unschedulable_since: Some(since),
+            message,
+        } => Some((*since, message.clone())),
+        _ => None,
+    });
+    if let Some((unschedulable_since, message)) = stuck {
+        let waited = since(obs.now, unschedulable_since);
+        if waited >= obs.unschedulable_grace {
+            return Verdict::Stuck {
+                why: message.unwrap_or_else(|| "no node can take the worker".into()),
+                all: pods.iter().map(|(p, _)| p.name_any()).collect(),
+            };
+        }
+        recheck = Some(obs.unschedulable_grace.saturating_sub(waited) + Duration::from_secs(1));
+    }
+
+    let stopping: Vec<String> = obs
+        .pods
+        .iter()
+        .filter(|p| {
+            p.labels()
+                .get(LABEL_ATTEMPT)
+                .and_then(|a| a.parse::<u32>().ok())
+                .is_some_and(|a| a < n)
+                && classify(p).is_live()
+                // Deleted and 30 s past its grace period: its node is
+                // probably gone, and it must not block the job forever.
+                && !p.metadata.deletion_timestamp.as_ref().is_some_and(|t| {
+                    obs.now.duration_since(t.0) > jiff::SignedDuration::from_secs(30)
+                })
+        })
+        .map(|p| p.name_any())
+        .collect();
+    if pods.is_empty() && !stopping.is_empty() {
+        return Verdict::Blocked { stopping };
+    }
+
+    let running = pods
+        .iter()
+        .filter(|(_, v)| *v == PodVerdict::Running)
+        .count();
+    if running > 0 && pods.len() == attempt.plan.workers as usize {
+        Verdict::Running { running, recheck }
+    } else {
+        Verdict::Waiting { recheck }
+    }
+}
+
+fn since(now: Timestamp, then: Timestamp) -> Duration {
+    now.duration_since(then).unsigned_abs()
+}
+
+impl Builder<'_> {
+    /// Follows the running attempt: acts on its pods' verdict.
+    pub(super) fn follow(&mut self, attempt: &Attempt, request: &JobRequest) {
+        let n = attempt.number;
+        match verdict(self.obs, attempt, &self.d.status.workers) {
+            Verdict::Failed {
+                ending,
+                worker,
+                live,
+            } => {
+                // One stage failing fails the attempt as a whole: stop the others.
+                self.d.delete_pods = live;
+                self.end_attempt(ending, worker, request);
+            }
+            Verdict::PeerLost { left } => self.d.requeue_after = Some(left),
+            Verdict::Succeeded => {
+                let ending = AttemptEnding::new(
+                    AttemptOutcome::Succeeded,
+                    "Succeeded",
+                    "all workers finished".into(),
+                );
+                self.end_attempt(ending, Some(WorkerOutcome::Succeeded), request);
+            }
+            Verdict::Vanished { pod, live } => {
+                // The attempt ends as disrupted, and the next resumes from the
+                // newest checkpoint.
+                let ending = AttemptEnding::new(
+                    AttemptOutcome::Disrupted,
+                    "PodDeleted",
+                    format!(
+                        "pod {pod} was deleted while attempt {n} ran (an eviction, a deletion or a lost node)"
+                    ),
+                );
+                self.d.delete_pods = live;
+                self.end_attempt(ending, None, request);
+            }
+            Verdict::Stuck { why, all } => {
+                let ending =
+                    AttemptEnding::new(AttemptOutcome::Unschedulable, "Unschedulable", why.clone());
+                // Another device type that fits: move there. Otherwise the
+                // pods stay and the job waits (a busy node, a volume still
+                // being provisioned): the scheduler places them when it can.
+                let cause = FailureCause::Unschedulable {
+                    excluded_devices: self.unschedulable_devices(),
+                };
+                let elsewhere = replan(request, self.obs.inventory, &attempt.plan, &cause)
+                    .is_ok_and(|p| p.device != attempt.plan.device);
+                if elsewhere {
+                    self.d.delete_pods = all;
+                    return self.end_attempt(ending, None, request);
+                }
+                let waiting = format!("attempt {n}'s workers cannot be scheduled yet: {why}");
+                if let Some(late) = self.past_deadline(&waiting) {
+                    self.d.delete_pods = all;
+                    self.close_attempt(ending);
+                    return self.fail(Reason::WaitedTooLong, late);
+                }
+                self.launch(n);
+                self.wait_for_capacity(waiting);
+            }
+            Verdict::Blocked { stopping } => {
+                // Start this attempt's pods once they are gone, so every
+                // stage resumes from the same, newest checkpoint.
+                self.d.status.message = Some(format!(
+                    "attempt {n}: waiting for {} of an earlier attempt to stop",
+                    stopping.join(", ")
+                ));
+                self.d.requeue_after = Some(Duration::from_secs(2));
+            }
+            Verdict::Running { running, recheck } => {
+                self.d.requeue_after = recheck;
+                self.launch(n);
+                self.enter(Transition::WorkersRunning {
+                    attempt: n,
+                    running,
+                });
+            }
+            Verdict::Waiting { recheck } => {
+                self.d.requeue_after = recheck;
+                self.launch(n);
+                self.enter(Transition::Waiting);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::fixtures::*;
+    use super::*;
+
+    /// A user deletes the worker pod: the worker checkpoints and exits 143.
+    /// That is a disruption: the next attempt starts at once and no attempt
+    /// is used up, even with maxAttempts 1.
+    #[test]
+    fn a_deleted_worker_is_a_disruption_that_costs_no_attempt() {
+        const SIGTERM: &str = "  phase: Failed\n  containerStatuses: [{name: worker, image: i, imageID: '', ready: false, restartCount: 0, state: {terminated: {exitCode: 143, message: '{\"outcome\":\"terminated\",\"reason\":\"terminated by SIGTERM at step 7; checkpoint saved\",\"step\":7}'}}}]";
+        let mut j = oom_job();
+        j.spec.memory_policy.max_attempts = 1;
+        step(&mut j, &[], t0());
+        step(&mut j, &[pod(1, 0, RUNNING)], t0());
+        let d = step(&mut j, &[pod(1, 0, SIGTERM)], t0());
+        let first = &d.status.attempts[0];
+        assert_eq!(first.outcome, AttemptOutcome::Disrupted, "{first:?}");
+        assert_eq!(first.reason.as_deref(), Some("Terminated"));
+        assert_eq!(first.last_step, Some(7));
+        assert_eq!(launched(&d), Some(2), "resumes at once, no backoff");
+        assert_eq!(d.status.phase, Some(JobPhase::Retrying));
+        // A real failure afterwards is still held to maxAttempts 1.
+        let d = step(&mut j, &[pod(1, 0, SIGTERM), pod(2, 0, CRASH)], t0());
+        assert_eq!(d.status.phase, Some(JobPhase::Failed));
+    }
+
+    /// A worker's pod is deleted from outside and gone before this operator
+    /// saw it fail (the kubelet finished it at once): once it has reported,
+    /// the attempt ends as disrupted instead of starting a lone pod in its
+    /// place that its peers would never exchange with (a ZeRO replica
+    /// started again waited for a ring whose other replica had finished).
+    #[test]
+    fn a_worker_that_reported_and_vanished_ends_its_attempt_as_disrupted() {
+        let mut j = oom_job();
+        step(&mut j, &[], t0());
+        step(&mut j, &[pod(1, 0, RUNNING)], t0());
+        // Gone before it ever reported: not known to have run, so started again.
+        let d = step(&mut j, &[], t0());
+        assert_eq!(launched(&d), Some(1));
+        assert_eq!(d.status.attempts[0].outcome, AttemptOutcome::Running);
+        let report: headroom_api::WorkerTelemetry = serde_json::from_value(serde_json::json!({
+            "name": "p-a1-s0", "attempt": 1, "stage": 0, "layerStart": 0, "layerEnd": 2,
+            "step": 7, "memory": {"peakBytes": 1000}, "updatedAt": "2026-11-21T10:00:00Z"
+        }))
+        .expect("telemetry");
+        j.status.as_mut().expect("status").workers.push(report);
+        let d = step(&mut j, &[pod(1, 0, RUNNING)], t0());
+        assert_eq!(d.status.attempts[0].outcome, AttemptOutcome::Running);
+        let d = step(&mut j, &[], t0());
+        let first = &d.status.attempts[0];
+        assert_eq!(first.outcome, AttemptOutcome::Disrupted, "{first:?}");
+        assert_eq!(first.reason.as_deref(), Some("PodDeleted"));
+        assert!(
+            first
+                .message
+                .as_deref()
+                .is_some_and(|m| m.contains("p-a1-s0")),
+            "{first:?}"
+        );
+        assert_eq!(first.last_step, Some(7), "the step it reported");
+        assert_eq!(launched(&d), Some(2), "resumes at once");
+    }
+
+    #[test]
+    fn one_failed_stage_stops_the_others() {
+        let mut j = oom_job();
+        step(&mut j, &[], t0());
+        let d = step(&mut j, &[pod(1, 0, RUNNING), pod(1, 1, OOM)], t0());
+        assert_eq!(d.delete_pods, vec!["p-a1-s0".to_string()]);
+        assert_eq!(d.ended, Some(AttemptOutcome::HostOutOfMemory));
+    }
+
+    #[test]
+    fn a_lost_peer_waits_for_the_stage_that_caused_it() {
+        const PEER_LOST: &str = "  phase: Failed\n  containerStatuses: [{name: worker, image: i, imageID: '', ready: false, restartCount: 0, state: {terminated: {exitCode: 75, finishedAt: '2026-11-21T10:00:00Z', message: '{\"outcome\":\"peerLost\",\"reason\":\"pipeline stage 1: closed the connection\"}'}}}]";
+        let mut j = oom_job();
+        step(&mut j, &[], t0());
+        // Stage 0 noticed stage 1 go; stage 1's OOM kill is not reported yet.
+        let early = step(
+            &mut j,
+            &[pod(1, 0, PEER_LOST), pod(1, 1, RUNNING)],
+            t0() + SignedDuration::from_secs(2),
+        );
+        assert_eq!(early.ended, None);
+        assert!(early.delete_pods.is_empty());
+        assert_eq!(early.requeue_after, Some(Duration::from_secs(29)));
+        // Then it is: the OOM kill explains the attempt and drives the ladder.
+        let d = step(
+            &mut j,
+            &[pod(1, 0, PEER_LOST), pod(1, 1, OOM)],
+            t0() + SignedDuration::from_secs(3),
+        );
+        assert_eq!(d.ended, Some(AttemptOutcome::HostOutOfMemory));
+        // A neighbour that never reports a cause ends the attempt after the grace.
+        let mut j = oom_job();
+        step(&mut j, &[], t0());
+        let late = step(
+            &mut j,
+            &[pod(1, 0, PEER_LOST), pod(1, 1, RUNNING)],
+            t0() + SignedDuration::from_secs(31),
+        );
+        assert_eq!(late.ended, Some(AttemptOutcome::Failed));
+        assert_eq!(late.delete_pods, vec!["p-a1-s1".to_string()]);
+    }
+
+    #[test]
+    fn the_next_attempt_waits_for_the_last_ones_pods_to_stop() {
+        let mut j = oom_job();
+        step(&mut j, &[], t0());
+        // Stage 1 is OOM-killed; stage 0 is told to stop and is still saving.
+        let ended = step(&mut j, &[pod(1, 0, RUNNING), pod(1, 1, OOM)], t0());
+        assert_eq!(ended.ended, Some(AttemptOutcome::HostOutOfMemory));
+        let waiting = step(&mut j, &[pod(1, 0, RUNNING), pod(1, 1, OOM)], t0());
+        assert_eq!(
+            launched(&waiting),
+            None,
+            "no attempt-2 pods while attempt 1 runs"
+        );
+        assert!(
+            waiting
+                .status
+                .message
+                .as_deref()
+                .is_some_and(|m| m.contains("p-a1-s0")),
+            "{:?}",
+            waiting.status.message
+        );
+        assert_eq!(waiting.requeue_after, Some(Duration::from_secs(2)));
+        let gone = step(&mut j, &[pod(1, 1, OOM)], t0());
+        assert_eq!(launched(&gone), Some(2));
+        // A pod stuck terminating on a lost node does not block the retry forever.
+        let mut j = oom_job();
+        step(&mut j, &[], t0());
+        step(&mut j, &[pod(1, 0, RUNNING), pod(1, 1, OOM)], t0());
+        let mut stuck = pod(1, 0, RUNNING);
+        stuck.metadata.deletion_timestamp = Some(Time(t0()));
+        let blocked = step(
+            &mut j,
+            &[stuck.clone(), pod(1, 1, OOM)],
+            t0() + SignedDuration::from_secs(10),
+        );
+        assert_eq!(launched(&blocked), None);
+        let later = step(
+            &mut j,
+            &[stuck, pod(1, 1, OOM)],
+            t0() + SignedDuration::from_secs(31),
+        );
+        assert_eq!(launched(&later), Some(2));
+    }
+
+    /// A launch writes the status and creates the pods in one round; when
+    /// the status write is lost, the next decision must not plan afresh over
+    /// pods that run another plan (it would record one plan and run another).
+    #[test]
+    fn pods_of_an_attempt_whose_status_write_was_lost_keep_their_plan() {
+        use crate::controller::config::ChildConfig;
+        use crate::controller::pods::{Slot, worker_pod};
+        let mut j = oom_job();
+        let planned_now = step(&mut j.clone(), &[], t0());
+        let mut theirs = planned_now.status.attempts[0].plan.clone();
+        theirs
+            .warnings
+            .push("made before the inventory changed".into());
+        let model = planned_now.launch.clone().expect("launch").model;
+        let pod = worker_pod(
+            &j,
+            1,
+            Slot {
+                stage: 0,
+                replica: 0,
+            },
+            &theirs,
+            &model,
+            "worker:test",
+            &ChildConfig::default(),
+        )
+        .expect("pod");
+
+        let d = step(&mut j, &[pod], t0());
+        assert_eq!(launched(&d), Some(1));
+        assert_eq!(d.status.attempts.len(), 1);
+        assert_eq!(
+            d.status.attempts[0].plan, theirs,
+            "the status records the plan the pods run"
+        );
+        assert_eq!(d.status.plan.as_ref(), Some(&theirs));
+    }
+}

@@ -1,0 +1,283 @@
+//! A `model.pretrained` job's initializer: started before the first plan,
+//! followed, retried after a transient failure, and what it read (the
+//! checkpoint's shape, the data) taken into the status.
+
+use std::time::Duration;
+
+use headroom_api::{LABEL_ROLE, ROLE_INITIALIZER, WorkerOutcome};
+use headroom_planner::units::format_bytes;
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+
+use super::super::classify::{PodVerdict, classify};
+use super::super::lifecycle::{Reason, Transition};
+use super::super::pods::{initializer_pod_name, output_location};
+use super::Builder;
+
+impl Builder<'_> {
+    /// A `model.pretrained` job before its first plan: start the initializer,
+    /// follow it, and take what it read into the status. True once the
+    /// checkpoint and the data are read (planning goes on in this decision).
+    pub(super) fn initialize(&mut self) -> bool {
+        let job = self.obs.job;
+        let run = self.d.status.initializations.unwrap_or(0);
+        if run == 0 {
+            self.start_initializer(1);
+            return false;
+        }
+        let name = initializer_pod_name(job, run);
+        let Some(pod) = self.obs.pods.iter().find(|p| {
+            p.name_any() == name
+                && p.labels().get(LABEL_ROLE).map(String::as_str) == Some(ROLE_INITIALIZER)
+        }) else {
+            // Created moments ago (the cache lags), or deleted: make sure it exists.
+            self.keep_initializer(run);
+            self.d.requeue_after = Some(Duration::from_secs(2));
+            return false;
+        };
+        match classify(pod) {
+            PodVerdict::Running | PodVerdict::Pending { .. } => {
+                self.keep_initializer(run);
+                self.d.requeue_after = Some(Duration::from_secs(5));
+                false
+            }
+            PodVerdict::Succeeded => {
+                let said = terminated_message(pod).unwrap_or_default();
+                match serde_json::from_str::<headroom_api::InitializerReport>(&said) {
+                    Ok(report) => {
+                        let m = &report.model;
+                        let d = &report.data;
+                        let message = format!(
+                            "{}: {} parameters ({}, {}), {} layers; data: {} documents, {} tokens, {} samples of {} tokens{}",
+                            m.shape.architecture.hf_name(),
+                            m.parameters,
+                            m.dtype,
+                            format_bytes(m.bytes),
+                            m.shape.layers,
+                            d.documents,
+                            d.tokens,
+                            d.samples,
+                            m.shape.sequence_length,
+                            if report.downloaded_bytes > 0 {
+                                format!("; downloaded {}", format_bytes(report.downloaded_bytes))
+                            } else {
+                                String::new()
+                            }
+                        );
+                        self.d.status.model = Some(report.model);
+                        self.d.status.data = Some(report.data);
+                        self.d.status.output = output_location(job);
+                        self.enter(Transition::Initialized { message });
+                        true
+                    }
+                    Err(e) => {
+                        self.fail(
+                            Reason::InvalidSource,
+                            format!("initializer pod {name} ended without a readable report ({e}): {said}"),
+                        );
+                        false
+                    }
+                }
+            }
+            PodVerdict::Failed(f) => {
+                let transient = !matches!(f.worker, Some(WorkerOutcome::InvalidPlan));
+                let policy = &job.spec.memory_policy;
+                if transient && run < policy.max_attempts {
+                    let waited = f.finished_at.map_or(Duration::MAX, |t| {
+                        self.obs.now.duration_since(t).unsigned_abs()
+                    });
+                    let backoff = Duration::from_secs(u64::from(policy.backoff_seconds));
+                    if waited < backoff {
+                        self.d.requeue_after = Some(backoff - waited + Duration::from_secs(1));
+                        return false;
+                    }
+                    self.start_initializer(run + 1);
+                    return false;
+                }
+                let what = if transient {
+                    format!(
+                        " (initializer run {run} of at most {})",
+                        policy.max_attempts
+                    )
+                } else {
+                    String::new()
+                };
+                self.fail(
+                    Reason::InvalidSource,
+                    format!("initializer: {}{what}", f.message),
+                );
+                false
+            }
+        }
+    }
+
+    fn start_initializer(&mut self, run: u32) {
+        let job = self.obs.job;
+        let source = match job.spec.model.pretrained.as_ref() {
+            Some(p) => match (&p.hugging_face, &p.volume) {
+                (Some(hf), _) => format!(
+                    "fetching Hugging Face repository {}@{}{} and checking it",
+                    hf.repo,
+                    hf.revision,
+                    hf.endpoint
+                        .as_ref()
+                        .map(|e| format!(" from {e}"))
+                        .unwrap_or_default()
+                ),
+                (None, Some(v)) => format!(
+                    "checking the checkpoint on claim {}:{}",
+                    v.claim_name, v.path
+                ),
+                (None, None) => "checking the checkpoint".into(),
+            },
+            None => return,
+        };
+        self.d.status.initializations = Some(run);
+        self.enter(Transition::Initializing {
+            run,
+            message: format!("{source}, its tokenizer and the training text"),
+        });
+        self.keep_initializer(run);
+        self.d.requeue_after = Some(Duration::from_secs(2));
+    }
+}
+
+/// What a container wrote to its termination-message path, once it ended.
+fn terminated_message(pod: &Pod) -> Option<String> {
+    pod.status
+        .as_ref()?
+        .container_statuses
+        .as_ref()?
+        .iter()
+        .find_map(|c| c.state.as_ref()?.terminated.as_ref()?.message.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::fixtures::*;
+    use super::super::*;
+    use super::*;
+
+    #[test]
+    fn a_pretrained_job_is_initialized_then_planned_from_what_the_initializer_read() {
+        let mut j = finetune_job();
+        let d = step(&mut j, &[], t0());
+        assert_eq!(initializer(&d), Some(1), "the initializer starts first");
+        assert_eq!(
+            launched(&d),
+            None,
+            "nothing is planned before the checkpoint is read"
+        );
+        assert!(has_condition(
+            &d.status,
+            ConditionType::Initialized,
+            false,
+            Reason::Initializing
+        ));
+        assert_eq!(d.status.phase, Some(JobPhase::Pending));
+        assert!(d.events.iter().any(
+            |e| e.reason == Reason::Initializing && e.note.contains("claim models:tiny-llama")
+        ));
+
+        let running = step(&mut j, &[init_pod(1, RUNNING)], t0());
+        assert_eq!((initializer(&running), launched(&running)), (Some(1), None));
+
+        let done = step(
+            &mut j,
+            &[init_pod(
+                1,
+                &terminated(0, &headroom_e2e::fixtures::tiny_llama_report(64)),
+            )],
+            t0(),
+        );
+        assert!(has_condition(
+            &done.status,
+            ConditionType::Initialized,
+            true,
+            Reason::Initialized
+        ));
+        let model = done.status.model.as_ref().expect("status.model");
+        assert_eq!(model.parameters, 214_592);
+        assert_eq!(model.shape.sequence_length, 64);
+        assert_eq!(done.status.data.as_ref().map(|d| d.samples), Some(15));
+        assert_eq!(
+            done.status.output.as_deref(),
+            Some("finetune-tiny-llama-checkpoints:output")
+        );
+        assert_eq!(launched(&done), Some(1), "planned in the same decision");
+        let Some(ModelShape::Llama(planned)) = done.launch.as_ref().map(|l| &l.model) else {
+            panic!(
+                "the workers build the checkpoint's model: {:?}",
+                launched(&done)
+            );
+        };
+        assert_eq!(planned.total_params(), 214_592);
+        assert!(done.events.iter().any(|e| e.reason == Reason::Initialized
+            && e.note.contains("LlamaForCausalLM: 214592 parameters")));
+    }
+
+    #[test]
+    fn a_bad_source_fails_the_job_and_a_dropped_download_runs_the_initializer_again() {
+        let mut j = finetune_job();
+        step(&mut j, &[], t0());
+        let refused = serde_json::to_string(&headroom_api::TerminationMessage {
+            outcome: WorkerOutcome::InvalidPlan,
+            reason: "model.layers.0.self_attn.k_proj.weight: [32, 64] in the file, [64, 64] by config.json".into(),
+            step: None,
+            peak_bytes: None,
+            requested_bytes: None,
+        })
+        .expect("JSON");
+        let mut bad = j.clone();
+        let d = step(
+            &mut bad,
+            &[init_pod(
+                1,
+                &terminated(WorkerOutcome::InvalidPlan.exit_code(), &refused),
+            )],
+            t0(),
+        );
+        assert_eq!(d.status.phase, Some(JobPhase::Failed));
+        assert!(has_condition(
+            &d.status,
+            ConditionType::Failed,
+            true,
+            Reason::InvalidSource
+        ));
+        assert!(
+            d.status
+                .message
+                .as_deref()
+                .is_some_and(|m| m.contains("k_proj")),
+            "{:?}",
+            d.status.message
+        );
+        assert_eq!((initializer(&d), launched(&d)), (None, None));
+
+        let dropped = serde_json::to_string(&headroom_api::TerminationMessage {
+            outcome: WorkerOutcome::Failed,
+            reason: "GET http://hub/…/model.safetensors: connection reset".into(),
+            step: None,
+            peak_bytes: None,
+            requested_bytes: None,
+        })
+        .expect("JSON");
+        let failed = init_pod(1, &terminated(WorkerOutcome::Failed.exit_code(), &dropped));
+        // Within the backoff (10 s after 10:00:05) nothing starts yet.
+        let early = step(
+            &mut j,
+            std::slice::from_ref(&failed),
+            t0() + SignedDuration::from_secs(8),
+        );
+        assert_eq!(initializer(&early), None);
+        assert!(early.requeue_after.is_some());
+        let again = step(&mut j, &[failed], t0() + SignedDuration::from_secs(20));
+        assert_eq!(
+            initializer(&again),
+            Some(2),
+            "a second initializer resumes the download"
+        );
+        assert_eq!(again.status.initializations, Some(2));
+        assert_ne!(again.status.phase, Some(JobPhase::Failed));
+    }
+}

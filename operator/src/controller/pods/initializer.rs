@@ -1,0 +1,338 @@
+//! The initializer pod of a fine-tuning (`model.pretrained`) job: before
+//! anything is planned, it fetches what the job names into its claims and
+//! checks the checkpoint, the tokenizer and the data against each other
+//! ([`initializer_assignment`]). It is the restricted skeleton
+//! ([`super::skeleton::restricted_pod`]) with the worker image in its
+//! initializer mode.
+
+use std::collections::BTreeMap;
+
+use headroom_api::{
+    DEFAULT_HF_ENDPOINT, DataSource, HF_DATASET_TOKEN_ENV, HF_TOKEN_ENV, INITIALIZE_JSON_ENV,
+    InitializerAssignment, MemoryAwareTrainingJob, ModelSource,
+};
+use headroom_planner::DeviceKind;
+use k8s_openapi::api::core::v1::{
+    EnvVar, EnvVarSource, Pod, ResourceRequirements, SecretKeySelector,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::ResourceExt;
+
+use super::files::payload_files;
+use super::names::initializer_pod_name;
+use super::skeleton::{
+    Component, PodParts, pod_name_env, restricted_pod, telemetry_interval_env, worker_api_access,
+};
+use crate::controller::config::ChildConfig;
+
+/// The initializer streams files and tokenizes the text: bounded, small.
+const INITIALIZER_MEMORY: &str = "1Gi";
+
+/// A spec's `endpoint`, else the Hugging Face hub.
+fn endpoint_or_hub(endpoint: &Option<String>) -> String {
+    endpoint
+        .clone()
+        .unwrap_or_else(|| DEFAULT_HF_ENDPOINT.into())
+}
+
+/// What the initializer is asked to do.
+fn initializer_assignment(job: &MemoryAwareTrainingJob) -> Option<InitializerAssignment> {
+    let pretrained = job.spec.model.pretrained.as_ref()?;
+    let files = payload_files(job)?;
+    let model = match &pretrained.hugging_face {
+        Some(hf) => ModelSource::HuggingFace {
+            repo: hf.repo.clone(),
+            revision: hf.revision.clone(),
+            endpoint: endpoint_or_hub(&hf.endpoint),
+        },
+        None => ModelSource::Volume,
+    };
+    let data = match job.spec.data.as_ref().and_then(|d| d.hugging_face.as_ref()) {
+        Some(hf) => DataSource::HuggingFace {
+            repo: hf.repo.clone(),
+            revision: hf.revision.clone(),
+            endpoint: endpoint_or_hub(&hf.endpoint),
+            file: hf.file.clone(),
+        },
+        None => DataSource::Volume,
+    };
+    Some(InitializerAssignment {
+        job: job.name_any(),
+        namespace: job.namespace().unwrap_or_default(),
+        model,
+        model_dir: files.model_dir,
+        data_file: files.data_file,
+        data,
+        data_format: files.data_format,
+        sequence_length: pretrained.sequence_length,
+    })
+}
+
+/// The initializer pod of run `run`; `None` for a job that is not a
+/// fine-tuning job. The worker image (`image`, the one the job's workers
+/// run) in its initializer mode, with the job's claims and, for a gated
+/// repository, the token (no other pod of the job sees it). Its report
+/// comes through its termination message, which the operator reads; while
+/// it runs it reports its progress, as the workers their telemetry, through
+/// the operator's worker API ([`super::skeleton::worker_api_access`]),
+/// which writes it into its own entry of `status.workers`.
+pub fn initializer_pod(
+    job: &MemoryAwareTrainingJob,
+    run: u32,
+    image: &str,
+    cfg: &ChildConfig,
+) -> Result<Option<Pod>, serde_json::Error> {
+    let Some(assignment) = initializer_assignment(job) else {
+        return Ok(None);
+    };
+    let spec = &job.spec;
+    let mut env = vec![
+        EnvVar {
+            name: INITIALIZE_JSON_ENV.into(),
+            value: Some(serde_json::to_string(&assignment)?),
+            ..EnvVar::default()
+        },
+        pod_name_env(),
+        telemetry_interval_env(cfg),
+    ];
+    let model_token = spec
+        .model
+        .pretrained
+        .as_ref()
+        .and_then(|p| p.hugging_face.as_ref())
+        .and_then(|hf| hf.token_secret.as_ref());
+    let data_token = spec
+        .data
+        .as_ref()
+        .and_then(|d| d.hugging_face.as_ref())
+        .and_then(|hf| hf.token_secret.as_ref());
+    for (name, secret) in [
+        (HF_TOKEN_ENV, model_token),
+        (HF_DATASET_TOKEN_ENV, data_token),
+    ] {
+        let Some(secret) = secret else { continue };
+        env.push(EnvVar {
+            name: name.into(),
+            value_from: Some(EnvVarSource {
+                secret_key_ref: Some(SecretKeySelector {
+                    name: secret.name.clone(),
+                    key: secret.key.clone(),
+                    optional: Some(false),
+                }),
+                ..EnvVarSource::default()
+            }),
+            ..EnvVar::default()
+        });
+    }
+    env.extend(worker_api_access(cfg).0);
+    let memory = Quantity(INITIALIZER_MEMORY.into());
+    let resources: BTreeMap<String, Quantity> = [("memory".to_string(), memory)].into();
+    Ok(Some(restricted_pod(
+        job,
+        cfg,
+        PodParts {
+            name: initializer_pod_name(job, run),
+            component: Component::Initializer,
+            labels: BTreeMap::new(),
+            container: "initializer",
+            image,
+            env,
+            resources: ResourceRequirements {
+                limits: Some(resources.clone()),
+                requests: Some(resources),
+                ..ResourceRequirements::default()
+            },
+            // Where the workers may run: the user's node pool.
+            node_selector: spec.worker.node_selector.clone(),
+            // The initializer uses no device: the user's tolerations only,
+            // not the GPU one a GPU job's workers add (`worker_tolerations`
+            // on `Cpu` is `spec.worker.tolerations` as written; none when it
+            // names none).
+            tolerations: crate::inventory::worker_tolerations(job, DeviceKind::Cpu),
+        },
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use headroom_api::{DEFAULT_CHECKPOINT_DIR, HubModel, POD_NAME_ENV};
+
+    use super::super::files::claim_mounts;
+    use super::super::tests::job;
+    use super::*;
+
+    fn mounts(pod: &Pod) -> Vec<(String, String, bool)> {
+        let spec = pod.spec.as_ref().expect("spec");
+        let container = &spec.containers[0];
+        container
+            .volume_mounts
+            .iter()
+            .flatten()
+            .map(|m| {
+                let claim = spec
+                    .volumes
+                    .iter()
+                    .flatten()
+                    .find(|v| v.name == m.name)
+                    .and_then(|v| v.persistent_volume_claim.as_ref())
+                    .map_or("-".to_string(), |c| c.claim_name.clone());
+                (m.mount_path.clone(), claim, m.read_only.unwrap_or(false))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_initializer_alone_gets_the_token_and_reports_through_the_worker_api() {
+        let j = job(include_str!(
+            "../../../../samples/gpu-finetune-llama-3.2-1b.yaml"
+        ));
+        let config = ChildConfig {
+            worker_api_url: Some("http://10.96.0.20:8081".into()),
+            ..ChildConfig::default()
+        };
+        let pod = initializer_pod(&j, 1, "registry.example/headroom-worker-cuda:1", &config)
+            .expect("build")
+            .expect("a pretrained job");
+        let spec = pod.spec.as_ref().expect("spec");
+        // No API token and no rights: progress goes through the worker API
+        // with a token only that API accepts.
+        assert_eq!(spec.automount_service_account_token, Some(false));
+        assert_eq!(spec.service_account_name.as_deref(), Some("default"));
+        let env = spec.containers[0].env.clone().unwrap_or_default();
+        let value = |name: &str| env.iter().find(|e| e.name == name)?.value.clone();
+        assert_eq!(
+            value(headroom_api::WORKER_API_ENV).as_deref(),
+            Some("http://10.96.0.20:8081")
+        );
+        let projected = spec
+            .volumes
+            .iter()
+            .flatten()
+            .find_map(|v| v.projected.as_ref())
+            .and_then(|p| p.sources.as_ref()?.first()?.service_account_token.clone())
+            .expect("a projected token");
+        assert_eq!(
+            projected.audience.as_deref(),
+            Some(headroom_api::WORKER_API_AUDIENCE)
+        );
+        let pod_name = env
+            .iter()
+            .find(|e| e.name == POD_NAME_ENV)
+            .and_then(|e| e.value_from.as_ref()?.field_ref.as_ref())
+            .map(|f| f.field_path.as_str());
+        assert_eq!(pod_name, Some("metadata.name"));
+        let token = env
+            .iter()
+            .find(|e| e.name == HF_TOKEN_ENV)
+            .expect("token env");
+        let secret = token
+            .value_from
+            .as_ref()
+            .and_then(|v| v.secret_key_ref.as_ref())
+            .expect("from the Secret");
+        assert_eq!(
+            (secret.name.as_str(), secret.key.as_str()),
+            ("hf-token", "token")
+        );
+        let assignment: InitializerAssignment = serde_json::from_str(
+            env.iter()
+                .find(|e| e.name == INITIALIZE_JSON_ENV)
+                .and_then(|e| e.value.as_deref())
+                .expect("assignment"),
+        )
+        .expect("JSON");
+        assert_eq!(
+            assignment.model,
+            ModelSource::HuggingFace {
+                repo: "meta-llama/Llama-3.2-1B".into(),
+                revision: "main".into(),
+                endpoint: DEFAULT_HF_ENDPOINT.into()
+            }
+        );
+        assert_eq!(
+            assignment.model_dir,
+            format!("{DEFAULT_CHECKPOINT_DIR}/model")
+        );
+        // Downloads go to the job's checkpoint claim; the data claim is read-only.
+        assert!(mounts(&pod).contains(&(
+            DEFAULT_CHECKPOINT_DIR.to_string(),
+            "finetune-llama-3-2-1b-checkpoints".to_string(),
+            false
+        )));
+        assert!(mounts(&pod).contains(&(
+            "/var/lib/headroom/claims/datasets".to_string(),
+            "datasets".to_string(),
+            true
+        )));
+        let sc = spec.containers[0]
+            .security_context
+            .as_ref()
+            .expect("restricted");
+        assert_eq!(sc.read_only_root_filesystem, Some(true));
+        assert_eq!(sc.allow_privilege_escalation, Some(false));
+    }
+
+    #[test]
+    fn a_dataset_from_the_hub_goes_to_the_checkpoint_volume_with_its_own_token() {
+        let j = job(&include_str!("../../../../samples/gpu-finetune-llama-3.2-1b.yaml").replace(
+            "volume: {claimName: datasets, path: support-tickets.jsonl}",
+            "huggingFace: {repo: acme/tickets, revision: v2, file: data/train.jsonl, tokenSecret: {name: hf-data}}",
+        ));
+        let files = payload_files(&j).expect("files");
+        assert_eq!(
+            files.data_file,
+            format!("{DEFAULT_CHECKPOINT_DIR}/data/data/train.jsonl")
+        );
+        // The model's hub id reaches the workers, for the adapter's config.
+        assert_eq!(
+            files.hub_model,
+            Some(HubModel {
+                repo: "meta-llama/Llama-3.2-1B".into(),
+                revision: "main".into(),
+            })
+        );
+        let a = initializer_assignment(&j).expect("assignment");
+        assert_eq!(
+            a.data,
+            DataSource::HuggingFace {
+                repo: "acme/tickets".into(),
+                revision: "v2".into(),
+                endpoint: DEFAULT_HF_ENDPOINT.into(),
+                file: "data/train.jsonl".into(),
+            }
+        );
+        let pod = initializer_pod(
+            &j,
+            1,
+            "registry.example/headroom-worker-cuda:1",
+            &ChildConfig::default(),
+        )
+        .expect("build")
+        .expect("pod");
+        let env = pod.spec.expect("spec").containers[0]
+            .env
+            .clone()
+            .unwrap_or_default();
+        let secret = |name: &str| {
+            env.iter()
+                .find(|e| e.name == name)
+                .and_then(|e| e.value_from.as_ref()?.secret_key_ref.as_ref())
+                .map(|s| (s.name.clone(), s.key.clone()))
+        };
+        assert_eq!(
+            secret(HF_TOKEN_ENV),
+            Some(("hf-token".into(), "token".into()))
+        );
+        assert_eq!(
+            secret(HF_DATASET_TOKEN_ENV),
+            Some(("hf-data".into(), "token".into()))
+        );
+        // No claim of the user's is mounted for the data any more.
+        let (volumes, _) = claim_mounts(&j);
+        let claims: Vec<String> = volumes
+            .iter()
+            .filter_map(|v| Some(v.persistent_volume_claim.as_ref()?.claim_name.clone()))
+            .collect();
+        assert_eq!(claims, ["models"], "only the output's claim");
+    }
+}
