@@ -352,7 +352,7 @@ mod tests {
     /// A Node as GFD labels it in the mixed MIG strategy and the device
     /// plugin advertises it: one A100-80GB cut into seven 1g.10gb slices.
     /// Only the slices are devices (a worker pod requests
-    /// `nvidia.com/mig-1g.10gb`, see children.rs), not the full GPU its labels describe.
+    /// `nvidia.com/mig-1g.10gb`, see controller/pods/worker.rs), not the full GPU its labels describe.
     #[test]
     fn a_mixed_mig_node_offers_its_slices_and_no_full_gpu() {
         let node: Node = from_yaml(

@@ -269,7 +269,7 @@ fn probe_tokens() -> Tensor<2, burn::tensor::Int> {
 
 const SEQUENCE: u32 = 32;
 
-fn llama_losses(optimizer: Optimizer, steps: u64) -> Vec<f64> {
+fn llama_losses(optimizer: Optimizer, steps: u64, seed: u64) -> Vec<f64> {
     let checkpoint = HfCheckpoint::open(&tiny_llama(), SEQUENCE).expect("tiny-llama");
     let mut config = TrainConfig::single_stage(
         checkpoint.shape,
@@ -284,12 +284,12 @@ fn llama_losses(optimizer: Optimizer, steps: u64) -> Vec<f64> {
         },
         steps,
         3e-3,
-        5,
+        seed,
     )
     .with_pretrained(tiny_llama());
     config.checkpoint_every_steps = 1000;
     let mut trainer = Trainer::new(config, device()).expect("trainer");
-    trainer.use_text(tiny_llama_text(SEQUENCE, 5));
+    trainer.use_text(tiny_llama_text(SEQUENCE, seed));
     let mut losses = Vec::new();
     while !trainer.finished() {
         losses.extend(trainer.train_step().expect("step").loss);
@@ -298,24 +298,39 @@ fn llama_losses(optimizer: Optimizer, steps: u64) -> Vec<f64> {
 }
 
 /// Same seed, data and schedule. What 8-bit AdamW guarantees is that it takes
-/// the same steps as f32 AdamW up to the moments' quantization error, so:
+/// the same steps as f32 AdamW up to the moments' quantization error. On this
+/// over-fitting task that error is amplified from step to step, so:
 /// - while the two runs are in their deterministic phase (the first
 ///   `AGREE_STEPS` steps) every step's loss agrees within `AGREE`;
-/// - afterwards the runs differ by step noise that grows with the CPU's float
-///   kernels (a final step compared with a tight bound failed on one CPU and
-///   passed on another), so the late losses are compared as a mean, within
-///   `TAIL` — a bound set from the seed-to-seed spread of f32 AdamW itself
-///   (see `TAIL`'s comment).
+/// - later the runs differ by step noise whose size depends on the seed and
+///   on the CPU's float kernels (one final step compared with a tight bound
+///   failed on one CPU and passed on another), so the late losses are
+///   compared as a mean, within `TAIL`.
+///
+/// The bounds, from the spread measured across seeds 1–8 (AMD EPYC, no
+/// AVX-512; `HEADROOM_TEST_SEED=N cargo test --release -p headroom-worker
+/// --test adamw8bit -- --nocapture training_loss`, 2026-11-27):
+/// - steps 0–19: at most 0.025 % apart (every seed); `AGREE` 0.5 %. Beyond
+///   them one seed's runs are 26 % apart at one step by step 24 (a loss
+///   spike in one run and not the other), the others first pass 1 % between
+///   steps 44 and 77: no per-step bound holds there.
+/// - mean of steps 40–59, 8-bit vs f32: −1.43 % to +0.26 % (sd 0.64 %; at
+///   100 steps the spread was −2.54 % to +2.39 %); `TAIL` 3 %, twice the
+///   largest. f32 AdamW's own mean over those steps varies by 2.2 % (sd)
+///   from seed to seed, so 8-bit is as close to f32 as f32 is to itself.
 #[test]
 fn training_loss_tracks_f32_adamw_on_tiny_llama() {
     let _serial = serial();
-    const STEPS: u64 = 100;
-    const AGREE_STEPS: usize = 30;
-    const AGREE: f64 = 0.01;
+    const STEPS: u64 = 60;
+    const AGREE_STEPS: usize = 20;
+    const AGREE: f64 = 0.005;
     const TAIL_STEPS: usize = 20;
-    const TAIL: f64 = 0.05;
-    let f32_losses = llama_losses(Optimizer::Adamw, STEPS);
-    let eight_losses = llama_losses(Optimizer::Adamw8bit, STEPS);
+    const TAIL: f64 = 0.03;
+    // Seed 5 in CI; HEADROOM_TEST_SEED=N measures the spread across seeds.
+    let seed = std::env::var("HEADROOM_TEST_SEED").map_or(5, |s| s.parse().expect("a seed"));
+    let f32_losses = llama_losses(Optimizer::Adamw, STEPS, seed);
+    let eight_losses = llama_losses(Optimizer::Adamw8bit, STEPS, seed);
+    eprintln!("seed {seed}\nf32 {f32_losses:?}\n8-bit {eight_losses:?}");
     let tail = |l: &[f64]| l[l.len() - TAIL_STEPS..].iter().sum::<f64>() / TAIL_STEPS as f64;
     let (a, b) = (tail(&f32_losses), tail(&eight_losses));
     eprintln!(
