@@ -48,8 +48,8 @@
 //! position (a resumed model takes the checkpoint's ids, which are then the
 //! same on every replica too).
 //!
-//! d = 1 runs through the same calls with [`Single`] and they return at once,
-//! so a single replica trains bit for bit as before.
+//! d = 1 runs through the same calls with [`crate::collective::Single`] and
+//! they return at once, so a single replica trains bit for bit as before.
 
 use std::collections::{BTreeSet, HashMap};
 
@@ -58,7 +58,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Tensor, TensorData};
 use headroom_planner::sharding::shard_owners;
 
-use crate::collective::{Collective, CollectiveError, Single};
+use crate::collective::{Collective, CollectiveError};
 use crate::model::lora::adapter_ids;
 use crate::model::{Part, StageLayout, TransformerLm};
 
@@ -238,14 +238,15 @@ impl Bucket {
     }
 }
 
-/// This worker's place among the replicas of its stage, and how it talks to them.
-pub struct Replicas {
-    collective: Box<dyn Collective>,
+/// This worker's place among the replicas of its stage, and how it talks to
+/// them for one step: the caller's collective, in buckets.
+pub struct Replicas<'a> {
+    collective: &'a mut dyn Collective,
     /// f32 values per bucket.
     bucket_elements: usize,
 }
 
-impl std::fmt::Debug for Replicas {
+impl std::fmt::Debug for Replicas<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Replicas")
             .field("rank", &self.rank())
@@ -255,28 +256,17 @@ impl std::fmt::Debug for Replicas {
     }
 }
 
-impl Default for Replicas {
-    /// One replica: nothing to exchange.
-    fn default() -> Self {
-        Replicas::new(Box::new(Single), 4 << 20)
-    }
-}
-
-impl Replicas {
+impl<'a> Replicas<'a> {
     /// Replicas talking through `collective` in buckets of `bucket_bytes`
-    /// (f32 bytes: `BackendProfile::collective_bucket_bytes`).
-    pub fn new(collective: Box<dyn Collective>, bucket_bytes: u64) -> Self {
+    /// (f32 bytes: `BackendProfile::collective_bucket_bytes`; every replica
+    /// must use the same).
+    pub fn new(collective: &'a mut dyn Collective, bucket_bytes: u64) -> Self {
         Replicas {
             collective,
             bucket_elements: usize::try_from(bucket_bytes / 4)
                 .unwrap_or(usize::MAX)
                 .max(1),
         }
-    }
-
-    /// Sets the bucket size (f32 bytes; every replica must use the same).
-    pub fn set_bucket_bytes(&mut self, bytes: u64) {
-        self.bucket_elements = usize::try_from(bytes / 4).unwrap_or(usize::MAX).max(1);
     }
 
     pub fn rank(&self) -> u32 {

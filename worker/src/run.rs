@@ -28,7 +28,7 @@ use headroom_api::{
 use crate::assignment::ValidAssignment;
 use crate::checkpoint::CheckpointError;
 use crate::cluster::ClusterHandle;
-use crate::collective::{Collective, CollectiveError, Ring, RingHello, RingTimeouts};
+use crate::collective::{Collective, CollectiveError, Ring, RingHello, RingTimeouts, Single};
 use crate::env::{COLLECTIVE_ENV, CollectiveChoice, InvalidEnv, PipelinePeers, WorkerEnv};
 pub use crate::env::{DEVICE_MEMORY_LIMIT_ENV, TERMINATION_MESSAGE_PATH_ENV};
 use crate::pipeline::{Hello, Links, Peers, PipelineError, establish};
@@ -100,8 +100,11 @@ impl Exit {
         }
     }
 
+    /// Stamps the step reached, unless the exit already names one (a panic
+    /// or a memory limit names the step under way), and the peak so far.
     fn at(mut self, step: u64, peak: u64) -> Self {
-        self.message.step = Some(step);
+        self.message.step.get_or_insert(step);
+        let peak = peak.max(self.message.peak_bytes.unwrap_or(0));
         self.message.peak_bytes = (peak > 0).then_some(peak);
         self
     }
@@ -455,25 +458,52 @@ impl Training<'_> {
         }
     }
 
-    /// Builds the trainer, resumes, connects the pipeline and trains to the
-    /// end, a SIGTERM or the first failure.
+    /// Builds the trainer, then resumes, connects, trains to the end (or a
+    /// SIGTERM, or the first failure) and writes the output, each phase
+    /// returning the exit it ends with. Every exit once the trainer exists
+    /// is stamped here, with the step reached and the peak so far.
     fn run(&self, device: Device) -> Exit {
+        let mut trainer = match self.build(device) {
+            Ok(trainer) => trainer,
+            Err(exit) => return exit,
+        };
+        let exit = match self
+            .resume(&mut trainer)
+            .and_then(|()| self.connect(&trainer))
+        {
+            Err(exit) => exit,
+            // The connections stay open until the output is written, as
+            // they did when the trainer owned them.
+            Ok(mut connected) => match self.train(&mut trainer, &mut connected) {
+                Ok(last_loss) => self.write_output(&trainer, last_loss),
+                Err(exit) => exit,
+            },
+        };
+        exit.at(trainer.step, self.peak_now())
+    }
+
+    /// The trainer for this stage, on the assignment's text when it has some.
+    fn build(&self, device: Device) -> Result<Trainer, Exit> {
         let config = self.plan.config().clone();
-        let checkpoint_dir = &self.env.checkpoint_dir;
         let mut trainer = match catch_unwind(AssertUnwindSafe(|| Trainer::new(config, device))) {
             Ok(Ok(t)) => t,
-            Ok(Err(e)) => return Exit::invalid_plan(e.to_string()),
-            Err(payload) => return classify_panic(&panic_text(&*payload), 0, self.peak_now()),
+            Ok(Err(e)) => return Err(Exit::invalid_plan(e.to_string())),
+            Err(payload) => {
+                return Err(classify_panic(&panic_text(&*payload), 0, self.peak_now()));
+            }
         };
         if let Some(files) = &self.plan.assignment().files {
-            match load_text(files, &trainer.config) {
-                Ok(samples) => {
-                    tracing::info!(samples = samples.len(), data = %files.data_file, "training text");
-                    trainer.use_text(samples);
-                }
-                Err(e) => return Exit::invalid_plan(e),
-            }
+            let samples = load_text(files, &trainer.config).map_err(Exit::invalid_plan)?;
+            tracing::info!(samples = samples.len(), data = %files.data_file, "training text");
+            trainer.use_text(samples);
         }
+        Ok(trainer)
+    }
+
+    /// Continues from the newest checkpoint, if any, and says where this
+    /// attempt starts.
+    fn resume(&self, trainer: &mut Trainer) -> Result<(), Exit> {
+        let checkpoint_dir = &self.env.checkpoint_dir;
         match trainer.resume(checkpoint_dir) {
             Ok(Some(found)) => {
                 for skipped in &found.skipped {
@@ -492,113 +522,134 @@ impl Training<'_> {
             Ok(None) => {
                 tracing::info!(dir = %checkpoint_dir.display(), "no checkpoint; starting at step 0")
             }
-            Err(e) => return Exit::failed(e.to_string()).at(0, self.peak_now()),
+            Err(e) => return Err(Exit::failed(e.to_string())),
         }
         // Live telemetry says where this attempt starts before it waits for peers.
         self.reporter.update(Progress {
             step: trainer.step,
             ..Progress::default()
         });
+        Ok(())
+    }
+
+    /// The neighbouring stages and the other replicas of the stage,
+    /// connected: none of either for one stage of one replica.
+    fn connect(&self, trainer: &Trainer) -> Result<Connected, Exit> {
+        let mut connected = Connected {
+            links: Links::default(),
+            replicas: Box::new(Single),
+        };
         // Resumed from the last step's checkpoint (a peer that was stopped
         // after the others had finished, and was started again): there is
         // nothing left to exchange, and the peers may be gone, so connect to
         // none of them and go straight to the output.
-        let done = trainer.finished();
+        if trainer.finished() {
+            return Ok(connected);
+        }
+        if trainer.config.stages > 1 {
+            connected.links = self.connect_stages(trainer)?;
+        }
+        if trainer.config.replicas > 1 {
+            connected.replicas = self.connect_replicas(trainer)?;
+        }
+        Ok(connected)
+    }
+
+    /// The links to the previous and the next stage.
+    fn connect_stages(&self, trainer: &Trainer) -> Result<Links, Exit> {
         let stages = trainer.config.stages;
-        if stages > 1 && !done {
-            let (peers, listener) = match self.pipeline_setup(stages) {
-                Ok(setup) => setup,
-                Err(exit) => return exit,
-            };
-            let a = self.plan.assignment();
-            let me = Hello {
-                job: a.job.clone(),
-                namespace: a.namespace.clone(),
-                attempt: a.attempt,
-                stage: a.stage,
-                stages,
-                resume_step: trainer.step,
-            };
-            tracing::info!(stage = me.stage, stages, layers = ?trainer.config.layout.layers, "pipeline: connecting to the neighbouring stages");
-            let timeout = self.env.pipeline_timeout;
-            let links: Links = match establish(&me, listener, &peers, timeout, timeout) {
-                Ok(links) => links,
-                Err(e) => return Exit::pipeline(&e).at(trainer.step, self.peak_now()),
-            };
-            trainer.connect(links);
-        }
+        let (peers, listener) = self.pipeline_setup(stages)?;
+        let a = self.plan.assignment();
+        let me = Hello {
+            job: a.job.clone(),
+            namespace: a.namespace.clone(),
+            attempt: a.attempt,
+            stage: a.stage,
+            stages,
+            resume_step: trainer.step,
+        };
+        tracing::info!(stage = me.stage, stages, layers = ?trainer.config.layout.layers, "pipeline: connecting to the neighbouring stages");
+        let timeout = self.env.pipeline_timeout;
+        establish(&me, listener, &peers, timeout, timeout).map_err(|e| Exit::pipeline(&e))
+    }
+
+    /// The collective of the stage's replicas: their TCP ring, or what
+    /// [`replica_collective`] forms over it.
+    fn connect_replicas(&self, trainer: &Trainer) -> Result<Box<dyn Collective>, Exit> {
         let replicas = trainer.config.replicas;
-        if replicas > 1 && !done {
-            let (addresses, listener) = match self.ring_setup(replicas) {
-                Ok(setup) => setup,
-                Err(exit) => return exit.at(trainer.step, self.peak_now()),
-            };
-            let a = self.plan.assignment();
-            let me = RingHello {
-                job: a.job.clone(),
-                namespace: a.namespace.clone(),
-                attempt: a.attempt,
-                stage: a.stage,
-                replica: a.replica,
-                replicas,
-                resume_step: trainer.step,
-            };
-            tracing::info!(
-                stage = me.stage,
-                replica = me.replica,
-                replicas,
-                "replica ring: connecting to the other replicas of the stage"
-            );
-            let timeouts = RingTimeouts {
-                rendezvous: self.env.pipeline_timeout,
-                io: self.env.pipeline_timeout,
-            };
-            // Chunks of an eighth of a bucket: the ring's chunks in flight
-            // are what the planner counts beside the bucket
-            // (`sharding::collective_buffer_bytes`).
-            let bucket = trainer.config.backend.profile().collective_bucket_bytes;
-            let chunk = headroom_planner::sharding::ring_chunk_bytes(bucket);
-            let backend = trainer.config.backend;
-            let joined =
-                Ring::establish(&me, &addresses, listener, timeouts).and_then(|mut ring| {
-                    ring.set_chunk_bytes(usize::try_from(chunk).unwrap_or(usize::MAX));
-                    let collective = replica_collective(ring, backend, self.env.collective)?;
-                    trainer.join_replicas(collective)
-                });
-            if let Err(e) = joined {
-                return Exit::replicas(&e).at(trainer.step, self.peak_now());
-            }
-            let shards = trainer.shards(replicas);
-            tracing::info!(
-                owned = shards.owned(me.replica).len(),
-                tensors = shards.tensors.len(),
-                loads = ?shards.loads(),
-                "replica ring: connected; optimizer state sharded (elements per replica)"
-            );
-        }
+        let (addresses, listener) = self.ring_setup(replicas)?;
+        let a = self.plan.assignment();
+        let me = RingHello {
+            job: a.job.clone(),
+            namespace: a.namespace.clone(),
+            attempt: a.attempt,
+            stage: a.stage,
+            replica: a.replica,
+            replicas,
+            resume_step: trainer.step,
+        };
+        tracing::info!(
+            stage = me.stage,
+            replica = me.replica,
+            replicas,
+            "replica ring: connecting to the other replicas of the stage"
+        );
+        let timeouts = RingTimeouts {
+            rendezvous: self.env.pipeline_timeout,
+            io: self.env.pipeline_timeout,
+        };
+        // Chunks of an eighth of a bucket: the ring's chunks in flight
+        // are what the planner counts beside the bucket
+        // (`sharding::collective_buffer_bytes`).
+        let bucket = trainer.config.backend.profile().collective_bucket_bytes;
+        let chunk = headroom_planner::sharding::ring_chunk_bytes(bucket);
+        let collective = Ring::establish(&me, &addresses, listener, timeouts)
+            .and_then(|mut ring| {
+                ring.set_chunk_bytes(usize::try_from(chunk).unwrap_or(usize::MAX));
+                let collective =
+                    replica_collective(ring, trainer.config.backend, self.env.collective)?;
+                trainer.check_replicas(collective.as_ref())?;
+                Ok(collective)
+            })
+            .map_err(|e| Exit::replicas(&e))?;
+        let shards = trainer.shards(replicas);
+        tracing::info!(
+            owned = shards.owned(me.replica).len(),
+            tensors = shards.tensors.len(),
+            loads = ?shards.loads(),
+            "replica ring: connected; optimizer state sharded (elements per replica)"
+        );
+        Ok(collective)
+    }
+
+    /// Trains to the plan's last step, checkpointing every
+    /// `checkpoint_every_steps` and at the end; returns the last loss, or
+    /// the exit a SIGTERM, a failed step or a failed checkpoint ends with.
+    fn train(&self, trainer: &mut Trainer, connected: &mut Connected) -> Result<Option<f64>, Exit> {
         let every = u64::from(trainer.config.checkpoint_every_steps.max(1));
         let mut last_loss = None;
         let mut saved_at = trainer.step;
         while !trainer.finished() {
+            let step = trainer.step;
             if self.terminate.load(Ordering::SeqCst) {
                 // Evicted or deleted: keep the work done since the last checkpoint.
-                let step = trainer.step;
                 let saved = if saved_at == step {
                     "the last checkpoint is at this step".to_string()
                 } else {
-                    match self.save(&trainer, last_loss) {
+                    match self.save(trainer, last_loss) {
                         Ok(dir) => format!("checkpoint saved to {}", dir.display()),
                         Err(e) => format!("checkpoint failed: {e}"),
                     }
                 };
-                return Exit::new(
+                return Err(Exit::new(
                     WorkerOutcome::Terminated,
                     format!("terminated by SIGTERM at step {step}; {saved}"),
-                )
-                .at(step, self.peak_now());
+                ));
             }
-            let step = trainer.step;
-            let report = match catch_unwind(AssertUnwindSafe(|| trainer.train_step())) {
+            let stepped = catch_unwind(AssertUnwindSafe(|| {
+                trainer.train_step_with(&mut connected.links, connected.replicas.as_mut())
+            }));
+            let report = match stepped {
                 Ok(Ok(r)) => r,
                 Ok(Err(e)) => {
                     // The step never reached its update, so this stage is still
@@ -608,7 +659,7 @@ impl Training<'_> {
                     // their updates: then this model is no step's.)
                     let mut exit = Exit::step(&e);
                     if saved_at != step && trainer.can_checkpoint() {
-                        let saved = match self.save(&trainer, last_loss) {
+                        let saved = match self.save(trainer, last_loss) {
                             Ok(dir) => {
                                 format!("checkpoint at step {step} saved to {}", dir.display())
                             }
@@ -616,10 +667,14 @@ impl Training<'_> {
                         };
                         exit.message.reason = format!("{}; {saved}", exit.message.reason);
                     }
-                    return exit.at(step, self.peak_now());
+                    return Err(exit);
                 }
                 Err(payload) => {
-                    return classify_panic(&panic_text(&*payload), step, self.peak_now());
+                    return Err(classify_panic(
+                        &panic_text(&*payload),
+                        step,
+                        self.peak_now(),
+                    ));
                 }
             };
             if report.loss.is_some() {
@@ -633,72 +688,81 @@ impl Training<'_> {
             });
             tracing::debug!(step = report.step, loss = ?report.loss, "step");
             if let Some(loss) = report.loss.filter(|l| !l.is_finite()) {
-                return Exit::failed(format!("loss became {loss} at step {}", report.step))
-                    .at(report.step, self.peak_now());
+                return Err(Exit::failed(format!(
+                    "loss became {loss} at step {}",
+                    report.step
+                )));
             }
             if let Some(limit) = self.env.device_memory_limit {
                 let peak = self.peak_now();
                 if peak > limit {
-                    return Exit::new(
+                    // Stamped, as an out-of-memory panic is, with the step
+                    // that was under way.
+                    return Err(Exit::new(
                         WorkerOutcome::DeviceOutOfMemory,
                         format!(
                             "peak {peak} bytes passed the device limit of {limit} bytes ({DEVICE_MEMORY_LIMIT_ENV}) in step {}",
                             report.step
                         ),
                     )
-                    .at(step, peak);
+                    .at(step, peak));
                 }
             }
             if trainer.step.is_multiple_of(every) || trainer.finished() {
-                match self.save(&trainer, last_loss) {
+                match self.save(trainer, last_loss) {
                     Ok(dir) => {
                         saved_at = trainer.step;
                         tracing::info!(step = trainer.step, dir = %dir.display(), "checkpoint");
                     }
                     Err(e) => {
-                        return Exit::failed(format!("checkpoint at step {}: {e}", trainer.step))
-                            .at(trainer.step, self.peak_now());
+                        return Err(Exit::failed(format!(
+                            "checkpoint at step {}: {e}",
+                            trainer.step
+                        )));
                     }
                 }
             }
         }
-        let mut written = String::new();
-        let replica = self.plan.assignment().replica;
-        if let Some(files) = &self.plan.assignment().files
-            && replica > 0
-        {
+        Ok(last_loss)
+    }
+
+    /// Writes the trained model where the assignment says (one replica of
+    /// the stage does) and says so in the exit: success, unless the write
+    /// fails.
+    fn write_output(&self, trainer: &Trainer, last_loss: Option<f64>) -> Exit {
+        let a = self.plan.assignment();
+        let written = match &a.files {
+            None => String::new(),
             // The replicas of a stage hold the same weights bitwise (the
             // all-gather), so one of them writes the stage's output: two
             // writers of the same files would race.
-            written = format!(
-                "; replica {replica}: replica 0 writes the trained model to {}",
-                files.output_dir
-            );
-        } else if let Some(files) = &self.plan.assignment().files {
-            let out = Path::new(&files.output_dir);
-            match trainer.save_pretrained(out) {
-                Ok(file) => {
-                    tracing::info!(file = %file.display(), "trained weights written");
-                    written = match &trainer.config.adapters {
-                        None => format!("; model written to {}", out.display()),
-                        Some(_) if trainer.config.settings.base_format.is_quantized() => format!(
-                            "; PEFT adapter written to {} (no merged weights over a {} base)",
-                            out.display(),
-                            trainer.config.settings.base_format
-                        ),
-                        Some(_) => format!(
-                            "; PEFT adapter written to {}, merged weights to {}",
-                            out.display(),
-                            out.join(crate::train::MERGED_DIR).display()
-                        ),
-                    };
-                }
-                Err(e) => {
-                    return Exit::failed(format!("writing the trained model: {e}"))
-                        .at(trainer.step, self.peak_now());
+            Some(files) if a.replica > 0 => format!(
+                "; replica {}: replica 0 writes the trained model to {}",
+                a.replica, files.output_dir
+            ),
+            Some(files) => {
+                let out = Path::new(&files.output_dir);
+                let file = match trainer.save_pretrained(out) {
+                    Ok(file) => file,
+                    Err(e) => return Exit::failed(format!("writing the trained model: {e}")),
+                };
+                tracing::info!(file = %file.display(), "trained weights written");
+                let c = &trainer.config;
+                match &c.adapters {
+                    None => format!("; model written to {}", out.display()),
+                    Some(_) if c.settings.base_format.is_quantized() => format!(
+                        "; PEFT adapter written to {} (no merged weights over a {} base)",
+                        out.display(),
+                        c.settings.base_format
+                    ),
+                    Some(_) => format!(
+                        "; PEFT adapter written to {}, merged weights to {}",
+                        out.display(),
+                        out.join(crate::train::MERGED_DIR).display()
+                    ),
                 }
             }
-        }
+        };
         Exit::new(
             WorkerOutcome::Succeeded,
             format!(
@@ -707,8 +771,15 @@ impl Training<'_> {
                 last_loss.map_or("n/a".into(), |l| format!("{l:.4}"))
             ),
         )
-        .at(trainer.step, self.peak_now())
     }
+}
+
+/// What the steps exchange through, connected once before training.
+struct Connected {
+    /// The neighbouring stages (none for a single-stage plan).
+    links: Links,
+    /// The other replicas of the stage ([`Single`] for one replica).
+    replicas: Box<dyn Collective>,
 }
 
 /// The assignment's text, tokenized with the checkpoint's tokenizer and

@@ -8,6 +8,12 @@
 //! path. Stage k receives its input activations from stage k−1 and sends the
 //! gradient of that input back; the last stage computes the loss.
 //!
+//! The [`Trainer`] owns the model, the optimizer and the data; the links to
+//! the neighbouring stages and the collective of the stage's replicas belong
+//! to the caller, which lends them to each step
+//! ([`Trainer::train_step_with`]): the worker's over TCP, a test's over
+//! channels in one process ([`Links::in_process`]).
+//!
 //! Activation checkpointing is block-level, the form the planner models
 //! (`memory::block_activation_bytes`): the forward pass runs without an
 //! autodiff graph and keeps only each block's input; backward then walks the
@@ -30,7 +36,7 @@ use headroom_planner::Backend;
 use headroom_planner::{LoraConfig, Optimizer, Precision, Settings};
 
 use crate::checkpoint;
-use crate::collective::{Collective, CollectiveError};
+use crate::collective::{Collective, CollectiveError, Single};
 use crate::data::{ProgressionTask, Samples, TextSamples};
 use crate::data_parallel::{Replicas, Shards, stable_param_ids};
 use crate::model::hf::HfCheckpoint;
@@ -262,10 +268,9 @@ pub struct Trainer {
     /// The checkpoint a Llama-family model was loaded from (names, dtype and
     /// files its trained weights are written back with).
     pretrained: Option<HfCheckpoint>,
-    /// Neighbouring stages; empty for a single-stage plan.
-    links: Links,
-    /// The other replicas of this stage (none until [`Trainer::join_replicas`]).
-    replicas: Replicas,
+    /// The bytes of f32 the replicas exchange at a time: the backend's
+    /// `collective_bucket_bytes` unless [`Trainer::set_collective_bucket_bytes`].
+    bucket_bytes: u64,
     /// Set when a step failed after this replica's update and before it had
     /// every other replica's: the model is then no step's, and must not be
     /// saved.
@@ -376,6 +381,7 @@ impl Trainer {
             vocabulary: config.shape.vocabulary(),
             sequence_length: config.shape.sequence_length(),
         });
+        let bucket_bytes = config.backend.profile().collective_bucket_bytes;
         Ok(Trainer {
             config,
             device,
@@ -384,8 +390,7 @@ impl Trainer {
             step: 0,
             task,
             pretrained,
-            links: Links::default(),
-            replicas: Replicas::default(),
+            bucket_bytes,
             torn: None,
         })
     }
@@ -447,19 +452,13 @@ impl Trainer {
         self.task = Samples::Text(samples);
     }
 
-    /// Attaches the connections to the neighbouring stages (a multi-stage plan).
-    pub fn connect(&mut self, links: Links) {
-        self.links = links;
-    }
-
-    /// Joins the other replicas of this stage (a plan with replicas), with
-    /// buckets of the backend's `collective_bucket_bytes`.
-    pub fn join_replicas(
-        &mut self,
-        collective: Box<dyn Collective>,
-    ) -> Result<(), CollectiveError> {
+    /// Checks that `collective` has this worker as the replica its
+    /// assignment says (rank `replica` of `replicas`). Every step checks it;
+    /// the worker also does as soon as its ring is up, to fail before
+    /// training rather than in the first step.
+    pub fn check_replicas(&self, collective: &dyn Collective) -> Result<(), CollectiveError> {
         let c = &self.config;
-        if (collective.rank(), collective.size()) != (c.replica, c.replicas) {
+        if (collective.rank(), collective.size()) != (c.replica, c.replicas.max(1)) {
             return Err(CollectiveError::Protocol(format!(
                 "the ring has this worker as replica {} of {}, its assignment says {} of {}",
                 collective.rank(),
@@ -468,16 +467,14 @@ impl Trainer {
                 c.replicas
             )));
         }
-        let bucket = c.backend.profile().collective_bucket_bytes;
-        self.replicas = Replicas::new(collective, bucket);
         Ok(())
     }
 
     /// Moves gradients and weights between the replicas in buckets of
-    /// `bytes` instead of the backend's (after [`Trainer::join_replicas`];
-    /// every replica must use the same): tests and benchmarks.
+    /// `bytes` instead of the backend's (every replica must use the same):
+    /// tests and benchmarks.
     pub fn set_collective_bucket_bytes(&mut self, bytes: u64) {
-        self.replicas.set_bucket_bytes(bytes);
+        self.bucket_bytes = bytes;
     }
 
     /// The stage's trained tensors and which replica owns each (for `replicas`).
@@ -514,21 +511,28 @@ impl Trainer {
         self.step >= self.config.steps
     }
 
+    /// One optimizer step of a plan with one stage and one replica: nothing
+    /// to exchange with (see [`Trainer::train_step_with`]).
+    pub fn train_step(&mut self) -> Result<StepReport, StepError> {
+        self.train_step_with(&mut Links::default(), &mut Single)
+    }
+
     /// One optimizer step over the plan's global batch: this stage's part of
     /// the 1F1B schedule on this replica's share, the tied-embedding
     /// exchange, the replicas' gradient reduce-scatter, one update of the
-    /// owned tensors, their all-gather.
-    pub fn train_step(&mut self) -> Result<StepReport, StepError> {
+    /// owned tensors, their all-gather. `links` reach the neighbouring
+    /// stages (none for one stage); `replicas` the other replicas of the
+    /// stage ([`Single`] for one).
+    pub fn train_step_with(
+        &mut self,
+        links: &mut Links,
+        replicas: &mut dyn Collective,
+    ) -> Result<StepReport, StepError> {
         if let Some(torn) = &self.torn {
             return Err(CollectiveError::Protocol(torn.clone()).into());
         }
-        if self.replicas.size() != self.config.replicas.max(1) {
-            return Err(CollectiveError::Protocol(format!(
-                "replica {} of {}: join the other replicas before training",
-                self.config.replica, self.config.replicas
-            ))
-            .into());
-        }
+        self.check_replicas(replicas)?;
+        let mut replicas = Replicas::new(replicas, self.bucket_bytes);
         let started = Instant::now();
         let s = self.config.settings;
         let accumulation = s.gradient_accumulation.max(1);
@@ -540,7 +544,7 @@ impl Trainer {
         for op in one_f_one_b(self.config.stage, self.config.stages, accumulation) {
             match op {
                 Op::Forward(micro) => {
-                    let (kept, loss) = self.forward(micro)?;
+                    let (kept, loss) = self.forward(links, micro)?;
                     losses.extend(loss);
                     saved.push_back(kept);
                 }
@@ -548,7 +552,8 @@ impl Trainer {
                     let kept = saved
                         .pop_front()
                         .ok_or_else(|| PipelineError::Protocol("backward before forward".into()))?;
-                    let (grads, loss) = self.backward(micro, kept, scale, &mut accumulator)?;
+                    let (grads, loss) =
+                        self.backward(links, micro, kept, scale, &mut accumulator)?;
                     losses.extend(loss);
                     if let Some(grads) = grads {
                         if accumulation == 1 {
@@ -561,17 +566,17 @@ impl Trainer {
             }
         }
         let mut grads = single.unwrap_or_else(|| accumulator.grads());
-        self.exchange_tied_gradient(&mut grads)?;
-        let shards = self.shards(self.replicas.size());
+        self.exchange_tied_gradient(links, &mut grads)?;
+        let shards = self.shards(replicas.size());
         let exchange = Instant::now();
-        let loss = self.replicas.mean_loss(&losses)?;
+        let loss = replicas.mean_loss(&losses)?;
         let loss_gather = exchange.elapsed();
-        self.replicas.reduce_gradients(&mut grads, &shards)?;
+        replicas.reduce_gradients(&mut grads, &shards)?;
         let mut collective = exchange.elapsed();
         let model = self.take_model();
         let model = self.optimizer.step(self.config.learning_rate, model, grads);
         let gather = Instant::now();
-        let (model, gathered) = self.replicas.gather_parameters(model, &shards);
+        let (model, gathered) = replicas.gather_parameters(model, &shards);
         collective += gather.elapsed();
         self.model = Some(model);
         if let Err(e) = gathered {
@@ -620,22 +625,25 @@ impl Trainer {
     }
 
     /// The activations stage k−1 sent for `micro`.
-    fn receive_input(&mut self, micro: u32) -> Result<Tensor<3>, PipelineError> {
-        let step = self.step;
-        let frame = self.links.to_prev()?.recv(Kind::Activation, step, micro)?;
+    fn receive_input(&self, links: &mut Links, micro: u32) -> Result<Tensor<3>, PipelineError> {
+        let frame = links.to_prev()?.recv(Kind::Activation, self.step, micro)?;
         frame.into_tensor(&self.device)
     }
 
     /// Forward pass of one micro-batch; returns what backward needs and, on
     /// the last stage without checkpointing, the micro-batch's loss.
-    fn forward(&mut self, micro: u32) -> Result<(Saved, Option<f64>), PipelineError> {
+    fn forward(
+        &self,
+        links: &mut Links,
+        micro: u32,
+    ) -> Result<(Saved, Option<f64>), PipelineError> {
         let (tokens, targets) = self.data(micro);
         let step = self.step;
         if self.config.settings.activation_checkpointing {
             let frozen = self.model().valid();
             let mut x = match &tokens {
                 Some(t) => frozen.embed(t.clone().inner()),
-                None => self.receive_input(micro)?.inner(),
+                None => self.receive_input(links, micro)?.inner(),
             };
             let mut block_inputs = Vec::with_capacity(frozen.blocks.len());
             for block in &frozen.blocks {
@@ -646,7 +654,7 @@ impl Trainer {
             let output = if self.config.layout.last {
                 Some(x)
             } else {
-                self.links
+                links
                     .to_next()?
                     .send(&Frame::tensor(Kind::Activation, step, micro, x))?;
                 None
@@ -662,7 +670,7 @@ impl Trainer {
         let (x, input) = match tokens {
             Some(tokens) => (self.model().embed(tokens), None),
             None => {
-                let input = self.receive_input(micro)?.require_grad();
+                let input = self.receive_input(links, micro)?.require_grad();
                 (input.clone(), Some(input))
             }
         };
@@ -679,7 +687,7 @@ impl Trainer {
                 Ok((kept, Some(value)))
             }
             None => {
-                self.links.to_next()?.send(&Frame::tensor(
+                links.to_next()?.send(&Frame::tensor(
                     Kind::Activation,
                     step,
                     micro,
@@ -696,24 +704,28 @@ impl Trainer {
     }
 
     /// The gradient of the loss with respect to this stage's output, from stage k+1.
-    fn receive_gradient(&mut self, micro: u32) -> Result<Tensor<3>, PipelineError> {
-        let step = self.step;
-        let frame = self.links.to_next()?.recv(Kind::Gradient, step, micro)?;
+    fn receive_gradient(&self, links: &mut Links, micro: u32) -> Result<Tensor<3>, PipelineError> {
+        let frame = links.to_next()?.recv(Kind::Gradient, self.step, micro)?;
         frame.into_tensor(&self.device)
     }
 
-    fn send_input_gradient(&mut self, micro: u32, grad: Tensor<3>) -> Result<(), PipelineError> {
-        let step = self.step;
-        self.links
+    fn send_input_gradient(
+        &self,
+        links: &mut Links,
+        micro: u32,
+        grad: Tensor<3>,
+    ) -> Result<(), PipelineError> {
+        links
             .to_prev()?
-            .send(&Frame::tensor(Kind::Gradient, step, micro, grad))
+            .send(&Frame::tensor(Kind::Gradient, self.step, micro, grad))
     }
 
     /// Backward pass of one micro-batch. Returns this micro-batch's gradients
     /// (graph mode) or accumulates them itself (checkpointed), and the loss
     /// when it is computed here (last stage, checkpointed).
     fn backward(
-        &mut self,
+        &self,
+        links: &mut Links,
         micro: u32,
         kept: Saved,
         scale: f64,
@@ -728,7 +740,7 @@ impl Trainer {
                 let mut grads = match (loss, output) {
                     (Some(loss), _) => loss.mul_scalar(scale).backward(),
                     (None, Some(output)) => {
-                        let upstream = self.receive_gradient(micro)?;
+                        let upstream = self.receive_gradient(links, micro)?;
                         (output * upstream).sum().backward()
                     }
                     (None, None) => unreachable!("a forward keeps a loss or an output"),
@@ -737,7 +749,7 @@ impl Trainer {
                     let grad = input
                         .grad_remove(&mut grads)
                         .expect("gradient of the stage input");
-                    self.send_input_gradient(micro, grad)?;
+                    self.send_input_gradient(links, micro, grad)?;
                 }
                 Ok((Some(GradientsParams::from_grads(grads, self.model())), None))
             }
@@ -761,9 +773,8 @@ impl Trainer {
                         accumulator.accumulate(model, GradientsParams::from_grads(grads, model));
                         (upstream, Some(value))
                     }
-                    _ => (self.receive_gradient(micro)?.inner(), None),
+                    _ => (self.receive_gradient(links, micro)?.inner(), None),
                 };
-                let model = self.model.as_ref().expect("model");
                 // Blocks, last to first: recompute one, pull the upstream gradient through it.
                 for (block, input) in model.blocks.iter().zip(block_inputs).rev() {
                     let input = input.autodiff().require_grad();
@@ -783,7 +794,7 @@ impl Trainer {
                         let grads = (embedded * upstream).sum().backward();
                         accumulator.accumulate(model, GradientsParams::from_grads(grads, model));
                     }
-                    None => self.send_input_gradient(micro, upstream)?,
+                    None => self.send_input_gradient(links, micro, upstream)?,
                 }
                 Ok((None, value))
             }
@@ -794,7 +805,11 @@ impl Trainer {
     /// embedding and the last stage's copy get the same summed gradient
     /// (embedding part + head part, added in that order on both), so the
     /// copies stay equal. Stages in between relay both messages.
-    fn exchange_tied_gradient(&mut self, grads: &mut GradientsParams) -> Result<(), PipelineError> {
+    fn exchange_tied_gradient(
+        &self,
+        links: &mut Links,
+        grads: &mut GradientsParams,
+    ) -> Result<(), PipelineError> {
         let c = &self.config;
         // With adapters the embedding is frozen: no gradient to share.
         if c.stages <= 1 || !c.shape.tied_embeddings() || c.adapters.is_some() {
@@ -809,7 +824,7 @@ impl Trainer {
         };
         if first {
             let (id, embedding) = own(self.model.as_ref().expect("model"), grads);
-            let next = self.links.to_next()?;
+            let next = links.to_next()?;
             next.send(&Frame::tensor(
                 Kind::TiedGradient,
                 step,
@@ -822,17 +837,17 @@ impl Trainer {
             grads.register(id, embedding + head);
         } else if last {
             let (id, head) = own(self.model.as_ref().expect("model"), grads);
-            let prev = self.links.to_prev()?;
+            let prev = links.to_prev()?;
             let embedding: Tensor<2> = prev
                 .recv(Kind::TiedGradient, step, 0)?
                 .into_tensor(&self.device)?;
             prev.send(&Frame::tensor(Kind::TiedGradient, step, 1, head.clone()))?;
             grads.register(id, embedding + head);
         } else {
-            let forward = self.links.to_prev()?.recv(Kind::TiedGradient, step, 0)?;
-            self.links.to_next()?.send(&forward)?;
-            let backward = self.links.to_next()?.recv(Kind::TiedGradient, step, 1)?;
-            self.links.to_prev()?.send(&backward)?;
+            let forward = links.to_prev()?.recv(Kind::TiedGradient, step, 0)?;
+            links.to_next()?.send(&forward)?;
+            let backward = links.to_next()?.recv(Kind::TiedGradient, step, 1)?;
+            links.to_prev()?.send(&backward)?;
         }
         Ok(())
     }

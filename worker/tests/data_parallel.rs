@@ -179,7 +179,7 @@ fn run_with_buckets(
             config.layout = layout.clone();
             config.stage = k;
             config.stages = p;
-            let ring = rings[k as usize][r as usize].take().expect("ring");
+            let mut ring = rings[k as usize][r as usize].take().expect("ring");
             let listener = pipelines[r as usize].0[k as usize].take();
             let peers = pipelines[r as usize].1.clone();
             let dir = dir.map(Path::to_path_buf);
@@ -197,7 +197,7 @@ fn run_with_buckets(
                     stages: p,
                     resume_step: trainer.step,
                 };
-                let links = establish(
+                let mut links = establish(
                     &me,
                     listener.filter(|_| k > 0),
                     &peers,
@@ -205,14 +205,14 @@ fn run_with_buckets(
                     Duration::from_secs(60),
                 )
                 .expect("links");
-                trainer.connect(links);
-                trainer.join_replicas(Box::new(ring)).expect("join");
                 if let Some(bytes) = bucket_bytes {
                     trainer.set_collective_bucket_bytes(bytes);
                 }
                 let mut losses = Vec::new();
                 while !trainer.finished() {
-                    let report = trainer.train_step().expect("step");
+                    let report = trainer
+                        .train_step_with(&mut links, &mut ring)
+                        .expect("step");
                     assert_eq!(
                         report.loss.is_some(),
                         k + 1 == p,

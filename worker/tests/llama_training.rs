@@ -16,6 +16,7 @@ use std::time::Duration;
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use headroom_planner::{Optimizer, Precision, Settings};
+use headroom_worker::collective::Single;
 use headroom_worker::model::hf::HfCheckpoint;
 use headroom_worker::model::{LmShape, StageLayout, TransformerLm};
 use headroom_worker::pipeline::{Hello, Peers, establish};
@@ -156,7 +157,7 @@ fn two_stages_write_shards_and_an_index_that_reload_as_one_model() {
                     stages: 2,
                     resume_step: 0,
                 };
-                let links = establish(
+                let mut links = establish(
                     &me,
                     (k > 0).then_some(listener),
                     &peers,
@@ -164,9 +165,10 @@ fn two_stages_write_shards_and_an_index_that_reload_as_one_model() {
                     Duration::from_secs(60),
                 )
                 .expect("links");
-                trainer.connect(links);
                 while !trainer.finished() {
-                    trainer.train_step().expect("step");
+                    trainer
+                        .train_step_with(&mut links, &mut Single)
+                        .expect("step");
                 }
                 trainer.save_pretrained(&out).expect("save shard")
             })

@@ -11,6 +11,7 @@ use std::time::Duration;
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use headroom_planner::{BaseFormat, LoraConfig, Optimizer, Precision, Settings, TargetModule};
+use headroom_worker::collective::Single;
 use headroom_worker::model::hf::HfCheckpoint;
 use headroom_worker::model::{LmShape, StageLayout, TransformerLm, lora, peft};
 use headroom_worker::pipeline::{Hello, Peers, establish};
@@ -349,7 +350,7 @@ fn two_stages_train_the_adapters_one_worker_trains() {
                         stages: 2,
                         resume_step: 0,
                     };
-                    let links = establish(
+                    let mut links = establish(
                         &me,
                         (k > 0).then_some(listener),
                         &peers,
@@ -357,9 +358,10 @@ fn two_stages_train_the_adapters_one_worker_trains() {
                         Duration::from_secs(60),
                     )
                     .expect("links");
-                    trainer.connect(links);
                     while !trainer.finished() {
-                        trainer.train_step().expect("step");
+                        trainer
+                            .train_step_with(&mut links, &mut Single)
+                            .expect("step");
                     }
                     trainer.save_pretrained(&out).expect("save");
                     factors(&trainer)

@@ -1,18 +1,21 @@
 //! Pipeline stages train the same model as one worker: p = 1, 2, 3 give the
 //! same losses over the same steps and data, with and without activation
-//! checkpointing and with a tied or untied head; and a checkpoint written
-//! under one split resumes under another (the "more stages" rung).
+//! checkpointing and with a tied or untied head, over TCP as the worker
+//! connects them and over in-process links; and a checkpoint written under
+//! one split resumes under another (the "more stages" rung).
 
 mod common;
 
+use std::net::TcpListener;
 use std::path::Path;
 use std::time::Duration;
 
 use burn::tensor::Device;
 use headroom_planner::search::balanced_split;
 use headroom_planner::{Optimizer, Settings, TransformerShape};
+use headroom_worker::collective::Single;
 use headroom_worker::model::StageLayout;
-use headroom_worker::pipeline::{Hello, Peers, establish};
+use headroom_worker::pipeline::{Hello, Links, Peers, establish};
 use headroom_worker::train::{TrainConfig, Trainer};
 
 fn shape(tied: bool) -> TransformerShape {
@@ -39,11 +42,44 @@ fn settings(checkpointing: bool) -> Settings {
     }
 }
 
+/// How the stages of a run reach each other.
+#[derive(Clone, Copy)]
+enum Transport {
+    /// Loopback sockets, connected by `establish` as the worker connects them.
+    Tcp,
+    /// `Links::in_process`: channels between the threads, no sockets.
+    InProcess,
+}
+
+/// What a stage's thread connects with.
+enum Connect {
+    Tcp(TcpListener, Peers),
+    InProcess(Links),
+}
+
+impl Transport {
+    fn stages(self, p: u32) -> Vec<Connect> {
+        match self {
+            Transport::Tcp => {
+                let (listeners, peers) = Peers::loopback(p).expect("loopback sockets");
+                listeners
+                    .into_iter()
+                    .map(|l| Connect::Tcp(l, peers.clone()))
+                    .collect()
+            }
+            Transport::InProcess => Links::in_process(p, Duration::from_secs(60))
+                .into_iter()
+                .map(Connect::InProcess)
+                .collect(),
+        }
+    }
+}
+
 /// Trains `steps` optimizer steps (continuing from `dir`'s checkpoints when
-/// there are some) on `p` stages, one thread and one loopback link per
-/// stage, saving a checkpoint after the last step. Returns the last stage's
-/// losses.
+/// there are some) on `p` stages, one thread per stage, linked `over`,
+/// saving a checkpoint after the last step. Returns the last stage's losses.
 fn run(
+    over: Transport,
     p: u32,
     shape: &TransformerShape,
     settings: Settings,
@@ -51,12 +87,12 @@ fn run(
     dir: Option<&Path>,
 ) -> Vec<f64> {
     let split = balanced_split(shape.layers, p).expect("split");
-    let (listeners, peers) = Peers::loopback(p).expect("loopback sockets");
     let mut start = 0;
-    let handles: Vec<_> = listeners
+    let handles: Vec<_> = over
+        .stages(p)
         .into_iter()
         .enumerate()
-        .map(|(k, listener)| {
+        .map(|(k, connect)| {
             let k = k as u32;
             let layout = StageLayout {
                 layers: start..start + split[k as usize],
@@ -68,7 +104,6 @@ fn run(
             config.layout = layout;
             config.stage = k;
             config.stages = p;
-            let peers = peers.clone();
             let dir = dir.map(Path::to_path_buf);
             std::thread::spawn(move || {
                 let mut trainer = Trainer::new(config, Device::flex().autodiff()).expect("trainer");
@@ -76,26 +111,32 @@ fn run(
                     trainer.resume(dir).expect("resume");
                 }
                 trainer.config.steps = trainer.step + steps;
-                let me = Hello {
-                    job: "j".into(),
-                    namespace: "ns".into(),
-                    attempt: 1,
-                    stage: k,
-                    stages: p,
-                    resume_step: trainer.step,
+                let mut links = match connect {
+                    Connect::Tcp(listener, peers) => {
+                        let me = Hello {
+                            job: "j".into(),
+                            namespace: "ns".into(),
+                            attempt: 1,
+                            stage: k,
+                            stages: p,
+                            resume_step: trainer.step,
+                        };
+                        establish(
+                            &me,
+                            (k > 0).then_some(listener),
+                            &peers,
+                            Duration::from_secs(30),
+                            Duration::from_secs(60),
+                        )
+                        .expect("links")
+                    }
+                    Connect::InProcess(links) => links,
                 };
-                let links = establish(
-                    &me,
-                    (k > 0).then_some(listener),
-                    &peers,
-                    Duration::from_secs(30),
-                    Duration::from_secs(60),
-                )
-                .expect("links");
-                trainer.connect(links);
                 let mut losses = Vec::new();
                 while !trainer.finished() {
-                    let report = trainer.train_step().expect("step");
+                    let report = trainer
+                        .train_step_with(&mut links, &mut Single)
+                        .expect("step");
                     assert_eq!(
                         report.loss.is_some(),
                         k + 1 == p,
@@ -138,10 +179,10 @@ fn two_and_three_stages_give_the_losses_of_one() {
         for checkpointing in [false, true] {
             let shape = shape(tied);
             let s = settings(checkpointing);
-            let one = run(1, &shape, s, 4, None);
+            let one = run(Transport::Tcp, 1, &shape, s, 4, None);
             assert!(one[3] < one[0], "it trains: {one:?}");
             for p in [2, 3] {
-                let many = run(p, &shape, s, 4, None);
+                let many = run(Transport::Tcp, p, &shape, s, 4, None);
                 assert_close(
                     &one,
                     &many,
@@ -152,17 +193,55 @@ fn two_and_three_stages_give_the_losses_of_one() {
     }
 }
 
+/// The step's links are the caller's: two stages in two threads over
+/// channels, no sockets, train what one stage does, and bitwise what two
+/// stages over TCP do (the same f32 frames cross either link).
+#[test]
+fn two_stages_over_in_process_links_give_the_losses_of_one() {
+    for tied in [true, false] {
+        for checkpointing in [false, true] {
+            let what = format!("tied {tied}, checkpointing {checkpointing}");
+            let shape = shape(tied);
+            let s = settings(checkpointing);
+            let one = run(Transport::InProcess, 1, &shape, s, 4, None);
+            let two = run(Transport::InProcess, 2, &shape, s, 4, None);
+            assert_eq!(two, run(Transport::Tcp, 2, &shape, s, 4, None), "{what}");
+            if !tied {
+                // Each stage computes what the one stage computes of it.
+                assert_eq!(one, two, "{what}");
+                continue;
+            }
+            // A tied embedding's gradient is summed per micro-batch
+            // (embedding + head) on one stage, and per stage on two (all
+            // the embedding's micro-batches, then the head's): float
+            // addition does not associate, so from the second step the
+            // losses differ in the last bits. Measured 2.5e-8 relative
+            // (flex, 4 steps); the bound leaves 40 times that.
+            for (a, b) in one.iter().zip(&two) {
+                assert!(
+                    (a - b).abs() <= 1e-6 * a.abs(),
+                    "{what}: {one:?} vs {two:?}"
+                );
+            }
+            assert_eq!(
+                one[0], two[0],
+                "the first step is before any update: {what}"
+            );
+        }
+    }
+}
+
 #[test]
 fn a_checkpoint_resumes_under_another_split() {
     let shape = shape(true);
     let s = settings(false);
-    let straight = run(1, &shape, s, 6, None);
+    let straight = run(Transport::Tcp, 1, &shape, s, 6, None);
     let dir = std::env::temp_dir().join(format!("headroom-pipeline-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     // 1 stage, then 3 (more stages: the retry rung), then 2.
-    let mut losses = run(1, &shape, s, 2, Some(&dir));
-    losses.extend(run(3, &shape, s, 2, Some(&dir)));
-    losses.extend(run(2, &shape, s, 2, Some(&dir)));
+    let mut losses = run(Transport::Tcp, 1, &shape, s, 2, Some(&dir));
+    losses.extend(run(Transport::Tcp, 3, &shape, s, 2, Some(&dir)));
+    losses.extend(run(Transport::Tcp, 2, &shape, s, 2, Some(&dir)));
     assert_close(&straight, &losses, "1 → 3 → 2 stages across checkpoints");
     // Saves prune steps older than the newest two complete ones. Stages
     // prune concurrently, so the stage that saves step 6 first may still see

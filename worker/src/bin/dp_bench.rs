@@ -174,7 +174,7 @@ fn run(p: u32, d: u32, threads: usize, warmup: u64, steps: u64) -> Vec<Worker> {
             config.stage = k;
             config.stages = p;
             config.steps = warmup + steps;
-            let ring = rings[k as usize][r as usize].take().expect("ring");
+            let mut ring = rings[k as usize][r as usize].take().expect("ring");
             let listener = pipelines[r as usize].0[k as usize].take();
             let peers = pipelines[r as usize].1.clone();
             handles.push(std::thread::spawn(move || {
@@ -197,10 +197,8 @@ fn run(p: u32, d: u32, threads: usize, warmup: u64, steps: u64) -> Vec<Worker> {
                         resume_step: 0,
                     };
                     let wait = Duration::from_secs(300);
-                    let links = establish(&me, listener.filter(|_| k > 0), &peers, wait, wait)
+                    let mut links = establish(&me, listener.filter(|_| k > 0), &peers, wait, wait)
                         .expect("pipeline links");
-                    trainer.connect(links);
-                    trainer.join_replicas(Box::new(ring)).expect("join");
                     let trained = trainer
                         .shards(d)
                         .tensors
@@ -209,7 +207,8 @@ fn run(p: u32, d: u32, threads: usize, warmup: u64, steps: u64) -> Vec<Worker> {
                         .sum();
                     let mut reports = Vec::new();
                     while !trainer.finished() {
-                        reports.push(trainer.train_step().expect("step"));
+                        let report = trainer.train_step_with(&mut links, &mut ring);
+                        reports.push(report.expect("step"));
                     }
                     Worker {
                         stage: k,

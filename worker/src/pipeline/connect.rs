@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use headroom_api::WORKER_API_ENV;
 use serde::{Deserialize, Serialize};
 
-use super::wire::{Frame, Kind, Link};
+use super::wire::{Frame, Kind, Link, StageLink};
 use super::{Links, PipelineError};
 use crate::worker_api::{WorkerApi, WorkerApiError};
 
@@ -272,7 +272,9 @@ pub fn establish(
         ),
         None => None,
     };
-    let link = |peer: u32, s: TcpStream| Link::start(peer, s, io_timeout);
+    let link = |peer: u32, s: TcpStream| {
+        Link::start(peer, s, io_timeout).map(|l| Box::new(l) as Box<dyn StageLink>)
+    };
     Ok(Links {
         prev: prev.map(|s| link(me.stage - 1, s)).transpose()?,
         next: next.map(|s| link(me.stage + 1, s)).transpose()?,

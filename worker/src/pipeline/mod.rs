@@ -14,7 +14,8 @@
 //! (`StagePlacement::in_flight`), and it does not grow with the accumulation a
 //! stricter retry adds.
 //!
-//! * [`wire`] — frames and links (a reader thread per link, so sends never deadlock)
+//! * [`wire`] — frames and links: over TCP (a reader thread per link, so
+//!   sends never deadlock) or, for tests, over channels in one process
 //! * [`connect`] — finding the neighbours and the handshake
 //! * [`schedule`] — the per-stage order of forward and backward passes
 
@@ -24,7 +25,9 @@ pub mod wire;
 
 pub use connect::{Hello, Peers, establish};
 pub use schedule::{Op, one_f_one_b};
-pub use wire::{Frame, Kind, Link};
+pub use wire::{ChannelLink, Frame, Kind, Link, StageLink};
+
+use std::time::Duration;
 
 /// Why a pipeline stage cannot go on.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -39,25 +42,39 @@ pub enum PipelineError {
     Protocol(String),
 }
 
-/// This stage's connections: none for a single-stage plan.
+/// This stage's connections: none for a single-stage plan. The caller owns
+/// them and lends them to every step (`Trainer::train_step_with`).
 #[derive(Debug, Default)]
 pub struct Links {
     /// From stage k−1 (activations in, gradients out).
-    pub prev: Option<Link>,
+    pub prev: Option<Box<dyn StageLink>>,
     /// To stage k+1 (activations out, gradients in).
-    pub next: Option<Link>,
+    pub next: Option<Box<dyn StageLink>>,
 }
 
 impl Links {
-    pub fn to_prev(&mut self) -> Result<&mut Link, PipelineError> {
+    /// The links of `stages` stages in one process, joined by
+    /// [`ChannelLink`]s, stage k's at index k; `timeout` bounds every wait
+    /// for a frame, as `establish`'s `io_timeout` does.
+    pub fn in_process(stages: u32, timeout: Duration) -> Vec<Links> {
+        let mut all: Vec<Links> = (0..stages).map(|_| Links::default()).collect();
+        for k in 1..stages {
+            let (next, prev) = ChannelLink::pair(k - 1, timeout);
+            all[k as usize - 1].next = Some(Box::new(next));
+            all[k as usize].prev = Some(Box::new(prev));
+        }
+        all
+    }
+
+    pub fn to_prev(&mut self) -> Result<&mut (dyn StageLink + 'static), PipelineError> {
         self.prev
-            .as_mut()
+            .as_deref_mut()
             .ok_or_else(|| PipelineError::Protocol("no link to the previous stage".into()))
     }
 
-    pub fn to_next(&mut self) -> Result<&mut Link, PipelineError> {
+    pub fn to_next(&mut self) -> Result<&mut (dyn StageLink + 'static), PipelineError> {
         self.next
-            .as_mut()
+            .as_deref_mut()
             .ok_or_else(|| PipelineError::Protocol("no link to the next stage".into()))
     }
 }

@@ -10,7 +10,7 @@
 
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::TcpStream;
-use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::time::Duration;
 
 use burn::tensor::{Device, Tensor, TensorData};
@@ -165,6 +165,22 @@ impl Frame {
     }
 }
 
+/// What a training step needs of a neighbouring stage: frames out, and the
+/// frame the schedule expects next in. [`Link`] carries them over TCP
+/// between pods; [`ChannelLink`] between threads of one process, so a
+/// multi-stage step can be tested without sockets.
+pub trait StageLink: Send + std::fmt::Debug {
+    fn send(&mut self, frame: &Frame) -> Result<(), PipelineError>;
+
+    /// The next frame, which must be `kind` for `step`/`micro`: the schedule
+    /// is deterministic, so anything else means the stages disagree.
+    fn recv(&mut self, kind: Kind, step: u64, micro: u32) -> Result<Frame, PipelineError>;
+}
+
+/// What arrives from a neighbour: a frame, `Ok(None)` once it closed the
+/// connection, or the error reading it.
+type Incoming = std::io::Result<Option<Frame>>;
+
 /// A connected neighbour: frames out through a buffered writer, frames in
 /// through the reader thread's queue.
 #[derive(Debug)]
@@ -172,8 +188,7 @@ pub struct Link {
     /// The neighbour's stage index.
     pub peer: u32,
     writer: BufWriter<TcpStream>,
-    /// The reader thread's frames; `Ok(None)` once the neighbour closed the connection.
-    inbox: Receiver<std::io::Result<Option<Frame>>>,
+    inbox: Receiver<Incoming>,
     timeout: Duration,
 }
 
@@ -208,8 +223,10 @@ impl Link {
             timeout,
         })
     }
+}
 
-    pub fn send(&mut self, frame: &Frame) -> Result<(), PipelineError> {
+impl StageLink for Link {
+    fn send(&mut self, frame: &Frame) -> Result<(), PipelineError> {
         frame
             .write_to(&mut self.writer)
             .and_then(|()| self.writer.flush())
@@ -219,47 +236,96 @@ impl Link {
             })
     }
 
-    /// The next frame, which must be `kind` for `step`/`micro`: the schedule
-    /// is deterministic, so anything else means the stages disagree.
-    pub fn recv(&self, kind: Kind, step: u64, micro: u32) -> Result<Frame, PipelineError> {
-        let frame = match self.inbox.recv_timeout(self.timeout) {
-            Ok(Ok(Some(frame))) => frame,
-            Ok(Ok(None)) => {
-                return Err(PipelineError::PeerLost {
-                    stage: self.peer,
-                    detail: "closed the connection".into(),
-                });
-            }
-            Ok(Err(e)) => {
-                return Err(PipelineError::PeerLost {
-                    stage: self.peer,
-                    detail: e.to_string(),
-                });
-            }
-            Err(RecvTimeoutError::Timeout) => {
-                return Err(PipelineError::PeerLost {
-                    stage: self.peer,
-                    detail: format!(
-                        "no {kind:?} for step {step} micro-batch {micro} within {:?}",
-                        self.timeout
-                    ),
-                });
-            }
-            Err(RecvTimeoutError::Disconnected) => {
-                return Err(PipelineError::PeerLost {
-                    stage: self.peer,
-                    detail: "reader stopped".into(),
-                });
-            }
+    fn recv(&mut self, kind: Kind, step: u64, micro: u32) -> Result<Frame, PipelineError> {
+        receive(&self.inbox, self.peer, self.timeout, kind, step, micro)
+    }
+}
+
+/// A neighbour in the same process: frames cross an unbounded channel as
+/// values (the f32 payloads a [`Link`] writes, so the step computes the
+/// same), and are received with the same checks, timeout and errors.
+#[derive(Debug)]
+pub struct ChannelLink {
+    /// The neighbour's stage index.
+    pub peer: u32,
+    out: Sender<Incoming>,
+    inbox: Receiver<Incoming>,
+    timeout: Duration,
+}
+
+impl ChannelLink {
+    /// The two ends of the link between stage `stage` and stage `stage + 1`:
+    /// the first stage's link to its next, the second's to its previous.
+    pub fn pair(stage: u32, timeout: Duration) -> (ChannelLink, ChannelLink) {
+        let (to_second, second_inbox) = channel();
+        let (to_first, first_inbox) = channel();
+        let end = |peer, out, inbox| ChannelLink {
+            peer,
+            out,
+            inbox,
+            timeout,
         };
-        if (frame.kind, frame.step, frame.micro) != (kind, step, micro) {
-            return Err(PipelineError::Protocol(format!(
-                "stage {} sent {:?} for step {} micro-batch {}, expected {kind:?} for step {step} micro-batch {micro}",
-                self.peer, frame.kind, frame.step, frame.micro
+        (
+            end(stage + 1, to_second, first_inbox),
+            end(stage, to_first, second_inbox),
+        )
+    }
+}
+
+impl Drop for ChannelLink {
+    /// Tells the neighbour, as a TCP peer's end of stream does, so it sees a
+    /// lost peer rather than a stopped reader.
+    fn drop(&mut self) {
+        let _ = self.out.send(Ok(None));
+    }
+}
+
+impl StageLink for ChannelLink {
+    fn send(&mut self, frame: &Frame) -> Result<(), PipelineError> {
+        self.out
+            .send(Ok(Some(frame.clone())))
+            .map_err(|_| PipelineError::PeerLost {
+                stage: self.peer,
+                detail: format!("sending {:?}: closed the connection", frame.kind),
+            })
+    }
+
+    fn recv(&mut self, kind: Kind, step: u64, micro: u32) -> Result<Frame, PipelineError> {
+        receive(&self.inbox, self.peer, self.timeout, kind, step, micro)
+    }
+}
+
+/// The next frame from stage `peer`, which must be `kind` for `step`/`micro`.
+fn receive(
+    inbox: &Receiver<Incoming>,
+    peer: u32,
+    timeout: Duration,
+    kind: Kind,
+    step: u64,
+    micro: u32,
+) -> Result<Frame, PipelineError> {
+    let lost = |detail: String| PipelineError::PeerLost {
+        stage: peer,
+        detail,
+    };
+    let frame = match inbox.recv_timeout(timeout) {
+        Ok(Ok(Some(frame))) => frame,
+        Ok(Ok(None)) => return Err(lost("closed the connection".into())),
+        Ok(Err(e)) => return Err(lost(e.to_string())),
+        Err(RecvTimeoutError::Timeout) => {
+            return Err(lost(format!(
+                "no {kind:?} for step {step} micro-batch {micro} within {timeout:?}"
             )));
         }
-        Ok(frame)
+        Err(RecvTimeoutError::Disconnected) => return Err(lost("reader stopped".into())),
+    };
+    if (frame.kind, frame.step, frame.micro) != (kind, step, micro) {
+        return Err(PipelineError::Protocol(format!(
+            "stage {peer} sent {:?} for step {} micro-batch {}, expected {kind:?} for step {step} micro-batch {micro}",
+            frame.kind, frame.step, frame.micro
+        )));
     }
+    Ok(frame)
 }
 
 #[cfg(test)]
@@ -292,5 +358,43 @@ mod tests {
         let mut truncated = bytes.clone();
         truncated.truncate(bytes.len() - 3);
         assert!(Frame::read_from(&mut truncated.as_slice()).is_err());
+    }
+
+    #[test]
+    fn an_in_process_link_checks_and_fails_as_a_tcp_link_does() {
+        let (mut first, mut second) = ChannelLink::pair(4, Duration::from_millis(50));
+        let frame = Frame::tensor(
+            Kind::Activation,
+            2,
+            1,
+            Tensor::<1>::ones([3], &Device::flex()),
+        );
+        first.send(&frame).expect("send");
+        assert_eq!(second.recv(Kind::Activation, 2, 1).expect("recv"), frame);
+        second.send(&frame).expect("send back");
+        let err = first.recv(Kind::Gradient, 2, 1).expect_err("wrong kind");
+        assert!(
+            err.to_string()
+                .contains("stage 5 sent Activation for step 2 micro-batch 1, expected Gradient"),
+            "{err}"
+        );
+        let err = first.recv(Kind::Gradient, 2, 1).expect_err("nothing sent");
+        assert!(
+            matches!(&err, PipelineError::PeerLost { stage: 5, detail } if detail.starts_with("no Gradient")),
+            "{err}"
+        );
+        drop(second);
+        let err = first.recv(Kind::Gradient, 2, 1).expect_err("gone");
+        assert_eq!(
+            err,
+            PipelineError::PeerLost {
+                stage: 5,
+                detail: "closed the connection".into()
+            }
+        );
+        assert!(matches!(
+            first.send(&frame),
+            Err(PipelineError::PeerLost { stage: 5, .. })
+        ));
     }
 }

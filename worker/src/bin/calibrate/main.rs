@@ -772,6 +772,7 @@ fn llama_pipeline_case() -> Case {
 /// Tokens/s of `p` stages training together in this process (one thread and
 /// one loopback link per stage), median over steps after warm-up.
 fn pipeline_throughput(case: &Case, p: u32, steps: u64) -> f64 {
+    use headroom_worker::collective::Single;
     use headroom_worker::pipeline::{Hello, Peers, establish};
     let a = split_assignment(&assignment(case, 1_000_000), p);
     let (listeners, peers) = Peers::loopback(p).expect("loopback sockets");
@@ -797,11 +798,13 @@ fn pipeline_throughput(case: &Case, p: u32, steps: u64) -> f64 {
                     resume_step: 0,
                 };
                 let wait = Duration::from_secs(60);
-                let links =
+                let mut links =
                     establish(&me, (k > 0).then_some(listener), &peers, wait, wait).expect("links");
-                trainer.connect(links);
                 let times: Vec<f64> = (0..steps + 2)
-                    .map(|_| trainer.train_step().expect("step").elapsed.as_secs_f64())
+                    .map(|_| {
+                        let report = trainer.train_step_with(&mut links, &mut Single);
+                        report.expect("step").elapsed.as_secs_f64()
+                    })
                     .skip(2)
                     .collect();
                 tokens / median(times)
