@@ -13,7 +13,7 @@ use kube::{Client, Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::decide::Decision;
+use super::decide::{Decision, Launch};
 use super::lifecycle::JobEvent;
 use super::{Context, Error, LAUNCH_EXPECTATION, pods};
 
@@ -259,11 +259,15 @@ pub(super) async fn launch_attempt(
     ctx: &Context,
     job: &MemoryAwareTrainingJob,
     status: &MemoryAwareTrainingJobStatus,
-    attempt: u32,
-    model: &ModelShape,
-    image: &str,
+    launch: &Launch,
     own: &[&Pod],
 ) -> Result<(), Error> {
+    let Launch {
+        attempt,
+        model,
+        image,
+    } = launch;
+    let attempt = *attempt;
     let ns = job.namespace().unwrap_or_default();
     let name = pods::checkpoint_claim_name(job);
     let cached = ctx

@@ -141,18 +141,7 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
     let at_once = launch.filter(|_| decision.delete_pods.is_empty());
     let (written, launched) = futures::join!(apply_status(&ctx.client, job, &decision), async {
         match at_once {
-            Some(l) => Some(
-                launch_attempt(
-                    ctx,
-                    job,
-                    &decision.status,
-                    l.attempt,
-                    &l.model,
-                    &l.image,
-                    &own,
-                )
-                .await,
-            ),
+            Some(l) => Some(launch_attempt(ctx, job, &decision.status, l, &own).await),
             None => None,
         }
     });
@@ -183,18 +172,7 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
     }
     let launched = match (launched, launch) {
         (Some(result), _) => result,
-        (None, Some(l)) => {
-            launch_attempt(
-                ctx,
-                job,
-                &decision.status,
-                l.attempt,
-                &l.model,
-                &l.image,
-                &own,
-            )
-            .await
-        }
+        (None, Some(l)) => launch_attempt(ctx, job, &decision.status, l, &own).await,
         (None, None) => Ok(()),
     };
     if let (Some(l), Err(error)) = (launch, launched) {
