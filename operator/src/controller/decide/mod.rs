@@ -33,8 +33,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 
 use super::config::WorkerImages;
-use super::lifecycle::JobEvent;
-use super::lifecycle::{Reason, Stamp, Transition, enter};
+use super::lifecycle::{JobEvent, Reason, Stamp, Transition, enter};
 
 /// What reconcile should do.
 #[derive(Clone, Debug, PartialEq)]
