@@ -205,19 +205,20 @@ pub const FLEX: BackendProfile = BackendProfile {
 /// burn CUDA: context and kernels cost most of a GiB; drivers keep ~1 % back
 /// (an "80 GB" card offers about 79.2 GiB).
 ///
-/// Not calibrated: no GPU has measured it. It keeps the behaviour it had
-/// with one allocator slack of 8 % on all tensor bytes (the same 8 % on
-/// states and on activations) and the published activation counts; the
-/// flex profile's burn-specific counts and slacks are not carried over
-/// without measurements (CUDA's caching allocator and fused kernels keep
-/// other transients than flex).
+/// Not calibrated: the H200 runs (docs/gpu.md) measured the worker before
+/// its lean ops, when burn kept three s² maps per layer and a dense copy of
+/// every adapted matrix. The worker now runs the same ops on CUDA as on
+/// flex (worker/src/model/lean), so activations are counted op by op as
+/// burn keeps them, like flex; the slacks stay one uncalibrated 8 % on all
+/// tensor bytes (CUDA's caching allocator keeps other transients than
+/// glibc), until a GPU measures them.
 pub const CUDA: BackendProfile = BackendProfile {
     backend: Backend::Cuda,
     fixed_overhead_bytes: 900 * MIB,
     state_slack: 0.08,
     activation_slack: 0.08,
     adapter_activation_slack: 0.08,
-    activation_count: ActivationCount::Published,
+    activation_count: ActivationCount::BurnAutodiff,
     checkpoint_phase_overlap: 1.0,
     usable_fraction: 0.99,
     dropout_mask_bytes: 0,

@@ -362,19 +362,19 @@ impl LlamaShape {
     /// * each RMSNorm keeps its input (for the square), the normalised
     ///   tensor (for γ) and its output (for the projections): 3h, twice;
     /// * q: the projection's output and the rotated-half copy (both kept by
-    ///   RoPE's multiplications) and the rotated q the score matmul keeps: 3q;
-    /// * k: the same two for k (2·kv), and the tensor the score matmul keeps:
-    ///   the rotated k itself without GQA (kv = q), else its copy repeated to
-    ///   the query heads (q), so q either way;
-    /// * v: what the context matmul keeps, v itself without GQA, else its
-    ///   repeated copy; the projection's output is then not kept: q;
-    /// * the merged heads' contiguous copy the output projection keeps: q;
+    ///   RoPE's multiplications) and the rotated q the attention op keeps: 3q;
+    /// * k: the same two for k and the rotated k the op keeps: 3kv (GQA
+    ///   reads k where it lies, no copy per query head);
+    /// * v: the op keeps v itself (a view of the projection's output): kv;
+    /// * the op's output (for backward's rowsum(dO ∘ O)) and the merged
+    ///   heads' contiguous copy the output projection keeps: 2q;
     /// * SwiGLU: gate's output and its sigmoid (kept by SiLU's product),
     ///   SiLU's output and up's output (kept by the gating product) and the
     ///   product (kept by down): 5i.
     ///
-    /// Per head and sample, s² twice: softmax's exp and its output. Per
-    /// block, RoPE's cos and sin tables (s × head_dim each, f32), which the
+    /// Per head and token, the op's logsumexp (one value); no `s × s` map
+    /// outlives the op (`worker/src/model/lean/attention.rs`). Per block,
+    /// RoPE's cos and sin tables (s × head_dim each, f32), which the
     /// rotations keep. Checkpointed: the block's input only.
     pub fn burn_block_activation_bytes(&self, b: u64, e: u64, checkpointed: bool) -> u64 {
         let s = u64::from(self.sequence_length);
@@ -383,9 +383,9 @@ impl LlamaShape {
             return s * b * h * e;
         }
         let (q, kv, i) = (self.q_dim(), self.kv_dim(), u64::from(self.intermediate));
-        let per_token = 6 * h + 6 * q + 2 * kv + 5 * i;
+        let per_token = 6 * h + 5 * q + 4 * kv + 5 * i + u64::from(self.attention_heads);
         let rope_tables = 2 * s * u64::from(self.head_dim) * 4;
-        s * b * per_token * e + 2 * u64::from(self.attention_heads) * s * s * b * e + rope_tables
+        s * b * per_token * e + rope_tables
     }
 }
 
@@ -513,14 +513,15 @@ mod tests {
     #[test]
     fn burn_count_of_a_llama_block() {
         // Llama-3.2-1B at s = 2048, b = 1, fp32: h 2048, q 2048, kv 512,
-        // i 8192, 32 heads of 64. Per token 6h + 6q + 2kv + 5i; per head 2s²;
+        // i 8192, 32 heads of 64. Per token 6h + 5q + 4kv + 5i and one
+        // logsumexp per head; no s² term (the blocked attention op);
         // RoPE's two f32 tables of s × 64.
         let l = shape(LLAMA_32_1B);
         let s = 2048u64;
-        let per_token = 6 * 2048 + 6 * 2048 + 2 * 512 + 5 * 8192;
+        let per_token = 6 * 2048 + 5 * 2048 + 4 * 512 + 5 * 8192 + 32;
         assert_eq!(
             l.burn_block_activation_bytes(1, 4, false),
-            s * per_token * 4 + 2 * 32 * s * s * 4 + 2 * s * 64 * 4
+            s * per_token * 4 + 2 * s * 64 * 4
         );
         assert_eq!(l.burn_block_activation_bytes(1, 4, true), s * 2048 * 4);
         // Grouped-query attention keeps k and v at kv width before repeating them.

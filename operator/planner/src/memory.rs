@@ -474,6 +474,15 @@ pub fn quantized_load_bytes(tensors: &[StageTensor], stored_bytes: u64, weights:
     dense_phase.max(block_phase)
 }
 
+/// Query and key rows per block of the worker's attention op
+/// (`worker/src/model/lean/attention.rs`): the scores of one block pair,
+/// `b · heads · block²` values, are the op's transient.
+pub const ATTENTION_BLOCK: u64 = 256;
+
+/// Logits the worker's loss op holds at a time (`worker/src/model/lean/
+/// cross_entropy.rs`): rows per chunk = this / vocabulary, at least one.
+pub const LOSS_CHUNK_ELEMENTS: u64 = 8 << 20;
+
 /// Activation bytes one transformer block keeps for backward, for one micro-batch.
 pub fn block_activation_bytes(
     s: u64,
@@ -496,14 +505,33 @@ pub fn block_activation_bytes(
 /// (`worker/src/model/gpt.rs`), one micro-batch, without checkpointing.
 /// Per token: each LayerNorm keeps its centred input, the normalised tensor
 /// and its output (3h, twice; burn's composite layer norm); the fused QKV
-/// output (3h, which the two attention matmuls hold as views); the merged
-/// heads' contiguous copy that the output projection keeps (h); the
-/// feed-forward input's output that GELU keeps (f) and GELU's output that
-/// the second projection keeps (f). Per head and sample, s² twice: softmax's
-/// exp (kept by its division) and its output (kept by the matmul with v).
-/// Residual sums and the attention scores before softmax are not kept.
+/// output (3h, which the attention op holds as views of q, k and v); the
+/// op's output (h) and the merged heads' contiguous copy that the output
+/// projection keeps (h); the feed-forward input's output that GELU keeps
+/// (f) and GELU's output that the second projection keeps (f); per head, the
+/// op's logsumexp (one value). No `s × s` map outlives the attention op.
 pub fn gpt_burn_block_bytes(s: u64, b: u64, h: u64, a: u64, f: u64, e: u64) -> u64 {
-    s * b * (10 * h + 2 * f) * e + 2 * a * s * s * b * e
+    s * b * (11 * h + 2 * f + a) * e
+}
+
+/// The attention op's transient (`worker/src/model/lean/attention.rs`):
+/// the score-sized tensors of one block pair alive at once (scores,
+/// probabilities, and in backward their gradient and the product with v),
+/// `b · heads · block²` each, with blocks of [`ATTENTION_BLOCK`] rows or
+/// the whole sequence when shorter.
+pub fn attention_transient_bytes(s: u64, b: u64, heads: u64, e: u64) -> u64 {
+    let block = s.min(ATTENTION_BLOCK);
+    4 * b * heads * block * block * e
+}
+
+/// The loss op's bytes (`worker/src/model/lean/cross_entropy.rs`): the
+/// logsumexp it keeps per row (f32) and the f32 logits of one chunk of
+/// rows, `copies` of them alive at once (logits, their exponentials, and
+/// in backward the gradient), where a chunk is [`LOSS_CHUNK_ELEMENTS`] /
+/// `vocab` rows, at most all `rows`.
+pub fn loss_bytes(rows: u64, vocab: u64, copies: u64) -> u64 {
+    let chunk_rows = (LOSS_CHUNK_ELEMENTS / vocab.max(1)).clamp(1, rows.max(1));
+    rows * 4 + copies * chunk_rows * vocab * 4
 }
 
 /// Predicted memory of one stage (or of the whole model when `stage` is
@@ -539,7 +567,7 @@ pub fn estimate_stage(
                 _ => block_activation_bytes(s, b, h, a, e, m, checkpointed),
             };
             let logits = if stage.last {
-                s * b * u64::from(t.vocabulary) * 4 * profile.logit_copies
+                loss_bytes(s * b, u64::from(t.vocabulary), profile.logit_copies)
             } else {
                 0
             };
@@ -548,6 +576,9 @@ pub fn estimate_stage(
             if ckpt && stage.layers > 0 {
                 // Backward recomputes one block at a time; its kept input is part of that block's full set.
                 act += recomputation_bytes(profile, block(false) - kept, logits);
+            }
+            if stage.layers > 0 {
+                act += attention_transient_bytes(s, b, a, e);
             }
             act += boundary_bytes(profile, stage, in_flight, s * b * h * e, 3);
             (act, logits)
@@ -559,11 +590,11 @@ pub fn estimate_stage(
                 ActivationCount::Published => l.block_activation_bytes(b, e, checkpointed),
             };
             let logits = if stage.last {
-                u64::from(l.sequence_length)
-                    * b
-                    * u64::from(l.vocabulary)
-                    * 4
-                    * profile.logit_copies
+                loss_bytes(
+                    u64::from(l.sequence_length) * b,
+                    u64::from(l.vocabulary),
+                    profile.logit_copies,
+                )
             } else {
                 0
             };
@@ -574,11 +605,10 @@ pub fn estimate_stage(
                 Some(a) if profile.activation_count == ActivationCount::BurnAutodiff => Some(a),
                 _ => None,
             };
-            let quantized = settings.base_format.is_quantized();
             let mut act = match burn_lora {
                 Some(a) if ckpt => {
                     let kept = in_flight * u64::from(stage.layers) * token_vector;
-                    let full = AdaptedBlock::new(l, a, quantized, true).bytes(l, b, e);
+                    let full = AdaptedBlock::new(l, a, true).bytes(l, b, e);
                     let extra = if stage.layers > 0 {
                         recomputation_bytes(profile, full - token_vector, logits)
                     } else {
@@ -588,7 +618,7 @@ pub fn estimate_stage(
                 }
                 Some(a) => {
                     in_flight
-                        * AdaptedBlock::stage(l, a, quantized, stage)
+                        * AdaptedBlock::stage(l, a, stage)
                             .iter()
                             .map(|k| k.bytes(l, b, e))
                             .sum::<u64>()
@@ -610,6 +640,14 @@ pub fn estimate_stage(
                 Some(_) => 1,
                 None => 3,
             };
+            if stage.layers > 0 {
+                act += attention_transient_bytes(
+                    u64::from(l.sequence_length),
+                    b,
+                    u64::from(l.attention_heads),
+                    e,
+                );
+            }
             act += boundary_bytes(profile, stage, in_flight, token_vector, final_norm);
             (act, logits)
         }
@@ -676,7 +714,7 @@ pub fn estimate_stage(
     let optimizer_state = if offloaded { 0 } else { optimizer_total };
 
     let composed_weights = match lora {
-        Some((l, a)) => composed_weight_bytes(l, a, base_format, settings, stage, e),
+        Some((l, a)) => composed_weight_bytes(l, a, base_format, stage, e),
         None => 0,
     };
 
@@ -790,145 +828,127 @@ fn slack(bytes: u64, fraction: f64) -> u64 {
     (bytes as f64 * fraction).round() as u64
 }
 
-/// The dense weights burn composes and keeps on a LoRA stage, with one
-/// matrix's transients (see the module docs): per block, the dense copy of
-/// every adapted matrix and, with a quantized base, of every other
-/// quantized matrix, where the block's matmul keeps it (its input is
-/// tracked: [`AdaptedBlock`]), at the training precision `e`; for every
-/// in-flight micro-batch's blocks without checkpointing, for the one
-/// recomputed block with it; an adapted `lm_head` on the last stage; plus
-/// the largest adapted matrix's weight-shaped gradient and the largest
-/// quantized matrix's dequantized copy.
+/// The dense weights a LoRA stage still makes: the worker's adapted
+/// linears compute `x·W + s·(x·A)·B` and never compose `W + s·A·B`, and a
+/// quantized frozen matrix is dequantized for its matmul and dropped
+/// (`worker/src/model/lean/{linear,frozen}.rs`), so per block nothing dense
+/// is kept. What remains: the transient dequantized copy of the largest
+/// quantized matrix, and an adapted `lm_head` on the last stage, which the
+/// loss reads composed (kept by the loss op) with its weight-shaped
+/// gradient, at the training precision `e`.
 fn composed_weight_bytes(
     l: &LlamaShape,
     lora: &LoraConfig,
     base_format: BaseFormat,
-    settings: &Settings,
     stage: StagePlacement,
     e: u64,
 ) -> u64 {
-    let block_modules = TargetModule::ALL.into_iter().filter(|m| m.per_layer());
     let matrix = |m: TargetModule| {
         let (d_in, d_out) = m.dims(l);
         d_in * d_out
     };
-    let layers = u64::from(stage.layers);
-    let quantized = base_format.is_quantized();
-    let kept: u64 = if layers == 0 {
-        0
-    } else if settings.activation_checkpointing {
-        AdaptedBlock::new(l, lora, quantized, true).dense_weight_elements
-    } else {
-        u64::from(stage.in_flight.max(1))
-            * AdaptedBlock::stage(l, lora, quantized, stage)
-                .iter()
-                .map(|k| k.dense_weight_elements)
-                .sum::<u64>()
-    };
     let head = if stage.last && lora.targets(TargetModule::LmHead) {
-        matrix(TargetModule::LmHead)
+        2 * matrix(TargetModule::LmHead)
     } else {
         0
     };
-    let largest_adapted = block_modules
-        .clone()
-        .filter(|&m| layers > 0 && lora.targets(m))
-        .map(matrix)
-        .chain((head > 0).then_some(head))
-        .max()
-        .unwrap_or(0);
-    let largest_quantized = if quantized && layers > 0 {
-        block_modules.map(matrix).max().unwrap_or(0)
+    let largest_quantized = if base_format.is_quantized() && stage.layers > 0 {
+        TargetModule::ALL
+            .into_iter()
+            .filter(|m| m.per_layer())
+            .map(matrix)
+            .max()
+            .unwrap_or(0)
     } else {
         0
     };
-    (kept + head + largest_adapted + largest_quantized) * e
+    (head + largest_quantized) * e
 }
 
 /// What one Llama decoder block keeps for backward under LoRA, following
 /// burn 0.22's autodiff rule for a binary op: a matmul or product keeps its
 /// left operand only when the right one is tracked, and the right only
-/// when the left is (burn-autodiff 0.22.1, the backward of
-/// `float_mul` and of `float_matmul`). Every base parameter is frozen, so, compared with full
-/// fine-tuning ([`LlamaShape::burn_block_activation_bytes`], the same ops):
-/// the RMSNorms' normalised tensors are not kept (γ is frozen); a norm's
-/// output, the merged heads and SwiGLU's product are kept only when a
-/// projection reading them is adapted; and in a block whose input is not
+/// when the left is (burn-autodiff 0.22.1, the backward of `float_mul` and
+/// of `float_matmul`). Every base parameter is frozen, so, compared with
+/// full fine-tuning ([`LlamaShape::burn_block_activation_bytes`], the same
+/// ops): the RMSNorms' normalised tensors are not kept (γ is frozen); a
+/// norm's output, the merged heads and SwiGLU's product are kept only when
+/// an adapted projection reads them (the adapter's `x·A` keeps `x`, and
+/// `(x·A)·B` keeps the `r`-wide `x·A`); a frozen base matmul keeps nothing
+/// new (a dense `W` is the parameter itself, a quantized one is
+/// dequantized again in backward); and in a block whose input is not
 /// tracked (the first block of the first stage: the frozen embedding) the
-/// ops before the first adapted projection keep nothing. The dense weight
-/// a matmul keeps (an adapted `W_eff`, a dequantized base matrix) is kept
-/// only when its input is tracked.
+/// ops before the first adapted projection keep nothing. The attention op
+/// keeps q, k, v, its output and a logsumexp per head and token once any
+/// of q, k, v is tracked.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct AdaptedBlock {
     /// Kept `[b, s, ·]` tensors: elements per token.
     token_elements: u64,
-    /// Kept `[b, a, s, s]` score maps (softmax's exp, its output): 0, 1 or 2.
-    score_maps: u64,
     /// Whether the RoPE rotations (tracked q or k) keep the cos/sin tables.
     rope_tables: bool,
-    /// Elements of the dense weights the block's matmuls keep.
-    dense_weight_elements: u64,
     /// Whether the block's output is tracked.
     output_tracked: bool,
 }
 
 impl AdaptedBlock {
-    fn new(l: &LlamaShape, lora: &LoraConfig, quantized: bool, input_tracked: bool) -> Self {
+    fn new(l: &LlamaShape, lora: &LoraConfig, input_tracked: bool) -> Self {
         use TargetModule::*;
-        let (h, q, kv, i) = (
+        let (h, q, kv, i, r) = (
             u64::from(l.hidden),
             l.q_dim(),
             l.kv_dim(),
             u64::from(l.intermediate),
+            u64::from(lora.rank),
         );
         let mut tokens = 0;
-        let mut dense = 0;
-        // x·W: tracked when either is; the dense weight kept when x is tracked.
+        // x·W + s·(x·A)·B: tracked when x is or the adapter exists; the
+        // adapter keeps its r-wide x·A (x itself is counted by the caller).
         let mut linear = |m: TargetModule, input_tracked: bool| {
             let adapted = lora.targets(m);
-            if input_tracked && (adapted || quantized) {
-                let (d_in, d_out) = m.dims(l);
-                dense += d_in * d_out;
+            if adapted {
+                tokens += r;
             }
             input_tracked || adapted
         };
         let adapted = |ms: &[TargetModule]| ms.iter().any(|&m| lora.targets(m));
         let x = input_tracked;
+        let mut kept = 0;
         // RMSNorm: its input (the square, the division) when tracked; its
         // output when an adapted projection reads it.
-        tokens += if x { h } else { 0 };
-        tokens += if adapted(&[QProj, KProj, VProj]) {
+        kept += if x { h } else { 0 };
+        kept += if adapted(&[QProj, KProj, VProj]) {
             h
         } else {
             0
         };
         let (q_t, k_t, v_t) = (linear(QProj, x), linear(KProj, x), linear(VProj, x));
-        // RoPE's products (2q, 2kv) when their input is tracked; the score
-        // matmul keeps the rotated q when k is tracked and the repeated k
-        // when q is; softmax's exp when the scores are tracked, its output
-        // and the repeated v by the context matmul as the other side is.
-        tokens += if q_t { 2 * q + q } else { 0 };
-        tokens += if k_t { 2 * kv + q } else { 0 };
-        let scores = q_t || k_t;
-        tokens += if scores { q } else { 0 };
-        let score_maps = u64::from(scores) + u64::from(v_t);
+        // RoPE's products (2q, 2kv) when their input is tracked; the
+        // attention op, once tracked, keeps q, k, v, its output and a
+        // logsumexp per head.
+        kept += if q_t { 2 * q } else { 0 };
+        kept += if k_t { 2 * kv } else { 0 };
+        let attention = q_t || k_t || v_t;
+        kept += if attention {
+            2 * q + 2 * kv + u64::from(l.attention_heads)
+        } else {
+            0
+        };
         // The merged heads' copy when o_proj is adapted.
-        tokens += if adapted(&[OProj]) { q } else { 0 };
-        let x = linear(OProj, scores || v_t) || x;
-        tokens += if x { h } else { 0 };
-        tokens += if adapted(&[GateProj, UpProj]) { h } else { 0 };
+        kept += if adapted(&[OProj]) { q } else { 0 };
+        let x = linear(OProj, attention) || x;
+        kept += if x { h } else { 0 };
+        kept += if adapted(&[GateProj, UpProj]) { h } else { 0 };
         let (gate, up) = (linear(GateProj, x), linear(UpProj, x));
         // SiLU keeps the gate's output and its sigmoid; the gating product
         // keeps each side when the other is tracked; down its input if adapted.
-        tokens += if gate { 2 * i + i } else { 0 };
-        tokens += if up { i } else { 0 };
-        tokens += if adapted(&[DownProj]) { i } else { 0 };
+        kept += if gate { 2 * i + i } else { 0 };
+        kept += if up { i } else { 0 };
+        kept += if adapted(&[DownProj]) { i } else { 0 };
         let output_tracked = linear(DownProj, gate || up) || x;
         AdaptedBlock {
-            token_elements: tokens,
-            score_maps,
+            token_elements: tokens + kept,
             rope_tables: q_t || k_t,
-            dense_weight_elements: dense,
             output_tracked,
         }
     }
@@ -936,16 +956,11 @@ impl AdaptedBlock {
     /// The stage's blocks in order, without checkpointing: the first
     /// stage's first block reads the frozen embedding (untracked); a later
     /// stage's input is tracked (its gradient goes back to the previous stage).
-    fn stage(
-        l: &LlamaShape,
-        lora: &LoraConfig,
-        quantized: bool,
-        stage: StagePlacement,
-    ) -> Vec<Self> {
+    fn stage(l: &LlamaShape, lora: &LoraConfig, stage: StagePlacement) -> Vec<Self> {
         let mut tracked = !stage.first;
         (0..stage.layers)
             .map(|_| {
-                let block = AdaptedBlock::new(l, lora, quantized, tracked);
+                let block = AdaptedBlock::new(l, lora, tracked);
                 tracked = block.output_tracked;
                 block
             })
@@ -960,9 +975,7 @@ impl AdaptedBlock {
         } else {
             0
         };
-        s * b * self.token_elements * e
-            + self.score_maps * u64::from(l.attention_heads) * s * s * b * e
-            + rope
+        s * b * self.token_elements * e + rope
     }
 }
 
@@ -1138,9 +1151,10 @@ mod tests {
     }
 
     #[test]
-    fn cuda_keeps_one_slack_and_the_published_counts() {
-        // No GPU has measured the CUDA profile: 8 % on every tensor byte and
-        // Korthikanti's count, as before the flex profile was split.
+    fn cuda_keeps_one_slack_and_counts_what_burn_keeps() {
+        // The CUDA worker runs the same burn code and ops as flex, so the
+        // same op-by-op count; its slack is still one uncalibrated 8 % on
+        // every tensor byte.
         use crate::backend::CUDA;
         let s = Settings {
             precision: Precision::Bf16,
@@ -1149,36 +1163,23 @@ mod tests {
         let m = estimate_stage(&small(), None, &s, StagePlacement::single(4), &CUDA, 1.0);
         let tensors = m.weights + m.gradients + m.optimizer_state + m.activations + m.logits;
         assert!((m.allocator_slack as f64 - tensors as f64 * 0.08).abs() <= 1.0);
+        let (sq, b, h, a, f) = (128u64, 8u64, 256u64, 4u64, 1024u64);
         assert_eq!(
             m.activations,
-            4 * block_activation_bytes(128, 8, 256, 4, 2, 0, false)
-        );
-        // Checkpointed: all block inputs plus one recomputed block, logits on top.
-        let c = estimate_stage(
-            &small(),
-            None,
-            &Settings {
-                activation_checkpointing: true,
-                ..s
-            },
-            StagePlacement::single(4),
-            &CUDA,
-            1.0,
-        );
-        assert_eq!(
-            c.activations,
-            3 * block_activation_bytes(128, 8, 256, 4, 2, 0, true)
-                + block_activation_bytes(128, 8, 256, 4, 2, 0, false)
+            4 * gpt_burn_block_bytes(sq, b, h, a, f, 2)
+                + attention_transient_bytes(sq, b, a, 2)
+                + 3 * sq * b * h * 2
         );
     }
 
     #[test]
     fn burn_count_of_a_gpt_block() {
-        // Per token 10h + 2f, per head 2s, at 4 bytes: h 256, f 1024, a 4, s 128, b 8.
+        // Per token 11h + 2f and one logsumexp per head, at 4 bytes: h 256,
+        // f 1024, a 4, s 128, b 8; no s² term.
         let (s, b, h, a, f) = (128u64, 8u64, 256u64, 4u64, 1024u64);
         assert_eq!(
             gpt_burn_block_bytes(s, b, h, a, f, 4),
-            s * b * (10 * 256 + 2 * 1024) * 4 + 2 * a * s * s * b * 4
+            s * b * (11 * 256 + 2 * 1024 + 4) * 4
         );
         let m = estimate_stage(
             &small(),
@@ -1188,10 +1189,13 @@ mod tests {
             &FLEX,
             1.0,
         );
-        // Four blocks and the final norm's three vectors.
+        // Four blocks, one block pair's attention transient and the final
+        // norm's three vectors.
         assert_eq!(
             m.activations,
-            4 * gpt_burn_block_bytes(s, b, h, a, f, 4) + 3 * s * b * h * 4
+            4 * gpt_burn_block_bytes(s, b, h, a, f, 4)
+                + attention_transient_bytes(s, b, a, 4)
+                + 3 * s * b * h * 4
         );
     }
 
@@ -1407,37 +1411,33 @@ mod lora_and_load_tests {
     fn an_adapted_block_keeps_what_burn_keeps() {
         let l = bench_llama("bfloat16");
         let (h, q, kv, i) = (1024, l.q_dim(), l.kv_dim(), u64::from(l.intermediate));
+        let r = 8;
         let (b, e) = (2, 4);
         // All seven adapted and a tracked input: the full-fine-tuning count
-        // less the two normalised tensors (γ frozen); every matrix's W_eff kept.
-        let all = AdaptedBlock::new(&l, &lora(8, &ALL_LINEAR), false, true);
-        assert_eq!(all.token_elements, 4 * h + 6 * q + 2 * kv + 5 * i);
+        // less the two normalised tensors (γ frozen), plus each adapter's
+        // r-wide x·A; no dense weight.
+        let all = AdaptedBlock::new(&l, &lora(8, &ALL_LINEAR), true);
+        let a = u64::from(l.attention_heads);
+        assert_eq!(
+            all.token_elements,
+            4 * h + 5 * q + 4 * kv + a + 5 * i + 7 * r
+        );
         let s = u64::from(l.sequence_length);
         assert_eq!(
             all.bytes(&l, b, e),
-            l.burn_block_activation_bytes(b, e, false) - 2 * s * b * h * e
+            l.burn_block_activation_bytes(b, e, false) - 2 * s * b * h * e + 7 * r * s * b * e
         );
-        assert_eq!(all.dense_weight_elements, l.params_per_layer() - 2 * h);
         // q,v only: o_proj's and down_proj's inputs and the second norm's
-        // output are not kept either; only W_eff of q and v.
+        // output are not kept either, nor five adapters' x·A.
         let qv = [TargetModule::QProj, TargetModule::VProj];
-        let later = AdaptedBlock::new(&l, &lora(8, &qv), false, true);
-        assert_eq!(later.token_elements, all.token_elements - h - q - i);
-        assert_eq!(later.dense_weight_elements, h * q + h * kv);
-        // The first block reads the frozen embedding: its first norm and k
-        // keep nothing, and the W_eff of q and v are not kept.
-        let first = AdaptedBlock::new(&l, &lora(8, &qv), false, false);
-        assert_eq!(first.token_elements, later.token_elements - h - 2 * kv - q);
-        assert_eq!(first.dense_weight_elements, 0);
+        let later = AdaptedBlock::new(&l, &lora(8, &qv), true);
+        assert_eq!(later.token_elements, all.token_elements - h - q - i - 5 * r);
+        // The first block reads the frozen embedding: its first norm's input
+        // and k's rotation keep nothing.
+        let first = AdaptedBlock::new(&l, &lora(8, &qv), false);
+        assert_eq!(first.token_elements, later.token_elements - h - 2 * kv);
         assert!(first.output_tracked);
-        // A quantized base: every block linear's dequantized copy is kept
-        // where its input is tracked (k's is not in the first block).
-        let q8 = AdaptedBlock::new(&l, &lora(8, &qv), true, false);
-        assert_eq!(
-            q8.dense_weight_elements,
-            l.params_per_layer() - 2 * h - 2 * h * kv - h * q
-        );
-        let stage = AdaptedBlock::stage(&l, &lora(8, &qv), false, StagePlacement::single(3));
+        let stage = AdaptedBlock::stage(&l, &lora(8, &qv), StagePlacement::single(3));
         assert_eq!(stage, vec![first, later, later]);
     }
 
@@ -1458,9 +1458,8 @@ mod lora_and_load_tests {
         assert_eq!(m.weights, 6_738_415_616 * 2 + t * 2);
         assert_eq!(m.gradients, t * 2);
         assert_eq!(m.optimizer_state, t * (4 + 8));
-        // Checkpointed: the recomputed block's composed q and v (4096² each,
-        // bf16) plus the largest adapted matrix's gradient.
-        assert_eq!(m.composed_weights, (2 + 1) * 4096 * 4096 * 2);
+        // q and v adapted as x·W + s·(x·A)·B: no dense weight composed.
+        assert_eq!(m.composed_weights, 0);
     }
 
     #[test]
@@ -1504,11 +1503,9 @@ mod lora_and_load_tests {
     }
 
     #[test]
-    fn composed_weights_are_per_graph_without_checkpointing_and_once_with() {
+    fn no_dense_weight_is_composed_only_one_dequantized_at_a_time() {
         let l = llama_2_7b(512);
         let a = lora(8, &[TargetModule::QProj]);
-        let q = 4096 * 4096 * 2u64;
-        let block = 7 * 4096 * 4096 + 3 * 4096 * 11008 - 3 * 4096 * 4096; // the seven linears
         let largest = 4096 * 11008 * 2u64;
         let stage = StagePlacement {
             layers: 4,
@@ -1532,15 +1529,13 @@ mod lora_and_load_tests {
             )
             .composed_weights
         };
-        // Dense base: only the adapted q is composed; 3 graphs × 4 blocks.
-        assert_eq!(composed(false, BaseFormat::Dense), 12 * q + q);
-        assert_eq!(composed(true, BaseFormat::Dense), q + q);
-        // Quantized base: every block linear is dequantized and kept, plus
-        // the largest one's dequantization transient.
-        assert_eq!(
-            composed(true, BaseFormat::Int4),
-            block as u64 * 2 + q + largest
-        );
+        // A dense base is read where it lies: nothing composed, with or
+        // without checkpointing, however many micro-batches are in flight.
+        assert_eq!(composed(false, BaseFormat::Dense), 0);
+        assert_eq!(composed(true, BaseFormat::Dense), 0);
+        // A quantized base: one matrix dequantized at a time, the largest.
+        assert_eq!(composed(true, BaseFormat::Int4), largest);
+        assert_eq!(composed(false, BaseFormat::Int4), largest);
         // Full fine-tuning composes nothing.
         let full = estimate_stage(
             &ModelShape::Llama(l),

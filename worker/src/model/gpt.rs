@@ -5,9 +5,12 @@
 
 use burn::module::Module;
 use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
-use burn::tensor::activation::{gelu, softmax};
-use burn::tensor::{Bool, Device, Tensor};
+use burn::tensor::activation::gelu;
+use burn::tensor::{Device, Tensor};
 use headroom_planner::TransformerShape;
+
+use super::lean::{AttentionOptions, attend};
+use super::llama::ATTENTION_BLOCK;
 
 /// Causal multi-head self-attention: one fused QKV projection (3h² + 3h) and
 /// an output projection (h² + h).
@@ -40,13 +43,8 @@ impl Attention {
                 .swap_dims(1, 2) // [b, a, s, d]
         };
         let (q, k, v) = (split(0), split(1), split(2));
-        let scores = q.matmul(k.swap_dims(2, 3)).div_scalar((d as f64).sqrt()); // [b, a, s, s]
-        // True above the diagonal: the future each position must not see.
-        let future = Tensor::<2, Bool>::tril_mask([s, s], 0, &scores.device())
-            .unsqueeze::<4>()
-            .expand([b, a, s, s]);
-        let weights = softmax(scores.mask_fill(future, -1.0e30), 3);
-        let context = weights.matmul(v).swap_dims(1, 2).reshape([b, s, h]); // [b, s, h]
+        let options = AttentionOptions::causal(d, ATTENTION_BLOCK);
+        let context = attend(q, k, v, options).swap_dims(1, 2).reshape([b, s, h]); // [b, s, h]
         self.out.forward(context)
     }
 }

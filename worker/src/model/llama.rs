@@ -9,9 +9,14 @@
 
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig, RmsNorm, RmsNormConfig};
-use burn::tensor::activation::{silu, softmax};
-use burn::tensor::{Bool, Device, Tensor, TensorData};
+use burn::tensor::activation::silu;
+use burn::tensor::{Device, Tensor, TensorData};
 use headroom_planner::LlamaShape;
+
+use super::lean::{AttentionOptions, attend, linear};
+
+/// Query and key rows per attention block (the planner counts the same).
+pub const ATTENTION_BLOCK: usize = headroom_planner::ATTENTION_BLOCK as usize;
 
 /// Rotary position embedding in Hugging Face's layout: the two halves of a
 /// head's vector are rotated against each other (`rotate_half`), not
@@ -202,8 +207,8 @@ impl LlamaBlock {
 
 impl LlamaMlp {
     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let gate = silu(self.gate_proj.forward(x.clone()));
-        self.down_proj.forward(gate * self.up_proj.forward(x))
+        let gate = silu(linear::forward(&self.gate_proj, x.clone()));
+        linear::forward(&self.down_proj, gate * linear::forward(&self.up_proj, x))
     }
 }
 
@@ -214,28 +219,18 @@ impl LlamaAttention {
         let (a, kv, d) = (self.heads, self.kv_heads, self.head_dim);
         let device = x.device();
         let heads = |t: Tensor<3>, n: usize| t.reshape([b, s, n, d]).swap_dims(1, 2); // [b, n, s, d]
-        let q = heads(self.q_proj.forward(x.clone()), a);
-        let k = heads(self.k_proj.forward(x.clone()), kv);
-        let v = heads(self.v_proj.forward(x), kv);
+        let q = heads(linear::forward(&self.q_proj, x.clone()), a);
+        let k = heads(linear::forward(&self.k_proj, x.clone()), kv);
+        let v = heads(linear::forward(&self.v_proj, x), kv);
         let (cos, sin) = rope.tables(s, &device);
         let q = rope.apply(q, &cos, &sin);
         let k = rope.apply(k, &cos, &sin);
-        // Each key/value head serves a / kv consecutive query heads.
-        let repeat = |t: Tensor<4>| {
-            if a == kv {
-                return t;
-            }
-            t.unsqueeze_dim::<5>(2)
-                .expand([b, kv, a / kv, s, d])
-                .reshape([b, a, s, d])
-        };
-        let (k, v) = (repeat(k), repeat(v));
-        let scores = q.matmul(k.swap_dims(2, 3)).div_scalar((d as f64).sqrt()); // [b, a, s, s]
-        let future = Tensor::<2, Bool>::tril_mask([s, s], 0, &device)
-            .unsqueeze::<4>()
-            .expand([b, a, s, s]);
-        let weights = softmax(scores.mask_fill(future, -1.0e30), 3);
-        let context = weights.matmul(v).swap_dims(1, 2).reshape([b, s, a * d]);
-        self.o_proj.forward(context)
+        // Each key/value head serves a / kv consecutive query heads; the
+        // blocked op reads them in place (see `lean::attention`).
+        let options = AttentionOptions::causal(d, ATTENTION_BLOCK);
+        let context = attend(q, k, v, options)
+            .swap_dims(1, 2)
+            .reshape([b, s, a * d]);
+        linear::forward(&self.o_proj, context)
     }
 }

@@ -23,8 +23,10 @@
 
 pub mod gpt;
 pub mod hf;
+pub mod lean;
 pub mod llama;
 pub mod lora;
+pub mod nf4;
 pub mod peft;
 
 use std::ops::Range;
@@ -41,6 +43,15 @@ use serde::{Deserialize, Serialize};
 
 pub use gpt::GptBlock;
 pub use llama::LlamaBlock;
+
+/// Logits the loss holds at a time (f32): 8 Mi values, 32 MiB, whatever
+/// the vocabulary; the planner counts the same chunk.
+pub const LOSS_CHUNK_ELEMENTS: usize = headroom_planner::LOSS_CHUNK_ELEMENTS as usize;
+
+/// Rows of the loss's chunk for a vocabulary of `vocab`.
+pub fn loss_chunk_rows(vocab: usize) -> usize {
+    (LOSS_CHUNK_ELEMENTS / vocab.max(1)).max(1)
+}
 
 /// Standard deviation of the normal initialiser for embeddings (GPT-2's 0.02).
 const EMBEDDING_INIT_STD: f64 = 0.02;
@@ -413,12 +424,12 @@ impl TransformerLm {
         self.blocks.iter().fold(x, |x, block| block.forward(x))
     }
 
-    /// Final norm and output head. [batch, seq, hidden] → logits [batch·seq, vocab].
-    pub fn logits(&self, x: Tensor<3>) -> Tensor<2> {
-        let head = self
-            .head
-            .as_ref()
-            .expect("logits() on a stage without the head");
+    /// The last stage's head: the final norm over `x` [batch, seq, hidden]
+    /// as [batch·seq, hidden], and the projection's weight as [vocab, hidden]
+    /// (the token embedding's own layout; a Linear's `[hidden, vocab]` seen
+    /// transposed, no copy) with its bias.
+    fn head_parts(&self, x: Tensor<3>) -> (Tensor<2>, Tensor<2>, Option<Tensor<1>>) {
+        let head = self.head.as_ref().expect("the head on a stage without it");
         let [b, s, h] = x.dims();
         let x = match &head.norm {
             FinalNorm::Layer(n) => n.forward(x),
@@ -426,17 +437,41 @@ impl TransformerLm {
         }
         .reshape([b * s, h]);
         match (&head.projection, &self.token) {
-            (Some(projection), _) => projection.forward(x),
-            (None, Some(token)) => x.matmul(token.weight.val().transpose()),
+            (Some(projection), _) => (
+                x,
+                projection.weight.val().transpose(),
+                projection.bias.as_ref().map(|b| b.val()),
+            ),
+            (None, Some(token)) => (x, token.weight.val(), None),
             (None, None) => panic!("a tied head without the token embedding"),
         }
     }
 
-    /// Mean next-token cross-entropy of the head over `x`, against `targets` [batch, seq].
+    /// Final norm and output head. [batch, seq, hidden] → logits [batch·seq, vocab].
+    pub fn logits(&self, x: Tensor<3>) -> Tensor<2> {
+        let (x, weight, bias) = self.head_parts(x);
+        let logits = x.matmul(weight.transpose());
+        match bias {
+            Some(bias) => logits + bias.unsqueeze(),
+            None => logits,
+        }
+    }
+
+    /// Mean next-token cross-entropy of the head over `x`, against `targets`
+    /// [batch, seq], without ever holding the whole logits
+    /// ([`lean::fused_cross_entropy`], [`LOSS_CHUNK_ELEMENTS`] logits at a time).
     pub fn head_loss(&self, x: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
         let [b, s] = targets.dims();
-        let logp = log_softmax(self.logits(x), 1); // [b·s, v]
-        logp.gather(1, targets.reshape([b * s, 1])).mean().neg()
+        let (x, weight, bias) = self.head_parts(x);
+        let targets = targets.reshape([b * s]);
+        if let Some(bias) = bias {
+            // No model Headroom builds has a head bias; kept correct anyway.
+            let logits = x.matmul(weight.transpose()) + bias.unsqueeze();
+            let logp = log_softmax(logits, 1);
+            return logp.gather(1, targets.reshape([b * s, 1])).mean().neg();
+        }
+        let chunk = loss_chunk_rows(weight.dims()[0]);
+        lean::fused_cross_entropy(x, weight, targets, chunk)
     }
 
     /// Full forward to logits [batch·seq, vocab] (a single-stage model).

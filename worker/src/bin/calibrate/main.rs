@@ -202,6 +202,12 @@ fn grid() -> Vec<Case> {
     let qu = llama(4, 256, (8, 2), 688, 256, 8192, false);
     let qs = llama(4, 256, (8, 2), 688, 512, 2048, true);
     let big = llama(6, 512, (8, 2), 1376, 128, 8192, false);
+    // Long sequences, where burn's softmax attention kept s² per head and
+    // the loss whole logits: Q's shape at s = 1024, 2048, 4096.
+    let q1k = llama(4, 256, (8, 2), 688, 1024, 4096, true);
+    let q2k = llama(4, 256, (8, 2), 688, 2048, 4096, true);
+    let q4k = llama(4, 256, (8, 2), 688, 4096, 4096, true);
+    let a2k = shape(4, 256, 8, 2048, 2048, true);
     let c = |name, model: &ModelShape, b, acc, ckpt, opt| {
         Case::full(name, model, (b, acc), ckpt, opt, Precision::Fp32)
     };
@@ -213,6 +219,12 @@ fn grid() -> Vec<Case> {
         adapters: Some(lora_config(targets)),
         base_format: format,
         ..c(name, &lq, b, 1, ckpt, opt)
+    };
+    let lq2k = llama(6, 512, (8, 2), 1408, 2048, 8192, false);
+    let lora2k = |name, ckpt, targets: &[TargetModule], format| Case {
+        adapters: Some(lora_config(targets)),
+        base_format: format,
+        ..c(name, &lq2k, 1, 1, ckpt, Adamw)
     };
     use BaseFormat::{Dense, Int4, Int8};
     use Optimizer::{Adamw, Adamw8bit, Sgd, SgdMomentum};
@@ -249,6 +261,12 @@ fn grid() -> Vec<Case> {
         c("Llama B untied b4 8bit", &big, 4, 1, false, Adamw8bit),
         c("Llama B untied b8 ckpt 8bit", &big, 8, 1, true, Adamw8bit),
         c("Llama Q gqa b16 8bit", &q, 16, 1, false, Adamw8bit),
+        c("Llama Q s1024 b2", &q1k, 2, 1, false, Adamw),
+        c("Llama Q s2048 b1", &q2k, 1, 1, false, Adamw),
+        c("Llama Q s2048 b2 ckpt", &q2k, 2, 1, true, Adamw),
+        c("Llama Q s4096 b1", &q4k, 1, 1, false, Adamw),
+        c("Llama Q s4096 b1 ckpt", &q4k, 1, 1, true, Adamw),
+        c("A s2048 b1", &a2k, 1, 1, false, Adamw),
         lora("Lq lora qv b4", 4, false, Adamw, qv, Dense),
         lora("Lq lora qv b16 ckpt", 16, true, Adamw, qv, Dense),
         lora("Lq lora all7 b4", 4, false, Adamw, all7, Dense),
@@ -262,6 +280,9 @@ fn grid() -> Vec<Case> {
         lora("Lq qlora4 all7 b4", 4, false, Adamw, all7, Int4),
         lora("Lq qlora4 all7 b16 ckpt", 16, true, Adamw, all7, Int4),
         lora("Lq lora all7 b4 8bit", 4, false, Adamw8bit, all7, Dense),
+        lora2k("Lq lora all7 s2048", false, all7, Dense),
+        lora2k("Lq qlora8 all7 s2048", false, all7, Int8),
+        lora2k("Lq qlora4 all7 s2048 ckpt", true, all7, Int4),
         lora(
             "Lq qlora8 all7 b16 ckpt 8bit",
             16,
@@ -545,6 +566,14 @@ fn try_run_worker(
         .env("KUBECONFIG", dir.join("none"))
         .env("HOME", dir)
         .env("RUST_LOG", "warn")
+        .env(
+            headroom_worker::model::lean::NAIVE_OPS_ENV,
+            if headroom_worker::model::lean::naive_ops() {
+                "1"
+            } else {
+                "0"
+            },
+        )
         .output()
         .expect("run a worker");
     let seconds = started.elapsed().as_secs_f64();
@@ -865,6 +894,69 @@ fn throughput_report() {
     }
 }
 
+/// The lean ops against the naive ones they replaced (`HEADROOM_NAIVE_OPS`,
+/// see `headroom_worker::model::lean`), per grid case: each one's measured
+/// peak (a worker process each, VmHWM) and tokens/s (median of `steps`
+/// steps after one warm-up, in this process, one after the other).
+fn ops_ab_report(steps: u64, only: Option<&str>) {
+    use headroom_worker::model::lean::set_naive_ops;
+    println!(
+        "| case | s | micro | ckpt | adapters | predicted MiB | naive MiB | lean MiB | lean / naive | naive tokens/s | lean tokens/s | lean / naive |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for case in grid()
+        .into_iter()
+        .filter(|c| only.is_none_or(|o| c.name.contains(o)))
+    {
+        // The worker processes take this process's choice (`try_run_worker`).
+        let peak = |naive: bool| {
+            set_naive_ops(naive);
+            let m = measure(&case, steps);
+            (m.predicted, m.measured)
+        };
+        let (_, naive_peak) = peak(true);
+        let (predicted, lean_peak) = peak(false);
+        let rate = |naive: bool| {
+            set_naive_ops(naive);
+            let dir = std::env::temp_dir().join(format!("headroom-ops-ab-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).expect("temp dir");
+            let mut a = assignment(&case, steps + 1);
+            a.files = fine_tuning_files(&case, &dir);
+            let config = ValidAssignment::new(a).expect("valid").into_config();
+            let tokens = config.tokens_per_step() as f64;
+            let mut trainer = Trainer::new(config, Device::flex().autodiff()).expect("trainer");
+            trainer.train_step().expect("warm-up");
+            let times: Vec<f64> = (0..steps)
+                .map(|_| trainer.train_step().expect("step").elapsed.as_secs_f64())
+                .collect();
+            let _ = std::fs::remove_dir_all(&dir);
+            tokens / median(times)
+        };
+        let (naive_rate, lean_rate) = (rate(true), rate(false));
+        set_naive_ops(false);
+        let (seq, adapters) = match &case.model {
+            ModelShape::Llama(l) => (l.sequence_length, adapters_cell(&case)),
+            ModelShape::Transformer(t) => (t.sequence_length, adapters_cell(&case)),
+            ModelShape::Generic(_) => (0, String::new()),
+        };
+        let mib = |b: u64| b as f64 / MIB;
+        println!(
+            "| {} | {seq} | {} | {} | {adapters} | {:.0} | {:.0} | {:.0} | {:.2} | {:.0} | {:.0} | {:.2} |",
+            case.name,
+            case.micro_batch,
+            if case.checkpointing { "on" } else { "off" },
+            mib(predicted),
+            mib(naive_peak),
+            mib(lean_peak),
+            lean_peak as f64 / naive_peak as f64,
+            naive_rate,
+            lean_rate,
+            lean_rate / naive_rate,
+        );
+    }
+}
+
 fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);
     let n = xs.len();
@@ -1012,6 +1104,7 @@ fn main() {
     let mut pipeline = true;
     let mut cuda = false;
     let mut large = false;
+    let mut ops_ab = false;
     let mut it = args.iter();
     while let Some(arg) = it.next() {
         match arg.as_str() {
@@ -1023,6 +1116,7 @@ fn main() {
                 other => panic!("--backend {other:?}: use flex (CPU, the default) or cuda"),
             },
             "--large" => large = true,
+            "--ops-ab" => ops_ab = true,
             "--skip-overhead" => overhead = false,
             "--skip-pipeline" => pipeline = false,
             "--pipeline-only" => only = Some("--pipeline-only".into()),
@@ -1031,7 +1125,7 @@ fn main() {
                 return;
             }
             other => panic!(
-                "unknown argument {other}; use --backend flex|cuda, --large (cuda: add 3B rows), --steps N, --only NAME, --skip-pipeline, --pipeline-only, --skip-overhead, --overhead-only"
+                "unknown argument {other}; use --backend flex|cuda, --large (cuda: add 3B rows), --steps N, --only NAME, --skip-pipeline, --pipeline-only, --skip-overhead, --overhead-only, --ops-ab"
             ),
         }
     }
@@ -1040,6 +1134,10 @@ fn main() {
     }
     if cuda {
         std::process::exit(gpu::run(steps, only.as_deref(), overhead, large));
+    }
+    if ops_ab {
+        ops_ab_report(steps, only.as_deref());
+        return;
     }
     println!(
         "FLEX profile: fixed overhead {:.0} MiB, state slack {:.0} %, activation slack {:.0} % ({:.0} % for adapters without checkpointing), logit copies {}, checkpointed phase overlap {}, {:?} activation count; {steps} steps per case, peak = worker VmHWM\n",

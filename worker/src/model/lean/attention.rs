@@ -1,0 +1,294 @@
+//! Causal self-attention in blocks (FlashAttention-2, Dao 2023), written
+//! over burn's tensor API on one backend (no autodiff graph): the forward
+//! returns the output and each row's logsumexp, the backward recomputes the
+//! probabilities block by block from them. No `s × s` tensor outlives one
+//! pair of blocks, so what a layer keeps for backward is linear in `s`:
+//! q, k, v, the output and one f32 per row per head.
+//!
+//! Grouped-query attention is done by layout, not by copies: the query heads
+//! of a key/value head are stacked as rows (`[b, kv, g·n, d]` against
+//! `[b, kv, n, d]`), so k and v are never repeated, and dk, dv sum over the
+//! group by the same matmul.
+//!
+//! The [`super`] module wraps these functions in one autodiff op.
+
+use std::ops::Range;
+
+use burn::tensor::{Bool, Tensor, TensorData};
+
+/// A score that removes a key: finite, so a row whose first visited block
+/// is all masked (possible with a sliding window) gives `exp(0)` terms that
+/// the next block's larger maximum rescales to exactly zero, instead of NaN.
+const MASKED: f32 = -1.0e30;
+
+/// What shapes one attention call; everything but `scale` is optional.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionOptions {
+    /// Multiplies q·kᵀ (1/√d for Llama; Gemma's `query_pre_attn_scalar`^-½).
+    pub scale: f64,
+    /// Query and key rows per block: the transient scores of one block pair
+    /// are `b · heads · block²` values.
+    pub block: usize,
+    /// Gemma 2's attention soft-capping: `cap · tanh(scores / cap)`.
+    pub softcap: Option<f64>,
+    /// Sliding window: a query sees the `window` most recent keys (itself
+    /// included); `None` for global attention.
+    pub window: Option<usize>,
+}
+
+impl AttentionOptions {
+    /// Global causal attention with the usual 1/√d scale.
+    pub fn causal(head_dim: usize, block: usize) -> Self {
+        AttentionOptions {
+            scale: 1.0 / (head_dim as f64).sqrt(),
+            block,
+            softcap: None,
+            window: None,
+        }
+    }
+
+    /// Is key `k` visible from query `q`?
+    fn visible(&self, q: usize, k: usize) -> bool {
+        k <= q && self.window.is_none_or(|w| q - k < w)
+    }
+
+    /// Whether the block pair has any visible key, and whether it needs a mask.
+    fn pair(&self, q: &Range<usize>, k: &Range<usize>) -> (bool, bool) {
+        let any = self.visible_somewhere(q, k);
+        let all = self.visible(q.start, k.end - 1) && self.visible(q.end - 1, k.start);
+        (any, !all)
+    }
+
+    fn visible_somewhere(&self, q: &Range<usize>, k: &Range<usize>) -> bool {
+        // The nearest (query, key) pair: the latest key not after each query.
+        q.clone().any(|qi| {
+            let latest = (k.end - 1).min(qi);
+            latest >= k.start && self.visible(qi, latest)
+        })
+    }
+}
+
+fn blocks(len: usize, block: usize) -> Vec<Range<usize>> {
+    let block = block.max(1);
+    (0..len.div_ceil(block))
+        .map(|i| i * block..((i + 1) * block).min(len))
+        .collect()
+}
+
+/// `[b, a, s, d]` → `[b, kv, g, s, d]`: query head `j·g + i` is member `i`
+/// of key/value head `j`'s group (transformers' `repeat_kv` order).
+fn grouped(t: Tensor<4>, kv: usize) -> Tensor<5> {
+    let [b, a, s, d] = t.dims();
+    t.reshape([b, kv, a / kv, s, d])
+}
+
+/// Rows `r` of every group member, stacked: `[b, kv, g·|r|, d]`.
+fn rows(t: &Tensor<5>, r: &Range<usize>) -> Tensor<4> {
+    let [b, kv, g, _, d] = t.dims();
+    t.clone()
+        .narrow(3, r.start, r.len())
+        .reshape([b, kv, g * r.len(), d])
+}
+
+/// The mask of one block pair, `true` where a key is hidden, broadcast to
+/// `[b, kv, g·|q|, |k|]`.
+fn mask(
+    options: &AttentionOptions,
+    q: &Range<usize>,
+    k: &Range<usize>,
+    dims: [usize; 3],
+    device: &burn::tensor::Device,
+) -> Tensor<4, Bool> {
+    let [b, kv, g] = dims;
+    let mut hidden = Vec::with_capacity(g * q.len() * k.len());
+    for _ in 0..g {
+        for qi in q.clone() {
+            hidden.extend(k.clone().map(|ki| !options.visible(qi, ki)));
+        }
+    }
+    Tensor::<2, Bool>::from_data(TensorData::new(hidden, [g * q.len(), k.len()]), device)
+        .unsqueeze::<4>()
+        .expand([b, kv, g * q.len(), k.len()])
+}
+
+/// Scores of one block pair after scaling, soft-capping and masking; with
+/// soft-capping also `tanh(scores / cap)`, which the backward needs.
+fn scores(
+    options: &AttentionOptions,
+    qb: Tensor<4>,
+    kb: Tensor<4>,
+    hidden: Option<Tensor<4, Bool>>,
+) -> (Tensor<4>, Option<Tensor<4>>) {
+    let s = qb.matmul(kb.transpose()).mul_scalar(options.scale);
+    let (s, tanh) = match options.softcap {
+        Some(cap) => {
+            let t = s.div_scalar(cap).tanh();
+            (t.clone().mul_scalar(cap), Some(t))
+        }
+        None => (s, None),
+    };
+    match hidden {
+        Some(hidden) => (s.mask_fill(hidden, MASKED), tanh),
+        None => (s, tanh),
+    }
+}
+
+/// Forward: `q` [b, a, s, d], `k`, `v` [b, kv, s, d] → the output
+/// [b, a, s, d] and each query row's logsumexp, one [b, kv, g·n, 1] tensor
+/// per query block.
+pub fn forward(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    options: &AttentionOptions,
+) -> (Tensor<4>, Vec<Tensor<4>>) {
+    let [b, a, s, d] = q.dims();
+    let kv = k.dims()[1];
+    let g = a / kv;
+    let device = q.device();
+    let qg = grouped(q, kv);
+    let ranges = blocks(s, options.block);
+    let mut outputs = Vec::with_capacity(ranges.len());
+    let mut logsumexp = Vec::with_capacity(ranges.len());
+    for qr in &ranges {
+        let qb = rows(&qg, qr);
+        // Running row maximum, sum of exponentials and weighted values.
+        let mut state: Option<(Tensor<4>, Tensor<4>, Tensor<4>)> = None;
+        for kr in &ranges {
+            let (any, masked) = options.pair(qr, kr);
+            if !any {
+                continue;
+            }
+            let hidden = masked.then(|| mask(options, qr, kr, [b, kv, g], &device));
+            let kb = k.clone().narrow(2, kr.start, kr.len());
+            let vb = v.clone().narrow(2, kr.start, kr.len());
+            let (sc, _) = scores(options, qb.clone(), kb, hidden);
+            let block_max = sc.clone().max_dim(3);
+            let m = match &state {
+                Some((m, _, _)) => m.clone().max_pair(block_max),
+                None => block_max,
+            };
+            let p = (sc - m.clone()).exp();
+            let row_sum = p.clone().sum_dim(3);
+            let pv = p.matmul(vb);
+            state = Some(match state {
+                Some((m_old, l, acc)) => {
+                    let alpha = (m_old - m.clone()).exp();
+                    (m, l * alpha.clone() + row_sum, acc * alpha + pv)
+                }
+                None => (m, row_sum, pv),
+            });
+        }
+        let (m, l, acc) = state.expect("every query sees at least itself");
+        outputs.push((acc / l.clone()).reshape([b, kv, g, qr.len(), d]));
+        logsumexp.push(m + l.log());
+    }
+    let output = Tensor::cat(outputs, 3).reshape([b, a, s, d]);
+    (output, logsumexp)
+}
+
+/// Backward: the gradients of q, k and v from the output's gradient `dout`,
+/// recomputing each block pair's probabilities from the saved logsumexp.
+#[allow(clippy::too_many_arguments)]
+pub fn backward(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    output: Tensor<4>,
+    logsumexp: &[Tensor<4>],
+    dout: Tensor<4>,
+    options: &AttentionOptions,
+) -> (Tensor<4>, Tensor<4>, Tensor<4>) {
+    let [b, a, s, d] = q.dims();
+    let kv = k.dims()[1];
+    let g = a / kv;
+    let device = q.device();
+    let ranges = blocks(s, options.block);
+    let (qg, og, dog) = (grouped(q, kv), grouped(output, kv), grouped(dout, kv));
+    let qbs: Vec<Tensor<4>> = ranges.iter().map(|r| rows(&qg, r)).collect();
+    let dobs: Vec<Tensor<4>> = ranges.iter().map(|r| rows(&dog, r)).collect();
+    // D_i = rowsum(dO ∘ O).
+    let deltas: Vec<Tensor<4>> = ranges
+        .iter()
+        .zip(&dobs)
+        .map(|(r, dob)| (dob.clone() * rows(&og, r)).sum_dim(3))
+        .collect();
+    let mut dqs: Vec<Option<Tensor<4>>> = vec![None; ranges.len()];
+    let mut dks = Vec::with_capacity(ranges.len());
+    let mut dvs = Vec::with_capacity(ranges.len());
+    for kr in &ranges {
+        let kb = k.clone().narrow(2, kr.start, kr.len());
+        let vb = v.clone().narrow(2, kr.start, kr.len());
+        let mut dk: Option<Tensor<4>> = None;
+        let mut dv: Option<Tensor<4>> = None;
+        for (i, qr) in ranges.iter().enumerate() {
+            let (any, masked) = options.pair(qr, kr);
+            if !any {
+                continue;
+            }
+            let hidden = masked.then(|| mask(options, qr, kr, [b, kv, g], &device));
+            let (sc, tanh) = scores(options, qbs[i].clone(), kb.clone(), hidden);
+            let p = (sc - logsumexp[i].clone()).exp(); // [b, kv, g·n, m]
+            let pv = p.clone().transpose().matmul(dobs[i].clone());
+            dv = Some(match dv {
+                Some(dv) => dv + pv,
+                None => pv,
+            });
+            let dp = dobs[i].clone().matmul(vb.clone().transpose());
+            let mut ds = p * (dp - deltas[i].clone());
+            if let Some(t) = tanh {
+                ds = ds * (t.clone() * t).neg().add_scalar(1.0);
+            }
+            let ds = ds.mul_scalar(options.scale);
+            let dq = ds.clone().matmul(kb.clone());
+            dqs[i] = Some(match dqs[i].take() {
+                Some(acc) => acc + dq,
+                None => dq,
+            });
+            let dkb = ds.transpose().matmul(qbs[i].clone());
+            dk = Some(match dk {
+                Some(acc) => acc + dkb,
+                None => dkb,
+            });
+        }
+        // A key block no query sees (only with a window) has zero gradients.
+        let zeros = || Tensor::<4>::zeros([b, kv, kr.len(), d], &device);
+        dks.push(dk.unwrap_or_else(zeros));
+        dvs.push(dv.unwrap_or_else(zeros));
+    }
+    let dq = ranges
+        .iter()
+        .zip(dqs)
+        .map(|(r, dq)| {
+            dq.expect("every query block sees its own keys")
+                .reshape([b, kv, g, r.len(), d])
+        })
+        .collect();
+    (
+        Tensor::cat(dq, 3).reshape([b, a, s, d]),
+        Tensor::cat(dks, 2),
+        Tensor::cat(dvs, 2),
+    )
+}
+
+/// The attention every model used before this op: scores, softmax over
+/// `[b, a, s, s]`, weights·v, with k and v repeated per query head. Kept as
+/// the reference the tests hold the blocked op to.
+pub fn naive(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, options: &AttentionOptions) -> Tensor<4> {
+    let [b, a, s, d] = q.dims();
+    let kv = k.dims()[1];
+    let device = q.device();
+    let repeat = |t: Tensor<4>| {
+        if a == kv {
+            return t;
+        }
+        t.unsqueeze_dim::<5>(2)
+            .expand([b, kv, a / kv, s, d])
+            .reshape([b, a, s, d])
+    };
+    let (k, v) = (repeat(k), repeat(v));
+    let full = 0..s;
+    let hidden = mask(options, &full, &full, [b, a, 1], &device);
+    let (sc, _) = scores(options, q, k, Some(hidden));
+    burn::tensor::activation::softmax(sc, 3).matmul(v)
+}

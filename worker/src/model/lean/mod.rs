@@ -1,0 +1,400 @@
+//! Training ops that keep for backward only what their backward needs,
+//! each one autodiff op with its own backward (burn's backend-extension
+//! route: one trait, implemented on the plain backends and on `Autodiff`):
+//!
+//! * [`attention`] — blocked causal attention (FlashAttention-2): saves q,
+//!   k, v, the output and a logsumexp per row instead of burn's three
+//!   `[b, heads, s, s]` tensors per layer;
+//! * [`frozen`] — `x · W` for a frozen quantized `W`: dequantized for the
+//!   matmul and again in backward, never kept dense;
+//! * [`linear`] — a LoRA/QLoRA linear as `x·W + s·(x·A)·B`, never the
+//!   dense `W + s·A·B`;
+//! * [`cross_entropy`] — the loss from hidden states and head weight, a
+//!   chunk of rows at a time: saves a logsumexp per row instead of the f32
+//!   logits and their gradient.
+//!
+//! The algorithms are written once over burn's tensor API on the inner
+//! backend, so flex and CUDA run the same code; a fused kernel could replace
+//! a body for `Cube` behind the same op.
+//!
+//! Both ops are "compute bound" in burn's sense: they save their state and
+//! are never recomputed by burn's own checkpointing (the worker checkpoints
+//! whole blocks itself, see [`crate::train`]).
+
+pub mod attention;
+pub mod cross_entropy;
+pub mod frozen;
+pub mod linear;
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::tensor::{FloatTensor, IntTensor};
+use burn::backend::{
+    Autodiff, Backend, DispatchKindConversion, DispatchTensor, Flex, backend_extension,
+};
+use burn::tensor::{Int, Tensor};
+
+pub use attention::AttentionOptions;
+
+/// The environment variable that switches a worker back to the ops these
+/// replace (burn's softmax attention, `log_softmax` over the whole logits,
+/// the composed LoRA weight): for A/B benchmarks of memory and speed only
+/// (`make bench-lean`), never set by the operator.
+pub const NAIVE_OPS_ENV: &str = "HEADROOM_NAIVE_OPS";
+
+static NAIVE: std::sync::OnceLock<std::sync::atomic::AtomicBool> = std::sync::OnceLock::new();
+
+fn naive_flag() -> &'static std::sync::atomic::AtomicBool {
+    NAIVE.get_or_init(|| {
+        std::sync::atomic::AtomicBool::new(std::env::var(NAIVE_OPS_ENV).is_ok_and(|v| v == "1"))
+    })
+}
+
+/// Whether this process runs the naive ops ([`NAIVE_OPS_ENV`] = 1 at start,
+/// or [`set_naive_ops`]).
+pub fn naive_ops() -> bool {
+    naive_flag().load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Switches the process to the naive ops or back (a benchmark's A/B).
+pub fn set_naive_ops(naive: bool) {
+    naive_flag().store(naive, std::sync::atomic::Ordering::Relaxed);
+}
+pub use frozen::FrozenWeight;
+
+/// The extension trait behind [`attend`] and [`fused_cross_entropy`].
+#[backend_extension(Flex, Cube: cfg(feature = "cuda"), Autodiff)]
+pub trait LeanBackend: Backend {
+    /// `q` [b, a, s, d], `k`, `v` [b, kv, s, d] → [b, a, s, d].
+    fn lean_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        options: AttentionOptions,
+    ) -> FloatTensor<Self>;
+
+    /// `hidden` [n, h], `weight` [vocab, h], `targets` [n] → mean loss [1].
+    fn lean_cross_entropy(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        chunk: usize,
+    ) -> FloatTensor<Self>;
+
+    /// `x` [b, s, d_in] · the frozen `weight` [d_in, d_out] → [b, s, d_out].
+    fn lean_frozen_matmul(x: FloatTensor<Self>, weight: FrozenWeight) -> FloatTensor<Self>;
+}
+
+/// A plain backend's primitive as a tensor of the high-level API.
+fn float<B: Backend, const D: usize>(primitive: FloatTensor<B>) -> Tensor<D>
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    Tensor::from_primitive::<B>(primitive)
+}
+
+fn primitive<B: Backend, const D: usize>(tensor: Tensor<D>) -> FloatTensor<B>
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    tensor
+        .try_into_primitive::<B>()
+        .expect("a lean op's result lives on its inputs' backend")
+}
+
+fn int<B: Backend, const D: usize>(primitive: IntTensor<B>) -> Tensor<D, Int>
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    Tensor::from_primitive::<B>(primitive)
+}
+
+/// The forward alone, on a backend without autodiff (a frozen stage, a
+/// checkpointed block's first pass).
+macro_rules! plain_backend {
+    ($backend:ty) => {
+        impl LeanBackend for $backend {
+            fn lean_attention(
+                q: FloatTensor<Self>,
+                k: FloatTensor<Self>,
+                v: FloatTensor<Self>,
+                options: AttentionOptions,
+            ) -> FloatTensor<Self> {
+                let (output, _) = attention::forward(
+                    float::<Self, 4>(q),
+                    float::<Self, 4>(k),
+                    float::<Self, 4>(v),
+                    &options,
+                );
+                primitive::<Self, 4>(output)
+            }
+
+            fn lean_cross_entropy(
+                hidden: FloatTensor<Self>,
+                weight: FloatTensor<Self>,
+                targets: IntTensor<Self>,
+                chunk: usize,
+            ) -> FloatTensor<Self> {
+                let (loss, _) = cross_entropy::forward(
+                    float::<Self, 2>(hidden),
+                    float::<Self, 2>(weight),
+                    int::<Self, 1>(targets),
+                    chunk,
+                );
+                primitive::<Self, 1>(loss)
+            }
+
+            fn lean_frozen_matmul(x: FloatTensor<Self>, weight: FrozenWeight) -> FloatTensor<Self> {
+                primitive::<Self, 3>(frozen::forward(float::<Self, 3>(x), &weight))
+            }
+        }
+    };
+}
+
+plain_backend!(Flex);
+#[cfg(feature = "cuda")]
+plain_backend!(burn::backend::Cube);
+
+/// What attention keeps between forward and backward.
+#[derive(Clone, Debug)]
+struct AttentionState<B: Backend> {
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    output: FloatTensor<B>,
+    logsumexp: Vec<FloatTensor<B>>,
+    options: AttentionOptions,
+}
+
+#[derive(Debug)]
+struct AttentionBackward;
+
+impl<B: Backend> Backward<B, 3> for AttentionBackward
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    type State = AttentionState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dout = grads.consume::<B>(&ops.node);
+        let s = ops.state;
+        let (dq, dk, dv) = attention::backward(
+            float::<B, 4>(s.q),
+            float::<B, 4>(s.k),
+            float::<B, 4>(s.v),
+            float::<B, 4>(s.output),
+            &s.logsumexp
+                .into_iter()
+                .map(float::<B, 4>)
+                .collect::<Vec<_>>(),
+            float::<B, 4>(dout),
+            &s.options,
+        );
+        for (parent, grad) in ops.parents.into_iter().zip([dq, dk, dv]) {
+            if let Some(parent) = parent {
+                grads.register::<B>(parent.id, primitive::<B, 4>(grad));
+            }
+        }
+    }
+}
+
+/// What the loss keeps between forward and backward.
+#[derive(Clone, Debug)]
+struct CrossEntropyState<B: Backend> {
+    hidden: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    targets: IntTensor<B>,
+    logsumexp: FloatTensor<B>,
+    chunk: usize,
+}
+
+#[derive(Debug)]
+struct CrossEntropyBackward;
+
+impl<B: Backend> Backward<B, 2> for CrossEntropyBackward
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    type State = CrossEntropyState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dloss = grads.consume::<B>(&ops.node);
+        let s = ops.state;
+        let [hidden_parent, weight_parent] = ops.parents;
+        let (dhidden, dweight) = cross_entropy::backward(
+            float::<B, 2>(s.hidden),
+            float::<B, 2>(s.weight),
+            int::<B, 1>(s.targets),
+            float::<B, 2>(s.logsumexp),
+            float::<B, 1>(dloss),
+            s.chunk,
+            weight_parent.is_some(),
+        );
+        if let Some(parent) = hidden_parent {
+            grads.register::<B>(parent.id, primitive::<B, 2>(dhidden));
+        }
+        if let (Some(parent), Some(dweight)) = (weight_parent, dweight) {
+            grads.register::<B>(parent.id, primitive::<B, 2>(dweight));
+        }
+    }
+}
+
+#[derive(Debug)]
+struct FrozenMatmulBackward;
+
+impl<B: Backend> Backward<B, 1> for FrozenMatmulBackward
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    /// The stored (quantized) weight, not its dense copy.
+    type State = FrozenWeight;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let [parent] = ops.parents;
+        if let Some(parent) = parent {
+            let dx = frozen::backward(float::<B, 3>(dy), &ops.state);
+            grads.register::<B>(parent.id, primitive::<B, 3>(dx));
+        }
+    }
+}
+
+impl<B: Backend, C: CheckpointStrategy> LeanBackend for Autodiff<B, C>
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    fn lean_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        options: AttentionOptions,
+    ) -> FloatTensor<Self> {
+        let (q, q_node) = q.into_parts();
+        let (k, k_node) = k.into_parts();
+        let (v, v_node) = v.into_parts();
+        let run = || {
+            attention::forward(
+                float::<B, 4>(q.clone()),
+                float::<B, 4>(k.clone()),
+                float::<B, 4>(v.clone()),
+                &options,
+            )
+        };
+        match AttentionBackward
+            .prepare::<C>([q_node, k_node, v_node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (output, logsumexp) = run();
+                let output = primitive::<B, 4>(output);
+                let state = AttentionState {
+                    q,
+                    k,
+                    v,
+                    output: output.clone(),
+                    logsumexp: logsumexp.into_iter().map(primitive::<B, 4>).collect(),
+                    options,
+                };
+                prep.finish(state, output)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(primitive::<B, 4>(run().0)),
+        }
+    }
+
+    fn lean_cross_entropy(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        chunk: usize,
+    ) -> FloatTensor<Self> {
+        let (hidden, hidden_node) = hidden.into_parts();
+        let (weight, weight_node) = weight.into_parts();
+        let (loss, logsumexp) = cross_entropy::forward(
+            float::<B, 2>(hidden.clone()),
+            float::<B, 2>(weight.clone()),
+            int::<B, 1>(targets.clone()),
+            chunk,
+        );
+        let loss = primitive::<B, 1>(loss);
+        match CrossEntropyBackward
+            .prepare::<C>([hidden_node, weight_node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let state = CrossEntropyState {
+                    hidden,
+                    weight,
+                    targets,
+                    logsumexp: primitive::<B, 2>(logsumexp),
+                    chunk,
+                };
+                prep.finish(state, loss)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(loss),
+        }
+    }
+
+    fn lean_frozen_matmul(x: FloatTensor<Self>, weight: FrozenWeight) -> FloatTensor<Self> {
+        let (x, x_node) = x.into_parts();
+        let y = primitive::<B, 3>(frozen::forward(float::<B, 3>(x), &weight));
+        match FrozenMatmulBackward
+            .prepare::<C>([x_node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(weight, y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+}
+
+/// Blocked causal attention: `q` [b, a, s, d], `k`, `v` [b, kv, s, d] (kv
+/// divides a) → [b, a, s, d], differentiable.
+pub fn attend(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, options: AttentionOptions) -> Tensor<4> {
+    if naive_ops() {
+        return attention::naive(q, k, v, &options);
+    }
+    Tensor::from_dispatch(<burn::backend::Dispatch as LeanBackend>::lean_attention(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        options,
+    ))
+}
+
+/// `x` [b, s, d_in] · a frozen `weight` [d_in, d_out], keeping only the
+/// stored weight for backward (differentiable in `x`).
+pub fn frozen_matmul(x: Tensor<3>, weight: FrozenWeight) -> Tensor<3> {
+    Tensor::from_dispatch(
+        <burn::backend::Dispatch as LeanBackend>::lean_frozen_matmul(x.into_dispatch(), weight),
+    )
+}
+
+/// Mean next-token cross-entropy of `hidden` [n, h] under `weight` [vocab, h]
+/// against `targets` [n], computed `chunk` rows at a time, differentiable in
+/// both `hidden` and `weight`.
+pub fn fused_cross_entropy(
+    hidden: Tensor<2>,
+    weight: Tensor<2>,
+    targets: Tensor<1, Int>,
+    chunk: usize,
+) -> Tensor<1> {
+    if naive_ops() {
+        return cross_entropy::naive(hidden, weight, targets);
+    }
+    Tensor::from_dispatch(
+        <burn::backend::Dispatch as LeanBackend>::lean_cross_entropy(
+            hidden.into_dispatch(),
+            weight.into_dispatch(),
+            targets.into_dispatch(),
+            chunk,
+        ),
+    )
+}
+
+#[cfg(test)]
+mod tests;
