@@ -590,8 +590,9 @@ fn offloaded_state_needs_nodes_with_the_host_memory_for_it() {
     let need = host + pods * (16 << 30);
     assert!(need <= 256 << 30 && need > 80 << 30, "{need}");
 
-    // Less host memory: 8-bit moments make the offloaded state fit.
-    let mid = plan("80Gi");
+    // Less host memory: 8-bit moments make the offloaded state fit. (80Gi
+    // held AdamW's state once the lean ops let the job fit on two T4s.)
+    let mid = plan("72Gi");
     assert_eq!(mid["feasible"], true, "{mid}");
     assert_eq!(mid["plan"]["settings"]["optimizer"], "adamw8bit", "{mid}");
     assert_eq!(mid["plan"]["settings"]["offloadOptimizer"], true, "{mid}");

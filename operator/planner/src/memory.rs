@@ -27,7 +27,12 @@
 //!   [`LlamaShape::burn_block_activation_bytes`](crate::LlamaShape::burn_block_activation_bytes)),
 //!   plus the final norm's three per-token vectors on the last stage and
 //!   the stage-boundary tensors a pipeline stage holds per in-flight
-//!   micro-batch.
+//!   micro-batch. The worker's attention is one op that keeps q, k, v, its
+//!   output and a logsumexp per row (no `s × s` map outlives it; its
+//!   transient is one block pair's scores, [`attention_transient_bytes`]),
+//!   and its loss one op that keeps a logsumexp per row and one chunk of
+//!   logits at a time ([`loss_bytes`]), so `logits` is that, not `s·b·v`.
+//!   The CUDA worker runs the same ops, so both profiles count this way.
 //!
 //! With full activation checkpointing a block keeps only its input
 //! (`s·b·h·e`) and one block at a time is recomputed in backward, so
@@ -62,38 +67,19 @@
 //!   quantized value as one i8, burn-flex 0.22.1's `FlexQTensor`,
 //!   so 1.0 there; 0.5 where the backend packs) plus one f32 scale per
 //!   `block_size` values.
-//! * burn does **not** run the adapter beside the frozen matmul (PEFT's
-//!   `x·W + x·A·B`): the parameter composes a dense weight, `W_eff = base +
-//!   scale·(A@B)`, on every `val()` (burn-core 0.22.1: `Param::val`,
-//!   which applies the `LoraAdapter` in `module::param::lora`), and a quantized base is dequantized
-//!   first (burn-tensor 0.22.1, `bridge::ops::float`'s `from_q_primitive`, the
-//!   mixed add). `W_eff` requires grad, so the block's matmul keeps it for the
-//!   input's gradient (burn-autodiff 0.22.1, `float_matmul`'s backward: the
-//!   rhs is kept whenever the lhs is tracked) — the "memory limitations" of
-//!   `QLora`'s doc comment (burn-core's `module::lora`). A quantized base that is not
-//!   adapted is dequantized per forward too: `linear` routes a quantized
-//!   weight to `q_matmul` (burn-tensor 0.22.1, `module::linear`),
-//!   whose default dequantizes it (burn-backend 0.22.1, `QTensorOps::q_matmul`)
-//!   into an untracked leaf (burn-autodiff 0.22.1, its `QTensorOps::dequantize`),
-//!   which the same matmul keeps because its input is tracked. A dense
-//!   frozen base that is not adapted costs nothing more: the matmul keeps
-//!   the parameter itself.
-//! * So each block keeps, per forward graph, a dense copy (at the training
-//!   precision) of every adapted matrix and, with a quantized base, of every
-//!   other quantized matrix, wherever the matmul's input is tracked (not
-//!   before the first adapted projection of the first stage's first
-//!   block): [`MemoryBreakdown::composed_weights`]. `val()`
-//!   composes anew on every forward, so without checkpointing each
-//!   in-flight micro-batch's graph holds its own copies (`in_flight ×
-//!   layers` blocks' worth); with the worker's block-level checkpointing the
-//!   forward runs without a graph and only the block being recomputed holds
-//!   them (once). An adapted `lm_head` keeps its `W_eff` on the last stage.
-//!   Beside them, two transients of one matrix: backward's weight-shaped
-//!   gradient of the largest adapted matrix (the matmul's rhs gradient,
-//!   before it reaches A and B), and the dense copy a quantized matrix is
-//!   dequantized into before it is composed.
-//! * The adapters add no activations of their own (they never see `x`),
-//!   and the frozen blocks keep less than under full fine-tuning, by
+//! * The worker runs the adapter beside the frozen matmul, as PEFT does:
+//!   `x·W + s·(x·A)·B` (`worker/src/model/lean/linear.rs`), never burn's
+//!   composed `W_eff = base + s·A@B` (which `Param::val` builds and the
+//!   block's matmul would keep for backward: one dense copy per adapted
+//!   matrix per graph, before issue 30). A dense frozen `W` costs nothing
+//!   kept (the matmul keeps the parameter itself); a quantized one goes
+//!   through the worker's frozen matmul, dequantized for the forward's
+//!   product and again for backward's, never kept dense. What stays in
+//!   [`MemoryBreakdown::composed_weights`]: the dense copy of the largest
+//!   quantized matrix while one product runs, and an adapted `lm_head`,
+//!   which the loss reads composed (kept, with its weight-shaped gradient).
+//! * An adapter keeps the `r`-wide `x·A` (its `x` is the projection's
+//!   input, counted with the block), and the frozen blocks keep less than under full fine-tuning, by
 //!   burn's rule that a matmul or product keeps one operand only for the
 //!   other's gradient (burn-autodiff 0.22.1, the backward
 //!   of `float_mul` and of `float_matmul`): a frozen projection does not keep its input, a frozen γ not
@@ -157,10 +143,11 @@ pub struct MemoryBreakdown {
     pub activations: u64,
     /// Logits and their gradient for one micro-batch, bytes.
     pub logits: u64,
-    /// LoRA/QLoRA: the dense weights burn composes (base + scale·A@B, a
-    /// quantized base dequantized) and keeps for backward, plus one
-    /// matrix's gradient and dequantization transients, bytes (0 for full
-    /// fine-tuning; see the module docs).
+    /// LoRA/QLoRA: the dense weights a stage still makes, bytes: the
+    /// largest quantized matrix dequantized for one product, an adapted
+    /// `lm_head` composed for the loss with its gradient (0 for full
+    /// fine-tuning and for a dense base without an adapted head; see the
+    /// module docs).
     #[serde(default)]
     pub composed_weights: u64,
     /// Data-parallel replicas: the buffers of the gradient reduce-scatter and

@@ -19,9 +19,13 @@
 //! likewise quantizes each weight as it moves to the device). The result
 //! equals [`attach`] on the stage loaded whole (`tests/qlora_load.rs`).
 //!
-//! burn composes the adapted weight densely for each forward pass, so PEFT's
-//! dropout on the adapter's input cannot be expressed; the assignment check
-//! refuses a dropout above 0 (see [`crate::assignment`]).
+//! burn's `Linear::forward` would compose the adapted weight densely for
+//! each forward pass and keep it; the model's blocks call
+//! [`super::lean::linear::forward`] instead, which computes
+//! `x·W + s·(x·A)·B` with the factors burn attached here, and dequantizes a
+//! quantized base per matmul without keeping it. Adapter-input dropout is
+//! still refused (see [`crate::assignment`]): its mask would have to be
+//! drawn again identically when a checkpointed block is recomputed.
 
 use burn::module::{Lora, LoraAdapter, Module, ParamGroup, ParamId, QLora, Quantizer};
 use burn::nn::Linear;

@@ -1105,6 +1105,7 @@ fn main() {
     let mut cuda = false;
     let mut large = false;
     let mut ops_ab = false;
+    let mut predict_only = false;
     let mut it = args.iter();
     while let Some(arg) = it.next() {
         match arg.as_str() {
@@ -1117,6 +1118,7 @@ fn main() {
             },
             "--large" => large = true,
             "--ops-ab" => ops_ab = true,
+            "--predict-only" => predict_only = true,
             "--skip-overhead" => overhead = false,
             "--skip-pipeline" => pipeline = false,
             "--pipeline-only" => only = Some("--pipeline-only".into()),
@@ -1125,7 +1127,7 @@ fn main() {
                 return;
             }
             other => panic!(
-                "unknown argument {other}; use --backend flex|cuda, --large (cuda: add 3B rows), --steps N, --only NAME, --skip-pipeline, --pipeline-only, --skip-overhead, --overhead-only, --ops-ab"
+                "unknown argument {other}; use --backend flex|cuda, --large (cuda: add 3B rows), --steps N, --only NAME, --skip-pipeline, --pipeline-only, --skip-overhead, --overhead-only, --ops-ab, --predict-only"
             ),
         }
     }
@@ -1137,6 +1139,31 @@ fn main() {
     }
     if ops_ab {
         ops_ab_report(steps, only.as_deref());
+        return;
+    }
+    if predict_only {
+        // The planner's figure for each case without running it (to refit a
+        // profile against peaks measured before).
+        for case in grid()
+            .into_iter()
+            .filter(|c| only.as_deref().is_none_or(|o| c.name.contains(o)))
+        {
+            let a = assignment(&case, steps);
+            let b = estimate_stage(
+                &case.model,
+                a.plan.adapters.as_ref(),
+                &a.plan.settings,
+                StagePlacement::single(case.layers()),
+                &FLEX,
+                1.0,
+            );
+            println!(
+                "| {} | {:.0} | {} |",
+                case.name,
+                b.total as f64 / MIB,
+                breakdown_mib(&b)
+            );
+        }
         return;
     }
     println!(

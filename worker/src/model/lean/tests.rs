@@ -13,7 +13,12 @@ fn device() -> burn::tensor::Device {
 }
 
 fn random<const D: usize>(dims: [usize; D]) -> Tensor<D> {
-    with_generator(|| Tensor::random(dims, Distribution::Normal(0.0, 1.0), &device()))
+    with_generator(|| draw(dims))
+}
+
+/// A draw from burn's generator; the caller holds the generator's lock.
+fn draw<const D: usize>(dims: [usize; D]) -> Tensor<D> {
+    Tensor::random(dims, Distribution::Normal(0.0, 1.0), &device())
 }
 
 fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
@@ -32,14 +37,20 @@ fn attention_and_grads(
     dims: (usize, usize, usize, usize, usize),
     options: AttentionOptions,
     lean: bool,
+    seed: u64,
 ) -> [Vec<f32>; 4] {
     let (b, a, kv, s, d) = dims;
-    let (q, k, v) = (
-        random([b, a, s, d]),
-        random([b, kv, s, d]),
-        random([b, kv, s, d]),
-    );
-    let upstream = random([b, a, s, d]);
+    // Seeded and drawn under one lock: a test drawing in between would
+    // give the two runs different inputs.
+    let (q, k, v, upstream) = with_generator(|| {
+        device().seed(seed);
+        (
+            draw([b, a, s, d]),
+            draw([b, kv, s, d]),
+            draw([b, kv, s, d]),
+            draw([b, a, s, d]),
+        )
+    });
     let (q, k, v) = (q.require_grad(), k.require_grad(), v.require_grad());
     let out = if lean {
         attend(q.clone(), k.clone(), v.clone(), options)
@@ -53,11 +64,8 @@ fn attention_and_grads(
 
 fn assert_attention_matches(dims: (usize, usize, usize, usize, usize), options: AttentionOptions) {
     // The same seed draws the same inputs for both runs.
-    let seed = 7;
-    with_generator(|| device().seed(seed));
-    let lean = attention_and_grads(dims, options, true);
-    with_generator(|| device().seed(seed));
-    let naive = attention_and_grads(dims, options, false);
+    let lean = attention_and_grads(dims, options, true, 7);
+    let naive = attention_and_grads(dims, options, false, 7);
     for (name, (l, n)) in ["output", "dq", "dk", "dv"]
         .iter()
         .zip(lean.iter().zip(&naive))
@@ -123,8 +131,11 @@ fn blocked_attention_is_causal() {
 }
 
 fn loss_and_grads(n: usize, h: usize, vocab: usize, chunk: Option<usize>) -> [Vec<f32>; 3] {
-    let hidden = random([n, h]).require_grad();
-    let weight = random([vocab, h]).require_grad();
+    let (hidden, weight) = with_generator(|| {
+        device().seed(11);
+        (draw([n, h]), draw([vocab, h]))
+    });
+    let (hidden, weight) = (hidden.require_grad(), weight.require_grad());
     let targets: Vec<i64> = (0..n as i64).map(|i| (i * 7 + 3) % vocab as i64).collect();
     let targets = Tensor::<1, Int>::from_data(TensorData::new(targets, [n]), &device());
     let loss = match chunk {
@@ -142,9 +153,7 @@ fn loss_and_grads(n: usize, h: usize, vocab: usize, chunk: Option<usize>) -> [Ve
 #[test]
 fn chunked_cross_entropy_equals_log_softmax() {
     for chunk in [1, 5, 13, 64] {
-        with_generator(|| device().seed(11));
         let lean = loss_and_grads(13, 6, 17, Some(chunk));
-        with_generator(|| device().seed(11));
         let naive = loss_and_grads(13, 6, 17, None);
         for (name, (l, n)) in ["loss", "dhidden", "dweight"]
             .iter()
@@ -180,7 +189,10 @@ fn adapted_linear_grads(quantized: bool, lean: bool) -> [Vec<f32>; 4] {
             let scheme = QuantScheme::default()
                 .with_value(QuantValue::Q8S)
                 .per_block([4], ScaleDtype::F32);
-            linear.apply_qlora(QLora::new(lora, Quantizer::new(Calibration::MinMax, scheme)))
+            linear.apply_qlora(QLora::new(
+                lora,
+                Quantizer::new(Calibration::MinMax, scheme),
+            ))
         } else {
             linear.apply_lora(lora)
         };
@@ -214,7 +226,10 @@ fn an_adapted_linear_equals_burns_composed_weight() {
     for quantized in [false, true] {
         let lean = adapted_linear_grads(quantized, true);
         let composed = adapted_linear_grads(quantized, false);
-        for (name, (l, c)) in ["output", "dx", "dA", "dB"].iter().zip(lean.iter().zip(&composed)) {
+        for (name, (l, c)) in ["output", "dx", "dA", "dB"]
+            .iter()
+            .zip(lean.iter().zip(&composed))
+        {
             let err = max_relative(l, c);
             assert!(err < 1e-5, "{name} (quantized {quantized}): {err:e}");
         }
