@@ -517,8 +517,14 @@ pub fn attention_transient_bytes(s: u64, b: u64, heads: u64, e: u64) -> u64 {
 /// in backward the gradient), where a chunk is [`LOSS_CHUNK_ELEMENTS`] /
 /// `vocab` rows, at most all `rows`.
 pub fn loss_bytes(rows: u64, vocab: u64, copies: u64) -> u64 {
-    let chunk_rows = (LOSS_CHUNK_ELEMENTS / vocab.max(1)).clamp(1, rows.max(1));
+    let chunk_rows = loss_chunk_rows(vocab).min(rows.max(1));
     rows * 4 + copies * chunk_rows * vocab * 4
+}
+
+/// Rows of the loss op's chunk for a vocabulary of `vocab`: what the worker
+/// asks the op for and what [`loss_bytes`] counts.
+pub fn loss_chunk_rows(vocab: u64) -> u64 {
+    (LOSS_CHUNK_ELEMENTS / vocab.max(1)).max(1)
 }
 
 /// Predicted memory of one stage (or of the whole model when `stage` is

@@ -44,15 +44,6 @@ use serde::{Deserialize, Serialize};
 pub use gpt::GptBlock;
 pub use llama::LlamaBlock;
 
-/// Logits the loss holds at a time (f32): 8 Mi values, 32 MiB, whatever
-/// the vocabulary; the planner counts the same chunk.
-pub const LOSS_CHUNK_ELEMENTS: usize = headroom_planner::LOSS_CHUNK_ELEMENTS as usize;
-
-/// Rows of the loss's chunk for a vocabulary of `vocab`.
-pub fn loss_chunk_rows(vocab: usize) -> usize {
-    (LOSS_CHUNK_ELEMENTS / vocab.max(1)).max(1)
-}
-
 /// Standard deviation of the normal initialiser for embeddings (GPT-2's 0.02).
 const EMBEDDING_INIT_STD: f64 = 0.02;
 
@@ -459,7 +450,8 @@ impl TransformerLm {
 
     /// Mean next-token cross-entropy of the head over `x`, against `targets`
     /// [batch, seq], without ever holding the whole logits
-    /// ([`lean::fused_cross_entropy`], [`LOSS_CHUNK_ELEMENTS`] logits at a time).
+    /// ([`lean::fused_cross_entropy`], the planner's
+    /// [`headroom_planner::LOSS_CHUNK_ELEMENTS`] logits at a time).
     pub fn head_loss(&self, x: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
         let [b, s] = targets.dims();
         let (x, weight, bias) = self.head_parts(x);
@@ -470,7 +462,7 @@ impl TransformerLm {
             let logp = log_softmax(logits, 1);
             return logp.gather(1, targets.reshape([b * s, 1])).mean().neg();
         }
-        let chunk = loss_chunk_rows(weight.dims()[0]);
+        let chunk = headroom_planner::memory::loss_chunk_rows(weight.dims()[0] as u64) as usize;
         lean::fused_cross_entropy(x, weight, targets, chunk)
     }
 

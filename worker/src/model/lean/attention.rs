@@ -54,17 +54,43 @@ impl AttentionOptions {
 
     /// Whether the block pair has any visible key, and whether it needs a mask.
     fn pair(&self, q: &Range<usize>, k: &Range<usize>) -> (bool, bool) {
-        let any = self.visible_somewhere(q, k);
+        // The nearest pair is the latest key not after the earliest query
+        // it can serve: distance 0 where the ranges overlap.
+        let nearest = q.start.saturating_sub(k.end - 1);
+        let any = k.start < q.end && self.window.is_none_or(|w| nearest < w);
         let all = self.visible(q.start, k.end - 1) && self.visible(q.end - 1, k.start);
         (any, !all)
     }
+}
 
-    fn visible_somewhere(&self, q: &Range<usize>, k: &Range<usize>) -> bool {
-        // The nearest (query, key) pair: the latest key not after each query.
-        q.clone().any(|qi| {
-            let latest = (k.end - 1).min(qi);
-            latest >= k.start && self.visible(qi, latest)
-        })
+/// The masks of one call's block pairs. Visibility depends only on the
+/// distance between query and key, so pairs at the same offset with the
+/// same lengths (every diagonal pair but a partial last one) share one
+/// mask, built once for the forward or the backward.
+struct Masks<'a> {
+    options: &'a AttentionOptions,
+    dims: [usize; 3],
+    device: burn::tensor::Device,
+    built: std::collections::HashMap<(isize, usize, usize), Tensor<4, Bool>>,
+}
+
+impl<'a> Masks<'a> {
+    fn new(options: &'a AttentionOptions, dims: [usize; 3], device: burn::tensor::Device) -> Self {
+        Masks {
+            options,
+            dims,
+            device,
+            built: std::collections::HashMap::new(),
+        }
+    }
+
+    fn get(&mut self, q: &Range<usize>, k: &Range<usize>) -> Tensor<4, Bool> {
+        let key = (q.start as isize - k.start as isize, q.len(), k.len());
+        let (options, dims, device) = (self.options, self.dims, &self.device);
+        self.built
+            .entry(key)
+            .or_insert_with(|| mask(options, q, k, dims, device))
+            .clone()
     }
 }
 
@@ -148,6 +174,7 @@ pub fn forward(
     let device = q.device();
     let qg = grouped(q, kv);
     let ranges = blocks(s, options.block);
+    let mut masks = Masks::new(options, [b, kv, g], device);
     let mut outputs = Vec::with_capacity(ranges.len());
     let mut logsumexp = Vec::with_capacity(ranges.len());
     for qr in &ranges {
@@ -159,7 +186,7 @@ pub fn forward(
             if !any {
                 continue;
             }
-            let hidden = masked.then(|| mask(options, qr, kr, [b, kv, g], &device));
+            let hidden = masked.then(|| masks.get(qr, kr));
             let kb = k.clone().narrow(2, kr.start, kr.len());
             let vb = v.clone().narrow(2, kr.start, kr.len());
             let (sc, _) = scores(options, qb.clone(), kb, hidden);
@@ -204,6 +231,7 @@ pub fn backward(
     let g = a / kv;
     let device = q.device();
     let ranges = blocks(s, options.block);
+    let mut masks = Masks::new(options, [b, kv, g], device.clone());
     let (qg, og, dog) = (grouped(q, kv), grouped(output, kv), grouped(dout, kv));
     let qbs: Vec<Tensor<4>> = ranges.iter().map(|r| rows(&qg, r)).collect();
     let dobs: Vec<Tensor<4>> = ranges.iter().map(|r| rows(&dog, r)).collect();
@@ -226,7 +254,7 @@ pub fn backward(
             if !any {
                 continue;
             }
-            let hidden = masked.then(|| mask(options, qr, kr, [b, kv, g], &device));
+            let hidden = masked.then(|| masks.get(qr, kr));
             let (sc, tanh) = scores(options, qbs[i].clone(), kb.clone(), hidden);
             let p = (sc - logsumexp[i].clone()).exp(); // [b, kv, g·n, m]
             let pv = p.clone().transpose().matmul(dobs[i].clone());

@@ -5,7 +5,7 @@
 //! into a dense tensor that autodiff then keeps until backward: one dense
 //! copy of every quantized matrix of every block.
 
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, FloatDType, Tensor};
 
 /// A frozen weight `[d_in, d_out]` as the module stores it (burn's quantized
 /// tensor); [`FrozenWeight::dense`] makes the transient dense copy.
@@ -19,32 +19,30 @@ impl FrozenWeight {
         FrozenWeight { stored }
     }
 
-    /// The dense weight, on the backend without autodiff (nothing tracks it).
-    pub fn dense(&self) -> Tensor<2> {
+    /// The dense weight in `dtype`, on the backend without autodiff
+    /// (nothing tracks it).
+    pub fn dense(&self, dtype: DType) -> Tensor<2> {
         let stored = self.stored.clone();
-        match stored.dtype() {
+        let dense = match stored.dtype() {
             DType::QFloat(_) => stored.dequantize().inner(),
             _ => stored.inner(),
+        };
+        if dense.dtype() == dtype {
+            dense
+        } else {
+            dense.cast(FloatDType::from(dtype))
         }
     }
 }
 
 /// `x` [b, s, d_in] · `W` → [b, s, d_out].
 pub fn forward(x: Tensor<3>, weight: &FrozenWeight) -> Tensor<3> {
-    let w = weight.dense();
-    let w = match (x.dtype(), w.dtype()) {
-        (a, b) if a == b => w,
-        (a, _) => w.cast(burn::tensor::FloatDType::from(a)),
-    };
+    let w = weight.dense(x.dtype());
     x.matmul(w.unsqueeze())
 }
 
 /// `dx` = `dy` [b, s, d_out] · `Wᵀ` → [b, s, d_in].
 pub fn backward(dy: Tensor<3>, weight: &FrozenWeight) -> Tensor<3> {
-    let w = weight.dense();
-    let w = match (dy.dtype(), w.dtype()) {
-        (a, b) if a == b => w,
-        (a, _) => w.cast(burn::tensor::FloatDType::from(a)),
-    };
+    let w = weight.dense(dy.dtype());
     dy.matmul(w.transpose().unsqueeze())
 }
