@@ -9,8 +9,7 @@ use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Tensor};
 use headroom_planner::TransformerShape;
 
-use super::lean::{AttentionOptions, attend};
-use super::llama::ATTENTION_BLOCK;
+use super::lean::{ATTENTION_BLOCK, AttentionOptions, attend};
 
 /// Causal multi-head self-attention: one fused QKV projection (3h² + 3h) and
 /// an output projection (h² + h).

@@ -13,10 +13,7 @@ use burn::tensor::activation::silu;
 use burn::tensor::{Device, Tensor, TensorData};
 use headroom_planner::LlamaShape;
 
-use super::lean::{AttentionOptions, attend, linear};
-
-/// Query and key rows per attention block (the planner counts the same).
-pub const ATTENTION_BLOCK: usize = headroom_planner::ATTENTION_BLOCK as usize;
+use super::lean::{ATTENTION_BLOCK, AttentionOptions, attend, linear};
 
 /// Rotary position embedding in Hugging Face's layout: the two halves of a
 /// head's vector are rotated against each other (`rotate_half`), not

@@ -36,7 +36,6 @@ use burn::nn::{
     Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig,
     RmsNorm,
 };
-use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor};
 use headroom_planner::{LlamaShape, ModelShape, TransformerShape};
 use serde::{Deserialize, Serialize};
@@ -418,8 +417,8 @@ impl TransformerLm {
     /// The last stage's head: the final norm over `x` [batch, seq, hidden]
     /// as [batch·seq, hidden], and the projection's weight as [vocab, hidden]
     /// (the token embedding's own layout; a Linear's `[hidden, vocab]` seen
-    /// transposed, no copy) with its bias.
-    fn head_parts(&self, x: Tensor<3>) -> (Tensor<2>, Tensor<2>, Option<Tensor<1>>) {
+    /// transposed, no copy). Neither family's head has a bias ([`Self::new`]).
+    fn head_parts(&self, x: Tensor<3>) -> (Tensor<2>, Tensor<2>) {
         let head = self.head.as_ref().expect("the head on a stage without it");
         let [b, s, h] = x.dims();
         let x = match &head.norm {
@@ -428,24 +427,16 @@ impl TransformerLm {
         }
         .reshape([b * s, h]);
         match (&head.projection, &self.token) {
-            (Some(projection), _) => (
-                x,
-                projection.weight.val().transpose(),
-                projection.bias.as_ref().map(|b| b.val()),
-            ),
-            (None, Some(token)) => (x, token.weight.val(), None),
+            (Some(projection), _) => (x, projection.weight.val().transpose()),
+            (None, Some(token)) => (x, token.weight.val()),
             (None, None) => panic!("a tied head without the token embedding"),
         }
     }
 
     /// Final norm and output head. [batch, seq, hidden] → logits [batch·seq, vocab].
     pub fn logits(&self, x: Tensor<3>) -> Tensor<2> {
-        let (x, weight, bias) = self.head_parts(x);
-        let logits = x.matmul(weight.transpose());
-        match bias {
-            Some(bias) => logits + bias.unsqueeze(),
-            None => logits,
-        }
+        let (x, weight) = self.head_parts(x);
+        x.matmul(weight.transpose())
     }
 
     /// Mean next-token cross-entropy of the head over `x`, against `targets`
@@ -454,16 +445,9 @@ impl TransformerLm {
     /// [`headroom_planner::LOSS_CHUNK_ELEMENTS`] logits at a time).
     pub fn head_loss(&self, x: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
         let [b, s] = targets.dims();
-        let (x, weight, bias) = self.head_parts(x);
-        let targets = targets.reshape([b * s]);
-        if let Some(bias) = bias {
-            // No model Headroom builds has a head bias; kept correct anyway.
-            let logits = x.matmul(weight.transpose()) + bias.unsqueeze();
-            let logp = log_softmax(logits, 1);
-            return logp.gather(1, targets.reshape([b * s, 1])).mean().neg();
-        }
+        let (x, weight) = self.head_parts(x);
         let chunk = headroom_planner::memory::loss_chunk_rows(weight.dims()[0] as u64) as usize;
-        lean::fused_cross_entropy(x, weight, targets, chunk)
+        lean::fused_cross_entropy(x, weight, targets.reshape([b * s]), chunk)
     }
 
     /// Full forward to logits [batch·seq, vocab] (a single-stage model).

@@ -38,6 +38,10 @@ use burn::tensor::{Int, Tensor};
 
 pub use attention::AttentionOptions;
 
+/// Query and key rows per attention block in the models (the planner
+/// counts the same block pair as the op's transient).
+pub const ATTENTION_BLOCK: usize = headroom_planner::ATTENTION_BLOCK as usize;
+
 /// The environment variable that switches a worker back to the ops these
 /// replace (burn's softmax attention, `log_softmax` over the whole logits,
 /// the composed LoRA weight): for A/B benchmarks of memory and speed only
