@@ -130,42 +130,44 @@ impl std::fmt::Display for Backend {
 /// burn `flex` on CPU: the container's memory limit is the device.
 ///
 /// Calibrated against measured worker peaks (VmHWM of the worker process,
-/// `make calibrate-worker`, 56 rows: GPT and Llama-family models, pipeline
-/// stages, LoRA/QLoRA and 8-bit AdamW; median |error| 4.5 %,
-/// `docs/benchmarks.md`, 2026-11-23). Activations are counted as burn's
-/// autodiff keeps them, so the slack left is each component's own.
+/// `calibrate --skip-pipeline --skip-overhead`, 53 rows: GPT and
+/// Llama-family models at s 128–4096, LoRA/QLoRA, 8-bit AdamW, with and
+/// without checkpointing; median |error| 3.4 %, worst −8.3 %,
+/// `docs/benchmarks.md`, 2026-11-27, refitted after the lean ops of issue
+/// 30). Activations are counted as burn's autodiff keeps them, so the
+/// slack left is each component's own.
 pub const FLEX: BackendProfile = BackendProfile {
     backend: Backend::Flex,
     // A worker's baseline resident set (binary, allocator arenas, rayon
     // threads, tokenizer): about 20 MiB; the smallest GPT row measured 44 MiB
     // in all.
     fixed_overhead_bytes: 20 * MIB,
-    // Fitted on the 36 rows with the activation counts below: the optimizer
-    // updates one parameter tensor at a time and the checkpoint is written
-    // one part at a time, so the model states leave little beside them.
-    // (The single slack it replaces was 32 % of everything.)
+    // The optimizer updates one parameter tensor at a time and the
+    // checkpoint is written one part at a time, so the model states leave
+    // little beside them; 8-bit AdamW's dequantized moments are what this
+    // covers (without it its checkpointed row falls to −10 %).
     state_slack: 0.05,
-    // Fitted likewise: what backward makes beside the kept tensors (the
-    // gradient of each kept tensor, softmax's and the attention matmuls'
-    // s²-sized temporaries of the block being differentiated) and what glibc
-    // keeps of them. Attention-heavy rows (s = 512) are the ones nearest to
-    // under-prediction (−6 … −7 %).
-    activation_slack: 0.25,
-    // Fitted on the calibration grid's non-checkpointed LoRA and QLoRA rows
-    // (dense, int8, int4 bases; q,v and all seven linears; AdamW and 8-bit
-    // AdamW; pipeline stages): with 0.25 they were over-predicted by 6-11 %,
-    // the slack that fits them is 0.08-0.135.
-    adapter_activation_slack: 0.12,
+    // None: since the lean ops (issue 30) backward makes no s²-sized
+    // temporaries, and a least-squares fit of the 33 rows without
+    // checkpointing gives the counted activations a coefficient of 0.92
+    // (the 25 % this was before covered softmax's and the attention
+    // matmuls' s² temporaries).
+    activation_slack: 0.0,
+    // Likewise for LoRA/QLoRA rows without checkpointing (fitted 0.92; it
+    // was 0.12 when burn composed each adapted weight).
+    adapter_activation_slack: 0.0,
     activation_count: ActivationCount::BurnAutodiff,
-    // Fitted: with checkpointing, logits-heavy rows (v = 4096, b = 16) peak
-    // at the loss and block-heavy rows (s = 512, Llama blocks) in the
-    // recomputation; adding both over-predicted the Llama rows by up to 49 %.
-    checkpoint_phase_overlap: 0.5,
+    // Fitted: with checkpointing the loss (one chunk of logits, three
+    // copies) and the recomputation of one block mostly alternate; a
+    // quarter of the smaller phase is still held when the larger peaks
+    // (0.5 over-predicted the checkpointed rows by 10–40 %).
+    checkpoint_phase_overlap: 0.25,
     usable_fraction: 1.0,
     dropout_mask_bytes: 0,
-    // The logits and their gradient (log-softmax's exp is a third copy; the
-    // fit keeps 2 with the activation slack above, as before).
-    logit_copies: 2,
+    // One chunk of the loss op's f32 logits, their exponentials and, in
+    // backward, the gradient (fitted coefficient 1.04 on the rows without
+    // checkpointing).
+    logit_copies: 3,
     precisions: &[Precision::Fp32],
     optimizers: &[
         Optimizer::Adamw,
@@ -222,7 +224,8 @@ pub const CUDA: BackendProfile = BackendProfile {
     checkpoint_phase_overlap: 1.0,
     usable_fraction: 0.99,
     dropout_mask_bytes: 0,
-    logit_copies: 2,
+    // The loss op's chunk, as on flex.
+    logit_copies: 3,
     precisions: &[Precision::Fp32, Precision::Bf16, Precision::Fp16],
     optimizers: &[
         Optimizer::Adamw,

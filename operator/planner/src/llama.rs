@@ -361,10 +361,12 @@ impl LlamaShape {
     /// `b` at `e` bytes an element, counted op by op. Per token:
     /// * each RMSNorm keeps its input (for the square), the normalised
     ///   tensor (for γ) and its output (for the projections): 3h, twice;
-    /// * q: the projection's output and the rotated-half copy (both kept by
-    ///   RoPE's multiplications) and the rotated q the attention op keeps: 3q;
-    /// * k: the same two for k and the rotated k the op keeps: 3kv (GQA
-    ///   reads k where it lies, no copy per query head);
+    /// * q and k: the rotated tensors the attention op keeps (q + kv; GQA
+    ///   reads k where it lies, no copy per query head). RoPE's products
+    ///   keep only their constant side, the cos and sin tables (a product
+    ///   keeps one operand for the other's gradient, and the tables take
+    ///   none), so neither the projection's output nor the rotated-half
+    ///   copy is kept;
     /// * v: the op keeps v itself (a view of the projection's output): kv;
     /// * the op's output (for backward's rowsum(dO ∘ O)) and the merged
     ///   heads' contiguous copy the output projection keeps: 2q;
@@ -383,7 +385,7 @@ impl LlamaShape {
             return s * b * h * e;
         }
         let (q, kv, i) = (self.q_dim(), self.kv_dim(), u64::from(self.intermediate));
-        let per_token = 6 * h + 5 * q + 4 * kv + 5 * i + u64::from(self.attention_heads);
+        let per_token = 6 * h + 3 * q + 2 * kv + 5 * i + u64::from(self.attention_heads);
         let rope_tables = 2 * s * u64::from(self.head_dim) * 4;
         s * b * per_token * e + rope_tables
     }
@@ -513,12 +515,12 @@ mod tests {
     #[test]
     fn burn_count_of_a_llama_block() {
         // Llama-3.2-1B at s = 2048, b = 1, fp32: h 2048, q 2048, kv 512,
-        // i 8192, 32 heads of 64. Per token 6h + 5q + 4kv + 5i and one
+        // i 8192, 32 heads of 64. Per token 6h + 3q + 2kv + 5i and one
         // logsumexp per head; no s² term (the blocked attention op);
         // RoPE's two f32 tables of s × 64.
         let l = shape(LLAMA_32_1B);
         let s = 2048u64;
-        let per_token = 6 * 2048 + 5 * 2048 + 4 * 512 + 5 * 8192 + 32;
+        let per_token = 6 * 2048 + 3 * 2048 + 2 * 512 + 5 * 8192 + 32;
         assert_eq!(
             l.burn_block_activation_bytes(1, 4, false),
             s * per_token * 4 + 2 * s * 64 * 4

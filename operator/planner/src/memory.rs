@@ -566,12 +566,17 @@ pub fn estimate_stage(
             };
             let kept = block(ckpt);
             let mut act = in_flight * u64::from(stage.layers) * kept;
-            if ckpt && stage.layers > 0 {
-                // Backward recomputes one block at a time; its kept input is part of that block's full set.
-                act += recomputation_bytes(profile, block(false) - kept, logits);
-            }
             if stage.layers > 0 {
-                act += attention_transient_bytes(s, b, a, e);
+                // Backward recomputes one block at a time; its kept input is part of that block's full set.
+                let attention = attention_transient_bytes(s, b, a, e);
+                act += phase_bytes(
+                    profile,
+                    ckpt,
+                    block(false),
+                    block(false) - kept,
+                    attention,
+                    logits,
+                );
             }
             act += boundary_bytes(profile, stage, in_flight, s * b * h * e, 3);
             (act, logits)
@@ -598,33 +603,42 @@ pub fn estimate_stage(
                 Some(a) if profile.activation_count == ActivationCount::BurnAutodiff => Some(a),
                 _ => None,
             };
-            let mut act = match burn_lora {
+            // The stage's kept bytes, one whole block's, and what
+            // recomputing one adds to its kept input.
+            let (kept, one_block, recomputed) = match burn_lora {
                 Some(a) if ckpt => {
-                    let kept = in_flight * u64::from(stage.layers) * token_vector;
                     let full = AdaptedBlock::new(l, a, true).bytes(l, b, e);
-                    let extra = if stage.layers > 0 {
-                        recomputation_bytes(profile, full - token_vector, logits)
-                    } else {
-                        0
-                    };
-                    kept + extra
+                    (
+                        in_flight * u64::from(stage.layers) * token_vector,
+                        full,
+                        full - token_vector,
+                    )
                 }
                 Some(a) => {
-                    in_flight
-                        * AdaptedBlock::stage(l, a, stage)
-                            .iter()
-                            .map(|k| k.bytes(l, b, e))
-                            .sum::<u64>()
+                    let blocks = AdaptedBlock::stage(l, a, stage);
+                    let bytes: Vec<u64> = blocks.iter().map(|k| k.bytes(l, b, e)).collect();
+                    (
+                        in_flight * bytes.iter().sum::<u64>(),
+                        bytes.last().copied().unwrap_or(0),
+                        0,
+                    )
                 }
-                None => {
-                    let kept = block(ckpt);
-                    let mut act = in_flight * u64::from(stage.layers) * kept;
-                    if ckpt && stage.layers > 0 {
-                        act += recomputation_bytes(profile, block(false) - kept, logits);
-                    }
-                    act
-                }
+                None => (
+                    in_flight * u64::from(stage.layers) * block(ckpt),
+                    block(false),
+                    block(false) - block(ckpt),
+                ),
             };
+            let mut act = kept;
+            if stage.layers > 0 {
+                let attention = attention_transient_bytes(
+                    u64::from(l.sequence_length),
+                    b,
+                    u64::from(l.attention_heads),
+                    e,
+                );
+                act += phase_bytes(profile, ckpt, one_block, recomputed, attention, logits);
+            }
             // The final norm keeps 3 vectors when trained; with a frozen γ
             // its normalised tensor is not kept, nor its output unless the
             // head is adapted.
@@ -633,14 +647,6 @@ pub fn estimate_stage(
                 Some(_) => 1,
                 None => 3,
             };
-            if stage.layers > 0 {
-                act += attention_transient_bytes(
-                    u64::from(l.sequence_length),
-                    b,
-                    u64::from(l.attention_heads),
-                    e,
-                );
-            }
             act += boundary_bytes(profile, stage, in_flight, token_vector, final_norm);
             (act, logits)
         }
@@ -916,11 +922,8 @@ impl AdaptedBlock {
             0
         };
         let (q_t, k_t, v_t) = (linear(QProj, x), linear(KProj, x), linear(VProj, x));
-        // RoPE's products (2q, 2kv) when their input is tracked; the
-        // attention op, once tracked, keeps q, k, v, its output and a
-        // logsumexp per head.
-        kept += if q_t { 2 * q } else { 0 };
-        kept += if k_t { 2 * kv } else { 0 };
+        // RoPE's products keep only the cos/sin tables; the attention op,
+        // once tracked, keeps q, k, v, its output and a logsumexp per head.
         let attention = q_t || k_t || v_t;
         kept += if attention {
             2 * q + 2 * kv + u64::from(l.attention_heads)
@@ -969,6 +972,33 @@ impl AdaptedBlock {
             0
         };
         s * b * self.token_elements * e + rope
+    }
+}
+
+/// What a stage's backward adds beside the kept activations, given the
+/// loss's `logits` (counted on their own). The attention op's transient
+/// (`attention`, one block pair's scores) lives inside one block's forward
+/// or backward: in forward, before that block and the loss have kept
+/// theirs; in backward, after the block's later ops (the MLP, whose kept
+/// tensors are larger) have freed theirs. So it only shows where it
+/// exceeds what it replaces: the loss's chunks and one block's kept bytes
+/// (`block`) without checkpointing, the recomputed block (`recomputed`:
+/// what recomputing one adds to its kept input) with it, whose phase is
+/// then weighed against the loss by [`recomputation_bytes`]. On the 53 CPU
+/// calibration rows, adding the transient outright gave it a fitted
+/// coefficient of −0.02.
+fn phase_bytes(
+    profile: &BackendProfile,
+    checkpointed: bool,
+    block: u64,
+    recomputed: u64,
+    attention: u64,
+    logits: u64,
+) -> u64 {
+    if checkpointed {
+        recomputation_bytes(profile, recomputed.max(attention), logits)
+    } else {
+        attention.saturating_sub(logits + block)
     }
 }
 
@@ -1159,9 +1189,7 @@ mod tests {
         let (sq, b, h, a, f) = (128u64, 8u64, 256u64, 4u64, 1024u64);
         assert_eq!(
             m.activations,
-            4 * gpt_burn_block_bytes(sq, b, h, a, f, 2)
-                + attention_transient_bytes(sq, b, a, 2)
-                + 3 * sq * b * h * 2
+            4 * gpt_burn_block_bytes(sq, b, h, a, f, 2) + 3 * sq * b * h * 2
         );
     }
 
@@ -1182,21 +1210,22 @@ mod tests {
             &FLEX,
             1.0,
         );
-        // Four blocks, one block pair's attention transient and the final
-        // norm's three vectors.
+        // Four blocks and the final norm's three vectors; the attention
+        // op's transient (a block pair's scores) is smaller than the loss's
+        // chunks plus one block, so it never shows at the peak.
+        let attention = attention_transient_bytes(s, b, a, 4);
+        assert!(attention < m.logits + gpt_burn_block_bytes(s, b, h, a, f, 4));
         assert_eq!(
             m.activations,
-            4 * gpt_burn_block_bytes(s, b, h, a, f, 4)
-                + attention_transient_bytes(s, b, a, 4)
-                + 3 * s * b * h * 4
+            4 * gpt_burn_block_bytes(s, b, h, a, f, 4) + 3 * s * b * h * 4
         );
     }
 
     #[test]
     fn checkpointed_loss_and_recomputation_overlap() {
-        // The larger phase whole, half of the smaller; never below the logits alone.
-        assert_eq!(recomputation_bytes(&FLEX, 100, 60), 100 + 30 - 60);
-        assert_eq!(recomputation_bytes(&FLEX, 40, 60), 20);
+        // The larger phase whole, a quarter of the smaller; never below the logits alone.
+        assert_eq!(recomputation_bytes(&FLEX, 100, 60), 100 + 15 - 60);
+        assert_eq!(recomputation_bytes(&FLEX, 40, 60), 10);
         assert_eq!(recomputation_bytes(&FLEX, 0, 60), 0);
         assert_eq!(recomputation_bytes(&crate::backend::CUDA, 40, 60), 40);
     }
@@ -1367,7 +1396,7 @@ mod lora_and_load_tests {
                         1.0,
                     );
                     let ratio = m.load_peak as f64 / m.training_total() as f64;
-                    assert!((0.2..0.75).contains(&ratio), "{dtype} p={p} {ratio:.2}");
+                    assert!((0.2..0.9).contains(&ratio), "{dtype} p={p} {ratio:.2}");
                     assert_eq!(m.total, m.training_total());
                     assert_eq!(m.host_bytes, 0, "a CPU worker's host is its budget");
                 }
@@ -1413,7 +1442,7 @@ mod lora_and_load_tests {
         let a = u64::from(l.attention_heads);
         assert_eq!(
             all.token_elements,
-            4 * h + 5 * q + 4 * kv + a + 5 * i + 7 * r
+            4 * h + 3 * q + 2 * kv + a + 5 * i + 7 * r
         );
         let s = u64::from(l.sequence_length);
         assert_eq!(
@@ -1426,9 +1455,9 @@ mod lora_and_load_tests {
         let later = AdaptedBlock::new(&l, &lora(8, &qv), true);
         assert_eq!(later.token_elements, all.token_elements - h - q - i - 5 * r);
         // The first block reads the frozen embedding: its first norm's input
-        // and k's rotation keep nothing.
+        // keeps nothing.
         let first = AdaptedBlock::new(&l, &lora(8, &qv), false);
-        assert_eq!(first.token_elements, later.token_elements - h - 2 * kv);
+        assert_eq!(first.token_elements, later.token_elements - h);
         assert!(first.output_tracked);
         let stage = AdaptedBlock::stage(&l, &lora(8, &qv), StagePlacement::single(3));
         assert_eq!(stage, vec![first, later, later]);
