@@ -116,12 +116,27 @@ spec:
 /// ~0.7e9 parameters in bf16 + AdamW: model state alone exceeds an 8 GiB
 /// GPU's budget. `worker_extra` continues the worker's flow mapping.
 pub fn gpu_job(name: &str, types: &[&str], max_gpus: u32, worker_extra: &str) -> String {
+    gpu_job_with_sequence(name, types, max_gpus, worker_extra, 1024)
+}
+
+/// [`gpu_job`] at another sequence length. At 4096 its activations (micro-
+/// batch 8, no checkpointing: 59.8 GiB predicted) need an 80 GiB GPU, where
+/// a 40 GiB one needs a smaller micro-batch: the planner picks the larger
+/// GPU when both are free. (At 1024 that held while burn's attention kept
+/// s² per head; with the blocked attention op 8 × 1024 fits 40 GiB.)
+pub fn gpu_job_with_sequence(
+    name: &str,
+    types: &[&str],
+    max_gpus: u32,
+    worker_extra: &str,
+    sequence: u32,
+) -> String {
     format!(
         r#"apiVersion: headroom.dev/v1alpha1
 kind: MemoryAwareTrainingJob
 metadata: {{name: {name}}}
 spec:
-  model: {{transformer: {{layers: 24, hidden: 1536, heads: 16, sequenceLength: 1024, vocabulary: 50257}}}}
+  model: {{transformer: {{layers: 24, hidden: 1536, heads: 16, sequenceLength: {sequence}, vocabulary: 50257}}}}
   training: {{globalBatch: 8, steps: 10, precision: bf16}}
   resources:
     gpu: {{types: [{types}], maxGpus: {max_gpus}}}

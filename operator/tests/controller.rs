@@ -742,7 +742,7 @@ async fn gpus_held_by_other_workloads_are_not_planned_for() {
     let (mid, big) = (nodes.product("Mid"), nodes.product("Big"));
     let mid_node = nodes.add("mid", &mid, 40960).await;
     let big_node = nodes.add("big", &big, 81920).await;
-    let manifest = gpu_job("gpu-job", &[&mid, &big], 1, "");
+    let manifest = gpu_job_with_sequence("gpu-job", &[&mid, &big], 1, "", 4096);
 
     // The premise: with both GPUs free the planner picks the big one.
     let job: MemoryAwareTrainingJob = serde_yaml::from_str(&manifest).expect("job");
@@ -826,12 +826,14 @@ async fn tainted_nodes_count_only_for_jobs_that_tolerate_them() {
         .await
         .expect("taint");
     let op = start_operator(&ns, ControllerConfig::default());
-    ns.apply_job(&gpu_job("plain", &[&mid, &big], 1, "")).await;
-    ns.apply_job(&gpu_job(
+    ns.apply_job(&gpu_job_with_sequence("plain", &[&mid, &big], 1, "", 4096))
+        .await;
+    ns.apply_job(&gpu_job_with_sequence(
         "research",
         &[&mid, &big],
         1,
         ", tolerations: [{key: dedicated, operator: Equal, value: research, effect: NoSchedule}]",
+        4096,
     ))
     .await;
     for (name, device) in [("plain", &mid), ("research", &big)] {
