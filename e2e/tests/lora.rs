@@ -251,17 +251,18 @@ async fn a_lora_job_oom_killed_on_its_dense_base_retries_on_int8_and_resumes_its
 
 #[tokio::test]
 #[ignore = "needs a cluster with Headroom installed: make e2e"]
-async fn a_qlora_job_on_an_int4_base_succeeds_first_time() {
+async fn a_qlora_job_on_the_default_nf4_base_succeeds_first_time() {
     let ns = TestNs::new(E2E, "e2e-qlora").await;
     let hub = hub("qlora");
     let endpoint = hub.endpoint_on(&hub_host(&ns).await);
     load_claims(&ns, false).await;
 
-    let name = "qlora-int4";
+    // No baseFormat: a qlora job starts from nf4, as PEFT's QLoRA does.
+    let name = "qlora-nf4";
     ns.apply_job(&job(
         name,
         &endpoint,
-        "    method: qlora\n    lora: {rank: 8, alpha: 16, targetModules: [q_proj, v_proj], baseFormat: int4, blockSize: 64}",
+        "    method: qlora\n    lora: {rank: 8, alpha: 16, targetModules: [q_proj, v_proj]}",
         "200Mi",
         "  memoryPolicy: {maxAttempts: 2, backoffSeconds: 1}",
     ))
@@ -276,7 +277,7 @@ async fn a_qlora_job_on_an_int4_base_succeeds_first_time() {
     );
     assert_eq!(
         status.attempts[0].plan.settings.base_format,
-        BaseFormat::Int4
+        BaseFormat::Nf4
     );
     let loss = final_loss(&status);
     assert!(loss.is_finite() && loss < 512f64.ln(), "loss {loss}");

@@ -249,11 +249,11 @@ fn check_adapters(a: &WorkerAssignment, shape: &crate::model::LmShape) -> Result
         }
         return Ok(());
     };
-    if lora.dropout != 0.0 {
+    if !(0.0..1.0).contains(&lora.dropout) {
         return Err(unsupported(
             "training.lora.dropout",
             format!(
-                "{}: the burn worker adds the adapter into the weight for each forward pass, so adapter-input dropout is not available; set 0",
+                "{}: must be at least 0 and below 1 (PEFT's lora_dropout); e.g. 0.05",
                 lora.dropout
             ),
         ));
@@ -439,14 +439,14 @@ mod tests {
         f.plan.adapters = Some(headroom_planner::LoraConfig {
             rank: 8,
             alpha: 16.0,
-            dropout: 0.05,
+            dropout: 1.0,
             target_modules: vec![headroom_planner::TargetModule::QProj],
             block_size: 64,
         });
         let err = ValidAssignment::new(f).expect_err("dropout");
         assert!(
-            err.to_string().starts_with("training.lora.dropout: 0.05: ")
-                && err.to_string().ends_with("set 0"),
+            err.to_string().starts_with("training.lora.dropout: 1: ")
+                && err.to_string().ends_with("e.g. 0.05"),
             "{err}"
         );
         let mut g = assignment();

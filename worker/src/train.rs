@@ -40,6 +40,7 @@ use crate::collective::{Collective, CollectiveError, Single};
 use crate::data::{ProgressionTask, Samples, TextSamples};
 use crate::data_parallel::{Replicas, Shards, stable_param_ids};
 use crate::model::hf::HfCheckpoint;
+use crate::model::lean::linear::AdapterDropout;
 use crate::model::{LmShape, StageLayout, TransformerLm, lora, peft};
 use crate::optim::{AdamW8bitConfig, Offloaded};
 use crate::pipeline::{Frame, Kind, Links, Op, PipelineError, one_f_one_b};
@@ -630,6 +631,17 @@ impl Trainer {
         frame.into_tensor(&self.device)
     }
 
+    /// The adapter dropout key of micro-batch `micro` of this step: the same
+    /// in the forward and in a checkpointed block's recomputation (`None`
+    /// without adapters or with dropout 0).
+    fn dropout(&self, micro: u32) -> Option<AdapterDropout> {
+        /// Mixed into the run's seed so the masks are not the data's draws.
+        const DROPOUT_SEED_SALT: u64 = 0x4c6f_5241_2d44_0001;
+        let lora = self.config.adapters.as_ref()?;
+        AdapterDropout::new(lora.dropout, self.config.seed ^ DROPOUT_SEED_SALT)
+            .map(|d| d.part(self.step).part(u64::from(micro)))
+    }
+
     /// Forward pass of one micro-batch; returns what backward needs and, on
     /// the last stage without checkpointing, the micro-batch's loss.
     fn forward(
@@ -646,9 +658,10 @@ impl Trainer {
                 None => self.receive_input(links, micro)?.inner(),
             };
             let mut block_inputs = Vec::with_capacity(frozen.blocks.len());
-            for block in &frozen.blocks {
+            let dropout = self.dropout(micro);
+            for (block, layer) in frozen.blocks.iter().zip(self.config.layout.layers.clone()) {
                 block_inputs.push(x.clone());
-                x = block.forward(x);
+                x = block.forward_dropping(x, dropout.map(|d| d.part(u64::from(layer))));
             }
             drop(frozen);
             let output = if self.config.layout.last {
@@ -674,7 +687,11 @@ impl Trainer {
                 (input.clone(), Some(input))
             }
         };
-        let out = self.model().blocks_forward(x);
+        let out = self.model().blocks_forward_dropping(
+            x,
+            self.dropout(micro),
+            self.config.layout.layers.start,
+        );
         match targets {
             Some(targets) => {
                 let loss = self.model().head_loss(out, targets);
@@ -775,10 +792,16 @@ impl Trainer {
                     }
                     _ => (self.receive_gradient(links, micro)?.inner(), None),
                 };
-                // Blocks, last to first: recompute one, pull the upstream gradient through it.
-                for (block, input) in model.blocks.iter().zip(block_inputs).rev() {
+                // Blocks, last to first: recompute one (its dropout masks
+                // drawn again from the same keys), pull the upstream gradient through it.
+                let dropout = self.dropout(micro);
+                let layers = self.config.layout.layers.clone();
+                for ((block, input), layer) in
+                    model.blocks.iter().zip(block_inputs).zip(layers).rev()
+                {
                     let input = input.autodiff().require_grad();
-                    let output = block.forward(input.clone());
+                    let dropout = dropout.map(|d| d.part(u64::from(layer)));
+                    let output = block.forward_dropping(input.clone(), dropout);
                     let mut grads = (output * upstream).sum().backward();
                     upstream = input
                         .grad_remove(&mut grads)

@@ -164,11 +164,21 @@ fn checkpoints_hold_the_adapters_and_resume_at_a_stricter_base_format() {
     assert!(size("token.bpk") < 1024, "no adapter on the embedding");
     assert!(size("optimizer.bpk") < 2 * factor_bytes + 16 * 1024);
 
-    // The retry ladder's order: dense → int8 → int4. Each attempt reloads the
-    // base from the original files at its format and continues the same factors.
-    for format in [BaseFormat::Dense, BaseFormat::Int8, BaseFormat::Int4] {
+    // The retry ladder's order: dense → int8 → nf4 (and a user's int4). Each
+    // attempt reloads the base from the original files at its format and
+    // continues the same factors; nf4 takes its own block size (64).
+    for format in [
+        BaseFormat::Dense,
+        BaseFormat::Int8,
+        BaseFormat::Int4,
+        BaseFormat::Nf4,
+    ] {
+        let lora = LoraConfig {
+            block_size: if format == BaseFormat::Nf4 { 64 } else { 8 },
+            ..all.clone()
+        };
         let mut resumed = Trainer::new(
-            config("llama-mha-untied", all.clone(), format, false, 6),
+            config("llama-mha-untied", lora, format, false, 6),
             Device::flex().autodiff(),
         )
         .expect("trainer");
@@ -187,6 +197,7 @@ fn checkpoints_hold_the_adapters_and_resume_at_a_stricter_base_format() {
             // about 127/7 times int8's (0.22 and 3.7 measured), as the levels are.
             BaseFormat::Int8 => assert!(worst < 0.5, "int8: close to the dense run ({worst})"),
             BaseFormat::Int4 => assert!(worst < 5.0, "int4: close to the dense run ({worst})"),
+            BaseFormat::Nf4 => assert!(worst < 5.0, "nf4: close to the dense run ({worst})"),
         }
         let loss = resumed.train_step().expect("step").loss.expect("loss");
         assert!(loss.is_finite(), "{format}: trains on");
@@ -398,4 +409,49 @@ fn two_stages_train_the_adapters_one_worker_trains() {
         );
         let _ = std::fs::remove_dir_all(&out);
     }
+}
+
+/// Adapter dropout (PEFT's `lora_dropout`) trains, and a checkpointed block
+/// recomputed in backward draws exactly the masks its forward drew: the
+/// same run with and without checkpointing ends with the same factors and
+/// losses (up to float summation order), while dropout 0.3 ends elsewhere
+/// than no dropout.
+#[test]
+fn adapter_dropout_is_the_same_when_a_checkpointed_block_is_recomputed() {
+    let run = |dropout: f64, checkpointing: bool| {
+        let lora = LoraConfig {
+            dropout,
+            ..adapters(&TargetModule::ALL)
+        };
+        let mut trainer = Trainer::new(
+            config(
+                "llama-mha-untied",
+                lora,
+                BaseFormat::Dense,
+                checkpointing,
+                3,
+            ),
+            Device::flex().autodiff(),
+        )
+        .expect("trainer");
+        let mut losses = Vec::new();
+        while !trainer.finished() {
+            losses.push(trainer.train_step().expect("step").loss.expect("loss") as f32);
+        }
+        (losses, factors(&trainer).concat())
+    };
+    let (graph_losses, graph) = run(0.3, false);
+    let (ckpt_losses, ckpt) = run(0.3, true);
+    let (_, plain) = run(0.0, false);
+    let recompute = max_diff(&ckpt, &graph);
+    let loss_gap = max_diff(&ckpt_losses, &graph_losses);
+    let from_plain = max_diff(&graph, &plain);
+    eprintln!(
+        "dropout 0.3: |factors ckpt - graph| {recompute:.2e}, |losses| {loss_gap:.2e}; |factors - no dropout| {from_plain:.2e}"
+    );
+    assert!(
+        recompute < 1e-5 && loss_gap < 1e-5,
+        "{recompute} {loss_gap}"
+    );
+    assert!(from_plain > 1e-3, "dropout changes training: {from_plain}");
 }

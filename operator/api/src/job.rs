@@ -384,8 +384,8 @@ pub enum TrainingMethod {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
-    {"rule": "self.dropout == 0.0",
-     "message": "training.lora.dropout: the burn worker adds the adapter into the weight for each forward pass, so adapter-input dropout is not available; set 0"}
+    {"rule": "self.dropout < 1.0",
+     "message": "training.lora.dropout: must be below 1 (PEFT's lora_dropout: the probability of zeroing each value of an adapter's input); e.g. 0.05 or 0.1, or 0 for none"}
 ]))]
 pub struct LoraSpec {
     /// Rank r of the low-rank update (PEFT `r`).
@@ -396,7 +396,9 @@ pub struct LoraSpec {
     #[serde(default = "default_lora_alpha")]
     #[schemars(range(min = 0.0, max = 1000000.0))]
     pub alpha: f64,
-    /// Dropout on the adapter's input (PEFT `lora_dropout`). Only 0 runs.
+    /// Dropout on the adapter's input (PEFT `lora_dropout`): each value of
+    /// the input of `(x·A)·B` is zeroed with this probability in training
+    /// (the frozen base's input is not), at least 0 and below 1.
     #[serde(default)]
     #[schemars(range(min = 0.0, max = 1.0))]
     pub dropout: f64,
@@ -407,13 +409,16 @@ pub struct LoraSpec {
     #[schemars(length(min = 1, max = 8))]
     #[schemars(extend("x-kubernetes-list-type" = "set"))]
     pub target_modules: Vec<headroom_planner::TargetModule>,
-    /// QLoRA only: how the frozen base is stored on the first attempt
-    /// (`int8` or `int4`; default int4). The quantizeBase rung may go
-    /// further down.
+    /// QLoRA only: how the frozen base is stored on the first attempt:
+    /// `nf4` (the default: bitsandbytes' 4-bit NormalFloat with
+    /// double-quantized scales, ≈ 4.13 bits a value, as PEFT's QLoRA
+    /// stores it), `int4` or `int8` (one f32 scale per blockSize values).
+    /// The quantizeBase rung may go further down (dense → int8 → nf4).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base_format: Option<QuantizedFormat>,
-    /// QLoRA: values per quantization block (one scale each); at most 255,
-    /// and it must divide the output size of every block linear.
+    /// QLoRA with int8/int4: values per quantization block (one scale
+    /// each); at most 255, and it must divide the output size of every
+    /// block linear. nf4 takes bitsandbytes' blocks of 64 only.
     #[serde(default = "headroom_planner::adapters::default_block_size")]
     #[schemars(range(min = 1, max = 255))]
     pub block_size: u32,
@@ -425,6 +430,7 @@ pub struct LoraSpec {
 pub enum QuantizedFormat {
     Int8,
     Int4,
+    Nf4,
 }
 
 impl From<QuantizedFormat> for headroom_planner::BaseFormat {
@@ -432,6 +438,7 @@ impl From<QuantizedFormat> for headroom_planner::BaseFormat {
         match f {
             QuantizedFormat::Int8 => headroom_planner::BaseFormat::Int8,
             QuantizedFormat::Int4 => headroom_planner::BaseFormat::Int4,
+            QuantizedFormat::Nf4 => headroom_planner::BaseFormat::Nf4,
         }
     }
 }
@@ -1267,7 +1274,23 @@ impl MemoryAwareTrainingJobSpec {
                 "lm_head is tied to the token embedding in this checkpoint (tie_word_embeddings), so an adapter there would change the embedding too; remove lm_head",
             ));
         }
-        if t.method == TrainingMethod::Qlora {
+        let nf4 = lora.base_format.unwrap_or(QuantizedFormat::Nf4) == QuantizedFormat::Nf4;
+        let nf4_block = headroom_planner::memory::NF4_BLOCK;
+        if t.method == TrainingMethod::Qlora && nf4 && u64::from(lora.block_size) != nf4_block {
+            return Err(spec_error(
+                "training.lora.blockSize",
+                format!(
+                    "nf4{} is stored as bitsandbytes stores QLoRA's base, in blocks of {nf4_block} values, not {}; remove blockSize (or set {nf4_block}), or set baseFormat: int4 or int8 to keep this block size",
+                    if lora.base_format.is_none() {
+                        " (the default qlora base)"
+                    } else {
+                        ""
+                    },
+                    lora.block_size
+                ),
+            ));
+        }
+        if t.method == TrainingMethod::Qlora && !nf4 {
             let block = u64::from(lora.block_size);
             let outputs: Vec<u64> = [
                 TargetModule::QProj,
@@ -1339,10 +1362,10 @@ impl MemoryAwareTrainingJobSpec {
             return Ok((None, BaseFormat::Dense));
         }
         let lora = t.lora.clone().unwrap_or_default();
-        if lora.dropout != 0.0 {
+        if !(0.0..1.0).contains(&lora.dropout) {
             return Err(spec_error(
                 "training.lora.dropout",
-                "the burn worker adds the adapter into the weight for each forward pass, so adapter-input dropout is not available; set 0",
+                "must be below 1 (PEFT's lora_dropout: the probability of zeroing each value of an adapter's input); e.g. 0.05 or 0.1, or 0 for none",
             ));
         }
         if lora.rank == 0 || lora.target_modules.is_empty() {
@@ -1352,7 +1375,7 @@ impl MemoryAwareTrainingJobSpec {
             ));
         }
         let format = match (t.method, lora.base_format) {
-            (TrainingMethod::Qlora, f) => BaseFormat::from(f.unwrap_or(QuantizedFormat::Int4)),
+            (TrainingMethod::Qlora, f) => BaseFormat::from(f.unwrap_or(QuantizedFormat::Nf4)),
             (_, Some(_)) => {
                 return Err(spec_error(
                     "training.lora.baseFormat",
@@ -1508,24 +1531,18 @@ mod tests {
         );
         assert_eq!(request.base_format, headroom_planner::BaseFormat::Dense);
 
+        // QLoRA starts from nf4 unless told otherwise.
         spec.training.method = TrainingMethod::Qlora;
+        spec.training.lora = Some(LoraSpec::default());
+        let r = spec.job_request_for(Some(&shape)).expect("qlora");
+        assert_eq!(r.base_format, headroom_planner::BaseFormat::Nf4);
         spec.training.lora = Some(LoraSpec {
             block_size: 4,
+            base_format: Some(QuantizedFormat::Int4),
             ..LoraSpec::default()
         });
-        let profile = Backend::Flex.profile();
-        match spec.job_request_for(Some(&shape)) {
-            Ok(r) => assert_eq!(r.base_format, headroom_planner::BaseFormat::Int4),
-            Err(e) => {
-                // Until the worker runs a quantized base on this backend.
-                assert!(
-                    !profile
-                        .base_formats
-                        .contains(&headroom_planner::BaseFormat::Int4)
-                );
-                assert_eq!(e.field, "training.lora.baseFormat", "{e}");
-            }
-        }
+        let r = spec.job_request_for(Some(&shape)).expect("qlora int4");
+        assert_eq!(r.base_format, headroom_planner::BaseFormat::Int4);
     }
 
     #[test]
@@ -1543,17 +1560,32 @@ mod tests {
         let err = spec.job_request_for(Some(&shape)).expect_err("tied head");
         assert_eq!(err.field, "training.lora.targetModules", "{err}");
 
-        // k/v project to 2 heads × 16 = 32 values and gate/up to 172: a
-        // 64-value block divides neither; 4 divides all.
+        // k/v project to 2 heads × 16 = 32 values and gate/up to 172: an
+        // int4 block of 64 divides neither; 4 divides all.
         spec.training.method = TrainingMethod::Qlora;
-        spec.training.lora = Some(LoraSpec::default());
+        let int4 = |block_size| {
+            Some(LoraSpec {
+                block_size,
+                base_format: Some(QuantizedFormat::Int4),
+                ..LoraSpec::default()
+            })
+        };
+        spec.training.lora = int4(64);
         let err = spec.job_request_for(Some(&shape)).expect_err("block 64");
         assert_eq!(err.field, "training.lora.blockSize", "{err}");
         assert!(err.problem.contains("e.g. 4 or 2 or 1"), "{err}");
+        // nf4's blocks run over the whole tensor: no divisibility, but 64 only.
+        spec.training.lora = Some(LoraSpec::default());
+        spec.job_request_for(Some(&shape))
+            .expect("nf4 fits any shape");
         spec.training.lora = Some(LoraSpec {
             block_size: 4,
             ..LoraSpec::default()
         });
+        let err = spec.job_request_for(Some(&shape)).expect_err("nf4 block 4");
+        assert_eq!(err.field, "training.lora.blockSize", "{err}");
+        assert!(err.problem.contains("baseFormat: int4"), "{err}");
+        spec.training.lora = int4(4);
         let result = spec.job_request_for(Some(&shape));
         assert!(
             result

@@ -171,6 +171,12 @@ pub enum BaseFormat {
     Int8,
     /// 4-bit integers with one scale per block.
     Int4,
+    /// 4-bit NormalFloat with double-quantized block scales, as
+    /// bitsandbytes stores QLoRA's base (`bnb_4bit_quant_type="nf4"`,
+    /// `bnb_4bit_use_double_quant=True`): 16 values fitted to a normal
+    /// distribution, one 8-bit absmax per 64 values, one f32 per 256 of
+    /// those — about 4.127 bits a value.
+    Nf4,
 }
 
 impl BaseFormat {
@@ -183,16 +189,18 @@ impl BaseFormat {
         match self {
             BaseFormat::Dense => None,
             BaseFormat::Int8 => Some(8),
-            BaseFormat::Int4 => Some(4),
+            BaseFormat::Int4 | BaseFormat::Nf4 => Some(4),
         }
     }
 
-    /// The next stricter format (seed 002's order: dense → int8 → int4).
+    /// The next stricter format (seed 002's order, dense → int8 → 4-bit,
+    /// with NF4 as the 4-bit step: it stores a value in fewer bits than
+    /// int4's f32 block scales, and closer to a normally distributed weight).
     pub fn stricter(self) -> Option<BaseFormat> {
         match self {
             BaseFormat::Dense => Some(BaseFormat::Int8),
-            BaseFormat::Int8 => Some(BaseFormat::Int4),
-            BaseFormat::Int4 => None,
+            BaseFormat::Int8 | BaseFormat::Int4 => Some(BaseFormat::Nf4),
+            BaseFormat::Nf4 => None,
         }
     }
 }
@@ -203,6 +211,7 @@ impl std::fmt::Display for BaseFormat {
             BaseFormat::Dense => "dense",
             BaseFormat::Int8 => "int8",
             BaseFormat::Int4 => "int4",
+            BaseFormat::Nf4 => "nf4",
         })
     }
 }
@@ -284,7 +293,8 @@ mod tests {
     #[test]
     fn base_formats_climb_dense_int8_int4() {
         assert_eq!(BaseFormat::Dense.stricter(), Some(BaseFormat::Int8));
-        assert_eq!(BaseFormat::Int8.stricter(), Some(BaseFormat::Int4));
-        assert_eq!(BaseFormat::Int4.stricter(), None);
+        assert_eq!(BaseFormat::Int8.stricter(), Some(BaseFormat::Nf4));
+        assert_eq!(BaseFormat::Int4.stricter(), Some(BaseFormat::Nf4));
+        assert_eq!(BaseFormat::Nf4.stricter(), None);
     }
 }

@@ -59,7 +59,7 @@ pub struct BackendProfile {
     /// Optimizers the worker implements on this backend; a plan never leaves them.
     pub optimizers: &'static [Optimizer],
     /// Formats the worker stores a frozen LoRA base in on this backend
-    /// (dense for LoRA; int8/int4 for QLoRA); a plan never leaves them.
+    /// (dense for LoRA; int8, int4 or nf4 for QLoRA); a plan never leaves them.
     pub base_formats: &'static [BaseFormat],
     /// Bytes one stored int4 value really occupies: 1.0 where the backend
     /// keeps a 4-bit value in a byte, 0.5 where it packs two per byte. The
@@ -181,7 +181,12 @@ pub const FLEX: BackendProfile = BackendProfile {
     // (worker/src/model/lora.rs); burn-flex keeps every quantized value,
     // int4 included, in one i8 (burn-flex-0.22.1/src/qtensor.rs), so int4
     // runs but stores what int8 does.
-    base_formats: &[BaseFormat::Dense, BaseFormat::Int8, BaseFormat::Int4],
+    base_formats: &[
+        BaseFormat::Dense,
+        BaseFormat::Int8,
+        BaseFormat::Int4,
+        BaseFormat::Nf4,
+    ],
     int4_value_bytes: 1.0,
     optimizer_offload: false,
     device_is_host: true,
@@ -237,7 +242,12 @@ pub const CUDA: BackendProfile = BackendProfile {
     ],
     // The same burn code as on flex; cubecl packs int4 values two per byte.
     // Unverified on a GPU (none here).
-    base_formats: &[BaseFormat::Dense, BaseFormat::Int8, BaseFormat::Int4],
+    base_formats: &[
+        BaseFormat::Dense,
+        BaseFormat::Int8,
+        BaseFormat::Int4,
+        BaseFormat::Nf4,
+    ],
     int4_value_bytes: 0.5,
     // The worker wraps the optimizer to keep its state, and run its step,
     // on the host (worker/src/optim/offload.rs). Unverified on a GPU.

@@ -43,7 +43,7 @@ pub use backend::{Backend, BackendProfile};
 pub use inventory::{DeviceKind, DeviceType, Inventory, NodeFacts};
 pub use ladder::{MemoryFailure, MemoryFailureKind, next_stricter_plan};
 pub use llama::{ConfigError, LlamaArchitecture, LlamaShape, RopeScaling};
-pub use memory::{ATTENTION_BLOCK, LOSS_CHUNK_ELEMENTS, MemoryBreakdown};
+pub use memory::{ATTENTION_BLOCK, LOSS_CHUNK_ELEMENTS, MemoryBreakdown, NF4_DEQUANT_CHUNK_VALUES};
 pub use model::{GenericModel, ModelShape, TransformerShape};
 pub use plan::{JobRequest, NoFeasiblePlan, Objective, Plan, SearchOptions, Stage, Target};
 pub use retry::{FailureCause, replan};

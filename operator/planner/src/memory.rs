@@ -337,7 +337,10 @@ pub fn stage_tensors(model: &ModelShape, stage: StagePlacement) -> Vec<StageTens
 }
 
 /// Stored bytes of `elements` values in a quantized `format` with one f32
-/// scale per `block` values; `elements × weight bytes` for dense.
+/// scale per `block` values; `elements × weight bytes` for dense. NF4 has
+/// bitsandbytes' fixed blocks instead: half a byte a value, one byte per 64
+/// values, one f32 per 256 blocks and one per tensor (the worker's
+/// `Nf4Tensor::bytes_for`).
 pub fn base_tensor_bytes(
     elements: u64,
     format: BaseFormat,
@@ -347,6 +350,10 @@ pub fn base_tensor_bytes(
 ) -> u64 {
     let value_bytes = match format {
         BaseFormat::Dense => return elements * precision.weight_bytes(),
+        BaseFormat::Nf4 => {
+            let blocks = elements.div_ceil(NF4_BLOCK);
+            return elements.div_ceil(2) + blocks + 4 * blocks.div_ceil(NF4_NESTED_BLOCK) + 4;
+        }
         BaseFormat::Int8 => 1.0,
         BaseFormat::Int4 => profile.int4_value_bytes,
     };
@@ -465,6 +472,21 @@ pub fn quantized_load_bytes(tensors: &[StageTensor], stored_bytes: u64, weights:
 /// (`worker/src/model/lean/attention.rs`): the scores of one block pair,
 /// `b · heads · block²` values, are the op's transient.
 pub const ATTENTION_BLOCK: u64 = 256;
+
+/// Values per NF4 block, and 8-bit block absmax values per nested f32
+/// scale (bitsandbytes' QLoRA defaults; `worker/src/model/nf4.rs`).
+pub const NF4_BLOCK: u64 = 64;
+pub const NF4_NESTED_BLOCK: u64 = 256;
+
+/// Values of an NF4 matrix the worker dequantizes at a time
+/// (`worker/src/model/nf4.rs`, `Nf4Weight::chunk_rows`): a larger matrix's
+/// matmul runs a slice of rows at a time, so its transient is bounded.
+pub const NF4_DEQUANT_CHUNK_VALUES: u64 = 4 << 20;
+
+/// Bytes per value of an NF4 slice being dequantized: the f32 code values
+/// and their scaled copy (the i32 codes they are looked up with are freed
+/// before the scaling), then the cast to the training precision.
+const NF4_DEQUANT_BYTES_PER_VALUE: u64 = 8;
 
 /// Logits the worker's loss op holds at a time (`worker/src/model/lean/
 /// cross_entropy.rs`): rows per chunk = this / vocabulary, at least one.
@@ -851,17 +873,21 @@ fn composed_weight_bytes(
     } else {
         0
     };
-    let largest_quantized = if base_format.is_quantized() && stage.layers > 0 {
-        TargetModule::ALL
-            .into_iter()
-            .filter(|m| m.per_layer())
-            .map(matrix)
-            .max()
-            .unwrap_or(0)
-    } else {
-        0
+    let largest = TargetModule::ALL
+        .into_iter()
+        .filter(|m| m.per_layer())
+        .map(matrix)
+        .max()
+        .unwrap_or(0);
+    let quantized = match base_format {
+        _ if stage.layers == 0 => 0,
+        BaseFormat::Dense => 0,
+        // burn's formats dequantize the whole matrix into the training dtype.
+        BaseFormat::Int8 | BaseFormat::Int4 => largest * e,
+        // The worker's NF4 matmul dequantizes a slice of rows at a time.
+        BaseFormat::Nf4 => largest.min(NF4_DEQUANT_CHUNK_VALUES) * NF4_DEQUANT_BYTES_PER_VALUE,
     };
-    (head + largest_quantized) * e
+    head * e + quantized
 }
 
 /// What one Llama decoder block keeps for backward under LoRA, following
@@ -901,22 +927,30 @@ impl AdaptedBlock {
             u64::from(lora.rank),
         );
         let mut tokens = 0;
+        // Adapter dropout gives each adapted module an input of its own,
+        // x·mask, kept by x·A beside its mask; x itself is then not kept
+        // for the adapters (the shared-input terms below count it otherwise).
+        let dropout = lora.dropout > 0.0;
         // x·W + s·(x·A)·B: tracked when x is or the adapter exists; the
         // adapter keeps its r-wide x·A (x itself is counted by the caller).
         let mut linear = |m: TargetModule, input_tracked: bool| {
             let adapted = lora.targets(m);
             if adapted {
                 tokens += r;
+                if dropout {
+                    tokens += 2 * m.dims(l).0;
+                }
             }
             input_tracked || adapted
         };
-        let adapted = |ms: &[TargetModule]| ms.iter().any(|&m| lora.targets(m));
+        // Whether an adapted module of `ms` keeps their shared input.
+        let shared_input = |ms: &[TargetModule]| !dropout && ms.iter().any(|&m| lora.targets(m));
         let x = input_tracked;
         let mut kept = 0;
         // RMSNorm: its input (the square, the division) when tracked; its
         // output when an adapted projection reads it.
         kept += if x { h } else { 0 };
-        kept += if adapted(&[QProj, KProj, VProj]) {
+        kept += if shared_input(&[QProj, KProj, VProj]) {
             h
         } else {
             0
@@ -931,16 +965,20 @@ impl AdaptedBlock {
             0
         };
         // The merged heads' copy when o_proj is adapted.
-        kept += if adapted(&[OProj]) { q } else { 0 };
+        kept += if shared_input(&[OProj]) { q } else { 0 };
         let x = linear(OProj, attention) || x;
         kept += if x { h } else { 0 };
-        kept += if adapted(&[GateProj, UpProj]) { h } else { 0 };
+        kept += if shared_input(&[GateProj, UpProj]) {
+            h
+        } else {
+            0
+        };
         let (gate, up) = (linear(GateProj, x), linear(UpProj, x));
         // SiLU keeps the gate's output and its sigmoid; the gating product
         // keeps each side when the other is tracked; down its input if adapted.
         kept += if gate { 2 * i + i } else { 0 };
         kept += if up { i } else { 0 };
-        kept += if adapted(&[DownProj]) { i } else { 0 };
+        kept += if shared_input(&[DownProj]) { i } else { 0 };
         let output_tracked = linear(DownProj, gate || up) || x;
         AdaptedBlock {
             token_elements: tokens + kept,
@@ -982,11 +1020,13 @@ impl AdaptedBlock {
 /// theirs; in backward, after the block's later ops (the MLP, whose kept
 /// tensors are larger) have freed theirs. So it only shows where it
 /// exceeds what it replaces: the loss's chunks and one block's kept bytes
-/// (`block`) without checkpointing, the recomputed block (`recomputed`:
-/// what recomputing one adds to its kept input) with it, whose phase is
-/// then weighed against the loss by [`recomputation_bytes`]. On the 53 CPU
-/// calibration rows, adding the transient outright gave it a fitted
-/// coefficient of −0.02.
+/// (`block`) without checkpointing; with it, the loss's chunks and the
+/// recomputed block whole — its kept input (`block − recomputed`) and what
+/// recomputing adds (`recomputed`, whose phase is weighed against the loss
+/// by [`recomputation_bytes`]). So checkpointing never adds to a stage: the
+/// same transient is weighed against the same whole block either way. On
+/// the 53 CPU calibration rows, adding the transient outright gave it a
+/// fitted coefficient of −0.02.
 fn phase_bytes(
     profile: &BackendProfile,
     checkpointed: bool,
@@ -996,7 +1036,9 @@ fn phase_bytes(
     logits: u64,
 ) -> u64 {
     if checkpointed {
-        recomputation_bytes(profile, recomputed.max(attention), logits)
+        let kept_input = block.saturating_sub(recomputed);
+        recomputation_bytes(profile, recomputed, logits)
+            .max(attention.saturating_sub(logits + kept_input))
     } else {
         attention.saturating_sub(logits + block)
     }

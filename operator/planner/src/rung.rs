@@ -406,21 +406,24 @@ impl RetryRung {
     }
 }
 
-/// Bytes one stored base value occupies on `profile`: the training
-/// precision's for a dense base, 1 for int8, the profile's
-/// `int4_value_bytes` for int4 (per-block scales aside).
+/// Bytes one stored base value occupies on `profile`, its share of the
+/// block scales included (at the default 64-value blocks): the training
+/// precision's for a dense base; 1 for int8 and the profile's
+/// `int4_value_bytes` for int4, each with an f32 scale per block; half a
+/// byte for NF4, with a byte per block and an f32 per 256 blocks.
 pub fn base_value_bytes(format: BaseFormat, precision: Precision, profile: &BackendProfile) -> f64 {
+    let scale = 4.0 / f64::from(crate::adapters::default_block_size());
     match format {
         BaseFormat::Dense => precision.weight_bytes() as f64,
-        BaseFormat::Int8 => 1.0,
-        BaseFormat::Int4 => profile.int4_value_bytes,
+        BaseFormat::Int8 => 1.0 + scale,
+        BaseFormat::Int4 => profile.int4_value_bytes + scale,
+        BaseFormat::Nf4 => 0.5 + 1.0 / 64.0 + 4.0 / (64.0 * 256.0),
     }
 }
 
-/// The next stricter base format (dense → int8 → int4) that `profile` lists
-/// and that stores a value in fewer bytes than `from`; `None` when none
-/// saves anything (int4 after int8 on flex, which keeps an int4 value in a
-/// byte).
+/// The next stricter base format (dense → int8 → nf4; int4 → nf4) that
+/// `profile` lists and that stores a value in fewer bytes than `from`;
+/// `None` when none saves anything.
 pub fn next_base_format(
     from: BaseFormat,
     precision: Precision,
@@ -767,16 +770,26 @@ mod tests {
         );
     }
 
-    /// FLEX as it will be once the worker runs QLoRA and 8-bit AdamW:
-    /// every base format listed, int4 still one byte a value.
+    /// FLEX with QLoRA and 8-bit AdamW: every base format listed, int4
+    /// still one byte a value.
     static FLEX_QLORA: BackendProfile = BackendProfile {
-        base_formats: &[BaseFormat::Dense, BaseFormat::Int8, BaseFormat::Int4],
+        base_formats: &[
+            BaseFormat::Dense,
+            BaseFormat::Int8,
+            BaseFormat::Int4,
+            BaseFormat::Nf4,
+        ],
         optimizers: &[Optimizer::Adamw, Optimizer::Adamw8bit],
         ..FLEX
     };
     /// CUDA with packed int4 and optimizer offload.
     static CUDA_QLORA: BackendProfile = BackendProfile {
-        base_formats: &[BaseFormat::Dense, BaseFormat::Int8, BaseFormat::Int4],
+        base_formats: &[
+            BaseFormat::Dense,
+            BaseFormat::Int8,
+            BaseFormat::Int4,
+            BaseFormat::Nf4,
+        ],
         optimizers: &[Optimizer::Adamw, Optimizer::Adamw8bit],
         optimizer_offload: true,
         ..CUDA
@@ -788,14 +801,32 @@ mod tests {
         let step = |s: &Settings, p: &BackendProfile, lora: bool| {
             RetryRung::QuantizeBase.tighten_settings(s, p, 12, lora)
         };
-        // flex: int8 saves 3 of 4 bytes; int4 costs what int8 does, never offered.
-        let int8 = step(&dense, &FLEX_QLORA, true).expect("dense → int8");
-        assert_eq!(int8.base_format, BaseFormat::Int8);
-        assert_eq!(step(&int8, &FLEX_QLORA, true), None);
-        // cuda packs int4: dense → int8 → int4.
-        let int8 = step(&dense, &CUDA_QLORA, true).expect("dense → int8");
-        let int4 = step(&int8, &CUDA_QLORA, true).expect("int8 → int4");
-        assert_eq!(int4.base_format, BaseFormat::Int4);
+        // dense → int8 → nf4 on both backends; nothing after nf4.
+        for profile in [&FLEX_QLORA, &CUDA_QLORA] {
+            let int8 = step(&dense, profile, true).expect("dense → int8");
+            assert_eq!(int8.base_format, BaseFormat::Int8);
+            let nf4 = step(&int8, profile, true).expect("int8 → nf4");
+            assert_eq!(nf4.base_format, BaseFormat::Nf4);
+            assert_eq!(step(&nf4, profile, true), None);
+        }
+        // A user's int4 goes to nf4 where that saves bytes: always on flex
+        // (int4 takes a byte there), and on CUDA too (f32 scales per 64).
+        let int4 = Settings {
+            base_format: BaseFormat::Int4,
+            ..dense
+        };
+        for profile in [&FLEX_QLORA, &CUDA_QLORA] {
+            let next = step(&int4, profile, true).map(|s| s.base_format);
+            assert_eq!(next, Some(BaseFormat::Nf4));
+        }
+        // Without nf4, flex offers no 4-bit step after int8: its int4 costs
+        // what int8 does.
+        static FLEX_NO_NF4: BackendProfile = BackendProfile {
+            base_formats: &[BaseFormat::Dense, BaseFormat::Int8, BaseFormat::Int4],
+            ..FLEX_QLORA
+        };
+        let int8 = step(&dense, &FLEX_NO_NF4, true).expect("dense → int8");
+        assert_eq!(step(&int8, &FLEX_NO_NF4, true), None);
         // Never for full fine-tuning, never where no format is listed.
         assert_eq!(step(&dense, &CUDA_QLORA, false), None);
         static DENSE_ONLY: BackendProfile = BackendProfile {
@@ -815,10 +846,10 @@ mod tests {
             ..limits(vec![])
         };
         let Tightening::Try(steps) = RetryRung::QuantizeBase.tighten(&from, &lim) else {
-            panic!("int8 and int4 are offered");
+            panic!("int8 and nf4 are offered");
         };
         let formats: Vec<BaseFormat> = steps.iter().map(|c| c.settings.base_format).collect();
-        assert_eq!(formats, vec![BaseFormat::Int8, BaseFormat::Int4]);
+        assert_eq!(formats, vec![BaseFormat::Int8, BaseFormat::Nf4]);
         let full = RungLimits {
             lora: false,
             ..lim.clone()

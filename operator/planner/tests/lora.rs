@@ -10,7 +10,12 @@ use headroom_planner::units::format_bytes;
 use headroom_planner::*;
 
 static CUDA_QLORA: BackendProfile = BackendProfile {
-    base_formats: &[BaseFormat::Dense, BaseFormat::Int8, BaseFormat::Int4],
+    base_formats: &[
+        BaseFormat::Dense,
+        BaseFormat::Int8,
+        BaseFormat::Int4,
+        BaseFormat::Nf4,
+    ],
     optimizers: &[
         Optimizer::Adamw,
         Optimizer::Adam,
@@ -126,7 +131,7 @@ fn phi_4_mini_qlora_on_one_6_gb_gpu() {
     // checkpointing, fp16, sequence 1024, "Total ~6-7GB" on a 6 GB GPU.
     let mut req = job(llama(PHI_4_MINI, 1024), 8, 1);
     req.adapters = Some(lora(16));
-    req.base_format = BaseFormat::Int4;
+    req.base_format = BaseFormat::Nf4;
     req.precision = Precision::Fp16;
     req.pinned_micro_batch = Some(1);
     req.pinned_checkpointing = Some(true);
@@ -134,8 +139,8 @@ fn phi_4_mini_qlora_on_one_6_gb_gpu() {
     let inventory = one_node("NVIDIA-GeForce-RTX-3060-Laptop", 6144, 1);
     let result = plan_with(&req, &inventory, &opts());
     match &result {
-        Ok(plan) => show("Phi-4-mini QLoRA int4, 6 GB", plan),
-        Err(e) => println!("Phi-4-mini QLoRA int4, 6 GB: {e}"),
+        Ok(plan) => show("Phi-4-mini QLoRA nf4, 6 GB", plan),
+        Err(e) => println!("Phi-4-mini QLoRA nf4, 6 GB: {e}"),
     }
     let plan = result.expect("a pinned first attempt runs as asked");
     println!("warnings: {:?}", plan.warnings);
@@ -157,7 +162,7 @@ fn llama_2_7b_on_one_24_gb_gpu_full_fine_tuning_refused_qlora_accepted() {
     assert!(plan.fits());
 }
 
-/// docs/benchmarks.md: Headroom's QLoRA (int4, r = 16 on all block
+/// docs/benchmarks.md: Headroom's QLoRA (nf4, r = 16 on all block
 /// linears, bf16, micro-batch 1, sequence 2048, checkpointing) and 16-bit
 /// LoRA figures for one GPU, beside Unsloth's minimum-VRAM table.
 #[test]
@@ -217,7 +222,7 @@ fn qlora_minimums_beside_unsloth() {
                 1.0,
             )
         };
-        let (q, l) = (at(BaseFormat::Int4), at(BaseFormat::Dense));
+        let (q, l) = (at(BaseFormat::Nf4), at(BaseFormat::Dense));
         println!(
             "| {name} | {:.1} | {:.1} (weights {:.1}, logits {:.1}, composed {:.1}, load {:.1}) | {unsloth_l:.0} | {:.1} (weights {:.1}) |",
             unsloth_q,
@@ -290,7 +295,7 @@ fn llama_3_8b_qlora_terms_after_the_lean_ops() {
             activation_checkpointing: ckpt,
             precision: Precision::Bf16,
             optimizer: Optimizer::Adamw,
-            base_format: BaseFormat::Int4,
+            base_format: BaseFormat::Nf4,
             offload_optimizer: false,
         };
         estimate_stage(

@@ -11,9 +11,11 @@ use burn::module::Module;
 use burn::nn::{Linear, LinearConfig, RmsNorm, RmsNormConfig};
 use burn::tensor::activation::silu;
 use burn::tensor::{Device, Tensor, TensorData};
-use headroom_planner::LlamaShape;
+use headroom_planner::{LlamaShape, TargetModule};
 
-use super::lean::{ATTENTION_BLOCK, AttentionOptions, attend, linear};
+use super::lean::linear::{self, AdapterDropout};
+use super::lean::{ATTENTION_BLOCK, AttentionOptions, attend};
+use super::nf4::Nf4Bases;
 
 /// Rotary position embedding in Hugging Face's layout: the two halves of a
 /// head's vector are rotated against each other (`rotate_half`), not
@@ -127,6 +129,11 @@ pub struct LlamaBlock {
     pub self_attn: LlamaAttention,
     pub post_attention_layernorm: RmsNorm,
     pub mlp: LlamaMlp,
+    /// The seven linears' frozen weights under QLoRA with an NF4 base (the
+    /// linears then hold empty placeholders); empty otherwise. Not part of
+    /// the module's record: a run re-quantizes the pretrained checkpoint.
+    #[module(skip)]
+    pub nf4: Nf4Bases,
     rope_theta: f64,
     rope_scaling: Option<[f32; 4]>,
 }
@@ -167,6 +174,7 @@ impl LlamaBlock {
                 up_proj: linear(h, i, shape.mlp_bias),
                 down_proj: linear(i, h, shape.mlp_bias),
             },
+            nf4: Nf4Bases::default(),
             rope_theta: shape.rope_theta,
             rope_scaling: shape.rope_scaling.as_ref().map(|s| {
                 [
@@ -191,34 +199,63 @@ impl LlamaBlock {
 
     /// [batch, seq, hidden] → [batch, seq, hidden].
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let attn = self
-            .self_attn
-            .forward(self.input_layernorm.forward(x.clone()), &self.rope());
+        self.forward_dropping(x, None)
+    }
+
+    /// [`Self::forward`] with this block's adapter dropout (training).
+    pub fn forward_dropping(&self, x: Tensor<3>, dropout: Option<AdapterDropout>) -> Tensor<3> {
+        let projections = Projections {
+            nf4: &self.nf4,
+            dropout,
+        };
+        let attn = self.self_attn.forward(
+            self.input_layernorm.forward(x.clone()),
+            &self.rope(),
+            &projections,
+        );
         let x = x + attn;
-        let mlp = self
-            .mlp
-            .forward(self.post_attention_layernorm.forward(x.clone()));
+        let mlp = self.mlp.forward(
+            self.post_attention_layernorm.forward(x.clone()),
+            &projections,
+        );
         x + mlp
     }
 }
 
+/// What a block's linears share in one forward: the NF4 bases standing in
+/// for their weights and the adapter dropout's key.
+struct Projections<'a> {
+    nf4: &'a Nf4Bases,
+    dropout: Option<AdapterDropout>,
+}
+
+impl Projections<'_> {
+    fn forward(&self, module: TargetModule, linear: &Linear, x: Tensor<3>) -> Tensor<3> {
+        let dropout = self.dropout.map(|d| d.part(module as u64));
+        linear::forward(linear, self.nf4.get(module), x, dropout)
+    }
+}
+
 impl LlamaMlp {
-    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let gate = silu(linear::forward(&self.gate_proj, x.clone()));
-        linear::forward(&self.down_proj, gate * linear::forward(&self.up_proj, x))
+    fn forward(&self, x: Tensor<3>, p: &Projections) -> Tensor<3> {
+        use TargetModule::{DownProj, GateProj, UpProj};
+        let gate = silu(p.forward(GateProj, &self.gate_proj, x.clone()));
+        let up = p.forward(UpProj, &self.up_proj, x);
+        p.forward(DownProj, &self.down_proj, gate * up)
     }
 }
 
 impl LlamaAttention {
     /// `x`: [batch, seq, hidden] (already normalised) → [batch, seq, hidden].
-    fn forward(&self, x: Tensor<3>, rope: &Rope) -> Tensor<3> {
+    fn forward(&self, x: Tensor<3>, rope: &Rope, p: &Projections) -> Tensor<3> {
+        use TargetModule::{KProj, OProj, QProj, VProj};
         let [b, s, _] = x.dims();
         let (a, kv, d) = (self.heads, self.kv_heads, self.head_dim);
         let device = x.device();
         let heads = |t: Tensor<3>, n: usize| t.reshape([b, s, n, d]).swap_dims(1, 2); // [b, n, s, d]
-        let q = heads(linear::forward(&self.q_proj, x.clone()), a);
-        let k = heads(linear::forward(&self.k_proj, x.clone()), kv);
-        let v = heads(linear::forward(&self.v_proj, x), kv);
+        let q = heads(p.forward(QProj, &self.q_proj, x.clone()), a);
+        let k = heads(p.forward(KProj, &self.k_proj, x.clone()), kv);
+        let v = heads(p.forward(VProj, &self.v_proj, x), kv);
         let (cos, sin) = rope.tables(s, &device);
         let q = rope.apply(q, &cos, &sin);
         let k = rope.apply(k, &cos, &sin);
@@ -228,6 +265,6 @@ impl LlamaAttention {
         let context = attend(q, k, v, options)
             .swap_dims(1, 2)
             .reshape([b, s, a * d]);
-        linear::forward(&self.o_proj, context)
+        p.forward(OProj, &self.o_proj, context)
     }
 }

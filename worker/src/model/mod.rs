@@ -38,6 +38,7 @@ use burn::nn::{
 };
 use burn::tensor::{Device, Int, Tensor};
 use headroom_planner::{LlamaShape, ModelShape, TransformerShape};
+use lean::linear::AdapterDropout;
 use serde::{Deserialize, Serialize};
 
 pub use gpt::GptBlock;
@@ -142,9 +143,15 @@ pub enum Block {
 impl Block {
     /// [batch, seq, hidden] → [batch, seq, hidden].
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        self.forward_dropping(x, None)
+    }
+
+    /// [`Self::forward`] in training, with this block's adapter dropout
+    /// (adapters are on Llama-family blocks only).
+    pub fn forward_dropping(&self, x: Tensor<3>, dropout: Option<AdapterDropout>) -> Tensor<3> {
         match self {
             Block::Gpt(b) => b.forward(x),
-            Block::Llama(b) => b.forward(x),
+            Block::Llama(b) => b.forward_dropping(x, dropout),
         }
     }
 }
@@ -274,12 +281,12 @@ fn embedding_init() -> Initializer {
 /// so each gets the draws of its own seed.
 pub(crate) static INIT_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-/// Runs `draw` holding [`INIT_LOCK`], for tests that seed or draw from burn's
-/// generator themselves (random tensors, lazily initialised Llama weights):
-/// unlocked, a `seed` or a draw in one test lands in the middle of another
-/// test's seeded initialisation (CI saw `weights_do_not_depend_on_the_split`
-/// fail that way). `draw` must not call [`TransformerLm::new`] (it takes the lock).
-#[cfg(test)]
+/// Runs `draw` holding [`INIT_LOCK`], for code that seeds and draws from
+/// burn's generator itself (adapter dropout masks; tests' random tensors and
+/// lazily initialised Llama weights): unlocked, a `seed` or a draw in one
+/// thread lands in the middle of another's seeded draw (CI saw
+/// `weights_do_not_depend_on_the_split` fail that way). `draw` must not
+/// call [`TransformerLm::new`] (it takes the lock).
 pub(crate) fn with_generator<R>(draw: impl FnOnce() -> R) -> R {
     let _guard = INIT_LOCK
         .lock()
@@ -411,7 +418,23 @@ impl TransformerLm {
 
     /// This stage's blocks in order.
     pub fn blocks_forward(&self, x: Tensor<3>) -> Tensor<3> {
-        self.blocks.iter().fold(x, |x, block| block.forward(x))
+        self.blocks_forward_dropping(x, None, 0)
+    }
+
+    /// [`Self::blocks_forward`] in training: `dropout` is the micro-batch's
+    /// key, and block `k` of the stage is model layer `first_layer + k`.
+    pub fn blocks_forward_dropping(
+        &self,
+        x: Tensor<3>,
+        dropout: Option<AdapterDropout>,
+        first_layer: u32,
+    ) -> Tensor<3> {
+        self.blocks
+            .iter()
+            .zip(first_layer..)
+            .fold(x, |x, (block, layer)| {
+                block.forward_dropping(x, dropout.map(|d| d.part(u64::from(layer))))
+            })
     }
 
     /// The last stage's head: the final norm over `x` [batch, seq, hidden]

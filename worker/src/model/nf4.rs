@@ -75,7 +75,8 @@
 
 use std::sync::OnceLock;
 
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
+use headroom_planner::TargetModule;
 
 /// Values per 4-bit block (bitsandbytes' `blocksize=64`).
 pub const BLOCK: usize = 64;
@@ -475,6 +476,183 @@ impl Nf4Tensor {
     pub fn nested_block(&self) -> usize {
         self.nested_block
     }
+}
+
+/// Values dequantized at once by [`Nf4Weight::dense_rows`]'s callers: a
+/// matrix larger than this is dequantized a slice of rows at a time, so the
+/// transient of a quantized matmul is bounded whatever the matrix (the
+/// planner counts the same chunk).
+pub const DEQUANT_CHUNK_VALUES: usize = headroom_planner::NF4_DEQUANT_CHUNK_VALUES as usize;
+
+/// An [`Nf4Tensor`] on a device: the packed codes and the absmax codes as
+/// `u8` integer tensors, the nested scales as f32 — the same ≈ 4.127 bits per
+/// value — dequantized by tensor ops ([`Self::dense_rows`]), so it runs
+/// wherever burn does (flex, CUDA) and never needs the host copy again.
+#[derive(Clone, Debug)]
+pub struct Nf4Weight {
+    shape: [usize; 2],
+    packed: Tensor<1, Int>,
+    absmax_codes: Tensor<1, Int>,
+    nested_absmax: Tensor<1>,
+    offset: f32,
+    /// Values per dequantized slice: [`DEQUANT_CHUNK_VALUES`], smaller in tests.
+    chunk_values: usize,
+}
+
+impl Nf4Weight {
+    /// Copies `tensor` to `device` (its plain backend: nothing here is
+    /// ever differentiated).
+    pub fn upload(tensor: &Nf4Tensor, device: &Device) -> Self {
+        let device = device.clone().inner();
+        let bytes = |v: &[u8]| {
+            Tensor::<1, Int>::from_data(
+                TensorData::new(v.to_vec(), [v.len()]),
+                (&device, DType::U8),
+            )
+        };
+        Nf4Weight {
+            shape: tensor.shape,
+            packed: bytes(&tensor.packed),
+            absmax_codes: bytes(&tensor.absmax_codes),
+            nested_absmax: Tensor::from_data(
+                TensorData::new(tensor.nested_absmax.clone(), [tensor.nested_absmax.len()]),
+                (&device, DType::F32),
+            ),
+            offset: tensor.offset,
+            chunk_values: DEQUANT_CHUNK_VALUES,
+        }
+    }
+
+    /// The same weight dequantized about `values` at a time (tests of the
+    /// slicing on small matrices).
+    pub fn with_chunk_values(self, values: usize) -> Self {
+        Nf4Weight {
+            chunk_values: values.max(1),
+            ..self
+        }
+    }
+
+    /// `[rows, cols]` as quantized.
+    pub fn shape(&self) -> [usize; 2] {
+        self.shape
+    }
+
+    /// Bytes it holds on the device (as [`Nf4Tensor::bytes`]).
+    pub fn bytes(&self) -> usize {
+        Nf4Tensor::bytes_for(self.shape)
+    }
+
+    /// Rows per dequantized slice: about [`DEQUANT_CHUNK_VALUES`] values, and
+    /// a whole number of 64-blocks (so a slice starts on a block and on a byte).
+    pub fn chunk_rows(&self) -> usize {
+        let [rows, cols] = self.shape;
+        let step = BLOCK / gcd(cols, BLOCK);
+        let wanted = (self.chunk_values / cols.max(1)).max(1);
+        (wanted.div_ceil(step) * step).min(rows)
+    }
+
+    /// Every 64-block's absmax, f32 (`map[code] · nested + offset`, the
+    /// host's [`Nf4Tensor::block_absmax`] bit for bit).
+    pub fn block_absmax(&self) -> Tensor<1> {
+        let device = self.packed.device();
+        let map = Tensor::<1>::from_data(
+            TensorData::new(dynamic_map().to_vec(), [256]),
+            (&device, DType::F32),
+        );
+        let blocks = self.absmax_codes.dims()[0];
+        let nested = self.nested_absmax.dims()[0];
+        let scale = self
+            .nested_absmax
+            .clone()
+            .reshape([nested, 1])
+            .expand([nested, NESTED_BLOCK])
+            .reshape([nested * NESTED_BLOCK])
+            .slice(0..blocks);
+        (map.select(0, self.absmax_codes.clone()) * scale).add_scalar(self.offset)
+    }
+
+    /// Rows `rows` of the dequantized tensor, `[rows.len(), cols]` in
+    /// `dtype` (bitsandbytes' `dequantize_4bit` in f32, then cast). `absmax`
+    /// is [`Self::block_absmax`], computed once per matmul.
+    ///
+    /// `rows.start` must be a multiple of [`Self::chunk_rows`].
+    pub fn dense_rows(
+        &self,
+        rows: std::ops::Range<usize>,
+        absmax: &Tensor<1>,
+        dtype: DType,
+    ) -> Tensor<2> {
+        let cols = self.shape[1];
+        let (first, last) = (rows.start * cols, rows.end * cols);
+        debug_assert_eq!(first % BLOCK, 0, "a slice starts on a 64-block");
+        let device = self.packed.device();
+        let packed = self.packed.clone().slice(first / 2..last.div_ceil(2));
+        let bytes = packed.dims()[0];
+        let high = packed.clone().div_scalar(16);
+        let low = packed.remainder_scalar(16);
+        // The earlier value of a pair is the high nibble.
+        let codes = Tensor::stack::<2>(vec![high, low], 1).reshape([2 * bytes]);
+        let code_values = Tensor::<1>::from_data(
+            TensorData::new(NF4_CODE.to_vec(), [16]),
+            (&device, DType::F32),
+        );
+        let blocks = (2 * bytes).div_ceil(BLOCK);
+        let mut values = code_values.select(0, codes);
+        if 2 * bytes < blocks * BLOCK {
+            // The tensor's last, partial block.
+            values = Tensor::cat(
+                vec![
+                    values,
+                    Tensor::zeros([blocks * BLOCK - 2 * bytes], (&device, DType::F32)),
+                ],
+                0,
+            );
+        }
+        let scale = absmax.clone().slice(first / BLOCK..first / BLOCK + blocks);
+        let dense = (values.reshape([blocks, BLOCK]) * scale.reshape([blocks, 1]))
+            .reshape([blocks * BLOCK])
+            .slice(0..last - first)
+            .reshape([rows.len(), cols]);
+        if dtype == DType::F32 {
+            dense
+        } else {
+            dense.cast(FloatDType::from(dtype))
+        }
+    }
+
+    /// The whole tensor dense, `[rows, cols]` in `dtype`.
+    pub fn dense(&self, dtype: DType) -> Tensor<2> {
+        self.dense_rows(0..self.shape[0], &self.block_absmax(), dtype)
+    }
+}
+
+/// A decoder block's NF4 base weights by module: what stands in for its
+/// linears' weights under QLoRA with `baseFormat: nf4` (empty otherwise).
+/// The linears keep their adapters and an empty placeholder base.
+#[derive(Clone, Debug, Default)]
+pub struct Nf4Bases(std::collections::BTreeMap<TargetModule, Nf4Weight>);
+
+impl Nf4Bases {
+    pub fn get(&self, module: TargetModule) -> Option<&Nf4Weight> {
+        self.0.get(&module)
+    }
+
+    pub fn insert(&mut self, module: TargetModule, weight: Nf4Weight) {
+        self.0.insert(module, weight);
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Bytes they hold on the device.
+    pub fn bytes(&self) -> usize {
+        self.0.values().map(Nf4Weight::bytes).sum()
+    }
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
 }
 
 #[cfg(test)]
@@ -913,6 +1091,39 @@ mod tests {
         assert_eq!(t.dims(), shape);
         let dense: Vec<f32> = t.into_data().iter::<f32>().collect();
         assert_bits_eq("to_tensor", &dense, &q.dequantize());
+    }
+
+    /// The device copy decodes to the host's values bit for bit, whole and
+    /// a slice of rows at a time, partial last block and odd count included.
+    #[test]
+    fn the_device_copy_dequantizes_as_the_host_does() {
+        let device = Device::flex();
+        for (shape, chunk) in [
+            ([48, 128], 1 << 22),
+            ([48, 128], 640),
+            ([7, 43], 100),
+            ([300, 64], 64 * 256 + 1),
+        ] {
+            let values = normal(shape[0] * shape[1], 3);
+            let host = Nf4Tensor::quantize(&values, shape);
+            let w = Nf4Weight::upload(&host, &device).with_chunk_values(chunk);
+            assert_eq!(w.bytes(), host.bytes());
+            let absmax: Vec<f32> = w.block_absmax().into_data().iter::<f32>().collect();
+            assert_bits_eq("block absmax", &absmax, &host.block_absmax());
+            let whole: Vec<f32> = w.dense(DType::F32).into_data().iter::<f32>().collect();
+            assert_bits_eq("whole", &whole, &host.dequantize());
+            let step = w.chunk_rows();
+            assert!(step >= 1 && ((step * shape[1]).is_multiple_of(BLOCK) || step == shape[0]));
+            let absmax = w.block_absmax();
+            let mut sliced = Vec::new();
+            for start in (0..shape[0]).step_by(step) {
+                let rows = start..(start + step).min(shape[0]);
+                let part = w.dense_rows(rows.clone(), &absmax, DType::F32);
+                assert_eq!(part.dims(), [rows.len(), shape[1]]);
+                sliced.extend(part.into_data().iter::<f32>());
+            }
+            assert_bits_eq("sliced", &sliced, &host.dequantize());
+        }
     }
 
     #[test]

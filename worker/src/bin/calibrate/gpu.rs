@@ -183,7 +183,7 @@ pub fn grid(large: bool) -> Vec<Case> {
         base_format: format,
         ..c(name, model, mb, 1, ckpt, Optimizer::Adamw)
     };
-    use BaseFormat::{Dense, Int4, Int8};
+    use BaseFormat::{Dense, Int4, Int8, Nf4};
     use Optimizer::{Adamw, Adamw8bit};
     let qv = &[TargetModule::QProj, TargetModule::VProj][..];
     let all7 = &BLOCK_LINEARS[..];
@@ -202,12 +202,14 @@ pub fn grid(large: bool) -> Vec<Case> {
         lora("B lora all7 b8 ckpt", &b, 8, true, all7, Dense),
         lora("B qlora8 all7 b8 ckpt", &b, 8, true, all7, Int8),
         lora("B qlora4 all7 b8 ckpt", &b, 8, true, all7, Int4),
+        lora("B nf4 all7 b8 ckpt", &b, 8, true, all7, Nf4),
     ];
     if large {
         cases.extend([
             c("X b2 ckpt", &x, 2, 1, true, Adamw),
             lora("X lora all7 b4 ckpt", &x, 4, true, all7, Dense),
             lora("X qlora4 all7 b8 ckpt", &x, 8, true, all7, Int4),
+            lora("X nf4 all7 b8 ckpt", &x, 8, true, all7, Nf4),
         ]);
     }
     cases

@@ -220,13 +220,22 @@ fn grid() -> Vec<Case> {
         base_format: format,
         ..c(name, &lq, b, 1, ckpt, opt)
     };
+    // The same with PEFT's common lora_dropout of 0.1.
+    let dropped = |name, b, ckpt, targets: &[TargetModule], format| Case {
+        adapters: Some(LoraConfig {
+            dropout: 0.1,
+            ..lora_config(targets)
+        }),
+        base_format: format,
+        ..c(name, &lq, b, 1, ckpt, Adamw)
+    };
     let lq2k = llama(6, 512, (8, 2), 1408, 2048, 8192, false);
     let lora2k = |name, ckpt, targets: &[TargetModule], format| Case {
         adapters: Some(lora_config(targets)),
         base_format: format,
         ..c(name, &lq2k, 1, 1, ckpt, Adamw)
     };
-    use BaseFormat::{Dense, Int4, Int8};
+    use BaseFormat::{Dense, Int4, Int8, Nf4};
     use Optimizer::{Adamw, Adamw8bit, Sgd, SgdMomentum};
     let qv = &[TargetModule::QProj, TargetModule::VProj][..];
     let all7 = &BLOCK_LINEARS[..];
@@ -279,10 +288,18 @@ fn grid() -> Vec<Case> {
         lora("Lq qlora4 qv b16 ckpt", 16, true, Adamw, qv, Int4),
         lora("Lq qlora4 all7 b4", 4, false, Adamw, all7, Int4),
         lora("Lq qlora4 all7 b16 ckpt", 16, true, Adamw, all7, Int4),
+        dropped("Lq lora qv b4 drop", 4, false, qv, Dense),
+        dropped("Lq lora all7 b4 drop", 4, false, all7, Dense),
+        dropped("Lq nf4 all7 b16 ckpt drop", 16, true, all7, Nf4),
+        lora("Lq nf4 qv b4", 4, false, Adamw, qv, Nf4),
+        lora("Lq nf4 all7 b4", 4, false, Adamw, all7, Nf4),
+        lora("Lq nf4 all7 b16 ckpt", 16, true, Adamw, all7, Nf4),
         lora("Lq lora all7 b4 8bit", 4, false, Adamw8bit, all7, Dense),
         lora2k("Lq lora all7 s2048", false, all7, Dense),
         lora2k("Lq qlora8 all7 s2048", false, all7, Int8),
         lora2k("Lq qlora4 all7 s2048 ckpt", true, all7, Int4),
+        lora2k("Lq nf4 all7 s2048", false, all7, Nf4),
+        lora2k("Lq nf4 all7 s2048 ckpt", true, all7, Nf4),
         lora(
             "Lq qlora8 all7 b16 ckpt 8bit",
             16,

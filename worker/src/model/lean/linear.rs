@@ -10,25 +10,90 @@
 //! `x·A`, as PEFT's does.
 
 use burn::nn::Linear;
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Distribution, FloatDType, Tensor};
 
 use super::{FrozenWeight, frozen_matmul};
+use crate::model::nf4::Nf4Weight;
 
-/// `x` [b, s, d_in] → [b, s, d_out] through `linear`, adapted or not.
-pub fn forward(linear: &Linear, x: Tensor<3>) -> Tensor<3> {
+/// Dropout on an adapter's input (PEFT's `lora_dropout`): `(x·mask /
+/// (1 − p))·A·B`, the base matmul untouched. The mask is drawn from burn's
+/// generator seeded with a key of the step, the micro-batch, the layer and
+/// the module ([`Self::part`]), never from the generator's running state,
+/// so a checkpointed block recomputed in backward drops exactly what its
+/// first forward dropped.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdapterDropout {
+    p: f64,
+    seed: u64,
+}
+
+impl AdapterDropout {
+    /// Dropout with probability `p` under `seed`; `None` for `p = 0`.
+    pub fn new(p: f64, seed: u64) -> Option<Self> {
+        (p > 0.0).then_some(AdapterDropout { p, seed })
+    }
+
+    /// The key of part `index` of what this one covers (a step's micro-batch,
+    /// a block of it, a module of that).
+    pub fn part(self, index: u64) -> Self {
+        let mix = crate::data::splitmix;
+        AdapterDropout {
+            p: self.p,
+            seed: mix(self.seed ^ mix(index)),
+        }
+    }
+
+    fn apply(self, x: Tensor<3>) -> Tensor<3> {
+        let keep = 1.0 - self.p;
+        let device = x.device();
+        let mask = crate::model::with_generator(|| {
+            device.seed(self.seed);
+            Tensor::<3>::random(x.shape(), Distribution::Bernoulli(keep), &device)
+        });
+        let mask = if mask.dtype() == x.dtype() {
+            mask
+        } else {
+            mask.cast(FloatDType::from(x.dtype()))
+        };
+        x * mask.div_scalar(keep)
+    }
+}
+
+/// `x` [b, s, d_in] → [b, s, d_out] through `linear`, adapted or not. An
+/// NF4 base (`nf4`) stands in for the linear's weight, which is then an
+/// empty placeholder (see [`crate::model::lora`]). `dropout` applies to
+/// the adapter's input only, and only in training.
+pub fn forward(
+    linear: &Linear,
+    nf4: Option<&Nf4Weight>,
+    x: Tensor<3>,
+    dropout: Option<AdapterDropout>,
+) -> Tensor<3> {
     let adapter = linear.weight.adapter();
-    let base = linear.weight.base();
-    let quantized = matches!(base.dtype(), DType::QFloat(_));
-    if (adapter.is_none() && !quantized) || super::naive_ops() {
+    let base = match nf4 {
+        Some(w) => FrozenWeight::Nf4(w.clone()),
+        None => FrozenWeight::Burn(linear.weight.base()),
+    };
+    let frozen = match &base {
+        FrozenWeight::Burn(w) => matches!(w.dtype(), DType::QFloat(_)),
+        FrozenWeight::Nf4(_) => true,
+    };
+    // The naive A/B baseline is burn's own composition; burn has no NF4
+    // base to compose, so an NF4 linear runs the lean path in both arms.
+    let naive = super::naive_ops() && nf4.is_none() && dropout.is_none();
+    if naive || (adapter.is_none() && !frozen) {
         return linear.forward(x);
     }
-    let y = if quantized {
-        frozen_matmul(x.clone(), FrozenWeight::new(base))
-    } else {
-        x.clone().matmul(base.unsqueeze())
+    let y = match base {
+        FrozenWeight::Burn(w) if !frozen => x.clone().matmul(w.unsqueeze()),
+        base => frozen_matmul(x.clone(), base),
     };
     let y = match adapter {
         Some(adapter) => {
+            let x = match dropout {
+                Some(d) => d.apply(x),
+                None => x,
+            };
             let delta = x
                 .matmul(adapter.a.val().unsqueeze())
                 .matmul(adapter.b.val().unsqueeze())
@@ -37,6 +102,10 @@ pub fn forward(linear: &Linear, x: Tensor<3>) -> Tensor<3> {
         }
         None => y,
     };
+    with_bias(linear, y)
+}
+
+fn with_bias(linear: &Linear, y: Tensor<3>) -> Tensor<3> {
     match &linear.bias {
         Some(bias) => y + bias.val().unsqueeze(),
         None => y,
