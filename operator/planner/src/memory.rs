@@ -766,7 +766,27 @@ pub fn estimate_stage(
                     weights + host_transient
                 }
             } else {
-                weights + largest_f32
+                // On a GPU the checkpoint is read and converted on the host
+                // (burn-store's adapters cast and transpose each tensor's
+                // data there; that is `host` below) and the device receives
+                // each tensor once, at the training dtype, as the parameter
+                // it becomes. Beside the weights it keeps, the device holds
+                // at most the largest tensor's upload and, for a quantized
+                // base, one block dense before it is quantized. Measured on
+                // the CPU with a bf16 stage (`load_peak`'s bf16 table): the
+                // whole process, host and device together, holds no f32
+                // copy of any tensor.
+                let e = p.weight_bytes();
+                let block = if base_format.is_quantized() {
+                    tensors
+                        .iter()
+                        .filter(|t| matches!(t.role, TensorRole::BlockLinear(_)))
+                        .map(|t| t.elements)
+                        .sum::<u64>()
+                } else {
+                    0
+                };
+                weights + (largest + block) * e
             };
             let peak = fixed_overhead + on_device + slack(on_device, profile.state_slack);
             let host = if profile.device_is_host {

@@ -26,7 +26,12 @@
 //! checkpointing on, fp32, AdamW; 1F1B in-flight micro-batches).
 //!
 //! Usage (release build; debug figures are meaningless):
-//!   cargo run --release -p headroom-worker --bin load_peak -- [--runs N] [--only bf16|f32|bf16-sharded]
+//!   cargo run --release -p headroom-worker --bin load_peak -- [--runs N] [--only bf16|f32|bf16-sharded] [--dense-only] [--fp32-only]
+//!
+//! The bf16 checkpoint is also loaded into stages that train in bf16
+//! (flex's float dtype set to bf16, as the CUDA worker sets its device's
+//! for a bf16 plan), dense and on the nf4 base, beside the CUDA profile's
+//! load figure (`--fp32-only` skips that table).
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
@@ -305,12 +310,22 @@ fn sample_until(stop: Arc<AtomicBool>) -> std::thread::JoinHandle<(u64, u64, u64
     })
 }
 
-/// One stage's load in this process; prints one JSON line.
-fn child(dir: &Path, p: u32, k: u32, format: BaseFormat) {
+/// One stage's load in this process; prints one JSON line. `half`: the
+/// stage trains in bf16 (flex's default float dtype set to bf16, as the
+/// CUDA worker configures its device for a bf16 plan).
+fn child(dir: &Path, p: u32, k: u32, format: BaseFormat, half: bool) {
     let checkpoint = HfCheckpoint::open(dir, SEQUENCE).expect("checkpoint");
     let shape = LmShape::Llama(checkpoint.shape.clone());
     let layout = layout(shape.layers(), p, k);
-    let device = training_device(Backend::Flex, Precision::Fp32).expect("flex device");
+    let device = if half {
+        let mut device = burn::tensor::Device::flex();
+        device
+            .configure(burn::tensor::FloatDType::BF16)
+            .expect("bf16 before any tensor of this process");
+        device.autodiff()
+    } else {
+        training_device(Backend::Flex, Precision::Fp32).expect("flex device")
+    };
     let mut model = TransformerLm::new(&shape, &layout, 0, &device);
     let before = Status::read();
     // Peak RSS from here on only (building the process is not the load).
@@ -422,12 +437,17 @@ fn median(mut xs: Vec<f64>) -> f64 {
 }
 
 fn run_child(exe: &Path, dir: &Path, p: u32, k: u32, format: BaseFormat) -> Value {
+    run_child_at(exe, dir, p, k, format, false)
+}
+
+fn run_child_at(exe: &Path, dir: &Path, p: u32, k: u32, format: BaseFormat, half: bool) -> Value {
     let out = Command::new(exe)
         .arg("--child")
         .arg(dir)
         .arg(p.to_string())
         .arg(k.to_string())
         .arg(format.to_string())
+        .arg(if half { "bf16" } else { "fp32" })
         .output()
         .expect("child");
     assert!(
@@ -477,7 +497,14 @@ const VARIANTS: [Variant; 3] = [
     },
 ];
 
-fn bench(variant: Variant, runs: usize, formats: &[BaseFormat], root: &Path, exe: &Path) {
+fn bench(
+    variant: Variant,
+    runs: usize,
+    formats: &[BaseFormat],
+    half: bool,
+    root: &Path,
+    exe: &Path,
+) {
     let stored = variant.stored;
     let dir = root.join(variant.name);
     let start = Instant::now();
@@ -663,6 +690,124 @@ fn bench(variant: Variant, runs: usize, formats: &[BaseFormat], root: &Path, exe
     for &format in formats {
         qlora_table(format, runs, &dir, exe, &model, &settings, &dense_peaks);
     }
+    if half && stored == Stored::Bf16 {
+        half_table(runs, &dir, exe, &model, &tensor_sizes(&shape));
+    }
+}
+
+/// The largest checkpoint tensor and the largest decoder block, in values.
+fn tensor_sizes(shape: &LlamaShape) -> (u64, u64) {
+    let (h, i, v) = (
+        u64::from(shape.hidden),
+        u64::from(shape.intermediate),
+        u64::from(shape.vocabulary),
+    );
+    let (q, kv) = (shape.q_dim(), shape.kv_dim());
+    (v * h, 2 * h * q + 2 * h * kv + 3 * h * i)
+}
+
+/// A bf16 checkpoint loaded into stages that train in bf16, as the CUDA
+/// worker loads a bf16 plan: dense and on the nf4 base. What the load adds
+/// beyond the weights it keeps, in anonymous memory (the checkpoint's
+/// mapped pages are file-backed and, on a GPU, host memory), against one
+/// bf16 and one f32 copy of the largest tensor, and what the CUDA profile
+/// says the device holds beside its weights at the load's peak (`CUDA
+/// +load`): on the CPU host and device are one memory, so the anonymous
+/// transient bounds the device's share from above.
+fn half_table(runs: usize, dir: &Path, exe: &Path, model: &ModelShape, sizes: &(u64, u64)) {
+    use headroom_planner::backend::CUDA;
+    let ModelShape::Llama(shape) = model else {
+        unreachable!("a Llama checkpoint")
+    };
+    let (largest, block) = *sizes;
+    println!(
+        "\n  bf16 stages (flex's float dtype bf16, as a CUDA bf16 plan): largest tensor {:.1} MiB in bf16 ({:.1} in f32), one dense block {:.1} MiB in bf16",
+        (largest * 2) as f64 / MIB,
+        (largest * 4) as f64 / MIB,
+        (block * 2) as f64 / MIB
+    );
+    println!(
+        "{:>6} {:>3} {:>5} {:>8} {:>8} {:>9} {:>8} {:>8} {:>10} {:>10}",
+        "base",
+        "p",
+        "stage",
+        "held MiB",
+        "peak MiB",
+        "transient",
+        "file pg",
+        "anon",
+        "CUDA W",
+        "CUDA +load"
+    );
+    for format in [BaseFormat::Dense, BaseFormat::Nf4] {
+        let settings = Settings {
+            micro_batch: 1,
+            gradient_accumulation: 1,
+            activation_checkpointing: true,
+            precision: Precision::Bf16,
+            optimizer: Optimizer::Adamw,
+            base_format: format,
+            offload_optimizer: false,
+        };
+        let adapters = format.is_quantized().then(qlora_nf4);
+        for p in [1, 2] {
+            for k in 0..p {
+                let layout = layout(shape.layers, p, k);
+                let predicted = estimate_stage(
+                    model,
+                    adapters.as_ref(),
+                    &settings,
+                    StagePlacement {
+                        layers: layout.layers.end - layout.layers.start,
+                        first: layout.first,
+                        last: layout.last,
+                        in_flight: p - k,
+                        replicas: 1,
+                    },
+                    &CUDA,
+                    1.0,
+                );
+                let results: Vec<Value> = (0..runs)
+                    .map(|_| run_child_at(exe, dir, p, k, format, true))
+                    .collect();
+                let get = |key: &str| -> Vec<f64> {
+                    results
+                        .iter()
+                        .map(|r| r[key].as_f64().expect("number"))
+                        .collect()
+                };
+                let diff = |a: &str, b: &str| -> Vec<f64> {
+                    get(a).into_iter().zip(get(b)).map(|(x, y)| x - y).collect()
+                };
+                let transient = median(diff("hwm_after", "rss_after"));
+                let file = median(diff("file_max", "file_before"));
+                // The CUDA figure without its context and slack, less the
+                // weights: what it says the device holds beside them at the
+                // load's peak.
+                let device_load = (predicted.load_peak - CUDA.fixed_overhead_bytes) as f64
+                    / (1.0 + CUDA.state_slack)
+                    - predicted.weights as f64;
+                println!(
+                    "{:>6} {:>3} {:>5} {:>8.1} {:>8.1} {:>9.1} {:>8.1} {:>8.1} {:>10.1} {:>10.1}",
+                    format.to_string(),
+                    p,
+                    k,
+                    median(diff("rss_after", "rss_before")) / MIB,
+                    median(diff("hwm_after", "rss_before")) / MIB,
+                    transient / MIB,
+                    file / MIB,
+                    (transient - file) / MIB,
+                    predicted.weights as f64 / MIB,
+                    device_load / MIB,
+                );
+            }
+        }
+    }
+}
+
+/// [`qlora`] on the nf4 base (its fixed block of 64 is qlora's).
+fn qlora_nf4() -> LoraConfig {
+    qlora()
 }
 
 /// The adapters of the QLoRA rows: Unsloth's defaults (rank 16, alpha 32,
@@ -808,14 +953,22 @@ fn main() {
         let format = match args.get(4).map(String::as_str) {
             Some("int8") => BaseFormat::Int8,
             Some("int4") => BaseFormat::Int4,
+            Some("nf4") => BaseFormat::Nf4,
             _ => BaseFormat::Dense,
         };
-        child(&dir, p, k, format);
+        child(
+            &dir,
+            p,
+            k,
+            format,
+            args.get(5).map(String::as_str) == Some("bf16"),
+        );
         return;
     }
     let mut runs = 3;
     let mut variants = VARIANTS.to_vec();
-    let mut formats = vec![BaseFormat::Int8, BaseFormat::Int4];
+    let mut formats = vec![BaseFormat::Int8, BaseFormat::Int4, BaseFormat::Nf4];
+    let mut half = true;
     let mut it = args.iter();
     while let Some(arg) = it.next() {
         match arg.as_str() {
@@ -826,8 +979,9 @@ fn main() {
                 assert!(!variants.is_empty(), "--only bf16|f32|bf16-sharded");
             }
             "--dense-only" => formats.clear(),
+            "--fp32-only" => half = false,
             other => panic!(
-                "unknown argument {other}; use --runs N, --only bf16|f32|bf16-sharded, --dense-only"
+                "unknown argument {other}; use --runs N, --only bf16|f32|bf16-sharded, --dense-only, --fp32-only"
             ),
         }
     }
@@ -848,7 +1002,7 @@ fn main() {
          train pred: estimate_stage (flex profile, micro-batch 1, seq {SEQUENCE}, checkpointing, fp32, AdamW, 1F1B)"
     );
     for variant in variants {
-        bench(variant, runs, &formats, &root.0, &exe);
+        bench(variant, runs, &formats, half, &root.0, &exe);
         let _ = std::fs::remove_dir_all(root.0.join(variant.name));
     }
 }

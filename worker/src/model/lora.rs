@@ -9,9 +9,12 @@
 //!   stage when targeted, get adapters; each block's factors are drawn from
 //!   the run's seed and the block (not the split), so p = 1 and p = 2 start alike;
 //! * with a quantized base format (QLoRA) the seven linear weights of each
-//!   decoder block are quantized block-wise (one f32 scale per `block_size`
-//!   values along a weight's output dimension); embeddings, norms, biases
-//!   and `lm_head` stay dense, as bitsandbytes leaves them in PEFT's QLoRA.
+//!   decoder block are quantized: to NF4 as bitsandbytes does
+//!   ([`super::nf4`], kept in the block's `nf4` beside an empty placeholder
+//!   weight), or by burn's quantizer to int8/int4 (one f32 scale per
+//!   `block_size` values along a weight's output dimension); embeddings,
+//!   norms, biases and `lm_head` stay dense, as bitsandbytes leaves them in
+//!   PEFT's QLoRA.
 //!
 //! A quantized base is not loaded whole first: [`load_quantized`] reads the
 //! stage part by part and quantizes each block as soon as it is read, so
@@ -23,9 +26,10 @@
 //! each forward pass and keep it; the model's blocks call
 //! [`super::lean::linear::forward`] instead, which computes
 //! `x·W + s·(x·A)·B` with the factors burn attached here, and dequantizes a
-//! quantized base per matmul without keeping it. Adapter-input dropout is
-//! still refused (see [`crate::assignment`]): its mask would have to be
-//! drawn again identically when a checkpointed block is recomputed.
+//! quantized base per matmul without keeping it, and drops the adapter's
+//! input (PEFT's `lora_dropout`) with a mask keyed by step, micro-batch,
+//! layer and module, so a checkpointed block's recomputation draws it again
+//! identically.
 
 use burn::module::{Lora, LoraAdapter, Module, ParamGroup, ParamId, QLora, Quantizer};
 use burn::nn::Linear;
