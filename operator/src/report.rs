@@ -90,7 +90,7 @@ pub fn plan_table(title: &str, request: &JobRequest, plan: &Plan) -> String {
     if plan.correction_factor > 1.0 {
         let _ = writeln!(
             out,
-            "Corrected: ×{:.2} from observed peaks",
+            "Corrected: ×{:.2} on the estimated terms, from observed peaks",
             plan.correction_factor
         );
     }

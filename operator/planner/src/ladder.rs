@@ -3,15 +3,36 @@
 //! estimate is corrected by what the failure proved.
 //!
 //! An OOM proves the attempt needed at least the device's usable memory (or
-//! the observed peak, when larger), so the correction factor becomes
-//! max(previous factor, that figure / the uncorrected prediction). The rungs
-//! ([`crate::rung`]) the job's policy allows are applied cumulatively, in
-//! the ladder's fixed order, until a plan fits.
+//! the observed peak, when larger). The over-run — that figure less the
+//! failed stage's uncorrected prediction — is the estimated terms' doing
+//! ([`MemoryBreakdown::estimated`]: optimizer state, activations, logits,
+//! composed weights, collective buffers; the weights and gradients are
+//! counted exactly): the correction factor becomes max(previous factor,
+//! 1 + over-run / those terms), in the phase that peaked (training, or the
+//! checkpoint load when that was the larger), and multiplies those terms
+//! alone, so a rung that removes or shrinks a term shrinks its correction.
+//!
+//! The headroom is spent once: it exists to absorb estimation error, and
+//! after a failure the correction carries the error the failure measured.
+//! What is left uncertain is how far past the observed peak the attempt
+//! would have gone, which the last sample before the kill bounds: the next
+//! plan is judged against the usable memory less a margin of (usable −
+//! observed peak) / usable, at least [`MIN_RETRY_MARGIN`] and at most the
+//! job's headroom — the full headroom when nothing was observed, or when
+//! the observed peak is below what the failed plan predicted (it measured
+//! nothing about the estimate).
+//!
+//! The rungs ([`crate::rung`]) the job's policy allows are applied
+//! cumulatively, in the ladder's fixed order, until a plan fits that
+//! budget. When none does but one fits within the usable memory itself by
+//! its corrected estimate, the first such is tried (with a warning); a job
+//! ends without a plan only when every allowed rung is over the limit.
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::inventory::{DeviceType, Inventory};
+use crate::memory::MemoryBreakdown;
 use crate::plan::{JobRequest, NoFeasiblePlan, Plan, SearchOptions};
 use crate::rung::{Candidate, RetryRung, RungLimits, Tightening};
 use crate::search::{Search, budget_bytes};
@@ -35,15 +56,61 @@ pub struct MemoryFailure {
     pub observed_peak_bytes: Option<u64>,
 }
 
-/// The correction factor after `failed` ran out of memory.
+/// The least margin a retry keeps below the usable memory: the worker's
+/// telemetry samples every 0.5 s, and a step's allocations move faster than
+/// that; 2 % is the spread of repeated peaks of one case in the CPU
+/// calibration (docs/benchmarks.md), the noise of a measurement itself.
+pub const MIN_RETRY_MARGIN: f64 = 0.02;
+
+/// The correction factor after `failed` ran out of memory: the factor on
+/// the estimated terms of its peak stage that makes them explain what the
+/// failure proved (see the module docs).
 pub fn corrected_factor(failed: &Plan, failure: &MemoryFailure, usable_bytes: u64) -> f64 {
     let previous = failed.correction_factor.max(1.0);
-    let uncorrected = failed.predicted_peak_bytes as f64 / previous;
     let proven = failure.observed_peak_bytes.unwrap_or(0).max(usable_bytes) as f64;
-    if uncorrected <= 0.0 {
-        previous
+    let Some(stage) = failed.stages.iter().max_by_key(|s| s.memory.total) else {
+        return previous;
+    };
+    let m: &MemoryBreakdown = &stage.memory;
+    // The phase that peaked, as the plan predicted it without correction:
+    // its counted part and its estimated part.
+    let training_estimated = m.estimated() as f64;
+    let training_counted = (m.training_total() - m.correction) as f64 - training_estimated;
+    let load_counted = (m.fixed_overhead + m.weights) as f64;
+    let load_estimated = m.load_peak.saturating_sub(m.fixed_overhead + m.weights) as f64 / previous;
+    let (counted, estimated) = if m.load_peak > m.training_total() {
+        (load_counted, load_estimated)
     } else {
-        previous.max(proven / uncorrected)
+        (training_counted, training_estimated)
+    };
+    if estimated <= 0.0 {
+        // Nothing estimated to blame: scale the whole figure, as a last resort.
+        let whole = counted.max(1.0);
+        return previous.max(proven / whole);
+    }
+    previous.max((proven - counted) / estimated)
+}
+
+/// The margin the next plan keeps below the usable memory after `failure`
+/// of a plan that predicted `predicted` bytes (see the module docs): what
+/// the measurement leaves uncertain. Only a failure that measured the
+/// estimate wrong — an observed peak above the prediction — spends the
+/// headroom; one that stopped below it (a pinned plan predicted over the
+/// limit, killed there) measured nothing about the estimate, and the next
+/// plan keeps the job's whole headroom.
+pub fn retry_margin(
+    failure: &MemoryFailure,
+    predicted: u64,
+    usable_bytes: u64,
+    headroom: f64,
+) -> f64 {
+    let headroom = headroom.clamp(0.0, 0.99);
+    match failure.observed_peak_bytes {
+        Some(observed) if usable_bytes > 0 && observed > predicted => {
+            let unseen = (usable_bytes as f64 - observed as f64) / usable_bytes as f64;
+            unseen.clamp(MIN_RETRY_MARGIN.min(headroom), headroom)
+        }
+        _ => headroom,
     }
 }
 
@@ -88,6 +155,16 @@ pub fn next_stricter_plan(
     let profile = req.backend().profile();
     let usable = (failed.device_memory_bytes as f64 * profile.usable_fraction) as u64;
     let correction = corrected_factor(failed, failure, usable);
+    let margin = retry_margin(
+        failure,
+        failed.predicted_peak_bytes,
+        usable,
+        req.headroom_fraction,
+    );
+    let req = &JobRequest {
+        headroom_fraction: margin,
+        ..req.clone()
+    };
     let search = Search::new(
         req,
         &SearchOptions {
@@ -130,6 +207,8 @@ pub fn next_stricter_plan(
     };
     let mut applied: Vec<RetryRung> = Vec::new();
     let mut notes: Vec<String> = Vec::new();
+    // The first candidate over the budget but within the usable memory.
+    let mut within_limit: Option<Plan> = None;
     for rung in RetryRung::ALL.into_iter().filter(|r| req.allows(*r)) {
         let tried = match rung.tighten(&state, &limits) {
             Tightening::Skip(why) => {
@@ -145,10 +224,29 @@ pub fn next_stricter_plan(
             if let Some(mut plan) = search.build(&c.device, c.shape(), c.settings) {
                 plan.rungs_applied = applied;
                 plan.warnings.push(format!(
-                    "retry after {:?}: estimates corrected ×{:.2} from what the failure proved",
-                    failure.kind, correction
+                    "retry after {:?}: estimated terms corrected ×{:.2} from what the failure proved; budget {:.0} % under the usable memory",
+                    failure.kind,
+                    correction,
+                    margin * 100.0
                 ));
                 return Ok(plan);
+            }
+            if within_limit.is_none()
+                && let Some(mut plan) = search.build_unchecked(&c.device, c.shape(), c.settings)
+            {
+                let usable = (c.device.memory_bytes as f64 * profile.usable_fraction) as u64;
+                if plan.predicted_peak_bytes <= usable {
+                    plan.rungs_applied = applied.clone();
+                    plan.warnings.push(format!(
+                        "retry after {:?}: estimated terms corrected ×{:.2}; no allowed rung fits the budget ({:.0} % under the usable memory), and this one is the first within the usable memory itself ({} of {})",
+                        failure.kind,
+                        correction,
+                        margin * 100.0,
+                        format_bytes(plan.predicted_peak_bytes),
+                        format_bytes(usable)
+                    ));
+                    within_limit = Some(plan);
+                }
             }
         }
         // More replicas that did not fit are not carried on: the stage and
@@ -161,10 +259,13 @@ pub fn next_stricter_plan(
         let note = rung.over_budget_note(&state, &tried, || shortfall(&state));
         notes.push(format!("{rung}: {note}"));
     }
+    if let Some(plan) = within_limit {
+        return Ok(plan);
+    }
     Err(NoFeasiblePlan {
         waits_for: None,
         summary: format!(
-            "after {:?} at {} (predicted {}, corrected ×{:.2}), no allowed rung yields a plan within budget",
+            "after {:?} at {} (predicted {}, estimated terms corrected ×{:.2}), every allowed rung is over the usable memory itself",
             failure.kind,
             failed.device,
             format_bytes(failed.predicted_peak_bytes),

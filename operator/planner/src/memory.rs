@@ -159,7 +159,9 @@ pub struct MemoryBreakdown {
     pub fixed_overhead: u64,
     /// Allocator fragmentation and caching on top of the above, bytes.
     pub allocator_slack: u64,
-    /// Added from the observed/predicted ratio of earlier attempts (0 on a first attempt).
+    /// Added by what earlier attempts' failures proved (0 on a first
+    /// attempt): the correction factor applied to the estimated terms only
+    /// ([`Self::estimated`]), never to the counted ones.
     pub correction: u64,
     /// The predicted peak while the stage loads its checkpoint (fixed
     /// overhead, the stage's weights and the load's transient, with the
@@ -180,6 +182,23 @@ pub struct MemoryBreakdown {
 }
 
 impl MemoryBreakdown {
+    /// The terms an out-of-memory failure can correct, bytes: the ones the
+    /// planner estimates from a model of what the worker keeps — the
+    /// optimizer state (8-bit blocks and their buffers, master weights),
+    /// activations, logits, composed weights and collective buffers. The
+    /// weights and gradients are counted exactly from the parameters, and
+    /// the fixed overhead is measured; an over-run is not theirs. A retry's
+    /// correction factor multiplies these terms only, so a rung that shrinks
+    /// one (checkpointing the activations, halving the micro-batch) shrinks
+    /// its correction with it.
+    pub fn estimated(&self) -> u64 {
+        self.optimizer_state
+            + self.activations
+            + self.logits
+            + self.composed_weights
+            + self.collective_buffers
+    }
+
     /// The training peak: the sum of the components, without the load peak.
     pub fn training_total(&self) -> u64 {
         self.weights
@@ -749,8 +768,11 @@ pub fn estimate_stage(
     let allocator_slack = slack(states, profile.state_slack) + slack(transient, activation_slack);
     let fixed_overhead = profile.fixed_overhead_bytes;
     let uncorrected = states + transient + allocator_slack + fixed_overhead;
+    // What earlier failures proved, on the estimated terms only
+    // (`MemoryBreakdown::estimated`).
     let factor = correction.max(1.0);
-    let correction = ((factor - 1.0) * uncorrected as f64).round() as u64;
+    let estimated = optimizer_state + transient;
+    let correction = ((factor - 1.0) * estimated as f64).round() as u64;
     let training = uncorrected + correction;
 
     // The checkpoint load (Llama models start from a Hugging Face checkpoint).
@@ -788,14 +810,16 @@ pub fn estimate_stage(
                 };
                 weights + (largest + block) * e
             };
-            let peak = fixed_overhead + on_device + slack(on_device, profile.state_slack);
+            let load = on_device.saturating_sub(weights);
+            let estimated = load + slack(on_device, profile.state_slack);
+            let peak = fixed_overhead + weights + (estimated as f64 * factor).round() as u64;
             let host = if profile.device_is_host {
                 0
             } else {
                 let host = host_transient + largest_f32;
                 host + slack(host, profile.state_slack)
             };
-            ((peak as f64 * factor).round() as u64, host)
+            (peak, host)
         }
         _ => (0, 0),
     };
@@ -1198,7 +1222,7 @@ mod tests {
     }
 
     #[test]
-    fn correction_scales_the_total() {
+    fn correction_scales_the_estimated_terms_only() {
         let base = estimate_stage(
             &small(),
             None,
@@ -1215,8 +1239,15 @@ mod tests {
             &FLEX,
             1.5,
         );
-        let ratio = corrected.total as f64 / base.total as f64;
-        assert!((ratio - 1.5).abs() < 1e-6, "{ratio}");
+        // Weights and gradients are counted, not estimated: untouched.
+        assert_eq!(
+            (corrected.weights, corrected.gradients),
+            (base.weights, base.gradients)
+        );
+        let added = corrected.total - base.total;
+        let want = 0.5 * base.estimated() as f64;
+        assert!((added as f64 - want).abs() <= 1.0, "{added} vs {want}");
+        assert_eq!(added, corrected.correction);
     }
 
     #[test]

@@ -200,7 +200,9 @@ pub struct Plan {
     pub global_batch: u64,
     /// Largest stage total, bytes.
     pub predicted_peak_bytes: u64,
-    /// Multiplier learned from observed peaks of earlier attempts (1 on a first attempt).
+    /// Multiplier on the estimated terms (optimizer state, activations,
+    /// logits, composed weights, collective buffers) learned from earlier
+    /// attempts' out-of-memory failures (1 on a first attempt).
     pub correction_factor: f64,
     /// Estimated time per optimizer step relative to one device running the
     /// whole batch at once without checkpointing (unitless; lower is faster).
@@ -249,7 +251,8 @@ pub struct NoFeasiblePlan {
 /// Knobs the retry ladder and the operator set beyond the request.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct SearchOptions {
-    /// Multiplies every estimate (≥ 1; 1 when unset).
+    /// Multiplies the estimated terms of every estimate
+    /// (`MemoryBreakdown::estimated`; ≥ 1; 1 when unset).
     pub correction: f64,
     /// Device types to skip (e.g. unschedulable on the last attempt).
     pub excluded_devices: Vec<String>,
