@@ -44,6 +44,17 @@ pub const CHECKPOINT_DIR_ENV: &str = "HEADROOM_CHECKPOINT_DIR";
 pub const DEFAULT_CHECKPOINT_DIR: &str = "/var/lib/headroom/checkpoints";
 /// The pod's own name (downward API): the key of its `status.workers` entry.
 pub const POD_NAME_ENV: &str = "POD_NAME";
+/// glibc's malloc arenas, and the worker's count of them. glibc gives a
+/// thread that allocates an arena of its own (up to eight per core), and an
+/// arena keeps what its threads freed: a pipeline stage's link threads read
+/// whole activation and gradient frames that the trainer frees, and on the
+/// CPU calibration that held the middle of three stages 18 MiB (16.5 %)
+/// above its plan. One arena measured 110 → 100–101 MiB there, the other
+/// stages 1–10 MiB lower, single workers unchanged within their spread
+/// (docs/benchmarks.md); the operator sets it in every worker pod, the
+/// calibration harness in every worker it runs.
+pub const MALLOC_ARENA_MAX_ENV: &str = "MALLOC_ARENA_MAX";
+pub const WORKER_MALLOC_ARENAS: &str = "1";
 /// Seconds between telemetry writes to the job status (a markedly higher peak writes at once).
 pub const TELEMETRY_INTERVAL_ENV: &str = "HEADROOM_TELEMETRY_INTERVAL_SECONDS";
 /// The operator's worker API: the base URL (`http://host:port`) through which

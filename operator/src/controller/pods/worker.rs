@@ -7,8 +7,9 @@ use std::collections::BTreeMap;
 
 use headroom_api::{
     CHECKPOINT_DIR_ENV, DEFAULT_CHECKPOINT_DIR, LABEL_ATTEMPT, LABEL_JOB, LABEL_REPLICA,
-    LABEL_STAGE, MemoryAwareTrainingJob, PIPELINE_PODS_ENV, PIPELINE_PORT, PIPELINE_SERVICE_ENV,
-    PLAN_JSON_ENV, REPLICA_PODS_ENV, REPLICA_PORT, WorkerAssignment,
+    LABEL_STAGE, MALLOC_ARENA_MAX_ENV, MemoryAwareTrainingJob, PIPELINE_PODS_ENV, PIPELINE_PORT,
+    PIPELINE_SERVICE_ENV, PLAN_JSON_ENV, REPLICA_PODS_ENV, REPLICA_PORT, WORKER_MALLOC_ARENAS,
+    WorkerAssignment,
 };
 use headroom_planner::inventory::{LabelRequirement, device_placement};
 use headroom_planner::{DeviceKind, ModelShape, Plan};
@@ -121,6 +122,11 @@ pub fn worker_pod(
             ..EnvVar::default()
         },
         telemetry_interval_env(config),
+        EnvVar {
+            name: MALLOC_ARENA_MAX_ENV.into(),
+            value: Some(WORKER_MALLOC_ARENAS.into()),
+            ..EnvVar::default()
+        },
     ];
     env.extend(worker_api_access(config).0);
 
@@ -384,6 +390,14 @@ mod tests {
                 .and_then(|e| e.value.clone())
         };
         assert_eq!(interval(&pod).as_deref(), Some("10"));
+        // One malloc arena (see `headroom_api::MALLOC_ARENA_MAX_ENV`).
+        let arenas = pod.spec.as_ref().expect("spec").containers[0]
+            .env
+            .iter()
+            .flatten()
+            .find(|e| e.name == "MALLOC_ARENA_MAX")
+            .and_then(|e| e.value.clone());
+        assert_eq!(arenas.as_deref(), Some("1"));
         let often = ChildConfig {
             telemetry_interval: std::time::Duration::from_millis(1500),
             ..ChildConfig::default()
