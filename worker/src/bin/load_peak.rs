@@ -624,15 +624,8 @@ fn bench(
             let results: Vec<Value> = (0..runs)
                 .map(|_| run_child(exe, &dir, p, k, BaseFormat::Dense))
                 .collect();
-            let get = |key: &str| -> Vec<f64> {
-                results
-                    .iter()
-                    .map(|r| r[key].as_f64().expect("number"))
-                    .collect()
-            };
-            let diff = |a: &str, b: &str| -> Vec<f64> {
-                get(a).into_iter().zip(get(b)).map(|(x, y)| x - y).collect()
-            };
+            let get = |key: &str| values(&results, key);
+            let diff = |a: &str, b: &str| differences(&results, a, b);
             let loaded = results[0]["params"].as_u64().expect("params");
             assert_eq!(loaded, params, "the stage's parameters, planner vs loaded");
             if !results
@@ -749,7 +742,7 @@ fn half_table(runs: usize, dir: &Path, exe: &Path, model: &ModelShape, sizes: &(
             base_format: format,
             offload_optimizer: false,
         };
-        let adapters = format.is_quantized().then(qlora_nf4);
+        let adapters = format.is_quantized().then(qlora);
         for p in [1, 2] {
             for k in 0..p {
                 let layout = layout(shape.layers, p, k);
@@ -770,15 +763,7 @@ fn half_table(runs: usize, dir: &Path, exe: &Path, model: &ModelShape, sizes: &(
                 let results: Vec<Value> = (0..runs)
                     .map(|_| run_child_at(exe, dir, p, k, format, true))
                     .collect();
-                let get = |key: &str| -> Vec<f64> {
-                    results
-                        .iter()
-                        .map(|r| r[key].as_f64().expect("number"))
-                        .collect()
-                };
-                let diff = |a: &str, b: &str| -> Vec<f64> {
-                    get(a).into_iter().zip(get(b)).map(|(x, y)| x - y).collect()
-                };
+                let diff = |a: &str, b: &str| differences(&results, a, b);
                 let transient = median(diff("hwm_after", "rss_after"));
                 let file = median(diff("file_max", "file_before"));
                 // The CUDA figure without its context and slack, less the
@@ -805,9 +790,21 @@ fn half_table(runs: usize, dir: &Path, exe: &Path, model: &ModelShape, sizes: &(
     }
 }
 
-/// [`qlora`] on the nf4 base (its fixed block of 64 is qlora's).
-fn qlora_nf4() -> LoraConfig {
-    qlora()
+/// One figure of every run's JSON line.
+fn values(results: &[Value], key: &str) -> Vec<f64> {
+    results
+        .iter()
+        .map(|r| r[key].as_f64().expect("number"))
+        .collect()
+}
+
+/// `a − b` of every run's JSON line.
+fn differences(results: &[Value], a: &str, b: &str) -> Vec<f64> {
+    values(results, a)
+        .into_iter()
+        .zip(values(results, b))
+        .map(|(x, y)| x - y)
+        .collect()
 }
 
 /// The adapters of the QLoRA rows: Unsloth's defaults (rank 16, alpha 32,
@@ -908,15 +905,8 @@ fn qlora_table(
             let results: Vec<Value> = (0..runs)
                 .map(|_| run_child(exe, dir, p, k, format))
                 .collect();
-            let get = |key: &str| -> Vec<f64> {
-                results
-                    .iter()
-                    .map(|r| r[key].as_f64().expect("number"))
-                    .collect()
-            };
-            let diff = |a: &str, b: &str| -> Vec<f64> {
-                get(a).into_iter().zip(get(b)).map(|(x, y)| x - y).collect()
-            };
+            let get = |key: &str| values(&results, key);
+            let diff = |a: &str, b: &str| differences(&results, a, b);
             let peak = median(get("hwm_after"));
             let transient = median(diff("hwm_after", "rss_after"));
             let file = median(diff("file_max", "file_before"));

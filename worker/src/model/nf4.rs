@@ -640,15 +640,6 @@ impl Nf4Bases {
     pub fn insert(&mut self, module: TargetModule, weight: Nf4Weight) {
         self.0.insert(module, weight);
     }
-
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-
-    /// Bytes they hold on the device.
-    pub fn bytes(&self) -> usize {
-        self.0.values().map(Nf4Weight::bytes).sum()
-    }
 }
 
 fn gcd(a: usize, b: usize) -> usize {
