@@ -66,6 +66,10 @@ bench-load-peak: ## Load peak per pipeline stage of a 156M-parameter Llama check
 bench-adamw8bit: ## 8-bit vs f32 AdamW on the tiny Llama: moment bytes, record bytes, update and step medians (release, ~10 s).
 	$(CARGO) run --release -q -p headroom-worker --bin adamw8bit
 
+.PHONY: bench-first-fit
+bench-first-fit: ## Issue 36: 24+ CPU jobs of varied shapes and limits (half planned above 95 % of their budget) run by the operator on the local cluster: first-attempt success, attempts, measured peak / budget (root; ~30 min; not in CI).
+	e2e/bench-first-fit.sh $(BENCH_FIRST_FIT_FLAGS)
+
 bench-controller: controlplane-up ## 500 jobs through the operator on the local API server: latencies and peak RSS.
 	$(CARGO) build --release -q -p headroom-operator --bins
 	KUBECONFIG=$(KUBECONFIG_TEST) $(CARGO_TARGET_DIR)/release/bench-controller --jobs 500 --failures 100

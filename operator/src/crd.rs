@@ -88,9 +88,232 @@ pub fn unknown_fields(manifest: &serde_json::Value) -> Vec<String> {
     out
 }
 
+/// The CRD's `openAPIV3Schema` as a JSON Schema (draft 4, which OpenAPI
+/// 3.0's schema object extends), with Kubernetes' own keywords given the
+/// meaning the API server gives them:
+/// - `nullable: true` admits `null` (OpenAPI 3.0's spelling), except in an
+///   enum, where the API server refuses it;
+/// - `x-kubernetes-int-or-string` admits an integer or a string;
+/// - `status` is dropped: the API server ignores it on a create (subresource).
+///
+/// `x-kubernetes-list-type` (set, map) is checked by [`schema_violations`]
+/// itself, to name the duplicate's index as the API server does.
+///
+/// The CEL rules (`x-kubernetes-validations`) are not JSON Schema; the
+/// cross-field checks of `JobSpec::job_request` repeat them with the same
+/// field names (tested against the API server by the invalid-manifest corpus
+/// and by the mutation property test in `tests/api_server.rs`).
+pub fn json_schema() -> serde_json::Value {
+    use serde_json::Value;
+    fn convert(schema: &mut Value) {
+        let Value::Object(map) = schema else { return };
+        map.remove("x-kubernetes-validations");
+        if map.remove("x-kubernetes-int-or-string") == Some(Value::Bool(true)) {
+            map.remove("anyOf");
+            map.insert("type".into(), serde_json::json!(["integer", "string"]));
+        }
+        if map.remove("nullable") == Some(Value::Bool(true)) {
+            if let Some(Value::String(t)) = map.get("type").cloned() {
+                map.insert("type".into(), serde_json::json!([t, "null"]));
+            }
+        }
+        // The API server refuses null for an enum even where the schema
+        // lists it (schemars writes `null` into an optional enum's values):
+        // `Unsupported value: "null"` (the property test found it).
+        if let Some(Value::Array(values)) = map.get_mut("enum") {
+            values.retain(|v| !v.is_null());
+        }
+        // schemars writes bounds as floats (`minimum: 1.0`); whole ones read
+        // better in a message as integers, and compare the same.
+        for key in ["minimum", "maximum"] {
+            if let Some(bound) = map.get_mut(key)
+                && let Some(f) = bound.as_f64()
+                && f.fract() == 0.0
+                && f.abs() < 9.0e15
+            {
+                *bound = (f as i64).into();
+            }
+        }
+        for key in ["properties", "additionalProperties", "items"] {
+            match map.get_mut(key) {
+                Some(Value::Object(children)) if key == "properties" => {
+                    children.values_mut().for_each(convert)
+                }
+                Some(child) => convert(child),
+                None => {}
+            }
+        }
+        for key in ["allOf", "anyOf", "oneOf", "not"] {
+            match map.get_mut(key) {
+                Some(Value::Array(children)) => children.iter_mut().for_each(convert),
+                Some(child) => convert(child),
+                None => {}
+            }
+        }
+    }
+    let crd = MemoryAwareTrainingJob::crd();
+    let mut schema = crd
+        .spec
+        .versions
+        .first()
+        .and_then(|v| v.schema.as_ref())
+        .and_then(|s| s.open_api_v3_schema.as_ref())
+        .and_then(|s| serde_json::to_value(s).ok())
+        .unwrap_or(Value::Bool(true));
+    if let Some(Value::Object(properties)) = schema.get_mut("properties") {
+        properties.remove("status");
+    }
+    convert(&mut schema);
+    schema
+}
+
+/// Where the manifest breaks the CRD's schema (minimum, maximum, enum,
+/// pattern, lengths, required fields, types, duplicate set items), one line
+/// per violation that starts with the field's path as the API server writes
+/// it (`spec.model.transformer.layers: 0 is less than the minimum of 1`).
+/// Checked by a maintained JSON Schema validator against the same generated
+/// schema the API server holds, so offline and online cannot disagree on it.
+pub fn schema_violations(manifest: &serde_json::Value) -> Vec<String> {
+    use std::sync::OnceLock;
+    static VALIDATOR: OnceLock<Option<jsonschema::Validator>> = OnceLock::new();
+    static SCHEMA: OnceLock<serde_json::Value> = OnceLock::new();
+    let schema = SCHEMA.get_or_init(json_schema);
+    let validator = VALIDATOR.get_or_init(|| {
+        jsonschema::options()
+            .with_draft(jsonschema::Draft::Draft4)
+            // Kubernetes checks none of the formats this schema names
+            // (int64, uint32, double …) beyond the type and bounds.
+            .should_validate_formats(false)
+            .build(schema)
+            .ok()
+    });
+    let Some(validator) = validator else {
+        return vec!["the CRD's own schema did not compile as JSON Schema (a Headroom bug)".into()];
+    };
+    let mut manifest = manifest.clone();
+    if let Some(fields) = manifest.as_object_mut() {
+        fields.remove("status");
+    }
+    let mut out: Vec<String> = validator
+        .iter_errors(&manifest)
+        .map(|e| format!("{}: {e}", field_path(e.instance_path().as_str())))
+        .collect();
+    duplicates(&manifest, schema, "", &mut out);
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Duplicate items of `x-kubernetes-list-type: set` lists, and items of
+/// `map` lists with the same `x-kubernetes-list-map-keys`, worded as the
+/// API server words them (`….allowedRungs[2]: Duplicate value: "…"`).
+fn duplicates(
+    value: &serde_json::Value,
+    schema: &serde_json::Value,
+    path: &str,
+    out: &mut Vec<String>,
+) {
+    use serde_json::Value;
+    match value {
+        Value::Object(fields) => {
+            for (k, v) in fields {
+                if let Some(child) = schema.get("properties").and_then(|p| p.get(k)) {
+                    let here = if path.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{path}.{k}")
+                    };
+                    duplicates(v, child, &here, out);
+                }
+            }
+        }
+        Value::Array(items) => {
+            let keys: Option<Vec<&str>> =
+                match schema.get("x-kubernetes-list-type").and_then(Value::as_str) {
+                    Some("set") => Some(vec![]),
+                    Some("map") => Some(
+                        schema
+                            .get("x-kubernetes-list-map-keys")
+                            .and_then(Value::as_array)
+                            .map(|k| k.iter().filter_map(Value::as_str).collect())
+                            .unwrap_or_default(),
+                    ),
+                    _ => None,
+                };
+            if let Some(keys) = keys {
+                let identity = |item: &Value| -> Value {
+                    if keys.is_empty() {
+                        item.clone()
+                    } else {
+                        keys.iter()
+                            .map(|k| (k.to_string(), item.get(*k).cloned().unwrap_or(Value::Null)))
+                            .collect::<serde_json::Map<_, _>>()
+                            .into()
+                    }
+                };
+                for (i, item) in items.iter().enumerate() {
+                    let id = identity(item);
+                    if items[..i].iter().any(|earlier| identity(earlier) == id) {
+                        out.push(format!("{path}[{i}]: Duplicate value: {id}"));
+                    }
+                }
+            }
+            if let Some(each) = schema.get("items") {
+                for (i, v) in items.iter().enumerate() {
+                    duplicates(v, each, &format!("{path}[{i}]"), out);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// `/spec/worker/tolerations/0/key` → `spec.worker.tolerations[0].key`.
+fn field_path(pointer: &str) -> String {
+    let mut path = String::new();
+    for segment in pointer.split('/').skip(1) {
+        let segment = segment.replace("~1", "/").replace("~0", "~");
+        if !segment.is_empty() && segment.bytes().all(|b| b.is_ascii_digit()) {
+            path.push_str(&format!("[{segment}]"));
+        } else {
+            if !path.is_empty() {
+                path.push('.');
+            }
+            path.push_str(&segment);
+        }
+    }
+    if path.is_empty() {
+        "<the manifest>".into()
+    } else {
+        path
+    }
+}
+
+/// A job manifest read as the API server reads it: no unknown fields, the
+/// CRD's schema, then the typed spec (with the field path of a type error).
+/// The cross-field rules are `JobSpec::job_request`'s.
+pub fn read_manifest(manifest: serde_json::Value) -> Result<MemoryAwareTrainingJob, String> {
+    let unknown = unknown_fields(&manifest);
+    if !unknown.is_empty() {
+        return Err(format!(
+            "unknown field(s), which the API server would reject: {}",
+            unknown.join("; ")
+        ));
+    }
+    let violations = schema_violations(&manifest);
+    if !violations.is_empty() {
+        return Err(format!(
+            "the CRD's schema refuses it, as the API server would: {}",
+            violations.join("; ")
+        ));
+    }
+    serde_path_to_error::deserialize(manifest)
+        .map_err(|e| format!("field `{}`: {}", e.path(), e.inner()))
+}
+
 #[cfg(test)]
 mod tests {
-    use super::unknown_fields;
+    use super::{read_manifest, schema_violations, unknown_fields};
 
     #[test]
     fn finds_mistyped_fields_at_any_depth_and_names_the_known_ones() {
@@ -128,5 +351,52 @@ spec:
         let manifest: serde_json::Value =
             serde_yaml::from_str(include_str!("../../samples/cpu-tiny.yaml")).expect("yaml");
         assert_eq!(unknown_fields(&manifest), Vec::<String>::new());
+    }
+
+    fn sample() -> serde_json::Value {
+        serde_yaml::from_str(include_str!("../../samples/cpu-tiny.yaml")).expect("yaml")
+    }
+
+    #[test]
+    fn the_schema_refuses_what_the_api_server_refuses_and_names_the_field() {
+        assert_eq!(schema_violations(&sample()), Vec::<String>::new());
+        let mut zero_layers = sample();
+        zero_layers["spec"]["model"]["transformer"]["layers"] = 0.into();
+        assert_eq!(
+            schema_violations(&zero_layers),
+            ["spec.model.transformer.layers: 0 is less than the minimum of 1"]
+        );
+        let mut bad_enum = sample();
+        bad_enum["spec"]["training"]["optimizer"] = "lion".into();
+        let found = schema_violations(&bad_enum);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert!(
+            found[0].starts_with("spec.training.optimizer: \"lion\" is not one of")
+                && found[0].contains("adamw"),
+            "{found:?}"
+        );
+        let mut missing = sample();
+        missing["spec"]["model"]["transformer"]
+            .as_object_mut()
+            .expect("transformer")
+            .remove("heads");
+        let found = schema_violations(&missing);
+        assert_eq!(
+            found,
+            ["spec.model.transformer: \"heads\" is a required property"]
+        );
+        // A field the schema marks nullable takes null; status is not checked.
+        let mut status = sample();
+        status["status"] = serde_json::json!({"phase": 7});
+        assert_eq!(schema_violations(&status), Vec::<String>::new());
+    }
+
+    #[test]
+    fn read_manifest_stops_at_the_first_layer_that_refuses() {
+        let mut m = sample();
+        m["spec"]["model"]["transformer"]["layers"] = 0.into();
+        let e = read_manifest(m).expect_err("refused");
+        assert!(e.contains("spec.model.transformer.layers"), "{e}");
+        assert!(read_manifest(sample()).is_ok());
     }
 }

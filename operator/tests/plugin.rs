@@ -424,6 +424,24 @@ fn invalid_corpus_cross_field_rules_are_caught_offline_too() {
             "spec.resources.gpu.hostMemory",
         ),
         ("35-host-memory-too-small.yaml", "at least 64Mi"),
+        // The CRD's schema, checked offline by a JSON Schema validator (issue 36).
+        (
+            "04-zero-layers.yaml",
+            "spec.model.transformer.layers: 0 is less than the minimum of 1",
+        ),
+        (
+            "11-unknown-optimizer.yaml",
+            "spec.training.optimizer: \"lion\"",
+        ),
+        ("22-empty-image.yaml", "spec.worker.image"),
+        (
+            "23-missing-worker.yaml",
+            "\"worker\" is a required property",
+        ),
+        (
+            "27-duplicate-gpu-types.yaml",
+            "spec.resources.gpu.types[1]: Duplicate value",
+        ),
     ] {
         let path = format!("{INVALID_DIR}/{file}");
         let out = plugin(&["plan", "-f", &path]);
@@ -434,6 +452,30 @@ fn invalid_corpus_cross_field_rules_are_caught_offline_too() {
             text(&out)
         );
     }
+}
+
+/// Offline refuses every manifest of the corpus the API server refuses (exit
+/// 1), a fine-tuning job's with its checkpoint's config.json at hand. The
+/// one exception is by design: `model.generic` is what the plugin plans
+/// (the server refuses to run it).
+#[test]
+fn every_manifest_the_api_server_refuses_is_refused_offline() {
+    let mut checked = 0;
+    for m in headroom_e2e::corpus::invalid_manifests() {
+        let file = m.name.as_str();
+        if file == "36-generic-model-not-runnable.yaml" {
+            continue;
+        }
+        let path = m.path.display().to_string();
+        let mut args = vec!["plan", "-f", &path];
+        if m.text.contains("pretrained:") {
+            args.extend(["--model-dir", "samples/models/llama-3.2-1b"]);
+        }
+        let out = plugin(&args);
+        assert_eq!(out.status.code(), Some(1), "{file}: {}", text(&out));
+        checked += 1;
+    }
+    assert!(checked >= 50, "{checked} manifests");
 }
 
 /// The team-pool sample is planned on its pool's H100s, which it selects and

@@ -68,7 +68,11 @@ use crate::quantity::{parse_bytes, parse_cores};
     {"rule": "!has(self.output) || has(self.model.pretrained)",
      "message": "output: only a model.pretrained job writes a fine-tuned model"},
     {"rule": "!has(self.training.method) || self.training.method == 'full' || has(self.model.pretrained)",
-     "message": "training.method: lora and qlora adapt a pretrained checkpoint; set model.pretrained, or use method: full"}
+     "message": "training.method: lora and qlora adapt a pretrained checkpoint; set model.pretrained, or use method: full"},
+    {"rule": "!has(self.training.pipelineStages) || !has(self.model.transformer) || self.training.pipelineStages <= self.model.transformer.layers",
+     "message": "training.pipelineStages: at most model.transformer.layers (each stage holds at least one block); pin fewer stages"},
+    {"rule": "(has(self.training.pipelineStages) ? self.training.pipelineStages : 1) * (has(self.training.dataParallelReplicas) ? self.training.dataParallelReplicas : 1) <= (has(self.resources.gpu) ? self.resources.gpu.maxGpus : (has(self.resources.cpu) ? self.resources.cpu.maxWorkers : 1048576))",
+     "message": "training: pipelineStages × dataParallelReplicas workers, at most resources.gpu.maxGpus (GPU jobs) or resources.cpu.maxWorkers (CPU jobs); raise it or pin fewer"}
 ]))]
 pub struct MemoryAwareTrainingJobSpec {
     /// The model to train: `transformer` (shape) or `generic` (parameter count).
@@ -207,6 +211,19 @@ pub struct VolumePath {
     #[serde(default)]
     #[schemars(length(max = 1000))]
     pub path: String,
+}
+
+impl VolumePath {
+    /// The CEL rule above, offline: `field` names where this path is.
+    fn check(&self, field: &'static str) -> Result<(), SpecError> {
+        if self.path.starts_with('/') || self.path.split('/').any(|p| p == "..") {
+            return Err(spec_error(
+                field,
+                "path is relative to the claim's root and must not contain '..' (e.g. models/llama-3.2-1b)",
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// The training text.
@@ -991,11 +1008,47 @@ impl MemoryAwareTrainingJobSpec {
                     "set exactly one of huggingFace (repo, revision) or volume (claimName, path)",
                 ));
             }
-            if self.data.is_none() {
+            let Some(data) = &self.data else {
                 return Err(spec_error(
                     "data",
                     "a model.pretrained job needs its training text (data.volume.claimName, data.volume.path)",
                 ));
+            };
+            // The CEL rules on the sources, for offline checks (the API
+            // server holds them too).
+            if let Some(v) = &p.volume {
+                v.check("model.pretrained.volume.path")?;
+            }
+            if data.hugging_face.is_some() == data.volume.is_some() {
+                return Err(spec_error(
+                    "data",
+                    "set exactly one of huggingFace (repo, file) or volume (claimName, path)",
+                ));
+            }
+            if let Some(v) = &data.volume {
+                v.check("data.volume.path")?;
+            }
+            if let Some(o) = &self.output {
+                o.volume.check("output.volume.path")?;
+            }
+            if let Some(hf) = &data.hugging_face {
+                let file = hf.file.as_str();
+                if file.starts_with('/')
+                    || file
+                        .split('/')
+                        .any(|p| p.is_empty() || p == "." || p == "..")
+                {
+                    return Err(spec_error(
+                        "data.huggingFace.file",
+                        "is a path inside the repository (e.g. data/train.jsonl), without a leading '/', '.' or '..'",
+                    ));
+                }
+                if file.ends_with(".parquet") || file.ends_with(".arrow") {
+                    return Err(spec_error(
+                        "data.huggingFace.file",
+                        "must be JSONL (format: jsonl) or plain text (format: text); Headroom does not read Parquet or Arrow: pick or upload such a file",
+                    ));
+                }
             }
             let Some(shape) = pretrained else {
                 return Err(spec_error(

@@ -8,9 +8,12 @@
 //! ([`MemoryBreakdown::estimated`]: optimizer state, activations, logits,
 //! composed weights, collective buffers; the weights and gradients are
 //! counted exactly): the correction factor becomes max(previous factor,
-//! 1 + over-run / those terms), in the phase that peaked (training, or the
-//! checkpoint load when that was the larger), and multiplies those terms
-//! alone, so a rung that removes or shrinks a term shrinks its correction.
+//! 1 + over-run / those terms), in the phase that ran out, and multiplies
+//! those terms alone, so a rung that removes or shrinks a term shrinks its
+//! correction. The phase is the evidence's: training when the attempt's
+//! telemetry reported an optimizer step past its start before the kill
+//! (the load was survived); otherwise the phase the plan predicted higher
+//! (training, or the checkpoint load).
 //!
 //! The headroom is spent once: it exists to absorb estimation error, and
 //! after a failure the correction carries the error the failure measured.
@@ -54,6 +57,10 @@ pub struct MemoryFailure {
     pub kind: MemoryFailureKind,
     /// Highest per-worker peak observed (telemetry or termination message), bytes.
     pub observed_peak_bytes: Option<u64>,
+    /// The attempt's telemetry reported an optimizer step past the one it
+    /// started from before it ran out: its load was survived, and the
+    /// over-run happened in training, whatever phase the plan expected to peak.
+    pub trained: bool,
 }
 
 /// The least margin a retry keeps below the usable memory: the worker's
@@ -72,13 +79,15 @@ pub fn corrected_factor(failed: &Plan, failure: &MemoryFailure, usable_bytes: u6
         return previous;
     };
     let m: &MemoryBreakdown = &stage.memory;
-    // The phase that peaked, as the plan predicted it without correction:
-    // its counted part and its estimated part.
+    // Each phase as the plan predicted it without correction: its counted
+    // part and its estimated part.
     let training_estimated = m.estimated() as f64;
     let training_counted = (m.training_total() - m.correction) as f64 - training_estimated;
     let load_counted = (m.fixed_overhead + m.weights) as f64;
     let load_estimated = m.load_peak.saturating_sub(m.fixed_overhead + m.weights) as f64 / previous;
-    let (counted, estimated) = if m.load_peak > m.training_total() {
+    // The phase that ran out: training once a step was done (the load is
+    // behind it); before that, the one the plan predicted higher.
+    let (counted, estimated) = if m.load_peak > m.training_total() && !failure.trained {
         (load_counted, load_estimated)
     } else {
         (training_counted, training_estimated)

@@ -265,6 +265,7 @@ fn the_e2e_job_needs_two_replicas() {
     let failure = MemoryFailure {
         kind: MemoryFailureKind::HostOom,
         observed_peak_bytes: Some(320 << 20),
+        trained: false,
     };
     let retry = next_stricter_plan(&job, &Inventory::default(), &first, &failure).expect("retry");
     show("e2e attempt 2", &retry);

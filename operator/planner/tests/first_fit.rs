@@ -17,6 +17,7 @@ fn killed_at(mib: f64) -> MemoryFailure {
     MemoryFailure {
         kind: MemoryFailureKind::HostOom,
         observed_peak_bytes: Some((mib * MIB as f64) as u64),
+        trained: false,
     }
 }
 
@@ -96,6 +97,7 @@ fn a_rung_within_the_limit_is_tried_before_giving_up() {
     let no_telemetry = MemoryFailure {
         kind: MemoryFailureKind::HostOom,
         observed_peak_bytes: None,
+        trained: false,
     };
     let halving = small(vec![RetryRung::HalveMicroBatch]);
     let retry = next_stricter_plan(&halving, &Inventory::default(), &failed, &no_telemetry)
@@ -126,4 +128,39 @@ fn a_rung_within_the_limit_is_tried_before_giving_up() {
         "{err}"
     );
     assert!(err.details.iter().any(|d| d.contains("MiB")), "{err}");
+}
+
+/// The phase an over-run is blamed on follows the kill's step: a plan that
+/// expects its load to peak, killed after its telemetry reported a training
+/// step, was over in training (the load was behind it), and the correction
+/// is the one that makes the training terms explain the kill.
+#[test]
+fn an_over_run_after_a_step_is_blamed_on_training_not_the_load() {
+    let mut failed = plan(&job(), &Inventory::default()).expect("plan");
+    let m = &mut failed.stages[0].memory;
+    let training = m.training_total() - m.correction;
+    // As if the checkpoint load were predicted 40 MiB above training.
+    m.load_peak = training + 40 * MIB;
+    let usable = 256 * MIB;
+    let before_a_step = ladder::corrected_factor(&failed, &killed_at(262.0), usable);
+    let after_a_step = ladder::corrected_factor(
+        &failed,
+        &MemoryFailure {
+            trained: true,
+            ..killed_at(262.0)
+        },
+        usable,
+    );
+    let m = &failed.stages[0].memory;
+    let estimated = m.estimated() as f64;
+    let counted = training as f64 - estimated;
+    let expected = (262.0 * MIB as f64 - counted) / estimated;
+    assert!(
+        (after_a_step - expected).abs() < 1e-9,
+        "{after_a_step} vs {expected}"
+    );
+    assert_ne!(
+        before_a_step, after_a_step,
+        "the load phase was blamed before a step"
+    );
 }

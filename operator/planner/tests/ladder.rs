@@ -18,6 +18,7 @@ fn host_oom_climbs_to_a_stricter_plan_that_keeps_the_global_batch() {
     let failure = MemoryFailure {
         kind: MemoryFailureKind::HostOom,
         observed_peak_bytes: Some(2 * GI),
+        trained: false,
     };
     let next = next_stricter_plan(&job, &Inventory::default(), &failed, &failure)
         .expect("a stricter plan");
@@ -48,6 +49,7 @@ fn correction_puts_the_over_run_on_the_estimated_terms() {
         &MemoryFailure {
             kind: MemoryFailureKind::DeviceOom,
             observed_peak_bytes: Some(observed),
+            trained: false,
         },
         0,
     );
@@ -60,6 +62,7 @@ fn correction_puts_the_over_run_on_the_estimated_terms() {
         &MemoryFailure {
             kind: MemoryFailureKind::HostOom,
             observed_peak_bytes: None,
+            trained: false,
         },
         usable,
     );
@@ -73,6 +76,7 @@ fn forbidden_rungs_are_skipped() {
     let failure = MemoryFailure {
         kind: MemoryFailureKind::HostOom,
         observed_peak_bytes: None,
+        trained: false,
     };
     let next =
         next_stricter_plan(&job, &Inventory::default(), &failed, &failure).expect("halving helps");
@@ -98,6 +102,7 @@ fn more_stages_when_the_observed_peak_shows_one_worker_is_too_small() {
     let failure = MemoryFailure {
         kind: MemoryFailureKind::HostOom,
         observed_peak_bytes: Some(observed),
+        trained: false,
     };
     let next = next_stricter_plan(&stages_only, &Inventory::default(), &failed, &failure)
         .expect("more stages fit");
@@ -122,6 +127,7 @@ fn larger_gpu_rung_moves_to_a_bigger_type() {
     let failure = MemoryFailure {
         kind: MemoryFailureKind::DeviceOom,
         observed_peak_bytes: None,
+        trained: false,
     };
     let next = next_stricter_plan(&job, &inv, &failed, &failure).expect("A100 fits");
     assert_eq!(next.device, "NVIDIA-A100-SXM4-80GB");
@@ -142,6 +148,7 @@ fn exhausted_ladder_explains_every_rung() {
         &MemoryFailure {
             kind: MemoryFailureKind::HostOom,
             observed_peak_bytes: None,
+            trained: false,
         },
     )
     .expect_err("64 MiB cannot hold it");
@@ -163,6 +170,7 @@ fn a_rung_that_does_not_apply_to_cpu_workers_is_never_applied() {
     let failure = MemoryFailure {
         kind: MemoryFailureKind::HostOom,
         observed_peak_bytes: None,
+        trained: false,
     };
     let next =
         next_stricter_plan(&job, &Inventory::default(), &failed, &failure).expect("halving helps");
@@ -200,6 +208,7 @@ fn pinned_stages_hold_on_the_first_attempt_and_a_retry_adds_stages() {
     let failure = MemoryFailure {
         kind: MemoryFailureKind::HostOom,
         observed_peak_bytes: None,
+        trained: false,
     };
     let next = next_stricter_plan(&job, &Inventory::default(), &pinned, &failure)
         .expect("more stages fit");

@@ -132,6 +132,7 @@ proptest! {
         let failure = MemoryFailure {
             kind: MemoryFailureKind::HostOom,
             observed_peak_bytes: Some((first.predicted_peak_bytes as f64 * observed_ratio) as u64),
+            trained: false,
         };
         let mut failed = first;
         // Climb until the ladder gives up; every plan it returns must be valid.

@@ -21,6 +21,7 @@ fn out_of_memory_climbs_the_ladder() {
     let failure = MemoryFailure {
         kind: MemoryFailureKind::HostOom,
         observed_peak_bytes: Some(2 * GI),
+        trained: false,
     };
     let next =
         replan(&job, &inv, &ended, &FailureCause::OutOfMemory(failure)).expect("a stricter plan");

@@ -253,25 +253,11 @@ fn read_jobs(path: &Path) -> Result<Vec<MemoryAwareTrainingJob>> {
                 i + 1
             );
         }
-        // As strict as the API server: a mistyped field is an error, not ignored.
-        let unknown = headroom_operator::crd::unknown_fields(&serde_json::to_value(&value)?);
-        if !unknown.is_empty() {
-            bail!(
-                "{}: document {}: unknown field(s), which the API server would reject: {}",
-                path.display(),
-                i + 1,
-                unknown.join("; ")
-            );
-        }
-        let job: MemoryAwareTrainingJob = serde_path_to_error::deserialize(value).map_err(|e| {
-            anyhow!(
-                "{}: document {}: field `{}`: {}",
-                path.display(),
-                i + 1,
-                e.path(),
-                e.inner()
-            )
-        })?;
+        // As strict as the API server, by the same schema: a mistyped field,
+        // a value out of the schema's bounds or a missing required field is
+        // an error naming the field, never planned.
+        let job = headroom_operator::crd::read_manifest(serde_json::to_value(&value)?)
+            .map_err(|e| anyhow!("{}: document {}: {e}", path.display(), i + 1))?;
         jobs.push(job);
     }
     if jobs.is_empty() {

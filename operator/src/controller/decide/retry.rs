@@ -92,9 +92,21 @@ impl Builder<'_> {
                 } else {
                     MemoryFailureKind::HostOom
                 };
+                // A step past where the attempt started (the previous
+                // attempt's last step bounds its checkpoint from above).
+                let started_at = self
+                    .d
+                    .status
+                    .attempts
+                    .iter()
+                    .rev()
+                    .skip(1)
+                    .find_map(|a| a.last_step)
+                    .unwrap_or(0);
                 let failure = MemoryFailure {
                     kind,
                     observed_peak_bytes: ended.observed_peak_bytes,
+                    trained: ended.last_step.is_some_and(|s| s > started_at),
                 };
                 (FailureCause::OutOfMemory(failure), "stricter settings")
             }

@@ -192,6 +192,8 @@ fn grid() -> Vec<Case> {
     let l = shape(6, 384, 6, 256, 8192, true);
     let attn = shape(4, 256, 8, 512, 2048, true);
     let wide = shape(2, 768, 12, 128, 16384, false);
+    // Issue 36's job: OOM-killed at micro-batch 1 with 8-bit AdamW.
+    let i36 = shape(6, 384, 6, 256, 4096, true);
     // Llama rows (vocabularies ≥ 512: the tiny-llama tokenizer's ids).
     // Q: 8 query heads sharing 2 key/value heads, SwiGLU width 688 (≈ 8h/3,
     // Llama's ratio), tied; Qm: the same with multi-head attention (8/8);
@@ -271,6 +273,19 @@ fn grid() -> Vec<Case> {
         c("Llama B untied b4 8bit", &big, 4, 1, false, Adamw8bit),
         c("Llama B untied b8 ckpt 8bit", &big, 8, 1, true, Adamw8bit),
         c("Llama Q gqa b16 8bit", &q, 16, 1, false, Adamw8bit),
+        // 8-bit AdamW where its fixed parts weigh most (issue 36): small
+        // hidden sizes, whose tensors below 4096 elements stay f32 and
+        // whose quantization buffers are a larger share of the state.
+        c("S b4 8bit", &s, 4, 1, false, Adamw8bit),
+        c("S b16 ckpt 8bit", &s, 16, 1, true, Adamw8bit),
+        c("M b4 8bit", &m, 4, 1, false, Adamw8bit),
+        c("M b16 8bit", &m, 16, 1, false, Adamw8bit),
+        c("M b16 ckpt 8bit", &m, 16, 1, true, Adamw8bit),
+        c("L b8 8bit", &l, 8, 1, false, Adamw8bit),
+        c("I36 b1 8bit", &i36, 1, 1, false, Adamw8bit),
+        c("I36 b1 ckpt 8bit", &i36, 1, 1, true, Adamw8bit),
+        c("I36 b4 8bit", &i36, 4, 1, false, Adamw8bit),
+        c("W untied b4 8bit", &wide, 4, 1, false, Adamw8bit),
         c("Llama Q s1024 b2", &q1k, 2, 1, false, Adamw),
         c("Llama Q s2048 b1", &q2k, 1, 1, false, Adamw),
         c("Llama Q s2048 b2 ckpt", &q2k, 2, 1, true, Adamw),
