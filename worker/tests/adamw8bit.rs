@@ -168,6 +168,57 @@ fn large_parameters_keep_one_byte_per_element_and_small_ones_f32() {
     assert_eq!(state.bytes(), 2 * 4095 * 4);
 }
 
+/// A large parameter is stepped a slice of blocks at a time (bounded
+/// temporaries): the weights and both moments' codes and scales are the
+/// whole-tensor step's, bit for bit, whatever the slice (3 blocks, 7, the
+/// default, all at once) and with a padded last block.
+#[test]
+fn stepping_a_slice_of_blocks_at_a_time_changes_nothing() {
+    let _serial = serial();
+    let device = Device::flex();
+    // 65 × 70 = 4550 elements: 18 blocks, the last one padded.
+    let weight = Tensor::<2>::random([65, 70], Distribution::Normal(0.0, 1.0), &device);
+    let grads: Vec<Tensor<2>> = (0..4)
+        .map(|_| Tensor::<2>::random([65, 70], Distribution::Normal(0.0, 1.0), &device))
+        .collect();
+    let run = |chunk: usize| {
+        let optimizer = AdamW8bitConfig::new().with_step_chunk_blocks(chunk).build();
+        let (mut w, mut state) = (weight.clone(), None);
+        for g in &grads {
+            (w, state) = optimizer.step(1e-2, w, g.clone(), state);
+        }
+        let state = state.expect("state");
+        let Moments::Blockwise { first, second } = state.moments else {
+            panic!("8-bit moments");
+        };
+        let bits = |t: Tensor<1>| {
+            t.into_data()
+                .iter::<f32>()
+                .map(f32::to_bits)
+                .collect::<Vec<_>>()
+        };
+        let codes =
+            |t: Tensor<1, burn::tensor::Int>| t.into_data().to_vec::<u8>().expect("u8 codes");
+        (
+            w.into_data()
+                .iter::<f32>()
+                .map(f32::to_bits)
+                .collect::<Vec<_>>(),
+            codes(first.codes),
+            bits(first.absmax),
+            codes(second.codes),
+            bits(second.absmax),
+        )
+    };
+    let whole = run(usize::MAX / 256);
+    for chunk in [3, 7, AdamW8bitConfig::new().step_chunk_blocks] {
+        assert!(
+            run(chunk) == whole,
+            "a slice of {chunk} blocks stepped differently"
+        );
+    }
+}
+
 #[test]
 fn a_record_round_trip_gives_identical_next_steps() {
     let _serial = serial();

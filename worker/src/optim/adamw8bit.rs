@@ -17,7 +17,7 @@ use burn::optim::grad_clipping::GradientClippingConfig;
 use burn::optim::{LearningRate, ModuleOptimizer, Optimizer, RecordState, StateSink, StateSource};
 use burn::tensor::{Device, Int, IntDType, Tensor};
 
-use super::blockwise::{DynamicMap, Quantized, padded};
+use super::blockwise::{BLOCK, DynamicMap, Quantized, padded};
 
 /// [`AdamW8bit`]'s configuration; the defaults are burn's `AdamWConfig`'s
 /// plus bitsandbytes' 8-bit threshold.
@@ -37,6 +37,12 @@ pub struct AdamW8bitConfig {
     /// `min_8bit_size`; the planner's `OPTIMIZER_8BIT_MIN_ELEMENTS`).
     #[config(default = 4096)]
     pub min_8bit_elements: usize,
+    /// Blocks of a large parameter stepped at once (see [`AdamW8bit`]'s
+    /// step): bounds the step's f32 and index temporaries to this many
+    /// blocks instead of the whole parameter (the planner's
+    /// `OPTIMIZER_8BIT_STEP_CHUNK_ELEMENTS`).
+    #[config(default = 1024)]
+    pub step_chunk_blocks: usize,
     pub grad_clipping: Option<GradientClippingConfig>,
 }
 
@@ -49,6 +55,7 @@ impl AdamW8bitConfig {
             epsilon: self.epsilon,
             weight_decay: self.weight_decay,
             min_8bit_elements: self.min_8bit_elements,
+            step_chunk_blocks: self.step_chunk_blocks.max(1),
             first_map: DynamicMap::signed(),
             second_map: DynamicMap::unsigned(),
         }
@@ -72,6 +79,7 @@ pub struct AdamW8bit {
     epsilon: f32,
     weight_decay: f32,
     min_8bit_elements: usize,
+    step_chunk_blocks: usize,
     first_map: DynamicMap,
     second_map: DynamicMap,
 }
@@ -166,21 +174,39 @@ impl Optimizer for AdamW8bit {
         } else {
             let shape = tensor.shape();
             let previous = state.map(|s| match s.moments {
-                Moments::Blockwise { first, second } => (
-                    first.dequantize(&self.first_map),
-                    second.dequantize(&self.second_map),
-                ),
+                Moments::Blockwise { first, second } => (first, second),
                 Moments::Full { .. } => unreachable!("a large parameter's moments are 8-bit"),
             });
             // Padding is zero in the gradient, so zero in both moments and the direction.
-            let (m, v) = self.moments(padded(grad), previous);
-            let direction = self
-                .direction(m.clone(), v.clone(), time)
-                .slice(0..elements)
-                .reshape(shape);
+            let grad = padded(grad);
+            // A slice of whole blocks at a time: every operation is per
+            // element or per block, so the result is the whole tensor's, bit
+            // for bit, while the f32 moments, the direction's intermediates
+            // and quantize's i64 indices (tens of bytes an element in all)
+            // exist for one slice only, not for a whole embedding at once
+            // (issue 36: a 2 × 768 model with a 16k vocabulary, 12.6M
+            // elements in its embedding, was killed at its first 8-bit step).
+            let blocks = Quantized::blocks(elements);
+            let mut directions = vec![];
+            let (mut firsts, mut seconds) = (vec![], vec![]);
+            for from in (0..blocks).step_by(self.step_chunk_blocks) {
+                let to = (from + self.step_chunk_blocks).min(blocks);
+                let g = grad.clone().slice(from * BLOCK..to * BLOCK);
+                let previous = previous.as_ref().map(|(m, v)| {
+                    (
+                        m.blocks_range(from, to).dequantize(&self.first_map),
+                        v.blocks_range(from, to).dequantize(&self.second_map),
+                    )
+                });
+                let (m, v) = self.moments(g, previous);
+                directions.push(self.direction(m.clone(), v.clone(), time));
+                firsts.push(Quantized::quantize(m, &self.first_map));
+                seconds.push(Quantized::quantize(v, &self.second_map));
+            }
+            let direction = Tensor::cat(directions, 0).slice(0..elements).reshape(shape);
             let moments = Moments::Blockwise {
-                first: Quantized::quantize(m, &self.first_map),
-                second: Quantized::quantize(v, &self.second_map),
+                first: Quantized::cat(firsts),
+                second: Quantized::cat(seconds),
             };
             (direction, moments)
         };

@@ -142,6 +142,24 @@ impl Quantized {
         (values.reshape([blocks, BLOCK]) * self.absmax.clone().reshape([blocks, 1])).reshape([len])
     }
 
+    /// Blocks `from..to` of these codes (a view: no values change).
+    pub fn blocks_range(&self, from: usize, to: usize) -> Quantized {
+        Quantized {
+            codes: self.codes.clone().slice(from * BLOCK..to * BLOCK),
+            absmax: self.absmax.clone().slice(from..to),
+        }
+    }
+
+    /// Consecutive block ranges joined back into one tensor's codes.
+    pub fn cat(parts: Vec<Quantized>) -> Quantized {
+        let (codes, absmax): (Vec<_>, Vec<_>) =
+            parts.into_iter().map(|q| (q.codes, q.absmax)).unzip();
+        Quantized {
+            codes: Tensor::cat(codes, 0),
+            absmax: Tensor::cat(absmax, 0),
+        }
+    }
+
     /// Bytes held: one per code plus four per block scale.
     pub fn bytes(&self) -> usize {
         self.codes.shape().num_elements() * self.codes.dtype().size()
