@@ -112,10 +112,10 @@ pub fn json_schema() -> serde_json::Value {
             map.remove("anyOf");
             map.insert("type".into(), serde_json::json!(["integer", "string"]));
         }
-        if map.remove("nullable") == Some(Value::Bool(true)) {
-            if let Some(Value::String(t)) = map.get("type").cloned() {
-                map.insert("type".into(), serde_json::json!([t, "null"]));
-            }
+        if map.remove("nullable") == Some(Value::Bool(true))
+            && let Some(Value::String(t)) = map.get("type").cloned()
+        {
+            map.insert("type".into(), serde_json::json!([t, "null"]));
         }
         // The API server refuses null for an enum even where the schema
         // lists it (schemars writes `null` into an optional enum's values):

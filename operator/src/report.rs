@@ -102,13 +102,14 @@ pub fn plan_table(title: &str, request: &JobRequest, plan: &Plan) -> String {
     // Columns that are zero on every stage (no adapters, no checkpoint to
     // load, nothing in host memory) are left out.
     type Column = (&'static str, fn(&MemoryBreakdown) -> u64);
-    let all: [Column; 13] = [
+    let all: [Column; 14] = [
         ("WEIGHTS", |m| m.weights),
         ("GRADIENTS", |m| m.gradients),
         ("OPTIMIZER", |m| m.optimizer_state),
         ("ACTIVATIONS", |m| m.activations),
         ("LOGITS", |m| m.logits),
         ("COMPOSED", |m| m.composed_weights),
+        ("STEP", |m| m.optimizer_step),
         ("OVERHEAD", |m| m.fixed_overhead),
         ("SLACK", |m| m.allocator_slack),
         ("CORRECTION", |m| m.correction),
@@ -117,7 +118,7 @@ pub fn plan_table(title: &str, request: &JobRequest, plan: &Plan) -> String {
         ("TOTAL", |m| m.total),
         ("HOST", |m| m.host_bytes),
     ];
-    let optional = ["COMPOSED", "LOAD", "HOST", "TRAINING"];
+    let optional = ["COMPOSED", "STEP", "LOAD", "HOST", "TRAINING"];
     let shown: Vec<&Column> = all
         .iter()
         .filter(|(name, get)| {

@@ -198,7 +198,7 @@ fn stepping_a_slice_of_blocks_at_a_time_changes_nothing() {
                 .collect::<Vec<_>>()
         };
         let codes =
-            |t: Tensor<1, burn::tensor::Int>| t.into_data().to_vec::<u8>().expect("u8 codes");
+            |t: Tensor<1, burn::tensor::Int>| t.into_data().iter::<u8>().collect::<Vec<u8>>();
         (
             w.into_data()
                 .iter::<f32>()

@@ -359,7 +359,7 @@ async fn main() {
     let mut errors = vec![];
     for (i, (c, r)) in planned.iter().zip(&results).enumerate() {
         let r = r.as_ref().expect("every job ran");
-        let (plan, outcome, peak, reason) = &r.attempts[0];
+        let (plan, outcome, peak, _) = &r.attempts[0];
         let n = r.attempts.len();
         if r.succeeded && n == 1 {
             first += 1;
@@ -408,7 +408,10 @@ async fn main() {
                 .iter()
                 .map(|(p, o, _, why)| format!(
                     "{o:?}{} ({})",
-                    why.as_deref().map(|w| format!(" {w}")).unwrap_or_default(),
+                    why.as_deref()
+                        .filter(|w| *w != format!("{o:?}"))
+                        .map(|w| format!(" {w}"))
+                        .unwrap_or_default(),
                     settings(p)
                 ))
                 .collect::<Vec<_>>()
@@ -416,10 +419,9 @@ async fn main() {
             if r.succeeded {
                 "Succeeded".to_string()
             } else {
-                format!("Failed: {}", r.message)
+                format!("Failed: {}", r.message.lines().next().unwrap_or(""))
             },
         );
-        let _ = reason;
     }
     let n = planned.len();
     println!(

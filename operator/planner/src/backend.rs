@@ -52,6 +52,12 @@ pub struct BackendProfile {
     pub usable_fraction: f64,
     /// Dropout mask bytes per element (0: the Headroom worker trains without dropout).
     pub dropout_mask_bytes: u64,
+    /// The optimizer step's temporaries, in f32 copies of the largest
+    /// tensor a worker steps, beyond the states they replace (new moments,
+    /// direction, decayed and updated weights). The step runs after
+    /// backward has freed the activations, so it is a phase of its own
+    /// ([`crate::memory::MemoryBreakdown::optimizer_step`]).
+    pub optimizer_step_copies: f64,
     /// Copies of the fp32 logits alive at the loss (logits and their gradient).
     pub logit_copies: u64,
     /// Precisions the worker trains in on this backend; a plan never leaves them.
@@ -164,6 +170,12 @@ pub const FLEX: BackendProfile = BackendProfile {
     checkpoint_phase_overlap: 0.25,
     usable_fraction: 1.0,
     dropout_mask_bytes: 0,
+    // Measured where the step is the peak, activations small beside one
+    // large tensor (calibration rows FF16, 2 × 768 with a 16k vocabulary,
+    // from the first-fit bench's permanent failure; docs/benchmarks.md):
+    // 2.5 copies of the embedding with f32 AdamW, 2.9 and 3.2 with 8-bit
+    // AdamW (untied, tied).
+    optimizer_step_copies: 3.25,
     // One chunk of the loss op's f32 logits, their exponentials and, in
     // backward, the gradient (fitted coefficient 1.04 on the rows without
     // checkpointing).
@@ -229,6 +241,10 @@ pub const CUDA: BackendProfile = BackendProfile {
     checkpoint_phase_overlap: 1.0,
     usable_fraction: 0.99,
     dropout_mask_bytes: 0,
+    // Not measured on a GPU: nothing beyond the state slack until a GPU
+    // run measures the step (the CPU's figure is glibc's, not the CUDA
+    // caching allocator's).
+    optimizer_step_copies: 0.0,
     // The loss op's chunk, as on flex.
     logit_copies: 3,
     precisions: &[Precision::Fp32, Precision::Bf16, Precision::Fp16],

@@ -194,6 +194,16 @@ fn grid() -> Vec<Case> {
     let wide = shape(2, 768, 12, 128, 16384, false);
     // Issue 36's job: OOM-killed at micro-batch 1 with 8-bit AdamW.
     let i36 = shape(6, 384, 6, 256, 4096, true);
+    // The first-fit bench's (make bench-first-fit) jobs measured furthest
+    // from their plans: few layers, large micro-batches or vocabularies.
+    let ff20 = shape(2, 512, 8, 128, 4096, true);
+    let ff11 = shape(2, 512, 8, 64, 4096, true);
+    let ff22 = shape(2, 768, 12, 128, 4096, true);
+    let ff21 = shape(2, 192, 3, 64, 32000, true);
+    let ff02 = shape(3, 512, 8, 64, 32000, true);
+    let ff16 = shape(2, 768, 12, 64, 16384, true);
+    let ff16u = shape(2, 768, 12, 64, 16384, false);
+    let ff21u = shape(2, 192, 3, 64, 32000, false);
     // Llama rows (vocabularies ≥ 512: the tiny-llama tokenizer's ids).
     // Q: 8 query heads sharing 2 key/value heads, SwiGLU width 688 (≈ 8h/3,
     // Llama's ratio), tied; Qm: the same with multi-head attention (8/8);
@@ -286,6 +296,22 @@ fn grid() -> Vec<Case> {
         c("I36 b1 ckpt 8bit", &i36, 1, 1, true, Adamw8bit),
         c("I36 b4 8bit", &i36, 4, 1, false, Adamw8bit),
         c("W untied b4 8bit", &wide, 4, 1, false, Adamw8bit),
+        c("FF20 2x512 s128 b32", &ff20, 32, 1, false, Adamw),
+        c("FF11 2x512 s64 b32", &ff11, 32, 1, false, Adamw),
+        c("FF22 2x768 s128 b4", &ff22, 4, 1, false, Adamw),
+        c("FF21 2x192 v32000 b16", &ff21, 16, 1, false, Adamw),
+        c("FF02 3x512 v32000 b16", &ff02, 16, 1, false, Adamw),
+        c("FF16 2x768 v16384 b2 8bit", &ff16, 2, 1, false, Adamw8bit),
+        c(
+            "FF16u untied 2x768 v16384 b2 8bit",
+            &ff16u,
+            2,
+            1,
+            false,
+            Adamw8bit,
+        ),
+        c("FF21u untied 2x192 v32000 b16", &ff21u, 16, 1, false, Adamw),
+        c("FF16 2x768 v16384 b2", &ff16, 2, 1, false, Adamw),
         c("Llama Q s1024 b2", &q1k, 2, 1, false, Adamw),
         c("Llama Q s2048 b1", &q2k, 1, 1, false, Adamw),
         c("Llama Q s2048 b2 ckpt", &q2k, 2, 1, true, Adamw),
@@ -1272,13 +1298,14 @@ fn print_row(m: &Measured) {
 fn breakdown_mib(b: &headroom_planner::MemoryBreakdown) -> String {
     let m = |x: u64| x as f64 / MIB;
     format!(
-        "weights {:.1}, gradients {:.1}, optimizer {:.1}, activations {:.1}, logits {:.1}, composed {:.1}, slack {:.1}, fixed {:.0}: training {:.1}; load peak {:.1}",
+        "weights {:.1}, gradients {:.1}, optimizer {:.1}, activations {:.1}, logits {:.1}, composed {:.1}, step {:.1}, slack {:.1}, fixed {:.0}: training {:.1}; load peak {:.1}",
         m(b.weights),
         m(b.gradients),
         m(b.optimizer_state),
         m(b.activations),
         m(b.logits),
         m(b.composed_weights),
+        m(b.optimizer_step),
         m(b.allocator_slack),
         m(b.fixed_overhead),
         m(b.training_total()),
