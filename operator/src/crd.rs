@@ -91,8 +91,8 @@ pub fn unknown_fields(manifest: &serde_json::Value) -> Vec<String> {
 /// The CRD's `openAPIV3Schema` as a JSON Schema (draft 4, which OpenAPI
 /// 3.0's schema object extends), with Kubernetes' own keywords given the
 /// meaning the API server gives them:
-/// - `nullable: true` admits `null` (OpenAPI 3.0's spelling), except in an
-///   enum, where the API server refuses it;
+/// - `nullable: true` admits `null` (OpenAPI 3.0's spelling), except for
+///   an enum, where the API server refuses it;
 /// - `x-kubernetes-int-or-string` admits an integer or a string;
 /// - `status` is dropped: the API server ignores it on a create (subresource).
 ///
@@ -117,9 +117,9 @@ pub fn json_schema() -> serde_json::Value {
         {
             map.insert("type".into(), serde_json::json!([t, "null"]));
         }
-        // The API server refuses null for an enum even where the schema
-        // lists it (schemars writes `null` into an optional enum's values):
-        // `Unsupported value: "null"` (the property test found it).
+        // The API server refuses null for an enum even where the field is
+        // nullable (`Unsupported value: "null"`; the property test found
+        // it): an enum takes its listed values only.
         if let Some(Value::Array(values)) = map.get_mut("enum") {
             values.retain(|v| !v.is_null());
         }
