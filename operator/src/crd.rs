@@ -14,6 +14,17 @@ pub fn crd_yaml() -> Result<String, serde_yaml::Error> {
     ))
 }
 
+/// The CRD's `openAPIV3Schema` as JSON, as the API server holds it.
+fn openapi_schema() -> Option<serde_json::Value> {
+    MemoryAwareTrainingJob::crd()
+        .spec
+        .versions
+        .first()
+        .and_then(|v| v.schema.as_ref())
+        .and_then(|s| s.open_api_v3_schema.as_ref())
+        .and_then(|s| serde_json::to_value(s).ok())
+}
+
 /// Fields of a job manifest that the CRD's schema does not know, as paths
 /// (`spec.training.lerningRate`), each with the fields that would be known
 /// there. The API server rejects these (strict field validation, as `kubectl
@@ -60,15 +71,7 @@ pub fn unknown_fields(manifest: &serde_json::Value) -> Vec<String> {
             _ => {}
         }
     }
-    let crd = MemoryAwareTrainingJob::crd();
-    let Some(schema) = crd
-        .spec
-        .versions
-        .first()
-        .and_then(|v| v.schema.as_ref())
-        .and_then(|s| s.open_api_v3_schema.as_ref())
-        .and_then(|s| serde_json::to_value(s).ok())
-    else {
+    let Some(schema) = openapi_schema() else {
         return vec![];
     };
     let mut out = vec![];
@@ -151,15 +154,7 @@ pub fn json_schema() -> serde_json::Value {
             }
         }
     }
-    let crd = MemoryAwareTrainingJob::crd();
-    let mut schema = crd
-        .spec
-        .versions
-        .first()
-        .and_then(|v| v.schema.as_ref())
-        .and_then(|s| s.open_api_v3_schema.as_ref())
-        .and_then(|s| serde_json::to_value(s).ok())
-        .unwrap_or(Value::Bool(true));
+    let mut schema = openapi_schema().unwrap_or(Value::Bool(true));
     if let Some(Value::Object(properties)) = schema.get_mut("properties") {
         properties.remove("status");
     }
