@@ -10,17 +10,21 @@
 #     machine: calibrate.xz + libdevice, under 64 MiB, to carry to a GPU
 #     machine that receives only the working tree and a few build outputs).
 #
-#   worker/cuda/gpu-check.sh [calibrate options]   e.g. --only B, --large, --steps 5
+#   worker/cuda/gpu-check.sh [calibrate options]   e.g. --only B, --only 'T b8$|B b4', --large, --steps 5
 #
 # What it runs (calibrate --backend cuda, worker/src/bin/calibrate/gpu.rs):
 #   1. a bf16 smoke run: 5 training steps on GPU 0, NVML used/total and the
 #      allocator's in-use/reserved bytes as the worker's probe reads them;
-#   2. the calibration grid: bf16 Llama models (110M-1.1B; 3B with --large)
-#      planned by the real planner for this GPU, each a worker process; the
-#      planner's CUDA prediction against the measured device peak, in the
-#      table format of docs/benchmarks.md;
-#   3. tokens/s and the telemetry overhead (one sample's cost with NVML; the
-#      step time with and without the reporter thread).
+#   2. the lean ops (blocked attention, chunked cross-entropy, the NF4 LoRA
+#      linear) against the naive ones on the GPU in fp32 and bf16, values
+#      and gradients, both against the f32 reference on the CPU;
+#   3. the calibration grid: bf16 Llama models (110M-1.1B, s up to 8192; 3B
+#      with --large) planned by the real planner for this GPU, each a worker
+#      process; the planner's CUDA prediction against the measured device
+#      peak, in the table format of docs/benchmarks.md;
+#   4. speed: TinyLlama-1.1B full fine-tunes at s 2048 (tokens/s, MFU), then
+#      tokens/s and the telemetry overhead of a GPT 12 x 768 (one sample's
+#      cost with NVML; the step time with and without the reporter thread).
 # The output is also written to gpu-check.md in the current directory (or
 # $GPU_CHECK_OUT).
 #

@@ -167,14 +167,17 @@ fn assignment(case: &Case, steps: u64, gpu: &Gpu) -> Result<WorkerAssignment, St
 }
 
 /// bf16 Llama shapes with the Llama-2 vocabulary: T (110M, 12 × 768, MHA,
-/// tied), M (350M, 24 × 1024, untied), B (TinyLlama-1.1B: 22 × 2048, GQA
-/// 32/4, SwiGLU 5632, untied) and, with `large`, X (OpenLLaMA-3B: 26 × 3200,
-/// SwiGLU 8640).
+/// tied; s 1024, and 4096 and 8192 in the long-sequence rows), M (350M,
+/// 24 × 1024, untied), B (TinyLlama-1.1B: 22 × 2048, GQA 32/4, SwiGLU
+/// 5632, untied) and, with `large`, X (OpenLLaMA-3B: 26 × 3200, SwiGLU
+/// 8640).
 pub fn grid(large: bool) -> Vec<Case> {
     let t = llama(12, 768, (12, 12), 2048, 1024, 32000, true);
     let m = llama(24, 1024, (16, 16), 2816, 1024, 32000, false);
     let b = llama(22, 2048, (32, 4), 5632, 2048, 32000, false);
     let x = llama(26, 3200, (32, 32), 8640, 2048, 32000, false);
+    let t4k = llama(12, 768, (12, 12), 2048, 4096, 32000, true);
+    let t8k = llama(12, 768, (12, 12), 2048, 8192, 32000, true);
     let c = |name, model: &ModelShape, mb, acc, ckpt, opt| {
         Case::full(name, model, (mb, acc), ckpt, opt, Precision::Bf16)
     };
@@ -192,6 +195,11 @@ pub fn grid(large: bool) -> Vec<Case> {
         c("T b16", &t, 16, 1, false, Adamw),
         c("T b16 ckpt", &t, 16, 1, true, Adamw),
         c("T b8 acc2", &t, 8, 2, false, Adamw),
+        // Long sequences: the attention and loss ops keep memory linear in s.
+        c("T s4096 b2", &t4k, 2, 1, false, Adamw),
+        c("T s4096 b2 ckpt", &t4k, 2, 1, true, Adamw),
+        c("T s8192 b1", &t8k, 1, 1, false, Adamw),
+        c("T s8192 b1 ckpt", &t8k, 1, 1, true, Adamw),
         c("M b8", &m, 8, 1, false, Adamw),
         c("M b8 ckpt", &m, 8, 1, true, Adamw),
         c("M b8 8bit", &m, 8, 1, false, Adamw8bit),
@@ -291,6 +299,144 @@ pub fn smoke() -> i32 {
     0
 }
 
+/// `--gpu-ops-check fp32|bf16` (a child process: a device's float dtype
+/// is set once per process): the lean ops against the naive ones on GPU 0
+/// in that dtype, and both against the f32 reference on the CPU
+/// (`headroom_worker::model::lean::check`). 0 when every lean op is as
+/// accurate as the op it replaces.
+pub fn ops_check(precision: Precision) -> i32 {
+    use headroom_worker::model::lean::check::{Shapes, compare_on};
+    let device = match training_device(Backend::Cuda, precision) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("gpu-check: no CUDA device: {e}");
+            return 1;
+        }
+    };
+    // The dtype's rounding: bf16 keeps 8 bits of mantissa.
+    let tolerance = match precision {
+        Precision::Fp32 => 1e-4,
+        _ => 2e-2,
+    };
+    let started = Instant::now();
+    let rows = compare_on(&device, Shapes::gpu());
+    let opt = |e: Option<f32>| e.map_or("—".to_string(), |e| format!("{e:.1e}"));
+    let mut failed = 0;
+    for r in &rows {
+        let ok = r.holds(tolerance);
+        failed += usize::from(!ok);
+        println!(
+            "| {precision} | {} | {} | {:.1e} | {} | {} | {} |",
+            r.case,
+            r.quantity,
+            r.lean_vs_naive,
+            opt(r.lean_vs_reference),
+            opt(r.naive_vs_reference),
+            if ok { "ok" } else { "WORSE" }
+        );
+    }
+    eprintln!(
+        "  (ops check {precision}: {} comparisons in {:.1} s)",
+        rows.len(),
+        started.elapsed().as_secs_f64()
+    );
+    i32::from(failed > 0)
+}
+
+/// The card's dense bf16 tensor-core peak in FLOP/s, from NVIDIA's
+/// datasheets (without sparsity), by the name NVML reports.
+pub fn bf16_peak_flops(name: &str) -> Option<f64> {
+    let name = name.to_ascii_uppercase();
+    [
+        ("H200", 989.4e12),
+        ("H100 PCIE", 756.0e12),
+        ("H100", 989.4e12),
+        ("A100", 312.0e12),
+        ("L40S", 362.05e12),
+        ("L4", 121.0e12),
+        ("A10", 125.0e12),
+    ]
+    .into_iter()
+    .find(|(key, _)| name.contains(key))
+    .map(|(_, flops)| flops)
+}
+
+/// Training FLOPs per token: 6 per parameter (forward and backward) plus
+/// attention's scores and weighted sum, 12 · layers · hidden · sequence
+/// (PaLM, appendix B; causal masking not discounted, as there).
+pub fn flops_per_token(model: &ModelShape) -> f64 {
+    let (layers, hidden, seq) = match model {
+        ModelShape::Llama(l) => (l.layers, l.attention_heads * l.head_dim, l.sequence_length),
+        ModelShape::Transformer(t) => (t.layers, t.hidden, t.sequence_length),
+        ModelShape::Generic(_) => (0, 0, 0),
+    };
+    6.0 * model.total_params() as f64 + 12.0 * f64::from(layers) * f64::from(hidden) * f64::from(seq)
+}
+
+/// Full fine-tunes timed in this process (random checkpoints from
+/// `models`): the median of `steps` steps after two warm-up steps (kernel
+/// compilation, autotune), tokens/s and model FLOPs utilisation.
+fn speed_rows(gpu: &Gpu, device: &Device, models: &Path, steps: u64) {
+    let b = llama(22, 2048, (32, 4), 5632, 2048, 32000, false);
+    let cases = [
+        Case::full("B b8", &b, (8, 1), false, Optimizer::Adamw, Precision::Bf16),
+        Case::full("B b8 ckpt", &b, (8, 1), true, Optimizer::Adamw, Precision::Bf16),
+    ];
+    let peak = bf16_peak_flops(&gpu.name);
+    println!(
+        "\nspeed (bf16 full fine-tunes, median of {steps} steps after 2 warm-up steps; MFU against {}):\n",
+        peak.map_or("no known peak for this card".into(), |p| format!("{:.0} TFLOP/s", p / 1e12))
+    );
+    println!("| case | params | s | micro | ckpt | step ms | tokens/s | MFU |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for case in cases {
+        let mut a = match assignment(&case, steps + 2, gpu) {
+            Ok(a) => a,
+            Err(e) => {
+                println!("| {} | skipped: {e} |", case.name);
+                continue;
+            }
+        };
+        let dir = std::env::temp_dir().join(format!("headroom-gpu-speed-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        a.files = fine_tuning_files_with(&case, &dir, models, steps + 2);
+        let config = ValidAssignment::new(a).expect("valid").into_config();
+        let tokens = config.tokens_per_step() as f64;
+        let timed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut trainer = Trainer::new(config, device.clone()).expect("trainer");
+            for _ in 0..2 {
+                trainer.train_step().expect("warm-up");
+            }
+            (0..steps)
+                .map(|_| trainer.train_step().expect("step").elapsed.as_secs_f64())
+                .collect::<Vec<_>>()
+        }));
+        let _ = std::fs::remove_dir_all(&dir);
+        let Ok(times) = timed else {
+            println!("| {} | failed (see stderr) |", case.name);
+            continue;
+        };
+        let step = median(times);
+        let rate = tokens / step;
+        let mfu = peak.map_or("—".into(), |p| {
+            format!("{:.1} %", 100.0 * rate * flops_per_token(&case.model) / p)
+        });
+        let seq = match &case.model {
+            ModelShape::Llama(l) => l.sequence_length,
+            _ => 0,
+        };
+        println!(
+            "| {} | {:.0}M | {seq} | {} | {} | {:.1} | {rate:.0} | {mfu} |",
+            case.name,
+            case.model.total_params() as f64 / 1e6,
+            case.micro_batch,
+            if case.checkpointing { "on" } else { "off" },
+            step * 1e3,
+        );
+    }
+}
+
 /// The GPU grid, the summary and (with `overhead`) telemetry cost and
 /// tokens/s. The exit code: 0 when the targets are met, 1 when missed, 2
 /// when there is no GPU or CUDA build to run on.
@@ -318,6 +464,24 @@ pub fn run(steps: u64, only: Option<&str>, overhead: bool, large: bool) -> i32 {
         return 1;
     }
     println!(
+        "\nlean ops on this GPU against the naive ones (max |difference| / max |value|; reference: the naive op in f32 on the CPU):\n"
+    );
+    println!("| dtype | op | quantity | lean vs naive | lean vs reference | naive vs reference | |");
+    println!("|---|---|---|---|---|---|---|");
+    let mut ops_failed = 0;
+    for dtype in ["fp32", "bf16"] {
+        // Flushed before the child writes to the same stdout.
+        std::io::Write::flush(&mut std::io::stdout()).ok();
+        let status = Command::new(std::env::current_exe().expect("own path"))
+            .args(["--gpu-ops-check", dtype])
+            .status()
+            .expect("run the ops-check child");
+        if !status.success() {
+            eprintln!("gpu-check: the {dtype} ops check failed ({status})");
+            ops_failed += 1;
+        }
+    }
+    println!(
         "\nCUDA profile: fixed overhead {:.0} MiB, state slack {:.0} %, activation slack {:.0} % ({:.0} % for adapters without checkpointing), logit copies {}, checkpointed phase overlap {}, {:?} activation count, usable {:.0} %; bf16, {steps} steps per case, peak = worker device peak (NVML used, allocator reserved) less the NVML baseline\n",
         CUDA.fixed_overhead_bytes as f64 / MIB,
         CUDA.state_slack * 100.0,
@@ -337,7 +501,7 @@ pub fn run(steps: u64, only: Option<&str>, overhead: bool, large: bool) -> i32 {
     let mut failed = 0;
     for case in grid(large)
         .into_iter()
-        .filter(|c| only.is_none_or(|o| c.name.contains(o)))
+        .filter(|c| only.is_none_or(|o| selected(c.name, o)))
     {
         let a = match assignment(&case, steps, &gpu) {
             Ok(a) => a,
@@ -401,8 +565,13 @@ pub fn run(steps: u64, only: Option<&str>, overhead: bool, large: bool) -> i32 {
         );
         rows.push(m);
     }
+    // One device for the in-process runs: its dtype is set once per process.
+    let device = overhead.then(|| training_device(Backend::Cuda, Precision::Bf16));
+    if let Some(Ok(device)) = &device {
+        speed_rows(&gpu, device, &models, 5);
+    }
     let _ = std::fs::remove_dir_all(&models);
-    if overhead {
+    if let Some(device) = device {
         // A GPT-2-small shape trained from random weights (no checkpoint to
         // write): tokens/s and the reporter's cost on this GPU.
         let case = Case::full(
@@ -414,11 +583,17 @@ pub fn run(steps: u64, only: Option<&str>, overhead: bool, large: bool) -> i32 {
             Precision::Bf16,
         );
         match assignment(&case, 1_000_000, &gpu) {
-            Ok(a) => match training_device(Backend::Cuda, Precision::Bf16) {
+            Ok(a) => match device {
                 Ok(device) => {
                     println!(
-                        "\ntokens/s and telemetry, model {} bf16, micro-batch {}:",
-                        case.name, case.micro_batch
+                        "\ntokens/s and telemetry, model {} bf16, micro-batch {}{}:",
+                        case.name,
+                        case.micro_batch,
+                        bf16_peak_flops(&gpu.name).map_or(String::new(), |p| format!(
+                            "; {:.1} GFLOP per token, so MFU = tokens/s × {:.3e}",
+                            flops_per_token(&case.model) / 1e9,
+                            flops_per_token(&case.model) / p
+                        ))
                     );
                     telemetry_overhead_on(a, device);
                 }
@@ -432,6 +607,10 @@ pub fn run(steps: u64, only: Option<&str>, overhead: bool, large: bool) -> i32 {
         return 1;
     }
     let missed = summarize(&rows);
+    if ops_failed > 0 {
+        eprintln!("gpu-check: a lean op was less accurate than the op it replaces on this GPU");
+        return 1;
+    }
     if failed > 0 {
         eprintln!("gpu-check: {failed} case(s) failed");
         return 1;
@@ -465,6 +644,37 @@ mod tests {
             driver: "test".into(),
             cuda: "12.8".into(),
         }
+    }
+
+    #[test]
+    fn cards_are_told_apart_by_the_names_nvml_reports() {
+        let tflops = |name: &str| bf16_peak_flops(name).map(|f| f / 1e12);
+        assert_eq!(tflops("NVIDIA H200"), Some(989.4));
+        assert_eq!(tflops("NVIDIA H100 80GB HBM3"), Some(989.4));
+        assert_eq!(tflops("NVIDIA H100 PCIe"), Some(756.0));
+        assert_eq!(tflops("NVIDIA A100-SXM4-80GB"), Some(312.0));
+        assert_eq!(tflops("NVIDIA A10"), Some(125.0));
+        assert_eq!(tflops("NVIDIA L40S"), Some(362.05));
+        assert_eq!(tflops("NVIDIA L4"), Some(121.0));
+        assert_eq!(tflops("Tesla T4"), None, "no bf16 tensor cores");
+    }
+
+    #[test]
+    fn model_flops_count_parameters_and_attention() {
+        // GPT-2 small's shape with the Llama-2 vocabulary, s 1024.
+        let model = shape(12, 768, 12, 1024, 32000, true);
+        let params = model.total_params() as f64;
+        assert!((100e6..130e6).contains(&params), "{params}");
+        let attention = 12.0 * 12.0 * 768.0 * 1024.0;
+        assert_eq!(flops_per_token(&model), 6.0 * params + attention);
+    }
+
+    #[test]
+    fn only_takes_alternatives_and_exact_endings() {
+        assert!(selected("M b8 ckpt", "M b8"));
+        assert!(!selected("M b8 ckpt", "M b8$"));
+        assert!(selected("M b8", "T b8$|M b8$"));
+        assert!(!selected("B b4", "T|M"));
     }
 
     /// What the grid does before any GPU runs it: every case plans on one

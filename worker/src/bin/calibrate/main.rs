@@ -967,7 +967,7 @@ fn ops_ab_report(steps: u64, only: Option<&str>) {
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for case in grid()
         .into_iter()
-        .filter(|c| only.is_none_or(|o| c.name.contains(o)))
+        .filter(|c| only.is_none_or(|o| selected(c.name, o)))
     {
         // The worker processes take this process's choice (`try_run_worker`).
         let peak = |naive: bool| {
@@ -1016,6 +1016,16 @@ fn ops_ab_report(steps: u64, only: Option<&str>) {
             lean_rate / naive_rate,
         );
     }
+}
+
+/// `--only`: the cases whose name contains one of the `|`-separated parts
+/// (a part ending in `$`: whose name ends with it, so `M b8$` is not
+/// `M b8 ckpt`).
+fn selected(name: &str, only: &str) -> bool {
+    only.split('|').any(|part| match part.strip_suffix('$') {
+        Some(end) => name.ends_with(end),
+        None => name.contains(part),
+    })
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -1157,6 +1167,14 @@ fn main() {
             std::process::exit(exit.code());
         }
         Some("--gpu-smoke") => std::process::exit(gpu::smoke()),
+        Some("--gpu-ops-check") => {
+            let precision = match args.get(1).map(String::as_str) {
+                Some("fp32") => Precision::Fp32,
+                Some("bf16") => Precision::Bf16,
+                other => panic!("--gpu-ops-check {other:?}: fp32 or bf16"),
+            };
+            std::process::exit(gpu::ops_check(precision));
+        }
         _ => {}
     }
     let mut steps = 3;
@@ -1188,7 +1206,7 @@ fn main() {
                 return;
             }
             other => panic!(
-                "unknown argument {other}; use --backend flex|cuda, --large (cuda: add 3B rows), --steps N, --only NAME, --skip-pipeline, --pipeline-only, --skip-overhead, --overhead-only, --ops-ab, --predict-only"
+                "unknown argument {other}; use --backend flex|cuda, --large (cuda: add 3B rows), --steps N, --only NAME[|NAME…], --skip-pipeline, --pipeline-only, --skip-overhead, --overhead-only, --ops-ab, --predict-only"
             ),
         }
     }
@@ -1207,7 +1225,7 @@ fn main() {
         // profile against peaks measured before).
         for case in grid()
             .into_iter()
-            .filter(|c| only.as_deref().is_none_or(|o| c.name.contains(o)))
+            .filter(|c| only.as_deref().is_none_or(|o| selected(c.name, o)))
         {
             let a = assignment(&case, steps);
             let b = estimate_stage(
@@ -1244,7 +1262,7 @@ fn main() {
     let mut rows = Vec::new();
     for case in grid()
         .into_iter()
-        .filter(|c| only.as_deref().is_none_or(|o| c.name.contains(o)))
+        .filter(|c| only.as_deref().is_none_or(|o| selected(c.name, o)))
     {
         let m = measure(&case, steps);
         print_row(&m);

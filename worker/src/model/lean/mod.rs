@@ -22,6 +22,7 @@
 //! whole blocks itself, see [`crate::train`]).
 
 pub mod attention;
+pub mod check;
 pub mod cross_entropy;
 pub mod frozen;
 pub mod linear;
