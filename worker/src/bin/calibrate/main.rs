@@ -1183,6 +1183,7 @@ fn main() {
     let mut pipeline = true;
     let mut cuda = false;
     let mut large = false;
+    let mut quick = false;
     let mut ops_ab = false;
     let mut predict_only = false;
     let mut it = args.iter();
@@ -1196,6 +1197,7 @@ fn main() {
                 other => panic!("--backend {other:?}: use flex (CPU, the default) or cuda"),
             },
             "--large" => large = true,
+            "--quick" => quick = true,
             "--ops-ab" => ops_ab = true,
             "--predict-only" => predict_only = true,
             "--skip-overhead" => overhead = false,
@@ -1206,7 +1208,7 @@ fn main() {
                 return;
             }
             other => panic!(
-                "unknown argument {other}; use --backend flex|cuda, --large (cuda: add 3B rows), --steps N, --only NAME[|NAME…], --skip-pipeline, --pipeline-only, --skip-overhead, --overhead-only, --ops-ab, --predict-only"
+                "unknown argument {other}; use --backend flex|cuda, --large (cuda: add 3B rows), --quick (cuda: the 110M-350M rows, no 1.1B speed rows), --steps N, --only NAME[|NAME…], --skip-pipeline, --pipeline-only, --skip-overhead, --overhead-only, --ops-ab, --predict-only"
             ),
         }
     }
@@ -1214,7 +1216,7 @@ fn main() {
         eprintln!("warning: a debug build; calibrate with --release");
     }
     if cuda {
-        std::process::exit(gpu::run(steps, only.as_deref(), overhead, large));
+        std::process::exit(gpu::run(steps, only.as_deref(), overhead, large, quick));
     }
     if ops_ab {
         ops_ab_report(steps, only.as_deref());
