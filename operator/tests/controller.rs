@@ -878,8 +878,10 @@ async fn stages_span_nodes_only_with_a_read_write_many_checkpoint_volume() {
     let ns = test_ns("hr-rwx").await;
     let mut nodes = GpuNodes::new(&ns);
     let small = nodes.product("Small");
+    // 6 GiB each: the job's bf16 weights, gradients and AdamW moments (8
+    // bytes a parameter, 5.8 GiB) need two of them.
     for i in 0..3 {
-        nodes.add(&format!("n{i}"), &small, 8192).await;
+        nodes.add(&format!("n{i}"), &small, 6144).await;
     }
     // Offloading the optimizer state to host memory would fit it on one
     // GPU (the nodes allocate 64Gi); this job does not allow it.

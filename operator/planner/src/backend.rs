@@ -62,6 +62,12 @@ pub struct BackendProfile {
     pub logit_copies: u64,
     /// Precisions the worker trains in on this backend; a plan never leaves them.
     pub precisions: &'static [Precision],
+    /// Whether a bf16/fp16 plan trains the half-precision weights
+    /// themselves: no fp32 master copy, and the optimizer's moments in the
+    /// weights' dtype (burn's optimizers keep their state in the gradient's
+    /// dtype). False: mixed precision as PyTorch's AMP keeps it (fp32
+    /// master weights and moments), the conservative count.
+    pub pure_half_precision: bool,
     /// Optimizers the worker implements on this backend; a plan never leaves them.
     pub optimizers: &'static [Optimizer],
     /// Formats the worker stores a frozen LoRA base in on this backend
@@ -181,6 +187,8 @@ pub const FLEX: BackendProfile = BackendProfile {
     // checkpointing).
     logit_copies: 3,
     precisions: &[Precision::Fp32],
+    // fp32 only.
+    pure_half_precision: false,
     optimizers: &[
         Optimizer::Adamw,
         Optimizer::Adam,
@@ -221,22 +229,28 @@ pub const FLEX: BackendProfile = BackendProfile {
     stage_link_bytes_per_second: 1.0e9,
 };
 
-/// burn CUDA: context and kernels cost most of a GiB; drivers keep ~1 % back
-/// (an "80 GB" card offers about 79.2 GiB).
+/// burn CUDA: the context and kernels NVML counts beside cubecl's pool, and
+/// drivers keep ~1 % back (an "80 GB" card offers about 79.2 GiB).
 ///
-/// Not calibrated: the H200 runs (docs/gpu.md) measured the worker before
-/// its lean ops, when burn kept three s² maps per layer and a dense copy of
-/// every adapted matrix. The worker now runs the same ops on CUDA as on
-/// flex (worker/src/model/lean), so activations are counted op by op as
-/// burn keeps them, like flex; the slacks stay one uncalibrated 8 % on all
-/// tensor bytes (CUDA's caching allocator keeps other transients than
-/// glibc), until a GPU measures them.
+/// Calibrated on an H200 (2026-11-27, docs/gpu.md) against four bf16 full
+/// fine-tunes with the lean ops (110M and 374M, s 1024 and 8192, with and
+/// without checkpointing); its 1.1B, LoRA/QLoRA and 8-bit AdamW rows are
+/// not measured yet, so those keep the same terms unverified.
 pub const CUDA: BackendProfile = BackendProfile {
     backend: Backend::Cuda,
-    fixed_overhead_bytes: 900 * MIB,
-    state_slack: 0.08,
-    activation_slack: 0.08,
-    adapter_activation_slack: 0.08,
+    // NVML's used bytes less cubecl's reserved pool in the smoke run (853 −
+    // 214 MiB) is the context, ~640 MiB; the fit of the four rows gives
+    // 650-730 MiB of fixed cost.
+    fixed_overhead_bytes: 680 * MIB,
+    // cubecl's pool rounds each allocation up to its page sizes.
+    state_slack: 0.02,
+    // Measured ÷ counted activations was 1.337 (110M) and 1.332 (374M)
+    // without checkpointing, once the states are counted as the worker
+    // keeps them: bf16 stages keep f32 copies where burn upcasts (RmsNorm's
+    // input, the loss chunk's logits) and cubecl's pool keeps freed pages.
+    activation_slack: 0.33,
+    // Not measured on a GPU for adapters: the full fine-tunes' figure.
+    adapter_activation_slack: 0.33,
     activation_count: ActivationCount::BurnAutodiff,
     checkpoint_phase_overlap: 1.0,
     usable_fraction: 0.99,
@@ -248,6 +262,11 @@ pub const CUDA: BackendProfile = BackendProfile {
     // The loss op's chunk, as on flex.
     logit_copies: 3,
     precisions: &[Precision::Fp32, Precision::Bf16, Precision::Fp16],
+    // The worker's bf16 stage holds bf16 weights, gradients and AdamW
+    // moments, nothing in f32 (worker/src/train.rs, `training_device`):
+    // the H200 rows of 2026-11-27 measured 4 bytes of optimizer state per
+    // parameter, not AMP's 12 (docs/gpu.md).
+    pure_half_precision: true,
     optimizers: &[
         Optimizer::Adamw,
         Optimizer::Adam,

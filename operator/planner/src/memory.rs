@@ -771,7 +771,7 @@ pub fn estimate_stage(
     let gradients = trained_params * p.gradient_bytes() * grad_copies;
     // Under ZeRO-1 the largest replica's share of the state (and of the
     // master weights, which live with the state).
-    let ranks = sharded_state_bytes(&trained, settings, stage.replicas);
+    let ranks = sharded_state_bytes(&trained, settings, profile, stage.replicas);
     let optimizer_total = ranks.iter().map(|r| r.0).max().unwrap_or(0);
     // A bucket is never larger than the stage's trained values (f32).
     let collective_buffers = crate::sharding::collective_buffer_bytes(
@@ -903,10 +903,30 @@ pub fn estimate_stage(
 fn sharded_state_bytes(
     trained: &[StageTensor],
     settings: &Settings,
+    profile: &BackendProfile,
     replicas: u32,
 ) -> Vec<(u64, u64)> {
-    let master = settings.precision.master_weight_bytes();
-    let state = |elements: u64| settings.optimizer.tensor_state_bytes(elements) + elements * master;
+    // Pure half precision: no master copy, and f32 moments become the
+    // weights' dtype (8-bit AdamW's blocks are 8-bit either way). An
+    // offloaded optimizer steps on the host in f32 against an f32 master
+    // copy (worker/src/optim/offload.rs) whatever the device trains in.
+    let pure = profile.pure_half_precision
+        && settings.precision != Precision::Fp32
+        && !settings.offload_optimizer;
+    let master = if pure {
+        0
+    } else {
+        settings.precision.master_weight_bytes()
+    };
+    let moments = |elements: u64| {
+        let bytes = settings.optimizer.tensor_state_bytes(elements);
+        if pure && settings.optimizer != Optimizer::Adamw8bit {
+            bytes * settings.precision.weight_bytes() / 4
+        } else {
+            bytes
+        }
+    };
+    let state = |elements: u64| moments(elements) + elements * master;
     if replicas <= 1 {
         return vec![(
             trained.iter().map(|t| t.count * state(t.elements)).sum(),
@@ -1322,18 +1342,21 @@ mod tests {
     }
 
     #[test]
-    fn cuda_keeps_one_slack_and_counts_what_burn_keeps() {
+    fn cuda_counts_what_burn_keeps_in_bf16() {
         // The CUDA worker runs the same burn code and ops as flex, so the
-        // same op-by-op count; its slack is still one uncalibrated 8 % on
-        // every tensor byte.
+        // same op-by-op count, with its own slacks (fitted on an H200), and
+        // a bf16 stage keeps bf16 moments and no master copy.
         use crate::backend::CUDA;
         let s = Settings {
             precision: Precision::Bf16,
             ..settings(8, false)
         };
         let m = estimate_stage(&small(), None, &s, StagePlacement::single(4), &CUDA, 1.0);
-        let tensors = m.weights + m.gradients + m.optimizer_state + m.activations + m.logits;
-        assert!((m.allocator_slack as f64 - tensors as f64 * 0.08).abs() <= 1.0);
+        assert_eq!(m.optimizer_state, 2 * m.weights);
+        let states = (m.weights + m.gradients + m.optimizer_state) as f64;
+        let transient = (m.activations + m.logits) as f64;
+        let expected = states * CUDA.state_slack + transient * CUDA.activation_slack;
+        assert!((m.allocator_slack as f64 - expected).abs() <= 1.0);
         let (sq, b, h, a, f) = (128u64, 8u64, 256u64, 4u64, 1024u64);
         assert_eq!(
             m.activations,
@@ -1627,7 +1650,9 @@ mod lora_and_load_tests {
         let t = 4_194_304u64;
         assert_eq!(m.weights, 6_738_415_616 * 2 + t * 2);
         assert_eq!(m.gradients, t * 2);
-        assert_eq!(m.optimizer_state, t * (4 + 8));
+        // bf16 AdamW moments for the adapters (the CUDA worker keeps no
+        // fp32 master copy).
+        assert_eq!(m.optimizer_state, t * 4);
         // q and v adapted as x·W + s·(x·A)·B: no dense weight composed.
         assert_eq!(m.composed_weights, 0);
     }
@@ -1753,7 +1778,7 @@ mod lora_and_load_tests {
             1.0,
         );
         let off = estimate_stage(&model, None, &on, StagePlacement::single(32), &CUDA, 1.0);
-        assert_eq!(kept.optimizer_state, 6_738_415_616 * 12);
+        assert_eq!(kept.optimizer_state, 6_738_415_616 * 4);
         assert_eq!(off.optimizer_state, 0);
         assert!(off.host_bytes >= kept.optimizer_state);
         assert!(off.total < kept.total);

@@ -26,6 +26,14 @@ fn llama_7b() -> ModelShape {
     ModelShape::Llama(LlamaShape::from_hf_config(LLAMA_2_7B, 2048).expect("valid config"))
 }
 
+const LLAMA_2_13B: &str = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":5120,
+    "intermediate_size":13824,"num_hidden_layers":40,"num_attention_heads":40,
+    "num_key_value_heads":40,"vocab_size":32000,"tie_word_embeddings":false,"torch_dtype":"float16"}"#;
+
+fn llama_13b() -> ModelShape {
+    ModelShape::Llama(LlamaShape::from_hf_config(LLAMA_2_13B, 2048).expect("valid config"))
+}
+
 fn eight_h100() -> Inventory {
     Inventory::from_nodes(&[gpu_node("node-a", "NVIDIA-H100-80GB-HBM3", 81559, 8)])
 }
@@ -57,8 +65,8 @@ fn assert_batch(plan: &Plan, global_batch: u32) {
 }
 
 #[test]
-fn seven_b_on_eight_h100s_uses_the_free_gpus_when_fastest() {
-    let mut job = gpu_job(llama_7b(), 32, 8);
+fn thirteen_b_on_eight_h100s_uses_the_free_gpus_when_fastest() {
+    let mut job = gpu_job(llama_13b(), 32, 8);
     let fastest = plan_with(&job, &eight_h100(), &opts(&CUDA)).expect("fits");
     show("fastest", &fastest);
     for alt in alternatives(&job, &eight_h100(), &fastest) {
@@ -75,7 +83,7 @@ fn seven_b_on_eight_h100s_uses_the_free_gpus_when_fastest() {
     assert_eq!(
         (fewest.workers, fewest.replicas),
         (2, 1),
-        "16 bytes a parameter do not fit one 80 GB GPU"
+        "8 bytes a parameter (bf16 weights, gradients, AdamW moments) of 13B do not fit one 80 GB GPU"
     );
     // The free GPUs at work: at least three times the devices, in well under
     // half the time per step.
@@ -114,15 +122,15 @@ fn zero_one_shards_the_optimizer_state_over_the_replicas() {
         estimate_stage(&model, None, &settings, stage, &CUDA, 1.0)
     };
     let one = state(1);
-    // Mixed-precision AdamW: 4 (master) + 8 (moments) bytes a parameter.
-    assert_eq!(one.optimizer_state, 12 * params);
+    // The CUDA worker's bf16 AdamW: two bf16 moments, no fp32 master copy.
+    assert_eq!(one.optimizer_state, 4 * params);
     assert_eq!(one.collective_buffers, 0);
     for d in [2u32, 4, 8] {
         let sharded = state(d);
-        let ideal = 12 * params / u64::from(d);
+        let ideal = 4 * params / u64::from(d);
         // Whole tensors: the largest share is within one tensor (the
         // 131M-parameter embedding or head) of the even split.
-        let largest_tensor = 12 * 32000 * 4096;
+        let largest_tensor = 4 * 32000 * 4096;
         assert!(sharded.optimizer_state >= ideal, "d {d}");
         assert!(
             sharded.optimizer_state <= ideal + largest_tensor,

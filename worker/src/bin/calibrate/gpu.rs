@@ -313,9 +313,12 @@ pub fn ops_check(precision: Precision) -> i32 {
             return 1;
         }
     };
-    // The dtype's rounding: bf16 keeps 8 bits of mantissa.
+    // The dtype's rounding: bf16 keeps 8 bits of mantissa; cubecl's f32
+    // matmuls on an H200 differ from the CPU's by up to 6e-4 (the naive
+    // ops against the reference, first run), so an f32 row without a
+    // reference (the NF4 linear's dB: 3.3e-4) is held to 1e-3.
     let tolerance = match precision {
-        Precision::Fp32 => 1e-4,
+        Precision::Fp32 => 1e-3,
         _ => 2e-2,
     };
     let started = Instant::now();
@@ -370,7 +373,8 @@ pub fn flops_per_token(model: &ModelShape) -> f64 {
         ModelShape::Transformer(t) => (t.layers, t.hidden, t.sequence_length),
         ModelShape::Generic(_) => (0, 0, 0),
     };
-    6.0 * model.total_params() as f64 + 12.0 * f64::from(layers) * f64::from(hidden) * f64::from(seq)
+    6.0 * model.total_params() as f64
+        + 12.0 * f64::from(layers) * f64::from(hidden) * f64::from(seq)
 }
 
 /// Full fine-tunes timed in this process (random checkpoints from
@@ -380,12 +384,22 @@ fn speed_rows(gpu: &Gpu, device: &Device, models: &Path, steps: u64) {
     let b = llama(22, 2048, (32, 4), 5632, 2048, 32000, false);
     let cases = [
         Case::full("B b8", &b, (8, 1), false, Optimizer::Adamw, Precision::Bf16),
-        Case::full("B b8 ckpt", &b, (8, 1), true, Optimizer::Adamw, Precision::Bf16),
+        Case::full(
+            "B b8 ckpt",
+            &b,
+            (8, 1),
+            true,
+            Optimizer::Adamw,
+            Precision::Bf16,
+        ),
     ];
     let peak = bf16_peak_flops(&gpu.name);
     println!(
         "\nspeed (bf16 full fine-tunes, median of {steps} steps after 2 warm-up steps; MFU against {}):\n",
-        peak.map_or("no known peak for this card".into(), |p| format!("{:.0} TFLOP/s", p / 1e12))
+        peak.map_or("no known peak for this card".into(), |p| format!(
+            "{:.0} TFLOP/s",
+            p / 1e12
+        ))
     );
     println!("| case | params | s | micro | ckpt | step ms | tokens/s | MFU |");
     println!("|---|---|---|---|---|---|---|---|");
@@ -444,7 +458,14 @@ fn speed_rows(gpu: &Gpu, device: &Device, models: &Path, steps: u64) {
 /// minutes with the smoke, the ops check and the telemetry run on an H200).
 pub const QUICK_CASES: &str = "T b8$|T b16 ckpt|T s8192|M b8$";
 
-pub fn run(steps: u64, only: Option<&str>, overhead: bool, large: bool, quick: bool) -> i32 {
+pub fn run(
+    steps: u64,
+    only: Option<&str>,
+    overhead: bool,
+    large: bool,
+    quick: bool,
+    ops_check: bool,
+) -> i32 {
     let only = only.or(quick.then_some(QUICK_CASES));
     let gpu = match detect() {
         Ok(gpu) => gpu,
@@ -468,13 +489,17 @@ pub fn run(steps: u64, only: Option<&str>, overhead: bool, large: bool, quick: b
         eprintln!("gpu-check: the bf16 smoke run failed ({status}); no grid");
         return 1;
     }
-    println!(
-        "\nlean ops on this GPU against the naive ones (max |difference| / max |value|; reference: the naive op in f32 on the CPU):\n"
-    );
-    println!("| dtype | op | quantity | lean vs naive | lean vs reference | naive vs reference | |");
-    println!("|---|---|---|---|---|---|---|");
+    if ops_check {
+        println!(
+            "\nlean ops on this GPU against the naive ones (max |difference| / max |value|; reference: the naive op in f32 on the CPU):\n"
+        );
+        println!(
+            "| dtype | op | quantity | lean vs naive | lean vs reference | naive vs reference | |"
+        );
+        println!("|---|---|---|---|---|---|---|");
+    }
     let mut ops_failed = 0;
-    for dtype in ["fp32", "bf16"] {
+    for dtype in ["fp32", "bf16"].into_iter().filter(|_| ops_check) {
         // Flushed before the child writes to the same stdout.
         std::io::Write::flush(&mut std::io::stdout()).ok();
         let status = Command::new(std::env::current_exe().expect("own path"))
@@ -682,6 +707,48 @@ mod tests {
         assert!(!selected("M b8 ckpt", "M b8$"));
         assert!(selected("M b8", "T b8$|M b8$"));
         assert!(!selected("B b4", "T|M"));
+    }
+
+    /// The peaks an H200 measured on 2026-11-27 (docs/gpu.md, run 2: bf16,
+    /// the lean ops, 3 steps, the worker's device peak less the NVML
+    /// baseline, MiB) against what the CUDA profile predicts for the same
+    /// cases: the targets, median |error| ≤ 5 %, none under −10 %.
+    #[test]
+    fn the_cuda_profile_predicts_what_an_h200_measured() {
+        let h200 = gpu("NVIDIA H200", 143771);
+        let measured = [
+            ("T b8", 6317.0),
+            ("T s8192 b1", 6317.0),
+            ("T s8192 b1 ckpt", 2279.0),
+            ("M b8", 16331.0),
+        ];
+        let mut errors = Vec::new();
+        for (name, mib) in measured {
+            let case = grid(false)
+                .into_iter()
+                .find(|c| c.name == name)
+                .expect("a grid case");
+            let a = assignment(&case, 3, &h200).expect("plans on an H200");
+            let predicted = estimate_stage(
+                &case.model,
+                a.plan.adapters.as_ref(),
+                &a.plan.settings,
+                StagePlacement::single(case.layers()),
+                &CUDA,
+                1.0,
+            )
+            .total as f64
+                / MIB;
+            let error = (predicted - mib) / mib;
+            eprintln!(
+                "{name}: predicted {predicted:.0} MiB, measured {mib:.0}: {:+.1} %",
+                100.0 * error
+            );
+            errors.push(error);
+        }
+        let median = median(errors.iter().map(|e| e.abs()).collect());
+        assert!(median <= MEDIAN_TARGET, "median |error| {median}");
+        assert!(errors.iter().all(|&e| e >= -UNDER_TARGET), "{errors:?}");
     }
 
     /// What the grid does before any GPU runs it: every case plans on one

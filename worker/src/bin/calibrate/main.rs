@@ -1184,6 +1184,7 @@ fn main() {
     let mut cuda = false;
     let mut large = false;
     let mut quick = false;
+    let mut ops_check = true;
     let mut ops_ab = false;
     let mut predict_only = false;
     let mut it = args.iter();
@@ -1198,6 +1199,7 @@ fn main() {
             },
             "--large" => large = true,
             "--quick" => quick = true,
+            "--skip-ops-check" => ops_check = false,
             "--ops-ab" => ops_ab = true,
             "--predict-only" => predict_only = true,
             "--skip-overhead" => overhead = false,
@@ -1208,7 +1210,7 @@ fn main() {
                 return;
             }
             other => panic!(
-                "unknown argument {other}; use --backend flex|cuda, --large (cuda: add 3B rows), --quick (cuda: the 110M-350M rows, no 1.1B speed rows), --steps N, --only NAME[|NAME…], --skip-pipeline, --pipeline-only, --skip-overhead, --overhead-only, --ops-ab, --predict-only"
+                "unknown argument {other}; use --backend flex|cuda, --large (cuda: add 3B rows), --quick (cuda: the 110M-350M rows, no 1.1B speed rows), --skip-ops-check (cuda), --steps N, --only NAME[|NAME…], --skip-pipeline, --pipeline-only, --skip-overhead, --overhead-only, --ops-ab, --predict-only"
             ),
         }
     }
@@ -1216,7 +1218,14 @@ fn main() {
         eprintln!("warning: a debug build; calibrate with --release");
     }
     if cuda {
-        std::process::exit(gpu::run(steps, only.as_deref(), overhead, large, quick));
+        std::process::exit(gpu::run(
+            steps,
+            only.as_deref(),
+            overhead,
+            large,
+            quick,
+            ops_check,
+        ));
     }
     if ops_ab {
         ops_ab_report(steps, only.as_deref());

@@ -199,7 +199,9 @@ fn loss_grads(
 ) -> [Vec<f32>; 3] {
     let hidden = seeded(11, [n, h], device).require_grad();
     let weight = seeded(12, [vocab, h], device).require_grad();
-    let targets: Vec<i64> = (0..n as i64).map(|i| (i * 7919 + 3) % vocab as i64).collect();
+    let targets: Vec<i64> = (0..n as i64)
+        .map(|i| (i * 7919 + 3) % vocab as i64)
+        .collect();
     let targets = Tensor::<1, Int>::from_data(TensorData::new(targets, [n]), device);
     let loss = match chunk {
         Some(chunk) => fused_cross_entropy(hidden.clone(), weight.clone(), targets, chunk),
