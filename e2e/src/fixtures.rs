@@ -76,7 +76,7 @@ pub fn job_samples() -> Vec<(PathBuf, String)> {
 // GPU-type selection (tests/gpu_selection.rs, tests/several_nodes.rs), on
 // nodes labelled as GPU Feature Discovery does.
 
-/// 1.3B parameters in bf16 with AdamW: about 54 GiB on one GPU, more than a
+/// 1.3B parameters in bf16 with AdamW: about 51 GiB on one GPU, more than a
 /// T4's 15 GiB, so one A100-80GB is the fewest devices it fits on.
 pub const GPU_NEEDS_A100: &str = r#"
 apiVersion: headroom.dev/v1alpha1

@@ -198,7 +198,7 @@ async fn the_test(ns: TestNs, node: String, fake_node: String) {
     assert_eq!(
         plan_device(&big).as_deref(),
         Some(BIG_GPU),
-        "the 54 GiB job must be planned on the A100: {:?}",
+        "the 51 GiB job must be planned on the A100: {:?}",
         big.status.as_ref().map(|s| (&s.message, &s.plan))
     );
     let plan = big
