@@ -246,8 +246,8 @@ pub const CUDA: BackendProfile = BackendProfile {
     state_slack: 0.02,
     // Measured ÷ counted activations was 1.337 (110M) and 1.332 (374M)
     // without checkpointing, once the states are counted as the worker
-    // keeps them: bf16 stages keep f32 copies where burn upcasts (RmsNorm's
-    // input, the loss chunk's logits) and cubecl's pool keeps freed pages.
+    // keeps them. Not yet separated: f32 copies where a bf16 stage upcasts
+    // (RmsNorm), and the freed pages cubecl's pool keeps.
     activation_slack: 0.33,
     // Not measured on a GPU for adapters: the full fine-tunes' figure.
     adapter_activation_slack: 0.33,
@@ -263,9 +263,11 @@ pub const CUDA: BackendProfile = BackendProfile {
     logit_copies: 3,
     precisions: &[Precision::Fp32, Precision::Bf16, Precision::Fp16],
     // The worker's bf16 stage holds bf16 weights, gradients and AdamW
-    // moments, nothing in f32 (worker/src/train.rs, `training_device`):
-    // the H200 rows of 2026-11-27 measured 4 bytes of optimizer state per
-    // parameter, not AMP's 12 (docs/gpu.md).
+    // moments, nothing in f32 (worker/src/train.rs, `training_device`;
+    // burn's AdamW makes its moments from the gradient). The H200 rows of
+    // 2026-11-27 agree: with AMP's 12 bytes of state a parameter the
+    // checkpointed T row's states alone would exceed its measured peak
+    // (docs/gpu.md).
     pure_half_precision: true,
     optimizers: &[
         Optimizer::Adamw,

@@ -73,7 +73,9 @@
 //!   The factors `A: d_in × r` and `B: r × d_out` of each targeted matrix
 //!   are built at the training precision (the same function, `dtype`) and
 //!   carry weights, gradients, optimizer state and, in mixed precision,
-//!   fp32 master weights.
+//!   fp32 master weights (not on a backend whose half-precision stages
+//!   train the half-precision weights themselves:
+//!   [`BackendProfile::pure_half_precision`], the CUDA worker's case).
 //! * QLoRA quantizes the seven linear weights of each decoder block (q, k,
 //!   v, o, gate, up, down); embeddings, norms, biases and `lm_head` stay
 //!   dense. A quantized tensor of n values stores `n × v` bytes (int8:
