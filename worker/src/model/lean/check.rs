@@ -279,8 +279,9 @@ mod tests {
             // tests measured ≤ 4.2e-7 on these shapes.
             assert!(r.lean_vs_naive < 1e-5, "{r:?}");
             assert!(r.holds(1e-5), "{r:?}");
-            // flex naive is the reference itself.
-            assert!(r.naive_vs_reference.is_none_or(|e| e == 0.0), "{r:?}");
+            // flex naive is the reference itself (the same op twice: 0 here;
+            // the bound allows a parallel reduction that sums in another order).
+            assert!(r.naive_vs_reference.is_none_or(|e| e < 1e-6), "{r:?}");
         }
     }
 }
