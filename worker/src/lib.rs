@@ -47,6 +47,7 @@ pub mod optim;
 pub mod pipeline;
 pub mod report;
 pub mod run;
+pub mod seeded;
 pub mod telemetry;
 pub mod text;
 pub mod train;

@@ -649,6 +649,7 @@ fn gcd(a: usize, b: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::seeded::standard_normal;
     use serde_json::Value;
 
     const FIXTURE: &str = include_str!("../../tests/fixtures/nf4/fixture.json");
@@ -987,25 +988,6 @@ mod tests {
         assert_eq!(torch_sum(&x), 16_781_296.0);
     }
 
-    /// Standard normal samples (Box-Muller on splitmix64 uniforms).
-    fn normal(n: usize, seed: u64) -> Vec<f32> {
-        let mut state = seed;
-        let mut uniform = move || {
-            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            ((z >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-        };
-        (0..n)
-            .map(|_| {
-                let (u, v) = (uniform(), uniform());
-                ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
-            })
-            .collect()
-    }
-
     /// Round trip on normal weights: each value is off by at most half the
     /// widest NF4 gap (between -1 and -0.696: 0.1519) times its block's
     /// absmax, plus the double quantization's error in that absmax.
@@ -1013,7 +995,7 @@ mod tests {
     fn round_trip_error_is_within_nf4_resolution() {
         const HALF_WIDEST_GAP: f32 = (NF4_CODE[1] - NF4_CODE[0]) / 2.0;
         let shape = [256, 1024];
-        let values: Vec<f32> = normal(shape[0] * shape[1], 7)
+        let values: Vec<f32> = standard_normal(shape[0] * shape[1], 7)
             .into_iter()
             .map(|v| v * 0.02)
             .collect();
@@ -1064,7 +1046,7 @@ mod tests {
         );
         assert!((big - 4.127).abs() < 1e-3, "{big}");
         let shape = [1024, 1024];
-        let q = Nf4Tensor::quantize(&normal(shape[0] * shape[1], 3), shape);
+        let q = Nf4Tensor::quantize(&standard_normal(shape[0] * shape[1], 3), shape);
         assert_eq!(q.bytes(), Nf4Tensor::bytes_for(shape));
         let measured = q.bytes() as f64 * 8.0 / q.len() as f64;
         println!("NF4 bits per value: {big:.5} (4096x4096), {measured:.5} (1024x1024, quantized)");
@@ -1076,7 +1058,7 @@ mod tests {
     #[test]
     fn to_tensor_is_the_dequantized_dense_tensor() {
         let shape = [3, 200];
-        let values = normal(600, 11);
+        let values = standard_normal(600, 11);
         let q = Nf4Tensor::quantize(&values, shape);
         let t = q.to_tensor(&Device::flex());
         assert_eq!(t.dims(), shape);
@@ -1095,7 +1077,7 @@ mod tests {
             ([7, 43], 100),
             ([300, 64], 64 * 256 + 1),
         ] {
-            let values = normal(shape[0] * shape[1], 3);
+            let values = standard_normal(shape[0] * shape[1], 3);
             let host = Nf4Tensor::quantize(&values, shape);
             let w = Nf4Weight::upload(&host, &device).with_chunk_values(chunk);
             assert_eq!(w.bytes(), host.bytes());

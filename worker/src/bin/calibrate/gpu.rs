@@ -113,6 +113,19 @@ fn inventory(gpu: &Gpu) -> Inventory {
     Inventory::from_nodes([&node])
 }
 
+/// The CUDA profile's breakdown for a case's planned settings on one
+/// stage: a grid row's prediction.
+fn cuda_prediction(case: &Case, a: &WorkerAssignment) -> headroom_planner::MemoryBreakdown {
+    estimate_stage(
+        &case.model,
+        a.plan.adapters.as_ref(),
+        &a.plan.settings,
+        StagePlacement::single(case.layers()),
+        &CUDA,
+        1.0,
+    )
+}
+
 /// The case planned on one GPU, or why it does not fit.
 fn assignment(case: &Case, steps: u64, gpu: &Gpu) -> Result<WorkerAssignment, String> {
     let req = job_request(
@@ -544,14 +557,7 @@ pub fn run(
                 continue;
             }
         };
-        let breakdown = estimate_stage(
-            &case.model,
-            a.plan.adapters.as_ref(),
-            &a.plan.settings,
-            StagePlacement::single(case.layers()),
-            &CUDA,
-            1.0,
-        );
+        let breakdown = cuda_prediction(&case, &a);
         if std::env::var_os("CALIBRATE_BREAKDOWN").is_some() {
             eprintln!("  {}: {}", case.name, breakdown_mib(&breakdown));
         }
@@ -729,16 +735,7 @@ mod tests {
                 .find(|c| c.name == name)
                 .expect("a grid case");
             let a = assignment(&case, 3, &h200).expect("plans on an H200");
-            let predicted = estimate_stage(
-                &case.model,
-                a.plan.adapters.as_ref(),
-                &a.plan.settings,
-                StagePlacement::single(case.layers()),
-                &CUDA,
-                1.0,
-            )
-            .total as f64
-                / MIB;
+            let predicted = cuda_prediction(&case, &a).total as f64 / MIB;
             let error = (predicted - mib) / mib;
             eprintln!(
                 "{name}: predicted {predicted:.0} MiB, measured {mib:.0}: {:+.1} %",

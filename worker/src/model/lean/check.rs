@@ -15,6 +15,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use super::attention::{self, AttentionOptions};
 use super::{attend, cross_entropy, fused_cross_entropy};
 use crate::model::with_generator;
+use crate::seeded::standard_normal;
 
 /// One quantity (an output or a gradient) of one op.
 #[derive(Clone, Debug)]
@@ -139,38 +140,20 @@ pub fn max_relative(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
 }
 
-/// Standard-normal values from a fixed seed, drawn on the host so every
-/// device (and dtype) starts from the same numbers.
-fn host_normal(seed: u64, n: usize) -> Vec<f32> {
-    let mut state = seed;
-    let mut uniform = || {
-        // splitmix64
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        ((z >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    };
-    (0..n)
-        .map(|_| {
-            let (u, v) = (uniform(), uniform());
-            ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
-        })
-        .collect()
-}
-
-/// A tensor of seeded values on `device`, in its float dtype.
+/// A tensor of standard-normal values drawn on the host from `seed`, so
+/// every device (and dtype) starts from the same numbers, on `device` in
+/// its float dtype.
 fn seeded<const D: usize>(seed: u64, dims: [usize; D], device: &Device) -> Tensor<D> {
     let n = dims.iter().product();
-    Tensor::from_data(TensorData::new(host_normal(seed, n), dims), device)
+    Tensor::from_data(TensorData::new(standard_normal(n, seed), dims), device)
 }
 
-fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+pub(super) fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
     t.into_data().iter::<f32>().collect()
 }
 
-fn attention_grads(
+/// Output and the gradients of q, k, v under a seeded upstream gradient.
+pub(super) fn attention_grads(
     device: &Device,
     (b, a, kv, s, d): (usize, usize, usize, usize, usize),
     options: AttentionOptions,
@@ -190,7 +173,8 @@ fn attention_grads(
     [values(out), grad(&q), grad(&k), grad(&v)]
 }
 
-fn loss_grads(
+/// The loss and the gradients of the hidden states and the head.
+pub(super) fn loss_grads(
     device: &Device,
     n: usize,
     h: usize,
@@ -219,7 +203,7 @@ fn loss_grads(
 /// base: the lean op (dequantized `rows` rows at a time on the device,
 /// forward and backward) or the dense `x · (W' + s·A·B) + bias`, `W'` the
 /// host's dequantization of the same NF4 weight.
-fn nf4_linear_grads(
+pub(super) fn nf4_linear_grads(
     device: &Device,
     (d_in, d_out, tokens, rows): (usize, usize, usize, usize),
     lean: bool,
@@ -247,6 +231,7 @@ fn nf4_linear_grads(
     let torch_layout = values(linear.weight.base().transpose());
     let host = Nf4Tensor::quantize(&torch_layout, [d_out, d_in]);
     let weight = Nf4Weight::upload(&host, device).with_chunk_values(rows * d_in);
+    assert_eq!(weight.chunk_rows(), rows.min(d_out));
     let b = adapter.b.val();
     let out = if lean {
         super::linear::forward(&linear, Some(&weight), x.clone(), None)

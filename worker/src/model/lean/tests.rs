@@ -4,8 +4,9 @@
 
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
 
-use super::attention::{self, AttentionOptions};
-use super::{attend, cross_entropy, fused_cross_entropy};
+use super::attention::AttentionOptions;
+use super::check::{attention_grads, loss_grads, max_relative, nf4_linear_grads, values};
+use super::{attend, fused_cross_entropy};
 use crate::model::with_generator;
 
 fn device() -> burn::tensor::Device {
@@ -21,51 +22,10 @@ fn draw<const D: usize>(dims: [usize; D]) -> Tensor<D> {
     Tensor::random(dims, Distribution::Normal(0.0, 1.0), &device())
 }
 
-fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
-    t.into_data().iter::<f32>().collect()
-}
-
-/// Largest |a − b| relative to the largest |b|.
-fn max_relative(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-12);
-    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
-}
-
-/// Output and the gradients of q, k, v under a fixed random upstream gradient.
-fn attention_and_grads(
-    dims: (usize, usize, usize, usize, usize),
-    options: AttentionOptions,
-    lean: bool,
-    seed: u64,
-) -> [Vec<f32>; 4] {
-    let (b, a, kv, s, d) = dims;
-    // Seeded and drawn under one lock: a test drawing in between would
-    // give the two runs different inputs.
-    let (q, k, v, upstream) = with_generator(|| {
-        device().seed(seed);
-        (
-            draw([b, a, s, d]),
-            draw([b, kv, s, d]),
-            draw([b, kv, s, d]),
-            draw([b, a, s, d]),
-        )
-    });
-    let (q, k, v) = (q.require_grad(), k.require_grad(), v.require_grad());
-    let out = if lean {
-        attend(q.clone(), k.clone(), v.clone(), options)
-    } else {
-        attention::naive(q.clone(), k.clone(), v.clone(), &options)
-    };
-    let grads = (out.clone() * upstream).sum().backward();
-    let grad = |t: &Tensor<4>| values(t.grad(&grads).expect("gradient"));
-    [values(out), grad(&q), grad(&k), grad(&v)]
-}
-
 fn assert_attention_matches(dims: (usize, usize, usize, usize, usize), options: AttentionOptions) {
     // The same seed draws the same inputs for both runs.
-    let lean = attention_and_grads(dims, options, true, 7);
-    let naive = attention_and_grads(dims, options, false, 7);
+    let lean = attention_grads(&device(), dims, options, true);
+    let naive = attention_grads(&device(), dims, options, false);
     for (name, (l, n)) in ["output", "dq", "dk", "dv"]
         .iter()
         .zip(lean.iter().zip(&naive))
@@ -130,31 +90,11 @@ fn blocked_attention_is_causal() {
     }
 }
 
-fn loss_and_grads(n: usize, h: usize, vocab: usize, chunk: Option<usize>) -> [Vec<f32>; 3] {
-    let (hidden, weight) = with_generator(|| {
-        device().seed(11);
-        (draw([n, h]), draw([vocab, h]))
-    });
-    let (hidden, weight) = (hidden.require_grad(), weight.require_grad());
-    let targets: Vec<i64> = (0..n as i64).map(|i| (i * 7 + 3) % vocab as i64).collect();
-    let targets = Tensor::<1, Int>::from_data(TensorData::new(targets, [n]), &device());
-    let loss = match chunk {
-        Some(chunk) => fused_cross_entropy(hidden.clone(), weight.clone(), targets, chunk),
-        None => cross_entropy::naive(hidden.clone(), weight.clone(), targets),
-    };
-    let grads = loss.clone().mul_scalar(3.0).backward();
-    [
-        values(loss),
-        values(hidden.grad(&grads).expect("dhidden")),
-        values(weight.grad(&grads).expect("dweight")),
-    ]
-}
-
 #[test]
 fn chunked_cross_entropy_equals_log_softmax() {
     for chunk in [1, 5, 13, 64] {
-        let lean = loss_and_grads(13, 6, 17, Some(chunk));
-        let naive = loss_and_grads(13, 6, 17, None);
+        let lean = loss_grads(&device(), 13, 6, 17, Some(chunk));
+        let naive = loss_grads(&device(), 13, 6, 17, None);
         for (name, (l, n)) in ["loss", "dhidden", "dweight"]
             .iter()
             .zip(lean.iter().zip(&naive))
@@ -236,62 +176,11 @@ fn an_adapted_linear_equals_burns_composed_weight() {
     }
 }
 
-/// Output and the gradients of x and B through a LoRA linear on an NF4
-/// base: the lean op (dequantized 3 rows at a time, forward and backward)
-/// or the dense reference `x · (W' + s·A·B) + bias`, `W'` the host's
-/// dequantized NF4 weight.
-fn nf4_linear_grads(lean: bool) -> [Vec<f32>; 3] {
-    use crate::model::nf4::{Nf4Tensor, Nf4Weight};
-    use burn::module::{Lora, Module};
-    use burn::nn::LinearConfig;
-    let (d_in, d_out) = (128, 12);
-    let (linear, x, upstream) = with_generator(|| {
-        device().seed(6);
-        let linear = LinearConfig::new(d_in, d_out)
-            .with_bias(true)
-            .init(&device())
-            .apply_lora(Lora::new(4, 8.0));
-        let _ = linear.bias.as_ref().map(|b| b.val());
-        let x = Tensor::<3>::random([2, 5, d_in], Distribution::Normal(0.0, 1.0), &device());
-        let upstream =
-            Tensor::<3>::random([2, 5, d_out], Distribution::Normal(0.0, 1.0), &device());
-        (linear, x, upstream)
-    });
-    // As bitsandbytes quantizes a torch Linear's [d_out, d_in] weight.
-    let torch_layout: Vec<f32> = linear
-        .weight
-        .base()
-        .transpose()
-        .into_data()
-        .iter::<f32>()
-        .collect();
-    let host = Nf4Tensor::quantize(&torch_layout, [d_out, d_in]);
-    let weight = Nf4Weight::upload(&host, &device()).with_chunk_values(3 * d_in);
-    assert_eq!(weight.chunk_rows(), 3);
-    let b = linear.weight.adapter().expect("adapter").b.val();
-    let x = x.require_grad();
-    let out = if lean {
-        super::linear::forward(&linear, Some(&weight), x.clone(), None)
-    } else {
-        let dense =
-            Tensor::<2>::from_data(TensorData::new(host.dequantize(), [d_out, d_in]), &device())
-                .transpose();
-        let adapter = linear.weight.adapter().expect("adapter");
-        let w = dense + adapter.delta();
-        x.clone().matmul(w.unsqueeze()) + linear.bias.as_ref().expect("bias").val().unsqueeze()
-    };
-    let grads = (out.clone() * upstream).sum().backward();
-    [
-        values(out),
-        values(x.grad(&grads).expect("dx")),
-        values(b.grad(&grads).expect("dB")),
-    ]
-}
-
 #[test]
 fn an_nf4_linear_equals_the_dense_dequantized_weight() {
-    let lean = nf4_linear_grads(true);
-    let dense = nf4_linear_grads(false);
+    // 3 rows per dequantized slice: several slices of a 12-row weight.
+    let lean = nf4_linear_grads(&device(), (128, 12, 10, 3), true);
+    let dense = nf4_linear_grads(&device(), (128, 12, 10, 3), false);
     for (name, (l, d)) in ["output", "dx", "dB"].iter().zip(lean.iter().zip(&dense)) {
         let err = max_relative(l, d);
         assert!(err < 1e-5, "{name}: {err:e}");
