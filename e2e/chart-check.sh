@@ -22,6 +22,33 @@ if "${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.
 if "${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --set checkpoints.accessMode=ReadWriteMost >/dev/null 2>&1; then fail "values.schema.json accepted an unknown checkpoint access mode"; fi
 grep -q -- '--checkpoint-access-mode=ReadWriteOnce' <<<"${rendered}" || fail "checkpoint access mode is not passed to the operator"
 
+# The rendered document of kind $1 (in namespace $2, if given).
+doc() { awk -v kind="$1" -v ns="${2:-}" 'BEGIN { RS = "\n---\n" }
+  $0 ~ ("\nkind: " kind "\n") && (ns == "" || $0 ~ ("\n  namespace: " ns "\n")) { print; print "---" }'; }
+# A job that names a Secret is admitted only if its creator may get that
+# Secret: the admission policy is on by default, and can be turned off.
+grep -q '^kind: ValidatingAdmissionPolicy$' <<<"${rendered}" || fail "no token Secret admission policy by default"
+grep -q "resource('secrets')" <<<"$(doc ValidatingAdmissionPolicy <<<"${rendered}")" || fail "the admission policy does not check the creator's access to the Secret"
+grep -q '^kind: ValidatingAdmissionPolicyBinding$' <<<"${rendered}" || fail "the token Secret admission policy is not bound"
+if "${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --set secretAccessPolicy.enabled=false | grep -q 'ValidatingAdmissionPolicy'; then fail "secretAccessPolicy.enabled=false still renders the policy"; fi
+# One watched namespace: namespaced RBAC there. The ClusterRole keeps the
+# cluster-scoped needs and reading pods for the GPU inventory, nothing on
+# jobs, pod writes, Services, claims or events.
+WATCHED=team-a
+scoped=$("${HELM}" template headroom "${CHART}" --namespace "${NS}" --kube-version "${KUBE_VERSION:-v1.33.0}" --set watchNamespace="${WATCHED}")
+cluster_role=$(doc ClusterRole <<<"${scoped}")
+[[ -n ${cluster_role} ]] || fail "no ClusterRole with watchNamespace=${WATCHED}"
+if grep -nE 'memoryawaretrainingjobs|services|persistentvolumeclaims|events' <<<"${cluster_role}"; then fail "with watchNamespace=${WATCHED} the ClusterRole still grants namespaced resources"; fi
+if grep -A1 'resources: \["pods"\]' <<<"${cluster_role}" | grep -nE '"(get|create|patch|update|delete|deletecollection)"'; then fail "with watchNamespace=${WATCHED} the ClusterRole grants more on pods than list and watch"; fi
+grep -q 'resources: \["tokenreviews"\]' <<<"${cluster_role}" || fail "with watchNamespace=${WATCHED} the ClusterRole lacks tokenreviews"
+grep -q 'resources: \["nodes"\]' <<<"${cluster_role}" || fail "with watchNamespace=${WATCHED} the ClusterRole lacks nodes"
+role=$(doc Role "${WATCHED}" <<<"${scoped}")
+for resource in memoryawaretrainingjobs memoryawaretrainingjobs/status pods persistentvolumeclaims events; do
+  grep -q "\"${resource}\"" <<<"${role}" || fail "with watchNamespace=${WATCHED} no Role in ${WATCHED} grants ${resource}"
+done
+grep -q 'name: headroom-operator$' <<<"$(doc RoleBinding "${WATCHED}" <<<"${scoped}")" || fail "with watchNamespace=${WATCHED} no RoleBinding in ${WATCHED}"
+if grep -q "\"pods\"" <<<"$(doc Role "${WATCHED}" <<<"${rendered}")"; then fail "without watchNamespace a Role in ${WATCHED}"; fi
+
 if [[ -n ${KUBECONFIG:-} ]]; then
   source e2e/cluster/lib/common.sh
   KUBECTL=${KUBECTL:-${HEADROOM_BIN_DIR}/kubectl}
@@ -60,7 +87,13 @@ KUBECONFIG
     --metrics-addr 127.0.0.1:0 --lease-seconds 5 --lease-name headroom-operator-leader \
     --worker-api-addr "127.0.0.1:${worker_api_port}" --worker-api-service headroom-operator-worker-api >"${log}" 2>&1 &
   op=$!
-  cleanup() { kill "${op}" 2>/dev/null || true; k delete namespace "${work_ns}" --wait=false >/dev/null 2>&1 || true; rm -f "${sa_kubeconfig}"; }
+  watch_ns=rbac-watched-$$
+  other_ns=rbac-unwatched-$$
+  cleanup() {
+    kill "${op}" 2>/dev/null || true
+    k delete namespace "${work_ns}" "${watch_ns}" "${other_ns}" --ignore-not-found --wait=false >/dev/null 2>&1 || true
+    rm -f "${sa_kubeconfig}"
+  }
   trap cleanup EXIT
   k create namespace "${work_ns}" >/dev/null
   # No service-account controller on this control plane; workers run under `default`.
@@ -110,5 +143,40 @@ KUBECONFIG
   stray=$(k -n "${NS}" get leases -o name)
   [[ -z ${left} && -z ${stray} ]] || fail "left behind after uninstall: ${left} ${stray}"
   echo "chart-check: uninstall leaves no Lease or RBAC behind"
+
+  # One watched namespace: with only the namespaced RBAC (a Role there, the
+  # ClusterRole for nodes, TokenReviews and reading pods) the operator runs a
+  # job in that namespace and leaves a job in another one alone.
+  scoped=$("${HELM}" template headroom "${CHART}" --namespace "${NS}" --kube-version "${KUBE_VERSION:-v1.33.0}" --set watchNamespace="${watch_ns}")
+  k create namespace "${watch_ns}" >/dev/null
+  k create namespace "${other_ns}" >/dev/null
+  k -n "${watch_ns}" create serviceaccount default >/dev/null
+  k -n "${NS}" delete leases --all >/dev/null
+  k apply --server-side --force-conflicts -f - <<<"${scoped}" >/dev/null
+  k -n "${NS}" scale deployment headroom-operator --replicas=0 >/dev/null
+  token=$(k -n "${NS}" create token headroom-operator --duration=10m)
+  sed -i "s|token: \".*\"|token: \"${token}\"|" "${sa_kubeconfig}"
+  KUBECONFIG=${sa_kubeconfig} POD_NAMESPACE=${NS} RUST_LOG=info "${CARGO_TARGET_DIR}/debug/headroom-operator" \
+    --metrics-addr 127.0.0.1:0 --lease-seconds 5 --lease-name headroom-operator-leader --watch-namespace "${watch_ns}" \
+    --worker-api-addr "127.0.0.1:${worker_api_port}" --worker-api-service headroom-operator-worker-api >"${log}" 2>&1 &
+  op=$!
+  k apply -n "${other_ns}" -f samples/cpu-oom-first.yaml >/dev/null
+  k apply -n "${watch_ns}" -f samples/cpu-oom-first.yaml >/dev/null
+  ok=0
+  for _ in $(seq 1 150); do
+    if k -n "${watch_ns}" get pod oom-then-fit-a1-s0 >/dev/null 2>&1; then ok=1; break; fi
+    sleep 0.2
+  done
+  ((ok)) || { cat "${log}" >&2; fail "with watchNamespace the operator could not create the worker pod with the chart's namespaced RBAC"; }
+  k -n "${watch_ns}" get memoryawaretrainingjob oom-then-fit -o jsonpath='{.status.phase}' | grep -q . \
+    || { cat "${log}" >&2; fail "with watchNamespace the operator did not write the job's status"; }
+  sleep 1
+  [[ -z $(k -n "${other_ns}" get pods -o name) ]] || fail "with watchNamespace=${watch_ns} the operator created pods in ${other_ns}"
+  [[ -z $(k -n "${other_ns}" get memoryawaretrainingjob oom-then-fit -o jsonpath='{.status.phase}') ]] \
+    || fail "with watchNamespace=${watch_ns} the operator wrote a status in ${other_ns}"
+  if grep -iE 'forbidden|cannot (create|patch|get|list|watch)' "${log}" | grep -v 'NamespaceTerminating'; then fail "the chart's namespaced RBAC is missing a permission the operator uses"; fi
+  echo "chart-check: with watchNamespace the operator ran a job with only the chart's namespaced RBAC"
+  kill "${op}"; wait "${op}" 2>/dev/null || true
+  k delete --ignore-not-found --wait=false -f - <<<"${scoped}" >/dev/null
 fi
 echo "chart-check: ok"

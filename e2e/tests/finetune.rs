@@ -131,7 +131,8 @@ metadata:
 spec:
   model:
     pretrained:
-      huggingFace: {{repo: headroom/tiny-llama, endpoint: "{endpoint}"}}
+      # The hub stand-in serves plain HTTP on the node's address: opted in.
+      huggingFace: {{repo: headroom/tiny-llama, endpoint: "{endpoint}", allowInsecureHttp: true}}
       sequenceLength: 256
   data:
     volume: {{claimName: datasets, path: declaration-of-independence.jsonl}}

@@ -63,7 +63,8 @@ metadata:
 spec:
   model:
     pretrained:
-      huggingFace: {{repo: {REPO}, endpoint: "{endpoint}"}}
+      # The hub stand-in serves plain HTTP on the node's address: opted in.
+      huggingFace: {{repo: {REPO}, endpoint: "{endpoint}", allowInsecureHttp: true}}
       sequenceLength: 32
   data:
     volume: {{claimName: datasets, path: declaration-of-independence.jsonl}}

@@ -7,9 +7,12 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use headroom_api::AttemptOutcome;
+use headroom_api::{AttemptOutcome, LABEL_JOB, PIPELINE_PORT, REPLICA_PORT};
 use headroom_e2e::fixtures::{CPU_PIPELINE as PIPELINE, CPU_PIPELINE_RETRY as PIPELINE_RETRY};
 use headroom_e2e::{E2E, TestNs};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::Api;
 const RUN: Duration = Duration::from_secs(600);
 
 #[tokio::test]
@@ -76,6 +79,45 @@ async fn a_model_too_big_for_one_worker_trains_as_pipeline_stages() {
             });
         assert!(affinity.is_some_and(|t| t.len() == 1), "{pod:?}");
     }
+    // The stages' link ports are fenced to the job's own workers (created
+    // with the chart's RBAC; enforced where the cluster's CNI enforces
+    // NetworkPolicies, which this cluster's bridge CNI does not).
+    let policies: Api<NetworkPolicy> = Api::namespaced(ns.client.clone(), &ns.name);
+    let fence = policies
+        .list(&Default::default())
+        .await
+        .expect("list")
+        .items
+        .into_iter()
+        .find(|p| {
+            p.metadata
+                .labels
+                .as_ref()
+                .is_some_and(|l| l.get(LABEL_JOB).map(String::as_str) == Some("split-to-fit"))
+        })
+        .expect("the job's NetworkPolicy");
+    let spec = fence.spec.expect("spec");
+    let ports: Vec<_> = spec
+        .ingress
+        .iter()
+        .flatten()
+        .flat_map(|r| r.ports.iter().flatten())
+        .filter_map(|p| p.port.clone())
+        .collect();
+    assert_eq!(
+        ports,
+        [
+            IntOrString::Int(PIPELINE_PORT.into()),
+            IntOrString::Int(REPLICA_PORT.into())
+        ]
+    );
+    assert!(
+        spec.ingress
+            .iter()
+            .flatten()
+            .all(|r| r.from.as_ref().is_some_and(|f| !f.is_empty())),
+        "every rule names who may connect"
+    );
     ns.cleanup().await;
 }
 

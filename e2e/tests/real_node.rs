@@ -290,6 +290,7 @@ async fn owned_by(ns: &TestNs, uid: &str) -> Vec<String> {
     of::<RoleBinding>(ns, uid, &mut out).await;
     of::<Service>(ns, uid, &mut out).await;
     of::<ConfigMap>(ns, uid, &mut out).await;
+    of::<k8s_openapi::api::networking::v1::NetworkPolicy>(ns, uid, &mut out).await;
     out.sort();
     out
 }

@@ -308,7 +308,46 @@ pub fn read_manifest(manifest: serde_json::Value) -> Result<MemoryAwareTrainingJ
 
 #[cfg(test)]
 mod tests {
-    use super::{read_manifest, schema_violations, unknown_fields};
+    use super::{openapi_schema, read_manifest, schema_violations, unknown_fields};
+
+    /// What workers write (through the worker API) cannot grow the object
+    /// toward etcd's size limit, after which every status write fails: each
+    /// string and list a worker fills has a bound in the schema, so the API
+    /// server refuses an oversized report instead of storing it.
+    #[test]
+    fn every_string_and_list_workers_write_is_bounded() {
+        fn unbounded(schema: &serde_json::Value, path: &str, out: &mut Vec<String>) {
+            match schema["type"].as_str() {
+                Some("string")
+                    if schema.get("maxLength").is_none() && schema.get("enum").is_none() =>
+                {
+                    out.push(path.to_string())
+                }
+                Some("array") => {
+                    if schema.get("maxItems").is_none() {
+                        out.push(path.to_string());
+                    }
+                    unbounded(&schema["items"], &format!("{path}[]"), out);
+                }
+                Some("object") => {
+                    for (name, field) in schema["properties"].as_object().into_iter().flatten() {
+                        // Kubernetes' own timestamp type: a fixed-size format.
+                        if field.get("format").and_then(|f| f.as_str()) == Some("date-time") {
+                            continue;
+                        }
+                        unbounded(field, &format!("{path}.{name}"), out);
+                    }
+                }
+                _ => {}
+            }
+        }
+        let schema = openapi_schema().expect("schema");
+        let workers = &schema["properties"]["status"]["properties"]["workers"];
+        assert_eq!(workers["type"], "array", "{workers}");
+        let mut out = Vec::new();
+        unbounded(workers, "status.workers", &mut out);
+        assert!(out.is_empty(), "unbounded in the schema: {out:?}");
+    }
 
     #[test]
     fn finds_mistyped_fields_at_any_depth_and_names_the_known_ones() {

@@ -42,6 +42,12 @@ struct Args {
     /// DNS is not assumed).
     #[arg(long, env = "HEADROOM_WORKER_API_SERVICE")]
     worker_api_service: Option<String>,
+    /// A file of at least 32 random bytes (the chart mounts a Secret) from
+    /// which each job's peer-link key is derived. Every replica must read
+    /// the same one; without it each process makes its own, which is right
+    /// only for a single replica.
+    #[arg(long, env = "HEADROOM_PEER_KEY_FILE")]
+    peer_key_file: Option<std::path::PathBuf>,
     /// Run without leader election (a single replica, or local development).
     #[arg(long, env = "HEADROOM_NO_LEADER_ELECTION")]
     no_leader_election: bool,
@@ -147,7 +153,11 @@ async fn main() -> Result<()> {
     let listener = tokio::net::TcpListener::bind(args.metrics_addr)
         .await
         .with_context(|| format!("binding {}", args.metrics_addr))?;
-    let server = axum::serve(listener, router(metrics.clone()));
+    let server = worker_api::serve(
+        listener,
+        router(metrics.clone()),
+        worker_api::Limits::METRICS,
+    );
     tokio::spawn(async move {
         if let Err(e) = server.await {
             tracing::error!(%e, "metrics server stopped");
@@ -158,7 +168,20 @@ async fn main() -> Result<()> {
     let listener = tokio::net::TcpListener::bind(args.worker_api_addr)
         .await
         .with_context(|| format!("binding {}", args.worker_api_addr))?;
-    let server = axum::serve(listener, worker_api::router(client.clone()));
+    let peer_key = match &args.peer_key_file {
+        Some(path) => worker_api::OperatorKey::from_file(path)?,
+        None => {
+            tracing::warn!(
+                "no --peer-key-file: this process derives peer-link keys from a key of its own; with more than one replica, give all of them the same file"
+            );
+            worker_api::OperatorKey::random()?
+        }
+    };
+    let server = worker_api::serve(
+        listener,
+        worker_api::router(client.clone(), peer_key),
+        worker_api::Limits::WORKER_API,
+    );
     tokio::spawn(async move {
         if let Err(e) = server.await {
             tracing::error!(%e, "worker API server stopped");

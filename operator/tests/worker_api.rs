@@ -13,8 +13,8 @@ mod support;
 use axum::body::Body;
 use axum::http::{Method, Request, StatusCode, header};
 use headroom_api::{
-    PeerAddress, WORKER_API_AUDIENCE, WORKER_API_PEERS_PATH, WORKER_API_TELEMETRY_PATH,
-    WORKER_FIELD_MANAGER_PREFIX,
+    PeerAddress, PeerKey, WORKER_API_AUDIENCE, WORKER_API_PEER_KEY_PATH, WORKER_API_PEERS_PATH,
+    WORKER_API_TELEMETRY_PATH, WORKER_FIELD_MANAGER_PREFIX,
 };
 use headroom_operator::controller::ControllerConfig;
 use headroom_operator::worker_api;
@@ -87,7 +87,8 @@ async fn a_worker_reports_its_own_telemetry_through_the_operator_and_nothing_els
         env.contains(&"HEADROOM_WORKER_API=http://10.96.0.99:8081".to_string()),
         "{env:?}"
     );
-    let api = worker_api::router(ns.client.clone());
+    let key = worker_api::OperatorKey::random().expect("key");
+    let api = worker_api::router(ns.client.clone(), key.clone());
     let token = ns.pod_token(pod, &[WORKER_API_AUDIENCE]).await;
     let me = pod.name_any();
 
@@ -132,6 +133,22 @@ async fn a_worker_reports_its_own_telemetry_through_the_operator_and_nothing_els
     .await;
     assert_eq!(code, StatusCode::FORBIDDEN, "{text}");
     assert!(text.contains("only its own entry"), "{text}");
+    // Its own entry, claiming another attempt or stage than its pod's labels.
+    for (attempt, stage) in [(2, 0), (1, 1)] {
+        let mut claim = entry(&me, 5);
+        claim["attempt"] = json!(attempt);
+        claim["stage"] = json!(stage);
+        let (code, text) = call(
+            &api,
+            Method::POST,
+            WORKER_API_TELEMETRY_PATH,
+            Some(&token),
+            Some(claim),
+        )
+        .await;
+        assert_eq!(code, StatusCode::FORBIDDEN, "{text}");
+        assert!(text.contains("is attempt 1 stage 0"), "{text}");
+    }
     // A body that is not telemetry: the field that is wrong.
     let (code, text) = call(
         &api,
@@ -187,7 +204,41 @@ async fn a_worker_reports_its_own_telemetry_through_the_operator_and_nothing_els
     )
     .await;
     assert_eq!(code, StatusCode::FORBIDDEN, "{text}");
-    // A pod that is no worker cannot report at all.
+    // Not a pod name: refused before it becomes part of an API path.
+    let (code, text) = call(
+        &api,
+        Method::GET,
+        &format!("{WORKER_API_PEERS_PATH}Stranger"),
+        Some(&token),
+        None,
+    )
+    .await;
+    assert_eq!(code, StatusCode::BAD_REQUEST, "{text}");
+
+    // The job's link key: this job's, derived from the operator's key and
+    // the job's uid; nothing without a token.
+    let (code, text) = call(
+        &api,
+        Method::GET,
+        WORKER_API_PEER_KEY_PATH,
+        Some(&token),
+        None,
+    )
+    .await;
+    assert_eq!(code, StatusCode::OK, "{text}");
+    let got: PeerKey = serde_json::from_str(&text).expect("a PeerKey");
+    let uid = ns
+        .jobs()
+        .get("tiny-cpu")
+        .await
+        .expect("job")
+        .uid()
+        .expect("uid");
+    assert_eq!(got.key, key.job_key_hex(&ns.name, &uid));
+    let (code, _) = call(&api, Method::GET, WORKER_API_PEER_KEY_PATH, None, None).await;
+    assert_eq!(code, StatusCode::UNAUTHORIZED);
+
+    // A pod that is no worker cannot report at all, nor learn a key.
     let stranger = ns.pods().get("stranger").await.expect("stranger");
     let stranger_token = ns.pod_token(&stranger, &[WORKER_API_AUDIENCE]).await;
     let (code, text) = call(
@@ -196,6 +247,15 @@ async fn a_worker_reports_its_own_telemetry_through_the_operator_and_nothing_els
         WORKER_API_TELEMETRY_PATH,
         Some(&stranger_token),
         Some(entry("stranger", 1)),
+    )
+    .await;
+    assert_eq!(code, StatusCode::FORBIDDEN, "{text}");
+    let (code, text) = call(
+        &api,
+        Method::GET,
+        WORKER_API_PEER_KEY_PATH,
+        Some(&stranger_token),
+        None,
     )
     .await;
     assert_eq!(code, StatusCode::FORBIDDEN, "{text}");

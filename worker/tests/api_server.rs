@@ -35,11 +35,16 @@ async fn serve_worker_api(ns: &TestNs) -> String {
         .await
         .expect("a loopback port");
     let base = format!("http://{}", listener.local_addr().expect("address"));
-    let router = headroom_operator::worker_api::router(ns.client.clone());
+    let key = headroom_operator::worker_api::OperatorKey::random().expect("a key");
+    let router = headroom_operator::worker_api::router(ns.client.clone(), key);
     tokio::spawn(async move {
-        axum::serve(listener, router)
-            .await
-            .expect("the worker API serves");
+        headroom_operator::worker_api::serve(
+            listener,
+            router,
+            headroom_operator::worker_api::Limits::WORKER_API,
+        )
+        .await
+        .expect("the worker API serves");
     });
     base
 }
@@ -253,7 +258,7 @@ async fn the_initializers_download_progress_is_in_the_status_while_it_runs() {
     let manifest = CPU_FINETUNE.replace(
         "volume: {claimName: models, path: tiny-llama}",
         &format!(
-            "huggingFace: {{repo: headroom/tiny-llama, endpoint: \"{}\"}}",
+            "huggingFace: {{repo: headroom/tiny-llama, endpoint: \"{}\", allowInsecureHttp: true}}",
             hub.endpoint()
         ),
     );

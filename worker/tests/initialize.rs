@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use headroom_api::{
-    DataFormat, DataSource, HF_TOKEN_ENV, INITIALIZE_JSON_ENV, InitializerAssignment,
+    DataFormat, DataSource, HF_TOKEN_FILE_ENV, INITIALIZE_JSON_ENV, InitializerAssignment,
     InitializerReport, ModelSource, TerminationMessage, WorkerOutcome, exit_code,
 };
 use headroom_e2e::hub::{HUB_COMMIT as COMMIT, HubRepo, HubRepos, HubRequest as Seen, LocalHub};
@@ -186,7 +186,24 @@ fn from_hub(hub: &LocalHub, repo: &str) -> ModelSource {
     }
 }
 
+/// Runs the initializer; `token`, if any, in a file whose path is in
+/// `HEADROOM_HF_TOKEN_FILE`, as the operator mounts it from the job's Secret.
 fn initialize(dir: &Path, assignment: &InitializerAssignment, token: Option<&str>) -> Ended {
+    let mut env = vec![];
+    if let Some(token) = token {
+        let file = dir.join("hf-token");
+        std::fs::write(&file, format!("{token}\n")).expect("token file");
+        env.push((HF_TOKEN_FILE_ENV, file.display().to_string()));
+    }
+    initialize_with_env(dir, assignment, &env)
+}
+
+/// Runs the initializer with `env` besides its assignment.
+fn initialize_with_env(
+    dir: &Path,
+    assignment: &InitializerAssignment,
+    env: &[(&str, String)],
+) -> Ended {
     let termination = dir.join("termination-log");
     let _ = std::fs::remove_file(&termination);
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_headroom-worker"));
@@ -198,9 +215,7 @@ fn initialize(dir: &Path, assignment: &InitializerAssignment, token: Option<&str
             serde_json::to_string(assignment).expect("json"),
         )
         .env(TERMINATION_MESSAGE_PATH_ENV, &termination);
-    if let Some(token) = token {
-        cmd.env(HF_TOKEN_ENV, token);
-    }
+    cmd.envs(env.iter().map(|(k, v)| (*k, v)));
     let out = cmd.output().expect("run the initializer");
     let code = out.status.code().expect("exit code");
     // Shown for a failing test (or with --nocapture).
@@ -478,6 +493,34 @@ fn a_private_repository_needs_the_token() {
         message.reason.contains(PRIVATE_REPO)
             && message.reason.contains("needs a token")
             && message.reason.contains("tokenSecret"),
+        "{}",
+        message.reason
+    );
+    // A token in the environment is not the initializer's: the operator
+    // mounts it as a file, and only a file is read.
+    let (code, message) =
+        initialize_with_env(&dir, &a, &[("HF_TOKEN", TOKEN.to_string())]).message();
+    assert_eq!(code, exit_code::INVALID_PLAN);
+    assert!(
+        message.reason.contains("needs a token"),
+        "{}",
+        message.reason
+    );
+    // A token file named but not there: the field whose Secret it is.
+    let (code, message) = initialize_with_env(
+        &dir,
+        &a,
+        &[(
+            HF_TOKEN_FILE_ENV,
+            dir.join("no-such-file").display().to_string(),
+        )],
+    )
+    .message();
+    assert_eq!(code, exit_code::INVALID_PLAN);
+    assert!(
+        message
+            .reason
+            .contains("cannot read the token of model.pretrained.huggingFace.tokenSecret"),
         "{}",
         message.reason
     );

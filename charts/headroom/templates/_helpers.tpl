@@ -28,3 +28,49 @@ appVersion); empty when its repository is "". */}}
 app.kubernetes.io/name: {{ include "headroom.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
+
+{{/* The operator's rules on namespaced resources: in a ClusterRole when it
+watches every namespace, in a Role of the one it watches otherwise. */}}
+{{- define "headroom.namespacedRules" -}}
+- apiGroups: ["headroom.dev"]
+  resources: ["memoryawaretrainingjobs"]
+  verbs: ["get", "list", "watch"]
+# Status: the operator's own fields (a merge patch), and each worker's
+# telemetry entry on that worker's behalf (the worker API, server-side apply).
+- apiGroups: ["headroom.dev"]
+  resources: ["memoryawaretrainingjobs/status"]
+  verbs: ["get", "patch"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# Checkpoint claims and the headless Service of multi-worker jobs; `get` on
+# services also reads the worker API's own Service address at start.
+- apiGroups: [""]
+  resources: ["services", "persistentvolumeclaims"]
+  verbs: ["get", "create", "patch"]
+# Claims are also watched, metadata only: a launch reads there whether its
+# checkpoint claim exists and whose it is, instead of asking first.
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["list", "watch"]
+# The NetworkPolicy of each multi-worker attempt: its link ports admit the
+# job's own workers only.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["create", "patch"]
+- apiGroups: ["events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- end -}}
+
+{{/* The operator's rules on cluster-scoped resources: always in its ClusterRole. */}}
+{{- define "headroom.clusterRules" -}}
+# The worker API checks each worker's pod-bound token.
+- apiGroups: ["authentication.k8s.io"]
+  resources: ["tokenreviews"]
+  verbs: ["create"]
+# The GPU inventory (GPU Feature Discovery labels, allocatable devices).
+- apiGroups: [""]
+  resources: ["nodes"]
+  verbs: ["get", "list", "watch"]
+{{- end -}}

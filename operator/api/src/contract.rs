@@ -77,6 +77,30 @@ pub const WORKER_API_TELEMETRY_PATH: &str = "/v1/telemetry";
 /// `GET /v1/peers/<pod>`: a [`PeerAddress`] for a pod of the caller's own job.
 pub const WORKER_API_PEERS_PATH: &str = "/v1/peers/";
 
+/// `GET`: the secret the caller's job's workers prove their membership with
+/// on the pipeline and replica links ([`PeerKey`]). The operator derives it
+/// from its own key and the job's uid, so it is stored nowhere and no other
+/// job's pods can learn it.
+pub const WORKER_API_PEER_KEY_PATH: &str = "/v1/peer-key";
+/// Overrides the peer key (64 hex digits) where there is no worker API:
+/// local runs and tests. In a cluster the worker asks the worker API.
+pub const PEER_KEY_ENV: &str = "HEADROOM_PEER_KEY";
+
+/// The worker API's answer to a peer-key request.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PeerKey {
+    /// 32 bytes as 64 lowercase hex digits.
+    pub key: String,
+}
+
+impl std::fmt::Debug for PeerKey {
+    // A secret: never in a log line.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PeerKey(..)")
+    }
+}
+
 /// The worker API's answer to a peer lookup.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -265,10 +289,17 @@ pub enum DataFormat {
 /// `HEADROOM_INITIALIZE`: the initializer's assignment as JSON. Its presence
 /// makes the worker binary an initializer (fetch, inspect, report, exit).
 pub const INITIALIZE_JSON_ENV: &str = "HEADROOM_INITIALIZE";
-/// `HF_TOKEN`: the Hugging Face token, from the job's Secret (only the initializer gets it).
-pub const HF_TOKEN_ENV: &str = "HF_TOKEN";
-/// The token for `spec.data.huggingFace`, from its own Secret (only the initializer gets it).
-pub const HF_DATASET_TOKEN_ENV: &str = "HEADROOM_HF_DATASET_TOKEN";
+/// The path of the file holding the Hugging Face token of
+/// `spec.model.pretrained.huggingFace.tokenSecret` (the value is a path, never
+/// the token). Only the initializer pod has it: the operator mounts that one
+/// key of the job's Secret there, read-only ([`HF_TOKEN_PATH`]).
+pub const HF_TOKEN_FILE_ENV: &str = "HEADROOM_HF_TOKEN_FILE";
+/// Where the initializer pod has the model repository's token.
+pub const HF_TOKEN_PATH: &str = "/var/run/secrets/headroom.dev/hf-token/token";
+/// As [`HF_TOKEN_FILE_ENV`], for `spec.data.huggingFace.tokenSecret`.
+pub const HF_DATASET_TOKEN_FILE_ENV: &str = "HEADROOM_HF_DATASET_TOKEN_FILE";
+/// Where the initializer pod has the dataset's token.
+pub const HF_DATASET_TOKEN_PATH: &str = "/var/run/secrets/headroom.dev/hf-dataset-token/token";
 /// The Hugging Face hub, unless the job names a mirror.
 pub const DEFAULT_HF_ENDPOINT: &str = "https://huggingface.co";
 
@@ -299,7 +330,7 @@ pub struct InitializerAssignment {
 #[serde(rename_all = "camelCase")]
 pub enum ModelSource {
     /// A Hugging Face repository, downloaded into `model_dir`; the token, if
-    /// any, is in [`HF_TOKEN_ENV`].
+    /// any, is in the file [`HF_TOKEN_FILE_ENV`] names.
     HuggingFace {
         repo: String,
         revision: String,
@@ -316,7 +347,7 @@ pub enum ModelSource {
 pub enum DataSource {
     /// One file of a Hugging Face dataset repository, downloaded to the
     /// assignment's `data_file` (which ends with `file`); the token, if
-    /// any, is in [`HF_DATASET_TOKEN_ENV`].
+    /// any, is in the file [`HF_DATASET_TOKEN_FILE_ENV`] names.
     HuggingFace {
         repo: String,
         revision: String,

@@ -162,6 +162,12 @@ pub struct PretrainedModel {
 /// A Hugging Face model repository.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "!has(self.endpoint) || self.endpoint.startsWith('https://') || (has(self.allowInsecureHttp) && self.allowInsecureHttp)",
+     "fieldPath": ".endpoint",
+     "reason": "FieldValueForbidden",
+     "message": "model.pretrained.huggingFace.endpoint: must start with https:// (the token of tokenSecret is sent there); for a plain-HTTP mirror on a network you trust, also set allowInsecureHttp: true"}
+]))]
 pub struct HuggingFaceSource {
     /// `owner/name`, e.g. `meta-llama/Llama-3.2-1B`.
     #[schemars(
@@ -174,13 +180,71 @@ pub struct HuggingFaceSource {
     #[schemars(length(min = 1, max = 200))]
     pub revision: String,
     /// The hub or a mirror, as `HF_ENDPOINT` (default `https://huggingface.co`).
+    /// Must be `https://`: the token of `tokenSecret` is sent here. A plain
+    /// `http://` mirror needs `allowInsecureHttp: true` as well.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 500), regex(pattern = r"^https?://[^\s]+$"))]
     pub endpoint: Option<String>,
-    /// A Secret key holding the token for gated or private repositories; only
-    /// the initializer pod sees it.
+    /// Accept a plain `http://` `endpoint` (a mirror on a network you trust):
+    /// the token of `tokenSecret`, if any, and the files then travel
+    /// unencrypted and unauthenticated. Default false: `endpoint` must be
+    /// `https://`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allow_insecure_http: Option<bool>,
+    /// A key of a Secret in the job's namespace holding the Hugging Face
+    /// token, for gated or private repositories.
+    /// Only a user who may `get` that Secret may name it: the chart's
+    /// admission policy (`secretAccessPolicy`) refuses a job whose creator
+    /// may not read it. The token is mounted, read-only, as a file into the
+    /// job's initializer pod alone (never into its workers, never as an
+    /// environment variable) and sent only to `endpoint`, as an
+    /// `Authorization: Bearer` header (a redirect keeps it only on the same
+    /// host over https; a CDN's signed URL gets none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_secret: Option<SecretKey>,
+}
+
+/// What the CEL rule on a hub source's `endpoint` says (after the field's
+/// name) when it is plain HTTP without the opt-in.
+fn insecure_endpoint_problem() -> &'static str {
+    "must start with https:// (the token of tokenSecret is sent there); for a plain-HTTP mirror on a network you trust, also set allowInsecureHttp: true"
+}
+
+/// The CEL rule on a hub source's `endpoint`, offline: `https://`, or
+/// `http://` with `allowInsecureHttp: true` beside it.
+fn check_endpoint(
+    endpoint: Option<&str>,
+    allow_insecure_http: Option<bool>,
+    field: &'static str,
+) -> Result<(), SpecError> {
+    match endpoint {
+        Some(e) if !e.starts_with("https://") && allow_insecure_http != Some(true) => {
+            Err(spec_error(field, insecure_endpoint_problem()))
+        }
+        _ => Ok(()),
+    }
+}
+
+impl HuggingFaceSource {
+    /// Whether `endpoint` may be used: see [`check_endpoint`].
+    pub fn check_endpoint(&self) -> Result<(), SpecError> {
+        check_endpoint(
+            self.endpoint.as_deref(),
+            self.allow_insecure_http,
+            "model.pretrained.huggingFace.endpoint",
+        )
+    }
+}
+
+impl HuggingFaceDataFile {
+    /// Whether `endpoint` may be used: see [`check_endpoint`].
+    pub fn check_endpoint(&self) -> Result<(), SpecError> {
+        check_endpoint(
+            self.endpoint.as_deref(),
+            self.allow_insecure_http,
+            "data.huggingFace.endpoint",
+        )
+    }
 }
 
 /// One key of a Secret in the job's namespace.
@@ -259,7 +323,11 @@ pub struct DataSpec {
     {"rule": "!self.file.startsWith('/') && !self.file.split('/').exists(p, p == '..' || p == '.' || p == '')",
      "message": "data.huggingFace.file is a path inside the repository (e.g. data/train.jsonl), without a leading '/', '.' or '..'"},
     {"rule": "!self.file.endsWith('.parquet') && !self.file.endsWith('.arrow')",
-     "message": "data.huggingFace.file must be JSONL (format: jsonl) or plain text (format: text); Headroom does not read Parquet or Arrow: pick or upload such a file"}
+     "message": "data.huggingFace.file must be JSONL (format: jsonl) or plain text (format: text); Headroom does not read Parquet or Arrow: pick or upload such a file"},
+    {"rule": "!has(self.endpoint) || self.endpoint.startsWith('https://') || (has(self.allowInsecureHttp) && self.allowInsecureHttp)",
+     "fieldPath": ".endpoint",
+     "reason": "FieldValueForbidden",
+     "message": "data.huggingFace.endpoint: must start with https:// (the token of tokenSecret is sent there); for a plain-HTTP mirror on a network you trust, also set allowInsecureHttp: true"}
 ]))]
 pub struct HuggingFaceDataFile {
     /// `owner/name` of a dataset repository, e.g. `stanfordnlp/imdb`.
@@ -276,11 +344,26 @@ pub struct HuggingFaceDataFile {
     #[schemars(length(min = 1, max = 1000))]
     pub file: String,
     /// The hub or a mirror, as `HF_ENDPOINT` (default `https://huggingface.co`).
+    /// Must be `https://`: the token of `tokenSecret` is sent here. A plain
+    /// `http://` mirror needs `allowInsecureHttp: true` as well.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 500), regex(pattern = r"^https?://[^\s]+$"))]
     pub endpoint: Option<String>,
-    /// A Secret key holding the token for a gated or private dataset; only
-    /// the initializer pod sees it.
+    /// Accept a plain `http://` `endpoint` (a mirror on a network you trust):
+    /// the token of `tokenSecret`, if any, and the files then travel
+    /// unencrypted and unauthenticated. Default false: `endpoint` must be
+    /// `https://`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allow_insecure_http: Option<bool>,
+    /// A key of a Secret in the job's namespace holding the Hugging Face
+    /// token, for a gated or private dataset.
+    /// Only a user who may `get` that Secret may name it: the chart's
+    /// admission policy (`secretAccessPolicy`) refuses a job whose creator
+    /// may not read it. The token is mounted, read-only, as a file into the
+    /// job's initializer pod alone (never into its workers, never as an
+    /// environment variable) and sent only to `endpoint`, as an
+    /// `Authorization: Bearer` header (a redirect keeps it only on the same
+    /// host over https; a CDN's signed URL gets none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_secret: Option<SecretKey>,
 }
@@ -836,8 +919,9 @@ pub struct MemorySample {
     /// Bytes the backend allocator holds (in use + cached); the gap is fragmentation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub allocator_reserved_bytes: Option<u64>,
-    /// Per-GPU memory as NVML reports it (GPU workers only).
+    /// Per-GPU memory as NVML reports it (GPU workers only; at most 16).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["index"]))]
     pub gpus: Vec<GpuMemory>,
     /// Highest memory this worker has used so far, bytes.
@@ -860,6 +944,7 @@ pub struct GpuMemory {
 #[serde(rename_all = "camelCase")]
 pub struct WorkerTelemetry {
     /// Pod name.
+    #[schemars(length(min = 1, max = 253))]
     pub name: String,
     /// The attempt this worker belongs to.
     pub attempt: u32,
@@ -889,7 +974,9 @@ pub struct WorkerTelemetry {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct DownloadProgress {
-    /// The file being fetched (or the last one fetched).
+    /// The file being fetched (or the last one fetched); a longer name is
+    /// cut to its last 1,000 bytes by the initializer.
+    #[schemars(length(max = 1024))]
     pub file: String,
     /// Bytes of that file on the volume so far (a resumed file counts what an
     /// earlier run left).
@@ -903,6 +990,21 @@ pub struct DownloadProgress {
     pub files: u32,
     /// Bytes this run received.
     pub downloaded_bytes: u64,
+}
+
+impl DownloadProgress {
+    /// The longest file name reported, bytes (the CRD allows 1,024).
+    pub const MAX_FILE_BYTES: usize = 1000;
+
+    /// Sets the file being fetched, keeping the end of a longer name (the
+    /// part that tells shards apart) within [`Self::MAX_FILE_BYTES`].
+    pub fn set_file(&mut self, name: &str) {
+        let mut start = name.len().saturating_sub(Self::MAX_FILE_BYTES);
+        while !name.is_char_boundary(start) {
+            start += 1;
+        }
+        self.file = name[start..].to_string();
+    }
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -928,8 +1030,10 @@ pub struct MemoryAwareTrainingJobStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["number"]))]
     pub attempts: Vec<Attempt>,
-    /// Live telemetry per worker of the current attempt.
+    /// Live telemetry per worker of the current attempt (at most 1,024
+    /// workers, `resources.gpu.maxGpus`'s bound, and the initializer).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 1025))]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
     pub workers: Vec<WorkerTelemetry>,
     /// One line on where the job stands (the current attempt and its plan, or
@@ -983,6 +1087,26 @@ impl MemoryAwareTrainingJobSpec {
             })
     }
 
+    /// The hub endpoints the job names (`model.pretrained.huggingFace`,
+    /// `data.huggingFace`): each `https://`, or plain HTTP where the job says
+    /// `allowInsecureHttp: true` beside it, since a token is sent there. The
+    /// API server's CEL rules, offline; the operator also checks this before
+    /// it starts an initializer (for a job stored before the rule existed).
+    pub fn check_hub_endpoints(&self) -> Result<(), SpecError> {
+        if let Some(hf) = self
+            .model
+            .pretrained
+            .as_ref()
+            .and_then(|p| p.hugging_face.as_ref())
+        {
+            hf.check_endpoint()?;
+        }
+        if let Some(hf) = self.data.as_ref().and_then(|d| d.hugging_face.as_ref()) {
+            hf.check_endpoint()?;
+        }
+        Ok(())
+    }
+
     /// The planner's view of this spec. Repeats the API server's CEL checks so
     /// offline callers (the kubectl plugin) get the same field-named errors.
     pub fn job_request(&self) -> Result<JobRequest, SpecError> {
@@ -1031,6 +1155,7 @@ impl MemoryAwareTrainingJobSpec {
             if let Some(o) = &self.output {
                 o.volume.check("output.volume.path")?;
             }
+            self.check_hub_endpoints()?;
             if let Some(hf) = &data.hugging_face {
                 let file = hf.file.as_str();
                 if file.starts_with('/')
@@ -1458,6 +1583,21 @@ impl MemoryAwareTrainingJobSpec {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_long_download_name_keeps_its_end_within_the_bound() {
+        let mut p = DownloadProgress::default();
+        p.set_file("model-00001-of-00002.safetensors");
+        assert_eq!(p.file, "model-00001-of-00002.safetensors");
+        let long = format!("{}é-model-00002.safetensors", "d/".repeat(600));
+        p.set_file(&long);
+        assert!(
+            p.file.len() <= DownloadProgress::MAX_FILE_BYTES,
+            "{}",
+            p.file.len()
+        );
+        assert!(p.file.ends_with("-model-00002.safetensors"));
+    }
     use super::*;
 
     fn invalid_manifest(file: &str) -> MemoryAwareTrainingJob {
@@ -1564,6 +1704,68 @@ mod tests {
                 .expect_err(file);
             assert_eq!(err.field, field, "{file}");
             assert_eq!(format!("{field}: {}", err.problem), expect, "{file}");
+        }
+    }
+
+    /// A hub endpoint is `https://`, or plain HTTP only with the opt-in
+    /// beside it: offline with the API server's words (the corpus's
+    /// `# expect:`), the CRD's CEL message the same, and the opt-in admits it.
+    #[test]
+    fn a_plain_http_hub_endpoint_needs_the_opt_in() {
+        let shape = tiny_llama();
+        let crd =
+            serde_json::to_string(&<MemoryAwareTrainingJob as kube::CustomResourceExt>::crd())
+                .expect("crd");
+        for (file, field) in [
+            (
+                "54-hub-endpoint-plain-http.yaml",
+                "model.pretrained.huggingFace.endpoint",
+            ),
+            (
+                "55-data-hub-endpoint-plain-http.yaml",
+                "data.huggingFace.endpoint",
+            ),
+        ] {
+            let path = format!(
+                "{}/../../e2e/testdata/invalid/{file}",
+                env!("CARGO_MANIFEST_DIR")
+            );
+            let text = std::fs::read_to_string(&path).expect("manifest");
+            let expect = text
+                .lines()
+                .find_map(|l| l.strip_prefix("# expect: "))
+                .expect("expect line");
+            let job = invalid_manifest(file);
+            let err = job.spec.job_request_for(Some(&shape)).expect_err(file);
+            assert_eq!(err.field, field, "{file}");
+            assert_eq!(format!("{field}: {}", err.problem), expect, "{file}");
+            assert!(crd.contains(expect), "{file}: the CRD's CEL message");
+            assert_eq!(job.spec.check_hub_endpoints(), Err(err));
+
+            // The opt-in beside the endpoint admits it; https needs none.
+            let mut spec = job.spec.clone();
+            let set = |spec: &mut MemoryAwareTrainingJobSpec, endpoint: &str, allow| {
+                if let Some(hf) = spec
+                    .model
+                    .pretrained
+                    .as_mut()
+                    .and_then(|p| p.hugging_face.as_mut())
+                {
+                    hf.endpoint = Some(endpoint.into());
+                    hf.allow_insecure_http = allow;
+                }
+                if let Some(hf) = spec.data.as_mut().and_then(|d| d.hugging_face.as_mut()) {
+                    hf.endpoint = Some(endpoint.into());
+                    hf.allow_insecure_http = allow;
+                }
+            };
+            set(&mut spec, "http://hf-mirror.example", Some(true));
+            spec.check_hub_endpoints().expect("opted in");
+            spec.job_request_for(Some(&shape)).expect("opted in");
+            set(&mut spec, "https://hf-mirror.example", None);
+            spec.check_hub_endpoints().expect("https");
+            set(&mut spec, "HTTP://hf-mirror.example", None);
+            assert!(spec.check_hub_endpoints().is_err(), "{file}: HTTP://");
         }
     }
 

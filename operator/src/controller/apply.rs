@@ -6,6 +6,7 @@ use std::time::Instant;
 use headroom_api::{MemoryAwareTrainingJob, MemoryAwareTrainingJobStatus, OPERATOR_FIELD_MANAGER};
 use headroom_planner::ModelShape;
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod, Service};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::events::{Event, EventType};
 use kube::runtime::reflector::ObjectRef;
@@ -344,6 +345,7 @@ async fn ensure_children(
     let ns = job.namespace().unwrap_or_default();
     let c = &ctx.client;
     let svc = pods::headless_service(job);
+    let fence = pods::peer_network_policy(job);
     let workers = missing
         .iter()
         .map(|&slot| {
@@ -356,12 +358,17 @@ async fn ensure_children(
             )
         })
         .collect::<Result<Vec<_>, _>>()?;
-    // One round: the Service only gives the pods DNS names.
+    // One round: the Service only gives the pods DNS names, and the
+    // NetworkPolicy fences ports the workers open only once they start.
     let first_launch = attempt == 1 && status.initializations.unwrap_or(0) == 0;
     futures::try_join!(
         async {
             if plan.workers > 1 {
-                put::<Service>(c, &ns, &svc, first_launch).await
+                futures::try_join!(
+                    put::<Service>(c, &ns, &svc, first_launch),
+                    put::<NetworkPolicy>(c, &ns, &fence, first_launch),
+                )
+                .map(|_| ())
             } else {
                 Ok(())
             }

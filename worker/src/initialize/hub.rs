@@ -504,7 +504,7 @@ impl Hub {
         dir: &Path,
     ) -> Result<u64, InitError> {
         self.progress(|p| {
-            p.file = name.to_string();
+            p.set_file(name);
             p.file_bytes = 0;
             p.file_total_bytes = listed_size;
         });

@@ -32,9 +32,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use headroom_api::{
-    DataSource, HF_DATASET_TOKEN_ENV, HF_TOKEN_ENV, INITIALIZE_JSON_ENV, InitializerAssignment,
-    InitializerReport, ModelSource, POD_NAME_ENV, TELEMETRY_INTERVAL_ENV, TERMINATION_MESSAGE_PATH,
-    WorkerOutcome,
+    DataSource, HF_DATASET_TOKEN_FILE_ENV, HF_TOKEN_FILE_ENV, INITIALIZE_JSON_ENV,
+    InitializerAssignment, InitializerReport, ModelSource, POD_NAME_ENV, TELEMETRY_INTERVAL_ENV,
+    TERMINATION_MESSAGE_PATH, WorkerOutcome,
 };
 use headroom_planner::LlamaShape;
 
@@ -51,15 +51,21 @@ use crate::{TERMINATION_MESSAGE_LIMIT, write_termination_message};
 pub use hub::Retry;
 
 /// The initializer's environment: present only when `HEADROOM_INITIALIZE` is set.
-#[derive(Clone, PartialEq, Eq)]
+///
+/// The hub tokens are not in the environment: the operator mounts each one
+/// key of the job's Secret as a read-only file into the initializer pod
+/// alone, and the environment names the files' paths, which [`run`] reads.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct InitializerEnv {
     /// `HEADROOM_INITIALIZE`: the assignment, not yet parsed (a malformed
     /// one is reported through the termination message like any bad input).
     pub assignment: String,
-    /// `HF_TOKEN`, when set and not blank: the model repository's token.
-    pub token: Option<String>,
-    /// `HEADROOM_HF_DATASET_TOKEN`, when set and not blank: the dataset's.
-    pub data_token: Option<String>,
+    /// `HEADROOM_HF_TOKEN_FILE`, when set and not blank: the file holding
+    /// the model repository's token (`model.pretrained.huggingFace.tokenSecret`).
+    pub token_file: Option<PathBuf>,
+    /// `HEADROOM_HF_DATASET_TOKEN_FILE`, when set and not blank: the file
+    /// holding the dataset's (`data.huggingFace.tokenSecret`).
+    pub data_token_file: Option<PathBuf>,
     /// `HEADROOM_TERMINATION_MESSAGE_PATH`, else `/dev/termination-log`.
     pub termination_message_path: PathBuf,
     /// `POD_NAME`: set in a pod, where the initializer reports its progress
@@ -67,20 +73,6 @@ pub struct InitializerEnv {
     pub pod_name: Option<String>,
     /// `HEADROOM_TELEMETRY_INTERVAL_SECONDS`: the least time between status writes.
     pub telemetry_interval: Duration,
-}
-
-impl std::fmt::Debug for InitializerEnv {
-    // Never the token.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("InitializerEnv")
-            .field("assignment", &self.assignment)
-            .field("token", &self.token.as_ref().map(|_| "(set)"))
-            .field("data_token", &self.data_token.as_ref().map(|_| "(set)"))
-            .field("termination_message_path", &self.termination_message_path)
-            .field("pod_name", &self.pod_name)
-            .field("telemetry_interval", &self.telemetry_interval)
-            .finish()
-    }
 }
 
 impl InitializerEnv {
@@ -95,8 +87,12 @@ impl InitializerEnv {
         let assignment = env(INITIALIZE_JSON_ENV)?;
         Some(InitializerEnv {
             assignment,
-            token: env(HF_TOKEN_ENV).filter(|t| !t.trim().is_empty()),
-            data_token: env(HF_DATASET_TOKEN_ENV).filter(|t| !t.trim().is_empty()),
+            token_file: env(HF_TOKEN_FILE_ENV)
+                .filter(|p| !p.trim().is_empty())
+                .map(PathBuf::from),
+            data_token_file: env(HF_DATASET_TOKEN_FILE_ENV)
+                .filter(|p| !p.trim().is_empty())
+                .map(PathBuf::from),
             termination_message_path: env(TERMINATION_MESSAGE_PATH_ENV)
                 .map_or_else(|| PathBuf::from(TERMINATION_MESSAGE_PATH), PathBuf::from),
             pod_name: env(POD_NAME_ENV).filter(|p| !p.trim().is_empty()),
@@ -149,6 +145,30 @@ pub struct Tokens {
     pub model: Option<String>,
     /// For `data.huggingFace`.
     pub data: Option<String>,
+}
+
+impl Tokens {
+    /// Reads the token files `env` names. A file named but unreadable is
+    /// the deployment's fault, not the network's: `Invalid`, naming the
+    /// spec field whose Secret it is (never the token). A blank file is no
+    /// token.
+    pub fn read(env: &InitializerEnv) -> Result<Self, InitError> {
+        let read = |path: &Option<PathBuf>, field: &str| -> Result<Option<String>, InitError> {
+            let Some(path) = path else { return Ok(None) };
+            let text = std::fs::read_to_string(path).map_err(|e| {
+                InitError::Invalid(format!(
+                    "cannot read the token of {field} at {}: {e}",
+                    path.display()
+                ))
+            })?;
+            let token = text.trim();
+            Ok((!token.is_empty()).then(|| token.to_string()))
+        };
+        Ok(Tokens {
+            model: read(&env.token_file, "model.pretrained.huggingFace.tokenSecret")?,
+            data: read(&env.data_token_file, "data.huggingFace.tokenSecret")?,
+        })
+    }
 }
 
 impl std::fmt::Debug for Tokens {
@@ -337,11 +357,8 @@ pub fn run(env: &InitializerEnv) -> Result<InitializerReport, Exit> {
                     });
                 }) as hub::ProgressObserver
             });
-            let tokens = Tokens {
-                model: env.token.clone(),
-                data: env.data_token.clone(),
-            };
-            let result = initialize(&assignment, tokens, Retry::default(), observer);
+            let result = Tokens::read(env)
+                .and_then(|tokens| initialize(&assignment, tokens, Retry::default(), observer));
             // A last write, with the download as it ended.
             drop(reporter);
             result
@@ -397,16 +414,54 @@ mod tests {
         assert!(InitializerEnv::from_lookup(|_| None).is_none());
         let env = InitializerEnv::from_lookup(|k| match k {
             INITIALIZE_JSON_ENV => Some("{}".into()),
-            HF_TOKEN_ENV => Some("hf_secret".into()),
+            HF_TOKEN_FILE_ENV => Some("/var/run/secrets/headroom.dev/hf-token/token".into()),
+            // A token in the environment is not read.
+            "HF_TOKEN" => Some("hf_secret".into()),
             _ => None,
         })
         .expect("initializer");
-        assert_eq!(env.token.as_deref(), Some("hf_secret"));
+        assert_eq!(
+            env.token_file,
+            Some(PathBuf::from(
+                "/var/run/secrets/headroom.dev/hf-token/token"
+            ))
+        );
+        assert_eq!(env.data_token_file, None);
         assert_eq!(
             env.termination_message_path,
             PathBuf::from(TERMINATION_MESSAGE_PATH)
         );
         assert!(!format!("{env:?}").contains("hf_secret"));
+    }
+
+    /// Each token comes from its file (trimmed; blank is none); a file
+    /// named but missing is refused naming the field whose Secret it is.
+    #[test]
+    fn the_tokens_are_read_from_their_files() {
+        let dir = std::env::temp_dir().join(format!("headroom-tokens-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("tmp");
+        std::fs::write(dir.join("model"), "hf_model_token\n").expect("write");
+        std::fs::write(dir.join("data"), "  \n").expect("write");
+        let mut env = InitializerEnv {
+            assignment: "{}".into(),
+            token_file: Some(dir.join("model")),
+            data_token_file: Some(dir.join("data")),
+            termination_message_path: dir.join("termination-log"),
+            pod_name: None,
+            telemetry_interval: DEFAULT_INTERVAL,
+        };
+        let tokens = Tokens::read(&env).expect("read");
+        assert_eq!(tokens.model.as_deref(), Some("hf_model_token"));
+        assert_eq!(tokens.data, None, "a blank file is no token");
+        assert!(!format!("{tokens:?}").contains("hf_model_token"));
+
+        env.data_token_file = Some(dir.join("missing"));
+        let err = Tokens::read(&env).expect_err("missing");
+        assert!(
+            matches!(&err, InitError::Invalid(m) if m.contains("data.huggingFace.tokenSecret")),
+            "{err:?}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
@@ -416,8 +471,8 @@ mod tests {
         let path = dir.join("termination-log");
         let exit = run(&InitializerEnv {
             assignment: "{\"job\": 1}".into(),
-            token: None,
-            data_token: None,
+            token_file: None,
+            data_token_file: None,
             termination_message_path: path.clone(),
             pod_name: None,
             telemetry_interval: DEFAULT_INTERVAL,

@@ -280,4 +280,49 @@ mod tests {
         assert_eq!(again.status.initializations, Some(2));
         assert_ne!(again.status.phase, Some(JobPhase::Failed));
     }
+
+    /// A job stored with a plain-HTTP hub endpoint and no opt-in (before
+    /// the CRD's rule, or under an older CRD) fails before any initializer
+    /// could send its token there; with the opt-in it is initialized.
+    #[test]
+    fn a_plain_http_hub_without_the_opt_in_gets_no_initializer() {
+        let mut j = finetune_job();
+        let pretrained = j.spec.model.pretrained.as_mut().expect("pretrained");
+        pretrained.volume = None;
+        pretrained.hugging_face = Some(
+            serde_yaml::from_str(
+                "{repo: acme/llama, endpoint: 'http://hub.example', tokenSecret: {name: hf}}",
+            )
+            .expect("hub source"),
+        );
+        let mut refused = j.clone();
+        let d = step(&mut refused, &[], t0());
+        assert_eq!(initializer(&d), None, "no pod gets the token");
+        assert_eq!(d.status.phase, Some(JobPhase::Failed));
+        assert!(has_condition(
+            &d.status,
+            ConditionType::Failed,
+            true,
+            Reason::InvalidSpec
+        ));
+        let message = d.status.message.as_deref().unwrap_or_default();
+        assert!(
+            message.starts_with(
+                "spec.model.pretrained.huggingFace.endpoint: must start with https://"
+            ) && message.contains("allowInsecureHttp: true"),
+            "{message}"
+        );
+
+        if let Some(hf) = j
+            .spec
+            .model
+            .pretrained
+            .as_mut()
+            .and_then(|p| p.hugging_face.as_mut())
+        {
+            hf.allow_insecure_http = Some(true);
+        }
+        let d = step(&mut j, &[], t0());
+        assert_eq!(initializer(&d), Some(1), "opted in");
+    }
 }

@@ -140,6 +140,12 @@ impl Builder<'_> {
             Ok(image) => self.image = Some(image),
             Err(e) => return self.fail(Reason::InvalidSpec, e.to_string()),
         }
+        // A hub's token goes only to an https endpoint unless the job opts
+        // in (the API server's CEL rule; a job stored before it, or under an
+        // older CRD, is refused here before any initializer gets the token).
+        if let Err(e) = self.obs.job.spec.check_hub_endpoints() {
+            return self.fail(Reason::InvalidSpec, e.to_string());
+        }
         if self.obs.job.spec.model.pretrained.is_some()
             && self.d.status.model.is_none()
             && !self.initialize()

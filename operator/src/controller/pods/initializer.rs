@@ -8,12 +8,13 @@
 use std::collections::BTreeMap;
 
 use headroom_api::{
-    DEFAULT_HF_ENDPOINT, DataSource, HF_DATASET_TOKEN_ENV, HF_TOKEN_ENV, INITIALIZE_JSON_ENV,
-    InitializerAssignment, MemoryAwareTrainingJob, ModelSource,
+    DEFAULT_HF_ENDPOINT, DataSource, HF_DATASET_TOKEN_FILE_ENV, HF_DATASET_TOKEN_PATH,
+    HF_TOKEN_FILE_ENV, HF_TOKEN_PATH, INITIALIZE_JSON_ENV, InitializerAssignment,
+    MemoryAwareTrainingJob, ModelSource, SecretKey,
 };
 use headroom_planner::DeviceKind;
 use k8s_openapi::api::core::v1::{
-    EnvVar, EnvVarSource, Pod, ResourceRequirements, SecretKeySelector,
+    EnvVar, KeyToPath, Pod, ResourceRequirements, SecretVolumeSource, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::ResourceExt;
@@ -33,6 +34,73 @@ fn endpoint_or_hub(endpoint: &Option<String>) -> String {
     endpoint
         .clone()
         .unwrap_or_else(|| DEFAULT_HF_ENDPOINT.into())
+}
+
+/// Owner and group may read a token file; nobody else (the pod's group,
+/// `fsGroup`, owns it; the initializer runs in that group).
+const TOKEN_FILE_MODE: i32 = 0o440;
+
+/// The Hugging Face tokens the job names (`tokenSecret` of the model and of
+/// the dataset), each as what the initializer needs to read it: the one key
+/// of the Secret as a read-only file (a secret volume with only that item),
+/// and a variable naming the file's path. The token itself is never in the
+/// pod's spec or environment.
+fn token_files(job: &MemoryAwareTrainingJob) -> Vec<(EnvVar, Volume, VolumeMount)> {
+    let spec = &job.spec;
+    let model = spec
+        .model
+        .pretrained
+        .as_ref()
+        .and_then(|p| p.hugging_face.as_ref())
+        .and_then(|hf| hf.token_secret.as_ref());
+    let data = spec
+        .data
+        .as_ref()
+        .and_then(|d| d.hugging_face.as_ref())
+        .and_then(|hf| hf.token_secret.as_ref());
+    let file = |env: &str, path: &str, volume: &str, secret: &SecretKey| {
+        let (dir, name) = path.rsplit_once('/').unwrap_or(("/", path));
+        (
+            EnvVar {
+                name: env.into(),
+                value: Some(path.into()),
+                ..EnvVar::default()
+            },
+            Volume {
+                name: volume.into(),
+                secret: Some(SecretVolumeSource {
+                    secret_name: Some(secret.name.clone()),
+                    items: Some(vec![KeyToPath {
+                        key: secret.key.clone(),
+                        path: name.into(),
+                        mode: None,
+                    }]),
+                    default_mode: Some(TOKEN_FILE_MODE),
+                    optional: Some(false),
+                }),
+                ..Volume::default()
+            },
+            VolumeMount {
+                name: volume.into(),
+                mount_path: dir.into(),
+                read_only: Some(true),
+                ..VolumeMount::default()
+            },
+        )
+    };
+    let mut out = Vec::new();
+    if let Some(secret) = model {
+        out.push(file(HF_TOKEN_FILE_ENV, HF_TOKEN_PATH, "hf-token", secret));
+    }
+    if let Some(secret) = data {
+        out.push(file(
+            HF_DATASET_TOKEN_FILE_ENV,
+            HF_DATASET_TOKEN_PATH,
+            "hf-dataset-token",
+            secret,
+        ));
+    }
+    out
 }
 
 /// What the initializer is asked to do.
@@ -71,8 +139,10 @@ fn initializer_assignment(job: &MemoryAwareTrainingJob) -> Option<InitializerAss
 /// The initializer pod of run `run`; `None` for a job that is not a
 /// fine-tuning job. The worker image (`image`, the one the job's workers
 /// run) in its initializer mode, with the job's claims and, for a gated
-/// repository, the token (no other pod of the job sees it). Its report
-/// comes through its termination message, which the operator reads; while
+/// repository, the token: one key of the job's Secret mounted read-only as
+/// a file, whose path is in the environment ([`token_files`]; no other pod
+/// of the job sees it). Its report comes through its termination message,
+/// which the operator reads; while
 /// it runs it reports its progress, as the workers their telemetry, through
 /// the operator's worker API ([`super::skeleton::worker_api_access`]),
 /// which writes it into its own entry of `status.workers`.
@@ -95,39 +165,12 @@ pub fn initializer_pod(
         pod_name_env(),
         telemetry_interval_env(cfg),
     ];
-    let model_token = spec
-        .model
-        .pretrained
-        .as_ref()
-        .and_then(|p| p.hugging_face.as_ref())
-        .and_then(|hf| hf.token_secret.as_ref());
-    let data_token = spec
-        .data
-        .as_ref()
-        .and_then(|d| d.hugging_face.as_ref())
-        .and_then(|hf| hf.token_secret.as_ref());
-    for (name, secret) in [
-        (HF_TOKEN_ENV, model_token),
-        (HF_DATASET_TOKEN_ENV, data_token),
-    ] {
-        let Some(secret) = secret else { continue };
-        env.push(EnvVar {
-            name: name.into(),
-            value_from: Some(EnvVarSource {
-                secret_key_ref: Some(SecretKeySelector {
-                    name: secret.name.clone(),
-                    key: secret.key.clone(),
-                    optional: Some(false),
-                }),
-                ..EnvVarSource::default()
-            }),
-            ..EnvVar::default()
-        });
-    }
+    let tokens = token_files(job);
+    env.extend(tokens.iter().map(|(e, _, _)| e.clone()));
     env.extend(worker_api_access(cfg).0);
     let memory = Quantity(INITIALIZER_MEMORY.into());
     let resources: BTreeMap<String, Quantity> = [("memory".to_string(), memory)].into();
-    Ok(Some(restricted_pod(
+    let mut pod = restricted_pod(
         job,
         cfg,
         PodParts {
@@ -150,7 +193,17 @@ pub fn initializer_pod(
             // names none).
             tolerations: crate::inventory::worker_tolerations(job, DeviceKind::Cpu),
         },
-    )))
+    );
+    // On top of the skeleton, this pod's alone: the token files.
+    if let Some(spec) = pod.spec.as_mut() {
+        for (_, volume, mount) in tokens {
+            spec.volumes.get_or_insert_with(Vec::new).push(volume);
+            if let Some(c) = spec.containers.first_mut() {
+                c.volume_mounts.get_or_insert_with(Vec::new).push(mount);
+            }
+        }
+    }
+    Ok(Some(pod))
 }
 
 #[cfg(test)]
@@ -177,6 +230,37 @@ mod tests {
                     .and_then(|v| v.persistent_volume_claim.as_ref())
                     .map_or("-".to_string(), |c| c.claim_name.clone());
                 (m.mount_path.clone(), claim, m.read_only.unwrap_or(false))
+            })
+            .collect()
+    }
+
+    /// The pod's Secret volumes as (mount path, Secret, key, file), each
+    /// mounted read-only, with only that key and no other pod's access.
+    fn token_volumes(pod: &Pod) -> Vec<(String, String, String, String)> {
+        let spec = pod.spec.as_ref().expect("spec");
+        let container = &spec.containers[0];
+        spec.volumes
+            .iter()
+            .flatten()
+            .filter_map(|v| Some((v, v.secret.as_ref()?)))
+            .map(|(v, secret)| {
+                let mount = container
+                    .volume_mounts
+                    .iter()
+                    .flatten()
+                    .find(|m| m.name == v.name)
+                    .expect("mounted");
+                assert_eq!(mount.read_only, Some(true), "{} read-only", v.name);
+                assert_eq!(secret.default_mode, Some(0o440), "{}", v.name);
+                assert_eq!(secret.optional, Some(false), "{}", v.name);
+                let items = secret.items.clone().unwrap_or_default();
+                assert_eq!(items.len(), 1, "{}: only the token's key", v.name);
+                (
+                    mount.mount_path.clone(),
+                    secret.secret_name.clone().unwrap_or_default(),
+                    items[0].key.clone(),
+                    items[0].path.clone(),
+                )
             })
             .collect()
     }
@@ -221,18 +305,24 @@ mod tests {
             .and_then(|e| e.value_from.as_ref()?.field_ref.as_ref())
             .map(|f| f.field_path.as_str());
         assert_eq!(pod_name, Some("metadata.name"));
-        let token = env
-            .iter()
-            .find(|e| e.name == HF_TOKEN_ENV)
-            .expect("token env");
-        let secret = token
-            .value_from
-            .as_ref()
-            .and_then(|v| v.secret_key_ref.as_ref())
-            .expect("from the Secret");
+        // The token is a file: one key of the Secret, read-only, and the
+        // environment names its path; no variable holds a Secret's value.
+        assert_eq!(value(HF_TOKEN_FILE_ENV).as_deref(), Some(HF_TOKEN_PATH));
+        assert!(
+            env.iter().all(|e| e
+                .value_from
+                .as_ref()
+                .is_none_or(|v| v.secret_key_ref.is_none())),
+            "no Secret in the environment: {env:?}"
+        );
         assert_eq!(
-            (secret.name.as_str(), secret.key.as_str()),
-            ("hf-token", "token")
+            token_volumes(&pod),
+            [(
+                "/var/run/secrets/headroom.dev/hf-token".to_string(),
+                "hf-token".to_string(),
+                "token".to_string(),
+                "token".to_string()
+            )]
         );
         let assignment: InitializerAssignment = serde_json::from_str(
             env.iter()
@@ -309,23 +399,40 @@ mod tests {
         )
         .expect("build")
         .expect("pod");
+        // Each token in its own file, from its own Secret.
+        assert_eq!(
+            token_volumes(&pod),
+            [
+                (
+                    "/var/run/secrets/headroom.dev/hf-token".to_string(),
+                    "hf-token".to_string(),
+                    "token".to_string(),
+                    "token".to_string()
+                ),
+                (
+                    "/var/run/secrets/headroom.dev/hf-dataset-token".to_string(),
+                    "hf-data".to_string(),
+                    "token".to_string(),
+                    "token".to_string()
+                )
+            ]
+        );
         let env = pod.spec.expect("spec").containers[0]
             .env
             .clone()
             .unwrap_or_default();
-        let secret = |name: &str| {
-            env.iter()
-                .find(|e| e.name == name)
-                .and_then(|e| e.value_from.as_ref()?.secret_key_ref.as_ref())
-                .map(|s| (s.name.clone(), s.key.clone()))
-        };
+        let value = |name: &str| env.iter().find(|e| e.name == name)?.value.clone();
+        assert_eq!(value(HF_TOKEN_FILE_ENV).as_deref(), Some(HF_TOKEN_PATH));
         assert_eq!(
-            secret(HF_TOKEN_ENV),
-            Some(("hf-token".into(), "token".into()))
+            value(HF_DATASET_TOKEN_FILE_ENV).as_deref(),
+            Some(HF_DATASET_TOKEN_PATH)
         );
-        assert_eq!(
-            secret(HF_DATASET_TOKEN_ENV),
-            Some(("hf-data".into(), "token".into()))
+        assert!(
+            env.iter().all(|e| e
+                .value_from
+                .as_ref()
+                .is_none_or(|v| v.secret_key_ref.is_none())),
+            "no Secret in the environment: {env:?}"
         );
         // No claim of the user's is mounted for the data any more.
         let (volumes, _) = claim_mounts(&j);

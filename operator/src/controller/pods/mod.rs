@@ -16,13 +16,14 @@
 //! * `skeleton` — owner, labels, metadata, and the one restricted pod
 //!   skeleton every pod of a job is built on (account, security, volumes,
 //!   placement, image, termination message)
-//! * `worker`, `initializer`, `claim`, `service` — each object on top of the
-//!   skeleton; none imports another
+//! * `worker`, `initializer`, `claim`, `service`, `network_policy` — each
+//!   object on top of the skeleton; none imports another
 
 mod claim;
 mod files;
 mod initializer;
 mod names;
+mod network_policy;
 mod service;
 mod skeleton;
 mod worker;
@@ -31,6 +32,7 @@ pub use claim::{checkpoint_claim, claim_belongs_to, release_claim_patch};
 pub use files::output_location;
 pub use initializer::initializer_pod;
 pub use names::{Slot, checkpoint_claim_name, initializer_pod_name, pod_name, slots};
+pub use network_policy::peer_network_policy;
 pub use service::headless_service;
 pub use worker::worker_pod;
 
@@ -146,12 +148,28 @@ pub(crate) mod tests {
     /// The worker pods and the initializer pod are one skeleton: what the
     /// user sets for the job's pods (pull secrets, node pool, tolerations,
     /// priority, pull policy) reaches both alike, and so do the account, the
-    /// security contexts, the volumes and the termination message.
+    /// security contexts, the job's volumes and the termination message. The
+    /// initializer alone has more: the hub tokens' Secret files.
     #[test]
     fn workers_and_the_initializer_share_the_restricted_pod_skeleton() {
         let mut j = job(include_str!(
             "../../../../samples/cpu-finetune-tiny-llama.yaml"
         ));
+        // A gated checkpoint and dataset from the hub, each with its token.
+        let pretrained = j.spec.model.pretrained.as_mut().expect("pretrained");
+        pretrained.volume = None;
+        pretrained.hugging_face = Some(
+            serde_yaml::from_str("{repo: acme/llama, tokenSecret: {name: hf-token, key: hf}}")
+                .expect("hub model"),
+        );
+        let data = j.spec.data.as_mut().expect("data");
+        data.volume = None;
+        data.hugging_face = Some(
+            serde_yaml::from_str(
+                "{repo: acme/text, file: train.jsonl, tokenSecret: {name: hf-data}}",
+            )
+            .expect("hub data"),
+        );
         j.spec.worker = serde_yaml::from_str(
             r#"
 image: registry.example/headroom-worker:1
@@ -221,7 +239,45 @@ priorityClassName: batch-low
             Some(true)
         );
         assert_eq!(w.security_context, i.security_context);
-        assert_eq!(w.volumes, i.volumes, "the job's claims and the API token");
+        // The job's claims and the API token alike; the initializer alone
+        // adds the two tokens' files, each one key of its Secret.
+        let secret_volumes = |spec: &k8s_openapi::api::core::v1::PodSpec| -> Vec<(String, String)> {
+            spec.volumes
+                .iter()
+                .flatten()
+                .filter_map(|v| v.secret.as_ref())
+                .flat_map(|s| {
+                    s.items
+                        .iter()
+                        .flatten()
+                        .map(|item| (s.secret_name.clone().unwrap_or_default(), item.key.clone()))
+                })
+                .collect()
+        };
+        assert_eq!(secret_volumes(w), Vec::<(String, String)>::new());
+        assert_eq!(
+            secret_volumes(i),
+            [
+                ("hf-token".to_string(), "hf".to_string()),
+                ("hf-data".to_string(), "token".to_string())
+            ]
+        );
+        let (w_volumes, i_volumes) = (
+            w.volumes.clone().unwrap_or_default(),
+            i.volumes.clone().unwrap_or_default(),
+        );
+        assert_eq!(i_volumes.len(), w_volumes.len() + 2);
+        assert_eq!(
+            i_volumes[..w_volumes.len()],
+            w_volumes[..],
+            "the job's claims and the API token"
+        );
+        assert!(
+            i_volumes[w_volumes.len()..]
+                .iter()
+                .all(|v| v.secret.is_some()),
+            "only the tokens' files are the initializer's own"
+        );
 
         let (wc, ic) = (&w.containers[0], &i.containers[0]);
         assert_eq!(
@@ -247,7 +303,44 @@ priorityClassName: batch-low
             (wc.image.as_deref(), ic.image.as_deref()),
             (Some(image), Some(image))
         );
-        assert_eq!(wc.volume_mounts, ic.volume_mounts);
+        let (w_mounts, i_mounts) = (
+            wc.volume_mounts.clone().unwrap_or_default(),
+            ic.volume_mounts.clone().unwrap_or_default(),
+        );
+        assert_eq!(i_mounts[..w_mounts.len()], w_mounts[..]);
+        let token_mounts: Vec<(&str, Option<bool>)> = i_mounts[w_mounts.len()..]
+            .iter()
+            .map(|m| (m.mount_path.as_str(), m.read_only))
+            .collect();
+        assert_eq!(
+            token_mounts,
+            [
+                ("/var/run/secrets/headroom.dev/hf-token", Some(true)),
+                ("/var/run/secrets/headroom.dev/hf-dataset-token", Some(true))
+            ]
+        );
+        // Neither pod has a Secret's value in its environment; only the
+        // initializer is told where the token files are.
+        let env = |c: &k8s_openapi::api::core::v1::Container| c.env.clone().unwrap_or_default();
+        for e in env(wc).iter().chain(&env(ic)) {
+            assert!(
+                e.value_from
+                    .as_ref()
+                    .is_none_or(|v| v.secret_key_ref.is_none()),
+                "{e:?}"
+            );
+        }
+        let names = |c| -> Vec<String> { env(c).into_iter().map(|e| e.name).collect() };
+        for var in [
+            headroom_api::HF_TOKEN_FILE_ENV,
+            headroom_api::HF_DATASET_TOKEN_FILE_ENV,
+        ] {
+            assert!(!names(wc).iter().any(|n| n == var), "{var} on a worker");
+            assert!(
+                names(ic).iter().any(|n| n == var),
+                "{var} on the initializer"
+            );
+        }
 
         // Only the component (and the initializer's role) tells them apart.
         let labels = |pod: &Pod| pod.metadata.labels.clone().expect("labels");

@@ -14,45 +14,48 @@
 //!   `status.workers` entry, server-side applied under the caller's field
 //!   manager (`headroom-worker/<pod>`), exactly as workers wrote it before.
 //! * `GET /v1/peers/<pod>` — the IP of another pod of the caller's job.
+//! * `GET /v1/peer-key` — the caller's job's link key ([`peer_key`]), with
+//!   which its stages and replicas authenticate each other.
 //!
-//! A checked token is remembered for [`IDENTITY_TTL`], so a worker reporting
-//! every few seconds costs one TokenReview and one pod read a minute, not
-//! per report.
+//! The API is reachable from every pod of the cluster, so it is built to
+//! shed load rather than fall over (SECURITY.md):
+//!
+//! * `identity` — who is calling. A checked token is remembered for
+//!   [`IDENTITY_TTL`] (a worker reporting every few seconds costs one
+//!   TokenReview and one pod read a minute), a refused one for
+//!   [`REFUSAL_TTL`], and reviews in flight are capped.
+//! * the caller is known before a body is read, and a body is read only up
+//!   to [`MAX_BODY_BYTES`];
+//! * `serve` — a connection cap and header-read and request deadlines.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
 
 use axum::Router;
-use axum::body::Bytes;
+use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use headroom_api::{
-    LABEL_JOB, MemoryAwareTrainingJob, PeerAddress, WORKER_API_AUDIENCE, WORKER_API_PEERS_PATH,
-    WORKER_API_TELEMETRY_PATH, WORKER_FIELD_MANAGER_PREFIX, WorkerTelemetry,
+    MemoryAwareTrainingJob, PeerAddress, PeerKey, WORKER_API_AUDIENCE, WORKER_API_PEER_KEY_PATH,
+    WORKER_API_PEERS_PATH, WORKER_API_TELEMETRY_PATH, WORKER_FIELD_MANAGER_PREFIX, WorkerTelemetry,
 };
-use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, Patch, PatchParams, PostParams};
-use kube::{Client, Resource, ResourceExt};
+use kube::api::{Api, Patch, PatchParams};
+use kube::{Client, Resource};
 
-/// How long a checked token stands for its pod before it is checked again.
-/// Short against a projected token's lifetime (at least 10 minutes), long
-/// against the telemetry interval.
-pub const IDENTITY_TTL: Duration = Duration::from_secs(60);
-/// Identities kept at most; beyond it the expired ones are dropped, then all.
-const MAX_IDENTITIES: usize = 20_000;
+mod identity;
+pub mod peer_key;
+pub mod serve;
 
-/// Who called: the pod a token is bound to, and that pod's job.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Caller {
-    pub namespace: String,
-    pub pod: String,
-    pub job: String,
-    pub job_uid: String,
-}
+pub use identity::{Caller, IDENTITY_TTL, MAX_CONCURRENT_REVIEWS, MAX_TOKEN_BYTES, REFUSAL_TTL};
+use identity::{Identities, owning_job};
+pub use peer_key::OperatorKey;
+pub use serve::{Limits, serve};
+
+/// The largest request body read, bytes. A worker's telemetry is well under
+/// 8 KiB (a few numbers per GPU; the CRD bounds its strings and lists).
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
 
 /// Why a call was refused; the status code and a plain-text reason go back
 /// to the worker, which logs them.
@@ -66,6 +69,10 @@ pub enum Refusal {
     Forbidden(String),
     #[error("{0}")]
     BadRequest(String),
+    #[error("request body over {MAX_BODY_BYTES} bytes")]
+    TooLarge,
+    #[error("too many token checks in flight; retry shortly")]
+    Busy,
     #[error("the worker API could not reach the Kubernetes API: {0}")]
     Upstream(#[source] kube::Error),
 }
@@ -76,10 +83,20 @@ impl IntoResponse for Refusal {
             Refusal::NoToken | Refusal::Unauthenticated(_) => StatusCode::UNAUTHORIZED,
             Refusal::Forbidden(_) => StatusCode::FORBIDDEN,
             Refusal::BadRequest(_) => StatusCode::BAD_REQUEST,
+            Refusal::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Refusal::Busy => StatusCode::SERVICE_UNAVAILABLE,
             Refusal::Upstream(_) => StatusCode::BAD_GATEWAY,
         };
-        if code != StatusCode::BAD_REQUEST {
-            tracing::info!(code = code.as_u16(), reason = %self, "worker API call refused");
+        // Refusals without a caller are logged at debug: a flood of them
+        // must not become a flood of log lines.
+        match &self {
+            Refusal::BadRequest(_) => {}
+            Refusal::NoToken | Refusal::Unauthenticated(_) | Refusal::TooLarge | Refusal::Busy => {
+                tracing::debug!(code = code.as_u16(), reason = %self, "worker API call refused")
+            }
+            Refusal::Forbidden(_) | Refusal::Upstream(_) => {
+                tracing::info!(code = code.as_u16(), reason = %self, "worker API call refused")
+            }
         }
         (code, self.to_string()).into_response()
     }
@@ -87,30 +104,37 @@ impl IntoResponse for Refusal {
 
 struct WorkerApi {
     client: Client,
-    identities: Mutex<HashMap<String, (Caller, Instant)>>,
+    identities: Identities,
+    key: OperatorKey,
 }
 
 /// The worker API's routes, acting with `client` (the operator's own
 /// credentials: it needs `create` on tokenreviews, `get` on pods and `patch`
-/// on memoryawaretrainingjobs/status).
-pub fn router(client: Client) -> Router {
+/// on memoryawaretrainingjobs/status), handing out job keys derived from `key`.
+pub fn router(client: Client, key: OperatorKey) -> Router {
     let state = Arc::new(WorkerApi {
+        identities: Identities::new(client.clone()),
         client,
-        identities: Mutex::new(HashMap::new()),
+        key,
     });
     Router::new()
         .route(WORKER_API_TELEMETRY_PATH, post(telemetry))
         .route(&format!("{WORKER_API_PEERS_PATH}{{pod}}"), get(peer))
+        .route(WORKER_API_PEER_KEY_PATH, get(job_key))
         .with_state(state)
 }
 
-/// `POST /v1/telemetry`: the caller's own status entry.
+/// `POST /v1/telemetry`: the caller's own status entry. The token is
+/// checked before a byte of the body is read.
 async fn telemetry(
     State(api): State<Arc<WorkerApi>>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Body,
 ) -> Result<StatusCode, Refusal> {
     let caller = api.caller(&headers).await?;
+    let body = axum::body::to_bytes(body, MAX_BODY_BYTES)
+        .await
+        .map_err(|_| Refusal::TooLarge)?;
     let de = &mut serde_json::Deserializer::from_slice(&body);
     let telemetry: WorkerTelemetry = serde_path_to_error::deserialize(de)
         .map_err(|e| Refusal::BadRequest(format!("telemetry body: {e}")))?;
@@ -118,6 +142,14 @@ async fn telemetry(
         return Err(Refusal::Forbidden(format!(
             "telemetry names worker {:?}, but the token is pod {}'s: a worker reports only its own entry",
             telemetry.name, caller.pod
+        )));
+    }
+    // The pod's labels, which only the operator writes, say which attempt
+    // and stage it is; a worker cannot report for another.
+    if (telemetry.attempt, telemetry.stage) != (caller.attempt, caller.stage) {
+        return Err(Refusal::Forbidden(format!(
+            "telemetry says attempt {} stage {}, but pod {} is attempt {} stage {}",
+            telemetry.attempt, telemetry.stage, caller.pod, caller.attempt, caller.stage
         )));
     }
     let jobs: Api<MemoryAwareTrainingJob> = Api::namespaced(api.client.clone(), &caller.namespace);
@@ -155,6 +187,11 @@ async fn peer(
     Path(pod): Path<String>,
 ) -> Result<Response, Refusal> {
     let caller = api.caller(&headers).await?;
+    if !is_object_name(&pod) {
+        return Err(Refusal::BadRequest(format!(
+            "{pod:?} is not a pod name (lowercase letters, digits, '-' and '.', at most 253)"
+        )));
+    }
     let pods: Api<Pod> = Api::namespaced(api.client.clone(), &caller.namespace);
     let Some(peer) = pods.get_opt(&pod).await.map_err(Refusal::Upstream)? else {
         // Not created yet (its attempt is being launched) reads as no IP yet.
@@ -169,23 +206,41 @@ async fn peer(
     Ok(address(peer.status.and_then(|s| s.pod_ip)))
 }
 
+/// `GET /v1/peer-key`: the caller's job's link key.
+async fn job_key(
+    State(api): State<Arc<WorkerApi>>,
+    headers: HeaderMap,
+) -> Result<Response, Refusal> {
+    let caller = api.caller(&headers).await?;
+    let key = PeerKey {
+        key: api.key.job_key_hex(&caller.namespace, &caller.job_uid),
+    };
+    let body = serde_json::to_string(&key).unwrap_or_default();
+    Ok((
+        [
+            (header::CONTENT_TYPE, "application/json"),
+            (header::CACHE_CONTROL, "no-store"),
+        ],
+        body,
+    )
+        .into_response())
+}
+
+/// A DNS-1123 subdomain, what Kubernetes accepts as a pod name: checked
+/// before it becomes part of an API path.
+fn is_object_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 253
+        && name
+            .bytes()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-' || c == b'.')
+        && name.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && name.ends_with(|c: char| c.is_ascii_alphanumeric())
+}
+
 fn address(pod_ip: Option<String>) -> Response {
     let body = serde_json::to_string(&PeerAddress { pod_ip }).unwrap_or_default();
     ([(header::CONTENT_TYPE, "application/json")], body).into_response()
-}
-
-/// The job that controls `pod` and carries its label: (name, uid).
-fn owning_job(pod: &Pod) -> Option<(String, String)> {
-    let label = pod.labels().get(LABEL_JOB)?;
-    pod.owner_references()
-        .iter()
-        .find(|o| {
-            o.controller == Some(true)
-                && o.kind == MemoryAwareTrainingJob::kind(&())
-                && o.api_version == MemoryAwareTrainingJob::api_version(&())
-                && &o.name == label
-        })
-        .map(|o| (o.name.clone(), o.uid.clone()))
 }
 
 impl WorkerApi {
@@ -198,84 +253,31 @@ impl WorkerApi {
             .map(str::trim)
             .filter(|t| !t.is_empty())
             .ok_or(Refusal::NoToken)?;
-        if let Ok(known) = self.identities.lock()
-            && let Some((caller, at)) = known.get(token)
-            && at.elapsed() < IDENTITY_TTL
-        {
-            return Ok(caller.clone());
-        }
-        let caller = self.review(token).await?;
-        if let Ok(mut known) = self.identities.lock() {
-            if known.len() >= MAX_IDENTITIES {
-                known.retain(|_, (_, at)| at.elapsed() < IDENTITY_TTL);
-                if known.len() >= MAX_IDENTITIES {
-                    known.clear();
-                }
-            }
-            known.insert(token.to_string(), (caller.clone(), Instant::now()));
-        }
-        Ok(caller)
+        self.identities.caller(token).await
     }
+}
 
-    /// TokenReview, then the pod the token is bound to, then its job.
-    async fn review(&self, token: &str) -> Result<Caller, Refusal> {
-        let review = TokenReview {
-            spec: TokenReviewSpec {
-                token: Some(token.to_string()),
-                audiences: Some(vec![WORKER_API_AUDIENCE.to_string()]),
-            },
-            ..TokenReview::default()
-        };
-        let reviewed = Api::<TokenReview>::all(self.client.clone())
-            .create(&PostParams::default(), &review)
-            .await
-            .map_err(Refusal::Upstream)?;
-        let status = reviewed.status.unwrap_or_default();
-        if status.authenticated != Some(true) {
-            return Err(Refusal::Unauthenticated(
-                status
-                    .error
-                    .unwrap_or_else(|| "not authenticated".to_string()),
-            ));
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_object_names_become_api_paths() {
+        for good in ["job-a1-s0", "a", "x.y-1", &"a".repeat(253)] {
+            assert!(is_object_name(good), "{good}");
         }
-        let user = status.user.unwrap_or_default();
-        let extra = user.extra.unwrap_or_default();
-        let first = |key: &str| extra.get(key).and_then(|v| v.first()).cloned();
-        let (Some(pod_name), Some(pod_uid)) = (
-            first("authentication.kubernetes.io/pod-name"),
-            first("authentication.kubernetes.io/pod-uid"),
-        ) else {
-            return Err(Refusal::Unauthenticated(format!(
-                "the token of {} is not bound to a pod (use the pod's projected token)",
-                user.username.unwrap_or_default()
-            )));
-        };
-        // system:serviceaccount:<namespace>:<name>
-        let namespace = user
-            .username
-            .as_deref()
-            .and_then(|u| u.strip_prefix("system:serviceaccount:"))
-            .and_then(|rest| rest.split_once(':'))
-            .map(|(ns, _)| ns.to_string())
-            .ok_or_else(|| Refusal::Unauthenticated("not a service-account token".to_string()))?;
-        let pod = Api::<Pod>::namespaced(self.client.clone(), &namespace)
-            .get_opt(&pod_name)
-            .await
-            .map_err(Refusal::Upstream)?
-            .filter(|p| p.uid().as_deref() == Some(pod_uid.as_str()))
-            .ok_or_else(|| {
-                Refusal::Unauthenticated(format!("pod {namespace}/{pod_name} no longer exists"))
-            })?;
-        let (job, job_uid) = owning_job(&pod).ok_or_else(|| {
-            Refusal::Forbidden(format!(
-                "pod {namespace}/{pod_name} is not a Headroom worker (no job owns it)"
-            ))
-        })?;
-        Ok(Caller {
-            namespace,
-            pod: pod_name,
-            job,
-            job_uid,
-        })
+        for bad in [
+            "",
+            "../secrets",
+            "a/b",
+            "A",
+            "-a",
+            "a-",
+            "a%2fb",
+            "a?b",
+            &"a".repeat(254),
+        ] {
+            assert!(!is_object_name(bad), "{bad}");
+        }
     }
 }
