@@ -21,6 +21,12 @@ if grep -nE '^\s*-?\s*(verbs|resources|apiGroups):.*"\*"' <<<"${rendered}"; then
 if "${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --set replicaCont=2 >/dev/null 2>&1; then fail "values.schema.json accepted an unknown key"; fi
 if "${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --set checkpoints.accessMode=ReadWriteMost >/dev/null 2>&1; then fail "values.schema.json accepted an unknown checkpoint access mode"; fi
 grep -q -- '--checkpoint-access-mode=ReadWriteOnce' <<<"${rendered}" || fail "checkpoint access mode is not passed to the operator"
+# Every replica derives the same job link keys from the chart's Secret.
+grep -q -- '--peer-key-file=/var/run/secrets/headroom.dev/peer-key/key' <<<"${rendered}" || fail "the peer key file is not passed to the operator"
+grep -q 'name: headroom-operator-peer-key' <<<"${rendered}" || fail "no peer key Secret"
+# The worker API admits only Headroom's pods where NetworkPolicies are enforced.
+grep -q 'kind: NetworkPolicy' <<<"${rendered}" || fail "no NetworkPolicy for the operator"
+grep -A3 'resources: \["networkpolicies"\]' <<<"${rendered}" | grep -q '"create", "patch"' || fail "the operator may not create the jobs' NetworkPolicies"
 
 # The rendered document of kind $1 (in namespace $2, if given).
 doc() { awk -v kind="$1" -v ns="${2:-}" 'BEGIN { RS = "\n---\n" }
