@@ -72,6 +72,63 @@ impl std::fmt::Debug for TestNs {
     }
 }
 
+/// A test namespace older than this is a leftover: no test runs so long.
+const LEFTOVER_AGE: Duration = Duration::from_secs(3600);
+
+/// Deletes what failed runs left on a control plane whose state persists
+/// between runs (once per process): test namespaces older than
+/// [`LEFTOVER_AGE`], and the suite's fake Nodes whose namespace (their name's
+/// prefix) is gone or being swept. A leftover Node changes every later
+/// planning test's inventory, and a refusal that lists the nodes left out
+/// no longer names the one a test made.
+async fn sweep_leftovers(client: &Client, suite: Suite) {
+    use k8s_openapi::api::core::v1::Node;
+    static SWEPT: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+    SWEPT
+        .get_or_init(|| async {
+            let selector = ListParams::default().labels(&format!("{}=true", suite.namespace_label));
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs() as i64);
+            let namespaces: Api<Namespace> = Api::all(client.clone());
+            let Ok(list) = namespaces.list(&selector).await else {
+                return;
+            };
+            let mut live = Vec::new();
+            for ns in list.items {
+                let age = ns
+                    .metadata
+                    .creation_timestamp
+                    .as_ref()
+                    .map_or(0, |t| now - t.0.as_second());
+                let terminating = ns.metadata.deletion_timestamp.is_some();
+                if age > LEFTOVER_AGE.as_secs() as i64 && !terminating {
+                    eprintln!(
+                        "sweeping leftover test namespace {} ({age} s old)",
+                        ns.name_any()
+                    );
+                    let _ = namespaces
+                        .delete(&ns.name_any(), &DeleteParams::background())
+                        .await;
+                } else if !terminating {
+                    live.push(ns.name_any());
+                }
+            }
+            let nodes: Api<Node> = Api::all(client.clone());
+            let Ok(list) = nodes.list(&selector).await else {
+                return;
+            };
+            for node in list.items {
+                let name = node.name_any();
+                if !live.iter().any(|ns| name.starts_with(&format!("{ns}-"))) {
+                    eprintln!("sweeping leftover test node {name}");
+                    let _ = nodes.delete(&name, &DeleteParams::background()).await;
+                }
+            }
+        })
+        .await;
+}
+
 /// `<prefix>-<6 hex digits>`, different per process and call.
 pub fn unique_name(prefix: &str) -> String {
     let nanos = std::time::SystemTime::now()
@@ -88,6 +145,9 @@ impl TestNs {
             crate::crd::install(&client, suite.field_manager)
                 .await
                 .unwrap_or_else(|e| panic!("CRD installed and served: {e}"));
+        }
+        if suite.install_crd {
+            sweep_leftovers(&client, suite).await;
         }
         let name = unique_name(prefix);
         let ns: Namespace = serde_json::from_value(
