@@ -12,11 +12,13 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use headroom_api::{
-    CHECKPOINT_DIR_ENV, DEFAULT_CHECKPOINT_DIR, PIPELINE_ADDRESSES_ENV, PIPELINE_PODS_ENV,
-    PIPELINE_SERVICE_ENV, PIPELINE_TIMEOUT_ENV, PLAN_FILE_ENV, PLAN_JSON_ENV, POD_NAME_ENV,
-    REPLICA_ADDRESSES_ENV, REPLICA_PODS_ENV, TELEMETRY_INTERVAL_ENV, TERMINATION_MESSAGE_PATH,
+    CHECKPOINT_DIR_ENV, DEFAULT_CHECKPOINT_DIR, PEER_KEY_ENV, PIPELINE_ADDRESSES_ENV,
+    PIPELINE_PODS_ENV, PIPELINE_SERVICE_ENV, PIPELINE_TIMEOUT_ENV, PLAN_FILE_ENV, PLAN_JSON_ENV,
+    POD_NAME_ENV, REPLICA_ADDRESSES_ENV, REPLICA_PODS_ENV, TELEMETRY_INTERVAL_ENV,
+    TERMINATION_MESSAGE_PATH,
 };
 
+use crate::link_auth::LinkKey;
 use crate::report::DEFAULT_INTERVAL;
 
 /// Overrides where the termination message goes (tests, local runs).
@@ -95,6 +97,9 @@ pub struct WorkerEnv {
     pub replica_peers: Option<PipelinePeers>,
     /// `HEADROOM_COLLECTIVE` (`auto` when not set).
     pub collective: CollectiveChoice,
+    /// `HEADROOM_PEER_KEY`: the job's peer key where there is no worker API
+    /// to ask (local runs, tests); `None` when not set.
+    pub peer_key: Option<LinkKey>,
 }
 
 /// A variable the worker cannot use.
@@ -107,6 +112,13 @@ pub enum EnvError {
         variable: &'static str,
         expected: &'static str,
         value: String,
+    },
+    /// A secret that cannot be used: unlike [`EnvError::Invalid`], the
+    /// message does not repeat the value.
+    #[error("{variable}: {reason} (the value is a secret and not shown)")]
+    InvalidSecret {
+        variable: &'static str,
+        reason: &'static str,
     },
 }
 
@@ -207,6 +219,15 @@ impl WorkerEnv {
             }),
             (None, None) => None,
         };
+        let peer_key = env(PEER_KEY_ENV)
+            .filter(|v| !v.trim().is_empty())
+            .map(|v| {
+                LinkKey::from_hex(&v).map_err(|reason| EnvError::InvalidSecret {
+                    variable: PEER_KEY_ENV,
+                    reason,
+                })
+            })
+            .transpose()?;
         Ok(WorkerEnv {
             termination_message_path,
             plan,
@@ -219,6 +240,7 @@ impl WorkerEnv {
             pipeline_peers,
             replica_peers,
             collective,
+            peer_key,
         })
     }
 }
@@ -262,6 +284,7 @@ mod tests {
                 pipeline_peers: None,
                 replica_peers: None,
                 collective: CollectiveChoice::Auto,
+                peer_key: None,
             }
         );
     }
@@ -282,8 +305,10 @@ mod tests {
             (PIPELINE_SERVICE_ENV, "job-a1"),
             (REPLICA_PODS_ENV, "p0,p0-r1"),
             (COLLECTIVE_ENV, " ring "),
+            (PEER_KEY_ENV, &"ab".repeat(32)),
         ]))
         .expect("valid");
+        assert_eq!(env.peer_key, Some(LinkKey::from_bytes([0xab; 32])));
         assert_eq!(env.plan, PlanSource::File("/plan/plan.json".into()));
         assert_eq!(env.collective, CollectiveChoice::Ring);
         assert_eq!(env.termination_message_path, PathBuf::from("/tmp/t"));
@@ -358,5 +383,24 @@ mod tests {
                 PathBuf::from(TERMINATION_MESSAGE_PATH)
             );
         }
+    }
+
+    #[test]
+    fn link_auth_a_bad_peer_key_is_named_but_not_shown() {
+        let almost = format!("{}zz", "ab".repeat(31));
+        for value in ["abc123", almost.as_str(), &"ab".repeat(33)] {
+            let err =
+                WorkerEnv::from_lookup(env_with(&[(PLAN_JSON_ENV, "{}"), (PEER_KEY_ENV, value)]))
+                    .expect_err("not 64 hex digits");
+            let text = err.to_string();
+            assert!(text.starts_with(PEER_KEY_ENV), "{text}");
+            assert!(text.contains("64 hex digits"), "{text}");
+            assert!(!text.contains("abab"), "the secret is not repeated: {text}");
+        }
+        // Blank counts as unset.
+        let env = WorkerEnv::from_lookup(env_with(&[(PLAN_JSON_ENV, "{}"), (PEER_KEY_ENV, " ")]))
+            .expect("valid");
+        assert_eq!(env.peer_key, None);
+        assert_eq!(format!("{env:?}").matches("LinkKey").count(), 0);
     }
 }

@@ -14,6 +14,8 @@
 //! * [`pipeline`] — stages over TCP: links, handshake, the 1F1B schedule
 //! * [`collective`] — sums and gathers across data-parallel replicas (a TCP
 //!   ring; NCCL over it in the CUDA build, host-staged)
+//! * [`link_auth`] — the job's peer key and the mutual proof of it every
+//!   pipeline and ring handshake carries
 //! * [`data_parallel`] — replicas of a stage: gradient reduce-scatter, ZeRO-1
 //!   optimizer shards, weight all-gather, in buckets
 //! * [`data`] — the synthetic next-token task (deterministic per sample)
@@ -42,6 +44,7 @@ pub mod data;
 pub mod data_parallel;
 pub mod env;
 pub mod initialize;
+pub mod link_auth;
 pub mod model;
 pub mod optim;
 pub mod pipeline;

@@ -31,6 +31,7 @@ use crate::cluster::ClusterHandle;
 use crate::collective::{Collective, CollectiveError, Ring, RingHello, RingTimeouts, Single};
 use crate::env::{COLLECTIVE_ENV, CollectiveChoice, InvalidEnv, PipelinePeers, WorkerEnv};
 pub use crate::env::{DEVICE_MEMORY_LIMIT_ENV, TERMINATION_MESSAGE_PATH_ENV};
+use crate::link_auth::{KeyError, LinkKey};
 use crate::pipeline::{Hello, Links, Peers, PipelineError, establish};
 use crate::report::{
     DEFAULT_SAMPLE_EVERY, Progress, Reporter, TelemetrySink, WorkerApiSink, WorkerIdentity,
@@ -546,17 +547,37 @@ impl Training<'_> {
         if trainer.finished() {
             return Ok(connected);
         }
+        if trainer.config.stages <= 1 && trainer.config.replicas <= 1 {
+            return Ok(connected);
+        }
+        let key = self.peer_key()?;
         if trainer.config.stages > 1 {
-            connected.links = self.connect_stages(trainer)?;
+            connected.links = self.connect_stages(trainer, &key)?;
         }
         if trainer.config.replicas > 1 {
-            connected.replicas = self.connect_replicas(trainer)?;
+            connected.replicas = self.connect_replicas(trainer, &key)?;
         }
         Ok(connected)
     }
 
+    /// The job's peer key, which both ends of every pipeline and replica
+    /// link prove to each other ([`crate::link_auth`]): without it anyone
+    /// who knows the job's names could call a worker first and be taken
+    /// for its neighbour. `HEADROOM_PEER_KEY` first, else the worker API.
+    fn peer_key(&self) -> Result<LinkKey, Exit> {
+        LinkKey::obtain(
+            self.env.peer_key.as_ref(),
+            self.worker_api,
+            self.env.pipeline_timeout,
+        )
+        .map_err(|e| match e {
+            KeyError::Missing => Exit::invalid_plan(e.to_string()),
+            KeyError::Api(_) | KeyError::Random(_) => Exit::failed(e.to_string()),
+        })
+    }
+
     /// The links to the previous and the next stage.
-    fn connect_stages(&self, trainer: &Trainer) -> Result<Links, Exit> {
+    fn connect_stages(&self, trainer: &Trainer, key: &LinkKey) -> Result<Links, Exit> {
         let stages = trainer.config.stages;
         let (peers, listener) = self.pipeline_setup(stages)?;
         let a = self.plan.assignment();
@@ -570,12 +591,16 @@ impl Training<'_> {
         };
         tracing::info!(stage = me.stage, stages, layers = ?trainer.config.layout.layers, "pipeline: connecting to the neighbouring stages");
         let timeout = self.env.pipeline_timeout;
-        establish(&me, listener, &peers, timeout, timeout).map_err(|e| Exit::pipeline(&e))
+        establish(&me, key, listener, &peers, timeout, timeout).map_err(|e| Exit::pipeline(&e))
     }
 
     /// The collective of the stage's replicas: their TCP ring, or what
     /// [`replica_collective`] forms over it.
-    fn connect_replicas(&self, trainer: &Trainer) -> Result<Box<dyn Collective>, Exit> {
+    fn connect_replicas(
+        &self,
+        trainer: &Trainer,
+        key: &LinkKey,
+    ) -> Result<Box<dyn Collective>, Exit> {
         let replicas = trainer.config.replicas;
         let (addresses, listener) = self.ring_setup(replicas)?;
         let a = self.plan.assignment();
@@ -603,7 +628,7 @@ impl Training<'_> {
         // (`sharding::collective_buffer_bytes`).
         let bucket = trainer.config.backend.profile().collective_bucket_bytes;
         let chunk = headroom_planner::sharding::ring_chunk_bytes(bucket);
-        let collective = Ring::establish(&me, &addresses, listener, timeouts)
+        let collective = Ring::establish(&me, key, &addresses, listener, timeouts)
             .and_then(|mut ring| {
                 ring.set_chunk_bytes(usize::try_from(chunk).unwrap_or(usize::MAX));
                 let collective =

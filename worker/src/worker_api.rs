@@ -12,9 +12,11 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use headroom_api::{
-    PeerAddress, WORKER_API_ENV, WORKER_API_PEERS_PATH, WORKER_API_TELEMETRY_PATH,
-    WORKER_API_TOKEN_ENV, WORKER_API_TOKEN_PATH, WorkerTelemetry,
+    PeerAddress, PeerKey, WORKER_API_ENV, WORKER_API_PEER_KEY_PATH, WORKER_API_PEERS_PATH,
+    WORKER_API_TELEMETRY_PATH, WORKER_API_TOKEN_ENV, WORKER_API_TOKEN_PATH, WorkerTelemetry,
 };
+
+use crate::link_auth::LinkKey;
 
 /// The longest one call may take, connecting and reading the answer included.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -53,6 +55,10 @@ pub enum WorkerApiError {
         #[source]
         source: serde_json::Error,
     },
+    /// The answer to a peer-key request is not a key; `reason` never
+    /// quotes the answer (it may be most of a secret).
+    #[error("{url} answered 200 with no usable peer key: {reason}")]
+    MalformedKey { url: String, reason: String },
 }
 
 /// A blocking client of the operator's worker API.
@@ -155,6 +161,34 @@ impl WorkerApi {
         let peer: PeerAddress = serde_json::from_str(&text)
             .map_err(|source| WorkerApiError::Malformed { url, source })?;
         Ok(peer.pod_ip.filter(|ip| !ip.is_empty()))
+    }
+
+    /// The caller's job's peer key, which its workers prove to each other
+    /// on the pipeline and replica links ([`crate::link_auth`]).
+    pub fn peer_key(&self) -> Result<LinkKey, WorkerApiError> {
+        let url = format!("{}{WORKER_API_PEER_KEY_PATH}", self.base);
+        let response = self
+            .agent
+            .get(&url)
+            .header("authorization", self.bearer()?)
+            .call()
+            .map_err(|e| transport(&url, e))?;
+        let text = check(&url, response)?
+            .into_body()
+            .with_config()
+            .limit(REASON_LIMIT)
+            .read_to_string()
+            .map_err(|e| transport(&url, e))?;
+        // serde's error could quote the text: say only what was wrong.
+        let answer: PeerKey =
+            serde_json::from_str(&text).map_err(|_| WorkerApiError::MalformedKey {
+                url: url.clone(),
+                reason: "not a JSON object with a \"key\" string".into(),
+            })?;
+        LinkKey::from_hex(&answer.key).map_err(|reason| WorkerApiError::MalformedKey {
+            url,
+            reason: reason.into(),
+        })
     }
 
     /// `Bearer <token>`, the token read from its file now.
@@ -379,6 +413,40 @@ mod tests {
         );
         let e = api.pod_ip("job-a1-s1").expect_err("not json");
         assert!(matches!(e, WorkerApiError::Malformed { .. }), "{e:?}");
+    }
+
+    #[test]
+    fn link_auth_the_peer_key_comes_from_the_worker_api_and_is_never_quoted() {
+        let key = "0123456789abcdef".repeat(4);
+        let good: &'static str = Box::leak(format!(r#"{{"key":"{key}"}}"#).into_boxed_str());
+        let short: &'static str =
+            Box::leak(format!(r#"{{"key":"{}"}}"#, &key[..40]).into_boxed_str());
+        let (base, seen) = serve(vec![
+            ("200 OK", good),
+            ("200 OK", short),
+            ("200 OK", "secretsecret"),
+            ("503 Service Unavailable", ""),
+            ("200 OK", good),
+        ]);
+        let api = WorkerApi::new(&base, token_file("peer-key", "t"));
+        let got = api.peer_key().expect("key");
+        assert_eq!(got.to_hex(), key);
+        let request = seen.recv().expect("request");
+        assert_eq!(request.line, "GET /v1/peer-key");
+        assert_eq!(request.authorization.as_deref(), Some("Bearer t"));
+        for _ in 0..2 {
+            let e = api.peer_key().expect_err("not a key");
+            assert!(matches!(e, WorkerApiError::MalformedKey { .. }), "{e:?}");
+            let text = e.to_string();
+            assert!(
+                !text.contains(&key[..40]) && !text.contains("secret"),
+                "{text}"
+            );
+        }
+        // A 5xx (the operator restarting) is asked again.
+        let again = crate::link_auth::LinkKey::obtain(None, Some(&api), Duration::from_secs(10))
+            .expect("the second answer");
+        assert_eq!(again, got);
     }
 
     #[test]

@@ -347,3 +347,39 @@ async fn the_initializers_download_progress_is_in_the_status_while_it_runs() {
 }
 
 const RUN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The link key the worker obtains from the operator's worker API with its
+/// pod-bound token: the same for two pods of one job (so their handshakes
+/// succeed), different for another job's pod (so it cannot join them).
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn workers_of_one_job_obtain_one_link_key_and_another_jobs_worker_another() {
+    let ns = TestNs::new(API_SERVER, "hr-link-key").await;
+    let worker_api = serve_worker_api(&ns).await;
+    let mut keys = Vec::new();
+    for (job, pod) in [
+        ("keys-a", "keys-a-a1-s0"),
+        ("keys-a", "keys-a-a1-s1"),
+        ("keys-b", "keys-b-a1-s0"),
+    ] {
+        let job = match ns.jobs().get_opt(job).await.expect("get") {
+            Some(existing) => existing,
+            None => create_job(&ns, job).await,
+        };
+        let object = worker_pod(&ns, &job, pod, &[(LABEL_ATTEMPT, "1"), (LABEL_STAGE, "0")]).await;
+        let dir = scratch(pod);
+        let token = token_file(&ns, &object, &dir).await;
+        let base = worker_api.clone();
+        let key = tokio::task::spawn_blocking(move || {
+            headroom_worker::worker_api::WorkerApi::new(&base, token).peer_key()
+        })
+        .await
+        .expect("join")
+        .unwrap_or_else(|e| panic!("{pod}: {e}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        keys.push(key);
+    }
+    assert!(keys[0] == keys[1], "two pods of one job, one key");
+    assert!(keys[0] != keys[2], "another job's pod, another key");
+    ns.cleanup().await;
+}

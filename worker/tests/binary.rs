@@ -5,8 +5,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use headroom_api::{
-    CHECKPOINT_DIR_ENV, PLAN_JSON_ENV, POD_NAME_ENV, TerminationMessage, WorkerAssignment,
-    WorkerOutcome, exit_code,
+    CHECKPOINT_DIR_ENV, PEER_KEY_ENV, PLAN_JSON_ENV, POD_NAME_ENV, TerminationMessage,
+    WORKER_API_ENV, WorkerAssignment, WorkerOutcome, exit_code,
 };
 use headroom_planner::{
     Inventory, JobRequest, ModelShape, Optimizer, Precision, RetryRung, Target, TransformerShape,
@@ -16,6 +16,9 @@ use headroom_worker::run::{DEVICE_MEMORY_LIMIT_ENV, TERMINATION_MESSAGE_PATH_ENV
 
 mod common;
 use common::tiny_shape;
+
+/// The peer key every worker these tests start is given.
+const TEST_PEER_KEY: &str = "5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e";
 
 fn assignment(steps: u64, micro_batch: Option<u32>) -> WorkerAssignment {
     assignment_for(
@@ -93,7 +96,10 @@ fn run_worker(dir: &Path, plan_json: &str, extra: &[(&str, &str)]) -> Run {
         .env(PLAN_JSON_ENV, plan_json)
         .env(CHECKPOINT_DIR_ENV, dir.join("checkpoints"))
         .env(TERMINATION_MESSAGE_PATH_ENV, &termination)
-        .env(POD_NAME_ENV, "tiny-a1-s0");
+        .env(POD_NAME_ENV, "tiny-a1-s0")
+        // The peer key of multi-worker runs (no worker API to hand one out);
+        // unused by a single worker.
+        .env(PEER_KEY_ENV, TEST_PEER_KEY);
     for (k, v) in extra {
         cmd.env(k, v);
     }
@@ -621,6 +627,26 @@ fn a_replica_whose_ring_never_comes_up_is_peer_lost() {
         "{}",
         run.message.reason
     );
+    // Nor without a peer key (neither the override nor a worker API), nor
+    // with one that is not 64 hex digits.
+    for (key, says) in [("", WORKER_API_ENV), ("abc", "64 hex digits")] {
+        let run = run_worker(
+            &dir,
+            &serde_json::to_string(&two_replica(3, 0)).expect("json"),
+            &[
+                (headroom_api::REPLICA_ADDRESSES_ENV, addresses.as_str()),
+                (PEER_KEY_ENV, key),
+            ],
+        );
+        assert_eq!(run.code, exit_code::INVALID_PLAN, "{}", run.stderr);
+        for needle in [PEER_KEY_ENV, says] {
+            assert!(
+                run.message.reason.contains(needle),
+                "{needle}: {}",
+                run.message.reason
+            );
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -15,6 +15,7 @@ use burn::tensor::{Device, Tensor};
 use headroom_planner::search::balanced_split;
 use headroom_planner::{Optimizer, Precision, Settings, TransformerShape};
 use headroom_worker::collective::{Ring, RingTimeouts};
+use headroom_worker::link_auth::LinkKey;
 use headroom_worker::model::StageLayout;
 use headroom_worker::pipeline::{Hello, Peers, establish};
 use headroom_worker::train::{TrainConfig, Trainer};
@@ -199,6 +200,7 @@ fn run_with_buckets(
                 };
                 let mut links = establish(
                     &me,
+                    &LinkKey::from_bytes([7; 32]),
                     listener.filter(|_| k > 0),
                     &peers,
                     Duration::from_secs(30),

@@ -17,6 +17,7 @@ use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use headroom_planner::{Optimizer, Precision, Settings};
 use headroom_worker::collective::Single;
+use headroom_worker::link_auth::LinkKey;
 use headroom_worker::model::hf::HfCheckpoint;
 use headroom_worker::model::{LmShape, StageLayout, TransformerLm};
 use headroom_worker::pipeline::{Hello, Peers, establish};
@@ -159,6 +160,7 @@ fn two_stages_write_shards_and_an_index_that_reload_as_one_model() {
                 };
                 let mut links = establish(
                     &me,
+                    &LinkKey::from_bytes([7; 32]),
                     (k > 0).then_some(listener),
                     &peers,
                     Duration::from_secs(30),

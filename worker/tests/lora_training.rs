@@ -12,6 +12,7 @@ use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use headroom_planner::{BaseFormat, LoraConfig, Optimizer, Precision, Settings, TargetModule};
 use headroom_worker::collective::Single;
+use headroom_worker::link_auth::LinkKey;
 use headroom_worker::model::hf::HfCheckpoint;
 use headroom_worker::model::{LmShape, StageLayout, TransformerLm, lora, peft};
 use headroom_worker::pipeline::{Hello, Peers, establish};
@@ -363,6 +364,7 @@ fn two_stages_train_the_adapters_one_worker_trains() {
                     };
                     let mut links = establish(
                         &me,
+                        &LinkKey::from_bytes([7; 32]),
                         (k > 0).then_some(listener),
                         &peers,
                         Duration::from_secs(30),

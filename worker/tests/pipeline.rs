@@ -14,6 +14,7 @@ use burn::tensor::Device;
 use headroom_planner::search::balanced_split;
 use headroom_planner::{Optimizer, Settings, TransformerShape};
 use headroom_worker::collective::Single;
+use headroom_worker::link_auth::LinkKey;
 use headroom_worker::model::StageLayout;
 use headroom_worker::pipeline::{Hello, Links, Peers, establish};
 use headroom_worker::train::{TrainConfig, Trainer};
@@ -123,6 +124,7 @@ fn run(
                         };
                         establish(
                             &me,
+                            &LinkKey::from_bytes([7; 32]),
                             (k > 0).then_some(listener),
                             &peers,
                             Duration::from_secs(30),

@@ -28,7 +28,9 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use headroom_api::PEER_KEY_ENV;
 use headroom_worker::collective::{Collective, DEFAULT_CHUNK_BYTES, Ring, RingHello, RingTimeouts};
+use headroom_worker::link_auth::LinkKey;
 
 const MIB: usize = 1 << 20;
 
@@ -171,6 +173,8 @@ fn processes(d: u32, o: &Options) -> Result<(Vec<Timings>, Option<u64>), String>
         .map(usize::to_string)
         .collect::<Vec<_>>()
         .join(",");
+    // The replicas prove this run's key to each other, as a job's do.
+    let key = LinkKey::random().map_err(|e| e.to_string())?.to_hex();
     let mut children = Vec::new();
     for r in 0..d {
         let mut cmd = Command::new(&exe);
@@ -178,6 +182,7 @@ fn processes(d: u32, o: &Options) -> Result<(Vec<Timings>, Option<u64>), String>
             .arg(o.reps.to_string())
             .arg(o.chunk_bytes.unwrap_or(0).to_string())
             .arg(o.late_ms.to_string())
+            .env(PEER_KEY_ENV, &key)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
@@ -278,7 +283,10 @@ fn child(args: &[String]) -> Result<(), String> {
         replicas: num(d)? as u32,
         resume_step: 0,
     };
-    let ring = Ring::establish(&hello, &addresses, listener, RingTimeouts::default())
+    let key = std::env::var(PEER_KEY_ENV)
+        .map_err(|_| format!("{PEER_KEY_ENV} not set"))
+        .and_then(|hex| LinkKey::from_hex(&hex).map_err(|e| format!("{PEER_KEY_ENV}: {e}")))?;
+    let ring = Ring::establish(&hello, &key, &addresses, listener, RingTimeouts::default())
         .map_err(|e| e.to_string())?;
     for times in measure(ring, &o)? {
         let times: Vec<String> = times.iter().map(f64::to_string).collect();

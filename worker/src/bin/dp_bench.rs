@@ -60,6 +60,7 @@ use headroom_planner::{
     BaseFormat, DeviceKind, ModelShape, Optimizer, Precision, Settings, TransformerShape,
 };
 use headroom_worker::collective::{Ring, RingTimeouts};
+use headroom_worker::link_auth::LinkKey;
 use headroom_worker::model::StageLayout;
 use headroom_worker::pipeline::{Hello, Peers, establish};
 use headroom_worker::train::{StepReport, TrainConfig, Trainer};
@@ -153,6 +154,7 @@ fn run(p: u32, d: u32, threads: usize, warmup: u64, steps: u64) -> Vec<Worker> {
                 .collect()
         })
         .collect();
+    let key = LinkKey::random().expect("peer key");
     let mut pipelines: Vec<(Vec<Option<std::net::TcpListener>>, Peers)> = (0..d)
         .map(|_| {
             let (listeners, peers) = Peers::loopback(p).expect("loopback sockets");
@@ -177,6 +179,7 @@ fn run(p: u32, d: u32, threads: usize, warmup: u64, steps: u64) -> Vec<Worker> {
             let mut ring = rings[k as usize][r as usize].take().expect("ring");
             let listener = pipelines[r as usize].0[k as usize].take();
             let peers = pipelines[r as usize].1.clone();
+            let key = key.clone();
             handles.push(std::thread::spawn(move || {
                 let pool = rayon::ThreadPoolBuilder::new()
                     .num_threads(threads)
@@ -197,8 +200,9 @@ fn run(p: u32, d: u32, threads: usize, warmup: u64, steps: u64) -> Vec<Worker> {
                         resume_step: 0,
                     };
                     let wait = Duration::from_secs(300);
-                    let mut links = establish(&me, listener.filter(|_| k > 0), &peers, wait, wait)
-                        .expect("pipeline links");
+                    let mut links =
+                        establish(&me, &key, listener.filter(|_| k > 0), &peers, wait, wait)
+                            .expect("pipeline links");
                     let trained = trainer
                         .shards(d)
                         .tensors

@@ -41,7 +41,22 @@
 //! [`RingHello`]: a pod of an older attempt is turned away, a rank of an
 //! attempt that has been superseded stops, and replicas that disagree on the
 //! replica count or the step they resume from refuse to start.
+//!
+//! **Authentication.** A hello's names are no secret, and a hello claiming
+//! a later attempt stops a replica, so the hellos travel in
+//! [`crate::link_auth`]'s mutual challenge–response under the job's
+//! [`LinkKey`]: the caller sends a fresh nonce with its hello; the listening
+//! rank answers with its own nonce, its hello and an HMAC of both nonces
+//! and all its hello's fields; the caller checks that proof and proves the
+//! key back over its own hello. Neither end acts on the other's hello (takes
+//! it as a neighbour, turns it away as stale, or stops because it is
+//! superseded) before the other's proof checked out: a caller without the
+//! key is dropped with a warning naming its address, and the rank keeps
+//! listening until its deadline. Handshake frames are capped at
+//! [`crate::link_auth::MAX_HANDSHAKE_PAYLOAD`] bytes and their reads at
+//! `HANDSHAKE_TIMEOUT` in all.
 
+use std::io::Read;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -49,8 +64,9 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use super::wire::{Frame, Header, Kind, MAX_PAYLOAD, RingLinks, write_frame};
+use super::wire::{Frame, Header, Kind, MAX_PAYLOAD, Pool, RingLinks, write_frame};
 use super::{Collective, CollectiveError, check_segments, even_segments, segment_offsets};
+use crate::link_auth::{self, Greeting, HandshakeError, Identity, LinkKey, Message, Wire};
 
 /// Default bytes of a segment sent in one frame: large enough that the
 /// per-frame cost (header, wake-ups, syscalls) disappears, small enough
@@ -60,7 +76,7 @@ pub const DEFAULT_CHUNK_BYTES: usize = 4 << 20;
 /// enough to keep its link busy while it adds, few enough that the frames
 /// in flight (and so queued in any rank's reader) stay a few chunks.
 const LEAD: usize = 2;
-/// How long one handshake may take once connected.
+/// How long one handshake may take once connected, all reads together.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// First and largest pause between tries to reach the next rank.
 const RETRY: Duration = Duration::from_millis(100);
@@ -122,40 +138,58 @@ impl RingHello {
             ))
         })
     }
+}
 
-    fn write(&self, stream: &mut TcpStream) -> std::io::Result<()> {
-        let payload = serde_json::to_vec(self).map_err(std::io::Error::other)?;
+impl Greeting for RingHello {
+    // Every field: the proof binds the whole hello, so the attempt a hello
+    // claims (which can stop a replica) cannot be forged without the key.
+    fn identity(&self) -> Identity {
+        Identity::new("ring")
+            .text(&self.job)
+            .text(&self.namespace)
+            .number(self.attempt.into())
+            .number(self.stage.into())
+            .number(self.replica.into())
+            .number(self.replicas.into())
+            .number(self.resume_step)
+    }
+}
+
+/// The handshake's messages as ring frames: `Hello` and `Proof`.
+#[derive(Debug)]
+struct RingWire;
+
+impl RingWire {
+    fn kind(message: Message) -> Kind {
+        match message {
+            Message::Hello => Kind::Hello,
+            Message::Proof => Kind::Proof,
+        }
+    }
+}
+
+impl Wire for RingWire {
+    fn send(stream: &TcpStream, message: Message, payload: &[u8]) -> std::io::Result<()> {
         let header = Header {
-            kind: Kind::Hello,
+            kind: RingWire::kind(message),
             seq: 0,
             step: 0,
             chunk: 0,
             len: 0,
         };
-        write_frame(stream, header, &payload)
+        write_frame(stream, header, payload)
     }
 
-    fn read(stream: &mut TcpStream) -> Result<RingHello, HelloError> {
-        let pool = Default::default();
-        let frame = Frame::read_from(stream, &pool)?.ok_or(HelloError::Closed)?;
-        if frame.header().kind != Kind::Hello {
-            return Err(HelloError::Unexpected(frame.header().kind));
+    fn recv(r: &mut impl Read, message: Message, max: usize) -> Result<Vec<u8>, HandshakeError> {
+        let frame = Frame::read_capped(r, &Pool::default(), max)?.ok_or(HandshakeError::Closed)?;
+        if frame.header().kind != RingWire::kind(message) {
+            return Err(HandshakeError::Unexpected(format!(
+                "{:?}",
+                frame.header().kind
+            )));
         }
-        Ok(serde_json::from_slice(frame.payload())?)
+        Ok(frame.payload().to_vec())
     }
-}
-
-/// Why a connection did not carry a good handshake.
-#[derive(Debug, thiserror::Error)]
-enum HelloError {
-    #[error("{0}")]
-    Io(#[from] std::io::Error),
-    #[error("closed before the handshake")]
-    Closed,
-    #[error("sent {0:?} before the handshake")]
-    Unexpected(Kind),
-    #[error("handshake: {0}")]
-    Malformed(#[from] serde_json::Error),
 }
 
 /// How long to wait.
@@ -217,10 +251,12 @@ impl Ring {
     /// Joins the ring as replica `hello.replica` of `hello.replicas`.
     /// `addresses` holds one `host:port` per replica (this one's included,
     /// unused); `listener` is this replica's socket, already bound, on which
-    /// the previous replica calls. Waits up to `timeouts.rendezvous` for the
+    /// the previous replica calls. Both neighbours must prove `key` (see the
+    /// module documentation). Waits up to `timeouts.rendezvous` for the
     /// neighbours.
     pub fn establish(
         hello: &RingHello,
+        key: &LinkKey,
         addresses: &[String],
         listener: TcpListener,
         timeouts: RingTimeouts,
@@ -255,16 +291,16 @@ impl Ring {
         let until = Instant::now() + timeouts.rendezvous;
         let stop = Arc::new(AtomicBool::new(false));
         let accepting = {
-            let (me, stop) = (hello.clone(), stop.clone());
+            let (me, key, stop) = (hello.clone(), key.clone(), stop.clone());
             std::thread::Builder::new()
                 .name("headroom-ring-accept".into())
-                .spawn(move || accept_prev(&me, prev, &listener, until, &stop))
+                .spawn(move || accept_prev(&me, &key, prev, &listener, until, &stop))
                 .map_err(|e| CollectiveError::PeerLost {
                     rank: prev,
                     detail: format!("starting the accepting thread: {e}"),
                 })?
         };
-        let connected = connect_next(hello, next, &addresses[next as usize], until, &stop);
+        let connected = connect_next(hello, key, next, &addresses[next as usize], until, &stop);
         if connected.is_err() {
             stop.store(true, Ordering::Relaxed);
         }
@@ -298,8 +334,10 @@ impl Ring {
     }
 
     /// A whole ring of `d` replicas on loopback, established on `d` threads,
-    /// in rank order: for tests and benchmarks in one process.
+    /// in rank order, under a random key: for tests and benchmarks in one
+    /// process.
     pub fn loopback(d: u32, timeouts: RingTimeouts) -> Result<Vec<Ring>, CollectiveError> {
+        let key = LinkKey::random().map_err(|e| CollectiveError::Protocol(e.to_string()))?;
         let (listeners, addresses) =
             Ring::bind_loopback(d).map_err(|e| CollectiveError::PeerLost {
                 rank: 0,
@@ -319,7 +357,10 @@ impl Ring {
                     replicas: d,
                     resume_step: 0,
                 };
-                std::thread::spawn(move || Ring::establish(&hello, &addresses, listener, timeouts))
+                let key = key.clone();
+                std::thread::spawn(move || {
+                    Ring::establish(&hello, &key, &addresses, listener, timeouts)
+                })
             })
             .collect();
         joining
@@ -671,6 +712,7 @@ fn add(received: &[u8], ours: &mut [f32]) {
 
 fn accept_prev(
     me: &RingHello,
+    key: &LinkKey,
     prev: u32,
     listener: &TcpListener,
     until: Instant,
@@ -682,16 +724,21 @@ fn accept_prev(
         .map_err(|e| lost(e.to_string()))?;
     loop {
         match listener.accept() {
-            Ok((mut stream, from)) => {
+            Ok((stream, from)) => {
+                // Our hello goes out to every caller, even one we then turn
+                // away, so it learns why; the caller's hello is acted on only
+                // once its proof of the key has checked out.
+                let handshake = Instant::now() + HANDSHAKE_TIMEOUT;
                 let answered = stream
                     .set_nonblocking(false)
-                    .and_then(|()| stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT)))
-                    .map_err(HelloError::Io)
-                    .and_then(|()| RingHello::read(&mut stream));
+                    .map_err(HandshakeError::Io)
+                    .and_then(|()| {
+                        link_auth::accept::<RingWire, RingHello>(&stream, handshake, key, me)
+                    });
                 match answered {
                     Ok(other) => {
-                        // Answer even a caller we turn away, so it learns why.
-                        let replied = me.write(&mut stream);
+                        // Proved: a newer attempt may stop this one now, and
+                        // only now.
                         if let Some(e) = me.superseded_by(&other) {
                             return Err(e);
                         }
@@ -699,7 +746,6 @@ fn accept_prev(
                             me.agrees(&other)?;
                         }
                         if me.same_ring(&other) && other.replica == prev {
-                            replied.map_err(|e| lost(format!("answering the handshake: {e}")))?;
                             tracing::info!(%from, replica = prev, "ring: previous replica connected");
                             return Ok(stream);
                         }
@@ -710,6 +756,10 @@ fn accept_prev(
                             me.attempt, me.stage
                         );
                     }
+                    Err(HandshakeError::BadProof) => tracing::warn!(
+                        %from,
+                        "ring: refused a caller that did not prove the job's peer key"
+                    ),
                     Err(e) => tracing::warn!(%from, "ring: bad handshake: {e}"),
                 }
             }
@@ -731,6 +781,7 @@ fn accept_prev(
 
 fn connect_next(
     me: &RingHello,
+    key: &LinkKey,
     next: u32,
     address: &str,
     until: Instant,
@@ -742,7 +793,7 @@ fn connect_next(
         match address.to_socket_addrs() {
             Ok(resolved) => {
                 for socket in resolved {
-                    match handshake(me, next, socket, until) {
+                    match handshake(me, key, next, socket, until) {
                         Ok(stream) => {
                             tracing::info!(%socket, replica = next, "ring: connected to the next replica");
                             return Ok(stream);
@@ -773,6 +824,7 @@ enum Attempt {
 
 fn handshake(
     me: &RingHello,
+    key: &LinkKey,
     next: u32,
     socket: SocketAddr,
     until: Instant,
@@ -783,13 +835,22 @@ fn handshake(
         .saturating_duration_since(Instant::now())
         .max(Duration::from_millis(50));
     let retry = |e: &dyn std::fmt::Display| Attempt::Retry(e.to_string());
-    let mut stream =
+    let stream =
         TcpStream::connect_timeout(&socket, left.min(CONNECT_TIMEOUT)).map_err(|e| retry(&e))?;
-    stream
-        .set_read_timeout(Some(left.min(HANDSHAKE_TIMEOUT)))
-        .map_err(|e| retry(&e))?;
-    me.write(&mut stream).map_err(|e| retry(&e))?;
-    let other = RingHello::read(&mut stream).map_err(|e| retry(&e))?;
+    let handshake = Instant::now() + left.min(HANDSHAKE_TIMEOUT);
+    // Returns once the other end proved the key (and we proved it back):
+    // only then may its hello stop this replica.
+    let other = match link_auth::connect::<RingWire, RingHello>(&stream, handshake, key, me) {
+        Ok(other) => other,
+        Err(HandshakeError::BadProof) => {
+            tracing::warn!(
+                %socket,
+                "ring: the listener at replica {next}'s address did not prove the job's peer key"
+            );
+            return Err(retry(&HandshakeError::BadProof));
+        }
+        Err(e) => return Err(retry(&e)),
+    };
     if let Some(e) = me.superseded_by(&other) {
         return Err(Attempt::Fatal(e));
     }
@@ -812,6 +873,8 @@ fn handshake(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::link_auth::tests::{test_key, wrong_key};
+    use crate::link_auth::{MAX_HANDSHAKE_PAYLOAD, NONCE_BYTES, PROOF_BYTES, Role};
 
     const QUICK: RingTimeouts = RingTimeouts {
         rendezvous: Duration::from_secs(10),
@@ -1167,13 +1230,16 @@ mod tests {
         let l0 = listeners.pop().expect("listener 0");
         let rank0 = {
             let addresses = addresses.clone();
-            std::thread::spawn(move || Ring::establish(&hello(0, 2, 2, 0), &addresses, l0, QUICK))
+            std::thread::spawn(move || {
+                Ring::establish(&hello(0, 2, 2, 0), &test_key(), &addresses, l0, QUICK)
+            })
         };
         // A leftover replica 1 of attempt 1 calls replica 0 first.
         let (mut stale_listeners, stale_addresses) = Ring::bind_loopback(2).expect("sockets");
         let stale_addresses = vec![addresses[0].clone(), stale_addresses[1].clone()];
         let stale = Ring::establish(
             &hello(1, 2, 1, 0),
+            &test_key(),
             &stale_addresses,
             stale_listeners.pop().expect("stale listener"),
             QUICK,
@@ -1182,7 +1248,8 @@ mod tests {
         assert!(matches!(stale, CollectiveError::Protocol(_)), "{stale}");
         assert!(stale.to_string().contains("superseded"), "{stale}");
         // Replica 0 of attempt 2 waited on and rings with the real replica 1.
-        let mut ring1 = Ring::establish(&hello(1, 2, 2, 0), &addresses, l1, QUICK).expect("ring 1");
+        let mut ring1 = Ring::establish(&hello(1, 2, 2, 0), &test_key(), &addresses, l1, QUICK)
+            .expect("ring 1");
         let mut ring0 = rank0.join().expect("rank 0").expect("ring 0");
         let other = std::thread::spawn(move || {
             let mut data = vec![2f32; 5];
@@ -1205,13 +1272,13 @@ mod tests {
             let l0 = listeners.pop().expect("listener 0");
             let a = {
                 let addresses = addresses.clone();
-                std::thread::spawn(move || Ring::establish(&h0, &addresses, l0, QUICK))
+                std::thread::spawn(move || Ring::establish(&h0, &test_key(), &addresses, l0, QUICK))
             };
             let mut addresses1 = addresses.clone();
             if h1.replicas == 3 {
                 addresses1.push(addresses[0].clone());
             }
-            let b = Ring::establish(&h1, &addresses1, l1, QUICK);
+            let b = Ring::establish(&h1, &test_key(), &addresses1, l1, QUICK);
             let a = a.join().expect("thread");
             for err in [
                 a.expect_err("replica 0 refuses"),
@@ -1232,11 +1299,168 @@ mod tests {
             io: Duration::from_secs(1),
         };
         // Replica 1's socket exists but nobody answers the handshake.
-        let err =
-            Ring::establish(&hello(0, 2, 1, 0), &addresses, l0, timeouts).expect_err("nobody");
+        let err = Ring::establish(&hello(0, 2, 1, 0), &test_key(), &addresses, l0, timeouts)
+            .expect_err("nobody");
         assert!(
             matches!(err, CollectiveError::PeerLost { rank: 1, .. }),
             "{err}"
         );
+    }
+
+    /// Whether the other end closed `stream` without sending anything more.
+    fn closed(stream: &TcpStream) -> bool {
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        let mut byte = [0u8; 1];
+        match (&*stream).read(&mut byte) {
+            Ok(0) => true,
+            Ok(_) => false,
+            Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+        }
+    }
+
+    /// Replica 0 of attempt 2 joining a 2-replica ring on its own thread,
+    /// and the ring's addresses and replica 1's socket.
+    fn replica_0_waiting() -> (
+        std::thread::JoinHandle<Result<Ring, CollectiveError>>,
+        Vec<String>,
+        TcpListener,
+    ) {
+        let (mut listeners, addresses) = Ring::bind_loopback(2).expect("sockets");
+        let l1 = listeners.pop().expect("listener 1");
+        let l0 = listeners.pop().expect("listener 0");
+        let rank0 = {
+            let addresses = addresses.clone();
+            std::thread::spawn(move || {
+                Ring::establish(&hello(0, 2, 2, 0), &test_key(), &addresses, l0, QUICK)
+            })
+        };
+        (rank0, addresses, l1)
+    }
+
+    #[test]
+    fn a_stranger_claiming_a_later_attempt_without_the_key_does_not_stop_a_replica() {
+        let (rank0, addresses, l1) = replica_0_waiting();
+        let connect = || TcpStream::connect(&addresses[0]).expect("connect");
+        let soon = || Instant::now() + Duration::from_secs(5);
+        // A stranger that knows the job's names claims attempt 3.
+        let newer = hello(1, 2, 3, 0);
+
+        // With a wrong key it cannot check replica 0's proof, and sends none.
+        let stream = connect();
+        let err = link_auth::connect::<RingWire, RingHello>(&stream, soon(), &wrong_key(), &newer)
+            .expect_err("replica 0 proves another key");
+        assert!(matches!(err, HandshakeError::BadProof), "{err}");
+        drop(stream);
+
+        // Going on regardless: replica 0's proof reflected back, then a
+        // proof made under a wrong key. Both are refused.
+        let nonce_c = [3u8; NONCE_BYTES];
+        let json = serde_json::to_vec(&newer).expect("json");
+        let mut answers = Vec::new();
+        for forge in [false, true] {
+            let stream = connect();
+            RingWire::send(&stream, Message::Hello, &[&nonce_c[..], &json].concat()).expect("send");
+            let reply = RingWire::recv(&mut &stream, Message::Hello, MAX_HANDSHAKE_PAYLOAD)
+                .expect("replica 0 answers");
+            let nonce_a: [u8; NONCE_BYTES] = reply[..NONCE_BYTES].try_into().expect("nonce");
+            let proof_a: [u8; PROOF_BYTES] = reply[NONCE_BYTES..NONCE_BYTES + PROOF_BYTES]
+                .try_into()
+                .expect("proof");
+            let proof = if forge {
+                link_auth::prove(
+                    &wrong_key(),
+                    Role::Connect,
+                    &nonce_c,
+                    &nonce_a,
+                    &newer.identity(),
+                )
+            } else {
+                proof_a
+            };
+            RingWire::send(&stream, Message::Proof, &proof).expect("send");
+            assert!(closed(&stream), "forged {forge}: refused");
+            answers.push((nonce_a, proof_a));
+        }
+        // Same nonce from the caller, different answers: nothing to replay.
+        assert_ne!(answers[0], answers[1]);
+
+        // Replica 0 did not stop: it rings with the real replica 1.
+        let mut ring1 = Ring::establish(&hello(1, 2, 2, 0), &test_key(), &addresses, l1, QUICK)
+            .expect("ring 1");
+        let mut ring0 = rank0.join().expect("rank 0").expect("ring 0");
+        let other = std::thread::spawn(move || {
+            let mut data = vec![2f32; 5];
+            ring1.all_reduce_sum(&mut data).map(|()| data)
+        });
+        let mut data = vec![1f32; 5];
+        ring0.all_reduce_sum(&mut data).expect("all-reduce");
+        assert_eq!(data, vec![3f32; 5]);
+        assert_eq!(other.join().expect("rank 1"), Ok(vec![3f32; 5]));
+    }
+
+    #[test]
+    fn a_later_attempt_that_proves_the_key_stops_a_replica() {
+        let (rank0, addresses, l1) = replica_0_waiting();
+        // Replica 0's own call is answered (here, by the test, with the
+        // key): what stops replica 0 is the hello it accepts.
+        let answering = std::thread::spawn(move || {
+            let (stream, _) = l1.accept().expect("accept");
+            let until = Instant::now() + Duration::from_secs(5);
+            link_auth::accept::<RingWire, RingHello>(
+                &stream,
+                until,
+                &test_key(),
+                &hello(1, 2, 2, 0),
+            )
+            .map(|_| stream)
+        });
+        let stream = TcpStream::connect(&addresses[0]).expect("connect");
+        let until = Instant::now() + Duration::from_secs(5);
+        let answered = link_auth::connect::<RingWire, RingHello>(
+            &stream,
+            until,
+            &test_key(),
+            &hello(1, 2, 3, 0),
+        )
+        .expect("replica 0 proves the key");
+        assert_eq!(answered, hello(0, 2, 2, 0));
+        let err = rank0.join().expect("rank 0").expect_err("superseded");
+        assert!(answering.join().expect("answering").is_ok());
+        assert!(matches!(err, CollectiveError::Protocol(_)), "{err}");
+        assert!(err.to_string().contains("superseded"), "{err}");
+    }
+
+    #[test]
+    fn an_oversized_or_foreign_hello_is_refused_and_the_ring_still_forms() {
+        let (rank0, addresses, l1) = replica_0_waiting();
+        let connect = || TcpStream::connect(&addresses[0]).expect("connect");
+        // A header announcing a 64 MiB hello: refused before the allocation.
+        let stream = connect();
+        let mut header = Vec::new();
+        Frame::with_payload(
+            Header {
+                kind: Kind::Hello,
+                seq: 0,
+                step: 0,
+                chunk: 0,
+                len: 0,
+            },
+            &[],
+            &Pool::default(),
+        )
+        .write_to(&mut header)
+        .expect("header");
+        header[24..28].copy_from_slice(&(MAX_PAYLOAD as u32).to_le_bytes());
+        link_auth::write_all(&stream, &header).expect("send");
+        assert!(closed(&stream), "an oversized hello is refused");
+        // Something that is not a ring at all.
+        let stream = connect();
+        link_auth::write_all(&stream, b"GET / HTTP/1.1\r\nHost: example\r\n\r\n").expect("send");
+        assert!(closed(&stream), "not a ring");
+        let ring1 = Ring::establish(&hello(1, 2, 2, 0), &test_key(), &addresses, l1, QUICK);
+        assert!(ring1.is_ok(), "{ring1:?}");
+        assert!(rank0.join().expect("rank 0").is_ok());
     }
 }

@@ -2,8 +2,8 @@
 //!
 //! A frame is a 32-byte header (magic, kind, operation sequence number,
 //! ring step, chunk index, payload length) followed by its payload: f32
-//! values, little-endian, for a chunk of a segment; JSON for the handshake;
-//! raw bytes for a broadcast.
+//! values, little-endian, for a chunk of a segment; nonces, proofs and JSON
+//! for the handshake; raw bytes for a broadcast.
 //! Header and payload live in one buffer, so a frame goes out in one `write`
 //! and comes in without a copy between the socket and the caller.
 //!
@@ -54,6 +54,9 @@ pub enum Kind {
     /// Rank 0's bytes passed round the ring once (`Ring::broadcast_bytes`:
     /// the NCCL communicator id).
     Bytes = 4,
+    /// Handshake: the calling rank's proof of the job's peer key
+    /// ([`crate::link_auth`]).
+    Proof = 5,
 }
 
 impl Kind {
@@ -63,6 +66,7 @@ impl Kind {
             2 => Kind::Begin,
             3 => Kind::Chunk,
             4 => Kind::Bytes,
+            5 => Kind::Proof,
             _ => return None,
         })
     }
@@ -191,6 +195,16 @@ impl Frame {
 
     /// Reads one frame; `Ok(None)` on a clean end of stream before a header.
     pub fn read_from(r: &mut impl Read, pool: &Pool) -> std::io::Result<Option<Frame>> {
+        Frame::read_capped(r, pool, MAX_PAYLOAD)
+    }
+
+    /// [`Frame::read_from`] refusing, before allocating, a payload over
+    /// `max` bytes: the handshake reads a caller that has proved nothing yet.
+    pub fn read_capped(
+        r: &mut impl Read,
+        pool: &Pool,
+        max: usize,
+    ) -> std::io::Result<Option<Frame>> {
         let mut head = [0u8; HEADER];
         match r.read_exact(&mut head) {
             Ok(()) => {}
@@ -198,6 +212,12 @@ impl Frame {
             Err(e) => return Err(e),
         }
         let header = Header::decode(&head)?;
+        if header.len as usize > max {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("{:?} frame payload of {} bytes", header.kind, header.len),
+            ));
+        }
         let mut buf = pool.take(HEADER + header.len as usize);
         buf[..HEADER].copy_from_slice(&head);
         r.read_exact(&mut buf[HEADER..])?;
@@ -442,9 +462,10 @@ impl Drop for RingLinks {
 }
 
 /// Writes one frame directly (the handshake, before the threads start).
-pub fn write_frame(stream: &mut TcpStream, header: Header, payload: &[u8]) -> std::io::Result<()> {
+pub fn write_frame(stream: &TcpStream, header: Header, payload: &[u8]) -> std::io::Result<()> {
     let pool = Pool::default();
-    Frame::with_payload(header, payload, &pool).write_to(stream)?;
+    let mut stream = stream;
+    Frame::with_payload(header, payload, &pool).write_to(&mut stream)?;
     stream.flush()
 }
 

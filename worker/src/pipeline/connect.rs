@@ -6,6 +6,19 @@
 //! that is still shutting down is turned away, and stages that would resume
 //! from different checkpoints stop before training a single step.
 //!
+//! **Authentication.** The names in a hello are no secret, so the hellos
+//! travel in [`crate::link_auth`]'s mutual challenge–response: the caller
+//! sends a fresh nonce with its hello, the listening stage answers with its
+//! own nonce, its hello and an HMAC of both nonces and its hello's fields
+//! under the job's [`LinkKey`], and the caller, once that proof checks out,
+//! proves the key back over its own hello. The listening stage acts on a
+//! hello only after that last proof: a caller without the key is dropped
+//! (with a warning naming its address) and the stage keeps listening until
+//! its deadline, so a stranger that calls first cannot take a stage's place
+//! or see a tensor. The handshake's frames are capped at
+//! [`crate::link_auth::MAX_HANDSHAKE_PAYLOAD`] bytes and its reads at
+//! `HANDSHAKE_TIMEOUT` in all.
+//!
 //! In a cluster a stage asks the operator's worker API for its neighbour's
 //! pod IP ([`crate::worker_api`]; the worker has no Kubernetes API rights of
 //! its own), falling back to the neighbour's DNS name under the job's
@@ -13,7 +26,7 @@
 //! come first because a DNS record appears only once the pod is ready and
 //! negative answers are cached.
 
-use std::io::{BufReader, Write};
+use std::io::Read;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
@@ -22,6 +35,7 @@ use serde::{Deserialize, Serialize};
 
 use super::wire::{Frame, Kind, Link, StageLink};
 use super::{Links, PipelineError};
+use crate::link_auth::{self, Greeting, HandshakeError, Identity, LinkKey, Message, Wire};
 use crate::worker_api::{WorkerApi, WorkerApiError};
 
 /// The handshake both ends of a link send.
@@ -37,26 +51,21 @@ pub struct Hello {
     pub resume_step: u64,
 }
 
+impl Greeting for Hello {
+    // Every field: the proof binds the whole hello, so not even the resume
+    // step can be changed on the way without the key.
+    fn identity(&self) -> Identity {
+        Identity::new("pipeline")
+            .text(&self.job)
+            .text(&self.namespace)
+            .number(self.attempt.into())
+            .number(self.stage.into())
+            .number(self.stages.into())
+            .number(self.resume_step)
+    }
+}
+
 impl Hello {
-    fn frame(&self) -> Frame {
-        Frame {
-            kind: Kind::Hello,
-            step: self.resume_step,
-            micro: self.stage,
-            dims: vec![],
-            payload: serde_json::to_vec(self).unwrap_or_default(),
-        }
-    }
-
-    fn read(stream: &TcpStream) -> Result<Hello, HelloError> {
-        let mut reader = BufReader::new(stream);
-        let frame = Frame::read_from(&mut reader)?.ok_or(HelloError::Closed)?;
-        if frame.kind != Kind::Hello {
-            return Err(HelloError::Unexpected(frame.kind));
-        }
-        Ok(serde_json::from_slice(&frame.payload)?)
-    }
-
     /// Whether `other` is stage `stage` of the same attempt.
     fn is_peer(&self, other: &Hello, stage: u32) -> bool {
         other.job == self.job
@@ -82,17 +91,40 @@ impl Hello {
     }
 }
 
-/// Why a connection did not carry a good handshake.
-#[derive(Debug, thiserror::Error)]
-enum HelloError {
-    #[error("{0}")]
-    Io(#[from] std::io::Error),
-    #[error("closed before the handshake")]
-    Closed,
-    #[error("sent {0:?} before the handshake")]
-    Unexpected(Kind),
-    #[error("handshake: {0}")]
-    Malformed(#[from] serde_json::Error),
+/// The handshake's messages as pipeline frames: `Hello` and `Proof`.
+#[derive(Debug)]
+struct PipelineWire;
+
+impl PipelineWire {
+    fn kind(message: Message) -> Kind {
+        match message {
+            Message::Hello => Kind::Hello,
+            Message::Proof => Kind::Proof,
+        }
+    }
+}
+
+impl Wire for PipelineWire {
+    fn send(stream: &TcpStream, message: Message, payload: &[u8]) -> std::io::Result<()> {
+        let frame = Frame {
+            kind: PipelineWire::kind(message),
+            step: 0,
+            micro: 0,
+            dims: vec![],
+            payload: payload.to_vec(),
+        };
+        let mut bytes = Vec::with_capacity(payload.len() + 32);
+        frame.write_to(&mut bytes)?;
+        link_auth::write_all(stream, &bytes)
+    }
+
+    fn recv(r: &mut impl Read, message: Message, max: usize) -> Result<Vec<u8>, HandshakeError> {
+        let frame = Frame::read_capped(r, max as u64)?.ok_or(HandshakeError::Closed)?;
+        if frame.kind != PipelineWire::kind(message) {
+            return Err(HandshakeError::Unexpected(format!("{:?}", frame.kind)));
+        }
+        Ok(frame.payload)
+    }
 }
 
 /// Why a stage's address is not known (yet).
@@ -223,6 +255,7 @@ fn dns_lookup(
         })
 }
 
+/// How long one handshake may take once connected, all reads together.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// First and largest pause between tries to reach the next stage (each try
 /// may ask the worker API for the pod's IP).
@@ -231,11 +264,13 @@ const MAX_RETRY: Duration = Duration::from_secs(2);
 
 /// Connects this stage to its neighbours. `listener` (bound by the caller,
 /// required unless this is the first stage) takes the previous stage's
-/// call; the next stage is called through `peers`. Waits up to `deadline`
-/// for the neighbours to come up; `io_timeout` then bounds every wait for a
-/// frame during training.
+/// call; the next stage is called through `peers`. Both ends of every link
+/// prove `key` to each other (see the module documentation). Waits up to
+/// `deadline` for the neighbours to come up; `io_timeout` then bounds every
+/// wait for a frame during training.
 pub fn establish(
     me: &Hello,
+    key: &LinkKey,
     listener: Option<TcpListener>,
     peers: &Peers,
     deadline: Duration,
@@ -249,18 +284,18 @@ pub fn establish(
         let listener = listener.ok_or_else(|| {
             PipelineError::Protocol(format!("stage {} needs a listening socket", me.stage))
         })?;
-        let me = me.clone();
+        let (me, key) = (me.clone(), key.clone());
         Some(
             std::thread::Builder::new()
                 .name("headroom-accept".into())
-                .spawn(move || accept_prev(&me, &listener, until))
+                .spawn(move || accept_prev(&me, &key, &listener, until))
                 .map_err(|e| PipelineError::Protocol(e.to_string()))?,
         )
     } else {
         None
     };
     let next = if me.stage + 1 < me.stages {
-        Some(connect_next(me, peers, until)?)
+        Some(connect_next(me, key, peers, until)?)
     } else {
         None
     };
@@ -283,6 +318,7 @@ pub fn establish(
 
 fn accept_prev(
     me: &Hello,
+    key: &LinkKey,
     listener: &TcpListener,
     until: Instant,
 ) -> Result<TcpStream, PipelineError> {
@@ -296,20 +332,17 @@ fn accept_prev(
         .map_err(|e| lost(e.to_string()))?;
     loop {
         match listener.accept() {
-            Ok((mut stream, from)) => {
+            Ok((stream, from)) => {
                 stream
                     .set_nonblocking(false)
                     .map_err(|e| lost(e.to_string()))?;
-                stream
-                    .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
-                    .map_err(|e| lost(e.to_string()))?;
-                match Hello::read(&stream) {
+                // Our hello and proof go out before the caller's proof is
+                // checked, so a caller of this attempt learns of a
+                // disagreement too; the caller's hello counts only once its
+                // proof has checked out.
+                let handshake = Instant::now() + HANDSHAKE_TIMEOUT;
+                match link_auth::accept::<PipelineWire, Hello>(&stream, handshake, key, me) {
                     Ok(other) if me.is_peer(&other, want) => {
-                        // Answer first, so the caller learns of a disagreement too.
-                        me.frame()
-                            .write_to(&mut stream)
-                            .and_then(|()| stream.flush())
-                            .map_err(|e| lost(e.to_string()))?;
                         me.agrees(&other)?;
                         tracing::info!(%from, stage = want, "pipeline: previous stage connected");
                         return Ok(stream);
@@ -318,6 +351,10 @@ fn accept_prev(
                         %from,
                         "pipeline: turned away {}/{} attempt {} stage {} (want attempt {} stage {want})",
                         other.namespace, other.job, other.attempt, other.stage, me.attempt
+                    ),
+                    Err(HandshakeError::BadProof) => tracing::warn!(
+                        %from,
+                        "pipeline: refused a caller that did not prove the job's peer key"
                     ),
                     Err(e) => tracing::warn!(%from, "pipeline: bad handshake: {e}"),
                 }
@@ -333,7 +370,12 @@ fn accept_prev(
     }
 }
 
-fn connect_next(me: &Hello, peers: &Peers, until: Instant) -> Result<TcpStream, PipelineError> {
+fn connect_next(
+    me: &Hello,
+    key: &LinkKey,
+    peers: &Peers,
+    until: Instant,
+) -> Result<TcpStream, PipelineError> {
     let want = me.stage + 1;
     let mut last_error = String::from("not tried");
     let mut pause = RETRY;
@@ -341,7 +383,7 @@ fn connect_next(me: &Hello, peers: &Peers, until: Instant) -> Result<TcpStream, 
         match peers.resolve(want) {
             Ok(addresses) => {
                 for address in addresses {
-                    match handshake(me, address, want, until) {
+                    match handshake(me, key, address, want, until) {
                         Ok(Some(stream)) => {
                             tracing::info!(%address, stage = want, "pipeline: connected to the next stage");
                             return Ok(stream);
@@ -349,8 +391,15 @@ fn connect_next(me: &Hello, peers: &Peers, until: Instant) -> Result<TcpStream, 
                         Ok(None) => {
                             last_error = format!("{address} is not stage {want} of this attempt")
                         }
-                        Err(HandshakeError::Fatal(e)) => return Err(e),
-                        Err(HandshakeError::Retry(e)) => last_error = format!("{address}: {e}"),
+                        Err(Attempt::Fatal(e)) => return Err(e),
+                        Err(Attempt::Retry(HandshakeError::BadProof)) => {
+                            tracing::warn!(
+                                %address,
+                                "pipeline: the listener at stage {want}'s address did not prove the job's peer key"
+                            );
+                            last_error = format!("{address}: {}", HandshakeError::BadProof);
+                        }
+                        Err(Attempt::Retry(e)) => last_error = format!("{address}: {e}"),
                     }
                 }
             }
@@ -365,39 +414,41 @@ fn connect_next(me: &Hello, peers: &Peers, until: Instant) -> Result<TcpStream, 
     })
 }
 
-enum HandshakeError {
+/// Why one try to reach the next stage failed.
+enum Attempt {
     /// Not (yet) a good connection: try again until the deadline.
-    Retry(HelloError),
+    Retry(HandshakeError),
     Fatal(PipelineError),
 }
 
 fn handshake(
     me: &Hello,
+    key: &LinkKey,
     address: SocketAddr,
     want: u32,
     until: Instant,
-) -> Result<Option<TcpStream>, HandshakeError> {
-    let retry = |e: std::io::Error| HandshakeError::Retry(HelloError::Io(e));
+) -> Result<Option<TcpStream>, Attempt> {
+    let retry = |e: std::io::Error| Attempt::Retry(HandshakeError::Io(e));
     let wait = until
         .saturating_duration_since(Instant::now())
         .clamp(Duration::from_millis(100), HANDSHAKE_TIMEOUT);
-    let mut stream = TcpStream::connect_timeout(&address, wait).map_err(retry)?;
-    stream.set_read_timeout(Some(wait)).map_err(retry)?;
-    me.frame()
-        .write_to(&mut stream)
-        .and_then(|()| stream.flush())
-        .map_err(retry)?;
-    let other = Hello::read(&stream).map_err(HandshakeError::Retry)?;
+    let stream = TcpStream::connect_timeout(&address, wait).map_err(retry)?;
+    // The other end has proved the key when this returns (and we have
+    // proved it back): only now does its hello count.
+    let other = link_auth::connect::<PipelineWire, Hello>(&stream, Instant::now() + wait, key, me)
+        .map_err(Attempt::Retry)?;
     if !me.is_peer(&other, want) {
         return Ok(None);
     }
-    me.agrees(&other).map_err(HandshakeError::Fatal)?;
+    me.agrees(&other).map_err(Attempt::Fatal)?;
     Ok(Some(stream))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::link_auth::tests::{test_key, wrong_key};
+    use crate::link_auth::{MAX_HANDSHAKE_PAYLOAD, NONCE_BYTES, PROOF_BYTES, Role};
 
     fn hello(stage: u32, attempt: u32, resume_step: u64) -> Hello {
         Hello {
@@ -425,6 +476,7 @@ mod tests {
                 std::thread::spawn(move || {
                     establish(
                         &hello(k as u32, 2, 40),
+                        &test_key(),
                         Some(l),
                         &peers,
                         Duration::from_secs(10),
@@ -492,6 +544,7 @@ mod tests {
                 me.stages = 2;
                 establish(
                     &me,
+                    &test_key(),
                     None,
                     &peers,
                     Duration::from_secs(5),
@@ -503,6 +556,7 @@ mod tests {
         me.stages = 2;
         let b = establish(
             &me,
+            &test_key(),
             Some(l1),
             &peers,
             Duration::from_secs(5),
@@ -525,6 +579,7 @@ mod tests {
         // Stage 1's socket exists but nobody answers the handshake.
         let err = establish(
             &me,
+            &test_key(),
             None,
             &peers,
             Duration::from_millis(600),
@@ -533,6 +588,183 @@ mod tests {
         .expect_err("nobody");
         assert!(
             matches!(err, PipelineError::PeerLost { stage: 1, .. }),
+            "{err}"
+        );
+    }
+
+    /// Whether the other end closed `stream` without sending anything more.
+    fn closed(stream: &TcpStream) -> bool {
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        let mut byte = [0u8; 1];
+        match (&*stream).read(&mut byte) {
+            Ok(0) => true,
+            Ok(_) => false,
+            Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+        }
+    }
+
+    /// A stranger's first message: `nonce` and a hello with the names of
+    /// stage 0; stage 1's answer, split into its nonce and proof.
+    fn rogue_hello(
+        stream: &TcpStream,
+        nonce: [u8; NONCE_BYTES],
+        me: &Hello,
+    ) -> ([u8; NONCE_BYTES], [u8; PROOF_BYTES]) {
+        let json = serde_json::to_vec(me).expect("json");
+        PipelineWire::send(stream, Message::Hello, &[&nonce[..], &json].concat()).expect("send");
+        let reply = PipelineWire::recv(&mut &*stream, Message::Hello, MAX_HANDSHAKE_PAYLOAD)
+            .expect("stage 1 answers with its hello and proof");
+        let nonce_a = reply[..NONCE_BYTES].try_into().expect("nonce");
+        let proof_a = reply[NONCE_BYTES..NONCE_BYTES + PROOF_BYTES]
+            .try_into()
+            .expect("proof");
+        (nonce_a, proof_a)
+    }
+
+    #[test]
+    fn a_stranger_without_the_key_is_refused_and_the_real_stage_still_connects() {
+        let (mut ls, peers) = listeners(2);
+        let l1 = ls.pop().expect("listener");
+        let two = |k: u32| Hello {
+            stages: 2,
+            ..hello(k, 3, 0)
+        };
+        let stage1 = std::thread::spawn({
+            let peers = peers.clone();
+            move || {
+                establish(
+                    &two(1),
+                    &test_key(),
+                    Some(l1),
+                    &peers,
+                    Duration::from_secs(20),
+                    Duration::from_secs(10),
+                )
+            }
+        });
+        let address = peers.resolve(1).expect("address")[0];
+        let connect = || TcpStream::connect(address).expect("connect");
+        let soon = || Instant::now() + Duration::from_secs(5);
+
+        // The job's names and a wrong key: stage 1's proof does not check
+        // out under it, so the stranger cannot even take stage 1 for real.
+        let stream = connect();
+        let err = link_auth::connect::<PipelineWire, Hello>(&stream, soon(), &wrong_key(), &two(0))
+            .expect_err("stage 1 proves another key");
+        assert!(matches!(err, HandshakeError::BadProof), "{err}");
+        drop(stream);
+
+        // Stage 1's proof reflected back as the caller's: refused.
+        let stream = connect();
+        let nonce_c = [5u8; NONCE_BYTES];
+        let (nonce_a, proof_a) = rogue_hello(&stream, nonce_c, &two(0));
+        PipelineWire::send(&stream, Message::Proof, &proof_a).expect("send");
+        assert!(closed(&stream), "a reflected proof is refused");
+
+        // The proof stage 1 gave on that connection, replayed with the same
+        // nonce on a new one: stage 1's nonce differs, so it is worth nothing.
+        let stream = connect();
+        let (nonce_a2, _) = rogue_hello(&stream, nonce_c, &two(0));
+        assert_ne!(nonce_a, nonce_a2, "a fresh nonce per connection");
+        PipelineWire::send(&stream, Message::Proof, &proof_a).expect("send");
+        assert!(closed(&stream), "a replayed proof is refused");
+
+        // A proof made with a wrong key.
+        let stream = connect();
+        let (nonce_a, _) = rogue_hello(&stream, nonce_c, &two(0));
+        let forged = link_auth::prove(
+            &wrong_key(),
+            Role::Connect,
+            &nonce_c,
+            &nonce_a,
+            &two(0).identity(),
+        );
+        PipelineWire::send(&stream, Message::Proof, &forged).expect("send");
+        assert!(closed(&stream), "a proof under another key is refused");
+
+        // A hello announcing 8 GiB: refused before anything is allocated.
+        let stream = connect();
+        let mut header = Vec::new();
+        Frame {
+            kind: Kind::Hello,
+            step: 0,
+            micro: 0,
+            dims: vec![],
+            payload: vec![],
+        }
+        .write_to(&mut header)
+        .expect("header");
+        let at = header.len() - 8;
+        header[at..].copy_from_slice(&(8u64 << 30).to_le_bytes());
+        link_auth::write_all(&stream, &header).expect("send");
+        assert!(closed(&stream), "an oversized hello is refused");
+
+        // The real stage 0 still connects, and the link carries frames.
+        let mut links0 = establish(
+            &two(0),
+            &test_key(),
+            None,
+            &peers,
+            Duration::from_secs(10),
+            Duration::from_secs(10),
+        )
+        .expect("stage 0");
+        let mut links1 = stage1.join().expect("thread").expect("stage 1");
+        let frame = Frame {
+            kind: Kind::Activation,
+            step: 0,
+            micro: 0,
+            dims: vec![1],
+            payload: vec![0, 0, 128, 63],
+        };
+        links0.to_next().expect("next").send(&frame).expect("send");
+        let got = links1
+            .to_prev()
+            .expect("prev")
+            .recv(Kind::Activation, 0, 0)
+            .expect("recv");
+        assert_eq!(got, frame);
+    }
+
+    #[test]
+    fn stages_with_different_keys_never_connect() {
+        let (mut ls, peers) = listeners(2);
+        let l1 = ls.pop().expect("listener");
+        let two = |k: u32| Hello {
+            stages: 2,
+            ..hello(k, 1, 0)
+        };
+        let stage1 = std::thread::spawn({
+            let peers = peers.clone();
+            move || {
+                establish(
+                    &two(1),
+                    &wrong_key(),
+                    Some(l1),
+                    &peers,
+                    Duration::from_millis(800),
+                    Duration::from_secs(1),
+                )
+            }
+        });
+        let err = establish(
+            &two(0),
+            &test_key(),
+            None,
+            &peers,
+            Duration::from_millis(800),
+            Duration::from_secs(1),
+        )
+        .expect_err("stage 1 cannot prove our key");
+        assert!(
+            matches!(&err, PipelineError::PeerLost { stage: 1, detail } if detail.contains("peer key")),
+            "{err}"
+        );
+        let err = stage1.join().expect("thread").expect_err("nor we its");
+        assert!(
+            matches!(err, PipelineError::PeerLost { stage: 0, .. }),
             "{err}"
         );
     }

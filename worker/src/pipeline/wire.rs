@@ -34,6 +34,9 @@ pub enum Kind {
     Gradient = 3,
     /// The gradient of the tied token embedding, relayed between the first and last stage.
     TiedGradient = 4,
+    /// Handshake: the calling stage's proof of the job's peer key
+    /// ([`crate::link_auth`]).
+    Proof = 5,
 }
 
 impl Kind {
@@ -43,6 +46,7 @@ impl Kind {
             2 => Kind::Activation,
             3 => Kind::Gradient,
             4 => Kind::TiedGradient,
+            5 => Kind::Proof,
             _ => return None,
         })
     }
@@ -119,6 +123,12 @@ impl Frame {
 
     /// Reads one frame; `Ok(None)` on a clean end of stream before a header.
     pub fn read_from(r: &mut impl Read) -> std::io::Result<Option<Frame>> {
+        Frame::read_capped(r, MAX_PAYLOAD)
+    }
+
+    /// [`Frame::read_from`] refusing, before allocating, a payload over
+    /// `max` bytes: the handshake reads a caller that has proved nothing yet.
+    pub fn read_capped(r: &mut impl Read, max: u64) -> std::io::Result<Option<Frame>> {
         let bad = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
         let mut magic = [0u8; 4];
         match r.read_exact(&mut magic) {
@@ -150,7 +160,7 @@ impl Frame {
         }
         r.read_exact(&mut u64b)?;
         let len = u64::from_le_bytes(u64b);
-        if len > MAX_PAYLOAD {
+        if len > max.min(MAX_PAYLOAD) {
             return Err(bad(format!("frame payload of {len} bytes")));
         }
         let mut payload = vec![0u8; len as usize];

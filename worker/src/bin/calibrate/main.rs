@@ -52,9 +52,9 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::Device;
 use headroom_api::{
-    CHECKPOINT_DIR_ENV, DataFormat, MALLOC_ARENA_MAX_ENV, PIPELINE_ADDRESSES_ENV, PLAN_JSON_ENV,
-    POD_NAME_ENV, PayloadFiles, REPLICA_ADDRESSES_ENV, TerminationMessage, WORKER_MALLOC_ARENAS,
-    WorkerAssignment,
+    CHECKPOINT_DIR_ENV, DataFormat, MALLOC_ARENA_MAX_ENV, PEER_KEY_ENV, PIPELINE_ADDRESSES_ENV,
+    PLAN_JSON_ENV, POD_NAME_ENV, PayloadFiles, REPLICA_ADDRESSES_ENV, TerminationMessage,
+    WORKER_MALLOC_ARENAS, WorkerAssignment,
 };
 use headroom_planner::backend::FLEX;
 use headroom_planner::memory::{StagePlacement, estimate_stage};
@@ -723,6 +723,11 @@ fn measure_pipeline(case: &Case, p: u32, d: u32, steps: u64) -> Vec<Measured> {
             format!("s{k}")
         }
     };
+    // The workers prove this run's key to each other, as a job's do the
+    // operator's (there is no worker API here to hand one out).
+    let key = headroom_worker::link_auth::LinkKey::random()
+        .expect("peer key")
+        .to_hex();
     let started = Instant::now();
     let children: Vec<_> = workers
         .iter()
@@ -734,6 +739,7 @@ fn measure_pipeline(case: &Case, p: u32, d: u32, steps: u64) -> Vec<Measured> {
             cmd.arg("--worker")
                 .env(PLAN_JSON_ENV, serde_json::to_string(&worker).expect("json"))
                 .env(PIPELINE_ADDRESSES_ENV, pipeline[r as usize].join(","))
+                .env(PEER_KEY_ENV, &key)
                 .env(CHECKPOINT_DIR_ENV, dir.join("checkpoints"))
                 .env(
                     TERMINATION_MESSAGE_PATH_ENV,
@@ -863,16 +869,18 @@ fn llama_pipeline_case() -> Case {
 /// one loopback link per stage), median over steps after warm-up.
 fn pipeline_throughput(case: &Case, p: u32, steps: u64) -> f64 {
     use headroom_worker::collective::Single;
+    use headroom_worker::link_auth::LinkKey;
     use headroom_worker::pipeline::{Hello, Peers, establish};
     let a = split_assignment(&assignment(case, 1_000_000), p);
     let (listeners, peers) = Peers::loopback(p).expect("loopback sockets");
+    let key = LinkKey::random().expect("peer key");
     let handles: Vec<_> = listeners
         .into_iter()
         .enumerate()
         .map(|(k, listener)| {
             let mut stage = a.clone();
             stage.stage = k as u32;
-            let peers = peers.clone();
+            let (peers, key) = (peers.clone(), key.clone());
             std::thread::spawn(move || {
                 let config = ValidAssignment::new(stage)
                     .expect("valid assignment")
@@ -889,7 +897,8 @@ fn pipeline_throughput(case: &Case, p: u32, steps: u64) -> f64 {
                 };
                 let wait = Duration::from_secs(60);
                 let mut links =
-                    establish(&me, (k > 0).then_some(listener), &peers, wait, wait).expect("links");
+                    establish(&me, &key, (k > 0).then_some(listener), &peers, wait, wait)
+                        .expect("links");
                 let times: Vec<f64> = (0..steps + 2)
                     .map(|_| {
                         let report = trainer.train_step_with(&mut links, &mut Single);
