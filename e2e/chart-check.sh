@@ -89,8 +89,14 @@ current-context: c
 KUBECONFIG
   log=$(mktemp)
   worker_api_port=${CHART_CHECK_WORKER_API_PORT:-18081}
+  # The worker API over TLS from the chart's own CA Secret, as in a cluster.
+  ca_dir=$(mktemp -d)
+  for f in ca.crt ca.key; do
+    k -n "${NS}" get secret headroom-operator-worker-api-ca -o jsonpath="{.data.${f//./\\.}}" | base64 -d >"${ca_dir}/${f}"
+  done
   KUBECONFIG=${sa_kubeconfig} POD_NAMESPACE=${NS} RUST_LOG=info "${CARGO_TARGET_DIR}/debug/headroom-operator" \
     --metrics-addr 127.0.0.1:0 --lease-seconds 5 --lease-name headroom-operator-leader \
+    --worker-api-ca-dir "${ca_dir}" \
     --worker-api-addr "127.0.0.1:${worker_api_port}" --worker-api-service headroom-operator-worker-api >"${log}" 2>&1 &
   op=$!
   watch_ns=rbac-watched-$$
@@ -99,6 +105,7 @@ KUBECONFIG
     kill "${op}" 2>/dev/null || true
     k delete namespace "${work_ns}" "${watch_ns}" "${other_ns}" --ignore-not-found --wait=false >/dev/null 2>&1 || true
     rm -f "${sa_kubeconfig}"
+    rm -rf "${ca_dir}"
   }
   trap cleanup EXIT
   k create namespace "${work_ns}" >/dev/null
@@ -118,9 +125,17 @@ KUBECONFIG
   worker_token=$(k -n "${work_ns}" create token default --audience headroom.dev/worker-api \
     --bound-object-kind Pod --bound-object-name oom-then-fit-a1-s0 --duration=10m)
   telemetry='{"name":"oom-then-fit-a1-s0","attempt":1,"stage":0,"layerStart":0,"layerEnd":1,"step":1,"memory":{"peakBytes":1000},"updatedAt":"2026-11-26T10:00:00Z"}'
-  code=$(curl -s -o /dev/stderr -w '%{http_code}' -X POST -H "Authorization: Bearer ${worker_token}" \
-    -H 'Content-Type: application/json' --data "${telemetry}" "http://127.0.0.1:${worker_api_port}/v1/telemetry")
+  # Verified against the chart's CA under the Service's DNS name (its
+  # certificate's name), which --resolve points at this loopback port.
+  api_host=headroom-operator-worker-api.${NS}.svc
+  code=$(curl -s -o /dev/stderr -w '%{http_code}' --cacert "${ca_dir}/ca.crt" --resolve "${api_host}:${worker_api_port}:127.0.0.1" \
+    -X POST -H "Authorization: Bearer ${worker_token}" \
+    -H 'Content-Type: application/json' --data "${telemetry}" "https://${api_host}:${worker_api_port}/v1/telemetry")
   [[ ${code} == 204 ]] || { cat "${log}" >&2; fail "the worker API refused a worker's own telemetry with the chart's RBAC (HTTP ${code})"; }
+  k -n "${work_ns}" get pod oom-then-fit-a1-s0 -o jsonpath='{.spec.containers[0].env[?(@.name=="HEADROOM_WORKER_API_CA")].value}' | grep -q 'BEGIN CERTIFICATE' \
+    || fail "the worker pod is not given the worker API's CA"
+  k -n "${work_ns}" get pod oom-then-fit-a1-s0 -o jsonpath='{.spec.containers[0].env[?(@.name=="HEADROOM_WORKER_API")].value}' | grep -q '^https://' \
+    || fail "the worker pod is not given an https worker API URL"
   k -n "${work_ns}" get memoryawaretrainingjob oom-then-fit -o jsonpath='{.status.workers[0].name}' | grep -q oom-then-fit-a1-s0 \
     || fail "the worker's telemetry is not in the job status"
   k -n "${work_ns}" patch pod oom-then-fit-a1-s0 --subresource=status --type=merge \

@@ -48,6 +48,12 @@ struct Args {
     /// only for a single replica.
     #[arg(long, env = "HEADROOM_PEER_KEY_FILE")]
     peer_key_file: Option<std::path::PathBuf>,
+    /// A directory with `ca.crt` and `ca.key` (the chart's worker API CA):
+    /// the worker API is then served over TLS with a certificate this
+    /// process issues from it for the Service's cluster IP and DNS names,
+    /// and workers are told to trust only that CA for it.
+    #[arg(long, env = "HEADROOM_WORKER_API_CA_DIR")]
+    worker_api_ca_dir: Option<std::path::PathBuf>,
     /// Run without leader election (a single replica, or local development).
     #[arg(long, env = "HEADROOM_NO_LEADER_ELECTION")]
     no_leader_election: bool,
@@ -157,12 +163,60 @@ async fn main() -> Result<()> {
         listener,
         router(metrics.clone()),
         worker_api::Limits::METRICS,
+        None,
     );
     tokio::spawn(async move {
         if let Err(e) = server.await {
             tracing::error!(%e, "metrics server stopped");
         }
     });
+    // Where workers reach the worker API (read before serving it: its
+    // certificate names the Service's cluster IP).
+    let scheme = if args.worker_api_ca_dir.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    let (worker_api_url, mut tls_hosts) = match (&args.worker_api_url, &args.worker_api_service) {
+        (Some(url), _) => {
+            let host = url
+                .split("://")
+                .nth(1)
+                .and_then(|rest| rest.split(['/', ':']).next())
+                .unwrap_or_default()
+                .trim_matches(['[', ']'])
+                .to_string();
+            (Some(url.clone()), vec![host])
+        }
+        (None, Some(service)) => {
+            let (ip, port) = service_address(&client, &args.lease_namespace, service).await?;
+            let host = if ip.is_ipv6() {
+                format!("[{ip}]")
+            } else {
+                ip.to_string()
+            };
+            (
+                Some(format!("{scheme}://{host}:{port}")),
+                worker_api::tls::service_hosts(service, &args.lease_namespace, Some(ip)),
+            )
+        }
+        (None, None) => {
+            tracing::warn!(
+                "no --worker-api-url or --worker-api-service: workers will only log their telemetry, and pipeline peers need cluster DNS"
+            );
+            (None, vec![])
+        }
+    };
+    let tls = match &args.worker_api_ca_dir {
+        Some(dir) => {
+            tls_hosts.retain(|h| !h.is_empty());
+            let tls =
+                worker_api::ServingTls::issue(dir, &tls_hosts).context("--worker-api-ca-dir")?;
+            tracing::info!(hosts = ?tls_hosts, "worker API over TLS");
+            Some(tls)
+        }
+        None => None,
+    };
     // Every replica serves the worker API (a standby too: it needs no cache),
     // so the Service answers whichever one it picks.
     let listener = tokio::net::TcpListener::bind(args.worker_api_addr)
@@ -181,22 +235,13 @@ async fn main() -> Result<()> {
         listener,
         worker_api::router(client.clone(), peer_key),
         worker_api::Limits::WORKER_API,
+        tls.as_ref().map(|t| t.config.clone()),
     );
     tokio::spawn(async move {
         if let Err(e) = server.await {
             tracing::error!(%e, "worker API server stopped");
         }
     });
-    let worker_api_url = match (args.worker_api_url, &args.worker_api_service) {
-        (Some(url), _) => Some(url),
-        (None, Some(service)) => Some(service_url(&client, &args.lease_namespace, service).await?),
-        (None, None) => {
-            tracing::warn!(
-                "no --worker-api-url or --worker-api-service: workers will only log their telemetry, and pipeline peers need cluster DNS"
-            );
-            None
-        }
-    };
 
     // One shutdown signal for everything: SIGTERM/SIGINT, or lost leadership.
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -236,6 +281,7 @@ async fn main() -> Result<()> {
             worker_images,
             telemetry_interval,
             worker_api_url,
+            worker_api_ca: tls.map(|t| t.ca_pem),
         },
         unschedulable_grace: Duration::from_secs(args.unschedulable_grace_seconds),
         concurrency: args.concurrency.max(1),
@@ -327,8 +373,12 @@ async fn shutdown_signal() {
     let _ = ctrl_c.await;
 }
 
-/// `http://<cluster IP>:<port>` of `service`'s `worker-api` port.
-async fn service_url(client: &kube::Client, namespace: &str, service: &str) -> Result<String> {
+/// The cluster IP of `service` and its `worker-api` port.
+async fn service_address(
+    client: &kube::Client,
+    namespace: &str,
+    service: &str,
+) -> Result<(std::net::IpAddr, i32)> {
     let svc = Api::<Service>::namespaced(client.clone(), namespace)
         .get(service)
         .await
@@ -340,6 +390,9 @@ async fn service_url(client: &kube::Client, namespace: &str, service: &str) -> R
         .with_context(|| {
             format!("--worker-api-service: Service {namespace}/{service} has no cluster IP (a headless Service will not do)")
         })?;
+    let ip = ip.parse().with_context(|| {
+        format!("--worker-api-service: Service {namespace}/{service} has cluster IP {ip:?}")
+    })?;
     let port = spec
         .ports
         .unwrap_or_default()
@@ -351,12 +404,7 @@ async fn service_url(client: &kube::Client, namespace: &str, service: &str) -> R
                 "--worker-api-service: Service {namespace}/{service} has no port named worker-api"
             )
         })?;
-    let host = if ip.contains(':') {
-        format!("[{ip}]")
-    } else {
-        ip
-    };
-    Ok(format!("http://{host}:{port}"))
+    Ok((ip, port))
 }
 
 fn hostname() -> String {

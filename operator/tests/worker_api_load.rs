@@ -42,7 +42,7 @@ async fn start() -> std::net::SocketAddr {
     let app = worker_api::router(client, OperatorKey::random().expect("key"));
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
-    tokio::spawn(worker_api::serve(listener, app, LIMITS));
+    tokio::spawn(worker_api::serve(listener, app, LIMITS, None));
     addr
 }
 

@@ -226,7 +226,10 @@ fn run_inner(env: &WorkerEnv) -> Exit {
         Err(e) => return Exit::failed(format!("tokio runtime: {e}")),
     };
     let identity = identity(&plan, env.pod_name.clone());
-    let worker_api = WorkerApi::from_env();
+    let worker_api = match WorkerApi::from_env() {
+        Ok(api) => api,
+        Err(e) => return Exit::invalid_plan(e.to_string()),
+    };
     let sink = WorkerApiSink::connect(worker_api.as_ref(), &identity)
         .map(|sink| Box::new(sink) as Box<dyn TelemetrySink>);
     // A GPU plan budgets the device's memory; the host's is the pod's limit.

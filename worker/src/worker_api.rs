@@ -12,8 +12,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use headroom_api::{
-    PeerAddress, PeerKey, WORKER_API_ENV, WORKER_API_PEER_KEY_PATH, WORKER_API_PEERS_PATH,
-    WORKER_API_TELEMETRY_PATH, WORKER_API_TOKEN_ENV, WORKER_API_TOKEN_PATH, WorkerTelemetry,
+    PeerAddress, PeerKey, WORKER_API_CA_ENV, WORKER_API_ENV, WORKER_API_PEER_KEY_PATH,
+    WORKER_API_PEERS_PATH, WORKER_API_TELEMETRY_PATH, WORKER_API_TOKEN_ENV, WORKER_API_TOKEN_PATH,
+    WorkerTelemetry,
 };
 
 use crate::link_auth::LinkKey;
@@ -34,6 +35,8 @@ pub enum WorkerApiError {
     },
     #[error("the worker API token {} ({WORKER_API_TOKEN_ENV}) is empty", path.display())]
     EmptyToken { path: PathBuf },
+    #[error("{WORKER_API_CA_ENV} is not a PEM certificate: {0}")]
+    Ca(String),
     #[error("telemetry is not JSON: {0}")]
     Encode(#[source] serde_json::Error),
     #[error("cannot reach the worker API at {url}: {source}")]
@@ -84,7 +87,35 @@ impl WorkerApi {
     /// A client of the worker API at `base` (`http://host:port`), presenting
     /// the token in the file `token_path`.
     pub fn new(base: &str, token_path: impl Into<PathBuf>) -> Self {
-        let agent = ureq::Agent::config_builder()
+        Self::build(base, token_path, None)
+    }
+
+    /// A client of an `https` worker API whose certificate is issued from
+    /// the CA `ca_pem` (PEM): that CA alone is trusted for it, not the
+    /// system's store (`HEADROOM_WORKER_API_CA`).
+    pub fn with_ca(
+        base: &str,
+        token_path: impl Into<PathBuf>,
+        ca_pem: &str,
+    ) -> Result<Self, WorkerApiError> {
+        let ca = ureq::tls::Certificate::from_pem(ca_pem.as_bytes())
+            .map_err(|e| WorkerApiError::Ca(e.to_string()))?;
+        let tls = ureq::tls::TlsConfig::builder()
+            .root_certs(ureq::tls::RootCerts::new_with_certs(&[ca]))
+            .build();
+        Ok(Self::build(base, token_path, Some(tls)))
+    }
+
+    fn build(
+        base: &str,
+        token_path: impl Into<PathBuf>,
+        tls: Option<ureq::tls::TlsConfig>,
+    ) -> Self {
+        let mut agent = ureq::Agent::config_builder();
+        if let Some(tls) = tls {
+            agent = agent.tls_config(tls);
+        }
+        let agent = agent
             // Statuses carry the operator's reason: read it, don't drop it.
             .http_status_as_error(false)
             .timeout_global(Some(CALL_TIMEOUT))
@@ -102,20 +133,28 @@ impl WorkerApi {
         }
     }
 
-    /// From `HEADROOM_WORKER_API` and `HEADROOM_WORKER_API_TOKEN` (default
-    /// the contract's token path); `None` when there is no worker API (the
-    /// base URL unset or blank: local runs and tests).
-    pub fn from_env() -> Option<Self> {
+    /// From `HEADROOM_WORKER_API`, `HEADROOM_WORKER_API_TOKEN` (default
+    /// the contract's token path) and `HEADROOM_WORKER_API_CA`; `Ok(None)`
+    /// when there is no worker API (the base URL unset or blank: local runs
+    /// and tests).
+    pub fn from_env() -> Result<Option<Self>, WorkerApiError> {
         Self::from_lookup(|key| std::env::var(key).ok())
     }
 
     /// [`WorkerApi::from_env`] through `env` (tests pass a map).
-    pub fn from_lookup(env: impl Fn(&str) -> Option<String>) -> Option<Self> {
-        let base = env(WORKER_API_ENV).filter(|b| !b.trim().is_empty())?;
+    pub fn from_lookup(
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<Self>, WorkerApiError> {
+        let Some(base) = env(WORKER_API_ENV).filter(|b| !b.trim().is_empty()) else {
+            return Ok(None);
+        };
         let token_path = env(WORKER_API_TOKEN_ENV)
             .filter(|p| !p.trim().is_empty())
             .unwrap_or_else(|| WORKER_API_TOKEN_PATH.to_string());
-        Some(WorkerApi::new(base.trim(), token_path))
+        match env(WORKER_API_CA_ENV).filter(|c| !c.trim().is_empty()) {
+            Some(ca) => WorkerApi::with_ca(base.trim(), token_path, &ca).map(Some),
+            None => Ok(Some(WorkerApi::new(base.trim(), token_path))),
+        }
     }
 
     /// The base URL, no trailing slash.
@@ -489,14 +528,24 @@ mod tests {
                 _ => None,
             }
         };
-        assert!(WorkerApi::from_lookup(lookup(None, Some("/t"))).is_none());
-        assert!(WorkerApi::from_lookup(lookup(Some(" "), None)).is_none());
-        let api = WorkerApi::from_lookup(lookup(Some("http://10.96.0.12:8081/"), None))
-            .expect("configured");
+        let configured = |env| WorkerApi::from_lookup(env).expect("no CA, no error");
+        assert!(configured(lookup(None, Some("/t"))).is_none());
+        assert!(configured(lookup(Some(" "), None)).is_none());
+        let api = configured(lookup(Some("http://10.96.0.12:8081/"), None)).expect("configured");
         assert_eq!(api.base(), "http://10.96.0.12:8081");
         assert_eq!(api.token_path(), Path::new(WORKER_API_TOKEN_PATH));
-        let api =
-            WorkerApi::from_lookup(lookup(Some("http://op:8081"), Some("/tmp/t"))).expect("set");
+        let api = configured(lookup(Some("http://op:8081"), Some("/tmp/t"))).expect("set");
         assert_eq!(api.token_path(), Path::new("/tmp/t"));
+    }
+
+    #[test]
+    fn a_ca_that_is_not_a_certificate_is_named_not_ignored() {
+        let env = |key: &str| match key {
+            WORKER_API_ENV => Some("https://10.96.0.12:8081".to_string()),
+            WORKER_API_CA_ENV => Some("not a certificate".to_string()),
+            _ => None,
+        };
+        let err = WorkerApi::from_lookup(env).expect_err("a bad CA");
+        assert!(err.to_string().contains(WORKER_API_CA_ENV), "{err}");
     }
 }

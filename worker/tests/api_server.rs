@@ -1,7 +1,8 @@
 //! Telemetry reaches `status.workers[<pod>]` of a job on a real kube-apiserver
 //! (the e2e control-plane harness) the way it does in a cluster: the worker
 //! binary posts it to the operator's worker API
-//! (`headroom_operator::worker_api`, served here on a loopback port),
+//! (`headroom_operator::worker_api`, served here on a loopback port over TLS
+//! with a certificate issued from a chart-made CA, which the worker trusts alone),
 //! presenting a token bound to its pod, and the operator writes it under the
 //! worker's own field manager; two workers keep their own entries. The
 //! worker runs without any Kubernetes configuration: it needs no API rights.
@@ -17,8 +18,8 @@ use std::process::Command;
 
 use headroom_api::{
     CHECKPOINT_DIR_ENV, LABEL_ATTEMPT, LABEL_JOB, LABEL_STAGE, MemoryAwareTrainingJob,
-    PLAN_JSON_ENV, POD_NAME_ENV, TELEMETRY_INTERVAL_ENV, WORKER_API_AUDIENCE, WORKER_API_ENV,
-    WORKER_API_TOKEN_ENV, WorkerAssignment, exit_code,
+    PLAN_JSON_ENV, POD_NAME_ENV, TELEMETRY_INTERVAL_ENV, WORKER_API_AUDIENCE, WORKER_API_CA_ENV,
+    WORKER_API_ENV, WORKER_API_TOKEN_ENV, WorkerAssignment, exit_code,
 };
 use headroom_e2e::fixtures::CPU_TINY;
 use headroom_e2e::{API_SERVER, TestNs};
@@ -28,13 +29,24 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::PostParams;
 use kube::{Resource, ResourceExt};
 
-/// The operator's worker API on a loopback port, acting with the test's
-/// (admin) client as the operator acts with its own: its base URL.
+/// The CA the worker API's certificate is issued from: one made as the
+/// chart makes it (Helm's `genCA`), the operator's test fixture.
+const WORKER_API_CA: &str = include_str!("../../operator/src/worker_api/testdata/helm-ca.crt");
+const WORKER_API_CA_KEY: &str = include_str!("../../operator/src/worker_api/testdata/helm-ca.key");
+
+/// The operator's worker API on a loopback port, over TLS as the chart
+/// installs it, acting with the test's (admin) client as the operator acts
+/// with its own: its base URL (`https://127.0.0.1:<port>`).
 async fn serve_worker_api(ns: &TestNs) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("a loopback port");
-    let base = format!("http://{}", listener.local_addr().expect("address"));
+    let base = format!("https://{}", listener.local_addr().expect("address"));
+    let ca_dir = scratch(&format!("ca-{}", ns.name));
+    std::fs::write(ca_dir.join("ca.crt"), WORKER_API_CA).expect("ca.crt");
+    std::fs::write(ca_dir.join("ca.key"), WORKER_API_CA_KEY).expect("ca.key");
+    let tls = headroom_operator::worker_api::ServingTls::issue(&ca_dir, &["127.0.0.1".into()])
+        .expect("the worker API's certificate");
     let key = headroom_operator::worker_api::OperatorKey::random().expect("a key");
     let router = headroom_operator::worker_api::router(ns.client.clone(), key);
     tokio::spawn(async move {
@@ -42,6 +54,7 @@ async fn serve_worker_api(ns: &TestNs) -> String {
             listener,
             router,
             headroom_operator::worker_api::Limits::WORKER_API,
+            Some(tls.config),
         )
         .await
         .expect("the worker API serves");
@@ -106,6 +119,7 @@ fn worker_command(dir: &Path, worker_api: &str, token: &Path) -> Command {
         .env_remove("KUBERNETES_SERVICE_PORT")
         .env("HOME", dir)
         .env(WORKER_API_ENV, worker_api)
+        .env(WORKER_API_CA_ENV, WORKER_API_CA)
         .env(WORKER_API_TOKEN_ENV, token)
         .env(TELEMETRY_INTERVAL_ENV, "0.2");
     command
@@ -371,7 +385,7 @@ async fn workers_of_one_job_obtain_one_link_key_and_another_jobs_worker_another(
         let token = token_file(&ns, &object, &dir).await;
         let base = worker_api.clone();
         let key = tokio::task::spawn_blocking(move || {
-            headroom_worker::worker_api::WorkerApi::new(&base, token).peer_key()
+            headroom_worker::worker_api::WorkerApi::with_ca(&base, token, WORKER_API_CA)?.peer_key()
         })
         .await
         .expect("join")

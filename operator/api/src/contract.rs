@@ -64,6 +64,9 @@ pub const TELEMETRY_INTERVAL_ENV: &str = "HEADROOM_TELEMETRY_INTERVAL_SECONDS";
 /// Unset (local runs, tests): telemetry is logged, peers come from the
 /// address overrides or DNS.
 pub const WORKER_API_ENV: &str = "HEADROOM_WORKER_API";
+/// The CA certificate (PEM) an `https` worker API's certificate is issued
+/// from: the worker trusts only it for that API. Public, not a secret.
+pub const WORKER_API_CA_ENV: &str = "HEADROOM_WORKER_API_CA";
 /// Path of the token the worker presents to the worker API (a projected
 /// service-account token bound to the pod, audience [`WORKER_API_AUDIENCE`];
 /// the kubelet rotates it, so it is read again for every call).

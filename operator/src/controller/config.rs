@@ -50,6 +50,9 @@ pub struct ChildConfig {
     /// ([`crate::worker_api`]); None: workers only log their telemetry and
     /// find pipeline peers by DNS.
     pub worker_api_url: Option<String>,
+    /// The CA certificate (PEM) of an `https` worker API: workers trust
+    /// only it for that API ([`headroom_api::WORKER_API_CA_ENV`]).
+    pub worker_api_ca: Option<String>,
 }
 
 impl Default for ChildConfig {
@@ -62,6 +65,7 @@ impl Default for ChildConfig {
             worker_images: WorkerImages::default(),
             telemetry_interval: Duration::from_secs(10),
             worker_api_url: None,
+            worker_api_ca: None,
         }
     }
 }

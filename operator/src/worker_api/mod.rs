@@ -47,11 +47,13 @@ use kube::{Client, Resource};
 mod identity;
 pub mod peer_key;
 pub mod serve;
+pub mod tls;
 
 pub use identity::{Caller, IDENTITY_TTL, MAX_CONCURRENT_REVIEWS, MAX_TOKEN_BYTES, REFUSAL_TTL};
 use identity::{Identities, owning_job};
 pub use peer_key::OperatorKey;
 pub use serve::{Limits, serve};
+pub use tls::ServingTls;
 
 /// The largest request body read, bytes. A worker's telemetry is well under
 /// 8 KiB (a few numbers per GPU; the CRD bounds its strings and lists).

@@ -26,8 +26,11 @@ use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::rustls::ServerConfig;
 use tower::ServiceExt;
 
 /// What one server lets its callers hold.
@@ -63,9 +66,16 @@ impl Limits {
     };
 }
 
-/// Serves `app` on `listener` under `limits` until the listener fails.
-pub async fn serve(listener: TcpListener, app: Router, limits: Limits) -> std::io::Result<()> {
+/// Serves `app` on `listener` under `limits` until the listener fails; over
+/// TLS with `tls` (the handshake, too, must end within the header timeout).
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    limits: Limits,
+    tls: Option<Arc<ServerConfig>>,
+) -> std::io::Result<()> {
     let permits = Arc::new(Semaphore::new(limits.max_connections));
+    let tls = tls.map(TlsAcceptor::from);
     loop {
         let (stream, from) = match listener.accept().await {
             Ok(accepted) => accepted,
@@ -82,34 +92,51 @@ pub async fn serve(listener: TcpListener, app: Router, limits: Limits) -> std::i
             shed(from);
             continue; // dropping the stream closes it
         };
-        let app = app.clone();
+        let (app, tls) = (app.clone(), tls.clone());
         tokio::spawn(async move {
-            let deadline = limits.request_timeout;
-            let service = hyper::service::service_fn(move |request: Request<Incoming>| {
-                let app = app.clone();
-                async move {
-                    let answer =
-                        tokio::time::timeout(deadline, app.oneshot(request.map(Body::new)));
-                    Ok::<_, Infallible>(match answer.await {
-                        Ok(Ok(response)) => response,
-                        Ok(Err(never)) => match never {},
-                        Err(_) => (
-                            StatusCode::REQUEST_TIMEOUT,
-                            format!("no complete request within {deadline:?}"),
-                        )
-                            .into_response(),
-                    })
+            match tls {
+                None => serve_connection(stream, from, app, limits).await,
+                Some(tls) => {
+                    match tokio::time::timeout(limits.header_read_timeout, tls.accept(stream)).await
+                    {
+                        Ok(Ok(stream)) => serve_connection(stream, from, app, limits).await,
+                        Ok(Err(e)) => tracing::debug!(%from, %e, "TLS handshake failed"),
+                        Err(_) => tracing::debug!(%from, "TLS handshake timed out"),
+                    }
                 }
-            });
-            let mut http = hyper::server::conn::http1::Builder::new();
-            http.timer(TokioTimer::new())
-                .header_read_timeout(limits.header_read_timeout)
-                .max_buf_size(limits.max_read_buffer_bytes.max(8192));
-            if let Err(e) = http.serve_connection(TokioIo::new(stream), service).await {
-                tracing::debug!(%from, %e, "connection ended");
             }
             drop(permit);
         });
+    }
+}
+
+/// HTTP/1.1 on one accepted connection, plain or TLS.
+async fn serve_connection<S>(stream: S, from: SocketAddr, app: Router, limits: Limits)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let deadline = limits.request_timeout;
+    let service = hyper::service::service_fn(move |request: Request<Incoming>| {
+        let app = app.clone();
+        async move {
+            let answer = tokio::time::timeout(deadline, app.oneshot(request.map(Body::new)));
+            Ok::<_, Infallible>(match answer.await {
+                Ok(Ok(response)) => response,
+                Ok(Err(never)) => match never {},
+                Err(_) => (
+                    StatusCode::REQUEST_TIMEOUT,
+                    format!("no complete request within {deadline:?}"),
+                )
+                    .into_response(),
+            })
+        }
+    });
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .max_buf_size(limits.max_read_buffer_bytes.max(8192));
+    if let Err(e) = http.serve_connection(TokioIo::new(stream), service).await {
+        tracing::debug!(%from, %e, "connection ended");
     }
 }
 

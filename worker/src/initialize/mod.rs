@@ -317,7 +317,11 @@ fn start_reporter(
         layer_start: 0,
         layer_end: 0,
     };
-    let sink = WorkerApiSink::connect(WorkerApi::from_env().as_ref(), &identity)?;
+    let api = WorkerApi::from_env()
+        .inspect_err(|e| tracing::error!(%e, "progress is only logged"))
+        .ok()
+        .flatten();
+    let sink = WorkerApiSink::connect(api.as_ref(), &identity)?;
     Some(Reporter::start(
         identity,
         MemoryProbe::for_this_process(None),

@@ -182,7 +182,10 @@ priorityClassName: batch-low
         )
         .expect("worker spec");
         let config = ChildConfig {
-            worker_api_url: Some("http://10.96.0.20:8081".into()),
+            worker_api_url: Some("https://10.96.0.20:8081".into()),
+            worker_api_ca: Some(
+                "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n".into(),
+            ),
             ..ChildConfig::default()
         };
         // A planned CPU attempt (a fine-tuning job is planned from what its
@@ -280,6 +283,18 @@ priorityClassName: batch-low
         );
 
         let (wc, ic) = (&w.containers[0], &i.containers[0]);
+        // Both reach the worker API over TLS, trusting the operator's CA alone.
+        for c in [wc, ic] {
+            let env = |name: &str| {
+                c.env
+                    .iter()
+                    .flatten()
+                    .find(|e| e.name == name)
+                    .and_then(|e| e.value.clone())
+            };
+            assert_eq!(env(headroom_api::WORKER_API_CA_ENV), config.worker_api_ca);
+            assert_eq!(env(headroom_api::WORKER_API_ENV), config.worker_api_url);
+        }
         assert_eq!(
             wc.security_context
                 .as_ref()

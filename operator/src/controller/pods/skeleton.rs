@@ -9,8 +9,8 @@ use std::collections::BTreeMap;
 use headroom_api::{
     COMPONENT_INITIALIZER, COMPONENT_WORKER, LABEL_COMPONENT, LABEL_JOB, LABEL_MANAGED_BY,
     LABEL_ROLE, MANAGED_BY, MemoryAwareTrainingJob, POD_NAME_ENV, ROLE_INITIALIZER,
-    TELEMETRY_INTERVAL_ENV, TERMINATION_MESSAGE_PATH, WORKER_API_AUDIENCE, WORKER_API_ENV,
-    WORKER_API_TOKEN_ENV, WORKER_API_TOKEN_PATH,
+    TELEMETRY_INTERVAL_ENV, TERMINATION_MESSAGE_PATH, WORKER_API_AUDIENCE, WORKER_API_CA_ENV,
+    WORKER_API_ENV, WORKER_API_TOKEN_ENV, WORKER_API_TOKEN_PATH,
 };
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, EnvVar, EnvVarSource, LocalObjectReference, ObjectFieldSelector, Pod,
@@ -174,6 +174,12 @@ pub(super) fn worker_api_access(cfg: &ChildConfig) -> (Vec<EnvVar>, Vec<Volume>,
         (WORKER_API_TOKEN_ENV, WORKER_API_TOKEN_PATH),
     ]
     .into_iter()
+    // An https API's CA (a public certificate, about 1 KiB).
+    .chain(
+        cfg.worker_api_ca
+            .as_deref()
+            .map(|ca| (WORKER_API_CA_ENV, ca)),
+    )
     .map(|(name, value)| EnvVar {
         name: name.into(),
         value: Some(value.into()),
