@@ -32,12 +32,23 @@
 //! [`MAX_HANDSHAKE_PAYLOAD`] bytes and the whole handshake at a deadline, so
 //! a stranger can neither make a worker allocate much nor hold it for ever.
 //!
+//! **Listening** ([`accept_first`]): a listener runs up to
+//! [`MAX_HANDSHAKES`] handshakes at once, each on its own short-lived
+//! thread, and takes the first caller whose proof checked out and that the
+//! listener wants; every other connection is closed. When all slots are
+//! busy, a new caller closes the oldest handshake still under way, so
+//! strangers that call and then stall hold a slot only until newer callers
+//! arrive: to keep the real neighbour out they must keep calling faster
+//! than a handshake completes, not merely wait.
+//!
 //! Not covered: the link after the handshake is neither encrypted nor
 //! integrity-protected, so someone on the network path (not merely in the
 //! cluster) could still read or alter tensors.
 
+use std::collections::VecDeque;
 use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use headroom_api::{PEER_KEY_ENV, WORKER_API_ENV, WORKER_API_PEER_KEY_PATH};
@@ -446,6 +457,202 @@ pub fn accept<W: Wire, H: Greeting>(
     Ok(claimed)
 }
 
+/// Handshakes a listener runs at once ([`accept_first`]).
+pub const MAX_HANDSHAKES: usize = 8;
+/// Longest pause of [`accept_first`] between looks at its listener.
+const POLL: Duration = Duration::from_millis(10);
+
+/// What a listener makes of one caller's handshake ([`accept_first`]).
+#[derive(Debug)]
+pub enum Verdict<E> {
+    /// The peer it waits for: listening ends with this connection.
+    Take,
+    /// Anyone else (no proof, another attempt): the connection is closed
+    /// and listening goes on.
+    Drop,
+    /// Listening ends with this error.
+    Fail(E),
+}
+
+/// Why [`accept_first`] returned no connection.
+#[derive(Debug)]
+pub enum AcceptError<E> {
+    /// What the judge said.
+    Failed(E),
+    /// Nobody it took called before the deadline.
+    TimedOut,
+    /// `give_up` said so.
+    GaveUp,
+    /// The listening socket failed.
+    Listener(std::io::Error),
+}
+
+/// A handshake's outcome, sent from its thread.
+struct Finished<H> {
+    id: u64,
+    from: SocketAddr,
+    stream: TcpStream,
+    answered: Result<H, HandshakeError>,
+}
+
+/// The handshakes under way, oldest first: each a second handle on its
+/// socket, to close it early. Dropping this closes all that are left, so
+/// their threads end at once.
+#[derive(Debug, Default)]
+struct InFlight(VecDeque<(u64, SocketAddr, TcpStream)>);
+
+impl InFlight {
+    /// Whether handshake `id` was still under way (not closed as the
+    /// oldest); it is not any more.
+    fn finish(&mut self, id: u64) -> bool {
+        let at = self.0.iter().position(|(i, _, _)| *i == id);
+        at.and_then(|at| self.0.remove(at)).is_some()
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        for (_, _, stream) in &self.0 {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+/// The listening end of a link: answers callers on `listener` as `me`
+/// ([`accept`]), up to [`MAX_HANDSHAKES`] at once, each with
+/// `handshake_timeout` for its reads, and returns the first connection the
+/// judge takes. `judge` sees each finished handshake in the order they
+/// finish, with the caller's address: a hello (whose proof checked out) or
+/// why there is none. Gives up at `until` or as soon as `give_up` says so.
+/// Every other connection is closed by the time this returns: one the judge
+/// dropped, one still in its handshake, one closed as the oldest when all
+/// slots were busy and another caller came (see the module documentation).
+pub fn accept_first<W, H, E>(
+    listener: &TcpListener,
+    key: &LinkKey,
+    me: &H,
+    until: Instant,
+    handshake_timeout: Duration,
+    give_up: impl Fn() -> bool,
+    mut judge: impl FnMut(SocketAddr, Result<H, HandshakeError>) -> Verdict<E>,
+) -> Result<TcpStream, AcceptError<E>>
+where
+    W: Wire + 'static,
+    H: Greeting + Clone + Send + 'static,
+{
+    listener
+        .set_nonblocking(true)
+        .map_err(AcceptError::Listener)?;
+    let (tx, rx) = mpsc::channel::<Finished<H>>();
+    let mut in_flight = InFlight::default();
+    let mut next_id = 0u64;
+    let mut judge_one = |in_flight: &mut InFlight, done: Finished<H>| {
+        // One closed as the oldest: its socket is shut, whatever it says.
+        if !in_flight.finish(done.id) {
+            return None;
+        }
+        match judge(done.from, done.answered) {
+            Verdict::Take => Some(Ok(done.stream)),
+            Verdict::Drop => None,
+            Verdict::Fail(e) => Some(Err(AcceptError::Failed(e))),
+        }
+    };
+    // Why listening stopped, and until when the handshakes under way may
+    // still finish: one that began in time is heard out (each within its own
+    // deadline), so a caller of this attempt still learns of a disagreement.
+    let mut stopped: Option<(AcceptError<E>, Instant)> = None;
+    loop {
+        // Finished handshakes first, in the order they finished (and before
+        // any is closed as the oldest): the first the judge takes wins.
+        while let Ok(done) = rx.try_recv() {
+            if let Some(result) = judge_one(&mut in_flight, done) {
+                return result;
+            }
+        }
+        if let Some((why, last)) = stopped.take() {
+            if in_flight.0.is_empty() || Instant::now() >= last {
+                return Err(why);
+            }
+            stopped = Some((why, last));
+            if let Ok(done) = rx.recv_timeout(POLL)
+                && let Some(result) = judge_one(&mut in_flight, done)
+            {
+                return result;
+            }
+            continue;
+        }
+        let accepted = match listener.accept() {
+            Ok(accepted) => Some(accepted),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => None,
+            Err(e) => return Err(AcceptError::Listener(e)),
+        };
+        let why = if give_up() {
+            Some(AcceptError::GaveUp)
+        } else if Instant::now() >= until {
+            Some(AcceptError::TimedOut)
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            // Each handshake ends by its own deadline; the second more is
+            // for its thread to report.
+            stopped = Some((
+                why,
+                Instant::now() + handshake_timeout + Duration::from_secs(1),
+            ));
+        }
+        let Some((stream, from)) = accepted else {
+            // Nothing to accept: wait a little, for a handshake to finish.
+            if stopped.is_none()
+                && let Ok(done) = rx.recv_timeout(POLL)
+                && let Some(result) = judge_one(&mut in_flight, done)
+            {
+                return result;
+            }
+            continue;
+        };
+        if in_flight.0.len() >= MAX_HANDSHAKES
+            && let Some((_, oldest, stream)) = in_flight.0.pop_front()
+        {
+            tracing::warn!(
+                %from,
+                "{MAX_HANDSHAKES} handshakes under way: closed the oldest, from {oldest}"
+            );
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+        let handle = match stream.try_clone() {
+            Ok(handle) => handle,
+            Err(e) => {
+                tracing::warn!(%from, "closed a caller: {e}");
+                continue;
+            }
+        };
+        let id = next_id;
+        next_id += 1;
+        let started = Instant::now();
+        let (key, me, tx) = (key.clone(), me.clone(), tx.clone());
+        let spawned = std::thread::Builder::new()
+            .name("headroom-handshake".into())
+            .spawn(move || {
+                let answered = stream
+                    .set_nonblocking(false)
+                    .map_err(HandshakeError::Io)
+                    .and_then(|()| accept::<W, H>(&stream, started + handshake_timeout, &key, &me));
+                // The listener may have returned already: nobody to tell.
+                let _ = tx.send(Finished {
+                    id,
+                    from,
+                    stream,
+                    answered,
+                });
+            });
+        match spawned {
+            Ok(_) => in_flight.0.push_back((id, from, handle)),
+            Err(e) => tracing::warn!(%from, "closed a caller: no thread for its handshake: {e}"),
+        }
+    }
+}
+
 /// Writes all of `bytes` to `stream` and flushes: for [`Wire::send`]s.
 pub fn write_all(stream: &TcpStream, bytes: &[u8]) -> std::io::Result<()> {
     let mut stream = stream;
@@ -456,7 +663,6 @@ pub fn write_all(stream: &TcpStream, bytes: &[u8]) -> std::io::Result<()> {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use std::net::TcpListener;
 
     /// The key the modules' tests give their workers.
     pub(crate) fn test_key() -> LinkKey {
@@ -631,6 +837,140 @@ pub(crate) mod tests {
             "{connected:?}"
         );
         assert!(accepted.is_err(), "{accepted:?}");
+    }
+
+    /// Whether the other end closed `stream` without sending anything.
+    fn closed(stream: &TcpStream) -> bool {
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        let mut byte = [0u8; 1];
+        match (&*stream).read(&mut byte) {
+            Ok(0) => true,
+            Ok(_) => false,
+            Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+        }
+    }
+
+    /// A listener on loopback running [`accept_first`] on its own thread,
+    /// with `wait` as deadline and the handshakes' timeout, taking a caller
+    /// named `wanted`, failing on one named `fatal` and dropping the others;
+    /// its address.
+    #[allow(clippy::type_complexity)]
+    fn accepting(
+        wait: Duration,
+    ) -> (
+        std::thread::JoinHandle<Result<TcpStream, AcceptError<String>>>,
+        SocketAddr,
+    ) {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let address = listener.local_addr().expect("address");
+        let me = Who {
+            name: "acceptor".into(),
+            attempt: 1,
+        };
+        let until = Instant::now() + wait;
+        let handle = std::thread::spawn(move || {
+            accept_first::<Plain, Who, String>(
+                &listener,
+                &test_key(),
+                &me,
+                until,
+                wait,
+                || false,
+                |_, answered| match answered {
+                    Ok(who) if who.name == "wanted" => Verdict::Take,
+                    Ok(who) if who.name == "fatal" => Verdict::Fail(who.name),
+                    _ => Verdict::Drop,
+                },
+            )
+        });
+        (handle, address)
+    }
+
+    /// Calls `address` as `name` with `key`: the acceptor's hello, and the
+    /// connection.
+    fn call(
+        address: SocketAddr,
+        name: &str,
+        key: &LinkKey,
+    ) -> (Result<Who, HandshakeError>, TcpStream) {
+        let stream = TcpStream::connect(address).expect("connect");
+        let me = Who {
+            name: name.into(),
+            attempt: 1,
+        };
+        let until = Instant::now() + Duration::from_secs(5);
+        (connect::<Plain, Who>(&stream, until, key, &me), stream)
+    }
+
+    #[test]
+    fn link_auth_a_listener_takes_the_first_wanted_caller_past_stalling_strangers() {
+        let (acceptor, address) = accepting(Duration::from_secs(10));
+        // More strangers than handshakes run at once: silent, or stopping
+        // within a frame's header.
+        let stallers: Vec<_> = (0..3 * MAX_HANDSHAKES)
+            .map(|i| {
+                let stream = TcpStream::connect(address).expect("connect");
+                if i % 2 == 1 {
+                    write_all(&stream, &[0, 16]).expect("send");
+                }
+                stream
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(100));
+        let started = Instant::now();
+        // Without the key: refused, and the listener goes on.
+        let (answered, _stranger) = call(address, "wanted", &wrong_key());
+        assert!(
+            matches!(answered, Err(HandshakeError::BadProof)),
+            "{answered:?}"
+        );
+        // With the key but not the one wanted: dropped.
+        let (answered, other) = call(address, "other", &test_key());
+        assert_eq!(answered.expect("proved").name, "acceptor");
+        assert!(closed(&other), "an unwanted caller is closed");
+        let (answered, wanted) = call(address, "wanted", &test_key());
+        assert_eq!(answered.expect("proved").name, "acceptor");
+        let taken = acceptor.join().expect("acceptor").expect("taken");
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            started.elapsed()
+        );
+        assert_eq!(
+            taken.peer_addr().expect("peer"),
+            wanted.local_addr().expect("local")
+        );
+        // Every stranger's connection is closed, none left waiting.
+        for stream in &stallers {
+            assert!(closed(stream), "a staller is closed");
+        }
+    }
+
+    #[test]
+    fn link_auth_a_listener_ends_on_a_fatal_caller_or_at_its_deadline() {
+        let (acceptor, address) = accepting(Duration::from_secs(10));
+        let (answered, _fatal) = call(address, "fatal", &test_key());
+        assert!(answered.is_ok(), "{answered:?}");
+        let err = acceptor.join().expect("acceptor").expect_err("fatal");
+        assert!(
+            matches!(&err, AcceptError::Failed(name) if name == "fatal"),
+            "{err:?}"
+        );
+
+        // Nobody wanted calls: the deadline, plus at most the handshake
+        // under way then (here a staller's, bounded by the same 300 ms).
+        let started = Instant::now();
+        let (acceptor, address) = accepting(Duration::from_millis(300));
+        let _staller = TcpStream::connect(address).expect("connect");
+        let err = acceptor.join().expect("acceptor").expect_err("nobody");
+        assert!(matches!(err, AcceptError::TimedOut), "{err:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            started.elapsed()
+        );
     }
 
     #[test]

@@ -52,7 +52,9 @@
 //! it as a neighbour, turns it away as stale, or stops because it is
 //! superseded) before the other's proof checked out: a caller without the
 //! key is dropped with a warning naming its address, and the rank keeps
-//! listening until its deadline. Handshake frames are capped at
+//! listening until its deadline. The listening rank runs several
+//! handshakes at once ([`link_auth::accept_first`]), so strangers that call
+//! and stall cannot hold up the real neighbour either. Handshake frames are capped at
 //! [`crate::link_auth::MAX_HANDSHAKE_PAYLOAD`] bytes and their reads at
 //! `HANDSHAKE_TIMEOUT` in all.
 
@@ -66,7 +68,9 @@ use serde::{Deserialize, Serialize};
 
 use super::wire::{Frame, Header, Kind, MAX_PAYLOAD, Pool, RingLinks, write_frame};
 use super::{Collective, CollectiveError, check_segments, even_segments, segment_offsets};
-use crate::link_auth::{self, Greeting, HandshakeError, Identity, LinkKey, Message, Wire};
+use crate::link_auth::{
+    self, AcceptError, Greeting, HandshakeError, Identity, LinkKey, Message, Verdict, Wire,
+};
 
 /// Default bytes of a segment sent in one frame: large enough that the
 /// per-frame cost (header, wake-ups, syscalls) disappears, small enough
@@ -719,64 +723,60 @@ fn accept_prev(
     stop: &AtomicBool,
 ) -> Result<TcpStream, CollectiveError> {
     let lost = |detail: String| CollectiveError::PeerLost { rank: prev, detail };
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| lost(e.to_string()))?;
-    loop {
-        match listener.accept() {
-            Ok((stream, from)) => {
-                // Our hello goes out to every caller, even one we then turn
-                // away, so it learns why; the caller's hello is acted on only
-                // once its proof of the key has checked out.
-                let handshake = Instant::now() + HANDSHAKE_TIMEOUT;
-                let answered = stream
-                    .set_nonblocking(false)
-                    .map_err(HandshakeError::Io)
-                    .and_then(|()| {
-                        link_auth::accept::<RingWire, RingHello>(&stream, handshake, key, me)
-                    });
-                match answered {
-                    Ok(other) => {
-                        // Proved: a newer attempt may stop this one now, and
-                        // only now.
-                        if let Some(e) = me.superseded_by(&other) {
-                            return Err(e);
-                        }
-                        if me.same_ring(&other) {
-                            me.agrees(&other)?;
-                        }
-                        if me.same_ring(&other) && other.replica == prev {
-                            tracing::info!(%from, replica = prev, "ring: previous replica connected");
-                            return Ok(stream);
-                        }
-                        tracing::warn!(
-                            %from,
-                            "ring: turned away {}/{} attempt {} stage {} replica {} (want attempt {} stage {} replica {prev})",
-                            other.namespace, other.job, other.attempt, other.stage, other.replica,
-                            me.attempt, me.stage
-                        );
-                    }
-                    Err(HandshakeError::BadProof) => tracing::warn!(
-                        %from,
-                        "ring: refused a caller that did not prove the job's peer key"
-                    ),
-                    Err(e) => tracing::warn!(%from, "ring: bad handshake: {e}"),
-                }
+    // Our hello goes out to every caller, even one we then turn away, so it
+    // learns why; the caller's hello is acted on only once its proof of the
+    // key has checked out.
+    let judge = |from: SocketAddr, answered: Result<RingHello, HandshakeError>| {
+        let other = match answered {
+            Ok(other) => other,
+            Err(HandshakeError::BadProof) => {
+                tracing::warn!(
+                    %from,
+                    "ring: refused a caller that did not prove the job's peer key"
+                );
+                return Verdict::Drop;
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if stop.load(Ordering::Relaxed) {
-                    return Err(lost(
-                        "gave up: the connection to the next replica failed".into(),
-                    ));
-                }
-                if Instant::now() >= until {
-                    return Err(lost("did not connect in time".into()));
-                }
-                std::thread::sleep(Duration::from_millis(10));
+            Err(e) => {
+                tracing::warn!(%from, "ring: bad handshake: {e}");
+                return Verdict::Drop;
             }
-            Err(e) => return Err(lost(format!("accept: {e}"))),
+        };
+        // Proved: a newer attempt may stop this one now, and only now.
+        if let Some(e) = me.superseded_by(&other) {
+            return Verdict::Fail(e);
         }
-    }
+        if me.same_ring(&other) {
+            if let Err(e) = me.agrees(&other) {
+                return Verdict::Fail(e);
+            }
+            if other.replica == prev {
+                tracing::info!(%from, replica = prev, "ring: previous replica connected");
+                return Verdict::Take;
+            }
+        }
+        tracing::warn!(
+            %from,
+            "ring: turned away {}/{} attempt {} stage {} replica {} (want attempt {} stage {} replica {prev})",
+            other.namespace, other.job, other.attempt, other.stage, other.replica,
+            me.attempt, me.stage
+        );
+        Verdict::Drop
+    };
+    link_auth::accept_first::<RingWire, _, _>(
+        listener,
+        key,
+        me,
+        until,
+        HANDSHAKE_TIMEOUT,
+        || stop.load(Ordering::Relaxed),
+        judge,
+    )
+    .map_err(|e| match e {
+        AcceptError::Failed(e) => e,
+        AcceptError::TimedOut => lost("did not connect in time".into()),
+        AcceptError::GaveUp => lost("gave up: the connection to the next replica failed".into()),
+        AcceptError::Listener(e) => lost(format!("accept: {e}")),
+    })
 }
 
 fn connect_next(
@@ -1398,6 +1398,57 @@ mod tests {
         ring0.all_reduce_sum(&mut data).expect("all-reduce");
         assert_eq!(data, vec![3f32; 5]);
         assert_eq!(other.join().expect("rank 1"), Ok(vec![3f32; 5]));
+    }
+
+    #[test]
+    fn stalling_strangers_do_not_hold_up_the_ring() {
+        let (rank0, addresses, l1) = replica_0_waiting();
+        // 20 strangers without the key call replica 0 and stall: half of
+        // them silent, half after the first bytes of a hello frame.
+        let mut partial = Vec::new();
+        Frame::with_payload(
+            Header {
+                kind: Kind::Hello,
+                seq: 0,
+                step: 0,
+                chunk: 0,
+                len: 0,
+            },
+            &[1; 64],
+            &Pool::default(),
+        )
+        .write_to(&mut partial)
+        .expect("frame");
+        partial.truncate(partial.len() / 2);
+        let held: Vec<_> = (0..20)
+            .map(|i| {
+                let stream = TcpStream::connect(&addresses[0]).expect("connect");
+                if i % 2 == 1 {
+                    link_auth::write_all(&stream, &partial).expect("send");
+                }
+                stream
+            })
+            .collect();
+        // Let replica 0 take them all in before the real replica 1 calls.
+        std::thread::sleep(Duration::from_millis(200));
+        let started = Instant::now();
+        let ring1 = Ring::establish(&hello(1, 2, 2, 0), &test_key(), &addresses, l1, QUICK);
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_secs(3),
+            "replica 1 took {took:?} past 20 stalling strangers: {ring1:?}"
+        );
+        let mut ring1 = ring1.expect("ring 1");
+        let mut ring0 = rank0.join().expect("rank 0").expect("ring 0");
+        let other = std::thread::spawn(move || {
+            let mut data = vec![2f32; 5];
+            ring1.all_reduce_sum(&mut data).map(|()| data)
+        });
+        let mut data = vec![1f32; 5];
+        ring0.all_reduce_sum(&mut data).expect("all-reduce");
+        assert_eq!(data, vec![3f32; 5]);
+        assert_eq!(other.join().expect("rank 1"), Ok(vec![3f32; 5]));
+        drop(held);
     }
 
     #[test]

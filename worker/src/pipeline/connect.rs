@@ -15,7 +15,9 @@
 //! hello only after that last proof: a caller without the key is dropped
 //! (with a warning naming its address) and the stage keeps listening until
 //! its deadline, so a stranger that calls first cannot take a stage's place
-//! or see a tensor. The handshake's frames are capped at
+//! or see a tensor. The listening stage runs several handshakes at once
+//! ([`link_auth::accept_first`]), so strangers that call and stall cannot
+//! hold up the real neighbour either. The handshake's frames are capped at
 //! [`crate::link_auth::MAX_HANDSHAKE_PAYLOAD`] bytes and its reads at
 //! `HANDSHAKE_TIMEOUT` in all.
 //!
@@ -35,7 +37,9 @@ use serde::{Deserialize, Serialize};
 
 use super::wire::{Frame, Kind, Link, StageLink};
 use super::{Links, PipelineError};
-use crate::link_auth::{self, Greeting, HandshakeError, Identity, LinkKey, Message, Wire};
+use crate::link_auth::{
+    self, AcceptError, Greeting, HandshakeError, Identity, LinkKey, Message, Verdict, Wire,
+};
 use crate::worker_api::{WorkerApi, WorkerApiError};
 
 /// The handshake both ends of a link send.
@@ -327,47 +331,51 @@ fn accept_prev(
         stage: want,
         detail,
     };
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| lost(e.to_string()))?;
-    loop {
-        match listener.accept() {
-            Ok((stream, from)) => {
-                stream
-                    .set_nonblocking(false)
-                    .map_err(|e| lost(e.to_string()))?;
-                // Our hello and proof go out before the caller's proof is
-                // checked, so a caller of this attempt learns of a
-                // disagreement too; the caller's hello counts only once its
-                // proof has checked out.
-                let handshake = Instant::now() + HANDSHAKE_TIMEOUT;
-                match link_auth::accept::<PipelineWire, Hello>(&stream, handshake, key, me) {
-                    Ok(other) if me.is_peer(&other, want) => {
-                        me.agrees(&other)?;
-                        tracing::info!(%from, stage = want, "pipeline: previous stage connected");
-                        return Ok(stream);
-                    }
-                    Ok(other) => tracing::warn!(
-                        %from,
-                        "pipeline: turned away {}/{} attempt {} stage {} (want attempt {} stage {want})",
-                        other.namespace, other.job, other.attempt, other.stage, me.attempt
-                    ),
-                    Err(HandshakeError::BadProof) => tracing::warn!(
-                        %from,
-                        "pipeline: refused a caller that did not prove the job's peer key"
-                    ),
-                    Err(e) => tracing::warn!(%from, "pipeline: bad handshake: {e}"),
-                }
+    // Our hello and proof go out before the caller's proof is checked, so a
+    // caller of this attempt learns of a disagreement too; the caller's
+    // hello counts only once its proof has checked out.
+    let judge = |from: SocketAddr, answered: Result<Hello, HandshakeError>| match answered {
+        Ok(other) if me.is_peer(&other, want) => match me.agrees(&other) {
+            Ok(()) => {
+                tracing::info!(%from, stage = want, "pipeline: previous stage connected");
+                Verdict::Take
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if Instant::now() >= until {
-                    return Err(lost("did not connect in time".into()));
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            Err(e) => return Err(lost(format!("accept: {e}"))),
+            Err(e) => Verdict::Fail(e),
+        },
+        Ok(other) => {
+            tracing::warn!(
+                %from,
+                "pipeline: turned away {}/{} attempt {} stage {} (want attempt {} stage {want})",
+                other.namespace, other.job, other.attempt, other.stage, me.attempt
+            );
+            Verdict::Drop
         }
-    }
+        Err(HandshakeError::BadProof) => {
+            tracing::warn!(
+                %from,
+                "pipeline: refused a caller that did not prove the job's peer key"
+            );
+            Verdict::Drop
+        }
+        Err(e) => {
+            tracing::warn!(%from, "pipeline: bad handshake: {e}");
+            Verdict::Drop
+        }
+    };
+    link_auth::accept_first::<PipelineWire, _, _>(
+        listener,
+        key,
+        me,
+        until,
+        HANDSHAKE_TIMEOUT,
+        || false,
+        judge,
+    )
+    .map_err(|e| match e {
+        AcceptError::Failed(e) => e,
+        AcceptError::TimedOut | AcceptError::GaveUp => lost("did not connect in time".into()),
+        AcceptError::Listener(e) => lost(format!("accept: {e}")),
+    })
 }
 
 fn connect_next(
@@ -726,6 +734,90 @@ mod tests {
             .recv(Kind::Activation, 0, 0)
             .expect("recv");
         assert_eq!(got, frame);
+    }
+
+    /// `n` strangers without the key calling `address`: each connects and
+    /// then stalls, half of them silent, half after the first bytes of a
+    /// hello frame. The sockets stay open as long as the result lives.
+    fn stallers(address: SocketAddr, n: usize) -> Vec<TcpStream> {
+        let mut partial = Vec::new();
+        Frame {
+            kind: Kind::Hello,
+            step: 0,
+            micro: 0,
+            dims: vec![],
+            payload: vec![1; 64],
+        }
+        .write_to(&mut partial)
+        .expect("frame");
+        partial.truncate(partial.len() / 2);
+        (0..n)
+            .map(|i| {
+                let stream = TcpStream::connect(address).expect("connect");
+                if i % 2 == 1 {
+                    link_auth::write_all(&stream, &partial).expect("send");
+                }
+                stream
+            })
+            .collect()
+    }
+
+    #[test]
+    fn stalling_strangers_do_not_hold_up_the_real_stage() {
+        let (mut ls, peers) = listeners(2);
+        let l1 = ls.pop().expect("listener");
+        let two = |k: u32| Hello {
+            stages: 2,
+            ..hello(k, 1, 0)
+        };
+        let stage1 = std::thread::spawn({
+            let peers = peers.clone();
+            move || {
+                establish(
+                    &two(1),
+                    &test_key(),
+                    Some(l1),
+                    &peers,
+                    Duration::from_secs(20),
+                    Duration::from_secs(10),
+                )
+            }
+        });
+        let address = peers.resolve(1).expect("address")[0];
+        let held = stallers(address, 20);
+        // Let stage 1 take them all in before the real stage calls.
+        std::thread::sleep(Duration::from_millis(200));
+        let started = Instant::now();
+        let links0 = establish(
+            &two(0),
+            &test_key(),
+            None,
+            &peers,
+            Duration::from_secs(15),
+            Duration::from_secs(10),
+        );
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_secs(3),
+            "the real stage took {took:?} past 20 stalling strangers: {links0:?}"
+        );
+        let mut links0 = links0.expect("stage 0");
+        let mut links1 = stage1.join().expect("thread").expect("stage 1");
+        let frame = Frame {
+            kind: Kind::Activation,
+            step: 0,
+            micro: 0,
+            dims: vec![1],
+            payload: vec![0, 0, 128, 63],
+        };
+        links0.to_next().expect("next").send(&frame).expect("send");
+        let got = links1
+            .to_prev()
+            .expect("prev")
+            .recv(Kind::Activation, 0, 0)
+            .expect("recv");
+        assert_eq!(got, frame);
+        drop(held);
     }
 
     #[test]
