@@ -24,6 +24,13 @@ fi
 source e2e/cluster/lib/common.sh
 KUBECTL=${KUBECTL:-${HEADROOM_BIN_DIR}/kubectl}
 
+# A cluster without nodes (the loopback control plane of `make test`, when
+# its KUBECONFIG is still exported) would only time out in `helm --wait`.
+if [[ -z $("${KUBECTL}" get nodes -o name 2>/dev/null) ]]; then
+  echo "install.sh: the cluster in KUBECONFIG=${KUBECONFIG:-} has no nodes (the test control plane?); unset KUBECONFIG to use the local single-node cluster" >&2
+  exit 1
+fi
+
 say "building headroom-operator and headroom-worker, packaging them as OCI images"
 cargo build --release -q -p headroom-operator --bin headroom-operator --bin kubectl-headroom -p headroom-worker --bin headroom-worker >&2
 e2e/images/build.sh headroom-operator "${CARGO_TARGET_DIR}/release/headroom-operator" >/dev/null
