@@ -154,7 +154,7 @@ impl LinkKey {
         let mut pause = Duration::from_millis(250);
         loop {
             match api.peer_key() {
-                Ok(key) => return Ok(key),
+                Ok(answer) => return LinkKey::from_hex(&answer.key).map_err(KeyError::Malformed),
                 Err(e) if transient(&e) && Instant::now() < until => {
                     tracing::warn!("cannot get the peer key from the worker API yet: {e}");
                     std::thread::sleep(pause.min(until.saturating_duration_since(Instant::now())));
@@ -186,6 +186,9 @@ pub enum KeyError {
     Missing,
     #[error("the peer key from the worker API: {0}")]
     Api(#[source] WorkerApiError),
+    /// What is wrong with the worker API's key, never the key.
+    #[error("the peer key from the worker API: {0}")]
+    Malformed(&'static str),
     #[error("no random bytes for a peer key: {0}")]
     Random(String),
 }

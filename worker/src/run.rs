@@ -575,7 +575,9 @@ impl Training<'_> {
         )
         .map_err(|e| match e {
             KeyError::Missing => Exit::invalid_plan(e.to_string()),
-            KeyError::Api(_) | KeyError::Random(_) => Exit::failed(e.to_string()),
+            KeyError::Api(_) | KeyError::Malformed(_) | KeyError::Random(_) => {
+                Exit::failed(e.to_string())
+            }
         })
     }
 

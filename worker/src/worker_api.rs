@@ -17,8 +17,6 @@ use headroom_api::{
     WorkerTelemetry,
 };
 
-use crate::link_auth::LinkKey;
-
 /// The longest one call may take, connecting and reading the answer included.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Bytes of an error answer's text kept for the error message.
@@ -202,9 +200,10 @@ impl WorkerApi {
         Ok(peer.pod_ip.filter(|ip| !ip.is_empty()))
     }
 
-    /// The caller's job's peer key, which its workers prove to each other
-    /// on the pipeline and replica links ([`crate::link_auth`]).
-    pub fn peer_key(&self) -> Result<LinkKey, WorkerApiError> {
+    /// The caller's job's peer key as the API answers it (hex), which its
+    /// workers prove to each other on the pipeline and replica links
+    /// (`crate::link_auth::LinkKey::obtain` reads it).
+    pub fn peer_key(&self) -> Result<PeerKey, WorkerApiError> {
         let url = format!("{}{WORKER_API_PEER_KEY_PATH}", self.base);
         let response = self
             .agent
@@ -219,14 +218,9 @@ impl WorkerApi {
             .read_to_string()
             .map_err(|e| transport(&url, e))?;
         // serde's error could quote the text: say only what was wrong.
-        let answer: PeerKey =
-            serde_json::from_str(&text).map_err(|_| WorkerApiError::MalformedKey {
-                url: url.clone(),
-                reason: "not a JSON object with a \"key\" string".into(),
-            })?;
-        LinkKey::from_hex(&answer.key).map_err(|reason| WorkerApiError::MalformedKey {
+        serde_json::from_str(&text).map_err(|_| WorkerApiError::MalformedKey {
             url,
-            reason: reason.into(),
+            reason: "not a JSON object with a \"key\" string".into(),
         })
     }
 
@@ -468,23 +462,25 @@ mod tests {
             ("200 OK", good),
         ]);
         let api = WorkerApi::new(&base, token_file("peer-key", "t"));
-        let got = api.peer_key().expect("key");
+        let obtain =
+            || crate::link_auth::LinkKey::obtain(None, Some(&api), Duration::from_secs(10));
+        let got = obtain().expect("key");
         assert_eq!(got.to_hex(), key);
         let request = seen.recv().expect("request");
         assert_eq!(request.line, "GET /v1/peer-key");
         assert_eq!(request.authorization.as_deref(), Some("Bearer t"));
+        // Too short a key, then not JSON: refused at once, neither quoted.
         for _ in 0..2 {
-            let e = api.peer_key().expect_err("not a key");
-            assert!(matches!(e, WorkerApiError::MalformedKey { .. }), "{e:?}");
+            let e = obtain().expect_err("not a key");
             let text = e.to_string();
+            assert!(text.contains("peer key"), "{text}");
             assert!(
                 !text.contains(&key[..40]) && !text.contains("secret"),
                 "{text}"
             );
         }
         // A 5xx (the operator restarting) is asked again.
-        let again = crate::link_auth::LinkKey::obtain(None, Some(&api), Duration::from_secs(10))
-            .expect("the second answer");
+        let again = obtain().expect("the second answer");
         assert_eq!(again, got);
     }
 

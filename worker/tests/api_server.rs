@@ -391,7 +391,7 @@ async fn workers_of_one_job_obtain_one_link_key_and_another_jobs_worker_another(
         .expect("join")
         .unwrap_or_else(|e| panic!("{pod}: {e}"));
         let _ = std::fs::remove_dir_all(&dir);
-        keys.push(key);
+        keys.push(headroom_worker::link_auth::LinkKey::from_hex(&key.key).expect("64 hex digits"));
     }
     assert!(keys[0] == keys[1], "two pods of one job, one key");
     assert!(keys[0] != keys[2], "another job's pod, another key");
