@@ -179,13 +179,13 @@ async fn main() -> Result<()> {
     };
     let (worker_api_url, mut tls_hosts) = match (&args.worker_api_url, &args.worker_api_service) {
         (Some(url), _) => {
-            let host = url
-                .split("://")
-                .nth(1)
-                .and_then(|rest| rest.split(['/', ':']).next())
-                .unwrap_or_default()
-                .trim_matches(['[', ']'])
-                .to_string();
+            let authority = url.split("://").nth(1).unwrap_or_default();
+            let host = match authority.strip_prefix('[') {
+                // [IPv6]:port
+                Some(rest) => rest.split(']').next().unwrap_or_default(),
+                None => authority.split(['/', ':']).next().unwrap_or_default(),
+            }
+            .to_string();
             (Some(url.clone()), vec![host])
         }
         (None, Some(service)) => {
