@@ -1,4 +1,5 @@
-//! The operator's API for its own workers: telemetry in, peers' addresses out.
+//! The operator's API for its own workers: telemetry in, peers' addresses
+//! and their job's link key out.
 //!
 //! Why it exists: a worker used to run under a per-job ServiceAccount, Role
 //! and RoleBinding so that it could patch its job's status and read its
@@ -26,7 +27,9 @@
 //!   [`REFUSAL_TTL`], and reviews in flight are capped.
 //! * the caller is known before a body is read, and a body is read only up
 //!   to [`MAX_BODY_BYTES`];
-//! * `serve` — a connection cap and header-read and request deadlines.
+//! * `serve` — a connection cap and header-read and request deadlines;
+//! * `tls` — the serving certificate each replica issues itself at start
+//!   from the chart's CA, which workers alone trust for this API.
 
 use std::sync::Arc;
 
