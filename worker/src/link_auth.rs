@@ -842,8 +842,9 @@ pub(crate) mod tests {
         assert!(accepted.is_err(), "{accepted:?}");
     }
 
-    /// Whether the other end closed `stream` without sending anything.
-    fn closed(stream: &TcpStream) -> bool {
+    /// Whether the other end closed `stream` without sending anything
+    /// (more): the pipeline's and the ring's tests use it too.
+    pub(crate) fn closed(stream: &TcpStream) -> bool {
         stream
             .set_read_timeout(Some(Duration::from_secs(5)))
             .expect("timeout");

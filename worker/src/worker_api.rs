@@ -183,18 +183,7 @@ impl WorkerApi {
     /// The IP of `pod`, a pod of the caller's own job; `None` while it has none.
     pub fn pod_ip(&self, pod: &str) -> Result<Option<String>, WorkerApiError> {
         let url = format!("{}{WORKER_API_PEERS_PATH}{pod}", self.base);
-        let response = self
-            .agent
-            .get(&url)
-            .header("authorization", self.bearer()?)
-            .call()
-            .map_err(|e| transport(&url, e))?;
-        let text = check(&url, response)?
-            .into_body()
-            .with_config()
-            .limit(REASON_LIMIT)
-            .read_to_string()
-            .map_err(|e| transport(&url, e))?;
+        let text = self.get(&url)?;
         let peer: PeerAddress = serde_json::from_str(&text)
             .map_err(|source| WorkerApiError::Malformed { url, source })?;
         Ok(peer.pod_ip.filter(|ip| !ip.is_empty()))
@@ -205,23 +194,29 @@ impl WorkerApi {
     /// (`crate::link_auth::LinkKey::obtain` reads it).
     pub fn peer_key(&self) -> Result<PeerKey, WorkerApiError> {
         let url = format!("{}{WORKER_API_PEER_KEY_PATH}", self.base);
-        let response = self
-            .agent
-            .get(&url)
-            .header("authorization", self.bearer()?)
-            .call()
-            .map_err(|e| transport(&url, e))?;
-        let text = check(&url, response)?
-            .into_body()
-            .with_config()
-            .limit(REASON_LIMIT)
-            .read_to_string()
-            .map_err(|e| transport(&url, e))?;
+        let text = self.get(&url)?;
         // serde's error could quote the text: say only what was wrong.
         serde_json::from_str(&text).map_err(|_| WorkerApiError::MalformedKey {
             url,
             reason: "not a JSON object with a \"key\" string".into(),
         })
+    }
+
+    /// `GET url` with the token: a 2xx answer's text (at most
+    /// [`REASON_LIMIT`] bytes), or why there is none.
+    fn get(&self, url: &str) -> Result<String, WorkerApiError> {
+        let response = self
+            .agent
+            .get(url)
+            .header("authorization", self.bearer()?)
+            .call()
+            .map_err(|e| transport(url, e))?;
+        check(url, response)?
+            .into_body()
+            .with_config()
+            .limit(REASON_LIMIT)
+            .read_to_string()
+            .map_err(|e| transport(url, e))
     }
 
     /// `Bearer <token>`, the token read from its file now.

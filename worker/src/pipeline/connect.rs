@@ -455,7 +455,7 @@ fn handshake(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::link_auth::tests::{test_key, wrong_key};
+    use crate::link_auth::tests::{closed, test_key, wrong_key};
     use crate::link_auth::{MAX_HANDSHAKE_PAYLOAD, NONCE_BYTES, PROOF_BYTES, Role};
 
     fn hello(stage: u32, attempt: u32, resume_step: u64) -> Hello {
@@ -598,19 +598,6 @@ mod tests {
             matches!(err, PipelineError::PeerLost { stage: 1, .. }),
             "{err}"
         );
-    }
-
-    /// Whether the other end closed `stream` without sending anything more.
-    fn closed(stream: &TcpStream) -> bool {
-        stream
-            .set_read_timeout(Some(Duration::from_secs(5)))
-            .expect("timeout");
-        let mut byte = [0u8; 1];
-        match (&*stream).read(&mut byte) {
-            Ok(0) => true,
-            Ok(_) => false,
-            Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
-        }
     }
 
     /// A stranger's first message: `nonce` and a hello with the names of
