@@ -7,9 +7,9 @@ use std::collections::BTreeMap;
 
 use headroom_api::{
     CHECKPOINT_DIR_ENV, DEFAULT_CHECKPOINT_DIR, LABEL_ATTEMPT, LABEL_JOB, LABEL_REPLICA,
-    LABEL_STAGE, MALLOC_ARENA_MAX_ENV, MemoryAwareTrainingJob, PIPELINE_PODS_ENV, PIPELINE_PORT,
-    PIPELINE_SERVICE_ENV, PLAN_JSON_ENV, REPLICA_PODS_ENV, REPLICA_PORT, WORKER_MALLOC_ARENAS,
-    WorkerAssignment,
+    LABEL_STAGE, MALLOC_ARENA_MAX_ENV, MALLOC_TUNABLES_ENV, MemoryAwareTrainingJob,
+    PIPELINE_PODS_ENV, PIPELINE_PORT, PIPELINE_SERVICE_ENV, PLAN_JSON_ENV, REPLICA_PODS_ENV,
+    REPLICA_PORT, WORKER_MALLOC_ARENAS, WORKER_MALLOC_TUNABLES, WorkerAssignment,
 };
 use headroom_planner::inventory::{LabelRequirement, device_placement};
 use headroom_planner::{DeviceKind, ModelShape, Plan};
@@ -125,6 +125,11 @@ pub fn worker_pod(
         EnvVar {
             name: MALLOC_ARENA_MAX_ENV.into(),
             value: Some(WORKER_MALLOC_ARENAS.into()),
+            ..EnvVar::default()
+        },
+        EnvVar {
+            name: MALLOC_TUNABLES_ENV.into(),
+            value: Some(WORKER_MALLOC_TUNABLES.into()),
             ..EnvVar::default()
         },
     ];
@@ -398,6 +403,17 @@ mod tests {
             .find(|e| e.name == "MALLOC_ARENA_MAX")
             .and_then(|e| e.value.clone());
         assert_eq!(arenas.as_deref(), Some("1"));
+        // A fixed mmap threshold on huge pages (see `headroom_api::MALLOC_TUNABLES_ENV`).
+        let tunables = pod.spec.as_ref().expect("spec").containers[0]
+            .env
+            .iter()
+            .flatten()
+            .find(|e| e.name == "GLIBC_TUNABLES")
+            .and_then(|e| e.value.clone());
+        assert_eq!(
+            tunables.as_deref(),
+            Some("glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=4194304")
+        );
         let often = ChildConfig {
             telemetry_interval: std::time::Duration::from_millis(1500),
             ..ChildConfig::default()

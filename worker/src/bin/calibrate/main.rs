@@ -52,9 +52,9 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::Device;
 use headroom_api::{
-    CHECKPOINT_DIR_ENV, DataFormat, MALLOC_ARENA_MAX_ENV, PEER_KEY_ENV, PIPELINE_ADDRESSES_ENV,
-    PLAN_JSON_ENV, POD_NAME_ENV, PayloadFiles, REPLICA_ADDRESSES_ENV, TerminationMessage,
-    WORKER_MALLOC_ARENAS, WorkerAssignment,
+    CHECKPOINT_DIR_ENV, DataFormat, MALLOC_ARENA_MAX_ENV, MALLOC_TUNABLES_ENV, PEER_KEY_ENV,
+    PIPELINE_ADDRESSES_ENV, PLAN_JSON_ENV, POD_NAME_ENV, PayloadFiles, REPLICA_ADDRESSES_ENV,
+    TerminationMessage, WORKER_MALLOC_ARENAS, WORKER_MALLOC_TUNABLES, WorkerAssignment,
 };
 use headroom_planner::backend::FLEX;
 use headroom_planner::memory::{StagePlacement, estimate_stage};
@@ -623,6 +623,7 @@ fn try_run_worker(
         .env(TERMINATION_MESSAGE_PATH_ENV, &termination)
         .env(POD_NAME_ENV, "calibrate")
         .env(MALLOC_ARENA_MAX_ENV, WORKER_MALLOC_ARENAS)
+        .env(MALLOC_TUNABLES_ENV, WORKER_MALLOC_TUNABLES)
         .env("KUBECONFIG", dir.join("none"))
         .env("HOME", dir)
         .env("RUST_LOG", "warn")
@@ -747,6 +748,7 @@ fn measure_pipeline(case: &Case, p: u32, d: u32, steps: u64) -> Vec<Measured> {
                 )
                 .env(POD_NAME_ENV, format!("calibrate-{}", name(k, r)))
                 .env(MALLOC_ARENA_MAX_ENV, WORKER_MALLOC_ARENAS)
+                .env(MALLOC_TUNABLES_ENV, WORKER_MALLOC_TUNABLES)
                 .env("KUBECONFIG", dir.join("none"))
                 .env("HOME", &dir)
                 .env("RUST_LOG", "warn")
