@@ -276,8 +276,20 @@ fn check_adapters(a: &WorkerAssignment, shape: &crate::model::LmShape) -> Result
     if lora.target_modules.is_empty() {
         return Err(unsupported(
             "training.lora.targetModules",
-            "name at least one of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head",
+            format!(
+                "name at least one of {}",
+                llama
+                    .architecture
+                    .lora_targets()
+                    .iter()
+                    .map(|m| m.hf_name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
         ));
+    }
+    if let Some(problem) = lora.foreign_targets(llama.architecture) {
+        return Err(unsupported("training.lora.targetModules", problem));
     }
     if llama.tied_embeddings && lora.targets(headroom_planner::TargetModule::LmHead) {
         return Err(unsupported(

@@ -582,7 +582,13 @@ fn the_worker_shards_the_tensors_the_planner_budgets() {
             ModelShape::Transformer(shape),
         ));
     }
-    for variant in ["llama-gqa-tied", "llama-mha-untied", "qwen2-gqa-bias"] {
+    for variant in [
+        "llama-gqa-tied",
+        "llama-mha-untied",
+        "qwen2-gqa-bias",
+        "qwen3-gqa-tied",
+        "phi3-mha-longrope-short",
+    ] {
         let dir = llama.join(variant);
         let checkpoint = HfCheckpoint::open(&dir, 12).expect("fixture");
         let config = TrainConfig::single_stage(

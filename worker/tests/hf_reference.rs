@@ -17,11 +17,18 @@ use headroom_worker::model::{LmShape, StageLayout, TransformerLm};
 /// (docs/benchmarks.md); ten times that leaves room for another CPU.
 const TOLERANCE: f32 = 5e-5;
 
-const VARIANTS: [&str; 4] = [
+const VARIANTS: [&str; 7] = [
     "llama-gqa-tied",
     "llama-mha-untied",
     "qwen2-gqa-bias",
     "mistral-gqa-bf16",
+    // head_dim 16 on 4 heads of hidden 32, and per-head q/k norms.
+    "qwen3-gqa-tied",
+    // Fused qkv_proj and gate_up_proj, LongRoPE: 6 of 8 values rotated and
+    // the long factors (12 positions > 8) ...
+    "phi3-gqa-longrope-tied",
+    // ... and whole heads with the short factors (12 ≤ 16).
+    "phi3-mha-longrope-short",
 ];
 
 fn fixture(variant: &str) -> PathBuf {

@@ -212,6 +212,99 @@ fn two_stages_write_shards_and_an_index_that_reload_as_one_model() {
     assert!(max_diff(&probe_logits(&reload(&out)), &single) < 1e-3);
 }
 
+/// The architectures beyond Llama's blocks, fine-tuned whole for a few
+/// steps (the synthetic task: these fixtures have no tokenizer) and written
+/// out: the output has the source's tensor names and dtypes and reloads
+/// with the trained logits. With `HEADROOM_HF_PYTHON` naming a Python that
+/// has transformers (`fixtures/llama/generate.py` says how to make one), the
+/// output is also loaded by transformers (`reload.py`) and must give the
+/// worker's logits; CI has no torch, so there it is skipped.
+#[test]
+fn other_families_fine_tune_and_reload_in_transformers() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama");
+    for variant in ["qwen3-gqa-tied", "phi3-gqa-longrope-tied"] {
+        let source = fixtures.join(variant);
+        let expected: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(source.join("expected.json")).expect("expected.json"),
+        )
+        .expect("JSON");
+        let ids: Vec<Vec<i64>> =
+            serde_json::from_value(expected["input_ids"].clone()).expect("input_ids");
+        let (batch, seq) = (ids.len(), ids[0].len());
+        let logits_of = |model: &TransformerLm| -> Vec<f32> {
+            let tokens = Tensor::<2, Int>::from_data(
+                TensorData::new(ids.concat(), [batch, seq]),
+                &Device::flex(),
+            );
+            model.forward(tokens).into_data().iter::<f32>().collect()
+        };
+        let checkpoint = HfCheckpoint::open(&source, seq as u32).expect("fixture");
+        let config = TrainConfig::single_stage(
+            checkpoint.shape,
+            Settings {
+                micro_batch: 2,
+                gradient_accumulation: 1,
+                activation_checkpointing: false,
+                precision: Precision::Fp32,
+                optimizer: Optimizer::Adamw,
+                base_format: headroom_planner::BaseFormat::Dense,
+                offload_optimizer: false,
+            },
+            3,
+            1e-2,
+            3,
+        )
+        .with_pretrained(&source);
+        let mut trainer = Trainer::new(config, Device::flex().autodiff()).expect("trainer");
+        let before = logits_of(&trainer.model().valid());
+        while !trainer.finished() {
+            trainer.train_step().expect("step");
+        }
+        let trained = logits_of(&trainer.model().valid());
+        assert!(max_diff(&before, &trained) > 1e-2, "{variant}: trained");
+
+        let out = tempdir(variant);
+        let file = trainer.save_pretrained(&out).expect("save");
+        assert_eq!(
+            tensor_names(&file),
+            tensor_names(&source.join("model.safetensors")),
+            "{variant}: the source's tensor names and dtypes"
+        );
+        let written = HfCheckpoint::open(&out, seq as u32).expect("the output is a checkpoint");
+        let shape = LmShape::Llama(written.shape.clone());
+        let layout = StageLayout::whole(&shape);
+        let mut reloaded = TransformerLm::new(&shape, &layout, 0, &Device::flex());
+        written.load_stage(&mut reloaded, &layout).expect("reload");
+        assert!(
+            max_diff(&logits_of(&reloaded), &trained) < 1e-5,
+            "{variant}: reloads as trained"
+        );
+
+        if let Ok(python) = std::env::var("HEADROOM_HF_PYTHON") {
+            let run = std::process::Command::new(python)
+                .arg(fixtures.join("reload.py"))
+                .arg(&out)
+                .arg(source.join("expected.json"))
+                .output()
+                .expect("run reload.py");
+            assert!(
+                run.status.success(),
+                "{variant}: reload.py: {}",
+                String::from_utf8_lossy(&run.stderr)
+            );
+            let theirs: serde_json::Value =
+                serde_json::from_slice(&run.stdout).expect("reload.py prints JSON");
+            let theirs: Vec<Vec<Vec<f32>>> =
+                serde_json::from_value(theirs["logits"].clone()).expect("logits");
+            let worst = max_diff(&theirs.concat().concat(), &trained);
+            // Printed for the fixture README (`--nocapture`).
+            eprintln!("{variant}: transformers on the output: max |logit - worker| = {worst:.2e}");
+            assert!(worst < 1e-4, "{variant}: transformers gives {worst} away");
+        }
+        let _ = std::fs::remove_dir_all(&out);
+    }
+}
+
 fn tempdir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!(
         "headroom-llama-training-{name}-{}",

@@ -19,11 +19,14 @@ use headroom_worker::model::{LmShape, StageLayout, TransformerLm, lora, peft};
 /// Absolute tolerance on a logit (the brief's; the llama fixtures agree to 5.3e-6).
 const TOLERANCE: f32 = 1e-4;
 
-const CASES: [(&str, &str); 4] = [
+const CASES: [(&str, &str); 6] = [
     ("llama-mha-untied-qv", "llama-mha-untied"),
     ("llama-mha-untied-all", "llama-mha-untied"),
     ("llama-gqa-tied-qv", "llama-gqa-tied"),
     ("qwen2-gqa-bias-qv", "qwen2-gqa-bias"),
+    ("qwen3-gqa-tied-blocks", "qwen3-gqa-tied"),
+    // Phi-3's fused qkv_proj and gate_up_proj, o_proj, down_proj, lm_head.
+    ("phi3-mha-longrope-short-all", "phi3-mha-longrope-short"),
 ];
 
 fn fixtures() -> PathBuf {

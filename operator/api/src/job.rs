@@ -125,7 +125,7 @@ pub struct SchedulingSpec {
 ]))]
 pub struct ModelSpec {
     /// A Llama-family checkpoint in Hugging Face format (Llama, Mistral,
-    /// Qwen2) to fine-tune; an initializer pod reads its shape first.
+    /// Qwen2, Qwen3, Phi-3) to fine-tune; an initializer pod reads its shape first.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pretrained: Option<PretrainedModel>,
     /// A synthetic GPT-style model trained from random weights (benchmarks, tests).
@@ -504,7 +504,8 @@ pub struct LoraSpec {
     pub dropout: f64,
     /// Modules that get adapters: q_proj, k_proj, v_proj, o_proj,
     /// gate_proj, up_proj, down_proj, lm_head (PEFT's default for Llama:
-    /// q_proj and v_proj).
+    /// q_proj and v_proj); for Phi-3 (fused projections): qkv_proj,
+    /// o_proj, gate_up_proj, down_proj, lm_head.
     #[serde(default = "default_lora_targets")]
     #[schemars(length(min = 1, max = 8))]
     #[schemars(extend("x-kubernetes-list-type" = "set"))]
@@ -1434,11 +1435,12 @@ impl MemoryAwareTrainingJobSpec {
         })
     }
 
-    /// What only the checkpoint's shape decides about the adapters: an
-    /// adapter on a tied head would change the embedding too (PEFT allows it;
-    /// Headroom's worker does not), and a quantized base needs a block size
-    /// that divides every block linear's output size (burn quantizes whole
-    /// blocks only).
+    /// What only the checkpoint's shape decides about the adapters: the
+    /// targets must be modules of its architecture (Phi-3 fuses q/k/v and
+    /// gate/up), an adapter on a tied head would change the embedding too
+    /// (PEFT allows it; Headroom's worker does not), and a quantized base
+    /// needs a block size that divides every block linear's output size
+    /// (burn quantizes whole blocks only).
     fn check_adapters_fit(&self, shape: &headroom_planner::LlamaShape) -> Result<(), SpecError> {
         use headroom_planner::TargetModule;
         let t = &self.training;
@@ -1446,6 +1448,19 @@ impl MemoryAwareTrainingJobSpec {
             return Ok(());
         }
         let lora = t.lora.clone().unwrap_or_default();
+        if let Some(problem) = lora.config().foreign_targets(shape.architecture) {
+            return Err(spec_error(
+                "training.lora.targetModules",
+                format!(
+                    "{problem}{}",
+                    if lora.target_modules == default_lora_targets() {
+                        " (targetModules defaults to q_proj, v_proj: Llama's names)"
+                    } else {
+                        ""
+                    }
+                ),
+            ));
+        }
         if shape.tied_embeddings && lora.target_modules.contains(&TargetModule::LmHead) {
             return Err(spec_error(
                 "training.lora.targetModules",
@@ -1470,16 +1485,14 @@ impl MemoryAwareTrainingJobSpec {
         }
         if t.method == TrainingMethod::Qlora && !nf4 {
             let block = u64::from(lora.block_size);
-            let outputs: Vec<u64> = [
-                TargetModule::QProj,
-                TargetModule::KProj,
-                TargetModule::OProj,
-                TargetModule::GateProj,
-                TargetModule::DownProj,
-            ]
-            .iter()
-            .map(|m| m.dims(shape).1)
-            .collect();
+            let mut outputs: Vec<u64> = shape
+                .architecture
+                .block_linears()
+                .iter()
+                .map(|m| m.dims(shape).1)
+                .collect();
+            // k and v, gate and up have the same outputs: each said once.
+            outputs.dedup();
             if block == 0 || block > 255 || outputs.iter().any(|o| o % block != 0) {
                 // The largest block sizes that fit: divisors of the outputs' gcd.
                 let gcd = outputs.iter().fold(0u64, |a, &b| {
@@ -1798,6 +1811,44 @@ mod tests {
         });
         let r = spec.job_request_for(Some(&shape)).expect("qlora int4");
         assert_eq!(r.base_format, headroom_planner::BaseFormat::Int4);
+    }
+
+    /// Phi-3 names its fused modules qkv_proj and gate_up_proj: Llama's
+    /// names (targetModules' default among them) are refused naming Phi-3's,
+    /// and its own plan.
+    #[test]
+    fn phi3_adapters_take_phi3s_module_names() {
+        use headroom_planner::TargetModule::{GateUpProj, OProj, QkvProj};
+        let shape = headroom_planner::LlamaShape::from_hf_config(
+            &std::fs::read_to_string(format!(
+                "{}/../../worker/tests/fixtures/llama/phi3-mha-longrope-short/config.json",
+                env!("CARGO_MANIFEST_DIR")
+            ))
+            .expect("phi3 config"),
+            12,
+        )
+        .expect("config");
+        let mut spec = invalid_manifest("45-lora-dropout.yaml").spec;
+        spec.training.lora = Some(LoraSpec::default());
+        let err = spec
+            .job_request_for(Some(&shape))
+            .expect_err("q_proj on Phi-3");
+        assert_eq!(err.field, "training.lora.targetModules", "{err}");
+        assert!(
+            err.problem
+                .contains("qkv_proj, o_proj, gate_up_proj, down_proj, lm_head")
+                && err.problem.contains("default"),
+            "{err}"
+        );
+        spec.training.lora = Some(LoraSpec {
+            target_modules: vec![QkvProj, OProj, GateUpProj],
+            ..LoraSpec::default()
+        });
+        let request = spec.job_request_for(Some(&shape)).expect("Phi-3's names");
+        assert_eq!(
+            request.adapters.expect("adapters").target_modules,
+            vec![QkvProj, OProj, GateUpProj]
+        );
     }
 
     #[test]

@@ -2,8 +2,10 @@
 //! base's storage format (QLoRA quantizes it).
 //!
 //! The vocabulary is PEFT's (and Kubeflow Trainer v2's `LoraConfig`): rank,
-//! alpha, dropout and target modules named like the Hugging Face Llama
-//! modules (`q_proj` … `down_proj`, `lm_head`). A targeted `d_in × d_out`
+//! alpha, dropout and target modules named like the Hugging Face modules
+//! (`q_proj` … `down_proj`, `lm_head`; Phi-3's fused `qkv_proj` and
+//! `gate_up_proj`), each architecture its own set
+//! ([`crate::LlamaArchitecture::lora_targets`]). A targeted `d_in × d_out`
 //! matrix gets two trainable factors, `A: d_in × r` and `B: r × d_out`, so
 //! `r·(d_in + d_out)` trainable parameters; every base parameter is frozen
 //! (no gradient, no optimizer state). The counts equal PEFT's
@@ -16,9 +18,11 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::llama::LlamaShape;
+use crate::llama::{LlamaArchitecture, LlamaShape};
 
 /// A Llama-family module LoRA may adapt, named as in Hugging Face / PEFT.
+/// Which ones a model has depends on its architecture: Phi-3 has qkv_proj
+/// and gate_up_proj where the others have q/k/v_proj and gate/up_proj.
 #[derive(
     Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
 )]
@@ -32,9 +36,14 @@ pub enum TargetModule {
     UpProj,
     DownProj,
     LmHead,
+    /// Phi-3's q, k and v in one matrix (`self_attn.qkv_proj`).
+    QkvProj,
+    /// Phi-3's gate and up in one matrix (`mlp.gate_up_proj`).
+    GateUpProj,
 }
 
 impl TargetModule {
+    /// The modules of Llama's blocks and its head: every architecture's but Phi-3's.
     pub const ALL: [TargetModule; 8] = [
         TargetModule::QProj,
         TargetModule::KProj,
@@ -45,6 +54,39 @@ impl TargetModule {
         TargetModule::DownProj,
         TargetModule::LmHead,
     ];
+
+    /// Every module of every architecture, Llama's then Phi-3's fused ones.
+    pub const EVERY: [TargetModule; 10] = [
+        TargetModule::QProj,
+        TargetModule::KProj,
+        TargetModule::VProj,
+        TargetModule::OProj,
+        TargetModule::GateProj,
+        TargetModule::UpProj,
+        TargetModule::DownProj,
+        TargetModule::LmHead,
+        TargetModule::QkvProj,
+        TargetModule::GateUpProj,
+    ];
+
+    /// The module PEFT names `name` (`q_proj`, `qkv_proj`, …), of any architecture.
+    pub fn from_hf_name(name: &str) -> Option<TargetModule> {
+        TargetModule::EVERY
+            .into_iter()
+            .find(|m| m.hf_name() == name)
+    }
+
+    /// Whether the module is in a block's attention (`self_attn.*`) rather than its MLP.
+    pub fn in_attention(self) -> bool {
+        matches!(
+            self,
+            TargetModule::QProj
+                | TargetModule::KProj
+                | TargetModule::VProj
+                | TargetModule::OProj
+                | TargetModule::QkvProj
+        )
+    }
 
     /// The Hugging Face module name (`q_proj`, …, `lm_head`).
     pub fn hf_name(self) -> &'static str {
@@ -57,6 +99,8 @@ impl TargetModule {
             TargetModule::UpProj => "up_proj",
             TargetModule::DownProj => "down_proj",
             TargetModule::LmHead => "lm_head",
+            TargetModule::QkvProj => "qkv_proj",
+            TargetModule::GateUpProj => "gate_up_proj",
         }
     }
 
@@ -77,6 +121,8 @@ impl TargetModule {
             TargetModule::GateProj | TargetModule::UpProj => (h, i),
             TargetModule::DownProj => (i, h),
             TargetModule::LmHead => (h, u64::from(shape.vocabulary)),
+            TargetModule::QkvProj => (h, q + 2 * kv),
+            TargetModule::GateUpProj => (h, 2 * i),
         }
     }
 }
@@ -113,6 +159,36 @@ pub fn default_block_size() -> u32 {
 impl LoraConfig {
     pub fn targets(&self, module: TargetModule) -> bool {
         self.target_modules.contains(&module)
+    }
+
+    /// The targets `architecture` has no module for, as the message a user
+    /// sees (naming the architecture's modules); `None` when all are its.
+    pub fn foreign_targets(&self, architecture: LlamaArchitecture) -> Option<String> {
+        let valid = architecture.lora_targets();
+        let foreign: Vec<&str> = self
+            .target_modules
+            .iter()
+            .filter(|m| !valid.contains(m))
+            .map(|m| m.hf_name())
+            .collect();
+        if foreign.is_empty() {
+            return None;
+        }
+        Some(format!(
+            "{} {} of {}; its modules are {}",
+            foreign.join(", "),
+            if foreign.len() == 1 {
+                "is not a module"
+            } else {
+                "are not modules"
+            },
+            architecture.hf_name(),
+            valid
+                .iter()
+                .map(|m| m.hf_name())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
     }
 
     /// Trainable adapter parameters of one decoder block.
@@ -273,6 +349,66 @@ mod tests {
             ],
         );
         assert_eq!(l.trainable_params(&llama_2_7b()), 39_976_960);
+    }
+
+    #[test]
+    fn phi_4_mini_r16_on_its_fused_linears_trains_pefts_23_068_672() {
+        // PEFT 0.21.2's get_nb_trainable_parameters() for Phi-4-mini (built
+        // on the meta device from its config), r = 16, target_modules =
+        // ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]: 23,068,672
+        // of 3,859,090,432.
+        let factors = vec!["1.0"; 48].join(", ");
+        let shape = LlamaShape::from_hf_config(
+            &format!(
+                r#"{{"architectures":["Phi3ForCausalLM"],"hidden_size":3072,"intermediate_size":8192,
+                   "num_hidden_layers":32,"num_attention_heads":24,"num_key_value_heads":8,
+                   "vocab_size":200064,"tie_word_embeddings":true,"partial_rotary_factor":0.75,
+                   "max_position_embeddings":131072,"original_max_position_embeddings":4096,
+                   "rope_scaling":{{"type":"longrope","short_factor":[{factors}],"long_factor":[{factors}]}}}}"#
+            ),
+            1024,
+        )
+        .expect("valid test config");
+        let l = lora(
+            16,
+            &[
+                TargetModule::QkvProj,
+                TargetModule::OProj,
+                TargetModule::GateUpProj,
+                TargetModule::DownProj,
+            ],
+        );
+        assert_eq!(l.foreign_targets(shape.architecture), None);
+        assert_eq!(l.trainable_params(&shape), 23_068_672);
+        assert_eq!(
+            shape.total_params() + l.trainable_params(&shape),
+            3_859_090_432
+        );
+    }
+
+    #[test]
+    fn targets_an_architecture_lacks_are_named_with_its_modules() {
+        use crate::LlamaArchitecture::{Llama, Phi3};
+        let qv = lora(8, &[TargetModule::QProj, TargetModule::VProj]);
+        let e = qv.foreign_targets(Phi3).expect("Phi-3 fuses q, k and v");
+        assert_eq!(
+            e,
+            "q_proj, v_proj are not modules of Phi3ForCausalLM; its modules are qkv_proj, o_proj, gate_up_proj, down_proj, lm_head"
+        );
+        assert_eq!(qv.foreign_targets(Llama), None);
+        let fused = lora(8, &[TargetModule::QkvProj]);
+        assert!(
+            fused
+                .foreign_targets(Llama)
+                .expect("Llama has no qkv_proj")
+                .starts_with(
+                    "qkv_proj is not a module of LlamaForCausalLM; its modules are q_proj, k_proj"
+                )
+        );
+        assert_eq!(
+            TargetModule::from_hf_name("gate_up_proj"),
+            Some(TargetModule::GateUpProj)
+        );
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //! Modules, each importing only those above it:
 //!
 //! * [`units`] — byte and count formatting
-//! * [`llama`] — Llama-family models (Llama, Mistral, Qwen2) from a Hugging Face `config.json`
+//! * [`llama`] — Llama-family models (Llama, Mistral, Qwen2, Qwen3, Phi-3) from a Hugging Face `config.json`
 //! * [`adapters`] — LoRA adapters and the frozen base's storage format (QLoRA)
 //! * [`model`] — what is being trained (transformer shape, Llama family, or a generic parameter count)
 //! * [`training`] — precision, optimizer and batch settings

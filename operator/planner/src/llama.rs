@@ -1,10 +1,15 @@
 //! Llama-family decoder-only models as Hugging Face describes them in
 //! `config.json` (`LlamaForCausalLM`, `MistralForCausalLM`,
-//! `Qwen2ForCausalLM`): token embedding, `layers` pre-norm blocks of
-//! RMSNorm → attention with rotary positions and grouped-query attention
-//! (`keyValueHeads` ≤ `attentionHeads`) → RMSNorm → SwiGLU MLP
-//! (gate, up, down), a final RMSNorm and an output head, tied to the
-//! embedding or not. No learned position embeddings (RoPE has no weights).
+//! `Qwen2ForCausalLM`, `Qwen3ForCausalLM`): token embedding, `layers`
+//! pre-norm blocks of RMSNorm → attention with rotary positions and
+//! grouped-query attention (`keyValueHeads` ≤ `attentionHeads`) → RMSNorm →
+//! SwiGLU MLP (gate, up, down), a final RMSNorm and an output head, tied to
+//! the embedding or not. No learned position embeddings (RoPE has no
+//! weights). Qwen3 adds an RMSNorm over each head of q and k.
+//! `Phi3ForCausalLM` (Phi-3, Phi-3.5, Phi-4-mini) is the same block with q,
+//! k and v in one matrix (`qkv_proj`) and gate and up in another
+//! (`gate_up_proj`), RoPE over part of each head (`partial_rotary_factor`)
+//! and LongRoPE scaling.
 //!
 //! Parameter counts follow the Hugging Face modules exactly, so they equal
 //! the published counts (tests below, from the models' public config values).
@@ -12,6 +17,8 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+
+use crate::adapters::TargetModule;
 
 /// Which Hugging Face architecture a config names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -25,13 +32,25 @@ pub enum LlamaArchitecture {
     /// `Qwen2ForCausalLM`: Llama's blocks with biases on q, k and v.
     #[serde(rename = "Qwen2ForCausalLM")]
     Qwen2,
+    /// `Qwen3ForCausalLM`: Llama's blocks with an RMSNorm over each head of q
+    /// and of k (`q_norm`, `k_norm`, before RoPE), an explicit `head_dim`
+    /// and no q/k/v biases.
+    #[serde(rename = "Qwen3ForCausalLM")]
+    Qwen3,
+    /// `Phi3ForCausalLM` (Phi-3, Phi-3.5, Phi-4-mini): Llama's blocks with q,
+    /// k and v fused into `qkv_proj` and gate and up into `gate_up_proj`,
+    /// no biases, and RoPE over `partial_rotary_factor` of each head.
+    #[serde(rename = "Phi3ForCausalLM")]
+    Phi3,
 }
 
 impl LlamaArchitecture {
-    pub const ALL: [LlamaArchitecture; 3] = [
+    pub const ALL: [LlamaArchitecture; 5] = [
         LlamaArchitecture::Llama,
         LlamaArchitecture::Mistral,
         LlamaArchitecture::Qwen2,
+        LlamaArchitecture::Qwen3,
+        LlamaArchitecture::Phi3,
     ];
 
     pub fn hf_name(self) -> &'static str {
@@ -39,7 +58,38 @@ impl LlamaArchitecture {
             LlamaArchitecture::Llama => "LlamaForCausalLM",
             LlamaArchitecture::Mistral => "MistralForCausalLM",
             LlamaArchitecture::Qwen2 => "Qwen2ForCausalLM",
+            LlamaArchitecture::Qwen3 => "Qwen3ForCausalLM",
+            LlamaArchitecture::Phi3 => "Phi3ForCausalLM",
         }
+    }
+
+    /// Whether each block normalises q and k per head (`self_attn.q_norm`,
+    /// `self_attn.k_norm`, each `head_dim` weights).
+    pub fn qk_norm(self) -> bool {
+        self == LlamaArchitecture::Qwen3
+    }
+
+    /// Whether q, k, v and gate, up are fused matrices (`qkv_proj`,
+    /// `gate_up_proj`): the same weights as Llama's, in fewer tensors.
+    pub fn fused_projections(self) -> bool {
+        self == LlamaArchitecture::Phi3
+    }
+
+    /// The linear modules of one block, attention's then the MLP's.
+    pub fn block_linears(self) -> &'static [TargetModule] {
+        use TargetModule::*;
+        if self.fused_projections() {
+            &[QkvProj, OProj, GateUpProj, DownProj]
+        } else {
+            &[QProj, KProj, VProj, OProj, GateProj, UpProj, DownProj]
+        }
+    }
+
+    /// What LoRA may target, as PEFT names the modules: the block linears and `lm_head`.
+    pub fn lora_targets(self) -> Vec<TargetModule> {
+        let mut all = self.block_linears().to_vec();
+        all.push(TargetModule::LmHead);
+        all
     }
 }
 
@@ -76,6 +126,14 @@ pub struct LlamaShape {
     /// Llama 3's RoPE frequency scaling (`rope_scaling` with `rope_type: llama3`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_scaling: Option<RopeScaling>,
+    /// LongRoPE (`rope_scaling` with `rope_type: longrope`: Phi-3 128k,
+    /// Phi-3.5, Phi-4-mini).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub long_rope: Option<LongRope>,
+    /// The fraction of each head RoPE rotates (`partial_rotary_factor`;
+    /// Phi-4-mini 0.75): its first `head_dim × this` values; all of it when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partial_rotary_factor: Option<f64>,
     /// Stored dtype of the checkpoint (`torch_dtype`, e.g. `bfloat16`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub torch_dtype: Option<String>,
@@ -98,6 +156,26 @@ pub struct RopeScaling {
     pub original_max_position_embeddings: f32,
 }
 
+/// `rope_scaling` of `rope_type: longrope`, as transformers computes it
+/// (`_compute_longrope_parameters`): each rotated pair's inverse frequency
+/// is divided by its factor — `shortFactor` for sequences up to
+/// `originalMaxPositionEmbeddings`, `longFactor` beyond — and cos and sin
+/// are multiplied by `attentionFactor`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LongRope {
+    /// One factor per rotated pair, for sequences up to the original length.
+    pub short_factor: Vec<f32>,
+    /// One factor per rotated pair, for longer sequences.
+    pub long_factor: Vec<f32>,
+    /// The context length (tokens) the model was pretrained with.
+    pub original_max_position_embeddings: u32,
+    /// cos and sin are scaled by it: `attention_factor` when the config
+    /// gives one, else √(1 + ln factor / ln original) for a factor above 1
+    /// (factor: `factor`, or `max_position_embeddings` / original).
+    pub attention_factor: f64,
+}
+
 /// A `config.json` Headroom cannot plan from, with the key at fault.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("config.json: {key}: {problem}")]
@@ -113,15 +191,29 @@ fn bad(key: &'static str, problem: impl Into<String>) -> ConfigError {
     }
 }
 
-/// Reads `rope_scaling`: absent, null, or Llama 3's scaling.
-/// transformers 5 writes it as `rope_parameters` (with `rope_type: default`
-/// when there is no scaling).
-fn rope_scaling(v: &Value) -> Result<Option<RopeScaling>, ConfigError> {
-    let Some(s) = v
-        .get("rope_scaling")
+/// What `rope_scaling` asks for beyond the default RoPE.
+enum Scaling {
+    Llama3(RopeScaling),
+    LongRope(LongRope),
+}
+
+/// `rope_scaling`, or transformers 5's `rope_parameters`, when not null.
+fn rope_dict(v: &Value) -> Option<&Value> {
+    v.get("rope_scaling")
         .filter(|s| !s.is_null())
         .or_else(|| v.get("rope_parameters").filter(|s| !s.is_null()))
-    else {
+}
+
+/// Reads `rope_scaling`: absent, null, Llama 3's scaling or LongRoPE
+/// (`rotary_dim`: the values of a head RoPE rotates, one factor per pair).
+/// transformers 5 writes it as `rope_parameters` (with `rope_type: default`
+/// when there is no scaling).
+fn rope_scaling(
+    v: &Value,
+    architecture: LlamaArchitecture,
+    rotary_dim: u32,
+) -> Result<Option<Scaling>, ConfigError> {
+    let Some(s) = rope_dict(v) else {
         return Ok(None);
     };
     let kind = s
@@ -132,11 +224,17 @@ fn rope_scaling(v: &Value) -> Result<Option<RopeScaling>, ConfigError> {
     if kind == "default" {
         return Ok(None);
     }
+    // transformers' Phi3Config reads the older names "su" and "yarn" as longrope.
+    let longrope = kind == "longrope"
+        || (architecture == LlamaArchitecture::Phi3 && matches!(kind, "su" | "yarn"));
+    if longrope {
+        return long_rope(v, s, architecture, rotary_dim).map(|l| Some(Scaling::LongRope(l)));
+    }
     if kind != "llama3" {
         return Err(bad(
             "rope_scaling",
             format!(
-                "rope_type {kind:?} is not supported; Headroom runs the default RoPE and llama3 scaling"
+                "rope_type {kind:?} is not supported; Headroom runs the default RoPE, llama3 and longrope scaling"
             ),
         ));
     }
@@ -160,7 +258,168 @@ fn rope_scaling(v: &Value) -> Result<Option<RopeScaling>, ConfigError> {
             "high_freq_factor must be greater than low_freq_factor",
         ));
     }
-    Ok(Some(scaling))
+    Ok(Some(Scaling::Llama3(scaling)))
+}
+
+/// LongRoPE's parameters from `config` and its rope dictionary `s`, as
+/// transformers derives them.
+fn long_rope(
+    config: &Value,
+    s: &Value,
+    architecture: LlamaArchitecture,
+    rotary_dim: u32,
+) -> Result<LongRope, ConfigError> {
+    let pairs = rotary_dim as usize / 2;
+    let factors = |key: &str| -> Result<Vec<f32>, ConfigError> {
+        let values: Option<Vec<f32>> = s.get(key).and_then(Value::as_array).and_then(|list| {
+            list.iter()
+                .map(|x| x.as_f64().filter(|x| x.is_finite() && *x > 0.0))
+                .map(|x| x.map(|x| x as f32))
+                .collect()
+        });
+        let values = values.ok_or_else(|| {
+            bad(
+                "rope_scaling",
+                format!("longrope needs {key}, a list of positive numbers"),
+            )
+        })?;
+        if values.len() != pairs {
+            return Err(bad(
+                "rope_scaling",
+                format!(
+                    "{key} has {} factors; longrope needs one per rotated pair of a head, {pairs} (the {rotary_dim} values RoPE rotates)",
+                    values.len()
+                ),
+            ));
+        }
+        Ok(values)
+    };
+    let positive = |x: &Value| x.as_f64().filter(|x| x.is_finite() && *x > 0.0);
+    // Phi-3 keeps the pretraining length beside rope_scaling, and
+    // transformers prefers it there (its default: 4096); other models keep
+    // it inside, defaulting to max_position_embeddings.
+    let original = if architecture == LlamaArchitecture::Phi3 {
+        config
+            .get("original_max_position_embeddings")
+            .or_else(|| s.get("original_max_position_embeddings"))
+            .map_or(Some(4096.0), positive)
+    } else {
+        s.get("original_max_position_embeddings")
+            .or_else(|| config.get("max_position_embeddings"))
+            .and_then(positive)
+    };
+    let original = original.filter(|o| *o >= 2.0).ok_or_else(|| {
+        bad(
+            "original_max_position_embeddings",
+            "longrope needs the pretraining context length, a whole number of at least 2",
+        )
+    })?;
+    let factor = match s.get("factor").filter(|f| !f.is_null()) {
+        Some(f) => positive(f)
+            .ok_or_else(|| bad("rope_scaling", "factor must be a positive number"))?,
+        None => {
+            config
+                .get("max_position_embeddings")
+                .and_then(positive)
+                .ok_or_else(|| {
+                    bad(
+                        "max_position_embeddings",
+                        "longrope without a factor needs it (factor = max_position_embeddings / original_max_position_embeddings)",
+                    )
+                })?
+                / original
+        }
+    };
+    let attention_factor = match s.get("attention_factor").filter(|f| !f.is_null()) {
+        Some(f) => positive(f)
+            .ok_or_else(|| bad("rope_scaling", "attention_factor must be a positive number"))?,
+        None if factor <= 1.0 => 1.0,
+        None => (1.0 + factor.ln() / original.ln()).sqrt(),
+    };
+    Ok(LongRope {
+        short_factor: factors("short_factor")?,
+        long_factor: factors("long_factor")?,
+        original_max_position_embeddings: original as u32,
+        attention_factor,
+    })
+}
+
+/// `partial_rotary_factor` (top level, or in transformers 5's
+/// `rope_parameters`): `None` when RoPE rotates whole heads. Only Phi-3's
+/// attention rotates part of a head; transformers' other models here
+/// rotate whole heads, and fail on a smaller factor.
+fn partial_rotary_factor(
+    v: &Value,
+    architecture: LlamaArchitecture,
+    head_dim: u32,
+) -> Result<Option<f64>, ConfigError> {
+    let Some(f) = v
+        .get("partial_rotary_factor")
+        .or_else(|| rope_dict(v).and_then(|s| s.get("partial_rotary_factor")))
+        .filter(|f| !f.is_null())
+    else {
+        return Ok(None);
+    };
+    let f = f
+        .as_f64()
+        .filter(|f| *f > 0.0 && *f <= 1.0)
+        .ok_or_else(|| {
+            bad(
+                "partial_rotary_factor",
+                format!("{f} must be a number above 0 and at most 1"),
+            )
+        })?;
+    if f < 1.0 && architecture != LlamaArchitecture::Phi3 {
+        return Err(bad(
+            "partial_rotary_factor",
+            format!(
+                "{f}: {} rotates whole heads (1.0); only Phi3ForCausalLM rotates part of each",
+                architecture.hf_name()
+            ),
+        ));
+    }
+    let rotated = (f64::from(head_dim) * f) as u32;
+    if rotated < 2 || !rotated.is_multiple_of(2) {
+        return Err(bad(
+            "partial_rotary_factor",
+            format!(
+                "{f} of head_dim {head_dim} rotates {rotated} values; RoPE rotates pairs, so it must be an even number of at least 2"
+            ),
+        ));
+    }
+    Ok((f < 1.0).then_some(f))
+}
+
+/// Refuses a sliding attention window shorter than the training sequence:
+/// the worker attends to every earlier token (plain causal attention), so
+/// it would compute another function than the model's. Mistral and Phi-3
+/// always slide when `sliding_window` is set; Qwen2 and Qwen3 only with
+/// `use_sliding_window`.
+fn check_sliding_window(
+    v: &Value,
+    architecture: LlamaArchitecture,
+    sequence_length: u32,
+) -> Result<(), ConfigError> {
+    let slides = match architecture {
+        LlamaArchitecture::Mistral | LlamaArchitecture::Phi3 => true,
+        LlamaArchitecture::Qwen2 | LlamaArchitecture::Qwen3 => v
+            .get("use_sliding_window")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+        LlamaArchitecture::Llama => false,
+    };
+    let Some(window) = v.get("sliding_window").and_then(Value::as_u64) else {
+        return Ok(());
+    };
+    if slides && u64::from(sequence_length) > window {
+        return Err(bad(
+            "sliding_window",
+            format!(
+                "{window}: each token attends to the last {window} tokens only, and Headroom's attention is full causal attention; train with a sequence length of at most {window} tokens (not {sequence_length})"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 impl LlamaShape {
@@ -239,10 +498,21 @@ impl LlamaShape {
                 format!("{act:?} is not supported; Llama-family MLPs use \"silu\""),
             ));
         }
-        // Qwen2 always has q/k/v biases and no `attention_bias` key.
+        // Qwen2 always has q/k/v biases and no `attention_bias` key; Phi-3 none.
         let attention_bias = match architecture {
             LlamaArchitecture::Qwen2 => true,
+            LlamaArchitecture::Phi3 => false,
             _ => flag("attention_bias", false),
+        };
+        let mlp_bias = architecture != LlamaArchitecture::Phi3 && flag("mlp_bias", false);
+        check_sliding_window(&v, architecture, sequence_length)?;
+        let partial_rotary_factor = partial_rotary_factor(&v, architecture, head_dim)?;
+        let rotary_dim =
+            partial_rotary_factor.map_or(head_dim, |f| (f64::from(head_dim) * f) as u32);
+        let (rope_scaling, long_rope) = match rope_scaling(&v, architecture, rotary_dim)? {
+            None => (None, None),
+            Some(Scaling::Llama3(s)) => (Some(s), None),
+            Some(Scaling::LongRope(l)) => (None, Some(l)),
         };
         Ok(LlamaShape {
             architecture,
@@ -255,7 +525,7 @@ impl LlamaShape {
             vocabulary: int("vocab_size")?,
             tied_embeddings: flag("tie_word_embeddings", false),
             attention_bias,
-            mlp_bias: flag("mlp_bias", false),
+            mlp_bias,
             // transformers 5 moved the base into `rope_parameters`.
             rope_theta: v
                 .get("rope_theta")
@@ -266,7 +536,9 @@ impl LlamaShape {
                 .get("rms_norm_eps")
                 .and_then(Value::as_f64)
                 .unwrap_or(1e-6),
-            rope_scaling: rope_scaling(&v)?,
+            rope_scaling,
+            long_rope,
+            partial_rotary_factor,
             // transformers 5 writes `dtype`, earlier versions `torch_dtype`.
             torch_dtype: v
                 .get("torch_dtype")
@@ -286,6 +558,13 @@ impl LlamaShape {
         }
     }
 
+    /// The values of each head RoPE rotates (head_dim × `partial_rotary_factor`,
+    /// rounded down as transformers rounds it).
+    pub fn rotary_dim(&self) -> u32 {
+        self.partial_rotary_factor
+            .map_or(self.head_dim, |f| (f64::from(self.head_dim) * f) as u32)
+    }
+
     /// Width of the query projection's output (heads × head_dim).
     pub fn q_dim(&self) -> u64 {
         u64::from(self.attention_heads) * u64::from(self.head_dim)
@@ -297,7 +576,8 @@ impl LlamaShape {
     }
 
     /// One decoder block: q, k, v, o projections (with their biases where the
-    /// architecture has them), gate/up/down, and two RMSNorm weight vectors.
+    /// architecture has them), gate/up/down, two RMSNorm weight vectors, and
+    /// Qwen3's per-head q and k norms (head_dim each).
     pub fn params_per_layer(&self) -> u64 {
         let h = u64::from(self.hidden);
         let i = u64::from(self.intermediate);
@@ -308,6 +588,9 @@ impl LlamaShape {
             if self.architecture != LlamaArchitecture::Qwen2 {
                 attention += h; // o_proj's bias (Llama's attention_bias)
             }
+        }
+        if self.architecture.qk_norm() {
+            attention += 2 * u64::from(self.head_dim);
         }
         let mut mlp = 3 * h * i;
         if self.mlp_bias {
@@ -343,7 +626,8 @@ impl LlamaShape {
     /// token: the first RMSNorm's input and output (2h), q, k, v (q + 2kv),
     /// the attention output (h), the second RMSNorm's input and output (2h),
     /// and SwiGLU's gate, up, SiLU(gate) and product (4i); per head, the
-    /// softmax output (s² per sample). Checkpointed: the block's input only.
+    /// softmax output (s² per sample); with Qwen3's q/k norms, also q and k
+    /// before their norm (q + kv). Checkpointed: the block's input only.
     /// A first-principles count, to be calibrated against the worker once it
     /// builds these models (issue 11).
     pub fn block_activation_bytes(&self, b: u64, e: u64, checkpointed: bool) -> u64 {
@@ -352,7 +636,11 @@ impl LlamaShape {
         if checkpointed {
             return s * b * h * e;
         }
-        let per_token = 5 * h + self.q_dim() + 2 * self.kv_dim() + 4 * u64::from(self.intermediate);
+        let mut per_token =
+            5 * h + self.q_dim() + 2 * self.kv_dim() + 4 * u64::from(self.intermediate);
+        if self.architecture.qk_norm() {
+            per_token += self.q_dim() + self.kv_dim();
+        }
         s * b * per_token * e + u64::from(self.attention_heads) * s * s * b * e
     }
 
@@ -372,12 +660,19 @@ impl LlamaShape {
     ///   heads' contiguous copy the output projection keeps: 2q;
     /// * SwiGLU: gate's output and its sigmoid (kept by SiLU's product),
     ///   SiLU's output and up's output (kept by the gating product) and the
-    ///   product (kept by down): 5i.
+    ///   product (kept by down): 5i;
+    /// * Qwen3's per-head q and k norms: each keeps its input (the
+    ///   projection's output), the normalised tensor (for γ) and one rms
+    ///   per head and token; its output goes to RoPE, which keeps only the
+    ///   tables: 2q + 2kv + heads + key-value heads;
+    /// * Phi-3's fused `qkv_proj`: v is a view of the fused output, so the
+    ///   op's v keeps all of it, q and k too: q + kv more. (The fused
+    ///   `gate_up_proj` keeps what gate and up would: 2i as one tensor.)
     ///
     /// Per head and token, the op's logsumexp (one value); no `s × s` map
     /// outlives the op (`worker/src/model/lean/attention.rs`). Per block,
-    /// RoPE's cos and sin tables (s × head_dim each, f32), which the
-    /// rotations keep. Checkpointed: the block's input only.
+    /// RoPE's cos and sin tables (s × the rotated part of a head each, f32),
+    /// which the rotations keep. Checkpointed: the block's input only.
     pub fn burn_block_activation_bytes(&self, b: u64, e: u64, checkpointed: bool) -> u64 {
         let s = u64::from(self.sequence_length);
         let h = u64::from(self.hidden);
@@ -385,8 +680,15 @@ impl LlamaShape {
             return s * b * h * e;
         }
         let (q, kv, i) = (self.q_dim(), self.kv_dim(), u64::from(self.intermediate));
-        let per_token = 6 * h + 3 * q + 2 * kv + 5 * i + u64::from(self.attention_heads);
-        let rope_tables = 2 * s * u64::from(self.head_dim) * 4;
+        let mut per_token = 6 * h + 3 * q + 2 * kv + 5 * i + u64::from(self.attention_heads);
+        if self.architecture.qk_norm() {
+            per_token +=
+                2 * q + 2 * kv + u64::from(self.attention_heads) + u64::from(self.key_value_heads);
+        }
+        if self.architecture.fused_projections() {
+            per_token += q + kv;
+        }
+        let rope_tables = 2 * s * u64::from(self.rotary_dim()) * 4;
         s * b * per_token * e + rope_tables
     }
 }
@@ -417,6 +719,49 @@ mod tests {
         "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": true,
         "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "torch_dtype": "bfloat16"}"#;
 
+    const QWEN3_06B: &str = r#"{"architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024,
+        "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+        "tie_word_embeddings": true, "attention_bias": false, "hidden_act": "silu",
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000, "rope_scaling": null,
+        "sliding_window": null, "use_sliding_window": false, "torch_dtype": "bfloat16"}"#;
+    const QWEN3_8B: &str = r#"{"architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096,
+        "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+        "tie_word_embeddings": false, "attention_bias": false, "hidden_act": "silu",
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000, "rope_scaling": null,
+        "sliding_window": null, "use_sliding_window": false, "torch_dtype": "bfloat16"}"#;
+
+    const PHI3_MINI_4K: &str = r#"{"architectures": ["Phi3ForCausalLM"], "attention_bias": false,
+        "hidden_act": "silu", "hidden_size": 3072, "intermediate_size": 8192,
+        "max_position_embeddings": 4096, "num_attention_heads": 32, "num_hidden_layers": 32,
+        "num_key_value_heads": 32, "original_max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-05, "rope_scaling": null, "rope_theta": 10000.0,
+        "sliding_window": 2047, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+        "vocab_size": 32064}"#;
+
+    /// Phi-4-mini-instruct's config.json; its 48 short and long factors are
+    /// stand-ins (1.0 … and 1.0 + k/10), which change no weight.
+    fn phi4_mini() -> String {
+        let list = |f: &dyn Fn(usize) -> f64| {
+            (0..48)
+                .map(|k| f(k).to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        format!(
+            r#"{{"architectures": ["Phi3ForCausalLM"], "attention_bias": false, "hidden_act": "silu",
+            "hidden_size": 3072, "intermediate_size": 8192, "max_position_embeddings": 131072,
+            "num_attention_heads": 24, "num_hidden_layers": 32, "num_key_value_heads": 8,
+            "original_max_position_embeddings": 4096, "partial_rotary_factor": 0.75,
+            "rms_norm_eps": 1e-05, "rope_scaling": {{"long_factor": [{}], "short_factor": [{}],
+            "type": "longrope"}}, "rope_theta": 10000.0, "sliding_window": 262144,
+            "tie_word_embeddings": true, "torch_dtype": "bfloat16", "vocab_size": 200064}}"#,
+            list(&|k| 1.0 + k as f64 / 10.0),
+            list(&|_| 1.0)
+        )
+    }
+
     fn shape(config: &str) -> LlamaShape {
         LlamaShape::from_hf_config(config, 2048).expect("config")
     }
@@ -429,6 +774,135 @@ mod tests {
         assert_eq!(shape(MISTRAL_7B_V01).total_params(), 7_241_732_096);
         assert_eq!(shape(LLAMA_32_1B).total_params(), 1_235_814_400);
         assert_eq!(shape(QWEN2_05B).total_params(), 494_032_768);
+        // Qwen3-0.6B 596,049,920 (tied; its head_dim 128 is not hidden /
+        // heads = 64); Qwen3-8B 8,190,735,360 (untied).
+        assert_eq!(shape(QWEN3_06B).total_params(), 596_049_920);
+        assert_eq!(shape(QWEN3_8B).total_params(), 8_190_735_360);
+        // Phi-3-mini-4k-instruct 3,821,079,552 (untied); Phi-4-mini-instruct
+        // 3,836,021,760 (tied). Fused q/k/v and gate/up hold Llama's weights.
+        let phi3 = LlamaShape::from_hf_config(PHI3_MINI_4K, 2047).expect("Phi-3-mini");
+        assert_eq!(phi3.total_params(), 3_821_079_552);
+        assert_eq!(shape(&phi4_mini()).total_params(), 3_836_021_760);
+    }
+
+    #[test]
+    fn reads_phi3_fused_projections_partial_rotary_and_longrope() {
+        use crate::memory::{StagePlacement, StageTensor, TensorRole, stage_tensors};
+        let p = shape(&phi4_mini());
+        assert_eq!(p.architecture, LlamaArchitecture::Phi3);
+        assert!(!p.attention_bias && !p.mlp_bias && p.tied_embeddings);
+        // head_dim 128 (3072 / 24), RoPE over its first 96 values.
+        assert_eq!((p.head_dim, p.rotary_dim()), (128, 96));
+        let l = p.long_rope.as_ref().expect("longrope");
+        assert_eq!(l.original_max_position_embeddings, 4096);
+        assert_eq!((l.short_factor.len(), l.long_factor.len()), (48, 48));
+        assert_eq!(l.long_factor[1], 1.1);
+        // factor 131072 / 4096 = 32: √(1 + ln 32 / ln 4096), transformers' 1.1902380714238083.
+        assert!((l.attention_factor - 1.190_238_071_423_808_3).abs() < 1e-12);
+        assert!(p.rope_scaling.is_none());
+        // Four block linears, fused: q/k/v is 3072 × (3072 + 2 · 1024).
+        let tensors = stage_tensors(
+            &crate::ModelShape::Llama(p.clone()),
+            StagePlacement::single(p.layers),
+        );
+        let linears: Vec<(TensorRole, u64)> = tensors
+            .iter()
+            .filter(|t| matches!(t.role, TensorRole::BlockLinear(_)))
+            .map(|t| (t.role, t.elements))
+            .collect();
+        use TargetModule::*;
+        assert_eq!(
+            linears,
+            [
+                (TensorRole::BlockLinear(Some(QkvProj)), 3072 * 5120),
+                (TensorRole::BlockLinear(Some(OProj)), 3072 * 3072),
+                (TensorRole::BlockLinear(Some(GateUpProj)), 3072 * 16384),
+                (TensorRole::BlockLinear(Some(DownProj)), 8192 * 3072),
+            ]
+        );
+        let total: u64 = tensors.iter().map(StageTensor::total_elements).sum();
+        assert_eq!(total, 3_836_021_760);
+        // transformers 5 writes the same under rope_parameters.
+        let v5 = phi4_mini()
+            .replace("\"rope_scaling\"", "\"rope_parameters\"")
+            .replace("\"type\": \"longrope\"", "\"rope_type\": \"longrope\", \"rope_theta\": 10000.0, \"partial_rotary_factor\": 0.75")
+            .replace("\"partial_rotary_factor\": 0.75,", "");
+        assert_eq!(shape(&v5), p);
+    }
+
+    #[test]
+    fn phi3_refusals_name_the_key() {
+        // Phi-3-mini-4k slides a 2047-token window: a longer sequence would
+        // be another function than the worker's full causal attention.
+        let e = LlamaShape::from_hf_config(PHI3_MINI_4K, 4096).expect_err("window");
+        assert_eq!(e.key, "sliding_window");
+        assert!(
+            e.problem.contains("2047") && e.problem.contains("4096"),
+            "{e}"
+        );
+        // Qwen3 slides only with use_sliding_window.
+        let sliding = QWEN3_06B.replace(
+            "\"sliding_window\": null, \"use_sliding_window\": false",
+            "\"sliding_window\": 1024, \"use_sliding_window\": true",
+        );
+        assert_eq!(
+            LlamaShape::from_hf_config(&sliding, 2048)
+                .expect_err("slides")
+                .key,
+            "sliding_window"
+        );
+        assert!(LlamaShape::from_hf_config(&sliding, 1024).is_ok());
+        let short = phi4_mini().replacen("1, ", "", 1);
+        let e = LlamaShape::from_hf_config(&short, 1024).expect_err("47 long factors");
+        assert_eq!(e.key, "rope_scaling");
+        assert!(e.problem.contains("48"), "{e}");
+        let odd = phi4_mini().replace(
+            "\"partial_rotary_factor\": 0.75",
+            "\"partial_rotary_factor\": 0.29",
+        );
+        let e = LlamaShape::from_hf_config(&odd, 1024).expect_err("37 values");
+        assert_eq!(e.key, "partial_rotary_factor");
+        let partial_llama = LLAMA_2_7B.replace(
+            "\"vocab_size\"",
+            "\"partial_rotary_factor\": 0.5, \"vocab_size\"",
+        );
+        let e = LlamaShape::from_hf_config(&partial_llama, 1024)
+            .expect_err("Llama rotates whole heads");
+        assert_eq!(e.key, "partial_rotary_factor");
+    }
+
+    #[test]
+    fn the_memory_models_tensors_hold_qwen3s_count() {
+        use crate::memory::{StagePlacement, StageTensor, stage_tensors};
+        let q = shape(QWEN3_8B);
+        let total: u64 = stage_tensors(
+            &crate::ModelShape::Llama(q.clone()),
+            StagePlacement::single(q.layers),
+        )
+        .iter()
+        .map(StageTensor::total_elements)
+        .sum();
+        assert_eq!(total, 8_190_735_360);
+    }
+
+    #[test]
+    fn reads_qwen3_head_dim_and_qk_norms() {
+        let q = shape(QWEN3_06B);
+        assert_eq!(q.architecture, LlamaArchitecture::Qwen3);
+        assert!(q.architecture.qk_norm() && !q.attention_bias);
+        // q is 16 × 128 = 2048 wide on a hidden size of 1024.
+        assert_eq!((q.head_dim, q.q_dim(), q.kv_dim()), (128, 2048, 1024));
+        let mut no_norms = q.clone();
+        no_norms.architecture = LlamaArchitecture::Llama;
+        assert_eq!(q.params_per_layer() - no_norms.params_per_layer(), 2 * 128);
+        assert!(
+            q.burn_block_activation_bytes(1, 4, false)
+                > no_norms.burn_block_activation_bytes(1, 4, false)
+        );
+        assert_eq!(
+            q.burn_block_activation_bytes(1, 4, true),
+            no_norms.burn_block_activation_bytes(1, 4, true)
+        );
     }
 
     #[test]
@@ -454,6 +928,7 @@ mod tests {
         let e = LlamaShape::from_hf_config(gpt2, 1024).expect_err("not Llama-family");
         assert_eq!(e.key, "architectures");
         assert!(e.problem.contains("LlamaForCausalLM"), "{e}");
+        assert!(e.problem.contains("Qwen3ForCausalLM"), "{e}");
         let no_hidden = LLAMA_2_7B.replace("\"hidden_size\": 4096,", "");
         let e = LlamaShape::from_hf_config(&no_hidden, 1024).expect_err("missing");
         assert_eq!((e.key, e.problem.as_str()), ("hidden_size", "missing"));

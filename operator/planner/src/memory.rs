@@ -348,7 +348,7 @@ pub fn stage_tensors(model: &ModelShape, stage: StagePlacement) -> Vec<StageTens
         ModelShape::Llama(l) => {
             let h = u64::from(l.hidden);
             if layers > 0 {
-                for m in TargetModule::ALL.into_iter().filter(|m| m.per_layer()) {
+                for &m in l.architecture.block_linears() {
                     let (d_in, d_out) = m.dims(l);
                     out.push(StageTensor::new(BlockLinear(Some(m)), d_in * d_out, layers));
                 }
@@ -359,6 +359,9 @@ pub fn stage_tensors(model: &ModelShape, stage: StagePlacement) -> Vec<StageTens
                     if l.architecture != LlamaArchitecture::Qwen2 {
                         out.push(StageTensor::new(Vector, h, layers));
                     }
+                }
+                if l.architecture.qk_norm() {
+                    out.push(StageTensor::new(Vector, u64::from(l.head_dim), 2 * layers));
                 }
                 if l.mlp_bias {
                     out.push(StageTensor::new(
@@ -994,9 +997,11 @@ fn composed_weight_bytes(
     } else {
         0
     };
-    let largest = TargetModule::ALL
-        .into_iter()
-        .filter(|m| m.per_layer())
+    let largest = l
+        .architecture
+        .block_linears()
+        .iter()
+        .copied()
         .map(matrix)
         .max()
         .unwrap_or(0);
@@ -1071,12 +1076,22 @@ impl AdaptedBlock {
         // RMSNorm: its input (the square, the division) when tracked; its
         // output when an adapted projection reads it.
         kept += if x { h } else { 0 };
-        kept += if shared_input(&[QProj, KProj, VProj]) {
+        kept += if shared_input(&[QProj, KProj, VProj, QkvProj]) {
             h
         } else {
             0
         };
         let (q_t, k_t, v_t) = (linear(QProj, x), linear(KProj, x), linear(VProj, x));
+        // Phi-3's fused qkv_proj tracks q, k and v together.
+        let qkv = linear(QkvProj, x);
+        let (q_t, k_t, v_t) = (q_t || qkv, k_t || qkv, v_t || qkv);
+        // Qwen3's q/k norms (γ frozen) keep their tracked input and one rms
+        // per head and token; RoPE after them keeps only its tables.
+        if l.architecture.qk_norm() {
+            let heads = |n: u32| u64::from(n) * (1 + u64::from(l.head_dim));
+            kept += if q_t { heads(l.attention_heads) } else { 0 };
+            kept += if k_t { heads(l.key_value_heads) } else { 0 };
+        }
         // RoPE's products keep only the cos/sin tables; the attention op,
         // once tracked, keeps q, k, v, its output and a logsumexp per head.
         let attention = q_t || k_t || v_t;
@@ -1085,16 +1100,22 @@ impl AdaptedBlock {
         } else {
             0
         };
+        // Phi-3's v is a view of the fused q/k/v output: the op keeps it whole.
+        if attention && l.architecture.fused_projections() {
+            kept += q + kv;
+        }
         // The merged heads' copy when o_proj is adapted.
         kept += if shared_input(&[OProj]) { q } else { 0 };
         let x = linear(OProj, attention) || x;
         kept += if x { h } else { 0 };
-        kept += if shared_input(&[GateProj, UpProj]) {
+        kept += if shared_input(&[GateProj, UpProj, GateUpProj]) {
             h
         } else {
             0
         };
         let (gate, up) = (linear(GateProj, x), linear(UpProj, x));
+        let gate_up = linear(GateUpProj, x);
+        let (gate, up) = (gate || gate_up, up || gate_up);
         // SiLU keeps the gate's output and its sigmoid; the gating product
         // keeps each side when the other is tracked; down its input if adapted.
         kept += if gate { 2 * i + i } else { 0 };

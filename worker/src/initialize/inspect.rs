@@ -338,6 +338,17 @@ fn expected_shape(name: &str, s: &LlamaShape) -> Option<(Vec<usize>, String)> {
                 "self_attn.k_proj.bias" | "self_attn.v_proj.bias" => (vec![kv], kv_heads),
                 "self_attn.o_proj.weight" => (vec![h, q], pair(&hidden, &heads)),
                 "self_attn.o_proj.bias" => (vec![h], hidden),
+                "self_attn.qkv_proj.weight" => (
+                    vec![q + 2 * kv, h],
+                    pair(&format!("{heads} + 2 × {kv_heads}"), &hidden),
+                ),
+                "mlp.gate_up_proj.weight" => {
+                    (vec![2 * i, h], pair(&format!("2 × {inter}"), &hidden))
+                }
+                "self_attn.q_norm.weight" | "self_attn.k_norm.weight" => (
+                    vec![s.head_dim as usize],
+                    format!("head_dim {}", s.head_dim),
+                ),
                 "mlp.gate_proj.weight" | "mlp.up_proj.weight" => {
                     (vec![i, h], pair(&inter, &hidden))
                 }
@@ -355,22 +366,24 @@ fn expected_shape(name: &str, s: &LlamaShape) -> Option<(Vec<usize>, String)> {
 
 fn describe(s: &LlamaShape) -> String {
     format!(
-        "{} with {} layers, hidden {}, {} heads / {} key-value heads, vocabulary {}{}",
+        "{} with {} layers, hidden {}, {} heads / {} key-value heads of {}, vocabulary {}{}",
         s.architecture.hf_name(),
         s.layers,
         s.hidden,
         s.attention_heads,
         s.key_value_heads,
+        s.head_dim,
         s.vocabulary,
         if s.tied_embeddings {
             ", tied embeddings"
         } else {
             ""
         }
-    ) + if s.architecture == LlamaArchitecture::Qwen2 {
-        ", q/k/v biases"
-    } else {
-        ""
+    ) + match s.architecture {
+        LlamaArchitecture::Qwen2 => ", q/k/v biases",
+        LlamaArchitecture::Qwen3 => ", q/k norms",
+        LlamaArchitecture::Phi3 => ", fused qkv_proj and gate_up_proj",
+        _ => "",
     }
 }
 
@@ -412,7 +425,9 @@ mod tests {
     }
 
     /// transformers-made checkpoints of every family: biases (Qwen2),
-    /// untied heads, BF16 storage all check out with the planner's count.
+    /// untied heads, BF16 storage, q/k norms and a head_dim that is not
+    /// hidden / heads (Qwen3), fused projections (Phi-3) all check out with
+    /// the planner's count.
     #[test]
     fn every_family_of_fixture_checks_out() {
         let root = fixture().join("..");
@@ -421,6 +436,9 @@ mod tests {
             ("llama-mha-untied", "F32"),
             ("mistral-gqa-bf16", "BF16"),
             ("qwen2-gqa-bias", "F32"),
+            ("qwen3-gqa-tied", "F32"),
+            ("phi3-gqa-longrope-tied", "F32"),
+            ("phi3-mha-longrope-short", "F32"),
         ] {
             let facts =
                 inspect_model(&root.join(name), 16).unwrap_or_else(|e| panic!("{name}: {e}"));

@@ -104,8 +104,9 @@ impl HfCheckpoint {
         }
         for layer in layout.layers.clone() {
             let p = format!("model.layers.{layer}");
-            for proj in ["q_proj", "k_proj", "v_proj", "o_proj"] {
-                names.push(format!("{p}.self_attn.{proj}.weight"));
+            let linears = s.architecture.block_linears();
+            for m in linears.iter().filter(|m| m.in_attention()) {
+                names.push(format!("{p}.self_attn.{}.weight", m.hf_name()));
             }
             if s.attention_bias {
                 for proj in ["q_proj", "k_proj", "v_proj"] {
@@ -115,10 +116,14 @@ impl HfCheckpoint {
                     names.push(format!("{p}.self_attn.o_proj.bias"));
                 }
             }
-            for proj in ["gate_proj", "up_proj", "down_proj"] {
-                names.push(format!("{p}.mlp.{proj}.weight"));
+            if s.architecture.qk_norm() {
+                names.push(format!("{p}.self_attn.q_norm.weight"));
+                names.push(format!("{p}.self_attn.k_norm.weight"));
+            }
+            for m in linears.iter().filter(|m| !m.in_attention()) {
+                names.push(format!("{p}.mlp.{}.weight", m.hf_name()));
                 if s.mlp_bias {
-                    names.push(format!("{p}.mlp.{proj}.bias"));
+                    names.push(format!("{p}.mlp.{}.bias", m.hf_name()));
                 }
             }
             names.push(format!("{p}.input_layernorm.weight"));

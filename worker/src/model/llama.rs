@@ -1,7 +1,10 @@
 //! One Llama-family decoder block as Hugging Face's `LlamaDecoderLayer`
 //! computes it (Mistral's and Qwen2's are the same block; Qwen2 adds biases to
-//! q, k and v): RMSNorm → self-attention with rotary positions and
-//! grouped-query attention → residual, RMSNorm → SwiGLU MLP → residual.
+//! q, k and v; Qwen3 normalises each head of q and k before RoPE; Phi-3
+//! computes q, k, v with one matrix and gate, up with another, rotates part
+//! of each head, with LongRoPE): RMSNorm → self-attention with rotary
+//! positions and grouped-query attention → residual, RMSNorm → SwiGLU MLP →
+//! residual.
 //!
 //! Field names follow Hugging Face's module names (`self_attn.q_proj`,
 //! `mlp.gate_proj`, `input_layernorm`, …) so a checkpoint's tensors map onto
@@ -11,7 +14,7 @@ use burn::module::Module;
 use burn::nn::{Linear, LinearConfig, RmsNorm, RmsNormConfig};
 use burn::tensor::activation::silu;
 use burn::tensor::{Device, Tensor, TensorData};
-use headroom_planner::{LlamaShape, TargetModule};
+use headroom_planner::{LlamaShape, RopeScaling, TargetModule};
 
 use super::lean::linear::{self, AdapterDropout};
 use super::lean::{ATTENTION_BLOCK, AttentionOptions, attend};
@@ -23,36 +26,82 @@ use super::nf4::Nf4Bases;
 /// original layout), which would need the q/k weights permuted on load and
 /// back on save; applying HF's layout directly keeps the checkpoint's
 /// tensors as they are.
+///
+/// Only the first `rotary_dim` values of a head turn (Phi-3's
+/// `partial_rotary_factor`); the rest pass through unchanged.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Rope {
-    head_dim: usize,
-    /// Inverse frequencies, one per rotated pair (head_dim / 2).
+    /// The values of a head RoPE rotates (its first ones).
+    rotary_dim: usize,
+    /// Inverse frequencies, one per rotated pair (rotary_dim / 2).
     inv_freq: Vec<f32>,
+    /// LongRoPE's frequencies for sequences longer than the pretraining
+    /// context, and that context (tokens): transformers switches to them
+    /// when a forward pass's positions run past it.
+    long: Option<(Vec<f32>, usize)>,
+    /// cos and sin are multiplied by it (LongRoPE's attention factor; 1 otherwise).
+    scale: f32,
 }
 
 impl Rope {
-    /// `theta`: the RoPE base (`rope_theta`); `scaling`: Llama 3's frequency
-    /// scaling where the config asks for it.
-    pub fn new(head_dim: usize, theta: f64, scaling: Option<&Llama3RopeScaling>) -> Self {
-        // As transformers computes it: in f32, exponent 2i/d.
-        let inv_freq = (0..head_dim / 2)
-            .map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / head_dim as f32))
-            .map(|f| scaling.map_or(f, |s| s.scale(f)))
+    /// `shape`'s RoPE: its base (`rope_theta`), rotated part of a head, and
+    /// Llama 3's or LongRoPE's frequency scaling where the config asks for it.
+    pub fn new(shape: &LlamaShape) -> Self {
+        let rotary_dim = shape.rotary_dim() as usize;
+        let theta = shape.rope_theta as f32;
+        // As transformers computes it: in f32, exponent 2i/d over the rotated part.
+        let base = |i: usize| theta.powf((2 * i) as f32 / rotary_dim as f32);
+        let pairs = 0..rotary_dim / 2;
+        if let Some(l) = &shape.long_rope {
+            // transformers: 1 / (factor · base^(2i/d)).
+            let freqs = |factors: &[f32]| {
+                pairs
+                    .clone()
+                    .map(|i| 1.0 / (factors[i] * base(i)))
+                    .collect()
+            };
+            return Rope {
+                rotary_dim,
+                inv_freq: freqs(&l.short_factor),
+                long: Some((
+                    freqs(&l.long_factor),
+                    l.original_max_position_embeddings as usize,
+                )),
+                scale: l.attention_factor as f32,
+            };
+        }
+        let inv_freq = pairs
+            .map(|i| 1.0 / base(i))
+            .map(|f| {
+                shape
+                    .rope_scaling
+                    .as_ref()
+                    .map_or(f, |s| llama3_scaled(s, f))
+            })
             .collect();
-        Rope { head_dim, inv_freq }
+        Rope {
+            rotary_dim,
+            inv_freq,
+            long: None,
+            scale: 1.0,
+        }
     }
 
-    /// cos and sin for positions 0..seq, each [seq, head_dim] (halves repeated).
+    /// cos and sin for positions 0..seq, each [seq, rotary_dim] (halves repeated).
     fn tables(&self, seq: usize, device: &Device) -> (Tensor<2>, Tensor<2>) {
-        let d = self.head_dim;
+        let d = self.rotary_dim;
+        let inv_freq = match &self.long {
+            Some((long, original)) if seq > *original => long,
+            _ => &self.inv_freq,
+        };
         let mut cos = Vec::with_capacity(seq * d);
         let mut sin = Vec::with_capacity(seq * d);
         for p in 0..seq {
             for _half in 0..2 {
-                for f in &self.inv_freq {
+                for f in inv_freq {
                     let angle = p as f32 * f;
-                    cos.push(angle.cos());
-                    sin.push(angle.sin());
+                    cos.push(angle.cos() * self.scale);
+                    sin.push(angle.sin() * self.scale);
                 }
             }
         }
@@ -65,6 +114,11 @@ impl Rope {
     /// Rotates `x` [batch, heads, seq, head_dim] by position.
     fn apply(&self, x: Tensor<4>, cos: &Tensor<2>, sin: &Tensor<2>) -> Tensor<4> {
         let [b, a, s, d] = x.dims();
+        let r = self.rotary_dim;
+        if r < d {
+            let rotated = self.apply(x.clone().narrow(3, 0, r), cos, sin);
+            return Tensor::cat(vec![rotated, x.narrow(3, r, d - r)], 3);
+        }
         let half = d / 2;
         let x1 = x.clone().narrow(3, 0, half);
         let x2 = x.clone().narrow(3, half, half);
@@ -77,48 +131,48 @@ impl Rope {
 
 /// `rope_scaling` with `rope_type: llama3` (Llama 3.1/3.2): long wavelengths
 /// are slowed by `factor`, short ones kept, the band between interpolated.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Llama3RopeScaling {
-    pub factor: f32,
-    pub low_freq_factor: f32,
-    pub high_freq_factor: f32,
-    pub original_max_position_embeddings: f32,
-}
-
-impl Llama3RopeScaling {
-    fn scale(&self, inv_freq: f32) -> f32 {
-        let low_wavelen = self.original_max_position_embeddings / self.low_freq_factor;
-        let high_wavelen = self.original_max_position_embeddings / self.high_freq_factor;
-        let wavelen = 2.0 * std::f32::consts::PI / inv_freq;
-        if wavelen > low_wavelen {
-            inv_freq / self.factor
-        } else if wavelen < high_wavelen {
-            inv_freq
-        } else {
-            let smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor)
-                / (self.high_freq_factor - self.low_freq_factor);
-            (1.0 - smooth) * inv_freq / self.factor + smooth * inv_freq
-        }
+fn llama3_scaled(s: &RopeScaling, inv_freq: f32) -> f32 {
+    let low_wavelen = s.original_max_position_embeddings / s.low_freq_factor;
+    let high_wavelen = s.original_max_position_embeddings / s.high_freq_factor;
+    let wavelen = 2.0 * std::f32::consts::PI / inv_freq;
+    if wavelen > low_wavelen {
+        inv_freq / s.factor
+    } else if wavelen < high_wavelen {
+        inv_freq
+    } else {
+        let smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+            / (s.high_freq_factor - s.low_freq_factor);
+        (1.0 - smooth) * inv_freq / s.factor + smooth * inv_freq
     }
 }
 
-/// Causal self-attention with `heads` query heads sharing `kv_heads` key/value heads.
+/// Causal self-attention with `heads` query heads sharing `kv_heads`
+/// key/value heads, each `head_dim` wide (which need not be hidden / heads).
+/// q, k and v come from three linears, or from Phi-3's one `qkv_proj`
+/// (their outputs side by side, in that order).
 #[derive(Module, Debug)]
 pub struct LlamaAttention {
-    pub q_proj: Linear,
-    pub k_proj: Linear,
-    pub v_proj: Linear,
+    pub q_proj: Option<Linear>,
+    pub k_proj: Option<Linear>,
+    pub v_proj: Option<Linear>,
+    pub qkv_proj: Option<Linear>,
     pub o_proj: Linear,
+    /// Qwen3's RMSNorm over each query head ([head_dim] weights); `None` elsewhere.
+    pub q_norm: Option<RmsNorm>,
+    /// Qwen3's RMSNorm over each key head.
+    pub k_norm: Option<RmsNorm>,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
 }
 
-/// SwiGLU: down(silu(gate(x)) · up(x)).
+/// SwiGLU: down(silu(gate(x)) · up(x)); gate and up are two linears, or
+/// Phi-3's one `gate_up_proj` (gate's outputs first).
 #[derive(Module, Debug)]
 pub struct LlamaMlp {
-    pub gate_proj: Linear,
-    pub up_proj: Linear,
+    pub gate_proj: Option<Linear>,
+    pub up_proj: Option<Linear>,
+    pub gate_up_proj: Option<Linear>,
     pub down_proj: Linear,
 }
 
@@ -129,13 +183,14 @@ pub struct LlamaBlock {
     pub self_attn: LlamaAttention,
     pub post_attention_layernorm: RmsNorm,
     pub mlp: LlamaMlp,
-    /// The seven linears' frozen weights under QLoRA with an NF4 base (the
+    /// The linears' frozen weights under QLoRA with an NF4 base (the
     /// linears then hold empty placeholders); empty otherwise. Not part of
     /// the module's record: a run re-quantizes the pretrained checkpoint.
     #[module(skip)]
     pub nf4: Nf4Bases,
-    rope_theta: f64,
-    rope_scaling: Option<[f32; 4]>,
+    /// Derived from the shape, so not part of the record either.
+    #[module(skip)]
+    rope: Rope,
 }
 
 /// `LlamaShape`'s RMSNorm with the shape's epsilon.
@@ -157,44 +212,40 @@ impl LlamaBlock {
         let o_bias = shape.attention_bias
             && shape.architecture != headroom_planner::LlamaArchitecture::Qwen2;
         let linear = |i, o, bias| LinearConfig::new(i, o).with_bias(bias).init(device);
+        // Phi-3's fused matrices, or Llama's separate ones.
+        let fused = shape.architecture.fused_projections();
+        let separate = |i, o, bias| (!fused).then(|| linear(i, o, bias));
+        let head_norm = || {
+            shape.architecture.qk_norm().then(|| {
+                RmsNormConfig::new(shape.head_dim as usize)
+                    .with_epsilon(shape.rms_norm_eps)
+                    .init(device)
+            })
+        };
         LlamaBlock {
             input_layernorm: rms_norm(shape, device),
             self_attn: LlamaAttention {
-                q_proj: linear(h, q, qkv_bias),
-                k_proj: linear(h, kv, qkv_bias),
-                v_proj: linear(h, kv, qkv_bias),
+                q_proj: separate(h, q, qkv_bias),
+                k_proj: separate(h, kv, qkv_bias),
+                v_proj: separate(h, kv, qkv_bias),
+                qkv_proj: fused.then(|| linear(h, q + 2 * kv, false)),
                 o_proj: linear(q, h, o_bias),
+                q_norm: head_norm(),
+                k_norm: head_norm(),
                 heads: shape.attention_heads as usize,
                 kv_heads: shape.key_value_heads as usize,
                 head_dim: shape.head_dim as usize,
             },
             post_attention_layernorm: rms_norm(shape, device),
             mlp: LlamaMlp {
-                gate_proj: linear(h, i, shape.mlp_bias),
-                up_proj: linear(h, i, shape.mlp_bias),
+                gate_proj: separate(h, i, shape.mlp_bias),
+                up_proj: separate(h, i, shape.mlp_bias),
+                gate_up_proj: fused.then(|| linear(h, 2 * i, false)),
                 down_proj: linear(i, h, shape.mlp_bias),
             },
             nf4: Nf4Bases::default(),
-            rope_theta: shape.rope_theta,
-            rope_scaling: shape.rope_scaling.as_ref().map(|s| {
-                [
-                    s.factor,
-                    s.low_freq_factor,
-                    s.high_freq_factor,
-                    s.original_max_position_embeddings,
-                ]
-            }),
+            rope: Rope::new(shape),
         }
-    }
-
-    fn rope(&self) -> Rope {
-        let scaling = self.rope_scaling.map(|[f, l, h, o]| Llama3RopeScaling {
-            factor: f,
-            low_freq_factor: l,
-            high_freq_factor: h,
-            original_max_position_embeddings: o,
-        });
-        Rope::new(self.self_attn.head_dim, self.rope_theta, scaling.as_ref())
     }
 
     /// [batch, seq, hidden] → [batch, seq, hidden].
@@ -210,7 +261,7 @@ impl LlamaBlock {
         };
         let attn = self.self_attn.forward(
             self.input_layernorm.forward(x.clone()),
-            &self.rope(),
+            &self.rope,
             &projections,
         );
         let x = x + attn;
@@ -238,24 +289,55 @@ impl Projections<'_> {
 
 impl LlamaMlp {
     fn forward(&self, x: Tensor<3>, p: &Projections) -> Tensor<3> {
-        use TargetModule::{DownProj, GateProj, UpProj};
-        let gate = silu(p.forward(GateProj, &self.gate_proj, x.clone()));
-        let up = p.forward(UpProj, &self.up_proj, x);
-        p.forward(DownProj, &self.down_proj, gate * up)
+        use TargetModule::{DownProj, GateProj, GateUpProj, UpProj};
+        let (gate, up) = match (&self.gate_up_proj, &self.gate_proj, &self.up_proj) {
+            (Some(fused), _, _) => {
+                let both = p.forward(GateUpProj, fused, x);
+                let i = both.dims()[2] / 2;
+                (both.clone().narrow(2, 0, i), both.narrow(2, i, i))
+            }
+            (None, Some(gate), Some(up)) => (
+                p.forward(GateProj, gate, x.clone()),
+                p.forward(UpProj, up, x),
+            ),
+            _ => unreachable!("a block has gate_up_proj or both gate_proj and up_proj"),
+        };
+        p.forward(DownProj, &self.down_proj, silu(gate) * up)
     }
 }
 
 impl LlamaAttention {
     /// `x`: [batch, seq, hidden] (already normalised) → [batch, seq, hidden].
     fn forward(&self, x: Tensor<3>, rope: &Rope, p: &Projections) -> Tensor<3> {
-        use TargetModule::{KProj, OProj, QProj, VProj};
+        use TargetModule::{KProj, OProj, QProj, QkvProj, VProj};
         let [b, s, _] = x.dims();
         let (a, kv, d) = (self.heads, self.kv_heads, self.head_dim);
         let device = x.device();
         let heads = |t: Tensor<3>, n: usize| t.reshape([b, s, n, d]).swap_dims(1, 2); // [b, n, s, d]
-        let q = heads(p.forward(QProj, &self.q_proj, x.clone()), a);
-        let k = heads(p.forward(KProj, &self.k_proj, x.clone()), kv);
-        let v = heads(p.forward(VProj, &self.v_proj, x), kv);
+        let (q, k, v) = match (&self.qkv_proj, &self.q_proj, &self.k_proj, &self.v_proj) {
+            (Some(fused), ..) => {
+                let qkv = p.forward(QkvProj, fused, x);
+                (
+                    qkv.clone().narrow(2, 0, a * d),
+                    qkv.clone().narrow(2, a * d, kv * d),
+                    qkv.narrow(2, (a + kv) * d, kv * d),
+                )
+            }
+            (None, Some(q), Some(k), Some(v)) => (
+                p.forward(QProj, q, x.clone()),
+                p.forward(KProj, k, x.clone()),
+                p.forward(VProj, v, x),
+            ),
+            _ => unreachable!("a block has qkv_proj or all of q_proj, k_proj and v_proj"),
+        };
+        let (q, k, v) = (heads(q, a), heads(k, kv), heads(v, kv));
+        // Qwen3 normalises each head over its head_dim values, before RoPE.
+        let per_head = |norm: &Option<RmsNorm>, t: Tensor<4>| match norm {
+            Some(norm) => norm.forward(t),
+            None => t,
+        };
+        let q = per_head(&self.q_norm, q);
+        let k = per_head(&self.k_norm, k);
         let (cos, sin) = rope.tables(s, &device);
         let q = rope.apply(q, &cos, &sin);
         let k = rope.apply(k, &cos, &sin);

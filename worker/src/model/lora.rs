@@ -44,7 +44,8 @@ use super::{Block, INIT_LOCK, LlamaBlock, Part, StageLayout, TransformerLm, part
 /// Mixed into a part's seed so its adapter draws are not its weights' draws.
 const ADAPTER_SEED_SALT: u64 = 0x4c6f_5241_2d41_0001;
 
-/// The seven linear modules of a Llama-family decoder block.
+/// The seven linear modules of a Llama decoder block (Phi-3 fuses them
+/// into four: [`headroom_planner::LlamaArchitecture::block_linears`]).
 pub const BLOCK_LINEARS: [TargetModule; 7] = [
     TargetModule::QProj,
     TargetModule::KProj,
@@ -60,28 +61,40 @@ pub const BLOCK_LINEARS: [TargetModule; 7] = [
 #[error("{0}")]
 pub struct AdapterError(pub String);
 
-/// The block's linear a per-layer target names (`None` for `lm_head`).
+/// The block's linear a per-layer target names (`None` for `lm_head`, and
+/// for a module the block's architecture does not have: Phi-3's fused
+/// `qkv_proj` in a Llama block, Llama's `q_proj` in a Phi-3 one).
 pub fn block_linear(block: &LlamaBlock, module: TargetModule) -> Option<&Linear> {
-    Some(match module {
-        TargetModule::QProj => &block.self_attn.q_proj,
-        TargetModule::KProj => &block.self_attn.k_proj,
-        TargetModule::VProj => &block.self_attn.v_proj,
-        TargetModule::OProj => &block.self_attn.o_proj,
-        TargetModule::GateProj => &block.mlp.gate_proj,
-        TargetModule::UpProj => &block.mlp.up_proj,
-        TargetModule::DownProj => &block.mlp.down_proj,
-        TargetModule::LmHead => return None,
-    })
+    match module {
+        TargetModule::QProj => block.self_attn.q_proj.as_ref(),
+        TargetModule::KProj => block.self_attn.k_proj.as_ref(),
+        TargetModule::VProj => block.self_attn.v_proj.as_ref(),
+        TargetModule::QkvProj => block.self_attn.qkv_proj.as_ref(),
+        TargetModule::OProj => Some(&block.self_attn.o_proj),
+        TargetModule::GateProj => block.mlp.gate_proj.as_ref(),
+        TargetModule::UpProj => block.mlp.up_proj.as_ref(),
+        TargetModule::GateUpProj => block.mlp.gate_up_proj.as_ref(),
+        TargetModule::DownProj => Some(&block.mlp.down_proj),
+        TargetModule::LmHead => None,
+    }
+}
+
+/// The linears `block` has, with the module each is, in the block's order.
+pub fn block_linears(block: &LlamaBlock) -> impl Iterator<Item = (TargetModule, &Linear)> {
+    use TargetModule::*;
+    [
+        QProj, KProj, VProj, QkvProj, OProj, GateProj, UpProj, GateUpProj, DownProj,
+    ]
+    .into_iter()
+    .filter_map(|m| block_linear(block, m).map(|linear| (m, linear)))
 }
 
 /// The module's Hugging Face path in layer `layer` (`model.layers.3.self_attn.q_proj`), or `lm_head`.
 pub fn hf_module(module: TargetModule, layer: u32) -> String {
     match module {
         TargetModule::LmHead => "lm_head".to_string(),
-        TargetModule::QProj | TargetModule::KProj | TargetModule::VProj | TargetModule::OProj => {
-            format!("model.layers.{layer}.self_attn.{}", module.hf_name())
-        }
-        _ => format!("model.layers.{layer}.mlp.{}", module.hf_name()),
+        m if m.in_attention() => format!("model.layers.{layer}.self_attn.{}", m.hf_name()),
+        m => format!("model.layers.{layer}.mlp.{}", m.hf_name()),
     }
 }
 
@@ -129,12 +142,13 @@ pub fn check_block_size(
     shape: &headroom_planner::LlamaShape,
     block_size: u32,
 ) -> Result<(), AdapterError> {
-    for module in BLOCK_LINEARS {
+    let linears = shape.architecture.block_linears();
+    for &module in linears {
         let (d_in, d_out) = module.dims(shape);
         if block_size == 0 || d_out % u64::from(block_size) != 0 {
             let fits: Vec<String> = [128u64, 64, 32, 16, 8]
                 .into_iter()
-                .filter(|b| BLOCK_LINEARS.iter().all(|m| m.dims(shape).1 % b == 0))
+                .filter(|b| linears.iter().all(|m| m.dims(shape).1 % b == 0))
                 .map(|b| b.to_string())
                 .collect();
             return Err(AdapterError(format!(
@@ -183,21 +197,20 @@ impl StageAdapter {
     }
 
     /// Adapts decoder block `layer` (and, for a quantized base, quantizes
-    /// its seven linears). Its adapter factors are drawn from the run's seed
+    /// its linears). Its adapter factors are drawn from the run's seed
     /// and the block, whatever the order blocks are adapted in.
     pub fn block(&self, block: LlamaBlock, layer: u32, device: &Device) -> LlamaBlock {
-        let ids = |modules: &mut dyn Iterator<Item = TargetModule>| {
-            modules
-                .filter_map(|m| block_linear(&block, m).map(|l| l.weight.id))
-                .collect::<Vec<ParamId>>()
-        };
-        let targets = ids(&mut self.config.target_modules.iter().copied());
+        let targets: Vec<ParamId> = self
+            .config
+            .target_modules
+            .iter()
+            .filter_map(|&m| block_linear(&block, m).map(|l| l.weight.id))
+            .collect();
         let lora = self.lora().set_param_group(ParamGroup::from_ids(targets));
         let quantizer = self.scheme.map(|scheme| {
             let mut quantizer = Quantizer::new(Calibration::MinMax, scheme);
-            quantizer.set_param_group(ParamGroup::from_ids(ids(&mut BLOCK_LINEARS
-                .iter()
-                .copied())));
+            let all: Vec<ParamId> = block_linears(&block).map(|(_, l)| l.weight.id).collect();
+            quantizer.set_param_group(ParamGroup::from_ids(all));
             quantizer
         });
         let _guard = INIT_LOCK
@@ -257,8 +270,8 @@ fn store_nf4(block: LlamaBlock, device: &Device) -> LlamaBlock {
 
     let mut bases = Nf4Bases::default();
     let mut ids = Vec::new();
-    for module in BLOCK_LINEARS {
-        let weight = &block_linear(&block, module).expect("a block linear").weight;
+    for (module, linear) in block_linears(&block) {
+        let weight = &linear.weight;
         let [d_in, d_out] = weight.base().dims();
         let values: Vec<f32> = weight
             .base()
@@ -313,14 +326,30 @@ pub fn attach(
     let mut adapted = Vec::with_capacity(blocks.len());
     for (block, layer) in blocks.into_iter().zip(layout.layers.clone()) {
         let Block::Llama(block) = block else {
-            return Err(AdapterError(
-                "training.lora: adapters are for Llama-family checkpoints (Llama, Mistral, Qwen2), not the synthetic transformer".into(),
-            ));
+            return Err(AdapterError(format!(
+                "training.lora: adapters are for Llama-family checkpoints ({}), not the synthetic transformer",
+                headroom_planner::LlamaArchitecture::ALL
+                    .map(headroom_planner::LlamaArchitecture::hf_name)
+                    .join(", ")
+            )));
         };
+        if let Some(&missing) = config
+            .target_modules
+            .iter()
+            .find(|&&m| m.per_layer() && block_linear(&block, m).is_none())
+        {
+            let modules: Vec<&str> = block_linears(&block)
+                .map(|(m, _)| m.hf_name())
+                .chain(["lm_head"])
+                .collect();
+            return Err(AdapterError(format!(
+                "training.lora.targetModules: this checkpoint's blocks have no {missing}; its modules are {}",
+                modules.join(", ")
+            )));
+        }
         if adapter.scheme.is_some() {
-            for module in BLOCK_LINEARS {
-                let weight = &block_linear(&block, module).expect("a block linear").weight;
-                let [d_in, d_out] = weight.base().dims();
+            for (module, linear) in block_linears(&block) {
+                let [d_in, d_out] = linear.weight.base().dims();
                 if d_out % config.block_size as usize != 0 {
                     return Err(AdapterError(format!(
                         "training.lora.blockSize: {} does not divide the {d_out} outputs of {module} ({d_in} × {d_out}), and the quantized base is stored in whole blocks of a row",
@@ -367,6 +396,9 @@ pub fn load_quantized(
     if layout.last && shape.tied_embeddings && config.targets(TargetModule::LmHead) {
         return Err(tied_head_error().into());
     }
+    if let Some(problem) = config.foreign_targets(shape.architecture) {
+        return Err(AdapterError(format!("training.lora.targetModules: {problem}")).into());
+    }
     if adapter.scheme.is_some() {
         check_block_size(shape, config.block_size)?;
     }
@@ -392,8 +424,7 @@ pub fn stage_adapters<'a>(model: &'a TransformerLm, layout: &StageLayout) -> Vec
     let mut found = Vec::new();
     for (block, layer) in model.blocks.iter().zip(layout.layers.clone()) {
         let Block::Llama(block) = block else { continue };
-        for module in BLOCK_LINEARS {
-            let linear = block_linear(block, module).expect("a block linear");
+        for (module, linear) in block_linears(block) {
             if let Some(adapter) = linear.weight.adapter() {
                 found.push(Adapted {
                     module,

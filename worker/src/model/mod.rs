@@ -6,9 +6,9 @@
 //! * [`gpt`] — the synthetic `transformer` (learned positions, LayerNorm,
 //!   GELU), randomly initialised from the job's seed; kept for benchmarks and
 //!   the control-loop tests;
-//! * [`llama`] — Llama, Mistral and Qwen2 as Hugging Face builds them (RoPE,
-//!   RMSNorm, grouped-query attention, SwiGLU), loaded from a checkpoint by
-//!   [`hf`] and written back in the same format.
+//! * [`llama`] — Llama, Mistral, Qwen2, Qwen3 and Phi-3 as Hugging Face
+//!   builds them (RoPE, RMSNorm, grouped-query attention, SwiGLU), loaded
+//!   from a checkpoint by [`hf`] and written back in the same format.
 //!
 //! The parameter count equals the planner's for either family; tests pin
 //! that, so the memory model and the worker cannot drift.

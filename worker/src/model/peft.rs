@@ -125,14 +125,12 @@ pub fn read_config(dir: &Path) -> Result<LoraConfig, HfError> {
     };
     let mut target_modules = Vec::new();
     for name in names {
-        let module = TargetModule::ALL
-            .into_iter()
-            .find(|m| m.hf_name() == name)
-            .ok_or_else(|| {
-                bad(format!(
-                    "target_modules: {name} is not one of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head"
-                ))
-            })?;
+        let module = TargetModule::from_hf_name(name).ok_or_else(|| {
+            bad(format!(
+                "target_modules: {name} is not one of {}",
+                TargetModule::EVERY.map(TargetModule::hf_name).join(", ")
+            ))
+        })?;
         target_modules.push(module);
     }
     target_modules.sort();
