@@ -8,4 +8,5 @@ pub mod inventory;
 pub mod leader;
 pub mod metrics;
 pub mod report;
+pub mod telemetry;
 pub mod worker_api;

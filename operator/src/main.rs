@@ -100,10 +100,10 @@ struct Args {
         default_value_t = 120
     )]
     unschedulable_grace_seconds: u64,
-    /// How often a worker writes its live telemetry into the job's status,
-    /// seconds (sooner when its memory peak grows). Each write is one API
-    /// request per worker: shorter shows progress sooner, longer spares the
-    /// API server on a large cluster.
+    /// How often a worker reports its live telemetry, and the operator
+    /// writes a job's reports into its status, seconds (sooner when a
+    /// memory peak grows). One API request per job each time: shorter shows
+    /// progress sooner, longer spares the API server on a large cluster.
     #[arg(
         long,
         env = "HEADROOM_TELEMETRY_INTERVAL_SECONDS",
@@ -154,7 +154,9 @@ async fn main() -> Result<()> {
     let client = kube::Client::try_default()
         .await
         .context("connecting to the Kubernetes API")?;
-    let metrics = Arc::new(Metrics::default());
+    // Workers' reports, held by the worker API and written per job by its flusher.
+    let reports = worker_api::WorkerReports::start(client.clone(), telemetry_interval);
+    let metrics = Arc::new(Metrics::with_telemetry(reports.clone()));
 
     let listener = tokio::net::TcpListener::bind(args.metrics_addr)
         .await
@@ -233,7 +235,7 @@ async fn main() -> Result<()> {
     };
     let server = worker_api::serve(
         listener,
-        worker_api::router(client.clone(), peer_key),
+        worker_api::router(client.clone(), peer_key, reports.clone()),
         worker_api::Limits::WORKER_API,
         tls.as_ref().map(|t| t.config.clone()),
     );
@@ -292,7 +294,7 @@ async fn main() -> Result<()> {
     let shutdown = async move {
         let _ = rx.wait_for(|stop| *stop).await;
     };
-    controller::watch::run(client, metrics, config, &identity, shutdown).await;
+    controller::watch::run(client, metrics, reports, config, &identity, shutdown).await;
     if let Some(lock) = &lock
         && let Err(e) = lock.release().await
     {

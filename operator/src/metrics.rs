@@ -1,4 +1,11 @@
 //! Prometheus metrics and the `/metrics`, `/healthz`, `/readyz` endpoints.
+//!
+//! Besides the controller's own counters, the workers' live telemetry as
+//! gauges per worker (`headroom_worker_*`, labels `namespace`, `job`,
+//! `worker`), read at each scrape from the reports the operator holds
+//! ([`crate::telemetry`]): a worker's series go when its attempt is
+//! superseded and its job's when the job ends or is deleted, so their
+//! number stays that of the running workers.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -7,11 +14,16 @@ use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
-use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::telemetry::WorkerReports;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ErrorLabels {
@@ -77,6 +89,25 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// The controller's metrics and the workers' gauges from `reports`,
+    /// with its counts of reports taken and status writes sent.
+    pub fn with_telemetry(reports: Arc<WorkerReports>) -> Self {
+        let mut m = Metrics::default();
+        m.registry.register(
+            "telemetry_reports",
+            "Telemetry reports workers posted to the worker API and the operator took",
+            reports.reports.clone(),
+        );
+        m.registry.register(
+            "telemetry_status_writes",
+            "Status writes of workers' telemetry (at most one per job per telemetry interval, sooner on a new peak)",
+            reports.writes.clone(),
+        );
+        m.registry
+            .register_collector(Box::new(WorkerGauges(reports)));
+        m
+    }
+
     pub fn set_ready(&self, ready: bool) {
         self.ready.store(ready, Ordering::Relaxed);
     }
@@ -86,6 +117,157 @@ impl Metrics {
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WorkerLabels {
+    namespace: String,
+    job: String,
+    /// The worker's pod name.
+    worker: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GpuLabels {
+    namespace: String,
+    job: String,
+    worker: String,
+    /// The GPU's NVML index.
+    gpu: String,
+}
+
+/// One worker's figures at a scrape.
+struct WorkerRow {
+    labels: WorkerLabels,
+    peak: u64,
+    current: Option<u64>,
+    allocator_in_use: Option<u64>,
+    allocator_reserved: Option<u64>,
+    step: u64,
+    tokens_per_second: Option<f64>,
+    budget: Option<u64>,
+    /// (index, used bytes, total bytes) per GPU.
+    gpus: Vec<(u32, u64, u64)>,
+}
+
+/// The `headroom_worker_*` gauges, from the held reports at each scrape.
+#[derive(Debug)]
+struct WorkerGauges(Arc<WorkerReports>);
+
+type Figure = fn(&WorkerRow) -> Option<f64>;
+
+impl Collector for WorkerGauges {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let mut rows = Vec::new();
+        // Copied out first: the reports' lock is not held while encoding.
+        self.0.for_each(|namespace, job, budget, r| {
+            let m = &r.memory;
+            rows.push(WorkerRow {
+                labels: WorkerLabels {
+                    namespace: namespace.into(),
+                    job: job.into(),
+                    worker: r.name.clone(),
+                },
+                peak: m.peak_bytes,
+                current: m.cgroup_current_bytes.or(m.process_rss_bytes),
+                allocator_in_use: m.allocator_in_use_bytes,
+                allocator_reserved: m.allocator_reserved_bytes,
+                step: r.step,
+                tokens_per_second: r.tokens_per_second,
+                budget,
+                gpus: m
+                    .gpus
+                    .iter()
+                    .map(|g| (g.index, g.used_bytes, g.total_bytes))
+                    .collect(),
+            });
+        });
+        let bytes = Some(&Unit::Bytes);
+        // Bytes as f64: exact up to 8 PiB.
+        let gauges: [(&str, &str, Option<&Unit>, Figure); 7] = [
+            (
+                "worker_peak",
+                "Highest memory the worker has used so far (its cgroup's peak)",
+                bytes,
+                |w| Some(w.peak as f64),
+            ),
+            (
+                "worker_current",
+                "Memory the worker's cgroup uses now (the process's RSS where the cgroup does not say)",
+                bytes,
+                |w| w.current.map(|b| b as f64),
+            ),
+            (
+                "worker_allocator_in_use",
+                "Bytes the worker's backend allocator has handed out (device memory on a GPU worker)",
+                bytes,
+                |w| w.allocator_in_use.map(|b| b as f64),
+            ),
+            (
+                "worker_allocator_reserved",
+                "Bytes the worker's backend allocator holds, in use and cached",
+                bytes,
+                |w| w.allocator_reserved.map(|b| b as f64),
+            ),
+            (
+                "worker_budget",
+                "The plan's memory budget per worker of the current attempt: what each worker must stay under",
+                bytes,
+                |w| w.budget.map(|b| b as f64),
+            ),
+            (
+                "worker_step",
+                "Optimizer steps the worker has done in its attempt",
+                None,
+                |w| Some(w.step as f64),
+            ),
+            (
+                "worker_tokens_per_second",
+                "The worker's training throughput over its last steps, tokens per second",
+                None,
+                |w| w.tokens_per_second,
+            ),
+        ];
+        for (name, help, unit, figure) in gauges {
+            if rows.iter().all(|w| figure(w).is_none()) {
+                continue;
+            }
+            let mut family = encoder.encode_descriptor(name, help, unit, MetricType::Gauge)?;
+            for w in &rows {
+                if let Some(value) = figure(w) {
+                    ConstGauge::new(value).encode(family.encode_family(&w.labels)?)?;
+                }
+            }
+        }
+        if rows.iter().any(|w| !w.gpus.is_empty()) {
+            for (name, help, pick) in [
+                (
+                    "worker_gpu_used",
+                    "Memory in use on each of the worker's GPUs, all processes (NVML)",
+                    (|g: &(u32, u64, u64)| g.1) as fn(&(u32, u64, u64)) -> u64,
+                ),
+                (
+                    "worker_gpu_total",
+                    "Memory size of each of the worker's GPUs (NVML)",
+                    |g: &(u32, u64, u64)| g.2,
+                ),
+            ] {
+                let mut family = encoder.encode_descriptor(name, help, bytes, MetricType::Gauge)?;
+                for w in &rows {
+                    for g in &w.gpus {
+                        let labels = GpuLabels {
+                            namespace: w.labels.namespace.clone(),
+                            job: w.labels.job.clone(),
+                            worker: w.labels.worker.clone(),
+                            gpu: g.0.to_string(),
+                        };
+                        ConstGauge::new(pick(g) as f64).encode(family.encode_family(&labels)?)?;
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -131,5 +313,70 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("headroom_planning_seconds_count 1"), "{text}");
+    }
+
+    /// A report of `pod` of job `ns/j` as the worker API takes it.
+    fn report(pod: &str, attempt: u32, peak: u64) -> headroom_api::WorkerTelemetry {
+        serde_json::from_value(serde_json::json!({
+            "name": pod, "attempt": attempt, "stage": 0, "layerStart": 0, "layerEnd": 2,
+            "step": 12, "tokensPerSecond": 1500.5,
+            "memory": {
+                "cgroupCurrentBytes": 900, "peakBytes": peak,
+                "allocatorInUseBytes": 700, "allocatorReservedBytes": 800,
+                "gpus": [{"index": 0, "usedBytes": 5000, "totalBytes": 8000}]
+            },
+            "updatedAt": "2026-11-26T10:00:00Z"
+        }))
+        .expect("telemetry")
+    }
+
+    #[test]
+    fn worker_gauges_follow_the_held_reports_and_go_with_their_job() {
+        let reports = Arc::new(WorkerReports::new(std::time::Duration::from_secs(10)));
+        let m = Metrics::with_telemetry(reports.clone());
+        reports.record("ns", "j", "uid-j", report("j-a1-s0", 1, 1000));
+        reports.record("ns", "j", "uid-j", report("j-a1-s1", 1, 2000));
+        reports.record("ns", "k", "uid-k", report("k-a1-s0", 1, 3000));
+        reports.attempt("uid-j", 1, Some(4096));
+        let text = m.encode();
+        let w = |worker: &str| format!("{{namespace=\"ns\",job=\"j\",worker=\"{worker}\"}}");
+        for line in [
+            format!("headroom_worker_peak_bytes{} 1000", w("j-a1-s0")),
+            format!("headroom_worker_peak_bytes{} 2000", w("j-a1-s1")),
+            format!("headroom_worker_current_bytes{} 900", w("j-a1-s0")),
+            format!("headroom_worker_allocator_in_use_bytes{} 700", w("j-a1-s0")),
+            format!("headroom_worker_allocator_reserved_bytes{} 800", w("j-a1-s0")),
+            format!("headroom_worker_budget_bytes{} 4096", w("j-a1-s1")),
+            format!("headroom_worker_step{} 12", w("j-a1-s0")),
+            format!("headroom_worker_tokens_per_second{} 1500.5", w("j-a1-s0")),
+            "headroom_worker_gpu_used_bytes{namespace=\"ns\",job=\"j\",worker=\"j-a1-s0\",gpu=\"0\"} 5000".into(),
+            "headroom_worker_gpu_total_bytes{namespace=\"ns\",job=\"j\",worker=\"j-a1-s0\",gpu=\"0\"} 8000".into(),
+            "headroom_worker_peak_bytes{namespace=\"ns\",job=\"k\",worker=\"k-a1-s0\"} 3000".into(),
+            "# TYPE headroom_worker_peak_bytes gauge".into(),
+            "headroom_telemetry_reports_total 3".into(),
+        ] {
+            assert!(
+                text.lines().any(|l| l == line || l.starts_with(&format!("{line}."))),
+                "{line} in\n{text}"
+            );
+        }
+        assert!(
+            !text.contains("headroom_worker_budget_bytes{namespace=\"ns\",job=\"k\""),
+            "k's budget is unknown:\n{text}"
+        );
+
+        // Attempt 2 supersedes attempt 1: its workers' series go.
+        reports.record("ns", "j", "uid-j", report("j-a2-s0", 2, 500));
+        let text = m.encode();
+        assert!(text.contains(&w("j-a2-s0")), "{text}");
+        assert!(!text.contains("j-a1-"), "{text}");
+        // Job j ends (or is deleted): none of its series remain; k's do.
+        reports.close("uid-j");
+        let text = m.encode();
+        assert!(!text.contains("job=\"j\""), "{text}");
+        assert!(text.contains("worker=\"k-a1-s0\""), "{text}");
+        reports.close("uid-k");
+        let text = m.encode();
+        assert!(!text.contains("headroom_worker_"), "{text}");
     }
 }

@@ -2,7 +2,8 @@
 //! kube-apiserver: a worker pod, which runs under the namespace's `default`
 //! account with no API token and no Role, reports its telemetry through the
 //! operator with the token the kubelet projects into it (bound to the pod,
-//! audience `headroom.dev/worker-api`), and looks up a peer of its own job;
+//! audience `headroom.dev/worker-api`), which the operator writes into the
+//! job's status, and looks up a peer of its own job;
 //! it cannot write another pod's entry, reach another job's pods, or use the
 //! token against the API server itself.
 //!
@@ -88,11 +89,12 @@ async fn a_worker_reports_its_own_telemetry_through_the_operator_and_nothing_els
         "{env:?}"
     );
     let key = worker_api::OperatorKey::random().expect("key");
-    let api = worker_api::router(ns.client.clone(), key.clone());
+    let api = worker_api::router(ns.client.clone(), key.clone(), op.reports.clone());
     let token = ns.pod_token(pod, &[WORKER_API_AUDIENCE]).await;
     let me = pod.name_any();
 
-    // Its own entry: written under its own field manager, as if it had written it.
+    // Its own entry: held and written by the operator (a new worker at the
+    // flusher's next tick) under the operator's telemetry field manager.
     let (code, text) = call(
         &api,
         Method::POST,
@@ -102,9 +104,13 @@ async fn a_worker_reports_its_own_telemetry_through_the_operator_and_nothing_els
     )
     .await;
     assert_eq!(code, StatusCode::NO_CONTENT, "{text}");
+    ns.wait_job("tiny-cpu", "the entry written", TIMEOUT, |j| {
+        j.status
+            .as_ref()
+            .is_some_and(|s| s.workers.iter().map(|w| w.step).collect::<Vec<_>>() == [3])
+    })
+    .await;
     let job = ns.jobs().get("tiny-cpu").await.expect("job");
-    let workers = &job.status.as_ref().expect("status").workers;
-    assert_eq!((workers.len(), workers[0].step), (1, 3), "{workers:?}");
     let managers: Vec<String> = job
         .metadata
         .managed_fields
@@ -113,7 +119,13 @@ async fn a_worker_reports_its_own_telemetry_through_the_operator_and_nothing_els
         .filter_map(|m| m.manager.clone())
         .collect();
     assert!(
-        managers.contains(&format!("{WORKER_FIELD_MANAGER_PREFIX}{me}")),
+        managers.iter().any(|m| m == op.reports.field_manager()),
+        "{managers:?}"
+    );
+    assert!(
+        !managers
+            .iter()
+            .any(|m| m.starts_with(WORKER_FIELD_MANAGER_PREFIX)),
         "{managers:?}"
     );
     // The operator's own status writes leave it there.

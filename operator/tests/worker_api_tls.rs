@@ -28,7 +28,11 @@ async fn start(hosts: &[&str]) -> (std::net::SocketAddr, ServingTls) {
     let tls = ServingTls::issue(&dir, &hosts).expect("issued");
     let config = kube::Config::new("http://127.0.0.1:9".parse().expect("url"));
     let client = kube::Client::try_from(config).expect("client");
-    let app = worker_api::router(client, OperatorKey::random().expect("key"));
+    let app = worker_api::router(
+        client.clone(),
+        OperatorKey::random().expect("key"),
+        worker_api::WorkerReports::start(client, Duration::from_secs(10)),
+    );
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     tokio::spawn(worker_api::serve(

@@ -1,10 +1,9 @@
 //! Live telemetry into the job's status: `status.workers[<pod>]`. The
 //! worker posts it to the operator's worker API ([`crate::worker_api`]);
-//! the operator writes it by server-side apply on the status subresource
-//! under the worker's own field manager (`headroom-worker/<pod>`), so each
-//! worker owns only its entry of the list-map and never conflicts with the
-//! operator or its peers. Without a worker API (local runs, tests) it is
-//! logged.
+//! the operator holds the latest report of each worker and writes a job's
+//! entries together by server-side apply, at most once per interval and
+//! sooner on a new peak (`headroom_operator::telemetry`). Without a worker
+//! API (local runs, tests) it is logged.
 //!
 //! A background thread samples memory every `sample_every` and writes when
 //! the [`WritePolicy`] says so: at most once per interval, and at once when

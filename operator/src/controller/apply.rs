@@ -29,11 +29,12 @@ use super::{Context, Error, LAUNCH_EXPECTATION, pods};
 /// parsing and merge give way to the patch's decode and JSON merge); what
 /// it costs is the size of the job object it decodes, validates and stores.
 ///
-/// Telemetry entries (`status.workers`) belong to the workers' field
-/// managers and stay out of the patch, except that the entries of earlier
-/// attempts are dropped once a new attempt is recorded (the list is
-/// documented as the current attempt's; what they said is already folded
-/// into that attempt's history, `observedPeakBytes` and `lastStep`). A
+/// Telemetry entries (`status.workers`) belong to the operator's telemetry
+/// field manager ([`crate::telemetry`]) and stay out of the patch, except
+/// that the entries of earlier attempts are dropped once a new attempt is
+/// recorded (the list is documented as the current attempt's; what they
+/// said is already folded into that attempt's history, `observedPeakBytes`
+/// and `lastStep`). A
 /// telemetry write between our read and this write makes the
 /// resourceVersion guard refuse it (409) rather than lose that write.
 pub(super) async fn apply_status(

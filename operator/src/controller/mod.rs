@@ -40,6 +40,7 @@ use kube::{Client, ResourceExt};
 pub use config::{CheckpointAccess, ChildConfig, ControllerConfig, WorkerImages};
 
 use crate::metrics::Metrics;
+use crate::telemetry::WorkerReports;
 
 /// Reconcile failures, each naming the step that failed and on what object.
 #[derive(Debug, thiserror::Error)]
@@ -86,6 +87,12 @@ pub enum Error {
         #[source]
         source: kube::Error,
     },
+    #[error("writing the workers' last telemetry into job {job}: {source}")]
+    FlushTelemetry {
+        job: String,
+        #[source]
+        source: kube::Error,
+    },
 }
 
 impl Error {
@@ -98,6 +105,7 @@ impl Error {
             Error::KeepClaim { .. } => "keep_claim",
             Error::BuildChild { .. } => "build_child",
             Error::DeleteWorker { .. } => "delete_worker",
+            Error::FlushTelemetry { .. } => "flush_telemetry",
         }
     }
 
@@ -154,7 +162,8 @@ impl Error {
             Error::ApplyStatus { source, .. }
             | Error::ApplyChild { source, .. }
             | Error::KeepClaim { source, .. }
-            | Error::DeleteWorker { source, .. } => match source {
+            | Error::DeleteWorker { source, .. }
+            | Error::FlushTelemetry { source, .. } => match source {
                 kube::Error::Api(e) => Some(e),
                 _ => None,
             },
@@ -203,6 +212,9 @@ pub struct Context {
     pub recorder: Recorder,
     pub metrics: Arc<Metrics>,
     pub config: ControllerConfig,
+    /// The workers' latest telemetry, held by the worker API: written
+    /// before a pod's end is acted on, forgotten when a job ends.
+    pub reports: Arc<WorkerReports>,
     /// Attempts whose pods were just created but may not be in the pod cache
     /// yet (job uid, attempt) → when. Without it, the reconcile triggered by
     /// our own status write would create the same children a second time.
@@ -303,6 +315,7 @@ impl Context {
         recorder: Recorder,
         metrics: Arc<Metrics>,
         config: ControllerConfig,
+        reports: Arc<WorkerReports>,
     ) -> Self {
         Context {
             client,
@@ -313,6 +326,7 @@ impl Context {
             recorder,
             metrics,
             config,
+            reports,
             launched: Mutex::default(),
             written: OwnWrites::default(),
         }

@@ -16,6 +16,7 @@ use super::apply::{
     apply_status, delete_worker, ensure_initializer, keep_claim, launch_attempt, missing_workers,
     publish_events, undo_launch,
 };
+use super::classify::{PodVerdict, classify};
 use super::decide::refused::{Refused, refused};
 use super::decide::{Decision, Observation, decide};
 use super::{Context, Error};
@@ -85,6 +86,42 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
                 .any(|o| Some(&o.uid) == uid.as_ref())
         })
         .collect();
+    // A pod that ended: what its worker reported last (before an OOM kill
+    // or an eviction it cannot report after) goes into the status before
+    // the attempt is closed from it (`crate::telemetry`), and the decision
+    // is made on the job that write returned.
+    let flushed;
+    let overlaid;
+    let mut job = job;
+    let ended: Vec<String> = own
+        .iter()
+        .filter(|p| has_ended(p))
+        .map(|p| p.name_any())
+        .collect();
+    if let Some(uid) = &uid
+        && !ended.is_empty()
+    {
+        let written = ctx
+            .reports
+            .flush(&ctx.client, uid, &ended)
+            .await
+            .map_err(|source| Error::FlushTelemetry {
+                job: name.clone(),
+                source,
+            })?;
+        if let Some(mut written) = written {
+            written.managed_fields_mut().clear();
+            ctx.wrote(job, &written);
+            flushed = written;
+            job = &flushed;
+        }
+        // A write of the flusher's that the job cache does not show yet.
+        overlaid = ctx.reports.overlay(job, &ended);
+        if let Some(newer) = &overlaid {
+            job = newer;
+        }
+    }
+
     let inventory = if job.spec.resources.gpu.is_some() {
         let nodes = ctx.nodes.state();
         let device_pods = ctx.device_pods.state();
@@ -157,6 +194,18 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
     if let Some(after) = &written {
         ctx.wrote(job, after);
     }
+    if let Some(uid) = &uid {
+        match decision.status.phase {
+            // Its workers' entries are in the status; their series go.
+            Some(JobPhase::Succeeded | JobPhase::Failed) => ctx.reports.close(uid),
+            _ => {
+                if let Some(attempt) = decision.status.attempt {
+                    let budget = decision.status.plan.as_ref().map(|p| p.budget_bytes);
+                    ctx.reports.attempt(uid, attempt, budget);
+                }
+            }
+        }
+    }
     // The newest version, for a second status write below.
     let latest = written.as_ref().unwrap_or(job);
     record_ended(ctx, decision.ended);
@@ -223,6 +272,13 @@ async fn on_refusal(
     }
     tracing::warn!(%error, "refused for good; job failed");
     Ok(Action::await_change())
+}
+
+/// Whether a pod's worker can no longer report: its container ended, or
+/// the pod is being deleted.
+fn has_ended(pod: &Pod) -> bool {
+    pod.metadata.deletion_timestamp.is_some()
+        || matches!(classify(pod), PodVerdict::Succeeded | PodVerdict::Failed(_))
 }
 
 /// Counts an ended attempt by outcome.

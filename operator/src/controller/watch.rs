@@ -20,11 +20,14 @@ use kube::{Client, ResourceExt};
 use super::reconcile::{error_policy, reconcile};
 use super::{Context, ControllerConfig};
 use crate::metrics::Metrics;
+use crate::telemetry::WorkerReports;
 
-/// Runs the controller until `shutdown` resolves; returns after in-flight reconciles finish.
+/// Runs the controller until `shutdown` resolves; returns after in-flight
+/// reconciles finish. `reports`: the worker API's held telemetry.
 pub async fn run(
     client: Client,
     metrics: Arc<Metrics>,
+    reports: Arc<WorkerReports>,
     config: ControllerConfig,
     identity: &str,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
@@ -129,6 +132,7 @@ pub async fn run(
         recorder,
         metrics.clone(),
         config.clone(),
+        reports.clone(),
     ));
 
     // Reconciling before the caches are complete would plan against a partial
@@ -165,6 +169,14 @@ pub async fn run(
             .default_backoff()
             .modify(forget_managed_fields)
             .reflect(job_writer)
+            .inspect(move |event| {
+                // A deleted job's held telemetry and its workers' series go with it.
+                if let Ok(watcher::Event::Delete(job)) = event
+                    && let Some(uid) = job.uid()
+                {
+                    reports.close(&uid);
+                }
+            })
             .applied_objects();
         Controller::for_stream(job_triggers, job_store)
             .owns_shared_stream(pod_events)

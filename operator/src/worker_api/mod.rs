@@ -12,8 +12,10 @@
 //! that pod's job, and acts for it within that job only:
 //!
 //! * `POST /v1/telemetry` — a [`WorkerTelemetry`] becomes the caller's own
-//!   `status.workers` entry, server-side applied under the caller's field
-//!   manager (`headroom-worker/<pod>`), exactly as workers wrote it before.
+//!   `status.workers` entry: held with its job's other entries and written
+//!   with them at most once per telemetry interval ([`crate::telemetry`]),
+//!   or, when the operator holds as many as it will, server-side applied at
+//!   once under the caller's own field manager (`headroom-worker/<pod>`).
 //! * `GET /v1/peers/<pod>` — the IP of another pod of the caller's job.
 //! * `GET /v1/peer-key` — the caller's job's link key ([`peer_key`]), with
 //!   which its stages and replicas authenticate each other.
@@ -47,6 +49,8 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, Patch, PatchParams};
 use kube::{Client, Resource};
 
+use crate::telemetry::Recorded;
+
 mod identity;
 pub mod peer_key;
 pub mod serve;
@@ -57,6 +61,8 @@ use identity::{Identities, owning_job};
 pub use peer_key::OperatorKey;
 pub use serve::{Limits, serve};
 pub use tls::ServingTls;
+
+pub use crate::telemetry::WorkerReports;
 
 /// The largest request body read, bytes. A worker's telemetry is well under
 /// 8 KiB (a few numbers per GPU; the CRD bounds its strings and lists).
@@ -111,16 +117,19 @@ struct WorkerApi {
     client: Client,
     identities: Identities,
     key: OperatorKey,
+    reports: Arc<WorkerReports>,
 }
 
 /// The worker API's routes, acting with `client` (the operator's own
 /// credentials: it needs `create` on tokenreviews, `get` on pods and `patch`
-/// on memoryawaretrainingjobs/status), handing out job keys derived from `key`.
-pub fn router(client: Client, key: OperatorKey) -> Router {
+/// on memoryawaretrainingjobs/status), handing out job keys derived from
+/// `key`, handing telemetry to `reports` (whose flusher writes it).
+pub fn router(client: Client, key: OperatorKey, reports: Arc<WorkerReports>) -> Router {
     let state = Arc::new(WorkerApi {
         identities: Identities::new(client.clone()),
         client,
         key,
+        reports,
     });
     Router::new()
         .route(WORKER_API_TELEMETRY_PATH, post(telemetry))
@@ -157,6 +166,42 @@ async fn telemetry(
             telemetry.attempt, telemetry.stage, caller.pod, caller.attempt, caller.stage
         )));
     }
+    let gone = || {
+        Refusal::Forbidden(format!(
+            "job {}/{} has ended or is gone: its telemetry is no longer written",
+            caller.namespace, caller.job
+        ))
+    };
+    match api
+        .reports
+        .record(&caller.namespace, &caller.job, &caller.job_uid, telemetry)
+    {
+        Recorded::Held => Ok(StatusCode::NO_CONTENT),
+        Recorded::Closed => Err(gone()),
+        Recorded::Superseded { current } => Err(Refusal::Forbidden(format!(
+            "pod {} is of attempt {}, but job {}/{} runs attempt {current}",
+            caller.pod, caller.attempt, caller.namespace, caller.job
+        ))),
+        Recorded::Full(telemetry) => {
+            write_through(&api, &caller, &telemetry)
+                .await
+                .map_err(|e| match e {
+                    kube::Error::Api(e) if matches!(e.code, 404 | 409) => gone(),
+                    e => Refusal::Upstream(e),
+                })?;
+            Ok(StatusCode::NO_CONTENT)
+        }
+    }
+}
+
+/// The caller's entry applied at once under its own field manager, as
+/// workers wrote it before the operator held reports: for a worker beyond
+/// the reports the operator holds.
+async fn write_through(
+    api: &WorkerApi,
+    caller: &Caller,
+    telemetry: &WorkerTelemetry,
+) -> Result<(), kube::Error> {
     let jobs: Api<MemoryAwareTrainingJob> = Api::namespaced(api.client.clone(), &caller.namespace);
     let body = serde_json::json!({
         "apiVersion": MemoryAwareTrainingJob::api_version(&()),
@@ -166,23 +211,14 @@ async fn telemetry(
         "status": {"workers": [telemetry]},
     });
     let manager = format!("{WORKER_FIELD_MANAGER_PREFIX}{}", caller.pod);
-    match jobs
-        .patch_status(
-            &caller.job,
-            &PatchParams::apply(&manager).force(),
-            &Patch::Apply(&body),
-        )
-        .await
-    {
-        Ok(_) => Ok(StatusCode::NO_CONTENT),
-        Err(kube::Error::Api(e)) if matches!(e.code, 404 | 409) => {
-            Err(Refusal::Forbidden(format!(
-                "job {}/{} is gone: {}",
-                caller.namespace, caller.job, e.message
-            )))
-        }
-        Err(e) => Err(Refusal::Upstream(e)),
-    }
+    api.reports.writes.inc();
+    jobs.patch_status(
+        &caller.job,
+        &PatchParams::apply(&manager).force(),
+        &Patch::Apply(&body),
+    )
+    .await
+    .map(drop)
 }
 
 /// `GET /v1/peers/<pod>`: a pod of the caller's own job.

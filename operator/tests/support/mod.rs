@@ -11,6 +11,7 @@ pub use headroom_e2e::fixtures::*;
 pub use headroom_e2e::{API_SERVER, TestNs};
 use headroom_operator::controller::{self, ControllerConfig};
 use headroom_operator::metrics::Metrics;
+use headroom_operator::telemetry::WorkerReports;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -22,26 +23,29 @@ pub async fn test_ns(prefix: &str) -> TestNs {
     TestNs::new(API_SERVER, prefix).await
 }
 
-/// Runs a controller scoped to the test's namespace.
+/// Runs a controller scoped to the test's namespace, with the telemetry
+/// holder a worker API of the same process shares ([`Operator::reports`]).
 pub fn start_operator(ns: &TestNs, config: ControllerConfig) -> Operator {
     let (stop, mut rx) = watch::channel(false);
-    let metrics = Arc::new(Metrics::default());
     let client = ns.client.clone();
+    let reports = WorkerReports::start(client.clone(), config.children.telemetry_interval);
+    let metrics = Arc::new(Metrics::with_telemetry(reports.clone()));
     let config = ControllerConfig {
         namespace: Some(ns.name.clone()),
         ..config
     };
-    let m = metrics.clone();
+    let (m, r) = (metrics.clone(), reports.clone());
     let handle = tokio::spawn(async move {
         let shutdown = async move {
             let _ = rx.wait_for(|s| *s).await;
         };
-        controller::watch::run(client, m, config, "test-operator", shutdown).await;
+        controller::watch::run(client, m, r, config, "test-operator", shutdown).await;
     });
     Operator {
         stop,
         handle,
         metrics,
+        reports,
     }
 }
 
@@ -50,6 +54,8 @@ pub struct Operator {
     stop: watch::Sender<bool>,
     handle: JoinHandle<()>,
     pub metrics: Arc<Metrics>,
+    /// The workers' held telemetry, for a worker API beside the controller.
+    pub reports: Arc<WorkerReports>,
 }
 
 impl Operator {
