@@ -61,12 +61,12 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::{Client, Resource, ResourceExt};
 use prometheus_client::metrics::counter::Counter;
 
+/// A worker's peak this much above the one last written is written at the
+/// next tick (the same fraction at which a worker reports early).
+pub use headroom_api::PEAK_GROWTH_FOR_IMMEDIATE_WRITE;
 /// Field manager of this process's telemetry writes: the prefix and a
 /// random suffix per process (see the module doc for why not one name).
-pub const FIELD_MANAGER_PREFIX: &str = "headroom-telemetry/";
-/// A worker's peak this much above the one last written is written at the
-/// next tick (the worker's `PEAK_GROWTH_FOR_IMMEDIATE_WRITE`, 10 %).
-pub const PEAK_GROWTH_FOR_IMMEDIATE_WRITE: f64 = 0.10;
+pub use headroom_api::TELEMETRY_FIELD_MANAGER_PREFIX as FIELD_MANAGER_PREFIX;
 /// Workers whose latest report is held, all jobs together: about 1 KiB
 /// each, so at most ~16 MiB of the operator's 256 Mi.
 pub const MAX_HELD_WORKERS: usize = 16_384;

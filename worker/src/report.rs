@@ -29,8 +29,8 @@ use crate::worker_api::{WorkerApi, WorkerApiError};
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
 /// Default memory sampling period.
 pub const DEFAULT_SAMPLE_EVERY: Duration = Duration::from_millis(500);
-/// A peak this much above the last written one is written at once.
-pub const PEAK_GROWTH_FOR_IMMEDIATE_WRITE: f64 = 0.10;
+/// A peak this much above the last reported one is reported at once.
+pub use headroom_api::PEAK_GROWTH_FOR_IMMEDIATE_WRITE;
 
 /// Where the training is; updated by the training loop after each step
 /// (or, in an initializer, where its download is).

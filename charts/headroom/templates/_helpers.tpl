@@ -35,8 +35,9 @@ watches every namespace, in a Role of the one it watches otherwise. */}}
 - apiGroups: ["headroom.dev"]
   resources: ["memoryawaretrainingjobs"]
   verbs: ["get", "list", "watch"]
-# Status: the operator's own fields (a merge patch), and each worker's
-# telemetry entry on that worker's behalf (the worker API, server-side apply).
+# Status: the operator's own fields (a merge patch), and the workers'
+# telemetry entries, which workers post to the worker API and the operator
+# writes together (server-side apply).
 - apiGroups: ["headroom.dev"]
   resources: ["memoryawaretrainingjobs/status"]
   verbs: ["get", "patch"]

@@ -8,7 +8,16 @@ pub const GROUP: &str = "headroom.dev";
 /// Field manager the operator uses for every server-side apply.
 pub const OPERATOR_FIELD_MANAGER: &str = "headroom-operator";
 /// Workers use `headroom-worker/<worker name>` so each owns only its own status entry.
+/// The operator writes a worker's report under it only when it holds too
+/// many to aggregate (`operator/src/telemetry.rs`).
 pub const WORKER_FIELD_MANAGER_PREFIX: &str = "headroom-worker/";
+/// The operator's aggregated telemetry writes: this prefix and a random
+/// suffix per operator process, so one process's apply never deletes the
+/// entries another (a restarted or second replica) wrote.
+pub const TELEMETRY_FIELD_MANAGER_PREFIX: &str = "headroom-telemetry/";
+/// A peak this much above the last one written is reported at once by a
+/// worker and written at once by the operator's aggregator.
+pub const PEAK_GROWTH_FOR_IMMEDIATE_WRITE: f64 = 0.10;
 
 /// Labels on everything the operator creates for a job.
 pub const LABEL_JOB: &str = "headroom.dev/job";
@@ -73,7 +82,8 @@ pub const WORKER_MALLOC_ARENAS: &str = "1";
 pub const MALLOC_TUNABLES_ENV: &str = "GLIBC_TUNABLES";
 pub const WORKER_MALLOC_TUNABLES: &str =
     "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=4194304";
-/// Seconds between telemetry writes to the job status (a markedly higher peak writes at once).
+/// Seconds between a worker's telemetry reports, and between the operator's
+/// writes of a job's reports into its status (a markedly higher peak goes at once).
 pub const TELEMETRY_INTERVAL_ENV: &str = "HEADROOM_TELEMETRY_INTERVAL_SECONDS";
 /// The operator's worker API: the base URL (`http://host:port`) through which
 /// workers and the initializer report telemetry and look up their peers.
