@@ -588,6 +588,8 @@ fn the_worker_shards_the_tensors_the_planner_budgets() {
         "qwen2-gqa-bias",
         "qwen3-gqa-tied",
         "phi3-mha-longrope-short",
+        "gemma3-gqa-tied",
+        "gemma2-softcap",
     ] {
         let dir = llama.join(variant);
         let checkpoint = HfCheckpoint::open(&dir, 12).expect("fixture");

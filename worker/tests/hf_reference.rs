@@ -17,7 +17,7 @@ use headroom_worker::model::{LmShape, StageLayout, TransformerLm};
 /// (docs/benchmarks.md); ten times that leaves room for another CPU.
 const TOLERANCE: f32 = 5e-5;
 
-const VARIANTS: [&str; 7] = [
+const VARIANTS: [&str; 9] = [
     "llama-gqa-tied",
     "llama-mha-untied",
     "qwen2-gqa-bias",
@@ -29,6 +29,12 @@ const VARIANTS: [&str; 7] = [
     "phi3-gqa-longrope-tied",
     // ... and whole heads with the short factors (12 ≤ 16).
     "phi3-mha-longrope-short",
+    // GeGLU, Gemma's norms (four a block, q/k per head), √hidden-scaled
+    // embeddings, query_pre_attn_scalar, a 4-token sliding layer with its
+    // own RoPE base and a global one with linear scaling.
+    "gemma3-gqa-tied",
+    // Soft-capped attention scores and final logits, a 5-token window.
+    "gemma2-softcap",
 ];
 
 fn fixture(variant: &str) -> PathBuf {

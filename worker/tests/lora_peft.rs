@@ -19,7 +19,7 @@ use headroom_worker::model::{LmShape, StageLayout, TransformerLm, lora, peft};
 /// Absolute tolerance on a logit (the brief's; the llama fixtures agree to 5.3e-6).
 const TOLERANCE: f32 = 1e-4;
 
-const CASES: [(&str, &str); 6] = [
+const CASES: [(&str, &str); 8] = [
     ("llama-mha-untied-qv", "llama-mha-untied"),
     ("llama-mha-untied-all", "llama-mha-untied"),
     ("llama-gqa-tied-qv", "llama-gqa-tied"),
@@ -27,6 +27,10 @@ const CASES: [(&str, &str); 6] = [
     ("qwen3-gqa-tied-blocks", "qwen3-gqa-tied"),
     // Phi-3's fused qkv_proj and gate_up_proj, o_proj, down_proj, lm_head.
     ("phi3-mha-longrope-short-all", "phi3-mha-longrope-short"),
+    // Gemma: Llama's names; PEFT's default q_proj, v_proj on Gemma 3, every
+    // linear and lm_head on Gemma 2 (soft-capped logits).
+    ("gemma3-gqa-tied-qv", "gemma3-gqa-tied"),
+    ("gemma2-softcap-all", "gemma2-softcap"),
 ];
 
 fn fixtures() -> PathBuf {

@@ -109,6 +109,8 @@ fn block_by_block_loading_gives_the_same_stage() {
         "qwen2-gqa-bias",
         "qwen3-gqa-tied",
         "phi3-gqa-longrope-tied",
+        "gemma3-gqa-tied",
+        "gemma2-softcap",
     ] {
         let checkpoint = HfCheckpoint::open(&fixture(variant), SEQUENCE).expect("fixture");
         let tied = checkpoint.shape.tied_embeddings;

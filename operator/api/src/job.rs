@@ -125,7 +125,8 @@ pub struct SchedulingSpec {
 ]))]
 pub struct ModelSpec {
     /// A Llama-family checkpoint in Hugging Face format (Llama, Mistral,
-    /// Qwen2, Qwen3, Phi-3) to fine-tune; an initializer pod reads its shape first.
+    /// Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3 text) to fine-tune; an initializer
+    /// pod reads its shape first.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pretrained: Option<PretrainedModel>,
     /// A synthetic GPT-style model trained from random weights (benchmarks, tests).

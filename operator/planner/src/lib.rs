@@ -42,7 +42,9 @@ pub use adapters::{BaseFormat, LoraConfig, TargetModule};
 pub use backend::{Backend, BackendProfile};
 pub use inventory::{DeviceKind, DeviceType, Inventory, NodeFacts};
 pub use ladder::{MemoryFailure, MemoryFailureKind, next_stricter_plan};
-pub use llama::{ConfigError, LlamaArchitecture, LlamaShape, RopeScaling};
+pub use llama::{
+    ConfigError, GemmaAttention, LayerAttention, LlamaArchitecture, LlamaShape, RopeScaling,
+};
 pub use memory::{ATTENTION_BLOCK, LOSS_CHUNK_ELEMENTS, MemoryBreakdown, NF4_DEQUANT_CHUNK_VALUES};
 pub use model::{GenericModel, ModelShape, TransformerShape};
 pub use plan::{JobRequest, NoFeasiblePlan, Objective, Plan, SearchOptions, Stage, Target};

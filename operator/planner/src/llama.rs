@@ -10,6 +10,13 @@
 //! k and v in one matrix (`qkv_proj`) and gate and up in another
 //! (`gate_up_proj`), RoPE over part of each head (`partial_rotary_factor`)
 //! and LongRoPE scaling.
+//! `Gemma3ForCausalLM` (text) and `Gemma2ForCausalLM` keep the weights'
+//! names but not the function: GeGLU (`gelu_pytorch_tanh`), RMSNorm over
+//! `1 + weight`, embeddings scaled by √hidden, a norm after each sublayer
+//! as well as before, `query_pre_attn_scalar` in place of head_dim in the
+//! attention scale, and sliding-window layers beside global ones
+//! ([`GemmaAttention`]); Gemma 3 normalises q and k per head as Qwen3 does,
+//! Gemma 2 soft-caps the attention scores and the final logits.
 //!
 //! Parameter counts follow the Hugging Face modules exactly, so they equal
 //! the published counts (tests below, from the models' public config values).
@@ -42,15 +49,27 @@ pub enum LlamaArchitecture {
     /// no biases, and RoPE over `partial_rotary_factor` of each head.
     #[serde(rename = "Phi3ForCausalLM")]
     Phi3,
+    /// `Gemma3ForCausalLM` (Gemma 3 1B, and the text part of the larger
+    /// ones): Llama's linears with GeGLU, Gemma's RMSNorm (`1 + weight`),
+    /// four norms a block, per-head q/k norms and sliding-window layers
+    /// with their own RoPE base.
+    #[serde(rename = "Gemma3ForCausalLM")]
+    Gemma3,
+    /// `Gemma2ForCausalLM`: Gemma 3's block without q/k norms, with soft-capped
+    /// attention scores and final logits, alternating sliding and global layers.
+    #[serde(rename = "Gemma2ForCausalLM")]
+    Gemma2,
 }
 
 impl LlamaArchitecture {
-    pub const ALL: [LlamaArchitecture; 5] = [
+    pub const ALL: [LlamaArchitecture; 7] = [
         LlamaArchitecture::Llama,
         LlamaArchitecture::Mistral,
         LlamaArchitecture::Qwen2,
         LlamaArchitecture::Qwen3,
         LlamaArchitecture::Phi3,
+        LlamaArchitecture::Gemma3,
+        LlamaArchitecture::Gemma2,
     ];
 
     pub fn hf_name(self) -> &'static str {
@@ -60,13 +79,22 @@ impl LlamaArchitecture {
             LlamaArchitecture::Qwen2 => "Qwen2ForCausalLM",
             LlamaArchitecture::Qwen3 => "Qwen3ForCausalLM",
             LlamaArchitecture::Phi3 => "Phi3ForCausalLM",
+            LlamaArchitecture::Gemma3 => "Gemma3ForCausalLM",
+            LlamaArchitecture::Gemma2 => "Gemma2ForCausalLM",
         }
     }
 
     /// Whether each block normalises q and k per head (`self_attn.q_norm`,
     /// `self_attn.k_norm`, each `head_dim` weights).
     pub fn qk_norm(self) -> bool {
-        self == LlamaArchitecture::Qwen3
+        matches!(self, LlamaArchitecture::Qwen3 | LlamaArchitecture::Gemma3)
+    }
+
+    /// Gemma 2 or 3: GeGLU, RMSNorm over `1 + weight`, √hidden-scaled
+    /// embeddings and two more norms a block (`pre_feedforward_layernorm`,
+    /// `post_feedforward_layernorm`).
+    pub fn gemma(self) -> bool {
+        matches!(self, LlamaArchitecture::Gemma3 | LlamaArchitecture::Gemma2)
     }
 
     /// Whether q, k, v and gate, up are fused matrices (`qkv_proj`,
@@ -134,11 +162,56 @@ pub struct LlamaShape {
     /// Phi-4-mini 0.75): its first `head_dim × this` values; all of it when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub partial_rotary_factor: Option<f64>,
+    /// Gemma 2 and 3's attention and output beyond Llama's; absent for the
+    /// other architectures.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gemma: Option<Box<GemmaAttention>>,
     /// Stored dtype of the checkpoint (`torch_dtype`, e.g. `bfloat16`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub torch_dtype: Option<String>,
     /// Tokens per training sample.
     pub sequence_length: u32,
+}
+
+/// How one Gemma layer attends (`layer_types`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum LayerAttention {
+    /// Each query sees the `slidingWindow` most recent tokens, itself included.
+    #[serde(rename = "sliding_attention")]
+    Sliding,
+    /// Each query sees every earlier token.
+    #[serde(rename = "full_attention")]
+    Full,
+}
+
+/// What Gemma 2 and 3 attend and output with, beyond Llama's blocks. None of
+/// it has weights: it changes the function, not the parameter count.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GemmaAttention {
+    /// q·kᵀ is scaled by this to the power −½ (`query_pre_attn_scalar`),
+    /// not by head_dim's.
+    pub query_pre_attn_scalar: f64,
+    /// Tokens a sliding layer's query sees, itself included (`sliding_window`).
+    pub sliding_window: u32,
+    /// Each layer's attention, in order (`layer_types`; older Gemma 3 configs
+    /// give `sliding_window_pattern` n instead: every n-th layer global).
+    pub layer_types: Vec<LayerAttention>,
+    /// RoPE base of the sliding layers (Gemma 3's `rope_local_base_freq`);
+    /// the global layers turn with `ropeTheta`. Gemma 2's layers share one base.
+    pub local_rope_theta: f64,
+    /// Linear RoPE scaling of the global layers (`rope_scaling` of type
+    /// `linear`: Gemma 3 4B and larger, factor 8): their frequencies divided by it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub global_rope_factor: Option<f64>,
+    /// Gemma 2's attention soft-capping: scores become cap · tanh(scores / cap)
+    /// (`attn_logit_softcapping`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attn_logit_softcapping: Option<f64>,
+    /// Soft-capping of the output logits, cap · tanh(logits / cap)
+    /// (`final_logit_softcapping`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_logit_softcapping: Option<f64>,
 }
 
 /// `rope_scaling` of `rope_type: llama3` (Llama 3.1, 3.2): the only scaling
@@ -406,7 +479,8 @@ fn check_sliding_window(
             .get("use_sliding_window")
             .and_then(Value::as_bool)
             .unwrap_or(false),
-        LlamaArchitecture::Llama => false,
+        // Gemma's sliding layers are run as such (not checked here).
+        LlamaArchitecture::Llama | LlamaArchitecture::Gemma3 | LlamaArchitecture::Gemma2 => false,
     };
     let Some(window) = v.get("sliding_window").and_then(Value::as_u64) else {
         return Ok(());
@@ -418,6 +492,219 @@ fn check_sliding_window(
                 "{window}: each token attends to the last {window} tokens only, and Headroom's attention is full causal attention; train with a sequence length of at most {window} tokens (not {sequence_length})"
             ),
         ));
+    }
+    Ok(())
+}
+
+/// `key`'s value when present and not null: a finite positive number.
+fn positive_number(v: &Value, key: &'static str) -> Result<Option<f64>, ConfigError> {
+    match v.get(key).filter(|x| !x.is_null()) {
+        None => Ok(None),
+        Some(x) => x
+            .as_f64()
+            .filter(|x| x.is_finite() && *x > 0.0)
+            .map(Some)
+            .ok_or_else(|| bad(key, format!("{x} must be a positive number"))),
+    }
+}
+
+/// A Gemma RoPE dictionary's scaling (`key` names it in messages): none
+/// for `default`, the factor for `linear`; other types are refused.
+fn gemma_rope_factor(
+    rope: Option<&Value>,
+    key: &'static str,
+    architecture: LlamaArchitecture,
+) -> Result<Option<f64>, ConfigError> {
+    let Some(rope) = rope.filter(|r| !r.is_null()) else {
+        return Ok(None);
+    };
+    let kind = rope
+        .get("rope_type")
+        .or_else(|| rope.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    match kind {
+        "default" => Ok(None),
+        // Gemma 3 scales its global layers only; Gemma 2 has one RoPE for all.
+        "linear"
+            if architecture == LlamaArchitecture::Gemma3
+                && key != "rope_parameters.sliding_attention" =>
+        {
+            positive_number(rope, "factor")
+                .map_err(|e| bad(key, e.problem))?
+                .ok_or_else(|| bad(key, "rope_type \"linear\" needs a positive factor"))
+                .map(Some)
+        }
+        other => Err(bad(
+            key,
+            format!(
+                "rope_type {other:?} is not supported for {}; Headroom runs the default RoPE{}",
+                architecture.hf_name(),
+                if architecture == LlamaArchitecture::Gemma3 {
+                    " and linear scaling on the global layers"
+                } else {
+                    ""
+                }
+            ),
+        )),
+    }
+}
+
+/// Gemma 2's or 3's attention, and the RoPE base of its global layers, as
+/// transformers reads the config (its defaults where a key is absent).
+/// Refuses what the worker does not run, naming the key.
+fn gemma_attention(
+    v: &Value,
+    architecture: LlamaArchitecture,
+    layers: u32,
+) -> Result<(GemmaAttention, f64), ConfigError> {
+    let gemma3 = architecture == LlamaArchitecture::Gemma3;
+    if v.get("use_bidirectional_attention")
+        .and_then(Value::as_bool)
+        == Some(true)
+    {
+        return Err(bad(
+            "use_bidirectional_attention",
+            "true: Headroom trains causal language models; set it to false or null",
+        ));
+    }
+    let query_pre_attn_scalar = positive_number(v, "query_pre_attn_scalar")?.unwrap_or(256.0);
+    let sliding_window = match v.get("sliding_window").filter(|w| !w.is_null()) {
+        None => 4096,
+        Some(w) => w
+            .as_u64()
+            .and_then(|w| u32::try_from(w).ok())
+            .filter(|w| *w > 0)
+            .ok_or_else(|| bad("sliding_window", format!("{w} must be a positive integer")))?,
+    };
+    let layer_types = match v.get("layer_types").filter(|t| !t.is_null()) {
+        Some(list) => {
+            let types: Option<Vec<LayerAttention>> = list.as_array().and_then(|a| {
+                a.iter()
+                    .map(|t| match t.as_str() {
+                        Some("sliding_attention") => Some(LayerAttention::Sliding),
+                        Some("full_attention") => Some(LayerAttention::Full),
+                        _ => None,
+                    })
+                    .collect()
+            });
+            let types = types.ok_or_else(|| {
+                bad(
+                    "layer_types",
+                    format!("{list} must list \"sliding_attention\" or \"full_attention\" for each layer"),
+                )
+            })?;
+            if types.len() != layers as usize {
+                return Err(bad(
+                    "layer_types",
+                    format!("{} entries; num_hidden_layers is {layers}", types.len()),
+                ));
+            }
+            types
+        }
+        None => {
+            // transformers' defaults: Gemma 3 every sliding_window_pattern-th
+            // layer global (6), Gemma 2 every second.
+            let pattern = if gemma3 {
+                match v.get("sliding_window_pattern").filter(|p| !p.is_null()) {
+                    None => 6,
+                    Some(p) => p.as_u64().filter(|p| *p > 0).ok_or_else(|| {
+                        bad(
+                            "sliding_window_pattern",
+                            format!("{p} must be a positive integer"),
+                        )
+                    })?,
+                }
+            } else {
+                2
+            };
+            (0..u64::from(layers))
+                .map(|i| {
+                    if (i + 1) % pattern != 0 {
+                        LayerAttention::Sliding
+                    } else {
+                        LayerAttention::Full
+                    }
+                })
+                .collect()
+        }
+    };
+    // transformers' default bases: Gemma 3 global 1e6 and local 1e4, Gemma 2 1e4.
+    let default_theta = if gemma3 { 1_000_000.0 } else { 10_000.0 };
+    let theta = |rope: Option<&Value>, default: f64| {
+        rope.and_then(|r| r.get("rope_theta"))
+            .and_then(Value::as_f64)
+            .unwrap_or(default)
+    };
+    let per_type = v
+        .get("rope_parameters")
+        .filter(|p| p.get("full_attention").is_some() || p.get("sliding_attention").is_some());
+    let (global_theta, local_rope_theta, global_rope_factor) = match per_type {
+        // transformers 5 writes one dictionary per layer type.
+        Some(p) => {
+            let (full, sliding) = (p.get("full_attention"), p.get("sliding_attention"));
+            gemma_rope_factor(sliding, "rope_parameters.sliding_attention", architecture)?;
+            (
+                theta(full, default_theta),
+                theta(sliding, 10_000.0),
+                gemma_rope_factor(full, "rope_parameters.full_attention", architecture)?,
+            )
+        }
+        None => {
+            let global = v
+                .get("rope_theta")
+                .and_then(Value::as_f64)
+                .unwrap_or_else(|| theta(v.get("rope_parameters"), default_theta));
+            let local = if gemma3 {
+                v.get("rope_local_base_freq")
+                    .and_then(Value::as_f64)
+                    .unwrap_or(10_000.0)
+            } else {
+                global
+            };
+            (
+                global,
+                local,
+                gemma_rope_factor(rope_dict(v), "rope_scaling", architecture)?,
+            )
+        }
+    };
+    let attn_logit_softcapping = positive_number(v, "attn_logit_softcapping")?;
+    if let (true, Some(cap)) = (gemma3, attn_logit_softcapping) {
+        return Err(bad(
+            "attn_logit_softcapping",
+            format!(
+                "{cap}: transformers' Gemma3ForCausalLM does not apply it, so a model trained with it would be another function; set it to null"
+            ),
+        ));
+    }
+    let final_logit_softcapping = positive_number(v, "final_logit_softcapping")?;
+    Ok((
+        GemmaAttention {
+            query_pre_attn_scalar,
+            sliding_window,
+            layer_types,
+            local_rope_theta,
+            global_rope_factor,
+            attn_logit_softcapping,
+            final_logit_softcapping,
+        },
+        global_theta,
+    ))
+}
+
+/// Refuses Gemma's soft-capping keys on the architectures that do not have it.
+fn check_no_softcapping(v: &Value, architecture: LlamaArchitecture) -> Result<(), ConfigError> {
+    for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
+        if let Some(cap) = v.get(key).filter(|c| !c.is_null()) {
+            return Err(bad(
+                key,
+                format!(
+                    "{cap}: {} has no soft-capping; only Gemma2ForCausalLM (and Gemma3ForCausalLM's final logits) do",
+                    architecture.hf_name()
+                ),
+            ));
+        }
     }
     Ok(())
 }
@@ -489,8 +776,24 @@ impl LlamaShape {
         if sequence_length == 0 {
             return Err(bad("(sequence length)", "must be at least 1"));
         }
-        // The MLP is SwiGLU: SiLU is the only gate activation the worker builds.
-        if let Some(act) = v.get("hidden_act").and_then(Value::as_str)
+        // The MLP is SwiGLU, or Gemma's GeGLU: the gate activations the worker builds.
+        if architecture.gemma() {
+            // transformers' Gemma reads hidden_activation (the Hub's configs
+            // carry hidden_act beside it).
+            let key = if v.get("hidden_activation").is_some_and(|a| !a.is_null()) {
+                "hidden_activation"
+            } else {
+                "hidden_act"
+            };
+            if let Some(act) = v.get(key).and_then(Value::as_str)
+                && act != "gelu_pytorch_tanh"
+            {
+                return Err(bad(
+                    key,
+                    format!("{act:?} is not supported; Gemma's MLP runs \"gelu_pytorch_tanh\""),
+                ));
+            }
+        } else if let Some(act) = v.get("hidden_act").and_then(Value::as_str)
             && act != "silu"
         {
             return Err(bad(
@@ -505,33 +808,50 @@ impl LlamaShape {
             _ => flag("attention_bias", false),
         };
         let mlp_bias = architecture != LlamaArchitecture::Phi3 && flag("mlp_bias", false);
-        check_sliding_window(&v, architecture, sequence_length)?;
+        let layers = int("num_hidden_layers")?;
         let partial_rotary_factor = partial_rotary_factor(&v, architecture, head_dim)?;
         let rotary_dim =
             partial_rotary_factor.map_or(head_dim, |f| (f64::from(head_dim) * f) as u32);
-        let (rope_scaling, long_rope) = match rope_scaling(&v, architecture, rotary_dim)? {
+        // Gemma's layers slide (the worker's attention does too) and keep a
+        // RoPE dictionary per layer type; the others' RoPE is one.
+        let (rope_scaling, long_rope, gemma) = if architecture.gemma() {
+            let (gemma, global_theta) = gemma_attention(&v, architecture, layers)?;
+            (None, None, Some((gemma, global_theta)))
+        } else {
+            check_no_softcapping(&v, architecture)?;
+            check_sliding_window(&v, architecture, sequence_length)?;
+            match rope_scaling(&v, architecture, rotary_dim)? {
+                None => (None, None, None),
+                Some(Scaling::Llama3(s)) => (Some(s), None, None),
+                Some(Scaling::LongRope(l)) => (None, Some(l), None),
+            }
+        };
+        let (gemma, gemma_theta) = match gemma {
+            Some((g, theta)) => (Some(Box::new(g)), Some(theta)),
             None => (None, None),
-            Some(Scaling::Llama3(s)) => (Some(s), None),
-            Some(Scaling::LongRope(l)) => (None, Some(l)),
         };
         Ok(LlamaShape {
             architecture,
-            layers: int("num_hidden_layers")?,
+            layers,
             hidden,
             intermediate: int("intermediate_size")?,
             attention_heads,
             key_value_heads,
             head_dim,
             vocabulary: int("vocab_size")?,
-            tied_embeddings: flag("tie_word_embeddings", false),
+            // transformers' Gemma configs tie unless told otherwise (the
+            // Hub's gemma-3-1b config.json does not say).
+            tied_embeddings: flag("tie_word_embeddings", architecture.gemma()),
             attention_bias,
             mlp_bias,
-            // transformers 5 moved the base into `rope_parameters`.
-            rope_theta: v
-                .get("rope_theta")
-                .or_else(|| v.get("rope_parameters").and_then(|p| p.get("rope_theta")))
-                .and_then(Value::as_f64)
-                .unwrap_or(10_000.0),
+            // transformers 5 moved the base into `rope_parameters`; Gemma's
+            // global layers' base is read with its other RoPE.
+            rope_theta: gemma_theta.unwrap_or_else(|| {
+                v.get("rope_theta")
+                    .or_else(|| v.get("rope_parameters").and_then(|p| p.get("rope_theta")))
+                    .and_then(Value::as_f64)
+                    .unwrap_or(10_000.0)
+            }),
             rms_norm_eps: v
                 .get("rms_norm_eps")
                 .and_then(Value::as_f64)
@@ -539,6 +859,7 @@ impl LlamaShape {
             rope_scaling,
             long_rope,
             partial_rotary_factor,
+            gemma,
             // transformers 5 writes `dtype`, earlier versions `torch_dtype`.
             torch_dtype: v
                 .get("torch_dtype")
@@ -576,8 +897,9 @@ impl LlamaShape {
     }
 
     /// One decoder block: q, k, v, o projections (with their biases where the
-    /// architecture has them), gate/up/down, two RMSNorm weight vectors, and
-    /// Qwen3's per-head q and k norms (head_dim each).
+    /// architecture has them), gate/up/down, two RMSNorm weight vectors
+    /// (Gemma: four), and Qwen3's and Gemma 3's per-head q and k norms
+    /// (head_dim each).
     pub fn params_per_layer(&self) -> u64 {
         let h = u64::from(self.hidden);
         let i = u64::from(self.intermediate);
@@ -596,7 +918,13 @@ impl LlamaShape {
         if self.mlp_bias {
             mlp += 2 * i + h;
         }
-        attention + mlp + 2 * h
+        attention + mlp + self.norms_per_layer() * h
+    }
+
+    /// Hidden-wide norms a block holds: two, Gemma's four (a norm before and
+    /// after each sublayer).
+    pub fn norms_per_layer(&self) -> u64 {
+        if self.architecture.gemma() { 4 } else { 2 }
     }
 
     /// The token embedding (first pipeline stage).
@@ -641,6 +969,9 @@ impl LlamaShape {
         if self.architecture.qk_norm() {
             per_token += self.q_dim() + self.kv_dim();
         }
+        if self.architecture.gemma() {
+            per_token += gemma_extra_per_token(self);
+        }
         s * b * per_token * e + u64::from(self.attention_heads) * s * s * b * e
     }
 
@@ -669,6 +1000,8 @@ impl LlamaShape {
     ///   op's v keeps all of it, q and k too: q + kv more. (The fused
     ///   `gate_up_proj` keeps what gate and up would: 2i as one tensor.)
     ///
+    /// * Gemma: see [`gemma_extra_per_token`].
+    ///
     /// Per head and token, the op's logsumexp (one value); no `s × s` map
     /// outlives the op (`worker/src/model/lean/attention.rs`). Per block,
     /// RoPE's cos and sin tables (s × the rotated part of a head each, f32),
@@ -688,9 +1021,23 @@ impl LlamaShape {
         if self.architecture.fused_projections() {
             per_token += q + kv;
         }
+        if self.architecture.gemma() {
+            per_token += gemma_extra_per_token(self);
+        }
         let rope_tables = 2 * s * u64::from(self.rotary_dim()) * 4;
         s * b * per_token * e + rope_tables
     }
+}
+
+/// What a Gemma block keeps per token beyond a Llama block of the same
+/// shape: its two more norms (post-attention on the sublayer's output,
+/// pre- and post-feed-forward), each keeping its input, the normalised
+/// tensor and its output (3h, twice), and GeGLU's tanh-approximated GELU,
+/// which keeps the gate's output, its tanh and 1 + tanh where SiLU keeps
+/// the gate's output and its sigmoid (i). Reasoned from the ops the worker
+/// runs, not calibrated against it: the calibration covers Llama's blocks.
+fn gemma_extra_per_token(l: &LlamaShape) -> u64 {
+    6 * u64::from(l.hidden) + u64::from(l.intermediate)
 }
 
 #[cfg(test)]
@@ -762,6 +1109,25 @@ mod tests {
         )
     }
 
+    /// google/gemma-3-1b-pt's config.json (transformers 4.50), reduced to
+    /// the keys that shape the weights and the function.
+    const GEMMA3_1B: &str = r#"{"architectures": ["Gemma3ForCausalLM"], "attention_bias": false,
+        "attn_logit_softcapping": null, "final_logit_softcapping": null, "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152,
+        "intermediate_size": 6912, "max_position_embeddings": 32768, "model_type": "gemma3_text",
+        "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+        "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+        "rope_scaling": null, "rope_theta": 1000000, "sliding_window": 512,
+        "sliding_window_pattern": 6, "torch_dtype": "bfloat16", "vocab_size": 262144}"#;
+    /// google/gemma-2-2b's config.json.
+    const GEMMA2_2B: &str = r#"{"architectures": ["Gemma2ForCausalLM"], "attention_bias": false,
+        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "head_dim": 256,
+        "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 2304, "intermediate_size": 9216, "max_position_embeddings": 8192,
+        "num_attention_heads": 8, "num_hidden_layers": 26, "num_key_value_heads": 4,
+        "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
+        "sliding_window": 4096, "torch_dtype": "float32", "vocab_size": 256000}"#;
+
     fn shape(config: &str) -> LlamaShape {
         LlamaShape::from_hf_config(config, 2048).expect("config")
     }
@@ -783,6 +1149,150 @@ mod tests {
         let phi3 = LlamaShape::from_hf_config(PHI3_MINI_4K, 2047).expect("Phi-3-mini");
         assert_eq!(phi3.total_params(), 3_821_079_552);
         assert_eq!(shape(&phi4_mini()).total_params(), 3_836_021_760);
+    }
+
+    #[test]
+    fn gemma_parameter_counts_equal_the_published_ones() {
+        use crate::memory::{StagePlacement, StageTensor, stage_tensors};
+        // gemma-3-1b-pt 999,885,952 (tied; q/k norms, four norms a block);
+        // gemma-2-2b 2,614,341,888 (tied).
+        for (config, published) in [(GEMMA3_1B, 999_885_952), (GEMMA2_2B, 2_614_341_888)] {
+            let g = shape(config);
+            assert_eq!(g.total_params(), published, "{:?}", g.architecture);
+            let total: u64 = stage_tensors(
+                &crate::ModelShape::Llama(g.clone()),
+                StagePlacement::single(g.layers),
+            )
+            .iter()
+            .map(StageTensor::total_elements)
+            .sum();
+            assert_eq!(total, published, "the memory model's tensors");
+        }
+    }
+
+    #[test]
+    fn reads_gemma3_sliding_layers_rope_bases_and_scale() {
+        let g = shape(GEMMA3_1B);
+        assert_eq!(g.architecture, LlamaArchitecture::Gemma3);
+        assert!(g.architecture.qk_norm() && g.architecture.gemma() && g.tied_embeddings);
+        assert_eq!((g.head_dim, g.q_dim(), g.kv_dim()), (256, 1024, 256));
+        assert_eq!(g.rope_theta, 1_000_000.0);
+        let a = g.gemma.as_ref().expect("Gemma's attention");
+        assert_eq!((a.query_pre_attn_scalar, a.sliding_window), (256.0, 512));
+        assert_eq!((a.local_rope_theta, a.global_rope_factor), (10_000.0, None));
+        assert_eq!(
+            (a.attn_logit_softcapping, a.final_logit_softcapping),
+            (None, None)
+        );
+        // sliding_window_pattern 6: layers 5, 11, 17 and 23 are global.
+        let global: Vec<usize> = (0..26)
+            .filter(|&i| a.layer_types[i] == LayerAttention::Full)
+            .collect();
+        assert_eq!(global, [5, 11, 17, 23]);
+        // A sequence longer than the window is planned: the worker slides.
+        assert!(LlamaShape::from_hf_config(GEMMA3_1B, 4096).is_ok());
+        // transformers 5's form: layer_types and a RoPE dictionary per layer
+        // type; the 4B text model's linear scaling on the global layers.
+        let v5 = GEMMA3_1B
+            .replace(
+                "\"rope_local_base_freq\": 10000,\n        \"rope_scaling\": null, \"rope_theta\": 1000000,",
+                r#""rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},"#,
+            )
+            .replace(
+                "\"sliding_window_pattern\": 6,",
+                &format!(
+                    "\"layer_types\": [{}],",
+                    (0..26)
+                        .map(|i| if i % 2 == 1 { "\"full_attention\"" } else { "\"sliding_attention\"" })
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            );
+        let v5 = shape(&v5);
+        let a5 = v5.gemma.as_ref().expect("Gemma's attention");
+        assert_eq!(v5.rope_theta, 1_000_000.0);
+        assert_eq!(
+            (a5.local_rope_theta, a5.global_rope_factor),
+            (10_000.0, Some(8.0))
+        );
+        assert_eq!(a5.layer_types[1], LayerAttention::Full);
+        assert_eq!(a5.layer_types[2], LayerAttention::Sliding);
+        assert_eq!(v5.total_params(), 999_885_952);
+        // Activations: Gemma keeps more than the same shape as Qwen3.
+        let mut qwen = g.clone();
+        qwen.architecture = LlamaArchitecture::Qwen3;
+        qwen.gemma = None;
+        assert_eq!(
+            g.burn_block_activation_bytes(1, 4, false)
+                - qwen.burn_block_activation_bytes(1, 4, false),
+            2048 * (6 * 1152 + 6912) * 4
+        );
+    }
+
+    #[test]
+    fn gemma2_softcaps_and_alternates() {
+        let g = shape(GEMMA2_2B);
+        assert_eq!(g.architecture, LlamaArchitecture::Gemma2);
+        assert!(!g.architecture.qk_norm() && g.architecture.gemma());
+        let a = g.gemma.as_ref().expect("Gemma's attention");
+        assert_eq!(
+            (a.attn_logit_softcapping, a.final_logit_softcapping),
+            (Some(50.0), Some(30.0))
+        );
+        assert_eq!(
+            a.layer_types[..2],
+            [LayerAttention::Sliding, LayerAttention::Full]
+        );
+        assert_eq!((g.rope_theta, a.local_rope_theta), (10_000.0, 10_000.0));
+    }
+
+    #[test]
+    fn gemma_refusals_name_the_key_and_value() {
+        let refused = |config: &str| LlamaShape::from_hf_config(config, 1024).expect_err("refused");
+        let yarn = GEMMA3_1B.replace(
+            "\"rope_scaling\": null",
+            r#""rope_scaling": {"rope_type": "yarn", "factor": 4.0}"#,
+        );
+        let e = refused(&yarn);
+        assert_eq!(e.key, "rope_scaling");
+        assert!(
+            e.problem.contains("yarn") && e.problem.contains("linear"),
+            "{e}"
+        );
+        let capped = GEMMA3_1B.replace(
+            "\"attn_logit_softcapping\": null",
+            "\"attn_logit_softcapping\": 50.0",
+        );
+        let e = refused(&capped);
+        assert_eq!(e.key, "attn_logit_softcapping");
+        assert!(e.problem.contains("50"), "{e}");
+        let llama_capped = LLAMA_2_7B.replace(
+            "\"vocab_size\"",
+            "\"attn_logit_softcapping\": 30.0, \"vocab_size\"",
+        );
+        let e = refused(&llama_capped);
+        assert_eq!(e.key, "attn_logit_softcapping");
+        assert!(
+            e.problem.contains("30") && e.problem.contains("LlamaForCausalLM"),
+            "{e}"
+        );
+        let gelu = GEMMA3_1B.replace("gelu_pytorch_tanh", "gelu");
+        let e = refused(&gelu);
+        assert_eq!(e.key, "hidden_activation");
+        assert!(e.problem.contains("\"gelu\""), "{e}");
+        let bidirectional = GEMMA3_1B.replace(
+            "\"attention_bias\": false,",
+            "\"attention_bias\": false, \"use_bidirectional_attention\": true,",
+        );
+        assert_eq!(refused(&bidirectional).key, "use_bidirectional_attention");
+        let short = GEMMA3_1B.replace(
+            "\"sliding_window_pattern\": 6,",
+            "\"layer_types\": [\"full_attention\"],",
+        );
+        let e = refused(&short);
+        assert_eq!(e.key, "layer_types");
+        assert!(e.problem.contains("26"), "{e}");
     }
 
     #[test]

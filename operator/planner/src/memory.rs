@@ -352,7 +352,9 @@ pub fn stage_tensors(model: &ModelShape, stage: StagePlacement) -> Vec<StageTens
                     let (d_in, d_out) = m.dims(l);
                     out.push(StageTensor::new(BlockLinear(Some(m)), d_in * d_out, layers));
                 }
-                out.push(StageTensor::new(Vector, h, 2 * layers));
+                // Two norms a block; Gemma's four.
+                let norms = if l.architecture.gemma() { 4 } else { 2 };
+                out.push(StageTensor::new(Vector, h, norms * layers));
                 if l.attention_bias {
                     out.push(StageTensor::new(Vector, l.q_dim(), layers));
                     out.push(StageTensor::new(Vector, l.kv_dim(), 2 * layers));
@@ -1106,7 +1108,14 @@ impl AdaptedBlock {
         }
         // The merged heads' copy when o_proj is adapted.
         kept += if shared_input(&[OProj]) { q } else { 0 };
-        let x = linear(OProj, attention) || x;
+        // Gemma's norm of the attention's output keeps its input and the
+        // normalised tensor once tracked (reasoned, not calibrated).
+        let gemma = l.architecture.gemma();
+        let attention_out = linear(OProj, attention);
+        if gemma && attention_out {
+            kept += 2 * h;
+        }
+        let x = attention_out || x;
         kept += if x { h } else { 0 };
         kept += if shared_input(&[GateProj, UpProj, GateUpProj]) {
             h
@@ -1121,7 +1130,16 @@ impl AdaptedBlock {
         kept += if gate { 2 * i + i } else { 0 };
         kept += if up { i } else { 0 };
         kept += if shared_input(&[DownProj]) { i } else { 0 };
-        let output_tracked = linear(DownProj, gate || up) || x;
+        // Gemma: the pre-feed-forward norm's normalised tensor, GeGLU's tanh
+        // beside SiLU's terms, and the post-feed-forward norm's input and
+        // normalised tensor (reasoned, not calibrated).
+        let mlp_out = linear(DownProj, gate || up);
+        if gemma {
+            kept += if x { h } else { 0 };
+            kept += if gate { i } else { 0 };
+            kept += if mlp_out { 2 * h } else { 0 };
+        }
+        let output_tracked = mlp_out || x;
         AdaptedBlock {
             token_elements: tokens + kept,
             rope_tables: q_t || k_t,

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 pub enum ModelShape {
     /// A GPT-style decoder-only transformer (the shape the Headroom worker builds).
     Transformer(TransformerShape),
-    /// A Llama-family model (Llama, Mistral, Qwen2, Qwen3, Phi-3) as its Hugging Face
+    /// A Llama-family model (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3) as its Hugging Face
     /// `config.json` describes it. Planned; the worker does not build it yet.
     Llama(crate::llama::LlamaShape),
     /// Any other model, described by its parameter count and activation bytes.

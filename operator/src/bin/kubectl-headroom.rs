@@ -53,7 +53,8 @@ enum Command {
         #[arg(long, default_value = "16Gi")]
         gpu_host_memory: String,
         /// Plan the model a Hugging Face `config.json` describes (Llama,
-        /// Mistral, Qwen2, Qwen3, Phi-3) instead of the manifest's `spec.model`.
+        /// Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3) instead of the
+        /// manifest's `spec.model`.
         #[arg(long, conflicts_with = "model_dir")]
         model_config: Option<PathBuf>,
         /// A checkpoint directory: plans from its `config.json`.

@@ -356,7 +356,9 @@ fn expected_shape(name: &str, s: &LlamaShape) -> Option<(Vec<usize>, String)> {
                 "mlp.down_proj.weight" => (vec![h, i], pair(&hidden, &inter)),
                 "mlp.down_proj.bias"
                 | "input_layernorm.weight"
-                | "post_attention_layernorm.weight" => (vec![h], hidden),
+                | "post_attention_layernorm.weight"
+                | "pre_feedforward_layernorm.weight"
+                | "post_feedforward_layernorm.weight" => (vec![h], hidden),
                 _ => return None,
             }
         }
@@ -383,6 +385,8 @@ fn describe(s: &LlamaShape) -> String {
         LlamaArchitecture::Qwen2 => ", q/k/v biases",
         LlamaArchitecture::Qwen3 => ", q/k norms",
         LlamaArchitecture::Phi3 => ", fused qkv_proj and gate_up_proj",
+        LlamaArchitecture::Gemma3 => ", q/k norms, four norms a block",
+        LlamaArchitecture::Gemma2 => ", four norms a block",
         _ => "",
     }
 }
@@ -426,8 +430,8 @@ mod tests {
 
     /// transformers-made checkpoints of every family: biases (Qwen2),
     /// untied heads, BF16 storage, q/k norms and a head_dim that is not
-    /// hidden / heads (Qwen3), fused projections (Phi-3) all check out with
-    /// the planner's count.
+    /// hidden / heads (Qwen3), fused projections (Phi-3), four norms a block
+    /// (Gemma) all check out with the planner's count.
     #[test]
     fn every_family_of_fixture_checks_out() {
         let root = fixture().join("..");
@@ -439,6 +443,8 @@ mod tests {
             ("qwen3-gqa-tied", "F32"),
             ("phi3-gqa-longrope-tied", "F32"),
             ("phi3-mha-longrope-short", "F32"),
+            ("gemma3-gqa-tied", "F32"),
+            ("gemma2-softcap", "F32"),
         ] {
             let facts =
                 inspect_model(&root.join(name), 16).unwrap_or_else(|e| panic!("{name}: {e}"));

@@ -128,6 +128,10 @@ impl HfCheckpoint {
             }
             names.push(format!("{p}.input_layernorm.weight"));
             names.push(format!("{p}.post_attention_layernorm.weight"));
+            if s.architecture.gemma() {
+                names.push(format!("{p}.pre_feedforward_layernorm.weight"));
+                names.push(format!("{p}.post_feedforward_layernorm.weight"));
+            }
         }
         if layout.last {
             names.push("model.norm.weight".to_string());

@@ -6,15 +6,24 @@
 //! positions and grouped-query attention → residual, RMSNorm → SwiGLU MLP →
 //! residual.
 //!
+//! Gemma 2 and 3 keep these weights and names with another function:
+//! every norm is Gemma's RMSNorm (x / rms(x) · (1 + weight), in f32, see
+//! [`norm`]), each sublayer's output is normalised again before the
+//! residual (`post_attention_layernorm`, `post_feedforward_layernorm`; the
+//! MLP's input by `pre_feedforward_layernorm`), the MLP is GeGLU, the
+//! attention scale is `query_pre_attn_scalar`^-½, sliding layers see a
+//! window of recent tokens and turn RoPE with their own base; Gemma 3 has
+//! Qwen3's q/k norms, Gemma 2 soft-caps the attention scores.
+//!
 //! Field names follow Hugging Face's module names (`self_attn.q_proj`,
 //! `mlp.gate_proj`, `input_layernorm`, …) so a checkpoint's tensors map onto
 //! the module by a prefix alone (see [`super::hf`]).
 
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig, RmsNorm, RmsNormConfig};
-use burn::tensor::activation::silu;
-use burn::tensor::{Device, Tensor, TensorData};
-use headroom_planner::{LlamaShape, RopeScaling, TargetModule};
+use burn::tensor::activation::{gelu_approximate, silu};
+use burn::tensor::{DType, Device, Tensor, TensorData};
+use headroom_planner::{LayerAttention, LlamaShape, RopeScaling, TargetModule};
 
 use super::lean::linear::{self, AdapterDropout};
 use super::lean::{ATTENTION_BLOCK, AttentionOptions, attend};
@@ -44,10 +53,31 @@ pub struct Rope {
 }
 
 impl Rope {
-    /// `shape`'s RoPE: its base (`rope_theta`), rotated part of a head, and
-    /// Llama 3's or LongRoPE's frequency scaling where the config asks for it.
-    pub fn new(shape: &LlamaShape) -> Self {
+    /// Layer `layer`'s RoPE in `shape`: its base (`rope_theta`; a Gemma
+    /// sliding layer's own), rotated part of a head, and Llama 3's,
+    /// LongRoPE's or (Gemma 3's global layers) linear frequency scaling
+    /// where the config asks for it.
+    pub fn new(shape: &LlamaShape, layer: u32) -> Self {
         let rotary_dim = shape.rotary_dim() as usize;
+        if let Some(g) = &shape.gemma {
+            let sliding = g.layer_types.get(layer as usize) == Some(&LayerAttention::Sliding);
+            let (theta, factor) = if sliding {
+                (g.local_rope_theta, 1.0)
+            } else {
+                (shape.rope_theta, g.global_rope_factor.unwrap_or(1.0))
+            };
+            // transformers: base^(2i/d) in f32, the linear type divides inv_freq by factor.
+            let theta = theta as f32;
+            let inv_freq = (0..rotary_dim / 2)
+                .map(|i| 1.0 / theta.powf((2 * i) as f32 / rotary_dim as f32) / factor as f32)
+                .collect();
+            return Rope {
+                rotary_dim,
+                inv_freq,
+                long: None,
+                scale: 1.0,
+            };
+        }
         let theta = shape.rope_theta as f32;
         // As transformers computes it: in f32, exponent 2i/d over the rotated part.
         let base = |i: usize| theta.powf((2 * i) as f32 / rotary_dim as f32);
@@ -146,6 +176,53 @@ fn llama3_scaled(s: &RopeScaling, inv_freq: f32) -> f32 {
     }
 }
 
+/// Gemma's RMSNorm over the last dimension with `norm`'s weights and
+/// epsilon: x / rms(x) · (1 + weight), computed in f32 and returned in x's
+/// dtype (transformers' `Gemma3RMSNorm`; the weights are offsets from 1).
+fn gemma_norm<const D: usize>(norm: &RmsNorm, x: Tensor<D>) -> Tensor<D> {
+    let dtype = x.dtype();
+    let x = x.cast(DType::F32);
+    let rms = (x.clone().square().mean_dim(D - 1) + norm.epsilon).sqrt();
+    let scale = norm.gamma.val().cast(DType::F32).add_scalar(1.0);
+    (x / rms * scale.unsqueeze()).cast(dtype)
+}
+
+/// `norm` over `x`: Llama's RMSNorm, or Gemma's where `gemma`.
+pub fn norm<const D: usize>(norm: &RmsNorm, x: Tensor<D>, gemma: bool) -> Tensor<D> {
+    if gemma {
+        gemma_norm(norm, x)
+    } else {
+        norm.forward(x)
+    }
+}
+
+/// How one layer's attention turns scores into weights, beyond its weights:
+/// the scale, Gemma 2's soft-capping and a sliding layer's window.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LayerScores {
+    scale: f64,
+    softcap: Option<f64>,
+    window: Option<usize>,
+}
+
+impl LayerScores {
+    fn new(shape: &LlamaShape, layer: u32) -> Self {
+        match &shape.gemma {
+            Some(g) => LayerScores {
+                scale: 1.0 / g.query_pre_attn_scalar.sqrt(),
+                softcap: g.attn_logit_softcapping,
+                window: (g.layer_types.get(layer as usize) == Some(&LayerAttention::Sliding))
+                    .then_some(g.sliding_window as usize),
+            },
+            None => LayerScores {
+                scale: 1.0 / f64::from(shape.head_dim).sqrt(),
+                softcap: None,
+                window: None,
+            },
+        }
+    }
+}
+
 /// Causal self-attention with `heads` query heads sharing `kv_heads`
 /// key/value heads, each `head_dim` wide (which need not be hidden / heads).
 /// q, k and v come from three linears, or from Phi-3's one `qkv_proj`
@@ -157,23 +234,33 @@ pub struct LlamaAttention {
     pub v_proj: Option<Linear>,
     pub qkv_proj: Option<Linear>,
     pub o_proj: Linear,
-    /// Qwen3's RMSNorm over each query head ([head_dim] weights); `None` elsewhere.
+    /// Qwen3's and Gemma 3's RMSNorm over each query head ([head_dim] weights); `None` elsewhere.
     pub q_norm: Option<RmsNorm>,
-    /// Qwen3's RMSNorm over each key head.
+    /// Qwen3's and Gemma 3's RMSNorm over each key head.
     pub k_norm: Option<RmsNorm>,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    /// Derived from the shape and the layer, not part of the record.
+    #[module(skip)]
+    scores: LayerScores,
+    /// Gemma's norms (q_norm, k_norm over 1 + weight).
+    #[module(skip)]
+    gemma: bool,
 }
 
 /// SwiGLU: down(silu(gate(x)) · up(x)); gate and up are two linears, or
-/// Phi-3's one `gate_up_proj` (gate's outputs first).
+/// Phi-3's one `gate_up_proj` (gate's outputs first). Gemma's GeGLU puts
+/// `gelu_pytorch_tanh` where SiLU is.
 #[derive(Module, Debug)]
 pub struct LlamaMlp {
     pub gate_proj: Option<Linear>,
     pub up_proj: Option<Linear>,
     pub gate_up_proj: Option<Linear>,
     pub down_proj: Linear,
+    /// GeGLU (Gemma's tanh-approximated GELU on the gate) instead of SwiGLU.
+    #[module(skip)]
+    geglu: bool,
 }
 
 /// One decoder block.
@@ -182,6 +269,11 @@ pub struct LlamaBlock {
     pub input_layernorm: RmsNorm,
     pub self_attn: LlamaAttention,
     pub post_attention_layernorm: RmsNorm,
+    /// Gemma's norm of the MLP's input (`post_attention_layernorm` then
+    /// normalises the attention's output); `None` elsewhere.
+    pub pre_feedforward_layernorm: Option<RmsNorm>,
+    /// Gemma's norm of the MLP's output, before the residual.
+    pub post_feedforward_layernorm: Option<RmsNorm>,
     pub mlp: LlamaMlp,
     /// The linears' frozen weights under QLoRA with an NF4 base (the
     /// linears then hold empty placeholders); empty otherwise. Not part of
@@ -191,6 +283,9 @@ pub struct LlamaBlock {
     /// Derived from the shape, so not part of the record either.
     #[module(skip)]
     rope: Rope,
+    /// Gemma's norms and their placement.
+    #[module(skip)]
+    gemma: bool,
 }
 
 /// `LlamaShape`'s RMSNorm with the shape's epsilon.
@@ -201,9 +296,9 @@ pub fn rms_norm(shape: &LlamaShape, device: &Device) -> RmsNorm {
 }
 
 impl LlamaBlock {
-    /// A block with burn's default initialisation; its weights are normally
-    /// replaced by a checkpoint's (see [`super::hf`]).
-    pub fn new(shape: &LlamaShape, device: &Device) -> Self {
+    /// Layer `layer` of `shape` with burn's default initialisation; its
+    /// weights are normally replaced by a checkpoint's (see [`super::hf`]).
+    pub fn new(shape: &LlamaShape, layer: u32, device: &Device) -> Self {
         let h = shape.hidden as usize;
         let i = shape.intermediate as usize;
         let (q, kv) = (shape.q_dim() as usize, shape.kv_dim() as usize);
@@ -222,6 +317,7 @@ impl LlamaBlock {
                     .init(device)
             })
         };
+        let gemma = shape.architecture.gemma();
         LlamaBlock {
             input_layernorm: rms_norm(shape, device),
             self_attn: LlamaAttention {
@@ -235,16 +331,22 @@ impl LlamaBlock {
                 heads: shape.attention_heads as usize,
                 kv_heads: shape.key_value_heads as usize,
                 head_dim: shape.head_dim as usize,
+                scores: LayerScores::new(shape, layer),
+                gemma,
             },
             post_attention_layernorm: rms_norm(shape, device),
+            pre_feedforward_layernorm: gemma.then(|| rms_norm(shape, device)),
+            post_feedforward_layernorm: gemma.then(|| rms_norm(shape, device)),
             mlp: LlamaMlp {
                 gate_proj: separate(h, i, shape.mlp_bias),
                 up_proj: separate(h, i, shape.mlp_bias),
                 gate_up_proj: fused.then(|| linear(h, 2 * i, false)),
                 down_proj: linear(i, h, shape.mlp_bias),
+                geglu: gemma,
             },
             nf4: Nf4Bases::default(),
-            rope: Rope::new(shape),
+            rope: Rope::new(shape, layer),
+            gemma,
         }
     }
 
@@ -259,14 +361,24 @@ impl LlamaBlock {
             nf4: &self.nf4,
             dropout,
         };
+        let g = self.gemma;
         let attn = self.self_attn.forward(
-            self.input_layernorm.forward(x.clone()),
+            norm(&self.input_layernorm, x.clone(), g),
             &self.rope,
             &projections,
         );
+        if let (Some(pre), Some(post)) = (
+            &self.pre_feedforward_layernorm,
+            &self.post_feedforward_layernorm,
+        ) {
+            // Gemma: each sublayer's output is normalised before the residual.
+            let x = x + norm(&self.post_attention_layernorm, attn, g);
+            let mlp = self.mlp.forward(norm(pre, x.clone(), g), &projections);
+            return x + norm(post, mlp, g);
+        }
         let x = x + attn;
         let mlp = self.mlp.forward(
-            self.post_attention_layernorm.forward(x.clone()),
+            norm(&self.post_attention_layernorm, x.clone(), g),
             &projections,
         );
         x + mlp
@@ -302,7 +414,12 @@ impl LlamaMlp {
             ),
             _ => unreachable!("a block has gate_up_proj or both gate_proj and up_proj"),
         };
-        p.forward(DownProj, &self.down_proj, silu(gate) * up)
+        let gate = if self.geglu {
+            gelu_approximate(gate)
+        } else {
+            silu(gate)
+        };
+        p.forward(DownProj, &self.down_proj, gate * up)
     }
 }
 
@@ -332,8 +449,8 @@ impl LlamaAttention {
         };
         let (q, k, v) = (heads(q, a), heads(k, kv), heads(v, kv));
         // Qwen3 normalises each head over its head_dim values, before RoPE.
-        let per_head = |norm: &Option<RmsNorm>, t: Tensor<4>| match norm {
-            Some(norm) => norm.forward(t),
+        let per_head = |n: &Option<RmsNorm>, t: Tensor<4>| match n {
+            Some(n) => norm(n, t, self.gemma),
             None => t,
         };
         let q = per_head(&self.q_norm, q);
@@ -343,7 +460,17 @@ impl LlamaAttention {
         let k = rope.apply(k, &cos, &sin);
         // Each key/value head serves a / kv consecutive query heads; the
         // blocked op reads them in place (see `lean::attention`).
-        let options = AttentionOptions::causal(d, ATTENTION_BLOCK);
+        let LayerScores {
+            scale,
+            softcap,
+            window,
+        } = self.scores;
+        let options = AttentionOptions {
+            scale,
+            block: ATTENTION_BLOCK,
+            softcap,
+            window,
+        };
         let context = attend(q, k, v, options)
             .swap_dims(1, 2)
             .reshape([b, s, a * d]);

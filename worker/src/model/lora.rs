@@ -237,6 +237,7 @@ impl StageAdapter {
             blocks,
             head,
             first,
+            gemma,
         } = model;
         let head = head.map(|head| {
             let targets = match (&head.projection, self.config.targets(TargetModule::LmHead)) {
@@ -256,6 +257,7 @@ impl StageAdapter {
             blocks,
             head,
             first,
+            gemma,
         }
     }
 }

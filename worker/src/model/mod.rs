@@ -6,8 +6,9 @@
 //! * [`gpt`] — the synthetic `transformer` (learned positions, LayerNorm,
 //!   GELU), randomly initialised from the job's seed; kept for benchmarks and
 //!   the control-loop tests;
-//! * [`llama`] — Llama, Mistral, Qwen2, Qwen3 and Phi-3 as Hugging Face
-//!   builds them (RoPE, RMSNorm, grouped-query attention, SwiGLU), loaded
+//! * [`llama`] — Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and Gemma 3
+//!   as Hugging Face builds them (RoPE, RMSNorm, grouped-query attention,
+//!   SwiGLU or GeGLU), loaded
 //!   from a checkpoint by [`hf`] and written back in the same format.
 //!
 //! The parameter count equals the planner's for either family; tests pin
@@ -194,6 +195,21 @@ pub struct TransformerLm {
     pub head: Option<Head>,
     /// Holds the embeddings (kept as a flag: a Llama first stage has no position embedding).
     first: bool,
+    /// Gemma's: the token embedding's output is multiplied by √hidden, the
+    /// final norm is Gemma's, and the logits may be soft-capped. Derived
+    /// from the shape, not part of the record.
+    #[module(skip)]
+    gemma: Option<GemmaOutput>,
+}
+
+/// What a Gemma model does around its blocks that a Llama one does not.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GemmaOutput {
+    /// √hidden, by which the token embedding's output is multiplied
+    /// (transformers rounds it to the weights' dtype first).
+    pub embed_scale: f32,
+    /// `final_logit_softcapping`: logits become cap · tanh(logits / cap).
+    pub final_softcap: Option<f64>,
 }
 
 /// The parts a model is made of, each initialised and checkpointed on its own.
@@ -355,7 +371,7 @@ impl TransformerLm {
                 seeded(Part::Block(i));
                 let block = match shape {
                     LmShape::Gpt(t) => Block::Gpt(GptBlock::new(t, device)),
-                    LmShape::Llama(l) => Block::Llama(LlamaBlock::new(l, device)),
+                    LmShape::Llama(l) => Block::Llama(LlamaBlock::new(l, i, device)),
                 };
                 init(&|| materialize(&block));
                 block
@@ -378,12 +394,20 @@ impl TransformerLm {
             init(&|| materialize(&head));
             head
         });
+        let gemma = match shape {
+            LmShape::Llama(l) if l.architecture.gemma() => Some(GemmaOutput {
+                embed_scale: (l.hidden as f32).sqrt(),
+                final_softcap: l.gemma.as_ref().and_then(|g| g.final_logit_softcapping),
+            }),
+            _ => None,
+        };
         TransformerLm {
             token,
             position,
             blocks,
             head,
             first: layout.first,
+            gemma,
         }
     }
 
@@ -405,6 +429,20 @@ impl TransformerLm {
         let [b, s] = tokens.dims();
         let device = tokens.device();
         let x = token.forward(tokens);
+        let x = match &self.gemma {
+            // transformers casts √hidden to the weights' dtype before the product.
+            Some(g) => {
+                let scale = match x.dtype() {
+                    burn::tensor::DType::BF16 => {
+                        burn::tensor::bf16::from_f32(g.embed_scale).to_f32()
+                    }
+                    burn::tensor::DType::F16 => burn::tensor::f16::from_f32(g.embed_scale).to_f32(),
+                    _ => g.embed_scale,
+                };
+                x.mul_scalar(scale)
+            }
+            None => x,
+        };
         match &self.position {
             Some(position) => {
                 let positions = Tensor::<1, Int>::arange(0..s as i64, &device)
@@ -446,7 +484,7 @@ impl TransformerLm {
         let [b, s, h] = x.dims();
         let x = match &head.norm {
             FinalNorm::Layer(n) => n.forward(x),
-            FinalNorm::Rms(n) => n.forward(x),
+            FinalNorm::Rms(n) => llama::norm(n, x, self.gemma.is_some()),
         }
         .reshape([b * s, h]);
         match (&head.projection, &self.token) {
@@ -459,7 +497,16 @@ impl TransformerLm {
     /// Final norm and output head. [batch, seq, hidden] → logits [batch·seq, vocab].
     pub fn logits(&self, x: Tensor<3>) -> Tensor<2> {
         let (x, weight) = self.head_parts(x);
-        x.matmul(weight.transpose())
+        let logits = x.matmul(weight.transpose());
+        match self.final_softcap() {
+            Some(cap) => logits.div_scalar(cap).tanh().mul_scalar(cap),
+            None => logits,
+        }
+    }
+
+    /// Gemma's `final_logit_softcapping`, where the model has it.
+    fn final_softcap(&self) -> Option<f64> {
+        self.gemma.and_then(|g| g.final_softcap)
     }
 
     /// Mean next-token cross-entropy of the head over `x`, against `targets`
@@ -470,7 +517,13 @@ impl TransformerLm {
         let [b, s] = targets.dims();
         let (x, weight) = self.head_parts(x);
         let chunk = headroom_planner::memory::loss_chunk_rows(weight.dims()[0] as u64) as usize;
-        lean::fused_cross_entropy(x, weight, targets.reshape([b * s]), chunk)
+        lean::fused_cross_entropy_capped(
+            x,
+            weight,
+            targets.reshape([b * s]),
+            chunk,
+            self.final_softcap(),
+        )
     }
 
     /// Full forward to logits [batch·seq, vocab] (a single-stage model).

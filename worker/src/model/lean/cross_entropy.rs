@@ -6,7 +6,10 @@
 //! turns it into the gradients of the hidden states and of the head at once.
 //! The whole `[rows, vocab]` logits never exist, neither does their gradient.
 //!
-//! Logits are computed in the model's dtype and reduced in f32.
+//! Logits are computed in the model's dtype and reduced in f32. With
+//! Gemma's final soft-capping each chunk's logits z become
+//! cap · tanh(z / cap) before the softmax, and the backward multiplies
+//! their gradient by the derivative, 1 − tanh², from the capped logits.
 
 use std::ops::Range;
 
@@ -19,30 +22,41 @@ fn chunks(len: usize, chunk: usize) -> Vec<Range<usize>> {
         .collect()
 }
 
-/// One chunk's logits in f32: `hidden[r] · weightᵀ`, `[|r|, vocab]`.
-fn logits(hidden: &Tensor<2>, weight_t: &Tensor<2>, r: &Range<usize>) -> Tensor<2> {
-    hidden
+/// One chunk's logits in f32: `hidden[r] · weightᵀ`, `[|r|, vocab]`,
+/// soft-capped at `softcap` where given.
+fn logits(
+    hidden: &Tensor<2>,
+    weight_t: &Tensor<2>,
+    r: &Range<usize>,
+    softcap: Option<f64>,
+) -> Tensor<2> {
+    let z = hidden
         .clone()
         .narrow(0, r.start, r.len())
         .matmul(weight_t.clone())
-        .cast(FloatDType::F32)
+        .cast(FloatDType::F32);
+    match softcap {
+        Some(cap) => z.div_scalar(cap).tanh().mul_scalar(cap),
+        None => z,
+    }
 }
 
 /// Mean cross-entropy of `hidden` [n, h] under the head `weight` [vocab, h]
-/// against `targets` [n], and the per-row logsumexp [n, 1] (f32) the
-/// backward needs.
+/// (its logits soft-capped at `softcap` where given) against `targets`
+/// [n], and the per-row logsumexp [n, 1] (f32) the backward needs.
 pub fn forward(
     hidden: Tensor<2>,
     weight: Tensor<2>,
     targets: Tensor<1, Int>,
     chunk: usize,
+    softcap: Option<f64>,
 ) -> (Tensor<1>, Tensor<2>) {
     let [n, _] = hidden.dims();
     let weight_t = weight.transpose();
     let mut total: Option<Tensor<1>> = None;
     let mut logsumexp = Vec::new();
     for r in chunks(n, chunk) {
-        let z = logits(&hidden, &weight_t, &r);
+        let z = logits(&hidden, &weight_t, &r, softcap);
         let m = z.clone().max_dim(1);
         let lse = (z.clone() - m.clone()).exp().sum_dim(1).log() + m; // [c, 1]
         let t = targets
@@ -62,6 +76,7 @@ pub fn forward(
 
 /// Gradients of the hidden states and (when `head_grad`) of the head weight
 /// from the loss's gradient `dloss` [1].
+#[allow(clippy::too_many_arguments)]
 pub fn backward(
     hidden: Tensor<2>,
     weight: Tensor<2>,
@@ -69,6 +84,7 @@ pub fn backward(
     logsumexp: Tensor<2>,
     dloss: Tensor<1>,
     chunk: usize,
+    softcap: Option<f64>,
     head_grad: bool,
 ) -> (Tensor<2>, Option<Tensor<2>>) {
     let [n, _] = hidden.dims();
@@ -83,7 +99,9 @@ pub fn backward(
     let mut dweight: Option<Tensor<2>> = None;
     for r in chunks(n, chunk) {
         let c = r.len();
-        let z = logits(&hidden, &weight_t, &r);
+        let z = logits(&hidden, &weight_t, &r, softcap);
+        // d(cap · tanh(z / cap))/dz = 1 − tanh², from the capped logits.
+        let dcap = softcap.map(|cap| z.clone().div_scalar(cap).square().neg().add_scalar(1.0));
         let lse = logsumexp.clone().narrow(0, r.start, c);
         let t = targets.clone().narrow(0, r.start, c).reshape([c, 1]);
         let minus_one = Tensor::<2>::full([c, 1], -1.0, &z.device()).cast(FloatDType::F32);
@@ -91,8 +109,12 @@ pub fn backward(
         let g = (z - lse)
             .exp()
             .scatter(1, t, minus_one, IndexingUpdateOp::Add)
-            .mul(scale.clone())
-            .cast(dtype);
+            .mul(scale.clone());
+        let g = match dcap {
+            Some(dcap) => g * dcap,
+            None => g,
+        }
+        .cast(dtype);
         dhidden.push(g.clone().matmul(weight.clone()));
         if head_grad {
             let h = hidden.clone().narrow(0, r.start, c);
@@ -108,7 +130,23 @@ pub fn backward(
 
 /// Today's loss, for the tests: `log_softmax` over the whole logits.
 pub fn naive(hidden: Tensor<2>, weight: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
+    naive_capped(hidden, weight, targets, None)
+}
+
+/// [`naive`] with the logits soft-capped at `softcap` where given, as
+/// transformers' Gemma caps them.
+pub fn naive_capped(
+    hidden: Tensor<2>,
+    weight: Tensor<2>,
+    targets: Tensor<1, Int>,
+    softcap: Option<f64>,
+) -> Tensor<1> {
     let [n, _] = hidden.dims();
-    let logp = burn::tensor::activation::log_softmax(hidden.matmul(weight.transpose()), 1);
+    let z = hidden.matmul(weight.transpose());
+    let z = match softcap {
+        Some(cap) => z.div_scalar(cap).tanh().mul_scalar(cap),
+        None => z,
+    };
+    let logp = burn::tensor::activation::log_softmax(z, 1);
     logp.gather(1, targets.reshape([n, 1])).mean().neg()
 }

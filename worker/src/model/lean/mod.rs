@@ -86,6 +86,7 @@ pub trait LeanBackend: Backend {
         weight: FloatTensor<Self>,
         targets: IntTensor<Self>,
         chunk: usize,
+        softcap: Option<f64>,
     ) -> FloatTensor<Self>;
 
     /// `x` [b, s, d_in] · the frozen `weight` [d_in, d_out] → [b, s, d_out].
@@ -141,12 +142,14 @@ macro_rules! plain_backend {
                 weight: FloatTensor<Self>,
                 targets: IntTensor<Self>,
                 chunk: usize,
+                softcap: Option<f64>,
             ) -> FloatTensor<Self> {
                 let (loss, _) = cross_entropy::forward(
                     float::<Self, 2>(hidden),
                     float::<Self, 2>(weight),
                     int::<Self, 1>(targets),
                     chunk,
+                    softcap,
                 );
                 primitive::<Self, 1>(loss)
             }
@@ -213,6 +216,7 @@ struct CrossEntropyState<B: Backend> {
     targets: IntTensor<B>,
     logsumexp: FloatTensor<B>,
     chunk: usize,
+    softcap: Option<f64>,
 }
 
 #[derive(Debug)]
@@ -235,6 +239,7 @@ where
             float::<B, 2>(s.logsumexp),
             float::<B, 1>(dloss),
             s.chunk,
+            s.softcap,
             weight_parent.is_some(),
         );
         if let Some(parent) = hidden_parent {
@@ -314,6 +319,7 @@ where
         weight: FloatTensor<Self>,
         targets: IntTensor<Self>,
         chunk: usize,
+        softcap: Option<f64>,
     ) -> FloatTensor<Self> {
         let (hidden, hidden_node) = hidden.into_parts();
         let (weight, weight_node) = weight.into_parts();
@@ -322,6 +328,7 @@ where
             float::<B, 2>(weight.clone()),
             int::<B, 1>(targets.clone()),
             chunk,
+            softcap,
         );
         let loss = primitive::<B, 1>(loss);
         match CrossEntropyBackward
@@ -336,6 +343,7 @@ where
                     targets,
                     logsumexp: primitive::<B, 2>(logsumexp),
                     chunk,
+                    softcap,
                 };
                 prep.finish(state, loss)
             }
@@ -388,8 +396,20 @@ pub fn fused_cross_entropy(
     targets: Tensor<1, Int>,
     chunk: usize,
 ) -> Tensor<1> {
+    fused_cross_entropy_capped(hidden, weight, targets, chunk, None)
+}
+
+/// [`fused_cross_entropy`] with the logits soft-capped at `softcap` where
+/// given (Gemma's `final_logit_softcapping`: cap · tanh(logits / cap)).
+pub fn fused_cross_entropy_capped(
+    hidden: Tensor<2>,
+    weight: Tensor<2>,
+    targets: Tensor<1, Int>,
+    chunk: usize,
+    softcap: Option<f64>,
+) -> Tensor<1> {
     if naive_ops() {
-        return cross_entropy::naive(hidden, weight, targets);
+        return cross_entropy::naive_capped(hidden, weight, targets, softcap);
     }
     Tensor::from_dispatch(
         <burn::backend::Dispatch as LeanBackend>::lean_cross_entropy(
@@ -397,6 +417,7 @@ pub fn fused_cross_entropy(
             weight.into_dispatch(),
             targets.into_dispatch(),
             chunk,
+            softcap,
         ),
     )
 }

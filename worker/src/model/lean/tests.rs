@@ -105,6 +105,57 @@ fn chunked_cross_entropy_equals_log_softmax() {
     }
 }
 
+/// Gemma's final soft-capping: the chunked loss and its gradients against
+/// log_softmax over cap · tanh(logits / cap), differentiated by burn.
+#[test]
+fn chunked_cross_entropy_soft_caps_like_log_softmax() {
+    use super::{cross_entropy, fused_cross_entropy_capped};
+    let (n, h, vocab) = (13, 6, 17);
+    let run = |chunk: Option<usize>, cap: f64| {
+        let (hidden, weight) = with_generator(|| {
+            device().seed(21);
+            (
+                draw([n, h]).mul_scalar(3.0).require_grad(),
+                draw([vocab, h]).require_grad(),
+            )
+        });
+        let targets: Vec<i64> = (0..n as i64).map(|i| (i * 7 + 3) % vocab as i64).collect();
+        let targets = Tensor::<1, Int>::from_data(TensorData::new(targets, [n]), &device());
+        let loss = match chunk {
+            Some(chunk) => fused_cross_entropy_capped(
+                hidden.clone(),
+                weight.clone(),
+                targets,
+                chunk,
+                Some(cap),
+            ),
+            None => cross_entropy::naive_capped(hidden.clone(), weight.clone(), targets, Some(cap)),
+        };
+        let grads = loss.clone().mul_scalar(3.0).backward();
+        [
+            values(loss),
+            values(hidden.grad(&grads).expect("dhidden")),
+            values(weight.grad(&grads).expect("dweight")),
+        ]
+    };
+    // A cap of 2 bends these logits (|z| up to ~10); 1e4 leaves them as they are.
+    for cap in [2.0, 1e4] {
+        let naive = run(None, cap);
+        for chunk in [1, 5, 64] {
+            let lean = run(Some(chunk), cap);
+            for (name, (l, n)) in ["loss", "dhidden", "dweight"]
+                .iter()
+                .zip(lean.iter().zip(&naive))
+            {
+                let err = max_relative(l, n);
+                assert!(err < 1e-5, "{name} at chunk {chunk}, cap {cap}: {err:e}");
+            }
+        }
+    }
+    // The cap of 2 changes the loss of the same inputs.
+    assert!((run(None, 2.0)[0][0] - run(None, 1e4)[0][0]).abs() > 1e-3);
+}
+
 #[test]
 fn a_frozen_head_gets_no_gradient() {
     let hidden = random([4, 3]).require_grad();
