@@ -96,9 +96,26 @@ fn offline_validation_and_the_api_server_agree_on_mutated_samples() {
         .iter()
         .map(|(_, text)| serde_yaml::from_str(text).expect("sample"))
         .collect();
-    let config =
-        std::fs::read_to_string(workspace_root().join("samples/models/llama-3.2-1b/config.json"))
-            .expect("config.json");
+    // Each fine-tuning sample is checked with its own checkpoint's config
+    // (its LoRA module names are the architecture's); the rest with
+    // Llama-3.2-1B's, which they do not read.
+    let configs: Vec<String> = samples
+        .iter()
+        .map(|sample| {
+            let dir = match sample
+                .pointer("/spec/model/pretrained/huggingFace/repo")
+                .and_then(Value::as_str)
+            {
+                Some("microsoft/Phi-4-mini-instruct") => "phi-4-mini-instruct",
+                Some("Qwen/Qwen3-8B") => "qwen3-8b",
+                _ => "llama-3.2-1b",
+            };
+            std::fs::read_to_string(
+                workspace_root().join(format!("samples/models/{dir}/config.json")),
+            )
+            .expect("config.json")
+        })
+        .collect();
 
     // Every place a sample can be mutated: (sample, JSON pointer, values).
     let mut sites: Vec<(usize, String, Vec<Option<Value>>)> = vec![];
@@ -251,11 +268,11 @@ fn offline_validation_and_the_api_server_agree_on_mutated_samples() {
             _ => {}
         }
     }
-    let offline = |manifest: &Value| -> Result<(), String> {
+    let offline = |manifest: &Value, config: &str| -> Result<(), String> {
         let job = headroom_operator::crd::read_manifest(manifest.clone())?;
         let shape = match &job.spec.model.pretrained {
             Some(p) => Some(
-                headroom_planner::LlamaShape::from_hf_config(&config, p.sequence_length)
+                headroom_planner::LlamaShape::from_hf_config(config, p.sequence_length)
                     .map_err(|e| e.to_string())?,
             ),
             None => None,
@@ -300,7 +317,7 @@ fn offline_validation_and_the_api_server_agree_on_mutated_samples() {
         }
         let text = serde_yaml::to_string(&manifest).expect("yaml");
         let server = rt.block_on(dry_run_create(&ns.client, &ns.name, &text));
-        let here = offline(&manifest);
+        let here = offline(&manifest, &configs[first]);
         let verdict = if server.is_ok() { &accepted } else { &refused };
         verdict.set(verdict.get() + 1);
         if server.is_ok() != here.is_ok() {

@@ -193,6 +193,8 @@ fn plans_a_llama_family_model_from_its_hugging_face_config() {
     for (dir, params) in [
         ("samples/models/llama-3.2-1b", 1_235_814_400u64),
         ("samples/models/llama-2-7b", 6_738_415_616),
+        ("samples/models/qwen3-8b", 8_190_735_360),
+        ("samples/models/phi-4-mini-instruct", 3_836_021_760),
     ] {
         let out = plugin(&[
             "plan",
@@ -321,6 +323,67 @@ fn a_pretrained_job_is_planned_from_its_checkpoint_config() {
     assert!(
         said.contains("spec.model.pretrained") && said.contains("--model-dir"),
         "{said}"
+    );
+}
+
+/// The QLoRA samples of the models people fine-tune now plan from their
+/// published configs: seed 001's Phi-4-mini job on its 6 GB card, with
+/// PEFT's trainable count for Phi-3's fused modules, and Qwen3-8B on one
+/// 24 GB L4.
+#[test]
+fn the_qlora_samples_plan_phi_4_mini_on_6_gb_and_qwen3_8b_on_24_gb() {
+    for (sample, dir, params, trainable, device) in [
+        (
+            "samples/gpu-qlora-phi-4-mini.yaml",
+            "samples/models/phi-4-mini-instruct",
+            3_836_021_760u64,
+            23_068_672u64,
+            "NVIDIA-GeForce-RTX-2060",
+        ),
+        (
+            "samples/gpu-qlora-qwen3-8b.yaml",
+            "samples/models/qwen3-8b",
+            8_190_735_360,
+            43_646_976,
+            "NVIDIA-L4",
+        ),
+    ] {
+        let out = plugin(&[
+            "plan",
+            "-f",
+            sample,
+            "--nodes",
+            "samples/nodes-gfd.yaml",
+            "--model-dir",
+            dir,
+            "-o",
+            "json",
+        ]);
+        assert_eq!(out.status.code(), Some(0), "{sample}: {}", text(&out));
+        let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        assert_eq!(doc["parameters"], params, "{sample}");
+        assert_eq!(doc["trainableParameters"], trainable, "{sample}");
+        let plan = &doc["plan"];
+        assert_eq!(plan["device"], device, "{doc:#}");
+        assert_eq!(plan["workers"], 1, "{doc:#}");
+        assert_eq!(plan["settings"]["baseFormat"], "nf4", "{doc:#}");
+        assert!(plan["predictedPeakBytes"].as_u64() <= plan["budgetBytes"].as_u64());
+    }
+    // The seed's own settings, as pinned: micro-batch 1 × 8, checkpointing.
+    let out = plugin(&[
+        "plan",
+        "-f",
+        "samples/gpu-qlora-phi-4-mini.yaml",
+        "--nodes",
+        "samples/nodes-gfd.yaml",
+        "--model-dir",
+        "samples/models/phi-4-mini-instruct",
+    ]);
+    let t = text(&out);
+    assert!(
+        t.contains("on qkv_proj, o_proj, gate_up_proj, down_proj: 23,068,672 trainable")
+            && t.contains("micro-batch 1 × 8, checkpointing on, fp16"),
+        "{t}"
     );
 }
 
