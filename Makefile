@@ -100,6 +100,7 @@ plan-samples: ## Print Headroom's plan for every sample job (offline).
 	$(CARGO) run -q -p headroom-operator --bin kubectl-headroom -- plan -f samples/gpu-lora-llama-2-7b.yaml --nodes samples/nodes-gfd.yaml --model-dir samples/models/llama-2-7b
 	$(CARGO) run -q -p headroom-operator --bin kubectl-headroom -- plan -f samples/gpu-qlora-phi-4-mini.yaml --nodes samples/nodes-gfd.yaml --model-dir samples/models/phi-4-mini-instruct
 	$(CARGO) run -q -p headroom-operator --bin kubectl-headroom -- plan -f samples/gpu-qlora-qwen3-8b.yaml --nodes samples/nodes-gfd.yaml --model-dir samples/models/qwen3-8b
+	$(CARGO) run -q -p headroom-operator --bin kubectl-headroom -- plan -f samples/gpu-lora-gemma-3-1b.yaml --nodes samples/nodes-gfd.yaml --model-dir samples/models/gemma-3-1b
 
 demo: ## On the local single-node cluster: a job is OOM-killed on attempt 1 and succeeds on attempt 2 (needs root).
 	e2e/demo.sh

@@ -108,6 +108,7 @@ fn offline_validation_and_the_api_server_agree_on_mutated_samples() {
             {
                 Some("microsoft/Phi-4-mini-instruct") => "phi-4-mini-instruct",
                 Some("Qwen/Qwen3-8B") => "qwen3-8b",
+                Some("google/gemma-3-1b-pt") => "gemma-3-1b",
                 _ => "llama-3.2-1b",
             };
             std::fs::read_to_string(

@@ -195,6 +195,7 @@ fn plans_a_llama_family_model_from_its_hugging_face_config() {
         ("samples/models/llama-2-7b", 6_738_415_616),
         ("samples/models/qwen3-8b", 8_190_735_360),
         ("samples/models/phi-4-mini-instruct", 3_836_021_760),
+        ("samples/models/gemma-3-1b", 999_885_952),
     ] {
         let out = plugin(&[
             "plan",
@@ -331,7 +332,7 @@ fn a_pretrained_job_is_planned_from_its_checkpoint_config() {
 /// PEFT's trainable count for Phi-3's fused modules, and Qwen3-8B on one
 /// 24 GB L4.
 #[test]
-fn the_qlora_samples_plan_phi_4_mini_on_6_gb_and_qwen3_8b_on_24_gb() {
+fn the_adapter_samples_plan_phi_4_mini_on_6_gb_qwen3_8b_on_24_gb_and_gemma_3_on_16_gb() {
     for (sample, dir, params, trainable, device) in [
         (
             "samples/gpu-qlora-phi-4-mini.yaml",
@@ -346,6 +347,15 @@ fn the_qlora_samples_plan_phi_4_mini_on_6_gb_and_qwen3_8b_on_24_gb() {
             8_190_735_360,
             43_646_976,
             "NVIDIA-L4",
+        ),
+        // PEFT's count: r · (in + out) per adapted matrix, q_proj 1152 →
+        // 4 · 256 and v_proj 1152 → 256, on 26 layers.
+        (
+            "samples/gpu-lora-gemma-3-1b.yaml",
+            "samples/models/gemma-3-1b",
+            999_885_952,
+            26 * 16 * ((1152 + 1024) + (1152 + 256)),
+            "Tesla-T4",
         ),
     ] {
         let out = plugin(&[
@@ -366,7 +376,8 @@ fn the_qlora_samples_plan_phi_4_mini_on_6_gb_and_qwen3_8b_on_24_gb() {
         let plan = &doc["plan"];
         assert_eq!(plan["device"], device, "{doc:#}");
         assert_eq!(plan["workers"], 1, "{doc:#}");
-        assert_eq!(plan["settings"]["baseFormat"], "nf4", "{doc:#}");
+        let base = if sample.contains("qlora") { "nf4" } else { "dense" };
+        assert_eq!(plan["settings"]["baseFormat"], base, "{doc:#}");
         assert!(plan["predictedPeakBytes"].as_u64() <= plan["budgetBytes"].as_u64());
     }
     // The seed's own settings, as pinned: micro-batch 1 × 8, checkpointing.
