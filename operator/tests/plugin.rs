@@ -376,7 +376,11 @@ fn the_adapter_samples_plan_phi_4_mini_on_6_gb_qwen3_8b_on_24_gb_and_gemma_3_on_
         let plan = &doc["plan"];
         assert_eq!(plan["device"], device, "{doc:#}");
         assert_eq!(plan["workers"], 1, "{doc:#}");
-        let base = if sample.contains("qlora") { "nf4" } else { "dense" };
+        let base = if sample.contains("qlora") {
+            "nf4"
+        } else {
+            "dense"
+        };
         assert_eq!(plan["settings"]["baseFormat"], base, "{doc:#}");
         assert!(plan["predictedPeakBytes"].as_u64() <= plan["budgetBytes"].as_u64());
     }
