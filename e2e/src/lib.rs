@@ -14,6 +14,7 @@
 //! * [`cluster`]: the e2e cluster's kubectl and the installed operator.
 //! * [`hub`]: a local stand-in for the Hugging Face hub (the initializer's
 //!   tests on loopback, the e2e suite's initializer pods over the node's address).
+//! * [`kueue`]: a test's Kueue queue (flavor, ClusterQueue, LocalQueue), priorities, workloads.
 //! * [`checkpoint`]: random Llama checkpoints of any size in Hugging Face's layout.
 //! * [`payload`]: claims with the sample text and checkpoints, read back by helper pods.
 //!
@@ -27,6 +28,7 @@ pub mod crd;
 pub mod fixtures;
 pub mod gfd;
 pub mod hub;
+pub mod kueue;
 pub mod namespace;
 pub mod payload;
 pub mod wait;

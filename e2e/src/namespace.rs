@@ -63,7 +63,7 @@ impl Suite {
 pub struct TestNs {
     pub client: Client,
     pub name: String,
-    suite: Suite,
+    pub(crate) suite: Suite,
 }
 
 impl std::fmt::Debug for TestNs {

@@ -270,6 +270,18 @@ pub fn keep_device_facts(pod: &mut Pod) {
     });
 }
 
+/// What one CPU worker of `job` takes: its memory limit (bytes) and its
+/// cores (1 when the spec names none). `None` for a GPU job.
+pub fn cpu_worker_size(job: &MemoryAwareTrainingJob) -> Option<(u64, f64)> {
+    let cpu = job.spec.resources.cpu.as_ref()?;
+    let limit = parse_bytes(&cpu.memory_limit.0).ok()?.max(1);
+    let cores = match &cpu.cores {
+        Some(c) => parse_cores(&c.0).ok()?,
+        None => 1.0,
+    };
+    Some((limit, cores))
+}
+
 /// The CPU inventory `job` may plan with: how many of its workers (each
 /// `memoryLimit` of memory and `cores` of CPU) the nodes its pods may use can
 /// hold, by their allocatable memory and CPU. Nodes too small for one worker
@@ -284,11 +296,7 @@ pub fn cpu_inventory<'a>(
     one_node: bool,
 ) -> Option<Inventory> {
     let cpu = job.spec.resources.cpu.as_ref()?;
-    let limit = parse_bytes(&cpu.memory_limit.0).ok()?.max(1);
-    let cores = match &cpu.cores {
-        Some(c) => parse_cores(&c.0).ok()?,
-        None => 1.0,
-    };
+    let (limit, cores) = cpu_worker_size(job)?;
     let tolerations = worker_tolerations(job, DeviceKind::Cpu);
     let (mut free, mut free_one, mut total, mut total_one) = (0u32, 0u32, 0u32, 0u32);
     let mut left_out = Vec::new();

@@ -5,6 +5,7 @@
 pub mod controller;
 pub mod crd;
 pub mod inventory;
+pub mod kueue;
 pub mod leader;
 pub mod metrics;
 pub mod report;

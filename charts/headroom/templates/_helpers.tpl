@@ -62,6 +62,12 @@ watches every namespace, in a Role of the one it watches otherwise. */}}
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
+# Kueue (jobs labelled kueue.x-k8s.io/queue-name): the job's LocalQueue, and
+# the Workload of a queued attempt's pod group for Kueue's waiting reason.
+# Read only: Kueue admits, Headroom never writes its objects.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["localqueues", "workloads"]
+  verbs: ["get"]
 {{- end -}}
 
 {{/* The operator's rules on cluster-scoped resources: always in its ClusterRole. */}}
@@ -74,4 +80,8 @@ watches every namespace, in a Role of the one it watches otherwise. */}}
 - apiGroups: [""]
   resources: ["nodes"]
   verbs: ["get", "list", "watch"]
+# Kueue: the flavors and quota of a queued job's ClusterQueue, to plan within them.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["clusterqueues", "resourceflavors"]
+  verbs: ["get"]
 {{- end -}}

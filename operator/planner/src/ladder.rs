@@ -135,14 +135,10 @@ pub fn next_stricter_plan(
     failed: &Plan,
     failure: &MemoryFailure,
 ) -> Result<Plan, NoFeasiblePlan> {
-    let own;
-    let inventory = match req.own_inventory() {
-        Some(inv) => {
-            own = inv;
-            &own
-        }
-        None => inventory,
-    };
+    // As for the first attempt: a CPU job plans against the operator's
+    // view when it has one (node sizes, a Kueue queue's quota), else its
+    // own budget.
+    let inventory = &*crate::search::planning_inventory(req, inventory);
     // The failed device as the inventory sees it now; as the plan saw it
     // when the inventory no longer lists it.
     let device = inventory

@@ -238,7 +238,7 @@ fn search_with(
 /// What a job plans against: a CPU job the operator's view of the nodes
 /// when it has one (their allocatable memory and cores), else its own
 /// budget; a GPU job the cluster's inventory.
-fn planning_inventory<'a>(
+pub(crate) fn planning_inventory<'a>(
     req: &JobRequest,
     inventory: &'a Inventory,
 ) -> std::borrow::Cow<'a, Inventory> {

@@ -4,6 +4,8 @@ use headroom_api::{AttemptOutcome, TerminationMessage, WorkerOutcome};
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{ContainerStateTerminated, Pod};
 
+use crate::kueue::stopped_by_kueue;
+
 /// A pod's verdict, as far as the attempt is concerned.
 #[derive(Clone, Debug, PartialEq)]
 pub enum PodVerdict {
@@ -54,6 +56,20 @@ pub fn classify(pod: &Pod) -> PodVerdict {
         });
 
     // Disruptions first: an evicted pod's container may also show a non-zero exit.
+    // Kueue stopping a pod (preemption) is one too, whatever the exit said.
+    if phase == "Failed"
+        && let Some((reason, message)) = stopped_by_kueue(pod)
+    {
+        return PodVerdict::Failed(PodFailure {
+            outcome: AttemptOutcome::Disrupted,
+            reason: "StoppedByKueue".into(),
+            message: format!("Kueue stopped the pod ({reason}): {message}"),
+            step: None,
+            peak_bytes: None,
+            worker: None,
+            finished_at: None,
+        });
+    }
     let disrupted_reason = status
         .reason
         .as_deref()
@@ -304,6 +320,29 @@ mod tests {
         assert_eq!(
             (f.outcome, f.reason.as_str()),
             (AttemptOutcome::Disrupted, "PreemptionByScheduler")
+        );
+    }
+
+    /// Kueue preempting a queued attempt deletes its pods with a
+    /// `TerminationTarget` condition: a disruption even when the container
+    /// was killed at the end of its grace period (137 would read as memory).
+    #[test]
+    fn a_pod_kueue_stopped_is_a_disruption_whatever_its_exit() {
+        let p = pod(
+            "  phase: Failed\n  conditions: [{type: TerminationTarget, status: 'True', reason: WorkloadEvictedDueToPreempted, message: 'Preempted to accommodate a workload due to prioritization in the ClusterQueue'}]\n  containerStatuses: [{name: worker, image: i, imageID: '', ready: false, restartCount: 0, state: {terminated: {exitCode: 137, reason: Error}}}]",
+        );
+        let PodVerdict::Failed(f) = classify(&p) else {
+            panic!("failed expected")
+        };
+        assert_eq!(
+            (f.outcome, f.reason.as_str()),
+            (AttemptOutcome::Disrupted, "StoppedByKueue")
+        );
+        assert!(
+            f.message
+                .contains("(WorkloadEvictedDueToPreempted): Preempted to accommodate"),
+            "{}",
+            f.message
         );
     }
 

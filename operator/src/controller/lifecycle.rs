@@ -97,6 +97,10 @@ pub enum Reason {
     WaitingForCapacity,
     /// The capacity it waited for came (condition reason).
     CapacityAvailable,
+    /// The attempt's pods wait for Kueue to admit them (condition and event).
+    Queued,
+    /// Kueue admitted the attempt it had queued (condition reason).
+    Admitted,
     /// It waited longer than `spec.scheduling.maxWaitSeconds`.
     WaitedTooLong,
     /// The initializer pod fetches and checks the checkpoint and the data.
@@ -109,7 +113,7 @@ pub enum Reason {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 20] = [
+    pub const ALL: [Reason; 22] = [
         Reason::Planned,
         Reason::Replanned,
         Reason::Retrying,
@@ -126,6 +130,8 @@ impl Reason {
         Reason::MaxAttemptsReached,
         Reason::WaitingForCapacity,
         Reason::CapacityAvailable,
+        Reason::Queued,
+        Reason::Admitted,
         Reason::WaitedTooLong,
         Reason::Initializing,
         Reason::Initialized,
@@ -150,6 +156,8 @@ impl Reason {
             Reason::MaxAttemptsReached => "MaxAttemptsReached",
             Reason::WaitingForCapacity => "WaitingForCapacity",
             Reason::CapacityAvailable => "CapacityAvailable",
+            Reason::Queued => "Queued",
+            Reason::Admitted => "Admitted",
             Reason::WaitedTooLong => "WaitedTooLong",
             Reason::Initializing => "Initializing",
             Reason::Initialized => "Initialized",
@@ -226,6 +234,14 @@ pub enum Transition {
     /// what it waits for. The phase stays (Pending, or Retrying between
     /// attempts); the event is recorded when what it waits for changes.
     WaitingForCapacity { message: String },
+    /// Attempt `attempt`'s pods wait for Kueue to admit their group in
+    /// `queue` (a LocalQueue and its ClusterQueue); `message` is Kueue's
+    /// word on why (its Workload's condition), when it said one.
+    Queued {
+        attempt: u32,
+        queue: String,
+        message: Option<String>,
+    },
     /// The API server refused attempt `attempt`'s workers for a reason that
     /// can pass (a quota, a server error): reported, and asked again later.
     /// A refusal that cannot pass ends the job instead ([`Transition::Failed`]).
@@ -416,6 +432,35 @@ pub fn enter(
             status.message = Some(format!("waiting for capacity: {message}"));
             (!already).then(|| JobEvent::new(false, Reason::WaitingForCapacity, message))
         }
+        Transition::Queued {
+            attempt,
+            queue,
+            message,
+        } => {
+            let message = match message {
+                Some(why) => format!("attempt {attempt} is queued in Kueue {queue}: {why}"),
+                None => format!("attempt {attempt} is queued in Kueue {queue}"),
+            };
+            let already = status.conditions.iter().any(|c| {
+                c.type_ == ConditionType::Waiting.as_str()
+                    && c.status == "True"
+                    && c.message == message
+            });
+            condition(
+                status,
+                ConditionType::Waiting,
+                true,
+                Reason::Queued,
+                &message,
+                at,
+            );
+            // A retry stays Retrying until its workers run.
+            if status.phase != Some(JobPhase::Retrying) {
+                status.phase = Some(JobPhase::Pending);
+            }
+            status.message = Some(message.clone());
+            (!already).then(|| JobEvent::new(false, Reason::Queued, message))
+        }
         Transition::LaunchRefused { attempt, message } => {
             let message =
                 format!("attempt {attempt}: the API server refused the workers: {message}");
@@ -593,21 +638,21 @@ fn peak_note(ended: &Attempt) -> String {
     }
 }
 
-/// The capacity a waiting job waited for came: `Waiting` turns False.
+/// The capacity a waiting job waited for came (or Kueue admitted it):
+/// `Waiting` turns False.
 fn end_waiting(status: &mut MemoryAwareTrainingJobStatus, at: Stamp) {
-    let waiting = status
+    let waited_for = status
         .conditions
         .iter()
-        .any(|c| c.type_ == ConditionType::Waiting.as_str() && c.status == "True");
-    if waiting {
-        condition(
-            status,
-            ConditionType::Waiting,
-            false,
-            Reason::CapacityAvailable,
-            "",
-            at,
-        );
+        .find(|c| c.type_ == ConditionType::Waiting.as_str() && c.status == "True")
+        .map(|c| c.reason == Reason::Queued.as_str());
+    if let Some(queued) = waited_for {
+        let reason = if queued {
+            Reason::Admitted
+        } else {
+            Reason::CapacityAvailable
+        };
+        condition(status, ConditionType::Waiting, false, reason, "", at);
     }
 }
 

@@ -6,8 +6,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use headroom_api::{ClaimRetention, JobPhase, LABEL_JOB, MemoryAwareTrainingJob};
+use headroom_planner::Inventory;
 use jiff::Timestamp;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::ResourceExt;
 use kube::core::DeserializeGuard;
 use kube::runtime::controller::Action;
@@ -18,9 +19,10 @@ use super::apply::{
 };
 use super::classify::{PodVerdict, classify};
 use super::decide::refused::{Refused, refused};
-use super::decide::{Decision, Observation, decide};
+use super::decide::{Decision, Observation, QueueView, decide};
 use super::{Context, Error};
-use crate::inventory::{cpu_inventory, job_inventory};
+use crate::inventory::{cpu_inventory, cpu_worker_size, job_inventory};
+use crate::kueue::{self, QueueOffer};
 use crate::metrics::{ErrorLabels, OutcomeLabels};
 
 pub(super) fn error_policy(
@@ -122,24 +124,71 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
         }
     }
 
+    // A job in a Kueue queue plans within what the queue offers, and its
+    // waiting message is Kueue's (crate::kueue).
+    let (offer, queue) = match kueue::queue_name(job) {
+        Some(local) => {
+            let offer = QueueOffer::read(&ctx.client, &ns, local).await;
+            let gated_group = own
+                .iter()
+                .filter(|p| kueue::is_gated(p))
+                .find_map(|p| p.labels().get(kueue::LABEL_POD_GROUP).cloned());
+            let waiting = match &gated_group {
+                Some(group) => kueue::workload_wait(&ctx.client, &ns, group).await,
+                None => None,
+            };
+            let view = match &offer {
+                Ok(o) => QueueView {
+                    queue: o.describe(),
+                    waiting,
+                },
+                // Planned without the queue's limits; Kueue still gates the pods.
+                Err(why) => {
+                    tracing::warn!(queue = local, %why, "cannot read the job's Kueue queue");
+                    QueueView {
+                        queue: format!("LocalQueue {local}"),
+                        waiting: waiting.or_else(|| Some(why.clone())),
+                    }
+                }
+            };
+            (offer.ok(), Some(view))
+        }
+        None => (None, None),
+    };
+
+    let one_node = ctx.config.children.checkpoint_access.stages_share_a_node();
+    let nodes = ctx.nodes.state();
+    let node_refs: Vec<&Node> = nodes.iter().map(AsRef::as_ref).collect();
     let inventory = if job.spec.resources.gpu.is_some() {
-        let nodes = ctx.nodes.state();
         let device_pods = ctx.device_pods.state();
-        job_inventory(
-            job,
-            nodes.iter().map(AsRef::as_ref),
-            device_pods.iter().map(AsRef::as_ref),
-            ctx.config.children.checkpoint_access.stages_share_a_node(),
-        )
+        let build = |nodes: &[&Node]| {
+            job_inventory(
+                job,
+                nodes.iter().copied(),
+                device_pods.iter().map(AsRef::as_ref),
+                one_node,
+            )
+        };
+        match &offer {
+            Some(o) => o.gpu_inventory(&node_refs, build),
+            None => build(&node_refs),
+        }
     } else {
         // A CPU job: what the nodes its pods may use can hold, by size.
-        let nodes = ctx.nodes.state();
-        cpu_inventory(
-            job,
-            nodes.iter().map(AsRef::as_ref),
-            ctx.config.children.checkpoint_access.stages_share_a_node(),
-        )
-        .unwrap_or_default()
+        let inventory = cpu_inventory(job, node_refs.iter().copied(), one_node);
+        match (&offer, cpu_worker_size(job)) {
+            (Some(o), Some((limit, cores))) => {
+                // Without nodes (a control plane alone), the job's own
+                // worker cap, capped by the queue.
+                let mut inventory = inventory.unwrap_or_else(|| {
+                    let cap = job.spec.resources.cpu.as_ref().map_or(1, |c| c.max_workers);
+                    Inventory::cpu(limit, cap.max(1))
+                });
+                o.cap_cpu(&mut inventory, limit, cores);
+                inventory
+            }
+            _ => inventory.unwrap_or_default(),
+        }
     };
 
     // Decide (pure).
@@ -152,6 +201,7 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
         unschedulable_grace: ctx.config.unschedulable_grace,
         default_gpu_host_memory: ctx.config.children.gpu_host_memory_bytes(),
         worker_images: &ctx.config.children.worker_images,
+        queue: queue.as_ref(),
     });
     ctx.metrics
         .planning_seconds

@@ -16,6 +16,8 @@ use super::{Builder, Observation, of_attempt};
 /// How long a pipeline stage that lost its neighbour waits for the
 /// neighbour's own failure to be reported before the attempt ends without it.
 const PEER_LOST_GRACE: Duration = Duration::from_secs(30);
+/// How often a queued attempt's status reads Kueue's reason again.
+const QUEUE_POLL: Duration = Duration::from_secs(15);
 
 /// What the running attempt's pods say, most decisive first.
 #[derive(Clone, Debug, PartialEq)]
@@ -262,7 +264,21 @@ impl Builder<'_> {
             Verdict::Waiting { recheck } => {
                 self.d.requeue_after = recheck;
                 self.launch(n);
-                self.enter(Transition::Waiting);
+                // Held back by Kueue: say so, with Kueue's reason.
+                let gated = of_attempt(self.obs.pods, n).any(crate::kueue::is_gated);
+                match self.obs.queue.filter(|_| gated) {
+                    Some(q) => {
+                        self.enter(Transition::Queued {
+                            attempt: n,
+                            queue: q.queue.clone(),
+                            message: q.waiting.clone(),
+                        });
+                        // Kueue's reason changes without a pod event.
+                        self.d.requeue_after =
+                            Some(recheck.map_or(QUEUE_POLL, |r| r.min(QUEUE_POLL)));
+                    }
+                    None => self.enter(Transition::Waiting),
+                }
             }
         }
     }
@@ -293,6 +309,72 @@ mod tests {
         // A real failure afterwards is still held to maxAttempts 1.
         let d = step(&mut j, &[pod(1, 0, SIGTERM), pod(2, 0, CRASH)], t0());
         assert_eq!(d.status.phase, Some(JobPhase::Failed));
+    }
+
+    /// A queued job: while Kueue gates the attempt's pod, the job says it is
+    /// queued, where and why (Kueue's words), with one event per reason;
+    /// once admitted and running, `Waiting` turns False as `Admitted`. Kueue
+    /// preempting it is a disruption: the next attempt starts at once, with
+    /// no attempt used up.
+    #[test]
+    fn a_queued_attempt_says_where_and_why_and_kueue_preemption_costs_no_attempt() {
+        let mut j = oom_job();
+        j.spec.memory_policy.max_attempts = 1;
+        let mut queue = super::super::QueueView {
+            queue: "LocalQueue team-a (ClusterQueue cpu)".into(),
+            waiting: Some(
+                "insufficient unused quota for memory in flavor default, 320Mi more needed".into(),
+            ),
+        };
+        let images = WorkerImages::default();
+        let gated = || {
+            let mut p = pod(1, 0, "  phase: Pending");
+            p.spec = Some(k8s_openapi::api::core::v1::PodSpec {
+                scheduling_gates: Some(vec![k8s_openapi::api::core::v1::PodSchedulingGate {
+                    name: crate::kueue::ADMISSION_GATE.into(),
+                }]),
+                ..Default::default()
+            });
+            p
+        };
+        step_queued(&mut j, &[], t0(), &images, Some(&queue));
+        let d = step_queued(&mut j, &[gated()], t0(), &images, Some(&queue));
+        let status = &d.status;
+        assert!(
+            has_condition(status, ConditionType::Waiting, true, Reason::Queued),
+            "{status:?}"
+        );
+        let message = status.message.clone().unwrap_or_default();
+        assert_eq!(
+            message,
+            "attempt 1 is queued in Kueue LocalQueue team-a (ClusterQueue cpu): insufficient unused quota for memory in flavor default, 320Mi more needed"
+        );
+        assert!(
+            d.events.iter().any(|e| e.reason == Reason::Queued),
+            "{:?}",
+            d.events
+        );
+        assert_eq!(status.phase, Some(JobPhase::Pending));
+        // The same reason again: no second event.
+        let d = step_queued(&mut j, &[gated()], t0(), &images, Some(&queue));
+        assert!(
+            !d.events.iter().any(|e| e.reason == Reason::Queued),
+            "{:?}",
+            d.events
+        );
+        queue.waiting = None;
+        let d = step_queued(&mut j, &[pod(1, 0, RUNNING)], t0(), &images, Some(&queue));
+        assert!(
+            has_condition(&d.status, ConditionType::Waiting, false, Reason::Admitted),
+            "{:?}",
+            d.status
+        );
+        const PREEMPTED: &str = "  phase: Failed\n  conditions: [{type: TerminationTarget, status: 'True', reason: WorkloadEvictedDueToPreempted, message: 'Preempted to accommodate a higher priority workload'}]\n  containerStatuses: [{name: worker, image: i, imageID: '', ready: false, restartCount: 0, state: {terminated: {exitCode: 143}}}]";
+        let d = step_queued(&mut j, &[pod(1, 0, PREEMPTED)], t0(), &images, Some(&queue));
+        let first = &d.status.attempts[0];
+        assert_eq!(first.outcome, AttemptOutcome::Disrupted, "{first:?}");
+        assert_eq!(first.reason.as_deref(), Some("StoppedByKueue"));
+        assert_eq!(launched(&d), Some(2), "resumes at once, no attempt used");
     }
 
     /// A worker's pod is deleted from outside and gone before this operator

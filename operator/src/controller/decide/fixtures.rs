@@ -17,7 +17,7 @@ pub(super) use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 pub(super) use super::super::LaunchRefusal;
 pub(super) use super::super::config::WorkerImages;
 pub(super) use super::super::lifecycle::{ConditionType, Reason};
-use super::{Decision, Observation, decide};
+use super::{Decision, Observation, QueueView, decide};
 use crate::controller::pods::tests::job;
 
 /// The attempt a decision launches, if any.
@@ -59,6 +59,17 @@ pub(super) fn step_with(
     now: Timestamp,
     worker_images: &WorkerImages,
 ) -> Decision {
+    step_queued(job, pods, now, worker_images, None)
+}
+
+/// [`step_with`] for a job in a Kueue queue.
+pub(super) fn step_queued(
+    job: &mut MemoryAwareTrainingJob,
+    pods: &[Pod],
+    now: Timestamp,
+    worker_images: &WorkerImages,
+    queue: Option<&QueueView>,
+) -> Decision {
     let refs: Vec<&Pod> = pods.iter().collect();
     let inv = Inventory::default();
     let d = decide(&Observation {
@@ -69,6 +80,7 @@ pub(super) fn step_with(
         unschedulable_grace: Duration::from_secs(60),
         default_gpu_host_memory: 16 << 30,
         worker_images,
+        queue,
     });
     job.status = Some(d.status.clone());
     d

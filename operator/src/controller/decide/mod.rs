@@ -101,6 +101,18 @@ pub struct Observation<'a> {
     pub default_gpu_host_memory: u64,
     /// The operator's images for jobs that name none, by backend.
     pub worker_images: &'a WorkerImages,
+    /// The job's Kueue queue, when it names one (`crate::kueue`).
+    pub queue: Option<&'a QueueView>,
+}
+
+/// A queued job's queue as the decision needs it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct QueueView {
+    /// `LocalQueue a (ClusterQueue b)`, or the LocalQueue's name alone when
+    /// its ClusterQueue could not be read.
+    pub queue: String,
+    /// Kueue's word on why the current attempt's pod group is not admitted.
+    pub waiting: Option<String>,
 }
 
 /// A decision being made: the observation, what is decided so far, and what

@@ -31,7 +31,9 @@ mod worker;
 pub use claim::{checkpoint_claim, claim_belongs_to, release_claim_patch};
 pub use files::output_location;
 pub use initializer::initializer_pod;
-pub use names::{Slot, checkpoint_claim_name, initializer_pod_name, pod_name, slots};
+pub use names::{
+    Slot, checkpoint_claim_name, initializer_pod_name, pod_group_name, pod_name, slots,
+};
 pub use network_policy::peer_network_policy;
 pub use service::headless_service;
 pub use worker::worker_pod;

@@ -67,6 +67,25 @@ pub(super) fn host_name(plan: &Plan, Slot { stage, replica }: Slot) -> String {
     }
 }
 
+/// The Kueue pod group of attempt `attempt` (the `kueue.x-k8s.io/pod-group-name`
+/// label, and the name of the Workload Kueue makes for it): one per attempt,
+/// with the job's UID in it, so a job deleted and made again under the same
+/// name never joins the old job's group while that one is still being cleaned up.
+pub fn pod_group_name(job: &MemoryAwareTrainingJob, attempt: u32) -> String {
+    let uid = job.metadata.uid.as_deref().unwrap_or_default();
+    let short: String = uid
+        .chars()
+        .filter(char::is_ascii_hexdigit)
+        .take(5)
+        .collect();
+    let suffix = if short.is_empty() {
+        format!("-a{attempt}")
+    } else {
+        format!("-{short}-a{attempt}")
+    };
+    dns_label(&job.name_any(), &suffix)
+}
+
 /// The initializer pod of run `run` (1-based; a transient failure starts another).
 pub fn initializer_pod_name(job: &MemoryAwareTrainingJob, run: u32) -> String {
     dns_label(&job.name_any(), &format!("-init-{run}"))

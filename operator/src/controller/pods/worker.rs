@@ -276,6 +276,13 @@ pub fn worker_pod(
             tolerations,
         },
     );
+    // A queued job's attempt is one Kueue pod group (crate::kueue).
+    crate::kueue::join_pod_group(
+        &mut pod,
+        job,
+        &super::names::pod_group_name(job, attempt),
+        plan.workers,
+    );
     // On top of the skeleton: a multi-worker attempt's peers reach each
     // worker by its name under the Service, on its ports.
     let ports = multi.then(|| {
