@@ -19,23 +19,46 @@ use crate::TestNs;
 pub const MANAGED_NAMESPACE_LABEL: (&str, &str) = ("e2e.headroom.dev/kueue", "managed");
 
 /// A test's queue: its LocalQueue (in the test's namespace), ClusterQueue
-/// and ResourceFlavor.
+/// and ResourceFlavors.
 #[derive(Clone, Debug)]
 pub struct TestQueue {
     pub local: String,
     pub cluster: String,
-    pub flavor: String,
+    pub flavors: Vec<String>,
+}
+
+/// One ResourceFlavor of a test's ClusterQueue.
+#[derive(Clone, Debug, Default)]
+pub struct FlavorSpec<'a> {
+    /// Its name is the namespace's plus `-<suffix>`.
+    pub suffix: &'a str,
+    /// Its nodeLabels (empty: every node).
+    pub node_labels: BTreeMap<String, String>,
+    /// Resource → nominal quota, e.g. `("memory", "700Mi")`; every flavor
+    /// of one queue names the same resources.
+    pub quota: &'a [(&'a str, &'a str)],
 }
 
 /// What a test's ClusterQueue offers.
 #[derive(Clone, Debug, Default)]
 pub struct QueueSpec<'a> {
-    /// The flavor's nodeLabels (empty: every node).
-    pub node_labels: BTreeMap<String, String>,
-    /// Resource → nominal quota, e.g. `("memory", "700Mi")`.
-    pub quota: &'a [(&'a str, &'a str)],
+    pub flavors: Vec<FlavorSpec<'a>>,
     /// Preempt lower-priority workloads of the same ClusterQueue.
     pub preempt_lower_priority: bool,
+}
+
+impl<'a> QueueSpec<'a> {
+    /// One flavor for every node, with `quota`.
+    pub fn one(quota: &'a [(&'a str, &'a str)]) -> Self {
+        QueueSpec {
+            flavors: vec![FlavorSpec {
+                suffix: "all",
+                quota,
+                ..FlavorSpec::default()
+            }],
+            preempt_lower_priority: false,
+        }
+    }
 }
 
 fn resource(kind: &str, plural: &str) -> ApiResource {
@@ -83,36 +106,44 @@ impl TestNs {
             .expect("namespace label");
     }
 
-    /// A ResourceFlavor, a ClusterQueue covering the quota's resources in
-    /// it, and a LocalQueue here pointing at it; all named after the namespace.
+    /// The ResourceFlavors, a ClusterQueue covering the quota's resources in
+    /// them, and a LocalQueue here pointing at it; all named after the namespace.
     pub async fn kueue_queue(&self, spec: &QueueSpec<'_>) -> TestQueue {
         let name = self.name.clone();
-        let flavors = Api::all_with(
+        let flavor_api = Api::all_with(
             self.client.clone(),
             &resource("ResourceFlavor", "resourceflavors"),
         );
-        let mut flavor_spec = json!({});
-        if !spec.node_labels.is_empty() {
-            flavor_spec = json!({"nodeLabels": spec.node_labels});
+        let mut flavors = Vec::new();
+        let mut flavor_quotas = Vec::new();
+        for f in &spec.flavors {
+            let flavor = format!("{name}-{}", f.suffix);
+            let mut flavor_spec = json!({});
+            if !f.node_labels.is_empty() {
+                flavor_spec = json!({"nodeLabels": f.node_labels});
+            }
+            self.apply_kueue(
+                &flavor_api,
+                object("ResourceFlavor", &flavor, json!({"spec": flavor_spec})),
+            )
+            .await;
+            let resources: Vec<serde_json::Value> = f
+                .quota
+                .iter()
+                .map(|(r, q)| json!({"name": r, "nominalQuota": q}))
+                .collect();
+            flavor_quotas.push(json!({"name": flavor, "resources": resources}));
+            flavors.push(flavor);
         }
-        self.apply_kueue(
-            &flavors,
-            object("ResourceFlavor", &name, json!({"spec": flavor_spec})),
-        )
-        .await;
-        let covered: Vec<&str> = spec.quota.iter().map(|(r, _)| *r).collect();
-        let resources: Vec<serde_json::Value> = spec
-            .quota
-            .iter()
-            .map(|(r, q)| json!({"name": r, "nominalQuota": q}))
-            .collect();
+        let covered: Vec<&str> = spec
+            .flavors
+            .first()
+            .map(|f| f.quota.iter().map(|(r, _)| *r).collect())
+            .unwrap_or_default();
         let mut cq_spec = json!({
             "namespaceSelector": {},
             "queueingStrategy": "StrictFIFO",
-            "resourceGroups": [{
-                "coveredResources": covered,
-                "flavors": [{"name": name, "resources": resources}],
-            }],
+            "resourceGroups": [{"coveredResources": covered, "flavors": flavor_quotas}],
         });
         if spec.preempt_lower_priority {
             cq_spec["preemption"] = json!({"withinClusterQueue": "LowerPriority"});
@@ -136,8 +167,8 @@ impl TestNs {
         self.apply_kueue(&lqs, lq).await;
         TestQueue {
             local: name.clone(),
-            cluster: name.clone(),
-            flavor: name,
+            cluster: name,
+            flavors,
         }
     }
 
@@ -183,7 +214,9 @@ impl TestNs {
             self.client.clone(),
             &resource("ResourceFlavor", "resourceflavors"),
         );
-        let _ = rfs.delete(&queue.flavor, &dp).await;
+        for f in &queue.flavors {
+            let _ = rfs.delete(f, &dp).await;
+        }
         let pcs: Api<DynamicObject> = Api::all_with(
             self.client.clone(),
             &resource("WorkloadPriorityClass", "workloadpriorityclasses"),

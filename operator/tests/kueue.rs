@@ -10,8 +10,10 @@
 mod support;
 
 use headroom_api::JobPhase;
-use headroom_e2e::kueue::{QueueSpec, queued};
-use headroom_e2e::phase;
+use std::collections::BTreeMap;
+
+use headroom_e2e::kueue::{FlavorSpec, QueueSpec, queued};
+use headroom_e2e::{attempts, phase};
 use headroom_operator::controller::ControllerConfig;
 use kube::ResourceExt;
 use support::*;
@@ -22,10 +24,7 @@ async fn a_queued_job_plans_within_its_quota_and_its_workers_form_a_pod_group() 
     let ns = test_ns("hr-kueue").await;
     // Room for one 1 GiB worker of cpu-tiny, not for a 4 GiB one.
     let queue = ns
-        .kueue_queue(&QueueSpec {
-            quota: &[("cpu", "2"), ("memory", "1536Mi")],
-            ..QueueSpec::default()
-        })
+        .kueue_queue(&QueueSpec::one(&[("cpu", "2"), ("memory", "1536Mi")]))
         .await;
     let op = start_operator(&ns, ControllerConfig::default());
 
@@ -47,7 +46,7 @@ async fn a_queued_job_plans_within_its_quota_and_its_workers_form_a_pod_group() 
     assert!(
         message.contains(&format!(
             "flavor {} of LocalQueue {} (ClusterQueue {}) has memory quota 1.5 GiB, one worker needs 4.0 GiB",
-            queue.flavor, queue.local, queue.cluster
+            queue.flavors[0], queue.local, queue.cluster
         )),
         "{message}"
     );
@@ -71,5 +70,70 @@ async fn a_queued_job_plans_within_its_quota_and_its_workers_form_a_pod_group() 
 
     op.stop().await;
     ns.delete_kueue_objects(&queue, &[]).await;
+    ns.cleanup().await;
+}
+
+/// The queue offers one GPU type of the cluster's two: a job that could use
+/// either is planned on the queue's (where, without a queue, the planner
+/// picks the larger GPU for this sequence length), and its pod is placed on
+/// that type; a job only the other type can hold is refused, naming the
+/// nodes no flavor of the queue stands for.
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn a_queued_gpu_job_plans_only_on_its_queues_flavors() {
+    let ns = test_ns("hr-kueue-gpu").await;
+    let mut nodes = GpuNodes::new(&ns);
+    let (mid, big) = (nodes.product("Mid"), nodes.product("Big"));
+    nodes.add("mid", &mid, 40960).await;
+    let big_node = nodes.add("big", &big, 81920).await;
+    let queue = ns
+        .kueue_queue(&QueueSpec {
+            flavors: vec![FlavorSpec {
+                suffix: "mid",
+                node_labels: BTreeMap::from([("nvidia.com/gpu.product".into(), mid.clone())]),
+                quota: &[("nvidia.com/gpu", "1"), ("cpu", "8"), ("memory", "64Gi")],
+            }],
+            ..QueueSpec::default()
+        })
+        .await;
+    let op = start_operator(&ns, ControllerConfig::default());
+
+    let either = gpu_job_with_sequence("in-queue", &[&mid, &big], 1, "", 4096);
+    ns.apply_job(&queued(&either, &queue.local, None)).await;
+    let job = ns
+        .wait_job("in-queue", "attempt 1", TIMEOUT, |j| attempts(j) == 1)
+        .await;
+    let plan = job.status.expect("status").attempts[0].plan.clone();
+    assert_eq!(plan.device, mid, "the queue's only GPU type");
+    let pods = ns.wait_pods("GPU pod", TIMEOUT, |p| p.len() == 1).await;
+    let selector = pods[0]
+        .spec
+        .clone()
+        .and_then(|s| s.node_selector)
+        .unwrap_or_default();
+    assert_eq!(selector["nvidia.com/gpu.product"], mid);
+
+    ns.apply_job(&queued(
+        &gpu_job("big-only", &[&big], 1, ""),
+        &queue.local,
+        None,
+    ))
+    .await;
+    let refused = ns
+        .wait_job("big-only", "phase Failed", TIMEOUT, |j| {
+            phase(j) == Some(JobPhase::Failed)
+        })
+        .await;
+    let message = refused.status.and_then(|s| s.message).unwrap_or_default();
+    assert!(
+        message.contains(&format!(
+            "{big_node} (no flavor of LocalQueue {} (ClusterQueue {}) matches its labels)",
+            queue.local, queue.cluster
+        )),
+        "{message}"
+    );
+    op.stop().await;
+    ns.delete_kueue_objects(&queue, &[]).await;
+    nodes.remove().await;
     ns.cleanup().await;
 }
