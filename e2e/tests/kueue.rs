@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use headroom_api::{AttemptOutcome, JobPhase};
-use headroom_e2e::fixtures::CPU_TINY as TINY;
+use headroom_e2e::fixtures::{CPU_PIPELINE_RETRY as PIPELINE_RETRY, CPU_TINY as TINY};
 use headroom_e2e::kueue::{QueueSpec, queued};
 use headroom_e2e::{E2E, TestNs, phase, telemetry_step};
 use k8s_openapi::api::core::v1::Pod;
@@ -195,5 +195,54 @@ async fn a_higher_priority_job_preempts_and_the_preempted_one_resumes() {
         "resumed at step {resumed}; attempt 1 had reached step {reached}"
     );
     ns.delete_kueue_objects(&queue, &[low, high]).await;
+    ns.cleanup().await;
+}
+
+/// A retry that needs more quota waits for it: the queue holds two workers
+/// of 350Mi/300m; a long job holds one; samples/cpu-pipeline-retry.yaml
+/// runs its pinned single stage in the other, is OOM-killed, and is
+/// replanned as two stages (no more than the queue holds), which Kueue
+/// admits only once the long job has ended.
+#[tokio::test]
+#[ignore = "needs a cluster with Headroom and Kueue installed: make e2e"]
+async fn an_oom_retry_that_needs_more_quota_waits_for_it() {
+    let ns = TestNs::new(E2E, "e2e-kueue-retry").await;
+    ns.opt_into_kueue().await;
+    let queue = ns
+        .kueue_queue(&QueueSpec::one(&[("cpu", "600m"), ("memory", "700Mi")]))
+        .await;
+    let holder = tiny("holder", 16)
+        .replace("memoryLimit: 1Gi", "memoryLimit: 350Mi")
+        .replace("cores: 500m", "cores: 300m");
+    ns.apply_job(&queued(&holder, &queue.local, None)).await;
+    ns.wait_job("holder", "Running", RUN, |j| {
+        phase(j) == Some(JobPhase::Running)
+    })
+    .await;
+    assert!(PIPELINE_RETRY.contains("memoryLimit: 350Mi, maxWorkers: 3, cores: 300m"));
+    ns.apply_job(&queued(PIPELINE_RETRY, &queue.local, None))
+        .await;
+    let queued_retry = ns
+        .wait_job("oom-then-split", "attempt 2 queued, or ended", RUN, |j| {
+            let queued = condition(j, "Waiting").is_some_and(|c| {
+                c.status == "True" && c.reason == "Queued" && c.message.starts_with("attempt 2 ")
+            });
+            queued || headroom_e2e::ended(j)
+        })
+        .await;
+    let holder_now = ns.jobs().get("holder").await.expect("holder");
+    assert!(
+        condition(&queued_retry, "Waiting").is_some_and(|c| c.reason == "Queued")
+            || phase(&holder_now) != Some(JobPhase::Running),
+        "the two-stage retry ran while the holder held half the quota: {:?}",
+        queued_retry.status
+    );
+    let holder_done = ns.wait_succeeded("holder", RUN).await;
+    let split = ns.wait_succeeded("oom-then-split", RUN).await;
+    assert_eq!(split.attempts[0].outcome, AttemptOutcome::HostOutOfMemory);
+    let last = split.attempts.last().expect("attempts");
+    assert_eq!(last.plan.workers, 2, "as many stages as the queue holds");
+    assert_eq!(holder_done.attempts.len(), 1);
+    ns.delete_kueue_objects(&queue, &[]).await;
     ns.cleanup().await;
 }
