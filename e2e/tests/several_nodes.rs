@@ -246,6 +246,84 @@ mod several_nodes {
         ns.cleanup().await;
     }
 
+    /// The same two GPU types as Kueue ResourceFlavors of one ClusterQueue
+    /// (one GPU of quota each, matched to the nodes by GFD's product
+    /// label): Kueue admits each job's pod group in the flavor of the type
+    /// Headroom planned, and each pod lands on its type's node.
+    #[tokio::test]
+    #[ignore = "needs a cluster of several nodes with Headroom and Kueue installed: make e2e-kind"]
+    async fn kueue_flavors_per_gpu_type_admit_each_job_on_its_type() {
+        use std::collections::BTreeMap;
+
+        use headroom_e2e::kueue::{FlavorSpec, QueueSpec, queued};
+
+        let _nodes = NODES.lock().await;
+        let client = Client::try_default().await.expect("KUBECONFIG");
+        let workers: Vec<String> = workers(&client)
+            .await
+            .iter()
+            .map(ResourceExt::name_any)
+            .collect();
+        let (a100_node, t4_node) = (workers[0].clone(), workers[1].clone());
+        let nodes: Api<Node> = Api::all(client);
+        label_gpu(&nodes, &a100_node, BIG_GPU, 81920).await;
+        label_gpu(&nodes, &t4_node, SMALL_GPU, 15360).await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+
+        let ns = TestNs::new(E2E, "e2e-kueue-gpu").await;
+        ns.opt_into_kueue().await;
+        const QUOTA: &[(&str, &str)] = &[("nvidia.com/gpu", "1"), ("cpu", "2"), ("memory", "2Gi")];
+        let flavor = |suffix, product: &str| FlavorSpec {
+            suffix,
+            node_labels: BTreeMap::from([("nvidia.com/gpu.product".into(), product.into())]),
+            quota: QUOTA,
+        };
+        let queue = ns
+            .kueue_queue(&QueueSpec {
+                flavors: vec![flavor("a100", BIG_GPU), flavor("t4", SMALL_GPU)],
+                ..QueueSpec::default()
+            })
+            .await;
+        let run = {
+            let ns = ns.clone();
+            let local = queue.local.clone();
+            let (a100_node, t4_node) = (a100_node.clone(), t4_node.clone());
+            async move {
+                ns.apply_job(&queued(GPU_NEEDS_A100, &local, None)).await;
+                ns.apply_job(&queued(GPU_FITS_A_T4, &local, None)).await;
+                for (job, device, node) in [
+                    ("needs-a100", BIG_GPU, &a100_node),
+                    ("fits-a-t4", SMALL_GPU, &t4_node),
+                ] {
+                    let planned = ns
+                        .wait_job(job, "a plan", Duration::from_secs(60), |j| {
+                            plan_device(j).is_some() || job_failed(j)
+                        })
+                        .await;
+                    assert_eq!(plan_device(&planned).as_deref(), Some(device), "{job}");
+                    assert_eq!(
+                        &bound_node(&ns, job).await,
+                        node,
+                        "{job}'s pod, admitted by Kueue, runs on the node labelled {device}"
+                    );
+                }
+            }
+        };
+        let outcome = tokio::spawn(run).await;
+        let _ = ns
+            .jobs()
+            .delete_collection(&DeleteParams::default(), &ListParams::default())
+            .await;
+        let mut problems = unlabel_gpu(&nodes, &a100_node).await;
+        problems.extend(unlabel_gpu(&nodes, &t4_node).await);
+        ns.delete_kueue_objects(&queue, &[]).await;
+        if let Err(e) = outcome {
+            std::panic::resume_unwind(e.into_panic());
+        }
+        assert!(problems.is_empty(), "cleanup: {problems:?}");
+        ns.cleanup().await;
+    }
+
     /// A pod on `node` that requests `millicores` and does nothing.
     fn filler(node: &str, millicores: u64) -> Pod {
         serde_json::from_value(json!({
