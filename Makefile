@@ -47,6 +47,8 @@ test-unit: ## Unit, property, CRD-drift and plugin tests (no cluster needed).
 	$(CARGO) test --workspace --all-targets --no-fail-fast
 
 test-apiserver: controlplane-up ## CRD, samples, invalid-manifest corpus and the controller against a real kube-apiserver.
+	# Kueue's CRDs (no Kueue controller on this control plane): the queued-job tests create its objects.
+	KUBECONFIG=$(KUBECONFIG_TEST) e2e/kueue/kueue.sh crds
 	# --workspace --tests: the same feature resolution as test-unit, so nothing is rebuilt.
 	KUBECONFIG=$(KUBECONFIG_TEST) $(CARGO) test --workspace --exclude headroom-e2e --tests --no-fail-fast -- --ignored --test-threads=1
 
@@ -87,6 +89,10 @@ controlplane-up: k8s-binaries ## Start etcd + kube-apiserver (idempotent); KUBEC
 
 controlplane-down: ## Stop the control plane.
 	$(CLUSTER)/controlplane.sh down
+
+.PHONY: kueue
+kueue: ## Kueue built from its Go module and installed with its Helm chart on the cluster in KUBECONFIG (the local single-node one by default; make e2e does this).
+	KUBECONFIG=$${KUBECONFIG:-$(HEADROOM_CACHE)/state/cluster/kubeconfig} e2e/kueue/kueue.sh install
 
 ##@ Try it
 .PHONY: plan-samples demo e2e e2e-kind release-bins

@@ -3,7 +3,8 @@
 # Brings Headroom up on a cluster: with KUBECONFIG unset, the local
 # single-node cluster (root; e2e/cluster/README.md); then the operator and
 # worker images built without Docker, and the Helm chart. Prints the
-# KUBECONFIG to use. Shared by the README demo and `make e2e`.
+# KUBECONFIG to use. Shared by the README demo and `make e2e`. Kueue
+# (e2e/kueue/kueue.sh) is installed after Headroom.
 # Workers write telemetry every HEADROOM_TELEMETRY_INTERVAL_SECONDS (default 1,
 # so tests that act at a reported step act while it is current; the chart's
 # default is 10).
@@ -51,4 +52,8 @@ HELM=$(e2e/tools/build-helm.sh --print)
 # The tag stays `dev` across rebuilds: restart so the new build runs.
 "${KUBECTL}" -n headroom-system rollout restart deployment/headroom-operator >&2
 "${KUBECTL}" -n headroom-system rollout status deployment/headroom-operator --timeout=180s >&2
+# Kueue (issue 34), for the jobs that name a queue: its pod webhook only
+# touches namespaces labelled e2e.headroom.dev/kueue=managed (e2e/kueue/values.yaml).
+say "Kueue $(e2e/kueue/kueue.sh version), built from its Go module, with its own Helm chart"
+e2e/kueue/kueue.sh install >&2
 echo "export KUBECONFIG=${KUBECONFIG}"

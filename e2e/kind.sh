@@ -165,6 +165,15 @@ install() {
 }
 install ReadWriteOnce ""
 
+# --- Kueue (issue 34) ----------------------------------------------------------
+# Built from its Go module into an OCI archive (no Docker needed in either
+# image mode), loaded into the kind nodes, installed with its own chart.
+say "Kueue $(e2e/kueue/kueue.sh version): build, kind load image-archive, helm install"
+KUEUE_IMAGE_IMPORT=0 e2e/kueue/kueue.sh build
+kind load image-archive --name "${KIND_CLUSTER_NAME}" \
+  "${HEADROOM_CACHE}/images/kueue_$(e2e/kueue/kueue.sh version).oci.tar" >&2
+KUEUE_IMAGE_IMPORT=0 KUBECTL=${KUBECTL} HELM=${HELM} e2e/kueue/kueue.sh install
+
 # --- suite ---------------------------------------------------------------------
 # The fine-tuning scenarios serve a hub stand-in on this machine; pods reach it
 # at the kind network's gateway (the host's address on that bridge).
