@@ -14,7 +14,9 @@
 //! checkpoint once Kueue admits it again. No Go code runs in Headroom, and
 //! without the label nothing here is used.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use headroom_api::MemoryAwareTrainingJob;
 use headroom_api::quantity::{parse_bytes, parse_cores};
@@ -426,6 +428,51 @@ impl QueueOffer {
             "LocalQueue {} (ClusterQueue {})",
             self.local_queue, self.cluster_queue
         )
+    }
+}
+
+/// Queue offers read within the last [`OfferCache::TTL`], by namespace and
+/// LocalQueue: every reconcile of a queued job needs its queue's offer, and
+/// a queue's flavors and quota change rarely, so a queue of many jobs costs
+/// the API server a few reads per TTL rather than three per reconcile. A
+/// quota changed by an admin is planned with within the TTL.
+#[derive(Debug, Default)]
+pub struct OfferCache {
+    entries: Mutex<HashMap<QueueKey, ReadOffer>>,
+}
+
+/// Namespace and LocalQueue.
+type QueueKey = (String, String);
+/// When an offer was read, and what the read gave.
+type ReadOffer = (Instant, Result<QueueOffer, String>);
+
+impl OfferCache {
+    pub const TTL: Duration = Duration::from_secs(30);
+
+    /// The offer of LocalQueue `local` in `namespace`, read again when older than the TTL.
+    pub async fn get(
+        &self,
+        client: &Client,
+        namespace: &str,
+        local: &str,
+    ) -> Result<QueueOffer, String> {
+        let key = (namespace.to_string(), local.to_string());
+        if let Some((at, offer)) = self.lock().get(&key)
+            && at.elapsed() < Self::TTL
+        {
+            return offer.clone();
+        }
+        let offer = QueueOffer::read(client, namespace, local).await;
+        let mut entries = self.lock();
+        entries.retain(|_, (at, _)| at.elapsed() < Self::TTL);
+        entries.insert(key, (Instant::now(), offer.clone()));
+        offer
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<QueueKey, ReadOffer>> {
+        self.entries
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 

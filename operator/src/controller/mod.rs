@@ -225,6 +225,8 @@ pub struct Context {
     /// that write; deciding on the older job would re-apply a status guarded
     /// by a stale resourceVersion, be refused (409) and wait out a requeue.
     written: OwnWrites,
+    /// Kueue queues read recently, shared by every job of a queue.
+    pub queue_offers: crate::kueue::OfferCache,
 }
 
 /// This operator's status writes the job cache may not show yet, per job
@@ -329,6 +331,7 @@ impl Context {
             reports,
             launched: Mutex::default(),
             written: OwnWrites::default(),
+            queue_offers: crate::kueue::OfferCache::default(),
         }
     }
 

@@ -22,7 +22,7 @@ use super::decide::refused::{Refused, refused};
 use super::decide::{Decision, Observation, QueueView, decide};
 use super::{Context, Error};
 use crate::inventory::{cpu_inventory, cpu_worker_size, job_inventory};
-use crate::kueue::{self, QueueOffer};
+use crate::kueue;
 use crate::metrics::{ErrorLabels, OutcomeLabels};
 
 pub(super) fn error_policy(
@@ -128,7 +128,7 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
     // waiting message is Kueue's (crate::kueue).
     let (offer, queue) = match kueue::queue_name(job) {
         Some(local) => {
-            let offer = QueueOffer::read(&ctx.client, &ns, local).await;
+            let offer = ctx.queue_offers.get(&ctx.client, &ns, local).await;
             let gated_group = own
                 .iter()
                 .filter(|p| kueue::is_gated(p))

@@ -16,8 +16,9 @@ use super::{Builder, Observation, of_attempt};
 /// How long a pipeline stage that lost its neighbour waits for the
 /// neighbour's own failure to be reported before the attempt ends without it.
 const PEER_LOST_GRACE: Duration = Duration::from_secs(30);
-/// How often a queued attempt's status reads Kueue's reason again.
-const QUEUE_POLL: Duration = Duration::from_secs(15);
+/// How often a queued attempt's status reads Kueue's reason again (one
+/// Workload read per queued job per poll).
+const QUEUE_POLL: Duration = Duration::from_secs(30);
 
 /// What the running attempt's pods say, most decisive first.
 #[derive(Clone, Debug, PartialEq)]
