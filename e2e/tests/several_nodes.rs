@@ -17,7 +17,7 @@
 //! tests that make them hold [`several_nodes::NODES`] in turn.
 
 mod several_nodes {
-    use std::collections::BTreeSet;
+    use std::collections::{BTreeMap, BTreeSet};
     use std::time::Duration;
 
     use headroom_api::quantity::parse_bytes;
@@ -25,6 +25,7 @@ mod several_nodes {
     use headroom_e2e::cluster::{operator_checkpoint_access, schedulable_nodes};
     use headroom_e2e::fixtures::{CPU_PIPELINE, GPU_FITS_A_T4, GPU_NEEDS_A100};
     use headroom_e2e::gfd::{job_failed, label_gpu, plan_device, unlabel_gpu};
+    use headroom_e2e::kueue::{FlavorSpec, QueueSpec, queued};
     use headroom_e2e::{E2E, TestNs, pod_phase};
     use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim, Pod};
     use kube::api::{Api, DeleteParams, ListParams, PostParams};
@@ -183,9 +184,48 @@ mod several_nodes {
         .await
     }
 
-    async fn gpu_placement(ns: TestNs, a100_node: String, t4_node: String) {
-        ns.apply_job(GPU_NEEDS_A100).await;
-        ns.apply_job(GPU_FITS_A_T4).await;
+    /// Two workers labelled as GPU Feature Discovery labels an A100 node
+    /// and a T4 node, with `nvidia.com/gpu` advertised.
+    struct GpuWorkers {
+        nodes: Api<Node>,
+        a100: String,
+        t4: String,
+    }
+
+    impl GpuWorkers {
+        async fn label() -> Self {
+            let client = Client::try_default().await.expect("KUBECONFIG");
+            let workers: Vec<String> = workers(&client)
+                .await
+                .iter()
+                .map(ResourceExt::name_any)
+                .collect();
+            let (a100, t4) = (workers[0].clone(), workers[1].clone());
+            let nodes: Api<Node> = Api::all(client);
+            label_gpu(&nodes, &a100, BIG_GPU, 81920).await;
+            label_gpu(&nodes, &t4, SMALL_GPU, 15360).await;
+            // The operator plans from its node cache: let the watch deliver the changes.
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            GpuWorkers { nodes, a100, t4 }
+        }
+
+        /// Removes the labels; what could not be undone.
+        async fn unlabel(&self) -> Vec<String> {
+            let mut problems = unlabel_gpu(&self.nodes, &self.a100).await;
+            problems.extend(unlabel_gpu(&self.nodes, &self.t4).await);
+            problems
+        }
+    }
+
+    /// Each GPU job is planned on its type and its pod bound to that type's
+    /// node; with `queue`, the jobs name that LocalQueue (Kueue admits them).
+    async fn gpu_placement(ns: TestNs, a100_node: String, t4_node: String, queue: Option<String>) {
+        for job in [GPU_NEEDS_A100, GPU_FITS_A_T4] {
+            match &queue {
+                Some(q) => ns.apply_job(&queued(job, q, None)).await,
+                None => ns.apply_job(job).await,
+            };
+        }
         for (job, device, node) in [
             ("needs-a100", BIG_GPU, &a100_node),
             ("fits-a-t4", SMALL_GPU, &t4_node),
@@ -213,32 +253,20 @@ mod several_nodes {
     #[ignore = "needs a cluster of several nodes with Headroom installed: make e2e-kind"]
     async fn gfd_labelled_workers_get_the_pods_of_the_jobs_that_need_them() {
         let _nodes = NODES.lock().await;
-        let client = Client::try_default().await.expect("KUBECONFIG");
-        let workers: Vec<String> = workers(&client)
-            .await
-            .iter()
-            .map(ResourceExt::name_any)
-            .collect();
-        let (a100_node, t4_node) = (workers[0].clone(), workers[1].clone());
-        let nodes: Api<Node> = Api::all(client);
-        label_gpu(&nodes, &a100_node, BIG_GPU, 81920).await;
-        label_gpu(&nodes, &t4_node, SMALL_GPU, 15360).await;
-        // The operator plans from its node cache: let the watch deliver the changes.
-        tokio::time::sleep(Duration::from_secs(2)).await;
-
+        let gpus = GpuWorkers::label().await;
         let ns = TestNs::new(E2E, "e2e-gpu-nodes").await;
         let outcome = tokio::spawn(gpu_placement(
             ns.clone(),
-            a100_node.clone(),
-            t4_node.clone(),
+            gpus.a100.clone(),
+            gpus.t4.clone(),
+            None,
         ))
         .await;
         let _ = ns
             .jobs()
             .delete_collection(&DeleteParams::default(), &ListParams::default())
             .await;
-        let mut problems = unlabel_gpu(&nodes, &a100_node).await;
-        problems.extend(unlabel_gpu(&nodes, &t4_node).await);
+        let problems = gpus.unlabel().await;
         if let Err(e) = outcome {
             std::panic::resume_unwind(e.into_panic());
         }
@@ -253,23 +281,8 @@ mod several_nodes {
     #[tokio::test]
     #[ignore = "needs a cluster of several nodes with Headroom and Kueue installed: make e2e-kind"]
     async fn kueue_flavors_per_gpu_type_admit_each_job_on_its_type() {
-        use std::collections::BTreeMap;
-
-        use headroom_e2e::kueue::{FlavorSpec, QueueSpec, queued};
-
         let _nodes = NODES.lock().await;
-        let client = Client::try_default().await.expect("KUBECONFIG");
-        let workers: Vec<String> = workers(&client)
-            .await
-            .iter()
-            .map(ResourceExt::name_any)
-            .collect();
-        let (a100_node, t4_node) = (workers[0].clone(), workers[1].clone());
-        let nodes: Api<Node> = Api::all(client);
-        label_gpu(&nodes, &a100_node, BIG_GPU, 81920).await;
-        label_gpu(&nodes, &t4_node, SMALL_GPU, 15360).await;
-        tokio::time::sleep(Duration::from_secs(2)).await;
-
+        let gpus = GpuWorkers::label().await;
         let ns = TestNs::new(E2E, "e2e-kueue-gpu").await;
         ns.opt_into_kueue().await;
         const QUOTA: &[(&str, &str)] = &[("nvidia.com/gpu", "1"), ("cpu", "2"), ("memory", "2Gi")];
@@ -284,38 +297,18 @@ mod several_nodes {
                 ..QueueSpec::default()
             })
             .await;
-        let run = {
-            let ns = ns.clone();
-            let local = queue.local.clone();
-            let (a100_node, t4_node) = (a100_node.clone(), t4_node.clone());
-            async move {
-                ns.apply_job(&queued(GPU_NEEDS_A100, &local, None)).await;
-                ns.apply_job(&queued(GPU_FITS_A_T4, &local, None)).await;
-                for (job, device, node) in [
-                    ("needs-a100", BIG_GPU, &a100_node),
-                    ("fits-a-t4", SMALL_GPU, &t4_node),
-                ] {
-                    let planned = ns
-                        .wait_job(job, "a plan", Duration::from_secs(60), |j| {
-                            plan_device(j).is_some() || job_failed(j)
-                        })
-                        .await;
-                    assert_eq!(plan_device(&planned).as_deref(), Some(device), "{job}");
-                    assert_eq!(
-                        &bound_node(&ns, job).await,
-                        node,
-                        "{job}'s pod, admitted by Kueue, runs on the node labelled {device}"
-                    );
-                }
-            }
-        };
-        let outcome = tokio::spawn(run).await;
+        let outcome = tokio::spawn(gpu_placement(
+            ns.clone(),
+            gpus.a100.clone(),
+            gpus.t4.clone(),
+            Some(queue.local.clone()),
+        ))
+        .await;
         let _ = ns
             .jobs()
             .delete_collection(&DeleteParams::default(), &ListParams::default())
             .await;
-        let mut problems = unlabel_gpu(&nodes, &a100_node).await;
-        problems.extend(unlabel_gpu(&nodes, &t4_node).await);
+        let problems = gpus.unlabel().await;
         ns.delete_kueue_objects(&queue, &[]).await;
         if let Err(e) = outcome {
             std::panic::resume_unwind(e.into_panic());

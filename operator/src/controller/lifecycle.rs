@@ -415,19 +415,7 @@ pub fn enter(
             None
         }
         Transition::WaitingForCapacity { message } => {
-            let already = status.conditions.iter().any(|c| {
-                c.type_ == ConditionType::Waiting.as_str()
-                    && c.status == "True"
-                    && c.message == message
-            });
-            condition(
-                status,
-                ConditionType::Waiting,
-                true,
-                Reason::WaitingForCapacity,
-                &message,
-                at,
-            );
+            let already = start_waiting(status, Reason::WaitingForCapacity, &message, at);
             status.phase.get_or_insert(JobPhase::Pending);
             status.message = Some(format!("waiting for capacity: {message}"));
             (!already).then(|| JobEvent::new(false, Reason::WaitingForCapacity, message))
@@ -441,19 +429,7 @@ pub fn enter(
                 Some(why) => format!("attempt {attempt} is queued in Kueue {queue}: {why}"),
                 None => format!("attempt {attempt} is queued in Kueue {queue}"),
             };
-            let already = status.conditions.iter().any(|c| {
-                c.type_ == ConditionType::Waiting.as_str()
-                    && c.status == "True"
-                    && c.message == message
-            });
-            condition(
-                status,
-                ConditionType::Waiting,
-                true,
-                Reason::Queued,
-                &message,
-                at,
-            );
+            let already = start_waiting(status, Reason::Queued, &message, at);
             // A retry stays Retrying until its workers run.
             if status.phase != Some(JobPhase::Retrying) {
                 status.phase = Some(JobPhase::Pending);
@@ -636,6 +612,21 @@ fn peak_note(ended: &Attempt) -> String {
         (_, Some(b)) => format!(" (observed peak {})", format_bytes(b)),
         (_, None) => String::new(),
     }
+}
+
+/// Sets `Waiting=True` with `reason` and `message`; whether it already said
+/// that message (then its event is not recorded again).
+fn start_waiting(
+    status: &mut MemoryAwareTrainingJobStatus,
+    reason: Reason,
+    message: &str,
+    at: Stamp,
+) -> bool {
+    let already = status.conditions.iter().any(|c| {
+        c.type_ == ConditionType::Waiting.as_str() && c.status == "True" && c.message == message
+    });
+    condition(status, ConditionType::Waiting, true, reason, message, at);
+    already
 }
 
 /// The capacity a waiting job waited for came (or Kueue admitted it):
