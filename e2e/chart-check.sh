@@ -136,8 +136,14 @@ KUBECONFIG
     || fail "the worker pod is not given the worker API's CA"
   k -n "${work_ns}" get pod oom-then-fit-a1-s0 -o jsonpath='{.spec.containers[0].env[?(@.name=="HEADROOM_WORKER_API")].value}' | grep -q '^https://' \
     || fail "the worker pod is not given an https worker API URL"
-  k -n "${work_ns}" get memoryawaretrainingjob oom-then-fit -o jsonpath='{.status.workers[0].name}' | grep -q oom-then-fit-a1-s0 \
-    || fail "the worker's telemetry is not in the job status"
+  # The operator writes held reports asynchronously (a first report at once,
+  # but after the 204): poll for it rather than race the write.
+  ok=0
+  for _ in $(seq 1 50); do
+    if k -n "${work_ns}" get memoryawaretrainingjob oom-then-fit -o jsonpath='{.status.workers[0].name}' | grep -q oom-then-fit-a1-s0; then ok=1; break; fi
+    sleep 0.2
+  done
+  ((ok)) || fail "the worker's telemetry is not in the job status after 10 s"
   k -n "${work_ns}" patch pod oom-then-fit-a1-s0 --subresource=status --type=merge \
     -p '{"status":{"phase":"Failed","containerStatuses":[{"name":"worker","image":"i","imageID":"","ready":false,"restartCount":0,"state":{"terminated":{"exitCode":137,"reason":"OOMKilled"}}}]}}' >/dev/null
   ok=0
