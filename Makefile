@@ -76,6 +76,14 @@ bench-controller: controlplane-up ## 500 jobs through the operator on the local 
 	$(CARGO) build --release -q -p headroom-operator --bins
 	KUBECONFIG=$(KUBECONFIG_TEST) $(CARGO_TARGET_DIR)/release/bench-controller --jobs 500 --failures 100
 
+.PHONY: bench-object
+bench-object: controlplane-up ## Issue 33: kube-apiserver CPU per create / status write / telemetry write and stored size of one job object, before vs lean vs no CEL vs Kubeflow's PyTorchJob, with CPU profiles (~3 min; not in CI).
+	$(CARGO) build --release -q -p headroom-operator --bin bench-object
+	mkdir -p $(HEADROOM_CACHE)/bench-object
+	KUBECONFIG=$(KUBECONFIG_TEST) $(CARGO_TARGET_DIR)/release/bench-object $(BENCH_OBJECT_FLAGS) \
+	  --pytorchjob-crd "$$(go mod download -json github.com/kubeflow/training-operator@v1.9.3 | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$$/\1/p')/manifests/base/crds/kubeflow.org_pytorchjobs.yaml" \
+	  --profile-dir $(HEADROOM_CACHE)/bench-object
+
 bench-peers: k8s-binaries ## Headroom vs Kubeflow training-operator v1.9.3 (built from its Go module, tuned: 16 threads, QPS raised) on the local API server, one neutral harness, 3 interleaved rounds of 500 jobs (~10 min; not in CI).
 	e2e/peers/bench-peers.sh $(BENCH_PEERS_FLAGS)
 

@@ -50,7 +50,7 @@ while ((SECONDS < deadline)); do
 done
 
 say "status.attempts: the history Headroom keeps"
-k get matj -n "${NS}" "${JOB}" -o go-template='{{range .status.attempts}}attempt {{.number}}: {{.outcome}} ({{.reason}}) — micro-batch {{.plan.settings.microBatch}} × {{.plan.settings.gradientAccumulation}}, checkpointing {{.plan.settings.activationCheckpointing}}, predicted {{.plan.fit}}, observed peak {{if .observedPeakBytes}}{{.observedPeakBytes}} B{{else}}none reported (killed before its first report){{end}}{{"\n"}}{{end}}'
+k get matj -n "${NS}" "${JOB}" -o go-template='{{range .status.attempts}}attempt {{.number}}: {{.outcome}} ({{.reason}}) — micro-batch {{.settings.microBatch}} × {{.settings.gradientAccumulation}}, checkpointing {{.settings.activationCheckpointing}}, predicted {{.predictedPeakBytes}} B of a {{.budgetBytes}} B budget, observed peak {{if .observedPeakBytes}}{{.observedPeakBytes}} B{{else}}none reported (killed before its first report){{end}}{{"\n"}}{{end}}'
 say "status.workers: live telemetry the workers wrote"
 k get matj -n "${NS}" "${JOB}" -o jsonpath='{range .status.workers[*]}{.name}: step {.step}, loss {.loss}, peak {.memory.peakBytes} B, {.tokensPerSecond} tokens/s{"\n"}{end}'
 say "events"

@@ -143,6 +143,14 @@ install() {
     (($(now) < deadline)) || die "Kueue's pod webhook does not gate a queued pod after 180 s (kubectl -n ${KUEUE_NAMESPACE} logs deploy/kueue-controller-manager)"
     sleep 2
   done
+  # An APIService that stays unavailable blocks every namespace deletion
+  # (NamespaceDeletionDiscoveryFailure): none may be left so (post-render.sh).
+  deadline=$(($(now) + 60))
+  local unavailable
+  while unavailable=$("${kubectl}" get apiservices --no-headers | awk '$3 != "True" {print $1}') && [[ -n ${unavailable} ]]; do
+    (($(now) < deadline)) || die "APIServices unavailable after installing Kueue (namespaces could not be deleted): ${unavailable}"
+    sleep 2
+  done
   log "Kueue ${KUEUE_VERSION} serves its webhooks ($(($(now) - t0)) s)"
 }
 

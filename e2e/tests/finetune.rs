@@ -96,7 +96,7 @@ async fn a_hugging_face_checkpoint_is_fine_tuned_and_its_output_is_a_checkpoint_
         status.model.as_ref().map(|m| m.parameters),
         Some(PARAMETERS)
     );
-    let plan = &status.attempts.last().expect("an attempt").plan;
+    let plan = status.plan.as_ref().expect("status.plan");
     let ranges: Vec<(u32, u32)> = plan
         .stages
         .iter()
@@ -203,7 +203,7 @@ async fn a_checkpoint_from_the_hub_is_oom_killed_then_fits_and_resumes_after_an_
         "{:#?}",
         status.attempts
     );
-    let (first, second) = (&status.attempts[0].plan, &status.attempts[1].plan);
+    let (first, second) = (&status.attempts[0], &status.attempts[1]);
     assert!(
         second.settings.micro_batch < first.settings.micro_batch
             || second.settings.activation_checkpointing,

@@ -241,7 +241,7 @@ async fn an_oom_retry_that_needs_more_quota_waits_for_it() {
     let split = ns.wait_succeeded("oom-then-split", RUN).await;
     assert_eq!(split.attempts[0].outcome, AttemptOutcome::HostOutOfMemory);
     let last = split.attempts.last().expect("attempts");
-    assert_eq!(last.plan.workers, 2, "as many stages as the queue holds");
+    assert_eq!(last.workers, 2, "as many stages as the queue holds");
     assert_eq!(holder_done.attempts.len(), 1);
     ns.delete_kueue_objects(&queue, &[]).await;
     ns.cleanup().await;

@@ -217,7 +217,7 @@ async fn a_lora_job_oom_killed_on_its_dense_base_retries_on_int8_and_resumes_its
     let formats: Vec<BaseFormat> = status
         .attempts
         .iter()
-        .map(|a| a.plan.settings.base_format)
+        .map(|a| a.settings.base_format)
         .collect();
     assert_eq!(
         formats,
@@ -225,10 +225,11 @@ async fn a_lora_job_oom_killed_on_its_dense_base_retries_on_int8_and_resumes_its
         "only the base format changes"
     );
     for attempt in &status.attempts {
-        let s = &attempt.plan.settings;
+        let s = &attempt.settings;
         assert_eq!((s.micro_batch, s.activation_checkpointing), (4, true));
-        assert_eq!(attempt.plan.adapters.as_ref().map(|a| a.rank), Some(8));
     }
+    let plan = status.plan.as_ref().expect("status.plan");
+    assert_eq!(plan.adapters.as_ref().map(|a| a.rank), Some(8));
     assert_eq!(status.attempts[2].last_step, Some(EVICTED_JOB_STEPS));
     let resumed = ns
         .resumed_step()
@@ -276,10 +277,7 @@ async fn a_qlora_job_on_the_default_nf4_base_succeeds_first_time() {
         "{:#?}",
         status.attempts
     );
-    assert_eq!(
-        status.attempts[0].plan.settings.base_format,
-        BaseFormat::Nf4
-    );
+    assert_eq!(status.attempts[0].settings.base_format, BaseFormat::Nf4);
     let loss = final_loss(&status);
     assert!(loss.is_finite() && loss < 512f64.ln(), "loss {loss}");
     let (config, header, _) = written_adapter(&ns, name, &status).await;
@@ -318,7 +316,7 @@ async fn a_lora_job_trains_as_two_replicas_and_writes_one_adapter() {
         "{:#?}",
         status.attempts
     );
-    let plan = &status.attempts[0].plan;
+    let plan = status.plan.as_ref().expect("status.plan");
     assert_eq!((plan.stage_count(), plan.replicas, plan.workers), (1, 2, 2));
     assert_eq!(plan.adapters.as_ref().map(|a| a.rank), Some(8));
     // Both replicas trained and reported; the attempt ran to the last step.

@@ -116,16 +116,17 @@ async fn a_job_over_its_limit_is_oom_killed_and_succeeds_stricter() {
     let last = status.attempts.last().expect("attempts");
     assert_eq!(last.outcome, AttemptOutcome::Succeeded);
     assert!(
-        last.plan.settings.activation_checkpointing
-            || last.plan.settings.micro_batch < first.plan.settings.micro_batch
+        last.settings.activation_checkpointing
+            || last.settings.micro_batch < first.settings.micro_batch
     );
     assert_eq!(
-        last.plan.global_batch, first.plan.global_batch,
+        last.settings.global_batch() * u64::from(last.replicas()),
+        first.settings.global_batch() * u64::from(first.replicas()),
         "the global batch is kept"
     );
     assert!(
         last.observed_peak_bytes
-            .is_some_and(|p| p <= last.plan.device_memory_bytes)
+            .is_some_and(|p| p <= last.device_memory_bytes)
     );
     // The step count continues: the run ends at the job's total, and no later
     // attempt starts before the last checkpoint an earlier one could have

@@ -119,25 +119,25 @@ async fn oom_kill_retries_with_stricter_settings_and_keeps_history() {
     let (first, second) = (&status.attempts[0], &status.attempts[1]);
     assert_eq!(first.outcome, AttemptOutcome::HostOutOfMemory);
     assert_eq!(
-        first.plan.settings.micro_batch, 32,
+        first.settings.micro_batch, 32,
         "attempt 1 ran the pinned settings"
     );
-    assert!(!first.plan.settings.activation_checkpointing);
+    assert!(!first.settings.activation_checkpointing);
     // Stricter: checkpointing (the ladder's first rung here; a smaller
     // micro-batch only if that alone were predicted not to fit).
-    assert!(second.plan.settings.activation_checkpointing);
-    assert!(second.plan.settings.micro_batch <= 32);
+    assert!(second.settings.activation_checkpointing);
+    assert!(second.settings.micro_batch <= 32);
     assert!(
-        second.plan.predicted_peak_bytes < first.plan.predicted_peak_bytes,
+        second.predicted_peak_bytes < first.predicted_peak_bytes,
         "{} then {}",
-        first.plan.fit,
-        second.plan.fit
+        first.predicted_peak_bytes,
+        second.predicted_peak_bytes
     );
-    assert_eq!(
-        second.plan.global_batch, 32,
-        "the global batch is preserved"
-    );
-    assert!(second.plan.fits());
+    // The whole plan is stored once, for the current attempt.
+    let plan = status.plan.as_ref().expect("status.plan");
+    assert_eq!(plan.settings, second.settings);
+    assert_eq!(plan.global_batch, 32, "the global batch is preserved");
+    assert!(plan.fits());
     assert_eq!(status.phase, Some(JobPhase::Retrying));
 
     let pods = ns
@@ -163,7 +163,7 @@ async fn oom_kill_retries_with_stricter_settings_and_keeps_history() {
         (second.observed_peak_bytes, second.last_step),
         (Some(300_000_000), Some(40))
     );
-    assert_eq!(status.attempts[2].plan.global_batch, 32);
+    assert_eq!(status.attempts[2].settings.global_batch(), 32);
     assert_eq!(
         status.attempts[0].outcome,
         AttemptOutcome::HostOutOfMemory,
@@ -209,7 +209,7 @@ async fn eviction_retries_the_same_settings() {
     let status = job.status.expect("status");
     assert_eq!(status.attempts[0].outcome, AttemptOutcome::Disrupted);
     assert_eq!(
-        status.attempts[1].plan.settings, status.attempts[0].plan.settings,
+        status.attempts[1].settings, status.attempts[0].settings,
         "no stricter settings for a disruption"
     );
     op.stop().await;
@@ -627,7 +627,7 @@ async fn gpu_type_is_chosen_by_budget_and_replanned_when_unschedulable() {
     let job = ns
         .wait_job("gpu-job", "attempt 1", TIMEOUT, |j| attempts(j) == 1)
         .await;
-    let first = job.status.expect("status").attempts[0].plan.clone();
+    let first = job.status.expect("status").attempts[0].clone();
     assert_ne!(first.device, small, "the small GPU cannot hold the model");
     let pods = ns.wait_pods("GPU pod", TIMEOUT, |p| p.len() == 1).await;
     let spec = pods[0].spec.clone().expect("spec");
@@ -653,7 +653,7 @@ async fn gpu_type_is_chosen_by_budget_and_replanned_when_unschedulable() {
         .await;
     let status = job.status.expect("status");
     assert_eq!(status.attempts[0].outcome, AttemptOutcome::Unschedulable);
-    let second = &status.attempts[1].plan;
+    let second = &status.attempts[1];
     assert_ne!(second.device, first.device);
     assert_ne!(second.device, small);
     op.stop().await;
@@ -684,7 +684,7 @@ async fn a_mixed_mig_node_gets_pods_for_its_slices_not_its_whole_gpu() {
     let job = ns
         .wait_job("mig-job", "attempt 1", TIMEOUT, |j| attempts(j) == 1)
         .await;
-    let plan = job.status.expect("status").attempts[0].plan.clone();
+    let plan = job.status.expect("status").plan.expect("plan");
     assert_eq!(
         (plan.device.as_str(), plan.resource.as_str()),
         (slice.as_str(), "nvidia.com/mig-3g.40gb"),
@@ -777,7 +777,7 @@ async fn gpus_held_by_other_workloads_are_not_planned_for() {
     let job = ns
         .wait_job("gpu-job", "attempt 1", TIMEOUT, |j| attempts(j) == 1)
         .await;
-    assert_eq!(job.status.expect("status").attempts[0].plan.device, mid);
+    assert_eq!(job.status.expect("status").attempts[0].device, mid);
     let pods = ns
         .wait_pods("the worker pod", TIMEOUT, |p| {
             p.iter().any(|p| p.name_any() == "gpu-job-a1-s0")
@@ -841,7 +841,7 @@ async fn tainted_nodes_count_only_for_jobs_that_tolerate_them() {
             .wait_job(name, "attempt 1", TIMEOUT, |j| attempts(j) == 1)
             .await;
         assert_eq!(
-            &job.status.expect("status").attempts[0].plan.device,
+            &job.status.expect("status").attempts[0].device,
             device,
             "{name}"
         );
@@ -915,7 +915,7 @@ async fn stages_span_nodes_only_with_a_read_write_many_checkpoint_volume() {
     let planned = ns
         .wait_job("spread", "attempt 1", TIMEOUT, |j| attempts(j) == 1)
         .await;
-    let plan = &planned.status.expect("status").attempts[0].plan;
+    let plan = &planned.status.expect("status").attempts[0];
     assert!(plan.workers >= 2, "{plan:?}");
     let pods = ns
         .wait_pods("the stages", TIMEOUT, |p| {

@@ -103,7 +103,7 @@ async fn a_queued_gpu_job_plans_only_on_its_queues_flavors() {
     let job = ns
         .wait_job("in-queue", "attempt 1", TIMEOUT, |j| attempts(j) == 1)
         .await;
-    let plan = job.status.expect("status").attempts[0].plan.clone();
+    let plan = job.status.expect("status").plan.expect("plan");
     assert_eq!(plan.device, mid, "the queue's only GPU type");
     let pods = ns.wait_pods("GPU pod", TIMEOUT, |p| p.len() == 1).await;
     let selector = pods[0]

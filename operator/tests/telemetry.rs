@@ -3,7 +3,7 @@
 //! controller running: many reports of a job's workers become a few status
 //! writes, and the last report of every worker is in the status (and in the
 //! attempt's history) when the controller closes the attempt, after a
-//! success and after an OOM kill, even though the telemetry interval has
+//! success, an OOM kill and an eviction, even though the telemetry interval has
 //! not come round.
 //!
 //! Ignored by plain `cargo test`; `make test-apiserver` runs it.
@@ -226,6 +226,58 @@ async fn the_last_report_before_an_oom_kill_is_in_the_closed_attempt() {
         (first.last_step, first.observed_peak_bytes),
         (Some(9), Some(210_000_000)),
         "closed from the last report before the kill"
+    );
+    op.stop().await;
+    ns.cleanup().await;
+}
+
+/// An eviction (the kubelet under memory pressure, a drain) ends the
+/// attempt as a disruption: the last report before it, held by the
+/// operator and not yet written, is in the closed attempt too.
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn the_last_report_before_an_eviction_is_in_the_closed_attempt() {
+    let ns = test_ns("hr-telemetry-evicted").await;
+    let op = start_operator(&ns, config());
+    let api = worker_api::router(
+        ns.client.clone(),
+        worker_api::OperatorKey::random().expect("key"),
+        op.reports.clone(),
+    );
+    ns.apply_job(CPU_OOM_FIRST).await;
+    let pods = ns
+        .wait_pods("attempt 1's pod", TIMEOUT, |p| p.len() == 1)
+        .await;
+    let pod = &pods[0];
+    ns.set_pod_status(&pod.name_any(), running()).await;
+    let token = ns.pod_token(pod, &[WORKER_API_AUDIENCE]).await;
+    post(&api, &token, report(pod, 1, 150_000_000, 0)).await;
+    ns.wait_job("oom-then-fit", "the first report", TIMEOUT, |j| {
+        j.status.as_ref().is_some_and(|s| s.workers.len() == 1)
+    })
+    .await;
+    post(&api, &token, report(pod, 7, 155_000_000, 700)).await;
+    // As the kubelet writes an eviction: the pod Failed, reason Evicted.
+    ns.set_pod_status(
+        &pod.name_any(),
+        json!({
+            "phase": "Failed",
+            "reason": "Evicted",
+            "message": "The node was low on resource: memory.",
+        }),
+    )
+    .await;
+    let job = ns
+        .wait_job("oom-then-fit", "attempt 2", TIMEOUT, |j| {
+            j.status.as_ref().is_some_and(|s| s.attempts.len() == 2)
+        })
+        .await;
+    let first = &job.status.expect("status").attempts[0];
+    assert_eq!(first.outcome, AttemptOutcome::Disrupted, "{first:?}");
+    assert_eq!(
+        (first.last_step, first.observed_peak_bytes),
+        (Some(7), Some(155_000_000)),
+        "closed from the last report before the eviction"
     );
     op.stop().await;
     ns.cleanup().await;

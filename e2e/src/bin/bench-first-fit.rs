@@ -18,9 +18,9 @@
 
 use std::time::{Duration, Instant};
 
-use headroom_api::{AttemptOutcome, JobPhase, MemoryAwareTrainingJob};
+use headroom_api::{Attempt, AttemptOutcome, JobPhase, MemoryAwareTrainingJob};
 use headroom_e2e::{E2E, TestNs};
-use headroom_planner::{Inventory, Plan};
+use headroom_planner::{Inventory, Plan, Settings};
 
 /// One job of the grid.
 #[derive(Clone, Debug)]
@@ -188,7 +188,7 @@ fn grid(jobs: usize) -> (Vec<Case>, Vec<Case>) {
 #[derive(Debug)]
 struct Outcome {
     succeeded: bool,
-    attempts: Vec<(Plan, AttemptOutcome, Option<u64>, Option<String>)>,
+    attempts: Vec<(Attempt, AttemptOutcome, Option<u64>, Option<String>)>,
     message: String,
     seconds: f64,
 }
@@ -212,7 +212,7 @@ async fn run_one(ns: &TestNs, name: &str, yaml: &str, timeout: Duration) -> Outc
             .iter()
             .map(|a| {
                 (
-                    a.plan.clone(),
+                    a.clone(),
                     a.outcome,
                     a.observed_peak_bytes,
                     a.reason.clone(),
@@ -246,8 +246,7 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-fn settings(p: &Plan) -> String {
-    let s = &p.settings;
+fn settings(s: &Settings) -> String {
     format!(
         "{} × {}{}{}",
         s.micro_batch,
@@ -308,7 +307,7 @@ async fn main() {
                 c.name(i),
                 c.limit_mib,
                 if c.edge { " (edge)" } else { "" },
-                settings(&p),
+                settings(&p.settings),
                 mib(p.predicted_peak_bytes),
                 mib(p.budget_bytes),
                 100.0 * fill(&p),
@@ -394,10 +393,10 @@ async fn main() {
             c.name(i),
             if c.edge { " (edge)" } else { "" },
             c.limit_mib,
-            settings(plan),
+            settings(&plan.settings),
             mib(plan.predicted_peak_bytes),
             mib(plan.budget_bytes),
-            100.0 * fill(plan),
+            100.0 * plan.predicted_peak_bytes as f64 / plan.budget_bytes as f64,
             measured.map_or("none reported".into(), |m| format!(
                 "{:.1} MiB ({:.0} %)",
                 mib(peak.unwrap_or(0)),
@@ -412,7 +411,7 @@ async fn main() {
                         .filter(|w| *w != format!("{o:?}"))
                         .map(|w| format!(" {w}"))
                         .unwrap_or_default(),
-                    settings(p)
+                    settings(&p.settings)
                 ))
                 .collect::<Vec<_>>()
                 .join(" → "),

@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 
 use headroom_planner::{
-    Backend, JobRequest, ModelShape, Optimizer, Plan, Precision, RetryRung, Target,
+    Backend, JobRequest, ModelShape, Optimizer, Plan, Precision, RetryRung, Settings, Target,
 };
 use k8s_openapi::api::core::v1::Toleration;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -876,30 +876,203 @@ impl AttemptOutcome {
     }
 }
 
-/// One attempt, kept forever in `status.attempts`.
+/// One attempt, kept forever in `status.attempts`: what it ran, what it was
+/// predicted to need, what it used and how it ended.
+///
+/// The whole plan (stages, memory breakdown, step time) is stored once, in
+/// `status.plan`, for the current attempt; an attempt keeps what a user
+/// compares across attempts. Jobs stored before this shape carry each
+/// attempt's whole plan in `plan`: it is read (to fill the fields below) and
+/// the operator's next status write replaces it ([`Attempt::stored_with_plan`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", try_from = "StoredAttempt")]
 pub struct Attempt {
-    /// 1-based.
     pub number: u32,
-    pub plan: Plan,
+    pub device: String,
+    pub device_memory_bytes: u64,
+    pub workers: u32,
+    pub stages: u32,
+    pub settings: Settings,
+    pub predicted_peak_bytes: u64,
+    pub budget_bytes: u64,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rungs_applied: Vec<RetryRung>,
     pub outcome: AttemptOutcome,
-    /// Short reason the attempt ended (`OOMKilled`, `Terminated`, `ExitCode1`, …).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
-    /// What ended the attempt, in the worker's or Kubernetes' words.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub started_at: Option<Time>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finished_at: Option<Time>,
-    /// Highest peak any worker of this attempt reported, bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_peak_bytes: Option<u64>,
-    /// Last optimizer step reached.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_step: Option<u64>,
+    /// Read from an object stored with the attempt's whole plan (the shape
+    /// before the plan was stored once): the operator's next status write
+    /// rewrites the attempts in the lean shape. Never serialized.
+    #[serde(skip)]
+    pub stored_with_plan: bool,
+}
+
+impl Attempt {
+    /// A new running attempt of `plan`.
+    pub fn start(number: u32, plan: &Plan, started_at: Option<Time>) -> Attempt {
+        Attempt {
+            number,
+            device: plan.device.clone(),
+            device_memory_bytes: plan.device_memory_bytes,
+            workers: plan.workers,
+            stages: plan.stage_count(),
+            settings: plan.settings,
+            predicted_peak_bytes: plan.predicted_peak_bytes,
+            budget_bytes: plan.budget_bytes,
+            rungs_applied: plan.rungs_applied.clone(),
+            outcome: AttemptOutcome::Running,
+            reason: None,
+            message: None,
+            started_at,
+            finished_at: None,
+            observed_peak_bytes: None,
+            last_step: None,
+            stored_with_plan: false,
+        }
+    }
+
+    /// Whether the plan was predicted within its budget.
+    pub fn fits(&self) -> bool {
+        self.predicted_peak_bytes <= self.budget_bytes
+    }
+
+    /// Data-parallel replicas (workers per stage).
+    pub fn replicas(&self) -> u32 {
+        self.workers / self.stages.max(1)
+    }
+}
+
+/// An attempt as the API server stores it, the tolerant reading (and the
+/// schema) of [`Attempt`]: what the attempt ran is either in the fields of
+/// this shape or, for jobs stored before it, in `plan`.
+#[derive(Clone, Debug, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+struct StoredAttempt {
+    /// 1-based.
+    number: u32,
+    /// The device type the attempt's workers ran on (`cpu` for CPU jobs).
+    #[serde(default)]
+    device: Option<String>,
+    /// Memory of that device (or the CPU worker's container limit), bytes.
+    #[serde(default)]
+    device_memory_bytes: Option<u64>,
+    /// Worker pods (stages × data-parallel replicas).
+    #[serde(default)]
+    workers: Option<u32>,
+    /// Pipeline stages.
+    #[serde(default)]
+    stages: Option<u32>,
+    /// Micro-batch, accumulation, checkpointing, precision, optimizer.
+    #[serde(default)]
+    settings: Option<Settings>,
+    /// The plan's predicted peak of its largest worker, bytes.
+    #[serde(default)]
+    predicted_peak_bytes: Option<u64>,
+    /// What a worker may use: device memory (or the CPU worker's limit)
+    /// less the job's headroom, bytes.
+    #[serde(default)]
+    budget_bytes: Option<u64>,
+    /// Retry rungs this attempt's plan applied on top of the first.
+    #[serde(default)]
+    rungs_applied: Vec<RetryRung>,
+    outcome: AttemptOutcome,
+    /// Short reason the attempt ended (`OOMKilled`, `Terminated`, `ExitCode1`, …).
+    #[serde(default)]
+    reason: Option<String>,
+    /// What ended the attempt, in the worker's or Kubernetes' words.
+    #[serde(default)]
+    message: Option<String>,
+    #[serde(default)]
+    started_at: Option<Time>,
+    #[serde(default)]
+    finished_at: Option<Time>,
+    /// Highest peak any worker of this attempt reported, bytes.
+    #[serde(default)]
+    observed_peak_bytes: Option<u64>,
+    /// Last optimizer step reached.
+    #[serde(default)]
+    last_step: Option<u64>,
+    /// Jobs stored before the plan was stored once: the attempt's whole
+    /// plan. Read, never written (the operator's next status write
+    /// replaces it with the fields above).
+    #[serde(default)]
+    #[schemars(schema_with = "preserved_object")]
+    plan: Option<Box<Plan>>,
+}
+
+/// An object whose fields the API server keeps as they are (no schema below
+/// it): old-shape data that is read, never written.
+fn preserved_object(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "object",
+        "x-kubernetes-preserve-unknown-fields": true,
+    })
+}
+
+impl TryFrom<StoredAttempt> for Attempt {
+    type Error = String;
+
+    fn try_from(s: StoredAttempt) -> Result<Attempt, String> {
+        let n = s.number;
+        let missing = |field: &str| {
+            format!("status.attempts[number={n}]: no `{field}` and no `plan` to read it from")
+        };
+        let plan = s.plan.as_deref();
+        let stored_with_plan = plan.is_some();
+        Ok(Attempt {
+            number: n,
+            device: s
+                .device
+                .or_else(|| plan.map(|p| p.device.clone()))
+                .ok_or_else(|| missing("device"))?,
+            device_memory_bytes: s
+                .device_memory_bytes
+                .or(plan.map(|p| p.device_memory_bytes))
+                .ok_or_else(|| missing("deviceMemoryBytes"))?,
+            workers: s
+                .workers
+                .or(plan.map(|p| p.workers))
+                .ok_or_else(|| missing("workers"))?,
+            stages: s
+                .stages
+                .or(plan.map(Plan::stage_count))
+                .ok_or_else(|| missing("stages"))?,
+            settings: s
+                .settings
+                .or(plan.map(|p| p.settings))
+                .ok_or_else(|| missing("settings"))?,
+            predicted_peak_bytes: s
+                .predicted_peak_bytes
+                .or(plan.map(|p| p.predicted_peak_bytes))
+                .ok_or_else(|| missing("predictedPeakBytes"))?,
+            budget_bytes: s
+                .budget_bytes
+                .or(plan.map(|p| p.budget_bytes))
+                .ok_or_else(|| missing("budgetBytes"))?,
+            rungs_applied: match plan {
+                Some(p) if s.rungs_applied.is_empty() => p.rungs_applied.clone(),
+                _ => s.rungs_applied,
+            },
+            outcome: s.outcome,
+            reason: s.reason,
+            message: s.message,
+            started_at: s.started_at,
+            finished_at: s.finished_at,
+            observed_peak_bytes: s.observed_peak_bytes,
+            last_step: s.last_step,
+            stored_with_plan,
+        })
+    }
 }
 
 /// Live memory of one worker, sampled by the worker itself.
@@ -1025,10 +1198,12 @@ pub struct MemoryAwareTrainingJobStatus {
     /// Current attempt number (1-based).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attempt: Option<u32>,
-    /// The current attempt's plan.
+    /// The current attempt's whole plan: stages, memory breakdown term by
+    /// term, step time (stored here only: each attempt keeps its summary).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan: Option<Plan>,
-    /// Every attempt so far, oldest first; never pruned.
+    /// Every attempt so far, oldest first, each with its settings, predicted
+    /// and observed peak, and outcome; never pruned.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["number"]))]
     pub attempts: Vec<Attempt>,
@@ -1621,6 +1796,54 @@ mod tests {
         );
         let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
         serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"))
+    }
+
+    /// A plan as the planner makes it for the CPU sample that is OOM-killed first.
+    fn sample_plan() -> Plan {
+        let path = format!(
+            "{}/../../samples/cpu-oom-first.yaml",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        let job: MemoryAwareTrainingJob = serde_yaml::from_str(&text).expect("sample");
+        let request = job.spec.job_request().expect("request");
+        headroom_planner::plan(&request, &headroom_planner::Inventory::default()).expect("plan")
+    }
+
+    /// Both shapes of `status.attempts[]` read into the same attempt: the
+    /// lean one as written, the old one (each attempt with its whole plan)
+    /// with the summary filled from the plan and marked for rewriting; a
+    /// write never carries the plan again.
+    #[test]
+    fn attempts_of_both_shapes_read_the_same_and_are_written_lean() {
+        let plan = sample_plan();
+        let lean = Attempt::start(1, &plan, None);
+        let written = serde_json::to_value(&lean).expect("serialize");
+        assert!(written.get("plan").is_none(), "{written}");
+        let back: Attempt = serde_json::from_value(written).expect("lean reads back");
+        assert_eq!(back, lean);
+        assert!(!back.stored_with_plan);
+
+        let old = serde_json::json!({"number": 1, "plan": plan, "outcome": "Running"});
+        let read: Attempt = serde_json::from_value(old).expect("old shape reads");
+        assert!(read.stored_with_plan);
+        assert_eq!(
+            Attempt {
+                stored_with_plan: false,
+                ..read.clone()
+            },
+            lean
+        );
+        let rewritten = serde_json::to_value(&read).expect("serialize");
+        assert!(rewritten.get("plan").is_none(), "{rewritten}");
+
+        let neither = serde_json::json!({"number": 3, "outcome": "Failed"});
+        let err = serde_json::from_value::<Attempt>(neither).expect_err("nothing to read");
+        assert!(
+            err.to_string()
+                .contains("status.attempts[number=3]: no `device` and no `plan`"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -567,8 +567,8 @@ mod telemetry {
         // Layer ranges from each job's plan.
         let mut layers: BTreeMap<(String, u32), (u32, u32)> = BTreeMap::new();
         for job in jobs_api.list(&Default::default()).await?.items {
-            if let Some(a) = job.status.as_ref().and_then(|s| s.attempts.first()) {
-                for st in &a.plan.stages {
+            if let Some(plan) = job.status.as_ref().and_then(|s| s.plan.as_ref()) {
+                for st in &plan.stages {
                     layers.insert((job.name_any(), st.index), (st.layer_start, st.layer_end));
                 }
             }

@@ -50,7 +50,10 @@ pub(super) async fn apply_status(
         .filter(|w| decision.status.attempt.is_none_or(|n| w.attempt >= n))
         .cloned()
         .collect();
-    if status == current {
+    // A job stored in the old shape (each attempt with its whole plan) is
+    // rewritten in the lean one by the first status write that sees it.
+    let migrate = current.attempts.iter().any(|a| a.stored_with_plan);
+    if status == current && !migrate {
         return Ok(None);
     }
     let failed = |source| Error::ApplyStatus {
@@ -60,9 +63,14 @@ pub(super) async fn apply_status(
     let as_json = |s: &MemoryAwareTrainingJobStatus| {
         serde_json::to_value(s).map_err(|e| failed(kube::Error::SerdeError(e)))
     };
+    let written = as_json(&status)?;
+    let mut status_patch = merge_patch(&as_json(&current)?, &written);
+    if migrate && let Some(attempts) = written.get("attempts") {
+        status_patch["attempts"] = attempts.clone();
+    }
     let patch = serde_json::json!({
         "metadata": {"resourceVersion": job.resource_version()},
-        "status": merge_patch(&as_json(&current)?, &as_json(&status)?),
+        "status": status_patch,
     });
     let api: Api<MemoryAwareTrainingJob> =
         Api::namespaced(client.clone(), &job.namespace().unwrap_or_default());
@@ -230,11 +238,7 @@ pub(super) fn missing_workers<'a>(
     attempt: u32,
     own: &[&Pod],
 ) -> Option<(&'a headroom_planner::Plan, Vec<pods::Slot>)> {
-    let plan = status
-        .attempts
-        .iter()
-        .find(|a| a.number == attempt)
-        .map(|a| &a.plan)?;
+    let plan = plan_of(status, attempt)?;
     let existing: Vec<String> = own.iter().map(|p| p.name_any()).collect();
     let missing: Vec<pods::Slot> = pods::slots(plan)
         .filter(|&slot| !existing.contains(&pods::pod_name(job, attempt, plan, slot)))
@@ -298,6 +302,15 @@ pub(super) async fn launch_attempt(
     }
 }
 
+/// The whole plan of attempt `attempt`, when it is the current one (the
+/// status stores the current attempt's plan only; earlier attempts' pods
+/// are found by their labels, never by their plan).
+fn plan_of(status: &MemoryAwareTrainingJobStatus, attempt: u32) -> Option<&headroom_planner::Plan> {
+    (status.attempts.last().map(|a| a.number) == Some(attempt))
+        .then_some(status.plan.as_ref())
+        .flatten()
+}
+
 /// Deletes the pods of attempt `attempt` that a launch just created, and
 /// forgets that it launched them (best effort: what is left is found by the
 /// next decision, see `Builder::start`).
@@ -307,12 +320,7 @@ pub(super) async fn undo_launch(
     status: &MemoryAwareTrainingJobStatus,
     attempt: u32,
 ) {
-    let Some(plan) = status
-        .attempts
-        .iter()
-        .find(|a| a.number == attempt)
-        .map(|a| &a.plan)
-    else {
+    let Some(plan) = plan_of(status, attempt) else {
         return;
     };
     let ns = job.namespace().unwrap_or_default();

@@ -355,17 +355,9 @@ pub fn enter(
                 &format!("attempt {number} starting"),
                 at,
             );
-            status.attempts.push(headroom_api::Attempt {
-                number,
-                plan: (*plan).clone(),
-                outcome: AttemptOutcome::Running,
-                reason: None,
-                message: None,
-                started_at: Some(Time(at.now)),
-                finished_at: None,
-                observed_peak_bytes: None,
-                last_step: None,
-            });
+            status
+                .attempts
+                .push(Attempt::start(number, &plan, Some(Time(at.now))));
             status.attempt = Some(number);
             status.message = Some(format!("attempt {number}: {summary}"));
             status.plan = Some(*plan);
@@ -599,7 +591,7 @@ fn end_attempt(
 /// ends the process between telemetry samples, so the last sample is only a
 /// lower bound: the kill itself says the limit was reached.
 fn peak_note(ended: &Attempt) -> String {
-    let limit = ended.plan.device_memory_bytes;
+    let limit = ended.device_memory_bytes;
     match (ended.outcome, ended.observed_peak_bytes) {
         (AttemptOutcome::HostOutOfMemory, Some(b)) if b < limit => format!(
             " (killed at its {} limit; the last telemetry sample before the kill was {})",

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use headroom_api::{Attempt, AttemptOutcome, LABEL_ATTEMPT, WorkerOutcome};
-use headroom_planner::{FailureCause, JobRequest, replan};
+use headroom_planner::{FailureCause, JobRequest};
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
@@ -114,7 +114,7 @@ pub(super) fn verdict(
         .iter()
         .filter(|(_, v)| *v == PodVerdict::Succeeded)
         .count();
-    if succeeded == attempt.plan.workers as usize && succeeded > 0 {
+    if succeeded == attempt.workers as usize && succeeded > 0 {
         return Verdict::Succeeded;
     }
 
@@ -174,7 +174,7 @@ pub(super) fn verdict(
         .iter()
         .filter(|(_, v)| *v == PodVerdict::Running)
         .count();
-    if running > 0 && pods.len() == attempt.plan.workers as usize {
+    if running > 0 && pods.len() == attempt.workers as usize {
         Verdict::Running { running, recheck }
     } else {
         Verdict::Waiting { recheck }
@@ -230,8 +230,9 @@ impl Builder<'_> {
                 let cause = FailureCause::Unschedulable {
                     excluded_devices: self.unschedulable_devices(),
                 };
-                let elsewhere = replan(request, self.obs.inventory, &attempt.plan, &cause)
-                    .is_ok_and(|p| p.device != attempt.plan.device);
+                let elsewhere = self
+                    .replan_current(request, &cause)
+                    .is_ok_and(|p| p.device != attempt.device);
                 if elsewhere {
                     self.d.delete_pods = all;
                     return self.end_attempt(ending, None, request);
@@ -511,7 +512,7 @@ mod tests {
         use crate::controller::pods::{Slot, worker_pod};
         let mut j = oom_job();
         let planned_now = step(&mut j.clone(), &[], t0());
-        let mut theirs = planned_now.status.attempts[0].plan.clone();
+        let mut theirs = planned_now.status.plan.clone().expect("plan");
         theirs
             .warnings
             .push("made before the inventory changed".into());
@@ -534,9 +535,13 @@ mod tests {
         assert_eq!(launched(&d), Some(1));
         assert_eq!(d.status.attempts.len(), 1);
         assert_eq!(
-            d.status.attempts[0].plan, theirs,
+            d.status.plan.as_ref(),
+            Some(&theirs),
             "the status records the plan the pods run"
         );
-        assert_eq!(d.status.plan.as_ref(), Some(&theirs));
+        assert_eq!(
+            d.status.attempts[0],
+            Attempt::start(1, &theirs, d.status.attempts[0].started_at.clone())
+        );
     }
 }

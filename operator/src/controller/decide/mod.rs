@@ -27,7 +27,9 @@ use headroom_api::{
     JobPhase, LABEL_ATTEMPT, MemoryAwareTrainingJob, MemoryAwareTrainingJobStatus, PLAN_JSON_ENV,
     WORKER_MAX_STAGES, WorkerAssignment,
 };
-use headroom_planner::{Inventory, JobRequest, ModelShape, Plan, Target, plan};
+use headroom_planner::{
+    FailureCause, Inventory, JobRequest, ModelShape, Plan, Target, plan, replan,
+};
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
@@ -183,6 +185,21 @@ impl Builder<'_> {
             self.follow(&current, &request);
         } else {
             self.after_attempt(&current, None, &request);
+        }
+    }
+
+    /// The next plan after the current attempt's (`status.plan`, which each
+    /// attempt's start records: the attempts keep only a summary), corrected
+    /// by `cause`. A status without a plan (never written so by the
+    /// operator) plans afresh.
+    fn replan_current(
+        &self,
+        request: &JobRequest,
+        cause: &FailureCause,
+    ) -> Result<Plan, headroom_planner::NoFeasiblePlan> {
+        match &self.d.status.plan {
+            Some(current) => replan(request, self.obs.inventory, current, cause),
+            None => plan(request, self.obs.inventory),
         }
     }
 

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use headroom_api::{Attempt, AttemptOutcome, WorkerOutcome};
-use headroom_planner::{FailureCause, JobRequest, MemoryFailure, MemoryFailureKind, replan};
+use headroom_planner::{FailureCause, JobRequest, MemoryFailure, MemoryFailureKind};
 
 use super::super::lifecycle::{AttemptEnding, ConditionType, Reason, Transition};
 use super::Builder;
@@ -116,15 +116,10 @@ impl Builder<'_> {
                 };
                 // Another device type if one fits; else the same plan again,
                 // waiting for the capacity (a busy cluster never ends a job).
-                return match replan(request, self.obs.inventory, &ended.plan, &cause) {
+                return match self.replan_current(request, &cause) {
                     Ok(p) => self.start(n + 1, p, Some("another device type".into())),
                     Err(_) => {
-                        let same = replan(
-                            request,
-                            self.obs.inventory,
-                            &ended.plan,
-                            &FailureCause::Other,
-                        );
+                        let same = self.replan_current(request, &FailureCause::Other);
                         match same {
                             Ok(p) => self.start(
                                 n + 1,
@@ -171,7 +166,7 @@ impl Builder<'_> {
             }
             AttemptOutcome::Running | AttemptOutcome::Succeeded => return,
         };
-        match replan(request, self.obs.inventory, &ended.plan, &cause) {
+        match self.replan_current(request, &cause) {
             Ok(p) => self.start(n + 1, p, Some(why.to_string())),
             Err(e) => self.no_plan(e),
         }
@@ -204,7 +199,7 @@ impl Builder<'_> {
                     || (a.outcome == AttemptOutcome::Running
                         && Some(a.number) == status.attempts.last().map(|l| l.number))
             })
-            .map(|a| a.plan.device.clone())
+            .map(|a| a.device.clone())
             .collect();
         out.dedup();
         out
@@ -266,14 +261,21 @@ mod tests {
         assert_eq!(first.reason.as_deref(), Some("OOMKilled"));
         assert!(first.finished_at.is_some());
         assert_eq!(second.outcome, AttemptOutcome::Running);
-        assert_eq!(second.plan.global_batch, first.plan.global_batch);
-        assert!(second.plan.settings.activation_checkpointing);
         assert_eq!(
-            second.plan.rungs_applied.first(),
+            second.settings.global_batch(),
+            first.settings.global_batch()
+        );
+        assert!(second.settings.activation_checkpointing);
+        assert_eq!(
+            second.rungs_applied.first(),
             Some(&RetryRung::ActivationCheckpointing)
         );
+        // The current attempt's whole plan is status.plan, and only there.
+        let plan = d.status.plan.as_ref().expect("plan");
+        assert_eq!(second.settings, plan.settings);
+        assert_eq!(second.predicted_peak_bytes, plan.predicted_peak_bytes);
         // Attempt 1 was predicted over budget, so the kill proves no under-estimate: no correction.
-        assert_eq!(second.plan.correction_factor, 1.0);
+        assert_eq!(plan.correction_factor, 1.0);
         assert_eq!(launched(&d), Some(2));
         assert_eq!(d.status.phase, Some(JobPhase::Retrying));
         let reasons: Vec<_> = d.events.iter().map(|e| e.reason).collect();
@@ -336,7 +338,7 @@ mod tests {
         );
         assert_eq!(launched(&d), Some(2));
         assert_eq!(
-            d.status.attempts[1].plan.settings, first_plan.settings,
+            d.status.attempts[1].settings, first_plan.settings,
             "non-memory failures never tighten settings"
         );
         // A second crash doubles the backoff.

@@ -1,0 +1,173 @@
+//! Jobs stored before the plan was stored once (each `status.attempts[]`
+//! entry with its attempt's whole plan) keep working after an upgrade, on a
+//! real kube-apiserver: stored under the CRD Headroom shipped then
+//! (tests/fixtures/crd-attempts-with-plan.yaml), read by the current types
+//! under the current CRD, rewritten in the lean shape by the operator's next
+//! status write, and carried on through a retry with their history intact.
+//!
+//! Ignored by plain `cargo test`; run by `make test-apiserver`.
+
+mod support;
+
+use headroom_api::{AttemptOutcome, MemoryAwareTrainingJob};
+use headroom_e2e::attempts;
+use headroom_operator::controller::ControllerConfig;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams, PostParams};
+use kube::runtime::wait::{await_condition, conditions};
+use serde_json::{Value, json};
+use support::*;
+
+const OLD_CRD: &str = include_str!("fixtures/crd-attempts-with-plan.yaml");
+const JOB: &str = "oom-then-fit";
+
+async fn raw_job(ns: &TestNs) -> DynamicObject {
+    let api: Api<DynamicObject> = Api::namespaced_with(
+        ns.client.clone(),
+        &ns.name,
+        &ApiResource::erase::<MemoryAwareTrainingJob>(&()),
+    );
+    api.get(JOB).await.expect("get the job as stored")
+}
+
+/// Server-side applies `crd` and waits until it is established.
+async fn apply_crd(ns: &TestNs, crd: &CustomResourceDefinition) {
+    let crds: Api<CustomResourceDefinition> = Api::all(ns.client.clone());
+    let name = crd.metadata.name.clone().expect("name");
+    crds.patch(
+        &name,
+        &PatchParams::apply(API_SERVER.field_manager).force(),
+        &Patch::Apply(crd),
+    )
+    .await
+    .expect("apply the old CRD");
+    tokio::time::timeout(
+        TIMEOUT,
+        await_condition(crds, &name, conditions::is_crd_established()),
+    )
+    .await
+    .expect("established in time")
+    .expect("watch the CRD");
+}
+
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn a_job_stored_with_each_attempts_plan_is_read_rewritten_lean_and_retried() {
+    let ns = test_ns("hr-old-shape").await;
+
+    // Attempt 1 planned and launched; then the operator stops.
+    let op = start_operator(&ns, ControllerConfig::default());
+    ns.apply_job(CPU_OOM_FIRST).await;
+    ns.wait_job(JOB, "attempt 1", TIMEOUT, |j| attempts(j) == 1)
+        .await;
+    ns.wait_pods("attempt 1's pod", TIMEOUT, |p| p.len() == 1)
+        .await;
+    op.stop().await;
+
+    // Under the CRD of before, the status as the operator wrote it then: the
+    // attempt with its whole plan, no summary fields.
+    let old_crd: CustomResourceDefinition = serde_yaml::from_str(OLD_CRD).expect("old CRD");
+    apply_crd(&ns, &old_crd).await;
+    let mut stored = raw_job(&ns).await;
+    let status = &mut stored.data["status"];
+    let plan = status["plan"].clone();
+    let started_at = status["attempts"][0]["startedAt"].clone();
+    status["attempts"] = json!([{
+        "number": 1,
+        "plan": plan,
+        "outcome": "Running",
+        "startedAt": started_at,
+    }]);
+    let api: Api<DynamicObject> = Api::namespaced_with(
+        ns.client.clone(),
+        &ns.name,
+        &ApiResource::erase::<MemoryAwareTrainingJob>(&()),
+    );
+    api.replace_status(JOB, &PostParams::default(), &stored)
+        .await
+        .expect("the old CRD stores the old shape");
+
+    // The upgrade: the current CRD. Nothing stored is pruned on read.
+    headroom_e2e::crd::install(&ns.client, API_SERVER.field_manager)
+        .await
+        .expect("the current CRD");
+    let raw = raw_job(&ns).await;
+    assert_eq!(raw.data["status"]["attempts"][0]["plan"], plan);
+    assert!(raw.data["status"]["attempts"][0].get("settings").is_none());
+
+    // The current types read it, filling each attempt's summary from its plan.
+    let job = ns
+        .jobs()
+        .get(JOB)
+        .await
+        .expect("typed read of the old shape");
+    let status = job.status.expect("status");
+    let first = &status.attempts[0];
+    let current = status.plan.clone().expect("status.plan");
+    assert!(first.stored_with_plan);
+    assert_eq!(
+        (
+            first.device.as_str(),
+            first.workers,
+            first.settings,
+            first.predicted_peak_bytes
+        ),
+        (
+            current.device.as_str(),
+            current.workers,
+            current.settings,
+            current.predicted_peak_bytes
+        )
+    );
+
+    // The operator's first status write rewrites the attempts lean.
+    let op = start_operator(&ns, ControllerConfig::default());
+    ns.wait_for("the attempts rewritten lean", TIMEOUT, || async {
+        let raw = raw_job(&ns).await;
+        let a = &raw.data["status"]["attempts"][0];
+        (a.get("plan").is_none() && a.get("settings").is_some()).then_some(())
+    })
+    .await;
+    let lean = raw_job(&ns).await;
+    let a = &lean.data["status"]["attempts"][0];
+    assert_eq!(a["settings"], plan["settings"]);
+    assert_eq!(a["predictedPeakBytes"], plan["predictedPeakBytes"]);
+    assert_eq!(a["budgetBytes"], plan["budgetBytes"]);
+    assert_eq!(a["startedAt"], started_at);
+
+    // And carries on: attempt 1 OOM-killed, attempt 2 stricter.
+    ns.set_pod_status(&format!("{JOB}-a1-s0"), oom_killed())
+        .await;
+    let job = ns
+        .wait_job(JOB, "attempt 2", TIMEOUT, |j| attempts(j) == 2)
+        .await;
+    let status = job.status.expect("status");
+    let (first, second) = (&status.attempts[0], &status.attempts[1]);
+    assert_eq!(first.outcome, AttemptOutcome::HostOutOfMemory);
+    assert_eq!(
+        Value::from(first.settings.micro_batch),
+        plan["settings"]["microBatch"]
+    );
+    assert!(second.settings.activation_checkpointing);
+    assert_eq!(
+        status.plan.as_ref().map(|p| p.settings),
+        Some(second.settings)
+    );
+    // What `kubectl get` shows (the printer columns' paths) is still there.
+    let raw = raw_job(&ns).await;
+    for path in ["device", "workers", "fit"] {
+        assert!(
+            raw.data["status"]["plan"].get(path).is_some(),
+            "status.plan.{path}"
+        );
+    }
+    assert!(
+        raw.data["status"]["attempts"]
+            .as_array()
+            .expect("attempts")
+            .iter()
+            .all(|a| a.get("plan").is_none())
+    );
+    op.stop().await;
+    ns.cleanup().await;
+}
