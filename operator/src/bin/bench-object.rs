@@ -452,7 +452,27 @@ async fn run_variant(
         eprintln!("{}: profile in {}", v.name, out.display());
     }
     // As stored: the object with its managed fields, as JSON.
-    let stored = serde_json::to_vec(&api.get(&name(0)).await?)?;
+    let object = serde_json::to_value(api.get(&name(0)).await?)?;
+    let stored = serde_json::to_vec(&object)?;
+    let size = |v: &Value| serde_json::to_vec(v).map_or(0, |b| b.len());
+    let mut parts = vec![
+        ("managedFields", size(&object["metadata"]["managedFields"])),
+        ("spec", size(&object["spec"])),
+    ];
+    if let Some(status) = object["status"].as_object() {
+        parts.extend(status.iter().map(|(k, v)| (k.as_str(), size(v))));
+    }
+    parts.sort_by_key(|p| std::cmp::Reverse(p.1));
+    eprintln!(
+        "{}: {} B stored; {}",
+        v.name,
+        stored.len(),
+        parts
+            .iter()
+            .map(|(k, b)| format!("{k} {b}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     api.delete_collection(&DeleteParams::default(), &ListParams::default())
         .await?;
     // Gone before the next variant (no finalizers: at once).

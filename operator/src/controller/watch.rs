@@ -56,7 +56,7 @@ pub async fn run(
     let (pod_tx, pod_events) = futures::channel::mpsc::unbounded::<Arc<Pod>>();
     let pod_watch = watcher(pod_api, watcher::Config::default().labels(LABEL_JOB))
         .default_backoff()
-        .modify(forget_managed_fields)
+        .modify(keep_what_decisions_read)
         .reflect(pod_writer)
         .for_each(move |event| {
             if let Ok(
@@ -205,4 +205,94 @@ pub async fn run(
 /// stays under 100 MiB (docs/benchmarks.md).
 fn forget_managed_fields(object: &mut impl ResourceExt) {
     object.managed_fields_mut().clear();
+}
+
+/// A job pod as the cache keeps it: what the decisions read (metadata, the
+/// node and Kueue's scheduling gates, each container's name and its
+/// `HEADROOM_PLAN` assignment, the whole status) and nothing else. A worker
+/// pod's spec (volumes, security context, probes, resources, affinity, the
+/// other variables) is most of its size, and with thousands of workers the
+/// pod cache is most of the operator's memory.
+fn keep_what_decisions_read(pod: &mut Pod) {
+    use k8s_openapi::api::core::v1::{Container, PodSpec};
+    forget_managed_fields(pod);
+    pod.spec = pod.spec.take().map(|spec| PodSpec {
+        node_name: spec.node_name,
+        scheduling_gates: spec.scheduling_gates,
+        containers: spec
+            .containers
+            .into_iter()
+            .map(|c| Container {
+                name: c.name,
+                env: c.env.map(|env| {
+                    env.into_iter()
+                        .filter(|e| e.name == headroom_api::PLAN_JSON_ENV)
+                        .collect()
+                }),
+                ..Container::default()
+            })
+            .collect(),
+        ..PodSpec::default()
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use headroom_api::{PLAN_JSON_ENV, WorkerAssignment};
+
+    use super::keep_what_decisions_read;
+    use crate::controller::config::ChildConfig;
+    use crate::controller::pods::tests::{cpu_job, first_plan};
+    use crate::controller::pods::{Slot, worker_pod};
+
+    /// The cached pod still says which plan it runs and where it stands,
+    /// at a fraction of the size.
+    #[test]
+    fn a_cached_worker_pod_keeps_its_assignment_and_status_and_little_else() {
+        let job = cpu_job();
+        let plan = first_plan(&job.spec);
+        let model = job.spec.job_request().expect("valid").model;
+        let slot = Slot {
+            stage: 0,
+            replica: 0,
+        };
+        let mut pod =
+            worker_pod(&job, 1, slot, &plan, &model, "w:1", &ChildConfig::default()).expect("pod");
+        pod.status = serde_json::from_value(running_status()).ok();
+        let full = serde_json::to_vec(&pod).expect("json").len();
+        let mut cached = pod.clone();
+        keep_what_decisions_read(&mut cached);
+        let kept = serde_json::to_vec(&cached).expect("json").len();
+
+        assert_eq!(cached.metadata.managed_fields.as_deref(), Some(&[][..]));
+        assert_eq!(
+            (
+                &cached.metadata.name,
+                &cached.metadata.labels,
+                &cached.metadata.owner_references
+            ),
+            (
+                &pod.metadata.name,
+                &pod.metadata.labels,
+                &pod.metadata.owner_references
+            )
+        );
+        assert_eq!(cached.status, pod.status);
+        let spec = cached.spec.as_ref().expect("spec");
+        let env: Vec<_> = spec.containers[0].env.iter().flatten().collect();
+        assert_eq!(env.len(), 1);
+        assert_eq!(env[0].name, PLAN_JSON_ENV);
+        let assignment: WorkerAssignment =
+            serde_json::from_str(env[0].value.as_deref().expect("value")).expect("assignment");
+        assert_eq!(assignment.plan, plan);
+        assert!(kept * 10 < full * 8, "kept {kept} of {full} bytes");
+    }
+
+    fn running_status() -> serde_json::Value {
+        serde_json::json!({
+            "phase": "Running",
+            "containerStatuses": [{"name": "worker", "image": "w:1", "imageID": "", "ready": true,
+                                   "restartCount": 0, "state": {"running": {}}}]
+        })
+    }
 }

@@ -57,11 +57,11 @@ pub(crate) mod tests {
         job
     }
 
-    pub(super) fn cpu_job() -> MemoryAwareTrainingJob {
+    pub(crate) fn cpu_job() -> MemoryAwareTrainingJob {
         job(include_str!("../../../../samples/cpu-tiny.yaml"))
     }
 
-    pub(super) fn first_plan(spec: &MemoryAwareTrainingJobSpec) -> Plan {
+    pub(crate) fn first_plan(spec: &MemoryAwareTrainingJobSpec) -> Plan {
         plan(&spec.job_request().expect("valid"), &Inventory::default()).expect("plan")
     }
 
