@@ -884,6 +884,8 @@ impl AttemptOutcome {
 /// compares across attempts. Jobs stored before this shape carry each
 /// attempt's whole plan in `plan`: it is read (to fill the fields below) and
 /// the operator's next status write replaces it ([`Attempt::stored_with_plan`]).
+// The fields' meanings (and the CRD's schema) are `StoredAttempt`'s, the
+// tolerant reading every attempt is deserialized through.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", try_from = "StoredAttempt")]
 pub struct Attempt {
