@@ -48,6 +48,7 @@ HELM=$(e2e/tools/build-helm.sh --print)
   --set workerImages.cpu.repository=localhost/headroom-worker --set workerImages.cpu.tag=dev \
   --set workerImages.cuda.repository=localhost/headroom-worker-cuda --set workerImages.cuda.tag=dev \
   --set telemetryIntervalSeconds="${HEADROOM_TELEMETRY_INTERVAL_SECONDS:-1}" \
+  --set statusIntervalSeconds="${HEADROOM_STATUS_INTERVAL_SECONDS:-1}" \
   --wait --timeout 180s >&2
 # The tag stays `dev` across rebuilds: restart so the new build runs.
 "${KUBECTL}" -n headroom-system rollout restart deployment/headroom-operator >&2

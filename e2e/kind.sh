@@ -157,6 +157,7 @@ install() {
     --set workerImages.cpu.repository=localhost/headroom-worker --set workerImages.cpu.tag="${IMAGE_TAG}" \
     --set workerImages.cuda.repository=localhost/headroom-worker-cuda --set workerImages.cuda.tag="${IMAGE_TAG}" \
     --set telemetryIntervalSeconds="${HEADROOM_TELEMETRY_INTERVAL_SECONDS:-1}" \
+    --set statusIntervalSeconds="${HEADROOM_STATUS_INTERVAL_SECONDS:-1}" \
     --set checkpoints.accessMode="$1" --set checkpoints.storageClassName="$2" \
     --wait --timeout 180s >&2
   # A reused cluster may run an older build under the same tag.

@@ -100,16 +100,22 @@ struct Args {
         default_value_t = 120
     )]
     unschedulable_grace_seconds: u64,
-    /// How often a worker reports its live telemetry, and the operator
-    /// writes a job's reports into its status, seconds (sooner when a
-    /// memory peak grows). One API request per job each time: shorter shows
-    /// progress sooner, longer spares the API server on a large cluster.
+    /// How often a worker reports its live telemetry to the operator,
+    /// seconds (sooner when a memory peak grows). The operator's metrics
+    /// show each report as it arrives.
     #[arg(
         long,
         env = "HEADROOM_TELEMETRY_INTERVAL_SECONDS",
         default_value_t = 10.0
     )]
     telemetry_interval_seconds: f64,
+    /// How often the operator writes a job's held reports into its status,
+    /// seconds: one API write per job each time, whatever its number of
+    /// workers, and that write is what telemetry costs the API server at
+    /// scale (docs/benchmarks.md). A new worker, a peak 10 % above the one
+    /// written, a phase change and an ended pod are written at once.
+    #[arg(long, env = "HEADROOM_STATUS_INTERVAL_SECONDS", default_value_t = 30.0)]
+    status_interval_seconds: f64,
     #[arg(long, env = "HEADROOM_CONCURRENCY", default_value_t = 8)]
     concurrency: u16,
     /// Watch jobs in this namespace only (default: all namespaces).
@@ -148,6 +154,15 @@ async fn main() -> Result<()> {
                 args.telemetry_interval_seconds
             )
         })?;
+    let status_interval = Some(args.status_interval_seconds)
+        .filter(|s| s.is_finite() && *s >= 0.5)
+        .map(Duration::from_secs_f64)
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "--status-interval-seconds {}: must be a number of seconds ≥ 0.5 (e.g. 30)",
+                args.status_interval_seconds
+            )
+        })?;
     // Checked here, not when the first job needs one.
     let worker_images = WorkerImages::from_flags(args.worker_image, args.cuda_worker_image)
         .map_err(anyhow::Error::msg)?;
@@ -155,7 +170,7 @@ async fn main() -> Result<()> {
         .await
         .context("connecting to the Kubernetes API")?;
     // Workers' reports, held by the worker API and written per job by its flusher.
-    let reports = worker_api::WorkerReports::start(client.clone(), telemetry_interval);
+    let reports = worker_api::WorkerReports::start(client.clone(), status_interval);
     let metrics = Arc::new(Metrics::with_telemetry(reports.clone()));
 
     let listener = tokio::net::TcpListener::bind(args.metrics_addr)

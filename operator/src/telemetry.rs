@@ -11,9 +11,10 @@
 //!
 //! * the latest report of each worker wins (an older one arriving late is
 //!   dropped, by `updatedAt`);
-//! * a job is written at most once per interval (the interval the workers
-//!   are given, `ChildConfig::telemetry_interval`), carrying every held entry
-//!   of its current attempt;
+//! * a job is written at most once per interval (the operator's
+//!   `--status-interval-seconds`, 30 s by default; workers report every
+//!   `--telemetry-interval-seconds`, and the metrics show every report),
+//!   carrying every held entry of its current attempt;
 //! * but at the next tick (a fraction of the interval, [`tick`], so that a
 //!   burst of workers starting together is still one write) when a report
 //!   says something a user or the controller must see now: a worker the

@@ -57,6 +57,9 @@ struct Args {
     /// Seconds between one worker's reports (the chart's default is 10).
     #[arg(long, default_value_t = 10.0)]
     report_interval: f64,
+    /// The operator's status-write interval (its default is 30).
+    #[arg(long, default_value_t = 30.0)]
+    status_interval: f64,
     /// kube-apiserver's pid file (its CPU is read from /proc).
     #[arg(long)]
     apiserver_pid_file: Option<PathBuf>,
@@ -121,6 +124,8 @@ async fn main() -> Result<()> {
             "16",
             "--telemetry-interval-seconds",
             &args.report_interval.to_string(),
+            "--status-interval-seconds",
+            &args.status_interval.to_string(),
         ])
         .env("RUST_LOG", "warn")
         // Pods as a user's install makes them (the worker API's URL and token volume).
