@@ -123,6 +123,16 @@ struct Args {
     watch_namespace: Option<String>,
 }
 
+/// An interval flag's value: a finite number of seconds, at least 0.5.
+fn interval(flag: &str, seconds: f64, example: u32) -> Result<Duration> {
+    Some(seconds)
+        .filter(|s| s.is_finite() && *s >= 0.5)
+        .map(Duration::from_secs_f64)
+        .ok_or_else(|| {
+            anyhow::anyhow!("{flag} {seconds}: must be a number of seconds ≥ 0.5 (e.g. {example})")
+        })
+}
+
 #[tokio::main]
 async fn main() -> Result<()> {
     tracing_subscriber::fmt()
@@ -145,24 +155,16 @@ async fn main() -> Result<()> {
             args.gpu_host_memory
         )
     })?;
-    let telemetry_interval = Some(args.telemetry_interval_seconds)
-        .filter(|s| s.is_finite() && *s >= 0.5)
-        .map(Duration::from_secs_f64)
-        .ok_or_else(|| {
-            anyhow::anyhow!(
-                "--telemetry-interval-seconds {}: must be a number of seconds ≥ 0.5 (e.g. 10)",
-                args.telemetry_interval_seconds
-            )
-        })?;
-    let status_interval = Some(args.status_interval_seconds)
-        .filter(|s| s.is_finite() && *s >= 0.5)
-        .map(Duration::from_secs_f64)
-        .ok_or_else(|| {
-            anyhow::anyhow!(
-                "--status-interval-seconds {}: must be a number of seconds ≥ 0.5 (e.g. 30)",
-                args.status_interval_seconds
-            )
-        })?;
+    let telemetry_interval = interval(
+        "--telemetry-interval-seconds",
+        args.telemetry_interval_seconds,
+        10,
+    )?;
+    let status_interval = interval(
+        "--status-interval-seconds",
+        args.status_interval_seconds,
+        30,
+    )?;
     // Checked here, not when the first job needs one.
     let worker_images = WorkerImages::from_flags(args.worker_image, args.cuda_worker_image)
         .map_err(anyhow::Error::msg)?;

@@ -258,7 +258,7 @@ mod tests {
         };
         let mut pod =
             worker_pod(&job, 1, slot, &plan, &model, "w:1", &ChildConfig::default()).expect("pod");
-        pod.status = serde_json::from_value(running_status()).ok();
+        pod.status = serde_json::from_value(headroom_e2e::fixtures::running()).ok();
         let full = serde_json::to_vec(&pod).expect("json").len();
         let mut cached = pod.clone();
         keep_what_decisions_read(&mut cached);
@@ -286,13 +286,5 @@ mod tests {
             serde_json::from_str(env[0].value.as_deref().expect("value")).expect("assignment");
         assert_eq!(assignment.plan, plan);
         assert!(kept * 10 < full * 8, "kept {kept} of {full} bytes");
-    }
-
-    fn running_status() -> serde_json::Value {
-        serde_json::json!({
-            "phase": "Running",
-            "containerStatuses": [{"name": "worker", "image": "w:1", "imageID": "", "ready": true,
-                                   "restartCount": 0, "state": {"running": {}}}]
-        })
     }
 }
