@@ -10,4 +10,5 @@ pub mod leader;
 pub mod metrics;
 pub mod report;
 pub mod telemetry;
+pub mod watched_pods;
 pub mod worker_api;

@@ -10,6 +10,7 @@ use headroom_operator::controller::{self, ControllerConfig};
 use headroom_operator::controller::{CheckpointAccess, ChildConfig, WorkerImages};
 use headroom_operator::leader::LeaseLock;
 use headroom_operator::metrics::{Metrics, router};
+use headroom_operator::watched_pods::WatchedPods;
 use headroom_operator::worker_api;
 use k8s_openapi::api::core::v1::Service;
 use kube::Api;
@@ -236,8 +237,11 @@ async fn main() -> Result<()> {
         }
         None => None,
     };
-    // Every replica serves the worker API (a standby too: it needs no cache),
-    // so the Service answers whichever one it picks.
+    // Every replica serves the worker API (a standby too: it needs no cache,
+    // and reads callers' pods from the API server until it leads and its
+    // controller lends it the pod cache), so the Service answers whichever
+    // one it picks.
+    let watched = WatchedPods::default();
     let listener = tokio::net::TcpListener::bind(args.worker_api_addr)
         .await
         .with_context(|| format!("binding {}", args.worker_api_addr))?;
@@ -252,7 +256,7 @@ async fn main() -> Result<()> {
     };
     let server = worker_api::serve(
         listener,
-        worker_api::router(client.clone(), peer_key, reports.clone()),
+        worker_api::router(client.clone(), peer_key, reports.clone(), watched.clone()),
         worker_api::Limits::WORKER_API,
         tls.as_ref().map(|t| t.config.clone()),
     );
@@ -311,7 +315,10 @@ async fn main() -> Result<()> {
     let shutdown = async move {
         let _ = rx.wait_for(|stop| *stop).await;
     };
-    controller::watch::run(client, metrics, reports, config, &identity, shutdown).await;
+    controller::watch::run(
+        client, metrics, reports, watched, config, &identity, shutdown,
+    )
+    .await;
     if let Some(lock) = &lock
         && let Err(e) = lock.release().await
     {

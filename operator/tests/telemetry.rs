@@ -84,6 +84,7 @@ async fn a_pipelines_reports_are_a_few_writes_and_its_last_ones_are_in_the_statu
         ns.client.clone(),
         worker_api::OperatorKey::random().expect("key"),
         op.reports.clone(),
+        op.pods.clone(),
     );
     ns.apply_job(CPU_PIPELINE).await;
     let pods = ns
@@ -199,6 +200,7 @@ async fn the_last_report_before_an_oom_kill_is_in_the_closed_attempt() {
         ns.client.clone(),
         worker_api::OperatorKey::random().expect("key"),
         op.reports.clone(),
+        op.pods.clone(),
     );
     ns.apply_job(CPU_OOM_FIRST).await;
     let pods = ns
@@ -243,6 +245,7 @@ async fn the_last_report_before_an_eviction_is_in_the_closed_attempt() {
         ns.client.clone(),
         worker_api::OperatorKey::random().expect("key"),
         op.reports.clone(),
+        op.pods.clone(),
     );
     ns.apply_job(CPU_OOM_FIRST).await;
     let pods = ns

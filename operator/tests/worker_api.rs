@@ -20,9 +20,10 @@ use headroom_api::{
 use headroom_operator::controller::ControllerConfig;
 use headroom_operator::worker_api;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, PostParams};
+use kube::api::{Api, DeleteParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
+use std::time::Duration;
 use support::*;
 use tower::ServiceExt;
 
@@ -89,7 +90,12 @@ async fn a_worker_reports_its_own_telemetry_through_the_operator_and_nothing_els
         "{env:?}"
     );
     let key = worker_api::OperatorKey::random().expect("key");
-    let api = worker_api::router(ns.client.clone(), key.clone(), op.reports.clone());
+    let api = worker_api::router(
+        ns.client.clone(),
+        key.clone(),
+        op.reports.clone(),
+        op.pods.clone(),
+    );
     let token = ns.pod_token(pod, &[WORKER_API_AUDIENCE]).await;
     let me = pod.name_any();
 
@@ -281,6 +287,39 @@ async fn a_worker_reports_its_own_telemetry_through_the_operator_and_nothing_els
         matches!(&read, Err(kube::Error::Api(e)) if e.code == 401),
         "{read:?}"
     );
+
+    // The checked token stands for its pod while the operator's pod cache
+    // holds the pod, and no longer: once the pod is deleted its token is
+    // refused as soon as the watch sees it (reviewed again, and the API
+    // server refuses a deleted pod's token), not after a time-to-live
+    // (IDENTITY_TTL, 60 s, on a replica without the cache).
+    assert!(op.pods.is_filled(), "the controller lends its pod cache");
+    ns.pods()
+        .delete(&me, &DeleteParams::default())
+        .await
+        .expect("delete the worker pod");
+    let deleted = std::time::Instant::now();
+    let refused = loop {
+        let (code, text) = call(
+            &api,
+            Method::GET,
+            WORKER_API_PEER_KEY_PATH,
+            Some(&token),
+            None,
+        )
+        .await;
+        if code == StatusCode::UNAUTHORIZED {
+            break deleted.elapsed();
+        }
+        assert_eq!(code, StatusCode::OK, "{text}");
+        assert!(
+            deleted.elapsed() < Duration::from_secs(10),
+            "a deleted pod's token still accepted after {:?}",
+            deleted.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    eprintln!("a deleted pod's token refused after {refused:?}");
     op.stop().await;
     ns.cleanup().await;
 }

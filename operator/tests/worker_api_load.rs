@@ -43,6 +43,7 @@ async fn start() -> std::net::SocketAddr {
         client.clone(),
         OperatorKey::random().expect("key"),
         worker_api::WorkerReports::start(client, Duration::from_secs(10)),
+        Default::default(),
     );
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");

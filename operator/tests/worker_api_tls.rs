@@ -32,6 +32,7 @@ async fn start(hosts: &[&str]) -> (std::net::SocketAddr, ServingTls) {
         client.clone(),
         OperatorKey::random().expect("key"),
         worker_api::WorkerReports::start(client, Duration::from_secs(10)),
+        Default::default(),
     );
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");

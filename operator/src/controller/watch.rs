@@ -21,13 +21,17 @@ use super::reconcile::{error_policy, reconcile};
 use super::{Context, ControllerConfig};
 use crate::metrics::Metrics;
 use crate::telemetry::WorkerReports;
+use crate::watched_pods::WatchedPods;
 
 /// Runs the controller until `shutdown` resolves; returns after in-flight
-/// reconciles finish. `reports`: the worker API's held telemetry.
+/// reconciles finish. `reports`: the worker API's held telemetry;
+/// `watched`: filled with the job pods' cache once it is complete, for the
+/// worker API's identity checks.
 pub async fn run(
     client: Client,
     metrics: Arc<Metrics>,
     reports: Arc<WorkerReports>,
+    watched: WatchedPods,
     config: ControllerConfig,
     identity: &str,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
@@ -163,6 +167,7 @@ pub async fn run(
             _ = shutdown.clone() => return,
         }
         metrics.set_ready(true);
+        watched.fill(pods.clone());
         tracing::info!("caches synced; reconciling");
         let (job_store, job_writer) = reflector::store();
         let job_triggers = watcher(jobs, watcher::Config::default())

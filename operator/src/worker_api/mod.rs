@@ -23,10 +23,13 @@
 //! The API is reachable from every pod of the cluster, so it is built to
 //! shed load rather than fall over (SECURITY.md):
 //!
-//! * `identity` — who is calling. A checked token is remembered for
-//!   [`IDENTITY_TTL`] (a worker reporting every few seconds costs one
-//!   TokenReview and one pod read a minute), a refused one for
-//!   [`REFUSAL_TTL`], and reviews in flight are capped.
+//! * `identity` — who is calling. On the leader a checked token is
+//!   remembered while its pod is in the controller's pod cache, up to the
+//!   token's expiry and at most [`WATCHED_IDENTITY_TTL`] (a worker costs one
+//!   TokenReview per ten minutes and no pod read); elsewhere for
+//!   [`IDENTITY_TTL`] (one TokenReview and one pod read a minute). A
+//!   refused one is remembered for [`REFUSAL_TTL`], and reviews in flight
+//!   are capped.
 //! * the caller is known before a body is read, and a body is read only up
 //!   to [`MAX_BODY_BYTES`];
 //! * `serve` — a connection cap and header-read and request deadlines;
@@ -50,13 +53,17 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::{Client, Resource};
 
 use crate::telemetry::Recorded;
+use crate::watched_pods::WatchedPods;
 
 mod identity;
 pub mod peer_key;
 pub mod serve;
 pub mod tls;
 
-pub use identity::{Caller, IDENTITY_TTL, MAX_CONCURRENT_REVIEWS, MAX_TOKEN_BYTES, REFUSAL_TTL};
+pub use identity::{
+    Caller, IDENTITY_TTL, MAX_CONCURRENT_REVIEWS, MAX_TOKEN_BYTES, REFUSAL_TTL,
+    WATCHED_IDENTITY_TTL,
+};
 use identity::{Identities, owning_job};
 pub use peer_key::OperatorKey;
 pub use serve::{Limits, serve};
@@ -123,10 +130,16 @@ struct WorkerApi {
 /// The worker API's routes, acting with `client` (the operator's own
 /// credentials: it needs `create` on tokenreviews, `get` on pods and `patch`
 /// on memoryawaretrainingjobs/status), handing out job keys derived from
-/// `key`, handing telemetry to `reports` (whose flusher writes it).
-pub fn router(client: Client, key: OperatorKey, reports: Arc<WorkerReports>) -> Router {
+/// `key`, handing telemetry to `reports` (whose flusher writes it), and
+/// reading callers' pods from `pods` once the controller has filled it.
+pub fn router(
+    client: Client,
+    key: OperatorKey,
+    reports: Arc<WorkerReports>,
+    pods: WatchedPods,
+) -> Router {
     let state = Arc::new(WorkerApi {
-        identities: Identities::new(client.clone()),
+        identities: Identities::new(client.clone(), pods),
         client,
         key,
         reports,

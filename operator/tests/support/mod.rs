@@ -12,6 +12,7 @@ pub use headroom_e2e::{API_SERVER, TestNs};
 use headroom_operator::controller::{self, ControllerConfig};
 use headroom_operator::metrics::Metrics;
 use headroom_operator::telemetry::WorkerReports;
+use headroom_operator::watched_pods::WatchedPods;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -34,18 +35,20 @@ pub fn start_operator(ns: &TestNs, config: ControllerConfig) -> Operator {
         namespace: Some(ns.name.clone()),
         ..config
     };
-    let (m, r) = (metrics.clone(), reports.clone());
+    let pods = WatchedPods::default();
+    let (m, r, p) = (metrics.clone(), reports.clone(), pods.clone());
     let handle = tokio::spawn(async move {
         let shutdown = async move {
             let _ = rx.wait_for(|s| *s).await;
         };
-        controller::watch::run(client, m, r, config, "test-operator", shutdown).await;
+        controller::watch::run(client, m, r, p, config, "test-operator", shutdown).await;
     });
     Operator {
         stop,
         handle,
         metrics,
         reports,
+        pods,
     }
 }
 
@@ -56,6 +59,8 @@ pub struct Operator {
     pub metrics: Arc<Metrics>,
     /// The workers' held telemetry, for a worker API beside the controller.
     pub reports: Arc<WorkerReports>,
+    /// Its pod cache, once synced: the worker API's identity checks read it.
+    pub pods: WatchedPods,
 }
 
 impl Operator {
