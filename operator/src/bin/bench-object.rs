@@ -1,11 +1,13 @@
 //! What one job object costs kube-apiserver (issue 33, item 1): CPU per
-//! create, per whole-status write and per telemetry write, and the object's
+//! create, per whole-status write and per telemetry write (as a merge patch,
+//! and as the operator's flusher sends it: a server-side apply), and the object's
 //! stored size, for the MemoryAwareTrainingJob in the shape Headroom stored
 //! before the plan was stored once (each attempt with its whole plan, under
 //! the CRD of then: operator/tests/fixtures/crd-attempts-with-plan.yaml),
 //! in the lean shape under the current CRD, the same without the CRD's CEL
-//! rules (what the rules cost), and, given its CRD, a PyTorchJob as
-//! Kubeflow's training-operator writes it.
+//! rules (what the rules cost), the same with the rules in a
+//! ValidatingAdmissionPolicy instead (what moving them would cost), and,
+//! given its CRD, a PyTorchJob as Kubeflow's training-operator writes it.
 //!
 //!   KUBECONFIG=~/.cache/headroom/state/controlplane/kubeconfig \
 //!     bench-object --objects 300 --rounds 3 [--pytorchjob-crd <kubeflow.org_pytorchjobs.yaml>]
@@ -41,6 +43,7 @@ use serde_json::{Value, json};
 const OLD_CRD: &str = include_str!("../../tests/fixtures/crd-attempts-with-plan.yaml");
 const SAMPLE: &str = include_str!("../../../samples/cpu-oom-first.yaml");
 const FIELD_MANAGER: &str = "headroom-bench-object";
+const TELEMETRY_FIELD_MANAGER: &str = "headroom-telemetry/bench-object";
 const IN_FLIGHT: usize = 4;
 
 #[derive(Parser)]
@@ -87,6 +90,8 @@ fn cpu_seconds(pid: u32) -> f64 {
 struct Variant {
     name: &'static str,
     crd: Option<CustomResourceDefinition>,
+    /// A ValidatingAdmissionPolicy (and its binding) in force while it runs.
+    policy: Option<(Value, Value)>,
     resource: ApiResource,
     object: Value,
     status: Value,
@@ -181,6 +186,107 @@ fn old_shape(status: &MemoryAwareTrainingJobStatus, plans: &[&Plan]) -> Result<V
     Ok(v)
 }
 
+const SPEC_POLICY: &str = "headroom-bench-object-spec-rules";
+
+/// The CRD's CEL rules as one ValidatingAdmissionPolicy bound to creates
+/// and updates of the resource but not of its status (matched only when the
+/// spec is new or changed), with its binding: what the rules would cost
+/// outside the CRD. A rule at `spec.a.b` becomes
+/// `!has(object.spec.a) || !has(object.spec.a.b) || <rule on object.spec.a.b>`;
+/// a transition rule (`oldSelf`) holds only where both objects have the field.
+fn spec_policy(crd: &CustomResourceDefinition) -> Result<(Value, Value)> {
+    fn walk(schema: &Value, path: &[String], out: &mut Vec<Value>) {
+        let at = |root: &str, upto: usize| {
+            std::iter::once(root.to_string())
+                .chain(path[..upto].iter().cloned())
+                .collect::<Vec<_>>()
+                .join(".")
+        };
+        // Every field below `spec` may be absent.
+        let guards = |root: &str| -> Vec<String> {
+            (2..=path.len())
+                .map(|i| format!("!has({})", at(root, i)))
+                .collect()
+        };
+        for v in schema["x-kubernetes-validations"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            let rule = v["rule"].as_str().unwrap_or_default();
+            let body = replace_word(rule, "oldSelf", &at("oldObject", path.len()));
+            let body = replace_word(&body, "self", &at("object", path.len()));
+            let mut alternatives = guards("object");
+            if rule.contains("oldSelf") {
+                alternatives.insert(0, "oldObject == null".into());
+                alternatives.extend(guards("oldObject"));
+            }
+            alternatives.push(format!("({body})"));
+            out.push(json!({
+                "expression": alternatives.join(" || "),
+                "message": v["message"].as_str().unwrap_or("invalid"),
+            }));
+        }
+        if let Some(props) = schema["properties"].as_object() {
+            for (k, child) in props {
+                let mut p = path.to_vec();
+                p.push(k.clone());
+                walk(child, &p, out);
+            }
+        }
+    }
+    let schema = serde_json::to_value(&crd.spec.versions[0].schema)?;
+    let mut validations = vec![];
+    walk(
+        &schema["openAPIV3Schema"]["properties"]["spec"],
+        &["spec".to_string()],
+        &mut validations,
+    );
+    let policy = json!({
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": SPEC_POLICY},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {"resourceRules": [{
+                "apiGroups": [crd.spec.group],
+                "apiVersions": ["*"],
+                "operations": ["CREATE", "UPDATE"],
+                "resources": [crd.spec.names.plural],
+            }]},
+            "matchConditions": [{
+                "name": "spec-written",
+                "expression": "oldObject == null || object.spec != oldObject.spec",
+            }],
+            "validations": validations,
+        },
+    });
+    let binding = json!({
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": SPEC_POLICY},
+        "spec": {"policyName": SPEC_POLICY, "validationActions": ["Deny"]},
+    });
+    Ok((policy, binding))
+}
+
+/// `text` with every whole word `word` replaced by `by`.
+fn replace_word(text: &str, word: &str, by: &str) -> String {
+    let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let mut out = String::new();
+    let mut rest = text;
+    while let Some(i) = rest.find(word) {
+        let before = rest[..i].chars().next_back();
+        let after = rest[i + word.len()..].chars().next();
+        let whole = !before.is_some_and(is_ident) && !after.is_some_and(is_ident);
+        out.push_str(&rest[..i]);
+        out.push_str(if whole { by } else { word });
+        rest = &rest[i + word.len()..];
+    }
+    out.push_str(rest);
+    out
+}
+
 /// Removes every `x-kubernetes-validations` (CEL rule) from a CRD.
 fn without_cel(mut crd: CustomResourceDefinition) -> Result<CustomResourceDefinition> {
     fn strip(v: &mut Value) {
@@ -224,6 +330,7 @@ fn variants(args: &Args) -> Result<Vec<Variant>> {
         Variant {
             name: "headroom, attempts with their plan (before)",
             crd: Some(serde_yaml::from_str(OLD_CRD)?),
+            policy: None,
             resource: matj.clone(),
             object: job.clone(),
             status: old_shape(&status, &[&plan1, &plan2])?,
@@ -232,6 +339,7 @@ fn variants(args: &Args) -> Result<Vec<Variant>> {
         Variant {
             name: "headroom, plan stored once (lean)",
             crd: Some(current.clone()),
+            policy: None,
             resource: matj.clone(),
             object: job.clone(),
             status: serde_json::to_value(&status)?,
@@ -239,6 +347,16 @@ fn variants(args: &Args) -> Result<Vec<Variant>> {
         },
         Variant {
             name: "headroom, lean, CRD without CEL rules",
+            crd: Some(without_cel(current.clone())?),
+            policy: None,
+            resource: matj.clone(),
+            object: job.clone(),
+            status: serde_json::to_value(&status)?,
+            telemetry_patch: telemetry.clone(),
+        },
+        Variant {
+            name: "headroom, lean, the rules in a ValidatingAdmissionPolicy",
+            policy: Some(spec_policy(&current)?),
             crd: Some(without_cel(current)?),
             resource: matj,
             object: job,
@@ -252,6 +370,7 @@ fn variants(args: &Args) -> Result<Vec<Variant>> {
         out.push(Variant {
             name: "PyTorchJob (Kubeflow's status)",
             crd: Some(crd),
+            policy: None,
             resource: ApiResource::from_gvk(&GroupVersionKind::gvk(
                 "kubeflow.org",
                 "v1",
@@ -335,6 +454,7 @@ struct Figures {
     create_ms: f64,
     status_ms: f64,
     telemetry_ms: f64,
+    telemetry_apply_ms: f64,
     stored_bytes: usize,
 }
 
@@ -397,6 +517,66 @@ async fn profile_status_writes(
     Ok(())
 }
 
+/// Puts `policy` (and its binding) in force, or removes the bench's policy
+/// when None. In force means: a create that breaks a rule (heads that do
+/// not divide hidden) is refused by it.
+async fn set_policy(
+    client: &Client,
+    policy: Option<&(Value, Value)>,
+    jobs: &Api<DynamicObject>,
+    object: &Value,
+) -> Result<()> {
+    let gvk = |kind: &str| {
+        ApiResource::from_gvk(&GroupVersionKind::gvk(
+            "admissionregistration.k8s.io",
+            "v1",
+            kind,
+        ))
+    };
+    let policies: Api<DynamicObject> =
+        Api::all_with(client.clone(), &gvk("ValidatingAdmissionPolicy"));
+    let bindings: Api<DynamicObject> =
+        Api::all_with(client.clone(), &gvk("ValidatingAdmissionPolicyBinding"));
+    let Some((policy, binding)) = policy else {
+        for api in [&bindings, &policies] {
+            match api.delete(SPEC_POLICY, &DeleteParams::default()).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        return Ok(());
+    };
+    for (api, body) in [(&policies, policy), (&bindings, binding)] {
+        api.patch(
+            SPEC_POLICY,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(body),
+        )
+        .await
+        .context("apply the spec policy")?;
+    }
+    let mut probe = object.clone();
+    probe["metadata"]["name"] = json!("probe-breaks-a-rule");
+    probe["spec"]["model"]["transformer"]["hidden"] = json!(250);
+    let probe: DynamicObject = serde_json::from_value(probe)?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match jobs.create(&PostParams::default(), &probe).await {
+            Err(kube::Error::Api(e)) if e.message.contains("multiple of") => return Ok(()),
+            Ok(_) => {
+                jobs.delete("probe-breaks-a-rule", &DeleteParams::default())
+                    .await?;
+            }
+            Err(e) => bail!("the policy's probe: {e}"),
+        }
+        if Instant::now() > deadline {
+            bail!("the spec policy not in force after 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 async fn run_variant(
     client: &Client,
     pid: u32,
@@ -409,6 +589,7 @@ async fn run_variant(
         apply_crd(client, crd, &v.resource).await?;
     }
     let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &v.resource);
+    set_policy(client, v.policy.as_ref(), &api, &v.object).await?;
     let name = |i: usize| format!("obj-{i}");
     let idle = idle_cores(pid).await;
     let create_ms = measured(pid, idle, n, |i| {
@@ -437,6 +618,25 @@ async fn run_variant(
         async move {
             api.patch_status(&name(i), &PatchParams::default(), &Patch::Merge(&patch))
                 .await?;
+            Ok(())
+        }
+    })
+    .await?;
+    // The same entry as the operator's telemetry flusher sends it: a forced
+    // server-side apply under its own field manager.
+    let telemetry_apply_ms = measured(pid, idle, n, |i| {
+        let api = api.clone();
+        let mut body = v.telemetry_patch.clone();
+        body["apiVersion"] = v.object["apiVersion"].clone();
+        body["kind"] = v.object["kind"].clone();
+        body["metadata"] = json!({"name": name(i)});
+        async move {
+            api.patch_status(
+                &name(i),
+                &PatchParams::apply(TELEMETRY_FIELD_MANAGER).force(),
+                &Patch::Apply(&body),
+            )
+            .await?;
             Ok(())
         }
     })
@@ -492,6 +692,7 @@ async fn run_variant(
         create_ms,
         status_ms,
         telemetry_ms,
+        telemetry_apply_ms,
         stored_bytes: stored.len(),
     })
 }
@@ -548,8 +749,13 @@ async fn main() -> Result<()> {
             match run_variant(&client, pid, &ns, v, args.objects, profile).await {
                 Ok(f) => {
                     eprintln!(
-                        "round {round}, {}: create {:.2} ms, status {:.2} ms, telemetry {:.2} ms, stored {} B",
-                        v.name, f.create_ms, f.status_ms, f.telemetry_ms, f.stored_bytes
+                        "round {round}, {}: create {:.2} ms, status {:.2} ms, telemetry {:.2} ms, telemetry apply {:.2} ms, stored {} B",
+                        v.name,
+                        f.create_ms,
+                        f.status_ms,
+                        f.telemetry_ms,
+                        f.telemetry_apply_ms,
+                        f.stored_bytes
                     );
                     figures.entry(i).or_default().push(f);
                 }
@@ -560,7 +766,18 @@ async fn main() -> Result<()> {
             }
         }
     }
-    // Leave the current CRD in place, whatever ran last.
+    // Leave the current CRD in place, whatever ran last, and no policy.
+    let policy_gone = set_policy(
+        &client,
+        None,
+        &Api::namespaced_with(
+            client.clone(),
+            &ns,
+            &ApiResource::erase::<MemoryAwareTrainingJob>(&()),
+        ),
+        &Value::Null,
+    )
+    .await;
     let restore = apply_crd(
         &client,
         &MemoryAwareTrainingJob::crd(),
@@ -570,15 +787,16 @@ async fn main() -> Result<()> {
     let _ = namespaces.delete(&ns, &DeleteParams::default()).await;
     result?;
     restore?;
+    policy_gone?;
 
     println!(
         "\nkube-apiserver CPU per request above idle, median of {} rounds (range), {} objects, {IN_FLIGHT} in flight:\n",
         args.rounds, args.objects
     );
     println!(
-        "| object | create | whole status write | telemetry write | stored (JSON, managed fields) |"
+        "| object | create | whole status write | telemetry write (merge patch) | telemetry write (server-side apply) | stored (JSON, managed fields) |"
     );
-    println!("|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|");
     for (i, v) in variants.iter().enumerate() {
         let f = &figures[&i];
         let cell = |g: fn(&Figures) -> f64| {
@@ -586,13 +804,67 @@ async fn main() -> Result<()> {
             format!("{m:.2} ms ({lo:.2}–{hi:.2})")
         };
         println!(
-            "| {} | {} | {} | {} | {:.1} KB |",
+            "| {} | {} | {} | {} | {} | {:.1} KB |",
             v.name,
             cell(|f| f.create_ms),
             cell(|f| f.status_ms),
             cell(|f| f.telemetry_ms),
+            cell(|f| f.telemetry_apply_ms),
             f[0].stored_bytes as f64 / 1000.0
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_whole_words_are_rewritten() {
+        assert_eq!(
+            replace_word("self.a + oldSelf.b == self_c + selfish(self)", "self", "X"),
+            "X.a + oldSelf.b == self_c + selfish(X)"
+        );
+        assert_eq!(
+            replace_word("self == oldSelf", "oldSelf", "old.y"),
+            "self == old.y"
+        );
+    }
+
+    /// Each of the CRD's rules becomes one validation on the object, behind
+    /// a guard per optional field on its way; transition rules only where
+    /// both objects have the field.
+    #[test]
+    fn the_crds_rules_become_guarded_policy_validations() {
+        let crd = MemoryAwareTrainingJob::crd();
+        let rules = serde_json::to_string(&crd)
+            .expect("crd")
+            .matches("\"rule\"")
+            .count();
+        let (policy, binding) = spec_policy(&crd).expect("policy");
+        let validations = policy["spec"]["validations"].as_array().expect("list");
+        assert_eq!(validations.len(), rules);
+        let expressions: Vec<&str> = validations
+            .iter()
+            .map(|v| v["expression"].as_str().expect("expression"))
+            .collect();
+        assert!(
+            expressions.iter().all(|e| !e.contains("self")),
+            "{expressions:?}"
+        );
+        assert!(
+            expressions.contains(
+                &"!has(object.spec.model) || !has(object.spec.model.transformer) || (object.spec.model.transformer.hidden % object.spec.model.transformer.heads == 0)"
+            ),
+            "{expressions:?}"
+        );
+        assert!(
+            expressions.contains(
+                &"oldObject == null || !has(object.spec.data) || !has(oldObject.spec.data) || (object.spec.data == oldObject.spec.data)"
+            ),
+            "{expressions:?}"
+        );
+        assert_eq!(binding["spec"]["policyName"], policy["metadata"]["name"]);
+    }
 }
