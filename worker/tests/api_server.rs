@@ -55,7 +55,9 @@ async fn serve_worker_api(ns: &TestNs) -> String {
         ns.client.clone(),
         std::time::Duration::from_millis(200),
     );
-    let router = headroom_operator::worker_api::router(ns.client.clone(), key, reports);
+    // No controller here: callers' pods are read from the API server.
+    let router =
+        headroom_operator::worker_api::router(ns.client.clone(), key, reports, Default::default());
     tokio::spawn(async move {
         headroom_operator::worker_api::serve(
             listener,
