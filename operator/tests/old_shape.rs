@@ -168,6 +168,16 @@ async fn a_job_stored_with_each_attempts_plan_is_read_rewritten_lean_and_retried
             .iter()
             .all(|a| a.get("plan").is_none())
     );
+    // The plan and each attempt's settings are atomic: the managed fields
+    // name each once instead of listing its fields (issue 33), here too,
+    // for an object whose fields the old CRD had listed one by one.
+    let managed = serde_json::to_string(&raw.metadata.managed_fields).expect("managed fields");
+    for inner in ["f:fit", "f:correctionFactor"] {
+        assert!(!managed.contains(inner), "{inner} in {managed}");
+    }
+    for whole in [r#""f:plan":{}"#, r#""f:settings":{}"#] {
+        assert!(managed.contains(whole), "{whole} not in {managed}");
+    }
     op.stop().await;
     ns.cleanup().await;
 }

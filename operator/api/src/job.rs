@@ -976,6 +976,9 @@ struct StoredAttempt {
     stages: Option<u32>,
     /// Micro-batch, accumulation, checkpointing, precision, optimizer.
     #[serde(default)]
+    // Atomic: one writer always writes it whole, so the object's managed
+    // fields name it once instead of listing each of its fields (issue 33).
+    #[schemars(extend("x-kubernetes-map-type" = "atomic"))]
     settings: Option<Settings>,
     /// The plan's predicted peak of its largest worker, bytes.
     #[serde(default)]
@@ -1139,6 +1142,9 @@ pub struct WorkerTelemetry {
     /// Training throughput over the last steps.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens_per_second: Option<f64>,
+    // Atomic: one writer always writes it whole, so the object's managed
+    // fields name it once instead of listing each of its fields (issue 33).
+    #[schemars(extend("x-kubernetes-map-type" = "atomic"))]
     pub memory: MemorySample,
     /// The initializer's download while it runs (only on the initializer's
     /// entry: pod `<job>-init-<n>`, attempt 0, removed once attempt 1 starts).
@@ -1203,6 +1209,9 @@ pub struct MemoryAwareTrainingJobStatus {
     /// The current attempt's whole plan: stages, memory breakdown term by
     /// term, step time (stored here only: each attempt keeps its summary).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    // Atomic: one writer always writes it whole, so the object's managed
+    // fields name it once instead of listing each of its fields (issue 33).
+    #[schemars(extend("x-kubernetes-map-type" = "atomic"))]
     pub plan: Option<Plan>,
     /// Every attempt so far, oldest first, each with its settings, predicted
     /// and observed peak, and outcome; never pruned.
@@ -1222,9 +1231,15 @@ pub struct MemoryAwareTrainingJobStatus {
     /// The checkpoint a `model.pretrained` job fine-tunes, as the initializer
     /// read it (shape from config.json, checked against the weight files).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    // Atomic: one writer always writes it whole, so the object's managed
+    // fields name it once instead of listing each of its fields (issue 33).
+    #[schemars(extend("x-kubernetes-map-type" = "atomic"))]
     pub model: Option<crate::ModelFacts>,
     /// The training text as the checkpoint's tokenizer sees it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    // Atomic: one writer always writes it whole, so the object's managed
+    // fields name it once instead of listing each of its fields (issue 33).
+    #[schemars(extend("x-kubernetes-map-type" = "atomic"))]
     pub data: Option<crate::DataFacts>,
     /// Where the fine-tuned model is written (`<claim>:<path>`).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -305,6 +305,33 @@ fn without_cel(mut crd: CustomResourceDefinition) -> Result<CustomResourceDefini
     Ok(crd)
 }
 
+/// Marks the status objects one writer always writes whole as
+/// `x-kubernetes-map-type: atomic`, so managed fields name the object
+/// instead of each of its fields: the plan, each attempt's settings, each
+/// worker's memory sample, the model's and the data's download state.
+fn with_atomic_status_objects(crd: CustomResourceDefinition) -> Result<CustomResourceDefinition> {
+    let mut v = serde_json::to_value(&crd)?;
+    let status = &mut v["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+        ["properties"];
+    for path in [
+        &["plan"][..],
+        &["attempts", "items", "properties", "settings"],
+        &["workers", "items", "properties", "memory"],
+        &["model"],
+        &["data"],
+    ] {
+        let mut at = &mut *status;
+        for key in path {
+            at = &mut at[*key];
+        }
+        if !at.is_object() {
+            bail!("status.{} is not in the CRD", path.join("."));
+        }
+        at["x-kubernetes-map-type"] = json!("atomic");
+    }
+    Ok(serde_json::from_value(v)?)
+}
+
 fn variants(args: &Args) -> Result<Vec<Variant>> {
     let sample: MemoryAwareTrainingJob = serde_yaml::from_str(SAMPLE)?;
     let request = sample
@@ -348,6 +375,15 @@ fn variants(args: &Args) -> Result<Vec<Variant>> {
         Variant {
             name: "headroom, lean, CRD without CEL rules",
             crd: Some(without_cel(current.clone())?),
+            policy: None,
+            resource: matj.clone(),
+            object: job.clone(),
+            status: serde_json::to_value(&status)?,
+            telemetry_patch: telemetry.clone(),
+        },
+        Variant {
+            name: "headroom, lean, status objects atomic",
+            crd: Some(with_atomic_status_objects(current.clone())?),
             policy: None,
             resource: matj.clone(),
             object: job.clone(),
