@@ -71,6 +71,9 @@ pub fn plan_table(title: &str, request: &JobRequest, plan: &Plan) -> String {
     );
     let _ = writeln!(out, "Peak:      {}", plan.fit);
     let _ = writeln!(out, "Settings:  {}", plan.settings);
+    if let Some(runtime) = &plan.gpu_runtime {
+        let _ = writeln!(out, "Runtime:   {runtime}");
+    }
     let t = &plan.step_time;
     let _ = writeln!(
         out,

@@ -33,6 +33,11 @@ pub const DEVICE_MEMORY_LIMIT_ENV: &str = "HEADROOM_DEVICE_MEMORY_LIMIT_BYTES";
 /// loads, else the TCP ring) or `ring` (the TCP ring always). CPU plans use
 /// the ring whatever it says. Every replica must make the same choice.
 pub const COLLECTIVE_ENV: &str = "HEADROOM_COLLECTIVE";
+/// Where a CUDA worker keeps cubecl's autotune results and compiled kernels
+/// (default: under the checkpoint directory, one directory per slot:
+/// [`crate::gpu_runtime::cache_dir`]). Benchmarks that run many short jobs
+/// on one GPU share one.
+pub const GPU_CACHE_DIR_ENV: &str = "HEADROOM_GPU_CACHE_DIR";
 /// The pod name when `POD_NAME` is not set (a pod's hostname is its name).
 pub const HOSTNAME_ENV: &str = "HOSTNAME";
 /// How long a stage waits for its pipeline neighbours when
@@ -81,6 +86,8 @@ pub struct WorkerEnv {
     pub plan: PlanSource,
     /// `HEADROOM_CHECKPOINT_DIR`, else the contract's default.
     pub checkpoint_dir: PathBuf,
+    /// `HEADROOM_GPU_CACHE_DIR`, when set.
+    pub gpu_cache_dir: Option<PathBuf>,
     /// `POD_NAME`, else `HOSTNAME`.
     pub pod_name: Option<String>,
     /// `HEADROOM_TELEMETRY_INTERVAL_SECONDS`: the least time between status writes.
@@ -233,6 +240,9 @@ impl WorkerEnv {
             plan,
             checkpoint_dir: env(CHECKPOINT_DIR_ENV)
                 .map_or_else(|| PathBuf::from(DEFAULT_CHECKPOINT_DIR), PathBuf::from),
+            gpu_cache_dir: env(GPU_CACHE_DIR_ENV)
+                .filter(|v| !v.trim().is_empty())
+                .map(PathBuf::from),
             pod_name: env(POD_NAME_ENV).or_else(|| env(HOSTNAME_ENV)),
             telemetry_interval,
             device_memory_limit,
@@ -277,6 +287,7 @@ mod tests {
                 termination_message_path: PathBuf::from(TERMINATION_MESSAGE_PATH),
                 plan: PlanSource::Json("{}".into()),
                 checkpoint_dir: PathBuf::from(DEFAULT_CHECKPOINT_DIR),
+                gpu_cache_dir: None,
                 pod_name: Some("h".into()),
                 telemetry_interval: DEFAULT_INTERVAL,
                 device_memory_limit: None,
@@ -296,6 +307,7 @@ mod tests {
             (PLAN_JSON_ENV, "ignored: the file wins"),
             (TERMINATION_MESSAGE_PATH_ENV, "/tmp/t"),
             (CHECKPOINT_DIR_ENV, "/ckpt"),
+            (GPU_CACHE_DIR_ENV, "/cache/gpu"),
             (POD_NAME_ENV, "job-a1-s0"),
             (HOSTNAME_ENV, "ignored"),
             (TELEMETRY_INTERVAL_ENV, " 0.5 "),
@@ -313,6 +325,7 @@ mod tests {
         assert_eq!(env.collective, CollectiveChoice::Ring);
         assert_eq!(env.termination_message_path, PathBuf::from("/tmp/t"));
         assert_eq!(env.checkpoint_dir, PathBuf::from("/ckpt"));
+        assert_eq!(env.gpu_cache_dir, Some(PathBuf::from("/cache/gpu")));
         assert_eq!(env.pod_name.as_deref(), Some("job-a1-s0"));
         assert_eq!(env.telemetry_interval, Duration::from_millis(500));
         assert_eq!(env.device_memory_limit, Some(1 << 20));

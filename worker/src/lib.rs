@@ -21,6 +21,8 @@
 //! * [`data`] — the synthetic next-token task (deterministic per sample)
 //! * [`text`] — real text: JSONL/plain documents, Hugging Face tokenizer, packed
 //!   samples, seeded shuffle, per-rank shares (what a fine-tuning job trains on)
+//! * [`gpu_runtime`] — cubecl's allocator, persistent memory and autotune
+//!   level as the plan recorded them, its kernel cache on the checkpoint volume
 //! * [`train`] — micro-batches, accumulation, block-level checkpointing, optimizers
 //! * [`checkpoint`] — atomic, verified, per-part checkpoints and resume under any split
 //! * [`telemetry`] — cgroup, process, allocator and NVML memory sampling
@@ -43,6 +45,7 @@ pub mod collective;
 pub mod data;
 pub mod data_parallel;
 pub mod env;
+pub mod gpu_runtime;
 pub mod initialize;
 pub mod link_auth;
 pub mod model;

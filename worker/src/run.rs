@@ -31,6 +31,7 @@ use crate::cluster::ClusterHandle;
 use crate::collective::{Collective, CollectiveError, Ring, RingHello, RingTimeouts, Single};
 use crate::env::{COLLECTIVE_ENV, CollectiveChoice, InvalidEnv, PipelinePeers, WorkerEnv};
 pub use crate::env::{DEVICE_MEMORY_LIMIT_ENV, TERMINATION_MESSAGE_PATH_ENV};
+use crate::gpu_runtime::{self, RuntimeSettings};
 use crate::link_auth::{KeyError, LinkKey};
 use crate::pipeline::{Hello, Links, Peers, PipelineError, establish};
 use crate::report::{
@@ -217,6 +218,25 @@ fn run_inner(env: &WorkerEnv) -> Exit {
         Err(e) => return Exit::invalid_plan(e.to_string()),
     };
     let config = plan.config();
+    if cfg!(feature = "cuda") {
+        let a = plan.assignment();
+        let cache = env
+            .gpu_cache_dir
+            .clone()
+            .unwrap_or_else(|| gpu_runtime::cache_dir(&env.checkpoint_dir, a.stage, a.replica));
+        let settings = RuntimeSettings::for_plan(
+            config.backend,
+            a.plan.gpu_runtime,
+            &a.plan.device,
+            Some(cache),
+        );
+        if let Some(settings) = settings {
+            match gpu_runtime::install(&settings) {
+                Ok(()) => tracing::info!(runtime = %settings.runtime, "GPU runtime configured"),
+                Err(e) => tracing::warn!("GPU runtime not configured as planned: {e}"),
+            }
+        }
+    }
     let device = match training_device(config.backend, config.settings.precision) {
         Ok(d) => d,
         Err(e) => return Exit::invalid_plan(e.to_string()),

@@ -106,6 +106,8 @@ pub struct BackendProfile {
     /// worker's TCP connections (worker/src/pipeline), which carry each
     /// micro-batch's activations forward and their gradients back.
     pub stage_link_bytes_per_second: f64,
+    /// How the worker configures the GPU runtime (GPU backends only).
+    pub gpu_runtime: Option<GpuRuntime>,
 }
 
 /// How the memory model counts the activations one block keeps for backward.
@@ -119,6 +121,85 @@ pub enum ActivationCount {
     /// op by op from `worker/src/model/{gpt,llama}.rs` and burn 0.22's op
     /// implementations (see [`crate::memory`]).
     BurnAutodiff,
+}
+
+/// How a GPU worker configures cubecl, burn's GPU runtime, before it opens
+/// the device: chosen with the backend's memory model and recorded in the
+/// plan, so that what the planner counted is what the worker runs
+/// (`worker/src/gpu_runtime.rs` applies it), as seed 003 sets
+/// `PYTORCH_CUDA_ALLOC_CONF` from what it measured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GpuRuntime {
+    /// Where cubecl's pools get device memory.
+    pub allocator: GpuAllocator,
+    /// Whether allocations the size of a persistent (weight-shaped) bucket
+    /// are served from the persistent pool.
+    pub persistent_memory: PersistentMemory,
+    /// How hard cubecl benchmarks kernel candidates the first time it meets
+    /// a shape (the results are kept on the job's checkpoint volume, so a
+    /// retry does not tune again).
+    pub autotune: AutotuneLevel,
+}
+
+/// cubecl's CUDA allocator (`[memory.cuda] allocator`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum GpuAllocator {
+    /// `cuMemAlloc`/`cuMemFree` for each pool page: nothing reserved beyond
+    /// the pages, which is what the memory model counts.
+    Sync,
+    /// CUDA's stream-ordered allocator, which may keep freed memory in a
+    /// pool of its own (not modelled: a plan does not choose it).
+    Async,
+}
+
+/// cubecl's persistent memory (`[memory] persistent_memory`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum PersistentMemory {
+    /// Only allocations made as persistent (cubecl's default).
+    Enabled,
+    /// Also allocations whose size matches a persistent bucket: gradients
+    /// and optimizer moments are weight-shaped.
+    SizeMatch,
+    /// No persistent pool.
+    Disabled,
+}
+
+/// cubecl's autotune level (`[autotune] level`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum AutotuneLevel {
+    Minimal,
+    Balanced,
+    Extensive,
+    Full,
+}
+
+impl std::fmt::Display for GpuRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The names cubecl.toml spells them with.
+        let allocator = match self.allocator {
+            GpuAllocator::Sync => "sync",
+            GpuAllocator::Async => "async",
+        };
+        let persistent = match self.persistent_memory {
+            PersistentMemory::Enabled => "enabled",
+            PersistentMemory::SizeMatch => "size-match",
+            PersistentMemory::Disabled => "disabled",
+        };
+        let autotune = match self.autotune {
+            AutotuneLevel::Minimal => "minimal",
+            AutotuneLevel::Balanced => "balanced",
+            AutotuneLevel::Extensive => "extensive",
+            AutotuneLevel::Full => "full",
+        };
+        write!(
+            f,
+            "cubecl allocator {allocator}, persistent memory {persistent}, autotune {autotune}"
+        )
+    }
 }
 
 impl Backend {
@@ -227,6 +308,7 @@ pub const FLEX: BackendProfile = BackendProfile {
     collective_bucket_bytes: 2 * MIB,
     // The same TCP as the ring, pod to pod.
     stage_link_bytes_per_second: 1.0e9,
+    gpu_runtime: None,
 };
 
 /// burn CUDA: the context and kernels NVML counts beside cubecl's pool, and
@@ -313,4 +395,14 @@ pub const CUDA: BackendProfile = BackendProfile {
     // Stages talk over the worker's TCP connections on GPUs too, each
     // tensor staged through host memory: the flex figure, not NVLink's.
     stage_link_bytes_per_second: 1.0e9,
+    // cubecl's defaults for the allocator and the persistent pool, which is
+    // what the terms above were calibrated with (H200, 2026-11-27); the
+    // autotune level is cubecl's default too, now that the worker keeps
+    // its results (the 142 s first step of docs/gpu.md is paid once per
+    // job and GPU type, not per process).
+    gpu_runtime: Some(GpuRuntime {
+        allocator: GpuAllocator::Sync,
+        persistent_memory: PersistentMemory::Enabled,
+        autotune: AutotuneLevel::Balanced,
+    }),
 };

@@ -39,7 +39,7 @@ pub mod training;
 pub mod units;
 
 pub use adapters::{BaseFormat, LoraConfig, TargetModule};
-pub use backend::{Backend, BackendProfile};
+pub use backend::{Backend, BackendProfile, GpuRuntime};
 pub use inventory::{DeviceKind, DeviceType, Inventory, NodeFacts};
 pub use ladder::{MemoryFailure, MemoryFailureKind, next_stricter_plan};
 pub use llama::{

@@ -9,7 +9,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::adapters::{BaseFormat, LoraConfig};
-use crate::backend::Backend;
+use crate::backend::{Backend, GpuRuntime};
 use crate::inventory::{DeviceKind, DeviceType, Inventory};
 use crate::memory::MemoryBreakdown;
 use crate::model::ModelShape;
@@ -218,6 +218,12 @@ pub struct Plan {
     pub warnings: Vec<String>,
     /// Human summary, e.g. `3.1 GiB / 3.6 GiB (86%)`.
     pub fit: String,
+    /// How the worker configures the GPU runtime (allocator, persistent
+    /// memory, autotune): the settings the memory model assumed. Absent on
+    /// the CPU, and in plans made before it was recorded (the worker then
+    /// uses the backend's current choice).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_runtime: Option<GpuRuntime>,
 }
 
 fn one() -> u32 {

@@ -814,6 +814,7 @@ impl<'a> Search<'a> {
                 100.0 * peak as f64 / budget.max(1) as f64
             ),
             adapters: self.req.adapters.clone(),
+            gpu_runtime: self.profile.gpu_runtime,
         }
     }
 

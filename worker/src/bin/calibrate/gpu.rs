@@ -23,7 +23,10 @@
 use super::*;
 use headroom_planner::backend::CUDA;
 use headroom_planner::{Backend, NodeFacts};
+use headroom_worker::env::GPU_CACHE_DIR_ENV;
+use headroom_worker::gpu_runtime::{RuntimeSettings, install};
 use headroom_worker::train::training_device;
+use std::path::PathBuf;
 
 /// The GPU the grid runs on (NVML's index 0).
 pub struct Gpu {
@@ -82,6 +85,35 @@ fn used_bytes() -> u64 {
 #[cfg(not(feature = "cuda"))]
 fn used_bytes() -> u64 {
     0
+}
+
+/// Where every process of a gpu-check keeps cubecl's autotune results and
+/// compiled kernels (`HEADROOM_GPU_CACHE_DIR`, else one directory in the
+/// temporary directory): the grid's worker processes pass it on, so a shape
+/// is tuned once per machine, not once per case.
+pub fn gpu_cache_dir() -> PathBuf {
+    std::env::var_os(GPU_CACHE_DIR_ENV)
+        .filter(|v| !v.is_empty())
+        .map_or_else(
+            || std::env::temp_dir().join("headroom-gpu-runtime"),
+            PathBuf::from,
+        )
+}
+
+/// cubecl configured in this process as a CUDA plan's worker configures it
+/// (before the device opens), its cache in [`gpu_cache_dir`].
+fn configure_runtime(gpu: &Gpu) {
+    let settings = RuntimeSettings::for_plan(
+        Backend::Cuda,
+        None,
+        &gpu.name.replace(' ', "-"),
+        Some(gpu_cache_dir()),
+    )
+    .expect("the CUDA profile has GPU runtime settings");
+    match install(&settings) {
+        Ok(()) => eprintln!("  (GPU runtime: {})", settings.runtime),
+        Err(e) => eprintln!("gpu-check: GPU runtime not configured as planned: {e}"),
+    }
 }
 
 /// One node with this GPU, labelled as GPU feature discovery labels it
@@ -263,6 +295,7 @@ pub fn smoke() -> i32 {
             return 1;
         }
     };
+    configure_runtime(&gpu);
     let device = match training_device(Backend::Cuda, Precision::Bf16) {
         Ok(d) => d,
         Err(e) => {
@@ -319,6 +352,13 @@ pub fn smoke() -> i32 {
 /// accurate as the op it replaces.
 pub fn ops_check(precision: Precision) -> i32 {
     use headroom_worker::model::lean::check::{Shapes, compare_on};
+    match detect() {
+        Ok(gpu) => configure_runtime(&gpu),
+        Err(e) => {
+            eprintln!("gpu-check: {e}");
+            return 2;
+        }
+    }
     let device = match training_device(Backend::Cuda, precision) {
         Ok(d) => d,
         Err(e) => {
@@ -414,8 +454,8 @@ fn speed_rows(gpu: &Gpu, device: &Device, models: &Path, steps: u64) {
             p / 1e12
         ))
     );
-    println!("| case | params | s | micro | ckpt | step ms | tokens/s | MFU |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("| case | params | s | micro | ckpt | step ms | first step s | tokens/s | MFU |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for case in cases {
         let mut a = match assignment(&case, steps + 2, gpu) {
             Ok(a) => a,
@@ -432,15 +472,17 @@ fn speed_rows(gpu: &Gpu, device: &Device, models: &Path, steps: u64) {
         let tokens = config.tokens_per_step() as f64;
         let timed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let mut trainer = Trainer::new(config, device.clone()).expect("trainer");
-            for _ in 0..2 {
-                trainer.train_step().expect("warm-up");
-            }
-            (0..steps)
+            // The first step compiles every kernel and tunes every shape
+            // not in the cache yet (gpu_cache_dir).
+            let first = trainer.train_step().expect("warm-up").elapsed.as_secs_f64();
+            trainer.train_step().expect("warm-up");
+            let times = (0..steps)
                 .map(|_| trainer.train_step().expect("step").elapsed.as_secs_f64())
-                .collect::<Vec<_>>()
+                .collect::<Vec<_>>();
+            (first, times)
         }));
         let _ = std::fs::remove_dir_all(&dir);
-        let Ok(times) = timed else {
+        let Ok((first, times)) = timed else {
             println!("| {} | failed (see stderr) |", case.name);
             continue;
         };
@@ -454,7 +496,7 @@ fn speed_rows(gpu: &Gpu, device: &Device, models: &Path, steps: u64) {
             _ => 0,
         };
         println!(
-            "| {} | {:.0}M | {seq} | {} | {} | {:.1} | {rate:.0} | {mfu} |",
+            "| {} | {:.0}M | {seq} | {} | {} | {:.1} | {first:.1} | {rate:.0} | {mfu} |",
             case.name,
             case.model.total_params() as f64 / 1e6,
             case.micro_batch,
@@ -602,6 +644,9 @@ pub fn run(
         rows.push(m);
     }
     // One device for the in-process runs: its dtype is set once per process.
+    if overhead {
+        configure_runtime(&gpu);
+    }
     let device = overhead.then(|| training_device(Backend::Cuda, Precision::Bf16));
     if let Some(Ok(device)) = &device
         && !quick

@@ -620,6 +620,10 @@ fn try_run_worker(
         .arg("--worker")
         .env(PLAN_JSON_ENV, serde_json::to_string(a).expect("json"))
         .env(CHECKPOINT_DIR_ENV, dir.join("checkpoints"))
+        .env(
+            headroom_worker::env::GPU_CACHE_DIR_ENV,
+            gpu::gpu_cache_dir(),
+        )
         .env(TERMINATION_MESSAGE_PATH_ENV, &termination)
         .env(POD_NAME_ENV, "calibrate")
         .env(MALLOC_ARENA_MAX_ENV, WORKER_MALLOC_ARENAS)
@@ -742,6 +746,11 @@ fn measure_pipeline(case: &Case, p: u32, d: u32, steps: u64) -> Vec<Measured> {
                 .env(PIPELINE_ADDRESSES_ENV, pipeline[r as usize].join(","))
                 .env(PEER_KEY_ENV, &key)
                 .env(CHECKPOINT_DIR_ENV, dir.join("checkpoints"))
+                // One per slot, as in a pod: a cache has one writer.
+                .env(
+                    headroom_worker::env::GPU_CACHE_DIR_ENV,
+                    gpu::gpu_cache_dir().join(name(k, r)),
+                )
                 .env(
                     TERMINATION_MESSAGE_PATH_ENV,
                     dir.join(format!("termination-{}", name(k, r))),
