@@ -108,6 +108,16 @@ pub struct BackendProfile {
     pub stage_link_bytes_per_second: f64,
     /// How the worker configures the GPU runtime (GPU backends only).
     pub gpu_runtime: Option<GpuRuntime>,
+    /// cubecl's arena (CUDA): every allocation above 64 KiB is carved,
+    /// first fit, out of pages of one size, the largest request so far plus
+    /// this, rounded up to a multiple of it (`cubecl-server` 0.11.3,
+    /// `memory_management/dynamic/arena.rs`: `PAGE_SLACK` = `PAGE_GRANULE`
+    /// = 1 MiB, at least 2 MiB), and pages go back to the driver only on an
+    /// explicit cleanup. So the arena holds whole pages: up to one page more
+    /// than its live bytes, which the memory model counts
+    /// ([`crate::memory::arena_page_bytes`]). 0: no such pages (flex: the
+    /// system allocator, which the slacks cover).
+    pub arena_page_slack_bytes: u64,
 }
 
 /// How the memory model counts the activations one block keeps for backward.
@@ -309,6 +319,7 @@ pub const FLEX: BackendProfile = BackendProfile {
     // The same TCP as the ring, pod to pod.
     stage_link_bytes_per_second: 1.0e9,
     gpu_runtime: None,
+    arena_page_slack_bytes: 0,
 };
 
 /// burn CUDA: the context and kernels NVML counts beside cubecl's pool, and
@@ -405,4 +416,8 @@ pub const CUDA: BackendProfile = BackendProfile {
         persistent_memory: PersistentMemory::Enabled,
         autotune: AutotuneLevel::Balanced,
     }),
+    // Read from cubecl's source (see the field); the H200 rows above were
+    // measured with it but the page was not a term of its own then: on
+    // them it is 34-66 MiB of 1.6-24 GiB peaks. Unverified as a term.
+    arena_page_slack_bytes: MIB,
 };

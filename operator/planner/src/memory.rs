@@ -184,7 +184,8 @@ pub struct MemoryBreakdown {
     pub optimizer_step: u64,
     /// The backend's fixed overhead (runtime, context, workspace), bytes.
     pub fixed_overhead: u64,
-    /// Allocator fragmentation and caching on top of the above, bytes.
+    /// Allocator fragmentation and caching on top of the above, and on a
+    /// GPU the arena's last page ([`arena_page_bytes`]), bytes.
     pub allocator_slack: u64,
     /// Added by what earlier attempts' failures proved (0 on a first
     /// attempt): the correction factor applied to the estimated terms only
@@ -596,6 +597,18 @@ pub fn loss_bytes(rows: u64, vocab: u64, copies: u64) -> u64 {
     rows * 4 + copies * chunk_rows * vocab * 4
 }
 
+/// One page of `profile`'s arena when its largest request is `largest`
+/// bytes: what the arena may hold beyond its live bytes, since it keeps
+/// whole pages (`BackendProfile::arena_page_slack_bytes`); 0 without an
+/// arena.
+pub fn arena_page_bytes(profile: &BackendProfile, largest: u64) -> u64 {
+    let granule = profile.arena_page_slack_bytes;
+    if granule == 0 {
+        return 0;
+    }
+    (largest + granule).div_ceil(granule).max(2) * granule
+}
+
 /// Rows of the loss op's chunk for a vocabulary of `vocab`: what the worker
 /// asks the op for and what [`loss_bytes`] counts.
 pub fn loss_chunk_rows(vocab: u64) -> u64 {
@@ -816,7 +829,41 @@ pub fn estimate_stage(
     } else {
         profile.activation_slack
     };
-    let allocator_slack = slack(states, profile.state_slack) + slack(transient, activation_slack);
+    // The arena's last page: the largest request it serves is a trained
+    // tensor's gradient (weights live in cubecl's persistent pool, exact
+    // size), one of the widest per-token activations, or the loss op's
+    // chunk of f32 logits.
+    let widest_activation = match model {
+        ModelShape::Transformer(t) => {
+            u64::from(t.sequence_length) * b * t.ffn().max(u64::from(t.hidden)) * e
+        }
+        ModelShape::Llama(l) => {
+            let width =
+                u64::from(l.intermediate).max(u64::from(l.attention_heads) * u64::from(l.head_dim));
+            u64::from(l.sequence_length) * b * width * e
+        }
+        ModelShape::Generic(_) => 0,
+    };
+    let largest_gradient =
+        trained.iter().map(|t| t.elements).max().unwrap_or(0) * p.gradient_bytes();
+    let loss_chunk = if logits > 0 {
+        let (rows, vocab) = match model {
+            ModelShape::Transformer(t) => {
+                (u64::from(t.sequence_length) * b, u64::from(t.vocabulary))
+            }
+            ModelShape::Llama(l) => (u64::from(l.sequence_length) * b, u64::from(l.vocabulary)),
+            ModelShape::Generic(_) => (0, 0),
+        };
+        loss_chunk_rows(vocab).min(rows) * vocab * 4
+    } else {
+        0
+    };
+    let page = arena_page_bytes(
+        profile,
+        largest_gradient.max(widest_activation).max(loss_chunk),
+    );
+    let allocator_slack =
+        slack(states, profile.state_slack) + slack(transient, activation_slack) + page;
     let fixed_overhead = profile.fixed_overhead_bytes;
     let uncorrected = states + transient + allocator_slack + fixed_overhead;
     // What earlier failures proved, on the estimated terms only
@@ -1396,7 +1443,12 @@ mod tests {
         assert_eq!(m.optimizer_state, 2 * m.weights);
         let states = (m.weights + m.gradients + m.optimizer_state) as f64;
         let transient = (m.activations + m.logits) as f64;
-        let expected = states * CUDA.state_slack + transient * CUDA.activation_slack;
+        // And one arena page of the largest request, here the loss op's
+        // chunk of f32 logits (1024 rows × 1000 × 4 B; wider than the MLP's
+        // 1024 × 1024 bf16 activation).
+        let page = arena_page_bytes(&CUDA, 1024 * 1000 * 4);
+        assert_eq!(page, 5 << 20);
+        let expected = states * CUDA.state_slack + transient * CUDA.activation_slack + page as f64;
         assert!((m.allocator_slack as f64 - expected).abs() <= 1.0);
         let (sq, b, h, a, f) = (128u64, 8u64, 256u64, 4u64, 1024u64);
         assert_eq!(
@@ -1468,7 +1520,7 @@ mod tests {
 mod lora_and_load_tests {
     use super::*;
     use crate::adapters::default_block_size;
-    use crate::backend::{CUDA, FLEX};
+    use crate::backend::{BackendProfile, CUDA, FLEX};
     use crate::training::Optimizer;
     use crate::units::MIB;
 
@@ -1493,6 +1545,49 @@ mod lora_and_load_tests {
             seq,
         )
         .expect("valid test input")
+    }
+
+    /// cubecl's arena keeps whole pages of the largest request plus 1 MiB,
+    /// rounded to 1 MiB and at least 2 MiB; flex has no such pages.
+    #[test]
+    fn the_cuda_arena_rounds_to_one_page_of_the_largest_request() {
+        assert_eq!(arena_page_bytes(&FLEX, 1 << 30), 0);
+        assert_eq!(arena_page_bytes(&CUDA, 4096), 2 * MIB);
+        assert_eq!(arena_page_bytes(&CUDA, 49 * MIB), 50 * MIB);
+        assert_eq!(arena_page_bytes(&CUDA, 49 * MIB + 1), 51 * MIB);
+        // Llama-2-7B full fine-tune in bf16: the head's and the
+        // embedding's gradients (32000 × 4096 × 2 B = 250 MiB) are the
+        // largest request, larger than one micro-batch's MLP activation at
+        // s 512 (512 × 11008 × 2 B) or the loss chunk.
+        let model = ModelShape::Llama(llama_2_7b(512));
+        let with_pages = estimate_stage(
+            &model,
+            None,
+            &settings(Precision::Bf16, true),
+            StagePlacement::single(32),
+            &CUDA,
+            1.0,
+        );
+        let without = estimate_stage(
+            &model,
+            None,
+            &settings(Precision::Bf16, true),
+            StagePlacement::single(32),
+            &BackendProfile {
+                arena_page_slack_bytes: 0,
+                ..CUDA
+            },
+            1.0,
+        );
+        let gradient = 32000 * 4096 * 2;
+        assert_eq!(
+            with_pages.allocator_slack - without.allocator_slack,
+            arena_page_bytes(&CUDA, gradient)
+        );
+        assert_eq!(
+            with_pages.total - without.total,
+            (gradient + MIB).div_ceil(MIB) * MIB
+        );
     }
 
     fn settings(precision: Precision, ckpt: bool) -> Settings {

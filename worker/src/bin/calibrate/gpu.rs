@@ -334,6 +334,23 @@ pub fn smoke() -> i32 {
         mib(s.process_rss_bytes),
         mib(Some(s.peak_bytes))
     );
+    // The pools behind "reserved": the arena's page size against the
+    // largest request (the memory model counts one page of the largest
+    // request plus 1 MiB, `arena_page_bytes`), and how many pages it kept.
+    for (i, pool) in device
+        .memory_pool_report()
+        .unwrap_or_default()
+        .iter()
+        .enumerate()
+    {
+        println!(
+            "smoke: pool {i}: {} of {} pages held ({} at most), largest allocation {}",
+            pool.pages,
+            mib(Some(pool.page_size)),
+            pool.pages_peak,
+            mib(Some(pool.largest_alloc))
+        );
+    }
     if s.gpus.is_empty() {
         eprintln!("gpu-check: the worker's probe read no GPU through NVML");
         return 1;
