@@ -10,7 +10,13 @@
 #     machine: calibrate.xz + libdevice, under 64 MiB, to carry to a GPU
 #     machine that receives only the working tree and a few build outputs).
 #
-#   worker/cuda/gpu-check.sh [calibrate options]   e.g. --quick (under 4 min), --only B, --only 'T b8$|B b4', --large, --steps 5
+#   worker/cuda/gpu-check.sh [calibrate options]   e.g. --quick (under 4 min), --only B, --only 'T b8$|B b4', --large, --steps 5,
+#                                                  --autotune minimal (instead of the plan's level, in every process)
+#
+# Every process of one run shares cubecl's autotune results and compiled
+# kernels ($HEADROOM_GPU_CACHE_DIR, else $TMPDIR/headroom-gpu-runtime), as a
+# job's workers do on its checkpoint volume: the first process to meet a
+# shape tunes it (the speed rows print that first step's time).
 #
 # What it runs (calibrate --backend cuda, worker/src/bin/calibrate/gpu.rs):
 #   1. a bf16 smoke run: 5 training steps on GPU 0, NVML used/total and the

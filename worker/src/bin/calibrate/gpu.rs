@@ -27,6 +27,10 @@ use headroom_worker::env::GPU_CACHE_DIR_ENV;
 use headroom_worker::gpu_runtime::{RuntimeSettings, install};
 use headroom_worker::train::training_device;
 use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use headroom_planner::GpuRuntime;
+use headroom_planner::backend::AutotuneLevel;
 
 /// The GPU the grid runs on (NVML's index 0).
 pub struct Gpu {
@@ -100,16 +104,51 @@ pub fn gpu_cache_dir() -> PathBuf {
         )
 }
 
+/// `--autotune LEVEL`: the autotune level every process of this gpu-check
+/// runs with instead of the CUDA profile's (an A/B of tuning time against
+/// tokens/s); the grid's plans carry it to their workers.
+static AUTOTUNE: OnceLock<AutotuneLevel> = OnceLock::new();
+
+/// Parses `--autotune`'s value and keeps it for this process.
+pub fn set_autotune(level: &str) {
+    let parsed: AutotuneLevel = serde_json::from_value(serde_json::Value::String(level.into()))
+        .unwrap_or_else(|_| panic!("--autotune {level}: minimal, balanced, extensive or full"));
+    AUTOTUNE.set(parsed).expect("--autotune given once");
+}
+
+/// The arguments that pass this process's `--autotune` on to a child.
+fn autotune_args() -> Vec<String> {
+    AUTOTUNE.get().map_or_else(Vec::new, |level| {
+        let name = serde_json::to_value(level).expect("an enum");
+        vec![
+            "--autotune".into(),
+            name.as_str().unwrap_or_default().into(),
+        ]
+    })
+}
+
+/// The GPU runtime a worker of this gpu-check runs with: the CUDA
+/// profile's, with `--autotune`'s level.
+fn gpu_runtime() -> GpuRuntime {
+    let mut runtime = CUDA
+        .gpu_runtime
+        .expect("the CUDA profile has GPU runtime settings");
+    if let Some(&level) = AUTOTUNE.get() {
+        runtime.autotune = level;
+    }
+    runtime
+}
+
 /// cubecl configured in this process as a CUDA plan's worker configures it
 /// (before the device opens), its cache in [`gpu_cache_dir`].
 fn configure_runtime(gpu: &Gpu) {
     let settings = RuntimeSettings::for_plan(
         Backend::Cuda,
-        None,
+        Some(gpu_runtime()),
         &gpu.name.replace(' ', "-"),
         Some(gpu_cache_dir()),
     )
-    .expect("the CUDA profile has GPU runtime settings");
+    .expect("a CUDA plan has GPU runtime settings");
     match install(&settings) {
         Ok(()) => eprintln!("  (GPU runtime: {})", settings.runtime),
         Err(e) => eprintln!("gpu-check: GPU runtime not configured as planned: {e}"),
@@ -208,7 +247,9 @@ fn assignment(case: &Case, steps: u64, gpu: &Gpu) -> Result<WorkerAssignment, St
             plan.stages.len()
         ));
     }
-    Ok(worker_assignment(&case.model, plan, steps))
+    let mut a = worker_assignment(&case.model, plan, steps);
+    a.plan.gpu_runtime = Some(gpu_runtime());
+    Ok(a)
 }
 
 /// bf16 Llama shapes with the Llama-2 vocabulary: T (110M, 12 × 768, MHA,
@@ -555,6 +596,7 @@ pub fn run(
     );
     let status = Command::new(std::env::current_exe().expect("own path"))
         .arg("--gpu-smoke")
+        .args(autotune_args())
         .status()
         .expect("run the smoke child");
     if !status.success() {
@@ -576,6 +618,7 @@ pub fn run(
         std::io::Write::flush(&mut std::io::stdout()).ok();
         let status = Command::new(std::env::current_exe().expect("own path"))
             .args(["--gpu-ops-check", dtype])
+            .args(autotune_args())
             .status()
             .expect("run the ops-check child");
         if !status.success() {

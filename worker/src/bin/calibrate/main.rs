@@ -1180,7 +1180,13 @@ fn telemetry_overhead_on(a: WorkerAssignment, device: Device) {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    // `--autotune LEVEL` (cuda) applies to this process and its children.
+    if let Some(at) = args.iter().position(|a| a == "--autotune") {
+        let level = args.get(at + 1).cloned().expect("--autotune LEVEL");
+        gpu::set_autotune(&level);
+        args.drain(at..at + 2);
+    }
     match args.first().map(String::as_str) {
         Some("--worker") => {
             let exit = headroom_worker::run::run(headroom_worker::WorkerEnv::from_env());
@@ -1230,7 +1236,7 @@ fn main() {
                 return;
             }
             other => panic!(
-                "unknown argument {other}; use --backend flex|cuda, --large (cuda: add 3B rows), --quick (cuda: the 110M-350M rows, no 1.1B speed rows), --skip-ops-check (cuda), --steps N, --only NAME[|NAME…], --skip-pipeline, --pipeline-only, --skip-overhead, --overhead-only, --ops-ab, --predict-only"
+                "unknown argument {other}; use --backend flex|cuda, --large (cuda: add 3B rows), --autotune minimal|balanced|extensive|full (cuda), --quick (cuda: the 110M-350M rows, no 1.1B speed rows), --skip-ops-check (cuda), --steps N, --only NAME[|NAME…], --skip-pipeline, --pipeline-only, --skip-overhead, --overhead-only, --ops-ab, --predict-only"
             ),
         }
     }
