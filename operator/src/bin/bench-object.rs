@@ -306,6 +306,63 @@ fn without_cel(mut crd: CustomResourceDefinition) -> Result<CustomResourceDefini
     Ok(crd)
 }
 
+/// The CRD with every object under `status` (the plan, the attempts, the
+/// workers' telemetry, the model and data reports) declared as an opaque
+/// object the API server stores as written, without its schema: what
+/// validating, pruning and tracking the status's fields costs per write.
+/// The status's scalars (phase, the printer columns') keep their types.
+fn opaque_status(crd: CustomResourceDefinition) -> Result<CustomResourceDefinition> {
+    let mut v = serde_json::to_value(&crd)?;
+    for version in v["spec"]["versions"].as_array_mut().into_iter().flatten() {
+        let status = &mut version["schema"]["openAPIV3Schema"]["properties"]["status"];
+        for (_, field) in status["properties"].as_object_mut().into_iter().flatten() {
+            *field = match field["type"].as_str() {
+                Some("object") => json!({
+                    "type": "object",
+                    "nullable": field["nullable"].as_bool().unwrap_or(false),
+                    "x-kubernetes-preserve-unknown-fields": true,
+                }),
+                // A list keeps its merge semantics (the telemetry's server-side
+                // apply needs the workers' map keys); its items go opaque
+                // but for the keys.
+                Some("array") => {
+                    let keys: Vec<String> = field["x-kubernetes-list-map-keys"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|k| k.as_str().map(String::from))
+                        .collect();
+                    let mut items = json!({
+                        "type": "object",
+                        "x-kubernetes-preserve-unknown-fields": true,
+                    });
+                    if !keys.is_empty() {
+                        items["required"] = json!(keys);
+                        items["properties"] = keys
+                            .iter()
+                            .map(|k| (k.clone(), field["items"]["properties"][k].clone()))
+                            .collect::<serde_json::Map<_, _>>()
+                            .into();
+                    }
+                    let mut list = json!({"type": "array", "items": items});
+                    for meta in [
+                        "x-kubernetes-list-type",
+                        "x-kubernetes-list-map-keys",
+                        "nullable",
+                    ] {
+                        if !field[meta].is_null() {
+                            list[meta] = field[meta].clone();
+                        }
+                    }
+                    list
+                }
+                _ => continue,
+            };
+        }
+    }
+    Ok(serde_json::from_value(v)?)
+}
+
 fn variants(args: &Args) -> Result<Vec<Variant>> {
     let sample: MemoryAwareTrainingJob = serde_yaml::from_str(SAMPLE)?;
     let request = sample
@@ -349,6 +406,15 @@ fn variants(args: &Args) -> Result<Vec<Variant>> {
         Variant {
             name: "headroom, lean, CRD without CEL rules",
             crd: Some(without_cel(current.clone())?),
+            policy: None,
+            resource: matj.clone(),
+            object: job.clone(),
+            status: serde_json::to_value(&status)?,
+            telemetry_patch: telemetry.clone(),
+        },
+        Variant {
+            name: "headroom, lean, status objects opaque",
+            crd: Some(opaque_status(current.clone())?),
             policy: None,
             resource: matj.clone(),
             object: job.clone(),
@@ -820,6 +886,37 @@ async fn main() -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The opaque variant keeps the status's scalars and its lists' merge
+    /// keys, and drops every nested schema.
+    #[test]
+    fn opaque_status_keeps_scalars_and_list_keys_only() {
+        let crd = opaque_status(MemoryAwareTrainingJob::crd()).expect("crd");
+        let v = serde_json::to_value(&crd).expect("json");
+        let status = &v["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+            ["properties"];
+        assert_eq!(status["phase"]["type"], "string");
+        assert_eq!(status["plan"]["x-kubernetes-preserve-unknown-fields"], true);
+        assert!(status["plan"]["properties"].is_null());
+        for list in ["attempts", "workers"] {
+            let list = &status[list];
+            assert_eq!(list["type"], "array");
+            assert_eq!(list["x-kubernetes-list-type"], "map");
+            let keys: Vec<&str> = list["x-kubernetes-list-map-keys"]
+                .as_array()
+                .expect("keys")
+                .iter()
+                .map(|k| k.as_str().expect("a name"))
+                .collect();
+            let kept: Vec<&str> = list["items"]["properties"]
+                .as_object()
+                .expect("the keys' schemas")
+                .keys()
+                .map(String::as_str)
+                .collect();
+            assert_eq!(kept, keys);
+        }
+    }
 
     #[test]
     fn only_whole_words_are_rewritten() {
