@@ -248,6 +248,7 @@ async fn main() -> Result<()> {
             args.jobs * args.stages as usize,
             &api_addr,
             Duration::from_secs_f64(args.report_interval),
+            Duration::from_secs_f64(args.status_interval),
             Duration::from_secs(args.report_seconds),
             apiserver_pid,
             pid,
@@ -475,11 +476,15 @@ mod telemetry {
     }
 
     /// Runs `send` for every reporter every `interval` (each at its own
-    /// offset) for `seconds`, and measures.
+    /// offset) for `settle` + `seconds`, and measures the last `seconds`:
+    /// the steady state, once what happens only when reporting starts is
+    /// over.
+    #[allow(clippy::too_many_arguments)]
     async fn phase<F, Fut>(
         client: &Client,
         reporters: &Arc<Vec<Reporter>>,
         interval: Duration,
+        settle: Duration,
         seconds: Duration,
         pids: (u32, u32),
         send: F,
@@ -494,10 +499,8 @@ mod telemetry {
             Arc::new(AtomicU64::new(0)),
             Arc::new(AtomicU64::new(0)),
         );
-        let before = latency_histogram(client).await?;
-        let (a0, o0) = (cpu_seconds(pids.0), cpu_seconds(pids.1));
         let start = Instant::now();
-        let end = start + seconds;
+        let end = start + settle + seconds;
         let n = reporters.len();
         let mut tasks = Vec::with_capacity(n);
         for i in 0..n {
@@ -528,10 +531,14 @@ mod telemetry {
                 }
             }));
         }
+        tokio::time::sleep_until((start + settle).into()).await;
+        let before = latency_histogram(client).await?;
+        let (a0, o0) = (cpu_seconds(pids.0), cpu_seconds(pids.1));
+        let measured = Instant::now();
         for t in tasks {
             let _ = t.await;
         }
-        let elapsed = start.elapsed().as_secs_f64();
+        let elapsed = measured.elapsed().as_secs_f64();
         let (a1, o1) = (cpu_seconds(pids.0), cpu_seconds(pids.1));
         let after = latency_histogram(client).await?;
         let (p99, requests) = p99(&before, &after);
@@ -553,6 +560,7 @@ mod telemetry {
         workers: usize,
         api_addr: &str,
         interval: Duration,
+        status_interval: Duration,
         seconds: Duration,
         apiserver_pid: u32,
         operator_pid: u32,
@@ -640,42 +648,63 @@ mod telemetry {
         // other figures are net of it.
         let quiet = seconds.min(Duration::from_secs(60));
         eprintln!("telemetry (0): no reports, {} s", quiet.as_secs());
-        let idle = phase(client, &reporters, interval, quiet, pids, |_, _| async {
-            true
-        })
+        let idle = phase(
+            client,
+            &reporters,
+            interval,
+            Duration::ZERO,
+            quiet,
+            pids,
+            |_, _| async { true },
+        )
         .await?;
         eprintln!(
             "telemetry (a): {n} workers, one status apply each per report, {} s",
             seconds.as_secs()
         );
-        let direct =
-            {
-                let (reporters, jobs_api) = (reporters.clone(), jobs_api.clone());
-                phase(client, &reporters.clone(), interval, seconds, pids, move |i, step| {
-                let (reporters, jobs_api) = (reporters.clone(), jobs_api.clone());
-                async move {
-                    let r = &reporters[i];
-                    let body = json!({
-                        "apiVersion": "headroom.dev/v1alpha1", "kind": "MemoryAwareTrainingJob",
-                        "metadata": {"name": r.job},
-                        "status": {"workers": [report(r, step)]},
-                    });
-                    jobs_api
-                        .patch_status(
-                            &r.job,
-                            &PatchParams::apply(&format!("{WORKER_FIELD_MANAGER_PREFIX}{}", r.pod))
+        let direct = {
+            let (reporters, jobs_api) = (reporters.clone(), jobs_api.clone());
+            phase(
+                client,
+                &reporters.clone(),
+                interval,
+                Duration::ZERO,
+                seconds,
+                pids,
+                move |i, step| {
+                    let (reporters, jobs_api) = (reporters.clone(), jobs_api.clone());
+                    async move {
+                        let r = &reporters[i];
+                        let body = json!({
+                            "apiVersion": "headroom.dev/v1alpha1", "kind": "MemoryAwareTrainingJob",
+                            "metadata": {"name": r.job},
+                            "status": {"workers": [report(r, step)]},
+                        });
+                        jobs_api
+                            .patch_status(
+                                &r.job,
+                                &PatchParams::apply(&format!(
+                                    "{WORKER_FIELD_MANAGER_PREFIX}{}",
+                                    r.pod
+                                ))
                                 .force(),
-                            &Patch::Apply(&body),
-                        )
-                        .await
-                        .is_ok()
-                }
-            })
+                                &Patch::Apply(&body),
+                            )
+                            .await
+                            .is_ok()
+                    }
+                },
+            )
             .await?
-            };
+        };
+        // Each worker's first report is written at once (a worker the
+        // status has not shown); measured from one status interval and one
+        // report later, the steady state.
+        let settle = status_interval + interval;
         eprintln!(
-            "telemetry (b): {n} workers through the worker API, {} s",
-            seconds.as_secs()
+            "telemetry (b): {n} workers through the worker API, {} s after {} s",
+            seconds.as_secs(),
+            settle.as_secs()
         );
         let aggregated = {
             let reporters = reporters.clone();
@@ -684,6 +713,7 @@ mod telemetry {
                 client,
                 &reporters.clone(),
                 interval,
+                settle,
                 seconds,
                 pids,
                 move |i, step| {
@@ -698,9 +728,10 @@ mod telemetry {
             .await?
         };
         println!(
-            "telemetry: {n} workers reporting every {:.0} s, {} s per phase",
+            "telemetry: {n} workers reporting every {:.0} s, {} s per phase measured ((b): after {} s of reports, its workers' first writes)",
             interval.as_secs_f64(),
-            seconds.as_secs()
+            seconds.as_secs(),
+            settle.as_secs()
         );
         println!(
             "(0) no reports                 : kube-apiserver {:.3} cores, operator {:.3} cores (subtracted below)",
