@@ -12,7 +12,7 @@
 //! * the latest report of each worker wins (an older one arriving late is
 //!   dropped, by `updatedAt`);
 //! * a job is written at most once per interval (the operator's
-//!   `--status-interval-seconds`, 30 s by default; workers report every
+//!   `--status-interval-seconds`, 60 s by default; workers report every
 //!   `--telemetry-interval-seconds`, and the metrics show every report),
 //!   carrying every held entry of its current attempt;
 //! * but at the next tick (a fraction of the interval, [`tick`], so that a
