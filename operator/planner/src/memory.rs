@@ -609,6 +609,16 @@ pub fn arena_page_bytes(profile: &BackendProfile, largest: u64) -> u64 {
     (largest + granule).div_ceil(granule).max(2) * granule
 }
 
+/// Bytes of the loss op's chunk of f32 logits over `rows` rows, on the
+/// stage that computes the loss (`last`); 0 elsewhere.
+fn loss_chunk_bytes(rows: u64, vocab: u64, last: bool) -> u64 {
+    if last {
+        loss_chunk_rows(vocab).min(rows) * vocab * 4
+    } else {
+        0
+    }
+}
+
 /// Rows of the loss op's chunk for a vocabulary of `vocab`: what the worker
 /// asks the op for and what [`loss_bytes`] counts.
 pub fn loss_chunk_rows(vocab: u64) -> u64 {
@@ -632,7 +642,10 @@ pub fn estimate_stage(
     let e = p.activation_bytes();
     let in_flight = u64::from(stage.in_flight.max(1));
 
-    let (activations, logits) = match model {
+    // `widest`: the largest activation-phase request cubecl's arena serves
+    // (an arena page's size, below): the widest per-token activation, or
+    // on the last stage the loss op's chunk of f32 logits.
+    let (activations, logits, widest) = match model {
         ModelShape::Transformer(t) => {
             let (s, h, a) = (
                 u64::from(t.sequence_length),
@@ -667,7 +680,12 @@ pub fn estimate_stage(
                 );
             }
             act += boundary_bytes(profile, stage, in_flight, s * b * h * e, 3);
-            (act, logits)
+            let widest = (s * b * t.ffn().max(h) * e).max(loss_chunk_bytes(
+                s * b,
+                u64::from(t.vocabulary),
+                stage.last,
+            ));
+            (act, logits, widest)
         }
         ModelShape::Llama(l) => {
             let ckpt = settings.activation_checkpointing;
@@ -736,12 +754,19 @@ pub fn estimate_stage(
                 None => 3,
             };
             act += boundary_bytes(profile, stage, in_flight, token_vector, final_norm);
-            (act, logits)
+            let width =
+                u64::from(l.intermediate).max(u64::from(l.attention_heads) * u64::from(l.head_dim));
+            let widest = (tokens * width * e).max(loss_chunk_bytes(
+                tokens,
+                u64::from(l.vocabulary),
+                stage.last,
+            ));
+            (act, logits, widest)
         }
         ModelShape::Generic(g) => {
             // Declared at 32-bit; scale to the element size. Checkpointing is
             // not modelled for an opaque model, so it never lowers the figure.
-            (g.activation_bytes_per_sample * b * e / 4, 0)
+            (g.activation_bytes_per_sample * b * e / 4, 0, 0)
         }
     };
 
@@ -831,37 +856,10 @@ pub fn estimate_stage(
     };
     // The arena's last page: the largest request it serves is a trained
     // tensor's gradient (weights live in cubecl's persistent pool, exact
-    // size), one of the widest per-token activations, or the loss op's
-    // chunk of f32 logits.
-    let widest_activation = match model {
-        ModelShape::Transformer(t) => {
-            u64::from(t.sequence_length) * b * t.ffn().max(u64::from(t.hidden)) * e
-        }
-        ModelShape::Llama(l) => {
-            let width =
-                u64::from(l.intermediate).max(u64::from(l.attention_heads) * u64::from(l.head_dim));
-            u64::from(l.sequence_length) * b * width * e
-        }
-        ModelShape::Generic(_) => 0,
-    };
+    // size) or the activation phase's widest.
     let largest_gradient =
         trained.iter().map(|t| t.elements).max().unwrap_or(0) * p.gradient_bytes();
-    let loss_chunk = if logits > 0 {
-        let (rows, vocab) = match model {
-            ModelShape::Transformer(t) => {
-                (u64::from(t.sequence_length) * b, u64::from(t.vocabulary))
-            }
-            ModelShape::Llama(l) => (u64::from(l.sequence_length) * b, u64::from(l.vocabulary)),
-            ModelShape::Generic(_) => (0, 0),
-        };
-        loss_chunk_rows(vocab).min(rows) * vocab * 4
-    } else {
-        0
-    };
-    let page = arena_page_bytes(
-        profile,
-        largest_gradient.max(widest_activation).max(loss_chunk),
-    );
+    let page = arena_page_bytes(profile, largest_gradient.max(widest));
     let allocator_slack =
         slack(states, profile.state_slack) + slack(transient, activation_slack) + page;
     let fixed_overhead = profile.fixed_overhead_bytes;
@@ -1560,25 +1558,15 @@ mod lora_and_load_tests {
         // largest request, larger than one micro-batch's MLP activation at
         // s 512 (512 × 11008 × 2 B) or the loss chunk.
         let model = ModelShape::Llama(llama_2_7b(512));
-        let with_pages = estimate_stage(
-            &model,
-            None,
-            &settings(Precision::Bf16, true),
-            StagePlacement::single(32),
-            &CUDA,
-            1.0,
-        );
-        let without = estimate_stage(
-            &model,
-            None,
-            &settings(Precision::Bf16, true),
-            StagePlacement::single(32),
-            &BackendProfile {
-                arena_page_slack_bytes: 0,
-                ..CUDA
-            },
-            1.0,
-        );
+        let estimate = |profile: &BackendProfile| {
+            let s = settings(Precision::Bf16, true);
+            estimate_stage(&model, None, &s, StagePlacement::single(32), profile, 1.0)
+        };
+        let with_pages = estimate(&CUDA);
+        let without = estimate(&BackendProfile {
+            arena_page_slack_bytes: 0,
+            ..CUDA
+        });
         let gradient = 32000 * 4096 * 2;
         assert_eq!(
             with_pages.allocator_slack - without.allocator_slack,
