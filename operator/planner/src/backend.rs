@@ -58,8 +58,15 @@ pub struct BackendProfile {
     /// backward has freed the activations, so it is a phase of its own
     /// ([`crate::memory::MemoryBreakdown::optimizer_step`]).
     pub optimizer_step_copies: f64,
-    /// Copies of the fp32 logits alive at the loss (logits and their gradient).
-    pub logit_copies: u64,
+    /// Copies of the loss op's chunk of f32 logits alive at once (logits,
+    /// their exponentials and, in backward, the gradient), fitted: they do
+    /// not all overlap for the whole of the loss.
+    pub logit_copies: f64,
+    /// Bytes a pipeline stage holds per link to a neighbouring stage
+    /// (`worker/src/pipeline`: its reader thread and the frames in flight
+    /// on it), beside the fixed overhead, where the budgeted memory is the
+    /// host's (on a GPU they are host memory).
+    pub stage_link_bytes: u64,
     /// Precisions the worker trains in on this backend; a plan never leaves them.
     pub precisions: &'static [Precision],
     /// Whether a bf16/fp16 plan trains the half-precision weights
@@ -233,12 +240,12 @@ impl std::fmt::Display for Backend {
 /// burn `flex` on CPU: the container's memory limit is the device.
 ///
 /// Calibrated against measured worker peaks (VmHWM of the worker process,
-/// `calibrate --skip-pipeline --skip-overhead`, 53 rows: GPT and
-/// Llama-family models at s 128–4096, LoRA/QLoRA, 8-bit AdamW, with and
-/// without checkpointing; median |error| 3.4 %, worst −8.3 %,
-/// `docs/benchmarks.md`, 2026-11-27, refitted after the lean ops of issue
-/// 30). Activations are counted as burn's autodiff keeps them, so the
-/// slack left is each component's own.
+/// `calibrate --skip-overhead`: GPT and Llama-family models at s 64–4096,
+/// LoRA/QLoRA, 8-bit AdamW, with and without checkpointing, pipeline
+/// stages; refitted on 2026-11-28 to the worker's fixed mmap threshold:
+/// 92 rows without replicas, median |error| 4.7 %, worst −7.3 %,
+/// `docs/benchmarks.md`). Activations are counted as burn's autodiff keeps
+/// them, so the slack left is each component's own.
 pub const FLEX: BackendProfile = BackendProfile {
     backend: Backend::Flex,
     // A worker's baseline resident set (binary, allocator arenas, rayon
@@ -274,9 +281,16 @@ pub const FLEX: BackendProfile = BackendProfile {
     // AdamW (untied, tied).
     optimizer_step_copies: 3.25,
     // One chunk of the loss op's f32 logits, their exponentials and, in
-    // backward, the gradient (fitted coefficient 1.04 on the rows without
-    // checkpointing).
-    logit_copies: 3,
+    // backward, the gradient: three copies, which do not all live through
+    // the loss. With the worker's fixed mmap threshold (a 32 MiB chunk is
+    // mapped and unmapped, not kept in the heap) a least-squares fit of the
+    // grid gives the logits 0.87 of three copies (docs/benchmarks.md,
+    // 2026-11-28 evening).
+    logit_copies: 2.6,
+    // Measured, not derived: the middle stage of three (two links) sits
+    // 11 MiB above its plan, stages with one link 0 to +10 %, with the
+    // same terms otherwise (`calibrate --pipeline-only`, 2026-11-28).
+    stage_link_bytes: 4 * MIB,
     precisions: &[Precision::Fp32],
     // fp32 only.
     pure_half_precision: false,
@@ -353,7 +367,9 @@ pub const CUDA: BackendProfile = BackendProfile {
     // caching allocator's).
     optimizer_step_copies: 0.0,
     // The loss op's chunk, as on flex.
-    logit_copies: 3,
+    logit_copies: 3.0,
+    // Host memory on a GPU worker.
+    stage_link_bytes: 0,
     precisions: &[Precision::Fp32, Precision::Bf16, Precision::Fp16],
     // The worker's bf16 stage holds bf16 weights, gradients and AdamW
     // moments, nothing in f32 (worker/src/train.rs, `training_device`;

@@ -592,9 +592,9 @@ pub fn attention_transient_bytes(s: u64, b: u64, heads: u64, e: u64) -> u64 {
 /// rows, `copies` of them alive at once (logits, their exponentials, and
 /// in backward the gradient), where a chunk is [`LOSS_CHUNK_ELEMENTS`] /
 /// `vocab` rows, at most all `rows`.
-pub fn loss_bytes(rows: u64, vocab: u64, copies: u64) -> u64 {
+pub fn loss_bytes(rows: u64, vocab: u64, copies: f64) -> u64 {
     let chunk_rows = loss_chunk_rows(vocab).min(rows.max(1));
-    rows * 4 + copies * chunk_rows * vocab * 4
+    rows * 4 + (copies * (chunk_rows * vocab * 4) as f64).round() as u64
 }
 
 /// One page of `profile`'s arena when its largest request is `largest`
@@ -862,7 +862,8 @@ pub fn estimate_stage(
     let page = arena_page_bytes(profile, largest_gradient.max(widest));
     let allocator_slack =
         slack(states, profile.state_slack) + slack(transient, activation_slack) + page;
-    let fixed_overhead = profile.fixed_overhead_bytes;
+    let links = u64::from(!stage.first) + u64::from(!stage.last);
+    let fixed_overhead = profile.fixed_overhead_bytes + links * profile.stage_link_bytes;
     let uncorrected = states + transient + allocator_slack + fixed_overhead;
     // What earlier failures proved, on the estimated terms only
     // (`MemoryBreakdown::estimated`).
@@ -1656,6 +1657,27 @@ mod lora_and_load_tests {
             .map(StageTensor::total_elements)
             .sum();
         assert_eq!(total, gpt.total_params());
+    }
+
+    #[test]
+    fn a_stage_holds_its_links_beside_the_fixed_overhead() {
+        // The middle stage of three has two links, the ends one each, a
+        // single worker none; on a GPU the links' frames are host memory.
+        let model = ModelShape::Llama(llama_2_7b(512));
+        let s = settings(Precision::Fp32, false);
+        let fixed = |stage, profile: &BackendProfile| {
+            estimate_stage(&model, None, &s, stage, profile, 1.0).fixed_overhead
+        };
+        let links: Vec<u64> = stages(3)
+            .into_iter()
+            .map(|stage| (fixed(stage, &FLEX) - FLEX.fixed_overhead_bytes) / FLEX.stage_link_bytes)
+            .collect();
+        assert_eq!(links, [1, 2, 1]);
+        assert_eq!(
+            fixed(StagePlacement::single(8), &FLEX),
+            FLEX.fixed_overhead_bytes
+        );
+        assert_eq!(fixed(stages(3)[1], &CUDA), CUDA.fixed_overhead_bytes);
     }
 
     #[test]

@@ -57,7 +57,7 @@ use headroom_api::{
     TerminationMessage, WORKER_MALLOC_ARENAS, WORKER_MALLOC_TUNABLES, WorkerAssignment,
 };
 use headroom_planner::backend::FLEX;
-use headroom_planner::memory::{StagePlacement, estimate_stage};
+use headroom_planner::memory::{MemoryBreakdown, StagePlacement, estimate_stage};
 use headroom_planner::search::plan_with;
 use headroom_planner::{
     BaseFormat, Inventory, JobRequest, LlamaShape, LoraConfig, ModelShape, Optimizer, Precision,
@@ -692,7 +692,8 @@ fn free_port() -> u16 {
 /// replicas (the global batch kept: each replica runs 1/d of the
 /// micro-batches, its optimizer state sharded ZeRO-1), run as `p · d` worker
 /// processes over loopback; one row per worker.
-fn measure_pipeline(case: &Case, p: u32, d: u32, steps: u64) -> Vec<Measured> {
+/// `case` split into `p` stages of `d` replicas each.
+fn pipeline_assignment(case: &Case, p: u32, d: u32, steps: u64) -> WorkerAssignment {
     let base = assignment(case, steps);
     let mut a = split_assignment(&base, p);
     let m = a.plan.settings.gradient_accumulation;
@@ -707,7 +708,48 @@ fn measure_pipeline(case: &Case, p: u32, d: u32, steps: u64) -> Vec<Measured> {
     for stage in &mut a.plan.stages {
         stage.in_flight_micro_batches = stage.in_flight_micro_batches.min(m / d).max(1);
     }
-    let model = case.model.clone();
+    a
+}
+
+/// The planner's FLEX figure for stage `k` of `a` (every replica of a stage
+/// is budgeted alike).
+fn stage_estimate(case: &Case, a: &WorkerAssignment, k: u32) -> MemoryBreakdown {
+    let stage = &a.plan.stages[k as usize];
+    let placement = StagePlacement {
+        layers: stage.layer_end - stage.layer_start,
+        first: k == 0,
+        last: k as usize + 1 == a.plan.stages.len(),
+        in_flight: stage.in_flight_micro_batches,
+        replicas: a.plan.replicas,
+    };
+    estimate_stage(
+        &case.model,
+        a.plan.adapters.as_ref(),
+        &a.plan.settings,
+        placement,
+        &FLEX,
+        1.0,
+    )
+}
+
+/// The label of stage `k`, replica `r` of a `p` × `d` row.
+fn stage_label(case: &Case, a: &WorkerAssignment, p: u32, d: u32, k: u32, r: u32) -> String {
+    let stage = &a.plan.stages[k as usize];
+    let replicas = if d > 1 {
+        format!(" d{d} r{r}")
+    } else {
+        String::new()
+    };
+    format!(
+        "{} p{p}{replicas} s{k} (L{}-{})",
+        case.name,
+        stage.layer_start,
+        stage.layer_end - 1
+    )
+}
+
+fn measure_pipeline(case: &Case, p: u32, d: u32, steps: u64) -> Vec<Measured> {
+    let mut a = pipeline_assignment(case, p, d, steps);
     let dir = std::env::temp_dir().join(format!(
         "headroom-calibrate-p{p}-d{d}-{}",
         std::process::id()
@@ -790,22 +832,7 @@ fn measure_pipeline(case: &Case, p: u32, d: u32, steps: u64) -> Vec<Measured> {
                 name(k, r),
                 String::from_utf8_lossy(&out.stderr)
             );
-            let stage = &a.plan.stages[k as usize];
-            let placement = StagePlacement {
-                layers: stage.layer_end - stage.layer_start,
-                first: k == 0,
-                last: k + 1 == p,
-                in_flight: stage.in_flight_micro_batches,
-                replicas: d,
-            };
-            let breakdown = estimate_stage(
-                &model,
-                a.plan.adapters.as_ref(),
-                &a.plan.settings,
-                placement,
-                &FLEX,
-                1.0,
-            );
+            let breakdown = stage_estimate(case, &a, k);
             if std::env::var_os("CALIBRATE_BREAKDOWN").is_some() {
                 eprintln!(
                     "  {} p{p} d{d} {}: {}",
@@ -817,18 +844,8 @@ fn measure_pipeline(case: &Case, p: u32, d: u32, steps: u64) -> Vec<Measured> {
             // The stage's prediction is its largest shard's (the planner
             // budgets every replica for it).
             let predicted = breakdown.total;
-            let replicas = if d > 1 {
-                format!(" d{d} r{r}")
-            } else {
-                String::new()
-            };
             Measured {
-                label: format!(
-                    "{} p{p}{replicas} s{k} (L{}-{})",
-                    case.name,
-                    stage.layer_start,
-                    stage.layer_end - 1
-                ),
+                label: stage_label(case, &a, p, d, k, r),
                 case: case.clone(),
                 predicted,
                 measured: message.peak_bytes.expect("peak"),
@@ -929,17 +946,22 @@ fn pipeline_throughput(case: &Case, p: u32, steps: u64) -> f64 {
     rates.into_iter().fold(f64::INFINITY, f64::min)
 }
 
-fn pipeline_report(steps: u64) -> Vec<Measured> {
-    let mut rows = Vec::new();
-    // (stages, replicas) beside the one-worker row; replicas since issue 13.
-    for (case, shapes) in [
+/// The pipeline rows: each case with the (stages, replicas) it runs beside
+/// its one-worker row (replicas since issue 13).
+fn pipeline_grid() -> [(Case, &'static [(u32, u32)]); 3] {
+    [
         (
             pipeline_case(),
             &[(2, 1), (3, 1), (1, 2), (1, 4), (2, 2)][..],
         ),
         (llama_pipeline_case(), &[(2, 1), (1, 2)][..]),
         (qlora_pipeline_case(), &[(2, 1), (1, 2)][..]),
-    ] {
+    ]
+}
+
+fn pipeline_report(steps: u64) -> Vec<Measured> {
+    let mut rows = Vec::new();
+    for (case, shapes) in pipeline_grid() {
         let mut whole = measure(&case, steps);
         whole.label = format!("{} p1", case.name);
         print_row(&whole);
@@ -1279,6 +1301,35 @@ fn main() {
                 b.total as f64 / MIB,
                 breakdown_mib(&b)
             );
+        }
+        for (case, shapes) in pipeline_grid() {
+            let a = assignment(&case, steps);
+            let b = estimate_stage(
+                &case.model,
+                a.plan.adapters.as_ref(),
+                &a.plan.settings,
+                StagePlacement::single(case.layers()),
+                &FLEX,
+                1.0,
+            );
+            println!(
+                "| {} p1 | {:.0} | {} |",
+                case.name,
+                b.total as f64 / MIB,
+                breakdown_mib(&b)
+            );
+            for &(p, d) in shapes {
+                let a = pipeline_assignment(&case, p, d, steps);
+                for (k, r) in (0..p).flat_map(|k| (0..d).map(move |r| (k, r))) {
+                    let b = stage_estimate(&case, &a, k);
+                    println!(
+                        "| {} | {:.0} | {} |",
+                        stage_label(&case, &a, p, d, k, r),
+                        b.total as f64 / MIB,
+                        breakdown_mib(&b)
+                    );
+                }
+            }
         }
         return;
     }
