@@ -289,7 +289,7 @@ pub const FLEX: BackendProfile = BackendProfile {
     logit_copies: 2.6,
     // Measured, not derived: the middle stage of three (two links) sits
     // 11 MiB above its plan, stages with one link 0 to +10 %, with the
-    // same terms otherwise (`calibrate --pipeline-only`, 2026-11-28).
+    // same terms otherwise (`calibrate --skip-overhead`, 2026-11-28).
     stage_link_bytes: 4 * MIB,
     precisions: &[Precision::Fp32],
     // fp32 only.

@@ -688,11 +688,9 @@ fn free_port() -> u16 {
         .port()
 }
 
-/// Every stage of `case` split over `p` stages and `d` data-parallel
-/// replicas (the global batch kept: each replica runs 1/d of the
-/// micro-batches, its optimizer state sharded ZeRO-1), run as `p · d` worker
-/// processes over loopback; one row per worker.
-/// `case` split into `p` stages of `d` replicas each.
+/// `case` split over `p` stages and `d` data-parallel replicas (the global
+/// batch kept: each replica runs 1/d of the micro-batches, its optimizer
+/// state sharded ZeRO-1).
 fn pipeline_assignment(case: &Case, p: u32, d: u32, steps: u64) -> WorkerAssignment {
     let base = assignment(case, steps);
     let mut a = split_assignment(&base, p);
@@ -748,6 +746,9 @@ fn stage_label(case: &Case, a: &WorkerAssignment, p: u32, d: u32, k: u32, r: u32
     )
 }
 
+/// Every stage of `case` split over `p` stages and `d` replicas
+/// ([`pipeline_assignment`]), run as `p · d` worker processes over loopback;
+/// one row per worker.
 fn measure_pipeline(case: &Case, p: u32, d: u32, steps: u64) -> Vec<Measured> {
     let mut a = pipeline_assignment(case, p, d, steps);
     let dir = std::env::temp_dir().join(format!(
@@ -1281,52 +1282,29 @@ fn main() {
     }
     if predict_only {
         // The planner's figure for each case without running it (to refit a
-        // profile against peaks measured before).
+        // profile against peaks measured before), in the rows' own labels.
+        let row = |label: &str, b: &MemoryBreakdown| {
+            let total = b.total as f64 / MIB;
+            println!("| {label} | {total:.0} | {} |", breakdown_mib(b));
+        };
         for case in grid()
             .into_iter()
             .filter(|c| only.as_deref().is_none_or(|o| selected(c.name, o)))
         {
-            let a = assignment(&case, steps);
-            let b = estimate_stage(
-                &case.model,
-                a.plan.adapters.as_ref(),
-                &a.plan.settings,
-                StagePlacement::single(case.layers()),
-                &FLEX,
-                1.0,
-            );
-            println!(
-                "| {} | {:.0} | {} |",
+            row(
                 case.name,
-                b.total as f64 / MIB,
-                breakdown_mib(&b)
+                &stage_estimate(&case, &assignment(&case, steps), 0),
             );
         }
         for (case, shapes) in pipeline_grid() {
-            let a = assignment(&case, steps);
-            let b = estimate_stage(
-                &case.model,
-                a.plan.adapters.as_ref(),
-                &a.plan.settings,
-                StagePlacement::single(case.layers()),
-                &FLEX,
-                1.0,
-            );
-            println!(
-                "| {} p1 | {:.0} | {} |",
-                case.name,
-                b.total as f64 / MIB,
-                breakdown_mib(&b)
-            );
+            let whole = stage_estimate(&case, &assignment(&case, steps), 0);
+            row(&format!("{} p1", case.name), &whole);
             for &(p, d) in shapes {
                 let a = pipeline_assignment(&case, p, d, steps);
                 for (k, r) in (0..p).flat_map(|k| (0..d).map(move |r| (k, r))) {
-                    let b = stage_estimate(&case, &a, k);
-                    println!(
-                        "| {} | {:.0} | {} |",
-                        stage_label(&case, &a, p, d, k, r),
-                        b.total as f64 / MIB,
-                        breakdown_mib(&b)
+                    row(
+                        &stage_label(&case, &a, p, d, k, r),
+                        &stage_estimate(&case, &a, k),
                     );
                 }
             }
