@@ -593,8 +593,8 @@ pub fn attention_transient_bytes(s: u64, b: u64, heads: u64, e: u64) -> u64 {
 /// in backward the gradient), where a chunk is [`LOSS_CHUNK_ELEMENTS`] /
 /// `vocab` rows, at most all `rows`.
 pub fn loss_bytes(rows: u64, vocab: u64, copies: f64) -> u64 {
-    let chunk_rows = loss_chunk_rows(vocab).min(rows.max(1));
-    rows * 4 + (copies * (chunk_rows * vocab * 4) as f64).round() as u64
+    let chunk = loss_chunk_bytes(rows.max(1), vocab, true);
+    rows * 4 + (copies * chunk as f64).round() as u64
 }
 
 /// One page of `profile`'s arena when its largest request is `largest`
