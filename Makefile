@@ -34,9 +34,11 @@ fmt-check: ## Fail if the Rust code is not formatted.
 lint: ## Clippy with warnings as errors.
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
-manifests: ## Regenerate crds/ and the chart's CRD from the Rust types.
+manifests: ## Regenerate crds/ (the CRD, the policy with its spec rules) and the chart's copies from the Rust types.
 	$(CARGO) run -q -p headroom-operator --bin crdgen > crds/memoryawaretrainingjobs.headroom.dev.yaml
+	$(CARGO) run -q -p headroom-operator --bin crdgen -- spec-rules-policy > crds/memoryawaretrainingjobs.headroom.dev-spec-rules.yaml
 	cp crds/memoryawaretrainingjobs.headroom.dev.yaml charts/headroom/crds/
+	cp crds/memoryawaretrainingjobs.headroom.dev-spec-rules.yaml charts/headroom/files/spec-rules-policy.yaml
 
 ##@ Test
 .PHONY: test test-unit test-apiserver chart-check bench-planner bench-controller bench-peers calibrate-worker bench-load-peak

@@ -36,7 +36,14 @@ doc() { awk -v kind="$1" -v ns="${2:-}" 'BEGIN { RS = "\n---\n" }
 grep -q '^kind: ValidatingAdmissionPolicy$' <<<"${rendered}" || fail "no token Secret admission policy by default"
 grep -q "resource('secrets')" <<<"$(doc ValidatingAdmissionPolicy <<<"${rendered}")" || fail "the admission policy does not check the creator's access to the Secret"
 grep -q '^kind: ValidatingAdmissionPolicyBinding$' <<<"${rendered}" || fail "the token Secret admission policy is not bound"
-if "${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --set secretAccessPolicy.enabled=false | grep -q 'ValidatingAdmissionPolicy'; then fail "secretAccessPolicy.enabled=false still renders the policy"; fi
+if "${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --set secretAccessPolicy.enabled=false | grep -q 'name: headroom-token-secret-access'; then fail "secretAccessPolicy.enabled=false still renders the policy"; fi
+# The spec's cross-field rules live in their own policy (not in the CRD, so
+# status writes skip them), always rendered and bound, and only for spec writes.
+spec_rules=$("${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --set secretAccessPolicy.enabled=false)
+grep -q '^  name: headroom-spec-rules$' <<<"$(doc ValidatingAdmissionPolicy <<<"${spec_rules}")" || fail "no spec-rules admission policy"
+grep -q '^  policyName: headroom-spec-rules$' <<<"$(doc ValidatingAdmissionPolicyBinding <<<"${spec_rules}")" || fail "the spec-rules admission policy is not bound"
+grep -q 'object.spec != oldObject.spec' <<<"${spec_rules}" || fail "the spec-rules policy is not limited to spec writes"
+if grep -q 'x-kubernetes-validations' <<<"${rendered}"; then fail "the CRD carries CEL rules (they belong in the spec-rules policy)"; fi
 # One watched namespace: namespaced RBAC there. The ClusterRole keeps the
 # cluster-scoped needs and reading pods for the GPU inventory, nothing on
 # jobs, pod writes, Services, claims or events.

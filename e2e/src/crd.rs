@@ -4,28 +4,54 @@
 use std::time::Duration;
 
 use headroom_api::MemoryAwareTrainingJob;
+use headroom_api::admission::{self, SPEC_RULES_POLICY};
+use k8s_openapi::api::admissionregistration::v1::{
+    ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::Client;
 use kube::api::{Api, ApiResource, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::wait::{await_condition, conditions};
-use kube::{Client, CustomResourceExt};
 
-/// How long the CRD may take to be established and served.
+/// How long the CRD may take to be established and served, and its spec
+/// rules' policy to be enforced.
 const SERVED_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Server-side applies the CRD generated from the API types (the one
-/// `make manifests` writes to crds/) and waits until it is established and
-/// its resource is served, so a create right after cannot meet a 404.
+/// Server-side applies what `make manifests` writes to crds/ (the CRD and
+/// the policy with its spec rules, generated from the API types) and waits
+/// until the CRD is established, its resource served and the policy
+/// enforced, so a create right after meets neither a 404 nor a spec the
+/// rules would refuse let through.
 pub async fn install(client: &Client, field_manager: &str) -> Result<(), String> {
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let crd = MemoryAwareTrainingJob::crd();
+    let crd = admission::crd();
     let name = crd.metadata.name.clone().unwrap_or_default();
-    crds.patch(
-        &name,
-        &PatchParams::apply(field_manager).force(),
-        &Patch::Apply(&crd),
-    )
-    .await
-    .map_err(|e| format!("apply CRD {name}: {e}"))?;
+    let apply = PatchParams::apply(field_manager).force();
+    crds.patch(&name, &apply, &Patch::Apply(&crd))
+        .await
+        .map_err(|e| format!("apply CRD {name}: {e}"))?;
+    let policies = Api::<ValidatingAdmissionPolicy>::all(client.clone());
+    let generation_before = policies
+        .get_opt(SPEC_RULES_POLICY)
+        .await
+        .map_err(|e| format!("read ValidatingAdmissionPolicy {SPEC_RULES_POLICY}: {e}"))?
+        .and_then(|p| p.metadata.generation);
+    let policy = policies
+        .patch(
+            SPEC_RULES_POLICY,
+            &apply,
+            &Patch::Apply(&admission::spec_rules_policy()),
+        )
+        .await
+        .map_err(|e| format!("apply ValidatingAdmissionPolicy {SPEC_RULES_POLICY}: {e}"))?;
+    Api::<ValidatingAdmissionPolicyBinding>::all(client.clone())
+        .patch(
+            SPEC_RULES_POLICY,
+            &apply,
+            &Patch::Apply(&admission::spec_rules_binding()),
+        )
+        .await
+        .map_err(|e| format!("apply ValidatingAdmissionPolicyBinding {SPEC_RULES_POLICY}: {e}"))?;
     let deadline = tokio::time::Instant::now() + SERVED_TIMEOUT;
     let established = await_condition(crds, &name, conditions::is_crd_established());
     match tokio::time::timeout_at(deadline, established).await {
@@ -42,12 +68,43 @@ pub async fn install(client: &Client, field_manager: &str) -> Result<(), String>
     let jobs: Api<MemoryAwareTrainingJob> = Api::all(client.clone());
     loop {
         match jobs.list_metadata(&ListParams::default().limit(1)).await {
-            Ok(_) => return Ok(()),
+            Ok(_) => break,
             Err(kube::Error::Api(s)) if s.code == 404 => {}
             Err(e) => return Err(format!("list {name}: {e}")),
         }
         if tokio::time::Instant::now() > deadline {
             return Err(format!("{name} not served within {SERVED_TIMEOUT:?}"));
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    // The API server loads a new policy from its informers, a moment after
+    // the apply. A changed policy gets a moment more: the probe below cannot
+    // tell its older version from the new one (and the status that would,
+    // `observedGeneration`, is kube-controller-manager's, which a bare
+    // control plane may not run). Then probe with a spec only the rules
+    // refuse (a CPU job in bf16).
+    if policy.metadata.generation != generation_before {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    let mut probe: serde_json::Value =
+        serde_yaml::from_str(crate::fixtures::CPU_TINY).map_err(|e| format!("probe: {e}"))?;
+    probe["spec"]["training"]["precision"] = "bf16".into();
+    let probe = serde_yaml::to_string(&probe).map_err(|e| format!("probe: {e}"))?;
+    loop {
+        match dry_run_create(client, "default", &probe).await {
+            Err(m) if m.contains(SPEC_RULES_POLICY) => return Ok(()),
+            // Accepted: the policy is not loaded yet.
+            Ok(()) => {}
+            Err(m) => {
+                return Err(format!(
+                    "probe of {SPEC_RULES_POLICY}: refused otherwise: {m}"
+                ));
+            }
+        }
+        if tokio::time::Instant::now() > deadline {
+            return Err(format!(
+                "{SPEC_RULES_POLICY} not enforced within {SERVED_TIMEOUT:?}"
+            ));
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }

@@ -75,6 +75,85 @@ async fn a_fine_tuning_jobs_checkpoint_and_data_cannot_change() {
     ns.cleanup().await;
 }
 
+/// The spec's rules run on spec writes only (their ValidatingAdmissionPolicy,
+/// `headroom_api::admission`): a job stored with a spec that breaks a rule
+/// (stored while the policy was unbound, as a job stored before a rule
+/// existed) takes status writes and metadata updates, and is refused a spec
+/// change by the rule, with its field's name.
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn the_spec_rules_run_on_spec_writes_only() {
+    use headroom_api::admission::SPEC_RULES_POLICY;
+    use k8s_openapi::api::admissionregistration::v1::ValidatingAdmissionPolicyBinding;
+    use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+    let ns = test_ns("hr-spec-rules").await;
+    let mut job: serde_json::Value = serde_yaml::from_str(CPU_TINY).expect("sample");
+    job["spec"]["training"]["precision"] = "bf16".into();
+    let job: headroom_api::MemoryAwareTrainingJob = serde_json::from_value(job).expect("job");
+    let jobs = ns.jobs();
+    assert!(
+        jobs.create(&PostParams::default(), &job)
+            .await
+            .expect_err("a CPU job in bf16 is refused")
+            .to_string()
+            .contains("spec.training.precision: the CPU backend (flex) trains in fp32 only"),
+    );
+
+    // Unbound for a moment (install() binds it again and waits until it
+    // refuses), the job is stored as it is.
+    let bindings: Api<ValidatingAdmissionPolicyBinding> = Api::all(ns.client.clone());
+    bindings
+        .delete(SPEC_RULES_POLICY, &DeleteParams::default())
+        .await
+        .expect("unbind");
+    let stored = async {
+        for _ in 0..120 {
+            if jobs.create(&PostParams::default(), &job).await.is_ok() {
+                return true;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+        }
+        false
+    }
+    .await;
+    headroom_e2e::crd::install(&ns.client, "headroom-tests")
+        .await
+        .expect("bound again");
+    assert!(stored, "stored while unbound");
+
+    let name = job.metadata.name.clone().expect("name");
+    jobs.patch_status(
+        &name,
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({"status": {"message": "a status write"}})),
+    )
+    .await
+    .expect("a status write is not checked against the spec's rules");
+    jobs.patch(
+        &name,
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({"metadata": {"labels": {"team": "a"}}})),
+    )
+    .await
+    .expect("nor is a metadata update");
+    let refused = jobs
+        .patch(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"training": {"steps": 40}}})),
+        )
+        .await
+        .expect_err("a spec change is checked")
+        .to_string();
+    assert!(
+        refused.contains(SPEC_RULES_POLICY)
+            && refused
+                .contains("spec.training.precision: the CPU backend (flex) trains in fp32 only"),
+        "{refused}"
+    );
+    ns.cleanup().await;
+}
+
 /// Offline (`kubectl headroom plan`: unknown fields, the CRD's schema by a
 /// JSON Schema validator, the typed spec, the cross-field rules) and the API
 /// server (schema and CEL) give the same verdict on samples mutated where the

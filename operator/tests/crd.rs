@@ -1,7 +1,10 @@
 //! The committed CRD matches the code, and its schema is structural.
 
 use headroom_e2e::fixtures::workspace_root;
-use headroom_operator::crd::{CRD_PATH, crd_yaml};
+use headroom_operator::crd::{
+    CHART_SPEC_RULES_POLICY_PATH, CRD_PATH, SPEC_RULES_POLICY_PATH, crd_yaml,
+    spec_rules_policy_yaml,
+};
 use serde_json::Value;
 
 #[test]
@@ -24,6 +27,31 @@ fn chart_ships_the_same_crd() {
     assert!(
         chart == crd_yaml().expect("CRD serialises"),
         "chart CRD is stale: run `make manifests`"
+    );
+}
+
+/// The policy with the spec's rules is committed beside the CRD and in the
+/// chart, current, and the chart's template includes it unconditionally:
+/// without it the API server would take any spec the schema takes.
+#[test]
+fn committed_spec_rules_policy_matches_the_types() {
+    let generated = spec_rules_policy_yaml().expect("policy serialises");
+    for path in [SPEC_RULES_POLICY_PATH, CHART_SPEC_RULES_POLICY_PATH] {
+        let committed = std::fs::read_to_string(workspace_root().join(path))
+            .unwrap_or_else(|e| panic!("{path}: {e}"));
+        assert!(
+            committed == generated,
+            "{path} is stale: run `make manifests` and commit the result"
+        );
+    }
+    let template = std::fs::read_to_string(
+        workspace_root().join("charts/headroom/templates/spec-rules-policy.yaml"),
+    )
+    .expect("template");
+    assert!(template.contains(r#"{{ .Files.Get "files/spec-rules-policy.yaml" }}"#));
+    assert!(
+        !template.contains("{{- if"),
+        "the spec rules are not optional"
     );
 }
 

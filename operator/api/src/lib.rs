@@ -10,6 +10,7 @@
 // Repeated `printcolumn(type_ = ...)` keys inside #[kube(...)] look like duplicate attributes to clippy.
 #![allow(clippy::duplicated_attributes)]
 
+pub mod admission;
 pub mod contract;
 pub mod job;
 pub mod quantity;

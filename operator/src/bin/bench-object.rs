@@ -4,10 +4,9 @@
 //! stored size, for the MemoryAwareTrainingJob in the shape Headroom stored
 //! before the plan was stored once (each attempt with its whole plan, under
 //! the CRD of then: operator/tests/fixtures/crd-attempts-with-plan.yaml),
-//! in the lean shape under the current CRD (since 82a05dc with its status
-//! objects atomic), the same without the CRD's CEL
-//! rules (what the rules cost), the same with the rules in a
-//! ValidatingAdmissionPolicy instead (what moving them would cost), and,
+//! in the lean shape with the spec's CEL rules in the CRD (as shipped until
+//! they moved), the lean shape as shipped (the CRD without rules, the rules
+//! in their ValidatingAdmissionPolicy, `headroom_api::admission`), and,
 //! given its CRD, a PyTorchJob as Kubeflow's training-operator writes it.
 //!
 //!   KUBECONFIG=~/.cache/headroom/state/controlplane/kubeconfig \
@@ -27,6 +26,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use futures::{StreamExt, TryStreamExt, stream};
+use headroom_api::admission;
 use headroom_api::{
     Attempt, AttemptOutcome, JobPhase, MemoryAwareTrainingJob, MemoryAwareTrainingJobStatus,
     MemorySample, WorkerTelemetry,
@@ -187,180 +187,16 @@ fn old_shape(status: &MemoryAwareTrainingJobStatus, plans: &[&Plan]) -> Result<V
     Ok(v)
 }
 
-const SPEC_POLICY: &str = "headroom-bench-object-spec-rules";
+/// The shipped policy's name: the bench takes it out for the variants
+/// without it and puts the shipped one back when it is done.
+const SPEC_POLICY: &str = admission::SPEC_RULES_POLICY;
 
-/// The CRD's CEL rules as one ValidatingAdmissionPolicy bound to creates
-/// and updates of the resource but not of its status (matched only when the
-/// spec is new or changed), with its binding: what the rules would cost
-/// outside the CRD. A rule at `spec.a.b` becomes
-/// `!has(object.spec.a) || !has(object.spec.a.b) || <rule on object.spec.a.b>`;
-/// a transition rule (`oldSelf`) holds only where both objects have the field.
-fn spec_policy(crd: &CustomResourceDefinition) -> Result<(Value, Value)> {
-    fn walk(schema: &Value, path: &[String], out: &mut Vec<Value>) {
-        let at = |root: &str, upto: usize| {
-            std::iter::once(root.to_string())
-                .chain(path[..upto].iter().cloned())
-                .collect::<Vec<_>>()
-                .join(".")
-        };
-        // Every field below `spec` may be absent.
-        let guards = |root: &str| -> Vec<String> {
-            (2..=path.len())
-                .map(|i| format!("!has({})", at(root, i)))
-                .collect()
-        };
-        for v in schema["x-kubernetes-validations"]
-            .as_array()
-            .into_iter()
-            .flatten()
-        {
-            let rule = v["rule"].as_str().unwrap_or_default();
-            let body = replace_word(rule, "oldSelf", &at("oldObject", path.len()));
-            let body = replace_word(&body, "self", &at("object", path.len()));
-            let mut alternatives = guards("object");
-            if rule.contains("oldSelf") {
-                alternatives.insert(0, "oldObject == null".into());
-                alternatives.extend(guards("oldObject"));
-            }
-            alternatives.push(format!("({body})"));
-            out.push(json!({
-                "expression": alternatives.join(" || "),
-                "message": v["message"].as_str().unwrap_or("invalid"),
-            }));
-        }
-        if let Some(props) = schema["properties"].as_object() {
-            for (k, child) in props {
-                let mut p = path.to_vec();
-                p.push(k.clone());
-                walk(child, &p, out);
-            }
-        }
-    }
-    let schema = serde_json::to_value(&crd.spec.versions[0].schema)?;
-    let mut validations = vec![];
-    walk(
-        &schema["openAPIV3Schema"]["properties"]["spec"],
-        &["spec".to_string()],
-        &mut validations,
-    );
-    let policy = json!({
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingAdmissionPolicy",
-        "metadata": {"name": SPEC_POLICY},
-        "spec": {
-            "failurePolicy": "Fail",
-            "matchConstraints": {"resourceRules": [{
-                "apiGroups": [crd.spec.group],
-                "apiVersions": ["*"],
-                "operations": ["CREATE", "UPDATE"],
-                "resources": [crd.spec.names.plural],
-            }]},
-            "matchConditions": [{
-                "name": "spec-written",
-                "expression": "oldObject == null || object.spec != oldObject.spec",
-            }],
-            "validations": validations,
-        },
-    });
-    let binding = json!({
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingAdmissionPolicyBinding",
-        "metadata": {"name": SPEC_POLICY},
-        "spec": {"policyName": SPEC_POLICY, "validationActions": ["Deny"]},
-    });
-    Ok((policy, binding))
-}
-
-/// `text` with every whole word `word` replaced by `by`.
-fn replace_word(text: &str, word: &str, by: &str) -> String {
-    let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
-    let mut out = String::new();
-    let mut rest = text;
-    while let Some(i) = rest.find(word) {
-        let before = rest[..i].chars().next_back();
-        let after = rest[i + word.len()..].chars().next();
-        let whole = !before.is_some_and(is_ident) && !after.is_some_and(is_ident);
-        out.push_str(&rest[..i]);
-        out.push_str(if whole { by } else { word });
-        rest = &rest[i + word.len()..];
-    }
-    out.push_str(rest);
-    out
-}
-
-/// Removes every `x-kubernetes-validations` (CEL rule) from a CRD.
-fn without_cel(mut crd: CustomResourceDefinition) -> Result<CustomResourceDefinition> {
-    fn strip(v: &mut Value) {
-        match v {
-            Value::Object(m) => {
-                m.remove("x-kubernetes-validations");
-                m.values_mut().for_each(strip);
-            }
-            Value::Array(a) => a.iter_mut().for_each(strip),
-            _ => {}
-        }
-    }
-    let mut v = serde_json::to_value(&crd)?;
-    strip(&mut v);
-    crd = serde_json::from_value(v)?;
-    Ok(crd)
-}
-
-/// The CRD with every object under `status` (the plan, the attempts, the
-/// workers' telemetry, the model and data reports) declared as an opaque
-/// object the API server stores as written, without its schema: what
-/// validating, pruning and tracking the status's fields costs per write.
-/// The status's scalars (phase, the printer columns') keep their types.
-fn opaque_status(crd: CustomResourceDefinition) -> Result<CustomResourceDefinition> {
-    let mut v = serde_json::to_value(&crd)?;
-    for version in v["spec"]["versions"].as_array_mut().into_iter().flatten() {
-        let status = &mut version["schema"]["openAPIV3Schema"]["properties"]["status"];
-        for (_, field) in status["properties"].as_object_mut().into_iter().flatten() {
-            *field = match field["type"].as_str() {
-                Some("object") => json!({
-                    "type": "object",
-                    "nullable": field["nullable"].as_bool().unwrap_or(false),
-                    "x-kubernetes-preserve-unknown-fields": true,
-                }),
-                // A list keeps its merge semantics (the telemetry's server-side
-                // apply needs the workers' map keys); its items go opaque
-                // but for the keys.
-                Some("array") => {
-                    let keys: Vec<String> = field["x-kubernetes-list-map-keys"]
-                        .as_array()
-                        .into_iter()
-                        .flatten()
-                        .filter_map(|k| k.as_str().map(String::from))
-                        .collect();
-                    let mut items = json!({
-                        "type": "object",
-                        "x-kubernetes-preserve-unknown-fields": true,
-                    });
-                    if !keys.is_empty() {
-                        items["required"] = json!(keys);
-                        items["properties"] = keys
-                            .iter()
-                            .map(|k| (k.clone(), field["items"]["properties"][k].clone()))
-                            .collect::<serde_json::Map<_, _>>()
-                            .into();
-                    }
-                    let mut list = json!({"type": "array", "items": items});
-                    for meta in [
-                        "x-kubernetes-list-type",
-                        "x-kubernetes-list-map-keys",
-                        "nullable",
-                    ] {
-                        if !field[meta].is_null() {
-                            list[meta] = field[meta].clone();
-                        }
-                    }
-                    list
-                }
-                _ => continue,
-            };
-        }
-    }
-    Ok(serde_json::from_value(v)?)
+/// The shipped ValidatingAdmissionPolicy with the spec's rules, and its binding.
+fn shipped_policy() -> Result<(Value, Value)> {
+    Ok((
+        serde_json::to_value(admission::spec_rules_policy())?,
+        serde_json::to_value(admission::spec_rules_binding())?,
+    ))
 }
 
 fn variants(args: &Args) -> Result<Vec<Variant>> {
@@ -383,7 +219,6 @@ fn variants(args: &Args) -> Result<Vec<Variant>> {
     });
     let telemetry = json!({"status": {"workers": [serde_json::to_value(worker(2, 20))?]}});
     let matj = ApiResource::erase::<MemoryAwareTrainingJob>(&());
-    let current = MemoryAwareTrainingJob::crd();
     let mut out = vec![
         Variant {
             name: "headroom, attempts with their plan (before)",
@@ -395,8 +230,8 @@ fn variants(args: &Args) -> Result<Vec<Variant>> {
             telemetry_patch: telemetry.clone(),
         },
         Variant {
-            name: "headroom, plan stored once (lean)",
-            crd: Some(current.clone()),
+            name: "headroom, lean, the rules in the CRD (until 2026-11-29)",
+            crd: Some(MemoryAwareTrainingJob::crd()),
             policy: None,
             resource: matj.clone(),
             object: job.clone(),
@@ -404,27 +239,9 @@ fn variants(args: &Args) -> Result<Vec<Variant>> {
             telemetry_patch: telemetry.clone(),
         },
         Variant {
-            name: "headroom, lean, CRD without CEL rules",
-            crd: Some(without_cel(current.clone())?),
-            policy: None,
-            resource: matj.clone(),
-            object: job.clone(),
-            status: serde_json::to_value(&status)?,
-            telemetry_patch: telemetry.clone(),
-        },
-        Variant {
-            name: "headroom, lean, status objects opaque",
-            crd: Some(opaque_status(current.clone())?),
-            policy: None,
-            resource: matj.clone(),
-            object: job.clone(),
-            status: serde_json::to_value(&status)?,
-            telemetry_patch: telemetry.clone(),
-        },
-        Variant {
-            name: "headroom, lean, the rules in a ValidatingAdmissionPolicy",
-            policy: Some(spec_policy(&current)?),
-            crd: Some(without_cel(current)?),
+            name: "headroom, lean, the rules in their policy (shipped)",
+            crd: Some(admission::crd()),
+            policy: Some(shipped_policy()?),
             resource: matj,
             object: job,
             status: serde_json::to_value(&status)?,
@@ -833,28 +650,29 @@ async fn main() -> Result<()> {
             }
         }
     }
-    // Leave the current CRD in place, whatever ran last, and no policy.
-    let policy_gone = set_policy(
-        &client,
-        None,
-        &Api::namespaced_with(
-            client.clone(),
-            &ns,
-            &ApiResource::erase::<MemoryAwareTrainingJob>(&()),
-        ),
-        &Value::Null,
-    )
-    .await;
-    let restore = apply_crd(
-        &client,
-        &MemoryAwareTrainingJob::crd(),
+    // Leave the shipped CRD and policy in place, whatever ran last.
+    let jobs = Api::namespaced_with(
+        client.clone(),
+        &ns,
         &ApiResource::erase::<MemoryAwareTrainingJob>(&()),
-    )
+    );
+    let restore = async {
+        apply_crd(
+            &client,
+            &admission::crd(),
+            &ApiResource::erase::<MemoryAwareTrainingJob>(&()),
+        )
+        .await?;
+        let shipped = variants
+            .iter()
+            .find(|v| v.policy.is_some())
+            .context("the shipped variant")?;
+        set_policy(&client, shipped.policy.as_ref(), &jobs, &shipped.object).await
+    }
     .await;
     let _ = namespaces.delete(&ns, &DeleteParams::default()).await;
     result?;
     restore?;
-    policy_gone?;
 
     println!(
         "\nkube-apiserver CPU per request above idle, median of {} rounds (range), {} objects, {IN_FLIGHT} in flight:\n",
@@ -881,88 +699,4 @@ async fn main() -> Result<()> {
         );
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The opaque variant keeps the status's scalars and its lists' merge
-    /// keys, and drops every nested schema.
-    #[test]
-    fn opaque_status_keeps_scalars_and_list_keys_only() {
-        let crd = opaque_status(MemoryAwareTrainingJob::crd()).expect("crd");
-        let v = serde_json::to_value(&crd).expect("json");
-        let status = &v["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
-            ["properties"];
-        assert_eq!(status["phase"]["type"], "string");
-        assert_eq!(status["plan"]["x-kubernetes-preserve-unknown-fields"], true);
-        assert!(status["plan"]["properties"].is_null());
-        for list in ["attempts", "workers"] {
-            let list = &status[list];
-            assert_eq!(list["type"], "array");
-            assert_eq!(list["x-kubernetes-list-type"], "map");
-            let keys: Vec<&str> = list["x-kubernetes-list-map-keys"]
-                .as_array()
-                .expect("keys")
-                .iter()
-                .map(|k| k.as_str().expect("a name"))
-                .collect();
-            let kept: Vec<&str> = list["items"]["properties"]
-                .as_object()
-                .expect("the keys' schemas")
-                .keys()
-                .map(String::as_str)
-                .collect();
-            assert_eq!(kept, keys);
-        }
-    }
-
-    #[test]
-    fn only_whole_words_are_rewritten() {
-        assert_eq!(
-            replace_word("self.a + oldSelf.b == self_c + selfish(self)", "self", "X"),
-            "X.a + oldSelf.b == self_c + selfish(X)"
-        );
-        assert_eq!(
-            replace_word("self == oldSelf", "oldSelf", "old.y"),
-            "self == old.y"
-        );
-    }
-
-    /// Each of the CRD's rules becomes one validation on the object, behind
-    /// a guard per optional field on its way; transition rules only where
-    /// both objects have the field.
-    #[test]
-    fn the_crds_rules_become_guarded_policy_validations() {
-        let crd = MemoryAwareTrainingJob::crd();
-        let rules = serde_json::to_string(&crd)
-            .expect("crd")
-            .matches("\"rule\"")
-            .count();
-        let (policy, binding) = spec_policy(&crd).expect("policy");
-        let validations = policy["spec"]["validations"].as_array().expect("list");
-        assert_eq!(validations.len(), rules);
-        let expressions: Vec<&str> = validations
-            .iter()
-            .map(|v| v["expression"].as_str().expect("expression"))
-            .collect();
-        assert!(
-            expressions.iter().all(|e| !e.contains("self")),
-            "{expressions:?}"
-        );
-        assert!(
-            expressions.contains(
-                &"!has(object.spec.model) || !has(object.spec.model.transformer) || (object.spec.model.transformer.hidden % object.spec.model.transformer.heads == 0)"
-            ),
-            "{expressions:?}"
-        );
-        assert!(
-            expressions.contains(
-                &"oldObject == null || !has(object.spec.data) || !has(oldObject.spec.data) || (object.spec.data == oldObject.spec.data)"
-            ),
-            "{expressions:?}"
-        );
-        assert_eq!(binding["spec"]["policyName"], policy["metadata"]["name"]);
-    }
 }
