@@ -79,7 +79,7 @@ bench-controller: controlplane-up ## 500 jobs through the operator on the local 
 	KUBECONFIG=$(KUBECONFIG_TEST) $(CARGO_TARGET_DIR)/release/bench-controller --jobs 500 --failures 100
 
 .PHONY: bench-object
-bench-object: controlplane-up ## Issue 33: kube-apiserver CPU per create / status write / telemetry write and stored size of one job object, before vs lean vs no CEL vs the rules in a ValidatingAdmissionPolicy vs Kubeflow's PyTorchJob, with CPU profiles (~6 min; not in CI).
+bench-object: controlplane-up ## Issue 33: kube-apiserver CPU per create / status write / telemetry write and stored size of one job object, before vs lean with the rules in the CRD vs lean as shipped (rules in their ValidatingAdmissionPolicy) vs Kubeflow's PyTorchJob, with CPU profiles (~6 min; not in CI).
 	$(CARGO) build --release -q -p headroom-operator --bin bench-object
 	mkdir -p $(HEADROOM_CACHE)/bench-object
 	KUBECONFIG=$(KUBECONFIG_TEST) $(CARGO_TARGET_DIR)/release/bench-object $(BENCH_OBJECT_FLAGS) \

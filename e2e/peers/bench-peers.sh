@@ -56,7 +56,8 @@ log "building the harness and headroom-operator (release)"
 cargo build --release -q -p headroom-operator --bin headroom-operator
 
 log "CRDs: MemoryAwareTrainingJob, and PyTorchJob from ${KUBEFLOW_MODULE}@${KUBEFLOW_VERSION}"
-"${KUBECTL}" apply --server-side -f crds/ >/dev/null
+# --force-conflicts: the tests and bench-object apply the same cluster-scoped objects under their own managers.
+"${KUBECTL}" apply --server-side --force-conflicts -f crds/ >/dev/null
 "${KUBECTL}" apply --server-side -f "${module_dir}/manifests/base/crds/kubeflow.org_pytorchjobs.yaml" >/dev/null
 "${KUBECTL}" wait --for condition=established --timeout=60s \
   crd/memoryawaretrainingjobs.headroom.dev crd/pytorchjobs.kubeflow.org >/dev/null

@@ -168,14 +168,26 @@ async fn a_job_stored_with_each_attempts_plan_is_read_rewritten_lean_and_retried
             .iter()
             .all(|a| a.get("plan").is_none())
     );
-    // The plan and each attempt's settings are atomic: the managed fields
-    // name each once instead of listing its fields (issue 33), here too,
-    // for an object whose fields the old CRD had listed one by one.
+    // The plan, the attempts and the conditions are atomic: the managed
+    // fields name each once instead of listing its fields (issue 33), here
+    // too, for an object whose fields the old CRD had listed one by one.
     let managed = serde_json::to_string(&raw.metadata.managed_fields).expect("managed fields");
-    for inner in ["f:fit", "f:correctionFactor"] {
+    for inner in [
+        "f:fit",
+        "f:correctionFactor",
+        "f:settings",
+        "f:outcome",
+        "f:lastTransitionTime",
+        r#"k:{\"number\""#,
+        r#"k:{\"type\""#,
+    ] {
         assert!(!managed.contains(inner), "{inner} in {managed}");
     }
-    for whole in [r#""f:plan":{}"#, r#""f:settings":{}"#] {
+    for whole in [
+        r#""f:plan":{}"#,
+        r#""f:attempts":{}"#,
+        r#""f:conditions":{}"#,
+    ] {
         assert!(managed.contains(whole), "{whole} not in {managed}");
     }
     op.stop().await;

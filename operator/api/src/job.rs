@@ -1201,7 +1201,11 @@ pub struct MemoryAwareTrainingJobStatus {
     /// `Planned`, `Running`, `Complete`, `Failed`, each with its reason (see the
     /// README's Job lifecycle).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    // Atomic: only the operator writes the conditions, always the whole
+    // list (a JSON merge patch replaces a list whole anyway), so nothing
+    // merges entries and the managed fields name the list once instead of
+    // listing every condition's fields (issue 33).
+    #[schemars(extend("x-kubernetes-list-type" = "atomic"))]
     pub conditions: Vec<Condition>,
     /// Current attempt number (1-based).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -1216,7 +1220,9 @@ pub struct MemoryAwareTrainingJobStatus {
     /// Every attempt so far, oldest first, each with its settings, predicted
     /// and observed peak, and outcome; never pruned.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["number"]))]
+    // Atomic, as the conditions: one writer, the whole list (each attempt
+    // would otherwise add its ~15 fields to the managed fields).
+    #[schemars(extend("x-kubernetes-list-type" = "atomic"))]
     pub attempts: Vec<Attempt>,
     /// Live telemetry per worker of the current attempt (at most 1,024
     /// workers, `resources.gpu.maxGpus`'s bound, and the initializer).

@@ -230,7 +230,7 @@ fn variants(args: &Args) -> Result<Vec<Variant>> {
             telemetry_patch: telemetry.clone(),
         },
         Variant {
-            name: "headroom, lean, the rules in the CRD (until 2026-11-29)",
+            name: "headroom, lean, the rules in the CRD (as shipped before e50bb95)",
             crd: Some(MemoryAwareTrainingJob::crd()),
             policy: None,
             resource: matj.clone(),
