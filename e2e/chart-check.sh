@@ -38,7 +38,9 @@ grep -q "resource('secrets')" <<<"$(doc ValidatingAdmissionPolicy <<<"${rendered
 grep -q '^kind: ValidatingAdmissionPolicyBinding$' <<<"${rendered}" || fail "the token Secret admission policy is not bound"
 if "${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --set secretAccessPolicy.enabled=false | grep -q 'name: headroom-token-secret-access'; then fail "secretAccessPolicy.enabled=false still renders the policy"; fi
 # The spec's cross-field rules live in their own policy (not in the CRD, so
-# status writes skip them), always rendered and bound, and only for spec writes.
+# status writes skip them), rendered and bound by default, only for spec
+# writes, and can be turned off (a second release in the same cluster).
+if "${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --set specRulesPolicy.enabled=false | grep -q 'name: headroom-spec-rules'; then fail "specRulesPolicy.enabled=false still renders the policy"; fi
 spec_rules=$("${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --set secretAccessPolicy.enabled=false)
 grep -q '^  name: headroom-spec-rules$' <<<"$(doc ValidatingAdmissionPolicy <<<"${spec_rules}")" || fail "no spec-rules admission policy"
 grep -q '^  policyName: headroom-spec-rules$' <<<"$(doc ValidatingAdmissionPolicyBinding <<<"${spec_rules}")" || fail "the spec-rules admission policy is not bound"

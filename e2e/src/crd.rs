@@ -89,6 +89,9 @@ pub async fn install(client: &Client, field_manager: &str) -> Result<(), String>
     let mut probe: serde_json::Value =
         serde_yaml::from_str(crate::fixtures::CPU_TINY).map_err(|e| format!("probe: {e}"))?;
     probe["spec"]["training"]["precision"] = "bf16".into();
+    // A name no test uses: a stored job of the same name would answer
+    // "already exists" while the policy is not loaded yet.
+    probe["metadata"]["name"] = "headroom-spec-rules-probe".into();
     let probe = serde_yaml::to_string(&probe).map_err(|e| format!("probe: {e}"))?;
     loop {
         match dry_run_create(client, "default", &probe).await {

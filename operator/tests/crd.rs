@@ -31,8 +31,8 @@ fn chart_ships_the_same_crd() {
 }
 
 /// The policy with the spec's rules is committed beside the CRD and in the
-/// chart, current, and the chart's template includes it unconditionally:
-/// without it the API server would take any spec the schema takes.
+/// chart, current, and the chart installs it by default: without it the
+/// API server would take any spec the schema takes.
 #[test]
 fn committed_spec_rules_policy_matches_the_types() {
     let generated = spec_rules_policy_yaml().expect("policy serialises");
@@ -49,9 +49,11 @@ fn committed_spec_rules_policy_matches_the_types() {
     )
     .expect("template");
     assert!(template.contains(r#"{{ .Files.Get "files/spec-rules-policy.yaml" }}"#));
+    let values = std::fs::read_to_string(workspace_root().join("charts/headroom/values.yaml"))
+        .expect("values");
     assert!(
-        !template.contains("{{- if"),
-        "the spec rules are not optional"
+        values.contains("specRulesPolicy:\n  enabled: true"),
+        "the spec rules are installed by default"
     );
 }
 
