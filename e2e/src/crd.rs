@@ -5,9 +5,7 @@ use std::time::Duration;
 
 use headroom_api::MemoryAwareTrainingJob;
 use headroom_api::admission::{self, SPEC_RULES_POLICY};
-use k8s_openapi::api::admissionregistration::v1::{
-    ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
-};
+use k8s_openapi::api::admissionregistration::v1::ValidatingAdmissionPolicy;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Client;
 use kube::api::{Api, ApiResource, DynamicObject, ListParams, Patch, PatchParams, PostParams};
@@ -23,35 +21,29 @@ const SERVED_TIMEOUT: Duration = Duration::from_secs(30);
 /// enforced, so a create right after meets neither a 404 nor a spec the
 /// rules would refuse let through.
 pub async fn install(client: &Client, field_manager: &str) -> Result<(), String> {
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     let crd = admission::crd();
     let name = crd.metadata.name.clone().unwrap_or_default();
-    let apply = PatchParams::apply(field_manager).force();
-    crds.patch(&name, &apply, &Patch::Apply(&crd))
-        .await
-        .map_err(|e| format!("apply CRD {name}: {e}"))?;
-    let policies = Api::<ValidatingAdmissionPolicy>::all(client.clone());
-    let generation_before = policies
+    apply(client, field_manager, &name, &crd).await?;
+    let generation_before = Api::<ValidatingAdmissionPolicy>::all(client.clone())
         .get_opt(SPEC_RULES_POLICY)
         .await
         .map_err(|e| format!("read ValidatingAdmissionPolicy {SPEC_RULES_POLICY}: {e}"))?
         .and_then(|p| p.metadata.generation);
-    let policy = policies
-        .patch(
-            SPEC_RULES_POLICY,
-            &apply,
-            &Patch::Apply(&admission::spec_rules_policy()),
-        )
-        .await
-        .map_err(|e| format!("apply ValidatingAdmissionPolicy {SPEC_RULES_POLICY}: {e}"))?;
-    Api::<ValidatingAdmissionPolicyBinding>::all(client.clone())
-        .patch(
-            SPEC_RULES_POLICY,
-            &apply,
-            &Patch::Apply(&admission::spec_rules_binding()),
-        )
-        .await
-        .map_err(|e| format!("apply ValidatingAdmissionPolicyBinding {SPEC_RULES_POLICY}: {e}"))?;
+    let policy = apply(
+        client,
+        field_manager,
+        SPEC_RULES_POLICY,
+        &admission::spec_rules_policy(),
+    )
+    .await?;
+    apply(
+        client,
+        field_manager,
+        SPEC_RULES_POLICY,
+        &admission::spec_rules_binding(),
+    )
+    .await?;
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     let deadline = tokio::time::Instant::now() + SERVED_TIMEOUT;
     let established = await_condition(crds, &name, conditions::is_crd_established());
     match tokio::time::timeout_at(deadline, established).await {
@@ -111,6 +103,28 @@ pub async fn install(client: &Client, field_manager: &str) -> Result<(), String>
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
+}
+
+/// Server-side applies one cluster-scoped object, forcing conflicts (the
+/// tests, the benches and chart-check apply the same objects as managers of
+/// their own).
+async fn apply<K>(client: &Client, field_manager: &str, name: &str, object: &K) -> Result<K, String>
+where
+    K: kube::Resource<Scope = k8s_openapi::ClusterResourceScope>
+        + Clone
+        + std::fmt::Debug
+        + k8s_openapi::serde::Serialize
+        + k8s_openapi::serde::de::DeserializeOwned,
+    K::DynamicType: Default,
+{
+    Api::<K>::all(client.clone())
+        .patch(
+            name,
+            &PatchParams::apply(field_manager).force(),
+            &Patch::Apply(object),
+        )
+        .await
+        .map_err(|e| format!("apply {} {name}: {e}", K::kind(&K::DynamicType::default())))
 }
 
 /// Creates `manifest` (YAML) in `namespace` as a server-side dry run:

@@ -4,7 +4,6 @@
 
 use headroom_api::MemoryAwareTrainingJob;
 use headroom_api::admission;
-use kube::CustomResourceExt;
 
 /// Path of the committed CRD, relative to the workspace root.
 pub const CRD_PATH: &str = "crds/memoryawaretrainingjobs.headroom.dev.yaml";
@@ -37,9 +36,10 @@ pub fn spec_rules_policy_yaml() -> Result<String, serde_yaml::Error> {
     ))
 }
 
-/// The CRD's `openAPIV3Schema` as JSON, as the API server holds it.
+/// The CRD's `openAPIV3Schema` as JSON, as the API server holds it (the
+/// installed CRD: its spec rules are in their policy, not in the schema).
 fn openapi_schema() -> Option<serde_json::Value> {
-    MemoryAwareTrainingJob::crd()
+    admission::crd()
         .spec
         .versions
         .first()
@@ -125,7 +125,8 @@ pub fn unknown_fields(manifest: &serde_json::Value) -> Vec<String> {
 /// `x-kubernetes-list-type` (set, map) is checked by [`schema_violations`]
 /// itself, to name the duplicate's index as the API server does.
 ///
-/// The CEL rules (`x-kubernetes-validations`) are not JSON Schema; the
+/// The spec's CEL rules are not in this schema (they run in their
+/// ValidatingAdmissionPolicy); the
 /// cross-field checks of `JobSpec::job_request` repeat them with the same
 /// field names (tested against the API server by the invalid-manifest corpus
 /// and by the mutation property test in `tests/api_server.rs`).
@@ -133,7 +134,6 @@ pub fn json_schema() -> serde_json::Value {
     use serde_json::Value;
     fn convert(schema: &mut Value) {
         let Value::Object(map) = schema else { return };
-        map.remove("x-kubernetes-validations");
         if map.remove("x-kubernetes-int-or-string") == Some(Value::Bool(true)) {
             map.remove("anyOf");
             map.insert("type".into(), serde_json::json!(["integer", "string"]));
