@@ -22,6 +22,9 @@
 //! burn 0.22's own `Device::gradient_checkpointing()` (the `Balanced`
 //! strategy) is op-level: it recomputes memory-bound ops but keeps every
 //! matmul output, so it cannot give the "input only" figure the plan relies on.
+//! With offloaded checkpoints (`Settings::offload_activations`, planned on
+//! GPUs only) each kept input waits in host memory as its data
+//! ([`KeptInput`]) and goes back to the device when its block is recomputed.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -31,7 +34,7 @@ use burn::optim::momentum::MomentumConfig;
 use burn::optim::{
     AdamConfig, AdamWConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig,
 };
-use burn::tensor::{Device, Int, Tensor};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use headroom_planner::Backend;
 use headroom_planner::{LoraConfig, Optimizer, Precision, Settings};
 
@@ -291,10 +294,50 @@ enum Saved {
     Checkpointed {
         tokens: Option<Tensor<2, Int>>,
         targets: Option<Tensor<2, Int>>,
-        block_inputs: Vec<Tensor<3>>,
+        block_inputs: Vec<KeptInput>,
         /// The last block's output (last stage: the head runs in backward).
         output: Option<Tensor<3>>,
     },
+}
+
+/// A checkpointed block's input between the block's forward and its
+/// recomputation in backward: on the device, or, with offloaded checkpoints,
+/// in host memory. The copies are synchronous (`into_data` waits for the
+/// block's forward to finish): the plan's time model charges them.
+enum KeptInput {
+    Device(Tensor<3>),
+    Host {
+        data: TensorData,
+        device: Device,
+        dtype: DType,
+    },
+}
+
+impl KeptInput {
+    /// Keep `x`, in host memory when `offload`.
+    fn keep(x: Tensor<3>, offload: bool) -> Self {
+        if !offload {
+            return KeptInput::Device(x);
+        }
+        let (device, dtype) = (x.device(), x.dtype());
+        KeptInput::Host {
+            data: x.into_data(),
+            device,
+            dtype,
+        }
+    }
+
+    /// The input on its device again, bit for bit as it was kept.
+    fn restore(self) -> Tensor<3> {
+        match self {
+            KeptInput::Device(x) => x,
+            KeptInput::Host {
+                data,
+                device,
+                dtype,
+            } => Tensor::<3>::from_data(data, &device).cast(dtype),
+        }
+    }
 }
 
 impl std::fmt::Debug for Trainer {
@@ -659,8 +702,9 @@ impl Trainer {
             };
             let mut block_inputs = Vec::with_capacity(frozen.blocks.len());
             let dropout = self.dropout(micro);
+            let offload = self.config.settings.offload_activations;
             for (block, layer) in frozen.blocks.iter().zip(self.config.layout.layers.clone()) {
-                block_inputs.push(x.clone());
+                block_inputs.push(KeptInput::keep(x.clone(), offload));
                 x = block.forward_dropping(x, dropout.map(|d| d.part(u64::from(layer))));
             }
             drop(frozen);
@@ -799,7 +843,7 @@ impl Trainer {
                 for ((block, input), layer) in
                     model.blocks.iter().zip(block_inputs).zip(layers).rev()
                 {
-                    let input = input.autodiff().require_grad();
+                    let input = input.restore().autodiff().require_grad();
                     let dropout = dropout.map(|d| d.part(u64::from(layer)));
                     let output = block.forward_dropping(input.clone(), dropout);
                     let mut grads = (output * upstream).sum().backward();

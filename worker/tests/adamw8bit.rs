@@ -332,6 +332,7 @@ fn llama_losses(optimizer: Optimizer, steps: u64, seed: u64) -> Vec<f64> {
             optimizer,
             base_format: headroom_planner::BaseFormat::Dense,
             offload_optimizer: false,
+            offload_activations: false,
         },
         steps,
         3e-3,

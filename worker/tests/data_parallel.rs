@@ -46,6 +46,7 @@ fn settings(global: u32, d: u32, checkpointing: bool) -> Settings {
         optimizer: Optimizer::Adamw,
         base_format: headroom_planner::BaseFormat::Dense,
         offload_optimizer: false,
+        offload_activations: false,
     }
 }
 

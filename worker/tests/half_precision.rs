@@ -44,23 +44,33 @@ fn bf16() -> Device {
 }
 
 fn trainer(checkpointing: bool, optimizer: Optimizer) -> Trainer {
-    let checkpoint = HfCheckpoint::open(&tiny_llama(), SEQUENCE).expect("tiny-llama");
-    let config = TrainConfig::single_stage(
-        checkpoint.shape,
+    trainer_with(
         Settings {
-            micro_batch: 2,
-            gradient_accumulation: 1,
             activation_checkpointing: checkpointing,
-            precision: Precision::Bf16,
             optimizer,
-            base_format: BaseFormat::Dense,
-            offload_optimizer: false,
+            ..settings()
         },
-        STEPS,
-        3e-3,
-        5,
+        tiny_llama(),
     )
-    .with_pretrained(tiny_llama());
+}
+
+fn settings() -> Settings {
+    Settings {
+        micro_batch: 2,
+        gradient_accumulation: 1,
+        activation_checkpointing: false,
+        precision: Precision::Bf16,
+        optimizer: Optimizer::Adamw,
+        base_format: BaseFormat::Dense,
+        offload_optimizer: false,
+        offload_activations: false,
+    }
+}
+
+fn trainer_with(settings: Settings, model: std::path::PathBuf) -> Trainer {
+    let checkpoint = HfCheckpoint::open(&model, SEQUENCE).expect("tiny-llama");
+    let config = TrainConfig::single_stage(checkpoint.shape, settings, STEPS, 3e-3, 5)
+        .with_pretrained(model);
     let mut trainer = Trainer::new(config, bf16().autodiff()).expect("trainer");
     trainer.use_text(tiny_llama_text(SEQUENCE, 5));
     trainer
@@ -151,4 +161,29 @@ fn checkpointing_and_8bit_state_train_like_the_plain_step_in_bf16() {
         fall(&eight_bit) > 0.1,
         "8-bit AdamW with checkpointing trains in bf16: {eight_bit:?}"
     );
+}
+
+/// Offloaded checkpoints (`offload_activations`, planned on GPUs only) keep
+/// each block's input as host data and restore it for the recomputation:
+/// the same bits, so the same losses as checkpoints kept on the device, in
+/// bf16 (the dtype a GPU stage trains in) and with accumulation, where
+/// several micro-batches' inputs wait at once.
+#[test]
+fn offloaded_checkpoints_train_bit_for_bit_as_kept_ones_in_bf16() {
+    let kept = Settings {
+        activation_checkpointing: true,
+        micro_batch: 1,
+        gradient_accumulation: 2,
+        ..settings()
+    };
+    let on_device = losses(&mut trainer_with(kept, tiny_llama()));
+    let offloaded = losses(&mut trainer_with(
+        Settings {
+            offload_activations: true,
+            ..kept
+        },
+        tiny_llama(),
+    ));
+    assert_eq!(on_device, offloaded);
+    assert!(fall(&offloaded) > 0.1, "it trains: {offloaded:?}");
 }

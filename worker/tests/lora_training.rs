@@ -54,6 +54,7 @@ fn config(
             optimizer: Optimizer::Adamw,
             base_format: format,
             offload_optimizer: false,
+            offload_activations: false,
         },
         steps,
         1e-2,

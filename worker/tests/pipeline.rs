@@ -40,6 +40,7 @@ fn settings(checkpointing: bool) -> Settings {
         optimizer: Optimizer::Adamw,
         base_format: headroom_planner::BaseFormat::Dense,
         offload_optimizer: false,
+        offload_activations: false,
     }
 }
 

@@ -87,6 +87,9 @@ pub struct BackendProfile {
     /// Whether the worker can keep optimizer state in host memory (GPU
     /// backends; on CPU the state is in host memory already).
     pub optimizer_offload: bool,
+    /// Whether the worker can keep checkpointed block inputs in host memory
+    /// (`Settings::offload_activations`; GPU backends only).
+    pub activation_offload: bool,
     /// Whether the budgeted device memory is the host's (CPU workers): then
     /// the checkpoint load's host-side transient counts against the budget;
     /// on a GPU it is the pod's host memory instead
@@ -314,6 +317,7 @@ pub const FLEX: BackendProfile = BackendProfile {
     ],
     int4_value_bytes: 1.0,
     optimizer_offload: false,
+    activation_offload: false,
     device_is_host: true,
     // The worker's replicas over its TCP ring (worker/src/data_parallel.rs):
     // gradients reduce-scattered, ZeRO-1 shards stepped, weights all-gathered.
@@ -398,6 +402,10 @@ pub const CUDA: BackendProfile = BackendProfile {
     // The worker wraps the optimizer to keep its state, and run its step,
     // on the host (worker/src/optim/offload.rs). Unverified on a GPU.
     optimizer_offload: true,
+    // The checkpointed block inputs go to the host after each block's
+    // forward and come back for its recomputation (worker/src/train.rs,
+    // `KeptInput`). Unverified on a GPU.
+    activation_offload: true,
     device_is_host: false,
     // Replicas all-reduce over NCCL (worker/src/collective/nccl.rs), or the
     // TCP ring when the image has no libnccl. Unverified on a GPU.

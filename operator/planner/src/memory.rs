@@ -115,6 +115,19 @@
 //! slack). The worker is expected to step one parameter tensor at a time
 //! on the host.
 //!
+//! # Offloaded checkpoints
+//!
+//! With `offload_activations` (and checkpointing) on a GPU backend each
+//! block's checkpointed input goes to host memory once the block's forward
+//! has run and comes back when backward recomputes the block, as Unsloth's
+//! offloaded gradient checkpointing does. The device keeps one block's
+//! input (the block that runs, counted in its recomputation phase); the
+//! others, of every micro-batch in flight, are in
+//! [`MemoryBreakdown::host_bytes`] (with the state slack), beside an
+//! offloaded optimizer state. The bytes are the kept inputs the planner
+//! counts anyway, moved; the transfers are synchronous in the worker, so
+//! they cost step time ([`crate::timing::relative_compute`]).
+//!
 //! # Load peak (Llama checkpoints)
 //!
 //! Loading a stage's weights from a Hugging Face checkpoint is its own
@@ -609,6 +622,16 @@ pub fn arena_page_bytes(profile: &BackendProfile, largest: u64) -> u64 {
     (largest + granule).div_ceil(granule).max(2) * granule
 }
 
+/// Whether a stage with `settings` keeps its checkpointed block inputs in
+/// host memory: asked for, with checkpointing on, on a backend whose worker
+/// does it and whose device is not the host.
+pub fn offloads_activations(settings: &Settings, profile: &BackendProfile) -> bool {
+    settings.offload_activations
+        && settings.activation_checkpointing
+        && profile.activation_offload
+        && !profile.device_is_host
+}
+
 /// Bytes of the loss op's chunk of f32 logits over `rows` rows, on the
 /// stage that computes the loss (`last`); 0 elsewhere.
 fn loss_chunk_bytes(rows: u64, vocab: u64, last: bool) -> u64 {
@@ -641,11 +664,15 @@ pub fn estimate_stage(
     let b = u64::from(settings.micro_batch);
     let e = p.activation_bytes();
     let in_flight = u64::from(stage.in_flight.max(1));
+    // Checkpointed block inputs kept in host memory (see the module docs):
+    // the device keeps only the one input of the block that runs.
+    let offload = offloads_activations(settings, profile);
 
-    // `widest`: the largest activation-phase request cubecl's arena serves
+    // `offloaded`: the bytes of kept block inputs that wait in host memory
+    // instead. `widest`: the largest activation-phase request cubecl's arena serves
     // (an arena page's size, below): the widest per-token activation, or
     // on the last stage the loss op's chunk of f32 logits.
-    let (activations, logits, widest) = match model {
+    let (activations, logits, offloaded, widest) = match model {
         ModelShape::Transformer(t) => {
             let (s, h, a) = (
                 u64::from(t.sequence_length),
@@ -666,7 +693,13 @@ pub fn estimate_stage(
                 0
             };
             let kept = block(ckpt);
-            let mut act = in_flight * u64::from(stage.layers) * kept;
+            let all_kept = in_flight * u64::from(stage.layers) * kept;
+            let offloaded = if offload {
+                all_kept.saturating_sub(kept)
+            } else {
+                0
+            };
+            let mut act = all_kept - offloaded;
             if stage.layers > 0 {
                 // Backward recomputes one block at a time; its kept input is part of that block's full set.
                 let attention = attention_transient_bytes(s, b, a, e);
@@ -685,7 +718,7 @@ pub fn estimate_stage(
                 u64::from(t.vocabulary),
                 stage.last,
             ));
-            (act, logits, widest)
+            (act, logits, offloaded, widest)
         }
         ModelShape::Llama(l) => {
             let ckpt = settings.activation_checkpointing;
@@ -735,7 +768,13 @@ pub fn estimate_stage(
                     block(false) - block(ckpt),
                 ),
             };
-            let mut act = kept;
+            // One block's kept input stays on the device: the one that runs.
+            let offloaded = if offload {
+                kept.saturating_sub(one_block - recomputed)
+            } else {
+                0
+            };
+            let mut act = kept - offloaded;
             if stage.layers > 0 {
                 let attention = attention_transient_bytes(
                     u64::from(l.sequence_length),
@@ -761,12 +800,12 @@ pub fn estimate_stage(
                 u64::from(l.vocabulary),
                 stage.last,
             ));
-            (act, logits, widest)
+            (act, logits, offloaded, widest)
         }
         ModelShape::Generic(g) => {
             // Declared at 32-bit; scale to the element size. Checkpointing is
             // not modelled for an opaque model, so it never lowers the figure.
-            (g.activation_bytes_per_sample * b * e / 4, 0, 0)
+            (g.activation_bytes_per_sample * b * e / 4, 0, 0, 0)
         }
     };
 
@@ -823,6 +862,7 @@ pub fn estimate_stage(
         profile.collective_bucket_bytes.min(4 * trained_params),
         stage.replicas,
     );
+    let offloaded_inputs = offloaded;
     let offloaded = settings.offload_optimizer && !profile.device_is_host;
     let optimizer_state = if offloaded { 0 } else { optimizer_total };
 
@@ -928,7 +968,10 @@ pub fn estimate_stage(
         } else {
             0
         };
-        state.max(host_load)
+        // The training phase's host memory: the offloaded state and the
+        // offloaded block inputs live together; the load ends before either.
+        let training = state + offloaded_inputs + slack(offloaded_inputs, profile.state_slack);
+        training.max(host_load)
     };
 
     MemoryBreakdown {
@@ -1356,6 +1399,7 @@ mod tests {
             optimizer: Optimizer::Adamw,
             base_format: crate::adapters::BaseFormat::Dense,
             offload_optimizer: false,
+            offload_activations: false,
         }
     }
 
@@ -1588,6 +1632,7 @@ mod lora_and_load_tests {
             optimizer: Optimizer::Adamw,
             base_format: BaseFormat::Dense,
             offload_optimizer: false,
+            offload_activations: false,
         }
     }
 
@@ -1912,6 +1957,7 @@ mod lora_and_load_tests {
         let l = llama_2_7b(512);
         let on = Settings {
             offload_optimizer: true,
+            offload_activations: false,
             ..settings(Precision::Bf16, true)
         };
         let model = ModelShape::Llama(l);
@@ -1942,5 +1988,60 @@ mod lora_and_load_tests {
         );
         assert!(flex.optimizer_state > 0);
         assert_eq!(flex.host_bytes, 0);
+    }
+
+    #[test]
+    fn offloaded_checkpoints_leave_one_block_input_on_the_gpu() {
+        // Llama-2-7B, s 2048, micro-batch 1, bf16, checkpointing: 32 block
+        // inputs of 2048 × 4096 bf16 values; with a LoRA adapter too.
+        let model = ModelShape::Llama(llama_2_7b(2048));
+        let input = 2048 * 4096 * 2;
+        let kept = Settings {
+            micro_batch: 1,
+            ..settings(Precision::Bf16, true)
+        };
+        let off = Settings {
+            offload_activations: true,
+            ..kept
+        };
+        let adapters = crate::adapters::LoraConfig {
+            rank: 16,
+            alpha: 32.0,
+            dropout: 0.0,
+            target_modules: vec![TargetModule::QProj, TargetModule::VProj],
+            block_size: 64,
+        };
+        for lora in [None, Some(&adapters)] {
+            let at = |s: &Settings, profile: &BackendProfile, stage: StagePlacement| {
+                estimate_stage(&model, lora, s, stage, profile, 1.0)
+            };
+            let whole = StagePlacement::single(32);
+            let (a, b) = (at(&kept, &CUDA, whole), at(&off, &CUDA, whole));
+            assert_eq!(a.activations - b.activations, 31 * input, "{lora:?}");
+            // The pod's host memory holds them (beside, here, the larger
+            // host side of the checkpoint load, which ends before).
+            assert!(b.host_bytes >= 31 * input + slack(31 * input, CUDA.state_slack));
+            assert!(b.total < a.total);
+            // Without checkpointing there is nothing to offload, and on
+            // flex the host is the device: nothing moves.
+            let unckpt = |s: &Settings| Settings {
+                activation_checkpointing: false,
+                ..*s
+            };
+            assert_eq!(
+                at(&unckpt(&off), &CUDA, whole),
+                at(&unckpt(&kept), &CUDA, whole)
+            );
+            let fp32 = |s: &Settings| Settings {
+                precision: Precision::Fp32,
+                ..*s
+            };
+            assert_eq!(
+                at(&fp32(&off), &FLEX, whole),
+                at(&fp32(&kept), &FLEX, whole)
+            );
+        }
+        assert!(!offloads_activations(&off, &FLEX));
+        assert!(offloads_activations(&off, &CUDA));
     }
 }

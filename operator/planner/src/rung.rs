@@ -32,14 +32,19 @@
 //! 6. `offloadOptimizer` (GPU only): every step moves gradients to the host
 //!    and weights back over PCIe and runs the update on the CPU; costly per
 //!    step unless accumulation amortises it, but it needs no more devices.
-//! 7. `shardOptimizerState`: more data-parallel replicas, each keeping a
+//! 7. `offloadActivations` (GPU only, with checkpointing): each block's
+//!    checkpointed input goes to the host after its forward and comes back
+//!    for its recomputation, a synchronous PCIe round trip per block and
+//!    micro-batch; it frees the inputs' bytes, which grow with the sequence
+//!    (long-context jobs), and turns checkpointing on if it was off.
+//! 8. `shardOptimizerState`: more data-parallel replicas, each keeping a
 //!    smaller share of the optimizer state (ZeRO-1); it costs devices but
 //!    no speed (the step gets faster, less the larger all-reduce), so it
 //!    comes first among the rungs that cost devices. It helps only where
 //!    the state is what overflowed: its candidates are checked against the
 //!    corrected estimate like any rung's, and when none fits the ladder
 //!    goes on from the replicas the failed plan had.
-//! 8. `morePipelineStages`, 9. `largerGpu`: more or larger devices, the
+//! 9. `morePipelineStages`, 10. `largerGpu`: more or larger devices, the
 //!    scarce thing the search minimises first; the replicas stay.
 
 use schemars::JsonSchema;
@@ -71,6 +76,9 @@ pub enum RetryRung {
     QuantizeBase,
     /// GPU workers only: keep the optimizer state, and its step, in host memory.
     OffloadOptimizer,
+    /// GPU workers only: keep the checkpointed block inputs in host memory
+    /// between forward and recomputation (turns checkpointing on).
+    OffloadActivations,
     /// More data-parallel replicas, each keeping a smaller share of the
     /// optimizer state (where the worker runs replicas).
     ShardOptimizerState,
@@ -83,13 +91,14 @@ pub enum RetryRung {
 impl RetryRung {
     /// Every rung, in the fixed order the ladder climbs them: cheapest in
     /// speed and devices first (the reasons are in the module docs).
-    pub const ALL: [RetryRung; 9] = [
+    pub const ALL: [RetryRung; 10] = [
         RetryRung::ActivationCheckpointing,
         RetryRung::HalveMicroBatch,
         RetryRung::LowerPrecision,
         RetryRung::CheaperOptimizer,
         RetryRung::QuantizeBase,
         RetryRung::OffloadOptimizer,
+        RetryRung::OffloadActivations,
         RetryRung::ShardOptimizerState,
         RetryRung::MorePipelineStages,
         RetryRung::LargerGpu,
@@ -97,12 +106,13 @@ impl RetryRung {
 
     /// What a job allows when it names no rungs: every [`runnable`](Self::runnable)
     /// rung, in the ladder's order. A rung the worker cannot run is never offered.
-    pub const DEFAULT: [RetryRung; 9] = Self::ALL;
+    pub const DEFAULT: [RetryRung; 10] = Self::ALL;
 
     /// Whether some worker backend can run what this rung produces:
     /// `CheaperOptimizer` needs a profile listing an 8-bit optimizer,
     /// `QuantizeBase` a quantized base format that stores fewer bytes than
-    /// bf16, `OffloadOptimizer` a profile with `optimizer_offload`. When a
+    /// bf16, `OffloadOptimizer` a profile with `optimizer_offload`,
+    /// `OffloadActivations` one with `activation_offload`. When a
     /// profile starts listing one, this turns true and the rung belongs in
     /// [`RetryRung::DEFAULT`] (a test says so) and the API's allowed list.
     pub fn runnable(self) -> bool {
@@ -118,6 +128,9 @@ impl RetryRung {
                     .any(|&precision| next_base_format(BaseFormat::Dense, precision, p).is_some())
             }),
             RetryRung::OffloadOptimizer => [&FLEX, &CUDA].into_iter().any(|p| p.optimizer_offload),
+            RetryRung::OffloadActivations => {
+                [&FLEX, &CUDA].into_iter().any(|p| p.activation_offload)
+            }
             RetryRung::ShardOptimizerState => [&FLEX, &CUDA].into_iter().any(|p| p.data_parallel),
             _ => true,
         }
@@ -179,6 +192,17 @@ impl RetryRung {
                     return None;
                 }
                 next.offload_optimizer = true;
+            }
+            RetryRung::OffloadActivations => {
+                if settings.offload_activations
+                    || !profile.activation_offload
+                    || profile.device_is_host
+                {
+                    return None;
+                }
+                // The inputs it moves are checkpointing's.
+                next.offload_activations = true;
+                next.activation_checkpointing = true;
             }
             RetryRung::ShardOptimizerState
             | RetryRung::MorePipelineStages
@@ -257,6 +281,18 @@ impl RetryRung {
                 )),
                 None => Tightening::Skip(format!(
                     "the {} backend keeps optimizer state on its device",
+                    limits.profile.backend
+                )),
+            },
+            RetryRung::OffloadActivations => match next_settings(s) {
+                Some(off) => Tightening::Try(vec![with(off)]),
+                None if s.offload_activations => Tightening::Skip("already offloaded".into()),
+                None if limits.profile.device_is_host => Tightening::Skip(format!(
+                    "not applicable on the {} backend: a CPU worker's activations are in host memory already",
+                    limits.profile.backend
+                )),
+                None => Tightening::Skip(format!(
+                    "the {} backend keeps checkpointed activations on its device",
                     limits.profile.backend
                 )),
             },
@@ -382,6 +418,7 @@ impl RetryRung {
             RetryRung::CheaperOptimizer => format!("{} → {}", s.optimizer, shortfall()),
             RetryRung::QuantizeBase => format!("{} base → {}", s.base_format, shortfall()),
             RetryRung::OffloadOptimizer => format!("optimizer offloaded → {}", shortfall()),
+            RetryRung::OffloadActivations => format!("checkpoints offloaded → {}", shortfall()),
             RetryRung::ShardOptimizerState => {
                 format!("up to {} replicas → {}", reached.replicas, shortfall())
             }
@@ -451,6 +488,7 @@ impl std::fmt::Display for RetryRung {
             RetryRung::CheaperOptimizer => "cheaperOptimizer",
             RetryRung::QuantizeBase => "quantizeBase",
             RetryRung::OffloadOptimizer => "offloadOptimizer",
+            RetryRung::OffloadActivations => "offloadActivations",
             RetryRung::ShardOptimizerState => "shardOptimizerState",
             RetryRung::MorePipelineStages => "morePipelineStages",
             RetryRung::LargerGpu => "largerGpu",
@@ -528,6 +566,7 @@ mod tests {
             optimizer: Optimizer::Adamw,
             base_format: crate::adapters::BaseFormat::Dense,
             offload_optimizer: false,
+            offload_activations: false,
         }
     }
 
@@ -898,5 +937,26 @@ mod tests {
             .tighten_settings(&s, &FLEX_QLORA, 12, false)
             .expect("adamw → adamw8bit");
         assert_eq!(cheaper.optimizer, Optimizer::Adamw8bit);
+    }
+
+    #[test]
+    fn offloaded_checkpoints_turn_checkpointing_on_and_only_on_a_gpu() {
+        let s = settings(4, 3);
+        assert!(!s.activation_checkpointing);
+        let off = RetryRung::OffloadActivations
+            .tighten_settings(&s, &CUDA, 12, false)
+            .expect("cuda offloads checkpoints");
+        assert!(off.offload_activations && off.activation_checkpointing);
+        assert_eq!((off.micro_batch, off.gradient_accumulation), (4, 3));
+        assert_eq!(
+            RetryRung::OffloadActivations.tighten_settings(&off, &CUDA, 12, false),
+            None
+        );
+        // A CPU worker's activations are in host memory already.
+        assert_eq!(
+            RetryRung::OffloadActivations.tighten_settings(&s, &FLEX, 12, false),
+            None
+        );
+        assert!(RetryRung::OffloadActivations.runnable());
     }
 }

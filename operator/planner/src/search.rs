@@ -303,15 +303,19 @@ fn describe_numerics(s: &Settings) -> String {
     if s.offload_optimizer {
         out.push_str(" / optimizer offloaded");
     }
+    if s.offload_activations {
+        out.push_str(" / checkpoints offloaded");
+    }
     out
 }
 
 /// The numerics rungs, in the ladder's order.
-const NUMERICS_RUNGS: [RetryRung; 4] = [
+const NUMERICS_RUNGS: [RetryRung; 5] = [
     RetryRung::LowerPrecision,
     RetryRung::CheaperOptimizer,
     RetryRung::QuantizeBase,
     RetryRung::OffloadOptimizer,
+    RetryRung::OffloadActivations,
 ];
 
 /// Numerics to try, in order, with the rungs each implies: the user's own
@@ -336,6 +340,7 @@ fn numerics_options(req: &JobRequest, profile: &BackendProfile) -> Vec<(Settings
             crate::adapters::BaseFormat::Dense
         },
         offload_optimizer: false,
+        offload_activations: false,
     };
     // (settings, rungs applied, steps taken, index of the costliest rung + 1)
     let mut all: Vec<(Settings, Vec<RetryRung>, usize, usize)> = vec![(asked, vec![], 0, 0)];
@@ -579,7 +584,11 @@ impl<'a> Search<'a> {
         let (_, d) = shape;
         let share = self.req.global_batch / d.max(1);
         let micro_batches = self.micro_batches(d);
-        let checkpointing = self.checkpointing();
+        let mut checkpointing = self.checkpointing();
+        // Offloaded checkpoints are checkpointing's inputs: never without it.
+        if numerics.offload_activations {
+            checkpointing.retain(|&c| c);
+        }
         let settings = |b: u32, ckpt: bool| Settings {
             micro_batch: b,
             gradient_accumulation: share / b,

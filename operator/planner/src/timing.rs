@@ -65,7 +65,9 @@ pub struct StepTime {
 /// quantized base is dequantized on every forward (a fifth more,
 /// unmeasured); an offloaded optimizer moves gradients and weights over
 /// PCIe and steps on the CPU once per step (half a step more at
-/// accumulation 1, amortised over the micro-batches; unmeasured). The work
+/// accumulation 1, amortised over the micro-batches; unmeasured), and
+/// offloaded checkpoints cross it twice per block and micro-batch (a tenth
+/// more; unmeasured). The work
 /// is divided over p stages × d replicas.
 pub fn relative_compute(settings: &Settings, stages: u32, replicas: u32, kind: DeviceKind) -> f64 {
     let recompute = if settings.activation_checkpointing {
@@ -89,6 +91,13 @@ pub fn relative_compute(settings: &Settings, stages: u32, replicas: u32, kind: D
         1.0 + 0.5 / m
     } else {
         1.0
+    };
+    // Each checkpointed block input to the host and back, synchronously,
+    // every micro-batch: a tenth more (unmeasured).
+    let offload = if settings.offload_activations && settings.activation_checkpointing {
+        offload * 1.1
+    } else {
+        offload
     };
     let devices = f64::from(stages.max(1)) * f64::from(replicas.max(1));
     recompute * math * bubble * small_batch * dequantize * offload / devices
@@ -195,6 +204,7 @@ mod tests {
             optimizer: Optimizer::Adamw,
             base_format: Default::default(),
             offload_optimizer: false,
+            offload_activations: false,
         }
     }
 

@@ -153,6 +153,12 @@ pub struct Settings {
     /// on the GPU; never on CPU workers, whose state is on the host already.
     #[serde(default)]
     pub offload_optimizer: bool,
+    /// With activation checkpointing on a GPU: keep each block's checkpointed
+    /// input in host memory between its forward and its recomputation
+    /// instead of on the device (what Unsloth's offloaded gradient
+    /// checkpointing does). Never on CPU workers, whose device is the host.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub offload_activations: bool,
 }
 
 impl Settings {
@@ -180,6 +186,9 @@ impl std::fmt::Display for Settings {
         }
         if self.offload_optimizer {
             f.write_str(", optimizer offloaded")?;
+        }
+        if self.offload_activations {
+            f.write_str(", checkpoints offloaded")?;
         }
         Ok(())
     }

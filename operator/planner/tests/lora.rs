@@ -216,6 +216,7 @@ fn qlora_minimums_beside_unsloth() {
                 optimizer: Optimizer::Adamw,
                 base_format: format,
                 offload_optimizer: false,
+                offload_activations: false,
             };
             estimate_stage(
                 &model,
@@ -291,7 +292,7 @@ fn llama_3_8b_qlora_terms_after_the_lean_ops() {
         "num_key_value_heads":8,"vocab_size":128256,"tie_word_embeddings":false,
         "rope_theta":500000.0,"torch_dtype":"bfloat16"}"#;
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-    let at = |seq: u32, micro: u32, acc: u32, ckpt: bool| {
+    let at_offloaded = |seq: u32, micro: u32, acc: u32, ckpt: bool, offload: bool| {
         let model = llama(LLAMA_3_8B, seq);
         let s = Settings {
             micro_batch: micro,
@@ -301,6 +302,7 @@ fn llama_3_8b_qlora_terms_after_the_lean_ops() {
             optimizer: Optimizer::Adamw,
             base_format: BaseFormat::Nf4,
             offload_optimizer: false,
+            offload_activations: offload,
         };
         estimate_stage(
             &model,
@@ -311,6 +313,8 @@ fn llama_3_8b_qlora_terms_after_the_lean_ops() {
             1.0,
         )
     };
+    let at =
+        |seq: u32, micro: u32, acc: u32, ckpt: bool| at_offloaded(seq, micro, acc, ckpt, false);
     println!("| sequence | plan | peak GiB (training; load) | activations | logits | composed |");
     println!("|---|---|---|---|---|---|");
     for (seq, micro, acc, ckpt) in [
@@ -334,10 +338,62 @@ fn llama_3_8b_qlora_terms_after_the_lean_ops() {
             gib(m.composed_weights),
         );
     }
+    // Offloaded checkpoints (GPU only): the block inputs wait in host memory.
+    println!(
+        "| sequence | plan, checkpoints offloaded | peak GiB (training; load) | activations | host GiB |"
+    );
+    println!("|---|---|---|---|---|");
+    for seq in [2048, 4096, 8192, 16384] {
+        let (kept, off) = (at(seq, 1, 1, true), at_offloaded(seq, 1, 1, true, true));
+        println!(
+            "| {seq} | mb 1 × 1 | {:.1} ({:.1}; {:.1}) | {:.2} | {:.1} |",
+            gib(off.total),
+            gib(off.training_total()),
+            gib(off.load_peak),
+            gib(off.activations),
+            gib(off.host_bytes),
+        );
+        // 31 of the 32 block inputs (s × 4096 bf16 values each) leave the device.
+        let input = u64::from(seq) * 4096 * 2;
+        assert_eq!(kept.activations - off.activations, 31 * input);
+    }
     // No s² term left: doubling s from 4096 to 8192 at most doubles
     // activations + logits.
     let (a, b) = (at(4096, 1, 1, true), at(8192, 1, 1, true));
     assert!(b.activations + b.logits <= 2 * (a.activations + a.logits));
     // s = 16384, mb 1, checkpointing: under 20 GiB.
     assert!(gib(at(16384, 1, 1, true).total) <= 20.0);
+}
+
+/// Long context on a small GPU: Llama-3-8B QLoRA at s 16384 needs 16.5 GiB
+/// with its block inputs on the device, more than a 16 GB card offers; the
+/// search offloads the checkpoints (the rung the job allows) and it fits,
+/// with their bytes in the pod's host memory.
+#[test]
+fn long_context_fits_a_small_gpu_with_offloaded_checkpoints() {
+    const LLAMA_3_8B: &str = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4096,
+        "intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,
+        "num_key_value_heads":8,"vocab_size":128256,"tie_word_embeddings":false,
+        "rope_theta":500000.0,"torch_dtype":"bfloat16"}"#;
+    let inventory = one_node("Tesla-V100-SXM2-16GB", 16384, 1);
+    let mut req = job(llama(LLAMA_3_8B, 16384), 4, 1);
+    req.adapters = Some(lora(16));
+    req.base_format = BaseFormat::Nf4;
+    req.precision = Precision::Bf16;
+    let without = JobRequest {
+        allowed_rungs: RetryRung::ALL
+            .into_iter()
+            .filter(|r| *r != RetryRung::OffloadActivations)
+            .collect(),
+        ..req.clone()
+    };
+    assert!(plan_with(&without, &inventory, &opts()).is_err());
+    let plan = plan_with(&req, &inventory, &opts()).expect("fits with offloaded checkpoints");
+    assert!(plan.settings.offload_activations && plan.settings.activation_checkpointing);
+    assert!(
+        plan.rungs_applied.contains(&RetryRung::OffloadActivations),
+        "{plan:?}"
+    );
+    assert!(plan.fits(), "{}", plan.fit);
+    assert!(plan.stages[0].memory.host_bytes >= 31 * 16384 * 4096 * 2);
 }

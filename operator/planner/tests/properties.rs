@@ -52,6 +52,7 @@ fn arb_settings() -> impl Strategy<Value = Settings> {
                 optimizer,
                 base_format: headroom_planner::BaseFormat::Dense,
                 offload_optimizer: false,
+                offload_activations: false,
             },
         )
 }

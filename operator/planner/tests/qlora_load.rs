@@ -40,6 +40,7 @@ fn settings(base_format: BaseFormat) -> Settings {
         optimizer: Optimizer::Adamw,
         base_format,
         offload_optimizer: false,
+        offload_activations: false,
     }
 }
 

@@ -48,6 +48,7 @@ fn trainer(optimizer: Optimizer) -> Trainer {
             optimizer,
             base_format: BaseFormat::Dense,
             offload_optimizer: false,
+            offload_activations: false,
         },
         1_000_000,
         3e-3,

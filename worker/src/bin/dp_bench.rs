@@ -95,6 +95,7 @@ fn settings(d: u32) -> Settings {
         optimizer: Optimizer::Adamw,
         base_format: BaseFormat::Dense,
         offload_optimizer: false,
+        offload_activations: false,
     }
 }
 

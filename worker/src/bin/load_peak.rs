@@ -531,6 +531,7 @@ fn bench(
         optimizer: Optimizer::Adamw,
         base_format: BaseFormat::Dense,
         offload_optimizer: false,
+        offload_activations: false,
     };
     let mut dense_peaks = BTreeMap::new();
     let header = [
@@ -741,6 +742,7 @@ fn half_table(runs: usize, dir: &Path, exe: &Path, model: &ModelShape, sizes: &(
             optimizer: Optimizer::Adamw,
             base_format: format,
             offload_optimizer: false,
+            offload_activations: false,
         };
         let adapters = format.is_quantized().then(qlora);
         for p in [1, 2] {

@@ -32,6 +32,7 @@ pub fn tiny_config(micro_batch: u32, accumulation: u32, checkpointing: bool) -> 
             optimizer: Optimizer::Adamw,
             base_format: headroom_planner::BaseFormat::Dense,
             offload_optimizer: false,
+            offload_activations: false,
         },
         40,
         1e-2,

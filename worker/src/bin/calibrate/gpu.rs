@@ -207,8 +207,24 @@ fn assignment(case: &Case, steps: u64, gpu: &Gpu) -> Result<WorkerAssignment, St
             host_baseline_bytes: None,
         },
     );
-    let plan =
+    let mut plan =
         plan_with(&req, &inventory(gpu), &SearchOptions::default()).map_err(|e| e.to_string())?;
+    // An offloaded row measures the same case with its checkpoints in host
+    // memory, which the search only chooses where the case would not fit:
+    // set it, and predict it ([`cuda_prediction`] reads the settings).
+    if case.offload_activations {
+        plan.settings.offload_activations = true;
+        let peak = estimate_stage(
+            &case.model,
+            plan.adapters.as_ref(),
+            &plan.settings,
+            StagePlacement::single(case.layers()),
+            &CUDA,
+            1.0,
+        )
+        .total;
+        plan.predicted_peak_bytes = peak;
+    }
     // Pinned settings are planned even over budget (a first attempt runs
     // them as asked); the grid keeps to what fits this GPU.
     if plan.predicted_peak_bytes > plan.budget_bytes {
@@ -272,6 +288,10 @@ pub fn grid(large: bool) -> Vec<Case> {
         base_format: format,
         ..c(name, model, mb, 1, ckpt, Optimizer::Adamw)
     };
+    let offloaded = |case: Case| Case {
+        offload_activations: true,
+        ..case
+    };
     use BaseFormat::{Dense, Int4, Int8, Nf4};
     use Optimizer::{Adamw, Adamw8bit};
     let qv = &[TargetModule::QProj, TargetModule::VProj][..];
@@ -286,6 +306,8 @@ pub fn grid(large: bool) -> Vec<Case> {
         c("T s4096 b2 ckpt", &t4k, 2, 1, true, Adamw),
         c("T s8192 b1", &t8k, 1, 1, false, Adamw),
         c("T s8192 b1 ckpt", &t8k, 1, 1, true, Adamw),
+        // The same with the checkpointed block inputs in host memory.
+        offloaded(c("T s8192 b1 ckpt offload", &t8k, 1, 1, true, Adamw)),
         c("M b8", &m, 8, 1, false, Adamw),
         c("M b8 ckpt", &m, 8, 1, true, Adamw),
         c("M b8 8bit", &m, 8, 1, false, Adamw8bit),
@@ -297,6 +319,7 @@ pub fn grid(large: bool) -> Vec<Case> {
         lora("B qlora8 all7 b8 ckpt", &b, 8, true, all7, Int8),
         lora("B qlora4 all7 b8 ckpt", &b, 8, true, all7, Int4),
         lora("B nf4 all7 b8 ckpt", &b, 8, true, all7, Nf4),
+        offloaded(lora("B nf4 all7 b8 ckpt offload", &b, 8, true, all7, Nf4)),
     ];
     if large {
         cases.extend([

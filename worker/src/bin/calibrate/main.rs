@@ -96,6 +96,9 @@ struct Case {
     base_format: BaseFormat,
     /// Fp32 on flex (its only precision); bf16 in the CUDA grid.
     precision: Precision,
+    /// Offloaded checkpoints (CUDA grid only: on flex the host is the
+    /// device, and the planner never offloads there).
+    offload_activations: bool,
 }
 
 impl Case {
@@ -118,6 +121,7 @@ impl Case {
             adapters: None,
             base_format: BaseFormat::Dense,
             precision,
+            offload_activations: false,
         }
     }
 
