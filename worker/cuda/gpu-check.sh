@@ -24,6 +24,11 @@
 #   2. the lean ops (blocked attention, chunked cross-entropy, the NF4 LoRA
 #      linear) against the naive ones on the GPU in fp32 and bf16, values
 #      and gradients, both against the f32 reference on the CPU;
+#   2b. the checkpoint load on the device: a dense and an nf4 bf16 stage of a
+#      model whose largest tensor (a 128,256-token embedding) dwarfs its
+#      blocks, each loaded in a child; cubecl's live and reserved bytes
+#      beyond the weights against the planner's load term (the largest
+#      tensor's upload, one dense block): what the CPU cannot measure;
 #   3. the calibration grid: bf16 Llama models (110M-1.1B, s up to 8192; 3B
 #      with --large) planned by the real planner for this GPU, each a worker
 #      process; the planner's CUDA prediction against the measured device

@@ -16,7 +16,9 @@
 //!
 //! Before the grid a child process (`--gpu-smoke`) trains a few bf16 steps
 //! and prints NVML and the allocator's in-use/reserved bytes, so a broken
-//! CUDA setup fails in seconds with its own error. After it: the cost of
+//! CUDA setup fails in seconds with its own error; then two more
+//! (`--gpu-load-check`) load a dense and an nf4 stage and report the
+//! device's bytes beyond the weights during the load ([`load_rows`]). After it: the cost of
 //! one memory sample with NVML, and tokens/s with and without the
 //! reporter thread.
 
@@ -480,6 +482,203 @@ pub fn ops_check(precision: Precision) -> i32 {
     i32::from(failed > 0)
 }
 
+/// The load check's model: Llama-3's vocabulary (128,256) at hidden 1024,
+/// 4 layers, untied, so the largest tensor (the embedding, and the head:
+/// 250.5 MiB each in bf16) dwarfs a block's linears (21.5 MiB) and the
+/// planner's term for the largest tensor's upload shows on its own.
+fn load_model() -> ModelShape {
+    llama(4, 1024, (16, 4), 2816, 512, 128256, false)
+}
+
+/// What a stage's checkpoint load holds on its device, bytes beyond what the
+/// device held before: the weights it keeps (live bytes after the load),
+/// the highest live bytes seen while it loaded (sampled every millisecond
+/// on a thread, and the live bytes after), and what the allocator reserved
+/// (its pools keep the pages a load's transients took).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoadProbe {
+    pub weights: u64,
+    pub peak_live: u64,
+    pub reserved: u64,
+}
+
+/// Loads the checkpoint in `model_dir` into a whole stage on `device` as the
+/// worker does (dense: [`HfCheckpoint::load_stage`]; a quantized base:
+/// `lora::load_quantized`, block by block) and reads the device's pools
+/// around it. `None` where the device has no pools to read (flex, where it
+/// still loads: the CPU's test of this code).
+pub fn load_probe(device: &Device, format: BaseFormat, model_dir: &Path) -> Option<LoadProbe> {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let before = device.memory_pool_usage();
+    let checkpoint = HfCheckpoint::open(model_dir, 512).expect("the load check's checkpoint");
+    let shape = LmShape::Llama(checkpoint.shape.clone());
+    let layout = StageLayout::whole(&shape);
+    // Lazily initialised parameters: nothing on the device until loaded.
+    let mut model = TransformerLm::new(&shape, &layout, 0, device);
+    let stop = Arc::new(AtomicBool::new(false));
+    let peak = Arc::new(AtomicU64::new(
+        before.as_ref().map_or(0, |b| b.bytes_in_use),
+    ));
+    let sampler = {
+        let (stop, peak, device) = (stop.clone(), peak.clone(), device.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                if let Some(u) = device.memory_pool_usage() {
+                    peak.fetch_max(u.bytes_in_use, Ordering::Relaxed);
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        })
+    };
+    if format.is_quantized() {
+        let config = lora_config(&BLOCK_LINEARS);
+        model = headroom_worker::model::lora::load_quantized(
+            &checkpoint,
+            model,
+            &config,
+            format,
+            &layout,
+            0,
+            device,
+        )
+        .expect("load_quantized");
+    } else {
+        checkpoint
+            .load_stage(&mut model, &layout)
+            .expect("load_stage");
+    }
+    device.sync().expect("the device finishes the load");
+    stop.store(true, Ordering::Relaxed);
+    sampler.join().expect("sampler");
+    let (before, after) = (before?, device.memory_pool_usage()?);
+    drop(model);
+    let peak = peak.load(Ordering::Relaxed).max(after.bytes_in_use);
+    Some(LoadProbe {
+        weights: after.bytes_in_use.saturating_sub(before.bytes_in_use),
+        peak_live: peak.saturating_sub(before.bytes_in_use),
+        reserved: after.bytes_reserved.saturating_sub(before.bytes_reserved),
+    })
+}
+
+/// `--gpu-load-check dense|nf4 MODEL_DIR` (a child process: a fresh device,
+/// nothing loaded before): [`load_probe`] on GPU 0 in bf16, one JSON line.
+pub fn load_check(format: BaseFormat, model_dir: &Path) -> i32 {
+    match detect() {
+        Ok(gpu) => configure_runtime(&gpu),
+        Err(e) => {
+            eprintln!("gpu-check: {e}");
+            return 2;
+        }
+    }
+    let device = match training_device(Backend::Cuda, Precision::Bf16) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("gpu-check: no CUDA device: {e}");
+            return 1;
+        }
+    };
+    let Some(p) = load_probe(&device, format, model_dir) else {
+        eprintln!("gpu-check: the CUDA device reports no memory pools");
+        return 1;
+    };
+    println!(
+        "{}",
+        serde_json::json!({"weights": p.weights, "peak_live": p.peak_live, "reserved": p.reserved})
+    );
+    0
+}
+
+/// The planner's CUDA load of [`load_model`] on one stage, bytes: its
+/// weights and what it counts beside them on the device (the load peak less
+/// the fixed overhead and the weights: the largest tensor's upload, for a
+/// quantized base one dense block, and the state slack on both).
+fn planned_load(format: BaseFormat) -> (u64, u64) {
+    let model = load_model();
+    let adapters = format.is_quantized().then(|| lora_config(&BLOCK_LINEARS));
+    let settings = headroom_planner::Settings {
+        micro_batch: 1,
+        gradient_accumulation: 1,
+        activation_checkpointing: true,
+        precision: Precision::Bf16,
+        optimizer: Optimizer::Adamw,
+        base_format: format,
+        offload_optimizer: false,
+        offload_activations: false,
+    };
+    let m = estimate_stage(
+        &model,
+        adapters.as_ref(),
+        &settings,
+        StagePlacement::single(model.splittable_layers()),
+        &CUDA,
+        1.0,
+    );
+    // The adapters are made after the load; the base is what it holds.
+    let adapter_bytes = adapters.as_ref().map_or(0, |a| match &model {
+        ModelShape::Llama(l) => a.trainable_params(l) * 2,
+        _ => 0,
+    });
+    let base = m.weights - adapter_bytes;
+    (base, m.load_peak - m.fixed_overhead - m.weights)
+}
+
+/// The device's share of a checkpoint load (issue 30's load figure; on the
+/// CPU host and device are one memory, so only a GPU can say): for a dense
+/// and an nf4 base of [`load_model`], each loaded in a child process, the
+/// live bytes beyond the weights against what the planner counts. Returns
+/// the number of rows that failed.
+fn load_rows(models: &Path) -> usize {
+    let case = Case::full(
+        "load",
+        &load_model(),
+        (1, 1),
+        true,
+        Optimizer::Adamw,
+        Precision::Bf16,
+    );
+    let dir = std::env::temp_dir().join(format!("headroom-gpu-load-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let files = fine_tuning_files_with(&case, &dir, models, 1).expect("a Llama checkpoint");
+    let _ = std::fs::remove_dir_all(&dir);
+    println!(
+        "\ncheckpoint load on the device (bf16 stage of a 4 × 1024 Llama with a 128,256 vocabulary, untied; live bytes from cubecl's pools, sampled every ms):\n"
+    );
+    println!(
+        "| base | weights MiB (planned) | peak live beyond weights MiB | reserved beyond weights MiB | planned beyond weights MiB |"
+    );
+    println!("|---|---|---|---|---|");
+    let mut failed = 0;
+    for (format, name) in [(BaseFormat::Dense, "dense"), (BaseFormat::Nf4, "nf4")] {
+        std::io::Write::flush(&mut std::io::stdout()).ok();
+        let out = Command::new(std::env::current_exe().expect("own path"))
+            .args(["--gpu-load-check", name, &files.model_dir])
+            .args(autotune_args())
+            .output()
+            .expect("run the load-check child");
+        let probe: Option<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .find_map(|l| serde_json::from_str(l).ok());
+        let (Some(p), true) = (probe, out.status.success()) else {
+            println!("| {name} | failed ({}) |", out.status);
+            eprintln!("{}", String::from_utf8_lossy(&out.stderr));
+            failed += 1;
+            continue;
+        };
+        let mib = |key: &str| p[key].as_u64().unwrap_or(0) as f64 / MIB;
+        let (weights, beyond) = planned_load(format);
+        println!(
+            "| {name} | {:.1} ({:.1}) | {:.1} | {:.1} | {:.1} |",
+            mib("weights"),
+            weights as f64 / MIB,
+            mib("peak_live") - mib("weights"),
+            mib("reserved") - mib("weights"),
+            beyond as f64 / MIB,
+        );
+    }
+    failed
+}
+
 /// The card's dense bf16 tensor-core peak in FLOP/s, from NVIDIA's
 /// datasheets (without sparsity), by the name NVML reports.
 pub fn bf16_peak_flops(name: &str) -> Option<f64> {
@@ -626,6 +825,8 @@ pub fn run(
         eprintln!("gpu-check: the bf16 smoke run failed ({status}); no grid");
         return 1;
     }
+    let models = std::env::temp_dir().join(format!("headroom-gpu-models-{}", std::process::id()));
+    let load_failed = load_rows(&models);
     if ops_check {
         println!(
             "\nlean ops on this GPU against the naive ones (max |difference| / max |value|; reference: the naive op in f32 on the CPU):\n"
@@ -664,7 +865,6 @@ pub fn run(
         "| case | L | h | heads | ffn | s | v | params | micro × acc | ckpt | optimizer | adapters | predicted MiB | measured MiB | error |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
-    let models = std::env::temp_dir().join(format!("headroom-gpu-models-{}", std::process::id()));
     let mut rows = Vec::new();
     let mut failed = 0;
     for case in grid(large)
@@ -777,8 +977,8 @@ pub fn run(
         eprintln!("gpu-check: a lean op was less accurate than the op it replaces on this GPU");
         return 1;
     }
-    if failed > 0 {
-        eprintln!("gpu-check: {failed} case(s) failed");
+    if failed + load_failed > 0 {
+        eprintln!("gpu-check: {failed} case(s) and {load_failed} load check(s) failed");
         return 1;
     }
     missed
@@ -810,6 +1010,30 @@ mod tests {
             driver: "test".into(),
             cuda: "12.8".into(),
         }
+    }
+
+    /// The load check compares the device's live bytes beyond the weights
+    /// with the planner's load term for the same stage: the largest
+    /// tensor's upload (the 128,256 × 1024 embedding, 250.5 MiB in bf16),
+    /// and for nf4 one dense block (21.5 MiB) more, on a smaller base.
+    #[test]
+    fn the_load_check_compares_the_planners_load_term() {
+        let mib = |b: u64| b as f64 / MIB;
+        let (dense_weights, dense_beyond) = planned_load(BaseFormat::Dense);
+        let (nf4_weights, nf4_beyond) = planned_load(BaseFormat::Nf4);
+        assert!(mib(dense_beyond) >= 250.5, "{}", mib(dense_beyond));
+        assert!(mib(nf4_beyond) >= mib(dense_beyond) - 20.0 + 21.5);
+        assert!(nf4_weights < dense_weights);
+    }
+
+    /// On flex (no pools to read) the probe still loads both bases as the
+    /// worker does, and says it has nothing to report.
+    #[test]
+    fn the_load_probe_loads_both_bases_on_the_cpu() {
+        let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/tiny-llama");
+        let device = Device::flex();
+        assert_eq!(load_probe(&device, BaseFormat::Dense, &tiny), None);
+        assert_eq!(load_probe(&device, BaseFormat::Nf4, &tiny), None);
     }
 
     #[test]

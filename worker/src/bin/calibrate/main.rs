@@ -1220,6 +1220,17 @@ fn main() {
             std::process::exit(exit.code());
         }
         Some("--gpu-smoke") => std::process::exit(gpu::smoke()),
+        Some("--gpu-load-check") => {
+            let format = match args.get(1).map(String::as_str) {
+                Some("dense") => BaseFormat::Dense,
+                Some("nf4") => BaseFormat::Nf4,
+                other => {
+                    panic!("--gpu-load-check {other:?}: dense or nf4, then the model's directory")
+                }
+            };
+            let dir = args.get(2).expect("--gpu-load-check FORMAT MODEL_DIR");
+            std::process::exit(gpu::load_check(format, Path::new(dir)));
+        }
         Some("--gpu-ops-check") => {
             let precision = match args.get(1).map(String::as_str) {
                 Some("fp32") => Precision::Fp32,
