@@ -668,11 +668,12 @@ pub fn estimate_stage(
     // the device keeps only the one input of the block that runs.
     let offload = offloads_activations(settings, profile);
 
-    // `offloaded`: the bytes of kept block inputs that wait in host memory
-    // instead. `widest`: the largest activation-phase request cubecl's arena serves
-    // (an arena page's size, below): the widest per-token activation, or
-    // on the last stage the loss op's chunk of f32 logits.
-    let (activations, logits, offloaded, widest) = match model {
+    // `offloaded_inputs`: the kept block inputs that wait in host memory
+    // instead of on the device. `widest`: the largest activation-phase
+    // request cubecl's arena serves (an arena page's size, below): the
+    // widest per-token activation, or on the last stage the loss op's chunk
+    // of f32 logits.
+    let (activations, logits, offloaded_inputs, widest) = match model {
         ModelShape::Transformer(t) => {
             let (s, h, a) = (
                 u64::from(t.sequence_length),
@@ -694,12 +695,12 @@ pub fn estimate_stage(
             };
             let kept = block(ckpt);
             let all_kept = in_flight * u64::from(stage.layers) * kept;
-            let offloaded = if offload {
+            let offloaded_inputs = if offload {
                 all_kept.saturating_sub(kept)
             } else {
                 0
             };
-            let mut act = all_kept - offloaded;
+            let mut act = all_kept - offloaded_inputs;
             if stage.layers > 0 {
                 // Backward recomputes one block at a time; its kept input is part of that block's full set.
                 let attention = attention_transient_bytes(s, b, a, e);
@@ -718,7 +719,7 @@ pub fn estimate_stage(
                 u64::from(t.vocabulary),
                 stage.last,
             ));
-            (act, logits, offloaded, widest)
+            (act, logits, offloaded_inputs, widest)
         }
         ModelShape::Llama(l) => {
             let ckpt = settings.activation_checkpointing;
@@ -769,12 +770,12 @@ pub fn estimate_stage(
                 ),
             };
             // One block's kept input stays on the device: the one that runs.
-            let offloaded = if offload {
+            let offloaded_inputs = if offload {
                 kept.saturating_sub(one_block - recomputed)
             } else {
                 0
             };
-            let mut act = kept - offloaded;
+            let mut act = kept - offloaded_inputs;
             if stage.layers > 0 {
                 let attention = attention_transient_bytes(
                     u64::from(l.sequence_length),
@@ -800,7 +801,7 @@ pub fn estimate_stage(
                 u64::from(l.vocabulary),
                 stage.last,
             ));
-            (act, logits, offloaded, widest)
+            (act, logits, offloaded_inputs, widest)
         }
         ModelShape::Generic(g) => {
             // Declared at 32-bit; scale to the element size. Checkpointing is
@@ -862,7 +863,6 @@ pub fn estimate_stage(
         profile.collective_bucket_bytes.min(4 * trained_params),
         stage.replicas,
     );
-    let offloaded_inputs = offloaded;
     let offloaded = settings.offload_optimizer && !profile.device_is_host;
     let optimizer_state = if offloaded { 0 } else { optimizer_total };
 
@@ -1957,7 +1957,6 @@ mod lora_and_load_tests {
         let l = llama_2_7b(512);
         let on = Settings {
             offload_optimizer: true,
-            offload_activations: false,
             ..settings(Precision::Bf16, true)
         };
         let model = ModelShape::Llama(l);
