@@ -261,3 +261,22 @@ fn a_checkpoint_resumes_under_another_split() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Offloaded checkpoints on pipeline stages: under 1F1B a stage keeps the
+/// block inputs of several micro-batches at once (up to p − k), every one
+/// in host memory now, and a later stage's first block input is what it
+/// received. Three stages train bit for bit as with the inputs kept.
+#[test]
+fn offloaded_checkpoints_train_three_stages_bit_for_bit() {
+    let shape = shape(false);
+    let kept = settings(true);
+    let offloaded = Settings {
+        offload_activations: true,
+        ..kept
+    };
+    let on_device = run(Transport::InProcess, 3, &shape, kept, 4, None);
+    assert_eq!(
+        on_device,
+        run(Transport::InProcess, 3, &shape, offloaded, 4, None)
+    );
+}
