@@ -948,13 +948,13 @@ pub fn estimate_stage(
                 weights + (largest + block) * e
             };
             let load = on_device.saturating_sub(weights);
-            let estimated = load + slack(on_device, profile.state_slack);
+            let estimated = load + slack(on_device, profile.load_slack);
             let peak = fixed_overhead + weights + (estimated as f64 * factor).round() as u64;
             let host = if profile.device_is_host {
                 0
             } else {
                 let host = host_transient + largest_f32;
-                host + slack(host, profile.state_slack)
+                host + slack(host, profile.load_slack)
             };
             (peak, host)
         }

@@ -9,6 +9,7 @@ use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Tensor};
 use headroom_planner::TransformerShape;
 
+use super::lean::linear::on_rows;
 use super::lean::{ATTENTION_BLOCK, AttentionOptions, attend};
 
 /// Causal multi-head self-attention: one fused QKV projection (3h² + 3h) and
@@ -34,7 +35,7 @@ impl Attention {
         let [b, s, h] = x.dims();
         let a = self.heads;
         let d = h / a;
-        let qkv = self.qkv.forward(x); // [b, s, 3h]
+        let qkv = on_rows(x, |x| self.qkv.forward(x)); // [b, s, 3h]
         let split = |i: usize| {
             qkv.clone()
                 .narrow(2, i * h, h)
@@ -44,7 +45,7 @@ impl Attention {
         let (q, k, v) = (split(0), split(1), split(2));
         let options = AttentionOptions::causal(d, ATTENTION_BLOCK);
         let context = attend(q, k, v, options).swap_dims(1, 2).reshape([b, s, h]); // [b, s, h]
-        self.out.forward(context)
+        on_rows(context, |x| self.out.forward(x))
     }
 }
 
@@ -74,9 +75,8 @@ impl GptBlock {
     /// [batch, seq, hidden] → [batch, seq, hidden].
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
         let x = x.clone() + self.attention.forward(self.ln1.forward(x));
-        let ff = self
-            .ff_out
-            .forward(gelu(self.ff_in.forward(self.ln2.forward(x.clone()))));
+        let inner = on_rows(self.ln2.forward(x.clone()), |x| self.ff_in.forward(x));
+        let ff = on_rows(gelu(inner), |x| self.ff_out.forward(x));
         x + ff
     }
 }

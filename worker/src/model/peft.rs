@@ -354,13 +354,20 @@ pub fn load_stage(
                     ),
                 ));
             }
-            values.insert(factor.id.val(), TensorData::new(data, dims));
+            // Transposed here, on the host, so the parameter is laid out
+            // as the trained one was: a transposed view would take other
+            // matmul kernels, and the logits would differ in their last bits.
+            let (rows, cols) = (dims[0], dims[1]);
+            let ours_layout: Vec<f32> = (0..cols)
+                .flat_map(|c| data.iter().skip(c).step_by(cols).take(rows).copied())
+                .collect();
+            values.insert(factor.id.val(), TensorData::new(ours_layout, [cols, rows]));
         }
     }
     Ok(model.map(&mut Replace(values)))
 }
 
-/// Sets the factors named by ParamId to new values (given in PEFT's layout),
+/// Sets the factors named by ParamId to new values (in burn's layout),
 /// keeping each parameter's id and gradient requirement.
 struct Replace(BTreeMap<u64, TensorData>);
 
@@ -371,9 +378,7 @@ impl ModuleMapper for Replace {
         };
         param.map(|old| {
             let device = old.device();
-            let value = Tensor::<D>::from_data(data, &device)
-                .transpose()
-                .cast(old.dtype());
+            let value = Tensor::<D>::from_data(data, &device).cast(old.dtype());
             if old.is_require_grad() {
                 value.require_grad()
             } else {
