@@ -248,8 +248,9 @@ impl std::fmt::Display for Backend {
 /// Calibrated against measured worker peaks (VmHWM of the worker process,
 /// `calibrate --skip-overhead`: GPT and Llama-family models at s 64–4096,
 /// LoRA/QLoRA, 8-bit AdamW, with and without checkpointing, pipeline
-/// stages; refitted on 2026-11-28 to the worker's fixed mmap threshold:
-/// 92 rows without replicas, median |error| 4.7 %, worst −7.3 %,
+/// stages; refitted on 2026-11-28 to the worker's fixed mmap threshold,
+/// and on 2026-11-29 to its linears on rows: 94 rows without replicas,
+/// median |error| 4.5 % and 4.7 % in two runs, worst −7.5 % and −8.2 %,
 /// `docs/benchmarks.md`). Activations are counted as burn's autodiff keeps
 /// them, so the slack left is each component's own.
 pub const FLEX: BackendProfile = BackendProfile {
