@@ -41,6 +41,10 @@ fn llama(config: &str, seq: u32) -> ModelShape {
 const LLAMA_2_7B: &str = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4096,
     "intermediate_size":11008,"num_hidden_layers":32,"num_attention_heads":32,
     "num_key_value_heads":32,"vocab_size":32000,"tie_word_embeddings":false,"torch_dtype":"float16"}"#;
+const LLAMA_3_8B: &str = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4096,
+    "intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,
+    "num_key_value_heads":8,"vocab_size":128256,"tie_word_embeddings":false,
+    "rope_theta":500000.0,"torch_dtype":"bfloat16"}"#;
 const LLAMA_2_13B: &str = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":5120,
     "intermediate_size":13824,"num_hidden_layers":40,"num_attention_heads":40,
     "num_key_value_heads":40,"vocab_size":32000,"tie_word_embeddings":false,"torch_dtype":"float16"}"#;
@@ -287,10 +291,6 @@ fn pins_keep_a_lora_job_on_its_dense_base_until_a_retry_quantizes_it() {
 #[test]
 fn llama_3_8b_qlora_terms_after_the_lean_ops() {
     use headroom_planner::memory::{StagePlacement, estimate_stage};
-    const LLAMA_3_8B: &str = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4096,
-        "intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,
-        "num_key_value_heads":8,"vocab_size":128256,"tie_word_embeddings":false,
-        "rope_theta":500000.0,"torch_dtype":"bfloat16"}"#;
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     let at_offloaded = |seq: u32, micro: u32, acc: u32, ckpt: bool, offload: bool| {
         let model = llama(LLAMA_3_8B, seq);
@@ -371,10 +371,6 @@ fn llama_3_8b_qlora_terms_after_the_lean_ops() {
 /// with their bytes in the pod's host memory.
 #[test]
 fn long_context_fits_a_small_gpu_with_offloaded_checkpoints() {
-    const LLAMA_3_8B: &str = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4096,
-        "intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,
-        "num_key_value_heads":8,"vocab_size":128256,"tie_word_embeddings":false,
-        "rope_theta":500000.0,"torch_dtype":"bfloat16"}"#;
     let inventory = one_node("Tesla-V100-SXM2-16GB", 16384, 1);
     let mut req = job(llama(LLAMA_3_8B, 16384), 4, 1);
     req.adapters = Some(lora(16));
