@@ -273,7 +273,13 @@ pub fn save(
     for part in meta.parts() {
         let path = tmp.join(part_file(part));
         let saved = match part {
-            Part::Token => model.token.as_ref().map(|m| record(m).save(&path)),
+            // A host embedding is frozen: its adapters-only record is the
+            // same (empty) file an on-device one writes.
+            Part::Token => match (&model.token, &model.host_token) {
+                (Some(m), _) => Some(record(m).save(&path)),
+                (None, Some(host)) => Some(record(host.table()).save(&path)),
+                (None, None) => None,
+            },
             Part::Position => model.position.as_ref().map(|m| record(m).save(&path)),
             Part::Block(i) => model
                 .blocks

@@ -354,6 +354,12 @@ impl Trainer {
     /// Fresh weights (each part seeded from the run's seed) on `device` (an autodiff device).
     pub fn new(config: TrainConfig, device: Device) -> Result<Self, Unsupported> {
         let mut model = TransformerLm::new(&config.shape, &config.layout, config.seed, &device);
+        // A frozen embedding may wait in host memory (the plan's
+        // `offload_embedding`; the planner asks for it on GPUs only): moved
+        // before the load, so the checkpoint fills it there.
+        if config.settings.offload_embedding && config.adapters.is_some() {
+            model.keep_embedding_on_host(&config.shape, device.settings().float_dtype.into());
+        }
         let mut pretrained = None;
         if let LmShape::Llama(shape) = &config.shape {
             let dir = config.pretrained.as_ref().ok_or_else(|| {

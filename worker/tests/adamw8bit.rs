@@ -333,6 +333,7 @@ fn llama_losses(optimizer: Optimizer, steps: u64, seed: u64) -> Vec<f64> {
             base_format: headroom_planner::BaseFormat::Dense,
             offload_optimizer: false,
             offload_activations: false,
+            offload_embedding: false,
         },
         steps,
         3e-3,

@@ -47,6 +47,7 @@ fn settings(global: u32, d: u32, checkpointing: bool) -> Settings {
         base_format: headroom_planner::BaseFormat::Dense,
         offload_optimizer: false,
         offload_activations: false,
+        offload_embedding: false,
     }
 }
 

@@ -64,6 +64,7 @@ fn settings() -> Settings {
         base_format: BaseFormat::Dense,
         offload_optimizer: false,
         offload_activations: false,
+        offload_embedding: false,
     }
 }
 

@@ -55,6 +55,7 @@ fn config(
             base_format: format,
             offload_optimizer: false,
             offload_activations: false,
+            offload_embedding: false,
         },
         steps,
         1e-2,
@@ -457,4 +458,115 @@ fn adapter_dropout_is_the_same_when_a_checkpointed_block_is_recomputed() {
         "{recompute} {loss_gap}"
     );
     assert!(from_plain > 1e-3, "dropout changes training: {from_plain}");
+}
+
+/// Every file under `dir`, relative path and bytes, in order.
+fn files_under(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(at) = stack.pop() {
+        for entry in std::fs::read_dir(&at).expect("read_dir") {
+            let path = entry.expect("entry").path();
+            if path.is_dir() {
+                stack.push(path);
+            } else {
+                let bytes = std::fs::read(&path).expect("read");
+                out.push((path.strip_prefix(dir).expect("under").to_path_buf(), bytes));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// An offloaded embedding (the plan's `offload_embedding`, a GPU rung)
+/// waits in host memory and is looked up there: the stage has no token
+/// module, and the losses, the adapter, the merged weights and the
+/// checkpoint are those of the embedding on the device, bit for bit, over
+/// a dense base and over an NF4 one with checkpointing. Either run's
+/// checkpoint resumes the other (a retry may add the rung). A tied
+/// embedding is the head's weight and stays on the device.
+#[test]
+fn an_embedding_in_host_memory_trains_and_saves_as_on_the_device() {
+    for (format, checkpointing) in [(BaseFormat::Dense, false), (BaseFormat::Nf4, true)] {
+        let lora = LoraConfig {
+            block_size: if format == BaseFormat::Nf4 { 64 } else { 8 },
+            ..adapters(&TargetModule::ALL)
+        };
+        let make = |offload: bool, steps: u64| {
+            let mut config = config(
+                "llama-mha-untied",
+                lora.clone(),
+                format,
+                checkpointing,
+                steps,
+            );
+            config.settings.offload_embedding = offload;
+            let trainer = Trainer::new(config, Device::flex().autodiff()).expect("trainer");
+            let model = trainer.model();
+            assert_eq!(model.token.is_none(), offload, "{format}");
+            assert_eq!(model.host_token.is_some(), offload, "{format}");
+            trainer
+        };
+        let run = |offload: bool| {
+            let out = tempdir(&format!("host-embedding-{format}-{offload}"));
+            let mut trainer = make(offload, 3);
+            let mut losses = Vec::new();
+            while !trainer.finished() {
+                losses.extend(trainer.train_step().expect("step").loss);
+            }
+            trainer
+                .save_pretrained(&out.join("output"))
+                .expect("output");
+            trainer
+                .save_checkpoint(&out.join("checkpoints"), 1, None)
+                .expect("checkpoint");
+            let logits = logits(&trainer.model().valid());
+            (losses, logits, out)
+        };
+        let (device_losses, device_logits, device_out) = run(false);
+        let (host_losses, host_logits, host_out) = run(true);
+        assert_eq!(device_losses, host_losses, "{format}");
+        assert_eq!(device_logits, host_logits, "{format}");
+        let (device_files, host_files) = (
+            files_under(&device_out.join("output")),
+            files_under(&host_out.join("output")),
+        );
+        assert!(
+            device_files.len() >= 2,
+            "{format}: adapter and config at least: {:?}",
+            device_files.iter().map(|f| &f.0).collect::<Vec<_>>()
+        );
+        assert!(device_files == host_files, "{format}: the outputs differ");
+        // The merged weights (dense base) hold the embedding the host kept.
+        if format == BaseFormat::Dense {
+            assert!(
+                host_files.iter().any(|(p, _)| p.starts_with(MERGED_DIR)),
+                "merged weights written"
+            );
+        }
+        // Each run's checkpoint resumes the other's way of keeping it.
+        for (root, offload) in [(&device_out, true), (&host_out, false)] {
+            let mut resumed = make(offload, 6);
+            let found = resumed
+                .resume(&root.join("checkpoints"))
+                .expect("resume")
+                .expect("a checkpoint");
+            assert_eq!(found.meta.step, 3);
+            assert_eq!(logits(&resumed.model().valid()), device_logits, "{format}");
+        }
+        let _ = std::fs::remove_dir_all(&device_out);
+        let _ = std::fs::remove_dir_all(&host_out);
+    }
+    // Tied: the head reads the embedding on the device, so it stays.
+    let mut config = config(
+        "llama-gqa-tied",
+        adapters(&[TargetModule::QProj]),
+        BaseFormat::Dense,
+        false,
+        1,
+    );
+    config.settings.offload_embedding = true;
+    let trainer = Trainer::new(config, Device::flex().autodiff()).expect("trainer");
+    assert!(trainer.model().token.is_some() && trainer.model().host_token.is_none());
 }

@@ -41,6 +41,7 @@ fn settings(checkpointing: bool) -> Settings {
         base_format: headroom_planner::BaseFormat::Dense,
         offload_optimizer: false,
         offload_activations: false,
+        offload_embedding: false,
     }
 }
 

@@ -93,6 +93,9 @@ pub struct BackendProfile {
     /// Whether the worker can keep checkpointed block inputs in host memory
     /// (`Settings::offload_activations`; GPU backends only).
     pub activation_offload: bool,
+    /// Whether the worker can keep a LoRA job's frozen token embedding in
+    /// host memory (`Settings::offload_embedding`; GPU backends only).
+    pub embedding_offload: bool,
     /// Whether the budgeted device memory is the host's (CPU workers): then
     /// the checkpoint load's host-side transient counts against the budget;
     /// on a GPU it is the pod's host memory instead
@@ -332,6 +335,7 @@ pub const FLEX: BackendProfile = BackendProfile {
     int4_value_bytes: 1.0,
     optimizer_offload: false,
     activation_offload: false,
+    embedding_offload: false,
     device_is_host: true,
     // The worker's replicas over its TCP ring (worker/src/data_parallel.rs):
     // gradients reduce-scattered, ZeRO-1 shards stepped, weights all-gathered.
@@ -424,6 +428,10 @@ pub const CUDA: BackendProfile = BackendProfile {
     // forward and come back for its recomputation (worker/src/train.rs,
     // `KeptInput`). Unverified on a GPU.
     activation_offload: true,
+    // The frozen embedding is looked up on the host and only the
+    // micro-batch's rows go to the device (worker/src/model/host_embedding.rs).
+    // Unverified on a GPU.
+    embedding_offload: true,
     device_is_host: false,
     // Replicas all-reduce over NCCL (worker/src/collective/nccl.rs), or the
     // TCP ring when the image has no libnccl. Unverified on a GPU.

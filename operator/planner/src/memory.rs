@@ -128,6 +128,19 @@
 //! counts anyway, moved; the transfers are synchronous in the worker, so
 //! they cost step time ([`crate::timing::relative_compute`]).
 //!
+//! # Offloaded embedding
+//!
+//! With `offload_embedding` a LoRA job's first stage on a GPU keeps its
+//! frozen token embedding in host memory ([`offloads_embedding`]): the
+//! worker looks the micro-batch's tokens up there and uploads their rows,
+//! which are the first block's input the activations count anyway. The
+//! table leaves `weights` for [`MemoryBreakdown::host_bytes`] (with the
+//! state slack), and the load never uploads it: the device's load term is
+//! the largest tensor the device receives, and the host's holds the
+//! table's f32 read beside its stage-dtype copy. For Llama-3-8B that is
+//! 1.05 GB of a 6 GB QLoRA stage. A tied embedding is the head's weight
+//! and stays.
+//!
 //! # Load peak (Llama checkpoints)
 //!
 //! Loading a stage's weights from a Hugging Face checkpoint is its own
@@ -632,6 +645,26 @@ pub fn offloads_activations(settings: &Settings, profile: &BackendProfile) -> bo
         && !profile.device_is_host
 }
 
+/// Whether `stage` keeps its token embedding in host memory: asked for, on
+/// a backend whose worker does it and whose device is not the host, for the
+/// first stage of a LoRA job (`adapters`: the embedding is frozen) whose
+/// embedding is not also its head's weight (tied, the head needs it on the
+/// device).
+pub fn offloads_embedding(
+    model: &ModelShape,
+    adapters: bool,
+    settings: &Settings,
+    stage: StagePlacement,
+    profile: &BackendProfile,
+) -> bool {
+    settings.offload_embedding
+        && profile.embedding_offload
+        && !profile.device_is_host
+        && adapters
+        && stage.first
+        && matches!(model, ModelShape::Llama(l) if !l.tied_embeddings)
+}
+
 /// Bytes of the loss op's chunk of f32 logits over `rows` rows, on the
 /// stage that computes the loss (`last`); 0 elsewhere.
 fn loss_chunk_bytes(rows: u64, vocab: u64, last: bool) -> u64 {
@@ -842,8 +875,25 @@ pub fn estimate_stage(
         None => tensors.clone(),
     };
     let trained_params: u64 = trained.iter().map(StageTensor::total_elements).sum();
+    // An offloaded embedding (see the module docs) is host memory, at the
+    // stage's element size, and never uploaded whole.
+    let embedding_on_host = offloads_embedding(model, lora.is_some(), settings, stage, profile);
+    let host_embedding: u64 = if embedding_on_host {
+        tensors
+            .iter()
+            .filter(|t| t.role == TensorRole::Embedding)
+            .map(|t| t.total_elements() * p.weight_bytes())
+            .sum()
+    } else {
+        0
+    };
+    let device_tensors: Vec<StageTensor> = tensors
+        .iter()
+        .filter(|t| !(embedding_on_host && t.role == TensorRole::Embedding))
+        .copied()
+        .collect();
     let weights = if lora.is_some() {
-        base_bytes + trained_params * p.weight_bytes()
+        base_bytes - host_embedding + trained_params * p.weight_bytes()
     } else {
         base_bytes
     };
@@ -918,6 +968,9 @@ pub fn estimate_stage(
             let stored = stored_element_bytes(l);
             let (host_transient, largest) = load_transient(&tensors, stored);
             let largest_f32 = largest * 4;
+            // What the device receives: an offloaded embedding is read into
+            // host memory (at f32, then the stage's dtype) and stays there.
+            let (_, largest) = load_transient(&device_tensors, stored);
             let on_device = if profile.device_is_host {
                 if base_format.is_quantized() {
                     quantized_load_bytes(&tensors, stored, weights)
@@ -953,7 +1006,7 @@ pub fn estimate_stage(
             let host = if profile.device_is_host {
                 0
             } else {
-                let host = host_transient + largest_f32;
+                let host = host_transient + largest_f32 + host_embedding;
                 host + slack(host, profile.load_slack)
             };
             (peak, host)
@@ -970,7 +1023,8 @@ pub fn estimate_stage(
         };
         // The training phase's host memory: the offloaded state and the
         // offloaded block inputs live together; the load ends before either.
-        let training = state + offloaded_inputs + slack(offloaded_inputs, profile.state_slack);
+        let moved = offloaded_inputs + host_embedding;
+        let training = state + moved + slack(moved, profile.state_slack);
         training.max(host_load)
     };
 
@@ -1400,6 +1454,7 @@ mod tests {
             base_format: crate::adapters::BaseFormat::Dense,
             offload_optimizer: false,
             offload_activations: false,
+            offload_embedding: false,
         }
     }
 
@@ -1633,6 +1688,7 @@ mod lora_and_load_tests {
             base_format: BaseFormat::Dense,
             offload_optimizer: false,
             offload_activations: false,
+            offload_embedding: false,
         }
     }
 
@@ -2042,5 +2098,79 @@ mod lora_and_load_tests {
         }
         assert!(!offloads_activations(&off, &FLEX));
         assert!(offloads_activations(&off, &CUDA));
+    }
+
+    /// An offloaded embedding moves Llama-2-7B's 32000 × 4096 table from
+    /// the device's weights to the pod's host memory on the first stage of
+    /// a LoRA job on a GPU, and nowhere else: a full fine-tune trains it, a
+    /// tied one is the head's, a later stage has none, flex's device is
+    /// the host.
+    #[test]
+    fn an_offloaded_embedding_leaves_the_device_only_where_it_is_frozen_and_untied() {
+        let model = ModelShape::Llama(llama_2_7b(2048));
+        let table = 32000 * 4096 * 2;
+        let kept = Settings {
+            micro_batch: 1,
+            ..settings(Precision::Bf16, true)
+        };
+        let off = Settings {
+            offload_embedding: true,
+            ..kept
+        };
+        let adapters = crate::adapters::LoraConfig {
+            rank: 16,
+            alpha: 32.0,
+            dropout: 0.0,
+            target_modules: vec![TargetModule::QProj, TargetModule::VProj],
+            block_size: 64,
+        };
+        let at = |model: &ModelShape,
+                  lora: Option<&crate::adapters::LoraConfig>,
+                  s: &Settings,
+                  profile: &BackendProfile,
+                  stage: StagePlacement| {
+            estimate_stage(model, lora, s, stage, profile, 1.0)
+        };
+        let whole = StagePlacement::single(32);
+        let (a, b) = (
+            at(&model, Some(&adapters), &kept, &CUDA, whole),
+            at(&model, Some(&adapters), &off, &CUDA, whole),
+        );
+        assert_eq!(a.weights - b.weights, table);
+        assert_eq!(a.activations, b.activations);
+        assert!(b.load_peak < a.load_peak);
+        assert!(b.host_bytes >= a.host_bytes.max(table + slack(table, CUDA.state_slack)));
+        assert!(b.total < a.total);
+        // Nowhere else does anything move.
+        let full = (
+            at(&model, None, &kept, &CUDA, whole),
+            at(&model, None, &off, &CUDA, whole),
+        );
+        assert_eq!(full.0, full.1, "full fine-tuning trains the embedding");
+        let later = StagePlacement {
+            first: false,
+            ..whole
+        };
+        assert_eq!(
+            at(&model, Some(&adapters), &kept, &CUDA, later),
+            at(&model, Some(&adapters), &off, &CUDA, later),
+            "a later stage holds no embedding"
+        );
+        let mut tied_shape = llama_2_7b(2048);
+        tied_shape.tied_embeddings = true;
+        let tied = ModelShape::Llama(tied_shape);
+        assert_eq!(
+            at(&tied, Some(&adapters), &kept, &CUDA, whole),
+            at(&tied, Some(&adapters), &off, &CUDA, whole),
+            "a tied embedding is the head's weight"
+        );
+        let fp32 = |s: &Settings| Settings {
+            precision: Precision::Fp32,
+            ..*s
+        };
+        assert_eq!(
+            at(&model, Some(&adapters), &fp32(&kept), &FLEX, whole),
+            at(&model, Some(&adapters), &fp32(&off), &FLEX, whole),
+        );
     }
 }

@@ -14,6 +14,12 @@
 //! and keeps the numerics, then what changes the numerics least, then what
 //! costs devices.
 //!
+//! 0. `offloadEmbedding` (GPU LoRA jobs with an untied embedding): the
+//!    frozen token embedding stays in host memory and only the
+//!    micro-batch's rows go to the device, one gather and one upload per
+//!    micro-batch; the numerics are the same bit for bit. It frees a fixed
+//!    table (1.05 GB for Llama-3-8B's), not what grows with the batch, and
+//!    costs a hundredth of the step at most, so it comes first.
 //! 1. `activationCheckpointing`: one more forward per block, about a third
 //!    more compute; nothing else changes.
 //! 2. `halveMicroBatch`: the same samples per step in smaller passes; costs
@@ -62,6 +68,9 @@ use crate::units::format_bytes;
 )]
 #[serde(rename_all = "camelCase")]
 pub enum RetryRung {
+    /// GPU LoRA jobs: keep the frozen token embedding in host memory and
+    /// upload only the micro-batch's rows.
+    OffloadEmbedding,
     /// Turn activation checkpointing on.
     ActivationCheckpointing,
     /// Halve the micro-batch and double gradient accumulation.
@@ -91,7 +100,8 @@ pub enum RetryRung {
 impl RetryRung {
     /// Every rung, in the fixed order the ladder climbs them: cheapest in
     /// speed and devices first (the reasons are in the module docs).
-    pub const ALL: [RetryRung; 10] = [
+    pub const ALL: [RetryRung; 11] = [
+        RetryRung::OffloadEmbedding,
         RetryRung::ActivationCheckpointing,
         RetryRung::HalveMicroBatch,
         RetryRung::LowerPrecision,
@@ -106,13 +116,14 @@ impl RetryRung {
 
     /// What a job allows when it names no rungs: every [`runnable`](Self::runnable)
     /// rung, in the ladder's order. A rung the worker cannot run is never offered.
-    pub const DEFAULT: [RetryRung; 10] = Self::ALL;
+    pub const DEFAULT: [RetryRung; 11] = Self::ALL;
 
     /// Whether some worker backend can run what this rung produces:
     /// `CheaperOptimizer` needs a profile listing an 8-bit optimizer,
     /// `QuantizeBase` a quantized base format that stores fewer bytes than
     /// bf16, `OffloadOptimizer` a profile with `optimizer_offload`,
-    /// `OffloadActivations` one with `activation_offload`. When a
+    /// `OffloadActivations` one with `activation_offload`,
+    /// `OffloadEmbedding` one with `embedding_offload`. When a
     /// profile starts listing one, this turns true and the rung belongs in
     /// [`RetryRung::DEFAULT`] (a test says so) and the API's allowed list.
     pub fn runnable(self) -> bool {
@@ -131,6 +142,7 @@ impl RetryRung {
             RetryRung::OffloadActivations => {
                 [&FLEX, &CUDA].into_iter().any(|p| p.activation_offload)
             }
+            RetryRung::OffloadEmbedding => [&FLEX, &CUDA].into_iter().any(|p| p.embedding_offload),
             RetryRung::ShardOptimizerState => [&FLEX, &CUDA].into_iter().any(|p| p.data_parallel),
             _ => true,
         }
@@ -151,6 +163,17 @@ impl RetryRung {
     ) -> Option<Settings> {
         let mut next = *settings;
         match self {
+            RetryRung::OffloadEmbedding => {
+                // Only a frozen embedding can wait on the host.
+                if settings.offload_embedding
+                    || !lora
+                    || !profile.embedding_offload
+                    || profile.device_is_host
+                {
+                    return None;
+                }
+                next.offload_embedding = true;
+            }
             RetryRung::ActivationCheckpointing => {
                 if settings.activation_checkpointing {
                     return None;
@@ -222,6 +245,21 @@ impl RetryRung {
         };
         let s = &from.settings;
         match self {
+            RetryRung::OffloadEmbedding => match next_settings(s) {
+                Some(off) => Tightening::Try(vec![with(off)]),
+                None if s.offload_embedding => Tightening::Skip("already offloaded".into()),
+                None if !limits.lora => Tightening::Skip(
+                    "full fine-tuning trains the embedding: only a LoRA job's frozen one waits on the host".into(),
+                ),
+                None if limits.profile.device_is_host => Tightening::Skip(format!(
+                    "not applicable on the {} backend: a CPU worker's embedding is in host memory already",
+                    limits.profile.backend
+                )),
+                None => Tightening::Skip(format!(
+                    "the {} backend keeps the embedding on its device",
+                    limits.profile.backend
+                )),
+            },
             RetryRung::ActivationCheckpointing => match next_settings(s) {
                 Some(on) => Tightening::Try(vec![with(on)]),
                 None => Tightening::Skip("already on".into()),
@@ -407,6 +445,7 @@ impl RetryRung {
     ) -> String {
         let s = &reached.settings;
         match self {
+            RetryRung::OffloadEmbedding => format!("embedding offloaded → {}", shortfall()),
             RetryRung::ActivationCheckpointing => format!("on → {}", shortfall()),
             RetryRung::HalveMicroBatch => format!(
                 "down to micro-batch {} × accumulation {} → {}",
@@ -482,6 +521,7 @@ pub fn next_base_format(
 impl std::fmt::Display for RetryRung {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
+            RetryRung::OffloadEmbedding => "offloadEmbedding",
             RetryRung::ActivationCheckpointing => "activationCheckpointing",
             RetryRung::HalveMicroBatch => "halveMicroBatch",
             RetryRung::LowerPrecision => "lowerPrecision",
@@ -567,6 +607,7 @@ mod tests {
             base_format: crate::adapters::BaseFormat::Dense,
             offload_optimizer: false,
             offload_activations: false,
+            offload_embedding: false,
         }
     }
 
@@ -958,5 +999,37 @@ mod tests {
             None
         );
         assert!(RetryRung::OffloadActivations.runnable());
+    }
+
+    #[test]
+    fn an_embedding_is_offloaded_only_for_lora_on_a_gpu() {
+        let s = settings(4, 3);
+        let off = RetryRung::OffloadEmbedding
+            .tighten_settings(&s, &CUDA, 12, true)
+            .expect("a LoRA job on cuda offloads its frozen embedding");
+        assert!(off.offload_embedding);
+        assert_eq!(
+            Settings {
+                offload_embedding: false,
+                ..off
+            },
+            s,
+            "nothing else changes"
+        );
+        assert_eq!(
+            RetryRung::OffloadEmbedding.tighten_settings(&off, &CUDA, 12, true),
+            None
+        );
+        // Full fine-tuning trains it; a CPU worker's is in host memory already.
+        assert_eq!(
+            RetryRung::OffloadEmbedding.tighten_settings(&s, &CUDA, 12, false),
+            None
+        );
+        assert_eq!(
+            RetryRung::OffloadEmbedding.tighten_settings(&s, &FLEX, 12, true),
+            None
+        );
+        assert!(RetryRung::OffloadEmbedding.runnable());
+        assert_eq!(RetryRung::ALL[0], RetryRung::OffloadEmbedding);
     }
 }

@@ -306,11 +306,15 @@ fn describe_numerics(s: &Settings) -> String {
     if s.offload_activations {
         out.push_str(" / checkpoints offloaded");
     }
+    if s.offload_embedding {
+        out.push_str(" / embedding offloaded");
+    }
     out
 }
 
 /// The numerics rungs, in the ladder's order.
-const NUMERICS_RUNGS: [RetryRung; 5] = [
+const NUMERICS_RUNGS: [RetryRung; 6] = [
+    RetryRung::OffloadEmbedding,
     RetryRung::LowerPrecision,
     RetryRung::CheaperOptimizer,
     RetryRung::QuantizeBase,
@@ -341,6 +345,7 @@ fn numerics_options(req: &JobRequest, profile: &BackendProfile) -> Vec<(Settings
         },
         offload_optimizer: false,
         offload_activations: false,
+        offload_embedding: false,
     };
     // (settings, rungs applied, steps taken, index of the costliest rung + 1)
     let mut all: Vec<(Settings, Vec<RetryRung>, usize, usize)> = vec![(asked, vec![], 0, 0)];

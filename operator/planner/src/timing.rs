@@ -67,7 +67,7 @@ pub struct StepTime {
 /// PCIe and steps on the CPU once per step (half a step more at
 /// accumulation 1, amortised over the micro-batches; unmeasured), and
 /// offloaded checkpoints cross it twice per block and micro-batch (a tenth
-/// more; unmeasured). The work
+/// more; unmeasured), an offloaded embedding once (a hundredth). The work
 /// is divided over p stages × d replicas.
 pub fn relative_compute(settings: &Settings, stages: u32, replicas: u32, kind: DeviceKind) -> f64 {
     let recompute = if settings.activation_checkpointing {
@@ -96,6 +96,13 @@ pub fn relative_compute(settings: &Settings, stages: u32, replicas: u32, kind: D
     // every micro-batch: a tenth more (unmeasured).
     let offload = if settings.offload_activations && settings.activation_checkpointing {
         offload * 1.1
+    } else {
+        offload
+    };
+    // A host-side gather and one upload of the first block's input per
+    // micro-batch: a hundredth more (unmeasured).
+    let offload = if settings.offload_embedding {
+        offload * 1.01
     } else {
         offload
     };
@@ -205,6 +212,7 @@ mod tests {
             base_format: Default::default(),
             offload_optimizer: false,
             offload_activations: false,
+            offload_embedding: false,
         }
     }
 

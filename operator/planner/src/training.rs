@@ -159,6 +159,13 @@ pub struct Settings {
     /// checkpointing does). Never on CPU workers, whose device is the host.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub offload_activations: bool,
+    /// LoRA jobs on a GPU: keep the frozen token embedding in host memory
+    /// and look the micro-batch's tokens up there, uploading only their
+    /// rows (Unsloth's `offload_embedding`). A tied embedding is the head's
+    /// weight and stays on the device whatever this says. Never on CPU
+    /// workers, whose device is the host.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub offload_embedding: bool,
 }
 
 impl Settings {
@@ -189,6 +196,9 @@ impl std::fmt::Display for Settings {
         }
         if self.offload_activations {
             f.write_str(", checkpoints offloaded")?;
+        }
+        if self.offload_embedding {
+            f.write_str(", embedding offloaded")?;
         }
         Ok(())
     }

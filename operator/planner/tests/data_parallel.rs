@@ -113,6 +113,7 @@ fn zero_one_shards_the_optimizer_state_over_the_replicas() {
         base_format: BaseFormat::Dense,
         offload_optimizer: false,
         offload_activations: false,
+        offload_embedding: false,
     };
     let params = model.total_params();
     let state = |replicas: u32| {

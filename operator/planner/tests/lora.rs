@@ -221,6 +221,7 @@ fn qlora_minimums_beside_unsloth() {
                 base_format: format,
                 offload_optimizer: false,
                 offload_activations: false,
+                offload_embedding: false,
             };
             estimate_stage(
                 &model,
@@ -292,7 +293,7 @@ fn pins_keep_a_lora_job_on_its_dense_base_until_a_retry_quantizes_it() {
 fn llama_3_8b_qlora_terms_after_the_lean_ops() {
     use headroom_planner::memory::{StagePlacement, estimate_stage};
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-    let at_offloaded = |seq: u32, micro: u32, acc: u32, ckpt: bool, offload: bool| {
+    let at_offloading = |seq: u32, micro: u32, acc: u32, ckpt: bool, offload: (bool, bool)| {
         let model = llama(LLAMA_3_8B, seq);
         let s = Settings {
             micro_batch: micro,
@@ -302,7 +303,8 @@ fn llama_3_8b_qlora_terms_after_the_lean_ops() {
             optimizer: Optimizer::Adamw,
             base_format: BaseFormat::Nf4,
             offload_optimizer: false,
-            offload_activations: offload,
+            offload_activations: offload.0,
+            offload_embedding: offload.1,
         };
         estimate_stage(
             &model,
@@ -312,6 +314,9 @@ fn llama_3_8b_qlora_terms_after_the_lean_ops() {
             &CUDA_QLORA,
             1.0,
         )
+    };
+    let at_offloaded = |seq: u32, micro: u32, acc: u32, ckpt: bool, offload: bool| {
+        at_offloading(seq, micro, acc, ckpt, (offload, false))
     };
     let at =
         |seq: u32, micro: u32, acc: u32, ckpt: bool| at_offloaded(seq, micro, acc, ckpt, false);
@@ -357,6 +362,35 @@ fn llama_3_8b_qlora_terms_after_the_lean_ops() {
         let input = u64::from(seq) * 4096 * 2;
         assert_eq!(kept.activations - off.activations, 31 * input);
     }
+    // The frozen embedding in host memory too (GPU only): 128256 × 4096
+    // bf16 values leave the device's weights and its load.
+    println!(
+        "| sequence | plan, embedding offloaded (and checkpoints) | peak GiB (training; load) | weights | host GiB |"
+    );
+    println!("|---|---|---|---|---|");
+    let table = 128_256 * 4096 * 2;
+    for seq in [2048, 4096, 8192, 16384] {
+        for checkpoints in [false, true] {
+            let before = at_offloaded(seq, 1, 1, true, checkpoints);
+            let off = at_offloading(seq, 1, 1, true, (checkpoints, true));
+            println!(
+                "| {seq} | mb 1 × 1{} | {:.1} ({:.1}; {:.1}) | {:.2} | {:.1} |",
+                if checkpoints { ", checkpoints too" } else { "" },
+                gib(off.total),
+                gib(off.training_total()),
+                gib(off.load_peak),
+                gib(off.weights),
+                gib(off.host_bytes),
+            );
+            assert_eq!(before.weights - off.weights, table);
+            assert_eq!(off.activations, before.activations);
+            assert!(off.host_bytes >= before.host_bytes.max(table));
+            assert!(off.load_peak < before.load_peak);
+        }
+    }
+    // Issue 30's first target: s 2048, mb 1, checkpointing, within 8 GB.
+    let small = at_offloading(2048, 1, 1, true, (false, true));
+    assert!(small.total <= 8_000_000_000, "{small:?}");
     // No s² term left: doubling s from 4096 to 8192 at most doubles
     // activations + logits.
     let (a, b) = (at(4096, 1, 1, true), at(8192, 1, 1, true));
@@ -392,4 +426,37 @@ fn long_context_fits_a_small_gpu_with_offloaded_checkpoints() {
     );
     assert!(plan.fits(), "{}", plan.fit);
     assert!(plan.stages[0].memory.host_bytes >= 31 * 16384 * 4096 * 2);
+}
+
+/// Issue 30's 8 GB target as the search meets it: Llama-3-8B QLoRA nf4 at
+/// s 2048 on an 8 GB card. With its 1.05 GB embedding on the device the
+/// job does not fit; the search keeps the frozen embedding in host memory
+/// (the rung the job allows) and it does, with the table in the pod's
+/// host memory.
+#[test]
+fn llama_3_8b_qlora_fits_an_8_gb_gpu_with_its_embedding_on_the_host() {
+    let inventory = one_node("NVIDIA-GeForce-RTX-3070", 8192, 1);
+    let mut req = job(llama(LLAMA_3_8B, 2048), 4, 1);
+    req.adapters = Some(lora(16));
+    req.base_format = BaseFormat::Nf4;
+    req.precision = Precision::Bf16;
+    let without = JobRequest {
+        allowed_rungs: RetryRung::ALL
+            .into_iter()
+            .filter(|r| *r != RetryRung::OffloadEmbedding)
+            .collect(),
+        ..req.clone()
+    };
+    assert!(plan_with(&without, &inventory, &opts()).is_err());
+    let plan = plan_with(&req, &inventory, &opts()).expect("fits with the embedding on the host");
+    assert!(plan.settings.offload_embedding, "{plan:?}");
+    assert!(
+        plan.rungs_applied.contains(&RetryRung::OffloadEmbedding),
+        "{plan:?}"
+    );
+    assert!(plan.fits(), "{}", plan.fit);
+    let memory = &plan.stages[0].memory;
+    assert!(memory.total <= 8_000_000_000, "{memory:?}");
+    assert!(memory.host_bytes >= 128_256 * 4096 * 2);
+    println!("{}: {:?}", plan.settings, memory);
 }

@@ -53,6 +53,7 @@ fn arb_settings() -> impl Strategy<Value = Settings> {
                 base_format: headroom_planner::BaseFormat::Dense,
                 offload_optimizer: false,
                 offload_activations: false,
+                offload_embedding: false,
             },
         )
 }

@@ -41,6 +41,7 @@ fn settings(base_format: BaseFormat) -> Settings {
         base_format,
         offload_optimizer: false,
         offload_activations: false,
+        offload_embedding: false,
     }
 }
 

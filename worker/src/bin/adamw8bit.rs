@@ -49,6 +49,7 @@ fn trainer(optimizer: Optimizer) -> Trainer {
             base_format: BaseFormat::Dense,
             offload_optimizer: false,
             offload_activations: false,
+            offload_embedding: false,
         },
         1_000_000,
         3e-3,

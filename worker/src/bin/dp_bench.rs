@@ -96,6 +96,7 @@ fn settings(d: u32) -> Settings {
         base_format: BaseFormat::Dense,
         offload_optimizer: false,
         offload_activations: false,
+        offload_embedding: false,
     }
 }
 

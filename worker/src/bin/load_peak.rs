@@ -532,6 +532,7 @@ fn bench(
         base_format: BaseFormat::Dense,
         offload_optimizer: false,
         offload_activations: false,
+        offload_embedding: false,
     };
     let mut dense_peaks = BTreeMap::new();
     let header = [
@@ -743,6 +744,7 @@ fn half_table(runs: usize, dir: &Path, exe: &Path, model: &ModelShape, sizes: &(
             base_format: format,
             offload_optimizer: false,
             offload_activations: false,
+            offload_embedding: false,
         };
         let adapters = format.is_quantized().then(qlora);
         for p in [1, 2] {

@@ -185,7 +185,31 @@ impl HfCheckpoint {
         layout: &StageLayout,
     ) -> Result<(), HfError> {
         let names = self.stage_tensor_names(layout);
-        self.load_part(model, &names, load_remapping(layout), "", layout)
+        self.load_part(model, &names, load_remapping(layout), "", layout)?;
+        self.load_host_token(model, layout)
+    }
+
+    /// Fills a stage's host embedding ([`TransformerLm::keep_embedding_on_host`])
+    /// from the checkpoint, in host memory, and casts it to the stage's
+    /// dtype; nothing for a stage without one.
+    fn load_host_token(
+        &self,
+        model: &mut TransformerLm,
+        layout: &StageLayout,
+    ) -> Result<(), HfError> {
+        let Some(host) = &mut model.host_token else {
+            return Ok(());
+        };
+        let empty = layout.layers.start..layout.layers.start;
+        let names = self.stage_tensor_names(&StageLayout {
+            layers: empty,
+            first: true,
+            last: false,
+        });
+        let remap = part_remapping(&[(r"^model\.embed_tokens\.", "")]);
+        self.load_part(host.table_mut(), &names, remap, "token.", layout)?;
+        host.settle();
+        Ok(())
     }
 
     /// Fills a Llama stage built by [`TransformerLm::new`] as
@@ -213,6 +237,7 @@ impl HfCheckpoint {
             let remap = part_remapping(&[(r"^model\.embed_tokens\.", "")]);
             self.load_part(token, &names, remap, "token.", layout)?;
         }
+        self.load_host_token(model, layout)?;
         if let Some(head) = &mut model.head {
             let mut names = self.stage_tensor_names(&part(empty, false, true));
             names.retain(|n| n != "model.embed_tokens.weight");
@@ -357,6 +382,14 @@ impl HfCheckpoint {
             std::process::id()
         ));
         let _ = std::fs::remove_file(&tmp);
+        // A host embedding is written as the checkpoint's own.
+        let with_token;
+        let model = if model.host_token.is_some() {
+            with_token = model.with_embedding_as_token();
+            &with_token
+        } else {
+            model
+        };
         let mut store = SafetensorsStore::from_file(&tmp)
             .with_to_adapter(ChainAdapter::new(
                 BurnToPyTorchAdapter,

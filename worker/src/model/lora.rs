@@ -233,6 +233,7 @@ impl StageAdapter {
     pub fn rest(&self, model: TransformerLm, device: &Device) -> TransformerLm {
         let TransformerLm {
             token,
+            host_token,
             position,
             blocks,
             head,
@@ -253,6 +254,7 @@ impl StageAdapter {
         });
         TransformerLm {
             token: token.map(Module::no_grad),
+            host_token,
             position: position.map(Module::no_grad),
             blocks,
             head,

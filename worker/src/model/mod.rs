@@ -24,6 +24,7 @@
 
 pub mod gpt;
 pub mod hf;
+pub mod host_embedding;
 pub mod lean;
 pub mod llama;
 pub mod lora;
@@ -43,6 +44,7 @@ use lean::linear::AdapterDropout;
 use serde::{Deserialize, Serialize};
 
 pub use gpt::GptBlock;
+pub use host_embedding::HostEmbedding;
 pub use llama::LlamaBlock;
 
 /// Standard deviation of the normal initialiser for embeddings (GPT-2's 0.02).
@@ -186,8 +188,16 @@ pub struct Head {
 /// from the same model. A Llama part is read from the checkpoint.
 #[derive(Module, Debug)]
 pub struct TransformerLm {
-    /// On the first stage, and on a last stage with a tied head.
+    /// On the first stage, and on a last stage with a tied head; `None`
+    /// on a first stage whose embedding waits in host memory instead
+    /// (`host_token`).
     pub token: Option<Embedding>,
+    /// A LoRA job's frozen, untied token embedding in host memory (the
+    /// plan's `offload_embedding`, [`Self::keep_embedding_on_host`]). Not a
+    /// module of the stage: nothing trains it, and the stage's modules
+    /// stay on one device.
+    #[module(skip)]
+    pub host_token: Option<HostEmbedding>,
     /// On the first stage of a GPT model only.
     pub position: Option<Embedding>,
     pub blocks: Vec<Block>,
@@ -403,12 +413,45 @@ impl TransformerLm {
         };
         TransformerLm {
             token,
+            host_token: None,
             position,
             blocks,
             head,
             first: layout.first,
             gemma,
         }
+    }
+
+    /// Moves the first stage's token embedding to host memory, where
+    /// lookups gather its rows ([`HostEmbedding`]), unless it is tied to
+    /// the head (which needs it on the device). An unloaded table (a Llama
+    /// stage before [`hf::HfCheckpoint`] fills it) is made empty on the
+    /// host, so the checkpoint reads it there and the device never holds
+    /// it. `dtype`: the stage's floats. Only for a frozen embedding (LoRA):
+    /// the host table trains nothing. Returns whether it moved.
+    pub fn keep_embedding_on_host(&mut self, shape: &LmShape, dtype: burn::tensor::DType) -> bool {
+        if !self.first || shape.tied_embeddings() {
+            return false;
+        }
+        let Some(token) = self.token.take() else {
+            return false;
+        };
+        self.host_token = Some(if token.weight.is_initialized() {
+            HostEmbedding::from_device(token, dtype)
+        } else {
+            HostEmbedding::empty(shape.vocabulary() as usize, shape.hidden() as usize, dtype)
+        });
+        true
+    }
+
+    /// This stage as its checkpoint files hold it: a host embedding is the
+    /// stage's `token` again (a view sharing its tensors, for writing).
+    pub fn with_embedding_as_token(&self) -> TransformerLm {
+        let mut model = self.clone();
+        if let Some(host) = model.host_token.take() {
+            model.token = Some(host.table().clone());
+        }
+        model
     }
 
     /// Holds the embeddings (the first stage).
@@ -423,12 +466,13 @@ impl TransformerLm {
 
     /// Token (+ learned position) embeddings. `tokens`: [batch, seq] → [batch, seq, hidden].
     pub fn embed(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        let (true, Some(token)) = (self.first, &self.token) else {
-            panic!("embed() on a stage without the embeddings");
-        };
         let [b, s] = tokens.dims();
         let device = tokens.device();
-        let x = token.forward(tokens);
+        let x = match (self.first, &self.token, &self.host_token) {
+            (true, Some(token), _) => token.forward(tokens),
+            (true, None, Some(host)) => host.lookup(tokens),
+            _ => panic!("embed() on a stage without the embeddings"),
+        };
         let x = match &self.gemma {
             // transformers casts √hidden to the weights' dtype before the product.
             Some(g) => {

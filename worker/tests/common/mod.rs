@@ -33,6 +33,7 @@ pub fn tiny_config(micro_batch: u32, accumulation: u32, checkpointing: bool) -> 
             base_format: headroom_planner::BaseFormat::Dense,
             offload_optimizer: false,
             offload_activations: false,
+            offload_embedding: false,
         },
         40,
         1e-2,

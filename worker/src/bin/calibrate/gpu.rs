@@ -214,8 +214,9 @@ fn assignment(case: &Case, steps: u64, gpu: &Gpu) -> Result<WorkerAssignment, St
     // An offloaded row measures the same case with its checkpoints in host
     // memory, which the search only chooses where the case would not fit:
     // set it, and predict it ([`cuda_prediction`] reads the settings).
-    if case.offload_activations {
-        plan.settings.offload_activations = true;
+    if case.offload_activations || case.offload_embedding {
+        plan.settings.offload_activations |= case.offload_activations;
+        plan.settings.offload_embedding |= case.offload_embedding;
         let peak = estimate_stage(
             &case.model,
             plan.adapters.as_ref(),
@@ -243,6 +244,7 @@ fn assignment(case: &Case, steps: u64, gpu: &Gpu) -> Result<WorkerAssignment, St
         s.optimizer,
         s.base_format,
         s.offload_optimizer,
+        s.offload_embedding,
         plan.stages.len(),
     ) == (
         case.micro_batch,
@@ -251,6 +253,7 @@ fn assignment(case: &Case, steps: u64, gpu: &Gpu) -> Result<WorkerAssignment, St
         case.optimizer,
         case.base_format,
         false,
+        case.offload_embedding,
         1,
     );
     if !kept {
@@ -294,6 +297,10 @@ pub fn grid(large: bool) -> Vec<Case> {
         offload_activations: true,
         ..case
     };
+    let embedding_offloaded = |case: Case| Case {
+        offload_embedding: true,
+        ..case
+    };
     use BaseFormat::{Dense, Int4, Int8, Nf4};
     use Optimizer::{Adamw, Adamw8bit};
     let qv = &[TargetModule::QProj, TargetModule::VProj][..];
@@ -322,6 +329,8 @@ pub fn grid(large: bool) -> Vec<Case> {
         lora("B qlora4 all7 b8 ckpt", &b, 8, true, all7, Int4),
         lora("B nf4 all7 b8 ckpt", &b, 8, true, all7, Nf4),
         offloaded(lora("B nf4 all7 b8 ckpt offload", &b, 8, true, all7, Nf4)),
+        // The frozen 32000 × 2048 embedding in host memory (125 MiB).
+        embedding_offloaded(lora("B nf4 all7 b8 ckpt embed", &b, 8, true, all7, Nf4)),
     ];
     if large {
         cases.extend([
@@ -605,6 +614,7 @@ fn planned_load(format: BaseFormat) -> (u64, u64) {
         base_format: format,
         offload_optimizer: false,
         offload_activations: false,
+        offload_embedding: false,
     };
     let m = estimate_stage(
         &model,

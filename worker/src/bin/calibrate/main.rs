@@ -99,6 +99,8 @@ struct Case {
     /// Offloaded checkpoints (CUDA grid only: on flex the host is the
     /// device, and the planner never offloads there).
     offload_activations: bool,
+    /// The frozen embedding in host memory (CUDA grid only, LoRA rows).
+    offload_embedding: bool,
 }
 
 impl Case {
@@ -122,6 +124,7 @@ impl Case {
             base_format: BaseFormat::Dense,
             precision,
             offload_activations: false,
+            offload_embedding: false,
         }
     }
 
