@@ -117,6 +117,34 @@ pub fn process_memory() -> (Option<u64>, Option<u64>) {
         .unwrap_or((None, None))
 }
 
+/// A GPU `CUDA_VISIBLE_DEVICES` names: an index or a `GPU-…`/`MIG-…` UUID.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VisibleGpu {
+    Index(u32),
+    Uuid(String),
+}
+
+/// The GPUs a `CUDA_VISIBLE_DEVICES` value lets this process use, in its
+/// order; `None` when unset (every GPU NVML sees: a pod sees only its own).
+/// As CUDA does, the list ends at the first entry that is neither an index
+/// nor a UUID, so an empty or invalid value leaves no GPU. NVML numbers
+/// GPUs in PCI bus order; CUDA does so with `CUDA_DEVICE_ORDER=PCI_BUS_ID`,
+/// which whoever sets indices here must set too (gpu-check's 2-GPU rows do).
+pub fn visible_gpus(value: Option<&str>) -> Option<Vec<VisibleGpu>> {
+    let value = value?;
+    let mut out = Vec::new();
+    for entry in value.split(',').map(str::trim) {
+        if let Ok(index) = entry.parse::<u32>() {
+            out.push(VisibleGpu::Index(index));
+        } else if entry.starts_with("GPU-") || entry.starts_with("MIG-") {
+            out.push(VisibleGpu::Uuid(entry.to_string()));
+        } else {
+            break;
+        }
+    }
+    Some(out)
+}
+
 /// Samples memory from every source this worker has.
 pub struct MemoryProbe {
     cgroup: Option<CgroupFiles>,
@@ -125,6 +153,10 @@ pub struct MemoryProbe {
     device: Option<Device>,
     #[cfg(feature = "cuda")]
     nvml: Option<nvml_wrapper::Nvml>,
+    /// The GPUs NVML reports for this process (`CUDA_VISIBLE_DEVICES`):
+    /// on a machine with several, the others are not this worker's.
+    #[cfg(feature = "cuda")]
+    visible: Option<Vec<VisibleGpu>>,
     /// Whether the budgeted memory is the GPU's rather than the process's.
     device_peak: bool,
     peak: u64,
@@ -164,6 +196,8 @@ impl MemoryProbe {
                     None
                 }
             },
+            #[cfg(feature = "cuda")]
+            visible: visible_gpus(std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref()),
             device_peak: false,
             peak: 0,
             cgroup_peak_seen: 0,
@@ -230,12 +264,24 @@ impl MemoryProbe {
         let Some(nvml) = &self.nvml else {
             return vec![];
         };
-        let count = nvml.device_count().unwrap_or(0);
-        (0..count)
-            .filter_map(|i| {
-                let info = nvml.device_by_index(i).ok()?.memory_info().ok()?;
+        let devices: Vec<_> = match &self.visible {
+            None => (0..nvml.device_count().unwrap_or(0))
+                .filter_map(|i| nvml.device_by_index(i).ok())
+                .collect(),
+            Some(visible) => visible
+                .iter()
+                .filter_map(|g| match g {
+                    VisibleGpu::Index(i) => nvml.device_by_index(*i).ok(),
+                    VisibleGpu::Uuid(u) => nvml.device_by_uuid(u.as_str()).ok(),
+                })
+                .collect(),
+        };
+        devices
+            .iter()
+            .filter_map(|device| {
+                let info = device.memory_info().ok()?;
                 Some(GpuMemory {
-                    index: i,
+                    index: device.index().ok()?,
                     used_bytes: info.used,
                     total_bytes: info.total,
                 })
@@ -252,6 +298,24 @@ impl MemoryProbe {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cuda_visible_devices_names_the_gpus_cuda_would_use() {
+        use VisibleGpu::{Index, Uuid};
+        assert_eq!(visible_gpus(None), None);
+        assert_eq!(visible_gpus(Some("1")), Some(vec![Index(1)]));
+        assert_eq!(
+            visible_gpus(Some("2, GPU-8d3f0c1e-aaaa-bbbb-cccc-0123456789ab")),
+            Some(vec![
+                Index(2),
+                Uuid("GPU-8d3f0c1e-aaaa-bbbb-cccc-0123456789ab".into())
+            ])
+        );
+        // CUDA stops at the first invalid entry; none valid, no GPU.
+        assert_eq!(visible_gpus(Some("0,x,1")), Some(vec![Index(0)]));
+        assert_eq!(visible_gpus(Some("")), Some(vec![]));
+        assert_eq!(visible_gpus(Some("-1")), Some(vec![]));
+    }
 
     fn fake_root(name: &str) -> PathBuf {
         let dir =

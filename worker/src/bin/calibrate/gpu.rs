@@ -21,6 +21,11 @@
 //! device's bytes beyond the weights during the load ([`load_rows`]). After it: the cost of
 //! one memory sample with NVML, and tokens/s with and without the
 //! reporter thread.
+//!
+//! On a machine with two GPUs or more the grid ends with 2-GPU rows
+//! ([`two_gpu_grid`]): the same planning, split over two replicas or two
+//! stages, one worker process per GPU (`CUDA_VISIBLE_DEVICES`), the CPU
+//! grid's pipeline runner ([`run_split`]) with each GPU's NVML baseline.
 
 use super::*;
 use headroom_planner::backend::CUDA;
@@ -41,6 +46,8 @@ pub struct Gpu {
     pub driver: String,
     /// The newest CUDA the driver supports, e.g. "12.8".
     pub cuda: String,
+    /// GPUs NVML sees (the 2-GPU rows need two).
+    pub count: u32,
 }
 
 #[cfg(feature = "cuda")]
@@ -71,6 +78,7 @@ pub fn detect() -> Result<Gpu, String> {
             .total,
         driver: nvml.sys_driver_version().unwrap_or_default(),
         cuda: format!("{}.{}", cuda / 1000, (cuda % 1000) / 10),
+        count,
     })
 }
 
@@ -80,16 +88,21 @@ pub fn detect() -> Result<Gpu, String> {
 }
 
 /// Bytes NVML counts as used on GPU 0 now (all processes).
-#[cfg(feature = "cuda")]
 fn used_bytes() -> u64 {
+    used_bytes_of(0)
+}
+
+/// Bytes NVML counts as used on GPU `index` now (all processes).
+#[cfg(feature = "cuda")]
+fn used_bytes_of(index: u32) -> u64 {
     nvml()
         .ok()
-        .and_then(|n| n.device_by_index(0).ok()?.memory_info().ok())
+        .and_then(|n| n.device_by_index(index).ok()?.memory_info().ok())
         .map_or(0, |m| m.used)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn used_bytes() -> u64 {
+fn used_bytes_of(_: u32) -> u64 {
     0
 }
 
@@ -936,6 +949,11 @@ pub fn run(
         );
         rows.push(m);
     }
+    if gpu.count >= 2 {
+        let (two_rows, two_failed) = two_gpu_rows(&gpu, only, &models, steps);
+        rows.extend(two_rows);
+        failed += two_failed;
+    }
     // One device for the in-process runs: its dtype is set once per process.
     if overhead {
         configure_runtime(&gpu);
@@ -994,6 +1012,91 @@ pub fn run(
     missed
 }
 
+/// The grid's 2-GPU rows, `(case, stages, replicas)`: TinyLlama full
+/// fine-tuning as two ZeRO-1 replicas (NCCL between them where the image
+/// has libnccl, else the TCP ring) and its nf4 QLoRA as two pipeline
+/// stages (activations over TCP through the host). Each keeps four
+/// micro-batches of 4 per step.
+pub fn two_gpu_grid() -> Vec<(Case, u32, u32)> {
+    let b = llama(22, 2048, (32, 4), 5632, 2048, 32000, false);
+    let full = Case::full(
+        "B b4 acc2 ckpt d2",
+        &b,
+        (4, 2),
+        true,
+        Optimizer::Adamw,
+        Precision::Bf16,
+    );
+    let qlora = Case {
+        name: "B nf4 all7 b4 acc2 ckpt p2",
+        adapters: Some(lora_config(&BLOCK_LINEARS)),
+        base_format: BaseFormat::Nf4,
+        ..Case::full("", &b, (4, 2), true, Optimizer::Adamw, Precision::Bf16)
+    };
+    vec![(full, 1, 2), (qlora, 2, 1)]
+}
+
+/// Runs [`two_gpu_grid`]: each case planned for one GPU of this type,
+/// split as the row says, one worker process per GPU (GPU k·d + r for
+/// stage k, replica r), each worker's peak against its stage's CUDA
+/// figure. Returns the rows and how many cases failed.
+fn two_gpu_rows(
+    gpu: &Gpu,
+    only: Option<&str>,
+    models: &Path,
+    steps: u64,
+) -> (Vec<Measured>, usize) {
+    println!(
+        "\n2-GPU rows ({} GPUs here; one worker per GPU; NCCL between replicas, TCP between stages):\n",
+        gpu.count
+    );
+    println!(
+        "| case | L | h | heads | ffn | s | v | params | micro × acc | ckpt | optimizer | adapters | predicted MiB | measured MiB | error |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let (mut rows, mut failed) = (Vec::new(), 0);
+    for (case, p, d) in two_gpu_grid()
+        .into_iter()
+        .filter(|(c, _, _)| only.is_none_or(|o| selected(c.name, o)))
+    {
+        let a = match assignment(&case, steps, gpu) {
+            Ok(a) => split_over(&case, &a, p, d),
+            Err(e) => {
+                let first = e.lines().next().unwrap_or_default().to_string();
+                println!(
+                    "| {} | skipped: does not fit one GPU ({first}) |",
+                    case.name
+                );
+                continue;
+            }
+        };
+        let baselines = (0..p * d).map(used_bytes_of).collect();
+        let run = run_split(
+            &case,
+            a,
+            (p, d),
+            &CUDA,
+            &SplitWorkers::OneGpuEach { baselines },
+            |dir| fine_tuning_files_with(&case, dir, models, steps),
+        );
+        match run {
+            Ok(measured) => {
+                for m in measured {
+                    print_row(&m);
+                    rows.push(m);
+                }
+            }
+            Err(e) => {
+                let first = e.lines().next().unwrap_or_default().to_string();
+                println!("| {} | failed: {first} |", case.name);
+                eprintln!("{e}");
+                failed += 1;
+            }
+        }
+    }
+    (rows, failed)
+}
+
 /// The median |error| and worst under-prediction against the targets.
 fn summarize(rows: &[Measured]) -> i32 {
     let med = median(rows.iter().map(|m| m.error().abs()).collect());
@@ -1019,6 +1122,7 @@ mod tests {
             memory_bytes: mib << 20,
             driver: "test".into(),
             cuda: "12.8".into(),
+            count: 1,
         }
     }
 

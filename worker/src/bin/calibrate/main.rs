@@ -56,7 +56,7 @@ use headroom_api::{
     PIPELINE_ADDRESSES_ENV, PLAN_JSON_ENV, POD_NAME_ENV, PayloadFiles, REPLICA_ADDRESSES_ENV,
     TerminationMessage, WORKER_MALLOC_ARENAS, WORKER_MALLOC_TUNABLES, WorkerAssignment,
 };
-use headroom_planner::backend::FLEX;
+use headroom_planner::backend::{BackendProfile, FLEX};
 use headroom_planner::memory::{MemoryBreakdown, StagePlacement, estimate_stage};
 use headroom_planner::search::plan_with;
 use headroom_planner::{
@@ -706,8 +706,13 @@ fn free_port() -> u16 {
 /// batch kept: each replica runs 1/d of the micro-batches, its optimizer
 /// state sharded ZeRO-1).
 fn pipeline_assignment(case: &Case, p: u32, d: u32, steps: u64) -> WorkerAssignment {
-    let base = assignment(case, steps);
-    let mut a = split_assignment(&base, p);
+    split_over(case, &assignment(case, steps), p, d)
+}
+
+/// `base`, a one-worker plan of `case`, split over `p` stages and `d`
+/// replicas as [`pipeline_assignment`] does (the GPU rows split a CUDA plan).
+fn split_over(case: &Case, base: &WorkerAssignment, p: u32, d: u32) -> WorkerAssignment {
+    let mut a = split_assignment(base, p);
     let m = a.plan.settings.gradient_accumulation;
     assert!(
         m.is_multiple_of(d),
@@ -726,6 +731,16 @@ fn pipeline_assignment(case: &Case, p: u32, d: u32, steps: u64) -> WorkerAssignm
 /// The planner's FLEX figure for stage `k` of `a` (every replica of a stage
 /// is budgeted alike).
 fn stage_estimate(case: &Case, a: &WorkerAssignment, k: u32) -> MemoryBreakdown {
+    stage_estimate_on(case, a, k, &FLEX)
+}
+
+/// The planner's figure on `profile` for stage `k` of `a`.
+fn stage_estimate_on(
+    case: &Case,
+    a: &WorkerAssignment,
+    k: u32,
+    profile: &BackendProfile,
+) -> MemoryBreakdown {
     let stage = &a.plan.stages[k as usize];
     let placement = StagePlacement {
         layers: stage.layer_end - stage.layer_start,
@@ -739,7 +754,7 @@ fn stage_estimate(case: &Case, a: &WorkerAssignment, k: u32) -> MemoryBreakdown 
         a.plan.adapters.as_ref(),
         &a.plan.settings,
         placement,
-        &FLEX,
+        profile,
         1.0,
     )
 }
@@ -764,14 +779,45 @@ fn stage_label(case: &Case, a: &WorkerAssignment, p: u32, d: u32, k: u32, r: u32
 /// ([`pipeline_assignment`]), run as `p · d` worker processes over loopback;
 /// one row per worker.
 fn measure_pipeline(case: &Case, p: u32, d: u32, steps: u64) -> Vec<Measured> {
-    let mut a = pipeline_assignment(case, p, d, steps);
+    let a = pipeline_assignment(case, p, d, steps);
+    run_split(case, a, (p, d), &FLEX, &SplitWorkers::Host, |dir| {
+        fine_tuning_files(case, dir)
+    })
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Where the workers of a split row run.
+enum SplitWorkers {
+    /// On this machine's CPU (flex): the device is the host.
+    Host,
+    /// Worker (stage k, replica r) alone on GPU `k·d + r`
+    /// (`CUDA_VISIBLE_DEVICES`), its peak less that GPU's NVML baseline.
+    OneGpuEach {
+        /// NVML's used bytes of each GPU before the row.
+        baselines: Vec<u64>,
+    },
+}
+
+/// Runs `a`, a plan split over `(p, d)` stages × replicas, as `p · d`
+/// worker processes over loopback (`files`: the row's checkpoint and data
+/// in the directory given), and compares each worker's peak with its
+/// stage's figure on `profile`; one row per worker, or the first worker's
+/// failure.
+fn run_split(
+    case: &Case,
+    mut a: WorkerAssignment,
+    (p, d): (u32, u32),
+    profile: &BackendProfile,
+    placement: &SplitWorkers,
+    files: impl FnOnce(&Path) -> Option<PayloadFiles>,
+) -> Result<Vec<Measured>, String> {
     let dir = std::env::temp_dir().join(format!(
         "headroom-calibrate-p{p}-d{d}-{}",
         std::process::id()
     ));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("temp dir");
-    a.files = fine_tuning_files(case, &dir);
+    a.files = files(&dir);
     // Worker (k, r) listens on the pipeline port of replica r's stage k and
     // on the ring port of stage k's replica r.
     let port = |_: u32| format!("127.0.0.1:{}", free_port());
@@ -822,6 +868,12 @@ fn measure_pipeline(case: &Case, p: u32, d: u32, steps: u64) -> Vec<Measured> {
             if d > 1 {
                 cmd.env(REPLICA_ADDRESSES_ENV, ring[k as usize].join(","));
             }
+            if let SplitWorkers::OneGpuEach { .. } = placement {
+                // CUDA numbers GPUs as NVML does (the probe's and the
+                // baselines' indices) only in PCI bus order.
+                cmd.env("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+                    .env("CUDA_VISIBLE_DEVICES", (k * d + r).to_string());
+            }
             cmd.spawn().expect("start a worker")
         })
         .collect();
@@ -834,20 +886,23 @@ fn measure_pipeline(case: &Case, p: u32, d: u32, steps: u64) -> Vec<Measured> {
         .iter()
         .zip(&outputs)
         .map(|(&(k, r), out)| {
-            let message: TerminationMessage =
+            let message: Option<TerminationMessage> =
                 std::fs::read_to_string(dir.join(format!("termination-{}", name(k, r))))
                     .ok()
-                    .and_then(|t| serde_json::from_str(&t).ok())
-                    .expect("termination message");
-            assert_eq!(
-                out.status.code(),
-                Some(0),
-                "{} p{p} d{d} {}: {message:?}\n{}",
-                case.name,
-                name(k, r),
-                String::from_utf8_lossy(&out.stderr)
-            );
-            let breakdown = stage_estimate(case, &a, k);
+                    .and_then(|t| serde_json::from_str(&t).ok());
+            let message = match message {
+                Some(m) if out.status.code() == Some(0) => m,
+                m => {
+                    return Err(format!(
+                        "{} p{p} d{d} {}: worker failed ({}): {m:?}\n{}",
+                        case.name,
+                        name(k, r),
+                        out.status,
+                        String::from_utf8_lossy(&out.stderr)
+                    ));
+                }
+            };
+            let breakdown = stage_estimate_on(case, &a, k, profile);
             if std::env::var_os("CALIBRATE_BREAKDOWN").is_some() {
                 eprintln!(
                     "  {} p{p} d{d} {}: {}",
@@ -859,14 +914,21 @@ fn measure_pipeline(case: &Case, p: u32, d: u32, steps: u64) -> Vec<Measured> {
             // The stage's prediction is its largest shard's (the planner
             // budgets every replica for it).
             let predicted = breakdown.total;
-            Measured {
+            let peak = message.peak_bytes.expect("peak");
+            let baseline = match placement {
+                SplitWorkers::Host => 0,
+                SplitWorkers::OneGpuEach { baselines } => {
+                    baselines.get((k * d + r) as usize).copied().unwrap_or(0)
+                }
+            };
+            Ok(Measured {
                 label: stage_label(case, &a, p, d, k, r),
                 case: case.clone(),
                 predicted,
-                measured: message.peak_bytes.expect("peak"),
+                measured: peak.saturating_sub(baseline),
                 seconds,
                 replicas: d,
-            }
+            })
         })
         .collect();
     let _ = std::fs::remove_dir_all(&dir);
