@@ -316,16 +316,22 @@ fn a_quantized_base_writes_the_adapter_without_merged_weights() {
 }
 
 /// Two pipeline stages train the same adapters as one worker (each stage
-/// adapts its own layers; the tied embedding is frozen, so no exchange).
+/// adapts its own layers; the tied embedding is frozen, so no exchange);
+/// with an untied model the first stage keeps its embedding in host
+/// memory (`offload_embedding`) and the factors are still the same.
 #[test]
 fn two_stages_train_the_adapters_one_worker_trains() {
-    for checkpointing in [false, true] {
+    for (variant, checkpointing) in [
+        ("llama-gqa-tied", false),
+        ("llama-gqa-tied", true),
+        ("llama-mha-untied", true),
+    ] {
+        let offload = variant == "llama-mha-untied";
         let lora = adapters(&[
             TargetModule::QProj,
             TargetModule::VProj,
             TargetModule::DownProj,
         ]);
-        let variant = "llama-gqa-tied";
         let single = {
             let mut trainer = Trainer::new(
                 config(variant, lora.clone(), BaseFormat::Dense, checkpointing, 3),
@@ -337,7 +343,7 @@ fn two_stages_train_the_adapters_one_worker_trains() {
             }
             factors(&trainer)
         };
-        let out = tempdir(&format!("pipeline-{checkpointing}"));
+        let out = tempdir(&format!("pipeline-{variant}-{checkpointing}"));
         let (listeners, peers) = Peers::loopback(2).expect("loopback sockets");
         let handles: Vec<_> = listeners
             .into_iter()
@@ -352,10 +358,12 @@ fn two_stages_train_the_adapters_one_worker_trains() {
                 };
                 config.stage = k;
                 config.stages = 2;
+                config.settings.offload_embedding = offload;
                 let (peers, out) = (peers.clone(), out.clone());
                 std::thread::spawn(move || {
                     let mut trainer =
                         Trainer::new(config, Device::flex().autodiff()).expect("trainer");
+                    assert_eq!(trainer.model().host_token.is_some(), offload && k == 0);
                     let me = Hello {
                         job: "j".into(),
                         namespace: "ns".into(),
@@ -395,7 +403,7 @@ fn two_stages_train_the_adapters_one_worker_trains() {
             .fold(0.0, f32::max);
         assert!(
             worst < 1e-4,
-            "checkpointing {checkpointing}: factors differ by {worst}"
+            "{variant}, checkpointing {checkpointing}: factors differ by {worst}"
         );
         let names = |file: &Path| {
             let bytes = std::fs::read(file).expect("adapter");
