@@ -2045,6 +2045,17 @@ mod lora_and_load_tests {
         assert_eq!(flex.host_bytes, 0);
     }
 
+    /// Rank-16 adapters on q and v, as the offload tests train.
+    fn qv_adapters() -> crate::adapters::LoraConfig {
+        crate::adapters::LoraConfig {
+            rank: 16,
+            alpha: 32.0,
+            dropout: 0.0,
+            target_modules: vec![TargetModule::QProj, TargetModule::VProj],
+            block_size: 64,
+        }
+    }
+
     #[test]
     fn offloaded_checkpoints_leave_one_block_input_on_the_gpu() {
         // Llama-2-7B, s 2048, micro-batch 1, bf16, checkpointing: 32 block
@@ -2059,13 +2070,7 @@ mod lora_and_load_tests {
             offload_activations: true,
             ..kept
         };
-        let adapters = crate::adapters::LoraConfig {
-            rank: 16,
-            alpha: 32.0,
-            dropout: 0.0,
-            target_modules: vec![TargetModule::QProj, TargetModule::VProj],
-            block_size: 64,
-        };
+        let adapters = qv_adapters();
         for lora in [None, Some(&adapters)] {
             let at = |s: &Settings, profile: &BackendProfile, stage: StagePlacement| {
                 estimate_stage(&model, lora, s, stage, profile, 1.0)
@@ -2117,13 +2122,7 @@ mod lora_and_load_tests {
             offload_embedding: true,
             ..kept
         };
-        let adapters = crate::adapters::LoraConfig {
-            rank: 16,
-            alpha: 32.0,
-            dropout: 0.0,
-            target_modules: vec![TargetModule::QProj, TargetModule::VProj],
-            block_size: 64,
-        };
+        let adapters = qv_adapters();
         let at = |model: &ModelShape,
                   lora: Option<&crate::adapters::LoraConfig>,
                   s: &Settings,

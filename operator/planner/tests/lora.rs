@@ -399,6 +399,24 @@ fn llama_3_8b_qlora_terms_after_the_lean_ops() {
     assert!(gib(at(16384, 1, 1, true).total) <= 20.0);
 }
 
+/// Issue 30's job: Meta-Llama-3-8B at sequence `seq`, QLoRA nf4 r16, bf16,
+/// global batch 4, one GPU.
+fn llama_3_8b_qlora(seq: u32) -> JobRequest {
+    let mut req = job(llama(LLAMA_3_8B, seq), 4, 1);
+    req.adapters = Some(lora(16));
+    req.base_format = BaseFormat::Nf4;
+    req.precision = Precision::Bf16;
+    req
+}
+
+/// `req` with every rung allowed but `rung`.
+fn without_rung(req: &JobRequest, rung: RetryRung) -> JobRequest {
+    JobRequest {
+        allowed_rungs: RetryRung::ALL.into_iter().filter(|r| *r != rung).collect(),
+        ..req.clone()
+    }
+}
+
 /// Long context on a small GPU: Llama-3-8B QLoRA at s 16384 needs 16.5 GiB
 /// with its block inputs on the device, more than a 16 GB card offers; the
 /// search offloads the checkpoints (the rung the job allows) and it fits,
@@ -406,17 +424,8 @@ fn llama_3_8b_qlora_terms_after_the_lean_ops() {
 #[test]
 fn long_context_fits_a_small_gpu_with_offloaded_checkpoints() {
     let inventory = one_node("Tesla-V100-SXM2-16GB", 16384, 1);
-    let mut req = job(llama(LLAMA_3_8B, 16384), 4, 1);
-    req.adapters = Some(lora(16));
-    req.base_format = BaseFormat::Nf4;
-    req.precision = Precision::Bf16;
-    let without = JobRequest {
-        allowed_rungs: RetryRung::ALL
-            .into_iter()
-            .filter(|r| *r != RetryRung::OffloadActivations)
-            .collect(),
-        ..req.clone()
-    };
+    let req = llama_3_8b_qlora(16384);
+    let without = without_rung(&req, RetryRung::OffloadActivations);
     assert!(plan_with(&without, &inventory, &opts()).is_err());
     let plan = plan_with(&req, &inventory, &opts()).expect("fits with offloaded checkpoints");
     assert!(plan.settings.offload_activations && plan.settings.activation_checkpointing);
@@ -436,17 +445,8 @@ fn long_context_fits_a_small_gpu_with_offloaded_checkpoints() {
 #[test]
 fn llama_3_8b_qlora_fits_an_8_gb_gpu_with_its_embedding_on_the_host() {
     let inventory = one_node("NVIDIA-GeForce-RTX-3070", 8192, 1);
-    let mut req = job(llama(LLAMA_3_8B, 2048), 4, 1);
-    req.adapters = Some(lora(16));
-    req.base_format = BaseFormat::Nf4;
-    req.precision = Precision::Bf16;
-    let without = JobRequest {
-        allowed_rungs: RetryRung::ALL
-            .into_iter()
-            .filter(|r| *r != RetryRung::OffloadEmbedding)
-            .collect(),
-        ..req.clone()
-    };
+    let req = llama_3_8b_qlora(2048);
+    let without = without_rung(&req, RetryRung::OffloadEmbedding);
     assert!(plan_with(&without, &inventory, &opts()).is_err());
     let plan = plan_with(&req, &inventory, &opts()).expect("fits with the embedding on the host");
     assert!(plan.settings.offload_embedding, "{plan:?}");

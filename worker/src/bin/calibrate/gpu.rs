@@ -884,10 +884,7 @@ pub fn run(
         CUDA.activation_count,
         CUDA.usable_fraction * 100.0,
     );
-    println!(
-        "| case | L | h | heads | ffn | s | v | params | micro × acc | ckpt | optimizer | adapters | predicted MiB | measured MiB | error |"
-    );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    print_table_header();
     let mut rows = Vec::new();
     let mut failed = 0;
     for case in grid(large)
@@ -1031,7 +1028,7 @@ pub fn two_gpu_grid() -> Vec<(Case, u32, u32)> {
         name: "B nf4 all7 b4 acc2 ckpt p2",
         adapters: Some(lora_config(&BLOCK_LINEARS)),
         base_format: BaseFormat::Nf4,
-        ..Case::full("", &b, (4, 2), true, Optimizer::Adamw, Precision::Bf16)
+        ..full.clone()
     };
     vec![(full, 1, 2), (qlora, 2, 1)]
 }
@@ -1050,10 +1047,7 @@ fn two_gpu_rows(
         "\n2-GPU rows ({} GPUs here; one worker per GPU; NCCL between replicas, TCP between stages):\n",
         gpu.count
     );
-    println!(
-        "| case | L | h | heads | ffn | s | v | params | micro × acc | ckpt | optimizer | adapters | predicted MiB | measured MiB | error |"
-    );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    print_table_header();
     let (mut rows, mut failed) = (Vec::new(), 0);
     for (case, p, d) in two_gpu_grid()
         .into_iter()

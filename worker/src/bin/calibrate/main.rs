@@ -1408,10 +1408,7 @@ fn main() {
         FLEX.checkpoint_phase_overlap,
         FLEX.activation_count,
     );
-    println!(
-        "| case | L | h | heads | ffn | s | v | params | micro × acc | ckpt | optimizer | adapters | predicted MiB | measured MiB | error |"
-    );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    print_table_header();
     let mut rows = Vec::new();
     for case in grid()
         .into_iter()
@@ -1427,6 +1424,14 @@ fn main() {
         rows.extend(pipeline_report(steps));
     }
     summary(&rows, overhead, pipeline);
+}
+
+/// The header of the table [`print_row`] writes rows of.
+fn print_table_header() {
+    println!(
+        "| case | L | h | heads | ffn | s | v | params | micro × acc | ckpt | optimizer | adapters | predicted MiB | measured MiB | error |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
 }
 
 fn print_row(m: &Measured) {
