@@ -71,7 +71,7 @@ bench-adamw8bit: ## 8-bit vs f32 AdamW on the tiny Llama: moment bytes, record b
 	$(CARGO) run --release -q -p headroom-worker --bin adamw8bit
 
 .PHONY: bench-first-fit
-bench-first-fit: ## Issue 36: 24+ CPU jobs of varied shapes and limits (half planned above 95 % of their budget) run by the operator on the local cluster: first-attempt success, attempts, measured peak / budget (root; ~30 min; not in CI).
+bench-first-fit: ## 24+ CPU jobs of varied shapes and limits (half planned above 95 % of their budget) run by the operator on the local cluster: first-attempt success, attempts, measured peak / budget (root; ~30 min; not in CI).
 	e2e/bench-first-fit.sh $(BENCH_FIRST_FIT_FLAGS)
 
 bench-controller: controlplane-up ## 500 jobs through the operator on the local API server: latencies and peak RSS.
@@ -79,7 +79,7 @@ bench-controller: controlplane-up ## 500 jobs through the operator on the local 
 	KUBECONFIG=$(KUBECONFIG_TEST) $(CARGO_TARGET_DIR)/release/bench-controller --jobs 500 --failures 100
 
 .PHONY: bench-object
-bench-object: controlplane-up ## Issue 33: kube-apiserver CPU per create / status write / telemetry write and stored size of one job object, before vs lean with the rules in the CRD vs lean as shipped (rules in their ValidatingAdmissionPolicy) vs Kubeflow's PyTorchJob, with CPU profiles (~6 min; not in CI).
+bench-object: controlplane-up ## kube-apiserver CPU per create / status write / telemetry write and stored size of one job object, before vs lean with the rules in the CRD vs lean as shipped (rules in their ValidatingAdmissionPolicy) vs Kubeflow's PyTorchJob, with CPU profiles (~6 min; not in CI).
 	$(CARGO) build --release -q -p headroom-operator --bin bench-object
 	mkdir -p $(HEADROOM_CACHE)/bench-object
 	KUBECONFIG=$(KUBECONFIG_TEST) $(CARGO_TARGET_DIR)/release/bench-object $(BENCH_OBJECT_FLAGS) \
@@ -136,7 +136,7 @@ release-bins: ## The release operator, kubectl plugin and worker that make e2e, 
 	$(CARGO) build --release -q -p headroom-operator --bin headroom-operator --bin kubectl-headroom -p headroom-worker --bin headroom-worker
 
 .PHONY: kind-base-image
-kind-base-image: ## kind's base image built here (debootstrap, Debian's containerd/runc/CNI, kind's files), under a private dockerd, then checked as a node (root; issue 17, e2e/kind/README.md).
+kind-base-image: ## kind's base image built here (debootstrap, Debian's containerd/runc/CNI, kind's files), under a private dockerd, then checked as a node (root; e2e/kind/README.md).
 	e2e/kind/dockerd.sh up
 	export $$(e2e/kind/dockerd.sh env) && image=$$(e2e/kind/base-image.sh) && e2e/kind/check-base-image.sh $$image
 
