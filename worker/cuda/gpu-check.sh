@@ -32,7 +32,7 @@
 #   3. the calibration grid: bf16 Llama models (110M-1.1B, s up to 8192; 3B
 #      with --large) planned by the real planner for this GPU, each a worker
 #      process; the planner's CUDA prediction against the measured device
-#      peak, in the table format of docs/benchmarks.md; on a machine with
+#      peak, in the table format of the CPU calibration grid; on a machine with
 #      two GPUs or more, also TinyLlama as 2 ZeRO-1 replicas (NCCL) and its
 #      nf4 QLoRA as 2 pipeline stages, one worker process per GPU
 #      (CUDA_VISIBLE_DEVICES, PCI bus order), each worker's peak against its

@@ -304,7 +304,7 @@ pub const FLEX: BackendProfile = BackendProfile {
     // backward, the gradient: three copies, which do not all live through
     // the loss. With the worker's fixed mmap threshold (a 32 MiB chunk is
     // mapped and unmapped, not kept in the heap) a least-squares fit of the
-    // grid gives the logits 0.87 of three copies (docs/benchmarks.md,
+    // grid gives the logits 0.87 of three copies (docs/log/benchmarks-log.md,
     // 2026-11-28 evening).
     logit_copies: 2.6,
     // Measured, not derived: the middle stage of three (two links) sits

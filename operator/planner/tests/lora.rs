@@ -288,7 +288,7 @@ fn pins_keep_a_lora_job_on_its_dense_base_until_a_retry_quantizes_it() {
 /// Issue 30's table: Meta-Llama-3-8B, QLoRA int4 r16 on the seven block
 /// linears, bf16, CUDA profile, one stage; the three plans the issue
 /// quoted (before the lean ops: 65.6, 40.9 and 49.5 GiB) and the targets'
-/// shapes. Prints the terms (docs/benchmarks.md, "Lean training ops").
+/// shapes. Prints the terms (docs/benchmarks.md, "Llama-3-8B QLoRA").
 #[test]
 fn llama_3_8b_qlora_terms_after_the_lean_ops() {
     use headroom_planner::memory::{StagePlacement, estimate_stage};
