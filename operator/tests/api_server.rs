@@ -164,9 +164,9 @@ async fn the_spec_rules_run_on_spec_writes_only() {
 #[test]
 #[ignore = "needs the control plane: make test-apiserver"]
 fn offline_validation_and_the_api_server_agree_on_mutated_samples() {
+    use mutated_samples::*;
     use proptest::prelude::*;
-    use proptest::test_runner::{Config, TestCaseError, TestRunner};
-    use serde_json::{Value, json};
+    use proptest::test_runner::TestCaseError;
 
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     let ns = rt.block_on(test_ns("hr-agree"));
@@ -175,30 +175,161 @@ fn offline_validation_and_the_api_server_agree_on_mutated_samples() {
         .iter()
         .map(|(_, text)| serde_yaml::from_str(text).expect("sample"))
         .collect();
-    // Each fine-tuning sample is checked with its own checkpoint's config
-    // (its LoRA module names are the architecture's); the rest with
-    // Llama-3.2-1B's, which they do not read.
-    let configs: Vec<String> = samples
-        .iter()
-        .map(|sample| {
-            let dir = match sample
-                .pointer("/spec/model/pretrained/huggingFace/repo")
-                .and_then(Value::as_str)
-            {
-                Some("microsoft/Phi-4-mini-instruct") => "phi-4-mini-instruct",
-                Some("Qwen/Qwen3-8B") => "qwen3-8b",
-                Some("google/gemma-3-1b-pt") => "gemma-3-1b",
-                _ => "llama-3.2-1b",
-            };
-            std::fs::read_to_string(
-                workspace_root().join(format!("samples/models/{dir}/config.json")),
-            )
-            .expect("config.json")
-        })
-        .collect();
+    let configs = checkpoint_configs(&samples);
+    let sites = mutation_sites(&schema, &samples);
+    assert!(sites.len() > 100, "{} mutation sites", sites.len());
 
-    // Every place a sample can be mutated: (sample, JSON pointer, values).
-    let mut sites: Vec<(usize, String, Vec<Option<Value>>)> = vec![];
+    let mut runner = seeded_runner();
+    let strategy = proptest::collection::vec((0..sites.len(), any::<prop::sample::Index>()), 1..=2);
+    let (accepted, refused) = (std::cell::Cell::new(0u32), std::cell::Cell::new(0u32));
+    let result = runner.run(&strategy, |mutations| {
+        let (first, manifest, applied) = mutate(&samples, &sites, &mutations);
+        let text = serde_yaml::to_string(&manifest).expect("yaml");
+        let server = rt.block_on(dry_run_create(&ns.client, &ns.name, &text));
+        let here = offline(&manifest, &configs[first]);
+        let verdict = if server.is_ok() { &accepted } else { &refused };
+        verdict.set(verdict.get() + 1);
+        if server.is_ok() != here.is_ok() {
+            return Err(TestCaseError::fail(format!(
+                "{applied:?}: the API server says {server:?}, offline says {here:?}"
+            )));
+        }
+        Ok(())
+    });
+    rt.block_on(ns.cleanup());
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+    // Both verdicts occur, or the test proves nothing.
+    let (accepted, refused) = (accepted.get(), refused.get());
+    assert!(
+        accepted >= 40 && refused >= 40,
+        "{accepted} accepted, {refused} refused"
+    );
+}
+
+/// The parts of the mutation test: where the samples can be mutated, with
+/// what, and the offline verdict.
+mod mutated_samples {
+    use proptest::sample::Index;
+    use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+    pub use serde_json::Value;
+    use serde_json::json;
+
+    use super::support::workspace_root;
+
+    /// One place a sample can be mutated: the sample, a JSON pointer into
+    /// it, and the values to put there (`None`: remove the field).
+    pub struct MutationSite {
+        sample: usize,
+        pointer: String,
+        values: Vec<Option<Value>>,
+    }
+
+    /// Each sample's checkpoint config: a fine-tuning sample's own
+    /// checkpoint's (its LoRA module names are the architecture's); the
+    /// rest Llama-3.2-1B's, which they do not read.
+    pub fn checkpoint_configs(samples: &[Value]) -> Vec<String> {
+        samples
+            .iter()
+            .map(|sample| {
+                let dir = match sample
+                    .pointer("/spec/model/pretrained/huggingFace/repo")
+                    .and_then(Value::as_str)
+                {
+                    Some("microsoft/Phi-4-mini-instruct") => "phi-4-mini-instruct",
+                    Some("Qwen/Qwen3-8B") => "qwen3-8b",
+                    Some("google/gemma-3-1b-pt") => "gemma-3-1b",
+                    _ => "llama-3.2-1b",
+                };
+                std::fs::read_to_string(
+                    workspace_root().join(format!("samples/models/{dir}/config.json")),
+                )
+                .expect("config.json")
+            })
+            .collect()
+    }
+
+    /// Every place a sample's spec can be mutated, each with at least one value.
+    pub fn mutation_sites(schema: &Value, samples: &[Value]) -> Vec<MutationSite> {
+        let mut sites = vec![];
+        for (i, sample) in samples.iter().enumerate() {
+            walk(
+                &sample["spec"],
+                &schema["properties"]["spec"],
+                "/spec",
+                i,
+                &mut sites,
+            );
+        }
+        sites.retain(|site| !site.values.is_empty());
+        sites
+    }
+
+    /// A fixed seed: CI sees the same 384 cases on every machine (seven runs
+    /// with random seeds, 2,688 cases, agreed too).
+    pub fn seeded_runner() -> TestRunner {
+        TestRunner::new_with_rng(
+            Config {
+                cases: 384,
+                failure_persistence: None,
+                ..Config::default()
+            },
+            TestRng::from_seed(RngAlgorithm::ChaCha, &[36; 32]),
+        )
+    }
+
+    /// The first mutation's sample with the mutations on it that apply to
+    /// that sample (and whose parent is still there): the sample's index, the
+    /// mutated manifest, and what was applied.
+    pub fn mutate(
+        samples: &[Value],
+        sites: &[MutationSite],
+        mutations: &[(usize, Index)],
+    ) -> (usize, Value, Vec<String>) {
+        let first = sites[mutations[0].0].sample;
+        let mut manifest = samples[first].clone();
+        let mut applied = vec![];
+        for (site, pick) in mutations {
+            let MutationSite {
+                sample,
+                pointer,
+                values,
+            } = &sites[*site];
+            if *sample != first
+                || manifest
+                    .pointer(pointer.rsplit_once('/').expect("/").0)
+                    .is_none()
+            {
+                continue;
+            }
+            let value = pick.get(values).clone();
+            applied.push(format!("{pointer} = {value:?}"));
+            set(&mut manifest, pointer, value);
+        }
+        (first, manifest, applied)
+    }
+
+    /// The offline verdict (`kubectl headroom plan`'s checks) on a manifest,
+    /// with its checkpoint's config.
+    pub fn offline(manifest: &Value, config: &str) -> Result<(), String> {
+        let job = headroom_operator::crd::read_manifest(manifest.clone())?;
+        let shape = match &job.spec.model.pretrained {
+            Some(p) => Some(
+                headroom_planner::LlamaShape::from_hf_config(config, p.sequence_length)
+                    .map_err(|e| e.to_string())?,
+            ),
+            None => None,
+        };
+        job.spec
+            .job_request_for(shape.as_ref())
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+
+    /// Values to try where the schema constrains a field: bounds and one
+    /// past them, every enum value and one that is not, strings empty, too
+    /// long or off-pattern, wrong types.
     fn candidates(schema: &Value) -> Vec<Value> {
         let types: Vec<&str> = match &schema["type"] {
             Value::String(t) => vec![t.as_str()],
@@ -251,6 +382,8 @@ fn offline_validation_and_the_api_server_agree_on_mutated_samples() {
         }
         out
     }
+
+    /// Whether the schema constrains the field beyond its type.
     fn constrained(schema: &Value) -> bool {
         [
             "minimum",
@@ -264,13 +397,22 @@ fn offline_validation_and_the_api_server_agree_on_mutated_samples() {
         .any(|k| schema.get(*k).is_some())
             || schema["type"] == json!(["integer", "string"])
     }
+
+    /// The sites under `value`: its required fields removed, its constrained
+    /// fields (present or not) set to each candidate.
     fn walk(
         value: &Value,
         schema: &Value,
         pointer: &str,
         sample: usize,
-        sites: &mut Vec<(usize, String, Vec<Option<Value>>)>,
+        sites: &mut Vec<MutationSite>,
     ) {
+        let site = |pointer: String, values: Vec<Option<Value>>| MutationSite {
+            sample,
+            pointer,
+            values,
+        };
+        let candidates = |child: &Value| candidates(child).into_iter().map(Some).collect();
         match value {
             Value::Object(fields) => {
                 let Some(properties) = schema["properties"].as_object() else {
@@ -285,22 +427,14 @@ fn offline_validation_and_the_api_server_agree_on_mutated_samples() {
                     match fields.get(k) {
                         Some(v) => {
                             if required.contains(&k.as_str()) {
-                                sites.push((sample, here.clone(), vec![None]));
+                                sites.push(site(here.clone(), vec![None]));
                             }
                             if constrained(child) {
-                                sites.push((
-                                    sample,
-                                    here.clone(),
-                                    candidates(child).into_iter().map(Some).collect(),
-                                ));
+                                sites.push(site(here.clone(), candidates(child)));
                             }
                             walk(v, child, &here, sample, sites);
                         }
-                        None if constrained(child) => sites.push((
-                            sample,
-                            here,
-                            candidates(child).into_iter().map(Some).collect(),
-                        )),
+                        None if constrained(child) => sites.push(site(here, candidates(child))),
                         None => {}
                     }
                 }
@@ -319,18 +453,8 @@ fn offline_validation_and_the_api_server_agree_on_mutated_samples() {
             _ => {}
         }
     }
-    for (i, sample) in samples.iter().enumerate() {
-        walk(
-            &sample["spec"],
-            &schema["properties"]["spec"],
-            "/spec",
-            i,
-            &mut sites,
-        );
-    }
-    sites.retain(|(_, _, values)| !values.is_empty());
-    assert!(sites.len() > 100, "{} mutation sites", sites.len());
 
+    /// Sets (or with `None` removes) the field or item at `pointer`.
     fn set(doc: &mut Value, pointer: &str, value: Option<Value>) {
         let (parent, key) = pointer.rsplit_once('/').expect("pointer");
         let target = doc.pointer_mut(parent).expect("parent exists");
@@ -348,73 +472,4 @@ fn offline_validation_and_the_api_server_agree_on_mutated_samples() {
             _ => {}
         }
     }
-    let offline = |manifest: &Value, config: &str| -> Result<(), String> {
-        let job = headroom_operator::crd::read_manifest(manifest.clone())?;
-        let shape = match &job.spec.model.pretrained {
-            Some(p) => Some(
-                headroom_planner::LlamaShape::from_hf_config(config, p.sequence_length)
-                    .map_err(|e| e.to_string())?,
-            ),
-            None => None,
-        };
-        job.spec
-            .job_request_for(shape.as_ref())
-            .map(|_| ())
-            .map_err(|e| e.to_string())
-    };
-
-    // A fixed seed: CI sees the same 384 cases on every machine (seven runs
-    // with random seeds, 2,688 cases, agreed too).
-    let mut runner = TestRunner::new_with_rng(
-        Config {
-            cases: 384,
-            failure_persistence: None,
-            ..Config::default()
-        },
-        proptest::test_runner::TestRng::from_seed(
-            proptest::test_runner::RngAlgorithm::ChaCha,
-            &[36; 32],
-        ),
-    );
-    let strategy = proptest::collection::vec((0..sites.len(), any::<prop::sample::Index>()), 1..=2);
-    let (accepted, refused) = (std::cell::Cell::new(0u32), std::cell::Cell::new(0u32));
-    let result = runner.run(&strategy, |mutations| {
-        let first = sites[mutations[0].0].0;
-        let mut manifest = samples[first].clone();
-        let mut applied = vec![];
-        for (site, pick) in &mutations {
-            let (sample, pointer, values) = &sites[*site];
-            if *sample != first
-                || manifest
-                    .pointer(pointer.rsplit_once('/').expect("/").0)
-                    .is_none()
-            {
-                continue;
-            }
-            let value = pick.get(values).clone();
-            applied.push(format!("{pointer} = {value:?}"));
-            set(&mut manifest, pointer, value);
-        }
-        let text = serde_yaml::to_string(&manifest).expect("yaml");
-        let server = rt.block_on(dry_run_create(&ns.client, &ns.name, &text));
-        let here = offline(&manifest, &configs[first]);
-        let verdict = if server.is_ok() { &accepted } else { &refused };
-        verdict.set(verdict.get() + 1);
-        if server.is_ok() != here.is_ok() {
-            return Err(TestCaseError::fail(format!(
-                "{applied:?}: the API server says {server:?}, offline says {here:?}"
-            )));
-        }
-        Ok(())
-    });
-    rt.block_on(ns.cleanup());
-    if let Err(e) = result {
-        panic!("{e}");
-    }
-    // Both verdicts occur, or the test proves nothing.
-    let (accepted, refused) = (accepted.get(), refused.get());
-    assert!(
-        accepted >= 40 && refused >= 40,
-        "{accepted} accepted, {refused} refused"
-    );
 }

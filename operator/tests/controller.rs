@@ -11,17 +11,11 @@ use std::time::Duration;
 use headroom_api::{AttemptOutcome, JobPhase, LABEL_ATTEMPT, MemoryAwareTrainingJob};
 use headroom_e2e::{attempts, phase};
 use headroom_operator::controller::ControllerConfig;
-use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod, ServiceAccount};
+use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::ResourceExt;
 use kube::api::Api;
 use support::*;
-
-fn pods_of_attempt(pods: &[Pod], n: u32) -> usize {
-    pods.iter()
-        .filter(|p| p.labels().get(LABEL_ATTEMPT) == Some(&n.to_string()))
-        .count()
-}
 
 #[tokio::test]
 #[ignore = "needs the control plane: make test-apiserver"]
@@ -29,11 +23,7 @@ async fn apply_plans_and_creates_the_workers_children() {
     let ns = test_ns("hr-apply").await;
     let op = start_operator(&ns, ControllerConfig::default());
     ns.apply_job(CPU_TINY).await;
-    let job = ns
-        .wait_job("tiny-cpu", "attempt 1 planned", TIMEOUT, |j| {
-            attempts(j) == 1
-        })
-        .await;
+    let job = ns.wait_attempts("tiny-cpu", 1).await;
     let status = job.status.clone().expect("status");
     let plan = status.plan.clone().expect("plan in status");
     assert_eq!(
@@ -43,29 +33,43 @@ async fn apply_plans_and_creates_the_workers_children() {
     assert!(plan.fits(), "{}", plan.fit);
     assert_eq!(status.observed_generation, job.metadata.generation);
 
-    let pods = ns
-        .wait_pods("the worker pod", TIMEOUT, |p| p.len() == 1)
-        .await;
-    let pod = &pods[0];
+    let pod = ns.wait_pod_count("the worker pod", 1).await.remove(0);
     assert_eq!(pod.name_any(), "tiny-cpu-a1-s0");
     assert_eq!(pod.owner_references()[0].uid, job.uid().expect("uid"));
-    let container = &pod.spec.as_ref().expect("spec").containers[0];
-    let limits = container
-        .resources
-        .as_ref()
-        .and_then(|r| r.limits.clone())
-        .expect("limits");
-    assert_eq!(limits["memory"].0, (1u64 << 30).to_string());
+    assert_eq!(limits_of(&pod)["memory"].0, (1u64 << 30).to_string());
+    let spec = pod.spec.as_ref().expect("spec");
     assert_eq!(
-        container
+        spec.containers[0]
             .security_context
             .as_ref()
             .and_then(|s| s.run_as_non_root),
         Some(true)
     );
+    assert_the_worker_has_no_api_rights(&ns, &pod).await;
+    assert!(
+        ns.claims()
+            .get_opt("tiny-cpu-checkpoints")
+            .await
+            .expect("get")
+            .is_some()
+    );
 
-    // No API rights for the worker: the namespace's default account, no
-    // API token mounted, and no Role or binding of the job's.
+    ns.set_pod_status("tiny-cpu-a1-s0", running()).await;
+    ns.wait_phase("tiny-cpu", JobPhase::Running).await;
+    ns.set_pod_status("tiny-cpu-a1-s0", terminated(0, "Completed", None))
+        .await;
+    let done = ns.wait_phase("tiny-cpu", JobPhase::Succeeded).await;
+    assert_eq!(
+        status_of(done).attempts[0].outcome,
+        AttemptOutcome::Succeeded
+    );
+    op.stop().await;
+    ns.cleanup().await;
+}
+
+/// No API rights for the worker: the namespace's default account, no API
+/// token mounted, and no Role or binding of the job's.
+async fn assert_the_worker_has_no_api_rights(ns: &TestNs, pod: &Pod) {
     let spec = pod.spec.as_ref().expect("spec");
     assert_eq!(spec.service_account_name.as_deref(), Some("default"));
     assert_eq!(spec.automount_service_account_token, Some(false));
@@ -74,32 +78,6 @@ async fn apply_plans_and_creates_the_workers_children() {
     let none = kube::api::ListParams::default();
     assert!(role.list(&none).await.expect("roles").items.is_empty());
     assert!(rb.list(&none).await.expect("bindings").items.is_empty());
-    let pvc: Api<PersistentVolumeClaim> = Api::namespaced(ns.client.clone(), &ns.name);
-    assert!(
-        pvc.get_opt("tiny-cpu-checkpoints")
-            .await
-            .expect("get")
-            .is_some()
-    );
-
-    ns.set_pod_status("tiny-cpu-a1-s0", running()).await;
-    ns.wait_job("tiny-cpu", "phase Running", TIMEOUT, |j| {
-        phase(j) == Some(JobPhase::Running)
-    })
-    .await;
-    ns.set_pod_status("tiny-cpu-a1-s0", terminated(0, "Completed", None))
-        .await;
-    let done = ns
-        .wait_job("tiny-cpu", "phase Succeeded", TIMEOUT, |j| {
-            phase(j) == Some(JobPhase::Succeeded)
-        })
-        .await;
-    assert_eq!(
-        done.status.expect("status").attempts[0].outcome,
-        AttemptOutcome::Succeeded
-    );
-    op.stop().await;
-    ns.cleanup().await;
 }
 
 #[tokio::test]
@@ -108,14 +86,10 @@ async fn oom_kill_retries_with_stricter_settings_and_keeps_history() {
     let ns = test_ns("hr-oom").await;
     let op = start_operator(&ns, ControllerConfig::default());
     ns.apply_job(CPU_OOM_FIRST).await;
-    ns.wait_pods("attempt 1 pod", TIMEOUT, |p| pods_of_attempt(p, 1) == 1)
-        .await;
+    ns.wait_attempt_pod(1).await;
     ns.set_pod_status("oom-then-fit-a1-s0", oom_killed()).await;
 
-    let job = ns
-        .wait_job("oom-then-fit", "attempt 2", TIMEOUT, |j| attempts(j) == 2)
-        .await;
-    let status = job.status.expect("status");
+    let status = status_of(ns.wait_attempts("oom-then-fit", 2).await);
     let (first, second) = (&status.attempts[0], &status.attempts[1]);
     assert_eq!(first.outcome, AttemptOutcome::HostOutOfMemory);
     assert_eq!(
@@ -140,9 +114,7 @@ async fn oom_kill_retries_with_stricter_settings_and_keeps_history() {
     assert!(plan.fits());
     assert_eq!(status.phase, Some(JobPhase::Retrying));
 
-    let pods = ns
-        .wait_pods("attempt 2 pod", TIMEOUT, |p| pods_of_attempt(p, 2) == 1)
-        .await;
+    let pods = ns.wait_attempt_pod(2).await;
     assert_eq!(
         pods_of_attempt(&pods, 1),
         1,
@@ -153,10 +125,7 @@ async fn oom_kill_retries_with_stricter_settings_and_keeps_history() {
     let msg = r#"{"outcome":"deviceOutOfMemory","reason":"allocation of 512 MiB failed","step":40,"peakBytes":300000000}"#;
     ns.set_pod_status("oom-then-fit-a2-s0", terminated(88, "Error", Some(msg)))
         .await;
-    let job = ns
-        .wait_job("oom-then-fit", "attempt 3", TIMEOUT, |j| attempts(j) == 3)
-        .await;
-    let status = job.status.expect("status");
+    let status = status_of(ns.wait_attempts("oom-then-fit", 3).await);
     let second = &status.attempts[1];
     assert_eq!(second.outcome, AttemptOutcome::DeviceOutOfMemory);
     assert_eq!(
@@ -171,15 +140,10 @@ async fn oom_kill_retries_with_stricter_settings_and_keeps_history() {
     );
 
     // The status names attempt 3 before its pod exists (status is written first).
-    ns.wait_pods("attempt 3 pod", TIMEOUT, |p| pods_of_attempt(p, 3) == 1)
-        .await;
+    ns.wait_attempt_pod(3).await;
     ns.set_pod_status("oom-then-fit-a3-s0", terminated(0, "Completed", None))
         .await;
-    let job = ns
-        .wait_job("oom-then-fit", "success", TIMEOUT, |j| {
-            phase(j) == Some(JobPhase::Succeeded)
-        })
-        .await;
+    let job = ns.wait_phase("oom-then-fit", JobPhase::Succeeded).await;
     assert_eq!(attempts(&job), 3);
     assert!(
         op.metrics
@@ -200,13 +164,9 @@ async fn eviction_retries_the_same_settings() {
         "  memoryPolicy: {backoffSeconds: 0}\n  worker:",
     );
     ns.apply_job(&manifest).await;
-    ns.wait_pods("attempt 1 pod", TIMEOUT, |p| p.len() == 1)
-        .await;
+    ns.wait_pod_count("attempt 1 pod", 1).await;
     ns.set_pod_status("tiny-cpu-a1-s0", serde_json::json!({"phase": "Failed", "reason": "Evicted", "message": "The node was low on resource: memory."})).await;
-    let job = ns
-        .wait_job("tiny-cpu", "attempt 2", TIMEOUT, |j| attempts(j) == 2)
-        .await;
-    let status = job.status.expect("status");
+    let status = status_of(ns.wait_attempts("tiny-cpu", 2).await);
     assert_eq!(status.attempts[0].outcome, AttemptOutcome::Disrupted);
     assert_eq!(
         status.attempts[1].settings, status.attempts[0].settings,
@@ -222,23 +182,19 @@ async fn restarts_and_a_second_replica_never_duplicate_pods_or_lose_history() {
     let ns = test_ns("hr-restart").await;
     let first = start_operator(&ns, ControllerConfig::default());
     ns.apply_job(CPU_OOM_FIRST).await;
-    ns.wait_pods("attempt 1 pod", TIMEOUT, |p| p.len() == 1)
-        .await;
+    ns.wait_pod_count("attempt 1 pod", 1).await;
     first.stop().await;
 
     // Two replicas at once (as during a rollout without leader election).
     let a = start_operator(&ns, ControllerConfig::default());
     let b = start_operator(&ns, ControllerConfig::default());
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let job = ns
-        .wait_job("oom-then-fit", "one attempt", TIMEOUT, |j| attempts(j) == 1)
-        .await;
+    let job = ns.wait_attempts("oom-then-fit", 1).await;
     assert_eq!(attempts(&job), 1);
     assert_eq!(ns.pod_list().await.len(), 1);
 
     ns.set_pod_status("oom-then-fit-a1-s0", oom_killed()).await;
-    ns.wait_job("oom-then-fit", "attempt 2", TIMEOUT, |j| attempts(j) == 2)
-        .await;
+    ns.wait_attempts("oom-then-fit", 2).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let job = ns
         .wait_job("oom-then-fit", "still two attempts", TIMEOUT, |_| true)
@@ -259,7 +215,7 @@ async fn restarts_and_a_second_replica_never_duplicate_pods_or_lose_history() {
         .await;
     assert_eq!(attempts(&job), 2);
     assert_eq!(
-        job.status.expect("status").attempts[0].outcome,
+        status_of(job).attempts[0].outcome,
         AttemptOutcome::HostOutOfMemory
     );
     assert_eq!(ns.pod_list().await.len(), 2);
@@ -275,25 +231,14 @@ async fn infeasible_job_fails_without_pods() {
     let op = start_operator(&ns, ControllerConfig::default());
     let manifest = CPU_TINY.replace("memoryLimit: 1Gi", "memoryLimit: 64Mi");
     ns.apply_job(&manifest).await;
-    let job = ns
-        .wait_job("tiny-cpu", "Failed", TIMEOUT, |j| {
-            phase(j) == Some(JobPhase::Failed)
-        })
-        .await;
-    let status = job.status.expect("status");
-    let message = status.message.expect("message");
+    let status = status_of(ns.wait_phase("tiny-cpu", JobPhase::Failed).await);
+    let message = status.message.clone().expect("message");
     assert!(
         message.contains("no feasible plan") && message.contains("budget"),
         "{message}"
     );
-    assert!(
-        status
-            .conditions
-            .iter()
-            .any(|c| c.type_ == "Planned" && c.status == "False" && c.reason == "NoFeasiblePlan")
-    );
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(ns.pod_list().await.is_empty());
+    assert!(has_condition(&status, "Planned", "False", "NoFeasiblePlan"));
+    ns.assert_no_pods_yet().await;
     op.stop().await;
     ns.cleanup().await;
 }
@@ -314,12 +259,7 @@ async fn a_job_without_an_image_runs_the_default_or_fails_naming_the_field() {
 
     let op = start_operator(&ns, ControllerConfig::default());
     ns.apply_job(&manifest).await;
-    let job = ns
-        .wait_job("tiny-cpu", "Failed", TIMEOUT, |j| {
-            phase(j) == Some(JobPhase::Failed)
-        })
-        .await;
-    let status = job.status.expect("status");
+    let status = status_of(ns.wait_phase("tiny-cpu", JobPhase::Failed).await);
     assert_eq!(
         status.message.as_deref(),
         Some(
@@ -327,15 +267,11 @@ async fn a_job_without_an_image_runs_the_default_or_fails_naming_the_field() {
         )
     );
     assert!(
-        status
-            .conditions
-            .iter()
-            .any(|c| c.type_ == "Failed" && c.status == "True" && c.reason == "InvalidSpec"),
+        has_condition(&status, "Failed", "True", "InvalidSpec"),
         "{:?}",
         status.conditions
     );
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(ns.pod_list().await.is_empty());
+    ns.assert_no_pods_yet().await;
     op.stop().await;
 
     let op = start_operator(
@@ -353,15 +289,7 @@ async fn a_job_without_an_image_runs_the_default_or_fails_naming_the_field() {
     );
     ns.apply_job(&manifest.replace("name: tiny-cpu", "name: tiny-default"))
         .await;
-    let pods = ns
-        .wait_pods("the worker pod", TIMEOUT, |p| {
-            p.iter().any(|p| p.name_any() == "tiny-default-a1-s0")
-        })
-        .await;
-    let pod = pods
-        .iter()
-        .find(|p| p.name_any() == "tiny-default-a1-s0")
-        .expect("pod");
+    let pod = ns.wait_pod_named("tiny-default-a1-s0").await;
     assert_eq!(
         pod.spec.as_ref().expect("spec").containers[0]
             .image
@@ -378,16 +306,14 @@ async fn deleting_a_job_garbage_collects_everything_it_created() {
     let ns = test_ns("hr-gc").await;
     let op = start_operator(&ns, ControllerConfig::default());
     ns.apply_job(CPU_TINY).await;
-    ns.wait_pods("the worker pod", TIMEOUT, |p| p.len() == 1)
-        .await;
+    ns.wait_pod_count("the worker pod", 1).await;
     ns.jobs()
         .delete("tiny-cpu", &kube::api::DeleteParams::foreground())
         .await
         .expect("delete job");
     // The garbage collector (kube-controller-manager) follows the owner references.
-    ns.wait_pods("pods collected", TIMEOUT, |p| p.is_empty())
-        .await;
-    let pvc: Api<PersistentVolumeClaim> = Api::namespaced(ns.client.clone(), &ns.name);
+    ns.wait_pod_count("pods collected", 0).await;
+    let pvc = ns.claims();
     let last = std::cell::Cell::new(None);
     ns.wait_for("the job's claim collected", TIMEOUT, || async {
         let left = [
@@ -417,19 +343,16 @@ async fn a_succeeded_jobs_checkpoints_outlive_it() {
     let ns = test_ns("hr-keep").await;
     let op = start_operator(&ns, ControllerConfig::default());
     ns.apply_job(CPU_TINY).await;
-    ns.wait_pods("the worker pod", TIMEOUT, |p| p.len() == 1)
-        .await;
+    ns.wait_pod_count("the worker pod", 1).await;
     ns.set_pod_status("tiny-cpu-a1-s0", terminated(0, "Completed", None))
         .await;
-    let done = ns
-        .wait_job("tiny-cpu", "phase Succeeded", TIMEOUT, |j| {
-            phase(j) == Some(JobPhase::Succeeded)
-        })
-        .await;
-    let message = done.status.and_then(|s| s.message).unwrap_or_default();
+    let message = message_of(ns.wait_phase("tiny-cpu", JobPhase::Succeeded).await);
     assert!(message.contains("tiny-cpu-checkpoints"), "{message}");
-    let pvc: Api<PersistentVolumeClaim> = Api::namespaced(ns.client.clone(), &ns.name);
-    let claim = pvc.get("tiny-cpu-checkpoints").await.expect("claim");
+    let claim = ns
+        .claims()
+        .get("tiny-cpu-checkpoints")
+        .await
+        .expect("claim");
     assert!(claim.owner_references().is_empty(), "{:?}", claim.metadata);
     assert_eq!(
         claim
@@ -453,7 +376,11 @@ async fn a_succeeded_jobs_checkpoints_outlive_it() {
     })
     .await;
     // The garbage collector had its chance (the job is gone): the claim stays.
-    let kept = pvc.get_opt("tiny-cpu-checkpoints").await.expect("get");
+    let kept = ns
+        .claims()
+        .get_opt("tiny-cpu-checkpoints")
+        .await
+        .expect("get");
     assert!(
         kept.is_some_and(|c| c.metadata.deletion_timestamp.is_none()),
         "the trained checkpoints were deleted with the job"
@@ -462,24 +389,25 @@ async fn a_succeeded_jobs_checkpoints_outlive_it() {
     // The same name again: not resumed from the old job's checkpoints.
     ns.apply_job(CPU_TINY).await;
     let waiting = ns
-        .wait_job("tiny-cpu", "waiting for the old claim", TIMEOUT, |j| {
-            j.status.as_ref().is_some_and(|s| {
-                s.conditions.iter().any(|c| {
-                    c.reason == "LaunchRefused" && c.message.contains("kubectl delete pvc")
-                })
-            })
+        .wait_condition("tiny-cpu", "waiting for the old claim", |c| {
+            c.reason == "LaunchRefused" && c.message.contains("kubectl delete pvc")
         })
         .await;
     assert_ne!(phase(&waiting), Some(JobPhase::Failed));
     assert!(ns.pod_list().await.is_empty());
-    pvc.delete("tiny-cpu-checkpoints", &Default::default())
+    ns.claims()
+        .delete("tiny-cpu-checkpoints", &Default::default())
         .await
         .expect("delete the old claim");
     ns.wait_pods("the new job's worker", Duration::from_secs(60), |p| {
         p.len() == 1
     })
     .await;
-    let fresh = pvc.get("tiny-cpu-checkpoints").await.expect("new claim");
+    let fresh = ns
+        .claims()
+        .get("tiny-cpu-checkpoints")
+        .await
+        .expect("new claim");
     assert_eq!(
         fresh.owner_references()[0].uid,
         waiting.uid().expect("uid"),
@@ -496,39 +424,8 @@ async fn a_succeeded_jobs_checkpoints_outlive_it() {
 #[tokio::test]
 #[ignore = "needs the control plane: make test-apiserver"]
 async fn a_busy_cluster_is_waited_out_and_a_small_one_refused_with_numbers() {
-    use k8s_openapi::api::core::v1::Node;
-    use k8s_openapi::api::events::v1::Event;
     let ns = test_ns("hr-wait").await;
-    let nodes: Api<Node> = Api::all(ns.client.clone());
-    let node_name = format!("{}-small", ns.name);
-    let node: Node = serde_json::from_value(serde_json::json!({
-        "metadata": {"name": node_name, "labels": {"headroom.dev/test": "true"}}
-    }))
-    .expect("node");
-    nodes
-        .create(&kube::api::PostParams::default(), &node)
-        .await
-        .expect("node");
-    nodes
-        .patch(
-            &node_name,
-            &kube::api::PatchParams::default(),
-            &kube::api::Patch::Merge(serde_json::json!({"spec": {"taints": null}})),
-        )
-        .await
-        .expect("taints");
-    nodes
-        .patch_status(
-            &node_name,
-            &kube::api::PatchParams::default(),
-            &kube::api::Patch::Merge(serde_json::json!({"status": {
-                "allocatable": {"cpu": "2", "memory": "24Gi", "pods": "110"},
-                "capacity": {"cpu": "2", "memory": "24Gi", "pods": "110"},
-                "conditions": [{"type": "Ready", "status": "True", "reason": "Test", "message": "fake node",
-                                "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}})),
-        )
-        .await
-        .expect("node status");
+    let node = SmallCpuNode::add(&ns).await;
     let op = start_operator(
         &ns,
         ControllerConfig {
@@ -543,12 +440,7 @@ async fn a_busy_cluster_is_waited_out_and_a_small_one_refused_with_numbers() {
         .replace("name: tiny-cpu", "name: huge")
         .replace("memoryLimit: 1Gi", "memoryLimit: 4Ti");
     ns.apply_job(&huge).await;
-    let refused = ns
-        .wait_job("huge", "phase Failed", TIMEOUT, |j| {
-            phase(j) == Some(JobPhase::Failed)
-        })
-        .await;
-    let message = refused.status.and_then(|s| s.message).unwrap_or_default();
+    let message = message_of(ns.wait_phase("huge", JobPhase::Failed).await);
     assert!(
         message.contains("can hold one of its workers") && message.contains("24.0 GiB"),
         "{message}"
@@ -556,37 +448,21 @@ async fn a_busy_cluster_is_waited_out_and_a_small_one_refused_with_numbers() {
 
     // Fits, but the node is full: the scheduler leaves the pod pending.
     ns.apply_job(CPU_TINY).await;
-    ns.wait_pods("the worker pod", TIMEOUT, |p| p.len() == 1)
-        .await;
+    ns.wait_pod_count("the worker pod", 1).await;
     let pending = serde_json::json!({"phase": "Pending", "conditions": [{
         "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
         "message": "0/1 nodes are available: 1 Insufficient cpu.",
         "lastTransitionTime": "2026-01-01T00:00:00Z"}]});
     ns.set_pod_status("tiny-cpu-a1-s0", pending).await;
     let waiting = ns
-        .wait_job("tiny-cpu", "Waiting=True", TIMEOUT, |j| {
-            j.status.as_ref().is_some_and(|s| {
-                s.conditions
-                    .iter()
-                    .any(|c| c.type_ == "Waiting" && c.status == "True")
-            })
+        .wait_condition("tiny-cpu", "Waiting=True", |c| {
+            c.type_ == "Waiting" && c.status == "True"
         })
         .await;
-    let status = waiting.status.expect("status");
+    let status = status_of(waiting);
     assert_eq!(status.phase, Some(JobPhase::Pending));
     assert_eq!(status.attempts.len(), 1, "no attempt is used up by waiting");
-    let events: Api<Event> = Api::namespaced(ns.client.clone(), &ns.name);
-    let event = ns
-        .wait_for("a WaitingForCapacity event", TIMEOUT, || async {
-            events
-                .list(&Default::default())
-                .await
-                .ok()?
-                .items
-                .into_iter()
-                .find(|e| e.reason.as_deref() == Some("WaitingForCapacity"))
-        })
-        .await;
+    let event = ns.wait_event("WaitingForCapacity").await;
     assert!(
         event.note.unwrap_or_default().contains("Insufficient cpu"),
         "the event says what it waits for"
@@ -597,8 +473,55 @@ async fn a_busy_cluster_is_waited_out_and_a_small_one_refused_with_numbers() {
     assert_eq!(phase(&later), Some(JobPhase::Pending));
     assert_eq!(ns.pod_list().await.len(), 1);
     op.stop().await;
-    let _ = nodes.delete(&node_name, &Default::default()).await;
+    node.remove().await;
     ns.cleanup().await;
+}
+
+/// A fake, Ready, untainted node of 2 CPUs and 24 GiB (no kubelet behind it).
+struct SmallCpuNode {
+    nodes: Api<k8s_openapi::api::core::v1::Node>,
+    name: String,
+}
+
+impl SmallCpuNode {
+    async fn add(ns: &TestNs) -> Self {
+        use k8s_openapi::api::core::v1::Node;
+        let nodes: Api<Node> = Api::all(ns.client.clone());
+        let name = format!("{}-small", ns.name);
+        let node: Node = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "labels": {"headroom.dev/test": "true"}}
+        }))
+        .expect("node");
+        nodes
+            .create(&kube::api::PostParams::default(), &node)
+            .await
+            .expect("node");
+        nodes
+            .patch(
+                &name,
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(serde_json::json!({"spec": {"taints": null}})),
+            )
+            .await
+            .expect("taints");
+        nodes
+            .patch_status(
+                &name,
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(serde_json::json!({"status": {
+                    "allocatable": {"cpu": "2", "memory": "24Gi", "pods": "110"},
+                    "capacity": {"cpu": "2", "memory": "24Gi", "pods": "110"},
+                    "conditions": [{"type": "Ready", "status": "True", "reason": "Test", "message": "fake node",
+                                    "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}})),
+            )
+            .await
+            .expect("node status");
+        SmallCpuNode { nodes, name }
+    }
+
+    async fn remove(self) {
+        let _ = self.nodes.delete(&self.name, &Default::default()).await;
+    }
 }
 
 #[tokio::test]
@@ -624,34 +547,21 @@ async fn gpu_type_is_chosen_by_budget_and_replanned_when_unschedulable() {
 
     ns.apply_job(&gpu_job("gpu-job", &[&small, &mid, &big], 1, ""))
         .await;
-    let job = ns
-        .wait_job("gpu-job", "attempt 1", TIMEOUT, |j| attempts(j) == 1)
-        .await;
-    let first = job.status.expect("status").attempts[0].clone();
+    let first = status_of(ns.wait_attempts("gpu-job", 1).await).attempts[0].clone();
     assert_ne!(first.device, small, "the small GPU cannot hold the model");
-    let pods = ns.wait_pods("GPU pod", TIMEOUT, |p| p.len() == 1).await;
-    let spec = pods[0].spec.clone().expect("spec");
+    let pod = ns.wait_pod_count("GPU pod", 1).await.remove(0);
+    let spec = pod.spec.clone().expect("spec");
     assert_eq!(
         spec.node_selector.expect("selector")["nvidia.com/gpu.product"],
         first.device
     );
-    let limits = spec.containers[0]
-        .resources
-        .clone()
-        .and_then(|r| r.limits)
-        .expect("limits");
-    assert_eq!(limits["nvidia.com/gpu"].0, "1");
+    assert_eq!(limits_of(&pod)["nvidia.com/gpu"].0, "1");
 
     // The scheduler cannot place it: after the grace period, another type is planned.
     let pending = serde_json::json!({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
         "message": "0/3 nodes are available: 1 Insufficient nvidia.com/gpu.", "lastTransitionTime": "2026-01-01T00:00:00Z"}]});
-    ns.set_pod_status(&pods[0].name_any(), pending).await;
-    let job = ns
-        .wait_job("gpu-job", "attempt 2 on another type", TIMEOUT, |j| {
-            attempts(j) == 2
-        })
-        .await;
-    let status = job.status.expect("status");
+    ns.set_pod_status(&pod.name_any(), pending).await;
+    let status = status_of(ns.wait_attempts("gpu-job", 2).await);
     assert_eq!(status.attempts[0].outcome, AttemptOutcome::Unschedulable);
     let second = &status.attempts[1];
     assert_ne!(second.device, first.device);
@@ -681,22 +591,16 @@ async fn a_mixed_mig_node_gets_pods_for_its_slices_not_its_whole_gpu() {
 
     ns.apply_job(&gpu_job("mig-job", &[&big, &slice], 1, ""))
         .await;
-    let job = ns
-        .wait_job("mig-job", "attempt 1", TIMEOUT, |j| attempts(j) == 1)
-        .await;
-    let plan = job.status.expect("status").plan.expect("plan");
+    let plan = status_of(ns.wait_attempts("mig-job", 1).await)
+        .plan
+        .expect("plan");
     assert_eq!(
         (plan.device.as_str(), plan.resource.as_str()),
         (slice.as_str(), "nvidia.com/mig-3g.40gb"),
         "not the whole GPU the device plugin does not advertise"
     );
-    let pods = ns.wait_pods("MIG pod", TIMEOUT, |p| p.len() == 1).await;
-    let spec = pods[0].spec.clone().expect("spec");
-    let limits = spec.containers[0]
-        .resources
-        .clone()
-        .and_then(|r| r.limits)
-        .expect("limits");
+    let pod = ns.wait_pod_count("MIG pod", 1).await.remove(0);
+    let limits = limits_of(&pod);
     let devices: Vec<_> = limits
         .iter()
         .filter(|(k, _)| k.starts_with("nvidia.com/"))
@@ -707,8 +611,9 @@ async fn a_mixed_mig_node_gets_pods_for_its_slices_not_its_whole_gpu() {
     // The node, as the API server holds it, meets one of the affinity's terms.
     let node = nodes.api.get(&node_name).await.expect("node");
     let labels = node.labels();
-    let terms = spec
-        .affinity
+    let terms = pod
+        .spec
+        .and_then(|s| s.affinity)
         .and_then(|a| a.node_affinity)
         .and_then(|a| a.required_during_scheduling_ignored_during_execution)
         .expect("a required node affinity")
@@ -774,18 +679,12 @@ async fn gpus_held_by_other_workloads_are_not_planned_for() {
 
     let op = start_operator(&ns, ControllerConfig::default());
     ns.apply_job(&manifest).await;
-    let job = ns
-        .wait_job("gpu-job", "attempt 1", TIMEOUT, |j| attempts(j) == 1)
-        .await;
-    assert_eq!(job.status.expect("status").attempts[0].device, mid);
-    let pods = ns
-        .wait_pods("the worker pod", TIMEOUT, |p| {
-            p.iter().any(|p| p.name_any() == "gpu-job-a1-s0")
-        })
-        .await;
-    let worker = pods.iter().find(|p| p.name_any() == "gpu-job-a1-s0");
+    let job = ns.wait_attempts("gpu-job", 1).await;
+    assert_eq!(status_of(job).attempts[0].device, mid);
+    let worker = ns.wait_pod_named("gpu-job-a1-s0").await;
     let selector = worker
-        .and_then(|p| p.spec.as_ref()?.node_selector.clone())
+        .spec
+        .and_then(|s| s.node_selector)
         .expect("a node selector");
     assert_eq!(selector["nvidia.com/gpu.product"], mid);
     op.stop().await;
@@ -837,18 +736,10 @@ async fn tainted_nodes_count_only_for_jobs_that_tolerate_them() {
     ))
     .await;
     for (name, device) in [("plain", &mid), ("research", &big)] {
-        let job = ns
-            .wait_job(name, "attempt 1", TIMEOUT, |j| attempts(j) == 1)
-            .await;
-        assert_eq!(
-            &job.status.expect("status").attempts[0].device,
-            device,
-            "{name}"
-        );
+        let job = ns.wait_attempts(name, 1).await;
+        assert_eq!(&status_of(job).attempts[0].device, device, "{name}");
     }
-    let pods = ns
-        .wait_pods("both workers", TIMEOUT, |p| p.len() == 2)
-        .await;
+    let pods = ns.wait_pod_count("both workers", 2).await;
     let research = pods
         .iter()
         .find(|p| p.name_any() == "research-a1-s0")
@@ -892,12 +783,8 @@ async fn stages_span_nodes_only_with_a_read_write_many_checkpoint_volume() {
 
     let op = start_operator(&ns, ControllerConfig::default());
     ns.apply_job(&job("one-node")).await;
-    let failed = ns
-        .wait_job("one-node", "Failed", TIMEOUT, |j| {
-            phase(j) == Some(JobPhase::Failed)
-        })
-        .await;
-    let message = failed.status.and_then(|s| s.message).expect("message");
+    let failed = status_of(ns.wait_phase("one-node", JobPhase::Failed).await);
+    let message = failed.message.expect("message");
     assert!(message.contains("ReadWriteMany"), "{message}");
     op.stop().await;
 
@@ -912,23 +799,20 @@ async fn stages_span_nodes_only_with_a_read_write_many_checkpoint_volume() {
         },
     );
     ns.apply_job(&job("spread")).await;
-    let planned = ns
-        .wait_job("spread", "attempt 1", TIMEOUT, |j| attempts(j) == 1)
-        .await;
-    let plan = &planned.status.expect("status").attempts[0];
+    let plan = status_of(ns.wait_attempts("spread", 1).await).attempts[0].clone();
     assert!(plan.workers >= 2, "{plan:?}");
+    let stages = |p: &[Pod]| -> Vec<Pod> {
+        p.iter()
+            .filter(|p| p.name_any().starts_with("spread-a1-"))
+            .cloned()
+            .collect()
+    };
     let pods = ns
         .wait_pods("the stages", TIMEOUT, |p| {
-            p.iter()
-                .filter(|p| p.name_any().starts_with("spread-a1-"))
-                .count()
-                == plan.workers as usize
+            stages(p).len() == plan.workers as usize
         })
         .await;
-    for pod in pods
-        .iter()
-        .filter(|p| p.name_any().starts_with("spread-a1-"))
-    {
+    for pod in stages(&pods) {
         assert!(
             pod.spec
                 .as_ref()
@@ -937,10 +821,7 @@ async fn stages_span_nodes_only_with_a_read_write_many_checkpoint_volume() {
             "no co-location with ReadWriteMany: {pod:?}"
         );
     }
-    let claim: PersistentVolumeClaim = Api::namespaced(ns.client.clone(), &ns.name)
-        .get("spread-checkpoints")
-        .await
-        .expect("claim");
+    let claim = ns.claims().get("spread-checkpoints").await.expect("claim");
     assert_eq!(
         claim.spec.and_then(|s| s.access_modes),
         Some(vec!["ReadWriteMany".to_string()])
@@ -959,37 +840,11 @@ async fn telemetry_of_an_ended_attempt_is_pruned() {
     let ns = test_ns("hr-prune").await;
     let op = start_operator(&ns, ControllerConfig::default());
     ns.apply_job(CPU_OOM_FIRST).await;
-    ns.wait_pods("attempt 1 pod", TIMEOUT, |p| pods_of_attempt(p, 1) == 1)
-        .await;
-    let report = |pod: &str, attempt: u32, step: u64| {
-        serde_json::json!({
-            "apiVersion": "headroom.dev/v1alpha1", "kind": "MemoryAwareTrainingJob",
-            "metadata": {"name": "oom-then-fit"},
-            "status": {"workers": [{
-                "name": pod, "attempt": attempt, "stage": 0, "layerStart": 0, "layerEnd": 2,
-                "step": step, "memory": {"peakBytes": 123_456_789u64},
-                "updatedAt": "2026-11-22T10:00:00Z"}]},
-        })
-    };
-    ns.jobs()
-        .patch_status(
-            "oom-then-fit",
-            &kube::api::PatchParams::apply("headroom-worker-a1-s0").force(),
-            &kube::api::Patch::Apply(report("oom-then-fit-a1-s0", 1, 4)),
-        )
-        .await
-        .expect("telemetry");
+    ns.wait_attempt_pod(1).await;
+    report_telemetry(&ns, 1, 4).await;
     ns.set_pod_status("oom-then-fit-a1-s0", oom_killed()).await;
-    ns.wait_pods("attempt 2 pod", TIMEOUT, |p| pods_of_attempt(p, 2) == 1)
-        .await;
-    ns.jobs()
-        .patch_status(
-            "oom-then-fit",
-            &kube::api::PatchParams::apply("headroom-worker-a2-s0").force(),
-            &kube::api::Patch::Apply(report("oom-then-fit-a2-s0", 2, 1)),
-        )
-        .await
-        .expect("telemetry");
+    ns.wait_attempt_pod(2).await;
+    report_telemetry(&ns, 2, 1).await;
     let job = ns
         .wait_job("oom-then-fit", "only attempt 2's telemetry", TIMEOUT, |j| {
             j.status
@@ -997,7 +852,7 @@ async fn telemetry_of_an_ended_attempt_is_pruned() {
                 .is_some_and(|s| s.workers.iter().map(|w| w.attempt).collect::<Vec<_>>() == [2])
         })
         .await;
-    let first = &job.status.expect("status").attempts[0];
+    let first = &status_of(job).attempts[0];
     assert_eq!(
         first.last_step,
         Some(4),
@@ -1007,13 +862,34 @@ async fn telemetry_of_an_ended_attempt_is_pruned() {
     ns.cleanup().await;
 }
 
+/// What worker 0 of `oom-then-fit`'s attempt `attempt` reports: its step
+/// and a peak, applied as that worker's field manager.
+async fn report_telemetry(ns: &TestNs, attempt: u32, step: u64) {
+    let pod = format!("oom-then-fit-a{attempt}-s0");
+    let report = serde_json::json!({
+        "apiVersion": "headroom.dev/v1alpha1", "kind": "MemoryAwareTrainingJob",
+        "metadata": {"name": "oom-then-fit"},
+        "status": {"workers": [{
+            "name": pod, "attempt": attempt, "stage": 0, "layerStart": 0, "layerEnd": 2,
+            "step": step, "memory": {"peakBytes": 123_456_789u64},
+            "updatedAt": "2026-11-22T10:00:00Z"}]},
+    });
+    ns.jobs()
+        .patch_status(
+            "oom-then-fit",
+            &kube::api::PatchParams::apply(&format!("headroom-worker-a{attempt}-s0")).force(),
+            &kube::api::Patch::Apply(report),
+        )
+        .await
+        .expect("telemetry");
+}
+
 /// Pods the API server refuses (here: a PriorityClass that does not exist)
 /// show up on the job as a Warning event with the server's reason, and the
 /// attempt starts once the cause is fixed.
 #[tokio::test]
 #[ignore = "needs the control plane: make test-apiserver"]
 async fn refused_worker_pods_are_reported_on_the_job_and_retried() {
-    use k8s_openapi::api::events::v1::Event;
     use k8s_openapi::api::scheduling::v1::PriorityClass;
     let ns = test_ns("hr-refused").await;
     let class = format!("{}-batch", ns.name);
@@ -1028,33 +904,18 @@ async fn refused_worker_pods_are_reported_on_the_job_and_retried() {
     );
     ns.apply_job(&manifest).await;
 
-    let events: Api<Event> = Api::namespaced(ns.client.clone(), &ns.name);
-    let refused = ns
-        .wait_for("a LaunchRefused event", TIMEOUT, || async {
-            events
-                .list(&Default::default())
-                .await
-                .ok()?
-                .items
-                .into_iter()
-                .find(|e| e.reason.as_deref() == Some("LaunchRefused"))
-        })
-        .await;
+    let refused = ns.wait_event("LaunchRefused").await;
     let note = refused.note.unwrap_or_default();
     assert!(note.contains(&class), "{note}");
     assert_eq!(refused.type_.as_deref(), Some("Warning"));
     assert!(ns.pod_list().await.is_empty());
     // A policy decision can change (an admin acts): the job waits, saying why.
     let job = ns
-        .wait_job("tiny-cpu", "Running=False LaunchRefused", TIMEOUT, |j| {
-            j.status.as_ref().is_some_and(|s| {
-                s.conditions
-                    .iter()
-                    .any(|c| c.type_ == "Running" && c.reason == "LaunchRefused")
-            })
+        .wait_condition("tiny-cpu", "Running=False LaunchRefused", |c| {
+            c.type_ == "Running" && c.reason == "LaunchRefused"
         })
         .await;
-    let status = job.status.expect("status");
+    let status = status_of(job);
     assert_eq!(status.phase, Some(JobPhase::Pending));
     assert!(
         status.message.as_deref().unwrap_or("").contains(&class),
@@ -1071,7 +932,7 @@ async fn refused_worker_pods_are_reported_on_the_job_and_retried() {
         .create(&kube::api::PostParams::default(), &pc)
         .await
         .expect("priority class");
-    let pods = ns.wait_pods("the worker", TIMEOUT, |p| p.len() == 1).await;
+    let pods = ns.wait_pod_count("the worker", 1).await;
     assert_eq!(
         pods[0]
             .spec
@@ -1096,17 +957,8 @@ async fn worker_pods_refused_as_invalid_end_the_job_with_the_reason() {
     let refusal = PodRefusal::install(&ns, "worker pods are not welcome here").await;
     let op = start_operator(&ns, ControllerConfig::default());
     ns.apply_job(CPU_TINY).await;
-    let job = ns
-        .wait_job("tiny-cpu", "phase Failed", TIMEOUT, |j| {
-            phase(j) == Some(JobPhase::Failed)
-        })
-        .await;
-    let status = job.status.expect("status");
-    let failed = status
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Failed")
-        .expect("Failed condition");
+    let status = status_of(ns.wait_phase("tiny-cpu", JobPhase::Failed).await);
+    let failed = condition(&status, "Failed");
     assert_eq!(
         (failed.status.as_str(), failed.reason.as_str()),
         ("True", "LaunchRefused")
@@ -1211,17 +1063,8 @@ async fn a_refused_initializer_pod_ends_the_job_with_the_reason() {
     let refusal = PodRefusal::install(&ns, "initializers are not welcome here").await;
     let op = start_operator(&ns, ControllerConfig::default());
     ns.apply_job(CPU_FINETUNE).await;
-    let job = ns
-        .wait_job("finetune-tiny-llama", "phase Failed", TIMEOUT, |j| {
-            phase(j) == Some(JobPhase::Failed)
-        })
-        .await;
-    let status = job.status.expect("status");
-    let failed = status
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Failed")
-        .expect("Failed condition");
+    let status = status_of(ns.wait_phase("finetune-tiny-llama", JobPhase::Failed).await);
+    let failed = condition(&status, "Failed");
     assert_eq!(failed.reason, "LaunchRefused");
     assert!(
         failed.message.contains("initializer pod")
@@ -1258,17 +1101,13 @@ async fn a_job_that_cannot_be_read_does_not_stall_the_others() {
     );
     let op = start_operator(&ns, ControllerConfig::default());
     ns.apply_job(CPU_TINY).await;
-    ns.wait_job("tiny-cpu", "the healthy job planned", TIMEOUT, |j| {
-        attempts(j) == 1
-    })
-    .await;
-    let pods = ns
-        .wait_pods("its pod", TIMEOUT, |p| {
-            p.iter().any(|p| p.name_any() == "tiny-cpu-a1-s0")
-        })
-        .await;
+    ns.wait_attempts("tiny-cpu", 1).await;
+    ns.wait_pod_named("tiny-cpu-a1-s0").await;
     assert!(
-        pods.iter().all(|p| !p.name_any().starts_with("broken")),
+        ns.pod_list()
+            .await
+            .iter()
+            .all(|p| !p.name_any().starts_with("broken")),
         "nothing is created for an unreadable job"
     );
     assert!(
@@ -1324,16 +1163,6 @@ async fn one_leader_at_a_time_and_release_hands_over() {
     ns.cleanup().await;
 }
 
-fn env_of(pod: &Pod, name: &str) -> Option<String> {
-    pod.spec.as_ref()?.containers[0]
-        .env
-        .as_ref()?
-        .iter()
-        .find(|e| e.name == name)?
-        .value
-        .clone()
-}
-
 #[tokio::test]
 #[ignore = "needs the control plane: make test-apiserver"]
 async fn a_pretrained_job_is_initialized_then_planned_from_its_checkpoint() {
@@ -1348,7 +1177,44 @@ async fn a_pretrained_job_is_initialized_then_planned_from_its_checkpoint() {
         vec!["finetune-tiny-llama-init-1"],
         "nothing but the initializer before the checkpoint is read"
     );
-    let init = &pods[0];
+    assert_the_initializer_reads_the_models_volume(&pods[0]);
+    let job = ns
+        .wait_condition("finetune-tiny-llama", "Initializing", |c| {
+            c.type_ == "Initialized"
+        })
+        .await;
+    assert_eq!(phase(&job), Some(JobPhase::Pending));
+
+    ns.set_pod_status(
+        "finetune-tiny-llama-init-1",
+        terminated(0, "Completed", Some(&tiny_llama_report(64))),
+    )
+    .await;
+    let status = status_of(ns.wait_attempts("finetune-tiny-llama", 1).await);
+    assert_eq!(status.model.as_ref().map(|m| m.parameters), Some(214_592));
+    assert_eq!(status.data.as_ref().map(|d| d.samples), Some(15));
+    assert_eq!(
+        status.output.as_deref(),
+        Some("finetune-tiny-llama-checkpoints:output")
+    );
+    let initialized = condition(&status, "Initialized");
+    assert_eq!(
+        (initialized.status.as_str(), initialized.reason.as_str()),
+        ("True", "Initialized")
+    );
+    let workers = ns.wait_attempt_pod(1).await;
+    let worker = workers
+        .iter()
+        .find(|p| p.name_any() == "finetune-tiny-llama-a1-s0")
+        .expect("worker pod");
+    assert_the_worker_builds_the_checkpoints_model(worker);
+    op.stop().await;
+    ns.cleanup().await;
+}
+
+/// The initializer is told to read the model from its volume, at the job's
+/// sequence length.
+fn assert_the_initializer_reads_the_models_volume(init: &Pod) {
     let assignment: headroom_api::InitializerAssignment = serde_json::from_str(
         &env_of(init, headroom_api::INITIALIZE_JSON_ENV).expect("assignment env"),
     )
@@ -1359,48 +1225,11 @@ async fn a_pretrained_job_is_initialized_then_planned_from_its_checkpoint() {
         "/var/lib/headroom/claims/models/tiny-llama"
     );
     assert_eq!(assignment.sequence_length, 64);
-    let job = ns
-        .wait_job("finetune-tiny-llama", "Initializing", TIMEOUT, |j| {
-            j.status
-                .as_ref()
-                .is_some_and(|s| s.conditions.iter().any(|c| c.type_ == "Initialized"))
-        })
-        .await;
-    assert_eq!(phase(&job), Some(JobPhase::Pending));
+}
 
-    ns.set_pod_status(
-        "finetune-tiny-llama-init-1",
-        terminated(0, "Completed", Some(&tiny_llama_report(64))),
-    )
-    .await;
-    let job = ns
-        .wait_job("finetune-tiny-llama", "attempt 1 planned", TIMEOUT, |j| {
-            attempts(j) == 1
-        })
-        .await;
-    let status = job.status.expect("status");
-    assert_eq!(status.model.as_ref().map(|m| m.parameters), Some(214_592));
-    assert_eq!(status.data.as_ref().map(|d| d.samples), Some(15));
-    assert_eq!(
-        status.output.as_deref(),
-        Some("finetune-tiny-llama-checkpoints:output")
-    );
-    let initialized = status
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Initialized")
-        .expect("condition");
-    assert_eq!(
-        (initialized.status.as_str(), initialized.reason.as_str()),
-        ("True", "Initialized")
-    );
-    let workers = ns
-        .wait_pods("the worker pod", TIMEOUT, |p| pods_of_attempt(p, 1) == 1)
-        .await;
-    let worker = workers
-        .iter()
-        .find(|p| p.name_any() == "finetune-tiny-llama-a1-s0")
-        .expect("worker pod");
+/// The worker is told where the model and data files are, and builds the
+/// model the checkpoint describes.
+fn assert_the_worker_builds_the_checkpoints_model(worker: &Pod) {
     let assignment: headroom_api::WorkerAssignment =
         serde_json::from_str(&env_of(worker, headroom_api::PLAN_JSON_ENV).expect("plan env"))
             .expect("assignment JSON");
@@ -1419,8 +1248,6 @@ async fn a_pretrained_job_is_initialized_then_planned_from_its_checkpoint() {
         panic!("the worker builds the checkpoint's model");
     };
     assert_eq!((shape.layers, shape.sequence_length), (4, 64));
-    op.stop().await;
-    ns.cleanup().await;
 }
 
 #[tokio::test]
@@ -1448,17 +1275,8 @@ async fn a_checkpoint_the_initializer_refuses_fails_the_job_with_its_reason() {
         ),
     )
     .await;
-    let job = ns
-        .wait_job("finetune-tiny-llama", "Failed", TIMEOUT, |j| {
-            phase(j) == Some(JobPhase::Failed)
-        })
-        .await;
-    let status = job.status.expect("status");
-    let failed = status
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Failed")
-        .expect("Failed condition");
+    let status = status_of(ns.wait_phase("finetune-tiny-llama", JobPhase::Failed).await);
+    let failed = condition(&status, "Failed");
     assert_eq!(failed.reason, "InvalidSource");
     assert!(failed.message.contains("k_proj"), "{}", failed.message);
     let pods = ns.pods().list(&Default::default()).await.expect("pods");

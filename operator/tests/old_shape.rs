@@ -21,13 +21,17 @@ use support::*;
 const OLD_CRD: &str = include_str!("fixtures/crd-attempts-with-plan.yaml");
 const JOB: &str = "oom-then-fit";
 
-async fn raw_job(ns: &TestNs) -> DynamicObject {
-    let api: Api<DynamicObject> = Api::namespaced_with(
+/// The namespace's jobs as stored, untyped.
+fn raw_jobs(ns: &TestNs) -> Api<DynamicObject> {
+    Api::namespaced_with(
         ns.client.clone(),
         &ns.name,
         &ApiResource::erase::<MemoryAwareTrainingJob>(&()),
-    );
-    api.get(JOB).await.expect("get the job as stored")
+    )
+}
+
+async fn raw_job(ns: &TestNs) -> DynamicObject {
+    raw_jobs(ns).get(JOB).await.expect("get the job as stored")
 }
 
 /// Server-side applies `crd` and waits until it is established.
@@ -64,11 +68,30 @@ async fn a_job_stored_with_each_attempts_plan_is_read_rewritten_lean_and_retried
         .await;
     op.stop().await;
 
-    // Under the CRD of before, the status as the operator wrote it then: the
-    // attempt with its whole plan, no summary fields.
+    let old = store_the_old_shape(&ns).await;
+    the_current_crd_and_types_read_the_old_shape(&ns, &old).await;
+    let op = start_operator(&ns, ControllerConfig::default());
+    the_operators_first_status_write_rewrites_the_attempts_lean(&ns, &old).await;
+    the_job_carries_on_through_a_retry(&ns, &old).await;
+    let raw = raw_job(&ns).await;
+    assert_kubectl_get_columns_and_no_attempt_plans(&raw);
+    assert_plan_attempts_and_conditions_are_managed_whole(&raw);
+    op.stop().await;
+    ns.cleanup().await;
+}
+
+/// What the old shape held for attempt 1: its whole plan and its start.
+struct OldAttempt {
+    plan: Value,
+    started_at: Value,
+}
+
+/// Under the CRD of before, the status as the operator wrote it then: the
+/// attempt with its whole plan, no summary fields.
+async fn store_the_old_shape(ns: &TestNs) -> OldAttempt {
     let old_crd: CustomResourceDefinition = serde_yaml::from_str(OLD_CRD).expect("old CRD");
-    apply_crd(&ns, &old_crd).await;
-    let mut stored = raw_job(&ns).await;
+    apply_crd(ns, &old_crd).await;
+    let mut stored = raw_job(ns).await;
     let status = &mut stored.data["status"];
     let plan = status["plan"].clone();
     let started_at = status["attempts"][0]["startedAt"].clone();
@@ -78,24 +101,23 @@ async fn a_job_stored_with_each_attempts_plan_is_read_rewritten_lean_and_retried
         "outcome": "Running",
         "startedAt": started_at,
     }]);
-    let api: Api<DynamicObject> = Api::namespaced_with(
-        ns.client.clone(),
-        &ns.name,
-        &ApiResource::erase::<MemoryAwareTrainingJob>(&()),
-    );
-    api.replace_status(JOB, &PostParams::default(), &stored)
+    raw_jobs(ns)
+        .replace_status(JOB, &PostParams::default(), &stored)
         .await
         .expect("the old CRD stores the old shape");
+    OldAttempt { plan, started_at }
+}
 
-    // The upgrade: the current CRD. Nothing stored is pruned on read.
+/// The upgrade: the current CRD, which prunes nothing stored on read; the
+/// current types read the job, filling each attempt's summary from its plan.
+async fn the_current_crd_and_types_read_the_old_shape(ns: &TestNs, old: &OldAttempt) {
     headroom_e2e::crd::install(&ns.client, API_SERVER.field_manager)
         .await
         .expect("the current CRD");
-    let raw = raw_job(&ns).await;
-    assert_eq!(raw.data["status"]["attempts"][0]["plan"], plan);
+    let raw = raw_job(ns).await;
+    assert_eq!(raw.data["status"]["attempts"][0]["plan"], old.plan);
     assert!(raw.data["status"]["attempts"][0].get("settings").is_none());
 
-    // The current types read it, filling each attempt's summary from its plan.
     let job = ns
         .jobs()
         .get(JOB)
@@ -119,23 +141,30 @@ async fn a_job_stored_with_each_attempts_plan_is_read_rewritten_lean_and_retried
             current.predicted_peak_bytes
         )
     );
+}
 
-    // The operator's first status write rewrites the attempts lean.
-    let op = start_operator(&ns, ControllerConfig::default());
+/// The operator's first status write rewrites the attempts lean, keeping
+/// what the plan said of them.
+async fn the_operators_first_status_write_rewrites_the_attempts_lean(
+    ns: &TestNs,
+    old: &OldAttempt,
+) {
     ns.wait_for("the attempts rewritten lean", TIMEOUT, || async {
-        let raw = raw_job(&ns).await;
+        let raw = raw_job(ns).await;
         let a = &raw.data["status"]["attempts"][0];
         (a.get("plan").is_none() && a.get("settings").is_some()).then_some(())
     })
     .await;
-    let lean = raw_job(&ns).await;
+    let lean = raw_job(ns).await;
     let a = &lean.data["status"]["attempts"][0];
-    assert_eq!(a["settings"], plan["settings"]);
-    assert_eq!(a["predictedPeakBytes"], plan["predictedPeakBytes"]);
-    assert_eq!(a["budgetBytes"], plan["budgetBytes"]);
-    assert_eq!(a["startedAt"], started_at);
+    assert_eq!(a["settings"], old.plan["settings"]);
+    assert_eq!(a["predictedPeakBytes"], old.plan["predictedPeakBytes"]);
+    assert_eq!(a["budgetBytes"], old.plan["budgetBytes"]);
+    assert_eq!(a["startedAt"], old.started_at);
+}
 
-    // And carries on: attempt 1 OOM-killed, attempt 2 stricter.
+/// And carries on: attempt 1 OOM-killed, attempt 2 stricter.
+async fn the_job_carries_on_through_a_retry(ns: &TestNs, old: &OldAttempt) {
     ns.set_pod_status(&format!("{JOB}-a1-s0"), oom_killed())
         .await;
     let job = ns
@@ -146,15 +175,18 @@ async fn a_job_stored_with_each_attempts_plan_is_read_rewritten_lean_and_retried
     assert_eq!(first.outcome, AttemptOutcome::HostOutOfMemory);
     assert_eq!(
         Value::from(first.settings.micro_batch),
-        plan["settings"]["microBatch"]
+        old.plan["settings"]["microBatch"]
     );
     assert!(second.settings.activation_checkpointing);
     assert_eq!(
         status.plan.as_ref().map(|p| p.settings),
         Some(second.settings)
     );
-    // What `kubectl get` shows (the printer columns' paths) is still there.
-    let raw = raw_job(&ns).await;
+}
+
+/// What `kubectl get` shows (the printer columns' paths) is still there, and
+/// no attempt holds a plan.
+fn assert_kubectl_get_columns_and_no_attempt_plans(raw: &DynamicObject) {
     for path in ["device", "workers", "fit"] {
         assert!(
             raw.data["status"]["plan"].get(path).is_some(),
@@ -168,9 +200,12 @@ async fn a_job_stored_with_each_attempts_plan_is_read_rewritten_lean_and_retried
             .iter()
             .all(|a| a.get("plan").is_none())
     );
-    // The plan, the attempts and the conditions are atomic: the managed
-    // fields name each once instead of listing its fields (issue 33), here
-    // too, for an object whose fields the old CRD had listed one by one.
+}
+
+/// The plan, the attempts and the conditions are atomic: the managed fields
+/// name each once instead of listing its fields, here too, for an object
+/// whose fields the old CRD had listed one by one.
+fn assert_plan_attempts_and_conditions_are_managed_whole(raw: &DynamicObject) {
     let managed = serde_json::to_string(&raw.metadata.managed_fields).expect("managed fields");
     for inner in [
         "f:fit",
@@ -190,6 +225,4 @@ async fn a_job_stored_with_each_attempts_plan_is_read_rewritten_lean_and_retried
     ] {
         assert!(managed.contains(whole), "{whole} not in {managed}");
     }
-    op.stop().await;
-    ns.cleanup().await;
 }

@@ -502,7 +502,7 @@ fn invalid_corpus_cross_field_rules_are_caught_offline_too() {
             "spec.resources.gpu.hostMemory",
         ),
         ("35-host-memory-too-small.yaml", "at least 64Mi"),
-        // The CRD's schema, checked offline by a JSON Schema validator (issue 36).
+        // The CRD's schema, checked offline by a JSON Schema validator.
         (
             "04-zero-layers.yaml",
             "spec.model.transformer.layers: 0 is less than the minimum of 1",

@@ -187,8 +187,31 @@ async fn create(
 async fn a_job_may_name_only_a_secret_its_creator_may_get() {
     let ns = test_ns("hr-token-secret").await;
     install_policy(&ns.client).await;
+    create_secrets(&ns, &["hf-token", "hf-data"]).await;
+    let creator = a_job_creator_who_reads_no_secret(&ns).await;
+
+    // A job that names no Secret is this user's to create (RBAC is in force).
+    let plain = job("no-secret", MODEL_ON_CLAIM, DATA_ON_CLAIM);
+    ns.wait_for("the user may create jobs", TIMEOUT, || async {
+        create(&creator.jobs, &plain).await.ok()
+    })
+    .await;
+
+    naming_a_secret_one_may_not_get_is_refused_naming_the_field(&ns, &creator).await;
+    // An administrator, who may read every Secret, is admitted.
+    let admin_job = job("admin-token", MODEL_WITH_TOKEN, DATA_WITH_TOKEN);
+    create(&ns.jobs(), &admin_job)
+        .await
+        .expect("an administrator may name the Secret");
+    get_on_one_secret_admits_that_secret_only(&ns, &creator).await;
+    an_edit_that_keeps_the_secret_is_no_new_use(&ns).await;
+    ns.cleanup().await;
+}
+
+/// Secrets of these names, each with a token.
+async fn create_secrets(ns: &TestNs, names: &[&str]) {
     let secrets: Api<Secret> = Api::namespaced(ns.client.clone(), &ns.name);
-    for name in ["hf-token", "hf-data"] {
+    for name in names {
         let secret: Secret = serde_json::from_value(json!({
             "metadata": {"name": name}, "stringData": {"token": format!("hf_{name}")}
         }))
@@ -198,36 +221,46 @@ async fn a_job_may_name_only_a_secret_its_creator_may_get() {
             .await
             .expect("secret");
     }
-    // A user who may create, read and delete jobs here, and read no Secret.
+}
+
+/// A user, and the jobs of the test's namespace as that user sees them.
+struct Creator {
+    user: String,
+    jobs: Api<MemoryAwareTrainingJob>,
+}
+
+/// A user who may create, read and delete jobs here, and read no Secret.
+async fn a_job_creator_who_reads_no_secret(ns: &TestNs) -> Creator {
     let user = format!("job-creator@{}", ns.name);
     grant(
-        &ns,
+        ns,
         "job-creator",
         &user,
         json!([{"apiGroups": ["headroom.dev"], "resources": ["memoryawaretrainingjobs"],
                 "verbs": ["create", "get", "delete"]}]),
     )
     .await;
-    let jobs: Api<MemoryAwareTrainingJob> = Api::namespaced(client_as(&user).await, &ns.name);
-    let admin_jobs = ns.jobs();
+    let jobs = Api::namespaced(client_as(&user).await, &ns.name);
+    Creator { user, jobs }
+}
 
-    // A job that names no Secret is this user's to create (RBAC is in force).
-    let plain = job("no-secret", MODEL_ON_CLAIM, DATA_ON_CLAIM);
-    ns.wait_for("the user may create jobs", TIMEOUT, || async {
-        create(&jobs, &plain).await.ok()
-    })
-    .await;
-
-    // Naming the model's Secret is refused once the policy is in force
-    // (policies take effect asynchronously: an early admission is undone).
+/// Naming the model's Secret is refused once the policy is in force
+/// (policies take effect asynchronously: an early admission is undone), and
+/// the dataset's Secret alike, each with its own field.
+async fn naming_a_secret_one_may_not_get_is_refused_naming_the_field(
+    ns: &TestNs,
+    creator: &Creator,
+) {
+    let Creator { user, jobs } = creator;
     let model_job = job("model-token", MODEL_WITH_TOKEN, DATA_ON_CLAIM);
     let field = "spec.model.pretrained.huggingFace.tokenSecret: ";
     let (code, message) = ns
         .wait_for("the policy in force", TIMEOUT, || async {
-            match create(&jobs, &model_job).await {
+            match create(jobs, &model_job).await {
                 Err((code, message)) if message.contains(field) => Some((code, message)),
                 Ok(()) => {
-                    let _ = admin_jobs
+                    let _ = ns
+                        .jobs()
                         .delete("model-token", &DeleteParams::default())
                         .await;
                     None
@@ -244,9 +277,8 @@ async fn a_job_may_name_only_a_secret_its_creator_may_get() {
         )) && message.contains("name a Secret you may read, or ask for get on this one"),
         "{message}"
     );
-    // The dataset's Secret alike, with its own field.
     let data_job = job("data-token", MODEL_ON_CLAIM, DATA_WITH_TOKEN);
-    let (code, message) = create(&jobs, &data_job).await.expect_err("refused");
+    let (code, message) = create(jobs, &data_job).await.expect_err("refused");
     assert_eq!(code, 403, "{message}");
     assert!(
         message.contains(&format!(
@@ -254,27 +286,25 @@ async fn a_job_may_name_only_a_secret_its_creator_may_get() {
         )),
         "{message}"
     );
-    // An administrator, who may read every Secret, is admitted.
-    let admin_job = job("admin-token", MODEL_WITH_TOKEN, DATA_WITH_TOKEN);
-    create(&admin_jobs, &admin_job)
-        .await
-        .expect("an administrator may name the Secret");
+}
 
-    // Granted `get` on hf-token alone: the model's Secret is admitted, the
-    // dataset's (another Secret) still refused.
+/// Granted `get` on hf-token alone: the model's Secret is admitted, the
+/// dataset's (another Secret) still refused.
+async fn get_on_one_secret_admits_that_secret_only(ns: &TestNs, creator: &Creator) {
     grant(
-        &ns,
+        ns,
         "read-hf-token",
-        &user,
+        &creator.user,
         json!([{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["hf-token"],
                 "verbs": ["get"]}]),
     )
     .await;
+    let model_job = job("model-token", MODEL_WITH_TOKEN, DATA_ON_CLAIM);
     ns.wait_for("the job admitted after get is granted", TIMEOUT, || async {
-        create(&jobs, &model_job).await.ok()
+        create(&creator.jobs, &model_job).await.ok()
     })
     .await;
-    let stored = admin_jobs.get("model-token").await.expect("stored");
+    let stored = ns.jobs().get("model-token").await.expect("stored");
     assert_eq!(
         stored
             .spec
@@ -285,15 +315,20 @@ async fn a_job_may_name_only_a_secret_its_creator_may_get() {
             .map(|s| s.name),
         Some("hf-token".to_string())
     );
-    let (code, message) = create(&jobs, &data_job).await.expect_err("still refused");
+    let data_job = job("data-token", MODEL_ON_CLAIM, DATA_WITH_TOKEN);
+    let (code, message) = create(&creator.jobs, &data_job)
+        .await
+        .expect_err("still refused");
     assert_eq!(code, 403, "{message}");
     assert!(message.contains("hf-data"), "{message}");
+}
 
-    // An edit that keeps the job's Secret is not a new use of it: a user who
-    // may edit jobs but read no Secret changes the steps of the admin's job.
+/// An edit that keeps the job's Secret is not a new use of it: a user who
+/// may edit jobs but read no Secret changes the steps of the admin's job.
+async fn an_edit_that_keeps_the_secret_is_no_new_use(ns: &TestNs) {
     let editor = format!("job-editor@{}", ns.name);
     grant(
-        &ns,
+        ns,
         "job-editor",
         &editor,
         json!([{"apiGroups": ["headroom.dev"], "resources": ["memoryawaretrainingjobs"],
@@ -312,5 +347,4 @@ async fn a_job_may_name_only_a_secret_its_creator_may_get() {
         })
         .await;
     assert_eq!(edited.spec.training.steps, 40);
-    ns.cleanup().await;
 }

@@ -60,6 +60,17 @@ async fn call(
     (code, String::from_utf8_lossy(&bytes).into_owned())
 }
 
+/// The worker API beside a controller, and the one worker pod of `tiny-cpu`
+/// with its projected worker-API token.
+struct Worker {
+    api: axum::Router,
+    key: worker_api::OperatorKey,
+    pod: Pod,
+    /// The pod's name.
+    me: String,
+    token: String,
+}
+
 #[tokio::test]
 #[ignore = "needs the control plane: make test-apiserver"]
 async fn a_worker_reports_its_own_telemetry_through_the_operator_and_nothing_else() {
@@ -73,10 +84,26 @@ async fn a_worker_reports_its_own_telemetry_through_the_operator_and_nothing_els
     };
     let op = start_operator(&ns, config);
     ns.apply_job(CPU_TINY).await;
+    let worker = a_worker_told_where_the_api_is(&ns, &op).await;
+    its_own_entry_is_written_by_the_operator(&ns, &op, &worker).await;
+    other_entries_bad_bodies_and_other_tokens_are_refused(&ns, &worker).await;
+    // Creates the `stranger` pod the later steps use.
+    peers_are_pods_of_its_own_job_only(&ns, &worker).await;
+    the_link_key_is_its_jobs_and_needs_a_token(&ns, &worker).await;
+    a_pod_that_is_no_worker_can_neither_report_nor_learn_a_key(&ns, &worker).await;
+    the_token_is_worth_nothing_to_the_api_server(&ns, &worker).await;
+    a_deleted_pods_token_is_refused_once_the_cache_sees_it(&ns, &op, &worker).await;
+    op.stop().await;
+    ns.cleanup().await;
+}
+
+/// The worker pod: no API token mounted, the worker API's address in its
+/// environment; and the API, with a fresh operator key.
+async fn a_worker_told_where_the_api_is(ns: &TestNs, op: &Operator) -> Worker {
     let pods = ns
         .wait_pods("the worker pod", TIMEOUT, |p| p.len() == 1)
         .await;
-    let pod = &pods[0];
+    let pod = pods[0].clone();
     let spec = pod.spec.as_ref().expect("spec");
     assert_eq!(spec.automount_service_account_token, Some(false));
     let env: Vec<String> = spec.containers[0]
@@ -96,17 +123,26 @@ async fn a_worker_reports_its_own_telemetry_through_the_operator_and_nothing_els
         op.reports.clone(),
         op.pods.clone(),
     );
-    let token = ns.pod_token(pod, &[WORKER_API_AUDIENCE]).await;
+    let token = ns.pod_token(&pod, &[WORKER_API_AUDIENCE]).await;
     let me = pod.name_any();
+    Worker {
+        api,
+        key,
+        pod,
+        me,
+        token,
+    }
+}
 
-    // Its own entry: held and written by the operator (a new worker at the
-    // flusher's next tick) under the operator's telemetry field manager.
+/// Its own entry: held and written by the operator (a new worker at the
+/// flusher's next tick) under the operator's telemetry field manager.
+async fn its_own_entry_is_written_by_the_operator(ns: &TestNs, op: &Operator, w: &Worker) {
     let (code, text) = call(
-        &api,
+        &w.api,
         Method::POST,
         WORKER_API_TELEMETRY_PATH,
-        Some(&token),
-        Some(entry(&me, 3)),
+        Some(&w.token),
+        Some(entry(&w.me, 3)),
     )
     .await;
     assert_eq!(code, StatusCode::NO_CONTENT, "{text}");
@@ -139,13 +175,17 @@ async fn a_worker_reports_its_own_telemetry_through_the_operator_and_nothing_els
         j.status.as_ref().is_some_and(|s| s.workers.len() == 1)
     })
     .await;
+}
 
-    // Another worker's entry: refused, with the reason.
+/// Another worker's entry, a claim to another attempt or stage, a body that
+/// is not telemetry, no token and a token for another audience: each refused,
+/// with the reason.
+async fn other_entries_bad_bodies_and_other_tokens_are_refused(ns: &TestNs, w: &Worker) {
     let (code, text) = call(
-        &api,
+        &w.api,
         Method::POST,
         WORKER_API_TELEMETRY_PATH,
-        Some(&token),
+        Some(&w.token),
         Some(entry("someone-else", 1)),
     )
     .await;
@@ -153,14 +193,14 @@ async fn a_worker_reports_its_own_telemetry_through_the_operator_and_nothing_els
     assert!(text.contains("only its own entry"), "{text}");
     // Its own entry, claiming another attempt or stage than its pod's labels.
     for (attempt, stage) in [(2, 0), (1, 1)] {
-        let mut claim = entry(&me, 5);
+        let mut claim = entry(&w.me, 5);
         claim["attempt"] = json!(attempt);
         claim["stage"] = json!(stage);
         let (code, text) = call(
-            &api,
+            &w.api,
             Method::POST,
             WORKER_API_TELEMETRY_PATH,
-            Some(&token),
+            Some(&w.token),
             Some(claim),
         )
         .await;
@@ -169,35 +209,39 @@ async fn a_worker_reports_its_own_telemetry_through_the_operator_and_nothing_els
     }
     // A body that is not telemetry: the field that is wrong.
     let (code, text) = call(
-        &api,
+        &w.api,
         Method::POST,
         WORKER_API_TELEMETRY_PATH,
-        Some(&token),
-        Some(json!({"name": me, "attempt": "one"})),
+        Some(&w.token),
+        Some(json!({"name": w.me, "attempt": "one"})),
     )
     .await;
     assert_eq!(code, StatusCode::BAD_REQUEST, "{text}");
     assert!(text.contains("attempt"), "{text}");
     // No token, or a token for another audience (the API server's own).
-    let (code, text) = call(&api, Method::POST, WORKER_API_TELEMETRY_PATH, None, None).await;
+    let (code, text) = call(&w.api, Method::POST, WORKER_API_TELEMETRY_PATH, None, None).await;
     assert_eq!(code, StatusCode::UNAUTHORIZED, "{text}");
-    let api_token = ns.pod_token(pod, &[]).await;
+    let api_token = ns.pod_token(&w.pod, &[]).await;
     let (code, text) = call(
-        &api,
+        &w.api,
         Method::POST,
         WORKER_API_TELEMETRY_PATH,
         Some(&api_token),
-        Some(entry(&me, 4)),
+        Some(entry(&w.me, 4)),
     )
     .await;
     assert_eq!(code, StatusCode::UNAUTHORIZED, "{text}");
+}
 
-    // Peers: a pod of its own job (no IP: no kubelet here); another pod is refused.
+/// Peers: a pod of its own job (no IP: no kubelet here); another pod (the
+/// `stranger` made here) is refused, and a name that is no pod name is
+/// refused before it becomes part of an API path.
+async fn peers_are_pods_of_its_own_job_only(ns: &TestNs, w: &Worker) {
     let (code, text) = call(
-        &api,
+        &w.api,
         Method::GET,
-        &format!("{WORKER_API_PEERS_PATH}{me}"),
-        Some(&token),
+        &format!("{WORKER_API_PEERS_PATH}{}", w.me),
+        Some(&w.token),
         None,
     )
     .await;
@@ -214,32 +258,33 @@ async fn a_worker_reports_its_own_telemetry_through_the_operator_and_nothing_els
         .await
         .expect("stranger");
     let (code, text) = call(
-        &api,
+        &w.api,
         Method::GET,
         &format!("{WORKER_API_PEERS_PATH}stranger"),
-        Some(&token),
+        Some(&w.token),
         None,
     )
     .await;
     assert_eq!(code, StatusCode::FORBIDDEN, "{text}");
-    // Not a pod name: refused before it becomes part of an API path.
     let (code, text) = call(
-        &api,
+        &w.api,
         Method::GET,
         &format!("{WORKER_API_PEERS_PATH}Stranger"),
-        Some(&token),
+        Some(&w.token),
         None,
     )
     .await;
     assert_eq!(code, StatusCode::BAD_REQUEST, "{text}");
+}
 
-    // The job's link key: this job's, derived from the operator's key and
-    // the job's uid; nothing without a token.
+/// The job's link key: this job's, derived from the operator's key and the
+/// job's uid; nothing without a token.
+async fn the_link_key_is_its_jobs_and_needs_a_token(ns: &TestNs, w: &Worker) {
     let (code, text) = call(
-        &api,
+        &w.api,
         Method::GET,
         WORKER_API_PEER_KEY_PATH,
-        Some(&token),
+        Some(&w.token),
         None,
     )
     .await;
@@ -252,15 +297,18 @@ async fn a_worker_reports_its_own_telemetry_through_the_operator_and_nothing_els
         .expect("job")
         .uid()
         .expect("uid");
-    assert_eq!(got.key, key.job_key_hex(&ns.name, &uid));
-    let (code, _) = call(&api, Method::GET, WORKER_API_PEER_KEY_PATH, None, None).await;
+    assert_eq!(got.key, w.key.job_key_hex(&ns.name, &uid));
+    let (code, _) = call(&w.api, Method::GET, WORKER_API_PEER_KEY_PATH, None, None).await;
     assert_eq!(code, StatusCode::UNAUTHORIZED);
+}
 
-    // A pod that is no worker cannot report at all, nor learn a key.
+/// A pod that is no worker (the `stranger`) cannot report at all, nor learn
+/// a key.
+async fn a_pod_that_is_no_worker_can_neither_report_nor_learn_a_key(ns: &TestNs, w: &Worker) {
     let stranger = ns.pods().get("stranger").await.expect("stranger");
     let stranger_token = ns.pod_token(&stranger, &[WORKER_API_AUDIENCE]).await;
     let (code, text) = call(
-        &api,
+        &w.api,
         Method::POST,
         WORKER_API_TELEMETRY_PATH,
         Some(&stranger_token),
@@ -269,7 +317,7 @@ async fn a_worker_reports_its_own_telemetry_through_the_operator_and_nothing_els
     .await;
     assert_eq!(code, StatusCode::FORBIDDEN, "{text}");
     let (code, text) = call(
-        &api,
+        &w.api,
         Method::GET,
         WORKER_API_PEER_KEY_PATH,
         Some(&stranger_token),
@@ -277,34 +325,42 @@ async fn a_worker_reports_its_own_telemetry_through_the_operator_and_nothing_els
     )
     .await;
     assert_eq!(code, StatusCode::FORBIDDEN, "{text}");
+}
 
-    // The worker's token is worth nothing to the API server itself.
+/// The worker's token is worth nothing to the API server itself.
+async fn the_token_is_worth_nothing_to_the_api_server(ns: &TestNs, w: &Worker) {
     let mut config = kube::Config::infer().await.expect("kubeconfig");
-    config.auth_info = serde_json::from_value(json!({ "token": token })).expect("auth info");
+    config.auth_info = serde_json::from_value(json!({ "token": w.token })).expect("auth info");
     let as_worker = Client::try_from(config).expect("worker client");
-    let read = Api::<Pod>::namespaced(as_worker, &ns.name).get(&me).await;
+    let read = Api::<Pod>::namespaced(as_worker, &ns.name).get(&w.me).await;
     assert!(
         matches!(&read, Err(kube::Error::Api(e)) if e.code == 401),
         "{read:?}"
     );
+}
 
-    // The checked token stands for its pod while the operator's pod cache
-    // holds the pod, and no longer: once the pod is deleted its token is
-    // refused as soon as the watch sees it (reviewed again, and the API
-    // server refuses a deleted pod's token), not after a time-to-live
-    // (IDENTITY_TTL, 60 s, on a replica without the cache).
+/// The checked token stands for its pod while the operator's pod cache
+/// holds the pod, and no longer: once the pod is deleted its token is
+/// refused as soon as the watch sees it (reviewed again, and the API
+/// server refuses a deleted pod's token), not after a time-to-live
+/// (IDENTITY_TTL, 60 s, on a replica without the cache).
+async fn a_deleted_pods_token_is_refused_once_the_cache_sees_it(
+    ns: &TestNs,
+    op: &Operator,
+    w: &Worker,
+) {
     assert!(op.pods.is_filled(), "the controller lends its pod cache");
     ns.pods()
-        .delete(&me, &DeleteParams::default())
+        .delete(&w.me, &DeleteParams::default())
         .await
         .expect("delete the worker pod");
     let deleted = std::time::Instant::now();
     let refused = loop {
         let (code, text) = call(
-            &api,
+            &w.api,
             Method::GET,
             WORKER_API_PEER_KEY_PATH,
-            Some(&token),
+            Some(&w.token),
             None,
         )
         .await;
@@ -320,6 +376,4 @@ async fn a_worker_reports_its_own_telemetry_through_the_operator_and_nothing_els
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     eprintln!("a deleted pod's token refused after {refused:?}");
-    op.stop().await;
-    ns.cleanup().await;
 }

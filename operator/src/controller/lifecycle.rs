@@ -701,246 +701,298 @@ mod tests {
         }
     }
 
-    /// The phase a move leads to, from a given phase.
-    type Next = fn(Option<JobPhase>) -> JobPhase;
-    /// A move, where it leads, its event (warning?, reason) and the conditions it writes.
-    type Row = (
-        Transition,
-        Next,
-        Option<(bool, Reason)>,
-        Vec<(ConditionType, &'static str, Reason)>,
-    );
+    /// The phase a move leads to.
+    #[derive(Clone, Copy)]
+    enum Next {
+        /// This phase, from any.
+        To(JobPhase),
+        /// The phase the job was in (`Pending` for a job without one).
+        Stays,
+        /// `Retrying` from `Retrying`, else `Pending`.
+        PendingUnlessRetrying,
+    }
 
-    /// Each move × each phase a job can be in → next phase, event, conditions.
-    #[test]
-    fn every_move_from_every_phase() {
+    impl Next {
+        fn from(self, from: Option<JobPhase>) -> JobPhase {
+            match self {
+                Next::To(phase) => phase,
+                Next::Stays => from.unwrap_or(JobPhase::Pending),
+                Next::PendingUnlessRetrying if from == Some(JobPhase::Retrying) => {
+                    JobPhase::Retrying
+                }
+                Next::PendingUnlessRetrying => JobPhase::Pending,
+            }
+        }
+    }
+
+    const T: &str = "True";
+    const F: &str = "False";
+
+    /// A move, where it leads, its event (warning?, reason) and the
+    /// conditions it writes (type, status, reason).
+    struct Row {
+        to: Transition,
+        next: Next,
+        event: Option<(bool, Reason)>,
+        conditions: Vec<(ConditionType, &'static str, Reason)>,
+    }
+
+    fn row(
+        to: Transition,
+        next: Next,
+        event: Option<(bool, Reason)>,
+        conditions: &[(ConditionType, &'static str, Reason)],
+    ) -> Row {
+        Row {
+            to,
+            next,
+            event,
+            conditions: conditions.to_vec(),
+        }
+    }
+
+    /// A Normal event with this reason.
+    fn normal(reason: Reason) -> Option<(bool, Reason)> {
+        Some((false, reason))
+    }
+
+    /// A Warning event with this reason.
+    fn warning(reason: Reason) -> Option<(bool, Reason)> {
+        Some((true, reason))
+    }
+
+    fn start(number: u32, retry: Option<&str>) -> Transition {
+        Transition::Start {
+            number,
+            plan: Box::new(plan()),
+            retry: retry.map(Into::into),
+        }
+    }
+
+    fn failed(reason: Reason, message: &str) -> Transition {
+        Transition::Failed {
+            reason,
+            message: message.into(),
+        }
+    }
+
+    /// Every move the lifecycle knows, each once (the ways a job fails once
+    /// for each reason that writes different conditions). One row a move,
+    /// in the order a job meets them.
+    fn moves() -> Vec<Row> {
         use ConditionType as C;
         use JobPhase as P;
-        let rows: Vec<Row> = vec![
-            (
-                Transition::Start {
-                    number: 1,
-                    plan: Box::new(plan()),
-                    retry: None,
-                },
-                |_| P::Pending,
-                Some((false, Reason::Planned)),
-                vec![
-                    (C::Planned, "True", Reason::Planned),
-                    (C::Running, "False", Reason::Starting),
-                ],
+        use Next::*;
+        use Reason as R;
+        vec![
+            row(
+                start(1, None),
+                To(P::Pending),
+                normal(R::Planned),
+                &[(C::Planned, T, R::Planned), (C::Running, F, R::Starting)],
             ),
-            (
-                Transition::Start {
-                    number: 2,
-                    plan: Box::new(plan()),
-                    retry: Some("stricter settings".into()),
-                },
-                |_| P::Retrying,
-                Some((false, Reason::Retrying)),
-                vec![
-                    (C::Planned, "True", Reason::Replanned),
-                    (C::Running, "False", Reason::Starting),
-                ],
+            row(
+                start(2, Some("stricter settings")),
+                To(P::Retrying),
+                normal(R::Retrying),
+                &[(C::Planned, T, R::Replanned), (C::Running, F, R::Starting)],
             ),
-            (
-                Transition::Waiting,
-                |from| {
-                    if from == Some(P::Retrying) {
-                        P::Retrying
-                    } else {
-                        P::Pending
-                    }
-                },
-                None,
-                vec![],
-            ),
-            (
+            row(Transition::Waiting, PendingUnlessRetrying, None, &[]),
+            row(
                 Transition::WorkersRunning {
                     attempt: 1,
                     running: 2,
                 },
-                |_| P::Running,
+                To(P::Running),
                 None,
-                vec![(C::Running, "True", Reason::WorkersRunning)],
+                &[(C::Running, T, R::WorkersRunning)],
             ),
-            (
+            row(
                 Transition::BackingOff {
                     attempt: 1,
                     outcome: AttemptOutcome::Failed,
                     left: Duration::from_secs(10),
                 },
-                |_| P::Retrying,
+                To(P::Retrying),
                 None,
-                vec![(C::Running, "False", Reason::BackingOff)],
+                &[(C::Running, F, R::BackingOff)],
             ),
-            (
+            row(
                 Transition::WaitingForCapacity {
                     message: "2 × NVIDIA-L4 free (1 free of 8 now)".into(),
                 },
-                |from| from.unwrap_or(P::Pending),
-                Some((false, Reason::WaitingForCapacity)),
-                vec![(C::Waiting, "True", Reason::WaitingForCapacity)],
+                Stays,
+                normal(R::WaitingForCapacity),
+                &[(C::Waiting, T, R::WaitingForCapacity)],
             ),
-            (
+            row(
                 Transition::LaunchRefused {
                     attempt: 1,
                     message: "exceeded quota: pods=0".into(),
                 },
-                |from| from.unwrap_or(P::Pending),
-                Some((true, Reason::LaunchRefused)),
-                vec![(C::Running, "False", Reason::LaunchRefused)],
+                Stays,
+                warning(R::LaunchRefused),
+                &[(C::Running, F, R::LaunchRefused)],
             ),
-            (
-                Transition::Failed {
-                    reason: Reason::LaunchRefused,
-                    message: "Pod x: forbidden: maximum memory usage per Container is 64Mi".into(),
-                },
-                |_| P::Failed,
-                Some((true, Reason::LaunchRefused)),
-                vec![
-                    (C::Running, "False", Reason::LaunchRefused),
-                    (C::Failed, "True", Reason::LaunchRefused),
+            row(
+                failed(
+                    R::LaunchRefused,
+                    "Pod x: forbidden: maximum memory usage per Container is 64Mi",
+                ),
+                To(P::Failed),
+                warning(R::LaunchRefused),
+                &[
+                    (C::Running, F, R::LaunchRefused),
+                    (C::Failed, T, R::LaunchRefused),
                 ],
             ),
-            (
+            row(
                 Transition::Succeeded {
                     attempt: 2,
                     kept_in: Some("tiny-checkpoints".into()),
                 },
-                |_| P::Succeeded,
-                Some((false, Reason::Succeeded)),
-                vec![
-                    (C::Running, "False", Reason::Succeeded),
-                    (C::Complete, "True", Reason::Succeeded),
+                To(P::Succeeded),
+                normal(R::Succeeded),
+                &[
+                    (C::Running, F, R::Succeeded),
+                    (C::Complete, T, R::Succeeded),
                 ],
             ),
-            (
-                Transition::Failed {
-                    reason: Reason::NoFeasiblePlan,
-                    message: "no feasible plan: …".into(),
-                },
-                |_| P::Failed,
-                Some((true, Reason::NoFeasiblePlan)),
-                vec![
-                    (C::Planned, "False", Reason::NoFeasiblePlan),
-                    (C::Running, "False", Reason::NoFeasiblePlan),
-                    (C::Failed, "True", Reason::NoFeasiblePlan),
+            row(
+                failed(R::NoFeasiblePlan, "no feasible plan: …"),
+                To(P::Failed),
+                warning(R::NoFeasiblePlan),
+                &[
+                    (C::Planned, F, R::NoFeasiblePlan),
+                    (C::Running, F, R::NoFeasiblePlan),
+                    (C::Failed, T, R::NoFeasiblePlan),
                 ],
             ),
-            (
-                Transition::Failed {
-                    reason: Reason::InvalidSpec,
-                    message: "spec.model: …".into(),
-                },
-                |_| P::Failed,
-                Some((true, Reason::InvalidSpec)),
-                vec![
-                    (C::Planned, "False", Reason::InvalidSpec),
-                    (C::Running, "False", Reason::InvalidSpec),
-                    (C::Failed, "True", Reason::InvalidSpec),
+            row(
+                failed(R::InvalidSpec, "spec.model: …"),
+                To(P::Failed),
+                warning(R::InvalidSpec),
+                &[
+                    (C::Planned, F, R::InvalidSpec),
+                    (C::Running, F, R::InvalidSpec),
+                    (C::Failed, T, R::InvalidSpec),
                 ],
             ),
-            (
+            row(
                 Transition::Initializing {
                     run: 1,
                     message: "Hugging Face repository org/m@main".into(),
                 },
-                |from| from.unwrap_or(P::Pending),
-                Some((false, Reason::Initializing)),
-                vec![(C::Initialized, "False", Reason::Initializing)],
+                Stays,
+                normal(R::Initializing),
+                &[(C::Initialized, F, R::Initializing)],
             ),
-            (
+            row(
                 Transition::Initialized {
                     message: "LlamaForCausalLM, 1.2 billion parameters".into(),
                 },
-                |from| from.unwrap_or(P::Pending),
-                Some((false, Reason::Initialized)),
-                vec![(C::Initialized, "True", Reason::Initialized)],
+                Stays,
+                normal(R::Initialized),
+                &[(C::Initialized, T, R::Initialized)],
             ),
-            (
+            row(
                 Transition::InitializerRefused {
                     message: "exceeded quota: pods=0 (403 Pod x-init-1)".into(),
                 },
-                |from| from.unwrap_or(P::Pending),
-                Some((true, Reason::LaunchRefused)),
-                vec![(C::Initialized, "False", Reason::LaunchRefused)],
+                Stays,
+                warning(R::LaunchRefused),
+                &[(C::Initialized, F, R::LaunchRefused)],
             ),
-            (
-                Transition::Failed {
-                    reason: Reason::InvalidSource,
-                    message: "repository org/m not found".into(),
-                },
-                |_| P::Failed,
-                Some((true, Reason::InvalidSource)),
-                vec![
-                    (C::Planned, "False", Reason::InvalidSource),
-                    (C::Running, "False", Reason::InvalidSource),
-                    (C::Failed, "True", Reason::InvalidSource),
+            row(
+                failed(R::InvalidSource, "repository org/m not found"),
+                To(P::Failed),
+                warning(R::InvalidSource),
+                &[
+                    (C::Planned, F, R::InvalidSource),
+                    (C::Running, F, R::InvalidSource),
+                    (C::Failed, T, R::InvalidSource),
                 ],
             ),
-            (
-                Transition::Failed {
-                    reason: Reason::MaxAttemptsReached,
-                    message: "attempt 3 ended …".into(),
-                },
-                |_| P::Failed,
-                Some((true, Reason::MaxAttemptsReached)),
-                vec![
-                    (C::Running, "False", Reason::MaxAttemptsReached),
-                    (C::Failed, "True", Reason::MaxAttemptsReached),
+            row(
+                failed(R::MaxAttemptsReached, "attempt 3 ended …"),
+                To(P::Failed),
+                warning(R::MaxAttemptsReached),
+                &[
+                    (C::Running, F, R::MaxAttemptsReached),
+                    (C::Failed, T, R::MaxAttemptsReached),
                 ],
             ),
-        ];
-        let open = [None, Some(P::Pending), Some(P::Running), Some(P::Retrying)];
-        for (to, next, event, conditions) in &rows {
-            for from in open {
-                let mut status = MemoryAwareTrainingJobStatus {
-                    phase: from,
-                    ..Default::default()
-                };
-                let got = enter(&mut status, to.clone(), at()).expect("an open job moves");
-                let case = format!("{to:?} from {from:?}");
-                assert_eq!(status.phase, Some(next(from)), "{case}");
-                assert_eq!(
-                    got.as_ref().map(|e| (e.warning, e.reason)),
-                    *event,
-                    "{case}"
-                );
-                let mut written: Vec<(String, String, String)> = status
-                    .conditions
-                    .iter()
-                    .map(|c| (c.type_.clone(), c.status.clone(), c.reason.clone()))
-                    .collect();
-                let mut expected: Vec<(String, String, String)> = conditions
-                    .iter()
-                    .map(|(t, s, r)| (t.as_str().into(), s.to_string(), r.as_str().into()))
-                    .collect();
-                written.sort();
-                expected.sort();
-                assert_eq!(written, expected, "{case}");
-                assert!(
-                    status
-                        .conditions
-                        .iter()
-                        .all(|c| c.observed_generation == Some(3)),
-                    "{case}"
-                );
+        ]
+    }
+
+    /// Each move × each phase a job can be in → next phase, event, conditions.
+    #[test]
+    fn every_move_from_every_phase() {
+        for row in moves() {
+            for from in [
+                None,
+                Some(JobPhase::Pending),
+                Some(JobPhase::Running),
+                Some(JobPhase::Retrying),
+            ] {
+                assert_the_move_from_an_open_phase(&row, from);
             }
-            for ended in [P::Succeeded, P::Failed] {
-                let mut status = MemoryAwareTrainingJobStatus {
-                    phase: Some(ended),
-                    ..Default::default()
-                };
-                let before = status.clone();
-                assert_eq!(
-                    enter(&mut status, to.clone(), at()),
-                    Err(Final(ended)),
-                    "{to:?} from {ended:?}: completion is final"
-                );
-                assert_eq!(status, before);
+            for ended in [JobPhase::Succeeded, JobPhase::Failed] {
+                assert_completion_is_final(&row.to, ended);
             }
         }
+    }
+
+    /// From an open phase the move leads to its phase, with its event and its
+    /// conditions (and no others), each stamped with the generation.
+    fn assert_the_move_from_an_open_phase(row: &Row, from: Option<JobPhase>) {
+        let mut status = MemoryAwareTrainingJobStatus {
+            phase: from,
+            ..Default::default()
+        };
+        let got = enter(&mut status, row.to.clone(), at()).expect("an open job moves");
+        let case = format!("{:?} from {from:?}", row.to);
+        assert_eq!(status.phase, Some(row.next.from(from)), "{case}");
+        assert_eq!(
+            got.as_ref().map(|e| (e.warning, e.reason)),
+            row.event,
+            "{case}"
+        );
+        let mut written: Vec<(String, String, String)> = status
+            .conditions
+            .iter()
+            .map(|c| (c.type_.clone(), c.status.clone(), c.reason.clone()))
+            .collect();
+        let mut expected: Vec<(String, String, String)> = row
+            .conditions
+            .iter()
+            .map(|(t, s, r)| (t.as_str().into(), s.to_string(), r.as_str().into()))
+            .collect();
+        written.sort();
+        expected.sort();
+        assert_eq!(written, expected, "{case}");
+        assert!(
+            status
+                .conditions
+                .iter()
+                .all(|c| c.observed_generation == Some(3)),
+            "{case}"
+        );
+    }
+
+    /// From an ended phase no move is taken, and the status is untouched.
+    fn assert_completion_is_final(to: &Transition, ended: JobPhase) {
+        let mut status = MemoryAwareTrainingJobStatus {
+            phase: Some(ended),
+            ..Default::default()
+        };
+        let before = status.clone();
+        assert_eq!(
+            enter(&mut status, to.clone(), at()),
+            Err(Final(ended)),
+            "{to:?} from {ended:?}: completion is final"
+        );
+        assert_eq!(status, before);
     }
 
     #[test]

@@ -1,8 +1,11 @@
 //! The operator's side of the test kit (headroom-e2e) for tests against the
 //! loopback control plane (`make test-apiserver`): an in-process controller
-//! scoped to a test's namespace. Namespaces, waits, the CRD, the corpus and
-//! fixtures come from the kit.
+//! scoped to a test's namespace, and waits on and reads of what it does
+//! ([`jobs`]). Namespaces, waits, the CRD, the corpus and fixtures come from
+//! the kit.
 #![allow(dead_code)]
+
+mod jobs;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,6 +16,9 @@ use headroom_operator::controller::{self, ControllerConfig};
 use headroom_operator::metrics::Metrics;
 use headroom_operator::telemetry::WorkerReports;
 use headroom_operator::watched_pods::WatchedPods;
+// Each test binary uses its own part of the kit.
+#[allow(unused_imports)]
+pub use jobs::*;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 

@@ -44,7 +44,7 @@ pub(crate) mod tests {
         LABEL_ATTEMPT, LABEL_JOB, MemoryAwareTrainingJob, MemoryAwareTrainingJobSpec,
     };
     use headroom_planner::{Inventory, Plan, plan};
-    use k8s_openapi::api::core::v1::Pod;
+    use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
     use kube::ResourceExt;
 
     use super::*;
@@ -154,35 +154,7 @@ pub(crate) mod tests {
     /// initializer alone has more: the hub tokens' Secret files.
     #[test]
     fn workers_and_the_initializer_share_the_restricted_pod_skeleton() {
-        let mut j = job(include_str!(
-            "../../../../samples/cpu-finetune-tiny-llama.yaml"
-        ));
-        // A gated checkpoint and dataset from the hub, each with its token.
-        let pretrained = j.spec.model.pretrained.as_mut().expect("pretrained");
-        pretrained.volume = None;
-        pretrained.hugging_face = Some(
-            serde_yaml::from_str("{repo: acme/llama, tokenSecret: {name: hf-token, key: hf}}")
-                .expect("hub model"),
-        );
-        let data = j.spec.data.as_mut().expect("data");
-        data.volume = None;
-        data.hugging_face = Some(
-            serde_yaml::from_str(
-                "{repo: acme/text, file: train.jsonl, tokenSecret: {name: hf-data}}",
-            )
-            .expect("hub data"),
-        );
-        j.spec.worker = serde_yaml::from_str(
-            r#"
-image: registry.example/headroom-worker:1
-imagePullPolicy: IfNotPresent
-imagePullSecrets: [registry-creds, mirror-creds]
-nodeSelector: {pool: train}
-tolerations: [{key: dedicated, operator: Equal, value: research, effect: NoSchedule}]
-priorityClassName: batch-low
-"#,
-        )
-        .expect("worker spec");
+        let j = hub_job_with_the_users_placement();
         let config = ChildConfig {
             worker_api_url: Some("https://10.96.0.20:8081".into()),
             worker_api_ca: Some(
@@ -209,6 +181,63 @@ priorityClassName: batch-low
             worker.spec.as_ref().expect("spec"),
             initializer.spec.as_ref().expect("spec"),
         );
+        assert_both_pods_run_as_the_user_placed_them(w, i, &j);
+        assert_the_initializer_alone_adds_the_token_files(w, i);
+        let (wc, ic) = (&w.containers[0], &i.containers[0]);
+        assert_both_containers_are_restricted_alike(wc, ic, &config, image);
+        assert_no_secret_value_in_either_environment(wc, ic);
+        assert_only_the_component_tells_them_apart(&worker, &initializer);
+
+        // On a GPU plan the workers add the GPU toleration; the initializer,
+        // which uses no device, keeps the user's.
+        let gpu = crate::inventory::worker_tolerations(&j, headroom_planner::DeviceKind::Gpu);
+        assert_eq!(gpu.len(), j.spec.worker.tolerations.len() + 1);
+        assert_eq!(i.tolerations.as_ref(), Some(&j.spec.worker.tolerations));
+    }
+
+    /// The fine-tuning sample with a gated checkpoint and dataset from the
+    /// hub, each with its token, and the user's image, pull policy, pull
+    /// secrets, node pool, toleration and priority.
+    fn hub_job_with_the_users_placement() -> MemoryAwareTrainingJob {
+        let mut j = job(include_str!(
+            "../../../../samples/cpu-finetune-tiny-llama.yaml"
+        ));
+        let pretrained = j.spec.model.pretrained.as_mut().expect("pretrained");
+        pretrained.volume = None;
+        pretrained.hugging_face = Some(
+            serde_yaml::from_str("{repo: acme/llama, tokenSecret: {name: hf-token, key: hf}}")
+                .expect("hub model"),
+        );
+        let data = j.spec.data.as_mut().expect("data");
+        data.volume = None;
+        data.hugging_face = Some(
+            serde_yaml::from_str(
+                "{repo: acme/text, file: train.jsonl, tokenSecret: {name: hf-data}}",
+            )
+            .expect("hub data"),
+        );
+        j.spec.worker = serde_yaml::from_str(
+            r#"
+image: registry.example/headroom-worker:1
+imagePullPolicy: IfNotPresent
+imagePullSecrets: [registry-creds, mirror-creds]
+nodeSelector: {pool: train}
+tolerations: [{key: dedicated, operator: Equal, value: research, effect: NoSchedule}]
+priorityClassName: batch-low
+"#,
+        )
+        .expect("worker spec");
+        j
+    }
+
+    /// Restart policy, account, API token, priority, pull secrets, node pool,
+    /// tolerations and security context: the user's where the user set them,
+    /// and the same on both pods.
+    fn assert_both_pods_run_as_the_user_placed_them(
+        w: &PodSpec,
+        i: &PodSpec,
+        j: &MemoryAwareTrainingJob,
+    ) {
         assert_eq!(w.restart_policy.as_deref(), Some("Never"));
         assert_eq!(w.restart_policy, i.restart_policy);
         assert_eq!(w.service_account_name.as_deref(), Some("default"));
@@ -244,9 +273,12 @@ priorityClassName: batch-low
             Some(true)
         );
         assert_eq!(w.security_context, i.security_context);
-        // The job's claims and the API token alike; the initializer alone
-        // adds the two tokens' files, each one key of its Secret.
-        let secret_volumes = |spec: &k8s_openapi::api::core::v1::PodSpec| -> Vec<(String, String)> {
+    }
+
+    /// The job's claims and the API token alike; the initializer alone adds
+    /// the two tokens' files, each one key of its Secret.
+    fn assert_the_initializer_alone_adds_the_token_files(w: &PodSpec, i: &PodSpec) {
+        let secret_volumes = |spec: &PodSpec| -> Vec<(String, String)> {
             spec.volumes
                 .iter()
                 .flatten()
@@ -283,9 +315,18 @@ priorityClassName: batch-low
                 .all(|v| v.secret.is_some()),
             "only the tokens' files are the initializer's own"
         );
+    }
 
-        let (wc, ic) = (&w.containers[0], &i.containers[0]);
-        // Both reach the worker API over TLS, trusting the operator's CA alone.
+    /// Both reach the worker API over TLS, trusting the operator's CA alone;
+    /// the same security context, termination message, pull policy, image
+    /// and mounts, the initializer's read-only token mounts after the
+    /// worker's.
+    fn assert_both_containers_are_restricted_alike(
+        wc: &Container,
+        ic: &Container,
+        config: &ChildConfig,
+        image: &str,
+    ) {
         for c in [wc, ic] {
             let env = |name: &str| {
                 c.env
@@ -336,9 +377,12 @@ priorityClassName: batch-low
                 ("/var/run/secrets/headroom.dev/hf-dataset-token", Some(true))
             ]
         );
-        // Neither pod has a Secret's value in its environment; only the
-        // initializer is told where the token files are.
-        let env = |c: &k8s_openapi::api::core::v1::Container| c.env.clone().unwrap_or_default();
+    }
+
+    /// Neither pod has a Secret's value in its environment; only the
+    /// initializer is told where the token files are.
+    fn assert_no_secret_value_in_either_environment(wc: &Container, ic: &Container) {
+        let env = |c: &Container| c.env.clone().unwrap_or_default();
         for e in env(wc).iter().chain(&env(ic)) {
             assert!(
                 e.value_from
@@ -358,10 +402,12 @@ priorityClassName: batch-low
                 "{var} on the initializer"
             );
         }
+    }
 
-        // Only the component (and the initializer's role) tells them apart.
+    /// Only the component (and the initializer's role) tells them apart.
+    fn assert_only_the_component_tells_them_apart(worker: &Pod, initializer: &Pod) {
         let labels = |pod: &Pod| pod.metadata.labels.clone().expect("labels");
-        let (wl, il) = (labels(&worker), labels(&initializer));
+        let (wl, il) = (labels(worker), labels(initializer));
         assert_eq!(wl[headroom_api::LABEL_COMPONENT], "worker");
         assert_eq!(il[headroom_api::LABEL_COMPONENT], "initializer");
         assert_eq!(il[headroom_api::LABEL_ROLE], "initializer");
@@ -373,12 +419,6 @@ priorityClassName: batch-low
             worker.metadata.owner_references,
             initializer.metadata.owner_references
         );
-
-        // On a GPU plan the workers add the GPU toleration; the initializer,
-        // which uses no device, keeps the user's.
-        let gpu = crate::inventory::worker_tolerations(&j, headroom_planner::DeviceKind::Gpu);
-        assert_eq!(gpu.len(), j.spec.worker.tolerations.len() + 1);
-        assert_eq!(i.tolerations.as_ref(), Some(&j.spec.worker.tolerations));
     }
 
     /// Without tolerations, pull secrets or a node pool in the spec, neither
