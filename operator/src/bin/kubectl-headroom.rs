@@ -13,7 +13,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use headroom_api::MemoryAwareTrainingJob;
 use headroom_operator::controller::CheckpointAccess;
 use headroom_operator::inventory::{cpu_inventory, job_inventory};
-use headroom_operator::report::{
+use headroom_operator::plan_text::{
     alternatives_table, infeasible_text, plan_table, trainable_params,
 };
 use headroom_planner::{LlamaShape, ModelShape, plan};

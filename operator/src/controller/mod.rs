@@ -40,7 +40,7 @@ use kube::{Client, ResourceExt};
 pub use config::{CheckpointAccess, ChildConfig, ControllerConfig, WorkerImages};
 
 use crate::metrics::Metrics;
-use crate::telemetry::WorkerReports;
+use crate::worker_reports::WorkerReports;
 
 /// Reconcile failures, each naming the step that failed and on what object.
 #[derive(Debug, thiserror::Error)]

@@ -90,7 +90,7 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
         .collect();
     // A pod that ended: what its worker reported last (before an OOM kill
     // or an eviction it cannot report after) goes into the status before
-    // the attempt is closed from it (`crate::telemetry`), and the decision
+    // the attempt is closed from it (`crate::worker_reports`), and the decision
     // is made on the job that write returned.
     let flushed;
     let overlaid;

@@ -20,7 +20,7 @@ use kube::{Client, ResourceExt};
 use super::reconcile::{error_policy, reconcile};
 use super::{Context, ControllerConfig};
 use crate::metrics::Metrics;
-use crate::telemetry::WorkerReports;
+use crate::worker_reports::WorkerReports;
 use crate::watched_pods::WatchedPods;
 
 /// Runs the controller until `shutdown` resolves; returns after in-flight

@@ -11,8 +11,8 @@ pub use headroom_e2e::fixtures::*;
 pub use headroom_e2e::{API_SERVER, TestNs};
 use headroom_operator::controller::{self, ControllerConfig};
 use headroom_operator::metrics::Metrics;
-use headroom_operator::telemetry::WorkerReports;
 use headroom_operator::watched_pods::WatchedPods;
+use headroom_operator::worker_reports::WorkerReports;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 

@@ -1,4 +1,5 @@
-//! Human-readable rendering of plans and planning failures for `kubectl headroom`.
+//! The text `kubectl headroom plan` prints: a plan's summary and per-stage
+//! memory table, the plans weighed beside it, and why no plan fits.
 
 use std::fmt::Write;
 
