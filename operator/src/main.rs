@@ -139,135 +139,21 @@ fn interval(flag: &str, seconds: f64, example: u32) -> Result<Duration> {
 
 #[tokio::main]
 async fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info,kube=warn".into()),
-        )
-        // Colour only for a person at a terminal: log collectors store the
-        // escape codes verbatim. NO_COLOR (no-color.org) turns it off there too.
-        .with_ansi(
-            std::io::IsTerminal::is_terminal(&std::io::stdout())
-                && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()),
-        )
-        .init();
+    init_logging();
     let args = Args::parse();
-    // Every GPU job without resources.gpu.hostMemory is planned with it.
-    headroom_api::quantity::parse_bytes(&args.gpu_host_memory).map_err(|e| {
-        anyhow::anyhow!(
-            "--gpu-host-memory {:?}: {e} (e.g. 16Gi)",
-            args.gpu_host_memory
-        )
-    })?;
-    let telemetry_interval = interval(
-        "--telemetry-interval-seconds",
-        args.telemetry_interval_seconds,
-        10,
-    )?;
-    let status_interval = interval(
-        "--status-interval-seconds",
-        args.status_interval_seconds,
-        30,
-    )?;
-    // Checked here, not when the first job needs one.
-    let worker_images = WorkerImages::from_flags(args.worker_image, args.cuda_worker_image)
-        .map_err(anyhow::Error::msg)?;
+    let checked = CheckedFlags::from_args(&args)?;
     let client = kube::Client::try_default()
         .await
         .context("connecting to the Kubernetes API")?;
     // Workers' reports, held by the worker API and written per job by its flusher.
-    let reports = worker_api::WorkerReports::start(client.clone(), status_interval);
+    let reports = worker_api::WorkerReports::start(client.clone(), checked.status_interval);
     let metrics = Arc::new(Metrics::with_telemetry(reports.clone()));
-
-    let listener = tokio::net::TcpListener::bind(args.metrics_addr)
-        .await
-        .with_context(|| format!("binding {}", args.metrics_addr))?;
-    let server = worker_api::serve(
-        listener,
-        router(metrics.clone()),
-        worker_api::Limits::METRICS,
-        None,
-    );
-    tokio::spawn(async move {
-        if let Err(e) = server.await {
-            tracing::error!(%e, "metrics server stopped");
-        }
-    });
+    serve_metrics(args.metrics_addr, metrics.clone()).await?;
     // Where workers reach the worker API (read before serving it: its
     // certificate names the Service's cluster IP).
-    let scheme = if args.worker_api_ca_dir.is_some() {
-        "https"
-    } else {
-        "http"
-    };
-    let (worker_api_url, mut tls_hosts) = match (&args.worker_api_url, &args.worker_api_service) {
-        (Some(url), _) => {
-            let authority = url.split("://").nth(1).unwrap_or_default();
-            let host = match authority.strip_prefix('[') {
-                // [IPv6]:port
-                Some(rest) => rest.split(']').next().unwrap_or_default(),
-                None => authority.split(['/', ':']).next().unwrap_or_default(),
-            }
-            .to_string();
-            (Some(url.clone()), vec![host])
-        }
-        (None, Some(service)) => {
-            let (ip, port) = service_address(&client, &args.lease_namespace, service).await?;
-            let host = if ip.is_ipv6() {
-                format!("[{ip}]")
-            } else {
-                ip.to_string()
-            };
-            (
-                Some(format!("{scheme}://{host}:{port}")),
-                worker_api::tls::service_hosts(service, &args.lease_namespace, Some(ip)),
-            )
-        }
-        (None, None) => {
-            tracing::warn!(
-                "no --worker-api-url or --worker-api-service: workers will only log their telemetry, and pipeline peers need cluster DNS"
-            );
-            (None, vec![])
-        }
-    };
-    let tls = match &args.worker_api_ca_dir {
-        Some(dir) => {
-            tls_hosts.retain(|h| !h.is_empty());
-            let tls =
-                worker_api::ServingTls::issue(dir, &tls_hosts).context("--worker-api-ca-dir")?;
-            tracing::info!(hosts = ?tls_hosts, "worker API over TLS");
-            Some(tls)
-        }
-        None => None,
-    };
-    // Every replica serves the worker API (a standby too: it needs no cache,
-    // and reads callers' pods from the API server until it leads and its
-    // controller lends it the pod cache), so the Service answers whichever
-    // one it picks.
+    let endpoint = worker_api_endpoint(&client, &args).await?;
     let watched = WatchedPods::default();
-    let listener = tokio::net::TcpListener::bind(args.worker_api_addr)
-        .await
-        .with_context(|| format!("binding {}", args.worker_api_addr))?;
-    let peer_key = match &args.peer_key_file {
-        Some(path) => worker_api::OperatorKey::from_file(path)?,
-        None => {
-            tracing::warn!(
-                "no --peer-key-file: this process derives peer-link keys from a key of its own; with more than one replica, give all of them the same file"
-            );
-            worker_api::OperatorKey::random()?
-        }
-    };
-    let server = worker_api::serve(
-        listener,
-        worker_api::router(client.clone(), peer_key, reports.clone(), watched.clone()),
-        worker_api::Limits::WORKER_API,
-        tls.as_ref().map(|t| t.config.clone()),
-    );
-    tokio::spawn(async move {
-        if let Err(e) = server.await {
-            tracing::error!(%e, "worker API server stopped");
-        }
-    });
+    serve_worker_api(&args, &client, &reports, &watched, endpoint.tls.as_ref()).await?;
 
     // One shutdown signal for everything: SIGTERM/SIGINT, or lost leadership.
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -298,22 +184,7 @@ async fn main() -> Result<()> {
         tokio::spawn(keep_leading(lock.clone(), stop_tx.clone()));
     }
 
-    let config = ControllerConfig {
-        children: ChildConfig {
-            checkpoint_storage_class: args.checkpoint_storage_class,
-            checkpoint_size: args.checkpoint_size,
-            checkpoint_access: args.checkpoint_access_mode,
-            gpu_host_memory: args.gpu_host_memory,
-            worker_images,
-            telemetry_interval,
-            worker_api_url,
-            worker_api_ca: tls.map(|t| t.ca_pem),
-        },
-        unschedulable_grace: Duration::from_secs(args.unschedulable_grace_seconds),
-        concurrency: args.concurrency.max(1),
-        namespace: args.watch_namespace,
-        ..ControllerConfig::default()
-    };
+    let config = controller_config(args, checked, endpoint);
     let mut rx = stop_rx.clone();
     let shutdown = async move {
         let _ = rx.wait_for(|stop| *stop).await;
@@ -328,6 +199,195 @@ async fn main() -> Result<()> {
         tracing::warn!(%e, "could not release the lease");
     }
     Ok(())
+}
+
+fn init_logging() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,kube=warn".into()),
+        )
+        // Colour only for a person at a terminal: log collectors store the
+        // escape codes verbatim. NO_COLOR (no-color.org) turns it off there too.
+        .with_ansi(
+            std::io::IsTerminal::is_terminal(&std::io::stdout())
+                && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()),
+        )
+        .init();
+}
+
+/// The flags checked at start, not when the first job needs them.
+struct CheckedFlags {
+    telemetry_interval: Duration,
+    status_interval: Duration,
+    worker_images: WorkerImages,
+}
+
+impl CheckedFlags {
+    fn from_args(args: &Args) -> Result<CheckedFlags> {
+        // Every GPU job without resources.gpu.hostMemory is planned with it.
+        headroom_api::quantity::parse_bytes(&args.gpu_host_memory).map_err(|e| {
+            anyhow::anyhow!(
+                "--gpu-host-memory {:?}: {e} (e.g. 16Gi)",
+                args.gpu_host_memory
+            )
+        })?;
+        Ok(CheckedFlags {
+            telemetry_interval: interval(
+                "--telemetry-interval-seconds",
+                args.telemetry_interval_seconds,
+                10,
+            )?,
+            status_interval: interval(
+                "--status-interval-seconds",
+                args.status_interval_seconds,
+                30,
+            )?,
+            worker_images: WorkerImages::from_flags(
+                args.worker_image.clone(),
+                args.cuda_worker_image.clone(),
+            )
+            .map_err(anyhow::Error::msg)?,
+        })
+    }
+}
+
+/// Serves /metrics, /healthz and /readyz on `addr`.
+async fn serve_metrics(addr: SocketAddr, metrics: Arc<Metrics>) -> Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
+    let server = worker_api::serve(listener, router(metrics), worker_api::Limits::METRICS, None);
+    tokio::spawn(async move {
+        if let Err(e) = server.await {
+            tracing::error!(%e, "metrics server stopped");
+        }
+    });
+    Ok(())
+}
+
+/// Where workers reach the worker API, and how it is served.
+struct WorkerApiEndpoint {
+    /// The URL handed to workers; None: they only log their telemetry.
+    url: Option<String>,
+    /// TLS from the chart's CA, for the hosts the URL may name.
+    tls: Option<worker_api::ServingTls>,
+}
+
+/// The worker API's URL, from --worker-api-url or the cluster IP of
+/// --worker-api-service, and, with --worker-api-ca-dir, a certificate for
+/// the hosts workers reach it by.
+async fn worker_api_endpoint(client: &kube::Client, args: &Args) -> Result<WorkerApiEndpoint> {
+    let scheme = if args.worker_api_ca_dir.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    let (url, mut tls_hosts) = match (&args.worker_api_url, &args.worker_api_service) {
+        (Some(url), _) => (Some(url.clone()), vec![url_host(url)]),
+        (None, Some(service)) => {
+            let (ip, port) = service_address(client, &args.lease_namespace, service).await?;
+            let host = if ip.is_ipv6() {
+                format!("[{ip}]")
+            } else {
+                ip.to_string()
+            };
+            (
+                Some(format!("{scheme}://{host}:{port}")),
+                worker_api::tls::service_hosts(service, &args.lease_namespace, Some(ip)),
+            )
+        }
+        (None, None) => {
+            tracing::warn!(
+                "no --worker-api-url or --worker-api-service: workers will only log their telemetry, and pipeline peers need cluster DNS"
+            );
+            (None, vec![])
+        }
+    };
+    let tls = match &args.worker_api_ca_dir {
+        Some(dir) => {
+            tls_hosts.retain(|h| !h.is_empty());
+            let tls =
+                worker_api::ServingTls::issue(dir, &tls_hosts).context("--worker-api-ca-dir")?;
+            tracing::info!(hosts = ?tls_hosts, "worker API over TLS");
+            Some(tls)
+        }
+        None => None,
+    };
+    Ok(WorkerApiEndpoint { url, tls })
+}
+
+/// The host of a `scheme://host[:port][/path]` URL (an IPv6 one without
+/// its brackets); empty when there is none.
+fn url_host(url: &str) -> String {
+    let authority = url.split("://").nth(1).unwrap_or_default();
+    match authority.strip_prefix('[') {
+        // [IPv6]:port
+        Some(rest) => rest.split(']').next().unwrap_or_default(),
+        None => authority.split(['/', ':']).next().unwrap_or_default(),
+    }
+    .to_string()
+}
+
+/// Serves the worker API on --worker-api-addr. Every replica serves it (a
+/// standby too: it needs no cache, and reads callers' pods from the API
+/// server until it leads and its controller lends it the pod cache), so the
+/// Service answers whichever one it picks.
+async fn serve_worker_api(
+    args: &Args,
+    client: &kube::Client,
+    reports: &Arc<worker_api::WorkerReports>,
+    watched: &WatchedPods,
+    tls: Option<&worker_api::ServingTls>,
+) -> Result<()> {
+    let listener = tokio::net::TcpListener::bind(args.worker_api_addr)
+        .await
+        .with_context(|| format!("binding {}", args.worker_api_addr))?;
+    let peer_key = match &args.peer_key_file {
+        Some(path) => worker_api::OperatorKey::from_file(path)?,
+        None => {
+            tracing::warn!(
+                "no --peer-key-file: this process derives peer-link keys from a key of its own; with more than one replica, give all of them the same file"
+            );
+            worker_api::OperatorKey::random()?
+        }
+    };
+    let server = worker_api::serve(
+        listener,
+        worker_api::router(client.clone(), peer_key, reports.clone(), watched.clone()),
+        worker_api::Limits::WORKER_API,
+        tls.map(|t| t.config.clone()),
+    );
+    tokio::spawn(async move {
+        if let Err(e) = server.await {
+            tracing::error!(%e, "worker API server stopped");
+        }
+    });
+    Ok(())
+}
+
+/// The controller's settings from the flags.
+fn controller_config(
+    args: Args,
+    checked: CheckedFlags,
+    endpoint: WorkerApiEndpoint,
+) -> ControllerConfig {
+    ControllerConfig {
+        children: ChildConfig {
+            checkpoint_storage_class: args.checkpoint_storage_class,
+            checkpoint_size: args.checkpoint_size,
+            checkpoint_access: args.checkpoint_access_mode,
+            gpu_host_memory: args.gpu_host_memory,
+            worker_images: checked.worker_images,
+            telemetry_interval: checked.telemetry_interval,
+            worker_api_url: endpoint.url,
+            worker_api_ca: endpoint.tls.map(|t| t.ca_pem),
+        },
+        unschedulable_grace: Duration::from_secs(args.unschedulable_grace_seconds),
+        concurrency: args.concurrency.max(1),
+        namespace: args.watch_namespace,
+        ..ControllerConfig::default()
+    }
 }
 
 /// Waits until this replica holds the lease; false when asked to stop first.

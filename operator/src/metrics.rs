@@ -3,7 +3,7 @@
 //! Besides the controller's own counters, the workers' live telemetry as
 //! gauges per worker (`headroom_worker_*`, labels `namespace`, `job`,
 //! `worker`), read at each scrape from the reports the operator holds
-//! ([`crate::telemetry`]): a worker's series go when its attempt is
+//! ([`crate::worker_reports`]): a worker's series go when its attempt is
 //! superseded and its job's when the job ends or is deleted, so their
 //! number stays that of the running workers.
 
@@ -23,7 +23,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
-use crate::telemetry::WorkerReports;
+use crate::worker_reports::WorkerReports;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ErrorLabels {

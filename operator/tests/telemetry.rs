@@ -1,5 +1,5 @@
 //! Workers' telemetry held by the operator and written per job
-//! (`headroom_operator::telemetry`), on a real kube-apiserver with the
+//! (`headroom_operator::worker_reports`), on a real kube-apiserver with the
 //! controller running: many reports of a job's workers become a few status
 //! writes, and the last report of every worker is in the status (and in the
 //! attempt's history) when the controller closes the attempt, after a

@@ -2,7 +2,7 @@
 //! worker posts it to the operator's worker API ([`crate::worker_api`]);
 //! the operator holds the latest report of each worker and writes a job's
 //! entries together by server-side apply, at most once per interval and
-//! sooner on a new peak (`headroom_operator::telemetry`). Without a worker
+//! sooner on a new peak (`headroom_operator::worker_reports`). Without a worker
 //! API (local runs, tests) it is logged.
 //!
 //! A background thread samples memory every `sample_every` and writes when

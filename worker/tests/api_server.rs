@@ -4,7 +4,7 @@
 //! (`headroom_operator::worker_api`, served here on a loopback port over TLS
 //! with a certificate issued from a chart-made CA, which the worker trusts alone),
 //! presenting a token bound to its pod, and the operator writes the job's
-//! reports together (`headroom_operator::telemetry`); two workers keep their
+//! reports together (`headroom_operator::worker_reports`); two workers keep their
 //! own entries, each with its final report. The
 //! worker runs without any Kubernetes configuration: it needs no API rights.
 //!
@@ -253,7 +253,7 @@ async fn telemetry_reaches_the_job_status_through_the_operator() {
     assert!(
         managers
             .iter()
-            .any(|m| m.starts_with(headroom_operator::telemetry::FIELD_MANAGER_PREFIX)),
+            .any(|m| m.starts_with(headroom_operator::worker_reports::FIELD_MANAGER_PREFIX)),
         "the operator's telemetry manager not in {managers:?}"
     );
     ns.cleanup().await;

@@ -9,7 +9,7 @@ pub const GROUP: &str = "headroom.dev";
 pub const OPERATOR_FIELD_MANAGER: &str = "headroom-operator";
 /// Workers use `headroom-worker/<worker name>` so each owns only its own status entry.
 /// The operator writes a worker's report under it only when it holds too
-/// many to aggregate (`operator/src/telemetry.rs`).
+/// many to aggregate (`operator/src/worker_reports.rs`).
 pub const WORKER_FIELD_MANAGER_PREFIX: &str = "headroom-worker/";
 /// The operator's aggregated telemetry writes: this prefix and a random
 /// suffix per operator process, so one process's apply never deletes the

@@ -8,7 +8,7 @@
 //! (for a sample of OOM-killed pods), and the operator's peak RSS (VmHWM).
 //!
 //! With `--report-seconds S` it also measures what running workers' telemetry
-//! costs (issue 33), with every first-attempt pod marked Running and one
+//! costs, with every first-attempt pod marked Running and one
 //! fake worker per pod posting a report every `--report-interval` seconds:
 //! (a) for S seconds as workers wrote before the operator aggregated them,
 //! one server-side apply of the job's status per report under the worker's
@@ -81,6 +81,9 @@ fn vm_hwm_kib(pid: u32) -> Option<u64> {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
+/// When each (job, attempt) pod was first seen.
+type PodAppearances = tokio::sync::mpsc::UnboundedReceiver<(String, u32, Instant)>;
+
 #[tokio::main]
 async fn main() -> Result<()> {
     let args = Args::parse();
@@ -89,136 +92,24 @@ async fn main() -> Result<()> {
         .context("KUBECONFIG must point at a cluster (make controlplane-up)")?;
     let ns = format!("bench-{}", std::process::id());
     let namespaces: Api<Namespace> = Api::all(client.clone());
-    namespaces
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(serde_json::json!({"metadata": {"name": ns}}))?,
-        )
-        .await?;
-    // Workers run under `default`; a bare control plane makes no accounts.
-    Api::<k8s_openapi::api::core::v1::ServiceAccount>::namespaced(client.clone(), &ns)
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(serde_json::json!({"metadata": {"name": "default"}}))?,
-        )
-        .await?;
+    create_namespace(&client, &ns).await?;
 
-    let operator = args.operator.clone().unwrap_or_else(|| {
-        std::env::current_exe()
-            .map(|p| p.with_file_name("headroom-operator"))
-            .unwrap_or_else(|_| "headroom-operator".into())
-    });
     // A free port for the worker API, which the telemetry phase calls.
     let api_port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
     let api_addr = format!("127.0.0.1:{api_port}");
-    let mut child = tokio::process::Command::new(&operator)
-        .args([
-            "--no-leader-election",
-            "--watch-namespace",
-            &ns,
-            "--metrics-addr",
-            "127.0.0.1:0",
-            "--concurrency",
-            "16",
-            "--telemetry-interval-seconds",
-            &args.report_interval.to_string(),
-            "--status-interval-seconds",
-            &args.status_interval.to_string(),
-        ])
-        .env("RUST_LOG", "warn")
-        // Pods as a user's install makes them (the worker API's URL and token volume).
-        .env("HEADROOM_WORKER_API_ADDR", &api_addr)
-        .env("HEADROOM_WORKER_API_URL", "http://127.0.0.1:9")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true)
-        .spawn()
-        .with_context(|| format!("starting {}", operator.display()))?;
+    let mut child = start_operator(&args, &ns, &api_addr)?;
     let pid = child.id().context("operator pid")?;
+    let (pod_watch, mut rx) = watch_pod_appearances(&client, &ns);
 
-    // Watch pods: record when each (job, attempt) pod first appears.
-    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(String, u32, Instant)>();
-    let pod_watch = tokio::spawn(async move {
-        let mut stream = watcher(pods, watcher::Config::default().labels(LABEL_JOB))
-            .applied_objects()
-            .boxed();
-        while let Ok(Some(p)) = stream.try_next().await {
-            let job = p.labels().get(LABEL_JOB).cloned().unwrap_or_default();
-            let attempt = p
-                .labels()
-                .get(LABEL_ATTEMPT)
-                .and_then(|a| a.parse().ok())
-                .unwrap_or(0);
-            let _ = tx.send((job, attempt, Instant::now()));
-        }
-    });
-
-    let mut template: MemoryAwareTrainingJob =
-        serde_yaml::from_str(include_str!("../../../samples/cpu-oom-first.yaml"))?;
-    if args.stages > 1 {
-        template.spec.training.pipeline_stages = Some(args.stages);
-        if let Some(cpu) = template.spec.resources.cpu.as_mut() {
-            cpu.max_workers = cpu.max_workers.max(args.stages);
-        }
-    }
     let jobs: Api<MemoryAwareTrainingJob> = Api::namespaced(client.clone(), &ns);
     let started = Instant::now();
-    let applied: HashMap<String, Instant> = futures::stream::iter(0..args.jobs)
-        .map(|i| {
-            let jobs = jobs.clone();
-            let mut job = template.clone();
-            job.metadata.name = Some(format!("job-{i:04}"));
-            job.metadata.namespace = Some(ns.clone());
-            async move {
-                let name = job.name_any();
-                let at = Instant::now();
-                jobs.patch(&name, &PatchParams::apply("bench"), &Patch::Apply(&job))
-                    .await
-                    .map(|_| (name, at))
-            }
-        })
-        .buffer_unordered(args.parallel)
-        .try_collect()
-        .await?;
+    let applied = apply_jobs(&jobs, &ns, &job_template(args.stages)?, &args).await?;
     let applied_all = started.elapsed();
-
-    let mut first_pod: HashMap<String, Instant> = HashMap::new();
-    let deadline = Instant::now() + Duration::from_secs(600);
-    while first_pod.len() < args.jobs {
-        let Ok(Some((job, attempt, at))) =
-            tokio::time::timeout_at(deadline.into(), rx.recv()).await
-        else {
-            bail!(
-                "only {} of {} first-attempt pods appeared in time",
-                first_pod.len(),
-                args.jobs
-            );
-        };
-        if attempt == 1 {
-            first_pod.entry(job).or_insert(at);
-        }
-    }
-    // Every stage's pod, not only each job's first.
+    let first_pod = wait_for_first_pods(&mut rx, args.jobs).await?;
     if args.stages > 1 {
-        let want = args.jobs * args.stages as usize;
-        let deadline = Instant::now() + Duration::from_secs(600);
-        loop {
-            let n = Api::<Pod>::namespaced(client.clone(), &ns)
-                .list_metadata(&Default::default())
-                .await?
-                .items
-                .len();
-            if n >= want {
-                break;
-            }
-            if Instant::now() > deadline {
-                bail!("only {n} of {want} pods appeared in time");
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
+        wait_for_every_stage(&client, &ns, args.jobs * args.stages as usize).await?;
     }
     let all_pods = started.elapsed();
     let mut apply_to_pod: Vec<Duration> = first_pod
@@ -228,20 +119,6 @@ async fn main() -> Result<()> {
     apply_to_pod.sort();
 
     if args.report_seconds > 0 {
-        let pid_file = args.apiserver_pid_file.clone().unwrap_or_else(|| {
-            let cache = std::env::var("HEADROOM_CACHE").unwrap_or_else(|_| {
-                format!(
-                    "{}/.cache/headroom",
-                    std::env::var("HOME").unwrap_or_default()
-                )
-            });
-            PathBuf::from(cache).join("state/controlplane/run/kube-apiserver.pid")
-        });
-        let apiserver_pid: u32 = std::fs::read_to_string(&pid_file)
-            .with_context(|| format!("reading {}", pid_file.display()))?
-            .trim()
-            .parse()
-            .context("kube-apiserver pid")?;
         telemetry::run(
             &client,
             &ns,
@@ -250,45 +127,14 @@ async fn main() -> Result<()> {
             Duration::from_secs_f64(args.report_interval),
             Duration::from_secs_f64(args.status_interval),
             Duration::from_secs(args.report_seconds),
-            apiserver_pid,
+            apiserver_pid(&args)?,
             pid,
         )
         .await?;
     }
 
-    // Failure → next attempt: OOM-kill a sample of first-attempt pods.
-    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     let victims: Vec<String> = first_pod.keys().take(args.failures).cloned().collect();
-    let status = serde_json::json!({"status": {"phase": "Failed", "containerStatuses": [{"name": "worker", "image": "i", "imageID": "", "ready": false, "restartCount": 0, "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]}});
-    let mut killed: HashMap<String, Instant> = HashMap::new();
-    for job in &victims {
-        let pod = format!("{job}-a1-s0");
-        killed.insert(job.clone(), Instant::now());
-        pods.patch_status(&pod, &PatchParams::default(), &Patch::Merge(&status))
-            .await?;
-    }
-    let mut retried: HashMap<String, Duration> = HashMap::new();
-    let deadline = Instant::now() + Duration::from_secs(300);
-    while retried.len() < victims.len() {
-        let Ok(Some((job, attempt, at))) =
-            tokio::time::timeout_at(deadline.into(), rx.recv()).await
-        else {
-            bail!(
-                "only {} of {} retries appeared in time",
-                retried.len(),
-                victims.len()
-            );
-        };
-        if attempt == 2
-            && let Some(k) = killed.get(&job)
-        {
-            retried
-                .entry(job)
-                .or_insert(at.saturating_duration_since(*k));
-        }
-    }
-    let mut retry: Vec<Duration> = retried.into_values().collect();
-    retry.sort();
+    let retry = time_retries(&client, &ns, &victims, &mut rx).await?;
     let rss_mib = vm_hwm_kib(pid).map_or(0.0, |k| k as f64 / 1024.0);
 
     println!(
@@ -322,6 +168,229 @@ async fn main() -> Result<()> {
     Ok(())
 }
 
+/// Creates namespace `ns` with its `default` ServiceAccount: workers run
+/// under it, and a bare control plane makes no accounts.
+async fn create_namespace(client: &Client, ns: &str) -> Result<()> {
+    Api::<Namespace>::all(client.clone())
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(serde_json::json!({"metadata": {"name": ns}}))?,
+        )
+        .await?;
+    Api::<k8s_openapi::api::core::v1::ServiceAccount>::namespaced(client.clone(), ns)
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(serde_json::json!({"metadata": {"name": "default"}}))?,
+        )
+        .await?;
+    Ok(())
+}
+
+/// Starts the operator scoped to `ns`, its worker API on `api_addr`.
+fn start_operator(args: &Args, ns: &str, api_addr: &str) -> Result<tokio::process::Child> {
+    let operator = args.operator.clone().unwrap_or_else(|| {
+        std::env::current_exe()
+            .map(|p| p.with_file_name("headroom-operator"))
+            .unwrap_or_else(|_| "headroom-operator".into())
+    });
+    tokio::process::Command::new(&operator)
+        .args([
+            "--no-leader-election",
+            "--watch-namespace",
+            ns,
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--concurrency",
+            "16",
+            "--telemetry-interval-seconds",
+            &args.report_interval.to_string(),
+            "--status-interval-seconds",
+            &args.status_interval.to_string(),
+        ])
+        .env("RUST_LOG", "warn")
+        // Pods as a user's install makes them (the worker API's URL and token volume).
+        .env("HEADROOM_WORKER_API_ADDR", api_addr)
+        .env("HEADROOM_WORKER_API_URL", "http://127.0.0.1:9")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("starting {}", operator.display()))
+}
+
+/// Watches the job pods of `ns`: when each (job, attempt) pod first appears.
+fn watch_pod_appearances(
+    client: &Client,
+    ns: &str,
+) -> (tokio::task::JoinHandle<()>, PodAppearances) {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<(String, u32, Instant)>();
+    let pod_watch = tokio::spawn(async move {
+        let mut stream = watcher(pods, watcher::Config::default().labels(LABEL_JOB))
+            .applied_objects()
+            .boxed();
+        while let Ok(Some(p)) = stream.try_next().await {
+            let job = p.labels().get(LABEL_JOB).cloned().unwrap_or_default();
+            let attempt = p
+                .labels()
+                .get(LABEL_ATTEMPT)
+                .and_then(|a| a.parse().ok())
+                .unwrap_or(0);
+            let _ = tx.send((job, attempt, Instant::now()));
+        }
+    });
+    (pod_watch, rx)
+}
+
+/// The sample job whose first attempt runs out of memory, with `stages`
+/// pinned pipeline stages.
+fn job_template(stages: u32) -> Result<MemoryAwareTrainingJob> {
+    let mut template: MemoryAwareTrainingJob =
+        serde_yaml::from_str(include_str!("../../../samples/cpu-oom-first.yaml"))?;
+    if stages > 1 {
+        template.spec.training.pipeline_stages = Some(stages);
+        if let Some(cpu) = template.spec.resources.cpu.as_mut() {
+            cpu.max_workers = cpu.max_workers.max(stages);
+        }
+    }
+    Ok(template)
+}
+
+/// Applies `args.jobs` copies of `template`, `args.parallel` at a time:
+/// when each was applied.
+async fn apply_jobs(
+    jobs: &Api<MemoryAwareTrainingJob>,
+    ns: &str,
+    template: &MemoryAwareTrainingJob,
+    args: &Args,
+) -> Result<HashMap<String, Instant>> {
+    futures::stream::iter(0..args.jobs)
+        .map(|i| {
+            let jobs = jobs.clone();
+            let mut job = template.clone();
+            job.metadata.name = Some(format!("job-{i:04}"));
+            job.metadata.namespace = Some(ns.to_string());
+            async move {
+                let name = job.name_any();
+                let at = Instant::now();
+                jobs.patch(&name, &PatchParams::apply("bench"), &Patch::Apply(&job))
+                    .await
+                    .map(|_| (name, at))
+            }
+        })
+        .buffer_unordered(args.parallel)
+        .try_collect()
+        .await
+        .map_err(Into::into)
+}
+
+/// Waits (10 minutes at most) until each of `jobs` jobs has a first-attempt
+/// pod: when each appeared.
+async fn wait_for_first_pods(
+    rx: &mut PodAppearances,
+    jobs: usize,
+) -> Result<HashMap<String, Instant>> {
+    let mut first_pod: HashMap<String, Instant> = HashMap::new();
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while first_pod.len() < jobs {
+        let Ok(Some((job, attempt, at))) =
+            tokio::time::timeout_at(deadline.into(), rx.recv()).await
+        else {
+            bail!(
+                "only {} of {} first-attempt pods appeared in time",
+                first_pod.len(),
+                jobs
+            );
+        };
+        if attempt == 1 {
+            first_pod.entry(job).or_insert(at);
+        }
+    }
+    Ok(first_pod)
+}
+
+/// Waits (10 minutes at most) until `ns` holds `want` pods: every stage's,
+/// not only each job's first.
+async fn wait_for_every_stage(client: &Client, ns: &str, want: usize) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(600);
+    loop {
+        let n = Api::<Pod>::namespaced(client.clone(), ns)
+            .list_metadata(&Default::default())
+            .await?
+            .items
+            .len();
+        if n >= want {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("only {n} of {want} pods appeared in time");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// kube-apiserver's pid, from --apiserver-pid-file or the local control
+/// plane's pid file.
+fn apiserver_pid(args: &Args) -> Result<u32> {
+    let pid_file = args.apiserver_pid_file.clone().unwrap_or_else(|| {
+        let cache = std::env::var("HEADROOM_CACHE").unwrap_or_else(|_| {
+            format!(
+                "{}/.cache/headroom",
+                std::env::var("HOME").unwrap_or_default()
+            )
+        });
+        PathBuf::from(cache).join("state/controlplane/run/kube-apiserver.pid")
+    });
+    std::fs::read_to_string(&pid_file)
+        .with_context(|| format!("reading {}", pid_file.display()))?
+        .trim()
+        .parse()
+        .context("kube-apiserver pid")
+}
+
+/// Failure → next attempt: OOM-kills the first-attempt pod of each of
+/// `victims` (simulated) and waits (5 minutes at most) for each one's
+/// second attempt: the latencies, sorted.
+async fn time_retries(
+    client: &Client,
+    ns: &str,
+    victims: &[String],
+    rx: &mut PodAppearances,
+) -> Result<Vec<Duration>> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let status = serde_json::json!({"status": {"phase": "Failed", "containerStatuses": [{"name": "worker", "image": "i", "imageID": "", "ready": false, "restartCount": 0, "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]}});
+    let mut killed: HashMap<String, Instant> = HashMap::new();
+    for job in victims {
+        let pod = format!("{job}-a1-s0");
+        killed.insert(job.clone(), Instant::now());
+        pods.patch_status(&pod, &PatchParams::default(), &Patch::Merge(&status))
+            .await?;
+    }
+    let mut retried: HashMap<String, Duration> = HashMap::new();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while retried.len() < victims.len() {
+        let Ok(Some((job, attempt, at))) =
+            tokio::time::timeout_at(deadline.into(), rx.recv()).await
+        else {
+            bail!(
+                "only {} of {} retries appeared in time",
+                retried.len(),
+                victims.len()
+            );
+        };
+        if attempt == 2
+            && let Some(k) = killed.get(&job)
+        {
+            retried
+                .entry(job)
+                .or_insert(at.saturating_duration_since(*k));
+        }
+    }
+    let mut retry: Vec<Duration> = retried.into_values().collect();
+    retry.sort();
+    Ok(retry)
+}
+
 /// The telemetry phases (see the file's doc).
 mod telemetry {
     use std::collections::BTreeMap;
@@ -330,7 +399,8 @@ mod telemetry {
     use std::time::{Duration, Instant};
 
     use anyhow::{Context, Result, bail};
-    use futures::{StreamExt, TryStreamExt};
+    use futures::future::BoxFuture;
+    use futures::{FutureExt, StreamExt, TryStreamExt};
     use headroom_api::{
         LABEL_JOB, LABEL_STAGE, MemoryAwareTrainingJob, WORKER_API_AUDIENCE,
         WORKER_API_TELEMETRY_PATH, WORKER_FIELD_MANAGER_PREFIX,
@@ -565,80 +635,8 @@ mod telemetry {
         apiserver_pid: u32,
         operator_pid: u32,
     ) -> Result<()> {
-        let pods_api: Api<Pod> = Api::namespaced(client.clone(), ns);
         let jobs_api: Api<MemoryAwareTrainingJob> = Api::namespaced(client.clone(), ns);
-        let pods: Vec<Pod> = pods_api
-            .list(&Default::default())
-            .await?
-            .items
-            .into_iter()
-            .filter(|p| p.name_any().contains("-a1-"))
-            .collect();
-        if pods.len() < workers {
-            bail!("{} first-attempt pods, {workers} expected", pods.len());
-        }
-        // Layer ranges from each job's plan.
-        let mut layers: BTreeMap<(String, u32), (u32, u32)> = BTreeMap::new();
-        for job in jobs_api.list(&Default::default()).await?.items {
-            if let Some(plan) = job.status.as_ref().and_then(|s| s.plan.as_ref()) {
-                for st in &plan.stages {
-                    layers.insert((job.name_any(), st.index), (st.layer_start, st.layer_end));
-                }
-            }
-        }
-        eprintln!("telemetry: {} pods Running, a token each", pods.len());
-        let running = json!({"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}],
-            "containerStatuses": [{"name": "worker", "image": "i", "imageID": "", "ready": true, "restartCount": 0,
-                                   "state": {"running": {"startedAt": "2026-11-28T00:00:00Z"}}}]}});
-        let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), ns);
-        let reporters: Vec<Reporter> = futures::stream::iter(pods)
-            .map(|pod| {
-                let (pods_api, accounts, running, layers) =
-                    (pods_api.clone(), accounts.clone(), running.clone(), &layers);
-                async move {
-                    let name = pod.name_any();
-                    pods_api
-                        .patch_status(&name, &PatchParams::default(), &Patch::Merge(&running))
-                        .await?;
-                    let request = TokenRequest {
-                        spec: TokenRequestSpec {
-                            audiences: vec![WORKER_API_AUDIENCE.into()],
-                            bound_object_ref: Some(BoundObjectReference {
-                                kind: Some("Pod".into()),
-                                api_version: Some("v1".into()),
-                                name: Some(name.clone()),
-                                uid: pod.uid(),
-                            }),
-                            expiration_seconds: Some(7200),
-                        },
-                        ..TokenRequest::default()
-                    };
-                    let token = accounts
-                        .create_token_request("default", &PostParams::default(), &request)
-                        .await?
-                        .status
-                        .context("token")?
-                        .token;
-                    let job = pod.labels().get(LABEL_JOB).cloned().unwrap_or_default();
-                    let stage: u32 = pod
-                        .labels()
-                        .get(LABEL_STAGE)
-                        .and_then(|s| s.parse().ok())
-                        .unwrap_or(0);
-                    let layers = layers.get(&(job.clone(), stage)).copied().unwrap_or((0, 1));
-                    anyhow::Ok(Reporter {
-                        pod: name,
-                        job,
-                        stage,
-                        layers,
-                        token,
-                    })
-                }
-            })
-            .buffer_unordered(32)
-            .try_collect()
-            .await?;
-        let reporters = Arc::new(reporters);
+        let reporters = Arc::new(running_reporters(client, ns, workers).await?);
         // Let the operator's caches see the Running pods.
         tokio::time::sleep(Duration::from_secs(5)).await;
         let pids = (apiserver_pid, operator_pid);
@@ -662,41 +660,16 @@ mod telemetry {
             "telemetry (a): {n} workers, one status apply each per report, {} s",
             seconds.as_secs()
         );
-        let direct = {
-            let (reporters, jobs_api) = (reporters.clone(), jobs_api.clone());
-            phase(
-                client,
-                &reporters.clone(),
-                interval,
-                Duration::ZERO,
-                seconds,
-                pids,
-                move |i, step| {
-                    let (reporters, jobs_api) = (reporters.clone(), jobs_api.clone());
-                    async move {
-                        let r = &reporters[i];
-                        let body = json!({
-                            "apiVersion": "headroom.dev/v1alpha1", "kind": "MemoryAwareTrainingJob",
-                            "metadata": {"name": r.job},
-                            "status": {"workers": [report(r, step)]},
-                        });
-                        jobs_api
-                            .patch_status(
-                                &r.job,
-                                &PatchParams::apply(&format!(
-                                    "{WORKER_FIELD_MANAGER_PREFIX}{}",
-                                    r.pod
-                                ))
-                                .force(),
-                                &Patch::Apply(&body),
-                            )
-                            .await
-                            .is_ok()
-                    }
-                },
-            )
-            .await?
-        };
+        let direct = phase(
+            client,
+            &reporters,
+            interval,
+            Duration::ZERO,
+            seconds,
+            pids,
+            apply_each_report(reporters.clone(), jobs_api),
+        )
+        .await?;
         // Each worker's first report is written at once (a worker the
         // status has not shown); measured from one status interval and one
         // report later, the steady state.
@@ -706,41 +679,86 @@ mod telemetry {
             seconds.as_secs(),
             settle.as_secs()
         );
-        let aggregated = {
-            let reporters = reporters.clone();
-            let addr = api_addr.to_string();
-            phase(
-                client,
-                &reporters.clone(),
-                interval,
-                settle,
-                seconds,
-                pids,
-                move |i, step| {
-                    let (reporters, addr) = (reporters.clone(), addr.clone());
-                    async move {
-                        let r = &reporters[i];
-                        let body = report(r, step).to_string();
-                        matches!(post(&addr, &r.token, &body).await, 200..=299)
-                    }
-                },
-            )
-            .await?
-        };
+        let aggregated = phase(
+            client,
+            &reporters,
+            interval,
+            settle,
+            seconds,
+            pids,
+            post_to_worker_api(reporters.clone(), api_addr.to_string()),
+        )
+        .await?;
         println!(
             "telemetry: {n} workers reporting every {:.0} s, {} s per phase measured ((b): after {} s of reports, its workers' first writes)",
             interval.as_secs_f64(),
             seconds.as_secs(),
             settle.as_secs()
         );
+        print_figures(n, &idle, &direct, &aggregated);
+        println!(
+            "operator peak RSS (VmHWM) after both: {:.1} MiB",
+            vm_hwm_mib(operator_pid)
+        );
+        Ok(())
+    }
+
+    /// Phase (a): each report one server-side apply of the job's status
+    /// under the worker's own field manager, as workers wrote before the
+    /// operator held their reports.
+    fn apply_each_report(
+        reporters: Arc<Vec<Reporter>>,
+        jobs_api: Api<MemoryAwareTrainingJob>,
+    ) -> impl Fn(usize, u64) -> BoxFuture<'static, bool> + Send + Sync + 'static {
+        move |i, step| {
+            let (reporters, jobs_api) = (reporters.clone(), jobs_api.clone());
+            async move {
+                let r = &reporters[i];
+                let body = json!({
+                    "apiVersion": "headroom.dev/v1alpha1", "kind": "MemoryAwareTrainingJob",
+                    "metadata": {"name": r.job},
+                    "status": {"workers": [report(r, step)]},
+                });
+                jobs_api
+                    .patch_status(
+                        &r.job,
+                        &PatchParams::apply(&format!("{WORKER_FIELD_MANAGER_PREFIX}{}", r.pod))
+                            .force(),
+                        &Patch::Apply(&body),
+                    )
+                    .await
+                    .is_ok()
+            }
+            .boxed()
+        }
+    }
+
+    /// Phase (b): each report posted to the operator's worker API at `addr`.
+    fn post_to_worker_api(
+        reporters: Arc<Vec<Reporter>>,
+        addr: String,
+    ) -> impl Fn(usize, u64) -> BoxFuture<'static, bool> + Send + Sync + 'static {
+        move |i, step| {
+            let (reporters, addr) = (reporters.clone(), addr.clone());
+            async move {
+                let r = &reporters[i];
+                let body = report(r, step).to_string();
+                matches!(post(&addr, &r.token, &body).await, 200..=299)
+            }
+            .boxed()
+        }
+    }
+
+    /// The three phases' figures, (a) and (b) net of the idle phase (0).
+    fn print_figures(n: usize, idle: &Figures, direct: &Figures, aggregated: &Figures) {
         println!(
             "(0) no reports                 : kube-apiserver {:.3} cores, operator {:.3} cores (subtracted below)",
             idle.apiserver_cores, idle.operator_cores
         );
         let net = |f: &Figures| (f.apiserver_cores - idle.apiserver_cores).max(0.0);
         for (what, f) in [
-            ("(a) one status apply per report", &direct),
-            ("(b) through the worker API     ", &aggregated),
+            ("(a) one status apply per report", direct),
+            ("(b) through the worker API     ", aggregated),
         ] {
             println!(
                 "{what}: kube-apiserver +{:.3} cores ({:.1} µs CPU/s per worker), p99 {:.3} s over {:.0} requests; operator +{:.3} cores; reports {} ok, {} refused, {} ticks missed while the last was in flight",
@@ -756,12 +774,97 @@ mod telemetry {
         }
         println!(
             "kube-apiserver CPU per worker, (b) / (a): {:.3}",
-            net(&aggregated) / net(&direct).max(1e-9)
+            net(aggregated) / net(direct).max(1e-9)
         );
-        println!(
-            "operator peak RSS (VmHWM) after both: {:.1} MiB",
-            vm_hwm_mib(operator_pid)
-        );
-        Ok(())
+    }
+
+    /// The first attempts' `workers` pods of `ns`, each marked Running, as
+    /// fake workers with a pod-bound worker API token each.
+    async fn running_reporters(client: &Client, ns: &str, workers: usize) -> Result<Vec<Reporter>> {
+        let pods_api: Api<Pod> = Api::namespaced(client.clone(), ns);
+        let pods: Vec<Pod> = pods_api
+            .list(&Default::default())
+            .await?
+            .items
+            .into_iter()
+            .filter(|p| p.name_any().contains("-a1-"))
+            .collect();
+        if pods.len() < workers {
+            bail!("{} first-attempt pods, {workers} expected", pods.len());
+        }
+        let layers = stage_layers(client, ns).await?;
+        eprintln!("telemetry: {} pods Running, a token each", pods.len());
+        let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), ns);
+        futures::stream::iter(pods)
+            .map(|pod| running_reporter(&pods_api, &accounts, &layers, pod))
+            .buffer_unordered(32)
+            .try_collect()
+            .await
+    }
+
+    /// Each (job, stage)'s layer range, from the job's plan.
+    async fn stage_layers(
+        client: &Client,
+        ns: &str,
+    ) -> Result<BTreeMap<(String, u32), (u32, u32)>> {
+        let jobs_api: Api<MemoryAwareTrainingJob> = Api::namespaced(client.clone(), ns);
+        let mut layers = BTreeMap::new();
+        for job in jobs_api.list(&Default::default()).await?.items {
+            if let Some(plan) = job.status.as_ref().and_then(|s| s.plan.as_ref()) {
+                for st in &plan.stages {
+                    layers.insert((job.name_any(), st.index), (st.layer_start, st.layer_end));
+                }
+            }
+        }
+        Ok(layers)
+    }
+
+    /// Marks `pod` Running and asks a token bound to it: its fake worker.
+    async fn running_reporter(
+        pods_api: &Api<Pod>,
+        accounts: &Api<ServiceAccount>,
+        layers: &BTreeMap<(String, u32), (u32, u32)>,
+        pod: Pod,
+    ) -> Result<Reporter> {
+        let running = json!({"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}],
+            "containerStatuses": [{"name": "worker", "image": "i", "imageID": "", "ready": true, "restartCount": 0,
+                                   "state": {"running": {"startedAt": "2026-11-28T00:00:00Z"}}}]}});
+        let name = pod.name_any();
+        pods_api
+            .patch_status(&name, &PatchParams::default(), &Patch::Merge(&running))
+            .await?;
+        let request = TokenRequest {
+            spec: TokenRequestSpec {
+                audiences: vec![WORKER_API_AUDIENCE.into()],
+                bound_object_ref: Some(BoundObjectReference {
+                    kind: Some("Pod".into()),
+                    api_version: Some("v1".into()),
+                    name: Some(name.clone()),
+                    uid: pod.uid(),
+                }),
+                expiration_seconds: Some(7200),
+            },
+            ..TokenRequest::default()
+        };
+        let token = accounts
+            .create_token_request("default", &PostParams::default(), &request)
+            .await?
+            .status
+            .context("token")?
+            .token;
+        let job = pod.labels().get(LABEL_JOB).cloned().unwrap_or_default();
+        let stage: u32 = pod
+            .labels()
+            .get(LABEL_STAGE)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        let layers = layers.get(&(job.clone(), stage)).copied().unwrap_or((0, 1));
+        Ok(Reporter {
+            pod: name,
+            job,
+            stage,
+            layers,
+            token,
+        })
     }
 }

@@ -1,4 +1,4 @@
-//! What one job object costs kube-apiserver (issue 33, item 1): CPU per
+//! What one job object costs kube-apiserver: CPU per
 //! create, per whole-status write and per telemetry write (as a merge patch,
 //! and as the operator's flusher sends it: a server-side apply), and the object's
 //! stored size, for the MemoryAwareTrainingJob in the shape Headroom stored

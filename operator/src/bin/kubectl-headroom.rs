@@ -13,10 +13,10 @@ use clap::{Parser, Subcommand, ValueEnum};
 use headroom_api::MemoryAwareTrainingJob;
 use headroom_operator::controller::CheckpointAccess;
 use headroom_operator::inventory::{cpu_inventory, job_inventory};
-use headroom_operator::report::{
+use headroom_operator::plan_text::{
     alternatives_table, infeasible_text, plan_table, trainable_params,
 };
-use headroom_planner::{LlamaShape, ModelShape, plan};
+use headroom_planner::{Inventory, JobRequest, LlamaShape, ModelShape, Plan, plan};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde::Deserialize;
 
@@ -110,7 +110,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
     } = cli.command;
     let gpu_host_memory = headroom_api::quantity::parse_bytes(&gpu_host_memory)
         .map_err(|e| anyhow::anyhow!("--gpu-host-memory {gpu_host_memory:?}: {e} (e.g. 16Gi)"))?;
-    let model_config = model_config.or(model_dir.map(|d| d.join("config.json")));
+    let model = ModelOverride {
+        config: model_config.or(model_dir.map(|d| d.join("config.json"))),
+        sequence_length,
+    };
     let jobs = read_jobs(&file)?;
     // Validate every spec before touching the cluster: bad input fails fast and offline.
     let mut requests = Vec::with_capacity(jobs.len());
@@ -120,33 +123,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             job.metadata.namespace.as_deref().unwrap_or("default"),
             job.metadata.name.as_deref().unwrap_or("<unnamed>")
         );
-        // A model.pretrained job is planned from its checkpoint's config.json.
-        if let (Some(pretrained), Some(config)) = (&job.spec.model.pretrained, &model_config) {
-            let length = sequence_length.unwrap_or(pretrained.sequence_length);
-            let ModelShape::Llama(shape) = hf_model(config, Some(length))? else {
-                unreachable!("hf_model gives a Llama shape");
-            };
-            let mut request = job
-                .spec
-                .job_request_for(Some(&shape))
-                .with_context(|| format!("{}: {name}", file.display()))?;
-            request.default_host_baseline(gpu_host_memory);
-            requests.push((name, request));
-            continue;
-        }
-        let mut request = job
-            .spec
-            .job_request()
-            .with_context(|| format!("{}: {name}", file.display()))?;
-        if let Some(config) = &model_config {
-            let from_manifest = job
-                .spec
-                .model
-                .transformer
-                .as_ref()
-                .map(|t| t.sequence_length);
-            request.model = hf_model(config, sequence_length.or(from_manifest))?;
-        }
+        let mut request = job_request(job, &model, &format!("{}: {name}", file.display()))?;
         request.default_host_baseline(gpu_host_memory);
         requests.push((name, request));
     }
@@ -156,47 +133,18 @@ fn run(cli: Cli) -> Result<ExitCode> {
         (None, true) => cluster_state()?,
         (None, false) => (vec![], vec![]),
     };
+    let one_node = checkpoint_access_mode.stages_share_a_node();
     let mut all_fit = true;
     let mut machine = Vec::new();
     for ((name, request), job) in requests.iter().zip(&jobs) {
-        // The same inventory the operator plans this job with: the nodes its
-        // workers may be placed on, less held devices, one node's worth when
-        // the checkpoint volume is ReadWriteOnce.
-        let one_node = checkpoint_access_mode.stages_share_a_node();
-        let inventory = if job.spec.resources.cpu.is_some() {
-            // Node sizes from --nodes; without them the budget is planned
-            // as given, and the user is told that nothing checked it.
-            cpu_inventory(job, &cluster_nodes, one_node).unwrap_or_else(|| {
-                eprintln!(
-                    "note: {name}: node sizes not checked (pass --nodes to check that a node can hold the workers)"
-                );
-                Default::default()
-            })
-        } else {
-            job_inventory(job, &cluster_nodes, device_pods.iter(), one_node)
-        };
+        let inventory = job_inventory_as_planned(job, name, &cluster_nodes, &device_pods, one_node);
         let result = plan(request, &inventory);
         all_fit &= result.is_ok();
         match output {
-            Output::Table => match &result {
-                Ok(p) => {
-                    let weighed = headroom_planner::alternatives(request, &inventory, p);
-                    let replicas = request.backend().profile().data_parallel;
-                    let objective = match request.objective {
-                        headroom_planner::Objective::Fastest if replicas => "objective fastest",
-                        headroom_planner::Objective::Fastest => {
-                            "objective fastest, as fewest devices: this backend's worker runs no replicas yet"
-                        }
-                        headroom_planner::Objective::FewestGpus => "objective fewest devices",
-                    };
-                    emit(&format!(
-                        "{}\n{}",
-                        plan_table(name, request, p),
-                        alternatives_table(p, &weighed, objective)
-                    ))?
-                }
-                Err(e) => emit(&format!("{}\n", infeasible_text(name, e)))?,
-            },
+            Output::Table => emit(&match &result {
+                Ok(p) => plan_text(name, request, &inventory, p),
+                Err(e) => format!("{}\n", infeasible_text(name, e)),
+            })?,
             Output::Json | Output::Yaml => machine.push(match &result {
                 Ok(p) => serde_json::json!({"job": name, "parameters": request.model.total_params(), "trainableParameters": trainable_params(request), "feasible": true, "plan": p}),
                 Err(e) => serde_json::json!({"job": name, "parameters": request.model.total_params(), "trainableParameters": trainable_params(request), "feasible": false, "summary": e.summary, "details": e.details, "waitsFor": e.waits_for}),
@@ -218,6 +166,87 @@ fn run(cli: Cli) -> Result<ExitCode> {
     } else {
         ExitCode::from(3)
     })
+}
+
+/// The model the flags plan with instead of the manifest's: a Hugging Face
+/// `config.json` (--model-config, or --model-dir's), at --sequence-length.
+struct ModelOverride {
+    config: Option<PathBuf>,
+    sequence_length: Option<u32>,
+}
+
+/// What `job` asks the planner, with the model `model` names when it names
+/// one. An invalid spec's error starts with `what` (the file and the job).
+fn job_request(
+    job: &MemoryAwareTrainingJob,
+    model: &ModelOverride,
+    what: &str,
+) -> Result<JobRequest> {
+    // A model.pretrained job is planned from its checkpoint's config.json.
+    if let (Some(pretrained), Some(config)) = (&job.spec.model.pretrained, &model.config) {
+        let length = model.sequence_length.unwrap_or(pretrained.sequence_length);
+        let ModelShape::Llama(shape) = hf_model(config, Some(length))? else {
+            unreachable!("hf_model gives a Llama shape");
+        };
+        return job
+            .spec
+            .job_request_for(Some(&shape))
+            .context(what.to_string());
+    }
+    let mut request = job.spec.job_request().context(what.to_string())?;
+    if let Some(config) = &model.config {
+        let from_manifest = job
+            .spec
+            .model
+            .transformer
+            .as_ref()
+            .map(|t| t.sequence_length);
+        request.model = hf_model(config, model.sequence_length.or(from_manifest))?;
+    }
+    Ok(request)
+}
+
+/// The same inventory the operator plans `job` with: the nodes its workers
+/// may be placed on, less held devices, one node's worth when the
+/// checkpoint volume is ReadWriteOnce.
+fn job_inventory_as_planned(
+    job: &MemoryAwareTrainingJob,
+    name: &str,
+    nodes: &[Node],
+    device_pods: &[Pod],
+    one_node: bool,
+) -> Inventory {
+    if job.spec.resources.cpu.is_some() {
+        // Node sizes from --nodes; without them the budget is planned
+        // as given, and the user is told that nothing checked it.
+        cpu_inventory(job, nodes, one_node).unwrap_or_else(|| {
+            eprintln!(
+                "note: {name}: node sizes not checked (pass --nodes to check that a node can hold the workers)"
+            );
+            Default::default()
+        })
+    } else {
+        job_inventory(job, nodes, device_pods.iter(), one_node)
+    }
+}
+
+/// The table output of a job that has plan `p`: the plan, and the others
+/// the search weighed against it.
+fn plan_text(name: &str, request: &JobRequest, inventory: &Inventory, p: &Plan) -> String {
+    let weighed = headroom_planner::alternatives(request, inventory, p);
+    let replicas = request.backend().profile().data_parallel;
+    let objective = match request.objective {
+        headroom_planner::Objective::Fastest if replicas => "objective fastest",
+        headroom_planner::Objective::Fastest => {
+            "objective fastest, as fewest devices: this backend's worker runs no replicas yet"
+        }
+        headroom_planner::Objective::FewestGpus => "objective fewest devices",
+    };
+    format!(
+        "{}\n{}",
+        plan_table(name, request, p),
+        alternatives_table(p, &weighed, objective)
+    )
 }
 
 /// Writes to stdout. A reader that stopped reading (`… | head`) is not an

@@ -30,7 +30,7 @@ use super::{Context, Error, LAUNCH_EXPECTATION, pods};
 /// it costs is the size of the job object it decodes, validates and stores.
 ///
 /// Telemetry entries (`status.workers`) belong to the operator's telemetry
-/// field manager ([`crate::telemetry`]) and stay out of the patch, except
+/// field manager ([`crate::worker_reports`]) and stay out of the patch, except
 /// that the entries of earlier attempts are dropped once a new attempt is
 /// recorded (the list is documented as the current attempt's; what they
 /// said is already folded into that attempt's history, `observedPeakBytes`

@@ -312,58 +312,7 @@ pub fn enter(
             number,
             plan,
             retry,
-        } => {
-            let summary = summary(&plan);
-            let (phase, planned, event) = match retry {
-                None => {
-                    let mut note = format!("attempt {number}: {summary}");
-                    for w in &plan.warnings {
-                        note.push_str(&format!("; warning: {w}"));
-                    }
-                    (
-                        JobPhase::Pending,
-                        Reason::Planned,
-                        JobEvent::new(false, Reason::Planned, note),
-                    )
-                }
-                Some(why) => {
-                    let rungs: Vec<String> =
-                        plan.rungs_applied.iter().map(ToString::to_string).collect();
-                    let how = if rungs.is_empty() {
-                        String::new()
-                    } else {
-                        format!(" (rungs: {})", rungs.join(", "))
-                    };
-                    (
-                        JobPhase::Retrying,
-                        Reason::Replanned,
-                        JobEvent::new(
-                            false,
-                            Reason::Retrying,
-                            format!("attempt {number} with {why}{how}: {summary}"),
-                        ),
-                    )
-                }
-            };
-            condition(status, ConditionType::Planned, true, planned, &summary, at);
-            end_waiting(status, at);
-            condition(
-                status,
-                ConditionType::Running,
-                false,
-                Reason::Starting,
-                &format!("attempt {number} starting"),
-                at,
-            );
-            status
-                .attempts
-                .push(Attempt::start(number, &plan, Some(Time(at.now))));
-            status.attempt = Some(number);
-            status.message = Some(format!("attempt {number}: {summary}"));
-            status.plan = Some(*plan);
-            status.phase = Some(phase);
-            Some(event)
-        }
+        } => Some(start_attempt(status, number, *plan, retry, at)),
         Transition::AttemptEnded(ending) => end_attempt(status, ending, at),
         Transition::Waiting => {
             // A retry stays Retrying until its workers run.
@@ -373,17 +322,7 @@ pub fn enter(
             None
         }
         Transition::WorkersRunning { attempt, running } => {
-            end_waiting(status, at);
-            condition(
-                status,
-                ConditionType::Running,
-                true,
-                Reason::WorkersRunning,
-                &format!("attempt {attempt}"),
-                at,
-            );
-            status.phase = Some(JobPhase::Running);
-            status.message = Some(format!("attempt {attempt}: {running} worker(s) running"));
+            workers_running(status, attempt, running, at);
             None
         }
         Transition::BackingOff {
@@ -391,108 +330,21 @@ pub fn enter(
             outcome,
             left,
         } => {
-            condition(
-                status,
-                ConditionType::Running,
-                false,
-                Reason::BackingOff,
-                &format!("retry in {}s", left.as_secs()),
-                at,
-            );
-            status.phase = Some(JobPhase::Retrying);
-            status.message = Some(format!(
-                "attempt {attempt} {outcome:?}; retrying with the same settings in {}s",
-                left.as_secs()
-            ));
+            back_off(status, attempt, outcome, left, at);
             None
         }
-        Transition::WaitingForCapacity { message } => {
-            let already = start_waiting(status, Reason::WaitingForCapacity, &message, at);
-            status.phase.get_or_insert(JobPhase::Pending);
-            status.message = Some(format!("waiting for capacity: {message}"));
-            (!already).then(|| JobEvent::new(false, Reason::WaitingForCapacity, message))
-        }
+        Transition::WaitingForCapacity { message } => wait_for_capacity(status, message, at),
         Transition::Queued {
             attempt,
             queue,
             message,
-        } => {
-            let message = match message {
-                Some(why) => format!("attempt {attempt} is queued in Kueue {queue}: {why}"),
-                None => format!("attempt {attempt} is queued in Kueue {queue}"),
-            };
-            let already = start_waiting(status, Reason::Queued, &message, at);
-            // A retry stays Retrying until its workers run.
-            if status.phase != Some(JobPhase::Retrying) {
-                status.phase = Some(JobPhase::Pending);
-            }
-            status.message = Some(message.clone());
-            (!already).then(|| JobEvent::new(false, Reason::Queued, message))
-        }
+        } => queue_in_kueue(status, attempt, &queue, message, at),
         Transition::LaunchRefused { attempt, message } => {
-            let message =
-                format!("attempt {attempt}: the API server refused the workers: {message}");
-            condition(
-                status,
-                ConditionType::Running,
-                false,
-                Reason::LaunchRefused,
-                &message,
-                at,
-            );
-            status.message = Some(format!("{message}; asking again"));
-            // The attempt exists and waits for its workers: Pending or Retrying as before.
-            status.phase.get_or_insert(JobPhase::Pending);
-            Some(JobEvent::new(true, Reason::LaunchRefused, message))
+            Some(launch_refused(status, attempt, &message, at))
         }
-        Transition::Succeeded { attempt, kept_in } => {
-            let mut message = format!("succeeded on attempt {attempt}");
-            if let Some(claim) = kept_in {
-                message.push_str(&format!(
-                    "; the trained checkpoints are kept in PersistentVolumeClaim {claim}, which outlives the job"
-                ));
-            }
-            condition(
-                status,
-                ConditionType::Running,
-                false,
-                Reason::Succeeded,
-                "training finished",
-                at,
-            );
-            condition(
-                status,
-                ConditionType::Complete,
-                true,
-                Reason::Succeeded,
-                &message,
-                at,
-            );
-            status.phase = Some(JobPhase::Succeeded);
-            status.message = Some(message);
-            Some(JobEvent::new(
-                false,
-                Reason::Succeeded,
-                format!("attempt {attempt} finished"),
-            ))
-        }
+        Transition::Succeeded { attempt, kept_in } => Some(succeed(status, attempt, kept_in, at)),
         Transition::Initializing { run, message } => {
-            condition(
-                status,
-                ConditionType::Initialized,
-                false,
-                Reason::Initializing,
-                &message,
-                at,
-            );
-            status.phase.get_or_insert(JobPhase::Pending);
-            status.message = Some(format!("initializing: {message}"));
-            let note = if run > 1 {
-                format!("initializer run {run}: {message}")
-            } else {
-                message
-            };
-            Some(JobEvent::new(false, Reason::Initializing, note))
+            Some(start_initializing(status, run, message, at))
         }
         Transition::Initialized { message } => {
             condition(
@@ -508,37 +360,276 @@ pub fn enter(
             Some(JobEvent::new(false, Reason::Initialized, message))
         }
         Transition::InitializerRefused { message } => {
-            let message = format!("the API server refused the initializer pod: {message}");
-            condition(
-                status,
-                ConditionType::Initialized,
-                false,
-                Reason::LaunchRefused,
-                &message,
-                at,
-            );
-            status.phase.get_or_insert(JobPhase::Pending);
-            status.message = Some(format!("{message}; asking again"));
-            Some(JobEvent::new(true, Reason::LaunchRefused, message))
+            Some(initializer_refused(status, &message, at))
         }
-        Transition::Failed { reason, message } => {
-            if reason.is_planning_failure() {
-                condition(status, ConditionType::Planned, false, reason, &message, at);
-            }
-            condition(
-                status,
-                ConditionType::Running,
-                false,
-                reason,
-                "job failed",
-                at,
-            );
-            condition(status, ConditionType::Failed, true, reason, &message, at);
-            status.phase = Some(JobPhase::Failed);
-            status.message = Some(message.clone());
-            Some(JobEvent::new(true, reason, message))
-        }
+        Transition::Failed { reason, message } => Some(fail(status, reason, message, at)),
     })
+}
+
+/// Opens attempt `number` with `plan`: the first (Pending, `Planned`) or a
+/// retry (Retrying, `Replanned`; `retry` says why it was planned so).
+fn start_attempt(
+    status: &mut MemoryAwareTrainingJobStatus,
+    number: u32,
+    plan: Plan,
+    retry: Option<String>,
+    at: Stamp,
+) -> JobEvent {
+    let summary = summary(&plan);
+    let (phase, planned, event) = match retry {
+        None => {
+            let mut note = format!("attempt {number}: {summary}");
+            for w in &plan.warnings {
+                note.push_str(&format!("; warning: {w}"));
+            }
+            (
+                JobPhase::Pending,
+                Reason::Planned,
+                JobEvent::new(false, Reason::Planned, note),
+            )
+        }
+        Some(why) => {
+            let rungs: Vec<String> = plan.rungs_applied.iter().map(ToString::to_string).collect();
+            let how = if rungs.is_empty() {
+                String::new()
+            } else {
+                format!(" (rungs: {})", rungs.join(", "))
+            };
+            (
+                JobPhase::Retrying,
+                Reason::Replanned,
+                JobEvent::new(
+                    false,
+                    Reason::Retrying,
+                    format!("attempt {number} with {why}{how}: {summary}"),
+                ),
+            )
+        }
+    };
+    condition(status, ConditionType::Planned, true, planned, &summary, at);
+    end_waiting(status, at);
+    condition(
+        status,
+        ConditionType::Running,
+        false,
+        Reason::Starting,
+        &format!("attempt {number} starting"),
+        at,
+    );
+    status
+        .attempts
+        .push(Attempt::start(number, &plan, Some(Time(at.now))));
+    status.attempt = Some(number);
+    status.message = Some(format!("attempt {number}: {summary}"));
+    status.plan = Some(plan);
+    status.phase = Some(phase);
+    event
+}
+
+/// Every stage of `attempt` exists and `running` of them run.
+fn workers_running(
+    status: &mut MemoryAwareTrainingJobStatus,
+    attempt: u32,
+    running: usize,
+    at: Stamp,
+) {
+    end_waiting(status, at);
+    condition(
+        status,
+        ConditionType::Running,
+        true,
+        Reason::WorkersRunning,
+        &format!("attempt {attempt}"),
+        at,
+    );
+    status.phase = Some(JobPhase::Running);
+    status.message = Some(format!("attempt {attempt}: {running} worker(s) running"));
+}
+
+/// Waits `left` before retrying `attempt` (which ended `outcome`) as it was.
+fn back_off(
+    status: &mut MemoryAwareTrainingJobStatus,
+    attempt: u32,
+    outcome: AttemptOutcome,
+    left: Duration,
+    at: Stamp,
+) {
+    condition(
+        status,
+        ConditionType::Running,
+        false,
+        Reason::BackingOff,
+        &format!("retry in {}s", left.as_secs()),
+        at,
+    );
+    status.phase = Some(JobPhase::Retrying);
+    status.message = Some(format!(
+        "attempt {attempt} {outcome:?}; retrying with the same settings in {}s",
+        left.as_secs()
+    ));
+}
+
+/// Waits for capacity; the event only when what it waits for changes.
+fn wait_for_capacity(
+    status: &mut MemoryAwareTrainingJobStatus,
+    message: String,
+    at: Stamp,
+) -> Option<JobEvent> {
+    let already = start_waiting(status, Reason::WaitingForCapacity, &message, at);
+    status.phase.get_or_insert(JobPhase::Pending);
+    status.message = Some(format!("waiting for capacity: {message}"));
+    (!already).then(|| JobEvent::new(false, Reason::WaitingForCapacity, message))
+}
+
+/// Waits for Kueue to admit `attempt` in `queue`, with Kueue's `why` when
+/// it said one; the event only when that changes.
+fn queue_in_kueue(
+    status: &mut MemoryAwareTrainingJobStatus,
+    attempt: u32,
+    queue: &str,
+    why: Option<String>,
+    at: Stamp,
+) -> Option<JobEvent> {
+    let message = match why {
+        Some(why) => format!("attempt {attempt} is queued in Kueue {queue}: {why}"),
+        None => format!("attempt {attempt} is queued in Kueue {queue}"),
+    };
+    let already = start_waiting(status, Reason::Queued, &message, at);
+    // A retry stays Retrying until its workers run.
+    if status.phase != Some(JobPhase::Retrying) {
+        status.phase = Some(JobPhase::Pending);
+    }
+    status.message = Some(message.clone());
+    (!already).then(|| JobEvent::new(false, Reason::Queued, message))
+}
+
+/// The API server refused `attempt`'s workers for now.
+fn launch_refused(
+    status: &mut MemoryAwareTrainingJobStatus,
+    attempt: u32,
+    message: &str,
+    at: Stamp,
+) -> JobEvent {
+    let message = format!("attempt {attempt}: the API server refused the workers: {message}");
+    condition(
+        status,
+        ConditionType::Running,
+        false,
+        Reason::LaunchRefused,
+        &message,
+        at,
+    );
+    status.message = Some(format!("{message}; asking again"));
+    // The attempt exists and waits for its workers: Pending or Retrying as before.
+    status.phase.get_or_insert(JobPhase::Pending);
+    JobEvent::new(true, Reason::LaunchRefused, message)
+}
+
+/// `attempt` finished the training; `kept_in` names the claim that outlives the job.
+fn succeed(
+    status: &mut MemoryAwareTrainingJobStatus,
+    attempt: u32,
+    kept_in: Option<String>,
+    at: Stamp,
+) -> JobEvent {
+    let mut message = format!("succeeded on attempt {attempt}");
+    if let Some(claim) = kept_in {
+        message.push_str(&format!(
+            "; the trained checkpoints are kept in PersistentVolumeClaim {claim}, which outlives the job"
+        ));
+    }
+    condition(
+        status,
+        ConditionType::Running,
+        false,
+        Reason::Succeeded,
+        "training finished",
+        at,
+    );
+    condition(
+        status,
+        ConditionType::Complete,
+        true,
+        Reason::Succeeded,
+        &message,
+        at,
+    );
+    status.phase = Some(JobPhase::Succeeded);
+    status.message = Some(message);
+    JobEvent::new(
+        false,
+        Reason::Succeeded,
+        format!("attempt {attempt} finished"),
+    )
+}
+
+/// Initializer run `run` starts, reading what `message` says.
+fn start_initializing(
+    status: &mut MemoryAwareTrainingJobStatus,
+    run: u32,
+    message: String,
+    at: Stamp,
+) -> JobEvent {
+    condition(
+        status,
+        ConditionType::Initialized,
+        false,
+        Reason::Initializing,
+        &message,
+        at,
+    );
+    status.phase.get_or_insert(JobPhase::Pending);
+    status.message = Some(format!("initializing: {message}"));
+    let note = if run > 1 {
+        format!("initializer run {run}: {message}")
+    } else {
+        message
+    };
+    JobEvent::new(false, Reason::Initializing, note)
+}
+
+/// The API server refused the initializer pod for now.
+fn initializer_refused(
+    status: &mut MemoryAwareTrainingJobStatus,
+    message: &str,
+    at: Stamp,
+) -> JobEvent {
+    let message = format!("the API server refused the initializer pod: {message}");
+    condition(
+        status,
+        ConditionType::Initialized,
+        false,
+        Reason::LaunchRefused,
+        &message,
+        at,
+    );
+    status.phase.get_or_insert(JobPhase::Pending);
+    status.message = Some(format!("{message}; asking again"));
+    JobEvent::new(true, Reason::LaunchRefused, message)
+}
+
+/// The job ends without success, for `reason`.
+fn fail(
+    status: &mut MemoryAwareTrainingJobStatus,
+    reason: Reason,
+    message: String,
+    at: Stamp,
+) -> JobEvent {
+    if reason.is_planning_failure() {
+        condition(status, ConditionType::Planned, false, reason, &message, at);
+    }
+    condition(
+        status,
+        ConditionType::Running,
+        false,
+        reason,
+        "job failed",
+        at,
+    );
+    condition(status, ConditionType::Failed, true, reason, &message, at);
+    status.phase = Some(JobPhase::Failed);
+    status.message = Some(message.clone());
+    JobEvent::new(true, reason, message)
 }
 
 /// Closes the running attempt: outcome, reason, message, end time, and the

@@ -1,7 +1,7 @@
 //! The MemoryAwareTrainingJob controller.
 //!
 //! * [`watch`] — the watches and caches; starts reconciling once they are complete
-//! * [`reconcile`] — one reconcile: dereference → decide → apply
+//! * [`reconcile`] — one reconcile: dereference ([`observe`]) → decide → apply
 //! * [`decide`] — the pure decision (what the status says, what to create or
 //!   stop), by concern: the running attempt's verdict, the retry, the
 //!   initializer, a refusal
@@ -21,6 +21,7 @@ pub mod classify;
 pub mod config;
 pub mod decide;
 pub mod lifecycle;
+pub mod observe;
 pub mod pods;
 pub mod reconcile;
 pub mod watch;
@@ -40,7 +41,7 @@ use kube::{Client, ResourceExt};
 pub use config::{CheckpointAccess, ChildConfig, ControllerConfig, WorkerImages};
 
 use crate::metrics::Metrics;
-use crate::telemetry::WorkerReports;
+use crate::worker_reports::WorkerReports;
 
 /// Reconcile failures, each naming the step that failed and on what object.
 #[derive(Debug, thiserror::Error)]

@@ -7,21 +7,22 @@
 use std::sync::Arc;
 
 use futures::StreamExt;
+use futures::channel::mpsc::UnboundedReceiver;
 use headroom_api::{LABEL_JOB, MemoryAwareTrainingJob};
 use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim, Pod};
 use kube::api::Api;
 use kube::core::{DeserializeGuard, PartialObjectMeta};
 use kube::runtime::controller::Controller;
 use kube::runtime::events::{Recorder, Reporter};
-use kube::runtime::reflector;
+use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 
 use super::reconcile::{error_policy, reconcile};
 use super::{Context, ControllerConfig};
 use crate::metrics::Metrics;
-use crate::telemetry::WorkerReports;
 use crate::watched_pods::WatchedPods;
+use crate::worker_reports::WorkerReports;
 
 /// Runs the controller until `shutdown` resolves; returns after in-flight
 /// reconciles finish. `reports`: the worker API's held telemetry;
@@ -38,87 +39,11 @@ pub async fn run(
 ) {
     // Jobs are read through DeserializeGuard: one object that fails to parse
     // (e.g. status written by a mismatched worker) must not stall the others.
-    let scoped = |client: &Client| -> (Api<DeserializeGuard<MemoryAwareTrainingJob>>, Api<Pod>) {
-        match &config.namespace {
-            Some(ns) => (
-                Api::namespaced(client.clone(), ns),
-                Api::namespaced(client.clone(), ns),
-            ),
-            None => (Api::all(client.clone()), Api::all(client.clone())),
-        }
-    };
-    let (jobs, pod_api) = scoped(&client);
-
-    // Pods carrying our job label, watched once: the reflector's store is read
-    // in reconcile, and every pod it applies or deletes is forwarded as the
-    // "owns" trigger of its job. Not kube-runtime's shared store
-    // (`store_shared` + `subscribe`): its handle never yields deletions, and
-    // when a pod is deleted before the handle reads it, returns Pending
-    // without a waker; from then on no pod event triggers a reconcile, and
-    // once its 1024-event buffer fills the pod cache stops too.
-    let (pods, pod_writer) = reflector::store();
-    let (pod_tx, pod_events) = futures::channel::mpsc::unbounded::<Arc<Pod>>();
-    let pod_watch = watcher(pod_api, watcher::Config::default().labels(LABEL_JOB))
-        .default_backoff()
-        .modify(keep_what_decisions_read)
-        .reflect(pod_writer)
-        .for_each(move |event| {
-            if let Ok(
-                watcher::Event::Apply(pod)
-                | watcher::Event::Delete(pod)
-                | watcher::Event::InitApply(pod),
-            ) = event
-            {
-                // Fails only once the controller has stopped.
-                let _ = pod_tx.unbounded_send(Arc::new(pod));
-            }
-            std::future::ready(())
-        });
-
-    let (nodes, node_writer) = reflector::store();
-    let node_watch = watcher(Api::<Node>::all(client.clone()), watcher::Config::default())
-        .default_backoff()
-        .reflect(node_writer)
-        .for_each(|_| std::future::ready(()));
-
-    // GPUs held by any pod, not only ours, are not free. Terminal pods are
-    // filtered by the API server, pods without devices dropped here (device
-    // requests are immutable) and the rest trimmed to what the inventory
-    // reads, so the cache stays small on a big cluster.
-    let (device_pods, device_writer) = reflector::store();
-    let device_watch = watcher(
-        Api::<Pod>::all(client.clone()),
-        watcher::Config::default().fields("status.phase!=Succeeded,status.phase!=Failed"),
-    )
-    .default_backoff()
-    .filter(|event| {
-        std::future::ready(match event {
-            Ok(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod)) => {
-                crate::inventory::holds_devices(pod)
-            }
-            _ => true,
-        })
-    })
-    .modify(crate::inventory::keep_device_facts)
-    .reflect(device_writer)
-    .for_each(|_| std::future::ready(()));
-
-    // Claims by metadata only (name, owner, annotations: whose checkpoints
-    // they hold), every claim in scope and not just labelled ones: a launch
-    // reads here whether its checkpoint claim is missing, this job's, or
-    // someone else's, and creates its pods in the same round as the claim
-    // instead of after it.
-    // (`Api<PartialObjectMeta<_>>` lists and watches with metadata-only requests.)
-    let claim_api: Api<PartialObjectMeta<PersistentVolumeClaim>> = match &config.namespace {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    };
-    let (claims, claim_writer) = reflector::store();
-    let claim_watch = watcher(claim_api, watcher::Config::default())
-        .default_backoff()
-        .modify(forget_managed_fields)
-        .reflect(claim_writer)
-        .for_each(|_| std::future::ready(()));
+    let jobs: Api<DeserializeGuard<MemoryAwareTrainingJob>> = scoped(&client, &config);
+    let (pods, pod_events, pod_watch) = watch_job_pods(scoped(&client, &config));
+    let (nodes, node_watch) = watch_nodes(&client);
+    let (device_pods, device_watch) = watch_device_pods(&client);
+    let (claims, claim_watch) = watch_claims(scoped(&client, &config));
 
     let recorder = Recorder::new(
         client.clone(),
@@ -169,39 +94,153 @@ pub async fn run(
         metrics.set_ready(true);
         watched.fill(pods.clone());
         tracing::info!("caches synced; reconciling");
-        let (job_store, job_writer) = reflector::store();
-        let job_triggers = watcher(jobs, watcher::Config::default())
-            .default_backoff()
-            .modify(forget_managed_fields)
-            .reflect(job_writer)
-            .inspect(move |event| {
-                // A deleted job's held telemetry and its workers' series go with it.
-                if let Ok(watcher::Event::Delete(job)) = event
-                    && let Some(uid) = job.uid()
-                {
-                    reports.close(&uid);
-                }
-            })
-            .applied_objects();
-        Controller::for_stream(job_triggers, job_store)
-            .owns_shared_stream(pod_events)
-            .with_config(
-                kube::runtime::controller::Config::default().concurrency(config.concurrency),
-            )
-            .graceful_shutdown_on(shutdown)
-            .run(reconcile, error_policy, ctx)
-            .for_each(|result| async move {
-                if let Err(e) = result {
-                    tracing::debug!(error = %e, "reconcile trigger failed");
-                }
-            })
-            .await;
+        reconcile_jobs(jobs, pod_events, reports, &config, ctx, shutdown).await;
         tracing::info!("controller stopped");
     };
     tokio::select! {
         _ = controlled => {}
         _ = watches => {}
     }
+}
+
+/// `K`s in the controller's namespace, or in all of them.
+fn scoped<K>(client: &Client, config: &ControllerConfig) -> Api<K>
+where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+    K::DynamicType: Default,
+{
+    match &config.namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
+}
+
+/// Pods carrying our job label, watched once: the reflector's store is read
+/// in reconcile, and every pod it applies or deletes is forwarded (the
+/// receiver) as the "owns" trigger of its job. Not kube-runtime's shared
+/// store (`store_shared` + `subscribe`): its handle never yields deletions,
+/// and when a pod is deleted before the handle reads it, returns Pending
+/// without a waker; from then on no pod event triggers a reconcile, and once
+/// its 1024-event buffer fills the pod cache stops too.
+fn watch_job_pods(
+    pod_api: Api<Pod>,
+) -> (
+    Store<Pod>,
+    UnboundedReceiver<Arc<Pod>>,
+    impl Future<Output = ()>,
+) {
+    let (pods, pod_writer) = reflector::store();
+    let (pod_tx, pod_events) = futures::channel::mpsc::unbounded::<Arc<Pod>>();
+    let pod_watch = watcher(pod_api, watcher::Config::default().labels(LABEL_JOB))
+        .default_backoff()
+        .modify(keep_what_decisions_read)
+        .reflect(pod_writer)
+        .for_each(move |event| {
+            if let Ok(
+                watcher::Event::Apply(pod)
+                | watcher::Event::Delete(pod)
+                | watcher::Event::InitApply(pod),
+            ) = event
+            {
+                // Fails only once the controller has stopped.
+                let _ = pod_tx.unbounded_send(Arc::new(pod));
+            }
+            std::future::ready(())
+        });
+    (pods, pod_events, pod_watch)
+}
+
+/// Every node: the inventory's devices and allocatable memory.
+fn watch_nodes(client: &Client) -> (Store<Node>, impl Future<Output = ()> + use<>) {
+    let (nodes, node_writer) = reflector::store();
+    let node_watch = watcher(Api::<Node>::all(client.clone()), watcher::Config::default())
+        .default_backoff()
+        .reflect(node_writer)
+        .for_each(|_| std::future::ready(()));
+    (nodes, node_watch)
+}
+
+/// GPUs held by any pod, not only ours, are not free. Terminal pods are
+/// filtered by the API server, pods without devices dropped here (device
+/// requests are immutable) and the rest trimmed to what the inventory
+/// reads, so the cache stays small on a big cluster.
+fn watch_device_pods(client: &Client) -> (Store<Pod>, impl Future<Output = ()> + use<>) {
+    let (device_pods, device_writer) = reflector::store();
+    let device_watch = watcher(
+        Api::<Pod>::all(client.clone()),
+        watcher::Config::default().fields("status.phase!=Succeeded,status.phase!=Failed"),
+    )
+    .default_backoff()
+    .filter(|event| {
+        std::future::ready(match event {
+            Ok(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod)) => {
+                crate::inventory::holds_devices(pod)
+            }
+            _ => true,
+        })
+    })
+    .modify(crate::inventory::keep_device_facts)
+    .reflect(device_writer)
+    .for_each(|_| std::future::ready(()));
+    (device_pods, device_watch)
+}
+
+/// Claims by metadata only (name, owner, annotations: whose checkpoints
+/// they hold), every claim in scope and not just labelled ones: a launch
+/// reads here whether its checkpoint claim is missing, this job's, or
+/// someone else's, and creates its pods in the same round as the claim
+/// instead of after it. (`Api<PartialObjectMeta<_>>` lists and watches
+/// with metadata-only requests.)
+fn watch_claims(
+    claim_api: Api<PartialObjectMeta<PersistentVolumeClaim>>,
+) -> (
+    Store<PartialObjectMeta<PersistentVolumeClaim>>,
+    impl Future<Output = ()>,
+) {
+    let (claims, claim_writer) = reflector::store();
+    let claim_watch = watcher(claim_api, watcher::Config::default())
+        .default_backoff()
+        .modify(forget_managed_fields)
+        .reflect(claim_writer)
+        .for_each(|_| std::future::ready(()));
+    (claims, claim_watch)
+}
+
+/// Watches the jobs and reconciles each on a change of it or of one of its
+/// pods (`pod_events`), until `shutdown`.
+async fn reconcile_jobs(
+    jobs: Api<DeserializeGuard<MemoryAwareTrainingJob>>,
+    pod_events: UnboundedReceiver<Arc<Pod>>,
+    reports: Arc<WorkerReports>,
+    config: &ControllerConfig,
+    ctx: Arc<Context>,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) {
+    let (job_store, job_writer) = reflector::store();
+    let job_triggers = watcher(jobs, watcher::Config::default())
+        .default_backoff()
+        .modify(forget_managed_fields)
+        .reflect(job_writer)
+        .inspect(move |event| {
+            // A deleted job's held telemetry and its workers' series go with it.
+            if let Ok(watcher::Event::Delete(job)) = event
+                && let Some(uid) = job.uid()
+            {
+                reports.close(&uid);
+            }
+        })
+        .applied_objects();
+    Controller::for_stream(job_triggers, job_store)
+        .owns_shared_stream(pod_events)
+        .with_config(kube::runtime::controller::Config::default().concurrency(config.concurrency))
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            if let Err(e) = result {
+                tracing::debug!(error = %e, "reconcile trigger failed");
+            }
+        })
+        .await;
 }
 
 /// Field ownership is the API server's bookkeeping: nothing here reads it,

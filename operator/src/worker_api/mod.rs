@@ -4,7 +4,7 @@
 //! Why it exists: a worker used to run under a per-job ServiceAccount, Role
 //! and RoleBinding so that it could patch its job's status and read its
 //! peers' pods. That was three API writes per job before its first pod (the
-//! launch path's largest cost, issue 16) and Kubernetes API rights inside
+//! launch path's largest cost) and Kubernetes API rights inside
 //! every training container. Now workers hold none. A worker presents the
 //! token the kubelet projects into its pod (bound to the pod, audience
 //! [`WORKER_API_AUDIENCE`], useless against the API server itself); the
@@ -13,7 +13,7 @@
 //!
 //! * `POST /v1/telemetry` — a [`WorkerTelemetry`] becomes the caller's own
 //!   `status.workers` entry: held with its job's other entries and written
-//!   with them at most once per telemetry interval ([`crate::telemetry`]),
+//!   with them at most once per telemetry interval ([`crate::worker_reports`]),
 //!   or, when the operator holds as many as it will, server-side applied at
 //!   once under the caller's own field manager (`headroom-worker/<pod>`).
 //! * `GET /v1/peers/<pod>` — the IP of another pod of the caller's job.
@@ -52,8 +52,8 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, Patch, PatchParams};
 use kube::{Client, Resource};
 
-use crate::telemetry::Recorded;
 use crate::watched_pods::WatchedPods;
+use crate::worker_reports::Recorded;
 
 mod identity;
 pub mod peer_key;
@@ -69,7 +69,7 @@ pub use peer_key::OperatorKey;
 pub use serve::{Limits, serve};
 pub use tls::ServingTls;
 
-pub use crate::telemetry::WorkerReports;
+pub use crate::worker_reports::WorkerReports;
 
 /// The largest request body read, bytes. A worker's telemetry is well under
 /// 8 KiB (a few numbers per GPU; the CRD bounds its strings and lists).

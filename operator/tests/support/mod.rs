@@ -14,8 +14,8 @@ pub use headroom_e2e::fixtures::*;
 pub use headroom_e2e::{API_SERVER, TestNs};
 use headroom_operator::controller::{self, ControllerConfig};
 use headroom_operator::metrics::Metrics;
-use headroom_operator::telemetry::WorkerReports;
 use headroom_operator::watched_pods::WatchedPods;
+use headroom_operator::worker_reports::WorkerReports;
 // Each test binary uses its own part of the kit.
 #[allow(unused_imports)]
 pub use jobs::*;

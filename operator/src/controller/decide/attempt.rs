@@ -64,50 +64,8 @@ pub(super) fn verdict(
 ) -> Verdict {
     let n = attempt.number;
     let pods: Vec<(&Pod, PodVerdict)> = of_attempt(obs.pods, n).map(|p| (p, classify(p))).collect();
-    let live = || -> Vec<String> {
-        pods.iter()
-            .filter(|(_, v)| v.is_live())
-            .map(|(p, _)| p.name_any())
-            .collect()
-    };
-    let failures = || {
-        pods.iter().filter_map(|(_, v)| match v {
-            PodVerdict::Failed(f) => Some(f),
-            _ => None,
-        })
-    };
-
-    if let Some(failure) = failures().max_by_key(|f| rank(f)) {
-        let others_alive = pods.iter().any(|(_, v)| v.is_live());
-        if failure.peer_lost() && others_alive {
-            let waited = failure
-                .finished_at
-                .map_or(Duration::ZERO, |t| since(obs.now, t));
-            if waited < PEER_LOST_GRACE {
-                return Verdict::PeerLost {
-                    left: PEER_LOST_GRACE - waited + Duration::from_secs(1),
-                };
-            }
-        }
-        let PodFailure {
-            outcome,
-            reason,
-            message,
-            peak_bytes,
-            worker,
-            ..
-        } = failure.clone();
-        return Verdict::Failed {
-            ending: AttemptEnding {
-                outcome,
-                reason,
-                message,
-                peak: peak_bytes,
-                step: failures().filter_map(|f| f.step).max(),
-            },
-            worker,
-            live: live(),
-        };
+    if let Some(failed) = failed(obs, &pods) {
+        return failed;
     }
 
     let succeeded = pods
@@ -126,19 +84,12 @@ pub(super) fn verdict(
     {
         return Verdict::Vanished {
             pod: gone.name.clone(),
-            live: live(),
+            live: live(&pods),
         };
     }
 
     let mut recheck = None;
-    let stuck = pods.iter().find_map(|(_, v)| match v {
-        PodVerdict::Pending {
-            unschedulable_since: Some(since),
-            message,
-        } => Some((*since, message.clone())),
-        _ => None,
-    });
-    if let Some((unschedulable_since, message)) = stuck {
+    if let Some((unschedulable_since, message)) = first_unschedulable(&pods) {
         let waited = since(obs.now, unschedulable_since);
         if waited >= obs.unschedulable_grace {
             return Verdict::Stuck {
@@ -149,8 +100,89 @@ pub(super) fn verdict(
         recheck = Some(obs.unschedulable_grace.saturating_sub(waited) + Duration::from_secs(1));
     }
 
-    let stopping: Vec<String> = obs
-        .pods
+    let stopping = stopping_before(obs, n);
+    if pods.is_empty() && !stopping.is_empty() {
+        return Verdict::Blocked { stopping };
+    }
+
+    let running = pods
+        .iter()
+        .filter(|(_, v)| *v == PodVerdict::Running)
+        .count();
+    if running > 0 && pods.len() == attempt.workers as usize {
+        Verdict::Running { running, recheck }
+    } else {
+        Verdict::Waiting { recheck }
+    }
+}
+
+/// The names of the live ones of an attempt's `pods`.
+fn live(pods: &[(&Pod, PodVerdict)]) -> Vec<String> {
+    pods.iter()
+        .filter(|(_, v)| v.is_live())
+        .map(|(p, _)| p.name_any())
+        .collect()
+}
+
+/// The attempt's verdict when one of its `pods` failed: the worst failure
+/// ends it, except that a stage that only lost its neighbour, while other
+/// stages live, waits up to [`PEER_LOST_GRACE`] for the neighbour's own
+/// failure (the cause) to show.
+fn failed(obs: &Observation<'_>, pods: &[(&Pod, PodVerdict)]) -> Option<Verdict> {
+    let failures = || {
+        pods.iter().filter_map(|(_, v)| match v {
+            PodVerdict::Failed(f) => Some(f),
+            _ => None,
+        })
+    };
+    let failure = failures().max_by_key(|f| rank(f))?;
+    let others_alive = pods.iter().any(|(_, v)| v.is_live());
+    if failure.peer_lost() && others_alive {
+        let waited = failure
+            .finished_at
+            .map_or(Duration::ZERO, |t| since(obs.now, t));
+        if waited < PEER_LOST_GRACE {
+            return Some(Verdict::PeerLost {
+                left: PEER_LOST_GRACE - waited + Duration::from_secs(1),
+            });
+        }
+    }
+    let PodFailure {
+        outcome,
+        reason,
+        message,
+        peak_bytes,
+        worker,
+        ..
+    } = failure.clone();
+    Some(Verdict::Failed {
+        ending: AttemptEnding {
+            outcome,
+            reason,
+            message,
+            peak: peak_bytes,
+            step: failures().filter_map(|f| f.step).max(),
+        },
+        worker,
+        live: live(pods),
+    })
+}
+
+/// Since when the first unschedulable one of `pods` has been so, and the
+/// scheduler's word on why.
+fn first_unschedulable(pods: &[(&Pod, PodVerdict)]) -> Option<(Timestamp, Option<String>)> {
+    pods.iter().find_map(|(_, v)| match v {
+        PodVerdict::Pending {
+            unschedulable_since: Some(since),
+            message,
+        } => Some((*since, message.clone())),
+        _ => None,
+    })
+}
+
+/// The live pods of attempts before `n`, still shutting down.
+fn stopping_before(obs: &Observation<'_>, n: u32) -> Vec<String> {
+    obs.pods
         .iter()
         .filter(|p| {
             p.labels()
@@ -165,20 +197,7 @@ pub(super) fn verdict(
                 })
         })
         .map(|p| p.name_any())
-        .collect();
-    if pods.is_empty() && !stopping.is_empty() {
-        return Verdict::Blocked { stopping };
-    }
-
-    let running = pods
-        .iter()
-        .filter(|(_, v)| *v == PodVerdict::Running)
-        .count();
-    if running > 0 && pods.len() == attempt.workers as usize {
-        Verdict::Running { running, recheck }
-    } else {
-        Verdict::Waiting { recheck }
-    }
+        .collect()
 }
 
 fn since(now: Timestamp, then: Timestamp) -> Duration {

@@ -50,7 +50,6 @@ impl Builder<'_> {
         worker: Option<WorkerOutcome>,
         request: &JobRequest,
     ) {
-        let policy = &self.obs.job.spec.memory_policy;
         let n = ended.number;
         if ended.outcome == AttemptOutcome::Succeeded {
             return self.succeed(n);
@@ -64,96 +63,19 @@ impl Builder<'_> {
                 ),
             );
         }
-        // Disruptions (a deleted or evicted pod, a drained node) are not the
-        // job's doing and lose no work (the worker checkpoints on SIGTERM):
-        // they do not use up attempts.
-        let counted = self
-            .d
-            .status
-            .attempts
-            .iter()
-            .filter(|a| a.outcome != AttemptOutcome::Disrupted)
-            .count();
-        if ended.outcome != AttemptOutcome::Disrupted && counted >= policy.max_attempts as usize {
-            return self.fail(
-                Reason::MaxAttemptsReached,
-                format!(
-                    "attempt {n} ended {:?} ({}); memoryPolicy.maxAttempts is {}",
-                    ended.outcome,
-                    ended.message.clone().unwrap_or_default(),
-                    policy.max_attempts
-                ),
-            );
+        if let Some(message) = self.attempts_used_up(ended) {
+            return self.fail(Reason::MaxAttemptsReached, message);
         }
         let (cause, why) = match ended.outcome {
-            AttemptOutcome::HostOutOfMemory | AttemptOutcome::DeviceOutOfMemory => {
-                let kind = if ended.outcome == AttemptOutcome::DeviceOutOfMemory {
-                    MemoryFailureKind::DeviceOom
-                } else {
-                    MemoryFailureKind::HostOom
-                };
-                // A step past where the attempt started (the previous
-                // attempt's last step bounds its checkpoint from above).
-                let started_at = self
-                    .d
-                    .status
-                    .attempts
-                    .iter()
-                    .rev()
-                    .skip(1)
-                    .find_map(|a| a.last_step)
-                    .unwrap_or(0);
-                let failure = MemoryFailure {
-                    kind,
-                    observed_peak_bytes: ended.observed_peak_bytes,
-                    trained: ended.last_step.is_some_and(|s| s > started_at),
-                };
-                (FailureCause::OutOfMemory(failure), "stricter settings")
-            }
-            AttemptOutcome::Unschedulable => {
-                let cause = FailureCause::Unschedulable {
-                    excluded_devices: self.unschedulable_devices(),
-                };
-                // Another device type if one fits; else the same plan again,
-                // waiting for the capacity (a busy cluster never ends a job).
-                return match self.replan_current(request, &cause) {
-                    Ok(p) => self.start(n + 1, p, Some("another device type".into())),
-                    Err(_) => {
-                        let same = self.replan_current(request, &FailureCause::Other);
-                        match same {
-                            Ok(p) => self.start(
-                                n + 1,
-                                p,
-                                Some("the same plan, waiting for capacity".into()),
-                            ),
-                            Err(e) => self.no_plan(e),
-                        }
-                    }
-                };
-            }
+            AttemptOutcome::HostOutOfMemory | AttemptOutcome::DeviceOutOfMemory => (
+                FailureCause::OutOfMemory(self.memory_failure(ended)),
+                "stricter settings",
+            ),
+            AttemptOutcome::Unschedulable => return self.retry_unschedulable(n, request),
             // Resume at once: nothing failed, and the checkpoint is there.
             AttemptOutcome::Disrupted => (FailureCause::Other, "the same settings"),
             AttemptOutcome::Failed => {
-                // Exponential backoff over consecutive failures (disruptions
-                // between them neither count nor break the streak).
-                let streak = self
-                    .d
-                    .status
-                    .attempts
-                    .iter()
-                    .rev()
-                    .filter(|a| a.outcome != AttemptOutcome::Disrupted)
-                    .take_while(|a| a.outcome == AttemptOutcome::Failed)
-                    .count()
-                    .max(1);
-                let base = Duration::from_secs(u64::from(policy.backoff_seconds));
-                let backoff = base
-                    .saturating_mul(1 << (streak - 1).min(16))
-                    .min(MAX_BACKOFF);
-                let finished = ended.finished_at.as_ref().map_or(self.obs.now, |t| t.0);
-                let waited = self.obs.now.duration_since(finished).unsigned_abs();
-                if waited < backoff {
-                    let left = backoff - waited;
+                if let Some(left) = self.backoff_left(ended) {
                     self.enter(Transition::BackingOff {
                         attempt: n,
                         outcome: ended.outcome,
@@ -170,6 +92,95 @@ impl Builder<'_> {
             Ok(p) => self.start(n + 1, p, Some(why.to_string())),
             Err(e) => self.no_plan(e),
         }
+    }
+
+    /// The failure message when `ended` used up `memoryPolicy.maxAttempts`.
+    /// Disruptions (a deleted or evicted pod, a drained node) are not the
+    /// job's doing and lose no work (the worker checkpoints on SIGTERM):
+    /// they do not use up attempts.
+    fn attempts_used_up(&self, ended: &Attempt) -> Option<String> {
+        let max_attempts = self.obs.job.spec.memory_policy.max_attempts;
+        let counted = self
+            .d
+            .status
+            .attempts
+            .iter()
+            .filter(|a| a.outcome != AttemptOutcome::Disrupted)
+            .count();
+        (ended.outcome != AttemptOutcome::Disrupted && counted >= max_attempts as usize).then(
+            || {
+                format!(
+                    "attempt {} ended {:?} ({}); memoryPolicy.maxAttempts is {max_attempts}",
+                    ended.number,
+                    ended.outcome,
+                    ended.message.clone().unwrap_or_default(),
+                )
+            },
+        )
+    }
+
+    /// What the replan learns from an attempt that ran out of memory.
+    fn memory_failure(&self, ended: &Attempt) -> MemoryFailure {
+        let kind = if ended.outcome == AttemptOutcome::DeviceOutOfMemory {
+            MemoryFailureKind::DeviceOom
+        } else {
+            MemoryFailureKind::HostOom
+        };
+        // A step past where the attempt started (the previous attempt's
+        // last step bounds its checkpoint from above).
+        let started_at = self
+            .d
+            .status
+            .attempts
+            .iter()
+            .rev()
+            .skip(1)
+            .find_map(|a| a.last_step)
+            .unwrap_or(0);
+        MemoryFailure {
+            kind,
+            observed_peak_bytes: ended.observed_peak_bytes,
+            trained: ended.last_step.is_some_and(|s| s > started_at),
+        }
+    }
+
+    /// After attempt `n`'s pods could not be scheduled: another device type
+    /// if one fits; else the same plan again, waiting for the capacity (a
+    /// busy cluster never ends a job).
+    fn retry_unschedulable(&mut self, n: u32, request: &JobRequest) {
+        let cause = FailureCause::Unschedulable {
+            excluded_devices: self.unschedulable_devices(),
+        };
+        match self.replan_current(request, &cause) {
+            Ok(p) => self.start(n + 1, p, Some("another device type".into())),
+            Err(_) => match self.replan_current(request, &FailureCause::Other) {
+                Ok(p) => self.start(n + 1, p, Some("the same plan, waiting for capacity".into())),
+                Err(e) => self.no_plan(e),
+            },
+        }
+    }
+
+    /// How much longer to wait before retrying a failed attempt (`ended`),
+    /// None when the backoff is over: exponential over consecutive failures
+    /// (disruptions between them neither count nor break the streak).
+    fn backoff_left(&self, ended: &Attempt) -> Option<Duration> {
+        let streak = self
+            .d
+            .status
+            .attempts
+            .iter()
+            .rev()
+            .filter(|a| a.outcome != AttemptOutcome::Disrupted)
+            .take_while(|a| a.outcome == AttemptOutcome::Failed)
+            .count()
+            .max(1);
+        let base = Duration::from_secs(u64::from(self.obs.job.spec.memory_policy.backoff_seconds));
+        let backoff = base
+            .saturating_mul(1 << (streak - 1).min(16))
+            .min(MAX_BACKOFF);
+        let finished = ended.finished_at.as_ref().map_or(self.obs.now, |t| t.0);
+        let waited = self.obs.now.duration_since(finished).unsigned_abs();
+        (waited < backoff).then(|| backoff - waited)
     }
 
     /// No plan fits now: wait if one fits the cluster once busy devices are

@@ -93,167 +93,15 @@ pub fn worker_pod(
     image: &str,
     config: &ChildConfig,
 ) -> Result<Pod, serde_json::Error> {
-    let spec = &job.spec;
-    let Slot { stage, replica } = slot;
-    let assignment = WorkerAssignment {
-        job: job.name_any(),
-        namespace: job.namespace().unwrap_or_default(),
-        attempt,
-        stage,
-        replica,
-        model: model.clone(),
-        plan: plan.clone(),
-        steps: spec.training.steps,
-        learning_rate: spec.training.learning_rate,
-        checkpoint_every_steps: spec.training.checkpoint_every_steps,
-        seed: spec.training.seed,
-        files: payload_files(job),
-    };
-    let mut env = vec![
-        EnvVar {
-            name: PLAN_JSON_ENV.into(),
-            value: Some(serde_json::to_string(&assignment)?),
-            ..EnvVar::default()
-        },
-        pod_name_env(),
-        EnvVar {
-            name: CHECKPOINT_DIR_ENV.into(),
-            value: Some(DEFAULT_CHECKPOINT_DIR.into()),
-            ..EnvVar::default()
-        },
-        telemetry_interval_env(config),
-        EnvVar {
-            name: MALLOC_ARENA_MAX_ENV.into(),
-            value: Some(WORKER_MALLOC_ARENAS.into()),
-            ..EnvVar::default()
-        },
-        EnvVar {
-            name: MALLOC_TUNABLES_ENV.into(),
-            value: Some(WORKER_MALLOC_TUNABLES.into()),
-            ..EnvVar::default()
-        },
-    ];
-    env.extend(worker_api_access(config).0);
-
     let multi = plan.workers > 1;
-    let pipeline = plan.stage_count() > 1;
-    let replicated = plan.replicas > 1;
-    let name_of = |stage: u32, replica: u32| pod_name(job, attempt, plan, Slot { stage, replica });
-    let mut peers: Vec<(&str, String)> = Vec::new();
-    if pipeline {
-        // This replica's pipeline: the same replica of every stage.
-        let pods: Vec<String> = (0..plan.stage_count())
-            .map(|k| name_of(k, replica))
-            .collect();
-        peers.push((PIPELINE_PODS_ENV, pods.join(",")));
-    }
-    if multi {
-        // The headless Service every worker's DNS name is under: the
-        // fallback when a peer's pod IP cannot be read from the API.
-        peers.push((PIPELINE_SERVICE_ENV, service_name(job)));
-    }
-    if replicated {
-        // This stage's ring: its replicas in rank order.
-        let pods: Vec<String> = (0..plan.replicas).map(|r| name_of(stage, r)).collect();
-        peers.push((REPLICA_PODS_ENV, pods.join(",")));
-    }
-    for (name, value) in peers {
-        env.push(EnvVar {
-            name: name.into(),
-            value: Some(value),
-            ..EnvVar::default()
-        });
-    }
-
-    let mut limits: BTreeMap<String, Quantity> = BTreeMap::new();
-    let mut requests: BTreeMap<String, Quantity> = BTreeMap::new();
-    // The user's placement (a node pool, tolerations for its taints), which
-    // the inventory honoured when planning; the GPU product is added below.
-    let mut node_selector = spec.worker.node_selector.clone();
-    let mut gpu_node_affinity: Option<NodeAffinity> = None;
-    let tolerations = crate::inventory::worker_tolerations(job, plan.device_kind);
-    match plan.device_kind {
-        DeviceKind::Cpu => {
-            // The container limit is the CPU job's device: the plan was sized against it.
-            limits.insert("memory".into(), quantity_bytes(plan.device_memory_bytes));
-            requests.insert("memory".into(), quantity_bytes(plan.device_memory_bytes));
-            let cores = spec
-                .resources
-                .cpu
-                .as_ref()
-                .and_then(|c| c.cores.clone())
-                .unwrap_or_else(|| Quantity("1".into()));
-            requests.insert("cpu".into(), cores);
-        }
-        DeviceKind::Gpu => {
-            limits.insert(plan.resource.clone(), Quantity("1".into()));
-            requests.insert(plan.resource.clone(), Quantity("1".into()));
-            let baseline = spec
-                .resources
-                .gpu
-                .as_ref()
-                .and_then(|g| g.host_memory.clone())
-                .unwrap_or_else(|| Quantity(config.gpu_host_memory.clone()));
-            let host = gpu_worker_host_memory(&baseline, plan, stage);
-            limits.insert("memory".into(), host.clone());
-            requests.insert("memory".into(), host);
-            requests.insert("cpu".into(), Quantity("1".into()));
-            // Onto the nodes this device type was counted on, by the labels
-            // its name was read from: the resource alone would let a mixed
-            // MIG pod land on another GPU model's slices of the same profile.
-            let placement = device_placement(&plan.resource, &plan.device);
-            match placement.as_slice() {
-                [term]
-                    if term
-                        .iter()
-                        .all(|r| matches!(r, LabelRequirement::Equals { .. })) =>
-                {
-                    for r in term {
-                        if let LabelRequirement::Equals { key, value } = r {
-                            node_selector.insert(key.clone(), value.clone());
-                        }
-                    }
-                }
-                // Alternatives need node affinity (terms are ORed); the
-                // user's nodeSelector still applies on top.
-                terms => gpu_node_affinity = Some(required_node_affinity(terms)),
-            }
-        }
-    }
-
-    let mut labels: BTreeMap<String, String> = BTreeMap::new();
-    labels.insert(LABEL_ATTEMPT.into(), attempt.to_string());
-    labels.insert(LABEL_STAGE.into(), stage.to_string());
-    if replicated {
-        labels.insert(LABEL_REPLICA.into(), replica.to_string());
-    }
-
-    // Stages of one attempt together on one node when their shared
-    // checkpoint volume can attach to only one. The first stage's own labels
-    // match the term, so the scheduler may place it anywhere; the planner
-    // sized the stage count by the free devices of one node.
-    let pod_affinity =
-        (multi && config.checkpoint_access.stages_share_a_node()).then(|| PodAffinity {
-            required_during_scheduling_ignored_during_execution: Some(vec![PodAffinityTerm {
-                label_selector: Some(LabelSelector {
-                    match_labels: Some(
-                        [
-                            (LABEL_JOB.to_string(), job.name_any()),
-                            (LABEL_ATTEMPT.to_string(), attempt.to_string()),
-                        ]
-                        .into_iter()
-                        .collect(),
-                    ),
-                    ..LabelSelector::default()
-                }),
-                topology_key: "kubernetes.io/hostname".into(),
-                ..PodAffinityTerm::default()
-            }]),
-            ..PodAffinity::default()
-        });
-    let affinity = (pod_affinity.is_some() || gpu_node_affinity.is_some()).then(|| Affinity {
+    let assignment = assignment(job, attempt, slot, plan, model);
+    let mut env = worker_env(&assignment, config)?;
+    env.extend(peer_env(job, attempt, plan, slot));
+    let sizing = resources_and_placement(job, plan, slot.stage, config);
+    let pod_affinity = stage_colocation(job, attempt, multi, config);
+    let affinity = (pod_affinity.is_some() || sizing.node_affinity.is_some()).then(|| Affinity {
         pod_affinity,
-        node_affinity: gpu_node_affinity,
+        node_affinity: sizing.node_affinity,
         ..Affinity::default()
     });
 
@@ -261,19 +109,19 @@ pub fn worker_pod(
         job,
         config,
         PodParts {
-            name: name_of(stage, replica),
+            name: pod_name(job, attempt, plan, slot),
             component: Component::Worker,
-            labels,
+            labels: worker_labels(attempt, slot, plan),
             container: "worker",
             image,
             env,
             resources: ResourceRequirements {
-                limits: Some(limits),
-                requests: Some(requests),
+                limits: Some(sizing.limits),
+                requests: Some(sizing.requests),
                 ..ResourceRequirements::default()
             },
-            node_selector,
-            tolerations,
+            node_selector: sizing.node_selector,
+            tolerations: crate::inventory::worker_tolerations(job, plan.device_kind),
         },
     );
     // A queued job's attempt is one Kueue pod group (crate::kueue).
@@ -285,21 +133,7 @@ pub fn worker_pod(
     );
     // On top of the skeleton: a multi-worker attempt's peers reach each
     // worker by its name under the Service, on its ports.
-    let ports = multi.then(|| {
-        let port = |name: &str, port: u16| ContainerPort {
-            name: Some(name.into()),
-            container_port: i32::from(port),
-            ..ContainerPort::default()
-        };
-        let mut ports = Vec::new();
-        if pipeline {
-            ports.push(port("pipeline", PIPELINE_PORT));
-        }
-        if replicated {
-            ports.push(port("replicas", REPLICA_PORT));
-        }
-        ports
-    });
+    let ports = peer_ports(plan);
     let pod_spec = pod.spec.get_or_insert_default();
     pod_spec.hostname = multi.then(|| host_name(plan, slot));
     pod_spec.subdomain = multi.then(|| service_name(job));
@@ -308,6 +142,251 @@ pub fn worker_pod(
         container.ports = ports.clone();
     }
     Ok(pod)
+}
+
+/// What the worker in `slot` trains: the job, the attempt's plan and the
+/// validated model, handed over whole in [`PLAN_JSON_ENV`].
+fn assignment(
+    job: &MemoryAwareTrainingJob,
+    attempt: u32,
+    slot: Slot,
+    plan: &Plan,
+    model: &ModelShape,
+) -> WorkerAssignment {
+    let training = &job.spec.training;
+    WorkerAssignment {
+        job: job.name_any(),
+        namespace: job.namespace().unwrap_or_default(),
+        attempt,
+        stage: slot.stage,
+        replica: slot.replica,
+        model: model.clone(),
+        plan: plan.clone(),
+        steps: training.steps,
+        learning_rate: training.learning_rate,
+        checkpoint_every_steps: training.checkpoint_every_steps,
+        seed: training.seed,
+        files: payload_files(job),
+    }
+}
+
+fn env_var(name: &str, value: String) -> EnvVar {
+    EnvVar {
+        name: name.into(),
+        value: Some(value),
+        ..EnvVar::default()
+    }
+}
+
+/// Every worker's environment: its assignment, its pod name, where it keeps
+/// checkpoints, how often it reports, the allocator's limits, and how it
+/// reaches the operator's worker API.
+fn worker_env(
+    assignment: &WorkerAssignment,
+    config: &ChildConfig,
+) -> Result<Vec<EnvVar>, serde_json::Error> {
+    let mut env = vec![
+        env_var(PLAN_JSON_ENV, serde_json::to_string(assignment)?),
+        pod_name_env(),
+        env_var(CHECKPOINT_DIR_ENV, DEFAULT_CHECKPOINT_DIR.into()),
+        telemetry_interval_env(config),
+        env_var(MALLOC_ARENA_MAX_ENV, WORKER_MALLOC_ARENAS.into()),
+        env_var(MALLOC_TUNABLES_ENV, WORKER_MALLOC_TUNABLES.into()),
+    ];
+    env.extend(worker_api_access(config).0);
+    Ok(env)
+}
+
+/// How the worker in `slot` finds its peers in a multi-worker attempt: the
+/// pods of its pipeline and of its stage's ring, and the Service they are
+/// named under.
+fn peer_env(job: &MemoryAwareTrainingJob, attempt: u32, plan: &Plan, slot: Slot) -> Vec<EnvVar> {
+    let name_of = |stage: u32, replica: u32| pod_name(job, attempt, plan, Slot { stage, replica });
+    let mut peers = Vec::new();
+    if plan.stage_count() > 1 {
+        // This replica's pipeline: the same replica of every stage.
+        let pods: Vec<String> = (0..plan.stage_count())
+            .map(|k| name_of(k, slot.replica))
+            .collect();
+        peers.push(env_var(PIPELINE_PODS_ENV, pods.join(",")));
+    }
+    if plan.workers > 1 {
+        // The headless Service every worker's DNS name is under: the
+        // fallback when a peer's pod IP cannot be read from the API.
+        peers.push(env_var(PIPELINE_SERVICE_ENV, service_name(job)));
+    }
+    if plan.replicas > 1 {
+        // This stage's ring: its replicas in rank order.
+        let pods: Vec<String> = (0..plan.replicas).map(|r| name_of(slot.stage, r)).collect();
+        peers.push(env_var(REPLICA_PODS_ENV, pods.join(",")));
+    }
+    peers
+}
+
+/// A worker's container resources and the nodes it may run on.
+struct Sizing {
+    limits: BTreeMap<String, Quantity>,
+    requests: BTreeMap<String, Quantity>,
+    /// The user's `spec.worker.nodeSelector`, and a GPU's product labels
+    /// when one term of plain labels places it.
+    node_selector: BTreeMap<String, String>,
+    /// A GPU's placement when it needs alternatives (terms are ORed).
+    node_affinity: Option<NodeAffinity>,
+}
+
+/// What the plan sized stage `stage`'s worker to, and where it can get
+/// that: the user's placement (a node pool, tolerations for its taints),
+/// which the inventory honoured when planning, plus the GPU product.
+fn resources_and_placement(
+    job: &MemoryAwareTrainingJob,
+    plan: &Plan,
+    stage: u32,
+    config: &ChildConfig,
+) -> Sizing {
+    let mut sizing = Sizing {
+        limits: BTreeMap::new(),
+        requests: BTreeMap::new(),
+        node_selector: job.spec.worker.node_selector.clone(),
+        node_affinity: None,
+    };
+    match plan.device_kind {
+        DeviceKind::Cpu => size_cpu_worker(&mut sizing, job, plan),
+        DeviceKind::Gpu => {
+            size_gpu_worker(&mut sizing, job, plan, stage, config);
+            place_on_device_nodes(&mut sizing, plan);
+        }
+    }
+    sizing
+}
+
+/// A CPU worker: the container limit is the CPU job's device, the plan was
+/// sized against it.
+fn size_cpu_worker(sizing: &mut Sizing, job: &MemoryAwareTrainingJob, plan: &Plan) {
+    sizing
+        .limits
+        .insert("memory".into(), quantity_bytes(plan.device_memory_bytes));
+    sizing
+        .requests
+        .insert("memory".into(), quantity_bytes(plan.device_memory_bytes));
+    let cores = job
+        .spec
+        .resources
+        .cpu
+        .as_ref()
+        .and_then(|c| c.cores.clone())
+        .unwrap_or_else(|| Quantity("1".into()));
+    sizing.requests.insert("cpu".into(), cores);
+}
+
+/// A GPU worker: one device, and the host memory its stage needs.
+fn size_gpu_worker(
+    sizing: &mut Sizing,
+    job: &MemoryAwareTrainingJob,
+    plan: &Plan,
+    stage: u32,
+    config: &ChildConfig,
+) {
+    sizing
+        .limits
+        .insert(plan.resource.clone(), Quantity("1".into()));
+    sizing
+        .requests
+        .insert(plan.resource.clone(), Quantity("1".into()));
+    let baseline = job
+        .spec
+        .resources
+        .gpu
+        .as_ref()
+        .and_then(|g| g.host_memory.clone())
+        .unwrap_or_else(|| Quantity(config.gpu_host_memory.clone()));
+    let host = gpu_worker_host_memory(&baseline, plan, stage);
+    sizing.limits.insert("memory".into(), host.clone());
+    sizing.requests.insert("memory".into(), host);
+    sizing.requests.insert("cpu".into(), Quantity("1".into()));
+}
+
+/// Onto the nodes the plan's device type was counted on, by the labels its
+/// name was read from: the resource alone would let a mixed MIG pod land on
+/// another GPU model's slices of the same profile.
+fn place_on_device_nodes(sizing: &mut Sizing, plan: &Plan) {
+    let placement = device_placement(&plan.resource, &plan.device);
+    match placement.as_slice() {
+        [term]
+            if term
+                .iter()
+                .all(|r| matches!(r, LabelRequirement::Equals { .. })) =>
+        {
+            for r in term {
+                if let LabelRequirement::Equals { key, value } = r {
+                    sizing.node_selector.insert(key.clone(), value.clone());
+                }
+            }
+        }
+        // Alternatives need node affinity (terms are ORed); the user's
+        // nodeSelector still applies on top.
+        terms => sizing.node_affinity = Some(required_node_affinity(terms)),
+    }
+}
+
+/// The attempt, stage and (when replicated) replica labels of a worker.
+fn worker_labels(attempt: u32, slot: Slot, plan: &Plan) -> BTreeMap<String, String> {
+    let mut labels: BTreeMap<String, String> = BTreeMap::new();
+    labels.insert(LABEL_ATTEMPT.into(), attempt.to_string());
+    labels.insert(LABEL_STAGE.into(), slot.stage.to_string());
+    if plan.replicas > 1 {
+        labels.insert(LABEL_REPLICA.into(), slot.replica.to_string());
+    }
+    labels
+}
+
+/// Stages of one attempt together on one node when their shared checkpoint
+/// volume can attach to only one. The first stage's own labels match the
+/// term, so the scheduler may place it anywhere; the planner sized the
+/// stage count by the free devices of one node.
+fn stage_colocation(
+    job: &MemoryAwareTrainingJob,
+    attempt: u32,
+    multi: bool,
+    config: &ChildConfig,
+) -> Option<PodAffinity> {
+    (multi && config.checkpoint_access.stages_share_a_node()).then(|| PodAffinity {
+        required_during_scheduling_ignored_during_execution: Some(vec![PodAffinityTerm {
+            label_selector: Some(LabelSelector {
+                match_labels: Some(
+                    [
+                        (LABEL_JOB.to_string(), job.name_any()),
+                        (LABEL_ATTEMPT.to_string(), attempt.to_string()),
+                    ]
+                    .into_iter()
+                    .collect(),
+                ),
+                ..LabelSelector::default()
+            }),
+            topology_key: "kubernetes.io/hostname".into(),
+            ..PodAffinityTerm::default()
+        }]),
+        ..PodAffinity::default()
+    })
+}
+
+/// The ports a multi-worker attempt's peers reach a worker on: the
+/// pipeline's, the replicas' ring's. None for a lone worker.
+fn peer_ports(plan: &Plan) -> Option<Vec<ContainerPort>> {
+    (plan.workers > 1).then(|| {
+        let port = |name: &str, port: u16| ContainerPort {
+            name: Some(name.into()),
+            container_port: i32::from(port),
+            ..ContainerPort::default()
+        };
+        let mut ports = Vec::new();
+        if plan.stage_count() > 1 {
+            ports.push(port("pipeline", PIPELINE_PORT));
+        }
+        if plan.replicas > 1 {
+            ports.push(port("replicas", REPLICA_PORT));
+        }
+        ports
+    })
 }
 
 #[cfg(test)]

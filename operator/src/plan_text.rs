@@ -1,4 +1,5 @@
-//! Human-readable rendering of plans and planning failures for `kubectl headroom`.
+//! The text `kubectl headroom plan` prints: a plan's summary and per-stage
+//! memory table, the plans weighed beside it, and why no plan fits.
 
 use std::fmt::Write;
 
@@ -29,6 +30,18 @@ fn thousands(n: u64) -> String {
 
 /// Plan summary and per-stage memory breakdown as a text table.
 pub fn plan_table(title: &str, request: &JobRequest, plan: &Plan) -> String {
+    let mut out = summary_lines(title, request, plan);
+    let _ = writeln!(out);
+    out.push_str(&stage_table(plan));
+    for warning in &plan.warnings {
+        let _ = writeln!(out, "warning: {warning}");
+    }
+    out
+}
+
+/// The plan in a few labelled lines: the model, its adapters, the workers
+/// and devices, the peak, the settings, the step time and what raised them.
+fn summary_lines(title: &str, request: &JobRequest, plan: &Plan) -> String {
     let mut out = String::new();
     let params = request.model.total_params();
     let _ = writeln!(
@@ -74,22 +87,7 @@ pub fn plan_table(title: &str, request: &JobRequest, plan: &Plan) -> String {
     if let Some(runtime) = &plan.gpu_runtime {
         let _ = writeln!(out, "Runtime:   {runtime}");
     }
-    let t = &plan.step_time;
-    let _ = writeln!(
-        out,
-        "Step time: {} (compute {}{}; estimated, relative {:.2})",
-        seconds(t.seconds),
-        seconds(t.compute_seconds),
-        [
-            ("all-reduce", t.all_reduce_seconds),
-            ("stage transfers", t.transfer_seconds)
-        ]
-        .into_iter()
-        .filter(|(_, s)| *s > 0.0)
-        .map(|(what, s)| format!(", {what} {}", seconds(s)))
-        .collect::<String>(),
-        plan.relative_step_time
-    );
+    let _ = writeln!(out, "Step time: {}", step_time(plan));
     if plan.correction_factor > 1.0 {
         let _ = writeln!(
             out,
@@ -101,28 +99,56 @@ pub fn plan_table(title: &str, request: &JobRequest, plan: &Plan) -> String {
         let rungs: Vec<String> = plan.rungs_applied.iter().map(ToString::to_string).collect();
         let _ = writeln!(out, "Rungs:     {}", rungs.join(", "));
     }
-    let _ = writeln!(out);
-    // Columns that are zero on every stage (no adapters, no checkpoint to
-    // load, nothing in host memory) are left out.
-    type Column = (&'static str, fn(&MemoryBreakdown) -> u64);
-    let all: [Column; 14] = [
-        ("WEIGHTS", |m| m.weights),
-        ("GRADIENTS", |m| m.gradients),
-        ("OPTIMIZER", |m| m.optimizer_state),
-        ("ACTIVATIONS", |m| m.activations),
-        ("LOGITS", |m| m.logits),
-        ("COMPOSED", |m| m.composed_weights),
-        ("STEP", |m| m.optimizer_step),
-        ("OVERHEAD", |m| m.fixed_overhead),
-        ("SLACK", |m| m.allocator_slack),
-        ("CORRECTION", |m| m.correction),
-        ("TRAINING", |m| m.training_total()),
-        ("LOAD", |m| m.load_peak),
-        ("TOTAL", |m| m.total),
-        ("HOST", |m| m.host_bytes),
-    ];
+    out
+}
+
+/// `1.23 s (compute 0.9 s, all-reduce 0.3 s; estimated, relative 1.00)`:
+/// the communication terms only where the plan has them.
+fn step_time(plan: &Plan) -> String {
+    let t = &plan.step_time;
+    format!(
+        "{} (compute {}{}; estimated, relative {:.2})",
+        seconds(t.seconds),
+        seconds(t.compute_seconds),
+        [
+            ("all-reduce", t.all_reduce_seconds),
+            ("stage transfers", t.transfer_seconds)
+        ]
+        .into_iter()
+        .filter(|(_, s)| *s > 0.0)
+        .map(|(what, s)| format!(", {what} {}", seconds(s)))
+        .collect::<String>(),
+        plan.relative_step_time
+    )
+}
+
+/// A column of the stage table: its header and the figure it shows.
+type MemoryColumn = (&'static str, fn(&MemoryBreakdown) -> u64);
+
+/// The memory breakdown's columns, in the table's order.
+const MEMORY_COLUMNS: [MemoryColumn; 14] = [
+    ("WEIGHTS", |m| m.weights),
+    ("GRADIENTS", |m| m.gradients),
+    ("OPTIMIZER", |m| m.optimizer_state),
+    ("ACTIVATIONS", |m| m.activations),
+    ("LOGITS", |m| m.logits),
+    ("COMPOSED", |m| m.composed_weights),
+    ("STEP", |m| m.optimizer_step),
+    ("OVERHEAD", |m| m.fixed_overhead),
+    ("SLACK", |m| m.allocator_slack),
+    ("CORRECTION", |m| m.correction),
+    ("TRAINING", |m| m.training_total()),
+    ("LOAD", |m| m.load_peak),
+    ("TOTAL", |m| m.total),
+    ("HOST", |m| m.host_bytes),
+];
+
+/// One row per stage: its layers, its micro-batches in flight and its
+/// memory breakdown. Columns that are zero on every stage (no adapters, no
+/// checkpoint to load, nothing in host memory) are left out.
+fn stage_table(plan: &Plan) -> String {
     let optional = ["COMPOSED", "STEP", "LOAD", "HOST", "TRAINING"];
-    let shown: Vec<&Column> = all
+    let shown: Vec<&MemoryColumn> = MEMORY_COLUMNS
         .iter()
         .filter(|(name, get)| {
             !optional.contains(name)
@@ -154,11 +180,7 @@ pub fn plan_table(title: &str, request: &JobRequest, plan: &Plan) -> String {
         row.extend(shown.iter().map(|(_, get)| format_bytes(get(m))));
         rows.push(row);
     }
-    out.push_str(&columns(&rows));
-    for warning in &plan.warnings {
-        let _ = writeln!(out, "warning: {warning}");
-    }
-    out
+    columns(&rows)
 }
 
 /// The plans the search weighed and did not choose, one line each

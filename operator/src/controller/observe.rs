@@ -1,0 +1,235 @@
+//! The dereference step of a reconcile: everything the decision is made on,
+//! read from the caches and, for a job in a Kueue queue, from Kueue's
+//! objects. The only write here is the ended pods' last telemetry, which
+//! must be in the status before an attempt is closed from it.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use headroom_api::{LABEL_JOB, MemoryAwareTrainingJob};
+use headroom_planner::Inventory;
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::ResourceExt;
+
+use super::classify::{PodVerdict, classify};
+use super::decide::{Observation, QueueView};
+use super::{Context, Error};
+use crate::inventory::{cpu_inventory, cpu_worker_size, job_inventory};
+use crate::kueue::{self, QueueOffer};
+
+/// What one reconcile sees of a job and the cluster around it.
+pub(super) struct Observed<'a> {
+    /// The job, as the telemetry flush returned it when there was one.
+    pub job: Cow<'a, MemoryAwareTrainingJob>,
+    /// The job's own pods (by label and owner), any attempt.
+    pub pods: Vec<Arc<Pod>>,
+    /// The job's Kueue queue, when it names one.
+    pub queue: Option<QueueView>,
+    /// What the job plans within: the nodes, less what other pods hold,
+    /// capped by the queue's offer.
+    pub inventory: Inventory,
+}
+
+impl Observed<'_> {
+    /// The pure decision's input, over `pods` (this observation's pods, borrowed).
+    pub fn observation<'a>(&'a self, ctx: &'a Context, pods: &'a [&'a Pod]) -> Observation<'a> {
+        Observation {
+            job: &self.job,
+            pods,
+            inventory: &self.inventory,
+            now: Timestamp::now(),
+            unschedulable_grace: ctx.config.unschedulable_grace,
+            default_gpu_host_memory: ctx.config.children.gpu_host_memory_bytes(),
+            worker_images: &ctx.config.children.worker_images,
+            queue: self.queue.as_ref(),
+        }
+    }
+}
+
+/// Reads what `job` (in namespace `ns`) is decided on.
+pub(super) async fn observe<'a>(
+    ctx: &Context,
+    job: &'a MemoryAwareTrainingJob,
+    ns: &str,
+) -> Result<Observed<'a>, Error> {
+    let pods = own_pods(ctx, job, ns);
+    let job = with_ended_pods_telemetry(ctx, job, &pods).await?;
+    // A job in a Kueue queue plans within what the queue offers, and its
+    // waiting message is Kueue's (crate::kueue).
+    let (offer, queue) = match kueue::queue_name(&job) {
+        Some(local) => {
+            let (offer, view) = read_queue(ctx, ns, local, &pods).await;
+            (offer, Some(view))
+        }
+        None => (None, None),
+    };
+    let inventory = inventory(ctx, &job, offer.as_ref());
+    Ok(Observed {
+        job,
+        pods,
+        queue,
+        inventory,
+    })
+}
+
+/// The pods of `job` in the pod cache: labelled with its name and owned by
+/// this very job (not an earlier one of the same name).
+fn own_pods(ctx: &Context, job: &MemoryAwareTrainingJob, ns: &str) -> Vec<Arc<Pod>> {
+    let name = job.name_any();
+    let uid = job.uid();
+    ctx.pods
+        .state()
+        .into_iter()
+        .filter(|p| {
+            p.namespace().as_deref() == Some(ns) && p.labels().get(LABEL_JOB) == Some(&name)
+        })
+        .filter(|p| {
+            p.owner_references()
+                .iter()
+                .any(|o| Some(&o.uid) == uid.as_ref())
+        })
+        .collect()
+}
+
+/// `job` with what the workers of its ended pods reported last. A pod that
+/// ended cannot report again (after an OOM kill or an eviction), so its
+/// last report goes into the status before the attempt is closed from it
+/// (`crate::worker_reports`), and the decision is made on the job that
+/// write returned.
+async fn with_ended_pods_telemetry<'a>(
+    ctx: &Context,
+    job: &'a MemoryAwareTrainingJob,
+    own: &[Arc<Pod>],
+) -> Result<Cow<'a, MemoryAwareTrainingJob>, Error> {
+    let ended: Vec<String> = own
+        .iter()
+        .filter(|p| has_ended(p))
+        .map(|p| p.name_any())
+        .collect();
+    let Some(uid) = job.uid().filter(|_| !ended.is_empty()) else {
+        return Ok(Cow::Borrowed(job));
+    };
+    let written = ctx
+        .reports
+        .flush(&ctx.client, &uid, &ended)
+        .await
+        .map_err(|source| Error::FlushTelemetry {
+            job: job.name_any(),
+            source,
+        })?;
+    let mut job = Cow::Borrowed(job);
+    if let Some(mut written) = written {
+        written.managed_fields_mut().clear();
+        ctx.wrote(&job, &written);
+        job = Cow::Owned(written);
+    }
+    // A write of the flusher's that the job cache does not show yet.
+    if let Some(newer) = ctx.reports.overlay(&job, &ended) {
+        job = Cow::Owned(newer);
+    }
+    Ok(job)
+}
+
+/// Whether a pod's worker can no longer report: its container ended, or
+/// the pod is being deleted.
+fn has_ended(pod: &Pod) -> bool {
+    pod.metadata.deletion_timestamp.is_some()
+        || matches!(classify(pod), PodVerdict::Succeeded | PodVerdict::Failed(_))
+}
+
+/// LocalQueue `local`'s offer (None when it cannot be read) and the queue
+/// as the decision shows it, with Kueue's word on why the job's gated pod
+/// group waits.
+async fn read_queue(
+    ctx: &Context,
+    ns: &str,
+    local: &str,
+    own: &[Arc<Pod>],
+) -> (Option<QueueOffer>, QueueView) {
+    let offer = ctx.queue_offers.get(&ctx.client, ns, local).await;
+    let gated_group = own
+        .iter()
+        .filter(|p| kueue::is_gated(p))
+        .find_map(|p| p.labels().get(kueue::LABEL_POD_GROUP).cloned());
+    let waiting = match &gated_group {
+        Some(group) => kueue::workload_wait(&ctx.client, ns, group).await,
+        None => None,
+    };
+    let view = match &offer {
+        Ok(o) => QueueView {
+            queue: o.describe(),
+            waiting,
+        },
+        // Planned without the queue's limits; Kueue still gates the pods.
+        Err(why) => {
+            tracing::warn!(queue = local, %why, "cannot read the job's Kueue queue");
+            QueueView {
+                queue: format!("LocalQueue {local}"),
+                waiting: waiting.or_else(|| Some(why.clone())),
+            }
+        }
+    };
+    (offer.ok(), view)
+}
+
+/// What `job` plans within: the cached nodes' devices (a GPU job) or
+/// worker slots (a CPU job), within the queue's `offer` when it has one.
+fn inventory(ctx: &Context, job: &MemoryAwareTrainingJob, offer: Option<&QueueOffer>) -> Inventory {
+    let one_node = ctx.config.children.checkpoint_access.stages_share_a_node();
+    let nodes = ctx.nodes.state();
+    let nodes: Vec<&Node> = nodes.iter().map(AsRef::as_ref).collect();
+    if job.spec.resources.gpu.is_some() {
+        gpu_inventory(ctx, job, &nodes, offer, one_node)
+    } else {
+        cpu_inventory_within(job, &nodes, offer, one_node)
+    }
+}
+
+/// A GPU job's devices: the nodes' less those other pods hold, or, in a
+/// queue, those of the nodes its flavors stand for, capped by their quota.
+fn gpu_inventory(
+    ctx: &Context,
+    job: &MemoryAwareTrainingJob,
+    nodes: &[&Node],
+    offer: Option<&QueueOffer>,
+    one_node: bool,
+) -> Inventory {
+    let device_pods = ctx.device_pods.state();
+    let build = |nodes: &[&Node]| {
+        job_inventory(
+            job,
+            nodes.iter().copied(),
+            device_pods.iter().map(AsRef::as_ref),
+            one_node,
+        )
+    };
+    match offer {
+        Some(o) => o.gpu_inventory(nodes, build),
+        None => build(nodes),
+    }
+}
+
+/// A CPU job: what the nodes its pods may use can hold, by size, capped by
+/// the queue's offer.
+fn cpu_inventory_within(
+    job: &MemoryAwareTrainingJob,
+    nodes: &[&Node],
+    offer: Option<&QueueOffer>,
+    one_node: bool,
+) -> Inventory {
+    let inventory = cpu_inventory(job, nodes.iter().copied(), one_node);
+    match (offer, cpu_worker_size(job)) {
+        (Some(o), Some((limit, cores))) => {
+            // Without nodes (a control plane alone), the job's own
+            // worker cap, capped by the queue.
+            let mut inventory = inventory.unwrap_or_else(|| {
+                let cap = job.spec.resources.cpu.as_ref().map_or(1, |c| c.max_workers);
+                Inventory::cpu(limit, cap.max(1))
+            });
+            o.cap_cpu(&mut inventory, limit, cores);
+            inventory
+        }
+        _ => inventory.unwrap_or_default(),
+    }
+}
