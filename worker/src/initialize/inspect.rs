@@ -210,7 +210,7 @@ pub fn inspect_data(
     let invalid = |e: &dyn std::fmt::Display| InitError::Invalid(e.to_string());
     let tokenizer_path = model_dir.join("tokenizer.json");
     let tokenizer = load_tokenizer(&tokenizer_path).map_err(|e| invalid(&e))?;
-    let eos = crate::run::end_of_sequence(model_dir, &tokenizer).ok_or_else(|| {
+    let eos = crate::text::end_of_sequence(model_dir, &tokenizer).ok_or_else(|| {
         InitError::Invalid(format!(
             "{}: no end-of-sequence token (config.json eos_token_id, or </s>, <|endoftext|>, <|end_of_text|> in the vocabulary)",
             tokenizer_path.display()

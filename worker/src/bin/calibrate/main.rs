@@ -64,12 +64,12 @@ use headroom_planner::{
     RetryRung, SearchOptions, Target, TargetModule, TransformerShape,
 };
 use headroom_worker::ValidAssignment;
+use headroom_worker::memory_probe::MemoryProbe;
 use headroom_worker::model::hf::HfCheckpoint;
 use headroom_worker::model::lora::BLOCK_LINEARS;
 use headroom_worker::model::{LmShape, StageLayout, TransformerLm};
 use headroom_worker::report::{MemorySink, Progress, Reporter, WorkerIdentity, WritePolicy};
 use headroom_worker::run::TERMINATION_MESSAGE_PATH_ENV;
-use headroom_worker::telemetry::MemoryProbe;
 use headroom_worker::train::Trainer;
 
 mod gpu;
