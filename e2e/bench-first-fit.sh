@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # shellcheck source-path=SCRIPTDIR
 # `make bench-first-fit`: does the planner's first plan fit, on real pods?
-# (issue 36; the grid and what is reported: e2e/src/bin/bench-first-fit.rs).
+# (the grid and what is reported: e2e/src/bin/bench-first-fit.rs).
 #
 #   e2e/bench-first-fit.sh [--jobs N] [--parallel P] [--steps S] [--dry-run]
 #

@@ -53,7 +53,7 @@ HELM=$(e2e/tools/build-helm.sh --print)
 # The tag stays `dev` across rebuilds: restart so the new build runs.
 "${KUBECTL}" -n headroom-system rollout restart deployment/headroom-operator >&2
 "${KUBECTL}" -n headroom-system rollout status deployment/headroom-operator --timeout=180s >&2
-# Kueue (issue 34), for the jobs that name a queue: its pod webhook only
+# Kueue, for the jobs that name a queue: its pod webhook only
 # touches namespaces labelled e2e.headroom.dev/kueue=managed (e2e/kueue/values.yaml).
 say "Kueue $(e2e/kueue/kueue.sh version), built from its Go module, with its own Helm chart"
 e2e/kueue/kueue.sh install >&2

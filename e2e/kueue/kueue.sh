@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # shellcheck source-path=SCRIPTDIR
-# A real Kueue for the local clusters (issue 34), built from its Go module
+# A real Kueue for the local clusters, built from its Go module
 # and installed with its own Helm chart (from the same module), its webhooks
 # served with its own certificates (the chart's internal cert management).
 #

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make gpu-check`: validates the CUDA worker on this machine's NVIDIA GPU and
-# prints the figures docs/gpu.md asks for (issue 14). Needs no network and no
+# prints the figures docs/gpu.md asks for. Needs no network and no
 # Rust toolchain: only the CUDA build's calibrate binary (which contains the
 # worker: it runs each case as `calibrate --worker`, the production code
 # path) and libdevice, either

@@ -2,7 +2,7 @@
 # Build prerequisites for the CUDA worker (`make worker-cuda`), offline: only
 # the Debian mirror and crates.io are reached.
 #
-# Why this is needed (issue 14; evidence in docs/gpu.md):
+# Why this is needed (evidence in docs/gpu.md):
 # cubecl-cuda 0.11.x (burn 0.22's CUDA backend) always compiles two kernel
 # compilers, NVRTC C++ and LLVM/NVPTX, and so depends unconditionally on
 # cubecl-llvm. Its build dependency tracel-llvm-bundler downloads a prebuilt

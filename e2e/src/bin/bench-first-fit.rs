@@ -7,8 +7,8 @@
 //! KUBECONFIG points to, until it succeeds or fails for good. Half of the
 //! grid sits at the edge: its limit is the one (of 160Mi–1Gi in 8Mi steps)
 //! at which the planner's plan fills the largest share of the budget, at
-//! least 95 %; the rest take a round limit. Also the job of issue 36 (6 ×
-//! 384, s 256, v 4096, 256Mi), which was OOM-killed and then given up on.
+//! least 95 %; the rest take a round limit. Also a job that was once
+//! OOM-killed and then given up on (6 × 384, s 256, v 4096, 256Mi).
 //!
 //! Prints one row per job (plan, prediction, measured peak, attempts) and
 //! the summary docs/benchmarks.md quotes: first-attempt success, attempts to
@@ -135,7 +135,7 @@ fn edge_limit(case: &Case) -> Option<u64> {
 }
 
 fn grid(jobs: usize) -> (Vec<Case>, Vec<Case>) {
-    // The job of issue 36: OOM-killed on attempt 1, then NoFeasiblePlan.
+    // A job once OOM-killed on attempt 1, then given NoFeasiblePlan.
     let mut planned = vec![Case {
         layers: 6,
         hidden: 384,

@@ -1,4 +1,4 @@
-//! Load-peak bench (issue 11): how much memory a pipeline stage takes while
+//! Load-peak bench: how much memory a pipeline stage takes while
 //! it reads its part of a Hugging Face checkpoint, against what it holds
 //! afterwards and against the planner's predicted training peak.
 //!

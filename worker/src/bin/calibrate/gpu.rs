@@ -1,5 +1,5 @@
 //! `calibrate --backend cuda`: the planner's CUDA profile against real
-//! workers on an NVIDIA GPU (issue 14; `make gpu-check` runs it).
+//! workers on an NVIDIA GPU (`make gpu-check` runs it).
 //!
 //! The same method as the CPU grid: each case is planned by the real
 //! planner (one GPU of the type NVML reports, the job's settings pinned),
@@ -646,7 +646,7 @@ fn planned_load(format: BaseFormat) -> (u64, u64) {
     (base, m.load_peak - m.fixed_overhead - m.weights)
 }
 
-/// The device's share of a checkpoint load (issue 30's load figure; on the
+/// The device's share of a checkpoint load (the plan's load figure; on the
 /// CPU host and device are one memory, so only a GPU can say): for a dense
 /// and an nf4 base of [`load_model`], each loaded in a child process, the
 /// live bytes beyond the weights against what the planner counts. Returns

@@ -20,7 +20,7 @@
 //! `files`, so the worker loads the checkpoint, tokenizes and packs the text,
 //! trains, checkpoints and writes the trained model back out.
 //!
-//! LoRA rows (issue 12): the Lq model with rank-8 adapters on q,v or on all
+//! LoRA rows: the Lq model with rank-8 adapters on q,v or on all
 //! seven block linears, over a dense base (LoRA) and an int8 or int4 base
 //! (QLoRA, block 64; flex stores int4 one byte a value), checkpointing off
 //! (b 4) and on (b 16, where training rather than the checkpoint load
@@ -75,8 +75,8 @@ use headroom_worker::train::Trainer;
 mod gpu;
 
 const MIB: f64 = 1024.0 * 1024.0;
-/// The calibration targets: issue 4's 10 % under-prediction bound (the
-/// default headroom) and issue 11's median of 5 %.
+/// The calibration targets: a 10 % under-prediction bound (the default
+/// headroom) and a median error of 5 %.
 const MEDIAN_TARGET: f64 = 0.05;
 const UNDER_TARGET: f64 = 0.10;
 
@@ -199,7 +199,7 @@ fn grid() -> Vec<Case> {
     let l = shape(6, 384, 6, 256, 8192, true);
     let attn = shape(4, 256, 8, 512, 2048, true);
     let wide = shape(2, 768, 12, 128, 16384, false);
-    // Issue 36's job: OOM-killed at micro-batch 1 with 8-bit AdamW.
+    // A job once OOM-killed at micro-batch 1 with 8-bit AdamW.
     let i36 = shape(6, 384, 6, 256, 4096, true);
     // The first-fit bench's (make bench-first-fit) jobs measured furthest
     // from their plans: few layers, large micro-batches or vocabularies.
@@ -295,7 +295,7 @@ fn grid() -> Vec<Case> {
         c("Llama B untied b4 8bit", &big, 4, 1, false, Adamw8bit),
         c("Llama B untied b8 ckpt 8bit", &big, 8, 1, true, Adamw8bit),
         c("Llama Q gqa b16 8bit", &q, 16, 1, false, Adamw8bit),
-        // 8-bit AdamW where its fixed parts weigh most (issue 36): small
+        // 8-bit AdamW where its fixed parts weigh most: small
         // hidden sizes, whose tensors below 4096 elements stay f32 and
         // whose quantization buffers are a larger share of the state.
         c("S b4 8bit", &s, 4, 1, false, Adamw8bit),
@@ -1024,7 +1024,7 @@ fn pipeline_throughput(case: &Case, p: u32, steps: u64) -> f64 {
 }
 
 /// The pipeline rows: each case with the (stages, replicas) it runs beside
-/// its one-worker row (replicas since issue 13).
+/// its one-worker row.
 fn pipeline_grid() -> [(Case, &'static [(u32, u32)]); 3] {
     [
         (
