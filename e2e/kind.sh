@@ -166,7 +166,7 @@ install() {
 }
 install ReadWriteOnce ""
 
-# --- Kueue --------------------------------------------------------------------
+# --- Kueue ---------------------------------------------------------------------
 # Built from its Go module into an OCI archive (no Docker needed in either
 # image mode), loaded into the kind nodes, installed with its own chart.
 say "Kueue $(e2e/kueue/kueue.sh version): build, kind load image-archive, helm install"

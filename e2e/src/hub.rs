@@ -125,13 +125,43 @@ pub fn is_lfs(name: &str) -> bool {
 }
 
 fn serve(stream: TcpStream, state: &Mutex<HubState>, repos: &HubRepos) {
-    let Ok(clone) = stream.try_clone() else {
+    let Some(seen) = read_request(&stream) else {
         return;
     };
-    let mut reader = BufReader::new(clone);
+    state.lock().expect("hub state").requests.push(seen.clone());
+    let head = seen.method == "HEAD";
+    let mut out = stream;
+    let Some((key, route)) = route(&seen.path) else {
+        return json_error(&mut out, 404, "no such route", None);
+    };
+    let Some(repo) = repos.get(&key) else {
+        return json_error(&mut out, 404, "Repository not found", None);
+    };
+    let authorized = match &repo.token {
+        None => true,
+        Some(token) => seen.authorization.as_deref() == Some(&format!("Bearer {token}")),
+    };
+    match route {
+        Route::Listing(rev) => listing(&mut out, repo, &key, rev, authorized, head),
+        Route::Resolve(rev, file) => {
+            resolve(&mut out, repo, &key, (rev, &file), authorized, head);
+        }
+        Route::Cdn(file) => {
+            let Some(bytes) = repo.files.get(&file) else {
+                return json_error(&mut out, 404, "no such object", None);
+            };
+            serve_object(&mut out, state, &seen, bytes, head);
+        }
+    }
+}
+
+/// The request line and headers, as the stand-in records them; `None`
+/// when the client sent nothing readable.
+fn read_request(stream: &TcpStream) -> Option<HubRequest> {
+    let mut reader = BufReader::new(stream.try_clone().ok()?);
     let mut line = String::new();
     if reader.read_line(&mut line).is_err() || line.is_empty() {
-        return;
+        return None;
     }
     let mut parts = line.split_whitespace();
     let method = parts.next().unwrap_or_default().to_string();
@@ -146,25 +176,20 @@ fn serve(stream: TcpStream, state: &Mutex<HubState>, repos: &HubRepos) {
             headers.insert(k.trim().to_lowercase(), v.trim().to_string());
         }
     }
-    let path = target.split('?').next().unwrap_or_default().to_string();
-    let seen = HubRequest {
-        method: method.clone(),
-        path: path.clone(),
+    Some(HubRequest {
+        method,
+        path: target.split('?').next().unwrap_or_default().to_string(),
         range: headers.get("range").cloned(),
         authorization: headers.get("authorization").cloned(),
-    };
-    state.lock().expect("hub state").requests.push(seen.clone());
-    let head = method == "HEAD";
-    let mut out = stream;
-    let authorized = |repo: &HubRepo| match &repo.token {
-        None => true,
-        Some(token) => seen.authorization.as_deref() == Some(&format!("Bearer {token}")),
-    };
-    let known_revision = |rev: &str| rev == "main" || rev == HUB_COMMIT;
+    })
+}
+
+/// The repository a path names (its key in [`HubRepos`]) and what it asks
+/// of it. Datasets are keyed `datasets/owner/name` in the repositories; the
+/// CDN path keeps the key whole: `/cdn/{m|d}/{owner}/{name}/{file...}`.
+fn route(path: &str) -> Option<(String, Route<'_>)> {
     let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
-    // Datasets are keyed `datasets/owner/name` in the repositories; the CDN
-    // path keeps the key whole: `/cdn/{m|d}/{owner}/{name}/{file...}`.
-    let (key, route) = match segments.as_slice() {
+    Some(match segments.as_slice() {
         ["api", "models", owner, name, "revision", rev] => {
             (format!("{owner}/{name}"), Route::Listing(rev))
         }
@@ -186,83 +211,96 @@ fn serve(stream: TcpStream, state: &Mutex<HubState>, repos: &HubRepos) {
                 Route::Cdn(file.join("/")),
             )
         }
-        _ => return json_error(&mut out, 404, "no such route", None),
-    };
-    let Some(repo) = repos.get(&key) else {
-        return json_error(&mut out, 404, "Repository not found", None);
-    };
+        _ => return None,
+    })
+}
+
+fn known_revision(rev: &str) -> bool {
+    rev == "main" || rev == HUB_COMMIT
+}
+
+/// The repository's listing at `rev`, as the hub's API gives it.
+fn listing(
+    out: &mut TcpStream,
+    repo: &HubRepo,
+    key: &str,
+    rev: &str,
+    authorized: bool,
+    head: bool,
+) {
+    if !authorized {
+        // What the hub answers a private repository without a token.
+        return json_error(
+            out,
+            401,
+            "Invalid credentials in Authorization header",
+            Some("RepoNotFound"),
+        );
+    }
+    if !known_revision(rev) {
+        return json_error(out, 404, "Invalid rev id", Some("RevisionNotFound"));
+    }
+    let mut siblings = vec![
+        serde_json::json!({"rfilename": ".gitattributes"}),
+        serde_json::json!({"rfilename": "README.md"}),
+    ];
+    for (name, bytes) in &repo.files {
+        // Sizes for all but the LFS files (the hub gives all with
+        // `blobs=true`, a mirror may give none), so both ways to
+        // know a size are exercised: the listing's, and a HEAD
+        // request (answered by the 302's X-Linked-Size).
+        siblings.push(if is_lfs(name) {
+            serde_json::json!({"rfilename": name})
+        } else {
+            serde_json::json!({"rfilename": name, "size": bytes.len()})
+        });
+    }
     let id = key.trim_start_matches("datasets/");
-    match route {
-        Route::Listing(rev) => {
-            if !authorized(repo) {
-                // What the hub answers a private repository without a token.
-                return json_error(
-                    &mut out,
-                    401,
-                    "Invalid credentials in Authorization header",
-                    Some("RepoNotFound"),
-                );
-            }
-            if !known_revision(rev) {
-                return json_error(&mut out, 404, "Invalid rev id", Some("RevisionNotFound"));
-            }
-            let mut siblings = vec![
-                serde_json::json!({"rfilename": ".gitattributes"}),
-                serde_json::json!({"rfilename": "README.md"}),
-            ];
-            for (name, bytes) in &repo.files {
-                // Sizes for all but the LFS files (the hub gives all with
-                // `blobs=true`, a mirror may give none), so both ways to
-                // know a size are exercised: the listing's, and a HEAD
-                // request (answered by the 302's X-Linked-Size).
-                siblings.push(if is_lfs(name) {
-                    serde_json::json!({"rfilename": name})
-                } else {
-                    serde_json::json!({"rfilename": name, "size": bytes.len()})
-                });
-            }
-            let body = serde_json::json!({"id": id, "sha": HUB_COMMIT, "siblings": siblings});
-            respond(
-                &mut out,
-                "200 OK",
-                &[("Content-Type", "application/json".into())],
-                body.to_string().as_bytes(),
-                head,
-            );
-        }
-        Route::Resolve(rev, file) => {
-            if !authorized(repo) {
-                return json_error(&mut out, 401, "Invalid credentials", Some("RepoNotFound"));
-            }
-            let Some(bytes) = repo.files.get(&file).filter(|_| known_revision(rev)) else {
-                return json_error(&mut out, 404, "Entry not found", Some("EntryNotFound"));
-            };
-            if is_lfs(&file) {
-                let kind = if key.starts_with("datasets/") {
-                    "d"
-                } else {
-                    "m"
-                };
-                respond(
-                    &mut out,
-                    "302 Found",
-                    &[
-                        ("Location", format!("/cdn/{kind}/{id}/{file}?signature=x")),
-                        ("X-Linked-Size", bytes.len().to_string()),
-                    ],
-                    b"",
-                    head,
-                );
-            } else {
-                respond(&mut out, "200 OK", &[], bytes, head);
-            }
-        }
-        Route::Cdn(file) => {
-            let Some(bytes) = repo.files.get(&file) else {
-                return json_error(&mut out, 404, "no such object", None);
-            };
-            serve_object(&mut out, state, &seen, bytes, head);
-        }
+    let body = serde_json::json!({"id": id, "sha": HUB_COMMIT, "siblings": siblings});
+    respond(
+        out,
+        "200 OK",
+        &[("Content-Type", "application/json".into())],
+        body.to_string().as_bytes(),
+        head,
+    );
+}
+
+/// A file at a revision: an LFS file by a 302 to the CDN (with its size),
+/// any other file itself.
+fn resolve(
+    out: &mut TcpStream,
+    repo: &HubRepo,
+    key: &str,
+    (rev, file): (&str, &str),
+    authorized: bool,
+    head: bool,
+) {
+    if !authorized {
+        return json_error(out, 401, "Invalid credentials", Some("RepoNotFound"));
+    }
+    let Some(bytes) = repo.files.get(file).filter(|_| known_revision(rev)) else {
+        return json_error(out, 404, "Entry not found", Some("EntryNotFound"));
+    };
+    if is_lfs(file) {
+        let kind = if key.starts_with("datasets/") {
+            "d"
+        } else {
+            "m"
+        };
+        let id = key.trim_start_matches("datasets/");
+        respond(
+            out,
+            "302 Found",
+            &[
+                ("Location", format!("/cdn/{kind}/{id}/{file}?signature=x")),
+                ("X-Linked-Size", bytes.len().to_string()),
+            ],
+            b"",
+            head,
+        );
+    } else {
+        respond(out, "200 OK", &[], bytes, head);
     }
 }
 

@@ -190,6 +190,14 @@ async fn the_test(ns: TestNs, node: String, fake_node: String) {
     ns.apply_job(NEEDS_A100).await;
     ns.apply_job(FITS_A_T4).await;
     ns.apply_job(T4_NOT_TOLERATED).await;
+    the_a100_job_is_planned_and_bound_to_the_a100_node(&ns, &node).await;
+    the_t4_job_is_planned_on_the_fake_nodes_t4s(&ns).await;
+    the_untolerated_t4s_are_not_planned(&ns, &fake_node).await;
+}
+
+/// The 51 GiB job is planned on the A100, its pod bound to the real node,
+/// and the CPU-only worker image refuses its CUDA plan.
+async fn the_a100_job_is_planned_and_bound_to_the_a100_node(ns: &TestNs, node: &str) {
     let big = ns
         .wait_job("needs-a100", "a plan", Duration::from_secs(60), |j| {
             plan_device(j).is_some() || job_failed(j)
@@ -213,7 +221,7 @@ async fn the_test(ns: TestNs, node: String, fake_node: String) {
     assert_eq!(plan.resource, "nvidia.com/gpu");
 
     // Its pod selects the A100 product, requests one GPU and is bound to the real node.
-    let pod = worker_pod(&ns, "needs-a100").await;
+    let pod = worker_pod(ns, "needs-a100").await;
     let (product, gpus, tolerations) = selector_and_gpus(&pod);
     assert_eq!(product.as_deref(), Some(BIG_GPU));
     assert_eq!(gpus.as_deref(), Some("1"));
@@ -244,7 +252,9 @@ async fn the_test(ns: TestNs, node: String, fake_node: String) {
         "{:?}",
         attempt.message
     );
+}
 
+async fn the_t4_job_is_planned_on_the_fake_nodes_t4s(ns: &TestNs) {
     // The small job limited to T4s is planned on the fake node's T4s; its pod
     // selects them (and stays Pending: nothing runs on the fake node).
     let small = ns
@@ -258,7 +268,7 @@ async fn the_test(ns: TestNs, node: String, fake_node: String) {
         "the small job must be planned on the fake node's T4s: {:?}",
         small.status.as_ref().map(|s| &s.message)
     );
-    let pod = worker_pod(&ns, "fits-a-t4").await;
+    let pod = worker_pod(ns, "fits-a-t4").await;
     let (product, gpus, _) = selector_and_gpus(&pod);
     assert_eq!(product.as_deref(), Some(SMALL_GPU));
     assert_eq!(gpus.as_deref(), Some("1"));
@@ -272,7 +282,9 @@ async fn the_test(ns: TestNs, node: String, fake_node: String) {
         .filter_map(|t| t.key)
         .collect();
     assert!(tolerated.contains(&FAKE_MARK.to_string()), "{tolerated:?}");
+}
 
+async fn the_untolerated_t4s_are_not_planned(ns: &TestNs, fake_node: &str) {
     // Without the toleration the fake node's T4s are not the job's to plan.
     let refused = ns
         .wait_job(

@@ -443,7 +443,7 @@ mod tests {
         let err = ValidAssignment::new(c).expect_err("layer 3 not covered");
         assert!(err.to_string().starts_with("plan.stages: "), "{err}");
         let mut d = assignment();
-        // adamw8bit runs (crate::optim::AdamW8bit); it is no longer refused.
+        // adamw8bit runs (crate::optim::AdamW8bit): a valid plan.
         d.plan.settings.optimizer = Optimizer::Adamw8bit;
         let eight_bit = ValidAssignment::new(d).expect("adamw8bit is a plan the worker runs");
         assert_eq!(eight_bit.config().settings.optimizer, Optimizer::Adamw8bit);

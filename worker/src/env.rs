@@ -40,9 +40,9 @@ pub const COLLECTIVE_ENV: &str = "HEADROOM_COLLECTIVE";
 pub const GPU_CACHE_DIR_ENV: &str = "HEADROOM_GPU_CACHE_DIR";
 /// The pod name when `POD_NAME` is not set (a pod's hostname is its name).
 pub const HOSTNAME_ENV: &str = "HOSTNAME";
-/// How long a stage waits for its pipeline neighbours when
-/// `HEADROOM_PIPELINE_TIMEOUT_SECONDS` is not set.
-pub const DEFAULT_PIPELINE_TIMEOUT: Duration = Duration::from_secs(600);
+/// How long a worker waits for its peers (neighbouring stages, the other
+/// replicas of its stage) when `HEADROOM_PIPELINE_TIMEOUT_SECONDS` is not set.
+pub const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// Where the assignment document comes from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -56,7 +56,7 @@ pub enum PlanSource {
 /// How a stage of a multi-stage plan finds the others, and how a replica
 /// finds the other replicas of its stage.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum PipelinePeers {
+pub enum PeerSource {
     /// `HEADROOM_PIPELINE_ADDRESSES` (`HEADROOM_REPLICA_ADDRESSES`): one
     /// `host:port` per stage (replica), no cluster needed (local runs and
     /// tests); takes precedence over the pods.
@@ -94,14 +94,15 @@ pub struct WorkerEnv {
     pub telemetry_interval: Duration,
     /// `HEADROOM_DEVICE_MEMORY_LIMIT_BYTES`.
     pub device_memory_limit: Option<u64>,
-    /// `HEADROOM_PIPELINE_TIMEOUT_SECONDS`: how long to wait for the neighbours
+    /// `HEADROOM_PIPELINE_TIMEOUT_SECONDS` (named for the pipeline, it bounds
+    /// every peer link, replicas' included): how long to wait for the peers
     /// to come up, and then for any frame.
-    pub pipeline_timeout: Duration,
+    pub peer_timeout: Duration,
     /// `None` when neither pipeline variable is set (a single-stage plan needs none).
-    pub pipeline_peers: Option<PipelinePeers>,
+    pub pipeline_peers: Option<PeerSource>,
     /// The replicas of this worker's stage, rank order; `None` when neither
     /// replica variable is set (a plan without replicas needs none).
-    pub replica_peers: Option<PipelinePeers>,
+    pub replica_peers: Option<PeerSource>,
     /// `HEADROOM_COLLECTIVE` (`auto` when not set).
     pub collective: CollectiveChoice,
     /// `HEADROOM_PEER_KEY`: the job's peer key where there is no worker API
@@ -189,8 +190,8 @@ impl WorkerEnv {
                 }
             },
         };
-        let pipeline_timeout = match env(PIPELINE_TIMEOUT_ENV) {
-            None => DEFAULT_PIPELINE_TIMEOUT,
+        let peer_timeout = match env(PIPELINE_TIMEOUT_ENV) {
+            None => DEFAULT_PEER_TIMEOUT,
             Some(v) => match v.trim().parse::<u64>() {
                 Ok(s) if s > 0 => Duration::from_secs(s),
                 _ => {
@@ -211,16 +212,16 @@ impl WorkerEnv {
             },
         };
         let pipeline_peers = match (env(PIPELINE_ADDRESSES_ENV), env(PIPELINE_PODS_ENV)) {
-            (Some(addresses), _) => Some(PipelinePeers::Addresses(list(&addresses))),
-            (None, Some(pods)) => Some(PipelinePeers::Pods {
+            (Some(addresses), _) => Some(PeerSource::Addresses(list(&addresses))),
+            (None, Some(pods)) => Some(PeerSource::Pods {
                 pods: list(&pods),
                 service: env(PIPELINE_SERVICE_ENV).unwrap_or_default(),
             }),
             (None, None) => None,
         };
         let replica_peers = match (env(REPLICA_ADDRESSES_ENV), env(REPLICA_PODS_ENV)) {
-            (Some(addresses), _) => Some(PipelinePeers::Addresses(list(&addresses))),
-            (None, Some(pods)) => Some(PipelinePeers::Pods {
+            (Some(addresses), _) => Some(PeerSource::Addresses(list(&addresses))),
+            (None, Some(pods)) => Some(PeerSource::Pods {
                 pods: list(&pods),
                 service: env(PIPELINE_SERVICE_ENV).unwrap_or_default(),
             }),
@@ -246,7 +247,7 @@ impl WorkerEnv {
             pod_name: env(POD_NAME_ENV).or_else(|| env(HOSTNAME_ENV)),
             telemetry_interval,
             device_memory_limit,
-            pipeline_timeout,
+            peer_timeout,
             pipeline_peers,
             replica_peers,
             collective,
@@ -291,7 +292,7 @@ mod tests {
                 pod_name: Some("h".into()),
                 telemetry_interval: DEFAULT_INTERVAL,
                 device_memory_limit: None,
-                pipeline_timeout: DEFAULT_PIPELINE_TIMEOUT,
+                peer_timeout: DEFAULT_PEER_TIMEOUT,
                 pipeline_peers: None,
                 replica_peers: None,
                 collective: CollectiveChoice::Auto,
@@ -329,17 +330,17 @@ mod tests {
         assert_eq!(env.pod_name.as_deref(), Some("job-a1-s0"));
         assert_eq!(env.telemetry_interval, Duration::from_millis(500));
         assert_eq!(env.device_memory_limit, Some(1 << 20));
-        assert_eq!(env.pipeline_timeout, Duration::from_secs(60));
+        assert_eq!(env.peer_timeout, Duration::from_secs(60));
         assert_eq!(
             env.pipeline_peers,
-            Some(PipelinePeers::Pods {
+            Some(PeerSource::Pods {
                 pods: vec!["p0".into(), "p1".into()],
                 service: "job-a1".into()
             })
         );
         assert_eq!(
             env.replica_peers,
-            Some(PipelinePeers::Pods {
+            Some(PeerSource::Pods {
                 pods: vec!["p0".into(), "p0-r1".into()],
                 service: "job-a1".into()
             })
@@ -355,14 +356,14 @@ mod tests {
         .expect("valid");
         assert_eq!(
             local.replica_peers,
-            Some(PipelinePeers::Addresses(vec![
+            Some(PeerSource::Addresses(vec![
                 "127.0.0.1:3".into(),
                 "127.0.0.1:4".into()
             ]))
         );
         assert_eq!(
             local.pipeline_peers,
-            Some(PipelinePeers::Addresses(vec![
+            Some(PeerSource::Addresses(vec![
                 "127.0.0.1:1".into(),
                 "127.0.0.1:2".into()
             ]))

@@ -6,7 +6,7 @@
 //!
 //! * [`mod@env`] — [`WorkerEnv`]: every environment variable, read and checked once
 //! * [`assignment`] — [`ValidAssignment`]: the plan, read and validated once
-//! * [`cluster`] — [`ClusterHandle`]: the one tokio runtime, for the SIGTERM watch
+//! * [`sigterm`] — [`SigtermWatcher`]: the one tokio runtime, for the SIGTERM watch
 //! * [`worker_api`] — [`WorkerApi`]: the operator's worker API, the worker's
 //!   only way to the cluster (telemetry, peers' pod IPs); no Kubernetes rights
 //! * the termination message — this file
@@ -16,6 +16,8 @@
 //!   ring; NCCL over it in the CUDA build, host-staged)
 //! * [`link_auth`] — the job's peer key and the mutual proof of it every
 //!   pipeline and ring handshake carries
+//! * [`rendezvous`] — before the first step: where the neighbouring stages
+//!   and the stage's other replicas are, and the links to them
 //! * [`data_parallel`] — replicas of a stage: gradient reduce-scatter, ZeRO-1
 //!   optimizer shards, weight all-gather, in buckets
 //! * [`data`] — the synthetic next-token task (deterministic per sample)
@@ -25,7 +27,7 @@
 //!   level as the plan recorded them, its kernel cache on the checkpoint volume
 //! * [`train`] — micro-batches, accumulation, block-level checkpointing, optimizers
 //! * [`checkpoint`] — atomic, verified, per-part checkpoints and resume under any split
-//! * [`telemetry`] — cgroup, process, allocator and NVML memory sampling
+//! * [`memory_probe`] — cgroup, process, allocator and NVML memory sampling
 //! * [`report`] — rate-limited telemetry for `status.workers[<pod>]`, through the worker API
 //! * [`run`] — one process from start to exit, with the exit contract
 //! * [`initialize`] — the binary's other mode (`HEADROOM_INITIALIZE`): fetch a
@@ -40,7 +42,6 @@
 
 pub mod assignment;
 pub mod checkpoint;
-pub mod cluster;
 pub mod collective;
 pub mod data;
 pub mod data_parallel;
@@ -48,13 +49,15 @@ pub mod env;
 pub mod gpu_runtime;
 pub mod initialize;
 pub mod link_auth;
+pub mod memory_probe;
 pub mod model;
 pub mod optim;
 pub mod pipeline;
+pub mod rendezvous;
 pub mod report;
 pub mod run;
 pub mod seeded;
-pub mod telemetry;
+pub mod sigterm;
 pub mod text;
 pub mod train;
 pub mod worker_api;
@@ -64,8 +67,8 @@ use std::path::Path;
 use headroom_api::TerminationMessage;
 
 pub use assignment::{PlanError, ValidAssignment};
-pub use cluster::ClusterHandle;
 pub use env::WorkerEnv;
+pub use sigterm::SigtermWatcher;
 pub use worker_api::WorkerApi;
 
 /// Kubernetes keeps at most this many bytes of a termination message.

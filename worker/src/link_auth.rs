@@ -502,20 +502,79 @@ struct Finished<H> {
 /// socket, to close it early. Dropping this closes all that are left, so
 /// their threads end at once.
 #[derive(Debug, Default)]
-struct InFlight(VecDeque<(u64, SocketAddr, TcpStream)>);
+struct InFlight {
+    under_way: VecDeque<(u64, SocketAddr, TcpStream)>,
+    next_id: u64,
+}
 
 impl InFlight {
     /// Whether handshake `id` was still under way (not closed as the
     /// oldest); it is not any more.
     fn finish(&mut self, id: u64) -> bool {
-        let at = self.0.iter().position(|(i, _, _)| *i == id);
-        at.and_then(|at| self.0.remove(at)).is_some()
+        let at = self.under_way.iter().position(|(i, _, _)| *i == id);
+        at.and_then(|at| self.under_way.remove(at)).is_some()
+    }
+
+    /// Answers the caller on `stream` as `me` ([`accept`]) on a thread of
+    /// its own, which reports to `tx` when done; when all
+    /// [`MAX_HANDSHAKES`] slots are busy, closes the oldest first.
+    fn start<W, H>(
+        &mut self,
+        stream: TcpStream,
+        from: SocketAddr,
+        key: &LinkKey,
+        me: &H,
+        handshake_timeout: Duration,
+        tx: &mpsc::Sender<Finished<H>>,
+    ) where
+        W: Wire + 'static,
+        H: Greeting + Clone + Send + 'static,
+    {
+        if self.under_way.len() >= MAX_HANDSHAKES
+            && let Some((_, oldest, stream)) = self.under_way.pop_front()
+        {
+            tracing::warn!(
+                %from,
+                "{MAX_HANDSHAKES} handshakes under way: closed the oldest, from {oldest}"
+            );
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+        let handle = match stream.try_clone() {
+            Ok(handle) => handle,
+            Err(e) => {
+                tracing::warn!(%from, "closed a caller: {e}");
+                return;
+            }
+        };
+        let id = self.next_id;
+        self.next_id += 1;
+        let started = Instant::now();
+        let (key, me, tx) = (key.clone(), me.clone(), tx.clone());
+        let spawned = std::thread::Builder::new()
+            .name("headroom-handshake".into())
+            .spawn(move || {
+                let answered = stream
+                    .set_nonblocking(false)
+                    .map_err(HandshakeError::Io)
+                    .and_then(|()| accept::<W, H>(&stream, started + handshake_timeout, &key, &me));
+                // The listener may have returned already: nobody to tell.
+                let _ = tx.send(Finished {
+                    id,
+                    from,
+                    stream,
+                    answered,
+                });
+            });
+        match spawned {
+            Ok(_) => self.under_way.push_back((id, from, handle)),
+            Err(e) => tracing::warn!(%from, "closed a caller: no thread for its handshake: {e}"),
+        }
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        for (_, _, stream) in &self.0 {
+        for (_, _, stream) in &self.under_way {
             let _ = stream.shutdown(Shutdown::Both);
         }
     }
@@ -548,7 +607,6 @@ where
         .map_err(AcceptError::Listener)?;
     let (tx, rx) = mpsc::channel::<Finished<H>>();
     let mut in_flight = InFlight::default();
-    let mut next_id = 0u64;
     let mut judge_one = |in_flight: &mut InFlight, done: Finished<H>| {
         // One closed as the oldest: its socket is shut, whatever it says.
         if !in_flight.finish(done.id) {
@@ -573,7 +631,7 @@ where
             }
         }
         if let Some((why, last)) = stopped.take() {
-            if in_flight.0.is_empty() || Instant::now() >= last {
+            if in_flight.under_way.is_empty() || Instant::now() >= last {
                 return Err(why);
             }
             stopped = Some((why, last));
@@ -614,45 +672,7 @@ where
             }
             continue;
         };
-        if in_flight.0.len() >= MAX_HANDSHAKES
-            && let Some((_, oldest, stream)) = in_flight.0.pop_front()
-        {
-            tracing::warn!(
-                %from,
-                "{MAX_HANDSHAKES} handshakes under way: closed the oldest, from {oldest}"
-            );
-            let _ = stream.shutdown(Shutdown::Both);
-        }
-        let handle = match stream.try_clone() {
-            Ok(handle) => handle,
-            Err(e) => {
-                tracing::warn!(%from, "closed a caller: {e}");
-                continue;
-            }
-        };
-        let id = next_id;
-        next_id += 1;
-        let started = Instant::now();
-        let (key, me, tx) = (key.clone(), me.clone(), tx.clone());
-        let spawned = std::thread::Builder::new()
-            .name("headroom-handshake".into())
-            .spawn(move || {
-                let answered = stream
-                    .set_nonblocking(false)
-                    .map_err(HandshakeError::Io)
-                    .and_then(|()| accept::<W, H>(&stream, started + handshake_timeout, &key, &me));
-                // The listener may have returned already: nobody to tell.
-                let _ = tx.send(Finished {
-                    id,
-                    from,
-                    stream,
-                    answered,
-                });
-            });
-        match spawned {
-            Ok(_) => in_flight.0.push_back((id, from, handle)),
-            Err(e) => tracing::warn!(%from, "closed a caller: no thread for its handshake: {e}"),
-        }
+        in_flight.start::<W, H>(stream, from, key, me, handshake_timeout, &tx);
     }
 }
 

@@ -22,7 +22,7 @@ use headroom_api::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
-use crate::telemetry::MemoryProbe;
+use crate::memory_probe::MemoryProbe;
 use crate::worker_api::{WorkerApi, WorkerApiError};
 
 /// Default seconds between status writes (overridden by `HEADROOM_TELEMETRY_INTERVAL_SECONDS`).

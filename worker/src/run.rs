@@ -13,36 +13,32 @@
 //! checkpoint at the step reached; `FAILURE` for anything else. A kernel OOM kill (137)
 //! never reaches us.
 
-use std::net::TcpListener;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
 
 use burn::tensor::Device;
-use headroom_api::{
-    PIPELINE_ADDRESSES_ENV, PIPELINE_PODS_ENV, PIPELINE_PORT, REPLICA_ADDRESSES_ENV,
-    REPLICA_PODS_ENV, REPLICA_PORT, TerminationMessage, WORKER_API_ENV, WorkerOutcome,
-};
+use headroom_api::{TerminationMessage, WorkerOutcome};
+use headroom_planner::Backend;
 
 use crate::assignment::ValidAssignment;
 use crate::checkpoint::CheckpointError;
-use crate::cluster::ClusterHandle;
-use crate::collective::{Collective, CollectiveError, Ring, RingHello, RingTimeouts, Single};
-use crate::env::{COLLECTIVE_ENV, CollectiveChoice, InvalidEnv, PipelinePeers, WorkerEnv};
+use crate::collective::CollectiveError;
 pub use crate::env::{DEVICE_MEMORY_LIMIT_ENV, TERMINATION_MESSAGE_PATH_ENV};
+use crate::env::{InvalidEnv, WorkerEnv};
 use crate::gpu_runtime::{self, RuntimeSettings};
-use crate::link_auth::{KeyError, LinkKey};
-use crate::pipeline::{Hello, Links, Peers, PipelineError, establish};
+use crate::memory_probe::{MemoryProbe, process_memory};
+use crate::pipeline::PipelineError;
+use crate::rendezvous::{Connected, Rendezvous};
 use crate::report::{
     DEFAULT_SAMPLE_EVERY, Progress, Reporter, TelemetrySink, WorkerApiSink, WorkerIdentity,
     WritePolicy,
 };
-use crate::telemetry::{MemoryProbe, process_memory};
+use crate::sigterm::SigtermWatcher;
+use crate::text;
 use crate::train::{StepError, Trainer, training_device};
 use crate::worker_api::WorkerApi;
 use crate::write_termination_message;
-use headroom_planner::Backend;
 
 /// How the process ends: the termination message, whose outcome gives the exit code.
 #[derive(Clone, Debug, PartialEq)]
@@ -68,15 +64,15 @@ impl Exit {
         self.message.outcome.exit_code()
     }
 
-    fn invalid_plan(reason: impl Into<String>) -> Self {
+    pub(crate) fn invalid_plan(reason: impl Into<String>) -> Self {
         Exit::new(WorkerOutcome::InvalidPlan, reason)
     }
 
-    fn failed(reason: impl Into<String>) -> Self {
+    pub(crate) fn failed(reason: impl Into<String>) -> Self {
         Exit::new(WorkerOutcome::Failed, reason)
     }
 
-    fn pipeline(e: &PipelineError) -> Self {
+    pub(crate) fn pipeline(e: &PipelineError) -> Self {
         match e {
             PipelineError::PeerLost { .. } => Exit::new(WorkerOutcome::PeerLost, e.to_string()),
             PipelineError::Protocol(_) => Exit::failed(e.to_string()),
@@ -85,7 +81,7 @@ impl Exit {
 
     /// A replica of the stage went away (`PEER_LOST`, as a pipeline
     /// neighbour), or the replicas disagree (a failure).
-    fn replicas(e: &CollectiveError) -> Self {
+    pub(crate) fn replicas(e: &CollectiveError) -> Self {
         let reason = format!("data-parallel replicas: {e}");
         match e {
             CollectiveError::PeerLost { .. } => Exit::new(WorkerOutcome::PeerLost, reason),
@@ -110,45 +106,6 @@ impl Exit {
         self.message.peak_bytes = (peak > 0).then_some(peak);
         self
     }
-}
-
-/// What the replicas of a stage exchange through, once their TCP ring is up:
-/// the ring itself on the CPU; on CUDA, NCCL formed over the ring unless
-/// `HEADROOM_COLLECTIVE=ring` says otherwise or libnccl cannot be loaded
-/// (then the ring, slower, with a warning). Every replica decides alike
-/// (same binary, image and environment); one that does not finds out at the
-/// first exchange (the ring's frames and NCCL's id do not match).
-fn replica_collective(
-    ring: Ring,
-    backend: Backend,
-    choice: CollectiveChoice,
-) -> Result<Box<dyn Collective>, CollectiveError> {
-    #[cfg(feature = "cuda")]
-    if backend == Backend::Cuda {
-        use crate::collective::nccl::{Nccl, available};
-        match choice {
-            CollectiveChoice::Ring => tracing::info!(
-                "replica ring: {COLLECTIVE_ENV}=ring, the replicas exchange over TCP"
-            ),
-            CollectiveChoice::Auto => match available() {
-                Ok(version) => {
-                    tracing::info!(
-                        nccl = version,
-                        "replica ring: forming the NCCL communicator"
-                    );
-                    // Device 0: the one `training_device` trains on.
-                    return Ok(Box::new(Nccl::over(ring, 0)?));
-                }
-                Err(missing) => tracing::warn!(
-                    "replica ring: no NCCL ({missing}); the replicas exchange over TCP through \
-                     host memory instead, slower ({COLLECTIVE_ENV}=ring chooses this quietly)"
-                ),
-            },
-        }
-    }
-    #[cfg(not(feature = "cuda"))]
-    let _ = (backend, choice, COLLECTIVE_ENV);
-    Ok(Box::new(ring))
 }
 
 /// If a panic message is an out-of-memory error, the bytes requested (when said).
@@ -219,30 +176,14 @@ fn run_inner(env: &WorkerEnv) -> Exit {
     };
     let config = plan.config();
     if cfg!(feature = "cuda") {
-        let a = plan.assignment();
-        let cache = env
-            .gpu_cache_dir
-            .clone()
-            .unwrap_or_else(|| gpu_runtime::cache_dir(&env.checkpoint_dir, a.stage, a.replica));
-        let settings = RuntimeSettings::for_plan(
-            config.backend,
-            a.plan.gpu_runtime,
-            &a.plan.device,
-            Some(cache),
-        );
-        if let Some(settings) = settings {
-            match gpu_runtime::install(&settings) {
-                Ok(()) => tracing::info!(runtime = %settings.runtime, "GPU runtime configured"),
-                Err(e) => tracing::warn!("GPU runtime not configured as planned: {e}"),
-            }
-        }
+        configure_gpu_runtime(&plan, env);
     }
     let device = match training_device(config.backend, config.settings.precision) {
         Ok(d) => d,
         Err(e) => return Exit::invalid_plan(e.to_string()),
     };
-    let cluster = match ClusterHandle::new() {
-        Ok(cluster) => cluster,
+    let sigterm = match SigtermWatcher::new() {
+        Ok(sigterm) => sigterm,
         Err(e) => return Exit::failed(format!("tokio runtime: {e}")),
     };
     let identity = identity(&plan, env.pod_name.clone());
@@ -265,8 +206,8 @@ fn run_inner(env: &WorkerEnv) -> Exit {
         DEFAULT_SAMPLE_EVERY,
         WritePolicy::new(env.telemetry_interval),
     );
-    let terminate = cluster.watch_sigterm();
-    let exit = Training {
+    let terminate = sigterm.watch();
+    let exit = WorkerRun {
         plan: &plan,
         env,
         worker_api: worker_api.as_ref(),
@@ -280,6 +221,30 @@ fn run_inner(env: &WorkerEnv) -> Exit {
     let mut exit = exit;
     exit.message.peak_bytes = (peak > 0).then_some(peak);
     exit
+}
+
+/// cubecl's allocator, persistent memory and autotune level as the plan
+/// recorded them, its kernel cache on the checkpoint volume (or where the
+/// environment says), set before the device opens. Settings that cannot be
+/// applied are logged, and the run goes on.
+fn configure_gpu_runtime(plan: &ValidAssignment, env: &WorkerEnv) {
+    let a = plan.assignment();
+    let cache = env
+        .gpu_cache_dir
+        .clone()
+        .unwrap_or_else(|| gpu_runtime::cache_dir(&env.checkpoint_dir, a.stage, a.replica));
+    let settings = RuntimeSettings::for_plan(
+        plan.config().backend,
+        a.plan.gpu_runtime,
+        &a.plan.device,
+        Some(cache),
+    );
+    if let Some(settings) = settings {
+        match gpu_runtime::install(&settings) {
+            Ok(()) => tracing::info!(runtime = %settings.runtime, "GPU runtime configured"),
+            Err(e) => tracing::warn!("GPU runtime not configured as planned: {e}"),
+        }
+    }
 }
 
 /// Who reports: the pod (its name, else one made up from the assignment) and its stage.
@@ -302,8 +267,9 @@ fn identity(plan: &ValidAssignment, pod: Option<String>) -> WorkerIdentity {
     }
 }
 
-/// What the training loop needs, gathered once by `run_inner`.
-struct Training<'a> {
+/// One run's phases (build, resume, connect, train, write the output) and
+/// what they share, gathered once by `run_inner`.
+struct WorkerRun<'a> {
     plan: &'a ValidAssignment,
     env: &'a WorkerEnv,
     /// For the pipeline's and the ring's neighbour lookup; `None`: DNS only.
@@ -315,7 +281,7 @@ struct Training<'a> {
     peak_on_device: bool,
 }
 
-impl Training<'_> {
+impl WorkerRun<'_> {
     /// The highest memory figure seen so far, bytes.
     fn peak_now(&self) -> u64 {
         let host = if self.peak_on_device {
@@ -334,154 +300,6 @@ impl Training<'_> {
         )
     }
 
-    /// How this stage reaches the others and the socket its predecessor
-    /// calls (a multi-stage plan only).
-    fn pipeline_setup(&self, stages: u32) -> Result<(Peers, Option<TcpListener>), Exit> {
-        let a = self.plan.assignment();
-        let (peers, port) = match &self.env.pipeline_peers {
-            Some(PipelinePeers::Addresses(addresses)) => {
-                let own = addresses.get(a.stage as usize).cloned().unwrap_or_default();
-                let port = own
-                    .rsplit_once(':')
-                    .and_then(|(_, p)| p.parse::<u16>().ok())
-                    .ok_or_else(|| {
-                        Exit::invalid_plan(format!(
-                            "{PIPELINE_ADDRESSES_ENV}: stage {} needs a host:port entry, got {own:?}",
-                            a.stage
-                        ))
-                    })?;
-                (Peers::Static(addresses.clone()), port)
-            }
-            Some(PipelinePeers::Pods { pods, service }) => (
-                Peers::Pods {
-                    pods: pods.clone(),
-                    dns: (0..pods.len() as u32)
-                        .map(|k| format!("{}.{service}", host_name(k, a.replica, a.plan.replicas)))
-                        .collect(),
-                    port: PIPELINE_PORT,
-                    api: self.worker_api.cloned(),
-                },
-                PIPELINE_PORT,
-            ),
-            None => {
-                return Err(Exit::invalid_plan(format!(
-                    "a {stages}-stage plan needs {PIPELINE_PODS_ENV} (set by the operator) or {PIPELINE_ADDRESSES_ENV}"
-                )));
-            }
-        };
-        let listener = if a.stage > 0 {
-            Some(TcpListener::bind(("0.0.0.0", port)).map_err(|e| {
-                Exit::failed(format!("pipeline: cannot listen on port {port}: {e}"))
-            })?)
-        } else {
-            None
-        };
-        Ok((peers, listener))
-    }
-
-    /// This replica's ring: one `host:port` per replica (the next one's
-    /// resolved; the others are never called) and its listening socket, on
-    /// which the previous replica calls.
-    fn ring_setup(&self, replicas: u32) -> Result<(Vec<String>, TcpListener), Exit> {
-        let a = self.plan.assignment();
-        let next = (a.replica + 1) % replicas;
-        let count = |n: usize, variable: &str| {
-            if n == replicas as usize {
-                Ok(())
-            } else {
-                Err(Exit::invalid_plan(format!(
-                    "{variable}: {n} entries for a plan with {replicas} replicas"
-                )))
-            }
-        };
-        match &self.env.replica_peers {
-            Some(PipelinePeers::Addresses(addresses)) => {
-                count(addresses.len(), REPLICA_ADDRESSES_ENV)?;
-                let own = &addresses[a.replica as usize];
-                let port = own
-                    .rsplit_once(':')
-                    .and_then(|(_, p)| p.parse::<u16>().ok())
-                    .ok_or_else(|| {
-                        Exit::invalid_plan(format!(
-                            "{REPLICA_ADDRESSES_ENV}: replica {} needs a host:port entry, got {own:?}",
-                            a.replica
-                        ))
-                    })?;
-                Ok((addresses.clone(), self.listen(port)?))
-            }
-            Some(PipelinePeers::Pods { pods, service }) => {
-                count(pods.len(), REPLICA_PODS_ENV)?;
-                // Listen first: the previous replica may be calling already.
-                let listener = self.listen(REPLICA_PORT)?;
-                let dns = (!service.is_empty())
-                    .then(|| format!("{}.{service}", host_name(a.stage, next, replicas)));
-                let pod = &pods[next as usize];
-                let address = self.pod_address(pod, dns, REPLICA_PORT, next)?;
-                let mut addresses: Vec<String> =
-                    pods.iter().map(|p| format!("{p}:{REPLICA_PORT}")).collect();
-                addresses[next as usize] = address;
-                Ok((addresses, listener))
-            }
-            None => Err(Exit::invalid_plan(format!(
-                "a plan with {replicas} replicas needs {REPLICA_PODS_ENV} (set by the operator) or {REPLICA_ADDRESSES_ENV}"
-            ))),
-        }
-    }
-
-    fn listen(&self, port: u16) -> Result<TcpListener, Exit> {
-        TcpListener::bind(("0.0.0.0", port)).map_err(|e| {
-            Exit::failed(format!(
-                "data-parallel replicas: cannot listen on port {port}: {e}"
-            ))
-        })
-    }
-
-    /// `pod`'s `ip:port` from the worker API, asking until it has an IP or
-    /// the pipeline timeout passes; `dns:port` when the worker API cannot be
-    /// asked (there is none, or the call failed).
-    fn pod_address(
-        &self,
-        pod: &str,
-        dns: Option<String>,
-        port: u16,
-        replica: u32,
-    ) -> Result<String, Exit> {
-        let until = Instant::now() + self.env.pipeline_timeout;
-        let mut pause = Duration::from_millis(250);
-        loop {
-            let asked = match self.worker_api {
-                Some(api) => api.pod_ip(pod).map_err(|e| e.to_string()),
-                None => Err(format!("no worker API ({WORKER_API_ENV} not set)")),
-            };
-            let last = match asked {
-                Ok(Some(ip)) if ip.contains(':') => return Ok(format!("[{ip}]:{port}")),
-                Ok(Some(ip)) => return Ok(format!("{ip}:{port}")),
-                Ok(None) => "it has no IP yet".to_string(),
-                Err(e) => match &dns {
-                    Some(dns) => {
-                        tracing::warn!(
-                            pod,
-                            "replica ring: cannot ask the worker API for the pod's IP ({e}); calling {dns}"
-                        );
-                        return Ok(format!("{dns}:{port}"));
-                    }
-                    None => e.to_string(),
-                },
-            };
-            if Instant::now() >= until {
-                return Err(Exit::replicas(&CollectiveError::PeerLost {
-                    rank: replica,
-                    detail: format!(
-                        "pod {pod} not found in {:?}: {last}",
-                        self.env.pipeline_timeout
-                    ),
-                }));
-            }
-            std::thread::sleep(pause.min(until.saturating_duration_since(Instant::now())));
-            pause = (pause * 2).min(Duration::from_secs(2));
-        }
-    }
-
     /// Builds the trainer, then resumes, connects, trains to the end (or a
     /// SIGTERM, or the first failure) and writes the output, each phase
     /// returning the exit it ends with. Every exit once the trainer exists
@@ -491,13 +309,17 @@ impl Training<'_> {
             Ok(trainer) => trainer,
             Err(exit) => return exit,
         };
+        let rendezvous = Rendezvous {
+            plan: self.plan,
+            env: self.env,
+            worker_api: self.worker_api,
+        };
         let exit = match self
             .resume(&mut trainer)
-            .and_then(|()| self.connect(&trainer))
+            .and_then(|()| rendezvous.connect(&trainer))
         {
             Err(exit) => exit,
-            // The connections stay open until the output is written, as
-            // they did when the trainer owned them.
+            // The connections stay open until the output is written.
             Ok(mut connected) => match self.train(&mut trainer, &mut connected) {
                 Ok(last_loss) => self.write_output(&trainer, last_loss),
                 Err(exit) => exit,
@@ -517,7 +339,7 @@ impl Training<'_> {
             }
         };
         if let Some(files) = &self.plan.assignment().files {
-            let samples = load_text(files, &trainer.config).map_err(Exit::invalid_plan)?;
+            let samples = text::load_text(files, &trainer.config).map_err(Exit::invalid_plan)?;
             tracing::info!(samples = samples.len(), data = %files.data_file, "training text");
             trainer.use_text(samples);
         }
@@ -554,122 +376,6 @@ impl Training<'_> {
             ..Progress::default()
         });
         Ok(())
-    }
-
-    /// The neighbouring stages and the other replicas of the stage,
-    /// connected: none of either for one stage of one replica.
-    fn connect(&self, trainer: &Trainer) -> Result<Connected, Exit> {
-        let mut connected = Connected {
-            links: Links::default(),
-            replicas: Box::new(Single),
-        };
-        // Resumed from the last step's checkpoint (a peer that was stopped
-        // after the others had finished, and was started again): there is
-        // nothing left to exchange, and the peers may be gone, so connect to
-        // none of them and go straight to the output.
-        if trainer.finished() {
-            return Ok(connected);
-        }
-        if trainer.config.stages <= 1 && trainer.config.replicas <= 1 {
-            return Ok(connected);
-        }
-        let key = self.peer_key()?;
-        if trainer.config.stages > 1 {
-            connected.links = self.connect_stages(trainer, &key)?;
-        }
-        if trainer.config.replicas > 1 {
-            connected.replicas = self.connect_replicas(trainer, &key)?;
-        }
-        Ok(connected)
-    }
-
-    /// The job's peer key, which both ends of every pipeline and replica
-    /// link prove to each other ([`crate::link_auth`]): without it anyone
-    /// who knows the job's names could call a worker first and be taken
-    /// for its neighbour. `HEADROOM_PEER_KEY` first, else the worker API.
-    fn peer_key(&self) -> Result<LinkKey, Exit> {
-        LinkKey::obtain(
-            self.env.peer_key.as_ref(),
-            self.worker_api,
-            self.env.pipeline_timeout,
-        )
-        .map_err(|e| match e {
-            KeyError::Missing => Exit::invalid_plan(e.to_string()),
-            KeyError::Api(_) | KeyError::Malformed(_) | KeyError::Random(_) => {
-                Exit::failed(e.to_string())
-            }
-        })
-    }
-
-    /// The links to the previous and the next stage.
-    fn connect_stages(&self, trainer: &Trainer, key: &LinkKey) -> Result<Links, Exit> {
-        let stages = trainer.config.stages;
-        let (peers, listener) = self.pipeline_setup(stages)?;
-        let a = self.plan.assignment();
-        let me = Hello {
-            job: a.job.clone(),
-            namespace: a.namespace.clone(),
-            attempt: a.attempt,
-            stage: a.stage,
-            stages,
-            resume_step: trainer.step,
-        };
-        tracing::info!(stage = me.stage, stages, layers = ?trainer.config.layout.layers, "pipeline: connecting to the neighbouring stages");
-        let timeout = self.env.pipeline_timeout;
-        establish(&me, key, listener, &peers, timeout, timeout).map_err(|e| Exit::pipeline(&e))
-    }
-
-    /// The collective of the stage's replicas: their TCP ring, or what
-    /// [`replica_collective`] forms over it.
-    fn connect_replicas(
-        &self,
-        trainer: &Trainer,
-        key: &LinkKey,
-    ) -> Result<Box<dyn Collective>, Exit> {
-        let replicas = trainer.config.replicas;
-        let (addresses, listener) = self.ring_setup(replicas)?;
-        let a = self.plan.assignment();
-        let me = RingHello {
-            job: a.job.clone(),
-            namespace: a.namespace.clone(),
-            attempt: a.attempt,
-            stage: a.stage,
-            replica: a.replica,
-            replicas,
-            resume_step: trainer.step,
-        };
-        tracing::info!(
-            stage = me.stage,
-            replica = me.replica,
-            replicas,
-            "replica ring: connecting to the other replicas of the stage"
-        );
-        let timeouts = RingTimeouts {
-            rendezvous: self.env.pipeline_timeout,
-            io: self.env.pipeline_timeout,
-        };
-        // Chunks of an eighth of a bucket: the ring's chunks in flight
-        // are what the planner counts beside the bucket
-        // (`sharding::collective_buffer_bytes`).
-        let bucket = trainer.config.backend.profile().collective_bucket_bytes;
-        let chunk = headroom_planner::sharding::ring_chunk_bytes(bucket);
-        let collective = Ring::establish(&me, key, &addresses, listener, timeouts)
-            .and_then(|mut ring| {
-                ring.set_chunk_bytes(usize::try_from(chunk).unwrap_or(usize::MAX));
-                let collective =
-                    replica_collective(ring, trainer.config.backend, self.env.collective)?;
-                trainer.check_replicas(collective.as_ref())?;
-                Ok(collective)
-            })
-            .map_err(|e| Exit::replicas(&e))?;
-        let shards = trainer.shards(replicas);
-        tracing::info!(
-            owned = shards.owned(me.replica).len(),
-            tensors = shards.tensors.len(),
-            loads = ?shards.loads(),
-            "replica ring: connected; optimizer state sharded (elements per replica)"
-        );
-        Ok(collective)
     }
 
     /// Trains to the plan's last step, checkpointing every
@@ -821,71 +527,6 @@ impl Training<'_> {
                 last_loss.map_or("n/a".into(), |l| format!("{l:.4}"))
             ),
         )
-    }
-}
-
-/// What the steps exchange through, connected once before training.
-struct Connected {
-    /// The neighbouring stages (none for a single-stage plan).
-    links: Links,
-    /// The other replicas of the stage ([`Single`] for one replica).
-    replicas: Box<dyn Collective>,
-}
-
-/// The assignment's text, tokenized with the checkpoint's tokenizer and
-/// packed into the model's sequence length; errors name the file.
-fn load_text(
-    files: &headroom_api::PayloadFiles,
-    config: &crate::train::TrainConfig,
-) -> Result<crate::data::TextSamples, String> {
-    use crate::text::{Format, load_tokenizer, pack, read_documents};
-    let tokenizer_path = Path::new(&files.model_dir).join("tokenizer.json");
-    let tokenizer = load_tokenizer(&tokenizer_path).map_err(|e| e.to_string())?;
-    let eos = end_of_sequence(Path::new(&files.model_dir), &tokenizer).ok_or_else(|| {
-        format!(
-            "{}: no end-of-sequence token (config.json eos_token_id, or </s>, <|endoftext|>, <|end_of_text|> in the vocabulary)",
-            tokenizer_path.display()
-        )
-    })?;
-    let format = Format::from(&files.data_format);
-    let data = Path::new(&files.data_file);
-    let docs = read_documents(data, &format).map_err(|e| e.to_string())?;
-    let packed = pack(
-        &tokenizer,
-        &docs,
-        eos,
-        config.shape.sequence_length() as usize,
-    )
-    .map_err(|e| format!("{}: {e}", data.display()))?;
-    Ok(crate::data::TextSamples::new(packed.samples, config.seed))
-}
-
-/// The id documents are separated by: config.json's `eos_token_id` (the
-/// first, where it is a list), else a conventional end token of the vocabulary.
-pub(crate) fn end_of_sequence(model_dir: &Path, tokenizer: &tokenizers::Tokenizer) -> Option<u32> {
-    let config = std::fs::read_to_string(model_dir.join("config.json")).ok()?;
-    let v: serde_json::Value = serde_json::from_str(&config).ok()?;
-    let from_config = match &v["eos_token_id"] {
-        serde_json::Value::Number(n) => n.as_u64(),
-        serde_json::Value::Array(a) => a.first().and_then(serde_json::Value::as_u64),
-        _ => None,
-    };
-    from_config
-        .and_then(|id| u32::try_from(id).ok())
-        .or_else(|| {
-            ["</s>", "<|endoftext|>", "<|end_of_text|>"]
-                .iter()
-                .find_map(|t| tokenizer.token_to_id(t))
-        })
-}
-
-/// A worker's hostname under the job's headless Service, as the operator
-/// sets it: `s<k>`, or `s<k>-r<r>` in a plan with replicas.
-fn host_name(stage: u32, replica: u32, replicas: u32) -> String {
-    if replicas > 1 {
-        format!("s{stage}-r{replica}")
-    } else {
-        format!("s{stage}")
     }
 }
 

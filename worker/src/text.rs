@@ -153,6 +153,52 @@ pub fn pack(
     })
 }
 
+/// The assignment's text, tokenized with the checkpoint's tokenizer and
+/// packed into the model's sequence length; errors name the file.
+pub(crate) fn load_text(
+    files: &headroom_api::PayloadFiles,
+    config: &crate::train::TrainConfig,
+) -> Result<crate::data::TextSamples, String> {
+    let tokenizer_path = Path::new(&files.model_dir).join("tokenizer.json");
+    let tokenizer = load_tokenizer(&tokenizer_path).map_err(|e| e.to_string())?;
+    let eos = end_of_sequence(Path::new(&files.model_dir), &tokenizer).ok_or_else(|| {
+        format!(
+            "{}: no end-of-sequence token (config.json eos_token_id, or </s>, <|endoftext|>, <|end_of_text|> in the vocabulary)",
+            tokenizer_path.display()
+        )
+    })?;
+    let format = Format::from(&files.data_format);
+    let data = Path::new(&files.data_file);
+    let docs = read_documents(data, &format).map_err(|e| e.to_string())?;
+    let packed = pack(
+        &tokenizer,
+        &docs,
+        eos,
+        config.shape.sequence_length() as usize,
+    )
+    .map_err(|e| format!("{}: {e}", data.display()))?;
+    Ok(crate::data::TextSamples::new(packed.samples, config.seed))
+}
+
+/// The id documents are separated by: config.json's `eos_token_id` (the
+/// first, where it is a list), else a conventional end token of the vocabulary.
+pub(crate) fn end_of_sequence(model_dir: &Path, tokenizer: &Tokenizer) -> Option<u32> {
+    let config = std::fs::read_to_string(model_dir.join("config.json")).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&config).ok()?;
+    let from_config = match &v["eos_token_id"] {
+        serde_json::Value::Number(n) => n.as_u64(),
+        serde_json::Value::Array(a) => a.first().and_then(serde_json::Value::as_u64),
+        _ => None,
+    };
+    from_config
+        .and_then(|id| u32::try_from(id).ok())
+        .or_else(|| {
+            ["</s>", "<|endoftext|>", "<|end_of_text|>"]
+                .iter()
+                .find_map(|t| tokenizer.token_to_id(t))
+        })
+}
+
 /// The order samples are visited in: a permutation of `0..n` that depends on
 /// `seed` alone (Fisher–Yates driven by splitmix64), the same on every rank
 /// and every retry, so a resumed run sees the same order.

@@ -521,56 +521,64 @@ fn sorted(mut sizes: Vec<u64>) -> Vec<u64> {
     sizes
 }
 
-#[test]
-fn the_worker_shards_the_tensors_the_planner_budgets() {
+/// The element counts of the tensors the planner budgets for a stage.
+fn planned_tensors(model: &headroom_planner::ModelShape, layout: &StageLayout) -> Vec<u64> {
     use headroom_planner::memory::{StagePlacement, stage_tensors};
-    use headroom_planner::sharding::shard_loads;
-    use headroom_planner::{BaseFormat, LoraConfig, ModelShape, TargetModule};
-    use headroom_worker::model::LmShape;
-    use headroom_worker::model::hf::HfCheckpoint;
+    let placement = StagePlacement {
+        layers: layout.layers.len() as u32,
+        first: layout.first,
+        last: layout.last,
+        in_flight: 1,
+        replicas: 1,
+    };
+    stage_tensors(model, placement)
+        .iter()
+        .flat_map(|t| std::iter::repeat_n(t.elements, t.count as usize))
+        .collect()
+}
 
-    let planned = |model: &ModelShape, layout: &StageLayout| -> Vec<u64> {
-        let placement = StagePlacement {
-            layers: layout.layers.len() as u32,
-            first: layout.first,
-            last: layout.last,
-            in_flight: 1,
-            replicas: 1,
-        };
-        stage_tensors(model, placement)
-            .iter()
-            .flat_map(|t| std::iter::repeat_n(t.elements, t.count as usize))
-            .collect()
-    };
-    let worker = |config: TrainConfig| -> Vec<u64> {
-        let trainer = Trainer::new(config, Device::flex().autodiff()).expect("trainer");
-        trainer
-            .shards(1)
-            .tensors
-            .iter()
-            .map(|t| t.elements as u64)
-            .collect()
-    };
-    let layouts = |layers: u32| {
-        [
-            StageLayout {
-                layers: 0..layers,
-                first: true,
-                last: true,
-            },
-            StageLayout {
-                layers: 0..1,
-                first: true,
-                last: false,
-            },
-            StageLayout {
-                layers: 1..layers,
-                first: false,
-                last: true,
-            },
-        ]
-    };
-    let llama = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama");
+/// The element counts of the tensors the worker shards for a stage.
+fn worker_tensors(config: TrainConfig) -> Vec<u64> {
+    let trainer = Trainer::new(config, Device::flex().autodiff()).expect("trainer");
+    trainer
+        .shards(1)
+        .tensors
+        .iter()
+        .map(|t| t.elements as u64)
+        .collect()
+}
+
+/// A model of `layers` layers whole, and split in two after its first layer.
+fn whole_and_split(layers: u32) -> [StageLayout; 3] {
+    [
+        StageLayout {
+            layers: 0..layers,
+            first: true,
+            last: true,
+        },
+        StageLayout {
+            layers: 0..1,
+            first: true,
+            last: false,
+        },
+        StageLayout {
+            layers: 1..layers,
+            first: false,
+            last: true,
+        },
+    ]
+}
+
+fn llama_fixtures() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama")
+}
+
+/// Full fine-tuning of GPT (tied and untied) and of every Llama-family
+/// fixture: the config the worker trains and the shape the planner plans.
+fn full_fine_tuning_cases() -> Vec<(String, TrainConfig, headroom_planner::ModelShape)> {
+    use headroom_planner::ModelShape;
+    use headroom_worker::model::hf::HfCheckpoint;
+    let llama = llama_fixtures();
     let mut cases: Vec<(String, TrainConfig, ModelShape)> = Vec::new();
     for tied in [true, false] {
         let shape = TransformerShape {
@@ -605,14 +613,21 @@ fn the_worker_shards_the_tensors_the_planner_budgets() {
         .with_pretrained(&dir);
         cases.push((variant.into(), config, ModelShape::Llama(checkpoint.shape)));
     }
-    for (name, config, model) in cases {
-        for layout in layouts(config.shape.layers()) {
+    cases
+}
+
+#[test]
+fn the_worker_shards_the_tensors_the_planner_budgets() {
+    use headroom_planner::sharding::shard_loads;
+
+    for (name, config, model) in full_fine_tuning_cases() {
+        for layout in whole_and_split(config.shape.layers()) {
             let mut config = config.clone();
             config.layout = layout.clone();
             config.stages = if layout.first && layout.last { 1 } else { 2 };
             config.stage = u32::from(!layout.first);
-            let ours = worker(config);
-            let theirs = planned(&model, &layout);
+            let ours = worker_tensors(config);
+            let theirs = planned_tensors(&model, &layout);
             assert_eq!(
                 sorted(ours.clone()),
                 sorted(theirs.clone()),
@@ -627,9 +642,16 @@ fn the_worker_shards_the_tensors_the_planner_budgets() {
             }
         }
     }
+}
 
-    // Adapters: A (in × r) and B (r × out) per targeted matrix.
-    let dir = llama.join("llama-gqa-tied");
+/// Adapters: A (in × r) and B (r × out) per targeted matrix.
+#[test]
+fn the_worker_shards_the_adapters_the_planner_budgets() {
+    use headroom_planner::{BaseFormat, LoraConfig, TargetModule};
+    use headroom_worker::model::LmShape;
+    use headroom_worker::model::hf::HfCheckpoint;
+
+    let dir = llama_fixtures().join("llama-gqa-tied");
     let checkpoint = HfCheckpoint::open(&dir, 12).expect("fixture");
     let l = checkpoint.shape.clone();
     let targets = vec![
@@ -653,7 +675,7 @@ fn the_worker_shards_the_tensors_the_planner_budgets() {
             .with_pretrained(&dir)
             .with_adapters(lora.clone());
         assert!(matches!(config.shape, LmShape::Llama(_)));
-        let ours = worker(config);
+        let ours = worker_tensors(config);
         let theirs: Vec<u64> = targets
             .iter()
             .flat_map(|m| {

@@ -7,8 +7,8 @@
 //! KUBECONFIG points to, until it succeeds or fails for good. Half of the
 //! grid sits at the edge: its limit is the one (of 160Mi–1Gi in 8Mi steps)
 //! at which the planner's plan fills the largest share of the budget, at
-//! least 95 %; the rest take a round limit. Also the job of issue 36 (6 ×
-//! 384, s 256, v 4096, 256Mi), which was OOM-killed and then given up on.
+//! least 95 %; the rest take a round limit. Also a job that was once
+//! OOM-killed and then given up on (6 × 384, s 256, v 4096, 256Mi).
 //!
 //! Prints one row per job (plan, prediction, measured peak, attempts) and
 //! the summary docs/benchmarks.md quotes: first-attempt success, attempts to
@@ -135,7 +135,7 @@ fn edge_limit(case: &Case) -> Option<u64> {
 }
 
 fn grid(jobs: usize) -> (Vec<Case>, Vec<Case>) {
-    // The job of issue 36: OOM-killed on attempt 1, then NoFeasiblePlan.
+    // A job once OOM-killed on attempt 1, then given NoFeasiblePlan.
     let mut planned = vec![Case {
         layers: 6,
         hidden: 384,
@@ -265,33 +265,15 @@ fn settings(s: &Settings) -> String {
 
 #[tokio::main]
 async fn main() {
-    let mut jobs = 24usize;
-    let mut parallel = 2usize;
-    let mut steps = 4u32;
-    let mut dry_run = false;
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut value = || {
-            args.next()
-                .and_then(|v| v.parse::<usize>().ok())
-                .unwrap_or_else(|| panic!("{a} takes a number"))
-        };
-        match a.as_str() {
-            "--jobs" => jobs = value(),
-            "--parallel" => parallel = value().max(1),
-            "--steps" => steps = value() as u32,
-            "--dry-run" => dry_run = true,
-            other => {
-                panic!("unknown argument {other}; use --jobs N, --parallel P, --steps S, --dry-run")
-            }
-        }
-    }
-    let (planned, refused) = grid(jobs);
+    let args = Args::parse();
+    let (planned, refused) = grid(args.jobs);
     println!(
-        "grid: {} planned jobs ({} at the edge), {} refused up front by the planner; {steps} steps each, {parallel} at a time",
+        "grid: {} planned jobs ({} at the edge), {} refused up front by the planner; {} steps each, {} at a time",
         planned.len(),
         planned.iter().filter(|c| c.edge).count(),
-        refused.len()
+        refused.len(),
+        args.steps,
+        args.parallel
     );
     for c in &refused {
         println!(
@@ -299,25 +281,84 @@ async fn main() {
             c.layers, c.hidden, c.sequence, c.vocabulary, c.global_batch, c.limit_mib
         );
     }
-    if dry_run {
-        for (i, c) in planned.iter().enumerate() {
-            let p = c.plan().expect("planned");
-            println!(
-                "{} {}Mi{}: {} predicted {:.1} of {:.1} MiB ({:.0} %), {:.1e} FLOP/step",
-                c.name(i),
-                c.limit_mib,
-                if c.edge { " (edge)" } else { "" },
-                settings(&p.settings),
-                mib(p.predicted_peak_bytes),
-                mib(p.budget_bytes),
-                100.0 * fill(&p),
-                c.step_flops()
-            );
-        }
+    if args.dry_run {
+        print_plans(&planned);
         return;
     }
-
     let ns = std::sync::Arc::new(TestNs::new(E2E, "bench-first-fit").await);
+    let results = run_all(&ns, &planned, args.steps, args.parallel).await;
+    report(&planned, &results);
+    match std::sync::Arc::try_unwrap(ns) {
+        Ok(ns) => ns.cleanup().await,
+        Err(_) => eprintln!("namespace kept: a task still holds it"),
+    }
+}
+
+/// The command line.
+struct Args {
+    jobs: usize,
+    parallel: usize,
+    steps: u32,
+    dry_run: bool,
+}
+
+impl Args {
+    fn parse() -> Args {
+        let mut parsed = Args {
+            jobs: 24,
+            parallel: 2,
+            steps: 4,
+            dry_run: false,
+        };
+        let mut args = std::env::args().skip(1);
+        while let Some(a) = args.next() {
+            let mut value = || {
+                args.next()
+                    .and_then(|v| v.parse::<usize>().ok())
+                    .unwrap_or_else(|| panic!("{a} takes a number"))
+            };
+            match a.as_str() {
+                "--jobs" => parsed.jobs = value(),
+                "--parallel" => parsed.parallel = value().max(1),
+                "--steps" => parsed.steps = value() as u32,
+                "--dry-run" => parsed.dry_run = true,
+                other => {
+                    panic!(
+                        "unknown argument {other}; use --jobs N, --parallel P, --steps S, --dry-run"
+                    )
+                }
+            }
+        }
+        parsed
+    }
+}
+
+/// `--dry-run`: each planned job's first plan, without a cluster.
+fn print_plans(planned: &[Case]) {
+    for (i, c) in planned.iter().enumerate() {
+        let p = c.plan().expect("planned");
+        println!(
+            "{} {}Mi{}: {} predicted {:.1} of {:.1} MiB ({:.0} %), {:.1e} FLOP/step",
+            c.name(i),
+            c.limit_mib,
+            if c.edge { " (edge)" } else { "" },
+            settings(&p.settings),
+            mib(p.predicted_peak_bytes),
+            mib(p.budget_bytes),
+            100.0 * fill(&p),
+            c.step_flops()
+        );
+    }
+}
+
+/// Runs every planned job, `parallel` at a time, to its end; the outcomes
+/// in the grid's order.
+async fn run_all(
+    ns: &std::sync::Arc<TestNs>,
+    planned: &[Case],
+    steps: u32,
+    parallel: usize,
+) -> Vec<Outcome> {
     let timeout = Duration::from_secs(1800);
     let mut results: Vec<Option<Outcome>> = (0..planned.len()).map(|_| None).collect();
     let mut running = tokio::task::JoinSet::new();
@@ -348,7 +389,14 @@ async fn main() {
             results[i] = Some(outcome);
         }
     }
+    results
+        .into_iter()
+        .map(|r| r.expect("every job ran"))
+        .collect()
+}
 
+/// One row per job, then the first-fit figures over all of them.
+fn report(planned: &[Case], results: &[Outcome]) {
     println!(
         "\n| job | limit | attempt 1: micro-batch × accumulation | predicted / budget | measured peak / budget | error | attempts | outcome |"
     );
@@ -356,8 +404,7 @@ async fn main() {
     let (mut first, mut within_two, mut failed, mut killed_first) = (0, 0, 0, 0);
     let mut fills = vec![];
     let mut errors = vec![];
-    for (i, (c, r)) in planned.iter().zip(&results).enumerate() {
-        let r = r.as_ref().expect("every job ran");
+    for (i, (c, r)) in planned.iter().zip(results).enumerate() {
         let (plan, outcome, peak, _) = &r.attempts[0];
         let n = r.attempts.len();
         if r.succeeded && n == 1 {
@@ -372,7 +419,6 @@ async fn main() {
         if *outcome == AttemptOutcome::HostOutOfMemory {
             killed_first += 1;
         }
-        let measured = peak.map(|b| b as f64 / plan.budget_bytes as f64);
         let error = peak.map(|b| 100.0 * (plan.predicted_peak_bytes as f64 - b as f64) / b as f64);
         // The last successful attempt's measured peak is what the job needed.
         if let Some((p, _, Some(b), _)) = r
@@ -388,39 +434,7 @@ async fn main() {
         {
             errors.push(e.abs());
         }
-        println!(
-            "| {}{} | {}Mi | {} | {:.1} / {:.1} MiB ({:.0} %) | {} | {} | {} | {} |",
-            c.name(i),
-            if c.edge { " (edge)" } else { "" },
-            c.limit_mib,
-            settings(&plan.settings),
-            mib(plan.predicted_peak_bytes),
-            mib(plan.budget_bytes),
-            100.0 * plan.predicted_peak_bytes as f64 / plan.budget_bytes as f64,
-            measured.map_or("none reported".into(), |m| format!(
-                "{:.1} MiB ({:.0} %)",
-                mib(peak.unwrap_or(0)),
-                100.0 * m
-            )),
-            error.map_or("".into(), |e| format!("{e:+.1} %")),
-            r.attempts
-                .iter()
-                .map(|(p, o, _, why)| format!(
-                    "{o:?}{} ({})",
-                    why.as_deref()
-                        .filter(|w| *w != format!("{o:?}"))
-                        .map(|w| format!(" {w}"))
-                        .unwrap_or_default(),
-                    settings(&p.settings)
-                ))
-                .collect::<Vec<_>>()
-                .join(" → "),
-            if r.succeeded {
-                "Succeeded".to_string()
-            } else {
-                format!("Failed: {}", r.message.lines().next().unwrap_or(""))
-            },
-        );
+        print_row(i, c, r, error);
     }
     let n = planned.len();
     println!(
@@ -429,8 +443,45 @@ async fn main() {
         100.0 * median(fills),
         median(errors)
     );
-    match std::sync::Arc::try_unwrap(ns) {
-        Ok(ns) => ns.cleanup().await,
-        Err(_) => eprintln!("namespace kept: a task still holds it"),
-    }
+}
+
+/// Job `i`'s row: its first plan against its first attempt's measured
+/// peak (`error`: the prediction's, in per cent of the peak), and every
+/// attempt.
+fn print_row(i: usize, c: &Case, r: &Outcome, error: Option<f64>) {
+    let (plan, _, peak, _) = &r.attempts[0];
+    let measured = peak.map(|b| b as f64 / plan.budget_bytes as f64);
+    println!(
+        "| {}{} | {}Mi | {} | {:.1} / {:.1} MiB ({:.0} %) | {} | {} | {} | {} |",
+        c.name(i),
+        if c.edge { " (edge)" } else { "" },
+        c.limit_mib,
+        settings(&plan.settings),
+        mib(plan.predicted_peak_bytes),
+        mib(plan.budget_bytes),
+        100.0 * plan.predicted_peak_bytes as f64 / plan.budget_bytes as f64,
+        measured.map_or("none reported".into(), |m| format!(
+            "{:.1} MiB ({:.0} %)",
+            mib(peak.unwrap_or(0)),
+            100.0 * m
+        )),
+        error.map_or("".into(), |e| format!("{e:+.1} %")),
+        r.attempts
+            .iter()
+            .map(|(p, o, _, why)| format!(
+                "{o:?}{} ({})",
+                why.as_deref()
+                    .filter(|w| *w != format!("{o:?}"))
+                    .map(|w| format!(" {w}"))
+                    .unwrap_or_default(),
+                settings(&p.settings)
+            ))
+            .collect::<Vec<_>>()
+            .join(" → "),
+        if r.succeeded {
+            "Succeeded".to_string()
+        } else {
+            format!("Failed: {}", r.message.lines().next().unwrap_or(""))
+        },
+    );
 }

@@ -1,4 +1,4 @@
-//! Data-parallel throughput bench (issue 13): the same GPT model and the
+//! Data-parallel throughput bench: the same GPT model and the
 //! same global batch trained as p × d = 1 × 1, 1 × 2, 1 × 4 and 2 × 2 on
 //! the CPU (flex) backend, every (stage, replica) a thread of this process
 //! (one loopback pipeline per replica, one loopback TCP ring per stage, as

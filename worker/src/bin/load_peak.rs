@@ -1,4 +1,4 @@
-//! Load-peak bench (issue 11): how much memory a pipeline stage takes while
+//! Load-peak bench: how much memory a pipeline stage takes while
 //! it reads its part of a Hugging Face checkpoint, against what it holds
 //! afterwards and against the planner's predicted training peak.
 //!
@@ -535,6 +535,32 @@ fn bench(
         offload_embedding: false,
     };
     let mut dense_peaks = BTreeMap::new();
+    print_dense_header();
+    let table = DenseTable {
+        checkpoint: &checkpoint,
+        files: &files,
+        stored,
+        model: &model,
+        settings: &settings,
+        runs,
+        dir: &dir,
+        exe,
+    };
+    for p in STAGE_COUNTS {
+        for k in 0..p {
+            dense_peaks.insert((p, k), table.stage_row(p, k));
+        }
+    }
+    for &format in formats {
+        qlora_table(format, runs, &dir, exe, &model, &settings, &dense_peaks);
+    }
+    if half && stored == Stored::Bf16 {
+        half_table(runs, &dir, exe, &model, &tensor_sizes(&shape));
+    }
+}
+
+/// The dense table's two header lines.
+fn print_dense_header() {
     let header = [
         [
             "p",
@@ -597,96 +623,106 @@ fn bench(
             row[16],
         );
     }
-    for p in STAGE_COUNTS {
-        for k in 0..p {
-            let layout = layout(shape.layers, p, k);
-            let params = stage_params(&shape, &layout);
-            let tensors = stage_tensors(&checkpoint, &layout, &files);
-            assert_eq!(
-                tensors.elements, params,
-                "stage parameters, planner vs checkpoint"
-            );
-            let w_f32 = params * 4;
-            let w_stored = params * stored.bytes();
-            let predicted = estimate_stage(
-                &model,
-                None,
-                &settings,
-                StagePlacement {
-                    layers: layout.layers.end - layout.layers.start,
-                    first: layout.first,
-                    last: layout.last,
-                    in_flight: p - k,
-                    replicas: 1,
-                },
-                &FLEX,
-                1.0,
-            )
-            .total as f64;
-            let results: Vec<Value> = (0..runs)
-                .map(|_| run_child(exe, &dir, p, k, BaseFormat::Dense))
-                .collect();
-            let get = |key: &str| values(&results, key);
-            let diff = |a: &str, b: &str| differences(&results, a, b);
-            let loaded = results[0]["params"].as_u64().expect("params");
-            assert_eq!(loaded, params, "the stage's parameters, planner vs loaded");
-            if !results
-                .iter()
-                .all(|r| r["hwm_reset"].as_bool() == Some(true))
-            {
-                println!("  (VmHWM could not be reset: the peak includes the process's start)");
-            }
-            let before = median(get("rss_before"));
-            let after = median(get("rss_after"));
-            let peak = median(get("hwm_after"));
-            dense_peaks.insert((p, k), peak);
-            let transient = median(diff("hwm_after", "rss_after"));
-            let file = median(diff("file_max", "file_before"));
-            let over_weights = median(diff("hwm_after", "rss_before")) - w_f32 as f64;
-            // The bound on what the load takes beyond the f32 weights, in
-            // stored bytes: F, the stage's bytes in the file it reads most
-            // from (mapped pages, released when that file's store is
-            // dropped), + k × its largest converted tensor (the copies made
-            // while converting it: a cast from bf16, or the transpose of a
-            // linear) + 2k × its largest block linear (freed conversion
-            // buffers the allocator keeps); k = 1 when the load casts, 2 for
-            // an f32 checkpoint (which is only transposed).
-            let (k_copies, converted) = match stored {
-                Stored::F32 => (2, tensors.largest_linear),
-                Stored::Bf16 => (1, tensors.largest),
-            };
-            let formula = ((tensors.per_file_max
-                + k_copies * converted
-                + 2 * k_copies * tensors.block_linear)
-                * stored.bytes()) as f64;
-            println!(
-                "{:>3} {:>5} {:>6} {:>7.1} {:>8.1} {:>4.0}/{:<4.0} {:>7.1} {:>7.1} {:>7.1} {:>9.1} {:>7.1} {:>6.1} {:>8.1} {:>9.1} {:>7.1} {:>6.2} {:>5.2}",
-                p,
-                k,
-                format!("{}-{}", layout.layers.start, layout.layers.end - 1),
-                w_f32 as f64 / MIB,
-                w_stored as f64 / MIB,
-                (tensors.largest * stored.bytes()) as f64 / MIB,
-                (tensors.largest * 4) as f64 / MIB,
-                before / MIB,
-                after / MIB,
-                peak / MIB,
-                transient / MIB,
-                file / MIB,
-                (transient - file) / MIB,
-                formula / MIB,
-                over_weights / MIB,
-                predicted / MIB,
-                peak / predicted,
-                median(get("seconds")),
-            );
+}
+
+/// What the rows of one checkpoint's dense table share.
+struct DenseTable<'a> {
+    checkpoint: &'a HfCheckpoint,
+    /// Each tensor's file.
+    files: &'a BTreeMap<String, String>,
+    stored: Stored,
+    model: &'a ModelShape,
+    settings: &'a Settings,
+    runs: usize,
+    dir: &'a Path,
+    exe: &'a Path,
+}
+
+impl DenseTable<'_> {
+    /// Loads stage `k` of `p` in `runs` child processes, prints its row
+    /// and returns its median peak (VmHWM).
+    fn stage_row(&self, p: u32, k: u32) -> f64 {
+        let shape = &self.checkpoint.shape;
+        let layout = layout(shape.layers, p, k);
+        let params = stage_params(shape, &layout);
+        let tensors = stage_tensors(self.checkpoint, &layout, self.files);
+        assert_eq!(
+            tensors.elements, params,
+            "stage parameters, planner vs checkpoint"
+        );
+        let w_f32 = params * 4;
+        let w_stored = params * self.stored.bytes();
+        let predicted = estimate_stage(
+            self.model,
+            None,
+            self.settings,
+            StagePlacement {
+                layers: layout.layers.end - layout.layers.start,
+                first: layout.first,
+                last: layout.last,
+                in_flight: p - k,
+                replicas: 1,
+            },
+            &FLEX,
+            1.0,
+        )
+        .total as f64;
+        let results: Vec<Value> = (0..self.runs)
+            .map(|_| run_child(self.exe, self.dir, p, k, BaseFormat::Dense))
+            .collect();
+        let get = |key: &str| values(&results, key);
+        let diff = |a: &str, b: &str| differences(&results, a, b);
+        let loaded = results[0]["params"].as_u64().expect("params");
+        assert_eq!(loaded, params, "the stage's parameters, planner vs loaded");
+        if !results
+            .iter()
+            .all(|r| r["hwm_reset"].as_bool() == Some(true))
+        {
+            println!("  (VmHWM could not be reset: the peak includes the process's start)");
         }
-    }
-    for &format in formats {
-        qlora_table(format, runs, &dir, exe, &model, &settings, &dense_peaks);
-    }
-    if half && stored == Stored::Bf16 {
-        half_table(runs, &dir, exe, &model, &tensor_sizes(&shape));
+        let before = median(get("rss_before"));
+        let after = median(get("rss_after"));
+        let peak = median(get("hwm_after"));
+        let transient = median(diff("hwm_after", "rss_after"));
+        let file = median(diff("file_max", "file_before"));
+        let over_weights = median(diff("hwm_after", "rss_before")) - w_f32 as f64;
+        // The bound on what the load takes beyond the f32 weights, in
+        // stored bytes: F, the stage's bytes in the file it reads most
+        // from (mapped pages, released when that file's store is
+        // dropped), + k × its largest converted tensor (the copies made
+        // while converting it: a cast from bf16, or the transpose of a
+        // linear) + 2k × its largest block linear (freed conversion
+        // buffers the allocator keeps); k = 1 when the load casts, 2 for
+        // an f32 checkpoint (which is only transposed).
+        let (k_copies, converted) = match self.stored {
+            Stored::F32 => (2, tensors.largest_linear),
+            Stored::Bf16 => (1, tensors.largest),
+        };
+        let formula =
+            ((tensors.per_file_max + k_copies * converted + 2 * k_copies * tensors.block_linear)
+                * self.stored.bytes()) as f64;
+        println!(
+            "{:>3} {:>5} {:>6} {:>7.1} {:>8.1} {:>4.0}/{:<4.0} {:>7.1} {:>7.1} {:>7.1} {:>9.1} {:>7.1} {:>6.1} {:>8.1} {:>9.1} {:>7.1} {:>6.2} {:>5.2}",
+            p,
+            k,
+            format!("{}-{}", layout.layers.start, layout.layers.end - 1),
+            w_f32 as f64 / MIB,
+            w_stored as f64 / MIB,
+            (tensors.largest * self.stored.bytes()) as f64 / MIB,
+            (tensors.largest * 4) as f64 / MIB,
+            before / MIB,
+            after / MIB,
+            peak / MIB,
+            transient / MIB,
+            file / MIB,
+            (transient - file) / MIB,
+            formula / MIB,
+            over_weights / MIB,
+            predicted / MIB,
+            peak / predicted,
+            median(get("seconds")),
+        );
+        peak
     }
 }
 

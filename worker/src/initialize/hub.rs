@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -604,22 +604,52 @@ impl Hub {
         dir: &Path,
         downloaded: &mut u64,
     ) -> Result<(), InitError> {
-        let target = dir.join(name);
-        let part = dir.join(format!("{name}.part"));
-        let io = |what: &str, path: &Path, e: std::io::Error| {
-            InitError::Io(format!("{what} {}: {e}", path.display()))
+        let paths = PartPaths {
+            target: dir.join(name),
+            part: dir.join(format!("{name}.part")),
         };
-        let mut offset = std::fs::metadata(&part).map_or(0, |m| m.len());
-        if let Some(total) = expected {
-            if offset > total {
-                std::fs::remove_file(&part).map_err(|e| io("removing", &part, e))?;
-                offset = 0;
-            } else if offset == total && total > 0 {
-                // A complete download that was not renamed yet.
-                return std::fs::rename(&part, &target)
-                    .map_err(|e| io("renaming into place", &target, e));
-            }
+        let Some(offset) = paths.resume_offset(expected)? else {
+            return Ok(());
+        };
+        let (response, resume, total) =
+            match self.request_from(url, name, offset, expected, &paths)? {
+                Answer::Complete => return Ok(()),
+                Answer::Body {
+                    response,
+                    resume,
+                    total,
+                } => (response, resume, total),
+            };
+        if resume {
+            tracing::info!(file = name, from = offset, total, "resuming the download");
+        } else {
+            tracing::info!(file = name, total, "downloading");
         }
+        let body = Body {
+            url,
+            name,
+            resume,
+            have: if resume { offset } else { 0 },
+            total,
+        };
+        let have = self.write_body(response, &body, &paths, downloaded)?;
+        paths.rename_into_place()?;
+        tracing::info!(file = name, bytes = have, "downloaded");
+        Ok(())
+    }
+
+    /// Asks for `name` from byte `offset` on, and reads what the answer
+    /// means for the `.part`: a body to append or to start over with, or
+    /// (a `416` for a `.part` that already is the whole file) nothing left
+    /// to fetch.
+    fn request_from(
+        &self,
+        url: &str,
+        name: &str,
+        offset: u64,
+        expected: Option<u64>,
+        paths: &PartPaths,
+    ) -> Result<Answer, InitError> {
         let mut request = self.authorized(self.agent.get(url));
         if offset > 0 {
             request = request.header("Range", format!("bytes={offset}-"));
@@ -630,7 +660,7 @@ impl Hub {
             206 => match content_range(response.headers()) {
                 Some((start, total)) if start == offset => (true, total.or(expected)),
                 _ => {
-                    std::fs::remove_file(&part).map_err(|e| io("removing", &part, e))?;
+                    paths.remove_part()?;
                     return Err(InitError::Network(format!(
                         "{url} answered a range that does not start at byte {offset}; starting {name} over"
                     )));
@@ -653,28 +683,41 @@ impl Hub {
                 let total = header_str(response.headers(), "content-range")
                     .and_then(|r| r.rsplit_once('/').and_then(|(_, t)| t.trim().parse().ok()));
                 if total == Some(offset) {
-                    return std::fs::rename(&part, &target)
-                        .map_err(|e| io("renaming into place", &target, e));
+                    paths.rename_into_place()?;
+                    return Ok(Answer::Complete);
                 }
-                std::fs::remove_file(&part).map_err(|e| io("removing", &part, e))?;
+                paths.remove_part()?;
                 return Err(InitError::Network(format!(
                     "{url} cannot resume at byte {offset}; starting {name} over"
                 )));
             }
             _ => return Err(self.status_error(response, url, Target::File(name))),
         };
-        if resume {
-            tracing::info!(file = name, from = offset, total, "resuming the download");
+        Ok(Answer::Body {
+            response,
+            resume,
+            total,
+        })
+    }
+
+    /// Writes the response's body into the `.part` (appended when resuming),
+    /// reporting progress as it goes, and syncs it; returns the bytes the
+    /// `.part` holds, which must be the whole file when its size is known.
+    fn write_body(
+        &self,
+        response: ureq::http::Response<ureq::Body>,
+        body: &Body<'_>,
+        paths: &PartPaths,
+        downloaded: &mut u64,
+    ) -> Result<u64, InitError> {
+        let (name, total, part) = (body.name, body.total, &paths.part);
+        let mut file = if body.resume {
+            OpenOptions::new().append(true).open(part)
         } else {
-            tracing::info!(file = name, total, "downloading");
+            File::create(part)
         }
-        let mut file = if resume {
-            OpenOptions::new().append(true).open(&part)
-        } else {
-            File::create(&part)
-        }
-        .map_err(|e| io("opening", &part, e))?;
-        let mut have = if resume { offset } else { 0 };
+        .map_err(|e| io_error("opening", part, e))?;
+        let mut have = body.have;
         self.progress(|p| {
             p.file_bytes = have;
             p.file_total_bytes = total;
@@ -682,24 +725,18 @@ impl Hub {
         let mut reader = response.into_body().into_reader();
         let mut buffer = vec![0u8; CHUNK];
         let mut logged = Instant::now();
-        let lost = |have: u64, e: &dyn std::fmt::Display| {
-            InitError::Network(format!(
-                "downloading {url}: the transfer broke off after {have} of {} bytes ({e}); the next try resumes there",
-                total.map_or("?".to_string(), |t| t.to_string())
-            ))
-        };
         loop {
             let n = match reader.read(&mut buffer) {
                 Ok(0) => break,
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => {
-                    file.sync_all().map_err(|e| io("writing", &part, e))?;
-                    return Err(lost(have, &e));
+                    file.sync_all().map_err(|e| io_error("writing", part, e))?;
+                    return Err(body.lost(have, &e));
                 }
             };
             file.write_all(&buffer[..n])
-                .map_err(|e| io("writing", &part, e))?;
+                .map_err(|e| io_error("writing", part, e))?;
             have += n as u64;
             *downloaded += n as u64;
             self.progress(|p| {
@@ -711,16 +748,14 @@ impl Hub {
                 tracing::info!(file = name, bytes = have, total, "downloading");
             }
         }
-        file.sync_all().map_err(|e| io("writing", &part, e))?;
+        file.sync_all().map_err(|e| io_error("writing", part, e))?;
         drop(file);
         if let Some(total) = total
             && have != total
         {
-            return Err(lost(have, &"the connection closed early"));
+            return Err(body.lost(have, &"the connection closed early"));
         }
-        std::fs::rename(&part, &target).map_err(|e| io("renaming into place", &target, e))?;
-        tracing::info!(file = name, bytes = have, "downloaded");
-        Ok(())
+        Ok(have)
     }
 
     /// A status that is not the answer asked for, as the user should read it.
@@ -773,6 +808,80 @@ impl Hub {
             _ => InitError::Network(format!("{url} answered {status}{hub_says}")),
         }
     }
+}
+
+/// A file being downloaded: its final path and the `.part` it grows in.
+struct PartPaths {
+    target: PathBuf,
+    part: PathBuf,
+}
+
+impl PartPaths {
+    /// Where to resume: the `.part`'s size (0 when there is none, or when it
+    /// is longer than the file); `None` when it already was the whole file
+    /// and is now renamed into place.
+    fn resume_offset(&self, expected: Option<u64>) -> Result<Option<u64>, InitError> {
+        let offset = std::fs::metadata(&self.part).map_or(0, |m| m.len());
+        match expected {
+            Some(total) if offset > total => {
+                self.remove_part()?;
+                Ok(Some(0))
+            }
+            Some(total) if offset == total && total > 0 => {
+                // A complete download that was not renamed yet.
+                self.rename_into_place()?;
+                Ok(None)
+            }
+            _ => Ok(Some(offset)),
+        }
+    }
+
+    fn remove_part(&self) -> Result<(), InitError> {
+        std::fs::remove_file(&self.part).map_err(|e| io_error("removing", &self.part, e))
+    }
+
+    fn rename_into_place(&self) -> Result<(), InitError> {
+        std::fs::rename(&self.part, &self.target)
+            .map_err(|e| io_error("renaming into place", &self.target, e))
+    }
+}
+
+/// What a download request's answer leaves to do.
+enum Answer {
+    /// The `.part` already was the whole file, and is now in place.
+    Complete,
+    /// A body to write: appended to the `.part` (`resume`) or replacing
+    /// it; the file's size when known.
+    Body {
+        response: ureq::http::Response<ureq::Body>,
+        resume: bool,
+        total: Option<u64>,
+    },
+}
+
+/// The body being written: which file, from where, and of what size.
+struct Body<'a> {
+    url: &'a str,
+    name: &'a str,
+    resume: bool,
+    /// The bytes the `.part` holds before the body.
+    have: u64,
+    total: Option<u64>,
+}
+
+impl Body<'_> {
+    /// The transfer broke off with `have` bytes in the `.part`.
+    fn lost(&self, have: u64, e: &dyn std::fmt::Display) -> InitError {
+        InitError::Network(format!(
+            "downloading {}: the transfer broke off after {have} of {} bytes ({e}); the next try resumes there",
+            self.url,
+            self.total.map_or("?".to_string(), |t| t.to_string())
+        ))
+    }
+}
+
+fn io_error(what: &str, path: &Path, e: std::io::Error) -> InitError {
+    InitError::Io(format!("{what} {}: {e}", path.display()))
 }
 
 /// A transport failure, naming the URL. A malformed URL is the spec's fault;

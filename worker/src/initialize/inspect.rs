@@ -44,7 +44,38 @@ pub fn inspect_model(dir: &Path, sequence_length: u32) -> Result<ModelFacts, Ini
     let shape = &checkpoint.shape;
     let layout = StageLayout::whole(&shape.clone().into());
     let expected = checkpoint.stage_tensor_names(&layout);
+    let (found, bytes) = read_headers(dir, &checkpoint)?;
+    check_names(dir, shape, &expected, &found)?;
+    check_shapes(dir, shape, &expected, &found)?;
+    let dtype = common_dtype(dir, &expected, &found)?;
+    let parameters: u64 = expected
+        .iter()
+        .filter_map(|n| found.get(n))
+        .map(|t| t.shape.iter().map(|&d| d as u64).product::<u64>())
+        .sum();
+    if parameters != shape.total_params() {
+        return Err(InitError::Invalid(format!(
+            "{}: the safetensors files hold {parameters} parameters but config.json implies {} ({})",
+            dir.display(),
+            shape.total_params(),
+            describe(shape)
+        )));
+    }
+    Ok(ModelFacts {
+        shape: shape.clone(),
+        parameters,
+        bytes,
+        dtype,
+    })
+}
 
+/// Every tensor the weight files' headers describe, by name, and the files'
+/// total size; a tensor in two files, or in another file than the index
+/// says, is an error.
+fn read_headers(
+    dir: &Path,
+    checkpoint: &HfCheckpoint,
+) -> Result<(BTreeMap<String, Found>, u64), InitError> {
     let mut found: BTreeMap<String, Found> = BTreeMap::new();
     let mut bytes = 0;
     for file in checkpoint.weight_files() {
@@ -79,6 +110,17 @@ pub fn inspect_model(dir: &Path, sequence_length: u32) -> Result<ModelFacts, Ini
         }
     }
 
+    Ok((found, bytes))
+}
+
+/// The tensor names are exactly the ones `config.json` implies, besides
+/// the extras some exports carry ([`tolerated_extra`], with a warning).
+fn check_names(
+    dir: &Path,
+    shape: &LlamaShape,
+    expected: &[String],
+    found: &BTreeMap<String, Found>,
+) -> Result<(), InitError> {
     let wanted: BTreeSet<&str> = expected.iter().map(String::as_str).collect();
     let missing: Vec<&str> = expected
         .iter()
@@ -120,8 +162,18 @@ pub fn inspect_model(dir: &Path, sequence_length: u32) -> Result<ModelFacts, Ini
         )));
     }
 
+    Ok(())
+}
+
+/// Each expected tensor has the shape `config.json` implies.
+fn check_shapes(
+    dir: &Path,
+    shape: &LlamaShape,
+    expected: &[String],
+    found: &BTreeMap<String, Found>,
+) -> Result<(), InitError> {
     let mut mismatches = Vec::new();
-    for name in &expected {
+    for name in expected {
         let Some(tensor) = found.get(name) else {
             continue;
         };
@@ -150,8 +202,18 @@ pub fn inspect_model(dir: &Path, sequence_length: u32) -> Result<ModelFacts, Ini
         )));
     }
 
+    Ok(())
+}
+
+/// The one float dtype every expected tensor is stored in (`F32` when
+/// there is none to look at).
+fn common_dtype(
+    dir: &Path,
+    expected: &[String],
+    found: &BTreeMap<String, Found>,
+) -> Result<String, InitError> {
     let mut dtype: Option<(Dtype, &str)> = None;
-    for name in &expected {
+    for name in expected {
         let Some(tensor) = found.get(name) else {
             continue;
         };
@@ -174,27 +236,7 @@ pub fn inspect_model(dir: &Path, sequence_length: u32) -> Result<ModelFacts, Ini
             Some(_) => {}
         }
     }
-    let dtype = dtype.map_or_else(|| "F32".to_string(), |(d, _)| d.to_string());
-
-    let parameters: u64 = expected
-        .iter()
-        .filter_map(|n| found.get(n))
-        .map(|t| t.shape.iter().map(|&d| d as u64).product::<u64>())
-        .sum();
-    if parameters != shape.total_params() {
-        return Err(InitError::Invalid(format!(
-            "{}: the safetensors files hold {parameters} parameters but config.json implies {} ({})",
-            dir.display(),
-            shape.total_params(),
-            describe(shape)
-        )));
-    }
-    Ok(ModelFacts {
-        shape: shape.clone(),
-        parameters,
-        bytes,
-        dtype,
-    })
+    Ok(dtype.map_or_else(|| "F32".to_string(), |(d, _)| d.to_string()))
 }
 
 /// Reads the data as training will (the checkpoint's tokenizer and
@@ -210,7 +252,7 @@ pub fn inspect_data(
     let invalid = |e: &dyn std::fmt::Display| InitError::Invalid(e.to_string());
     let tokenizer_path = model_dir.join("tokenizer.json");
     let tokenizer = load_tokenizer(&tokenizer_path).map_err(|e| invalid(&e))?;
-    let eos = crate::run::end_of_sequence(model_dir, &tokenizer).ok_or_else(|| {
+    let eos = crate::text::end_of_sequence(model_dir, &tokenizer).ok_or_else(|| {
         InitError::Invalid(format!(
             "{}: no end-of-sequence token (config.json eos_token_id, or </s>, <|endoftext|>, <|end_of_text|> in the vocabulary)",
             tokenizer_path.display()

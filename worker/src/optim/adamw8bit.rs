@@ -184,8 +184,8 @@ impl Optimizer for AdamW8bit {
             // for bit, while the f32 moments, the direction's intermediates
             // and quantize's i64 indices (tens of bytes an element in all)
             // exist for one slice only, not for a whole embedding at once
-            // (issue 36: a 2 × 768 model with a 16k vocabulary, 12.6M
-            // elements in its embedding, was killed at its first 8-bit step).
+            // (a 2 × 768 model with a 16k vocabulary, 12.6M elements in its
+            // embedding, was killed at its first 8-bit step otherwise).
             let blocks = Quantized::blocks(elements);
             let mut directions = vec![];
             let (mut firsts, mut seconds) = (vec![], vec![]);

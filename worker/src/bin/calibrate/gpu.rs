@@ -1,5 +1,5 @@
 //! `calibrate --backend cuda`: the planner's CUDA profile against real
-//! workers on an NVIDIA GPU (issue 14; `make gpu-check` runs it).
+//! workers on an NVIDIA GPU (`make gpu-check` runs it).
 //!
 //! The same method as the CPU grid: each case is planned by the real
 //! planner (one GPU of the type NVML reports, the job's settings pinned),
@@ -32,7 +32,7 @@ use headroom_planner::backend::CUDA;
 use headroom_planner::{Backend, NodeFacts};
 use headroom_worker::env::GPU_CACHE_DIR_ENV;
 use headroom_worker::gpu_runtime::{RuntimeSettings, install};
-use headroom_worker::train::training_device;
+use headroom_worker::train::{Unsupported, training_device};
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
@@ -646,7 +646,7 @@ fn planned_load(format: BaseFormat) -> (u64, u64) {
     (base, m.load_peak - m.fixed_overhead - m.weights)
 }
 
-/// The device's share of a checkpoint load (issue 30's load figure; on the
+/// The device's share of a checkpoint load (the plan's load figure; on the
 /// CPU host and device are one memory, so only a GPU can say): for a dense
 /// and an nf4 base of [`load_model`], each loaded in a child process, the
 /// live bytes beyond the weights against what the planner counts. Returns
@@ -809,13 +809,13 @@ fn speed_rows(gpu: &Gpu, device: &Device, models: &Path, steps: u64) {
     }
 }
 
-/// The GPU grid, the summary and (with `overhead`) telemetry cost and
-/// tokens/s. The exit code: 0 when the targets are met, 1 when missed, 2
-/// when there is no GPU or CUDA build to run on.
 /// `--quick`: one row per kind of term on the small models (under 4
 /// minutes with the smoke, the ops check and the telemetry run on an H200).
 pub const QUICK_CASES: &str = "T b8$|T b16 ckpt|T s8192|M b8$";
 
+/// The GPU grid, the summary and (with `overhead`) telemetry cost and
+/// tokens/s. The exit code: 0 when the targets are met, 1 when missed, 2
+/// when there is no GPU or CUDA build to run on.
 pub fn run(
     steps: u64,
     only: Option<&str>,
@@ -850,40 +850,8 @@ pub fn run(
     }
     let models = std::env::temp_dir().join(format!("headroom-gpu-models-{}", std::process::id()));
     let load_failed = load_rows(&models);
-    if ops_check {
-        println!(
-            "\nlean ops on this GPU against the naive ones (max |difference| / max |value|; reference: the naive op in f32 on the CPU):\n"
-        );
-        println!(
-            "| dtype | op | quantity | lean vs naive | lean vs reference | naive vs reference | |"
-        );
-        println!("|---|---|---|---|---|---|---|");
-    }
-    let mut ops_failed = 0;
-    for dtype in ["fp32", "bf16"].into_iter().filter(|_| ops_check) {
-        // Flushed before the child writes to the same stdout.
-        std::io::Write::flush(&mut std::io::stdout()).ok();
-        let status = Command::new(std::env::current_exe().expect("own path"))
-            .args(["--gpu-ops-check", dtype])
-            .args(autotune_args())
-            .status()
-            .expect("run the ops-check child");
-        if !status.success() {
-            eprintln!("gpu-check: the {dtype} ops check failed ({status})");
-            ops_failed += 1;
-        }
-    }
-    println!(
-        "\nCUDA profile: fixed overhead {:.0} MiB, state slack {:.0} %, activation slack {:.0} % ({:.0} % for adapters without checkpointing), logit copies {}, checkpointed phase overlap {}, {:?} activation count, usable {:.0} %; bf16, {steps} steps per case, peak = worker device peak (NVML used, allocator reserved) less the NVML baseline\n",
-        CUDA.fixed_overhead_bytes as f64 / MIB,
-        CUDA.state_slack * 100.0,
-        CUDA.activation_slack * 100.0,
-        CUDA.adapter_activation_slack * 100.0,
-        CUDA.logit_copies,
-        CUDA.checkpoint_phase_overlap,
-        CUDA.activation_count,
-        CUDA.usable_fraction * 100.0,
-    );
+    let ops_failed = if ops_check { ops_checks() } else { 0 };
+    print_profile(steps);
     print_table_header();
     let mut rows = Vec::new();
     let mut failed = 0;
@@ -891,60 +859,11 @@ pub fn run(
         .into_iter()
         .filter(|c| only.is_none_or(|o| selected(c.name, o)))
     {
-        let a = match assignment(&case, steps, &gpu) {
-            Ok(a) => a,
-            Err(e) => {
-                let first = e.lines().next().unwrap_or_default().to_string();
-                println!(
-                    "| {} | skipped: does not fit this GPU ({first}) |",
-                    case.name
-                );
-                continue;
-            }
-        };
-        let breakdown = cuda_prediction(&case, &a);
-        if std::env::var_os("CALIBRATE_BREAKDOWN").is_some() {
-            eprintln!("  {}: {}", case.name, breakdown_mib(&breakdown));
+        match one_gpu_row(case, steps, &gpu, &models) {
+            Row::Measured(m) => rows.push(*m),
+            Row::Skipped => {}
+            Row::Failed => failed += 1,
         }
-        let dir = std::env::temp_dir().join(format!("headroom-gpu-case-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let mut a = a;
-        a.files = fine_tuning_files_with(&case, &dir, &models, steps);
-        let baseline = used_bytes();
-        let run = try_run_worker(case.name, &a, &dir);
-        let _ = std::fs::remove_dir_all(&dir);
-        // One case failing (a CUDA out-of-memory, a kernel that does not
-        // compile) is a finding; the other rows still run.
-        let (message, seconds) = match run {
-            Ok(run) => run,
-            Err(e) => {
-                let first = e.lines().next().unwrap_or_default().to_string();
-                println!("| {} | failed: {first} |", case.name);
-                eprintln!("{e}");
-                failed += 1;
-                continue;
-            }
-        };
-        let peak = message
-            .peak_bytes
-            .expect("peak bytes in the termination message");
-        let m = Measured {
-            label: case.name.to_string(),
-            case,
-            predicted: breakdown.total,
-            measured: peak.saturating_sub(baseline),
-            seconds,
-            replicas: 1,
-        };
-        print_row(&m);
-        eprintln!(
-            "  ({} took {:.1} s; NVML baseline {:.0} MiB)",
-            m.case.name,
-            m.seconds,
-            baseline as f64 / MIB
-        );
-        rows.push(m);
     }
     if gpu.count >= 2 {
         let (two_rows, two_failed) = two_gpu_rows(&gpu, only, &models, steps);
@@ -963,35 +882,7 @@ pub fn run(
     }
     let _ = std::fs::remove_dir_all(&models);
     if let Some(device) = device {
-        // A GPT-2-small shape trained from random weights (no checkpoint to
-        // write): tokens/s and the reporter's cost on this GPU.
-        let case = Case::full(
-            "GPT 12 × 768 s1024",
-            &shape(12, 768, 12, 1024, 32000, true),
-            (8, 1),
-            false,
-            Optimizer::Adamw,
-            Precision::Bf16,
-        );
-        match assignment(&case, 1_000_000, &gpu) {
-            Ok(a) => match device {
-                Ok(device) => {
-                    println!(
-                        "\ntokens/s and telemetry, model {} bf16, micro-batch {}{}:",
-                        case.name,
-                        case.micro_batch,
-                        bf16_peak_flops(&gpu.name).map_or(String::new(), |p| format!(
-                            "; {:.1} GFLOP per token, so MFU = tokens/s × {:.3e}",
-                            flops_per_token(&case.model) / 1e9,
-                            flops_per_token(&case.model) / p
-                        ))
-                    );
-                    telemetry_overhead_on(a, device);
-                }
-                Err(e) => eprintln!("gpu-check: no CUDA device for the overhead run: {e}"),
-            },
-            Err(e) => eprintln!("gpu-check: the overhead model does not fit: {e}"),
-        }
+        overhead_row(&gpu, device);
     }
     if rows.is_empty() {
         eprintln!("gpu-check: no case ran");
@@ -1007,6 +898,147 @@ pub fn run(
         return 1;
     }
     missed
+}
+
+/// The lean ops against the naive ones on this GPU, in fp32 and bf16 (one
+/// child process each); returns how many failed.
+fn ops_checks() -> usize {
+    println!(
+        "\nlean ops on this GPU against the naive ones (max |difference| / max |value|; reference: the naive op in f32 on the CPU):\n"
+    );
+    println!(
+        "| dtype | op | quantity | lean vs naive | lean vs reference | naive vs reference | |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    let mut ops_failed = 0;
+    for dtype in ["fp32", "bf16"] {
+        // Flushed before the child writes to the same stdout.
+        std::io::Write::flush(&mut std::io::stdout()).ok();
+        let status = Command::new(std::env::current_exe().expect("own path"))
+            .args(["--gpu-ops-check", dtype])
+            .args(autotune_args())
+            .status()
+            .expect("run the ops-check child");
+        if !status.success() {
+            eprintln!("gpu-check: the {dtype} ops check failed ({status})");
+            ops_failed += 1;
+        }
+    }
+    ops_failed
+}
+
+/// The CUDA profile the grid's predictions come from.
+fn print_profile(steps: u64) {
+    println!(
+        "\nCUDA profile: fixed overhead {:.0} MiB, state slack {:.0} %, activation slack {:.0} % ({:.0} % for adapters without checkpointing), logit copies {}, checkpointed phase overlap {}, {:?} activation count, usable {:.0} %; bf16, {steps} steps per case, peak = worker device peak (NVML used, allocator reserved) less the NVML baseline\n",
+        CUDA.fixed_overhead_bytes as f64 / MIB,
+        CUDA.state_slack * 100.0,
+        CUDA.activation_slack * 100.0,
+        CUDA.adapter_activation_slack * 100.0,
+        CUDA.logit_copies,
+        CUDA.checkpoint_phase_overlap,
+        CUDA.activation_count,
+        CUDA.usable_fraction * 100.0,
+    );
+}
+
+/// How one case of the grid went.
+enum Row {
+    Measured(Box<Measured>),
+    /// The plan does not fit this GPU.
+    Skipped,
+    /// The worker failed: a finding, the other rows still run.
+    Failed,
+}
+
+/// Plans `case` for this GPU, runs it as a worker process and prints its
+/// row (or why there is none).
+fn one_gpu_row(case: Case, steps: u64, gpu: &Gpu, models: &Path) -> Row {
+    let a = match assignment(&case, steps, gpu) {
+        Ok(a) => a,
+        Err(e) => {
+            let first = e.lines().next().unwrap_or_default().to_string();
+            println!(
+                "| {} | skipped: does not fit this GPU ({first}) |",
+                case.name
+            );
+            return Row::Skipped;
+        }
+    };
+    let breakdown = cuda_prediction(&case, &a);
+    if std::env::var_os("CALIBRATE_BREAKDOWN").is_some() {
+        eprintln!("  {}: {}", case.name, breakdown_mib(&breakdown));
+    }
+    let dir = std::env::temp_dir().join(format!("headroom-gpu-case-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let mut a = a;
+    a.files = fine_tuning_files_with(&case, &dir, models, steps);
+    let baseline = used_bytes();
+    let run = try_run_worker(case.name, &a, &dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    // One case failing (a CUDA out-of-memory, a kernel that does not
+    // compile) is a finding; the other rows still run.
+    let (message, seconds) = match run {
+        Ok(run) => run,
+        Err(e) => {
+            let first = e.lines().next().unwrap_or_default().to_string();
+            println!("| {} | failed: {first} |", case.name);
+            eprintln!("{e}");
+            return Row::Failed;
+        }
+    };
+    let peak = message
+        .peak_bytes
+        .expect("peak bytes in the termination message");
+    let m = Measured {
+        label: case.name.to_string(),
+        case,
+        predicted: breakdown.total,
+        measured: peak.saturating_sub(baseline),
+        seconds,
+        replicas: 1,
+    };
+    print_row(&m);
+    eprintln!(
+        "  ({} took {:.1} s; NVML baseline {:.0} MiB)",
+        m.case.name,
+        m.seconds,
+        baseline as f64 / MIB
+    );
+    Row::Measured(Box::new(m))
+}
+
+/// A GPT-2-small shape trained from random weights (no checkpoint to
+/// write): tokens/s and the reporter's cost on this GPU.
+fn overhead_row(gpu: &Gpu, device: Result<Device, Unsupported>) {
+    let case = Case::full(
+        "GPT 12 × 768 s1024",
+        &shape(12, 768, 12, 1024, 32000, true),
+        (8, 1),
+        false,
+        Optimizer::Adamw,
+        Precision::Bf16,
+    );
+    match assignment(&case, 1_000_000, gpu) {
+        Ok(a) => match device {
+            Ok(device) => {
+                println!(
+                    "\ntokens/s and telemetry, model {} bf16, micro-batch {}{}:",
+                    case.name,
+                    case.micro_batch,
+                    bf16_peak_flops(&gpu.name).map_or(String::new(), |p| format!(
+                        "; {:.1} GFLOP per token, so MFU = tokens/s × {:.3e}",
+                        flops_per_token(&case.model) / 1e9,
+                        flops_per_token(&case.model) / p
+                    ))
+                );
+                telemetry_overhead_on(a, device);
+            }
+            Err(e) => eprintln!("gpu-check: no CUDA device for the overhead run: {e}"),
+        },
+        Err(e) => eprintln!("gpu-check: the overhead model does not fit: {e}"),
+    }
 }
 
 /// The grid's 2-GPU rows, `(case, stages, replicas)`: TinyLlama full

@@ -20,7 +20,7 @@
 //! `files`, so the worker loads the checkpoint, tokenizes and packs the text,
 //! trains, checkpoints and writes the trained model back out.
 //!
-//! LoRA rows (issue 12): the Lq model with rank-8 adapters on q,v or on all
+//! LoRA rows: the Lq model with rank-8 adapters on q,v or on all
 //! seven block linears, over a dense base (LoRA) and an int8 or int4 base
 //! (QLoRA, block 64; flex stores int4 one byte a value), checkpointing off
 //! (b 4) and on (b 16, where training rather than the checkpoint load
@@ -64,19 +64,19 @@ use headroom_planner::{
     RetryRung, SearchOptions, Target, TargetModule, TransformerShape,
 };
 use headroom_worker::ValidAssignment;
+use headroom_worker::memory_probe::MemoryProbe;
 use headroom_worker::model::hf::HfCheckpoint;
 use headroom_worker::model::lora::BLOCK_LINEARS;
 use headroom_worker::model::{LmShape, StageLayout, TransformerLm};
 use headroom_worker::report::{MemorySink, Progress, Reporter, WorkerIdentity, WritePolicy};
 use headroom_worker::run::TERMINATION_MESSAGE_PATH_ENV;
-use headroom_worker::telemetry::MemoryProbe;
 use headroom_worker::train::Trainer;
 
 mod gpu;
 
 const MIB: f64 = 1024.0 * 1024.0;
-/// The calibration targets: issue 4's 10 % under-prediction bound (the
-/// default headroom) and issue 11's median of 5 %.
+/// The calibration targets: a 10 % under-prediction bound (the default
+/// headroom) and a median error of 5 %.
 const MEDIAN_TARGET: f64 = 0.05;
 const UNDER_TARGET: f64 = 0.10;
 
@@ -193,13 +193,85 @@ fn llama(
     )
 }
 
+/// The CPU grid: the full fine-tuning rows, then the LoRA and QLoRA rows.
 fn grid() -> Vec<Case> {
+    let c = |name, model: &ModelShape, b, acc, ckpt, opt| {
+        Case::full(name, model, (b, acc), ckpt, opt, Precision::Fp32)
+    };
+    // LoRA rows: Lq, 25M parameters (h 512, GQA 8/2, SwiGLU 1408 = 22 × 64,
+    // so the default QLoRA block of 64 divides every block linear), untied;
+    // rank 8, alpha 16 on q,v or on all seven block linears.
+    let lq = llama(6, 512, (8, 2), 1408, 128, 8192, false);
+    let lora = |name, b, ckpt, opt, targets: &[TargetModule], format| Case {
+        adapters: Some(lora_config(targets)),
+        base_format: format,
+        ..c(name, &lq, b, 1, ckpt, opt)
+    };
+    // The same with PEFT's common lora_dropout of 0.1.
+    let dropped = |name, b, ckpt, targets: &[TargetModule], format| Case {
+        adapters: Some(LoraConfig {
+            dropout: 0.1,
+            ..lora_config(targets)
+        }),
+        base_format: format,
+        ..c(name, &lq, b, 1, ckpt, Adamw)
+    };
+    let lq2k = llama(6, 512, (8, 2), 1408, 2048, 8192, false);
+    let lora2k = |name, ckpt, targets: &[TargetModule], format| Case {
+        adapters: Some(lora_config(targets)),
+        base_format: format,
+        ..c(name, &lq2k, 1, 1, ckpt, Adamw)
+    };
+    use BaseFormat::{Dense, Int4, Int8, Nf4};
+    use Optimizer::{Adamw, Adamw8bit};
+    let qv = &[TargetModule::QProj, TargetModule::VProj][..];
+    let all7 = &BLOCK_LINEARS[..];
+    let mut cases = full_grid();
+    cases.extend([
+        lora("Lq lora qv b4", 4, false, Adamw, qv, Dense),
+        lora("Lq lora qv b16 ckpt", 16, true, Adamw, qv, Dense),
+        lora("Lq lora all7 b4", 4, false, Adamw, all7, Dense),
+        lora("Lq lora all7 b16 ckpt", 16, true, Adamw, all7, Dense),
+        lora("Lq qlora8 qv b4", 4, false, Adamw, qv, Int8),
+        lora("Lq qlora8 qv b16 ckpt", 16, true, Adamw, qv, Int8),
+        lora("Lq qlora8 all7 b4", 4, false, Adamw, all7, Int8),
+        lora("Lq qlora8 all7 b16 ckpt", 16, true, Adamw, all7, Int8),
+        lora("Lq qlora4 qv b4", 4, false, Adamw, qv, Int4),
+        lora("Lq qlora4 qv b16 ckpt", 16, true, Adamw, qv, Int4),
+        lora("Lq qlora4 all7 b4", 4, false, Adamw, all7, Int4),
+        lora("Lq qlora4 all7 b16 ckpt", 16, true, Adamw, all7, Int4),
+        dropped("Lq lora qv b4 drop", 4, false, qv, Dense),
+        dropped("Lq lora all7 b4 drop", 4, false, all7, Dense),
+        dropped("Lq nf4 all7 b16 ckpt drop", 16, true, all7, Nf4),
+        lora("Lq nf4 qv b4", 4, false, Adamw, qv, Nf4),
+        lora("Lq nf4 all7 b4", 4, false, Adamw, all7, Nf4),
+        lora("Lq nf4 all7 b16 ckpt", 16, true, Adamw, all7, Nf4),
+        lora("Lq lora all7 b4 8bit", 4, false, Adamw8bit, all7, Dense),
+        lora2k("Lq lora all7 s2048", false, all7, Dense),
+        lora2k("Lq qlora8 all7 s2048", false, all7, Int8),
+        lora2k("Lq qlora4 all7 s2048 ckpt", true, all7, Int4),
+        lora2k("Lq nf4 all7 s2048", false, all7, Nf4),
+        lora2k("Lq nf4 all7 s2048 ckpt", true, all7, Nf4),
+        lora(
+            "Lq qlora8 all7 b16 ckpt 8bit",
+            16,
+            true,
+            Adamw8bit,
+            all7,
+            Int8,
+        ),
+    ]);
+    cases
+}
+
+/// The full fine-tuning rows: GPT and Llama shapes, every optimizer.
+fn full_grid() -> Vec<Case> {
     let s = shape(2, 128, 4, 128, 1024, true);
     let m = shape(4, 256, 4, 256, 4096, true);
     let l = shape(6, 384, 6, 256, 8192, true);
     let attn = shape(4, 256, 8, 512, 2048, true);
     let wide = shape(2, 768, 12, 128, 16384, false);
-    // Issue 36's job: OOM-killed at micro-batch 1 with 8-bit AdamW.
+    // A job once OOM-killed at micro-batch 1 with 8-bit AdamW.
     let i36 = shape(6, 384, 6, 256, 4096, true);
     // The first-fit bench's (make bench-first-fit) jobs measured furthest
     // from their plans: few layers, large micro-batches or vocabularies.
@@ -236,34 +308,7 @@ fn grid() -> Vec<Case> {
     let c = |name, model: &ModelShape, b, acc, ckpt, opt| {
         Case::full(name, model, (b, acc), ckpt, opt, Precision::Fp32)
     };
-    // LoRA rows: Lq, 25M parameters (h 512, GQA 8/2, SwiGLU 1408 = 22 × 64,
-    // so the default QLoRA block of 64 divides every block linear), untied;
-    // rank 8, alpha 16 on q,v or on all seven block linears.
-    let lq = llama(6, 512, (8, 2), 1408, 128, 8192, false);
-    let lora = |name, b, ckpt, opt, targets: &[TargetModule], format| Case {
-        adapters: Some(lora_config(targets)),
-        base_format: format,
-        ..c(name, &lq, b, 1, ckpt, opt)
-    };
-    // The same with PEFT's common lora_dropout of 0.1.
-    let dropped = |name, b, ckpt, targets: &[TargetModule], format| Case {
-        adapters: Some(LoraConfig {
-            dropout: 0.1,
-            ..lora_config(targets)
-        }),
-        base_format: format,
-        ..c(name, &lq, b, 1, ckpt, Adamw)
-    };
-    let lq2k = llama(6, 512, (8, 2), 1408, 2048, 8192, false);
-    let lora2k = |name, ckpt, targets: &[TargetModule], format| Case {
-        adapters: Some(lora_config(targets)),
-        base_format: format,
-        ..c(name, &lq2k, 1, 1, ckpt, Adamw)
-    };
-    use BaseFormat::{Dense, Int4, Int8, Nf4};
     use Optimizer::{Adamw, Adamw8bit, Sgd, SgdMomentum};
-    let qv = &[TargetModule::QProj, TargetModule::VProj][..];
-    let all7 = &BLOCK_LINEARS[..];
     vec![
         c("S b4", &s, 4, 1, false, Adamw),
         c("S b16", &s, 16, 1, false, Adamw),
@@ -295,7 +340,7 @@ fn grid() -> Vec<Case> {
         c("Llama B untied b4 8bit", &big, 4, 1, false, Adamw8bit),
         c("Llama B untied b8 ckpt 8bit", &big, 8, 1, true, Adamw8bit),
         c("Llama Q gqa b16 8bit", &q, 16, 1, false, Adamw8bit),
-        // 8-bit AdamW where its fixed parts weigh most (issue 36): small
+        // 8-bit AdamW where its fixed parts weigh most: small
         // hidden sizes, whose tensors below 4096 elements stay f32 and
         // whose quantization buffers are a larger share of the state.
         c("S b4 8bit", &s, 4, 1, false, Adamw8bit),
@@ -332,38 +377,6 @@ fn grid() -> Vec<Case> {
         c("Llama Q s4096 b1", &q4k, 1, 1, false, Adamw),
         c("Llama Q s4096 b1 ckpt", &q4k, 1, 1, true, Adamw),
         c("A s2048 b1", &a2k, 1, 1, false, Adamw),
-        lora("Lq lora qv b4", 4, false, Adamw, qv, Dense),
-        lora("Lq lora qv b16 ckpt", 16, true, Adamw, qv, Dense),
-        lora("Lq lora all7 b4", 4, false, Adamw, all7, Dense),
-        lora("Lq lora all7 b16 ckpt", 16, true, Adamw, all7, Dense),
-        lora("Lq qlora8 qv b4", 4, false, Adamw, qv, Int8),
-        lora("Lq qlora8 qv b16 ckpt", 16, true, Adamw, qv, Int8),
-        lora("Lq qlora8 all7 b4", 4, false, Adamw, all7, Int8),
-        lora("Lq qlora8 all7 b16 ckpt", 16, true, Adamw, all7, Int8),
-        lora("Lq qlora4 qv b4", 4, false, Adamw, qv, Int4),
-        lora("Lq qlora4 qv b16 ckpt", 16, true, Adamw, qv, Int4),
-        lora("Lq qlora4 all7 b4", 4, false, Adamw, all7, Int4),
-        lora("Lq qlora4 all7 b16 ckpt", 16, true, Adamw, all7, Int4),
-        dropped("Lq lora qv b4 drop", 4, false, qv, Dense),
-        dropped("Lq lora all7 b4 drop", 4, false, all7, Dense),
-        dropped("Lq nf4 all7 b16 ckpt drop", 16, true, all7, Nf4),
-        lora("Lq nf4 qv b4", 4, false, Adamw, qv, Nf4),
-        lora("Lq nf4 all7 b4", 4, false, Adamw, all7, Nf4),
-        lora("Lq nf4 all7 b16 ckpt", 16, true, Adamw, all7, Nf4),
-        lora("Lq lora all7 b4 8bit", 4, false, Adamw8bit, all7, Dense),
-        lora2k("Lq lora all7 s2048", false, all7, Dense),
-        lora2k("Lq qlora8 all7 s2048", false, all7, Int8),
-        lora2k("Lq qlora4 all7 s2048 ckpt", true, all7, Int4),
-        lora2k("Lq nf4 all7 s2048", false, all7, Nf4),
-        lora2k("Lq nf4 all7 s2048 ckpt", true, all7, Nf4),
-        lora(
-            "Lq qlora8 all7 b16 ckpt 8bit",
-            16,
-            true,
-            Adamw8bit,
-            all7,
-            Int8,
-        ),
     ]
 }
 
@@ -821,60 +834,31 @@ fn run_split(
     // Worker (k, r) listens on the pipeline port of replica r's stage k and
     // on the ring port of stage k's replica r.
     let port = |_: u32| format!("127.0.0.1:{}", free_port());
-    let pipeline: Vec<Vec<String>> = (0..d).map(|_| (0..p).map(port).collect()).collect();
-    let ring: Vec<Vec<String>> = (0..p).map(|_| (0..d).map(port).collect()).collect();
-    let workers: Vec<(u32, u32)> = (0..p).flat_map(|k| (0..d).map(move |r| (k, r))).collect();
-    let name = |k: u32, r: u32| {
-        if d > 1 {
-            format!("s{k}-r{r}")
-        } else {
-            format!("s{k}")
-        }
+    let addresses = SplitAddresses {
+        pipeline: (0..d).map(|_| (0..p).map(port).collect()).collect(),
+        ring: (0..p).map(|_| (0..d).map(port).collect()).collect(),
+        // The workers prove this run's key to each other, as a job's do the
+        // operator's (there is no worker API here to hand one out).
+        key: headroom_worker::link_auth::LinkKey::random()
+            .expect("peer key")
+            .to_hex(),
     };
-    // The workers prove this run's key to each other, as a job's do the
-    // operator's (there is no worker API here to hand one out).
-    let key = headroom_worker::link_auth::LinkKey::random()
-        .expect("peer key")
-        .to_hex();
+    let run = SplitRun {
+        case,
+        a: &a,
+        p,
+        d,
+        dir: &dir,
+        placement,
+    };
+    let workers: Vec<(u32, u32)> = (0..p).flat_map(|k| (0..d).map(move |r| (k, r))).collect();
     let started = Instant::now();
     let children: Vec<_> = workers
         .iter()
         .map(|&(k, r)| {
-            let mut worker = a.clone();
-            worker.stage = k;
-            worker.replica = r;
-            let mut cmd = Command::new(std::env::current_exe().expect("own path"));
-            cmd.arg("--worker")
-                .env(PLAN_JSON_ENV, serde_json::to_string(&worker).expect("json"))
-                .env(PIPELINE_ADDRESSES_ENV, pipeline[r as usize].join(","))
-                .env(PEER_KEY_ENV, &key)
-                .env(CHECKPOINT_DIR_ENV, dir.join("checkpoints"))
-                // One per slot, as in a pod: a cache has one writer.
-                .env(
-                    headroom_worker::env::GPU_CACHE_DIR_ENV,
-                    gpu::gpu_cache_dir().join(name(k, r)),
-                )
-                .env(
-                    TERMINATION_MESSAGE_PATH_ENV,
-                    dir.join(format!("termination-{}", name(k, r))),
-                )
-                .env(POD_NAME_ENV, format!("calibrate-{}", name(k, r)))
-                .env(MALLOC_ARENA_MAX_ENV, WORKER_MALLOC_ARENAS)
-                .env(MALLOC_TUNABLES_ENV, WORKER_MALLOC_TUNABLES)
-                .env("KUBECONFIG", dir.join("none"))
-                .env("HOME", &dir)
-                .env("RUST_LOG", "warn")
-                .stderr(std::process::Stdio::piped());
-            if d > 1 {
-                cmd.env(REPLICA_ADDRESSES_ENV, ring[k as usize].join(","));
-            }
-            if let SplitWorkers::OneGpuEach { .. } = placement {
-                // CUDA numbers GPUs as NVML does (the probe's and the
-                // baselines' indices) only in PCI bus order.
-                cmd.env("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-                    .env("CUDA_VISIBLE_DEVICES", (k * d + r).to_string());
-            }
-            cmd.spawn().expect("start a worker")
+            run.command(k, r, &addresses)
+                .spawn()
+                .expect("start a worker")
         })
         .collect();
     let outputs: Vec<_> = children
@@ -885,54 +869,139 @@ fn run_split(
     let rows = workers
         .iter()
         .zip(&outputs)
-        .map(|(&(k, r), out)| {
-            let message: Option<TerminationMessage> =
-                std::fs::read_to_string(dir.join(format!("termination-{}", name(k, r))))
-                    .ok()
-                    .and_then(|t| serde_json::from_str(&t).ok());
-            let message = match message {
-                Some(m) if out.status.code() == Some(0) => m,
-                m => {
-                    return Err(format!(
-                        "{} p{p} d{d} {}: worker failed ({}): {m:?}\n{}",
-                        case.name,
-                        name(k, r),
-                        out.status,
-                        String::from_utf8_lossy(&out.stderr)
-                    ));
-                }
-            };
-            let breakdown = stage_estimate_on(case, &a, k, profile);
-            if std::env::var_os("CALIBRATE_BREAKDOWN").is_some() {
-                eprintln!(
-                    "  {} p{p} d{d} {}: {}",
-                    case.name,
-                    name(k, r),
-                    breakdown_mib(&breakdown)
-                );
-            }
-            // The stage's prediction is its largest shard's (the planner
-            // budgets every replica for it).
-            let predicted = breakdown.total;
-            let peak = message.peak_bytes.expect("peak");
-            let baseline = match placement {
-                SplitWorkers::Host => 0,
-                SplitWorkers::OneGpuEach { baselines } => {
-                    baselines.get((k * d + r) as usize).copied().unwrap_or(0)
-                }
-            };
-            Ok(Measured {
-                label: stage_label(case, &a, p, d, k, r),
-                case: case.clone(),
-                predicted,
-                measured: peak.saturating_sub(baseline),
-                seconds,
-                replicas: d,
-            })
-        })
+        .map(|(&(k, r), out)| run.measured(k, r, out, profile, seconds))
         .collect();
     let _ = std::fs::remove_dir_all(&dir);
     rows
+}
+
+/// Where the workers of a split run listen, and the key they prove.
+struct SplitAddresses {
+    /// Per replica, every stage's pipeline address.
+    pipeline: Vec<Vec<String>>,
+    /// Per stage, every replica's ring address.
+    ring: Vec<Vec<String>>,
+    key: String,
+}
+
+/// One case run as `p` stages × `d` replicas, one worker process each.
+struct SplitRun<'a> {
+    case: &'a Case,
+    a: &'a WorkerAssignment,
+    p: u32,
+    d: u32,
+    dir: &'a Path,
+    placement: &'a SplitWorkers,
+}
+
+impl SplitRun<'_> {
+    /// Worker (k, r)'s name, as the operator's hostnames go.
+    fn name(&self, k: u32, r: u32) -> String {
+        if self.d > 1 {
+            format!("s{k}-r{r}")
+        } else {
+            format!("s{k}")
+        }
+    }
+
+    /// The worker process of stage `k`, replica `r`.
+    fn command(&self, k: u32, r: u32, addresses: &SplitAddresses) -> Command {
+        let (dir, name) = (self.dir, self.name(k, r));
+        let mut worker = self.a.clone();
+        worker.stage = k;
+        worker.replica = r;
+        let mut cmd = Command::new(std::env::current_exe().expect("own path"));
+        cmd.arg("--worker")
+            .env(PLAN_JSON_ENV, serde_json::to_string(&worker).expect("json"))
+            .env(
+                PIPELINE_ADDRESSES_ENV,
+                addresses.pipeline[r as usize].join(","),
+            )
+            .env(PEER_KEY_ENV, &addresses.key)
+            .env(CHECKPOINT_DIR_ENV, dir.join("checkpoints"))
+            // One per slot, as in a pod: a cache has one writer.
+            .env(
+                headroom_worker::env::GPU_CACHE_DIR_ENV,
+                gpu::gpu_cache_dir().join(&name),
+            )
+            .env(
+                TERMINATION_MESSAGE_PATH_ENV,
+                dir.join(format!("termination-{name}")),
+            )
+            .env(POD_NAME_ENV, format!("calibrate-{name}"))
+            .env(MALLOC_ARENA_MAX_ENV, WORKER_MALLOC_ARENAS)
+            .env(MALLOC_TUNABLES_ENV, WORKER_MALLOC_TUNABLES)
+            .env("KUBECONFIG", dir.join("none"))
+            .env("HOME", dir)
+            .env("RUST_LOG", "warn")
+            .stderr(std::process::Stdio::piped());
+        if self.d > 1 {
+            cmd.env(REPLICA_ADDRESSES_ENV, addresses.ring[k as usize].join(","));
+        }
+        if let SplitWorkers::OneGpuEach { .. } = self.placement {
+            // CUDA numbers GPUs as NVML does (the probe's and the
+            // baselines' indices) only in PCI bus order.
+            cmd.env("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+                .env("CUDA_VISIBLE_DEVICES", (k * self.d + r).to_string());
+        }
+        cmd
+    }
+
+    /// Worker (k, r)'s row: its termination message's peak (less its GPU's
+    /// baseline) against its stage's prediction.
+    fn measured(
+        &self,
+        k: u32,
+        r: u32,
+        out: &std::process::Output,
+        profile: &BackendProfile,
+        seconds: f64,
+    ) -> Result<Measured, String> {
+        let (case, a, p, d) = (self.case, self.a, self.p, self.d);
+        let message: Option<TerminationMessage> =
+            std::fs::read_to_string(self.dir.join(format!("termination-{}", self.name(k, r))))
+                .ok()
+                .and_then(|t| serde_json::from_str(&t).ok());
+        let message = match message {
+            Some(m) if out.status.code() == Some(0) => m,
+            m => {
+                return Err(format!(
+                    "{} p{p} d{d} {}: worker failed ({}): {m:?}\n{}",
+                    case.name,
+                    self.name(k, r),
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr)
+                ));
+            }
+        };
+        let breakdown = stage_estimate_on(case, a, k, profile);
+        if std::env::var_os("CALIBRATE_BREAKDOWN").is_some() {
+            eprintln!(
+                "  {} p{p} d{d} {}: {}",
+                case.name,
+                self.name(k, r),
+                breakdown_mib(&breakdown)
+            );
+        }
+        // The stage's prediction is its largest shard's (the planner
+        // budgets every replica for it).
+        let predicted = breakdown.total;
+        let peak = message.peak_bytes.expect("peak");
+        let baseline = match self.placement {
+            SplitWorkers::Host => 0,
+            SplitWorkers::OneGpuEach { baselines } => {
+                baselines.get((k * d + r) as usize).copied().unwrap_or(0)
+            }
+        };
+        Ok(Measured {
+            label: stage_label(case, a, p, d, k, r),
+            case: case.clone(),
+            predicted,
+            measured: peak.saturating_sub(baseline),
+            seconds,
+            replicas: d,
+        })
+    }
 }
 
 /// The model the pipeline rows and the throughput figures use.
@@ -1024,7 +1093,7 @@ fn pipeline_throughput(case: &Case, p: u32, steps: u64) -> f64 {
 }
 
 /// The pipeline rows: each case with the (stages, replicas) it runs beside
-/// its one-worker row (replicas since issue 13).
+/// its one-worker row.
 fn pipeline_grid() -> [(Case, &'static [(u32, u32)]); 3] {
     [
         (
@@ -1286,6 +1355,65 @@ fn main() {
         gpu::set_autotune(&level);
         args.drain(at..at + 2);
     }
+    run_child_mode(&args);
+    let options = Options::parse(&args);
+    if options.overhead_only {
+        telemetry_overhead();
+        return;
+    }
+    if cfg!(debug_assertions) {
+        eprintln!("warning: a debug build; calibrate with --release");
+    }
+    let (steps, only) = (options.steps, options.only.as_deref());
+    if options.cuda {
+        std::process::exit(gpu::run(
+            steps,
+            only,
+            options.overhead,
+            options.large,
+            options.quick,
+            options.ops_check,
+        ));
+    }
+    if options.ops_ab {
+        ops_ab_report(steps, only);
+        return;
+    }
+    if options.predict_only {
+        predict_only_report(steps, only);
+        return;
+    }
+    println!(
+        "FLEX profile: fixed overhead {:.0} MiB, state slack {:.0} %, activation slack {:.0} % ({:.0} % for adapters without checkpointing), logit copies {}, checkpointed phase overlap {}, {:?} activation count; {steps} steps per case, peak = worker VmHWM\n",
+        FLEX.fixed_overhead_bytes as f64 / MIB,
+        FLEX.state_slack * 100.0,
+        FLEX.activation_slack * 100.0,
+        FLEX.adapter_activation_slack * 100.0,
+        FLEX.logit_copies,
+        FLEX.checkpoint_phase_overlap,
+        FLEX.activation_count,
+    );
+    print_table_header();
+    let mut rows = Vec::new();
+    for case in grid()
+        .into_iter()
+        .filter(|c| only.is_none_or(|o| selected(c.name, o)))
+    {
+        let m = measure(&case, steps);
+        print_row(&m);
+        eprintln!("  ({} took {:.1} s)", m.case.name, m.seconds);
+        rows.push(m);
+    }
+    let pipeline = options.pipeline && only.is_none_or(|o| o == "--pipeline-only");
+    if pipeline {
+        rows.extend(pipeline_report(steps));
+    }
+    summary(&rows, options.overhead, pipeline);
+}
+
+/// The modes this binary runs in as a child of the bench (a worker, or one
+/// GPU check): each exits the process with its code.
+fn run_child_mode(args: &[String]) {
     match args.first().map(String::as_str) {
         Some("--worker") => {
             let exit = headroom_worker::run::run(headroom_worker::WorkerEnv::from_env());
@@ -1313,117 +1441,99 @@ fn main() {
         }
         _ => {}
     }
-    let mut steps = 3;
-    let mut only: Option<String> = None;
-    let mut overhead = true;
-    let mut pipeline = true;
-    let mut cuda = false;
-    let mut large = false;
-    let mut quick = false;
-    let mut ops_check = true;
-    let mut ops_ab = false;
-    let mut predict_only = false;
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        match arg.as_str() {
-            "--steps" => steps = it.next().and_then(|v| v.parse().ok()).expect("--steps N"),
-            "--only" => only = it.next().cloned(),
-            "--backend" => match it.next().map(String::as_str) {
-                Some("cuda") => cuda = true,
-                Some("flex") => cuda = false,
-                other => panic!("--backend {other:?}: use flex (CPU, the default) or cuda"),
-            },
-            "--large" => large = true,
-            "--quick" => quick = true,
-            "--skip-ops-check" => ops_check = false,
-            "--ops-ab" => ops_ab = true,
-            "--predict-only" => predict_only = true,
-            "--skip-overhead" => overhead = false,
-            "--skip-pipeline" => pipeline = false,
-            "--pipeline-only" => only = Some("--pipeline-only".into()),
-            "--overhead-only" => {
-                telemetry_overhead();
-                return;
-            }
-            other => panic!(
-                "unknown argument {other}; use --backend flex|cuda, --large (cuda: add 3B rows), --autotune minimal|balanced|extensive|full (cuda), --quick (cuda: the 110M-350M rows, no 1.1B speed rows), --skip-ops-check (cuda), --steps N, --only NAME[|NAME…], --skip-pipeline, --pipeline-only, --skip-overhead, --overhead-only, --ops-ab, --predict-only"
-            ),
-        }
-    }
-    if cfg!(debug_assertions) {
-        eprintln!("warning: a debug build; calibrate with --release");
-    }
-    if cuda {
-        std::process::exit(gpu::run(
-            steps,
-            only.as_deref(),
-            overhead,
-            large,
-            quick,
-            ops_check,
-        ));
-    }
-    if ops_ab {
-        ops_ab_report(steps, only.as_deref());
-        return;
-    }
-    if predict_only {
-        // The planner's figure for each case without running it (to refit a
-        // profile against peaks measured before), in the rows' own labels.
-        let row = |label: &str, b: &MemoryBreakdown| {
-            let total = b.total as f64 / MIB;
-            println!("| {label} | {total:.0} | {} |", breakdown_mib(b));
+}
+
+/// The bench's command line.
+struct Options {
+    steps: u64,
+    only: Option<String>,
+    overhead: bool,
+    pipeline: bool,
+    cuda: bool,
+    large: bool,
+    quick: bool,
+    ops_check: bool,
+    ops_ab: bool,
+    predict_only: bool,
+    /// `--overhead-only`: the arguments after it are not read.
+    overhead_only: bool,
+}
+
+impl Options {
+    fn parse(args: &[String]) -> Options {
+        let mut o = Options {
+            steps: 3,
+            only: None,
+            overhead: true,
+            pipeline: true,
+            cuda: false,
+            large: false,
+            quick: false,
+            ops_check: true,
+            ops_ab: false,
+            predict_only: false,
+            overhead_only: false,
         };
-        for case in grid()
-            .into_iter()
-            .filter(|c| only.as_deref().is_none_or(|o| selected(c.name, o)))
-        {
-            row(
-                case.name,
-                &stage_estimate(&case, &assignment(&case, steps), 0),
-            );
-        }
-        for (case, shapes) in pipeline_grid() {
-            let whole = stage_estimate(&case, &assignment(&case, steps), 0);
-            row(&format!("{} p1", case.name), &whole);
-            for &(p, d) in shapes {
-                let a = pipeline_assignment(&case, p, d, steps);
-                for (k, r) in (0..p).flat_map(|k| (0..d).map(move |r| (k, r))) {
-                    row(
-                        &stage_label(&case, &a, p, d, k, r),
-                        &stage_estimate(&case, &a, k),
-                    );
+        let mut it = args.iter();
+        while let Some(arg) = it.next() {
+            match arg.as_str() {
+                "--steps" => o.steps = it.next().and_then(|v| v.parse().ok()).expect("--steps N"),
+                "--only" => o.only = it.next().cloned(),
+                "--backend" => match it.next().map(String::as_str) {
+                    Some("cuda") => o.cuda = true,
+                    Some("flex") => o.cuda = false,
+                    other => panic!("--backend {other:?}: use flex (CPU, the default) or cuda"),
+                },
+                "--large" => o.large = true,
+                "--quick" => o.quick = true,
+                "--skip-ops-check" => o.ops_check = false,
+                "--ops-ab" => o.ops_ab = true,
+                "--predict-only" => o.predict_only = true,
+                "--skip-overhead" => o.overhead = false,
+                "--skip-pipeline" => o.pipeline = false,
+                "--pipeline-only" => o.only = Some("--pipeline-only".into()),
+                "--overhead-only" => {
+                    o.overhead_only = true;
+                    return o;
                 }
+                other => panic!(
+                    "unknown argument {other}; use --backend flex|cuda, --large (cuda: add 3B rows), --autotune minimal|balanced|extensive|full (cuda), --quick (cuda: the 110M-350M rows, no 1.1B speed rows), --skip-ops-check (cuda), --steps N, --only NAME[|NAME…], --skip-pipeline, --pipeline-only, --skip-overhead, --overhead-only, --ops-ab, --predict-only"
+                ),
             }
         }
-        return;
+        o
     }
-    println!(
-        "FLEX profile: fixed overhead {:.0} MiB, state slack {:.0} %, activation slack {:.0} % ({:.0} % for adapters without checkpointing), logit copies {}, checkpointed phase overlap {}, {:?} activation count; {steps} steps per case, peak = worker VmHWM\n",
-        FLEX.fixed_overhead_bytes as f64 / MIB,
-        FLEX.state_slack * 100.0,
-        FLEX.activation_slack * 100.0,
-        FLEX.adapter_activation_slack * 100.0,
-        FLEX.logit_copies,
-        FLEX.checkpoint_phase_overlap,
-        FLEX.activation_count,
-    );
-    print_table_header();
-    let mut rows = Vec::new();
+}
+
+/// The planner's figure for each case without running it (to refit a
+/// profile against peaks measured before), in the rows' own labels.
+fn predict_only_report(steps: u64, only: Option<&str>) {
+    let row = |label: &str, b: &MemoryBreakdown| {
+        let total = b.total as f64 / MIB;
+        println!("| {label} | {total:.0} | {} |", breakdown_mib(b));
+    };
     for case in grid()
         .into_iter()
-        .filter(|c| only.as_deref().is_none_or(|o| selected(c.name, o)))
+        .filter(|c| only.is_none_or(|o| selected(c.name, o)))
     {
-        let m = measure(&case, steps);
-        print_row(&m);
-        eprintln!("  ({} took {:.1} s)", m.case.name, m.seconds);
-        rows.push(m);
+        row(
+            case.name,
+            &stage_estimate(&case, &assignment(&case, steps), 0),
+        );
     }
-    let pipeline = pipeline && only.as_deref().is_none_or(|o| o == "--pipeline-only");
-    if pipeline {
-        rows.extend(pipeline_report(steps));
+    for (case, shapes) in pipeline_grid() {
+        let whole = stage_estimate(&case, &assignment(&case, steps), 0);
+        row(&format!("{} p1", case.name), &whole);
+        for &(p, d) in shapes {
+            let a = pipeline_assignment(&case, p, d, steps);
+            for (k, r) in (0..p).flat_map(|k| (0..d).map(move |r| (k, r))) {
+                row(
+                    &stage_label(&case, &a, p, d, k, r),
+                    &stage_estimate(&case, &a, k),
+                );
+            }
+        }
     }
-    summary(&rows, overhead, pipeline);
 }
 
 /// The header of the table [`print_row`] writes rows of.

@@ -1,25 +1,26 @@
-//! Training ops that keep for backward only what their backward needs,
-//! each one autodiff op with its own backward (burn's backend-extension
-//! route: one trait, implemented on the plain backends and on `Autodiff`):
+//! Training ops that keep for backward only what their backward needs.
+//! Three are autodiff ops with a backward of their own (burn's
+//! backend-extension route: one trait, implemented on the plain backends and
+//! on `Autodiff`); the fourth is composed from them and the tensor API:
 //!
 //! * [`attention`] — blocked causal attention (FlashAttention-2): saves q,
 //!   k, v, the output and a logsumexp per row instead of burn's three
 //!   `[b, heads, s, s]` tensors per layer;
 //! * [`frozen`] — `x · W` for a frozen quantized `W`: dequantized for the
 //!   matmul and again in backward, never kept dense;
-//! * [`linear`] — a LoRA/QLoRA linear as `x·W + s·(x·A)·B`, never the
-//!   dense `W + s·A·B`;
 //! * [`cross_entropy`] — the loss from hidden states and head weight, a
 //!   chunk of rows at a time: saves a logsumexp per row instead of the f32
-//!   logits and their gradient.
+//!   logits and their gradient;
+//! * [`linear`] (composed) — a LoRA/QLoRA linear as `x·W + s·(x·A)·B`,
+//!   never the dense `W + s·A·B`, its quantized base through [`frozen`].
 //!
 //! The algorithms are written once over burn's tensor API on the inner
 //! backend, so flex and CUDA run the same code; a fused kernel could replace
 //! a body for `Cube` behind the same op.
 //!
-//! Both ops are "compute bound" in burn's sense: they save their state and
-//! are never recomputed by burn's own checkpointing (the worker checkpoints
-//! whole blocks itself, see [`crate::train`]).
+//! The three autodiff ops are "compute bound" in burn's sense: they save
+//! their state and are never recomputed by burn's own checkpointing (the
+//! worker checkpoints whole blocks itself, see [`crate::train`]).
 
 pub mod attention;
 pub mod check;

@@ -1,6 +1,7 @@
-//! The worker's one tokio runtime, built once per process: it runs the
-//! SIGTERM watcher ([`ClusterHandle::watch_sigterm`]) on a worker thread of
-//! its own, so the signal is caught whatever the training threads are doing.
+//! The SIGTERM watch: the worker's one tokio runtime, built once per
+//! process, runs the signal handler ([`SigtermWatcher::watch`]) on a worker
+//! thread of its own, so the signal is caught whatever the training threads
+//! are doing.
 //!
 //! The worker holds no Kubernetes client: telemetry and the peers' pod IPs go
 //! through the operator's worker API ([`crate::worker_api`]), a blocking
@@ -9,18 +10,18 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-/// The process's runtime.
-pub struct ClusterHandle {
+/// The process's tokio runtime, kept for the SIGTERM handler it runs.
+pub struct SigtermWatcher {
     runtime: tokio::runtime::Runtime,
 }
 
-impl std::fmt::Debug for ClusterHandle {
+impl std::fmt::Debug for SigtermWatcher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ClusterHandle").finish_non_exhaustive()
+        f.debug_struct("SigtermWatcher").finish_non_exhaustive()
     }
 }
 
-impl ClusterHandle {
+impl SigtermWatcher {
     /// Builds the process's runtime (one worker thread).
     pub fn new() -> std::io::Result<Self> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -28,7 +29,7 @@ impl ClusterHandle {
             .thread_name("headroom-runtime")
             .enable_all()
             .build()?;
-        Ok(ClusterHandle { runtime })
+        Ok(SigtermWatcher { runtime })
     }
 
     /// A flag set when the process receives SIGTERM (eviction, deletion, node
@@ -36,7 +37,7 @@ impl ClusterHandle {
     /// and exits, inside the pod's grace period when a step is shorter than
     /// it. The handler is in place when this returns, so an early SIGTERM is
     /// not lost.
-    pub fn watch_sigterm(&self) -> Arc<AtomicBool> {
+    pub fn watch(&self) -> Arc<AtomicBool> {
         use tokio::signal::unix::{SignalKind, signal};
         let flag = Arc::new(AtomicBool::new(false));
         let installed = {
