@@ -1,4 +1,4 @@
-//! Where the API server checks a job's spec (issue 33).
+//! Where the API server checks a job's spec.
 //!
 //! The spec's cross-field rules are declared beside the fields they check,
 //! as CEL `x-kubernetes-validations` on the types (`job/`), and

@@ -1,4 +1,11 @@
 //! The status: what Headroom knows about a job and what it did.
+//!
+//! Atomic fields: a status object or list that one writer always writes
+//! whole is marked atomic (`x-kubernetes-map-type` or
+//! `x-kubernetes-list-type`), so the object's managed fields name it once
+//! instead of listing each of its fields, or each entry's. Nothing merges a
+//! list's entries anyway: a JSON merge patch replaces a list whole. The
+//! fields marked so say `// Atomic: see the module doc.`
 
 use headroom_planner::{Plan, RetryRung, Settings};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
@@ -183,8 +190,7 @@ pub struct WorkerTelemetry {
     /// Training throughput over the last steps.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens_per_second: Option<f64>,
-    // Atomic: one writer always writes it whole, so the object's managed
-    // fields name it once instead of listing each of its fields (issue 33).
+    // Atomic: see the module doc.
     #[schemars(extend("x-kubernetes-map-type" = "atomic"))]
     pub memory: MemorySample,
     /// The initializer's download while it runs (only on the initializer's
@@ -242,10 +248,7 @@ pub struct MemoryAwareTrainingJobStatus {
     /// `Planned`, `Running`, `Complete`, `Failed`, each with its reason (see the
     /// README's Job lifecycle).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    // Atomic: only the operator writes the conditions, always the whole
-    // list (a JSON merge patch replaces a list whole anyway), so nothing
-    // merges entries and the managed fields name the list once instead of
-    // listing every condition's fields (issue 33).
+    // Atomic: see the module doc; only the operator writes the conditions.
     #[schemars(extend("x-kubernetes-list-type" = "atomic"))]
     pub conditions: Vec<Condition>,
     /// Current attempt number (1-based).
@@ -254,15 +257,14 @@ pub struct MemoryAwareTrainingJobStatus {
     /// The current attempt's whole plan: stages, memory breakdown term by
     /// term, step time (stored here only: each attempt keeps its summary).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    // Atomic: one writer always writes it whole, so the object's managed
-    // fields name it once instead of listing each of its fields (issue 33).
+    // Atomic: see the module doc.
     #[schemars(extend("x-kubernetes-map-type" = "atomic"))]
     pub plan: Option<Plan>,
     /// Every attempt so far, oldest first, each with its settings, predicted
     /// and observed peak, and outcome; never pruned.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    // Atomic, as the conditions: one writer, the whole list (each attempt
-    // would otherwise add its ~15 fields to the managed fields).
+    // Atomic: see the module doc; each attempt would otherwise add its ~15
+    // fields to the managed fields.
     #[schemars(extend("x-kubernetes-list-type" = "atomic"))]
     pub attempts: Vec<Attempt>,
     /// Live telemetry per worker of the current attempt (at most 1,024
@@ -278,14 +280,12 @@ pub struct MemoryAwareTrainingJobStatus {
     /// The checkpoint a `model.pretrained` job fine-tunes, as the initializer
     /// read it (shape from config.json, checked against the weight files).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    // Atomic: one writer always writes it whole, so the object's managed
-    // fields name it once instead of listing each of its fields (issue 33).
+    // Atomic: see the module doc.
     #[schemars(extend("x-kubernetes-map-type" = "atomic"))]
     pub model: Option<crate::ModelFacts>,
     /// The training text as the checkpoint's tokenizer sees it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    // Atomic: one writer always writes it whole, so the object's managed
-    // fields name it once instead of listing each of its fields (issue 33).
+    // Atomic: see the module doc.
     #[schemars(extend("x-kubernetes-map-type" = "atomic"))]
     pub data: Option<crate::DataFacts>,
     /// Where the fine-tuned model is written (`<claim>:<path>`).

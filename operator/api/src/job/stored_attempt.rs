@@ -29,8 +29,7 @@ pub(super) struct StoredAttempt {
     stages: Option<u32>,
     /// Micro-batch, accumulation, checkpointing, precision, optimizer.
     #[serde(default)]
-    // Atomic: one writer always writes it whole, so the object's managed
-    // fields name it once instead of listing each of its fields (issue 33).
+    // Atomic: see the doc of the `status` module.
     #[schemars(extend("x-kubernetes-map-type" = "atomic"))]
     settings: Option<Settings>,
     /// The plan's predicted peak of its largest worker, bytes.

@@ -1,10 +1,16 @@
-//! Offline validation.
+//! The planner's view of a spec ([`MemoryAwareTrainingJobSpec::job_request`]),
+//! checked offline as the API server checks it: the same fields named, in
+//! the CEL rules' words, so `kubectl headroom plan -f` refuses what the API
+//! server would. Some checks need what only the planner's side knows (the
+//! checkpoint's shape, the backend's base formats).
 
-use headroom_planner::{Backend, JobRequest, ModelShape, Precision, Target};
+use headroom_planner::{Backend, JobRequest, LlamaShape, ModelShape, Precision, RetryRung, Target};
+use k8s_openapi::api::core::v1::Toleration;
 
-use super::sources::{HuggingFaceDataFile, HuggingFaceSource, VolumePath};
+use super::sources::{HuggingFaceDataFile, HuggingFaceSource, PretrainedModel, VolumePath};
 use super::spec::{
-    MemoryAwareTrainingJobSpec, QuantizedFormat, TrainingMethod, default_lora_targets,
+    CpuResources, GpuResources, LoraSpec, MemoryAwareTrainingJobSpec, QuantizedFormat,
+    TrainingMethod, default_lora_targets,
 };
 use crate::quantity::{parse_bytes, parse_cores};
 
@@ -68,10 +74,34 @@ impl HuggingFaceDataFile {
             "data.huggingFace.endpoint",
         )
     }
+
+    /// The CEL rules on `file`, offline: a path inside the repository, and
+    /// a format Headroom reads.
+    fn check_file(&self) -> Result<(), SpecError> {
+        let file = self.file.as_str();
+        if file.starts_with('/')
+            || file
+                .split('/')
+                .any(|p| p.is_empty() || p == "." || p == "..")
+        {
+            return Err(spec_error(
+                "data.huggingFace.file",
+                "is a path inside the repository (e.g. data/train.jsonl), without a leading '/', '.' or '..'",
+            ));
+        }
+        if file.ends_with(".parquet") || file.ends_with(".arrow") {
+            return Err(spec_error(
+                "data.huggingFace.file",
+                "must be JSONL (format: jsonl) or plain text (format: text); Headroom does not read Parquet or Arrow: pick or upload such a file",
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl VolumePath {
-    /// The CEL rule above, offline: `field` names where this path is.
+    /// The CEL rule on [`VolumePath`], offline: `field` names where this
+    /// path is.
     fn check(&self, field: &'static str) -> Result<(), SpecError> {
         if self.path.starts_with('/') || self.path.split('/').any(|p| p == "..") {
             return Err(spec_error(
@@ -114,75 +144,85 @@ impl MemoryAwareTrainingJobSpec {
     /// has been read (`pretrained`: the shape from its config.json).
     pub fn job_request_for(
         &self,
-        pretrained: Option<&headroom_planner::LlamaShape>,
+        pretrained: Option<&LlamaShape>,
     ) -> Result<JobRequest, SpecError> {
-        if let Some(p) = &self.model.pretrained {
-            if self.model.transformer.is_some() || self.model.generic.is_some() {
-                return Err(spec_error(
-                    "model",
-                    "set exactly one of model.pretrained, model.transformer or model.generic",
-                ));
-            }
-            if p.hugging_face.is_some() == p.volume.is_some() {
-                return Err(spec_error(
-                    "model.pretrained",
-                    "set exactly one of huggingFace (repo, revision) or volume (claimName, path)",
-                ));
-            }
-            let Some(data) = &self.data else {
-                return Err(spec_error(
-                    "data",
-                    "a model.pretrained job needs its training text (data.volume.claimName, data.volume.path)",
-                ));
-            };
-            // The CEL rules on the sources, for offline checks (the API
-            // server holds them too).
-            if let Some(v) = &p.volume {
-                v.check("model.pretrained.volume.path")?;
-            }
-            if data.hugging_face.is_some() == data.volume.is_some() {
-                return Err(spec_error(
-                    "data",
-                    "set exactly one of huggingFace (repo, file) or volume (claimName, path)",
-                ));
-            }
-            if let Some(v) = &data.volume {
-                v.check("data.volume.path")?;
-            }
-            if let Some(o) = &self.output {
-                o.volume.check("output.volume.path")?;
-            }
-            self.check_hub_endpoints()?;
-            if let Some(hf) = &data.hugging_face {
-                let file = hf.file.as_str();
-                if file.starts_with('/')
-                    || file
-                        .split('/')
-                        .any(|p| p.is_empty() || p == "." || p == "..")
-                {
-                    return Err(spec_error(
-                        "data.huggingFace.file",
-                        "is a path inside the repository (e.g. data/train.jsonl), without a leading '/', '.' or '..'",
-                    ));
-                }
-                if file.ends_with(".parquet") || file.ends_with(".arrow") {
-                    return Err(spec_error(
-                        "data.huggingFace.file",
-                        "must be JSONL (format: jsonl) or plain text (format: text); Headroom does not read Parquet or Arrow: pick or upload such a file",
-                    ));
-                }
-            }
-            let Some(shape) = pretrained else {
-                return Err(spec_error(
-                    "model.pretrained",
-                    "is planned from the checkpoint's config.json, which the initializer reads; offline, plan it with kubectl headroom plan --model-dir DIR",
-                ));
-            };
-            let mut shape = shape.clone();
-            shape.sequence_length = p.sequence_length;
-            self.check_adapters_fit(&shape)?;
-            return self.request_for_model(ModelShape::Llama(shape));
+        let model = match &self.model.pretrained {
+            Some(p) => self.pretrained_model(p, pretrained)?,
+            None => self.model_from_scratch()?,
+        };
+        self.request_for_model(model)
+    }
+
+    /// The shape of a `model.pretrained` job's checkpoint (`read`: from its
+    /// config.json), at the spec's sequence length, once the job's sources
+    /// and adapters are checked.
+    fn pretrained_model(
+        &self,
+        p: &PretrainedModel,
+        read: Option<&LlamaShape>,
+    ) -> Result<ModelShape, SpecError> {
+        if self.model.transformer.is_some() || self.model.generic.is_some() {
+            return Err(spec_error(
+                "model",
+                "set exactly one of model.pretrained, model.transformer or model.generic",
+            ));
         }
+        self.check_pretrained_sources(p)?;
+        let Some(shape) = read else {
+            return Err(spec_error(
+                "model.pretrained",
+                "is planned from the checkpoint's config.json, which the initializer reads; offline, plan it with kubectl headroom plan --model-dir DIR",
+            ));
+        };
+        let mut shape = shape.clone();
+        shape.sequence_length = p.sequence_length;
+        self.check_adapters_fit(&shape)?;
+        Ok(ModelShape::Llama(shape))
+    }
+
+    /// Where a `model.pretrained` job's checkpoint, text and output are: the
+    /// CEL rules on the sources, for offline checks (the API server holds
+    /// them too).
+    fn check_pretrained_sources(&self, p: &PretrainedModel) -> Result<(), SpecError> {
+        if p.hugging_face.is_some() == p.volume.is_some() {
+            return Err(spec_error(
+                "model.pretrained",
+                "set exactly one of huggingFace (repo, revision) or volume (claimName, path)",
+            ));
+        }
+        let Some(data) = &self.data else {
+            return Err(spec_error(
+                "data",
+                "a model.pretrained job needs its training text (data.volume.claimName, data.volume.path)",
+            ));
+        };
+        if let Some(v) = &p.volume {
+            v.check("model.pretrained.volume.path")?;
+        }
+        if data.hugging_face.is_some() == data.volume.is_some() {
+            return Err(spec_error(
+                "data",
+                "set exactly one of huggingFace (repo, file) or volume (claimName, path)",
+            ));
+        }
+        if let Some(v) = &data.volume {
+            v.check("data.volume.path")?;
+        }
+        if let Some(o) = &self.output {
+            o.volume.check("output.volume.path")?;
+        }
+        self.check_hub_endpoints()?;
+        if let Some(hf) = &data.hugging_face {
+            hf.check_file()?;
+        }
+        Ok(())
+    }
+
+    /// The model of a job that does not start from a checkpoint:
+    /// `model.transformer` (trained from random weights) or `model.generic`
+    /// (planned only), with full training and none of a pretrained job's
+    /// fields.
+    fn model_from_scratch(&self) -> Result<ModelShape, SpecError> {
         if self.training.method != TrainingMethod::Full {
             return Err(spec_error(
                 "training.method",
@@ -199,7 +239,7 @@ impl MemoryAwareTrainingJobSpec {
                 "only a model.pretrained job takes training text and writes a fine-tuned model",
             ));
         }
-        let model = match (&self.model.transformer, &self.model.generic) {
+        match (&self.model.transformer, &self.model.generic) {
             (Some(t), None) => {
                 if t.heads == 0 || t.hidden % t.heads != 0 {
                     return Err(spec_error(
@@ -210,202 +250,30 @@ impl MemoryAwareTrainingJobSpec {
                         ),
                     ));
                 }
-                ModelShape::Transformer(t.clone())
+                Ok(ModelShape::Transformer(t.clone()))
             }
-            (None, Some(g)) => ModelShape::Generic(g.clone()),
-            _ => {
-                return Err(spec_error(
-                    "model",
-                    "set exactly one of model.pretrained, model.transformer or model.generic",
-                ));
-            }
-        };
-        self.request_for_model(model)
+            (None, Some(g)) => Ok(ModelShape::Generic(g.clone())),
+            _ => Err(spec_error(
+                "model",
+                "set exactly one of model.pretrained, model.transformer or model.generic",
+            )),
+        }
     }
 
+    /// The planner's request for `model`: every check that does not depend
+    /// on the model's kind, in the order the offline errors come.
     fn request_for_model(&self, model: ModelShape) -> Result<JobRequest, SpecError> {
-        let t = &self.training;
-        if t.global_batch == 0 {
-            return Err(spec_error("training.globalBatch", "must be at least 1"));
-        }
-        if let Some(b) = t.micro_batch
-            && (b == 0 || !t.global_batch.is_multiple_of(b))
-        {
-            return Err(spec_error(
-                "training.microBatch",
-                format!(
-                    "microBatch ({b}) must divide globalBatch ({}) so the global batch is kept exactly",
-                    t.global_batch
-                ),
-            ));
-        }
-        if !(0.0..=0.9).contains(&self.resources.headroom_fraction) {
-            return Err(spec_error(
-                "resources.headroomFraction",
-                "must be between 0 and 0.9 (e.g. 0.1)",
-            ));
-        }
-        let target = match (&self.resources.gpu, &self.resources.cpu) {
-            (Some(g), None) => {
-                let mut host_baseline_bytes = None;
-                if let Some(host) = &g.host_memory {
-                    let bytes = parse_bytes(&host.0)
-                        .map_err(|e| spec_error("resources.gpu.hostMemory", e))?;
-                    if bytes < 64 << 20 {
-                        return Err(spec_error(
-                            "resources.gpu.hostMemory",
-                            "must be at least 64Mi, e.g. 32Gi",
-                        ));
-                    }
-                    host_baseline_bytes = Some(bytes);
-                }
-                Target::Gpu {
-                    allowed_types: g.types.clone(),
-                    max_gpus: g.max_gpus.max(1),
-                    host_baseline_bytes,
-                }
-            }
-            (None, Some(c)) => {
-                if let Some(cores) = &c.cores {
-                    parse_cores(&cores.0).map_err(|e| spec_error("resources.cpu.cores", e))?;
-                }
-                let limit = parse_bytes(&c.memory_limit.0)
-                    .map_err(|e| spec_error("resources.cpu.memoryLimit", e))?;
-                if limit < 64 << 20 {
-                    return Err(spec_error(
-                        "resources.cpu.memoryLimit",
-                        "must be at least 64Mi, e.g. 2Gi",
-                    ));
-                }
-                if c.max_workers > 1 && self.model.generic.is_some() {
-                    return Err(spec_error(
-                        "resources.cpu.maxWorkers",
-                        "a generic model cannot be split into pipeline stages; use 1",
-                    ));
-                }
-                Target::Cpu {
-                    memory_limit_bytes: limit,
-                    max_workers: c.max_workers.max(1),
-                }
-            }
-            _ => {
-                return Err(spec_error(
-                    "resources",
-                    "set exactly one of resources.gpu or resources.cpu",
-                ));
-            }
-        };
-        if let Some(n) = t.pipeline_stages {
-            let (max, field) = match &target {
-                Target::Gpu { max_gpus, .. } => (*max_gpus, "resources.gpu.maxGpus"),
-                Target::Cpu { max_workers, .. } => (*max_workers, "resources.cpu.maxWorkers"),
-            };
-            let layers = model.splittable_layers();
-            if n > max || n > layers {
-                return Err(spec_error(
-                    "training.pipelineStages",
-                    format!(
-                        "{n} stages: at most {field} ({max}) and the model's layers ({layers}); raise {field} or pin fewer stages"
-                    ),
-                ));
-            }
-        }
-        if let Some(d) = t.data_parallel_replicas {
-            let (max, field) = match &target {
-                Target::Gpu { max_gpus, .. } => (*max_gpus, "resources.gpu.maxGpus"),
-                Target::Cpu { max_workers, .. } => (*max_workers, "resources.cpu.maxWorkers"),
-            };
-            let p = t.pipeline_stages.unwrap_or(1);
-            if d == 0 || !t.global_batch.is_multiple_of(d) {
-                return Err(spec_error(
-                    "training.dataParallelReplicas",
-                    format!(
-                        "{d} replicas must divide training.globalBatch ({}) so every replica trains an equal share",
-                        t.global_batch
-                    ),
-                ));
-            }
-            if let Some(b) = t.micro_batch
-                && !(t.global_batch / d).is_multiple_of(b)
-            {
-                return Err(spec_error(
-                    "training.microBatch",
-                    format!(
-                        "{b} must divide each replica's share of training.globalBatch ({} / {d} = {})",
-                        t.global_batch,
-                        t.global_batch / d
-                    ),
-                ));
-            }
-            if p * d > max {
-                return Err(spec_error(
-                    "training.dataParallelReplicas",
-                    format!(
-                        "{p} stage(s) × {d} replicas = {} workers: at most {field} ({max}); raise {field} or pin fewer",
-                        p * d
-                    ),
-                ));
-            }
-        }
+        self.check_batch()?;
+        let target = self.target()?;
+        self.check_pinned_stages(&target, &model)?;
+        self.check_pinned_replicas(&target)?;
         let backend = self.backend();
-        if (backend == Backend::Cuda) != self.resources.gpu.is_some() {
-            return Err(spec_error(
-                "worker.backend",
-                "must be 'cuda' for a GPU job (resources.gpu) and 'flex' for a CPU job (resources.cpu)",
-            ));
-        }
-        if backend == Backend::Flex && t.precision != Precision::Fp32 {
-            return Err(spec_error(
-                "training.precision",
-                "the CPU backend (flex) trains in fp32 only; set precision: fp32",
-            ));
-        }
-        for (i, t) in self.worker.tolerations.iter().enumerate() {
-            let operator = t.operator.as_deref().unwrap_or("Equal");
-            let problem = if !["Equal", "Exists"].contains(&operator) {
-                Some("operator must be Equal or Exists")
-            } else if !["", "NoSchedule", "PreferNoSchedule", "NoExecute"]
-                .contains(&t.effect.as_deref().unwrap_or(""))
-            {
-                Some(
-                    "effect must be NoSchedule, PreferNoSchedule, NoExecute or empty (all effects)",
-                )
-            } else if operator == "Exists" && !t.value.as_deref().unwrap_or("").is_empty() {
-                Some("Exists takes no value")
-            } else if operator == "Equal" && t.key.as_deref().unwrap_or("").is_empty() {
-                Some("Equal (the default) needs a key")
-            } else {
-                None
-            };
-            if let Some(problem) = problem {
-                return Err(spec_error(
-                    "worker.tolerations",
-                    format!("toleration {i}: {problem}"),
-                ));
-            }
-        }
-        // A list-type set: the API server refuses a rung listed twice
-        // (`Duplicate value`); so does the offline check, in its words.
-        let allowed_rungs = self.memory_policy.allowed_rungs.clone();
-        for (i, rung) in allowed_rungs.iter().enumerate() {
-            if allowed_rungs[..i].contains(rung) {
-                return Err(spec_error(
-                    format!("memoryPolicy.allowedRungs[{i}]"),
-                    format!("Duplicate value: \"{rung}\""),
-                ));
-            }
-        }
-        if self
-            .worker
-            .node_selector
-            .contains_key(headroom_planner::inventory::LABEL_GPU_PRODUCT)
-        {
-            return Err(spec_error(
-                "worker.nodeSelector",
-                "Headroom chooses nvidia.com/gpu.product itself; list the allowed products in resources.gpu.types",
-            ));
-        }
+        self.check_backend(backend)?;
+        self.check_tolerations()?;
+        let allowed_rungs = self.allowed_rungs()?;
+        self.check_node_selector()?;
         let (adapters, base_format) = self.adapters(backend)?;
+        let t = &self.training;
         Ok(JobRequest {
             model,
             global_batch: t.global_batch,
@@ -431,13 +299,200 @@ impl MemoryAwareTrainingJobSpec {
         })
     }
 
+    /// The global batch, the micro-batch that must divide it, and the
+    /// headroom fraction's range.
+    fn check_batch(&self) -> Result<(), SpecError> {
+        let t = &self.training;
+        if t.global_batch == 0 {
+            return Err(spec_error("training.globalBatch", "must be at least 1"));
+        }
+        if let Some(b) = t.micro_batch
+            && (b == 0 || !t.global_batch.is_multiple_of(b))
+        {
+            return Err(spec_error(
+                "training.microBatch",
+                format!(
+                    "microBatch ({b}) must divide globalBatch ({}) so the global batch is kept exactly",
+                    t.global_batch
+                ),
+            ));
+        }
+        if !(0.0..=0.9).contains(&self.resources.headroom_fraction) {
+            return Err(spec_error(
+                "resources.headroomFraction",
+                "must be between 0 and 0.9 (e.g. 0.1)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Where the job runs, as the planner takes it: `resources.gpu` or
+    /// `resources.cpu`, its quantities parsed and bounded.
+    fn target(&self) -> Result<Target, SpecError> {
+        match (&self.resources.gpu, &self.resources.cpu) {
+            (Some(g), None) => gpu_target(g),
+            (None, Some(c)) => self.cpu_target(c),
+            _ => Err(spec_error(
+                "resources",
+                "set exactly one of resources.gpu or resources.cpu",
+            )),
+        }
+    }
+
+    /// A CPU job's target; a generic model runs on one worker only.
+    fn cpu_target(&self, c: &CpuResources) -> Result<Target, SpecError> {
+        if let Some(cores) = &c.cores {
+            parse_cores(&cores.0).map_err(|e| spec_error("resources.cpu.cores", e))?;
+        }
+        let limit = parse_bytes(&c.memory_limit.0)
+            .map_err(|e| spec_error("resources.cpu.memoryLimit", e))?;
+        if limit < 64 << 20 {
+            return Err(spec_error(
+                "resources.cpu.memoryLimit",
+                "must be at least 64Mi, e.g. 2Gi",
+            ));
+        }
+        if c.max_workers > 1 && self.model.generic.is_some() {
+            return Err(spec_error(
+                "resources.cpu.maxWorkers",
+                "a generic model cannot be split into pipeline stages; use 1",
+            ));
+        }
+        Ok(Target::Cpu {
+            memory_limit_bytes: limit,
+            max_workers: c.max_workers.max(1),
+        })
+    }
+
+    /// A pinned stage count: within the worker cap and the model's layers.
+    fn check_pinned_stages(&self, target: &Target, model: &ModelShape) -> Result<(), SpecError> {
+        let Some(n) = self.training.pipeline_stages else {
+            return Ok(());
+        };
+        let (max, field) = worker_cap(target);
+        let layers = model.splittable_layers();
+        if n > max || n > layers {
+            return Err(spec_error(
+                "training.pipelineStages",
+                format!(
+                    "{n} stages: at most {field} ({max}) and the model's layers ({layers}); raise {field} or pin fewer stages"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// A pinned replica count: it divides the global batch, its share is
+    /// divided by the micro-batch, and stages × replicas fit the worker cap.
+    fn check_pinned_replicas(&self, target: &Target) -> Result<(), SpecError> {
+        let t = &self.training;
+        let Some(d) = t.data_parallel_replicas else {
+            return Ok(());
+        };
+        let (max, field) = worker_cap(target);
+        let p = t.pipeline_stages.unwrap_or(1);
+        if d == 0 || !t.global_batch.is_multiple_of(d) {
+            return Err(spec_error(
+                "training.dataParallelReplicas",
+                format!(
+                    "{d} replicas must divide training.globalBatch ({}) so every replica trains an equal share",
+                    t.global_batch
+                ),
+            ));
+        }
+        if let Some(b) = t.micro_batch
+            && !(t.global_batch / d).is_multiple_of(b)
+        {
+            return Err(spec_error(
+                "training.microBatch",
+                format!(
+                    "{b} must divide each replica's share of training.globalBatch ({} / {d} = {})",
+                    t.global_batch,
+                    t.global_batch / d
+                ),
+            ));
+        }
+        if p * d > max {
+            return Err(spec_error(
+                "training.dataParallelReplicas",
+                format!(
+                    "{p} stage(s) × {d} replicas = {} workers: at most {field} ({max}); raise {field} or pin fewer",
+                    p * d
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The backend matches the resources (cuda for a GPU job, flex for a
+    /// CPU job), and the CPU backend trains in fp32.
+    fn check_backend(&self, backend: Backend) -> Result<(), SpecError> {
+        if (backend == Backend::Cuda) != self.resources.gpu.is_some() {
+            return Err(spec_error(
+                "worker.backend",
+                "must be 'cuda' for a GPU job (resources.gpu) and 'flex' for a CPU job (resources.cpu)",
+            ));
+        }
+        if backend == Backend::Flex && self.training.precision != Precision::Fp32 {
+            return Err(spec_error(
+                "training.precision",
+                "the CPU backend (flex) trains in fp32 only; set precision: fp32",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The worker pods' tolerations, as the CEL rules on them check them.
+    fn check_tolerations(&self) -> Result<(), SpecError> {
+        for (i, t) in self.worker.tolerations.iter().enumerate() {
+            if let Some(problem) = toleration_problem(t) {
+                return Err(spec_error(
+                    "worker.tolerations",
+                    format!("toleration {i}: {problem}"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The allowed rungs, each listed once: a list-type set, so the API
+    /// server refuses a rung listed twice (`Duplicate value`); so does the
+    /// offline check, in its words.
+    fn allowed_rungs(&self) -> Result<Vec<RetryRung>, SpecError> {
+        let allowed_rungs = self.memory_policy.allowed_rungs.clone();
+        for (i, rung) in allowed_rungs.iter().enumerate() {
+            if allowed_rungs[..i].contains(rung) {
+                return Err(spec_error(
+                    format!("memoryPolicy.allowedRungs[{i}]"),
+                    format!("Duplicate value: \"{rung}\""),
+                ));
+            }
+        }
+        Ok(allowed_rungs)
+    }
+
+    /// The node selector leaves the GPU product to Headroom.
+    fn check_node_selector(&self) -> Result<(), SpecError> {
+        if self
+            .worker
+            .node_selector
+            .contains_key(headroom_planner::inventory::LABEL_GPU_PRODUCT)
+        {
+            return Err(spec_error(
+                "worker.nodeSelector",
+                "Headroom chooses nvidia.com/gpu.product itself; list the allowed products in resources.gpu.types",
+            ));
+        }
+        Ok(())
+    }
+
     /// What only the checkpoint's shape decides about the adapters: the
     /// targets must be modules of its architecture (Phi-3 fuses q/k/v and
     /// gate/up), an adapter on a tied head would change the embedding too
     /// (PEFT allows it; Headroom's worker does not), and a quantized base
     /// needs a block size that divides every block linear's output size
     /// (burn quantizes whole blocks only).
-    fn check_adapters_fit(&self, shape: &headroom_planner::LlamaShape) -> Result<(), SpecError> {
+    fn check_adapters_fit(&self, shape: &LlamaShape) -> Result<(), SpecError> {
         use headroom_planner::TargetModule;
         let t = &self.training;
         if t.method == TrainingMethod::Full {
@@ -463,64 +518,8 @@ impl MemoryAwareTrainingJobSpec {
                 "lm_head is tied to the token embedding in this checkpoint (tie_word_embeddings), so an adapter there would change the embedding too; remove lm_head",
             ));
         }
-        let nf4 = lora.base_format.unwrap_or(QuantizedFormat::Nf4) == QuantizedFormat::Nf4;
-        let nf4_block = headroom_planner::memory::NF4_BLOCK;
-        if t.method == TrainingMethod::Qlora && nf4 && u64::from(lora.block_size) != nf4_block {
-            return Err(spec_error(
-                "training.lora.blockSize",
-                format!(
-                    "nf4{} is stored as bitsandbytes stores QLoRA's base, in blocks of {nf4_block} values, not {}; remove blockSize (or set {nf4_block}), or set baseFormat: int4 or int8 to keep this block size",
-                    if lora.base_format.is_none() {
-                        " (the default qlora base)"
-                    } else {
-                        ""
-                    },
-                    lora.block_size
-                ),
-            ));
-        }
-        if t.method == TrainingMethod::Qlora && !nf4 {
-            let block = u64::from(lora.block_size);
-            let mut outputs: Vec<u64> = shape
-                .architecture
-                .block_linears()
-                .iter()
-                .map(|m| m.dims(shape).1)
-                .collect();
-            // k and v, gate and up have the same outputs: each said once.
-            outputs.dedup();
-            if block == 0 || block > 255 || outputs.iter().any(|o| o % block != 0) {
-                // The largest block sizes that fit: divisors of the outputs' gcd.
-                let gcd = outputs.iter().fold(0u64, |a, &b| {
-                    let (mut x, mut y) = (a, b);
-                    while y != 0 {
-                        (x, y) = (y, x % y);
-                    }
-                    x
-                });
-                let fits: Vec<String> = (1..=gcd.min(255))
-                    .rev()
-                    .filter(|b| gcd % b == 0)
-                    .take(3)
-                    .map(|b| b.to_string())
-                    .collect();
-                return Err(spec_error(
-                    "training.lora.blockSize",
-                    format!(
-                        "{block} must be at most 255 and divide the output size of every block linear ({}); e.g. {}",
-                        outputs
-                            .iter()
-                            .map(|o| o.to_string())
-                            .collect::<Vec<_>>()
-                            .join(", "),
-                        if fits.is_empty() {
-                            "1".into()
-                        } else {
-                            fits.join(" or ")
-                        }
-                    ),
-                ));
-            }
+        if t.method == TrainingMethod::Qlora {
+            check_qlora_block_size(&lora, shape)?;
         }
         Ok(())
     }
@@ -590,12 +589,126 @@ impl MemoryAwareTrainingJobSpec {
     }
 }
 
+/// A QLoRA base's block size: nf4 takes bitsandbytes' blocks only; int8 and
+/// int4 need one of at most 255 that divides every block linear's output
+/// size (burn quantizes whole blocks only).
+fn check_qlora_block_size(lora: &LoraSpec, shape: &LlamaShape) -> Result<(), SpecError> {
+    let nf4 = lora.base_format.unwrap_or(QuantizedFormat::Nf4) == QuantizedFormat::Nf4;
+    let nf4_block = headroom_planner::memory::NF4_BLOCK;
+    if nf4 && u64::from(lora.block_size) != nf4_block {
+        return Err(spec_error(
+            "training.lora.blockSize",
+            format!(
+                "nf4{} is stored as bitsandbytes stores QLoRA's base, in blocks of {nf4_block} values, not {}; remove blockSize (or set {nf4_block}), or set baseFormat: int4 or int8 to keep this block size",
+                if lora.base_format.is_none() {
+                    " (the default qlora base)"
+                } else {
+                    ""
+                },
+                lora.block_size
+            ),
+        ));
+    }
+    if nf4 {
+        return Ok(());
+    }
+    let block = u64::from(lora.block_size);
+    let mut outputs: Vec<u64> = shape
+        .architecture
+        .block_linears()
+        .iter()
+        .map(|m| m.dims(shape).1)
+        .collect();
+    // k and v, gate and up have the same outputs: each said once.
+    outputs.dedup();
+    if block == 0 || block > 255 || outputs.iter().any(|o| o % block != 0) {
+        // The largest block sizes that fit: divisors of the outputs' gcd.
+        let common = outputs.iter().fold(0u64, |a, &b| gcd(a, b));
+        let fits: Vec<String> = (1..=common.min(255))
+            .rev()
+            .filter(|b| common % b == 0)
+            .take(3)
+            .map(|b| b.to_string())
+            .collect();
+        return Err(spec_error(
+            "training.lora.blockSize",
+            format!(
+                "{block} must be at most 255 and divide the output size of every block linear ({}); e.g. {}",
+                outputs
+                    .iter()
+                    .map(|o| o.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                if fits.is_empty() {
+                    "1".into()
+                } else {
+                    fits.join(" or ")
+                }
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The greatest common divisor of `a` and `b` (`b` when `a` is 0).
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+/// A GPU job's target, its host memory parsed and at least 64Mi.
+fn gpu_target(g: &GpuResources) -> Result<Target, SpecError> {
+    let mut host_baseline_bytes = None;
+    if let Some(host) = &g.host_memory {
+        let bytes = parse_bytes(&host.0).map_err(|e| spec_error("resources.gpu.hostMemory", e))?;
+        if bytes < 64 << 20 {
+            return Err(spec_error(
+                "resources.gpu.hostMemory",
+                "must be at least 64Mi, e.g. 32Gi",
+            ));
+        }
+        host_baseline_bytes = Some(bytes);
+    }
+    Ok(Target::Gpu {
+        allowed_types: g.types.clone(),
+        max_gpus: g.max_gpus.max(1),
+        host_baseline_bytes,
+    })
+}
+
+/// The most workers `target` allows, and the field that says so.
+fn worker_cap(target: &Target) -> (u32, &'static str) {
+    match target {
+        Target::Gpu { max_gpus, .. } => (*max_gpus, "resources.gpu.maxGpus"),
+        Target::Cpu { max_workers, .. } => (*max_workers, "resources.cpu.maxWorkers"),
+    }
+}
+
+/// What is wrong with a toleration, in the words of the CEL rules on
+/// `worker.tolerations`; `None` when nothing is.
+fn toleration_problem(t: &Toleration) -> Option<&'static str> {
+    let operator = t.operator.as_deref().unwrap_or("Equal");
+    if !["Equal", "Exists"].contains(&operator) {
+        Some("operator must be Equal or Exists")
+    } else if !["", "NoSchedule", "PreferNoSchedule", "NoExecute"]
+        .contains(&t.effect.as_deref().unwrap_or(""))
+    {
+        Some("effect must be NoSchedule, PreferNoSchedule, NoExecute or empty (all effects)")
+    } else if operator == "Exists" && !t.value.as_deref().unwrap_or("").is_empty() {
+        Some("Exists takes no value")
+    } else if operator == "Equal" && t.key.as_deref().unwrap_or("").is_empty() {
+        Some("Equal (the default) needs a key")
+    } else {
+        None
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use headroom_planner::RetryRung;
-
     use super::*;
-    use crate::job::{LoraSpec, MemoryAwareTrainingJob};
+    use crate::job::MemoryAwareTrainingJob;
 
     fn invalid_manifest(file: &str) -> MemoryAwareTrainingJob {
         let path = format!(
