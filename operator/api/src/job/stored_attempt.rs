@@ -1,4 +1,7 @@
-//! How an attempt is read back from the API server.
+//! How an attempt is read back from the API server: in the lean shape the
+//! operator writes, or in the older shape that stored each attempt's whole
+//! plan; either becomes an [`Attempt`], and the schema of
+//! `status.attempts[]` is this reading's.
 
 use headroom_planner::{Plan, RetryRung, Settings};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;

@@ -55,7 +55,8 @@ fn check_endpoint(
 }
 
 impl HuggingFaceSource {
-    /// Whether `endpoint` may be used: see [`check_endpoint`].
+    /// Whether `endpoint` may be used: `https://`, or `http://` with
+    /// `allowInsecureHttp: true` beside it.
     pub fn check_endpoint(&self) -> Result<(), SpecError> {
         check_endpoint(
             self.endpoint.as_deref(),
@@ -66,7 +67,8 @@ impl HuggingFaceSource {
 }
 
 impl HuggingFaceDataFile {
-    /// Whether `endpoint` may be used: see [`check_endpoint`].
+    /// Whether `endpoint` may be used: `https://`, or `http://` with
+    /// `allowInsecureHttp: true` beside it.
     pub fn check_endpoint(&self) -> Result<(), SpecError> {
         check_endpoint(
             self.endpoint.as_deref(),
