@@ -1,7 +1,7 @@
-//! Where the API server checks a job's spec (issue 33).
+//! Where the API server checks a job's spec.
 //!
 //! The spec's cross-field rules are declared beside the fields they check,
-//! as CEL `x-kubernetes-validations` on the types (`job.rs`), and
+//! as CEL `x-kubernetes-validations` on the types (`job/`), and
 //! [`MemoryAwareTrainingJobSpec::job_request`](crate::MemoryAwareTrainingJobSpec::job_request)
 //! repeats them offline in the same words. Every one of them reads the
 //! spec only. kube-apiserver (v1.33) evaluates a CRD's rules on every write

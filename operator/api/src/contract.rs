@@ -71,7 +71,7 @@ pub const WORKER_MALLOC_ARENAS: &str = "1";
 /// heap, and a heap whose holes do not fit the next tensor grows: the same
 /// job's peak then varied by 15–50 MiB from run to run and sat up to 48 %
 /// above the bytes really alive (a 2 × 192 model with a 32k vocabulary:
-/// 299 and 351 MiB against 237 mmapped; issue 36's first-fit kill). A fixed
+/// 299 and 351 MiB against 237 mmapped). A fixed
 /// threshold gives freed tensors back at once, so the peak is what is
 /// alive; huge pages keep the page faults of fresh mappings from costing
 /// more than the reuse saved (CPU per step within ±11 % of the default on

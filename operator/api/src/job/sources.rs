@@ -1,0 +1,216 @@
+//! Where a fine-tuning job's checkpoint and training text come from, and
+//! where its fine-tuned model goes.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// Declares a Hugging Face repository source: `repo` (documented by the
+/// caller: a model's or a dataset's), `revision`, the caller's own fields,
+/// then the fields that say how the hub is reached (`endpoint`,
+/// `allowInsecureHttp`, `tokenSecret`). The model's and the data's source
+/// share these, so they are written once here; the field order is the
+/// serialized order. `token_for` ends the first sentence of
+/// `tokenSecret`'s description (what the token is for).
+macro_rules! hugging_face_repository {
+    (
+        $(#[$struct_attr:meta])*
+        pub struct $name:ident {
+            $(#[$repo_attr:meta])*
+            pub repo: String,
+            $(
+                $(#[$field_attr:meta])*
+                pub $field:ident: $type:ty,
+            )*
+        }
+        token_for = $token_for:tt;
+    ) => {
+        $(#[$struct_attr])*
+        pub struct $name {
+            $(#[$repo_attr])*
+            #[schemars(
+                length(min = 3, max = 200),
+                regex(pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+            )]
+            pub repo: String,
+            /// A branch, tag or commit.
+            #[serde(default = "default_revision")]
+            #[schemars(length(min = 1, max = 200))]
+            pub revision: String,
+            $(
+                $(#[$field_attr])*
+                pub $field: $type,
+            )*
+            /// The hub or a mirror, as `HF_ENDPOINT` (default `https://huggingface.co`).
+            /// Must be `https://`: the token of `tokenSecret` is sent here. A plain
+            /// `http://` mirror needs `allowInsecureHttp: true` as well.
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            #[schemars(length(max = 500), regex(pattern = r"^https?://[^\s]+$"))]
+            pub endpoint: Option<String>,
+            /// Accept a plain `http://` `endpoint` (a mirror on a network you trust):
+            /// the token of `tokenSecret`, if any, and the files then travel
+            /// unencrypted and unauthenticated. Default false: `endpoint` must be
+            /// `https://`.
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub allow_insecure_http: Option<bool>,
+            /// A key of a Secret in the job's namespace holding the Hugging Face
+            #[doc = $token_for]
+            /// Only a user who may `get` that Secret may name it: the chart's
+            /// admission policy (`secretAccessPolicy`) refuses a job whose creator
+            /// may not read it. The token is mounted, read-only, as a file into the
+            /// job's initializer pod alone (never into its workers, never as an
+            /// environment variable) and sent only to `endpoint`, as an
+            /// `Authorization: Bearer` header (a redirect keeps it only on the same
+            /// host over https; a CDN's signed URL gets none).
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub token_secret: Option<SecretKey>,
+        }
+    };
+}
+
+/// Where a checkpoint to fine-tune is, and how long its training samples are.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "has(self.huggingFace) != has(self.volume)",
+     "message": "model.pretrained: set exactly one of huggingFace (repo, revision) or volume (claimName, path)"},
+    {"rule": "self == oldSelf",
+     "message": "model.pretrained is immutable: the initializer has read this checkpoint and the job is planned from it; create a new job for another checkpoint"}
+]))]
+pub struct PretrainedModel {
+    /// A Hugging Face repository, downloaded into the job's checkpoint volume
+    /// (once: retries and later attempts reuse it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hugging_face: Option<HuggingFaceSource>,
+    /// A directory on a PersistentVolumeClaim holding config.json,
+    /// `*.safetensors` (or shards and model.safetensors.index.json) and tokenizer.json.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volume: Option<VolumePath>,
+    /// Tokens per training sample.
+    #[schemars(range(min = 1, max = 131072))]
+    pub sequence_length: u32,
+}
+
+hugging_face_repository! {
+    /// A Hugging Face model repository.
+    #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+    #[serde(rename_all = "camelCase")]
+    #[schemars(extend("x-kubernetes-validations" = [
+        {"rule": "!has(self.endpoint) || self.endpoint.startsWith('https://') || (has(self.allowInsecureHttp) && self.allowInsecureHttp)",
+         "fieldPath": ".endpoint",
+         "reason": "FieldValueForbidden",
+         "message": "model.pretrained.huggingFace.endpoint: must start with https:// (the token of tokenSecret is sent there); for a plain-HTTP mirror on a network you trust, also set allowInsecureHttp: true"}
+    ]))]
+    pub struct HuggingFaceSource {
+        /// `owner/name`, e.g. `meta-llama/Llama-3.2-1B`.
+        pub repo: String,
+    }
+    token_for = "token, for gated or private repositories.";
+}
+
+/// One key of a Secret in the job's namespace.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SecretKey {
+    /// The Secret's name.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// Default `token`.
+    #[serde(default = "default_token_key")]
+    #[schemars(length(min = 1, max = 253))]
+    pub key: String,
+}
+
+/// A path on a PersistentVolumeClaim in the job's namespace.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "!self.path.startsWith('/') && !self.path.split('/').exists(p, p == '..')",
+     "message": "path is relative to the claim's root and must not contain '..' (e.g. models/llama-3.2-1b)"}
+]))]
+pub struct VolumePath {
+    /// A PersistentVolumeClaim in the job's namespace.
+    #[schemars(length(min = 1, max = 253))]
+    pub claim_name: String,
+    /// Relative to the claim's root; empty for the root itself.
+    #[serde(default)]
+    #[schemars(length(max = 1000))]
+    pub path: String,
+}
+
+/// The training text.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "has(self.huggingFace) != has(self.volume)",
+     "message": "data: set exactly one of huggingFace (repo, file) or volume (claimName, path)"},
+    {"rule": "self == oldSelf",
+     "message": "data is immutable: the initializer has read this text and the job's samples come from it; create a new job for other data"}
+]))]
+pub struct DataSpec {
+    /// The data file on a claim.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volume: Option<VolumePath>,
+    /// One file of a Hugging Face dataset repository, downloaded into the
+    /// job's checkpoint volume by the initializer (once).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hugging_face: Option<HuggingFaceDataFile>,
+    /// `jsonl` (one JSON object a line, the text under `field`) or `text` (the file is one document).
+    #[serde(default)]
+    pub format: TextFormat,
+    /// The JSONL field holding the document.
+    #[serde(default = "default_text_field")]
+    #[schemars(length(min = 1, max = 200))]
+    pub field: String,
+}
+
+hugging_face_repository! {
+    /// A file of a Hugging Face dataset repository.
+    #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+    #[serde(rename_all = "camelCase")]
+    #[schemars(extend("x-kubernetes-validations" = [
+        {"rule": "!self.file.startsWith('/') && !self.file.split('/').exists(p, p == '..' || p == '.' || p == '')",
+         "message": "data.huggingFace.file is a path inside the repository (e.g. data/train.jsonl), without a leading '/', '.' or '..'"},
+        {"rule": "!self.file.endsWith('.parquet') && !self.file.endsWith('.arrow')",
+         "message": "data.huggingFace.file must be JSONL (format: jsonl) or plain text (format: text); Headroom does not read Parquet or Arrow: pick or upload such a file"},
+        {"rule": "!has(self.endpoint) || self.endpoint.startsWith('https://') || (has(self.allowInsecureHttp) && self.allowInsecureHttp)",
+         "fieldPath": ".endpoint",
+         "reason": "FieldValueForbidden",
+         "message": "data.huggingFace.endpoint: must start with https:// (the token of tokenSecret is sent there); for a plain-HTTP mirror on a network you trust, also set allowInsecureHttp: true"}
+    ]))]
+    pub struct HuggingFaceDataFile {
+        /// `owner/name` of a dataset repository, e.g. `stanfordnlp/imdb`.
+        pub repo: String,
+        /// The file's path in the repository, e.g. `data/train.jsonl`.
+        #[schemars(length(min = 1, max = 1000))]
+        pub file: String,
+    }
+    token_for = "token, for a gated or private dataset.";
+}
+
+/// How a data file holds its documents.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum TextFormat {
+    #[default]
+    Jsonl,
+    Text,
+}
+
+/// Where the fine-tuned model goes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct OutputSpec {
+    /// A directory on a claim (created if missing), written in the
+    /// checkpoint's Hugging Face format on success.
+    pub volume: VolumePath,
+}
+
+fn default_revision() -> String {
+    "main".into()
+}
+fn default_token_key() -> String {
+    "token".into()
+}
+fn default_text_field() -> String {
+    "text".into()
+}

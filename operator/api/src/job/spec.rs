@@ -1,0 +1,599 @@
+//! The spec: what the user asks for.
+
+use std::collections::BTreeMap;
+
+use headroom_planner::{Backend, Optimizer, Precision, RetryRung};
+use k8s_openapi::api::core::v1::Toleration;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::sources::{DataSpec, OutputSpec, PretrainedModel};
+use super::status::MemoryAwareTrainingJobStatus;
+
+/// A training job that Headroom plans, places and retries so it fits in memory.
+#[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "headroom.dev",
+    version = "v1alpha1",
+    kind = "MemoryAwareTrainingJob",
+    plural = "memoryawaretrainingjobs",
+    singular = "memoryawaretrainingjob",
+    namespaced,
+    status = "MemoryAwareTrainingJobStatus",
+    shortname = "matj",
+    category = "headroom",
+    doc = "A training job that Headroom plans, places and retries so that it fits in memory",
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "Attempt", type_ = "integer", json_path = ".status.attempt"),
+    printcolumn(name = "Device", type_ = "string", json_path = ".status.plan.device"),
+    printcolumn(
+        name = "Workers",
+        type_ = "integer",
+        json_path = ".status.plan.workers"
+    ),
+    printcolumn(
+        name = "Peak/Budget",
+        type_ = "string",
+        json_path = ".status.plan.fit",
+        description = "predicted peak per worker against its budget"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "!has(self.worker.backend) || (self.worker.backend == 'cuda') == has(self.resources.gpu)",
+     "message": "worker.backend must be 'cuda' for a GPU job (resources.gpu) and 'flex' for a CPU job (resources.cpu)"},
+    {"rule": "!has(self.resources.cpu) || self.training.precision == 'fp32'",
+     "message": "training.precision: the CPU backend (flex) trains in fp32 only; set precision: fp32 or use resources.gpu"},
+    {"rule": "!has(self.model.generic) || !has(self.resources.cpu) || self.resources.cpu.maxWorkers == 1",
+     "message": "resources.cpu.maxWorkers: a generic model cannot be split into pipeline stages; use 1"},
+    {"rule": "!has(self.model.generic)",
+     "message": "model.generic is for planning only (kubectl headroom plan -f job.yaml); a job Headroom runs needs model.pretrained (a Hugging Face checkpoint) or model.transformer (layers, hidden, heads, sequenceLength, vocabulary)"},
+    {"rule": "has(self.model.pretrained) == has(self.data)",
+     "message": "data: a model.pretrained job needs its training text (data.volume.claimName, data.volume.path), and only such a job takes one"},
+    {"rule": "!has(self.output) || has(self.model.pretrained)",
+     "message": "output: only a model.pretrained job writes a fine-tuned model"},
+    {"rule": "!has(self.training.method) || self.training.method == 'full' || has(self.model.pretrained)",
+     "message": "training.method: lora and qlora adapt a pretrained checkpoint; set model.pretrained, or use method: full"},
+    {"rule": "!has(self.training.pipelineStages) || !has(self.model.transformer) || self.training.pipelineStages <= self.model.transformer.layers",
+     "message": "training.pipelineStages: at most model.transformer.layers (each stage holds at least one block); pin fewer stages"},
+    {"rule": "(has(self.training.pipelineStages) ? self.training.pipelineStages : 1) * (has(self.training.dataParallelReplicas) ? self.training.dataParallelReplicas : 1) <= (has(self.resources.gpu) ? self.resources.gpu.maxGpus : (has(self.resources.cpu) ? self.resources.cpu.maxWorkers : 1048576))",
+     "message": "training: pipelineStages × dataParallelReplicas workers, at most resources.gpu.maxGpus (GPU jobs) or resources.cpu.maxWorkers (CPU jobs); raise it or pin fewer"}
+]))]
+pub struct MemoryAwareTrainingJobSpec {
+    /// The model to train: `transformer` (shape) or `generic` (parameter count).
+    pub model: ModelSpec,
+    /// How to train: global batch, steps, optimizer, precision, learning rate, seed
+    /// and optional pins for the first attempt.
+    pub training: TrainingSpec,
+    /// Where to run: `gpu` (GPU types and count) or `cpu` (memory limit and workers),
+    /// and the share of each device's memory to keep free.
+    pub resources: ResourcesSpec,
+    #[serde(default)]
+    pub memory_policy: MemoryPolicy,
+    pub worker: WorkerSpec,
+    /// The job's checkpoint volume (PVC `<job>-checkpoints`): what happens to it
+    /// when the job is deleted.
+    #[serde(default)]
+    pub checkpoints: CheckpointsSpec,
+    /// How long the job may wait for capacity on a busy cluster.
+    #[serde(default)]
+    pub scheduling: SchedulingSpec,
+    /// The text to fine-tune on (with `model.pretrained`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<DataSpec>,
+    /// Where the fine-tuned model is written (with `model.pretrained`);
+    /// default: `output/` on the job's checkpoint claim, kept on success.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<OutputSpec>,
+}
+
+impl MemoryAwareTrainingJobSpec {
+    /// The backend this job's workers run on.
+    pub fn backend(&self) -> Backend {
+        self.worker
+            .backend
+            .unwrap_or(if self.resources.gpu.is_some() {
+                Backend::Cuda
+            } else {
+                Backend::Flex
+            })
+    }
+}
+
+/// Waiting for capacity. A job that fits the cluster but not what is free now
+/// (or whose pods the scheduler cannot place yet) waits, with the condition
+/// `Waiting=True/WaitingForCapacity` saying for what; it never fails because
+/// the cluster is busy, unless a deadline is set here.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SchedulingSpec {
+    /// Seconds the job may wait for capacity at a time before it fails
+    /// (`WaitedTooLong`); unset: it waits as long as it takes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub max_wait_seconds: Option<u64>,
+}
+
+/// Exactly one of `pretrained`, `transformer` or `generic`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "(has(self.transformer) ? 1 : 0) + (has(self.generic) ? 1 : 0) + (has(self.pretrained) ? 1 : 0) == 1",
+     "message": "set exactly one of model.pretrained (a Hugging Face checkpoint to fine-tune), model.transformer (layers, hidden, heads, sequenceLength, vocabulary) or model.generic (parameters, activationBytesPerSample)"}
+]))]
+pub struct ModelSpec {
+    /// A Llama-family checkpoint in Hugging Face format (Llama, Mistral,
+    /// Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3 text) to fine-tune; an initializer
+    /// pod reads its shape first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pretrained: Option<PretrainedModel>,
+    /// A synthetic GPT-style model trained from random weights (benchmarks, tests).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transformer: Option<headroom_planner::TransformerShape>,
+    /// Any model by parameter count: for planning only (`kubectl headroom plan`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generic: Option<headroom_planner::GenericModel>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "!has(self.microBatch) || self.globalBatch % self.microBatch == 0",
+     "message": "training.microBatch must divide training.globalBatch so the global batch is kept exactly (e.g. globalBatch 32 with microBatch 8)"},
+    {"rule": "!has(self.dataParallelReplicas) || self.globalBatch % self.dataParallelReplicas == 0",
+     "message": "training.dataParallelReplicas must divide training.globalBatch so every replica trains an equal share (e.g. globalBatch 32 with 4 replicas)"},
+    {"rule": "!has(self.dataParallelReplicas) || !has(self.microBatch) || (self.globalBatch / self.dataParallelReplicas) % self.microBatch == 0",
+     "message": "training.microBatch must divide each replica's share of training.globalBatch (globalBatch / dataParallelReplicas)"},
+    {"rule": "!has(self.lora) || self.method != 'full'",
+     "message": "training.lora: adapters are for method lora or qlora; set training.method: lora (or qlora), or remove training.lora"},
+    {"rule": "!has(self.lora) || !has(self.lora.baseFormat) || self.method == 'qlora'",
+     "message": "training.lora.baseFormat: only a qlora job quantizes its base (lora keeps it dense); set training.method: qlora, or remove baseFormat"}
+]))]
+pub struct TrainingSpec {
+    /// Samples per optimizer step; every attempt keeps it exactly (micro-batch × accumulation).
+    #[schemars(range(min = 1, max = 1048576))]
+    pub global_batch: u32,
+    /// Optimizer steps to train.
+    #[schemars(range(min = 1, max = 1000000000))]
+    pub steps: u64,
+    #[serde(default = "default_optimizer")]
+    pub optimizer: Optimizer,
+    /// Preferred precision; a retry may lower it when the policy allows `lowerPrecision`.
+    #[serde(default = "default_precision")]
+    pub precision: Precision,
+    /// Pin the micro-batch for the first attempt (must divide globalBatch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1048576))]
+    pub micro_batch: Option<u32>,
+    /// Pin activation checkpointing for the first attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub activation_checkpointing: Option<bool>,
+    /// Pin the number of pipeline stages (worker pods) for the first
+    /// attempt; the morePipelineStages retry rung may add stages up to
+    /// resources.cpu.maxWorkers / resources.gpu.maxGpus.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 64))]
+    pub pipeline_stages: Option<u32>,
+    /// Pin the number of data-parallel replicas of each stage for the first
+    /// attempt (must divide globalBatch: each replica trains an equal share
+    /// and gradients are averaged every step; each keeps the optimizer state
+    /// of its share of the parameters). Stages × replicas workers in all, at
+    /// most resources.cpu.maxWorkers / resources.gpu.maxGpus.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1024))]
+    pub data_parallel_replicas: Option<u32>,
+    /// Peak learning rate of the optimizer, e.g. 0.0003.
+    #[serde(default = "default_learning_rate")]
+    #[schemars(range(min = 0.0, max = 10.0))]
+    pub learning_rate: f64,
+    /// Save a checkpoint every this many optimizer steps.
+    #[serde(default = "default_checkpoint_every")]
+    #[schemars(range(min = 1, max = 1000000))]
+    pub checkpoint_every_steps: u32,
+    /// Seed of the model's initialisation and the data order; the same seed gives the
+    /// same run.
+    #[serde(default)]
+    pub seed: u64,
+    /// What is trained: `full` (every parameter), `lora` (adapters on a
+    /// frozen base) or `qlora` (adapters on a quantized frozen base). A retry
+    /// never switches between full fine-tuning and LoRA: the two give
+    /// different things.
+    #[serde(default)]
+    pub method: TrainingMethod,
+    /// The adapters of a `lora` or `qlora` job, as PEFT's LoraConfig names
+    /// them; defaults when omitted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<LoraSpec>,
+}
+
+/// What a job trains.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum TrainingMethod {
+    /// Every parameter.
+    #[default]
+    Full,
+    /// LoRA adapters on a dense frozen base.
+    Lora,
+    /// LoRA adapters on a frozen base quantized to `lora.baseFormat`.
+    Qlora,
+}
+
+/// LoRA adapters (PEFT / Kubeflow Trainer `LoraConfig`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "self.dropout < 1.0",
+     "message": "training.lora.dropout: must be below 1 (PEFT's lora_dropout: the probability of zeroing each value of an adapter's input); e.g. 0.05 or 0.1, or 0 for none"}
+]))]
+pub struct LoraSpec {
+    /// Rank r of the low-rank update (PEFT `r`).
+    #[serde(default = "default_lora_rank")]
+    #[schemars(range(min = 1, max = 4096))]
+    pub rank: u32,
+    /// The update is scaled by alpha / rank (PEFT `lora_alpha`).
+    #[serde(default = "default_lora_alpha")]
+    #[schemars(range(min = 0.0, max = 1000000.0))]
+    pub alpha: f64,
+    /// Dropout on the adapter's input (PEFT `lora_dropout`): each value of
+    /// the input of `(x·A)·B` is zeroed with this probability in training
+    /// (the frozen base's input is not), at least 0 and below 1.
+    #[serde(default)]
+    #[schemars(range(min = 0.0, max = 1.0))]
+    pub dropout: f64,
+    /// Modules that get adapters: q_proj, k_proj, v_proj, o_proj,
+    /// gate_proj, up_proj, down_proj, lm_head (PEFT's default for Llama:
+    /// q_proj and v_proj); for Phi-3 (fused projections): qkv_proj,
+    /// o_proj, gate_up_proj, down_proj, lm_head.
+    #[serde(default = "default_lora_targets")]
+    #[schemars(length(min = 1, max = 8))]
+    #[schemars(extend("x-kubernetes-list-type" = "set"))]
+    pub target_modules: Vec<headroom_planner::TargetModule>,
+    /// QLoRA only: how the frozen base is stored on the first attempt:
+    /// `nf4` (the default: bitsandbytes' 4-bit NormalFloat with
+    /// double-quantized scales, ≈ 4.13 bits a value, as PEFT's QLoRA
+    /// stores it), `int4` or `int8` (one f32 scale per blockSize values).
+    /// The quantizeBase rung may go further down (dense → int8 → nf4).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_format: Option<QuantizedFormat>,
+    /// QLoRA with int8/int4: values per quantization block (one scale
+    /// each); at most 255, and it must divide the output size of every
+    /// block linear. nf4 takes bitsandbytes' blocks of 64 only.
+    #[serde(default = "headroom_planner::adapters::default_block_size")]
+    #[schemars(range(min = 1, max = 255))]
+    pub block_size: u32,
+}
+
+/// A quantized base format a QLoRA job may start from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum QuantizedFormat {
+    Int8,
+    Int4,
+    Nf4,
+}
+
+impl From<QuantizedFormat> for headroom_planner::BaseFormat {
+    fn from(f: QuantizedFormat) -> Self {
+        match f {
+            QuantizedFormat::Int8 => headroom_planner::BaseFormat::Int8,
+            QuantizedFormat::Int4 => headroom_planner::BaseFormat::Int4,
+            QuantizedFormat::Nf4 => headroom_planner::BaseFormat::Nf4,
+        }
+    }
+}
+
+fn default_lora_rank() -> u32 {
+    8
+}
+
+fn default_lora_alpha() -> f64 {
+    16.0
+}
+
+pub(super) fn default_lora_targets() -> Vec<headroom_planner::TargetModule> {
+    vec![
+        headroom_planner::TargetModule::QProj,
+        headroom_planner::TargetModule::VProj,
+    ]
+}
+
+impl Default for LoraSpec {
+    fn default() -> Self {
+        LoraSpec {
+            rank: default_lora_rank(),
+            alpha: default_lora_alpha(),
+            dropout: 0.0,
+            target_modules: default_lora_targets(),
+            base_format: None,
+            block_size: headroom_planner::adapters::default_block_size(),
+        }
+    }
+}
+
+impl LoraSpec {
+    /// The planner's and the worker's view.
+    pub fn config(&self) -> headroom_planner::LoraConfig {
+        headroom_planner::LoraConfig {
+            rank: self.rank,
+            alpha: self.alpha,
+            dropout: self.dropout,
+            target_modules: self.target_modules.clone(),
+            block_size: self.block_size,
+        }
+    }
+}
+
+/// Exactly one of `gpu` or `cpu`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "has(self.gpu) != has(self.cpu)",
+     "message": "set exactly one of resources.gpu (types, maxGpus) for a GPU job or resources.cpu (memoryLimit, maxWorkers) for a CPU job"}
+]))]
+pub struct ResourcesSpec {
+    /// A GPU job: which GPU products it may use and how many at most.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<GpuResources>,
+    /// A CPU job: the memory limit (the budget) and cores of each worker, and how
+    /// many workers at most.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu: Option<CpuResources>,
+    /// Fraction of each device's usable memory to keep free.
+    #[serde(default = "default_headroom")]
+    #[schemars(range(min = 0.0, max = 0.9))]
+    pub headroom_fraction: f64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "!has(self.hostMemory) || (isQuantity(string(self.hostMemory)) && quantity(string(self.hostMemory)).compareTo(quantity('64Mi')) >= 0)",
+     "message": "resources.gpu.hostMemory must be a quantity of at least 64Mi, e.g. 32Gi"}
+]))]
+pub struct GpuResources {
+    /// Allowed GPU products as GPU Feature Discovery labels them
+    /// (`nvidia.com/gpu.product`, e.g. `NVIDIA-A100-SXM4-80GB`); empty allows any.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32), extend("x-kubernetes-list-type" = "set"))]
+    pub types: Vec<String>,
+    /// Most GPUs the job may use at once (pipeline stages × data-parallel replicas).
+    #[serde(default = "default_one")]
+    #[schemars(range(min = 1, max = 1024))]
+    pub max_gpus: u32,
+    /// What the planner ranks fitting plans by: `fastest` (the default: the
+    /// lowest estimated time per optimizer step within maxGpus and the free
+    /// GPUs, so idle GPUs become data-parallel replicas or stages when that
+    /// is faster) or `fewestGpus` (the fewest GPUs that fit, then the fastest).
+    #[serde(default)]
+    pub objective: headroom_planner::Objective,
+    /// Host memory limit per worker pod, a quantity of at least 64Mi such as
+    /// 32Gi (defaults to the operator's setting).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "quantity_schema")]
+    pub host_memory: Option<Quantity>,
+}
+
+/// A Kubernetes quantity: an integer or a string (`2`, `500m`, `4Gi`). Its
+/// syntax and range are checked by the CEL rule of the struct that holds it,
+/// with a message naming the field and an example. Bounded in length so
+/// those rules stay within the API server's cost budget.
+fn quantity_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "maxLength": 64,
+        "x-kubernetes-int-or-string": true
+    })
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "isQuantity(string(self.memoryLimit)) && quantity(string(self.memoryLimit)).compareTo(quantity('64Mi')) >= 0",
+     "message": "resources.cpu.memoryLimit must be a quantity of at least 64Mi, e.g. 2Gi"},
+    {"rule": "!has(self.cores) || (isQuantity(string(self.cores)) && quantity(string(self.cores)).isGreaterThan(quantity('0')))",
+     "message": "resources.cpu.cores must be a CPU quantity above zero, e.g. 1, 2 or 500m"}
+]))]
+pub struct CpuResources {
+    /// Memory limit of each worker container: the CPU job's device budget
+    /// (a quantity of at least 64Mi, e.g. 2Gi).
+    #[schemars(schema_with = "quantity_schema")]
+    pub memory_limit: Quantity,
+    /// CPU request per worker, a quantity above zero such as 2 or 500m
+    /// (defaults to 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "quantity_schema")]
+    pub cores: Option<Quantity>,
+    /// Most workers (pipeline stages) the job may use.
+    #[serde(default = "default_one")]
+    #[schemars(range(min = 1, max = 64))]
+    pub max_workers: u32,
+}
+
+/// How Headroom may react when memory runs out.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MemoryPolicy {
+    /// Retry rungs allowed, applied in Headroom's fixed order
+    /// (offloadEmbedding, activationCheckpointing, halveMicroBatch,
+    /// lowerPrecision, cheaperOptimizer, quantizeBase, offloadOptimizer,
+    /// offloadActivations, shardOptimizerState, morePipelineStages,
+    /// largerGpu); all of them by default. A rung that does not apply to a
+    /// job (the offload rungs on a CPU worker, offloadEmbedding or
+    /// quantizeBase on a full fine-tune) is skipped; when no rung helps, the
+    /// job's failure lists why each one did not.
+    #[serde(default = "default_rungs")]
+    #[schemars(length(max = 11), extend("x-kubernetes-list-type" = "set"))]
+    pub allowed_rungs: Vec<RetryRung>,
+    /// Attempts in total, the first included.
+    #[serde(default = "default_max_attempts")]
+    #[schemars(range(min = 1, max = 20))]
+    pub max_attempts: u32,
+    /// First backoff before retrying a non-memory failure; doubles each time.
+    #[serde(default = "default_backoff")]
+    #[schemars(range(min = 0, max = 3600))]
+    pub backoff_seconds: u32,
+}
+
+impl Default for MemoryPolicy {
+    fn default() -> Self {
+        MemoryPolicy {
+            allowed_rungs: default_rungs(),
+            max_attempts: default_max_attempts(),
+            backoff_seconds: default_backoff(),
+        }
+    }
+}
+
+/// The worker pods: their image, and where they may run on a shared cluster.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "!has(self.nodeSelector) || !('nvidia.com/gpu.product' in self.nodeSelector)",
+     "message": "worker.nodeSelector: Headroom chooses nvidia.com/gpu.product itself; list the allowed products in resources.gpu.types"},
+    {"rule": "!has(self.tolerations) || self.tolerations.all(t, !has(t.operator) || t.operator in ['Equal', 'Exists'])",
+     "message": "worker.tolerations: operator must be Equal or Exists"},
+    {"rule": "!has(self.tolerations) || self.tolerations.all(t, !has(t.effect) || t.effect in ['', 'NoSchedule', 'PreferNoSchedule', 'NoExecute'])",
+     "message": "worker.tolerations: effect must be NoSchedule, PreferNoSchedule, NoExecute or empty (all effects)"},
+    {"rule": "!has(self.tolerations) || self.tolerations.all(t, (has(t.operator) && t.operator == 'Exists') ? (!has(t.value) || t.value == '') : (has(t.key) && t.key != ''))",
+     "message": "worker.tolerations: Exists takes no value, and Equal (the default) needs a key"}
+]))]
+pub struct WorkerSpec {
+    /// Worker container image. When unset, the operator's default image for
+    /// the job's backend (`backend`, or the one derived from resources: GPU
+    /// jobs `cuda`, CPU jobs `flex`), which the chart sets with
+    /// `workerImages.cuda` and `workerImages.cpu`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 512))]
+    pub image: Option<String>,
+    /// `flex` (CPU) or `cuda`; derived from resources when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<Backend>,
+    /// Pull policy of the worker image; the cluster's default when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_pull_policy: Option<PullPolicy>,
+    /// Names of Secrets in the job's namespace for pulling the image from a private registry.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16), inner(length(min = 1, max = 253)))]
+    pub image_pull_secrets: Vec<String>,
+    /// Node labels every worker pod requires (a node pool, a zone). The
+    /// planner counts only the GPUs of matching nodes. Not
+    /// `nvidia.com/gpu.product`: that is chosen from `resources.gpu.types`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(extend("maxProperties" = 32))]
+    pub node_selector: BTreeMap<String, String>,
+    /// Tolerations for the worker pods (GPU jobs also get
+    /// `nvidia.com/gpu:NoSchedule`). Nodes with a NoSchedule or NoExecute
+    /// taint the workers do not tolerate are left out of the plan.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub tolerations: Vec<Toleration>,
+    /// PriorityClass of the worker pods.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub priority_class_name: Option<String>,
+}
+
+/// The job's checkpoint volume: every attempt resumes from it, and a
+/// finished job's last checkpoint there is its trained result.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CheckpointsSpec {
+    /// Whether the volume outlives the job: `RetainOnSuccess` (default) keeps
+    /// it once the job has succeeded, `Retain` always, `Delete` never.
+    #[serde(default)]
+    pub retention: ClaimRetention,
+}
+
+/// Whether a job's checkpoint claim outlives the job. A kept claim is no
+/// longer owned by the job (so deleting the job leaves it) and is labelled
+/// `headroom.dev/retained-from=<job>`; delete it with kubectl when done.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum ClaimRetention {
+    /// Kept once the job succeeds (its checkpoints are the trained result);
+    /// deleted with a job that never succeeded.
+    #[default]
+    RetainOnSuccess,
+    /// Always kept, whatever the job's end.
+    Retain,
+    /// Deleted with the job, always.
+    Delete,
+}
+
+impl ClaimRetention {
+    /// Whether a job that ended with `succeeded` keeps its claim.
+    pub fn keeps(self, succeeded: bool) -> bool {
+        match self {
+            ClaimRetention::RetainOnSuccess => succeeded,
+            ClaimRetention::Retain => true,
+            ClaimRetention::Delete => false,
+        }
+    }
+}
+
+/// When the kubelet pulls the worker image.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum PullPolicy {
+    /// On every pod start.
+    Always,
+    /// Only when the node does not have it.
+    IfNotPresent,
+    /// Never: the image must be on the node.
+    Never,
+}
+
+impl PullPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PullPolicy::Always => "Always",
+            PullPolicy::IfNotPresent => "IfNotPresent",
+            PullPolicy::Never => "Never",
+        }
+    }
+}
+
+fn default_optimizer() -> Optimizer {
+    Optimizer::Adamw
+}
+fn default_precision() -> Precision {
+    Precision::Fp32
+}
+fn default_learning_rate() -> f64 {
+    3e-4
+}
+fn default_checkpoint_every() -> u32 {
+    50
+}
+fn default_headroom() -> f64 {
+    0.1
+}
+fn default_one() -> u32 {
+    1
+}
+fn default_rungs() -> Vec<RetryRung> {
+    RetryRung::DEFAULT.to_vec()
+}
+fn default_max_attempts() -> u32 {
+    4
+}
+fn default_backoff() -> u32 {
+    10
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_policy_offers_only_rungs_a_worker_can_run() {
+        let policy = MemoryPolicy::default();
+        assert_eq!(policy.allowed_rungs, RetryRung::DEFAULT.to_vec());
+        assert!(policy.allowed_rungs.iter().all(|r| r.runnable()));
+    }
+}

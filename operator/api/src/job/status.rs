@@ -1,0 +1,318 @@
+//! The status: what Headroom knows about a job and what it did.
+//!
+//! Atomic fields: a status object or list that one writer always writes
+//! whole is marked atomic (`x-kubernetes-map-type` or
+//! `x-kubernetes-list-type`), so the object's managed fields name it once
+//! instead of listing each of its fields, or each entry's. Nothing merges a
+//! list's entries anyway: a JSON merge patch replaces a list whole. The
+//! fields marked so say `// Atomic: see the module doc.`
+
+use headroom_planner::{Plan, RetryRung, Settings};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::stored_attempt::StoredAttempt;
+
+/// Where a job is in its life. `Succeeded` and `Failed` are final.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum JobPhase {
+    Pending,
+    Running,
+    Retrying,
+    Succeeded,
+    Failed,
+}
+
+/// How an attempt ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum AttemptOutcome {
+    Running,
+    Succeeded,
+    /// Killed by the kernel at the container memory limit (`OOMKilled` / 137).
+    HostOutOfMemory,
+    /// The worker caught a device allocation failure.
+    DeviceOutOfMemory,
+    /// Evicted, preempted or its node was lost.
+    Disrupted,
+    /// No node could take the pods (e.g. no free GPU of the planned type).
+    Unschedulable,
+    Failed,
+}
+
+impl AttemptOutcome {
+    /// Out of memory, on the host or on the device: the retry is stricter.
+    pub fn is_memory(self) -> bool {
+        matches!(
+            self,
+            AttemptOutcome::HostOutOfMemory | AttemptOutcome::DeviceOutOfMemory
+        )
+    }
+}
+
+/// One attempt, kept forever in `status.attempts`: what it ran, what it was
+/// predicted to need, what it used and how it ended.
+///
+/// The whole plan (stages, memory breakdown, step time) is stored once, in
+/// `status.plan`, for the current attempt; an attempt keeps what a user
+/// compares across attempts. Jobs stored before this shape carry each
+/// attempt's whole plan in `plan`: it is read (to fill the fields below) and
+/// the operator's next status write replaces it ([`Attempt::stored_with_plan`]).
+// The fields' meanings (and the CRD's schema) are `StoredAttempt`'s, the
+// tolerant reading every attempt is deserialized through.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", try_from = "StoredAttempt")]
+pub struct Attempt {
+    pub number: u32,
+    pub device: String,
+    pub device_memory_bytes: u64,
+    pub workers: u32,
+    pub stages: u32,
+    pub settings: Settings,
+    pub predicted_peak_bytes: u64,
+    pub budget_bytes: u64,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rungs_applied: Vec<RetryRung>,
+    pub outcome: AttemptOutcome,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_peak_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_step: Option<u64>,
+    /// Read from an object stored with the attempt's whole plan (the shape
+    /// before the plan was stored once): the operator's next status write
+    /// rewrites the attempts in the lean shape. Never serialized.
+    #[serde(skip)]
+    pub stored_with_plan: bool,
+}
+
+impl Attempt {
+    /// A new running attempt of `plan`.
+    pub fn start(number: u32, plan: &Plan, started_at: Option<Time>) -> Attempt {
+        Attempt {
+            number,
+            device: plan.device.clone(),
+            device_memory_bytes: plan.device_memory_bytes,
+            workers: plan.workers,
+            stages: plan.stage_count(),
+            settings: plan.settings,
+            predicted_peak_bytes: plan.predicted_peak_bytes,
+            budget_bytes: plan.budget_bytes,
+            rungs_applied: plan.rungs_applied.clone(),
+            outcome: AttemptOutcome::Running,
+            reason: None,
+            message: None,
+            started_at,
+            finished_at: None,
+            observed_peak_bytes: None,
+            last_step: None,
+            stored_with_plan: false,
+        }
+    }
+
+    /// Whether the plan was predicted within its budget.
+    pub fn fits(&self) -> bool {
+        self.predicted_peak_bytes <= self.budget_bytes
+    }
+
+    /// Data-parallel replicas (workers per stage).
+    pub fn replicas(&self) -> u32 {
+        self.workers / self.stages.max(1)
+    }
+}
+
+/// Live memory of one worker, sampled by the worker itself.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MemorySample {
+    /// Memory the worker's cgroup uses now (memory.current / usage_in_bytes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup_current_bytes: Option<u64>,
+    /// Highest memory the worker's cgroup has used (memory.peak / max_usage_in_bytes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup_peak_bytes: Option<u64>,
+    /// Resident set size of the worker process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub process_rss_bytes: Option<u64>,
+    /// Bytes the backend allocator has handed out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allocator_in_use_bytes: Option<u64>,
+    /// Bytes the backend allocator holds (in use + cached); the gap is fragmentation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allocator_reserved_bytes: Option<u64>,
+    /// Per-GPU memory as NVML reports it (GPU workers only; at most 16).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["index"]))]
+    pub gpus: Vec<GpuMemory>,
+    /// Highest memory this worker has used so far, bytes.
+    pub peak_bytes: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuMemory {
+    /// NVML index of the GPU.
+    pub index: u32,
+    /// Bytes in use on the GPU (all processes).
+    pub used_bytes: u64,
+    /// The GPU's memory size.
+    pub total_bytes: u64,
+}
+
+/// One worker's live report; each worker writes only its own entry.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkerTelemetry {
+    /// Pod name.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// The attempt this worker belongs to.
+    pub attempt: u32,
+    /// Pipeline stage this worker runs (0-based).
+    pub stage: u32,
+    /// First transformer block of the stage (inclusive).
+    pub layer_start: u32,
+    /// One past the last transformer block of the stage.
+    pub layer_end: u32,
+    /// Optimizer steps done so far.
+    pub step: u64,
+    /// Training loss of the last step (the last stage reports it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss: Option<f64>,
+    /// Training throughput over the last steps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_second: Option<f64>,
+    // Atomic: see the module doc.
+    #[schemars(extend("x-kubernetes-map-type" = "atomic"))]
+    pub memory: MemorySample,
+    /// The initializer's download while it runs (only on the initializer's
+    /// entry: pod `<job>-init-<n>`, attempt 0, removed once attempt 1 starts).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub download: Option<DownloadProgress>,
+    pub updated_at: Time,
+}
+
+/// Where an initializer's download of a Hugging Face checkpoint stands.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DownloadProgress {
+    /// The file being fetched (or the last one fetched); a longer name is
+    /// cut to its last 1,000 bytes by the initializer.
+    #[schemars(length(max = 1024))]
+    pub file: String,
+    /// Bytes of that file on the volume so far (a resumed file counts what an
+    /// earlier run left).
+    pub file_bytes: u64,
+    /// That file's size, once the hub has said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file_total_bytes: Option<u64>,
+    /// Files in place (downloaded, or already there with the right size).
+    pub files_done: u32,
+    /// Files to fetch as far as known (shards count once the index is read).
+    pub files: u32,
+    /// Bytes this run received.
+    pub downloaded_bytes: u64,
+}
+
+impl DownloadProgress {
+    /// The longest file name reported, bytes (the CRD allows 1,024).
+    pub const MAX_FILE_BYTES: usize = 1000;
+
+    /// Sets the file being fetched, keeping the end of a longer name (the
+    /// part that tells shards apart) within [`Self::MAX_FILE_BYTES`].
+    pub fn set_file(&mut self, name: &str) {
+        let mut start = name.len().saturating_sub(Self::MAX_FILE_BYTES);
+        while !name.is_char_boundary(start) {
+            start += 1;
+        }
+        self.file = name[start..].to_string();
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MemoryAwareTrainingJobStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<JobPhase>,
+    /// The spec generation this status answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// `Planned`, `Running`, `Complete`, `Failed`, each with its reason (see the
+    /// README's Job lifecycle).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    // Atomic: see the module doc; only the operator writes the conditions.
+    #[schemars(extend("x-kubernetes-list-type" = "atomic"))]
+    pub conditions: Vec<Condition>,
+    /// Current attempt number (1-based).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<u32>,
+    /// The current attempt's whole plan: stages, memory breakdown term by
+    /// term, step time (stored here only: each attempt keeps its summary).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    // Atomic: see the module doc.
+    #[schemars(extend("x-kubernetes-map-type" = "atomic"))]
+    pub plan: Option<Plan>,
+    /// Every attempt so far, oldest first, each with its settings, predicted
+    /// and observed peak, and outcome; never pruned.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    // Atomic: see the module doc; each attempt would otherwise add its ~15
+    // fields to the managed fields.
+    #[schemars(extend("x-kubernetes-list-type" = "atomic"))]
+    pub attempts: Vec<Attempt>,
+    /// Live telemetry per worker of the current attempt (at most 1,024
+    /// workers, `resources.gpu.maxGpus`'s bound, and the initializer).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 1025))]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
+    pub workers: Vec<WorkerTelemetry>,
+    /// One line on where the job stands (the current attempt and its plan, or
+    /// why the job waits or failed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// The checkpoint a `model.pretrained` job fine-tunes, as the initializer
+    /// read it (shape from config.json, checked against the weight files).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    // Atomic: see the module doc.
+    #[schemars(extend("x-kubernetes-map-type" = "atomic"))]
+    pub model: Option<crate::ModelFacts>,
+    /// The training text as the checkpoint's tokenizer sees it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    // Atomic: see the module doc.
+    #[schemars(extend("x-kubernetes-map-type" = "atomic"))]
+    pub data: Option<crate::DataFacts>,
+    /// Where the fine-tuned model is written (`<claim>:<path>`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<String>,
+    /// Initializer pods started (one unless a transient failure, e.g. a
+    /// dropped download, made the operator start another).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initializations: Option<u32>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_long_download_name_keeps_its_end_within_the_bound() {
+        let mut p = DownloadProgress::default();
+        p.set_file("model-00001-of-00002.safetensors");
+        assert_eq!(p.file, "model-00001-of-00002.safetensors");
+        let long = format!("{}é-model-00002.safetensors", "d/".repeat(600));
+        p.set_file(&long);
+        assert!(
+            p.file.len() <= DownloadProgress::MAX_FILE_BYTES,
+            "{}",
+            p.file.len()
+        );
+        assert!(p.file.ends_with("-model-00002.safetensors"));
+    }
+}
