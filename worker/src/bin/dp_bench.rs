@@ -90,13 +90,7 @@ fn settings(d: u32) -> Settings {
     Settings {
         micro_batch: MICRO_BATCH,
         gradient_accumulation: GLOBAL_BATCH / MICRO_BATCH / d,
-        activation_checkpointing: false,
-        precision: Precision::Fp32,
-        optimizer: Optimizer::Adamw,
-        base_format: BaseFormat::Dense,
-        offload_optimizer: false,
-        offload_activations: false,
-        offload_embedding: false,
+        ..Settings::default()
     }
 }
 

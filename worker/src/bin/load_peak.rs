@@ -524,15 +524,8 @@ fn bench(
     let shape = checkpoint.shape.clone();
     let model = ModelShape::Llama(shape.clone());
     let settings = Settings {
-        micro_batch: 1,
-        gradient_accumulation: 1,
         activation_checkpointing: true,
-        precision: Precision::Fp32,
-        optimizer: Optimizer::Adamw,
-        base_format: BaseFormat::Dense,
-        offload_optimizer: false,
-        offload_activations: false,
-        offload_embedding: false,
+        ..Settings::default()
     };
     let mut dense_peaks = BTreeMap::new();
     let header = [
@@ -736,15 +729,10 @@ fn half_table(runs: usize, dir: &Path, exe: &Path, model: &ModelShape, sizes: &(
     );
     for format in [BaseFormat::Dense, BaseFormat::Nf4] {
         let settings = Settings {
-            micro_batch: 1,
-            gradient_accumulation: 1,
             activation_checkpointing: true,
             precision: Precision::Bf16,
-            optimizer: Optimizer::Adamw,
             base_format: format,
-            offload_optimizer: false,
-            offload_activations: false,
-            offload_embedding: false,
+            ..Settings::default()
         };
         let adapters = format.is_quantized().then(qlora);
         for p in [1, 2] {
