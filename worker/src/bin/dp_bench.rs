@@ -56,9 +56,7 @@ use headroom_planner::backend::{CUDA, FLEX};
 use headroom_planner::search::balanced_split;
 use headroom_planner::sharding::ring_chunk_bytes;
 use headroom_planner::timing::estimate;
-use headroom_planner::{
-    BaseFormat, DeviceKind, ModelShape, Optimizer, Precision, Settings, TransformerShape,
-};
+use headroom_planner::{DeviceKind, ModelShape, Settings, TransformerShape};
 use headroom_worker::collective::{Ring, RingTimeouts};
 use headroom_worker::link_auth::LinkKey;
 use headroom_worker::model::StageLayout;

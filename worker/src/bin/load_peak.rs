@@ -45,8 +45,7 @@ use headroom_planner::backend::FLEX;
 use headroom_planner::memory::{StagePlacement, estimate_stage};
 use headroom_planner::search::balanced_split;
 use headroom_planner::{
-    Backend, BaseFormat, LlamaShape, LoraConfig, ModelShape, Optimizer, Precision, Settings,
-    TargetModule,
+    Backend, BaseFormat, LlamaShape, LoraConfig, ModelShape, Precision, Settings, TargetModule,
 };
 use headroom_worker::model::hf::HfCheckpoint;
 use headroom_worker::model::{LmShape, StageLayout, TransformerLm, lora};
