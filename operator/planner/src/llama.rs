@@ -1096,7 +1096,7 @@ impl LlamaShape {
     ///   op's v keeps all of it, q and k too: q + kv more. (The fused
     ///   `gate_up_proj` keeps what gate and up would: 2i as one tensor.)
     ///
-    /// * Gemma: see [`gemma_extra_per_token`].
+    /// * Gemma: see `gemma_extra_per_token`.
     ///
     /// Per head and token, the op's logsumexp (one value); no `s × s` map
     /// outlives the op (`worker/src/model/lean/attention.rs`). Per block,

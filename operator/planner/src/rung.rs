@@ -29,9 +29,9 @@
 //!    of the moments in the step, negligible beside forward and backward;
 //!    the moments lose precision. For LoRA jobs it saves little (the
 //!    adapters' state is small), but it costs nearly nothing.
-//! 5. `quantizeBase` (LoRA only: dense → int8 → int4): every forward
-//!    (and every recomputation) dequantizes the base's block linears
-//!    (burn composes a dense weight, see [`crate::memory`]), and the frozen
+//! 5. `quantizeBase` (LoRA only: dense → int8 → nf4, int4 → nf4): every
+//!    forward (and every recomputation, and backward) dequantizes the base's
+//!    block linears for their products (see [`crate::memory`]), and the frozen
 //!    base loses precision; each format step is its own candidate, and a
 //!    step the backend does not store smaller (int4 on flex keeps one byte
 //!    a value) is never offered.
