@@ -327,13 +327,8 @@ fn llama_losses(optimizer: Optimizer, steps: u64, seed: u64) -> Vec<f64> {
         headroom_planner::Settings {
             micro_batch: 2,
             gradient_accumulation: 2,
-            activation_checkpointing: false,
-            precision: headroom_planner::Precision::Fp32,
             optimizer,
-            base_format: headroom_planner::BaseFormat::Dense,
-            offload_optimizer: false,
-            offload_activations: false,
-            offload_embedding: false,
+            ..headroom_planner::Settings::default()
         },
         steps,
         3e-3,

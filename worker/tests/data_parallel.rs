@@ -13,7 +13,7 @@ use std::time::Duration;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{Device, Tensor};
 use headroom_planner::search::balanced_split;
-use headroom_planner::{Optimizer, Precision, Settings, TransformerShape};
+use headroom_planner::{Settings, TransformerShape};
 use headroom_worker::collective::{Ring, RingTimeouts};
 use headroom_worker::link_auth::LinkKey;
 use headroom_worker::model::StageLayout;
@@ -42,12 +42,7 @@ fn settings(global: u32, d: u32, checkpointing: bool) -> Settings {
         micro_batch: 2,
         gradient_accumulation: global / 2 / d,
         activation_checkpointing: checkpointing,
-        precision: Precision::Fp32,
-        optimizer: Optimizer::Adamw,
-        base_format: headroom_planner::BaseFormat::Dense,
-        offload_optimizer: false,
-        offload_activations: false,
-        offload_embedding: false,
+        ..Settings::default()
     }
 }
 

@@ -19,7 +19,7 @@ use std::sync::OnceLock;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{DType, Device, FloatDType, Tensor};
-use headroom_planner::{BaseFormat, Optimizer, Precision, Settings};
+use headroom_planner::{Optimizer, Precision, Settings};
 use headroom_worker::model::TransformerLm;
 use headroom_worker::model::hf::HfCheckpoint;
 use headroom_worker::train::{TrainConfig, Trainer};
@@ -57,14 +57,8 @@ fn trainer(checkpointing: bool, optimizer: Optimizer) -> Trainer {
 fn settings() -> Settings {
     Settings {
         micro_batch: 2,
-        gradient_accumulation: 1,
-        activation_checkpointing: false,
         precision: Precision::Bf16,
-        optimizer: Optimizer::Adamw,
-        base_format: BaseFormat::Dense,
-        offload_optimizer: false,
-        offload_activations: false,
-        offload_embedding: false,
+        ..Settings::default()
     }
 }
 

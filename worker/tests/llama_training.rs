@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use headroom_planner::{Optimizer, Precision, Settings};
+use headroom_planner::Settings;
 use headroom_worker::collective::Single;
 use headroom_worker::link_auth::LinkKey;
 use headroom_worker::model::hf::HfCheckpoint;
@@ -34,13 +34,7 @@ fn config(steps: u64) -> TrainConfig {
         Settings {
             micro_batch: 2,
             gradient_accumulation: 2,
-            activation_checkpointing: false,
-            precision: Precision::Fp32,
-            optimizer: Optimizer::Adamw,
-            base_format: headroom_planner::BaseFormat::Dense,
-            offload_optimizer: false,
-            offload_activations: false,
-            offload_embedding: false,
+            ..Settings::default()
         },
         steps,
         3e-3,
@@ -252,14 +246,7 @@ fn other_families_fine_tune_and_reload_in_transformers() {
             checkpoint.shape,
             Settings {
                 micro_batch: 2,
-                gradient_accumulation: 1,
-                activation_checkpointing: false,
-                precision: Precision::Fp32,
-                optimizer: Optimizer::Adamw,
-                base_format: headroom_planner::BaseFormat::Dense,
-                offload_optimizer: false,
-                offload_activations: false,
-                offload_embedding: false,
+                ..Settings::default()
             },
             3,
             1e-2,

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use headroom_planner::{BaseFormat, LoraConfig, Optimizer, Precision, Settings, TargetModule};
+use headroom_planner::{BaseFormat, LoraConfig, Settings, TargetModule};
 use headroom_worker::collective::Single;
 use headroom_worker::link_auth::LinkKey;
 use headroom_worker::model::hf::HfCheckpoint;
@@ -50,12 +50,8 @@ fn config(
             micro_batch: 2,
             gradient_accumulation: 2,
             activation_checkpointing: checkpointing,
-            precision: Precision::Fp32,
-            optimizer: Optimizer::Adamw,
             base_format: format,
-            offload_optimizer: false,
-            offload_activations: false,
-            offload_embedding: false,
+            ..Settings::default()
         },
         steps,
         1e-2,

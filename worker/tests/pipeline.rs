@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use burn::tensor::Device;
 use headroom_planner::search::balanced_split;
-use headroom_planner::{Optimizer, Settings, TransformerShape};
+use headroom_planner::{Settings, TransformerShape};
 use headroom_worker::collective::Single;
 use headroom_worker::link_auth::LinkKey;
 use headroom_worker::model::StageLayout;
@@ -36,12 +36,7 @@ fn settings(checkpointing: bool) -> Settings {
         micro_batch: 2,
         gradient_accumulation: 3,
         activation_checkpointing: checkpointing,
-        precision: headroom_planner::Precision::Fp32,
-        optimizer: Optimizer::Adamw,
-        base_format: headroom_planner::BaseFormat::Dense,
-        offload_optimizer: false,
-        offload_activations: false,
-        offload_embedding: false,
+        ..Settings::default()
     }
 }
 

@@ -1,5 +1,5 @@
 //! Plan a ~70e9-parameter transformer over 1,000 nodes of 6 GPU types.
-//! Target (issue 2): median under 1 ms. Run: `make bench-planner`.
+//! Target: median under 1 ms. Run: `make bench-planner`.
 
 use std::hint::black_box;
 

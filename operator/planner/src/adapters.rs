@@ -19,119 +19,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::llama::{LlamaArchitecture, LlamaShape};
-
-/// A Llama-family module LoRA may adapt, named as in Hugging Face / PEFT.
-/// Which ones a model has depends on its architecture: Phi-3 has qkv_proj
-/// and gate_up_proj where the others have q/k/v_proj and gate/up_proj.
-#[derive(
-    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
-)]
-#[serde(rename_all = "snake_case")]
-pub enum TargetModule {
-    QProj,
-    KProj,
-    VProj,
-    OProj,
-    GateProj,
-    UpProj,
-    DownProj,
-    LmHead,
-    /// Phi-3's q, k and v in one matrix (`self_attn.qkv_proj`).
-    QkvProj,
-    /// Phi-3's gate and up in one matrix (`mlp.gate_up_proj`).
-    GateUpProj,
-}
-
-impl TargetModule {
-    /// The modules of Llama's blocks and its head: every architecture's but Phi-3's.
-    pub const ALL: [TargetModule; 8] = [
-        TargetModule::QProj,
-        TargetModule::KProj,
-        TargetModule::VProj,
-        TargetModule::OProj,
-        TargetModule::GateProj,
-        TargetModule::UpProj,
-        TargetModule::DownProj,
-        TargetModule::LmHead,
-    ];
-
-    /// Every module of every architecture, Llama's then Phi-3's fused ones.
-    pub const EVERY: [TargetModule; 10] = [
-        TargetModule::QProj,
-        TargetModule::KProj,
-        TargetModule::VProj,
-        TargetModule::OProj,
-        TargetModule::GateProj,
-        TargetModule::UpProj,
-        TargetModule::DownProj,
-        TargetModule::LmHead,
-        TargetModule::QkvProj,
-        TargetModule::GateUpProj,
-    ];
-
-    /// The module PEFT names `name` (`q_proj`, `qkv_proj`, …), of any architecture.
-    pub fn from_hf_name(name: &str) -> Option<TargetModule> {
-        TargetModule::EVERY
-            .into_iter()
-            .find(|m| m.hf_name() == name)
-    }
-
-    /// Whether the module is in a block's attention (`self_attn.*`) rather than its MLP.
-    pub fn in_attention(self) -> bool {
-        matches!(
-            self,
-            TargetModule::QProj
-                | TargetModule::KProj
-                | TargetModule::VProj
-                | TargetModule::OProj
-                | TargetModule::QkvProj
-        )
-    }
-
-    /// The Hugging Face module name (`q_proj`, …, `lm_head`).
-    pub fn hf_name(self) -> &'static str {
-        match self {
-            TargetModule::QProj => "q_proj",
-            TargetModule::KProj => "k_proj",
-            TargetModule::VProj => "v_proj",
-            TargetModule::OProj => "o_proj",
-            TargetModule::GateProj => "gate_proj",
-            TargetModule::UpProj => "up_proj",
-            TargetModule::DownProj => "down_proj",
-            TargetModule::LmHead => "lm_head",
-            TargetModule::QkvProj => "qkv_proj",
-            TargetModule::GateUpProj => "gate_up_proj",
-        }
-    }
-
-    /// Whether the module sits in every decoder block (all but `lm_head`).
-    pub fn per_layer(self) -> bool {
-        self != TargetModule::LmHead
-    }
-
-    /// `(d_in, d_out)` of the module's weight in `shape` (as `nn.Linear(d_in, d_out)`).
-    pub fn dims(self, shape: &LlamaShape) -> (u64, u64) {
-        let h = u64::from(shape.hidden);
-        let i = u64::from(shape.intermediate);
-        let (q, kv) = (shape.q_dim(), shape.kv_dim());
-        match self {
-            TargetModule::QProj => (h, q),
-            TargetModule::KProj | TargetModule::VProj => (h, kv),
-            TargetModule::OProj => (q, h),
-            TargetModule::GateProj | TargetModule::UpProj => (h, i),
-            TargetModule::DownProj => (i, h),
-            TargetModule::LmHead => (h, u64::from(shape.vocabulary)),
-            TargetModule::QkvProj => (h, q + 2 * kv),
-            TargetModule::GateUpProj => (h, 2 * i),
-        }
-    }
-}
-
-impl std::fmt::Display for TargetModule {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.hf_name())
-    }
-}
+use crate::target_module::TargetModule;
 
 /// LoRA adapters as PEFT configures them.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -336,18 +224,7 @@ mod tests {
         // QLoRA paper setting (all linear layers of the blocks), r = 16:
         // 32 · 16 · (4·(4096+4096) + 2·(4096+11008) + (11008+4096)) = 39,976,960,
         // PEFT's count for target_modules = "all-linear" on Llama-2-7B.
-        let l = lora(
-            16,
-            &[
-                TargetModule::QProj,
-                TargetModule::KProj,
-                TargetModule::VProj,
-                TargetModule::OProj,
-                TargetModule::GateProj,
-                TargetModule::UpProj,
-                TargetModule::DownProj,
-            ],
-        );
+        let l = lora(16, &TargetModule::BLOCK_LINEARS);
         assert_eq!(l.trainable_params(&llama_2_7b()), 39_976_960);
     }
 

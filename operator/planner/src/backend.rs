@@ -264,27 +264,24 @@ pub const FLEX: BackendProfile = BackendProfile {
     fixed_overhead_bytes: 20 * MIB,
     // The optimizer updates one parameter tensor at a time and the
     // checkpoint is written one part at a time, so the model states leave
-    // little beside them. It was 5 % while burn's batched matmul made each
-    // trained weight's gradient once per sample in backward (a transient
-    // the fit spread over the terms). With the linears on rows
-    // (`worker/src/model/lean/linear.rs`) the grid fits best with none;
-    // 1 % stays for the state-heavy rows with few activations (`FF22`
-    // moved 394 → 404 MiB between two runs). 2026-11-29, two runs: 94 rows
-    // without replicas median |error| 4.5 % and 4.7 %, worst −7.5 % and
+    // little beside them: with the linears on rows
+    // (`worker/src/model/lean/linear.rs`) backward makes each trained
+    // weight's gradient once, not once per sample, and the grid fits best
+    // with none; 1 % stays for the state-heavy rows with few activations
+    // (`FF22` measured 394 and 404 MiB in two runs). Two runs, 94 rows
+    // without replicas: median |error| 4.5 % and 4.7 %, worst −7.5 % and
     // −8.2 % (docs/benchmarks.md).
     state_slack: 0.01,
-    // What the state slack was when the load's figures were fitted
-    // (`make bench-load-peak`, docs/benchmarks.md): the load did not change
-    // with the linears on rows.
+    // Fitted to the load's own figures (`make bench-load-peak`,
+    // docs/benchmarks.md), which the linears on rows do not change.
     load_slack: 0.05,
-    // None: since the lean ops (issue 30) backward makes no s²-sized
-    // temporaries, and a least-squares fit of the 33 rows without
-    // checkpointing gives the counted activations a coefficient of 0.92
-    // (the 25 % this was before covered softmax's and the attention
-    // matmuls' s² temporaries).
+    // None: the worker's attention and loss ops (`worker/src/model/lean/`)
+    // make no s²-sized temporaries in backward, and a least-squares fit of
+    // the 33 rows without checkpointing gives the counted activations a
+    // coefficient of 0.92.
     activation_slack: 0.0,
-    // Likewise for LoRA/QLoRA rows without checkpointing (fitted 0.92; it
-    // was 0.12 when burn composed each adapted weight).
+    // Likewise for LoRA/QLoRA rows without checkpointing (fitted 0.92): the
+    // adapters run beside the frozen matmul and compose no weight.
     adapter_activation_slack: 0.0,
     activation_count: ActivationCount::BurnAutodiff,
     // Fitted: with checkpointing the loss (one chunk of logits, three

@@ -34,6 +34,7 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::backend::BackendProfile;
 use crate::inventory::{DeviceType, Inventory};
 use crate::memory::MemoryBreakdown;
 use crate::plan::{JobRequest, NoFeasiblePlan, Plan, SearchOptions};
@@ -139,24 +140,6 @@ pub fn next_stricter_plan(
     // view when it has one (node sizes, a Kueue queue's quota), else its
     // own budget.
     let inventory = &*crate::search::planning_inventory(req, inventory);
-    // The failed device as the inventory sees it now; as the plan saw it
-    // when the inventory no longer lists it.
-    let device = inventory
-        .devices
-        .iter()
-        .find(|d| d.name == failed.device)
-        .cloned()
-        .unwrap_or_else(|| DeviceType {
-            name: failed.device.clone(),
-            kind: failed.device_kind,
-            resource: failed.resource.clone(),
-            memory_bytes: failed.device_memory_bytes,
-            free: failed.workers,
-            free_on_one_node: failed.workers,
-            total: failed.workers,
-            total_on_one_node: failed.workers,
-            host_memory_bytes: None,
-        });
     let profile = req.backend().profile();
     let usable = (failed.device_memory_bytes as f64 * profile.usable_fraction) as u64;
     let correction = corrected_factor(failed, failure, usable);
@@ -179,33 +162,19 @@ pub fn next_stricter_plan(
         },
         inventory.one_node,
     );
-    let limits = RungLimits {
+    let retry = Retry {
+        req,
+        search: &search,
         profile,
-        global_batch: u32::try_from(failed.settings.global_batch()).unwrap_or(req.global_batch),
-        lora: req.adapters.is_some(),
-        max_workers: req.max_workers(),
-        max_devices: req.max_devices(),
-        devices: inventory
-            .devices
-            .iter()
-            .filter(|d| req.accepts(d))
-            .cloned()
-            .collect(),
+        failure,
+        correction,
+        margin,
     };
-    let shortfall = |c: &Candidate| {
-        let peak = search
-            .build_unchecked(&c.device, c.shape(), c.settings)
-            .map_or_else(
-                || "no split".to_string(),
-                |pl| format_bytes(pl.predicted_peak_bytes),
-            );
-        let budget = budget_bytes(&c.device, profile, req.headroom_fraction);
-        format!("{peak} > budget {}", format_bytes(budget))
-    };
+    let limits = rung_limits(req, profile, failed, inventory);
 
     // Rungs are cumulative: each starts where the previous one stopped.
     let mut state = Candidate {
-        device,
+        device: failed_device(inventory, failed),
         stages: failed.stage_count(),
         replicas: failed.replicas.max(1),
         settings: failed.settings,
@@ -226,32 +195,11 @@ pub fn next_stricter_plan(
             applied.push(rung);
         }
         for c in &tried {
-            if let Some(mut plan) = search.build(&c.device, c.shape(), c.settings) {
-                plan.rungs_applied = applied;
-                plan.warnings.push(format!(
-                    "retry after {:?}: estimated terms corrected ×{:.2} from what the failure proved; budget {:.0} % under the usable memory",
-                    failure.kind,
-                    correction,
-                    margin * 100.0
-                ));
+            if let Some(plan) = retry.fitting_plan(c, &applied) {
                 return Ok(plan);
             }
-            if within_limit.is_none()
-                && let Some(mut plan) = search.build_unchecked(&c.device, c.shape(), c.settings)
-            {
-                let usable = (c.device.memory_bytes as f64 * profile.usable_fraction) as u64;
-                if plan.predicted_peak_bytes <= usable {
-                    plan.rungs_applied = applied.clone();
-                    plan.warnings.push(format!(
-                        "retry after {:?}: estimated terms corrected ×{:.2}; no allowed rung fits the budget ({:.0} % under the usable memory), and this one is the first within the usable memory itself ({} of {})",
-                        failure.kind,
-                        correction,
-                        margin * 100.0,
-                        format_bytes(plan.predicted_peak_bytes),
-                        format_bytes(usable)
-                    ));
-                    within_limit = Some(plan);
-                }
+            if within_limit.is_none() {
+                within_limit = retry.plan_within_usable_memory(c, &applied);
             }
         }
         // More replicas that did not fit are not carried on: the stage and
@@ -261,7 +209,7 @@ pub fn next_stricter_plan(
         {
             state = last.clone();
         }
-        let note = rung.over_budget_note(&state, &tried, || shortfall(&state));
+        let note = rung.over_budget_note(&state, &tried, || retry.shortfall(&state));
         notes.push(format!("{rung}: {note}"));
     }
     if let Some(plan) = within_limit {
@@ -278,4 +226,110 @@ pub fn next_stricter_plan(
         ),
         details: notes,
     })
+}
+
+/// The failed device as the inventory sees it now; as the plan saw it
+/// when the inventory no longer lists it.
+fn failed_device(inventory: &Inventory, failed: &Plan) -> DeviceType {
+    inventory
+        .devices
+        .iter()
+        .find(|d| d.name == failed.device)
+        .cloned()
+        .unwrap_or_else(|| DeviceType {
+            name: failed.device.clone(),
+            kind: failed.device_kind,
+            resource: failed.resource.clone(),
+            memory_bytes: failed.device_memory_bytes,
+            free: failed.workers,
+            free_on_one_node: failed.workers,
+            total: failed.workers,
+            total_on_one_node: failed.workers,
+            host_memory_bytes: None,
+        })
+}
+
+/// What the rungs may reach from `failed`: its global batch, the job's
+/// worker and device limits, the device types the job accepts.
+fn rung_limits(
+    req: &JobRequest,
+    profile: &'static BackendProfile,
+    failed: &Plan,
+    inventory: &Inventory,
+) -> RungLimits {
+    RungLimits {
+        profile,
+        global_batch: u32::try_from(failed.settings.global_batch()).unwrap_or(req.global_batch),
+        lora: req.adapters.is_some(),
+        max_workers: req.max_workers(),
+        max_devices: req.max_devices(),
+        devices: inventory
+            .devices
+            .iter()
+            .filter(|d| req.accepts(d))
+            .cloned()
+            .collect(),
+    }
+}
+
+/// One retry's search: the corrected estimate and the margin the next plan
+/// keeps, and what it tells the user about each candidate.
+struct Retry<'a> {
+    /// The job with the retry's margin as its headroom.
+    req: &'a JobRequest,
+    search: &'a Search<'a>,
+    profile: &'a BackendProfile,
+    failure: &'a MemoryFailure,
+    correction: f64,
+    margin: f64,
+}
+
+impl Retry<'_> {
+    /// `c`'s plan when it fits the budget, with the rungs `applied`.
+    fn fitting_plan(&self, c: &Candidate, applied: &[RetryRung]) -> Option<Plan> {
+        let mut plan = self.search.build(&c.device, c.shape(), c.settings)?;
+        plan.rungs_applied = applied.to_vec();
+        plan.warnings.push(format!(
+            "retry after {:?}: estimated terms corrected ×{:.2} from what the failure proved; budget {:.0} % under the usable memory",
+            self.failure.kind,
+            self.correction,
+            self.margin * 100.0
+        ));
+        Some(plan)
+    }
+
+    /// `c`'s plan when it is over the budget but within the usable memory
+    /// itself: the plan to run when no candidate fits the budget.
+    fn plan_within_usable_memory(&self, c: &Candidate, applied: &[RetryRung]) -> Option<Plan> {
+        let mut plan = self
+            .search
+            .build_unchecked(&c.device, c.shape(), c.settings)?;
+        let usable = (c.device.memory_bytes as f64 * self.profile.usable_fraction) as u64;
+        if plan.predicted_peak_bytes > usable {
+            return None;
+        }
+        plan.rungs_applied = applied.to_vec();
+        plan.warnings.push(format!(
+            "retry after {:?}: estimated terms corrected ×{:.2}; no allowed rung fits the budget ({:.0} % under the usable memory), and this one is the first within the usable memory itself ({} of {})",
+            self.failure.kind,
+            self.correction,
+            self.margin * 100.0,
+            format_bytes(plan.predicted_peak_bytes),
+            format_bytes(usable)
+        ));
+        Some(plan)
+    }
+
+    /// `c`'s predicted peak against its budget: "peak > budget".
+    fn shortfall(&self, c: &Candidate) -> String {
+        let peak = self
+            .search
+            .build_unchecked(&c.device, c.shape(), c.settings)
+            .map_or_else(
+                || "no split".to_string(),
+                |pl| format_bytes(pl.predicted_peak_bytes),
+            );
+        let budget = budget_bytes(&c.device, self.profile, self.req.headroom_fraction);
+        format!("{peak} > budget {}", format_bytes(budget))
+    }
 }

@@ -7,6 +7,7 @@
 //! Modules, each importing only those above it:
 //!
 //! * [`units`] — byte and count formatting
+//! * [`target_module`] — the Llama-family modules LoRA may adapt, by their Hugging Face names
 //! * [`llama`] — Llama-family models (Llama, Mistral, Qwen2, Qwen3, Phi-3) from a Hugging Face `config.json`
 //! * [`adapters`] — LoRA adapters and the frozen base's storage format (QLoRA)
 //! * [`model`] — what is being trained (transformer shape, Llama family, or a generic parameter count)
@@ -34,11 +35,12 @@ pub mod retry;
 pub mod rung;
 pub mod search;
 pub mod sharding;
+pub mod target_module;
 pub mod timing;
 pub mod training;
 pub mod units;
 
-pub use adapters::{BaseFormat, LoraConfig, TargetModule};
+pub use adapters::{BaseFormat, LoraConfig};
 pub use backend::{Backend, BackendProfile, GpuRuntime};
 pub use inventory::{DeviceKind, DeviceType, Inventory, NodeFacts};
 pub use ladder::{MemoryFailure, MemoryFailureKind, next_stricter_plan};
@@ -51,5 +53,6 @@ pub use plan::{JobRequest, NoFeasiblePlan, Objective, Plan, SearchOptions, Stage
 pub use retry::{FailureCause, replan};
 pub use rung::{RetryRung, Tightening};
 pub use search::{alternatives, plan, plan_with};
+pub use target_module::TargetModule;
 pub use timing::StepTime;
 pub use training::{Optimizer, Precision, Settings};

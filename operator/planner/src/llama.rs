@@ -25,7 +25,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::adapters::TargetModule;
+use crate::target_module::TargetModule;
 
 /// Which Hugging Face architecture a config names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -109,7 +109,7 @@ impl LlamaArchitecture {
         if self.fused_projections() {
             &[QkvProj, OProj, GateUpProj, DownProj]
         } else {
-            &[QProj, KProj, VProj, OProj, GateProj, UpProj, DownProj]
+            &TargetModule::BLOCK_LINEARS
         }
     }
 
@@ -118,6 +118,25 @@ impl LlamaArchitecture {
         let mut all = self.block_linears().to_vec();
         all.push(TargetModule::LmHead);
         all
+    }
+}
+
+impl TargetModule {
+    /// `(d_in, d_out)` of the module's weight in `shape` (as `nn.Linear(d_in, d_out)`).
+    pub fn dims(self, shape: &LlamaShape) -> (u64, u64) {
+        let h = u64::from(shape.hidden);
+        let i = u64::from(shape.intermediate);
+        let (q, kv) = (shape.q_dim(), shape.kv_dim());
+        match self {
+            TargetModule::QProj => (h, q),
+            TargetModule::KProj | TargetModule::VProj => (h, kv),
+            TargetModule::OProj => (q, h),
+            TargetModule::GateProj | TargetModule::UpProj => (h, i),
+            TargetModule::DownProj => (i, h),
+            TargetModule::LmHead => (h, u64::from(shape.vocabulary)),
+            TargetModule::QkvProj => (h, q + 2 * kv),
+            TargetModule::GateUpProj => (h, 2 * i),
+        }
     }
 }
 
@@ -577,6 +596,39 @@ fn gemma_attention(
             .filter(|w| *w > 0)
             .ok_or_else(|| bad("sliding_window", format!("{w} must be a positive integer")))?,
     };
+    let layer_types = gemma_layer_types(v, gemma3, layers)?;
+    let (global_theta, local_rope_theta, global_rope_factor) = gemma_rope(v, architecture)?;
+    let attn_logit_softcapping = positive_number(v, "attn_logit_softcapping")?;
+    if let (true, Some(cap)) = (gemma3, attn_logit_softcapping) {
+        return Err(bad(
+            "attn_logit_softcapping",
+            format!(
+                "{cap}: transformers' Gemma3ForCausalLM does not apply it, so a model trained with it would be another function; set it to null"
+            ),
+        ));
+    }
+    let final_logit_softcapping = positive_number(v, "final_logit_softcapping")?;
+    Ok((
+        GemmaAttention {
+            query_pre_attn_scalar,
+            sliding_window,
+            layer_types,
+            local_rope_theta,
+            global_rope_factor,
+            attn_logit_softcapping,
+            final_logit_softcapping,
+        },
+        global_theta,
+    ))
+}
+
+/// Which of Gemma's `layers` slide and which attend globally: the
+/// config's `layer_types`, else transformers' default pattern.
+fn gemma_layer_types(
+    v: &Value,
+    gemma3: bool,
+    layers: u32,
+) -> Result<Vec<LayerAttention>, ConfigError> {
     let layer_types = match v.get("layer_types").filter(|t| !t.is_null()) {
         Some(list) => {
             let types: Option<Vec<LayerAttention>> = list.as_array().and_then(|a| {
@@ -629,6 +681,16 @@ fn gemma_attention(
                 .collect()
         }
     };
+    Ok(layer_types)
+}
+
+/// Gemma's RoPE: `(global base, local base, global linear factor)`, as
+/// transformers reads them (its defaults where a key is absent).
+fn gemma_rope(
+    v: &Value,
+    architecture: LlamaArchitecture,
+) -> Result<(f64, f64, Option<f64>), ConfigError> {
+    let gemma3 = architecture == LlamaArchitecture::Gemma3;
     // transformers' default bases: Gemma 3 global 1e6 and local 1e4, Gemma 2 1e4.
     let default_theta = if gemma3 { 1_000_000.0 } else { 10_000.0 };
     let theta = |rope: Option<&Value>, default: f64| {
@@ -639,7 +701,7 @@ fn gemma_attention(
     let per_type = v
         .get("rope_parameters")
         .filter(|p| p.get("full_attention").is_some() || p.get("sliding_attention").is_some());
-    let (global_theta, local_rope_theta, global_rope_factor) = match per_type {
+    Ok(match per_type {
         // transformers 5 writes one dictionary per layer type.
         Some(p) => {
             let (full, sliding) = (p.get("full_attention"), p.get("sliding_attention"));
@@ -668,29 +730,154 @@ fn gemma_attention(
                 gemma_rope_factor(rope_dict(v), "rope_scaling", architecture)?,
             )
         }
+    })
+}
+
+/// The Llama-family architecture the config's `architectures` names.
+fn config_architecture(v: &Value) -> Result<LlamaArchitecture, ConfigError> {
+    let names: Vec<&str> = v
+        .get("architectures")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    LlamaArchitecture::ALL
+        .into_iter()
+        .find(|a| names.contains(&a.hf_name()))
+        .ok_or_else(|| {
+            bad(
+                "architectures",
+                format!(
+                    "{names:?} is not a Llama-family model Headroom knows; supported: {}",
+                    LlamaArchitecture::ALL
+                        .map(LlamaArchitecture::hf_name)
+                        .join(", ")
+                ),
+            )
+        })
+}
+
+/// A required positive integer that fits a `u32`.
+fn positive_int(v: &Value, key: &'static str) -> Result<u32, ConfigError> {
+    let n = v
+        .get(key)
+        .ok_or_else(|| bad(key, "missing"))?
+        .as_u64()
+        .ok_or_else(|| bad(key, "must be a positive integer"))?;
+    u32::try_from(n)
+        .ok()
+        .filter(|n| *n > 0)
+        .ok_or_else(|| bad(key, format!("{n} is out of range")))
+}
+
+/// `(attention heads, key/value heads, head dimension)` of a model of
+/// `hidden` width: the key/value heads default to the attention heads and
+/// must divide them; the head dimension defaults to `hidden / heads`.
+fn config_heads(v: &Value, hidden: u32) -> Result<(u32, u32, u32), ConfigError> {
+    let attention_heads = positive_int(v, "num_attention_heads")?;
+    let key_value_heads = match v.get("num_key_value_heads") {
+        None | Some(Value::Null) => attention_heads,
+        Some(_) => positive_int(v, "num_key_value_heads")?,
     };
-    let attn_logit_softcapping = positive_number(v, "attn_logit_softcapping")?;
-    if let (true, Some(cap)) = (gemma3, attn_logit_softcapping) {
+    if !attention_heads.is_multiple_of(key_value_heads) {
         return Err(bad(
-            "attn_logit_softcapping",
-            format!(
-                "{cap}: transformers' Gemma3ForCausalLM does not apply it, so a model trained with it would be another function; set it to null"
-            ),
+            "num_key_value_heads",
+            format!("{key_value_heads} must divide num_attention_heads ({attention_heads})"),
         ));
     }
-    let final_logit_softcapping = positive_number(v, "final_logit_softcapping")?;
-    Ok((
-        GemmaAttention {
-            query_pre_attn_scalar,
-            sliding_window,
-            layer_types,
-            local_rope_theta,
-            global_rope_factor,
-            attn_logit_softcapping,
-            final_logit_softcapping,
-        },
-        global_theta,
-    ))
+    let head_dim = match v.get("head_dim") {
+        None | Some(Value::Null) => {
+            if !hidden.is_multiple_of(attention_heads) {
+                return Err(bad(
+                    "hidden_size",
+                    format!(
+                        "{hidden} is not a multiple of num_attention_heads ({attention_heads}) and no head_dim is given"
+                    ),
+                ));
+            }
+            hidden / attention_heads
+        }
+        Some(_) => positive_int(v, "head_dim")?,
+    };
+    Ok((attention_heads, key_value_heads, head_dim))
+}
+
+/// Refuses an MLP activation the worker does not build: SwiGLU's `silu`,
+/// or Gemma's GeGLU `gelu_pytorch_tanh`.
+fn check_activation(v: &Value, architecture: LlamaArchitecture) -> Result<(), ConfigError> {
+    if architecture.gemma() {
+        // transformers' Gemma reads hidden_activation (the Hub's configs
+        // carry hidden_act beside it).
+        let key = if v.get("hidden_activation").is_some_and(|a| !a.is_null()) {
+            "hidden_activation"
+        } else {
+            "hidden_act"
+        };
+        if let Some(act) = v.get(key).and_then(Value::as_str)
+            && act != "gelu_pytorch_tanh"
+        {
+            return Err(bad(
+                key,
+                format!("{act:?} is not supported; Gemma's MLP runs \"gelu_pytorch_tanh\""),
+            ));
+        }
+    } else if let Some(act) = v.get("hidden_act").and_then(Value::as_str)
+        && act != "silu"
+    {
+        return Err(bad(
+            "hidden_act",
+            format!("{act:?} is not supported; Llama-family MLPs use \"silu\""),
+        ));
+    }
+    Ok(())
+}
+
+/// How a model encodes positions beyond the default RoPE: Gemma's layers
+/// slide (the worker's attention does too) and keep a RoPE dictionary per
+/// layer type; the others' RoPE is one, possibly scaled.
+struct PositionEncoding {
+    rope_scaling: Option<RopeScaling>,
+    long_rope: Option<LongRope>,
+    gemma: Option<Box<GemmaAttention>>,
+    /// Gemma's global layers' RoPE base.
+    gemma_theta: Option<f64>,
+}
+
+impl PositionEncoding {
+    fn read(
+        v: &Value,
+        architecture: LlamaArchitecture,
+        layers: u32,
+        sequence_length: u32,
+        rotary_dim: u32,
+    ) -> Result<Self, ConfigError> {
+        let none = PositionEncoding {
+            rope_scaling: None,
+            long_rope: None,
+            gemma: None,
+            gemma_theta: None,
+        };
+        if architecture.gemma() {
+            let (gemma, global_theta) = gemma_attention(v, architecture, layers)?;
+            return Ok(PositionEncoding {
+                gemma: Some(Box::new(gemma)),
+                gemma_theta: Some(global_theta),
+                ..none
+            });
+        }
+        check_no_softcapping(v, architecture)?;
+        check_sliding_window(v, architecture, sequence_length)?;
+        Ok(match rope_scaling(v, architecture, rotary_dim)? {
+            None => none,
+            Some(Scaling::Llama3(s)) => PositionEncoding {
+                rope_scaling: Some(s),
+                ..none
+            },
+            Some(Scaling::LongRope(l)) => PositionEncoding {
+                long_rope: Some(l),
+                ..none
+            },
+        })
+    }
 }
 
 /// Refuses Gemma's soft-capping keys on the architectures that do not have it.
@@ -715,92 +902,16 @@ impl LlamaShape {
     pub fn from_hf_config(text: &str, sequence_length: u32) -> Result<Self, ConfigError> {
         let v: Value =
             serde_json::from_str(text).map_err(|e| bad("(file)", format!("not JSON: {e}")))?;
-        let names: Vec<&str> = v
-            .get("architectures")
-            .and_then(Value::as_array)
-            .map(|a| a.iter().filter_map(Value::as_str).collect())
-            .unwrap_or_default();
-        let architecture = LlamaArchitecture::ALL
-            .into_iter()
-            .find(|a| names.contains(&a.hf_name()))
-            .ok_or_else(|| {
-                bad(
-                    "architectures",
-                    format!(
-                        "{names:?} is not a Llama-family model Headroom knows; supported: {}",
-                        LlamaArchitecture::ALL
-                            .map(LlamaArchitecture::hf_name)
-                            .join(", ")
-                    ),
-                )
-            })?;
-        let int = |key: &'static str| -> Result<u32, ConfigError> {
-            let n = v
-                .get(key)
-                .ok_or_else(|| bad(key, "missing"))?
-                .as_u64()
-                .ok_or_else(|| bad(key, "must be a positive integer"))?;
-            u32::try_from(n)
-                .ok()
-                .filter(|n| *n > 0)
-                .ok_or_else(|| bad(key, format!("{n} is out of range")))
-        };
+        let architecture = config_architecture(&v)?;
+        let int = |key: &'static str| positive_int(&v, key);
         let flag =
             |key: &str, default: bool| v.get(key).and_then(Value::as_bool).unwrap_or(default);
         let hidden = int("hidden_size")?;
-        let attention_heads = int("num_attention_heads")?;
-        let key_value_heads = match v.get("num_key_value_heads") {
-            None | Some(Value::Null) => attention_heads,
-            Some(_) => int("num_key_value_heads")?,
-        };
-        if attention_heads % key_value_heads != 0 {
-            return Err(bad(
-                "num_key_value_heads",
-                format!("{key_value_heads} must divide num_attention_heads ({attention_heads})"),
-            ));
-        }
-        let head_dim = match v.get("head_dim") {
-            None | Some(Value::Null) => {
-                if hidden % attention_heads != 0 {
-                    return Err(bad(
-                        "hidden_size",
-                        format!(
-                            "{hidden} is not a multiple of num_attention_heads ({attention_heads}) and no head_dim is given"
-                        ),
-                    ));
-                }
-                hidden / attention_heads
-            }
-            Some(_) => int("head_dim")?,
-        };
+        let (attention_heads, key_value_heads, head_dim) = config_heads(&v, hidden)?;
         if sequence_length == 0 {
             return Err(bad("(sequence length)", "must be at least 1"));
         }
-        // The MLP is SwiGLU, or Gemma's GeGLU: the gate activations the worker builds.
-        if architecture.gemma() {
-            // transformers' Gemma reads hidden_activation (the Hub's configs
-            // carry hidden_act beside it).
-            let key = if v.get("hidden_activation").is_some_and(|a| !a.is_null()) {
-                "hidden_activation"
-            } else {
-                "hidden_act"
-            };
-            if let Some(act) = v.get(key).and_then(Value::as_str)
-                && act != "gelu_pytorch_tanh"
-            {
-                return Err(bad(
-                    key,
-                    format!("{act:?} is not supported; Gemma's MLP runs \"gelu_pytorch_tanh\""),
-                ));
-            }
-        } else if let Some(act) = v.get("hidden_act").and_then(Value::as_str)
-            && act != "silu"
-        {
-            return Err(bad(
-                "hidden_act",
-                format!("{act:?} is not supported; Llama-family MLPs use \"silu\""),
-            ));
-        }
+        check_activation(&v, architecture)?;
         // Qwen2 always has q/k/v biases and no `attention_bias` key; Phi-3 none.
         let attention_bias = match architecture {
             LlamaArchitecture::Qwen2 => true,
@@ -812,24 +923,8 @@ impl LlamaShape {
         let partial_rotary_factor = partial_rotary_factor(&v, architecture, head_dim)?;
         let rotary_dim =
             partial_rotary_factor.map_or(head_dim, |f| (f64::from(head_dim) * f) as u32);
-        // Gemma's layers slide (the worker's attention does too) and keep a
-        // RoPE dictionary per layer type; the others' RoPE is one.
-        let (rope_scaling, long_rope, gemma) = if architecture.gemma() {
-            let (gemma, global_theta) = gemma_attention(&v, architecture, layers)?;
-            (None, None, Some((gemma, global_theta)))
-        } else {
-            check_no_softcapping(&v, architecture)?;
-            check_sliding_window(&v, architecture, sequence_length)?;
-            match rope_scaling(&v, architecture, rotary_dim)? {
-                None => (None, None, None),
-                Some(Scaling::Llama3(s)) => (Some(s), None, None),
-                Some(Scaling::LongRope(l)) => (None, Some(l), None),
-            }
-        };
-        let (gemma, gemma_theta) = match gemma {
-            Some((g, theta)) => (Some(Box::new(g)), Some(theta)),
-            None => (None, None),
-        };
+        let positions =
+            PositionEncoding::read(&v, architecture, layers, sequence_length, rotary_dim)?;
         Ok(LlamaShape {
             architecture,
             layers,
@@ -846,7 +941,7 @@ impl LlamaShape {
             mlp_bias,
             // transformers 5 moved the base into `rope_parameters`; Gemma's
             // global layers' base is read with its other RoPE.
-            rope_theta: gemma_theta.unwrap_or_else(|| {
+            rope_theta: positions.gemma_theta.unwrap_or_else(|| {
                 v.get("rope_theta")
                     .or_else(|| v.get("rope_parameters").and_then(|p| p.get("rope_theta")))
                     .and_then(Value::as_f64)
@@ -856,10 +951,10 @@ impl LlamaShape {
                 .get("rms_norm_eps")
                 .and_then(Value::as_f64)
                 .unwrap_or(1e-6),
-            rope_scaling,
-            long_rope,
+            rope_scaling: positions.rope_scaling,
+            long_rope: positions.long_rope,
             partial_rotary_factor,
-            gemma,
+            gemma: positions.gemma,
             // transformers 5 writes `dtype`, earlier versions `torch_dtype`.
             torch_dtype: v
                 .get("torch_dtype")
@@ -956,8 +1051,9 @@ impl LlamaShape {
     /// and SwiGLU's gate, up, SiLU(gate) and product (4i); per head, the
     /// softmax output (s² per sample); with Qwen3's q/k norms, also q and k
     /// before their norm (q + kv). Checkpointed: the block's input only.
-    /// A first-principles count, to be calibrated against the worker once it
-    /// builds these models (issue 11).
+    /// A first-principles count (the published way, [`crate::backend::ActivationCount`]);
+    /// the worker's backends count what burn keeps instead
+    /// ([`Self::burn_block_activation_bytes`]).
     pub fn block_activation_bytes(&self, b: u64, e: u64, checkpointed: bool) -> u64 {
         let s = u64::from(self.sequence_length);
         let h = u64::from(self.hidden);
@@ -1000,7 +1096,7 @@ impl LlamaShape {
     ///   op's v keeps all of it, q and k too: q + kv more. (The fused
     ///   `gate_up_proj` keeps what gate and up would: 2i as one tensor.)
     ///
-    /// * Gemma: see [`gemma_extra_per_token`].
+    /// * Gemma: see `gemma_extra_per_token`.
     ///
     /// Per head and token, the op's logsumexp (one value); no `s × s` map
     /// outlives the op (`worker/src/model/lean/attention.rs`). Per block,

@@ -87,7 +87,7 @@
 //!   `x·W + s·(x·A)·B` (`worker/src/model/lean/linear.rs`), never burn's
 //!   composed `W_eff = base + s·A@B` (which `Param::val` builds and the
 //!   block's matmul would keep for backward: one dense copy per adapted
-//!   matrix per graph, before issue 30). A dense frozen `W` costs nothing
+//!   matrix per graph). A dense frozen `W` costs nothing
 //!   kept (the matmul keeps the parameter itself); a quantized one goes
 //!   through the worker's frozen matmul, dequantized for the forward's
 //!   product and again for backward's, never kept dense. What stays in
@@ -162,10 +162,11 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::adapters::{BaseFormat, LoraConfig, TargetModule};
+use crate::adapters::{BaseFormat, LoraConfig};
 use crate::backend::{ActivationCount, BackendProfile};
 use crate::llama::{LlamaArchitecture, LlamaShape};
-use crate::model::ModelShape;
+use crate::model::{ModelShape, TransformerShape};
+use crate::target_module::TargetModule;
 use crate::training::{Optimizer, Precision, Settings};
 
 /// Bytes by component for one worker. `total` is what is compared with the budget.
@@ -684,7 +685,13 @@ pub fn loss_chunk_rows(vocab: u64) -> u64 {
 /// Predicted memory of one stage (or of the whole model when `stage` is
 /// [`StagePlacement::single`]). `adapters`: the job's LoRA adapters (only
 /// Llama-family models have them; ignored for others), `None` for full
-/// fine-tuning. `correction` ≥ 1 scales the total.
+/// fine-tuning. `correction` ≥ 1 scales the estimated terms.
+///
+/// The module's formula, term by term: the model states (weights,
+/// gradients, optimizer state) and the activation phase's transient
+/// (activations, logits, composed weights, collective buffers, the
+/// optimizer step beyond them), each with its slack, the fixed overhead
+/// and the correction; the total is the larger of that and the load peak.
 pub fn estimate_stage(
     model: &ModelShape,
     adapters: Option<&LoraConfig>,
@@ -693,356 +700,615 @@ pub fn estimate_stage(
     profile: &BackendProfile,
     correction: f64,
 ) -> MemoryBreakdown {
-    let p = settings.precision;
-    let b = u64::from(settings.micro_batch);
-    let e = p.activation_bytes();
-    let in_flight = u64::from(stage.in_flight.max(1));
-    // Checkpointed block inputs kept in host memory (see the module docs):
-    // the device keeps only the one input of the block that runs.
-    let offload = offloads_activations(settings, profile);
-
-    // `offloaded_inputs`: the kept block inputs that wait in host memory
-    // instead of on the device. `widest`: the largest activation-phase
-    // request cubecl's arena serves (an arena page's size, below): the
-    // widest per-token activation, or on the last stage the loss op's chunk
-    // of f32 logits.
-    let (activations, logits, offloaded_inputs, widest) = match model {
-        ModelShape::Transformer(t) => {
-            let (s, h, a) = (
-                u64::from(t.sequence_length),
-                u64::from(t.hidden),
-                u64::from(t.heads),
-            );
-            let m = profile.dropout_mask_bytes;
-            let ckpt = settings.activation_checkpointing;
-            let block = |checkpointed: bool| match (profile.activation_count, checkpointed) {
-                (ActivationCount::BurnAutodiff, false) => {
-                    gpt_burn_block_bytes(s, b, h, a, t.ffn(), e)
-                }
-                _ => block_activation_bytes(s, b, h, a, e, m, checkpointed),
-            };
-            let logits = if stage.last {
-                loss_bytes(s * b, u64::from(t.vocabulary), profile.logit_copies)
-            } else {
-                0
-            };
-            let kept = block(ckpt);
-            let all_kept = in_flight * u64::from(stage.layers) * kept;
-            let offloaded_inputs = if offload {
-                all_kept.saturating_sub(kept)
-            } else {
-                0
-            };
-            let mut act = all_kept - offloaded_inputs;
-            if stage.layers > 0 {
-                // Backward recomputes one block at a time; its kept input is part of that block's full set.
-                let attention = attention_transient_bytes(s, b, a, e);
-                act += phase_bytes(
-                    profile,
-                    ckpt,
-                    block(false),
-                    block(false) - kept,
-                    attention,
-                    logits,
-                );
-            }
-            act += boundary_bytes(profile, stage, in_flight, s * b * h * e, 3);
-            let widest = (s * b * t.ffn().max(h) * e).max(loss_chunk_bytes(
-                s * b,
-                u64::from(t.vocabulary),
-                stage.last,
-            ));
-            (act, logits, offloaded_inputs, widest)
-        }
-        ModelShape::Llama(l) => {
-            let ckpt = settings.activation_checkpointing;
-            let block = |checkpointed: bool| match profile.activation_count {
-                ActivationCount::BurnAutodiff => l.burn_block_activation_bytes(b, e, checkpointed),
-                ActivationCount::Published => l.block_activation_bytes(b, e, checkpointed),
-            };
-            let logits = if stage.last {
-                loss_bytes(
-                    u64::from(l.sequence_length) * b,
-                    u64::from(l.vocabulary),
-                    profile.logit_copies,
-                )
-            } else {
-                0
-            };
-            let tokens = u64::from(l.sequence_length) * b;
-            let token_vector = tokens * u64::from(l.hidden) * e;
-            // Under adapters burn keeps less (see `AdaptedBlock`).
-            let burn_lora = match adapters {
-                Some(a) if profile.activation_count == ActivationCount::BurnAutodiff => Some(a),
-                _ => None,
-            };
-            // The stage's kept bytes, one whole block's, and what
-            // recomputing one adds to its kept input.
-            let (kept, one_block, recomputed) = match burn_lora {
-                Some(a) if ckpt => {
-                    let full = AdaptedBlock::new(l, a, true).bytes(l, b, e);
-                    (
-                        in_flight * u64::from(stage.layers) * token_vector,
-                        full,
-                        full - token_vector,
-                    )
-                }
-                Some(a) => {
-                    let blocks = AdaptedBlock::stage(l, a, stage);
-                    let bytes: Vec<u64> = blocks.iter().map(|k| k.bytes(l, b, e)).collect();
-                    (
-                        in_flight * bytes.iter().sum::<u64>(),
-                        bytes.last().copied().unwrap_or(0),
-                        0,
-                    )
-                }
-                None => (
-                    in_flight * u64::from(stage.layers) * block(ckpt),
-                    block(false),
-                    block(false) - block(ckpt),
-                ),
-            };
-            // One block's kept input stays on the device: the one that runs.
-            let offloaded_inputs = if offload {
-                kept.saturating_sub(one_block - recomputed)
-            } else {
-                0
-            };
-            let mut act = kept - offloaded_inputs;
-            if stage.layers > 0 {
-                let attention = attention_transient_bytes(
-                    u64::from(l.sequence_length),
-                    b,
-                    u64::from(l.attention_heads),
-                    e,
-                );
-                act += phase_bytes(profile, ckpt, one_block, recomputed, attention, logits);
-            }
-            // The final norm keeps 3 vectors when trained; with a frozen γ
-            // its normalised tensor is not kept, nor its output unless the
-            // head is adapted.
-            let final_norm = match burn_lora {
-                Some(a) if a.targets(TargetModule::LmHead) => 2,
-                Some(_) => 1,
-                None => 3,
-            };
-            act += boundary_bytes(profile, stage, in_flight, token_vector, final_norm);
-            let width =
-                u64::from(l.intermediate).max(u64::from(l.attention_heads) * u64::from(l.head_dim));
-            let widest = (tokens * width * e).max(loss_chunk_bytes(
-                tokens,
-                u64::from(l.vocabulary),
-                stage.last,
-            ));
-            (act, logits, offloaded_inputs, widest)
-        }
-        ModelShape::Generic(g) => {
-            // Declared at 32-bit; scale to the element size. Checkpointing is
-            // not modelled for an opaque model, so it never lowers the figure.
-            (g.activation_bytes_per_sample * b * e / 4, 0, 0, 0)
-        }
-    };
-
-    let tensors = stage_tensors(model, stage);
-    let lora = match model {
-        ModelShape::Llama(l) => adapters.map(|a| (l, a)),
-        _ => None,
-    };
-    // A quantized base only exists under adapters (full fine-tuning trains it dense).
-    let base_format = if lora.is_some() {
-        settings.base_format
-    } else {
-        BaseFormat::Dense
-    };
-    let block_size = adapters.map_or(64, |a| a.block_size);
-    let quantized = |t: &StageTensor| {
-        base_format.is_quantized() && matches!(t.role, TensorRole::BlockLinear(Some(_)))
-    };
-    let base_bytes: u64 = tensors
-        .iter()
-        .map(|t| {
-            let format = if quantized(t) {
-                base_format
-            } else {
-                BaseFormat::Dense
-            };
-            t.count * base_tensor_bytes(t.elements, format, block_size, p, profile)
-        })
-        .sum();
-    // What is trained: every tensor, or only the adapters.
-    let trained = match lora {
-        Some((l, a)) => adapter_tensors(l, a, stage),
-        None => tensors.clone(),
-    };
-    let trained_params: u64 = trained.iter().map(StageTensor::total_elements).sum();
-    // An offloaded embedding (see the module docs) is host memory, at the
-    // stage's element size, and never uploaded whole.
-    let embedding_on_host = offloads_embedding(model, lora.is_some(), settings, stage, profile);
-    let host_embedding: u64 = if embedding_on_host {
-        tensors
-            .iter()
-            .filter(|t| t.role == TensorRole::Embedding)
-            .map(|t| t.total_elements() * p.weight_bytes())
-            .sum()
-    } else {
-        0
-    };
-    let device_tensors: Vec<StageTensor> = tensors
-        .iter()
-        .filter(|t| !(embedding_on_host && t.role == TensorRole::Embedding))
-        .copied()
-        .collect();
-    let weights = if lora.is_some() {
-        base_bytes - host_embedding + trained_params * p.weight_bytes()
-    } else {
-        base_bytes
-    };
-    // Accumulating gradients keeps the running sum beside the current micro-batch's.
-    let grad_copies = if settings.gradient_accumulation > 1 {
-        2
-    } else {
-        1
-    };
-    let gradients = trained_params * p.gradient_bytes() * grad_copies;
+    let count = StageCount::new(model, adapters, settings, stage, profile);
+    let phase = count.activation_phase();
+    let host_embedding = count.host_embedding_bytes();
+    let weights = count.weights(host_embedding);
+    let gradients = count.gradients();
     // Under ZeRO-1 the largest replica's share of the state (and of the
     // master weights, which live with the state).
-    let ranks = sharded_state_bytes(&trained, settings, profile, stage.replicas);
+    let ranks = sharded_state_bytes(&count.trained, settings, profile, stage.replicas);
     let optimizer_total = ranks.iter().map(|r| r.0).max().unwrap_or(0);
-    // A bucket is never larger than the stage's trained values (f32).
-    let collective_buffers = crate::sharding::collective_buffer_bytes(
-        profile.collective_bucket_bytes.min(4 * trained_params),
-        stage.replicas,
-    );
-    let offloaded = settings.offload_optimizer && !profile.device_is_host;
-    let optimizer_state = if offloaded { 0 } else { optimizer_total };
-
-    let composed_weights = match lora {
-        Some((l, a)) => composed_weight_bytes(l, a, base_format, stage, e),
-        None => 0,
-    };
-
-    let states = weights + gradients + optimizer_state;
-    let transient = activations + logits + composed_weights + collective_buffers;
-    // The step's phase, rank by rank: a replica steps its own shard, one
-    // tensor at a time, after backward freed the activations (offloaded,
-    // the step runs on the host; plain SGD keeps no state to replace).
-    let optimizer_step = if offloaded || settings.optimizer == Optimizer::Sgd {
+    let optimizer_state = if count.offloads_optimizer() {
         0
     } else {
-        let step =
-            |largest: u64| (profile.optimizer_step_copies * 4.0 * largest as f64).round() as u64;
-        let worst = ranks
-            .iter()
-            .map(|&(state, largest)| state + transient.max(step(largest)))
-            .max()
-            .unwrap_or(0);
-        worst.saturating_sub(optimizer_state + transient)
+        optimizer_total
     };
+    let composed_weights = count.composed_weights();
+    let collective_buffers = count.collective_buffers();
+
+    let states = weights + gradients + optimizer_state;
+    let transient = phase.activations + phase.logits + composed_weights + collective_buffers;
+    let optimizer_step = count.optimizer_step(&ranks, optimizer_state, transient);
     let transient = transient + optimizer_step;
-    let activation_slack = if lora.is_some() && !settings.activation_checkpointing {
-        profile.adapter_activation_slack
-    } else {
-        profile.activation_slack
-    };
-    // The arena's last page: the largest request it serves is a trained
-    // tensor's gradient (weights live in cubecl's persistent pool, exact
-    // size) or the activation phase's widest.
-    let largest_gradient =
-        trained.iter().map(|t| t.elements).max().unwrap_or(0) * p.gradient_bytes();
-    let page = arena_page_bytes(profile, largest_gradient.max(widest));
-    let allocator_slack =
-        slack(states, profile.state_slack) + slack(transient, activation_slack) + page;
-    let links = u64::from(!stage.first) + u64::from(!stage.last);
-    let fixed_overhead = profile.fixed_overhead_bytes + links * profile.stage_link_bytes;
-    let uncorrected = states + transient + allocator_slack + fixed_overhead;
+    let allocator_slack = count.allocator_slack(states, transient, phase.widest);
+    let fixed_overhead = fixed_overhead_bytes(profile, stage);
     // What earlier failures proved, on the estimated terms only
     // (`MemoryBreakdown::estimated`).
     let factor = correction.max(1.0);
-    let estimated = optimizer_state + transient;
-    let correction = ((factor - 1.0) * estimated as f64).round() as u64;
-    let training = uncorrected + correction;
+    let correction = correction_bytes(factor, optimizer_state + transient);
+    let training = states + transient + allocator_slack + fixed_overhead + correction;
 
-    // The checkpoint load (Llama models start from a Hugging Face checkpoint).
-    let (load_peak, host_load) = match model {
-        ModelShape::Llama(l) => {
-            let stored = stored_element_bytes(l);
-            let (host_transient, largest) = load_transient(&tensors, stored);
-            let largest_f32 = largest * 4;
-            // What the device receives: an offloaded embedding is read into
-            // host memory (at f32, then the stage's dtype) and stays there.
-            let (_, largest) = load_transient(&device_tensors, stored);
-            let on_device = if profile.device_is_host {
-                if base_format.is_quantized() {
-                    quantized_load_bytes(&tensors, stored, weights)
-                } else {
-                    weights + host_transient
-                }
-            } else {
-                // On a GPU the checkpoint is read and converted on the host
-                // (burn-store's adapters cast and transpose each tensor's
-                // data there; that is `host` below) and the device receives
-                // each tensor once, at the training dtype, as the parameter
-                // it becomes. Beside the weights it keeps, the device holds
-                // at most the largest tensor's upload and, for a quantized
-                // base, one block dense before it is quantized. Measured on
-                // the CPU with a bf16 stage (`load_peak`'s bf16 table): the
-                // whole process, host and device together, holds no f32
-                // copy of any tensor.
-                let e = p.weight_bytes();
-                let block = if base_format.is_quantized() {
-                    tensors
-                        .iter()
-                        .filter(|t| matches!(t.role, TensorRole::BlockLinear(_)))
-                        .map(|t| t.elements)
-                        .sum::<u64>()
-                } else {
-                    0
-                };
-                weights + (largest + block) * e
-            };
-            let load = on_device.saturating_sub(weights);
-            let estimated = load + slack(on_device, profile.load_slack);
-            let peak = fixed_overhead + weights + (estimated as f64 * factor).round() as u64;
-            let host = if profile.device_is_host {
-                0
-            } else {
-                let host = host_transient + largest_f32 + host_embedding;
-                host + slack(host, profile.load_slack)
-            };
-            (peak, host)
-        }
-        _ => (0, 0),
-    };
-    let host_bytes = if profile.device_is_host {
-        0
-    } else {
-        let state = if offloaded {
-            optimizer_total + slack(optimizer_total, profile.state_slack)
-        } else {
-            0
-        };
-        // The training phase's host memory: the offloaded state and the
-        // offloaded block inputs live together; the load ends before either.
-        let moved = offloaded_inputs + host_embedding;
-        let training = state + moved + slack(moved, profile.state_slack);
-        training.max(host_load)
-    };
-
+    let load = count.load_phase(weights, host_embedding, fixed_overhead, factor);
+    let host_bytes = count.host_bytes(
+        optimizer_total,
+        phase.offloaded_inputs + host_embedding,
+        load.host,
+    );
     MemoryBreakdown {
         weights,
         gradients,
         optimizer_state,
-        activations,
-        logits,
+        activations: phase.activations,
+        logits: phase.logits,
         composed_weights,
         collective_buffers,
         optimizer_step,
         fixed_overhead,
         allocator_slack,
         correction,
-        load_peak,
+        load_peak: load.peak,
         host_bytes,
-        total: training.max(load_peak),
+        total: training.max(load.peak),
+    }
+}
+
+/// The backend's fixed overhead on a stage: its runtime's, and a link
+/// buffer for each neighbouring stage.
+fn fixed_overhead_bytes(profile: &BackendProfile, stage: StagePlacement) -> u64 {
+    let links = u64::from(!stage.first) + u64::from(!stage.last);
+    profile.fixed_overhead_bytes + links * profile.stage_link_bytes
+}
+
+/// The correction for a `factor` (≥ 1) that earlier failures proved,
+/// applied to the `estimated` terms only.
+fn correction_bytes(factor: f64, estimated: u64) -> u64 {
+    ((factor - 1.0) * estimated as f64).round() as u64
+}
+
+/// The activation phase's terms of one stage.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct ActivationPhase {
+    /// What the device keeps for backward, with the phase's transients and
+    /// the stage boundary's tensors ([`MemoryBreakdown::activations`]).
+    activations: u64,
+    /// The loss op's bytes ([`MemoryBreakdown::logits`]).
+    logits: u64,
+    /// The kept block inputs that wait in host memory instead of on the device.
+    offloaded_inputs: u64,
+    /// The largest activation-phase request cubecl's arena serves (an arena
+    /// page's size): the widest per-token activation, or on the last stage
+    /// the loss op's chunk of f32 logits.
+    widest: u64,
+}
+
+/// The activation bytes of a stage's blocks for its micro-batches in flight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct KeptBlocks {
+    /// What the stage's blocks keep, all micro-batches in flight.
+    kept: u64,
+    /// One whole block's kept bytes, without checkpointing.
+    one_block: u64,
+    /// What recomputing one checkpointed block adds to its kept input (0
+    /// without checkpointing).
+    recomputed: u64,
+}
+
+/// The phase around one stage's blocks: what it adds beside their kept bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct PhaseTransients {
+    /// The attention op's transient ([`attention_transient_bytes`]).
+    attention: u64,
+    /// One `[b, s, h]` tensor, bytes.
+    token_vector: u64,
+    /// Vectors the final norm keeps on the last stage ([`boundary_bytes`]).
+    final_norm: u64,
+}
+
+/// One stage's inputs and the tensors they imply, from which each term of
+/// the breakdown is counted.
+struct StageCount<'a> {
+    model: &'a ModelShape,
+    /// The job's adapters as given (ignored for a model without any).
+    adapters: Option<&'a LoraConfig>,
+    /// The adapters of a Llama-family model: what the stage trains instead
+    /// of its parameters.
+    lora: Option<(&'a LlamaShape, &'a LoraConfig)>,
+    settings: &'a Settings,
+    stage: StagePlacement,
+    profile: &'a BackendProfile,
+    /// Every parameter tensor of the stage ([`stage_tensors`]).
+    tensors: Vec<StageTensor>,
+    /// What is trained: every tensor, or only the adapters.
+    trained: Vec<StageTensor>,
+    /// The frozen base's format; a quantized base only exists under
+    /// adapters (full fine-tuning trains it dense).
+    base_format: BaseFormat,
+    /// Whether the token embedding waits in host memory ([`offloads_embedding`]).
+    embedding_on_host: bool,
+}
+
+impl<'a> StageCount<'a> {
+    fn new(
+        model: &'a ModelShape,
+        adapters: Option<&'a LoraConfig>,
+        settings: &'a Settings,
+        stage: StagePlacement,
+        profile: &'a BackendProfile,
+    ) -> Self {
+        let tensors = stage_tensors(model, stage);
+        let lora = match model {
+            ModelShape::Llama(l) => adapters.map(|a| (l, a)),
+            _ => None,
+        };
+        let base_format = if lora.is_some() {
+            settings.base_format
+        } else {
+            BaseFormat::Dense
+        };
+        let trained = match lora {
+            Some((l, a)) => adapter_tensors(l, a, stage),
+            None => tensors.clone(),
+        };
+        let embedding_on_host = offloads_embedding(model, lora.is_some(), settings, stage, profile);
+        StageCount {
+            model,
+            adapters,
+            lora,
+            settings,
+            stage,
+            profile,
+            tensors,
+            trained,
+            base_format,
+            embedding_on_host,
+        }
+    }
+
+    fn precision(&self) -> Precision {
+        self.settings.precision
+    }
+
+    fn trained_params(&self) -> u64 {
+        self.trained.iter().map(StageTensor::total_elements).sum()
+    }
+
+    /// The optimizer state and its step live in host memory.
+    fn offloads_optimizer(&self) -> bool {
+        self.settings.offload_optimizer && !self.profile.device_is_host
+    }
+
+    /// The stage's parameters at their stored size: a quantized base's
+    /// block linears in its format, everything else dense.
+    fn base_bytes(&self) -> u64 {
+        let block_size = self.adapters.map_or(64, |a| a.block_size);
+        let quantized = |t: &StageTensor| {
+            self.base_format.is_quantized() && matches!(t.role, TensorRole::BlockLinear(Some(_)))
+        };
+        self.tensors
+            .iter()
+            .map(|t| {
+                let format = if quantized(t) {
+                    self.base_format
+                } else {
+                    BaseFormat::Dense
+                };
+                t.count
+                    * base_tensor_bytes(
+                        t.elements,
+                        format,
+                        block_size,
+                        self.precision(),
+                        self.profile,
+                    )
+            })
+            .sum()
+    }
+
+    /// An offloaded embedding (see the module docs): host memory, at the
+    /// stage's element size, and never uploaded whole; 0 when on the device.
+    fn host_embedding_bytes(&self) -> u64 {
+        if !self.embedding_on_host {
+            return 0;
+        }
+        self.tensors
+            .iter()
+            .filter(|t| t.role == TensorRole::Embedding)
+            .map(|t| t.total_elements() * self.precision().weight_bytes())
+            .sum()
+    }
+
+    /// [`MemoryBreakdown::weights`]: the base, and under adapters the
+    /// factors beside it less an embedding kept on the host.
+    fn weights(&self, host_embedding: u64) -> u64 {
+        let base_bytes = self.base_bytes();
+        if self.lora.is_some() {
+            base_bytes - host_embedding + self.trained_params() * self.precision().weight_bytes()
+        } else {
+            base_bytes
+        }
+    }
+
+    /// [`MemoryBreakdown::gradients`]: accumulating gradients keeps the
+    /// running sum beside the current micro-batch's.
+    fn gradients(&self) -> u64 {
+        let copies = if self.settings.gradient_accumulation > 1 {
+            2
+        } else {
+            1
+        };
+        self.trained_params() * self.precision().gradient_bytes() * copies
+    }
+
+    /// [`MemoryBreakdown::composed_weights`] ([`composed_weight_bytes`]).
+    fn composed_weights(&self) -> u64 {
+        match self.lora {
+            Some((l, a)) => composed_weight_bytes(
+                l,
+                a,
+                self.base_format,
+                self.stage,
+                self.precision().activation_bytes(),
+            ),
+            None => 0,
+        }
+    }
+
+    /// [`MemoryBreakdown::collective_buffers`]: a bucket is never larger
+    /// than the stage's trained values (f32).
+    fn collective_buffers(&self) -> u64 {
+        crate::sharding::collective_buffer_bytes(
+            self.profile
+                .collective_bucket_bytes
+                .min(4 * self.trained_params()),
+            self.stage.replicas,
+        )
+    }
+
+    /// [`MemoryBreakdown::optimizer_step`]: the step's phase, rank by rank
+    /// (`ranks` from [`sharded_state_bytes`]): a replica steps its own
+    /// shard, one tensor at a time, after backward freed the activation
+    /// phase's `transient` (offloaded, the step runs on the host; plain SGD
+    /// keeps no state to replace).
+    fn optimizer_step(&self, ranks: &[(u64, u64)], optimizer_state: u64, transient: u64) -> u64 {
+        if self.offloads_optimizer() || self.settings.optimizer == Optimizer::Sgd {
+            return 0;
+        }
+        let copies = self.profile.optimizer_step_copies;
+        let step = |largest: u64| (copies * 4.0 * largest as f64).round() as u64;
+        let worst = ranks
+            .iter()
+            .map(|&(state, largest)| state + transient.max(step(largest)))
+            .max()
+            .unwrap_or(0);
+        worst.saturating_sub(optimizer_state + transient)
+    }
+
+    /// [`MemoryBreakdown::allocator_slack`]: the profile's slacks on the
+    /// model `states` and the `transient`, and the arena's last page, whose
+    /// largest request is a trained tensor's gradient (weights live in
+    /// cubecl's persistent pool, exact size) or the activation phase's `widest`.
+    fn allocator_slack(&self, states: u64, transient: u64, widest: u64) -> u64 {
+        let activation_slack = if self.lora.is_some() && !self.settings.activation_checkpointing {
+            self.profile.adapter_activation_slack
+        } else {
+            self.profile.activation_slack
+        };
+        let largest_gradient = self.trained.iter().map(|t| t.elements).max().unwrap_or(0)
+            * self.precision().gradient_bytes();
+        let page = arena_page_bytes(self.profile, largest_gradient.max(widest));
+        slack(states, self.profile.state_slack) + slack(transient, activation_slack) + page
+    }
+
+    /// [`MemoryBreakdown::host_bytes`] on a GPU: the training phase's (the
+    /// offloaded state of `optimizer_total` bytes beside the `moved`
+    /// activations and embedding) or the load's (`host_load`), whichever is
+    /// larger, since the load ends before either; 0 on a CPU worker.
+    fn host_bytes(&self, optimizer_total: u64, moved: u64, host_load: u64) -> u64 {
+        let profile = self.profile;
+        if profile.device_is_host {
+            return 0;
+        }
+        let state = if self.offloads_optimizer() {
+            optimizer_total + slack(optimizer_total, profile.state_slack)
+        } else {
+            0
+        };
+        let training = state + moved + slack(moved, profile.state_slack);
+        training.max(host_load)
+    }
+}
+
+impl StageCount<'_> {
+    fn micro_batch(&self) -> u64 {
+        u64::from(self.settings.micro_batch)
+    }
+
+    fn in_flight(&self) -> u64 {
+        u64::from(self.stage.in_flight.max(1))
+    }
+
+    /// The activation phase of the stage's model ([`ActivationPhase`]).
+    fn activation_phase(&self) -> ActivationPhase {
+        match self.model {
+            ModelShape::Transformer(t) => self.transformer_activations(t),
+            ModelShape::Llama(l) => self.llama_activations(l),
+            // Declared at 32-bit; scale to the element size. Checkpointing is
+            // not modelled for an opaque model, so it never lowers the figure.
+            ModelShape::Generic(g) => ActivationPhase {
+                activations: g.activation_bytes_per_sample
+                    * self.micro_batch()
+                    * self.precision().activation_bytes()
+                    / 4,
+                ..ActivationPhase::default()
+            },
+        }
+    }
+
+    /// A GPT stage's activation phase: blocks counted as the profile's
+    /// [`ActivationCount`] says, three final-norm vectors.
+    fn transformer_activations(&self, t: &TransformerShape) -> ActivationPhase {
+        let (b, e) = (self.micro_batch(), self.precision().activation_bytes());
+        let (s, h, a) = (
+            u64::from(t.sequence_length),
+            u64::from(t.hidden),
+            u64::from(t.heads),
+        );
+        let profile = self.profile;
+        let m = profile.dropout_mask_bytes;
+        let block = |checkpointed: bool| match (profile.activation_count, checkpointed) {
+            (ActivationCount::BurnAutodiff, false) => gpt_burn_block_bytes(s, b, h, a, t.ffn(), e),
+            _ => block_activation_bytes(s, b, h, a, e, m, checkpointed),
+        };
+        let logits = if self.stage.last {
+            loss_bytes(s * b, u64::from(t.vocabulary), profile.logit_copies)
+        } else {
+            0
+        };
+        let kept = block(self.settings.activation_checkpointing);
+        // Backward recomputes one block at a time; its kept input is part
+        // of that block's full set.
+        let blocks = KeptBlocks {
+            kept: self.in_flight() * u64::from(self.stage.layers) * kept,
+            one_block: block(false),
+            recomputed: block(false) - kept,
+        };
+        let around = PhaseTransients {
+            attention: attention_transient_bytes(s, b, a, e),
+            token_vector: s * b * h * e,
+            final_norm: 3,
+        };
+        let (activations, offloaded_inputs) = self.device_activations(blocks, around, logits);
+        let widest = (s * b * t.ffn().max(h) * e).max(loss_chunk_bytes(
+            s * b,
+            u64::from(t.vocabulary),
+            self.stage.last,
+        ));
+        ActivationPhase {
+            activations,
+            logits,
+            offloaded_inputs,
+            widest,
+        }
+    }
+
+    /// A Llama-family stage's activation phase: blocks counted as the
+    /// profile's [`ActivationCount`] says or, under adapters with burn's
+    /// count, as [`AdaptedBlock`] follows them.
+    fn llama_activations(&self, l: &LlamaShape) -> ActivationPhase {
+        let (b, e) = (self.micro_batch(), self.precision().activation_bytes());
+        let profile = self.profile;
+        let tokens = u64::from(l.sequence_length) * b;
+        let logits = if self.stage.last {
+            loss_bytes(tokens, u64::from(l.vocabulary), profile.logit_copies)
+        } else {
+            0
+        };
+        let token_vector = tokens * u64::from(l.hidden) * e;
+        // Under adapters burn keeps less (see `AdaptedBlock`).
+        let burn_lora = match self.adapters {
+            Some(a) if profile.activation_count == ActivationCount::BurnAutodiff => Some(a),
+            _ => None,
+        };
+        let blocks = self.llama_kept_blocks(l, burn_lora, token_vector);
+        let around = PhaseTransients {
+            attention: attention_transient_bytes(
+                u64::from(l.sequence_length),
+                b,
+                u64::from(l.attention_heads),
+                e,
+            ),
+            token_vector,
+            final_norm: final_norm_vectors(burn_lora),
+        };
+        let (activations, offloaded_inputs) = self.device_activations(blocks, around, logits);
+        let width =
+            u64::from(l.intermediate).max(u64::from(l.attention_heads) * u64::from(l.head_dim));
+        let widest = (tokens * width * e).max(loss_chunk_bytes(
+            tokens,
+            u64::from(l.vocabulary),
+            self.stage.last,
+        ));
+        ActivationPhase {
+            activations,
+            logits,
+            offloaded_inputs,
+            widest,
+        }
+    }
+
+    /// A Llama-family stage's blocks ([`KeptBlocks`]), `token_vector` the
+    /// bytes of one `[b, s, h]` tensor; `burn_lora`: the adapters when burn's
+    /// count follows them.
+    fn llama_kept_blocks(
+        &self,
+        l: &LlamaShape,
+        burn_lora: Option<&LoraConfig>,
+        token_vector: u64,
+    ) -> KeptBlocks {
+        let (b, e) = (self.micro_batch(), self.precision().activation_bytes());
+        let ckpt = self.settings.activation_checkpointing;
+        let layers = u64::from(self.stage.layers);
+        let in_flight = self.in_flight();
+        let block = |checkpointed: bool| match self.profile.activation_count {
+            ActivationCount::BurnAutodiff => l.burn_block_activation_bytes(b, e, checkpointed),
+            ActivationCount::Published => l.block_activation_bytes(b, e, checkpointed),
+        };
+        match burn_lora {
+            Some(a) if ckpt => {
+                let full = AdaptedBlock::new(l, a, true).bytes(l, b, e);
+                KeptBlocks {
+                    kept: in_flight * layers * token_vector,
+                    one_block: full,
+                    recomputed: full - token_vector,
+                }
+            }
+            Some(a) => {
+                let blocks = AdaptedBlock::stage(l, a, self.stage);
+                let bytes: Vec<u64> = blocks.iter().map(|k| k.bytes(l, b, e)).collect();
+                KeptBlocks {
+                    kept: in_flight * bytes.iter().sum::<u64>(),
+                    one_block: bytes.last().copied().unwrap_or(0),
+                    recomputed: 0,
+                }
+            }
+            None => KeptBlocks {
+                kept: in_flight * layers * block(ckpt),
+                one_block: block(false),
+                recomputed: block(false) - block(ckpt),
+            },
+        }
+    }
+
+    /// `(activations, offloaded inputs)` of a stage: its `blocks`' kept
+    /// bytes less the checkpointed inputs that wait in host memory (one
+    /// block's input stays on the device: the one that runs), the phase
+    /// `around` one block ([`phase_bytes`]) and the stage boundary's tensors
+    /// ([`boundary_bytes`]).
+    fn device_activations(
+        &self,
+        blocks: KeptBlocks,
+        around: PhaseTransients,
+        logits: u64,
+    ) -> (u64, u64) {
+        let offloaded_inputs = if offloads_activations(self.settings, self.profile) {
+            blocks
+                .kept
+                .saturating_sub(blocks.one_block - blocks.recomputed)
+        } else {
+            0
+        };
+        let mut activations = blocks.kept - offloaded_inputs;
+        if self.stage.layers > 0 {
+            activations += phase_bytes(
+                self.profile,
+                self.settings.activation_checkpointing,
+                blocks.one_block,
+                blocks.recomputed,
+                around.attention,
+                logits,
+            );
+        }
+        activations += boundary_bytes(
+            self.profile,
+            self.stage,
+            self.in_flight(),
+            around.token_vector,
+            around.final_norm,
+        );
+        (activations, offloaded_inputs)
+    }
+}
+
+/// The vectors a Llama stage's final norm keeps (`burn_lora`: the adapters
+/// when burn's count follows them): 3 when trained; with a frozen γ its
+/// normalised tensor is not kept, nor its output unless the head is adapted.
+fn final_norm_vectors(burn_lora: Option<&LoraConfig>) -> u64 {
+    match burn_lora {
+        Some(a) if a.targets(TargetModule::LmHead) => 2,
+        Some(_) => 1,
+        None => 3,
+    }
+}
+
+/// The checkpoint load's peaks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct LoadPhase {
+    /// [`MemoryBreakdown::load_peak`].
+    peak: u64,
+    /// The host memory a GPU worker's load needs, bytes (0 on a CPU worker).
+    host: u64,
+}
+
+impl StageCount<'_> {
+    /// The checkpoint load: a Llama-family model starts from a Hugging Face
+    /// checkpoint; other models load none. The stage's `weights`, an
+    /// embedding of `host_embedding` bytes kept on the host, the stage's
+    /// `fixed_overhead` and the correction `factor` (≥ 1) as in training.
+    fn load_phase(
+        &self,
+        weights: u64,
+        host_embedding: u64,
+        fixed_overhead: u64,
+        factor: f64,
+    ) -> LoadPhase {
+        let ModelShape::Llama(l) = self.model else {
+            return LoadPhase::default();
+        };
+        let profile = self.profile;
+        let stored = stored_element_bytes(l);
+        let (host_transient, largest) = load_transient(&self.tensors, stored);
+        let on_device = if profile.device_is_host {
+            if self.base_format.is_quantized() {
+                quantized_load_bytes(&self.tensors, stored, weights)
+            } else {
+                weights + host_transient
+            }
+        } else {
+            self.gpu_load_bytes(stored, weights)
+        };
+        let load = on_device.saturating_sub(weights);
+        let estimated = load + slack(on_device, profile.load_slack);
+        let peak = fixed_overhead + weights + (estimated as f64 * factor).round() as u64;
+        let host = if profile.device_is_host {
+            0
+        } else {
+            // The largest tensor's f32 read beside the transient, and an
+            // offloaded embedding (read at f32, then the stage's dtype).
+            let host = host_transient + largest * 4 + host_embedding;
+            host + slack(host, profile.load_slack)
+        };
+        LoadPhase { peak, host }
+    }
+
+    /// What a GPU holds while its stage loads, `weights` included. The
+    /// checkpoint (values `stored` bytes each) is read and converted on the
+    /// host (burn-store's adapters cast and transpose each tensor's data
+    /// there) and the device receives each tensor once, at the training
+    /// dtype, as the parameter it becomes; an offloaded embedding never
+    /// reaches it. Beside the weights it keeps, the device holds at most the
+    /// largest tensor's upload and, for a quantized base, one block dense
+    /// before it is quantized. Measured on the CPU with a bf16 stage
+    /// (`load_peak`'s bf16 table): the whole process, host and device
+    /// together, holds no f32 copy of any tensor.
+    fn gpu_load_bytes(&self, stored: u64, weights: u64) -> u64 {
+        let device_tensors: Vec<StageTensor> = self
+            .tensors
+            .iter()
+            .filter(|t| !(self.embedding_on_host && t.role == TensorRole::Embedding))
+            .copied()
+            .collect();
+        let (_, largest) = load_transient(&device_tensors, stored);
+        let block = if self.base_format.is_quantized() {
+            self.tensors
+                .iter()
+                .filter(|t| matches!(t.role, TensorRole::BlockLinear(_)))
+                .map(|t| t.elements)
+                .sum::<u64>()
+        } else {
+            0
+        };
+        weights + (largest + block) * self.precision().weight_bytes()
     }
 }
 
@@ -1408,7 +1674,7 @@ mod tests {
     use super::*;
     use crate::backend::FLEX;
     use crate::model::TransformerShape;
-    use crate::training::{Optimizer, Precision};
+    use crate::training::Precision;
 
     #[test]
     fn zero_paper_example() {
@@ -1447,14 +1713,8 @@ mod tests {
     fn settings(b: u32, ckpt: bool) -> Settings {
         Settings {
             micro_batch: b,
-            gradient_accumulation: 1,
             activation_checkpointing: ckpt,
-            precision: Precision::Fp32,
-            optimizer: Optimizer::Adamw,
-            base_format: crate::adapters::BaseFormat::Dense,
-            offload_optimizer: false,
-            offload_activations: false,
-            offload_embedding: false,
+            ..Settings::default()
         }
     }
 
@@ -1680,15 +1940,9 @@ mod lora_and_load_tests {
 
     fn settings(precision: Precision, ckpt: bool) -> Settings {
         Settings {
-            micro_batch: 1,
-            gradient_accumulation: 1,
             activation_checkpointing: ckpt,
             precision,
-            optimizer: Optimizer::Adamw,
-            base_format: BaseFormat::Dense,
-            offload_optimizer: false,
-            offload_activations: false,
-            offload_embedding: false,
+            ..Settings::default()
         }
     }
 
@@ -1701,16 +1955,6 @@ mod lora_and_load_tests {
             block_size: default_block_size(),
         }
     }
-
-    const ALL_LINEAR: [TargetModule; 7] = [
-        TargetModule::QProj,
-        TargetModule::KProj,
-        TargetModule::VProj,
-        TargetModule::OProj,
-        TargetModule::GateProj,
-        TargetModule::UpProj,
-        TargetModule::DownProj,
-    ];
 
     fn stages(p: u32) -> Vec<StagePlacement> {
         let layers = crate::search::balanced_split(8, p).expect("valid test input");
@@ -1856,7 +2100,7 @@ mod lora_and_load_tests {
         // All seven adapted and a tracked input: the full-fine-tuning count
         // less the two normalised tensors (γ frozen), plus each adapter's
         // r-wide x·A; no dense weight.
-        let all = AdaptedBlock::new(&l, &lora(8, &ALL_LINEAR), true);
+        let all = AdaptedBlock::new(&l, &lora(8, &TargetModule::BLOCK_LINEARS), true);
         let a = u64::from(l.attention_heads);
         assert_eq!(
             all.token_elements,
@@ -1907,7 +2151,7 @@ mod lora_and_load_tests {
     #[test]
     fn qlora_stores_the_block_linears_quantized() {
         let l = llama_2_7b(512);
-        let a = lora(16, &ALL_LINEAR);
+        let a = lora(16, &TargetModule::BLOCK_LINEARS);
         let linear: u64 = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008);
         assert_eq!(linear, 6_476_005_376);
         let dense_rest = 6_738_415_616 - linear;
@@ -2171,5 +2415,451 @@ mod lora_and_load_tests {
             at(&model, Some(&adapters), &fp32(&kept), &FLEX, whole),
             at(&model, Some(&adapters), &fp32(&off), &FLEX, whole),
         );
+    }
+}
+
+/// The terms of [`estimate_stage`], each on its own.
+#[cfg(test)]
+mod term_tests {
+    use super::*;
+    use crate::backend::{CUDA, FLEX};
+    use crate::model::{GenericModel, TransformerShape};
+    use crate::units::MIB;
+
+    fn gpt() -> ModelShape {
+        ModelShape::Transformer(TransformerShape {
+            layers: 4,
+            hidden: 256,
+            heads: 4,
+            sequence_length: 128,
+            vocabulary: 1000,
+            feed_forward: None,
+            tied_embeddings: true,
+        })
+    }
+
+    fn untied_llama() -> ModelShape {
+        ModelShape::Llama(
+            LlamaShape::from_hf_config(
+                r#"{"architectures":["LlamaForCausalLM"],"hidden_size":512,"intermediate_size":1408,
+                   "num_hidden_layers":4,"num_attention_heads":8,"num_key_value_heads":4,
+                   "vocab_size":8000,"tie_word_embeddings":false,"torch_dtype":"bfloat16"}"#,
+                256,
+            )
+            .expect("valid test input"),
+        )
+    }
+
+    fn llama_shape(model: &ModelShape) -> &LlamaShape {
+        match model {
+            ModelShape::Llama(l) => l,
+            _ => unreachable!("a Llama model"),
+        }
+    }
+
+    fn settings() -> Settings {
+        Settings {
+            micro_batch: 2,
+            precision: Precision::Bf16,
+            ..Settings::default()
+        }
+    }
+
+    fn qv_lora() -> LoraConfig {
+        LoraConfig {
+            rank: 8,
+            alpha: 16.0,
+            dropout: 0.0,
+            target_modules: vec![TargetModule::QProj, TargetModule::VProj],
+            block_size: 64,
+        }
+    }
+
+    fn elements(tensors: &[StageTensor]) -> u64 {
+        tensors.iter().map(StageTensor::total_elements).sum()
+    }
+
+    #[test]
+    fn fixed_overhead_adds_a_link_per_neighbouring_stage() {
+        let profile = BackendProfile {
+            stage_link_bytes: MIB,
+            ..FLEX
+        };
+        let single = StagePlacement::single(4);
+        let middle = StagePlacement {
+            first: false,
+            last: false,
+            ..single
+        };
+        assert_eq!(
+            fixed_overhead_bytes(&profile, single),
+            FLEX.fixed_overhead_bytes
+        );
+        assert_eq!(
+            fixed_overhead_bytes(&profile, middle),
+            FLEX.fixed_overhead_bytes + 2 * MIB
+        );
+    }
+
+    #[test]
+    fn the_correction_is_the_factor_beyond_one_of_the_estimated_terms() {
+        assert_eq!(correction_bytes(1.0, 1000), 0);
+        assert_eq!(correction_bytes(1.5, 1000), 500);
+        assert_eq!(correction_bytes(1.25, 3), 1); // 0.75 rounds up
+    }
+
+    #[test]
+    fn full_fine_tuning_trains_every_tensor_at_the_weight_size() {
+        let model = untied_llama();
+        let s = settings();
+        let count = StageCount::new(&model, None, &s, StagePlacement::single(4), &CUDA);
+        let params = elements(&stage_tensors(&model, StagePlacement::single(4)));
+        assert_eq!(count.trained_params(), params);
+        assert_eq!(count.weights(0), 2 * params);
+        assert_eq!(count.gradients(), 2 * params);
+        let accumulating = Settings {
+            gradient_accumulation: 4,
+            ..s
+        };
+        let count = StageCount::new(
+            &model,
+            None,
+            &accumulating,
+            StagePlacement::single(4),
+            &CUDA,
+        );
+        assert_eq!(
+            count.gradients(),
+            2 * 2 * params,
+            "the running sum beside the current"
+        );
+    }
+
+    #[test]
+    fn adapters_add_their_factors_beside_the_base_less_a_host_embedding() {
+        let model = untied_llama();
+        let l = llama_shape(&model);
+        let lora = qv_lora();
+        let s = Settings {
+            offload_embedding: true,
+            ..settings()
+        };
+        let stage = StagePlacement::single(4);
+        let count = StageCount::new(&model, Some(&lora), &s, stage, &CUDA);
+        let base = elements(&stage_tensors(&model, stage)) * 2;
+        let factors = elements(&adapter_tensors(l, &lora, stage));
+        assert_eq!(count.trained_params(), factors);
+        let embedding = l.embedding_params() * 2;
+        assert_eq!(count.host_embedding_bytes(), embedding);
+        assert_eq!(count.weights(embedding), base - embedding + 2 * factors);
+        assert_eq!(count.gradients(), 2 * factors);
+        // Without adapters the embedding is trained, so it stays.
+        let count = StageCount::new(&model, None, &s, stage, &CUDA);
+        assert_eq!(count.host_embedding_bytes(), 0);
+    }
+
+    #[test]
+    fn a_quantized_base_stores_only_the_block_linears_quantized() {
+        let model = untied_llama();
+        let lora = qv_lora();
+        let stage = StagePlacement::single(4);
+        let s = Settings {
+            base_format: BaseFormat::Int8,
+            ..settings()
+        };
+        let count = StageCount::new(&model, Some(&lora), &s, stage, &CUDA);
+        let expected: u64 = stage_tensors(&model, stage)
+            .iter()
+            .map(|t| match t.role {
+                TensorRole::BlockLinear(_) => t.count * (t.elements + 4 * t.elements.div_ceil(64)),
+                _ => t.count * t.elements * 2,
+            })
+            .sum();
+        assert_eq!(count.base_bytes(), expected);
+        // Full fine-tuning trains the base, dense whatever the setting says.
+        let count = StageCount::new(&model, None, &s, stage, &CUDA);
+        assert_eq!(count.base_format, BaseFormat::Dense);
+    }
+
+    #[test]
+    fn collective_buffers_need_replicas_and_fit_the_trained_values() {
+        let model = gpt();
+        let s = settings();
+        let one = StagePlacement::single(4);
+        let two = StagePlacement { replicas: 2, ..one };
+        assert_eq!(
+            StageCount::new(&model, None, &s, one, &CUDA).collective_buffers(),
+            0
+        );
+        let count = StageCount::new(&model, None, &s, two, &CUDA);
+        let bucket = CUDA.collective_bucket_bytes.min(4 * count.trained_params());
+        assert_eq!(
+            count.collective_buffers(),
+            crate::sharding::collective_buffer_bytes(bucket, 2)
+        );
+    }
+
+    #[test]
+    fn the_optimizer_step_counts_only_what_outgrows_the_activation_phase() {
+        let model = gpt();
+        let profile = BackendProfile {
+            optimizer_step_copies: 2.0,
+            ..FLEX
+        };
+        let s = settings();
+        let count = StageCount::new(&model, None, &s, StagePlacement::single(4), &profile);
+        // One rank with 1000 bytes of state whose largest tensor has 100
+        // elements: the step needs 2 × 4 × 100 = 800 bytes.
+        let ranks = [(1000, 100)];
+        assert_eq!(count.optimizer_step(&ranks, 1000, 300), 500);
+        assert_eq!(count.optimizer_step(&ranks, 1000, 900), 0);
+        // Replicas: the worst rank's state and step, beyond the largest state.
+        assert_eq!(
+            count.optimizer_step(&[(1000, 10), (900, 100)], 1000, 300),
+            400
+        );
+        for quiet in [
+            Settings {
+                optimizer: Optimizer::Sgd,
+                ..s
+            },
+            Settings {
+                offload_optimizer: true,
+                ..s
+            },
+        ] {
+            let profile = BackendProfile {
+                device_is_host: false,
+                ..profile
+            };
+            let count = StageCount::new(&model, None, &quiet, StagePlacement::single(4), &profile);
+            assert_eq!(count.optimizer_step(&ranks, 1000, 300), 0, "{quiet}");
+        }
+    }
+
+    #[test]
+    fn allocator_slack_is_each_phase_s_slack_and_one_arena_page() {
+        let model = untied_llama();
+        let lora = qv_lora();
+        let s = settings();
+        let stage = StagePlacement::single(4);
+        let profile = BackendProfile {
+            adapter_activation_slack: 0.5,
+            ..CUDA
+        };
+        let count = StageCount::new(&model, None, &s, stage, &profile);
+        let largest_gradient = llama_shape(&model).embedding_params() * 2;
+        assert_eq!(
+            count.allocator_slack(1000, 100, 0),
+            20 + 33 + arena_page_bytes(&CUDA, largest_gradient)
+        );
+        // Adapters without checkpointing take the adapter slack; the widest
+        // activation decides the page when it is larger than any gradient.
+        let count = StageCount::new(&model, Some(&lora), &s, stage, &profile);
+        assert_eq!(
+            count.allocator_slack(1000, 100, 64 * MIB),
+            20 + 50 + arena_page_bytes(&CUDA, 64 * MIB)
+        );
+    }
+
+    #[test]
+    fn host_bytes_hold_the_offloaded_terms_or_the_load_whichever_is_larger() {
+        let model = gpt();
+        let stage = StagePlacement::single(4);
+        let s = settings();
+        let on_device = StageCount::new(&model, None, &s, stage, &CUDA);
+        assert_eq!(on_device.host_bytes(1000, 0, 7), 7);
+        assert_eq!(on_device.host_bytes(1000, 500, 7), 510);
+        let offloaded = Settings {
+            offload_optimizer: true,
+            ..s
+        };
+        let count = StageCount::new(&model, None, &offloaded, stage, &CUDA);
+        assert_eq!(count.host_bytes(1000, 500, 7), 1020 + 510);
+        assert_eq!(count.host_bytes(1000, 500, 5000), 5000);
+        // A CPU worker's host memory is its budget, counted on the device.
+        let count = StageCount::new(&model, None, &offloaded, stage, &FLEX);
+        assert_eq!(count.host_bytes(1000, 500, 5000), 0);
+    }
+
+    #[test]
+    fn a_generic_model_s_activations_scale_its_32_bit_figure() {
+        let model = ModelShape::Generic(GenericModel {
+            parameters: 1000,
+            activation_bytes_per_sample: 400,
+        });
+        let s = settings();
+        let count = StageCount::new(&model, None, &s, StagePlacement::single(1), &FLEX);
+        let phase = count.activation_phase();
+        assert_eq!(
+            phase,
+            ActivationPhase {
+                activations: 400 * 2 * 2 / 4,
+                ..ActivationPhase::default()
+            }
+        );
+    }
+
+    #[test]
+    fn a_gpt_stage_s_activations_are_its_blocks_phase_and_boundary() {
+        let model = gpt();
+        let ModelShape::Transformer(t) = &model else {
+            unreachable!()
+        };
+        let s = settings();
+        let stage = StagePlacement::single(4);
+        let count = StageCount::new(&model, None, &s, stage, &FLEX);
+        let (sq, b, h, a, e) = (128, 2, 256, 4, 2);
+        let block = gpt_burn_block_bytes(sq, b, h, a, t.ffn(), e);
+        let logits = loss_bytes(sq * b, 1000, FLEX.logit_copies);
+        let attention = attention_transient_bytes(sq, b, a, e);
+        let phase = count.activation_phase();
+        assert_eq!(phase.logits, logits);
+        assert_eq!(
+            phase.activations,
+            4 * block + attention.saturating_sub(logits + block) + 3 * sq * b * h * e
+        );
+        assert_eq!(phase.offloaded_inputs, 0);
+        assert_eq!(
+            phase.widest,
+            (sq * b * t.ffn() * e).max(loss_chunk_bytes(sq * b, 1000, true))
+        );
+    }
+
+    #[test]
+    fn offloaded_inputs_leave_one_block_s_input_on_the_device() {
+        let model = gpt();
+        let s = Settings {
+            activation_checkpointing: true,
+            offload_activations: true,
+            ..settings()
+        };
+        let stage = StagePlacement {
+            in_flight: 3,
+            ..StagePlacement::single(4)
+        };
+        let count = StageCount::new(&model, None, &s, stage, &CUDA);
+        let blocks = KeptBlocks {
+            kept: 3 * 4 * 10,
+            one_block: 50,
+            recomputed: 40,
+        };
+        let around = PhaseTransients {
+            attention: 0,
+            token_vector: 10,
+            final_norm: 3,
+        };
+        let (activations, offloaded) = count.device_activations(blocks, around, 0);
+        assert_eq!(offloaded, 120 - 10);
+        // The one input, the recomputed block, the final norm's vectors.
+        assert_eq!(activations, 10 + recomputation_bytes(&CUDA, 40, 0) + 30);
+    }
+
+    #[test]
+    fn llama_blocks_under_adapters_follow_what_burn_keeps() {
+        let model = untied_llama();
+        let l = llama_shape(&model);
+        let lora = qv_lora();
+        let (b, e) = (2, 2);
+        let token_vector = 256 * b * 512 * e;
+        let stage = StagePlacement {
+            in_flight: 2,
+            ..StagePlacement::single(4)
+        };
+        let plain = settings();
+        let count = StageCount::new(&model, Some(&lora), &plain, stage, &FLEX);
+        let blocks: Vec<u64> = AdaptedBlock::stage(l, &lora, stage)
+            .iter()
+            .map(|k| k.bytes(l, b, e))
+            .collect();
+        assert_eq!(
+            count.llama_kept_blocks(l, Some(&lora), token_vector),
+            KeptBlocks {
+                kept: 2 * blocks.iter().sum::<u64>(),
+                one_block: blocks[3],
+                recomputed: 0,
+            }
+        );
+        let ckpt = Settings {
+            activation_checkpointing: true,
+            ..plain
+        };
+        let count = StageCount::new(&model, Some(&lora), &ckpt, stage, &FLEX);
+        let full = AdaptedBlock::new(l, &lora, true).bytes(l, b, e);
+        assert_eq!(
+            count.llama_kept_blocks(l, Some(&lora), token_vector),
+            KeptBlocks {
+                kept: 2 * 4 * token_vector,
+                one_block: full,
+                recomputed: full - token_vector,
+            }
+        );
+        // Without adapters, the profile's count of a whole block.
+        let count = StageCount::new(&model, None, &ckpt, stage, &FLEX);
+        let block = |c| l.burn_block_activation_bytes(b, e, c);
+        assert_eq!(
+            count.llama_kept_blocks(l, None, token_vector),
+            KeptBlocks {
+                kept: 2 * 4 * block(true),
+                one_block: block(false),
+                recomputed: block(false) - block(true),
+            }
+        );
+    }
+
+    #[test]
+    fn a_frozen_final_norm_keeps_fewer_vectors() {
+        let mut lora = qv_lora();
+        assert_eq!(final_norm_vectors(None), 3);
+        assert_eq!(final_norm_vectors(Some(&lora)), 1);
+        lora.target_modules.push(TargetModule::LmHead);
+        assert_eq!(final_norm_vectors(Some(&lora)), 2);
+    }
+
+    #[test]
+    fn only_a_llama_model_loads_a_checkpoint() {
+        let model = gpt();
+        let s = settings();
+        let count = StageCount::new(&model, None, &s, StagePlacement::single(4), &FLEX);
+        assert_eq!(count.load_phase(1000, 0, 10, 1.0), LoadPhase::default());
+    }
+
+    #[test]
+    fn a_gpu_load_holds_the_weights_and_one_upload_and_the_host_the_transient() {
+        let model = untied_llama();
+        let l = llama_shape(&model);
+        let s = settings();
+        let stage = StagePlacement::single(4);
+        let count = StageCount::new(&model, None, &s, stage, &CUDA);
+        let tensors = stage_tensors(&model, stage);
+        let (host_transient, largest) = load_transient(&tensors, 2);
+        assert_eq!(largest, l.embedding_params());
+        let weights = 1_000_000;
+        assert_eq!(count.gpu_load_bytes(2, weights), weights + 2 * largest);
+        let upload = 2 * largest;
+        let expected_peak = 10 + weights + (upload + slack(weights + upload, CUDA.load_slack));
+        let host = host_transient + 4 * largest;
+        assert_eq!(
+            count.load_phase(weights, 0, 10, 1.0),
+            LoadPhase {
+                peak: expected_peak,
+                host: host + slack(host, CUDA.load_slack),
+            }
+        );
+    }
+
+    #[test]
+    fn a_cpu_load_peaks_with_the_host_transient_beside_the_weights() {
+        let model = untied_llama();
+        let s = settings();
+        let stage = StagePlacement::single(4);
+        let count = StageCount::new(&model, None, &s, stage, &FLEX);
+        let (host_transient, _) = load_transient(&stage_tensors(&model, stage), 2);
+        let weights = 1_000_000;
+        let on_device = weights + host_transient;
+        let estimated = host_transient + slack(on_device, FLEX.load_slack);
+        let phase = count.load_phase(weights, 0, 10, 2.0);
+        assert_eq!(phase.host, 0);
+        assert_eq!(phase.peak, 10 + weights + 2 * estimated);
     }
 }

@@ -29,9 +29,9 @@
 //!    of the moments in the step, negligible beside forward and backward;
 //!    the moments lose precision. For LoRA jobs it saves little (the
 //!    adapters' state is small), but it costs nearly nothing.
-//! 5. `quantizeBase` (LoRA only: dense → int8 → int4): every forward
-//!    (and every recomputation) dequantizes the base's block linears
-//!    (burn composes a dense weight, see [`crate::memory`]), and the frozen
+//! 5. `quantizeBase` (LoRA only: dense → int8 → nf4, int4 → nf4): every
+//!    forward (and every recomputation, and backward) dequantizes the base's
+//!    block linears for their products (see [`crate::memory`]), and the frozen
 //!    base loses precision; each format step is its own candidate, and a
 //!    step the backend does not store smaller (int4 on flex keeps one byte
 //!    a value) is never offered.
@@ -52,6 +52,26 @@
 //!    goes on from the replicas the failed plan had.
 //! 9. `morePipelineStages`, 10. `largerGpu`: more or larger devices, the
 //!    scarce thing the search minimises first; the replicas stay.
+//!
+//! # Adding a rung
+//!
+//! * Here: a [`RetryRung`] variant in ladder order, in [`RetryRung::ALL`]
+//!   (and so [`RetryRung::DEFAULT`]), its name in `Display`, the list under
+//!   "Order" above, and, when a backend may lack it, its case in
+//!   [`RetryRung::runnable`] (a [`BackendProfile`] flag, set in `FLEX` and
+//!   `CUDA`).
+//! * A settings rung: [`RetryRung::tighten_settings`], its reason in
+//!   `settings_skip_reason` and its arm in [`RetryRung::tighten`]; a
+//!   placement rung: a function beside `larger_gpu` that `tighten` calls.
+//!   Either way, its note in [`RetryRung::over_budget_note`].
+//! * A new setting: its [`Settings`] field (`training.rs`: `Default` and
+//!   `Display`), its bytes in [`crate::memory::estimate_stage`], its time in
+//!   [`crate::timing::relative_compute`], and in `search.rs`
+//!   `describe_numerics` and, if the search may apply it, `NUMERICS_RUNGS`;
+//!   the worker must run it (`worker/src/train.rs` reads the plan's settings).
+//! * The API: `MemoryPolicy::allowed_rungs` (`operator/api/src/job.rs`) lists
+//!   the rungs in its doc and bounds them (`length(max = …)`); `make
+//!   manifests` regenerates the CRDs from it.
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -236,59 +256,12 @@ impl RetryRung {
 
     /// The stricter candidates this rung offers from `from`, least strict first.
     pub fn tighten(self, from: &Candidate, limits: &RungLimits) -> Tightening {
-        let next_settings = |s: &Settings| {
-            self.tighten_settings(s, limits.profile, limits.global_batch, limits.lora)
-        };
-        let with = |settings: Settings| Candidate {
-            settings,
-            ..from.clone()
-        };
-        let s = &from.settings;
         match self {
-            RetryRung::OffloadEmbedding => match next_settings(s) {
-                Some(off) => Tightening::Try(vec![with(off)]),
-                None if s.offload_embedding => Tightening::Skip("already offloaded".into()),
-                None if !limits.lora => Tightening::Skip(
-                    "full fine-tuning trains the embedding: only a LoRA job's frozen one waits on the host".into(),
-                ),
-                None if limits.profile.device_is_host => Tightening::Skip(format!(
-                    "not applicable on the {} backend: a CPU worker's embedding is in host memory already",
-                    limits.profile.backend
-                )),
-                None => Tightening::Skip(format!(
-                    "the {} backend keeps the embedding on its device",
-                    limits.profile.backend
-                )),
-            },
-            RetryRung::ActivationCheckpointing => match next_settings(s) {
-                Some(on) => Tightening::Try(vec![with(on)]),
-                None => Tightening::Skip("already on".into()),
-            },
             RetryRung::HalveMicroBatch => {
                 // Every halving down to micro-batch 1: each costs speed, so
                 // the ladder stops at the first that fits.
-                let mut steps: Vec<Candidate> = Vec::new();
-                let mut at = *s;
-                while let Some(halved) = next_settings(&at) {
-                    steps.push(with(halved));
-                    at = halved;
-                }
-                Tightening::Try(steps)
+                Tightening::Try(self.settings_steps(from, limits))
             }
-            RetryRung::LowerPrecision => match next_settings(s) {
-                Some(lower) => Tightening::Try(vec![with(lower)]),
-                None => Tightening::Skip(format!(
-                    "{} backend offers nothing below {}",
-                    limits.profile.backend, s.precision
-                )),
-            },
-            RetryRung::CheaperOptimizer => match next_settings(s) {
-                Some(cheaper) => Tightening::Try(vec![with(cheaper)]),
-                None => Tightening::Skip(format!(
-                    "no cheaper-state variant of {} on the {} backend",
-                    s.optimizer, limits.profile.backend
-                )),
-            },
             RetryRung::QuantizeBase => {
                 if !limits.lora {
                     return Tightening::Skip(
@@ -296,141 +269,95 @@ impl RetryRung {
                     );
                 }
                 // Each stricter format the backend stores smaller, one at a time.
-                let mut steps: Vec<Candidate> = Vec::new();
-                let mut at = *s;
-                while let Some(q) = next_settings(&at) {
-                    steps.push(with(q));
-                    at = q;
-                }
+                let steps = self.settings_steps(from, limits);
                 if steps.is_empty() {
                     return Tightening::Skip(format!(
                         "the {} backend stores no base format smaller than {}",
-                        limits.profile.backend, s.base_format
+                        limits.profile.backend, from.settings.base_format
                     ));
                 }
                 Tightening::Try(steps)
             }
-            RetryRung::OffloadOptimizer => match next_settings(s) {
-                Some(off) => Tightening::Try(vec![with(off)]),
-                None if s.offload_optimizer => Tightening::Skip("already offloaded".into()),
-                None if limits.profile.device_is_host => Tightening::Skip(format!(
-                    "not applicable on the {} backend: a CPU worker's optimizer state is in host memory already",
-                    limits.profile.backend
-                )),
-                None => Tightening::Skip(format!(
-                    "the {} backend keeps optimizer state on its device",
-                    limits.profile.backend
-                )),
-            },
-            RetryRung::OffloadActivations => match next_settings(s) {
-                Some(off) => Tightening::Try(vec![with(off)]),
-                None if s.offload_activations => Tightening::Skip("already offloaded".into()),
-                None if limits.profile.device_is_host => Tightening::Skip(format!(
-                    "not applicable on the {} backend: a CPU worker's activations are in host memory already",
-                    limits.profile.backend
-                )),
-                None => Tightening::Skip(format!(
-                    "the {} backend keeps checkpointed activations on its device",
-                    limits.profile.backend
-                )),
-            },
-            RetryRung::ShardOptimizerState => {
-                if !limits.profile.data_parallel {
-                    return Tightening::Skip(format!(
-                        "the {} worker runs no data-parallel replicas",
-                        limits.profile.backend
-                    ));
+            RetryRung::ShardOptimizerState => shard_optimizer_state(from, limits),
+            RetryRung::MorePipelineStages => more_pipeline_stages(from, limits),
+            RetryRung::LargerGpu => larger_gpu(from, limits),
+            RetryRung::OffloadEmbedding
+            | RetryRung::ActivationCheckpointing
+            | RetryRung::LowerPrecision
+            | RetryRung::CheaperOptimizer
+            | RetryRung::OffloadOptimizer
+            | RetryRung::OffloadActivations => {
+                let s = &from.settings;
+                match self.tighten_settings(s, limits.profile, limits.global_batch, limits.lora) {
+                    Some(next) => Tightening::Try(vec![Candidate {
+                        settings: next,
+                        ..from.clone()
+                    }]),
+                    None => Tightening::Skip(self.settings_skip_reason(s, limits)),
                 }
-                let (p, d) = from.shape();
-                let global = s.global_batch() * u64::from(d);
-                let free = from.device.free.max(from.devices());
-                let max_d = (limits.max_devices / p).min(free / p);
-                // Every larger replica count that divides the global batch,
-                // each with the largest micro-batch at most the current one
-                // that divides its share.
-                let more: Vec<Candidate> = divisors_desc(u32::try_from(global).unwrap_or(u32::MAX))
-                    .into_iter()
-                    .rev()
-                    .filter(|&n| n > d && n <= max_d)
-                    .filter_map(|n| {
-                        let share = u32::try_from(global / u64::from(n)).ok()?;
-                        let micro_batch = divisors_desc(share)
-                            .into_iter()
-                            .find(|&b| b <= s.micro_batch)?;
-                        Some(Candidate {
-                            replicas: n,
-                            settings: Settings {
-                                micro_batch,
-                                gradient_accumulation: share / micro_batch,
-                                ..*s
-                            },
-                            ..from.clone()
-                        })
-                    })
-                    .collect();
-                if more.is_empty() {
-                    return Tightening::Skip(format!(
-                        "already at {d} replica(s): no more that divide the global batch {global} within {} device(s)",
-                        limits.max_devices.min(free)
-                    ));
-                }
-                Tightening::Try(more)
             }
-            RetryRung::MorePipelineStages => {
-                // The failed attempt's own count was free to it, whatever the
-                // inventory says now.
-                let p = from.stages;
-                let d = from.replicas;
-                let free_p = from.device.free.max(from.devices()) / d;
-                let max_p = limits.max_workers.min(limits.max_devices / d).min(free_p);
-                if p >= max_p {
-                    return Tightening::Skip(format!(
-                        "already at {p} stage(s), the most allowed/available"
-                    ));
-                }
-                Tightening::Try(
-                    (p + 1..=max_p)
-                        .map(|stages| Candidate {
-                            stages,
-                            ..from.clone()
-                        })
-                        .collect(),
-                )
+        }
+    }
+
+    /// The candidates of a settings rung applied again and again from
+    /// `from` until it offers nothing stricter, least strict first.
+    fn settings_steps(self, from: &Candidate, limits: &RungLimits) -> Vec<Candidate> {
+        let mut steps: Vec<Candidate> = Vec::new();
+        let mut at = from.settings;
+        while let Some(next) =
+            self.tighten_settings(&at, limits.profile, limits.global_batch, limits.lora)
+        {
+            steps.push(Candidate {
+                settings: next,
+                ..from.clone()
+            });
+            at = next;
+        }
+        steps
+    }
+
+    /// Why a settings rung offers nothing stricter than `s`.
+    fn settings_skip_reason(self, s: &Settings, limits: &RungLimits) -> String {
+        let backend = limits.profile.backend;
+        let on_host = limits.profile.device_is_host;
+        match self {
+            RetryRung::OffloadEmbedding if s.offload_embedding => "already offloaded".into(),
+            RetryRung::OffloadEmbedding if !limits.lora => {
+                "full fine-tuning trains the embedding: only a LoRA job's frozen one waits on the host".into()
             }
-            RetryRung::LargerGpu => {
-                let d = from.replicas;
-                let mut larger: Vec<&DeviceType> = limits
-                    .devices
-                    .iter()
-                    .filter(|dev| dev.memory_bytes > from.device.memory_bytes && dev.free >= d)
-                    .collect();
-                larger.sort_by_key(|dev| dev.memory_bytes);
-                if larger.is_empty() {
-                    return Tightening::Skip(format!(
-                        "no free allowed GPU type larger than {}",
-                        format_bytes(from.device.memory_bytes)
-                    ));
-                }
-                // Smallest larger type first, fewest stages first on each;
-                // the replicas stay (the batch split is the failed one's).
-                Tightening::Try(
-                    larger
-                        .into_iter()
-                        .flat_map(|dev| {
-                            let max_p = limits
-                                .max_workers
-                                .min(limits.max_devices / d)
-                                .min(dev.free / d);
-                            (1..=max_p).map(move |stages| Candidate {
-                                device: dev.clone(),
-                                stages,
-                                replicas: d,
-                                settings: *s,
-                            })
-                        })
-                        .collect(),
-                )
+            RetryRung::OffloadEmbedding if on_host => format!(
+                "not applicable on the {backend} backend: a CPU worker's embedding is in host memory already"
+            ),
+            RetryRung::OffloadEmbedding => {
+                format!("the {backend} backend keeps the embedding on its device")
             }
+            RetryRung::ActivationCheckpointing => "already on".into(),
+            RetryRung::LowerPrecision => {
+                format!("{backend} backend offers nothing below {}", s.precision)
+            }
+            RetryRung::CheaperOptimizer => format!(
+                "no cheaper-state variant of {} on the {backend} backend",
+                s.optimizer
+            ),
+            RetryRung::OffloadOptimizer if s.offload_optimizer => "already offloaded".into(),
+            RetryRung::OffloadOptimizer if on_host => format!(
+                "not applicable on the {backend} backend: a CPU worker's optimizer state is in host memory already"
+            ),
+            RetryRung::OffloadOptimizer => {
+                format!("the {backend} backend keeps optimizer state on its device")
+            }
+            RetryRung::OffloadActivations if s.offload_activations => "already offloaded".into(),
+            RetryRung::OffloadActivations if on_host => format!(
+                "not applicable on the {backend} backend: a CPU worker's activations are in host memory already"
+            ),
+            RetryRung::OffloadActivations => {
+                format!("the {backend} backend keeps checkpointed activations on its device")
+            }
+            RetryRung::HalveMicroBatch
+            | RetryRung::QuantizeBase
+            | RetryRung::ShardOptimizerState
+            | RetryRung::MorePipelineStages
+            | RetryRung::LargerGpu => format!("no stricter settings than {s}"),
         }
     }
 
@@ -480,6 +407,110 @@ impl RetryRung {
             }
         }
     }
+}
+
+/// `shardOptimizerState`: every larger replica count that divides the
+/// global batch, each with the largest micro-batch at most the current one
+/// that divides its share.
+fn shard_optimizer_state(from: &Candidate, limits: &RungLimits) -> Tightening {
+    if !limits.profile.data_parallel {
+        return Tightening::Skip(format!(
+            "the {} worker runs no data-parallel replicas",
+            limits.profile.backend
+        ));
+    }
+    let s = &from.settings;
+    let (p, d) = from.shape();
+    let global = s.global_batch() * u64::from(d);
+    let free = from.device.free.max(from.devices());
+    let max_d = (limits.max_devices / p).min(free / p);
+    let more: Vec<Candidate> = divisors_desc(u32::try_from(global).unwrap_or(u32::MAX))
+        .into_iter()
+        .rev()
+        .filter(|&n| n > d && n <= max_d)
+        .filter_map(|n| {
+            let share = u32::try_from(global / u64::from(n)).ok()?;
+            let micro_batch = divisors_desc(share)
+                .into_iter()
+                .find(|&b| b <= s.micro_batch)?;
+            Some(Candidate {
+                replicas: n,
+                settings: Settings {
+                    micro_batch,
+                    gradient_accumulation: share / micro_batch,
+                    ..*s
+                },
+                ..from.clone()
+            })
+        })
+        .collect();
+    if more.is_empty() {
+        return Tightening::Skip(format!(
+            "already at {d} replica(s): no more that divide the global batch {global} within {} device(s)",
+            limits.max_devices.min(free)
+        ));
+    }
+    Tightening::Try(more)
+}
+
+/// `morePipelineStages`: every larger stage count the limits and the free
+/// devices allow, fewest first.
+fn more_pipeline_stages(from: &Candidate, limits: &RungLimits) -> Tightening {
+    // The failed attempt's own count was free to it, whatever the
+    // inventory says now.
+    let p = from.stages;
+    let d = from.replicas;
+    let free_p = from.device.free.max(from.devices()) / d;
+    let max_p = limits.max_workers.min(limits.max_devices / d).min(free_p);
+    if p >= max_p {
+        return Tightening::Skip(format!(
+            "already at {p} stage(s), the most allowed/available"
+        ));
+    }
+    Tightening::Try(
+        (p + 1..=max_p)
+            .map(|stages| Candidate {
+                stages,
+                ..from.clone()
+            })
+            .collect(),
+    )
+}
+
+/// `largerGpu`: every free allowed GPU type larger than the failed one's.
+fn larger_gpu(from: &Candidate, limits: &RungLimits) -> Tightening {
+    let d = from.replicas;
+    let mut larger: Vec<&DeviceType> = limits
+        .devices
+        .iter()
+        .filter(|dev| dev.memory_bytes > from.device.memory_bytes && dev.free >= d)
+        .collect();
+    larger.sort_by_key(|dev| dev.memory_bytes);
+    if larger.is_empty() {
+        return Tightening::Skip(format!(
+            "no free allowed GPU type larger than {}",
+            format_bytes(from.device.memory_bytes)
+        ));
+    }
+    // Smallest larger type first, fewest stages first on each;
+    // the replicas stay (the batch split is the failed one's).
+    Tightening::Try(
+        larger
+            .into_iter()
+            .flat_map(|dev| {
+                let max_p = limits
+                    .max_workers
+                    .min(limits.max_devices / d)
+                    .min(dev.free / d);
+                (1..=max_p).map(move |stages| Candidate {
+                    device: dev.clone(),
+                    stages,
+                    replicas: d,
+                    settings: from.settings,
+                })
+            })
+            .collect(),
+    )
 }
 
 /// Bytes one stored base value occupies on `profile`, its share of the
@@ -601,13 +632,7 @@ mod tests {
         Settings {
             micro_batch,
             gradient_accumulation: accumulation,
-            activation_checkpointing: false,
-            precision: Precision::Fp32,
-            optimizer: Optimizer::Adamw,
-            base_format: crate::adapters::BaseFormat::Dense,
-            offload_optimizer: false,
-            offload_activations: false,
-            offload_embedding: false,
+            ..Settings::default()
         }
     }
 

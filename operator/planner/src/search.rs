@@ -105,36 +105,8 @@ fn search_with(
     opts: &SearchOptions,
 ) -> Result<Plan, NoFeasiblePlan> {
     let profile = opts.profile.unwrap_or(req.backend().profile());
-    if let Some(e) = adapter_errors(req, profile) {
-        return Err(NoFeasiblePlan {
-            waits_for: None,
-            summary: e,
-            details: vec![],
-        });
-    }
-    if !profile.precisions.contains(&req.precision) {
-        return Err(NoFeasiblePlan {
-            waits_for: None,
-            summary: format!(
-                "precision {} is not supported by the {} backend (supported: {})",
-                req.precision,
-                profile.backend,
-                list(profile.precisions)
-            ),
-            details: vec![],
-        });
-    }
-    if !profile.optimizers.contains(&req.optimizer) {
-        return Err(NoFeasiblePlan {
-            waits_for: None,
-            summary: format!(
-                "optimizer {} is not supported by the {} backend (supported: {})",
-                req.optimizer,
-                profile.backend,
-                list(profile.optimizers)
-            ),
-            details: vec![],
-        });
+    if let Some(summary) = unsupported_numerics(req, profile) {
+        return Err(refusal(summary));
     }
     let inventory = planning_inventory(req, inventory);
     let inventory = &*inventory;
@@ -144,14 +116,10 @@ fn search_with(
         && d > 1
         && !search.profile.data_parallel
     {
-        return Err(NoFeasiblePlan {
-            waits_for: None,
-            summary: format!(
-                "training.dataParallelReplicas {d}: the {} worker does not run data-parallel replicas yet; remove the field (or set 1)",
-                search.profile.backend
-            ),
-            details: vec![],
-        });
+        return Err(refusal(format!(
+            "training.dataParallelReplicas {d}: the {} worker does not run data-parallel replicas yet; remove the field (or set 1)",
+            search.profile.backend
+        )));
     }
 
     let options = numerics_options(req, search.profile);
@@ -178,39 +146,90 @@ fn search_with(
             return Ok(plan);
         }
     }
+    if pinned && let Some(plan) = pinned_over_budget(&search, &devices, &options[0].0) {
+        return Ok(plan);
+    }
+    Err(infeasible(&search, inventory, &options, &devices))
+}
 
+/// A plan-less answer with `summary` and no details.
+fn refusal(summary: String) -> NoFeasiblePlan {
+    NoFeasiblePlan {
+        waits_for: None,
+        summary,
+        details: vec![],
+    }
+}
+
+/// Why the backend `profile` cannot run the job's numerics as asked: its
+/// adapters, precision or optimizer; `None` when it can.
+fn unsupported_numerics(req: &JobRequest, profile: &BackendProfile) -> Option<String> {
+    if let Some(e) = adapter_errors(req, profile) {
+        return Some(e);
+    }
+    if !profile.precisions.contains(&req.precision) {
+        return Some(format!(
+            "precision {} is not supported by the {} backend (supported: {})",
+            req.precision,
+            profile.backend,
+            list(profile.precisions)
+        ));
+    }
+    if !profile.optimizers.contains(&req.optimizer) {
+        return Some(format!(
+            "optimizer {} is not supported by the {} backend (supported: {})",
+            req.optimizer,
+            profile.backend,
+            list(profile.optimizers)
+        ));
+    }
+    None
+}
+
+/// Pins are the user's call on a first attempt: when nothing fits, the
+/// pinned settings (at the user's numerics, `asked`) on the largest free
+/// device, run as asked with a warning; `None` when the pins cannot be
+/// placed at all.
+fn pinned_over_budget(search: &Search, devices: &[&DeviceType], asked: &Settings) -> Option<Plan> {
+    let req = search.req;
     let pinned_p = search.stage_counts().next().unwrap_or(1);
     let pinned_d = search.pinned_replicas().unwrap_or(1);
     let per_replica = req.global_batch / pinned_d;
-    if pinned
-        && req.global_batch.is_multiple_of(pinned_d)
-        && let Some(&micro_batch) = search.micro_batches(pinned_d).first()
-        && let Some(largest) = devices
-            .iter()
-            .filter(|d| d.free >= pinned_p * pinned_d)
-            .max_by_key(|d| d.memory_bytes)
-    {
-        // Pins are the user's call on a first attempt: run them, and say so.
-        let settings = Settings {
-            micro_batch,
-            gradient_accumulation: per_replica / micro_batch,
-            activation_checkpointing: search.checkpointing()[0],
-            ..options[0].0
-        };
-        let shape = (pinned_p, pinned_d);
-        let mut plan = search
-            .build(largest, shape, settings)
-            .or_else(|| search.build_unchecked(largest, shape, settings));
-        if let Some(plan) = plan.as_mut() {
-            plan.warnings.push(format!(
-                "pinned settings are predicted over budget ({}); running them as asked — a retry will relax them",
-                plan.fit
-            ));
-            return Ok(plan.clone());
-        }
+    if !req.global_batch.is_multiple_of(pinned_d) {
+        return None;
     }
+    let &micro_batch = search.micro_batches(pinned_d).first()?;
+    let largest = devices
+        .iter()
+        .filter(|d| d.free >= pinned_p * pinned_d)
+        .max_by_key(|d| d.memory_bytes)?;
+    let settings = Settings {
+        micro_batch,
+        gradient_accumulation: per_replica / micro_batch,
+        activation_checkpointing: search.checkpointing()[0],
+        ..*asked
+    };
+    let shape = (pinned_p, pinned_d);
+    let mut plan = search
+        .build(largest, shape, settings)
+        .or_else(|| search.build_unchecked(largest, shape, settings))?;
+    plan.warnings.push(format!(
+        "pinned settings are predicted over budget ({}); running them as asked — a retry will relax them",
+        plan.fit
+    ));
+    Some(plan)
+}
 
-    let mut infeasible = search.explain(&options, &devices, !inventory.left_out.is_empty());
+/// Why nothing fits, with the numbers ([`Search::explain`]), the nodes the
+/// inventory left out, and a one-node limit where it may have been the cause.
+fn infeasible(
+    search: &Search,
+    inventory: &Inventory,
+    options: &[(Settings, Vec<RetryRung>)],
+    devices: &[&DeviceType],
+) -> NoFeasiblePlan {
+    let req = search.req;
+    let mut infeasible = search.explain(options, devices, !inventory.left_out.is_empty());
     if !inventory.left_out.is_empty() {
         const SHOWN: usize = 5;
         let mut nodes = inventory.left_out[..inventory.left_out.len().min(SHOWN)].join("; ");
@@ -232,7 +251,7 @@ fn search_with(
             "stages share one node (the checkpoint volume is ReadWriteOnce), so each count above is one node's free GPUs; a ReadWriteMany checkpoint volume (Helm checkpoints.accessMode) lets stages spread over nodes".into(),
         );
     }
-    Err(infeasible)
+    infeasible
 }
 
 /// What a job plans against: a CPU job the operator's view of the nodes
@@ -334,8 +353,6 @@ fn numerics_options(req: &JobRequest, profile: &BackendProfile) -> Vec<(Settings
     let lora = req.adapters.is_some();
     let asked = Settings {
         micro_batch: g,
-        gradient_accumulation: 1,
-        activation_checkpointing: false,
         precision: req.precision,
         optimizer: req.optimizer,
         base_format: if lora {
@@ -343,9 +360,7 @@ fn numerics_options(req: &JobRequest, profile: &BackendProfile) -> Vec<(Settings
         } else {
             crate::adapters::BaseFormat::Dense
         },
-        offload_optimizer: false,
-        offload_activations: false,
-        offload_embedding: false,
+        ..Settings::default()
     };
     // (settings, rungs applied, steps taken, index of the costliest rung + 1)
     let mut all: Vec<(Settings, Vec<RetryRung>, usize, usize)> = vec![(asked, vec![], 0, 0)];

@@ -200,19 +200,13 @@ pub fn estimate(
 mod tests {
     use super::*;
     use crate::backend::{CUDA, FLEX};
-    use crate::training::Optimizer;
 
     fn settings(b: u32, m: u32) -> Settings {
         Settings {
             micro_batch: b,
             gradient_accumulation: m,
-            activation_checkpointing: false,
             precision: Precision::Bf16,
-            optimizer: Optimizer::Adamw,
-            base_format: Default::default(),
-            offload_optimizer: false,
-            offload_activations: false,
-            offload_embedding: false,
+            ..Settings::default()
         }
     }
 

@@ -168,6 +168,25 @@ pub struct Settings {
     pub offload_embedding: bool,
 }
 
+impl Default for Settings {
+    /// What a plan without any rung runs: one sample a pass, no
+    /// accumulation, no checkpointing, fp32 AdamW (a job's default
+    /// numerics), a dense base and nothing offloaded.
+    fn default() -> Self {
+        Settings {
+            micro_batch: 1,
+            gradient_accumulation: 1,
+            activation_checkpointing: false,
+            precision: Precision::Fp32,
+            optimizer: Optimizer::Adamw,
+            base_format: BaseFormat::Dense,
+            offload_optimizer: false,
+            offload_activations: false,
+            offload_embedding: false,
+        }
+    }
+}
+
 impl Settings {
     /// Samples per optimizer step.
     pub fn global_batch(&self) -> u64 {

@@ -105,15 +105,9 @@ fn thirteen_b_on_eight_h100s_uses_the_free_gpus_when_fastest() {
 fn zero_one_shards_the_optimizer_state_over_the_replicas() {
     let model = llama_7b();
     let settings = Settings {
-        micro_batch: 1,
-        gradient_accumulation: 1,
         activation_checkpointing: true,
         precision: Precision::Bf16,
-        optimizer: Optimizer::Adamw,
-        base_format: BaseFormat::Dense,
-        offload_optimizer: false,
-        offload_activations: false,
-        offload_embedding: false,
+        ..Settings::default()
     };
     let params = model.total_params();
     let state = |replicas: u32| {

@@ -1,4 +1,4 @@
-//! Issue 36: "it fits, or the next attempt does". The job that ended
+//! "It fits, or the next attempt does": the job that ended
 //! `Failed` with NoFeasiblePlan after one OOM kill although a stricter plan
 //! fitted its limit: 6 × 384, sequence 256, vocabulary 4096, a 256Mi
 //! limit, global batch 16, killed at 257.7 MiB.

@@ -53,22 +53,12 @@ const PHI_4_MINI: &str = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":
     "intermediate_size":8192,"num_hidden_layers":32,"num_attention_heads":24,
     "num_key_value_heads":8,"vocab_size":200064,"tie_word_embeddings":true,"torch_dtype":"bfloat16"}"#;
 
-const ALL_LINEAR: [TargetModule; 7] = [
-    TargetModule::QProj,
-    TargetModule::KProj,
-    TargetModule::VProj,
-    TargetModule::OProj,
-    TargetModule::GateProj,
-    TargetModule::UpProj,
-    TargetModule::DownProj,
-];
-
 fn lora(rank: u32) -> LoraConfig {
     LoraConfig {
         rank,
         alpha: 2.0 * f64::from(rank),
         dropout: 0.0,
-        target_modules: ALL_LINEAR.to_vec(),
+        target_modules: TargetModule::BLOCK_LINEARS.to_vec(),
         block_size: 64,
     }
 }
@@ -148,7 +138,7 @@ fn phi_4_mini_qlora_on_one_6_gb_gpu() {
     }
     let plan = result.expect("a pinned first attempt runs as asked");
     println!("warnings: {:?}", plan.warnings);
-    // Issue 30's target: the seed's own job plans on its 6 GB card. Its
+    // The seed's own job plans on its 6 GB card. Its
     // training peak is 4.8 GiB; the load's (the 200,064 × 3,072 embedding
     // uploaded once, at fp16, beside the weights) is the larger, 5.3 GiB.
     assert!(plan.fits(), "{:?}", plan.warnings);
@@ -213,15 +203,10 @@ fn qlora_minimums_beside_unsloth() {
         let a = lora(16);
         let at = |format: BaseFormat| {
             let s = Settings {
-                micro_batch: 1,
-                gradient_accumulation: 1,
                 activation_checkpointing: true,
                 precision: Precision::Bf16,
-                optimizer: Optimizer::Adamw,
                 base_format: format,
-                offload_optimizer: false,
-                offload_activations: false,
-                offload_embedding: false,
+                ..Settings::default()
             };
             estimate_stage(
                 &model,
@@ -285,10 +270,11 @@ fn pins_keep_a_lora_job_on_its_dense_base_until_a_retry_quantizes_it() {
     );
 }
 
-/// Issue 30's table: Meta-Llama-3-8B, QLoRA int4 r16 on the seven block
-/// linears, bf16, CUDA profile, one stage; the three plans the issue
-/// quoted (before the lean ops: 65.6, 40.9 and 49.5 GiB) and the targets'
-/// shapes. Prints the terms (docs/benchmarks.md, "Llama-3-8B QLoRA").
+/// Meta-Llama-3-8B, QLoRA int4 r16 on the seven block linears, bf16, CUDA
+/// profile, one stage: three plans (65.6, 40.9 and 49.5 GiB when burn
+/// composed each adapted weight, docs/log/benchmarks-log.md) and the
+/// targets' shapes. Prints the terms (today's figures: docs/benchmarks.md,
+/// "Llama-3-8B QLoRA").
 #[test]
 fn llama_3_8b_qlora_terms_after_the_lean_ops() {
     use headroom_planner::memory::{StagePlacement, estimate_stage};
@@ -300,11 +286,10 @@ fn llama_3_8b_qlora_terms_after_the_lean_ops() {
             gradient_accumulation: acc,
             activation_checkpointing: ckpt,
             precision: Precision::Bf16,
-            optimizer: Optimizer::Adamw,
             base_format: BaseFormat::Nf4,
-            offload_optimizer: false,
             offload_activations: offload.0,
             offload_embedding: offload.1,
+            ..Settings::default()
         };
         estimate_stage(
             &model,
@@ -388,7 +373,7 @@ fn llama_3_8b_qlora_terms_after_the_lean_ops() {
             assert!(off.load_peak < before.load_peak);
         }
     }
-    // Issue 30's first target: s 2048, mb 1, checkpointing, within 8 GB.
+    // The first target: s 2048, mb 1, checkpointing, within 8 GB.
     let small = at_offloading(2048, 1, 1, true, (false, true));
     assert!(small.total <= 8_000_000_000, "{small:?}");
     // No s² term left: doubling s from 4096 to 8192 at most doubles
@@ -399,7 +384,7 @@ fn llama_3_8b_qlora_terms_after_the_lean_ops() {
     assert!(gib(at(16384, 1, 1, true).total) <= 20.0);
 }
 
-/// Issue 30's job: Meta-Llama-3-8B at sequence `seq`, QLoRA nf4 r16, bf16,
+/// The 8 GB job: Meta-Llama-3-8B at sequence `seq`, QLoRA nf4 r16, bf16,
 /// global batch 4, one GPU.
 fn llama_3_8b_qlora(seq: u32) -> JobRequest {
     let mut req = job(llama(LLAMA_3_8B, seq), 4, 1);
@@ -437,7 +422,7 @@ fn long_context_fits_a_small_gpu_with_offloaded_checkpoints() {
     assert!(plan.stages[0].memory.host_bytes >= 31 * 16384 * 4096 * 2);
 }
 
-/// Issue 30's 8 GB target as the search meets it: Llama-3-8B QLoRA nf4 at
+/// The 8 GB target as the search meets it: Llama-3-8B QLoRA nf4 at
 /// s 2048 on an 8 GB card. With its 1.05 GB embedding on the device the
 /// job does not fit; the search keeps the frozen embedding in host memory
 /// (the rung the job allows) and it does, with the table in the pod's

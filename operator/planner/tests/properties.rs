@@ -50,10 +50,7 @@ fn arb_settings() -> impl Strategy<Value = Settings> {
                 activation_checkpointing: ckpt,
                 precision,
                 optimizer,
-                base_format: headroom_planner::BaseFormat::Dense,
-                offload_optimizer: false,
-                offload_activations: false,
-                offload_embedding: false,
+                ..Settings::default()
             },
         )
 }

@@ -33,15 +33,9 @@ fn qlora() -> LoraConfig {
 
 fn settings(base_format: BaseFormat) -> Settings {
     Settings {
-        micro_batch: 1,
-        gradient_accumulation: 1,
         activation_checkpointing: true,
-        precision: Precision::Fp32,
-        optimizer: Optimizer::Adamw,
         base_format,
-        offload_optimizer: false,
-        offload_activations: false,
-        offload_embedding: false,
+        ..Settings::default()
     }
 }
 

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor};
-use headroom_planner::{BaseFormat, Optimizer, Precision, Settings};
+use headroom_planner::{Optimizer, Settings};
 use headroom_worker::data::ProgressionTask;
 use headroom_worker::model::hf::HfCheckpoint;
 use headroom_worker::optim::blockwise::{BLOCK, Quantized};
@@ -43,13 +43,8 @@ fn trainer(optimizer: Optimizer) -> Trainer {
         Settings {
             micro_batch: 2,
             gradient_accumulation: 2,
-            activation_checkpointing: false,
-            precision: Precision::Fp32,
             optimizer,
-            base_format: BaseFormat::Dense,
-            offload_optimizer: false,
-            offload_activations: false,
-            offload_embedding: false,
+            ..Settings::default()
         },
         1_000_000,
         3e-3,

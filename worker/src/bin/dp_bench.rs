@@ -56,9 +56,7 @@ use headroom_planner::backend::{CUDA, FLEX};
 use headroom_planner::search::balanced_split;
 use headroom_planner::sharding::ring_chunk_bytes;
 use headroom_planner::timing::estimate;
-use headroom_planner::{
-    BaseFormat, DeviceKind, ModelShape, Optimizer, Precision, Settings, TransformerShape,
-};
+use headroom_planner::{DeviceKind, ModelShape, Settings, TransformerShape};
 use headroom_worker::collective::{Ring, RingTimeouts};
 use headroom_worker::link_auth::LinkKey;
 use headroom_worker::model::StageLayout;
@@ -90,13 +88,7 @@ fn settings(d: u32) -> Settings {
     Settings {
         micro_batch: MICRO_BATCH,
         gradient_accumulation: GLOBAL_BATCH / MICRO_BATCH / d,
-        activation_checkpointing: false,
-        precision: Precision::Fp32,
-        optimizer: Optimizer::Adamw,
-        base_format: BaseFormat::Dense,
-        offload_optimizer: false,
-        offload_activations: false,
-        offload_embedding: false,
+        ..Settings::default()
     }
 }
 

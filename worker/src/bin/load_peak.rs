@@ -45,8 +45,7 @@ use headroom_planner::backend::FLEX;
 use headroom_planner::memory::{StagePlacement, estimate_stage};
 use headroom_planner::search::balanced_split;
 use headroom_planner::{
-    Backend, BaseFormat, LlamaShape, LoraConfig, ModelShape, Optimizer, Precision, Settings,
-    TargetModule,
+    Backend, BaseFormat, LlamaShape, LoraConfig, ModelShape, Precision, Settings, TargetModule,
 };
 use headroom_worker::model::hf::HfCheckpoint;
 use headroom_worker::model::{LmShape, StageLayout, TransformerLm, lora};
@@ -524,15 +523,8 @@ fn bench(
     let shape = checkpoint.shape.clone();
     let model = ModelShape::Llama(shape.clone());
     let settings = Settings {
-        micro_batch: 1,
-        gradient_accumulation: 1,
         activation_checkpointing: true,
-        precision: Precision::Fp32,
-        optimizer: Optimizer::Adamw,
-        base_format: BaseFormat::Dense,
-        offload_optimizer: false,
-        offload_activations: false,
-        offload_embedding: false,
+        ..Settings::default()
     };
     let mut dense_peaks = BTreeMap::new();
     print_dense_header();
@@ -772,15 +764,10 @@ fn half_table(runs: usize, dir: &Path, exe: &Path, model: &ModelShape, sizes: &(
     );
     for format in [BaseFormat::Dense, BaseFormat::Nf4] {
         let settings = Settings {
-            micro_batch: 1,
-            gradient_accumulation: 1,
             activation_checkpointing: true,
             precision: Precision::Bf16,
-            optimizer: Optimizer::Adamw,
             base_format: format,
-            offload_optimizer: false,
-            offload_activations: false,
-            offload_embedding: false,
+            ..Settings::default()
         };
         let adapters = format.is_quantized().then(qlora);
         for p in [1, 2] {

@@ -46,15 +46,7 @@ const ADAPTER_SEED_SALT: u64 = 0x4c6f_5241_2d41_0001;
 
 /// The seven linear modules of a Llama decoder block (Phi-3 fuses them
 /// into four: [`headroom_planner::LlamaArchitecture::block_linears`]).
-pub const BLOCK_LINEARS: [TargetModule; 7] = [
-    TargetModule::QProj,
-    TargetModule::KProj,
-    TargetModule::VProj,
-    TargetModule::OProj,
-    TargetModule::GateProj,
-    TargetModule::UpProj,
-    TargetModule::DownProj,
-];
+pub const BLOCK_LINEARS: [TargetModule; 7] = TargetModule::BLOCK_LINEARS;
 
 /// A stage this module cannot adapt, with what would work.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use headroom_planner::{Optimizer, Precision, Settings, TransformerShape};
+use headroom_planner::{Settings, TransformerShape};
 use headroom_worker::data::TextSamples;
 use headroom_worker::text::{Format, load_tokenizer, pack, read_documents};
 use headroom_worker::train::TrainConfig;
@@ -28,12 +28,7 @@ pub fn tiny_config(micro_batch: u32, accumulation: u32, checkpointing: bool) -> 
             micro_batch,
             gradient_accumulation: accumulation,
             activation_checkpointing: checkpointing,
-            precision: Precision::Fp32,
-            optimizer: Optimizer::Adamw,
-            base_format: headroom_planner::BaseFormat::Dense,
-            offload_optimizer: false,
-            offload_activations: false,
-            offload_embedding: false,
+            ..Settings::default()
         },
         40,
         1e-2,

@@ -619,15 +619,10 @@ fn planned_load(format: BaseFormat) -> (u64, u64) {
     let model = load_model();
     let adapters = format.is_quantized().then(|| lora_config(&BLOCK_LINEARS));
     let settings = headroom_planner::Settings {
-        micro_batch: 1,
-        gradient_accumulation: 1,
         activation_checkpointing: true,
         precision: Precision::Bf16,
-        optimizer: Optimizer::Adamw,
         base_format: format,
-        offload_optimizer: false,
-        offload_activations: false,
-        offload_embedding: false,
+        ..headroom_planner::Settings::default()
     };
     let m = estimate_stage(
         &model,
