@@ -46,6 +46,7 @@ pub mod collective;
 pub mod data;
 pub mod data_parallel;
 pub mod env;
+pub mod exit;
 pub mod gpu_runtime;
 pub mod initialize;
 pub mod link_auth;

@@ -17,9 +17,9 @@ use headroom_planner::Backend;
 use crate::assignment::ValidAssignment;
 use crate::collective::{Collective, CollectiveError, Ring, RingHello, RingTimeouts, Single};
 use crate::env::{COLLECTIVE_ENV, CollectiveChoice, PeerSource, WorkerEnv};
+use crate::exit::Exit;
 use crate::link_auth::{KeyError, LinkKey};
 use crate::pipeline::{Hello, Links, Peers, establish};
-use crate::run::Exit;
 use crate::train::Trainer;
 use crate::worker_api::WorkerApi;
 

@@ -18,17 +18,17 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::tensor::Device;
-use headroom_api::{TerminationMessage, WorkerOutcome};
+use headroom_api::WorkerOutcome;
 use headroom_planner::Backend;
 
 use crate::assignment::ValidAssignment;
 use crate::checkpoint::CheckpointError;
-use crate::collective::CollectiveError;
+use crate::data::TextSamples;
 pub use crate::env::{DEVICE_MEMORY_LIMIT_ENV, TERMINATION_MESSAGE_PATH_ENV};
 use crate::env::{InvalidEnv, WorkerEnv};
+pub use crate::exit::Exit;
 use crate::gpu_runtime::{self, RuntimeSettings};
 use crate::memory_probe::{MemoryProbe, process_memory};
-use crate::pipeline::PipelineError;
 use crate::rendezvous::{Connected, Rendezvous};
 use crate::report::{
     DEFAULT_SAMPLE_EVERY, Progress, Reporter, TelemetrySink, WorkerApiSink, WorkerIdentity,
@@ -36,77 +36,9 @@ use crate::report::{
 };
 use crate::sigterm::SigtermWatcher;
 use crate::text;
-use crate::train::{StepError, Trainer, training_device};
+use crate::train::{Trainer, training_device};
 use crate::worker_api::WorkerApi;
 use crate::write_termination_message;
-
-/// How the process ends: the termination message, whose outcome gives the exit code.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Exit {
-    pub message: TerminationMessage,
-}
-
-impl Exit {
-    pub fn new(outcome: WorkerOutcome, reason: impl Into<String>) -> Self {
-        Exit {
-            message: TerminationMessage {
-                outcome,
-                reason: reason.into(),
-                step: None,
-                peak_bytes: None,
-                requested_bytes: None,
-            },
-        }
-    }
-
-    /// The process exit code: the outcome's.
-    pub fn code(&self) -> i32 {
-        self.message.outcome.exit_code()
-    }
-
-    pub(crate) fn invalid_plan(reason: impl Into<String>) -> Self {
-        Exit::new(WorkerOutcome::InvalidPlan, reason)
-    }
-
-    pub(crate) fn failed(reason: impl Into<String>) -> Self {
-        Exit::new(WorkerOutcome::Failed, reason)
-    }
-
-    pub(crate) fn pipeline(e: &PipelineError) -> Self {
-        match e {
-            PipelineError::PeerLost { .. } => Exit::new(WorkerOutcome::PeerLost, e.to_string()),
-            PipelineError::Protocol(_) => Exit::failed(e.to_string()),
-        }
-    }
-
-    /// A replica of the stage went away (`PEER_LOST`, as a pipeline
-    /// neighbour), or the replicas disagree (a failure).
-    pub(crate) fn replicas(e: &CollectiveError) -> Self {
-        let reason = format!("data-parallel replicas: {e}");
-        match e {
-            CollectiveError::PeerLost { .. } => Exit::new(WorkerOutcome::PeerLost, reason),
-            CollectiveError::Protocol(_) | CollectiveError::InvalidSegments(_) => {
-                Exit::failed(reason)
-            }
-        }
-    }
-
-    fn step(e: &StepError) -> Self {
-        match e {
-            StepError::Pipeline(e) => Exit::pipeline(e),
-            StepError::Replicas(e) => Exit::replicas(e),
-        }
-    }
-
-    /// Stamps the step reached, unless the exit already names one (a panic
-    /// or a memory limit names the step under way), and the peak so far.
-    fn at(mut self, step: u64, peak: u64) -> Self {
-        self.message.step.get_or_insert(step);
-        let peak = peak.max(self.message.peak_bytes.unwrap_or(0));
-        self.message.peak_bytes = (peak > 0).then_some(peak);
-        self
-    }
-}
 
 /// If a panic message is an out-of-memory error, the bytes requested (when said).
 pub fn out_of_memory(message: &str) -> Option<Option<u64>> {
@@ -339,7 +271,9 @@ impl WorkerRun<'_> {
             }
         };
         if let Some(files) = &self.plan.assignment().files {
-            let samples = text::load_text(files, &trainer.config).map_err(Exit::invalid_plan)?;
+            let sequence_length = trainer.config.shape.sequence_length() as usize;
+            let packed = text::load_text(files, sequence_length).map_err(Exit::invalid_plan)?;
+            let samples = TextSamples::new(packed, trainer.config.seed);
             tracing::info!(samples = samples.len(), data = %files.data_file, "training text");
             trainer.use_text(samples);
         }
@@ -549,7 +483,7 @@ fn classify_panic(text: &str, step: u64, peak: u64) -> Exit {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use headroom_api::exit_code;
+    use headroom_api::{TerminationMessage, exit_code};
 
     #[test]
     fn recognises_out_of_memory_messages() {
@@ -579,39 +513,6 @@ mod tests {
         assert_eq!(other.code(), exit_code::FAILURE);
         assert_eq!(other.message.reason, "step 3: shape mismatch");
         assert_eq!(other.message.peak_bytes, None);
-    }
-
-    #[test]
-    fn the_exit_code_is_the_outcomes() {
-        let lost = Exit::pipeline(&PipelineError::PeerLost {
-            stage: 1,
-            detail: "closed the connection".into(),
-        });
-        assert_eq!(
-            (lost.message.outcome, lost.code()),
-            (WorkerOutcome::PeerLost, exit_code::PEER_LOST)
-        );
-        let protocol = Exit::pipeline(&PipelineError::Protocol("x".into()));
-        assert_eq!(protocol.code(), exit_code::FAILURE);
-        let replica = Exit::step(&StepError::Replicas(CollectiveError::PeerLost {
-            rank: 1,
-            detail: "closed the connection".into(),
-        }));
-        assert_eq!(replica.code(), exit_code::PEER_LOST);
-        assert!(
-            replica
-                .message
-                .reason
-                .starts_with("data-parallel replicas: replica 1"),
-            "{}",
-            replica.message.reason
-        );
-        let disagree = Exit::step(&StepError::Replicas(CollectiveError::Protocol("x".into())));
-        assert_eq!(disagree.code(), exit_code::FAILURE);
-        assert_eq!(Exit::invalid_plan("x").code(), exit_code::INVALID_PLAN);
-        for outcome in WorkerOutcome::ALL {
-            assert_eq!(Exit::new(outcome, "").code(), outcome.exit_code());
-        }
     }
 
     #[test]

@@ -154,11 +154,11 @@ pub fn pack(
 }
 
 /// The assignment's text, tokenized with the checkpoint's tokenizer and
-/// packed into the model's sequence length; errors name the file.
+/// packed into samples of `sequence_length + 1` tokens; errors name the file.
 pub(crate) fn load_text(
     files: &headroom_api::PayloadFiles,
-    config: &crate::train::TrainConfig,
-) -> Result<crate::data::TextSamples, String> {
+    sequence_length: usize,
+) -> Result<Vec<Vec<u32>>, String> {
     let tokenizer_path = Path::new(&files.model_dir).join("tokenizer.json");
     let tokenizer = load_tokenizer(&tokenizer_path).map_err(|e| e.to_string())?;
     let eos = end_of_sequence(Path::new(&files.model_dir), &tokenizer).ok_or_else(|| {
@@ -170,14 +170,9 @@ pub(crate) fn load_text(
     let format = Format::from(&files.data_format);
     let data = Path::new(&files.data_file);
     let docs = read_documents(data, &format).map_err(|e| e.to_string())?;
-    let packed = pack(
-        &tokenizer,
-        &docs,
-        eos,
-        config.shape.sequence_length() as usize,
-    )
-    .map_err(|e| format!("{}: {e}", data.display()))?;
-    Ok(crate::data::TextSamples::new(packed.samples, config.seed))
+    let packed = pack(&tokenizer, &docs, eos, sequence_length)
+        .map_err(|e| format!("{}: {e}", data.display()))?;
+    Ok(packed.samples)
 }
 
 /// The id documents are separated by: config.json's `eos_token_id` (the

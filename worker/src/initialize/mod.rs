@@ -39,12 +39,12 @@ use headroom_api::{
 use headroom_planner::LlamaShape;
 
 use crate::env::TERMINATION_MESSAGE_PATH_ENV;
+use crate::exit::Exit;
 use crate::memory_probe::MemoryProbe;
 use crate::report::{
     DEFAULT_INTERVAL, DEFAULT_SAMPLE_EVERY, Progress, Reporter, TelemetrySink, WorkerApiSink,
     WorkerIdentity, WritePolicy,
 };
-use crate::run::Exit;
 use crate::worker_api::WorkerApi;
 use crate::{TERMINATION_MESSAGE_LIMIT, write_termination_message};
 

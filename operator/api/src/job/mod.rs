@@ -10,14 +10,13 @@
 //!   pods, checkpoint volume and scheduling;
 //! - `sources`: where a fine-tuning job's checkpoint and text come from and
 //!   where its fine-tuned model goes;
-//! - `status`: what Headroom knows about a job and what it did;
-//! - `stored_attempt`: how an attempt is read back from the API server;
+//! - `status`: what Headroom knows about a job and what it did, and how an
+//!   attempt is read back from the API server (the old stored shape too);
 //! - `validate`: the planner's view of a spec, checked offline.
 
 mod sources;
 mod spec;
 mod status;
-mod stored_attempt;
 mod validate;
 
 pub use sources::*;
