@@ -69,7 +69,7 @@
 //!   [`crate::timing::relative_compute`], and in `search.rs`
 //!   `describe_numerics` and, if the search may apply it, `NUMERICS_RUNGS`;
 //!   the worker must run it (`worker/src/train.rs` reads the plan's settings).
-//! * The API: `MemoryPolicy::allowed_rungs` (`operator/api/src/job.rs`) lists
+//! * The API: `MemoryPolicy::allowed_rungs` (`operator/api/src/job/spec.rs`) lists
 //!   the rungs in its doc and bounds them (`length(max = …)`); `make
 //!   manifests` regenerates the CRDs from it.
 
