@@ -66,6 +66,8 @@ pub use identity::{
 };
 use identity::{Identities, owning_job};
 pub use peer_key::OperatorKey;
+// Served, like the operator's other ports, by its one listener.
+pub use crate::listener::{Limits, serve};
 pub use tls::ServingTls;
 
 pub use crate::worker_reports::WorkerReports;
