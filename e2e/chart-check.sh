@@ -31,6 +31,15 @@ grep -A3 'resources: \["networkpolicies"\]' <<<"${rendered}" | grep -q '"create"
 # The rendered document of kind $1 (in namespace $2, if given).
 doc() { awk -v kind="$1" -v ns="${2:-}" 'BEGIN { RS = "\n---\n" }
   $0 ~ ("\nkind: " kind "\n") && (ns == "" || $0 ~ ("\n  namespace: " ns "\n")) { print; print "---" }'; }
+# The kubelet's probes have a port of their own, which no Service and no
+# NetworkPolicy rule names, and one source holds at most a share of each port.
+grep -q -- '--probe-addr=0.0.0.0:8082' <<<"${rendered}" || fail "the probe address is not passed to the operator"
+[[ $(grep -c 'httpGet: {path: /[a-z]*z, port: probes}' <<<"${rendered}") == 2 ]] || fail "the liveness and readiness probes do not call the probe port"
+if grep -nE 'port: (8082|probes)\b' <<<"$(doc NetworkPolicy <<<"${rendered}")$(doc Service <<<"${rendered}")"; then fail "a NetworkPolicy rule or Service names the probe port"; fi
+grep -q -- '--per-source-connection-share=0.25' <<<"${rendered}" || fail "the per-source connection share is not passed to the operator"
+for share in 0 1.5; do
+  if "${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --set perSourceConnectionShare="${share}" >/dev/null 2>&1; then fail "values.schema.json accepted perSourceConnectionShare=${share}"; fi
+done
 # A job that names a Secret is admitted only if its creator may get that
 # Secret: the admission policy is on by default, and can be turned off.
 grep -q '^kind: ValidatingAdmissionPolicy$' <<<"${rendered}" || fail "no token Secret admission policy by default"
@@ -104,7 +113,7 @@ KUBECONFIG
     k -n "${NS}" get secret headroom-operator-worker-api-ca -o jsonpath="{.data.${f//./\\.}}" | base64 -d >"${ca_dir}/${f}"
   done
   KUBECONFIG=${sa_kubeconfig} POD_NAMESPACE=${NS} RUST_LOG=info "${CARGO_TARGET_DIR}/debug/headroom-operator" \
-    --metrics-addr 127.0.0.1:0 --lease-seconds 5 --lease-name headroom-operator-leader \
+    --metrics-addr 127.0.0.1:0 --probe-addr 127.0.0.1:0 --lease-seconds 5 --lease-name headroom-operator-leader \
     --worker-api-ca-dir "${ca_dir}" \
     --worker-api-addr "127.0.0.1:${worker_api_port}" --worker-api-service headroom-operator-worker-api >"${log}" 2>&1 &
   op=$!
@@ -193,7 +202,7 @@ KUBECONFIG
   token=$(k -n "${NS}" create token headroom-operator --duration=10m)
   sed -i "s|token: \".*\"|token: \"${token}\"|" "${sa_kubeconfig}"
   KUBECONFIG=${sa_kubeconfig} POD_NAMESPACE=${NS} RUST_LOG=info "${CARGO_TARGET_DIR}/debug/headroom-operator" \
-    --metrics-addr 127.0.0.1:0 --lease-seconds 5 --lease-name headroom-operator-leader --watch-namespace "${watch_ns}" \
+    --metrics-addr 127.0.0.1:0 --probe-addr 127.0.0.1:0 --lease-seconds 5 --lease-name headroom-operator-leader --watch-namespace "${watch_ns}" \
     --worker-api-addr "127.0.0.1:${worker_api_port}" --worker-api-service headroom-operator-worker-api >"${log}" 2>&1 &
   op=$!
   k apply -n "${other_ns}" -f samples/cpu-oom-first.yaml >/dev/null

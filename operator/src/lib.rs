@@ -7,6 +7,7 @@ pub mod crd;
 pub mod inventory;
 pub mod kueue;
 pub mod leader;
+pub mod listener;
 pub mod metrics;
 pub mod plan_text;
 pub mod watched_pods;

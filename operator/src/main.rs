@@ -1,4 +1,5 @@
-//! `headroom-operator`: leader-elected controller plus metrics/health server.
+//! `headroom-operator`: leader-elected controller plus its metrics, health
+//! probe and worker API servers.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -9,12 +10,14 @@ use clap::Parser;
 use headroom_operator::controller::{self, ControllerConfig};
 use headroom_operator::controller::{CheckpointAccess, ChildConfig, WorkerImages};
 use headroom_operator::leader::LeaseLock;
-use headroom_operator::metrics::{Metrics, router};
+use headroom_operator::listener::{self, Limits};
+use headroom_operator::metrics::{self, Metrics};
 use headroom_operator::watched_pods::WatchedPods;
 use headroom_operator::worker_api;
 use k8s_openapi::api::core::v1::Service;
 use kube::Api;
 use tokio::sync::watch;
+use tokio_rustls::rustls::ServerConfig;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -23,9 +26,23 @@ use tokio::sync::watch;
     about = "Reconciles MemoryAwareTrainingJobs"
 )]
 struct Args {
-    /// Address of the /metrics, /healthz and /readyz server.
+    /// Address of the /metrics server.
     #[arg(long, env = "HEADROOM_METRICS_ADDR", default_value = "0.0.0.0:8080")]
     metrics_addr: SocketAddr,
+    /// Address of the health probes' server (/healthz, /readyz): a listener
+    /// of its own, for the kubelet, so that callers of the metrics port
+    /// cannot crowd the probes out.
+    #[arg(long, env = "HEADROOM_PROBE_ADDR", default_value = "0.0.0.0:8082")]
+    probe_addr: SocketAddr,
+    /// The share of each server's connections (metrics, probes, worker API)
+    /// one source address may hold at once, more than 0 and at most 1: the
+    /// rest stays for other sources, so no one pod can take them all.
+    #[arg(
+        long,
+        env = "HEADROOM_PER_SOURCE_CONNECTION_SHARE",
+        default_value_t = listener::DEFAULT_SOURCE_SHARE
+    )]
+    per_source_connection_share: f64,
     /// Address of the worker API (workers' telemetry and peer lookups, each
     /// call authenticated by the worker pod's projected token).
     #[arg(long, env = "HEADROOM_WORKER_API_ADDR", default_value = "0.0.0.0:8081")]
@@ -148,12 +165,13 @@ async fn main() -> Result<()> {
     // Workers' reports, held by the worker API and written per job by its flusher.
     let reports = worker_api::WorkerReports::start(client.clone(), checked.status_interval);
     let metrics = Arc::new(Metrics::with_telemetry(reports.clone()));
-    serve_metrics(args.metrics_addr, metrics.clone()).await?;
+    serve_metrics_and_probes(&args, &checked, &metrics).await?;
     // Where workers reach the worker API (read before serving it: its
     // certificate names the Service's cluster IP).
     let endpoint = worker_api_endpoint(&client, &args).await?;
     let watched = WatchedPods::default();
-    serve_worker_api(&args, &client, &reports, &watched, endpoint.tls.as_ref()).await?;
+    let tls = endpoint.tls.as_ref();
+    serve_worker_api(&args, &checked, &client, &reports, &watched, tls).await?;
 
     // One shutdown signal for everything: SIGTERM/SIGINT, or lost leadership.
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -218,6 +236,8 @@ fn init_logging() {
 
 /// The flags checked at start, not when the first job needs them.
 struct CheckedFlags {
+    /// Of --per-source-connection-share.
+    source_share: f64,
     telemetry_interval: Duration,
     status_interval: Duration,
     worker_images: WorkerImages,
@@ -232,7 +252,15 @@ impl CheckedFlags {
                 args.gpu_host_memory
             )
         })?;
+        let source_share = args.per_source_connection_share;
+        if !(source_share > 0.0 && source_share <= 1.0) {
+            anyhow::bail!(
+                "--per-source-connection-share {source_share}: must be more than 0 and at most 1 (e.g. {})",
+                listener::DEFAULT_SOURCE_SHARE
+            );
+        }
         Ok(CheckedFlags {
+            source_share,
             telemetry_interval: interval(
                 "--telemetry-interval-seconds",
                 args.telemetry_interval_seconds,
@@ -252,15 +280,37 @@ impl CheckedFlags {
     }
 }
 
-/// Serves /metrics, /healthz and /readyz on `addr`.
-async fn serve_metrics(addr: SocketAddr, metrics: Arc<Metrics>) -> Result<()> {
-    let listener = tokio::net::TcpListener::bind(addr)
+/// Serves /metrics on --metrics-addr and the health probes on --probe-addr.
+async fn serve_metrics_and_probes(
+    args: &Args,
+    checked: &CheckedFlags,
+    metrics: &Arc<Metrics>,
+) -> Result<()> {
+    let share = checked.source_share;
+    let app = metrics::router(metrics.clone());
+    let limits = Limits::METRICS.with_source_share(share);
+    spawn_server("metrics", args.metrics_addr, app, limits, None).await?;
+    let app = metrics::probes_router(metrics.clone());
+    let limits = Limits::PROBES.with_source_share(share);
+    spawn_server("health probe", args.probe_addr, app, limits, None).await
+}
+
+/// Binds `addr` and serves `app` there under `limits` (over TLS with `tls`)
+/// until the process ends; `what` names the server in the log.
+async fn spawn_server(
+    what: &'static str,
+    addr: SocketAddr,
+    app: axum::Router,
+    limits: Limits,
+    tls: Option<Arc<ServerConfig>>,
+) -> Result<()> {
+    let bound = tokio::net::TcpListener::bind(addr)
         .await
-        .with_context(|| format!("binding {addr}"))?;
-    let server = worker_api::serve(listener, router(metrics), worker_api::Limits::METRICS, None);
+        .with_context(|| format!("binding the {what} server to {addr}"))?;
+    let server = listener::serve(bound, app, limits, tls);
     tokio::spawn(async move {
         if let Err(e) = server.await {
-            tracing::error!(%e, "metrics server stopped");
+            tracing::error!(%e, "{what} server stopped");
         }
     });
     Ok(())
@@ -335,14 +385,12 @@ fn url_host(url: &str) -> String {
 /// Service answers whichever one it picks.
 async fn serve_worker_api(
     args: &Args,
+    checked: &CheckedFlags,
     client: &kube::Client,
     reports: &Arc<worker_api::WorkerReports>,
     watched: &WatchedPods,
     tls: Option<&worker_api::ServingTls>,
 ) -> Result<()> {
-    let listener = tokio::net::TcpListener::bind(args.worker_api_addr)
-        .await
-        .with_context(|| format!("binding {}", args.worker_api_addr))?;
     let peer_key = match &args.peer_key_file {
         Some(path) => worker_api::OperatorKey::from_file(path)?,
         None => {
@@ -352,18 +400,10 @@ async fn serve_worker_api(
             worker_api::OperatorKey::random()?
         }
     };
-    let server = worker_api::serve(
-        listener,
-        worker_api::router(client.clone(), peer_key, reports.clone(), watched.clone()),
-        worker_api::Limits::WORKER_API,
-        tls.map(|t| t.config.clone()),
-    );
-    tokio::spawn(async move {
-        if let Err(e) = server.await {
-            tracing::error!(%e, "worker API server stopped");
-        }
-    });
-    Ok(())
+    let app = worker_api::router(client.clone(), peer_key, reports.clone(), watched.clone());
+    let limits = Limits::WORKER_API.with_source_share(checked.source_share);
+    let tls = tls.map(|t| t.config.clone());
+    spawn_server("worker API", args.worker_api_addr, app, limits, tls).await
 }
 
 /// The controller's settings from the flags.

@@ -1,4 +1,5 @@
-//! Prometheus metrics and the `/metrics`, `/healthz`, `/readyz` endpoints.
+//! Prometheus metrics and the `/metrics` endpoint; the `/healthz` and
+//! `/readyz` probe endpoints, served on a listener of their own.
 //!
 //! Besides the controller's own counters, the workers' live telemetry as
 //! gauges per worker (`headroom_worker_*`, labels `namespace`, `job`,
@@ -271,13 +272,22 @@ impl Collector for WorkerGauges {
     }
 }
 
-/// `/metrics`, `/healthz` (the process serves), `/readyz` (caches synced).
+/// `/metrics`. The health probes have their own router ([`probes_router`])
+/// and listener: scrapers and anyone else who reaches this port cannot
+/// crowd out the kubelet's probes.
 pub fn router(metrics: Arc<Metrics>) -> Router {
     Router::new()
         .route(
             "/metrics",
             get(|State(m): State<Arc<Metrics>>| async move { m.encode() }),
         )
+        .with_state(metrics)
+}
+
+/// `/healthz` (the process serves) and `/readyz` (caches synced), for the
+/// kubelet's probes.
+pub fn probes_router(metrics: Arc<Metrics>) -> Router {
+    Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route(
             "/readyz",

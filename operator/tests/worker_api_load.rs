@@ -12,7 +12,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use headroom_operator::worker_api::{self, Limits, OperatorKey};
+use headroom_operator::listener::{Limits, serve};
+use headroom_operator::worker_api::{self, OperatorKey};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -27,8 +28,12 @@ fn rss_bytes() -> u64 {
     pages * 4096
 }
 
+/// One loopback client fills the whole pool here: these tests are about the
+/// pool's cap and timers (a source's share of the pool has its own test,
+/// `listener_shares.rs`).
 const LIMITS: Limits = Limits {
     max_connections: 64,
+    max_connections_per_source: 64,
     header_read_timeout: Duration::from_millis(1500),
     request_timeout: Duration::from_secs(3),
     max_read_buffer_bytes: 16 * 1024,
@@ -47,7 +52,7 @@ async fn start() -> std::net::SocketAddr {
     );
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
-    tokio::spawn(worker_api::serve(listener, app, LIMITS, None));
+    tokio::spawn(serve(listener, app, LIMITS, None));
     addr
 }
 

@@ -7,7 +7,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use headroom_operator::worker_api::{self, Limits, OperatorKey, ServingTls};
+use headroom_operator::listener::{Limits, serve};
+use headroom_operator::worker_api::{self, OperatorKey, ServingTls};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, ServerName};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -36,7 +37,7 @@ async fn start(hosts: &[&str]) -> (std::net::SocketAddr, ServingTls) {
     );
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
-    tokio::spawn(worker_api::serve(
+    tokio::spawn(serve(
         listener,
         app,
         Limits::WORKER_API,

@@ -200,6 +200,8 @@ fn start_operator(args: &Args, ns: &str, api_addr: &str) -> Result<tokio::proces
             ns,
             "--metrics-addr",
             "127.0.0.1:0",
+            "--probe-addr",
+            "127.0.0.1:0",
             "--concurrency",
             "16",
             "--telemetry-interval-seconds",

@@ -32,7 +32,8 @@
 //!   are capped.
 //! * the caller is known before a body is read, and a body is read only up
 //!   to [`MAX_BODY_BYTES`];
-//! * `serve` — a connection cap and header-read and request deadlines;
+//! * [`crate::listener`] — a connection cap, a per-source share of it, and
+//!   header-read and request deadlines;
 //! * `tls` — the serving certificate each replica issues itself at start
 //!   from the chart's CA, which workers alone trust for this API.
 
@@ -57,7 +58,6 @@ use crate::worker_reports::Recorded;
 
 mod identity;
 pub mod peer_key;
-pub mod serve;
 pub mod tls;
 
 pub use identity::{
@@ -66,7 +66,8 @@ pub use identity::{
 };
 use identity::{Identities, owning_job};
 pub use peer_key::OperatorKey;
-pub use serve::{Limits, serve};
+// Served, like the operator's other ports, by its one listener.
+pub use crate::listener::{Limits, serve};
 pub use tls::ServingTls;
 
 pub use crate::worker_reports::WorkerReports;

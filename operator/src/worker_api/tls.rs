@@ -42,7 +42,7 @@ pub enum TlsError {
 /// What the worker API serves with, and what workers verify it by.
 #[derive(Clone)]
 pub struct ServingTls {
-    /// For [`super::serve`].
+    /// For [`crate::listener::serve`].
     pub config: Arc<ServerConfig>,
     /// The CA certificate, PEM: handed to workers (no secret).
     pub ca_pem: String,
