@@ -218,6 +218,26 @@ async fn other_entries_bad_bodies_and_other_tokens_are_refused(ns: &TestNs, w: &
     .await;
     assert_eq!(code, StatusCode::BAD_REQUEST, "{text}");
     assert!(text.contains("attempt"), "{text}");
+    // Telemetry beyond the schema's bounds is refused to its worker, not
+    // left to fail the job's status write: here a GPU listed twice.
+    let mut twice = entry(&w.me, 5);
+    twice["memory"]["gpus"] = json!([
+        {"index": 0, "usedBytes": 1, "totalBytes": 2},
+        {"index": 0, "usedBytes": 1, "totalBytes": 2}
+    ]);
+    let (code, text) = call(
+        &w.api,
+        Method::POST,
+        WORKER_API_TELEMETRY_PATH,
+        Some(&w.token),
+        Some(twice),
+    )
+    .await;
+    assert_eq!(code, StatusCode::BAD_REQUEST, "{text}");
+    assert!(
+        text.contains("memory.gpus: index 0 appears twice"),
+        "{text}"
+    );
     // No token, or a token for another audience (the API server's own).
     let (code, text) = call(&w.api, Method::POST, WORKER_API_TELEMETRY_PATH, None, None).await;
     assert_eq!(code, StatusCode::UNAUTHORIZED, "{text}");

@@ -16,6 +16,8 @@
 //!   with them at most once per telemetry interval ([`crate::worker_reports`]),
 //!   or, when the operator holds as many as it will, server-side applied at
 //!   once under the caller's own field manager (`headroom-worker/<pod>`).
+//!   An entry beyond the schema's bounds is refused here
+//!   ([`WorkerTelemetry::check_bounds`]).
 //! * `GET /v1/peers/<pod>` — the IP of another pod of the caller's job.
 //! * `GET /v1/peer-key` — the caller's job's link key ([`peer_key`]), with
 //!   which its stages and replicas authenticate each other.
@@ -165,6 +167,9 @@ async fn telemetry(
         .map_err(|_| Refusal::TooLarge)?;
     let de = &mut serde_json::Deserializer::from_slice(&body);
     let telemetry: WorkerTelemetry = serde_path_to_error::deserialize(de)
+        .map_err(|e| Refusal::BadRequest(format!("telemetry body: {e}")))?;
+    telemetry
+        .check_bounds()
         .map_err(|e| Refusal::BadRequest(format!("telemetry body: {e}")))?;
     if telemetry.name != caller.pod {
         return Err(Refusal::Forbidden(format!(

@@ -154,6 +154,11 @@ pub struct MemorySample {
     pub peak_bytes: u64,
 }
 
+impl MemorySample {
+    /// The most GPUs one entry lists (the schema's `maxItems` of `gpus`).
+    pub const MAX_GPUS: usize = 16;
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct GpuMemory {
@@ -198,6 +203,44 @@ pub struct WorkerTelemetry {
     pub updated_at: Time,
 }
 
+impl WorkerTelemetry {
+    /// The schema's bounds on one entry, checked where a worker's report
+    /// comes in: the operator writes every worker's entry of a job in one
+    /// status write, so an entry the API server would refuse must be
+    /// refused to its worker, or the job's whole write fails every interval.
+    /// The error names the field and what it allows.
+    pub fn check_bounds(&self) -> Result<(), String> {
+        let gpus = &self.memory.gpus;
+        if gpus.len() > MemorySample::MAX_GPUS {
+            return Err(format!(
+                "memory.gpus: {} entries, at most {} (one per GPU the worker sees)",
+                gpus.len(),
+                MemorySample::MAX_GPUS
+            ));
+        }
+        // A list keyed by `index`: the API server refuses a key twice.
+        let mut indexes: Vec<u32> = gpus.iter().map(|g| g.index).collect();
+        indexes.sort_unstable();
+        if let Some(twice) = indexes.windows(2).find(|w| w[0] == w[1]) {
+            return Err(format!(
+                "memory.gpus: index {} appears twice; list each GPU once",
+                twice[0]
+            ));
+        }
+        if let Some(download) = &self.download {
+            // The API server counts characters, not bytes.
+            let chars = download.file.chars().count();
+            if chars > DownloadProgress::MAX_FILE_CHARS {
+                return Err(format!(
+                    "download.file: {chars} characters, at most {} (keep the name's end: DownloadProgress::set_file)",
+                    DownloadProgress::MAX_FILE_CHARS
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Where an initializer's download of a Hugging Face checkpoint stands.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -223,6 +266,8 @@ pub struct DownloadProgress {
 impl DownloadProgress {
     /// The longest file name reported, bytes (the CRD allows 1,024).
     pub const MAX_FILE_BYTES: usize = 1000;
+    /// The longest file name the schema allows (`maxLength`, characters).
+    pub const MAX_FILE_CHARS: usize = 1024;
 
     /// Sets the file being fetched, keeping the end of a longer name (the
     /// part that tells shards apart) within [`Self::MAX_FILE_BYTES`].
@@ -484,6 +529,80 @@ mod stored_attempt_tests {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn telemetry(gpus: Vec<GpuMemory>, file: Option<String>) -> WorkerTelemetry {
+        WorkerTelemetry {
+            name: "job-0".into(),
+            attempt: 1,
+            stage: 0,
+            layer_start: 0,
+            layer_end: 2,
+            step: 3,
+            loss: None,
+            tokens_per_second: None,
+            memory: MemorySample {
+                gpus,
+                peak_bytes: 1,
+                ..MemorySample::default()
+            },
+            download: file.map(|file| DownloadProgress {
+                file,
+                ..DownloadProgress::default()
+            }),
+            updated_at: Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH),
+        }
+    }
+
+    fn gpu(index: u32) -> GpuMemory {
+        GpuMemory {
+            index,
+            used_bytes: 1,
+            total_bytes: 2,
+        }
+    }
+
+    #[test]
+    fn an_entry_within_the_schemas_bounds_passes_and_one_beyond_names_its_field() {
+        let most: Vec<GpuMemory> = (0..16).map(gpu).collect();
+        let longest = "é".repeat(DownloadProgress::MAX_FILE_CHARS);
+        assert_eq!(
+            telemetry(most.clone(), Some(longest)).check_bounds(),
+            Ok(())
+        );
+
+        let too_many: Vec<GpuMemory> = (0..17).map(gpu).collect();
+        let e = telemetry(too_many, None).check_bounds().unwrap_err();
+        assert!(e.starts_with("memory.gpus: 17 entries, at most 16"), "{e}");
+        let e = telemetry(vec![gpu(0), gpu(3), gpu(3)], None)
+            .check_bounds()
+            .unwrap_err();
+        assert!(e.contains("index 3 appears twice"), "{e}");
+        let too_long = "a".repeat(DownloadProgress::MAX_FILE_CHARS + 1);
+        let e = telemetry(most, Some(too_long)).check_bounds().unwrap_err();
+        assert!(
+            e.starts_with("download.file: 1025 characters, at most 1024"),
+            "{e}"
+        );
+    }
+
+    /// The bounds checked at ingest are the schema's own.
+    #[test]
+    fn the_ingest_bounds_are_the_schemas() {
+        let crd = serde_json::to_value(
+            <super::super::MemoryAwareTrainingJob as kube::CustomResourceExt>::crd(),
+        )
+        .expect("crd");
+        let entry = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+            ["properties"]["workers"]["items"]["properties"];
+        assert_eq!(
+            entry["memory"]["properties"]["gpus"]["maxItems"],
+            serde_json::json!(MemorySample::MAX_GPUS)
+        );
+        assert_eq!(
+            entry["download"]["properties"]["file"]["maxLength"],
+            serde_json::json!(DownloadProgress::MAX_FILE_CHARS)
+        );
+    }
 
     #[test]
     fn a_long_download_name_keeps_its_end_within_the_bound() {
