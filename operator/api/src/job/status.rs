@@ -571,14 +571,18 @@ mod tests {
         );
 
         let too_many: Vec<GpuMemory> = (0..17).map(gpu).collect();
-        let e = telemetry(too_many, None).check_bounds().unwrap_err();
+        let e = telemetry(too_many, None)
+            .check_bounds()
+            .expect_err("beyond the bounds");
         assert!(e.starts_with("memory.gpus: 17 entries, at most 16"), "{e}");
         let e = telemetry(vec![gpu(0), gpu(3), gpu(3)], None)
             .check_bounds()
-            .unwrap_err();
+            .expect_err("beyond the bounds");
         assert!(e.contains("index 3 appears twice"), "{e}");
         let too_long = "a".repeat(DownloadProgress::MAX_FILE_CHARS + 1);
-        let e = telemetry(most, Some(too_long)).check_bounds().unwrap_err();
+        let e = telemetry(most, Some(too_long))
+            .check_bounds()
+            .expect_err("beyond the bounds");
         assert!(
             e.starts_with("download.file: 1025 characters, at most 1024"),
             "{e}"
