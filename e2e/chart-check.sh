@@ -46,6 +46,23 @@ grep -q '^  name: headroom-spec-rules$' <<<"$(doc ValidatingAdmissionPolicy <<<"
 grep -q '^  policyName: headroom-spec-rules$' <<<"$(doc ValidatingAdmissionPolicyBinding <<<"${spec_rules}")" || fail "the spec-rules admission policy is not bound"
 grep -q 'object.spec != oldObject.spec' <<<"${spec_rules}" || fail "the spec-rules policy is not limited to spec writes"
 if grep -q 'x-kubernetes-validations' <<<"${rendered}"; then fail "the CRD carries CEL rules (they belong in the spec-rules policy)"; fi
+# The token policy re-checks a job's Secrets when its pods change, checks its
+# image pull Secrets, and keeps its hub sources immutable on its own.
+token_policy=$(doc ValidatingAdmissionPolicy <<<"${rendered}")
+for what in podsChanged unreadablePullSecrets 'spec.model.pretrained.huggingFace is immutable' 'spec.data.huggingFace is immutable'; do
+  grep -q "${what}" <<<"${token_policy}" || fail "the token Secret policy lacks ${what}"
+done
+# The workers' allow-lists are off by default, and rendered (each list's rule
+# only) once a list is set.
+if grep -q 'headroom-worker-allow-lists' <<<"${rendered}"; then fail "worker allow-lists rendered by default"; fi
+allow_lists=$("${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --show-only templates/worker-allow-lists-policy.yaml \
+  --set 'workerAllowLists.imagePrefixes={registry.example.com/ml/}' --set 'workerAllowLists.priorityClasses={batch-low}' --set 'workerAllowLists.tolerationKeys={dedicated}')
+for what in 'spec.worker.image: ' 'spec.worker.priorityClassName: ' 'spec.worker.tolerations: ' 'policyName: headroom-worker-allow-lists'; do
+  grep -q "${what}" <<<"${allow_lists}" || fail "workerAllowLists set: no ${what}"
+done
+images_only=$("${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --show-only templates/worker-allow-lists-policy.yaml --set 'workerAllowLists.imagePrefixes={registry.example.com/ml/}')
+if grep -q 'spec.worker.tolerations: ' <<<"${images_only}"; then fail "an empty workerAllowLists.tolerationKeys still renders its rule"; fi
+if "${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --set 'workerAllowLists.imagePrefixes={registry.example.com}' >/dev/null 2>&1; then fail "values.schema.json accepted an image prefix that would also match registry.example.com.elsewhere.io"; fi
 # One watched namespace: namespaced RBAC there. The ClusterRole keeps the
 # cluster-scoped needs and reading pods for the GPU inventory, nothing on
 # jobs, pod writes, Services, claims or events.
@@ -69,6 +86,8 @@ if [[ -n ${KUBECONFIG:-} ]]; then
   KUBECTL=${KUBECTL:-${HEADROOM_BIN_DIR}/kubectl}
   "${KUBECTL}" create namespace "${NS}" --dry-run=client -o yaml | "${KUBECTL}" apply -f - >/dev/null
   "${KUBECTL}" apply --server-side --force-conflicts --dry-run=server -f - <<<"${rendered}"
+  # The allow-lists' CEL compiles (the API server checks it on create).
+  "${KUBECTL}" apply --server-side --force-conflicts --dry-run=server -f - <<<"${allow_lists}"
 fi
 
 # Least privilege, for real: run the operator with the chart's ServiceAccount
