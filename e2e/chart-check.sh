@@ -86,8 +86,34 @@ if [[ -n ${KUBECONFIG:-} ]]; then
   KUBECTL=${KUBECTL:-${HEADROOM_BIN_DIR}/kubectl}
   "${KUBECTL}" create namespace "${NS}" --dry-run=client -o yaml | "${KUBECTL}" apply -f - >/dev/null
   "${KUBECTL}" apply --server-side --force-conflicts --dry-run=server -f - <<<"${rendered}"
-  # The allow-lists' CEL compiles (the API server checks it on create).
+  # The allow-lists' CEL compiles (the API server checks it on create), and
+  # refuses what is not listed: a copy bound to one labelled namespace only,
+  # so other users of this control plane are not held to it.
   "${KUBECTL}" apply --server-side --force-conflicts --dry-run=server -f - <<<"${allow_lists}"
+  allow_ns=allow-lists-check-$$
+  allow_copy=$(sed -e 's/name: headroom-worker-allow-lists$/name: headroom-worker-allow-lists-check/' \
+    -e 's/policyName: headroom-worker-allow-lists$/policyName: headroom-worker-allow-lists-check\n  matchResources: {namespaceSelector: {matchLabels: {headroom.dev\/allow-lists-check: "yes"}}}/' <<<"${allow_lists}")
+  "${KUBECTL}" apply --server-side --force-conflicts -f - <<<"${allow_copy}" >/dev/null
+  "${KUBECTL}" create namespace "${allow_ns}" >/dev/null
+  "${KUBECTL}" label namespace "${allow_ns}" headroom.dev/allow-lists-check=yes >/dev/null
+  # The sample with its worker image line replaced by $1.
+  job_with() { sed "s#^    image: localhost/headroom-worker:dev\$#$1#" samples/cpu-finetune-tiny-llama.yaml; }
+  listed='    image: registry.example.com/ml/worker:1'
+  refused=""
+  for _ in $(seq 1 60); do # the policy takes effect asynchronously
+    if refused=$("${KUBECTL}" -n "${allow_ns}" apply --dry-run=server -f samples/cpu-finetune-tiny-llama.yaml 2>&1); then sleep 0.5; else break; fi
+  done
+  allow_check=ok
+  grep -q 'spec.worker.image: localhost/headroom-worker:dev is not from a registry this cluster allows' <<<"${refused}" || allow_check="an unlisted image was not refused: ${refused}"
+  "${KUBECTL}" -n "${allow_ns}" apply --dry-run=server -f - <<<"$(job_with "${listed}\n    priorityClassName: batch-low\n    tolerations: [{key: dedicated, operator: Exists}]")" >/dev/null \
+    || allow_check="a listed image, priority class and toleration were refused"
+  for unlisted in '    image: registry.example.com.elsewhere.io/ml/worker:1' "${listed}\n    priorityClassName: system-cluster-critical" "${listed}\n    tolerations: [{operator: Exists}]"; do
+    said=$("${KUBECTL}" -n "${allow_ns}" apply --dry-run=server -f - <<<"$(job_with "${unlisted}")" 2>&1) || true
+    grep -q "ValidatingAdmissionPolicy 'headroom-worker-allow-lists-check'.* denied request: spec.worker" <<<"${said}" || allow_check="not refused by the allow-lists: ${unlisted}: ${said}"
+  done
+  "${KUBECTL}" delete --ignore-not-found -f - <<<"${allow_copy}" >/dev/null
+  "${KUBECTL}" delete namespace "${allow_ns}" --wait=false >/dev/null
+  [[ ${allow_check} == ok ]] || fail "workerAllowLists: ${allow_check}"
 fi
 
 # Least privilege, for real: run the operator with the chart's ServiceAccount
