@@ -55,6 +55,23 @@ grep -q '^  name: headroom-spec-rules$' <<<"$(doc ValidatingAdmissionPolicy <<<"
 grep -q '^  policyName: headroom-spec-rules$' <<<"$(doc ValidatingAdmissionPolicyBinding <<<"${spec_rules}")" || fail "the spec-rules admission policy is not bound"
 grep -q 'object.spec != oldObject.spec' <<<"${spec_rules}" || fail "the spec-rules policy is not limited to spec writes"
 if grep -q 'x-kubernetes-validations' <<<"${rendered}"; then fail "the CRD carries CEL rules (they belong in the spec-rules policy)"; fi
+# The token policy re-checks a job's Secrets when its pods change, checks its
+# image pull Secrets, and keeps its hub sources immutable on its own.
+token_policy=$(doc ValidatingAdmissionPolicy <<<"${rendered}")
+for what in podsChanged unreadablePullSecrets 'spec.model.pretrained.huggingFace is immutable' 'spec.data.huggingFace is immutable'; do
+  grep -q "${what}" <<<"${token_policy}" || fail "the token Secret policy lacks ${what}"
+done
+# The workers' allow-lists are off by default, and rendered (each list's rule
+# only) once a list is set.
+if grep -q 'headroom-worker-allow-lists' <<<"${rendered}"; then fail "worker allow-lists rendered by default"; fi
+allow_lists=$("${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --show-only templates/worker-allow-lists-policy.yaml \
+  --set 'workerAllowLists.imagePrefixes={registry.example.com/ml/}' --set 'workerAllowLists.priorityClasses={batch-low}' --set 'workerAllowLists.tolerationKeys={dedicated}')
+for what in 'spec.worker.image: ' 'spec.worker.priorityClassName: ' 'spec.worker.tolerations: ' 'policyName: headroom-worker-allow-lists'; do
+  grep -q "${what}" <<<"${allow_lists}" || fail "workerAllowLists set: no ${what}"
+done
+images_only=$("${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --show-only templates/worker-allow-lists-policy.yaml --set 'workerAllowLists.imagePrefixes={registry.example.com/ml/}')
+if grep -q 'spec.worker.tolerations: ' <<<"${images_only}"; then fail "an empty workerAllowLists.tolerationKeys still renders its rule"; fi
+if "${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --set 'workerAllowLists.imagePrefixes={registry.example.com}' >/dev/null 2>&1; then fail "values.schema.json accepted an image prefix that would also match registry.example.com.elsewhere.io"; fi
 # One watched namespace: namespaced RBAC there. The ClusterRole keeps the
 # cluster-scoped needs and reading pods for the GPU inventory, nothing on
 # jobs, pod writes, Services, claims or events.
@@ -78,6 +95,34 @@ if [[ -n ${KUBECONFIG:-} ]]; then
   KUBECTL=${KUBECTL:-${HEADROOM_BIN_DIR}/kubectl}
   "${KUBECTL}" create namespace "${NS}" --dry-run=client -o yaml | "${KUBECTL}" apply -f - >/dev/null
   "${KUBECTL}" apply --server-side --force-conflicts --dry-run=server -f - <<<"${rendered}"
+  # The allow-lists' CEL compiles (the API server checks it on create), and
+  # refuses what is not listed: a copy bound to one labelled namespace only,
+  # so other users of this control plane are not held to it.
+  "${KUBECTL}" apply --server-side --force-conflicts --dry-run=server -f - <<<"${allow_lists}"
+  allow_ns=allow-lists-check-$$
+  allow_copy=$(sed -e 's/name: headroom-worker-allow-lists$/name: headroom-worker-allow-lists-check/' \
+    -e 's/policyName: headroom-worker-allow-lists$/policyName: headroom-worker-allow-lists-check\n  matchResources: {namespaceSelector: {matchLabels: {headroom.dev\/allow-lists-check: "yes"}}}/' <<<"${allow_lists}")
+  "${KUBECTL}" apply --server-side --force-conflicts -f - <<<"${allow_copy}" >/dev/null
+  "${KUBECTL}" create namespace "${allow_ns}" >/dev/null
+  "${KUBECTL}" label namespace "${allow_ns}" headroom.dev/allow-lists-check=yes >/dev/null
+  # The sample with its worker image line replaced by $1.
+  job_with() { sed "s#^    image: localhost/headroom-worker:dev\$#$1#" samples/cpu-finetune-tiny-llama.yaml; }
+  listed='    image: registry.example.com/ml/worker:1'
+  refused=""
+  for _ in $(seq 1 60); do # the policy takes effect asynchronously
+    if refused=$("${KUBECTL}" -n "${allow_ns}" apply --dry-run=server -f samples/cpu-finetune-tiny-llama.yaml 2>&1); then sleep 0.5; else break; fi
+  done
+  allow_check=ok
+  grep -q 'spec.worker.image: localhost/headroom-worker:dev is not from a registry this cluster allows' <<<"${refused}" || allow_check="an unlisted image was not refused: ${refused}"
+  "${KUBECTL}" -n "${allow_ns}" apply --dry-run=server -f - <<<"$(job_with "${listed}\n    priorityClassName: batch-low\n    tolerations: [{key: dedicated, operator: Exists}]")" >/dev/null \
+    || allow_check="a listed image, priority class and toleration were refused"
+  for unlisted in '    image: registry.example.com.elsewhere.io/ml/worker:1' "${listed}\n    priorityClassName: system-cluster-critical" "${listed}\n    tolerations: [{operator: Exists}]"; do
+    said=$("${KUBECTL}" -n "${allow_ns}" apply --dry-run=server -f - <<<"$(job_with "${unlisted}")" 2>&1) || true
+    grep -q "ValidatingAdmissionPolicy 'headroom-worker-allow-lists-check'.* denied request: spec.worker" <<<"${said}" || allow_check="not refused by the allow-lists: ${unlisted}: ${said}"
+  done
+  "${KUBECTL}" delete --ignore-not-found -f - <<<"${allow_copy}" >/dev/null
+  "${KUBECTL}" delete namespace "${allow_ns}" --wait=false >/dev/null
+  [[ ${allow_check} == ok ]] || fail "workerAllowLists: ${allow_check}"
 fi
 
 # Least privilege, for real: run the operator with the chart's ServiceAccount

@@ -5,6 +5,10 @@
 //! not `get` the Secret is refused, with a message naming the field; once
 //! granted `get` on that Secret (and on that one only) the job is admitted.
 //! The API server's authorizer answers for the requesting user; no webhook.
+//! An update that changes the job's pods (image, placement, priority) needs
+//! `get` on every Secret the job names; image pull Secrets are checked like
+//! the token; the hub sources stay immutable even without the spec-rules
+//! policy.
 //!
 //! The API-server test is ignored by plain `cargo test`; `make test-apiserver` runs it.
 
@@ -106,6 +110,80 @@ fn the_policy_checks_every_secret_a_job_can_name() {
         policy.metadata.name.as_deref()
     );
     assert_eq!(binding.validation_actions, Some(vec!["Deny".to_string()]));
+}
+
+/// `spec.worker`'s fields that choose what the job's pods run, or where and
+/// before whom: changing one re-checks every Secret the job names.
+const WORKER_FIELDS_THAT_MOVE_PODS: [&str; 4] =
+    ["image", "nodeSelector", "tolerations", "priorityClassName"];
+/// The others: the backend picks the operator's own image when none is
+/// named, the pull policy changes nothing that runs, and the pull Secrets
+/// have their own rule.
+const WORKER_FIELDS_THAT_DO_NOT: [&str; 3] = ["backend", "imagePullPolicy", "imagePullSecrets"];
+
+/// Every field of `spec.worker` is sorted into one of the two lists (a new
+/// placement field cannot slip past the update check unnoticed); the policy
+/// compares the first on every update, checks the pull Secrets through the
+/// authorizer, and keeps both hub sources immutable.
+#[test]
+fn the_policy_rechecks_secrets_when_the_pods_change() {
+    let crd: Value = serde_yaml::from_str(&crd_yaml().expect("crd")).expect("yaml");
+    let worker = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+        ["worker"]["properties"];
+    let mut fields: Vec<&str> = worker
+        .as_object()
+        .expect("spec.worker's fields")
+        .keys()
+        .map(String::as_str)
+        .collect();
+    fields.sort_unstable();
+    let mut sorted: Vec<&str> = WORKER_FIELDS_THAT_MOVE_PODS
+        .iter()
+        .chain(&WORKER_FIELDS_THAT_DO_NOT)
+        .copied()
+        .collect();
+    sorted.sort_unstable();
+    assert_eq!(fields, sorted, "sort each field of spec.worker into a list");
+
+    let (policy, _) = policy_documents();
+    let spec = policy.spec.expect("spec");
+    let variables = spec.variables.unwrap_or_default();
+    let variable = |name: &str| {
+        variables
+            .iter()
+            .find(|v| v.name == name)
+            .unwrap_or_else(|| panic!("{POLICY}: variable {name}"))
+            .expression
+            .clone()
+    };
+    let pods_changed = variable("podsChanged");
+    for field in WORKER_FIELDS_THAT_MOVE_PODS {
+        assert!(
+            pods_changed.contains(&format!("object.?spec.?worker.?{field}.")),
+            "podsChanged compares spec.worker.{field}: {pods_changed}"
+        );
+    }
+    assert!(variable("unreadablePullSecrets").contains("check('get').allowed()"));
+    let validations = spec.validations.unwrap_or_default();
+    for (field, old) in [
+        ("spec.worker.imagePullSecrets: ", None),
+        (
+            "spec.model.pretrained.huggingFace is immutable",
+            Some("oldObject.?spec.?model.?pretrained.?huggingFace"),
+        ),
+        (
+            "spec.data.huggingFace is immutable",
+            Some("oldObject.?spec.?data.?huggingFace"),
+        ),
+    ] {
+        let rule = validations
+            .iter()
+            .find(|v| v.message.as_deref().is_some_and(|m| m.starts_with(field)))
+            .unwrap_or_else(|| panic!("{POLICY}: no rule for {field}"));
+        if let Some(old) = old {
+            assert!(rule.expression.contains(old), "{}", rule.expression);
+        }
+    }
 }
 
 /// Applies the chart's policy (cluster-scoped, the chart's own names, server-side
@@ -224,13 +302,13 @@ async fn create_secrets(ns: &TestNs, names: &[&str]) {
 }
 
 /// A user, and the jobs of the test's namespace as that user sees them.
-struct Creator {
+struct Requester {
     user: String,
     jobs: Api<MemoryAwareTrainingJob>,
 }
 
 /// A user who may create, read and delete jobs here, and read no Secret.
-async fn a_job_creator_who_reads_no_secret(ns: &TestNs) -> Creator {
+async fn a_job_creator_who_reads_no_secret(ns: &TestNs) -> Requester {
     let user = format!("job-creator@{}", ns.name);
     grant(
         ns,
@@ -241,34 +319,21 @@ async fn a_job_creator_who_reads_no_secret(ns: &TestNs) -> Creator {
     )
     .await;
     let jobs = Api::namespaced(client_as(&user).await, &ns.name);
-    Creator { user, jobs }
+    Requester { user, jobs }
 }
 
 /// Naming the model's Secret is refused once the policy is in force
 /// (policies take effect asynchronously: an early admission is undone), and
-/// the dataset's Secret alike, each with its own field.
+/// the dataset's Secret and an image pull Secret alike, each with its own
+/// field.
 async fn naming_a_secret_one_may_not_get_is_refused_naming_the_field(
     ns: &TestNs,
-    creator: &Creator,
+    creator: &Requester,
 ) {
-    let Creator { user, jobs } = creator;
+    let Requester { user, jobs } = creator;
     let model_job = job("model-token", MODEL_WITH_TOKEN, DATA_ON_CLAIM);
     let field = "spec.model.pretrained.huggingFace.tokenSecret: ";
-    let (code, message) = ns
-        .wait_for("the policy in force", TIMEOUT, || async {
-            match create(jobs, &model_job).await {
-                Err((code, message)) if message.contains(field) => Some((code, message)),
-                Ok(()) => {
-                    let _ = ns
-                        .jobs()
-                        .delete("model-token", &DeleteParams::default())
-                        .await;
-                    None
-                }
-                Err(_) => None,
-            }
-        })
-        .await;
+    let (code, message) = refused_once_in_force(ns, jobs, &model_job, field).await;
     assert_eq!(code, 403, "{message}");
     assert!(
         message.contains(&format!(
@@ -286,11 +351,46 @@ async fn naming_a_secret_one_may_not_get_is_refused_naming_the_field(
         )),
         "{message}"
     );
+    // Waited for too: an older version of the policy, still in force for a
+    // moment after this one is applied, checks no pull Secret.
+    let mut pulled = job("pull-secret", MODEL_ON_CLAIM, DATA_ON_CLAIM);
+    pulled.spec.worker.image_pull_secrets = vec!["registry".into()];
+    let (code, message) =
+        refused_once_in_force(ns, jobs, &pulled, "spec.worker.imagePullSecrets: ").await;
+    assert_eq!(code, 403, "{message}");
+    assert!(
+        message.contains(&format!(
+            "spec.worker.imagePullSecrets: {user} may not get every one of Secrets registry"
+        )),
+        "{message}"
+    );
+}
+
+/// The refusal of `job`'s create naming `field`, once the policy is in force
+/// (policies take effect asynchronously: an early admission is undone).
+async fn refused_once_in_force(
+    ns: &TestNs,
+    jobs: &Api<MemoryAwareTrainingJob>,
+    job: &MemoryAwareTrainingJob,
+    field: &str,
+) -> (u16, String) {
+    let name = job.name_any();
+    ns.wait_for("the policy in force", TIMEOUT, || async {
+        match create(jobs, job).await {
+            Err((code, message)) if message.contains(field) => Some((code, message)),
+            Ok(()) => {
+                let _ = ns.jobs().delete(&name, &DeleteParams::default()).await;
+                None
+            }
+            Err(_) => None,
+        }
+    })
+    .await
 }
 
 /// Granted `get` on hf-token alone: the model's Secret is admitted, the
 /// dataset's (another Secret) still refused.
-async fn get_on_one_secret_admits_that_secret_only(ns: &TestNs, creator: &Creator) {
+async fn get_on_one_secret_admits_that_secret_only(ns: &TestNs, creator: &Requester) {
     grant(
         ns,
         "read-hf-token",
@@ -326,25 +426,222 @@ async fn get_on_one_secret_admits_that_secret_only(ns: &TestNs, creator: &Creato
 /// An edit that keeps the job's Secret is not a new use of it: a user who
 /// may edit jobs but read no Secret changes the steps of the admin's job.
 async fn an_edit_that_keeps_the_secret_is_no_new_use(ns: &TestNs) {
-    let editor = format!("job-editor@{}", ns.name);
-    grant(
-        ns,
-        "job-editor",
-        &editor,
-        json!([{"apiGroups": ["headroom.dev"], "resources": ["memoryawaretrainingjobs"],
-                "verbs": ["get", "patch"]}]),
-    )
-    .await;
-    let editor_jobs: Api<MemoryAwareTrainingJob> =
-        Api::namespaced(client_as(&editor).await, &ns.name);
+    let editor = a_job_editor_who_reads_no_secret(ns).await;
     let patch = Patch::Merge(json!({"spec": {"training": {"steps": 40}}}));
     let edited = ns
         .wait_for("the editor may patch jobs", TIMEOUT, || async {
-            editor_jobs
+            editor
+                .jobs
                 .patch("admin-token", &PatchParams::default(), &patch)
                 .await
                 .ok()
         })
         .await;
     assert_eq!(edited.spec.training.steps, 40);
+}
+
+/// What the API server answered a merge patch of job `name`.
+async fn patch(
+    jobs: &Api<MemoryAwareTrainingJob>,
+    name: &str,
+    patch: &Value,
+) -> Result<(), (u16, String)> {
+    match jobs
+        .patch(name, &PatchParams::default(), &Patch::Merge(patch))
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) => Err((e.code, e.message)),
+        Err(e) => Err((0, e.to_string())),
+    }
+}
+
+/// A user who may read and patch jobs here, and read no Secret.
+async fn a_job_editor_who_reads_no_secret(ns: &TestNs) -> Requester {
+    let user = format!("job-editor@{}", ns.name);
+    grant(
+        ns,
+        "job-editor",
+        &user,
+        json!([{"apiGroups": ["headroom.dev"], "resources": ["memoryawaretrainingjobs"],
+                "verbs": ["get", "patch"]}]),
+    )
+    .await;
+    let jobs = Api::namespaced(client_as(&user).await, &ns.name);
+    Requester { user, jobs }
+}
+
+/// One change of each field that moves a job's pods, `n` making it new.
+fn pod_changes(n: u32) -> [Value; 4] {
+    [
+        json!({"spec": {"worker": {"image": format!("registry.example/other:{n}")}}}),
+        json!({"spec": {"worker": {"nodeSelector": {"pool": format!("pool-{n}")}}}}),
+        json!({"spec": {"worker": {"tolerations": [
+            {"key": "dedicated", "operator": "Equal", "value": format!("team-{n}"), "effect": "NoSchedule"}
+        ]}}}),
+        json!({"spec": {"worker": {"priorityClassName": format!("priority-{n}")}}}),
+    ]
+}
+
+/// The image, placement or priority of a job that names a token Secret is
+/// changed only by a user who may get that Secret (a retried initializer
+/// runs the job's current image with the token); a pull Secret the user may
+/// not get is refused like a token.
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn changing_the_pods_of_a_job_that_names_a_secret_needs_get_on_it() {
+    let ns = test_ns("hr-secret-update").await;
+    install_policy(&ns.client).await;
+    create_secrets(&ns, &["hf-token", "registry"]).await;
+    create(
+        &ns.jobs(),
+        &job("token-job", MODEL_WITH_TOKEN, DATA_ON_CLAIM),
+    )
+    .await
+    .expect("an administrator may name the Secret");
+    let editor = an_editor_is_refused_each_change_of_the_pods(&ns).await;
+
+    let pull = json!({"spec": {"worker": {"imagePullSecrets": ["registry"]}}});
+    let (code, message) = patch(&editor.jobs, "token-job", &pull)
+        .await
+        .expect_err("a pull Secret the editor may not get");
+    assert_eq!(code, 403, "{message}");
+    assert!(
+        message.contains(&format!(
+            "spec.worker.imagePullSecrets: {} may not get every one of Secrets registry in namespace {}",
+            editor.user, ns.name
+        )),
+        "{message}"
+    );
+
+    grant(
+        &ns,
+        "read-hf-token",
+        &editor.user,
+        json!([{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["hf-token"],
+                "verbs": ["get"]}]),
+    )
+    .await;
+    let [first, rest @ ..] = pod_changes(1000);
+    ns.wait_for(
+        "the change admitted once get is granted",
+        TIMEOUT,
+        || async { patch(&editor.jobs, "token-job", &first).await.ok() },
+    )
+    .await;
+    for change in rest {
+        patch(&editor.jobs, "token-job", &change)
+            .await
+            .unwrap_or_else(|e| panic!("{change}: {e:?}"));
+    }
+    let (code, message) = patch(&editor.jobs, "token-job", &pull)
+        .await
+        .expect_err("get on the token is not get on the pull Secret");
+    assert_eq!(code, 403, "{message}");
+    ns.cleanup().await;
+}
+
+/// An editor who may not get the job's token Secret: each change of the
+/// pods is refused once the policy is in force (a change admitted before
+/// is followed by another, new one), naming the Secret and the fields.
+async fn an_editor_is_refused_each_change_of_the_pods(ns: &TestNs) -> Requester {
+    let editor = a_job_editor_who_reads_no_secret(ns).await;
+    let expected = format!(
+        "spec.model.pretrained.huggingFace.tokenSecret: {} may not get Secret hf-token in namespace {}, \
+         so may not change spec.worker.image, nodeSelector, tolerations or priorityClassName",
+        editor.user, ns.name
+    );
+    let tries = std::sync::atomic::AtomicU32::new(0);
+    ns.wait_for("an image change refused", TIMEOUT, || async {
+        let n = tries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let [image, ..] = pod_changes(n);
+        match patch(&editor.jobs, "token-job", &image).await {
+            Err((_, message)) if message.contains(&expected) => Some(()),
+            _ => None,
+        }
+    })
+    .await;
+    for change in pod_changes(999) {
+        let (code, message) = patch(&editor.jobs, "token-job", &change)
+            .await
+            .expect_err("refused");
+        assert_eq!(code, 403, "{change}: {message}");
+        assert!(message.contains(&expected), "{change}: {message}");
+    }
+    editor
+}
+
+/// The hub sources are immutable in the token policy itself: with the
+/// spec-rules policy (which says so too) unbound, changing the endpoint a
+/// job's token goes to is still refused, for the model's hub and the
+/// data's. The spec-rules policy is bound again before the verdict.
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn the_hub_endpoint_stays_immutable_without_the_spec_rules_policy() {
+    use headroom_api::admission::SPEC_RULES_POLICY;
+    let ns = test_ns("hr-hub-immutable").await;
+    install_policy(&ns.client).await;
+    create_secrets(&ns, &["hf-token", "hf-data"]).await;
+    create(
+        &ns.jobs(),
+        &job("hub-job", MODEL_WITH_TOKEN, DATA_WITH_TOKEN),
+    )
+    .await
+    .expect("an administrator may name the Secrets");
+
+    Api::<ValidatingAdmissionPolicyBinding>::all(ns.client.clone())
+        .delete(SPEC_RULES_POLICY, &DeleteParams::default())
+        .await
+        .map(|_| ())
+        .or_else(|e| match e {
+            kube::Error::Api(e) if e.code == 404 => Ok(()),
+            e => Err(e),
+        })
+        .expect("unbind the spec rules");
+    let model_refusal = endpoint_change_refusal(&ns, "model", "pretrained").await;
+    let data_refusal = endpoint_change_refusal(&ns, "data", "").await;
+    headroom_e2e::crd::install(&ns.client, "headroom-tests")
+        .await
+        .expect("spec rules bound again");
+
+    for (refusal, field) in [
+        (
+            model_refusal,
+            "spec.model.pretrained.huggingFace is immutable",
+        ),
+        (data_refusal, "spec.data.huggingFace is immutable"),
+    ] {
+        let (code, message) = refusal.unwrap_or_else(|| {
+            panic!("{field}: the endpoint changed with the spec-rules policy unbound")
+        });
+        assert_eq!(code, 422, "{message}");
+        assert!(
+            message.contains("headroom-token-secret-access") && message.contains(field),
+            "{message}"
+        );
+    }
+    ns.cleanup().await;
+}
+
+/// Changes `spec.<source>[.<nested>].huggingFace.endpoint` of hub-job, as an
+/// administrator, until the token policy refuses it (a refusal by the
+/// spec-rules policy, still unbinding, or an admission before the policy's
+/// new version is in force, is tried again with another endpoint): the
+/// refusal, or None after 30 s.
+async fn endpoint_change_refusal(ns: &TestNs, source: &str, nested: &str) -> Option<(u16, String)> {
+    for n in 0..120 {
+        let hub = json!({"huggingFace": {"endpoint": format!("https://elsewhere-{n}.example")}});
+        let at = if nested.is_empty() {
+            json!({ source: hub })
+        } else {
+            json!({ source: { nested: hub } })
+        };
+        match patch(&ns.jobs(), "hub-job", &json!({ "spec": at })).await {
+            Err((code, message)) if message.contains("headroom-token-secret-access") => {
+                return Some((code, message));
+            }
+            _ => tokio::time::sleep(std::time::Duration::from_millis(250)).await,
+        }
+    }
+    None
 }

@@ -338,6 +338,12 @@ pub struct MemoryAwareTrainingJobStatus {
     /// dropped download, made the operator start another).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub initializations: Option<u32>,
+    /// The image the first initializer run ran. Every later run (a retry, or
+    /// a deleted pod made again) runs it too or none: the initializer holds
+    /// the hub token, and the job's image may have changed since.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 512))]
+    pub initializer_image: Option<String>,
 }
 
 // Reading an attempt back.

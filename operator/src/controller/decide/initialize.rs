@@ -132,6 +132,10 @@ impl Builder<'_> {
             },
             None => return,
         };
+        // A changed image fails the job before the run is counted.
+        if self.initializer_image().is_none() {
+            return;
+        }
         self.d.status.initializations = Some(run);
         self.enter(Transition::Initializing {
             run,
@@ -279,6 +283,75 @@ mod tests {
         );
         assert_eq!(again.status.initializations, Some(2));
         assert_ne!(again.status.phase, Some(JobPhase::Failed));
+    }
+
+    /// The initializer is given the hub token: a retry runs the first run's
+    /// image or none. A job whose `spec.worker.image` changed after its
+    /// first run fails, naming both images, and no pod is made (neither
+    /// the next run nor a deleted running one made again); a job that names
+    /// no image may follow the operator's default.
+    #[test]
+    fn a_retried_initializer_never_runs_a_changed_image() {
+        let mut j = finetune_job();
+        let d = step(&mut j, &[], t0());
+        assert_eq!(initializer(&d), Some(1));
+        assert_eq!(
+            d.status.initializer_image.as_deref(),
+            Some("localhost/headroom-worker:dev"),
+            "the first run's image is recorded"
+        );
+        let dropped = serde_json::to_string(&headroom_api::TerminationMessage {
+            outcome: WorkerOutcome::Failed,
+            reason: "GET https://hub/…/model.safetensors: connection reset".into(),
+            step: None,
+            peak_bytes: None,
+            requested_bytes: None,
+        })
+        .expect("JSON");
+        let failed = init_pod(1, &terminated(WorkerOutcome::Failed.exit_code(), &dropped));
+        let later = t0() + SignedDuration::from_secs(20);
+
+        let mut changed = j.clone();
+        changed.spec.worker.image = Some("registry.example/other:1".into());
+        let d = step(&mut changed, std::slice::from_ref(&failed), later);
+        assert_eq!(initializer(&d), None, "no pod gets the token");
+        assert_eq!(d.status.phase, Some(JobPhase::Failed));
+        assert_eq!(d.status.initializations, Some(1), "no second run counted");
+        assert!(has_condition(
+            &d.status,
+            ConditionType::Failed,
+            true,
+            Reason::InvalidSpec
+        ));
+        let message = d.status.message.as_deref().unwrap_or_default();
+        assert!(
+            message.starts_with(
+                "spec.worker.image: changed from localhost/headroom-worker:dev to registry.example/other:1"
+            ) && message.contains("create a new job"),
+            "{message}"
+        );
+
+        // Run 1 still running, its pod gone (deleted): it is not made again
+        // with the changed image.
+        let mut running = j.clone();
+        running.spec.worker.image = Some("registry.example/other:1".into());
+        let d = step(&mut running, &[], t0());
+        assert_eq!(initializer(&d), None);
+        assert_eq!(d.status.phase, Some(JobPhase::Failed));
+
+        // The same image, or the operator's default, runs again.
+        let mut same = j.clone();
+        let d = step(&mut same, std::slice::from_ref(&failed), later);
+        assert_eq!(initializer(&d), Some(2));
+        let images = WorkerImages::from_flags(Some("registry.example/default:2".into()), None)
+            .expect("images");
+        let mut default = j.clone();
+        default.spec.worker.image = None;
+        let d = step_with(&mut default, &[failed], later, &images);
+        assert_eq!(
+            d.initialize.map(|i| i.image).as_deref(),
+            Some("registry.example/default:2")
+        );
     }
 
     /// A job stored with a plain-HTTP hub endpoint and no opt-in (before

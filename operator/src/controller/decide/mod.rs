@@ -215,13 +215,43 @@ impl Builder<'_> {
         }
     }
 
-    /// Initializer run `run`'s pod must exist.
+    /// Initializer run `run`'s pod must exist, running the first run's
+    /// image; a job whose image has changed since is failed instead.
     fn keep_initializer(&mut self, run: u32) {
-        if let Some(image) = &self.image {
-            self.d.initialize = Some(InitializerRun {
-                run,
-                image: image.clone(),
-            });
+        if let Some(image) = self.initializer_image() {
+            self.d.initialize = Some(InitializerRun { run, image });
+        }
+    }
+
+    /// The image an initializer run may run: the one the first run ran
+    /// (recorded in the status then). The initializer mounts the hub's
+    /// token, and admission checks a job's Secrets when it is written, not
+    /// when a retry starts: a job whose `spec.worker.image` was changed
+    /// after its first run would otherwise hand the token to an image no
+    /// one with `get` on the Secret chose. Such a job fails (None). A job
+    /// that names no image gets the operator's own default, which the
+    /// cluster's administrator chose: an upgraded default is no such change.
+    fn initializer_image(&mut self) -> Option<String> {
+        let image = self.image.clone()?;
+        match self.d.status.initializer_image.clone() {
+            None => {
+                self.d.status.initializer_image = Some(image.clone());
+                Some(image)
+            }
+            Some(first) if first == image || self.obs.job.spec.worker.image.is_none() => {
+                Some(image)
+            }
+            Some(first) => {
+                self.fail(
+                    Reason::InvalidSpec,
+                    format!(
+                        "spec.worker.image: changed from {first} to {image} while the job was \
+                         initializing; a later initializer run (it is given the hub token) \
+                         runs only the image of the first: create a new job to run {image}"
+                    ),
+                );
+                None
+            }
         }
     }
 
