@@ -534,9 +534,12 @@ mod tests {
         assert!(err.contains("not base64url"), "{err}");
     }
 
+    /// What a stand-in review answers.
+    type Answer = fn() -> Result<Accepted, Refusal>;
+
     /// Answers what it is told to, and counts the reviews asked of it.
     struct Counting {
-        answer: fn() -> Result<Accepted, Refusal>,
+        answer: Answer,
         reviews: std::sync::atomic::AtomicUsize,
     }
 
@@ -548,7 +551,7 @@ mod tests {
         }
     }
 
-    fn identities(answer: fn() -> Result<Accepted, Refusal>) -> Identities<Counting> {
+    fn identities(answer: Answer) -> Identities<Counting> {
         let reviewer = Counting {
             answer,
             reviews: Default::default(),
@@ -582,7 +585,7 @@ mod tests {
     /// operator serves, or gone. A repeated bad token costs one review.
     #[tokio::test]
     async fn a_refused_token_is_reviewed_once_whatever_refused_it() {
-        let answers: [(fn() -> Result<Accepted, Refusal>, u16); 3] = [
+        let answers: [(Answer, u16); 3] = [
             (|| Err(Refusal::Unauthenticated("no".into())), 401),
             (|| Err(Refusal::Forbidden("not a worker".into())), 403),
             (|| Err(Refusal::Forbidden("outside".into())), 403),
