@@ -471,6 +471,7 @@ mod tests {
     use super::*;
     use base64::engine::general_purpose::URL_SAFE_NO_PAD;
     use serde_json::json;
+    use std::sync::Arc;
 
     fn jwt(payload: serde_json::Value) -> String {
         let part = |v: serde_json::Value| URL_SAFE_NO_PAD.encode(v.to_string());
@@ -634,6 +635,83 @@ mod tests {
             assert_eq!(caller.pod, "job-a1-s0");
         }
         assert_eq!(reviews(&ids), 1);
+    }
+
+    /// A stand-in API server: every TokenReview accepts the token for pod
+    /// team-b/outsider; the pod read answers `pod_code` (403: a namespace
+    /// the operator may not read; 404: the pod is gone). Every request's
+    /// path is noted in `hits`.
+    fn api_server(pod_code: u16, hits: Arc<Mutex<Vec<String>>>) -> Client {
+        let service = tower::service_fn(move |request: axum::http::Request<kube::client::Body>| {
+            let path = request.uri().path().to_string();
+            if let Ok(mut hits) = hits.lock() {
+                hits.push(path.clone());
+            }
+            let (code, body) = if path.ends_with("/tokenreviews") {
+                let extra = json!({
+                    "authentication.kubernetes.io/pod-name": ["outsider"],
+                    "authentication.kubernetes.io/pod-uid": ["pod-uid"]
+                });
+                let user = json!({
+                    "username": "system:serviceaccount:team-b:default", "extra": extra
+                });
+                let status = json!({
+                    "authenticated": true, "audiences": [WORKER_API_AUDIENCE], "user": user
+                });
+                let review = json!({
+                    "apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+                    "spec": {}, "status": status
+                });
+                (201, review)
+            } else {
+                let reason = if pod_code == 404 {
+                    "NotFound"
+                } else {
+                    "Forbidden"
+                };
+                let status = json!({
+                    "kind": "Status", "apiVersion": "v1", "status": "Failure",
+                    "message": reason, "reason": reason, "code": pod_code
+                });
+                (pod_code, status)
+            };
+            let response = axum::http::Response::builder()
+                .status(code)
+                .header("content-type", "application/json")
+                .body(kube::client::Body::from(body.to_string().into_bytes()));
+            std::future::ready(response)
+        });
+        Client::new(service, "default")
+    }
+
+    /// With the real review: a pod in a namespace the operator may not read
+    /// (its read is forbidden) and a pod gone are refused, and the refusal
+    /// is remembered: a repeated token costs one review and one pod read.
+    #[tokio::test]
+    async fn a_pod_out_of_reach_or_gone_costs_one_review_and_one_read() {
+        for (pod_code, code, says) in [
+            (403, 403, "outside the namespaces"),
+            (404, 401, "no longer exists"),
+        ] {
+            let hits = Arc::new(Mutex::new(Vec::new()));
+            let ids = Identities::new(api_server(pod_code, hits.clone()), WatchedPods::default());
+            let token = jwt(claims(unix_now() + 600));
+            for _ in 0..3 {
+                let refusal = ids.caller(&token).await.expect_err("refused");
+                assert!(refusal.to_string().contains(says), "{refusal}");
+                let status = axum::response::IntoResponse::into_response(refusal).status();
+                assert_eq!(status.as_u16(), code);
+            }
+            let hits = hits.lock().expect("hits").clone();
+            assert_eq!(
+                hits,
+                [
+                    "/apis/authentication.k8s.io/v1/tokenreviews",
+                    "/api/v1/namespaces/team-b/pods/outsider"
+                ],
+                "one review and one read for three calls"
+            );
+        }
     }
 
     #[test]
