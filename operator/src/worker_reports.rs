@@ -21,7 +21,10 @@
 //!   status has not shown yet, a peak more than
 //!   [`PEAK_GROWTH_FOR_IMMEDIATE_WRITE`] above the one last written (the
 //!   worker's own rule for reporting early), training starting (step 0 →
-//!   more) or a download starting, finishing or ending;
+//!   more) or a download starting, finishing or ending; yet never sooner
+//!   than [`urgent_spacing`] after the job's last write, so a worker that
+//!   makes every report urgent forces at most one write per spacing, not
+//!   one per tick (the report waits for that slot; the latest still wins);
 //! * and before the controller acts on a pod's end: a worker cannot report
 //!   after an OOM kill or an eviction, and its last report, whatever it was,
 //!   must be in the status the attempt is closed from. The reconcile that
@@ -86,6 +89,21 @@ const MAX_CONCURRENT_WRITES: usize = 16;
 pub fn tick(interval: Duration) -> Duration {
     (interval / 10).clamp(Duration::from_millis(20), Duration::from_millis(250))
 }
+
+/// The least time between two writes of one job that an urgent report can
+/// force: a second, or the interval when that is shorter. Why a second: it
+/// is a tenth of the workers' default telemetry interval (10 s), so an
+/// honest job's urgent changes (its workers appearing, training starting, a
+/// new peak) still show within about a second, while a worker that makes
+/// every report urgent (a peak that keeps growing, a download flipping
+/// between done and not) costs the API server one write a second for its
+/// job instead of one per tick (four).
+pub fn urgent_spacing(interval: Duration) -> Duration {
+    MIN_URGENT_SPACING.min(interval)
+}
+
+/// See [`urgent_spacing`].
+pub const MIN_URGENT_SPACING: Duration = Duration::from_secs(1);
 
 /// What became of a report.
 #[derive(Clone, Debug, PartialEq)]
@@ -178,15 +196,16 @@ impl JobReports {
         if held.is_some_and(|h| h.report.updated_at > report.updated_at) {
             return 0; // a late report: the one held is newer
         }
-        let at = if urgent(
+        let spacing = if urgent(
             held.map(|h| &h.report),
             held.and_then(|h| h.written_peak),
             &report,
         ) {
-            now
+            urgent_spacing(interval)
         } else {
-            self.last_write.map_or(now, |w| (w + interval).max(now))
+            interval
         };
+        let at = self.last_write.map_or(now, |w| (w + spacing).max(now));
         self.due = Some(self.due.map_or(at, |d| d.min(at)));
         let written_peak = held.and_then(|h| h.written_peak);
         self.workers.insert(
@@ -664,13 +683,14 @@ mod tests {
         assert_eq!(init.take(now, &[]), None, "progress waits");
         downloading.download.as_mut().expect("download").files_done = 2;
         init.record(downloading, now, INTERVAL);
-        assert!(init.take(now, &[]).is_some(), "every file in place");
+        let next = now + MIN_URGENT_SPACING;
+        assert!(init.take(next, &[]).is_some(), "every file in place");
 
         // A pod ended: its worker's unwritten report is written, due or not;
         // another worker's reports do not force a write.
-        job.record(report("w1", 1, 4, 1000, 3), now, INTERVAL);
-        job.take(now, &[]).expect("w1 is new");
-        let later = now + secs(1);
+        job.record(report("w1", 1, 4, 1000, 3), next, INTERVAL);
+        job.take(next, &[]).expect("w1 is new");
+        let later = next + secs(1);
         job.record(report("w0", 1, 4, 1101, 3), later, INTERVAL);
         job.record(report("w1", 1, 5, 1000, 4), later, INTERVAL);
         assert_eq!(job.take(later, &[]), None);
@@ -685,6 +705,56 @@ mod tests {
             None,
             "w0's last report is written: the ended pod forces nothing more"
         );
+    }
+
+    /// A worker that makes every report urgent (here a download flipping
+    /// between done and not, then a peak that keeps growing) forces one
+    /// write per spacing, not one per tick; what it reported meanwhile is
+    /// not dropped: the next slot writes the latest.
+    #[test]
+    fn urgent_reports_of_a_job_force_one_write_per_spacing() {
+        let t0 = Instant::now();
+        let mut job = JobReports::new("ns", "j", t0);
+        job.record(report("w0", 1, 1, 1000, 0), t0, INTERVAL);
+        job.take(t0, &[]).expect("a new worker");
+        let tick = tick(INTERVAL);
+        let mut writes = 0;
+        let mut flip = report("w0", 1, 1, 1000, 0);
+        // An urgent report every tick (250 ms), all within the spacing.
+        for i in 1..4 {
+            let now = t0 + tick * i;
+            assert!(now < t0 + MIN_URGENT_SPACING);
+            flip.download = (i % 2 == 1).then(|| DownloadProgress {
+                files: 1,
+                files_done: 1,
+                ..Default::default()
+            });
+            flip.updated_at = report("", 0, 0, 0, i.into()).updated_at;
+            job.record(flip.clone(), now, INTERVAL);
+            writes += usize::from(job.take(now, &[]).is_some());
+        }
+        assert_eq!(writes, 0, "urgent, but within a second of the last write");
+        let slot = t0 + MIN_URGENT_SPACING;
+        let write = job.take(slot, &[]).expect("the next slot");
+        assert_eq!(write[0].download, flip.download, "the latest report");
+        // A peak that doubles every report: again one write per spacing.
+        for i in 1..=3u32 {
+            let at = slot + tick * i;
+            job.record(
+                report("w0", 1, 2, 1000 << i, 20 + i64::from(i)),
+                at,
+                INTERVAL,
+            );
+            writes += usize::from(job.take(at, &[]).is_some());
+        }
+        assert_eq!(writes, 0);
+        let write = job
+            .take(slot + MIN_URGENT_SPACING, &[])
+            .expect("the next slot");
+        assert_eq!(write[0].memory.peak_bytes, 1000 << 3);
+        // An interval shorter than the spacing bounds it instead.
+        assert_eq!(urgent_spacing(secs(1) / 2), secs(1) / 2);
+        assert_eq!(urgent_spacing(secs(60)), MIN_URGENT_SPACING);
     }
 
     #[test]

@@ -14,8 +14,8 @@ mod support;
 use axum::body::Body;
 use axum::http::{Method, Request, StatusCode, header};
 use headroom_api::{
-    PeerAddress, PeerKey, WORKER_API_AUDIENCE, WORKER_API_PEER_KEY_PATH, WORKER_API_PEERS_PATH,
-    WORKER_API_TELEMETRY_PATH, WORKER_FIELD_MANAGER_PREFIX,
+    LABEL_JOB, PeerAddress, PeerKey, WORKER_API_AUDIENCE, WORKER_API_PEER_KEY_PATH,
+    WORKER_API_PEERS_PATH, WORKER_API_TELEMETRY_PATH, WORKER_FIELD_MANAGER_PREFIX,
 };
 use headroom_operator::controller::ControllerConfig;
 use headroom_operator::worker_api;
@@ -251,11 +251,17 @@ async fn other_entries_bad_bodies_and_other_tokens_are_refused(ns: &TestNs, w: &
     )
     .await;
     assert_eq!(code, StatusCode::UNAUTHORIZED, "{text}");
+    // Refused by its own claims, before a review (whose refusal reads differently).
+    assert!(
+        text.contains("not a worker-API token: its audience"),
+        "{text}"
+    );
 }
 
 /// Peers: a pod of its own job (no IP: no kubelet here); another pod (the
-/// `stranger` made here) is refused, and a name that is no pod name is
-/// refused before it becomes part of an API path.
+/// `stranger` made here, labelled as another job's so that the operator's
+/// pod cache, which peers are read from, holds it) is refused, and a name
+/// that is no pod name is refused before it becomes part of an API path.
 async fn peers_are_pods_of_its_own_job_only(ns: &TestNs, w: &Worker) {
     let (code, text) = call(
         &w.api,
@@ -269,7 +275,7 @@ async fn peers_are_pods_of_its_own_job_only(ns: &TestNs, w: &Worker) {
     let address: PeerAddress = serde_json::from_str(&text).expect("a PeerAddress");
     assert_eq!(address.pod_ip, None);
     let stranger: Pod = serde_json::from_value(json!({
-        "metadata": {"name": "stranger"},
+        "metadata": {"name": "stranger", "labels": {LABEL_JOB: "someone-elses"}},
         "spec": {"containers": [{"name": "c", "image": "example/c:1"}]}
     }))
     .expect("pod");
@@ -286,6 +292,20 @@ async fn peers_are_pods_of_its_own_job_only(ns: &TestNs, w: &Worker) {
     )
     .await;
     assert_eq!(code, StatusCode::FORBIDDEN, "{text}");
+    // A pod the cache does not hold reads as one not created yet.
+    let (code, text) = call(
+        &w.api,
+        Method::GET,
+        &format!("{WORKER_API_PEERS_PATH}not-yet"),
+        Some(&w.token),
+        None,
+    )
+    .await;
+    assert_eq!(code, StatusCode::OK, "{text}");
+    assert_eq!(
+        serde_json::from_str::<PeerAddress>(&text).expect("a PeerAddress"),
+        PeerAddress { pod_ip: None }
+    );
     let (code, text) = call(
         &w.api,
         Method::GET,

@@ -225,13 +225,14 @@ async fn a_slow_loris_is_cut_off_and_connections_beyond_the_cap_are_shed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_token_is_checked_before_the_body_is_awaited() {
     let addr = start().await;
-    // A JWT-shaped token is reviewed first (here the API is unreachable:
-    // 502) while the body never comes; a server that read the body first
-    // would wait for it.
+    // A token whose claims pass the pre-filter is reviewed first (here the
+    // API is unreachable: 502) while the body never comes; a server that
+    // read the body first would wait for it.
+    let token = projected_token_shape();
     let started = Instant::now();
     let answer = upload(
         addr,
-        "POST /v1/telemetry HTTP/1.1\r\nHost: operator\r\nAuthorization: Bearer a.b.c\r\nContent-Length: 100\r\n\r\n{".into(),
+        format!("POST /v1/telemetry HTTP/1.1\r\nHost: operator\r\nAuthorization: Bearer {token}\r\nContent-Length: 100\r\n\r\n{{"),
         b"",
     )
     .await;
@@ -246,4 +247,29 @@ async fn the_token_is_checked_before_the_body_is_awaited() {
         took < LIMITS.request_timeout + Duration::from_secs(2),
         "{took:?}"
     );
+}
+
+/// A JWT with a projected token's claims (the worker API's audience, an
+/// expiry ahead, a pod) and no valid signature: it passes the worker API's
+/// pre-filter, so only the review can refuse it.
+fn projected_token_shape() -> String {
+    use base64::Engine;
+    let exp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_secs()
+        + 600;
+    let claims = serde_json::json!({
+        "aud": [headroom_api::WORKER_API_AUDIENCE],
+        "exp": exp,
+        "kubernetes.io": {"namespace": "team-a", "pod": {"name": "p", "uid": "u"}}
+    });
+    let part = |v: serde_json::Value| {
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(v.to_string())
+    };
+    format!(
+        "{}.{}.c2ln",
+        part(serde_json::json!({"alg": "RS256"})),
+        part(claims)
+    )
 }

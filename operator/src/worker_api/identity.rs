@@ -14,8 +14,15 @@
 //!   same way). A replica without the cache (a standby, or a pod outside
 //!   the watched namespace) reads the pod and keeps the answer for
 //!   [`IDENTITY_TTL`];
-//! * a refused one is refused again from memory for [`REFUSAL_TTL`], so a
-//!   caller repeating a bad token costs nothing;
+//! * a refused one is refused again from memory for [`REFUSAL_TTL`], whatever
+//!   refused it (the API server, a pod that is no worker of a job, a pod
+//!   the operator may not read, a pod gone), so a caller repeating a bad
+//!   token costs nothing;
+//! * before any review, the token's own claims (read unverified: a
+//!   pre-filter only, the TokenReview stays the authority) must name the
+//!   worker API's audience, an expiry still ahead and a pod
+//!   ([`precheck`]): a string that merely looks like a JWT, a token for
+//!   another audience or an expired one is refused without a review;
 //! * at most [`MAX_CONCURRENT_REVIEWS`] reviews run at once; a call that
 //!   cannot start one within [`REVIEW_QUEUE_WAIT`] is told to come back
 //!   (503), instead of queueing without bound behind a flood;
@@ -122,26 +129,72 @@ impl<T: Clone> Remembered<T> {
 
 /// An accepted token: who it is, and whether the pod cache vouches for it.
 #[derive(Clone)]
-struct Accepted {
+pub struct Accepted {
     caller: Caller,
     pod_uid: String,
     /// The pod was found in the leader's cache: the entry holds while it is there.
     watched: bool,
 }
 
+/// A refusal worth remembering: the same answer, with the same status
+/// code, for every repeat within [`REFUSAL_TTL`].
+#[derive(Clone)]
+enum Refused {
+    Unauthenticated(String),
+    Forbidden(String),
+}
+
+impl Refused {
+    /// Refusals that say something about the token itself. A failure to
+    /// reach the API server, or a full review queue, says nothing about it
+    /// and is not remembered.
+    fn of(refusal: &Refusal) -> Option<Self> {
+        match refusal {
+            Refusal::Unauthenticated(reason) => Some(Refused::Unauthenticated(reason.clone())),
+            Refusal::Forbidden(reason) => Some(Refused::Forbidden(reason.clone())),
+            _ => None,
+        }
+    }
+
+    fn refusal(self) -> Refusal {
+        match self {
+            Refused::Unauthenticated(reason) => Refusal::Unauthenticated(reason),
+            Refused::Forbidden(reason) => Refusal::Forbidden(reason),
+        }
+    }
+}
+
+/// What finds who a token stands for: the API server ([`ApiReviewer`]),
+/// or a stand-in that counts its calls in tests.
+pub trait Reviewer: Send + Sync {
+    fn review(&self, token: &str) -> impl Future<Output = Result<Accepted, Refusal>> + Send;
+}
+
 /// Checks tokens, remembering answers and bounding the reviews in flight.
-pub struct Identities {
-    client: Client,
+pub struct Identities<R = ApiReviewer> {
+    reviewer: R,
     pods: WatchedPods,
     accepted: Remembered<Accepted>,
-    refused: Remembered<String>,
+    refused: Remembered<Refused>,
     reviews: Semaphore,
 }
 
 impl Identities {
     pub fn new(client: Client, pods: WatchedPods) -> Self {
+        Identities::with_reviewer(
+            ApiReviewer {
+                client,
+                pods: pods.clone(),
+            },
+            pods,
+        )
+    }
+}
+
+impl<R: Reviewer> Identities<R> {
+    fn with_reviewer(reviewer: R, pods: WatchedPods) -> Self {
         Identities {
-            client,
+            reviewer,
             pods,
             accepted: Remembered::new(),
             refused: Remembered::new(),
@@ -165,30 +218,36 @@ impl Identities {
             // which the API server refuses for a deleted pod.
             self.accepted.forget(&key);
         }
-        if let Some(reason) = self.refused.get(&key) {
-            return Err(Refusal::Unauthenticated(reason));
+        if let Some(refused) = self.refused.get(&key) {
+            return Err(refused.refusal());
         }
+        // Not remembered: a failed pre-filter costs a parse, no review.
+        let expires_in = precheck(token, unix_now()).map_err(|why| {
+            Refusal::Unauthenticated(format!(
+                "not a worker-API token: {why} (send the pod's projected token, audience {WORKER_API_AUDIENCE})"
+            ))
+        })?;
         let _slot = tokio::time::timeout(REVIEW_QUEUE_WAIT, self.reviews.acquire())
             .await
             .map_err(|_| Refusal::Busy)?
             .map_err(|_| Refusal::Busy)?;
-        match self.review(token).await {
+        match self.reviewer.review(token).await {
             Ok(accepted) => {
                 let ttl = if accepted.watched {
                     WATCHED_IDENTITY_TTL
                 } else {
                     IDENTITY_TTL
                 };
-                let ttl = expires_in(token).map_or(ttl, |left| left.min(ttl));
                 let caller = accepted.caller.clone();
-                self.accepted.put(key, accepted, ttl);
+                self.accepted.put(key, accepted, expires_in.min(ttl));
                 Ok(caller)
             }
-            Err(Refusal::Unauthenticated(reason)) => {
-                self.refused.put(key, reason.clone(), REFUSAL_TTL);
-                Err(Refusal::Unauthenticated(reason))
+            Err(refusal) => {
+                if let Some(refused) = Refused::of(&refusal) {
+                    self.refused.put(key, refused, REFUSAL_TTL);
+                }
+                Err(refusal)
             }
-            Err(other) => Err(other),
         }
     }
 
@@ -198,10 +257,61 @@ impl Identities {
             .get(&accepted.caller.namespace, &accepted.caller.pod)
             .is_some_and(|p| p.uid().as_deref() == Some(accepted.pod_uid.as_str()))
     }
+}
 
-    /// TokenReview, then the pod the token is bound to (from the leader's
-    /// cache when it has it, else from the API server), then its job.
+/// Reviews tokens with the operator's own client.
+pub struct ApiReviewer {
+    client: Client,
+    pods: WatchedPods,
+}
+
+impl Reviewer for ApiReviewer {
     async fn review(&self, token: &str) -> Result<Accepted, Refusal> {
+        let (namespace, pod_name, pod_uid) = self.token_review(token).await?;
+        let is_bound = |p: &Pod| p.uid().as_deref() == Some(pod_uid.as_str());
+        let watched = self.pods.get(&namespace, &pod_name).filter(|p| is_bound(p));
+        let pod = match &watched {
+            Some(pod) => pod.clone(),
+            None => self
+                .read_pod(&namespace, &pod_name)
+                .await?
+                .filter(is_bound)
+                .map(std::sync::Arc::new)
+                .ok_or_else(|| {
+                    Refusal::Unauthenticated(format!("pod {namespace}/{pod_name} no longer exists"))
+                })?,
+        };
+        let (job, job_uid) = owning_job(&pod).ok_or_else(|| {
+            Refusal::Forbidden(format!(
+                "pod {namespace}/{pod_name} is not a Headroom worker (no job owns it)"
+            ))
+        })?;
+        let label = |key: &str| -> Result<u32, Refusal> {
+            pod.labels().get(key).map_or(Ok(0), |v| {
+                v.parse().map_err(|_| {
+                    Refusal::Forbidden(format!("pod {namespace}/{pod_name} has label {key}={v:?}"))
+                })
+            })
+        };
+        Ok(Accepted {
+            caller: Caller {
+                attempt: label(LABEL_ATTEMPT)?,
+                stage: label(LABEL_STAGE)?,
+                namespace: namespace.clone(),
+                pod: pod_name,
+                job,
+                job_uid,
+            },
+            pod_uid,
+            watched: watched.is_some(),
+        })
+    }
+}
+
+impl ApiReviewer {
+    /// The TokenReview: the namespace, name and uid of the pod the token is
+    /// bound to, when the API server accepts it for our audience.
+    async fn token_review(&self, token: &str) -> Result<(String, String, String), Refusal> {
         let review = TokenReview {
             spec: TokenReviewSpec {
                 token: Some(token.to_string()),
@@ -254,62 +364,92 @@ impl Identities {
             .and_then(|rest| rest.split_once(':'))
             .map(|(ns, _)| ns.to_string())
             .ok_or_else(|| Refusal::Unauthenticated("not a service-account token".to_string()))?;
-        let is_bound = |p: &Pod| p.uid().as_deref() == Some(pod_uid.as_str());
-        let watched = self.pods.get(&namespace, &pod_name).filter(|p| is_bound(p));
-        let pod = match &watched {
-            Some(pod) => pod.clone(),
-            None => Api::<Pod>::namespaced(self.client.clone(), &namespace)
-                .get_opt(&pod_name)
-                .await
-                .map_err(Refusal::Upstream)?
-                .filter(is_bound)
-                .map(std::sync::Arc::new)
-                .ok_or_else(|| {
-                    Refusal::Unauthenticated(format!("pod {namespace}/{pod_name} no longer exists"))
-                })?,
-        };
-        let (job, job_uid) = owning_job(&pod).ok_or_else(|| {
-            Refusal::Forbidden(format!(
-                "pod {namespace}/{pod_name} is not a Headroom worker (no job owns it)"
-            ))
-        })?;
-        let label = |key: &str| -> Result<u32, Refusal> {
-            pod.labels().get(key).map_or(Ok(0), |v| {
-                v.parse().map_err(|_| {
-                    Refusal::Forbidden(format!("pod {namespace}/{pod_name} has label {key}={v:?}"))
-                })
+        Ok((namespace, pod_name, pod_uid))
+    }
+
+    /// The pod from the API server, on a replica without the cache or for
+    /// a pod the cache does not hold. A namespace the operator may not read
+    /// pods in (one outside those it watches) is a refusal of the caller,
+    /// remembered like any other, not an upstream failure retried per call.
+    async fn read_pod(&self, namespace: &str, name: &str) -> Result<Option<Pod>, Refusal> {
+        Api::<Pod>::namespaced(self.client.clone(), namespace)
+            .get_opt(name)
+            .await
+            .map_err(|e| match e {
+                kube::Error::Api(e) if e.code == 403 => Refusal::Forbidden(format!(
+                    "pod {namespace}/{name} is outside the namespaces this operator serves"
+                )),
+                e => Refusal::Upstream(e),
             })
-        };
-        Ok(Accepted {
-            caller: Caller {
-                attempt: label(LABEL_ATTEMPT)?,
-                stage: label(LABEL_STAGE)?,
-                namespace: namespace.clone(),
-                pod: pod_name,
-                job,
-                job_uid,
-            },
-            pod_uid,
-            watched: watched.is_some(),
-        })
     }
 }
 
-/// How long until a JWT's `exp` claim, read from its payload without
-/// checking the signature: only ever called on a token the API server has
-/// just accepted, and only to end a cache entry sooner. `None` when the
-/// token carries no readable expiry.
-fn expires_in(token: &str) -> Option<Duration> {
-    let payload = token.split('.').nth(1)?;
+/// The claims of a projected service-account token the pre-filter reads.
+#[derive(serde::Deserialize)]
+struct Claims {
+    aud: Audiences,
+    exp: u64,
+    #[serde(rename = "kubernetes.io")]
+    kubernetes: KubernetesClaims,
+}
+
+/// `aud`: one string or a list of them (RFC 7519).
+#[derive(serde::Deserialize)]
+#[serde(untagged)]
+enum Audiences {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(serde::Deserialize)]
+struct KubernetesClaims {
+    pod: PodClaims,
+}
+
+#[derive(serde::Deserialize)]
+struct PodClaims {
+    name: String,
+    uid: String,
+}
+
+/// Seconds since the epoch (0 on a clock before it, which expires nothing early).
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// The pre-filter: a token's own claims, read from its payload without
+/// checking the signature, must name the worker API's audience, an expiry
+/// after `now` (seconds since the epoch) and the pod it is bound to (the
+/// kubelet's projected tokens all do). Returns how long the token has left,
+/// which also ends a remembered acceptance sooner. It only spares the API
+/// server obvious misses: whatever passes is still reviewed. The parse is
+/// bounded: the token is at most [`MAX_TOKEN_BYTES`], and serde_json stops
+/// at 128 levels of nesting.
+fn precheck(token: &str, now: u64) -> Result<Duration, String> {
+    let payload = token.split('.').nth(1).unwrap_or_default();
     let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
         .decode(payload.trim_end_matches('='))
-        .ok()?;
-    let exp = serde_json::from_slice::<serde_json::Value>(&bytes)
-        .ok()?
-        .get("exp")?
-        .as_u64()?;
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).ok()?.as_secs();
-    Some(Duration::from_secs(exp.saturating_sub(now)))
+        .map_err(|_| "its payload is not base64url".to_string())?;
+    let claims: Claims = serde_json::from_slice(&bytes).map_err(|e| {
+        format!("its payload is not a projected token's claims (aud, exp, kubernetes.io.pod): {e}")
+    })?;
+    let audiences = match &claims.aud {
+        Audiences::One(one) => std::slice::from_ref(one),
+        Audiences::Many(many) => many.as_slice(),
+    };
+    if !audiences.iter().any(|a| a == WORKER_API_AUDIENCE) {
+        return Err(format!("its audience is {audiences:?}"));
+    }
+    if claims.exp <= now {
+        return Err(format!("it expired {} s ago", now - claims.exp));
+    }
+    let pod = &claims.kubernetes.pod;
+    if pod.name.is_empty() || pod.uid.is_empty() {
+        return Err("it is not bound to a pod".into());
+    }
+    Ok(Duration::from_secs(claims.exp - now))
 }
 
 /// The job that controls `pod` and carries its label: (name, uid).
@@ -331,32 +471,247 @@ mod tests {
     use super::*;
     use base64::engine::general_purpose::URL_SAFE_NO_PAD;
     use serde_json::json;
+    use std::sync::Arc;
 
     fn jwt(payload: serde_json::Value) -> String {
         let part = |v: serde_json::Value| URL_SAFE_NO_PAD.encode(v.to_string());
         format!("{}.{}.c2ln", part(json!({"alg": "RS256"})), part(payload))
     }
 
-    /// A remembered identity never outlives the token it was checked for.
+    const NOW: u64 = 1_800_000_000;
+
+    /// A projected token's claims, as the kubelet writes them.
+    fn claims(exp: u64) -> serde_json::Value {
+        json!({
+            "aud": [WORKER_API_AUDIENCE],
+            "exp": exp,
+            "iat": exp - 600,
+            "sub": "system:serviceaccount:team-a:default",
+            "kubernetes.io": {
+                "namespace": "team-a",
+                "pod": {"name": "job-a1-s0", "uid": "pod-uid"},
+                "serviceaccount": {"name": "default", "uid": "sa-uid"}
+            }
+        })
+    }
+
+    /// A remembered identity never outlives the token it was checked for;
+    /// a token whose own claims already rule it out is never reviewed.
     #[test]
-    fn a_tokens_expiry_comes_from_its_payload_and_nothing_else_is_guessed() {
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .expect("clock")
-            .as_secs();
-        let left = expires_in(&jwt(json!({"exp": now + 300, "sub": "x"}))).expect("exp");
-        assert!(
-            (Duration::from_secs(298)..=Duration::from_secs(300)).contains(&left),
-            "{left:?}"
-        );
+    fn the_pre_filter_reads_audience_expiry_and_pod_from_the_payload() {
         assert_eq!(
-            expires_in(&jwt(json!({"exp": now - 10}))),
-            Some(Duration::ZERO)
+            precheck(&jwt(claims(NOW + 300)), NOW),
+            Ok(Duration::from_secs(300))
         );
-        assert_eq!(expires_in(&jwt(json!({"sub": "x"}))), None);
-        assert_eq!(expires_in(&jwt(json!({"exp": "soon"}))), None);
-        assert_eq!(expires_in("a.!!!.c"), None);
-        assert_eq!(expires_in("no-dots"), None);
+        let mut one_audience = claims(NOW + 5);
+        one_audience["aud"] = json!(WORKER_API_AUDIENCE);
+        assert_eq!(
+            precheck(&jwt(one_audience), NOW),
+            Ok(Duration::from_secs(5))
+        );
+        let refused = |payload: serde_json::Value, why: &str| {
+            let err = precheck(&jwt(payload), NOW).expect_err(why);
+            assert!(err.contains(why), "{err}");
+        };
+        let mut api_server = claims(NOW + 300);
+        api_server["aud"] = json!(["https://kubernetes.default.svc"]);
+        refused(
+            api_server,
+            "audience is [\"https://kubernetes.default.svc\"]",
+        );
+        refused(claims(NOW), "expired 0 s ago");
+        refused(claims(NOW - 10), "expired 10 s ago");
+        let mut unbound = claims(NOW + 300);
+        unbound["kubernetes.io"]
+            .as_object_mut()
+            .expect("object")
+            .remove("pod");
+        refused(unbound, "kubernetes.io.pod");
+        let mut nameless = claims(NOW + 300);
+        nameless["kubernetes.io"]["pod"]["name"] = json!("");
+        refused(nameless, "not bound to a pod");
+        refused(json!({"exp": "soon"}), "not a projected token's claims");
+        let err = precheck("a.!!!.c", NOW).expect_err("not base64");
+        assert!(err.contains("not base64url"), "{err}");
+    }
+
+    /// What a stand-in review answers.
+    type Answer = fn() -> Result<Accepted, Refusal>;
+
+    /// Answers what it is told to, and counts the reviews asked of it.
+    struct Counting {
+        answer: Answer,
+        reviews: std::sync::atomic::AtomicUsize,
+    }
+
+    impl Reviewer for Counting {
+        async fn review(&self, _token: &str) -> Result<Accepted, Refusal> {
+            self.reviews
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            (self.answer)()
+        }
+    }
+
+    fn identities(answer: Answer) -> Identities<Counting> {
+        let reviewer = Counting {
+            answer,
+            reviews: Default::default(),
+        };
+        Identities::with_reviewer(reviewer, WatchedPods::default())
+    }
+
+    fn reviews(ids: &Identities<Counting>) -> usize {
+        ids.reviewer
+            .reviews
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn a_worker() -> Result<Accepted, Refusal> {
+        Ok(Accepted {
+            caller: Caller {
+                namespace: "team-a".into(),
+                pod: "job-a1-s0".into(),
+                job: "job".into(),
+                job_uid: "job-uid".into(),
+                attempt: 1,
+                stage: 0,
+            },
+            pod_uid: "pod-uid".into(),
+            watched: false,
+        })
+    }
+
+    /// Every refusal of a review is remembered, whatever refused it: the
+    /// API server, or a pod that is no worker, outside the namespaces the
+    /// operator serves, or gone. A repeated bad token costs one review.
+    #[tokio::test]
+    async fn a_refused_token_is_reviewed_once_whatever_refused_it() {
+        let answers: [(Answer, u16); 3] = [
+            (|| Err(Refusal::Unauthenticated("no".into())), 401),
+            (|| Err(Refusal::Forbidden("not a worker".into())), 403),
+            (|| Err(Refusal::Forbidden("outside".into())), 403),
+        ];
+        for (answer, code) in answers {
+            let ids = identities(answer);
+            let token = jwt(claims(unix_now() + 600));
+            for _ in 0..5 {
+                let refusal = ids.caller(&token).await.expect_err("refused");
+                let status = axum::response::IntoResponse::into_response(refusal).status();
+                assert_eq!(status.as_u16(), code);
+            }
+            assert_eq!(reviews(&ids), 1, "a repeated refused token");
+        }
+        // A failure to reach the API server says nothing about the token.
+        let ids = identities(|| Err(Refusal::Busy));
+        let token = jwt(claims(unix_now() + 600));
+        for _ in 0..2 {
+            ids.caller(&token).await.expect_err("busy");
+        }
+        assert_eq!(reviews(&ids), 2);
+    }
+
+    /// Tokens the pre-filter rules out are refused without a review;
+    /// an accepted one is reviewed once.
+    #[tokio::test]
+    async fn a_token_for_another_audience_or_expired_is_never_reviewed() {
+        let ids = identities(a_worker);
+        let mut other = claims(unix_now() + 600);
+        other["aud"] = json!(["https://kubernetes.default.svc"]);
+        for bad in [
+            jwt(other),
+            jwt(claims(unix_now() - 1)),
+            "eyJh.bm90IGpzb24.c2ln".to_string(),
+        ] {
+            let refusal = ids.caller(&bad).await.expect_err("pre-filtered");
+            assert!(
+                matches!(&refusal, Refusal::Unauthenticated(r) if r.contains("not a worker-API token")),
+                "{refusal}"
+            );
+        }
+        assert_eq!(reviews(&ids), 0, "no review for what the claims rule out");
+        let token = jwt(claims(unix_now() + 600));
+        for _ in 0..3 {
+            let caller = ids.caller(&token).await.expect("accepted");
+            assert_eq!(caller.pod, "job-a1-s0");
+        }
+        assert_eq!(reviews(&ids), 1);
+    }
+
+    /// A stand-in API server: every TokenReview accepts the token for pod
+    /// team-b/outsider; the pod read answers `pod_code` (403: a namespace
+    /// the operator may not read; 404: the pod is gone). Every request's
+    /// path is noted in `hits`.
+    fn api_server(pod_code: u16, hits: Arc<Mutex<Vec<String>>>) -> Client {
+        let service = tower::service_fn(move |request: axum::http::Request<kube::client::Body>| {
+            let path = request.uri().path().to_string();
+            if let Ok(mut hits) = hits.lock() {
+                hits.push(path.clone());
+            }
+            let (code, body) = if path.ends_with("/tokenreviews") {
+                let extra = json!({
+                    "authentication.kubernetes.io/pod-name": ["outsider"],
+                    "authentication.kubernetes.io/pod-uid": ["pod-uid"]
+                });
+                let user = json!({
+                    "username": "system:serviceaccount:team-b:default", "extra": extra
+                });
+                let status = json!({
+                    "authenticated": true, "audiences": [WORKER_API_AUDIENCE], "user": user
+                });
+                let review = json!({
+                    "apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+                    "spec": {}, "status": status
+                });
+                (201, review)
+            } else {
+                let reason = if pod_code == 404 {
+                    "NotFound"
+                } else {
+                    "Forbidden"
+                };
+                let status = json!({
+                    "kind": "Status", "apiVersion": "v1", "status": "Failure",
+                    "message": reason, "reason": reason, "code": pod_code
+                });
+                (pod_code, status)
+            };
+            let response = axum::http::Response::builder()
+                .status(code)
+                .header("content-type", "application/json")
+                .body(kube::client::Body::from(body.to_string().into_bytes()));
+            std::future::ready(response)
+        });
+        Client::new(service, "default")
+    }
+
+    /// With the real review: a pod in a namespace the operator may not read
+    /// (its read is forbidden) and a pod gone are refused, and the refusal
+    /// is remembered: a repeated token costs one review and one pod read.
+    #[tokio::test]
+    async fn a_pod_out_of_reach_or_gone_costs_one_review_and_one_read() {
+        for (pod_code, code, says) in [
+            (403, 403, "outside the namespaces"),
+            (404, 401, "no longer exists"),
+        ] {
+            let hits = Arc::new(Mutex::new(Vec::new()));
+            let ids = Identities::new(api_server(pod_code, hits.clone()), WatchedPods::default());
+            let token = jwt(claims(unix_now() + 600));
+            for _ in 0..3 {
+                let refusal = ids.caller(&token).await.expect_err("refused");
+                assert!(refusal.to_string().contains(says), "{refusal}");
+                let status = axum::response::IntoResponse::into_response(refusal).status();
+                assert_eq!(status.as_u16(), code);
+            }
+            let hits = hits.lock().expect("hits").clone();
+            assert_eq!(
+                hits,
+                [
+                    "/apis/authentication.k8s.io/v1/tokenreviews",
+                    "/api/v1/namespaces/team-b/pods/outsider"
+                ],
+                "one review and one read for three calls"
+            );
+        }
     }
 
     #[test]

@@ -30,8 +30,10 @@
 //!   token's expiry and at most [`WATCHED_IDENTITY_TTL`] (a worker costs one
 //!   TokenReview per ten minutes and no pod read); elsewhere for
 //!   [`IDENTITY_TTL`] (one TokenReview and one pod read a minute). A
-//!   refused one is remembered for [`REFUSAL_TTL`], and reviews in flight
-//!   are capped.
+//!   refused one, whatever refused it, is remembered for [`REFUSAL_TTL`];
+//!   a token whose own claims name another audience, no pod or a past
+//!   expiry is refused without a review; reviews in flight are capped.
+//! * `GET /v1/peers/<pod>` reads the leader's pod cache, not the API server.
 //! * the caller is known before a body is read, and a body is read only up
 //!   to [`MAX_BODY_BYTES`];
 //! * [`crate::listener`] — a connection cap, a per-source share of it, and
@@ -128,6 +130,8 @@ struct WorkerApi {
     identities: Identities,
     key: OperatorKey,
     reports: Arc<WorkerReports>,
+    /// The leader's pod cache: callers' pods and their peers are read from it.
+    pods: WatchedPods,
 }
 
 /// The worker API's routes, acting with `client` (the operator's own
@@ -142,10 +146,11 @@ pub fn router(
     pods: WatchedPods,
 ) -> Router {
     let state = Arc::new(WorkerApi {
-        identities: Identities::new(client.clone(), pods),
+        identities: Identities::new(client.clone(), pods.clone()),
         client,
         key,
         reports,
+        pods,
     });
     Router::new()
         .route(WORKER_API_TELEMETRY_PATH, post(telemetry))
@@ -252,8 +257,7 @@ async fn peer(
             "{pod:?} is not a pod name (lowercase letters, digits, '-' and '.', at most 253)"
         )));
     }
-    let pods: Api<Pod> = Api::namespaced(api.client.clone(), &caller.namespace);
-    let Some(peer) = pods.get_opt(&pod).await.map_err(Refusal::Upstream)? else {
+    let Some(peer) = api.peer_pod(&caller.namespace, &pod).await? else {
         // Not created yet (its attempt is being launched) reads as no IP yet.
         return Ok(address(None));
     };
@@ -263,7 +267,7 @@ async fn peer(
             caller.namespace, caller.job
         )));
     }
-    Ok(address(peer.status.and_then(|s| s.pod_ip)))
+    Ok(address(peer.status.as_ref().and_then(|s| s.pod_ip.clone())))
 }
 
 /// `GET /v1/peer-key`: the caller's job's link key.
@@ -303,7 +307,26 @@ fn address(pod_ip: Option<String>) -> Response {
     ([(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
 
+/// A peer from the leader's pod cache: `None` on a replica without one,
+/// else the answer, `Some(None)` for a pod the cache does not hold (not
+/// created yet, or no job's pod at all: either way no address to give).
+fn cached_peer(pods: &WatchedPods, namespace: &str, name: &str) -> Option<Option<Arc<Pod>>> {
+    pods.is_filled().then(|| pods.get(namespace, name))
+}
+
 impl WorkerApi {
+    /// The pod `name` of `namespace`: from the leader's pod cache, so that
+    /// workers polling for their peers' addresses cost the API server
+    /// nothing; read from the API server only on a replica without it.
+    async fn peer_pod(&self, namespace: &str, name: &str) -> Result<Option<Arc<Pod>>, Refusal> {
+        if let Some(cached) = cached_peer(&self.pods, namespace, name) {
+            return Ok(cached);
+        }
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        let read = pods.get_opt(name).await.map_err(Refusal::Upstream)?;
+        Ok(read.map(Arc::new))
+    }
+
     /// The caller behind the request's bearer token.
     async fn caller(&self, headers: &HeaderMap) -> Result<Caller, Refusal> {
         let token = headers
@@ -320,6 +343,39 @@ impl WorkerApi {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kube::runtime::{reflector, watcher};
+
+    /// On the leader a peer's address comes from the pod cache, never the
+    /// API server; only a replica without the cache reads it.
+    #[test]
+    fn peers_come_from_the_pod_cache_when_there_is_one() {
+        let standby = WatchedPods::default();
+        assert!(cached_peer(&standby, "team-a", "job-a1-s1").is_none());
+        let (store, mut writer) = reflector::store::<Pod>();
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "job-a1-s1", "namespace": "team-a"},
+            "status": {"podIP": "10.0.0.7"}
+        }))
+        .expect("pod");
+        writer.apply_watcher_event(&watcher::Event::Apply(pod));
+        let leader = WatchedPods::default();
+        leader.fill(store);
+        let peer = cached_peer(&leader, "team-a", "job-a1-s1")
+            .expect("the leader answers from its cache")
+            .expect("the pod is cached");
+        assert_eq!(
+            peer.status.as_ref().and_then(|s| s.pod_ip.as_deref()),
+            Some("10.0.0.7")
+        );
+        assert!(matches!(
+            cached_peer(&leader, "team-b", "job-a1-s1"),
+            Some(None)
+        ));
+        assert!(matches!(
+            cached_peer(&leader, "team-a", "not-yet"),
+            Some(None)
+        ));
+    }
 
     #[test]
     fn only_object_names_become_api_paths() {
