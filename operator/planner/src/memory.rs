@@ -1354,18 +1354,29 @@ fn sharded_state_bytes(
             trained.iter().map(|t| t.elements).max().unwrap_or(0),
         )];
     }
-    let sizes: Vec<u64> = trained
-        .iter()
-        .flat_map(|t| std::iter::repeat_n(t.elements, t.count as usize))
-        .collect();
+    // The worker's owners (`shard_owners`), counted a size at a time: a
+    // block's tensors repeat once a layer, and the greedy sees only sizes.
+    let mut groups: Vec<(u64, u64)> = Vec::with_capacity(trained.len());
+    for t in trained {
+        groups.push((t.elements, t.count));
+    }
+    groups.sort_by_key(|g| std::cmp::Reverse(g.0));
+    groups.dedup_by(|later, kept| {
+        let same = later.0 == kept.0;
+        if same {
+            kept.1 += later.1;
+        }
+        same
+    });
+    let counts = crate::sharding::shard_counts(&groups, replicas);
     let mut per_rank = vec![(0u64, 0u64); replicas as usize];
-    for (elements, owner) in sizes
-        .iter()
-        .zip(crate::sharding::shard_owners(&sizes, replicas))
-    {
-        let rank = &mut per_rank[owner as usize];
-        rank.0 += state(*elements);
-        rank.1 = rank.1.max(*elements);
+    for (&(elements, _), row) in groups.iter().zip(&counts) {
+        for (rank, &c) in per_rank.iter_mut().zip(row) {
+            if c > 0 {
+                rank.0 += c * state(elements);
+                rank.1 = rank.1.max(elements);
+            }
+        }
     }
     per_rank
 }
