@@ -238,6 +238,52 @@ fn plans_a_llama_family_model_from_its_hugging_face_config() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A config.json beyond the bounds a job's own `spec.model.transformer`
+/// has is refused before it is planned, naming the key: forty million
+/// layers under LoRA once took the plugin gigabytes of memory.
+#[test]
+fn a_checkpoint_config_beyond_the_crd_bounds_is_refused_naming_the_key() {
+    let config = std::fs::read_to_string(root().join("samples/models/llama-2-7b/config.json"))
+        .expect("sample config");
+    let dir = std::env::temp_dir().join(format!("headroom-plugin-huge-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("tmp");
+    let job =
+        std::fs::read_to_string(root().join("samples/gpu-lora-llama-2-7b.yaml")).expect("sample");
+    let job_path = dir.join("lora.yaml");
+    std::fs::write(&job_path, job.replace("maxGpus: 2", "maxGpus: 8")).expect("write");
+    for (key, to) in [
+        ("num_hidden_layers", 40_000_000u64),
+        ("hidden_size", 4_000_000),
+        ("vocab_size", 400_000_000),
+        ("intermediate_size", 4_000_000_000),
+    ] {
+        let mut huge: serde_json::Value = serde_json::from_str(&config).expect("JSON");
+        huge[key] = to.into();
+        std::fs::write(dir.join("config.json"), huge.to_string()).expect("write");
+        let started = std::time::Instant::now();
+        let out = plugin(&[
+            "plan",
+            "-f",
+            job_path.to_str().expect("utf8"),
+            "--nodes",
+            "samples/nodes-gfd.yaml",
+            "--model-dir",
+            dir.to_str().expect("utf8"),
+        ]);
+        let t = text(&out);
+        assert_eq!(out.status.code(), Some(1), "{key}: {t}");
+        assert!(
+            t.contains(&format!("config.json: {key}: {to} exceeds")),
+            "{key}: {t}"
+        );
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(5),
+            "{key}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A `model.pretrained` job is planned from its checkpoint's config.json
 /// (`--model-dir`), at the manifest's sequence length; without one the
 /// plugin says how to plan it.

@@ -416,6 +416,25 @@ pub struct ModelFacts {
     pub dtype: String,
 }
 
+impl ModelFacts {
+    /// What the operator checks before it plans from a report: the shape
+    /// within the bounds a job's own `spec.model.transformer` has, and the
+    /// parameter count the shape's. A report is the job's worker image's
+    /// word (a job may name its own image), so nothing in it is trusted
+    /// further than this.
+    pub fn check(&self) -> Result<(), String> {
+        self.shape.check_bounds().map_err(|e| e.to_string())?;
+        let implied = self.shape.total_params();
+        if self.parameters != implied {
+            return Err(format!(
+                "parameters: {} in the report, but config.json's shape has {implied}",
+                self.parameters
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// The training text as the checkpoint's tokenizer sees it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]

@@ -25,6 +25,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::model::limits::{self, Bound};
 use crate::target_module::TargetModule;
 
 /// Which Hugging Face architecture a config names.
@@ -757,6 +758,49 @@ fn config_architecture(v: &Value) -> Result<LlamaArchitecture, ConfigError> {
 }
 
 /// A required positive integer that fits a `u32`.
+/// `key`'s value, a positive integer within `bound` (the bound of the
+/// field `as_field` of `spec.model.transformer`).
+fn bounded_int(
+    v: &Value,
+    key: &'static str,
+    bound: Bound,
+    as_field: &str,
+) -> Result<u32, ConfigError> {
+    let n = positive_int(v, key)?;
+    check_bound(key, n, bound, as_field)?;
+    Ok(n)
+}
+
+/// Refuses `value` of `key` outside `bound`: a checkpoint is held to the
+/// sizes a job's own `spec.model.transformer` may have (`as_field` names
+/// the field whose bound it is).
+fn check_bound(
+    key: &'static str,
+    value: u32,
+    bound: Bound,
+    as_field: &str,
+) -> Result<(), ConfigError> {
+    if value > bound.max {
+        Err(bad(
+            key,
+            format!(
+                "{value} exceeds {}, the largest Headroom plans (the bound of spec.model.transformer.{as_field} too); this is not a model Headroom can train",
+                bound.max
+            ),
+        ))
+    } else if value < bound.min {
+        Err(bad(
+            key,
+            format!(
+                "{value} is below {}, the smallest Headroom plans (the bound of spec.model.transformer.{as_field} too)",
+                bound.min
+            ),
+        ))
+    } else {
+        Ok(())
+    }
+}
+
 fn positive_int(v: &Value, key: &'static str) -> Result<u32, ConfigError> {
     let n = v
         .get(key)
@@ -773,10 +817,10 @@ fn positive_int(v: &Value, key: &'static str) -> Result<u32, ConfigError> {
 /// `hidden` width: the key/value heads default to the attention heads and
 /// must divide them; the head dimension defaults to `hidden / heads`.
 fn config_heads(v: &Value, hidden: u32) -> Result<(u32, u32, u32), ConfigError> {
-    let attention_heads = positive_int(v, "num_attention_heads")?;
+    let attention_heads = bounded_int(v, "num_attention_heads", limits::HEADS, "heads")?;
     let key_value_heads = match v.get("num_key_value_heads") {
         None | Some(Value::Null) => attention_heads,
-        Some(_) => positive_int(v, "num_key_value_heads")?,
+        Some(_) => bounded_int(v, "num_key_value_heads", limits::HEADS, "heads")?,
     };
     if !attention_heads.is_multiple_of(key_value_heads) {
         return Err(bad(
@@ -796,7 +840,7 @@ fn config_heads(v: &Value, hidden: u32) -> Result<(u32, u32, u32), ConfigError> 
             }
             hidden / attention_heads
         }
-        Some(_) => positive_int(v, "head_dim")?,
+        Some(_) => bounded_int(v, "head_dim", limits::HEAD_DIM, "hidden")?,
     };
     Ok((attention_heads, key_value_heads, head_dim))
 }
@@ -903,14 +947,21 @@ impl LlamaShape {
         let v: Value =
             serde_json::from_str(text).map_err(|e| bad("(file)", format!("not JSON: {e}")))?;
         let architecture = config_architecture(&v)?;
-        let int = |key: &'static str| positive_int(&v, key);
         let flag =
             |key: &str, default: bool| v.get(key).and_then(Value::as_bool).unwrap_or(default);
-        let hidden = int("hidden_size")?;
+        // Every size is bounded as it is read, before anything is built
+        // from it (Gemma's layer list has an entry per layer).
+        let hidden = bounded_int(&v, "hidden_size", limits::HIDDEN, "hidden")?;
         let (attention_heads, key_value_heads, head_dim) = config_heads(&v, hidden)?;
         if sequence_length == 0 {
             return Err(bad("(sequence length)", "must be at least 1"));
         }
+        check_bound(
+            "(sequence length)",
+            sequence_length,
+            limits::SEQUENCE_LENGTH,
+            "sequenceLength",
+        )?;
         check_activation(&v, architecture)?;
         // Qwen2 always has q/k/v biases and no `attention_bias` key; Phi-3 none.
         let attention_bias = match architecture {
@@ -919,7 +970,7 @@ impl LlamaShape {
             _ => flag("attention_bias", false),
         };
         let mlp_bias = architecture != LlamaArchitecture::Phi3 && flag("mlp_bias", false);
-        let layers = int("num_hidden_layers")?;
+        let layers = bounded_int(&v, "num_hidden_layers", limits::LAYERS, "layers")?;
         let partial_rotary_factor = partial_rotary_factor(&v, architecture, head_dim)?;
         let rotary_dim =
             partial_rotary_factor.map_or(head_dim, |f| (f64::from(head_dim) * f) as u32);
@@ -929,11 +980,16 @@ impl LlamaShape {
             architecture,
             layers,
             hidden,
-            intermediate: int("intermediate_size")?,
+            intermediate: bounded_int(
+                &v,
+                "intermediate_size",
+                limits::FEED_FORWARD,
+                "feedForward",
+            )?,
             attention_heads,
             key_value_heads,
             head_dim,
-            vocabulary: int("vocab_size")?,
+            vocabulary: bounded_int(&v, "vocab_size", limits::VOCABULARY, "vocabulary")?,
             // transformers' Gemma configs tie unless told otherwise (the
             // Hub's gemma-3-1b config.json does not say).
             tied_embeddings: flag("tie_word_embeddings", architecture.gemma()),
@@ -963,6 +1019,74 @@ impl LlamaShape {
                 .map(str::to_string),
             sequence_length,
         })
+    }
+
+    /// Checks a shape read elsewhere (the initializer's report of a
+    /// checkpoint) as [`Self::from_hf_config`] checks config.json: every
+    /// size within the bounds of `spec.model.transformer`, the key/value
+    /// heads dividing the attention heads, Gemma's layer list one entry a
+    /// layer. The error names the config.json key.
+    pub fn check_bounds(&self) -> Result<(), ConfigError> {
+        let sizes = [
+            ("num_hidden_layers", self.layers, limits::LAYERS, "layers"),
+            ("hidden_size", self.hidden, limits::HIDDEN, "hidden"),
+            (
+                "intermediate_size",
+                self.intermediate,
+                limits::FEED_FORWARD,
+                "feedForward",
+            ),
+            (
+                "num_attention_heads",
+                self.attention_heads,
+                limits::HEADS,
+                "heads",
+            ),
+            (
+                "num_key_value_heads",
+                self.key_value_heads,
+                limits::HEADS,
+                "heads",
+            ),
+            ("head_dim", self.head_dim, limits::HEAD_DIM, "hidden"),
+            (
+                "vocab_size",
+                self.vocabulary,
+                limits::VOCABULARY,
+                "vocabulary",
+            ),
+            (
+                "(sequence length)",
+                self.sequence_length,
+                limits::SEQUENCE_LENGTH,
+                "sequenceLength",
+            ),
+        ];
+        for (key, value, bound, as_field) in sizes {
+            check_bound(key, value, bound, as_field)?;
+        }
+        if !self.attention_heads.is_multiple_of(self.key_value_heads) {
+            return Err(bad(
+                "num_key_value_heads",
+                format!(
+                    "{} must divide num_attention_heads ({})",
+                    self.key_value_heads, self.attention_heads
+                ),
+            ));
+        }
+        if let Some(g) = &self.gemma
+            && g.layer_types.len() != self.layers as usize
+        {
+            return Err(bad(
+                "layer_types",
+                format!(
+                    "{} entries; num_hidden_layers is {}",
+                    g.layer_types.len(),
+                    self.layers
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// The same model with the sequence length blanked: what a checkpoint's

@@ -1164,11 +1164,16 @@ impl StageCount<'_> {
                 }
             }
             Some(a) => {
-                let blocks = AdaptedBlock::stage(l, a, self.stage);
-                let bytes: Vec<u64> = blocks.iter().map(|k| k.bytes(l, b, e)).collect();
+                let (first, later) = AdaptedBlock::stage(l, a, self.stage);
+                let (first, later) = (first.bytes(l, b, e), later.bytes(l, b, e));
+                let (sum, last) = match layers {
+                    0 => (0, 0),
+                    1 => (first, first),
+                    n => (first + (n - 1) * later, later),
+                };
                 KeptBlocks {
-                    kept: in_flight * bytes.iter().sum::<u64>(),
-                    one_block: bytes.last().copied().unwrap_or(0),
+                    kept: in_flight * sum,
+                    one_block: last,
                     recomputed: 0,
                 }
             }
@@ -1349,18 +1354,29 @@ fn sharded_state_bytes(
             trained.iter().map(|t| t.elements).max().unwrap_or(0),
         )];
     }
-    let sizes: Vec<u64> = trained
-        .iter()
-        .flat_map(|t| std::iter::repeat_n(t.elements, t.count as usize))
-        .collect();
+    // The worker's owners (`shard_owners`), counted a size at a time: a
+    // block's tensors repeat once a layer, and the greedy sees only sizes.
+    let mut groups: Vec<(u64, u64)> = Vec::with_capacity(trained.len());
+    for t in trained {
+        groups.push((t.elements, t.count));
+    }
+    groups.sort_by_key(|g| std::cmp::Reverse(g.0));
+    groups.dedup_by(|later, kept| {
+        let same = later.0 == kept.0;
+        if same {
+            kept.1 += later.1;
+        }
+        same
+    });
+    let counts = crate::sharding::shard_counts(&groups, replicas);
     let mut per_rank = vec![(0u64, 0u64); replicas as usize];
-    for (elements, owner) in sizes
-        .iter()
-        .zip(crate::sharding::shard_owners(&sizes, replicas))
-    {
-        let rank = &mut per_rank[owner as usize];
-        rank.0 += state(*elements);
-        rank.1 = rank.1.max(*elements);
+    for (&(elements, _), row) in groups.iter().zip(&counts) {
+        for (rank, &c) in per_rank.iter_mut().zip(row) {
+            if c > 0 {
+                rank.0 += c * state(elements);
+                rank.1 = rank.1.max(elements);
+            }
+        }
     }
     per_rank
 }
@@ -1556,18 +1572,15 @@ impl AdaptedBlock {
         }
     }
 
-    /// The stage's blocks in order, without checkpointing: the first
-    /// stage's first block reads the frozen embedding (untracked); a later
-    /// stage's input is tracked (its gradient goes back to the previous stage).
-    fn stage(l: &LlamaShape, lora: &LoraConfig, stage: StagePlacement) -> Vec<Self> {
-        let mut tracked = !stage.first;
-        (0..stage.layers)
-            .map(|_| {
-                let block = AdaptedBlock::new(l, lora, tracked);
-                tracked = block.output_tracked;
-                block
-            })
-            .collect()
+    /// The stage's blocks without checkpointing, as `(first, later)`: the
+    /// first stage's first block reads the frozen embedding (untracked); a
+    /// later stage's input is tracked (its gradient goes back to the
+    /// previous stage). A block's output is tracked whenever its input is,
+    /// so every block after the first is `later`: the stage is counted
+    /// without a value per layer, whatever its layer count.
+    fn stage(l: &LlamaShape, lora: &LoraConfig, stage: StagePlacement) -> (Self, Self) {
+        let first = AdaptedBlock::new(l, lora, !stage.first);
+        (first, AdaptedBlock::new(l, lora, first.output_tracked))
     }
 
     /// Activation bytes for one micro-batch of `b` at `e` bytes an element.
@@ -2122,7 +2135,13 @@ mod lora_and_load_tests {
         assert_eq!(first.token_elements, later.token_elements - h);
         assert!(first.output_tracked);
         let stage = AdaptedBlock::stage(&l, &lora(8, &qv), StagePlacement::single(3));
-        assert_eq!(stage, vec![first, later, later]);
+        assert_eq!(stage, (first, later));
+        // A block whose input is tracked tracks its output: the blocks
+        // after the first are all alike.
+        assert_eq!(
+            AdaptedBlock::new(&l, &lora(8, &qv), later.output_tracked),
+            later
+        );
     }
 
     #[test]
@@ -2755,6 +2774,38 @@ mod term_tests {
         assert_eq!(activations, 10 + recomputation_bytes(&CUDA, 40, 0) + 30);
     }
 
+    /// A stage's blocks under adapters are counted in closed form: a stage
+    /// of four billion layers costs what a stage of two does (a value per
+    /// layer would need 64 GiB here).
+    #[test]
+    fn a_stage_under_adapters_is_counted_without_a_value_per_layer() {
+        let model = untied_llama();
+        let l = llama_shape(&model);
+        let lora = qv_lora();
+        let (b, e) = (2, 2);
+        let token_vector = 256 * b * 512 * e;
+        let n = u32::MAX;
+        let plain = settings();
+        for first in [true, false] {
+            let stage = StagePlacement {
+                first,
+                ..StagePlacement::single(n)
+            };
+            let count = StageCount::new(&model, Some(&lora), &plain, stage, &FLEX);
+            let head = AdaptedBlock::new(l, &lora, !first);
+            let later = AdaptedBlock::new(l, &lora, true);
+            let (head, later) = (head.bytes(l, b, e), later.bytes(l, b, e));
+            assert_eq!(
+                count.llama_kept_blocks(l, Some(&lora), token_vector),
+                KeptBlocks {
+                    kept: head + u64::from(n - 1) * later,
+                    one_block: later,
+                    recomputed: 0,
+                }
+            );
+        }
+    }
+
     #[test]
     fn llama_blocks_under_adapters_follow_what_burn_keeps() {
         let model = untied_llama();
@@ -2768,9 +2819,14 @@ mod term_tests {
         };
         let plain = settings();
         let count = StageCount::new(&model, Some(&lora), &plain, stage, &FLEX);
-        let blocks: Vec<u64> = AdaptedBlock::stage(l, &lora, stage)
-            .iter()
-            .map(|k| k.bytes(l, b, e))
+        // The blocks in order, each from the one before it.
+        let mut tracked = !stage.first;
+        let blocks: Vec<u64> = (0..stage.layers)
+            .map(|_| {
+                let block = AdaptedBlock::new(l, &lora, tracked);
+                tracked = block.output_tracked;
+                block.bytes(l, b, e)
+            })
             .collect();
         assert_eq!(
             count.llama_kept_blocks(l, Some(&lora), token_vector),

@@ -61,6 +61,71 @@ pub fn shard_owners(sizes: &[u64], replicas: u32) -> Vec<u32> {
     owners
 }
 
+/// How many tensors of each group each replica owns under [`shard_owners`],
+/// without a value per tensor: `groups` are `(elements, count)` with
+/// distinct sizes, largest first (the order the greedy takes them in);
+/// the answer has a row per group, a count per replica. Equal tensors
+/// come to the greedy one after another, and the first `k` it places
+/// take the `k` smallest of every rank's next loads `load + j × elements`
+/// (ties to the lower rank), so a group is placed by a search over that
+/// threshold: the planner's estimate of a stage of a thousand layers
+/// costs what a stage of two does.
+pub fn shard_counts(groups: &[(u64, u64)], replicas: u32) -> Vec<Vec<u64>> {
+    let mut loads = vec![0u64; replicas.max(1) as usize];
+    groups
+        .iter()
+        .map(|&(elements, count)| {
+            let counts = group_counts(&loads, elements, count);
+            for (load, c) in loads.iter_mut().zip(&counts) {
+                *load += c * elements;
+            }
+            counts
+        })
+        .collect()
+}
+
+/// `k` tensors of `size` elements placed greedily on ranks with `loads`:
+/// each rank's count.
+fn group_counts(loads: &[u64], size: u64, k: u64) -> Vec<u64> {
+    let mut counts = vec![0u64; loads.len()];
+    let least = loads.iter().copied().min().unwrap_or(0);
+    if size == 0 || k == 0 {
+        // Nothing changes the loads: every one goes to the first least loaded rank.
+        if let Some(r) = loads.iter().position(|&l| l == least) {
+            counts[r] = k;
+        }
+        return counts;
+    }
+    // Slots of a rank below `t`: its loads load + j·size < t.
+    let below = |t: u64| -> u64 {
+        loads
+            .iter()
+            .map(|&l| if t > l { (t - l).div_ceil(size) } else { 0 })
+            .sum()
+    };
+    // The smallest t with at least k slots at or below it (the least
+    // loaded rank alone has k by least + (k − 1)·size).
+    let (mut lo, mut hi) = (least, least + (k - 1) * size);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if below(mid + 1) >= k {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    let mut left = k - below(lo);
+    for (count, &l) in counts.iter_mut().zip(loads) {
+        *count = if lo > l { (lo - l).div_ceil(size) } else { 0 };
+        // The slots at exactly the threshold, lower ranks first.
+        if left > 0 && lo >= l && (lo - l) % size == 0 {
+            *count += 1;
+            left -= 1;
+        }
+    }
+    counts
+}
+
 /// What each replica owns under [`shard_owners`], in elements.
 pub fn shard_loads(sizes: &[u64], replicas: u32) -> Vec<u64> {
     let mut loads = vec![0u64; replicas.max(1) as usize];
@@ -73,6 +138,33 @@ pub fn shard_loads(sizes: &[u64], replicas: u32) -> Vec<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest::proptest! {
+        /// The grouped count is the greedy's, tensor for tensor.
+        #[test]
+        fn shard_counts_are_the_greedys(
+            groups in proptest::collection::vec((0u64..40, 0u64..30), 0..6),
+            replicas in 1u32..10,
+        ) {
+            let mut groups: Vec<(u64, u64)> = groups;
+            groups.sort_by_key(|g| std::cmp::Reverse(g.0));
+            groups.dedup_by_key(|g| g.0);
+            let sizes: Vec<u64> = groups
+                .iter()
+                .flat_map(|&(e, c)| std::iter::repeat_n(e, c as usize))
+                .collect();
+            let owners = shard_owners(&sizes, replicas);
+            let mut expected = vec![vec![0u64; replicas as usize]; groups.len()];
+            let mut i = 0;
+            for (g, &(_, c)) in groups.iter().enumerate() {
+                for _ in 0..c {
+                    expected[g][owners[i] as usize] += 1;
+                    i += 1;
+                }
+            }
+            proptest::prop_assert_eq!(shard_counts(&groups, replicas), expected);
+        }
+    }
 
     #[test]
     fn one_replica_owns_everything() {

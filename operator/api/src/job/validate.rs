@@ -178,6 +178,11 @@ impl MemoryAwareTrainingJobSpec {
         };
         let mut shape = shape.clone();
         shape.sequence_length = p.sequence_length;
+        // The initializer's report was checked when it came; a status
+        // written before that check is held to the same bounds here.
+        shape
+            .check_bounds()
+            .map_err(|e| spec_error("model.pretrained", format!("the checkpoint's {e}")))?;
         self.check_adapters_fit(&shape)?;
         Ok(ModelShape::Llama(shape))
     }
@@ -872,6 +877,23 @@ mod tests {
             set(&mut spec, "HTTP://hf-mirror.example", None);
             assert!(spec.check_hub_endpoints().is_err(), "{file}: HTTP://");
         }
+    }
+
+    /// A stored checkpoint shape beyond spec.model.transformer's bounds (a
+    /// status written before reports were checked) is refused, not planned.
+    #[test]
+    fn a_checkpoint_shape_beyond_the_bounds_is_not_planned() {
+        let mut shape = tiny_llama();
+        shape.layers = 40_000_000;
+        let mut spec = invalid_manifest("45-lora-dropout.yaml").spec;
+        spec.training.lora = None;
+        let e = spec.job_request_for(Some(&shape)).expect_err("refused");
+        assert_eq!(e.field, "model.pretrained");
+        assert!(
+            e.problem
+                .contains("num_hidden_layers: 40000000 exceeds 1024"),
+            "{e}"
+        );
     }
 
     #[test]

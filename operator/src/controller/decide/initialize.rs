@@ -41,44 +41,7 @@ impl Builder<'_> {
                 self.d.requeue_after = Some(Duration::from_secs(5));
                 false
             }
-            PodVerdict::Succeeded => {
-                let said = terminated_message(pod).unwrap_or_default();
-                match serde_json::from_str::<headroom_api::InitializerReport>(&said) {
-                    Ok(report) => {
-                        let m = &report.model;
-                        let d = &report.data;
-                        let message = format!(
-                            "{}: {} parameters ({}, {}), {} layers; data: {} documents, {} tokens, {} samples of {} tokens{}",
-                            m.shape.architecture.hf_name(),
-                            m.parameters,
-                            m.dtype,
-                            format_bytes(m.bytes),
-                            m.shape.layers,
-                            d.documents,
-                            d.tokens,
-                            d.samples,
-                            m.shape.sequence_length,
-                            if report.downloaded_bytes > 0 {
-                                format!("; downloaded {}", format_bytes(report.downloaded_bytes))
-                            } else {
-                                String::new()
-                            }
-                        );
-                        self.d.status.model = Some(report.model);
-                        self.d.status.data = Some(report.data);
-                        self.d.status.output = output_location(job);
-                        self.enter(Transition::Initialized { message });
-                        true
-                    }
-                    Err(e) => {
-                        self.fail(
-                            Reason::InvalidSource,
-                            format!("initializer pod {name} ended without a readable report ({e}): {said}"),
-                        );
-                        false
-                    }
-                }
-            }
+            PodVerdict::Succeeded => self.take_report(&name, pod),
             PodVerdict::Failed(f) => {
                 let transient = !matches!(f.worker, Some(WorkerOutcome::InvalidPlan));
                 let policy = &job.spec.memory_policy;
@@ -106,6 +69,54 @@ impl Builder<'_> {
                     Reason::InvalidSource,
                     format!("initializer: {}{what}", f.message),
                 );
+                false
+            }
+        }
+    }
+
+    /// The initializer pod `name` succeeded: its report (the checkpoint's
+    /// shape, the data) goes into the status, or the job fails when the
+    /// report cannot be read or is not one Headroom plans. True once taken.
+    fn take_report(&mut self, name: &str, pod: &Pod) -> bool {
+        let said = terminated_message(pod).unwrap_or_default();
+        // A report is checked as a job's own spec is before it is
+        // planned: a shape beyond the CRD's bounds would ask the
+        // planner for any amount of memory and time.
+        let report = serde_json::from_str::<headroom_api::InitializerReport>(&said)
+            .map_err(|e| format!("ended without a readable report ({e}): {said}"))
+            .and_then(|r| match r.model.check() {
+                Ok(()) => Ok(r),
+                Err(e) => Err(format!("reported a checkpoint Headroom does not plan: {e}")),
+            });
+        match report {
+            Ok(report) => {
+                let m = &report.model;
+                let d = &report.data;
+                let message = format!(
+                    "{}: {} parameters ({}, {}), {} layers; data: {} documents, {} tokens, {} samples of {} tokens{}",
+                    m.shape.architecture.hf_name(),
+                    m.parameters,
+                    m.dtype,
+                    format_bytes(m.bytes),
+                    m.shape.layers,
+                    d.documents,
+                    d.tokens,
+                    d.samples,
+                    m.shape.sequence_length,
+                    if report.downloaded_bytes > 0 {
+                        format!("; downloaded {}", format_bytes(report.downloaded_bytes))
+                    } else {
+                        String::new()
+                    }
+                );
+                self.d.status.model = Some(report.model);
+                self.d.status.data = Some(report.data);
+                self.d.status.output = output_location(self.obs.job);
+                self.enter(Transition::Initialized { message });
+                true
+            }
+            Err(e) => {
+                self.fail(Reason::InvalidSource, format!("initializer pod {name} {e}"));
                 false
             }
         }
@@ -218,6 +229,60 @@ mod tests {
         assert_eq!(planned.total_params(), 214_592);
         assert!(done.events.iter().any(|e| e.reason == Reason::Initialized
             && e.note.contains("LlamaForCausalLM: 214592 parameters")));
+    }
+
+    /// A report is the job's worker image's word: one whose shape is
+    /// beyond the bounds of `spec.model.transformer`, or whose parameter
+    /// count is not its shape's, fails the job naming the field, and
+    /// nothing is planned (forty million layers under LoRA once took the
+    /// planner gigabytes, and the operator down with it).
+    #[test]
+    fn a_report_beyond_the_crd_bounds_fails_the_job_naming_the_field() {
+        let report: headroom_api::InitializerReport =
+            serde_json::from_str(&headroom_e2e::fixtures::tiny_llama_report(64)).expect("report");
+        type Change = fn(&mut headroom_api::ModelFacts);
+        let cases: [(&str, Change); 7] = [
+            ("num_hidden_layers: 40000000 exceeds 1024", |m| {
+                m.shape.layers = 40_000_000
+            }),
+            ("hidden_size: 4294967295 exceeds 65536", |m| {
+                m.shape.hidden = u32::MAX
+            }),
+            ("vocab_size: 4294967295 exceeds 4194304", |m| {
+                m.shape.vocabulary = u32::MAX
+            }),
+            ("num_attention_heads: 4294967295 exceeds 1024", |m| {
+                m.shape.attention_heads = u32::MAX
+            }),
+            ("intermediate_size: 4294967295 exceeds 1048576", |m| {
+                m.shape.intermediate = u32::MAX
+            }),
+            ("head_dim: 4294967295 exceeds 65536", |m| {
+                m.shape.head_dim = u32::MAX
+            }),
+            ("parameters: 7 in the report", |m| m.parameters = 7),
+        ];
+        for (says, change) in cases {
+            let mut j = finetune_job();
+            step(&mut j, &[], t0());
+            let mut bad = report.clone();
+            change(&mut bad.model);
+            let said = serde_json::to_string(&bad).expect("JSON");
+            let d = step(&mut j, &[init_pod(1, &terminated(0, &said))], t0());
+            assert_eq!(d.status.phase, Some(JobPhase::Failed), "{says}");
+            assert!(has_condition(
+                &d.status,
+                ConditionType::Failed,
+                true,
+                Reason::InvalidSource
+            ));
+            let message = d.status.message.as_deref().unwrap_or_default();
+            assert!(
+                message.contains("does not plan") && message.contains(says),
+                "{says}: {message}"
+            );
+            assert_eq!((launched(&d), d.status.model.as_ref()), (None, None));
+        }
     }
 
     #[test]

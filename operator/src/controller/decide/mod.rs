@@ -28,7 +28,7 @@ use headroom_api::{
     WORKER_MAX_STAGES, WorkerAssignment,
 };
 use headroom_planner::{
-    FailureCause, Inventory, JobRequest, ModelShape, Plan, Target, plan, replan,
+    FailureCause, Inventory, JobRequest, ModelShape, NoFeasiblePlan, Plan, Target, plan, replan,
 };
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Pod;
@@ -176,7 +176,7 @@ impl Builder<'_> {
         };
         self.model = Some(request.model.clone());
         let Some(current) = self.d.status.attempts.last().cloned() else {
-            return match plan(&request, self.obs.inventory) {
+            return match guarded(|| plan(&request, self.obs.inventory)) {
                 Ok(p) => self.start(1, p, None),
                 Err(e) => self.no_plan(e),
             };
@@ -197,10 +197,10 @@ impl Builder<'_> {
         request: &JobRequest,
         cause: &FailureCause,
     ) -> Result<Plan, headroom_planner::NoFeasiblePlan> {
-        match &self.d.status.plan {
+        guarded(|| match &self.d.status.plan {
             Some(current) => replan(request, self.obs.inventory, current, cause),
             None => plan(request, self.obs.inventory),
-        }
+        })
     }
 
     /// Attempt `attempt`'s children must exist.
@@ -311,6 +311,29 @@ impl Builder<'_> {
     }
 }
 
+/// Runs the planner, so that a panic in it (an arithmetic overflow on a
+/// shape nothing refused, say) fails this job with no feasible plan, the
+/// panic's message the reason, and the operator goes on with its other jobs.
+/// The planner is pure: nothing it touched outlives the call.
+fn guarded(
+    planning: impl FnOnce() -> Result<Plan, NoFeasiblePlan>,
+) -> Result<Plan, NoFeasiblePlan> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(planning)).unwrap_or_else(|panic| {
+        let what = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic".into());
+        Err(NoFeasiblePlan {
+            summary: format!(
+                "the planner stopped on this job ({what}); the model's shape or the job's sizes are beyond what it computes"
+            ),
+            details: vec![],
+            waits_for: None,
+        })
+    })
+}
+
 /// The pods of attempt `attempt` (by their attempt label).
 fn of_attempt<'a>(pods: &'a [&'a Pod], attempt: u32) -> impl Iterator<Item = &'a Pod> + 'a {
     let label = attempt.to_string();
@@ -348,6 +371,30 @@ fn runnable_request(
 #[cfg(test)]
 mod tests {
     use super::fixtures::*;
+
+    /// A panic while planning (an overflow, say) is no plan for this job,
+    /// with the panic's words; the operator's other jobs go on.
+    #[test]
+    fn a_panic_while_planning_is_no_plan_not_a_crash() {
+        let refused = super::guarded(|| {
+            let layers: u64 = std::hint::black_box(u64::MAX);
+            let _ = layers
+                .checked_mul(2)
+                .expect("attempt to multiply with overflow");
+            unreachable!("refused above")
+        })
+        .expect_err("no plan");
+        assert!(
+            refused
+                .summary
+                .contains("attempt to multiply with overflow")
+                && refused.waits_for.is_none(),
+            "{refused:?}"
+        );
+        let mut j = oom_job();
+        let d = step(&mut j, &[], t0());
+        assert_eq!(launched(&d), Some(1), "planning goes on");
+    }
 
     #[test]
     fn a_new_job_is_planned_and_launched() {
