@@ -7,6 +7,7 @@
 //! Modules, each importing only those above it:
 //!
 //! * [`units`] — byte and count formatting
+//! * [`limits`] — the sizes a transformer may have (the CRD's bounds, and a checkpoint's)
 //! * [`target_module`] — the Llama-family modules LoRA may adapt, by their Hugging Face names
 //! * [`llama`] — Llama-family models (Llama, Mistral, Qwen2, Qwen3, Phi-3) from a Hugging Face `config.json`
 //! * [`adapters`] — LoRA adapters and the frozen base's storage format (QLoRA)
@@ -27,6 +28,7 @@ pub mod adapters;
 pub mod backend;
 pub mod inventory;
 pub mod ladder;
+pub mod limits;
 pub mod llama;
 pub mod memory;
 pub mod model;

@@ -25,7 +25,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::model::limits::{self, Bound};
+use crate::limits::{self, Bound};
 use crate::target_module::TargetModule;
 
 /// Which Hugging Face architecture a config names.

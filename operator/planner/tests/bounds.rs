@@ -6,7 +6,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use headroom_planner::model::limits;
+use headroom_planner::limits;
 use headroom_planner::*;
 use proptest::prelude::*;
 
