@@ -337,7 +337,7 @@ async fn the_link_key_is_its_jobs_and_needs_a_token(ns: &TestNs, w: &Worker) {
         .expect("job")
         .uid()
         .expect("uid");
-    assert_eq!(got.key, w.key.job_key_hex(&ns.name, &uid));
+    assert_eq!(got.key, w.key.attempt_key_hex(&ns.name, &uid, 1));
     let (code, _) = call(&w.api, Method::GET, WORKER_API_PEER_KEY_PATH, None, None).await;
     assert_eq!(code, StatusCode::UNAUTHORIZED);
 }

@@ -19,8 +19,9 @@
 //!   An entry beyond the schema's bounds is refused here
 //!   ([`WorkerTelemetry::check_bounds`]).
 //! * `GET /v1/peers/<pod>` — the IP of another pod of the caller's job.
-//! * `GET /v1/peer-key` — the caller's job's link key ([`peer_key`]), with
-//!   which its stages and replicas authenticate each other.
+//! * `GET /v1/peer-key` — the link key of the caller's attempt of its job
+//!   ([`peer_key`]), with which the attempt's stages and replicas
+//!   authenticate each other; none for the initializer.
 //!
 //! The API is reachable from every pod of the cluster, so it is built to
 //! shed load rather than fall over (SECURITY.md):
@@ -270,16 +271,13 @@ async fn peer(
     Ok(address(peer.status.as_ref().and_then(|s| s.pod_ip.clone())))
 }
 
-/// `GET /v1/peer-key`: the caller's job's link key.
+/// `GET /v1/peer-key`: the link key of the caller's attempt of its job.
 async fn job_key(
     State(api): State<Arc<WorkerApi>>,
     headers: HeaderMap,
 ) -> Result<Response, Refusal> {
     let caller = api.caller(&headers).await?;
-    let key = PeerKey {
-        key: api.key.job_key_hex(&caller.namespace, &caller.job_uid),
-    };
-    let body = serde_json::to_string(&key).unwrap_or_default();
+    let body = serde_json::to_string(&peer_key_for(&api.key, &caller)?).unwrap_or_default();
     Ok((
         [
             (header::CONTENT_TYPE, "application/json"),
@@ -288,6 +286,22 @@ async fn job_key(
         body,
     )
         .into_response())
+}
+
+/// The key a caller may learn: its own attempt's. The initializer (attempt
+/// 0: it has no attempt label) links to no peers, so it gets none, and a
+/// job's image that runs as its initializer cannot learn the key the
+/// training workers will use.
+fn peer_key_for(key: &OperatorKey, caller: &Caller) -> Result<PeerKey, Refusal> {
+    if caller.attempt == 0 {
+        return Err(Refusal::Forbidden(format!(
+            "pod {} is job {}/{}'s initializer: it links to no peers, so it gets no peer key",
+            caller.pod, caller.namespace, caller.job
+        )));
+    }
+    Ok(PeerKey {
+        key: key.attempt_key_hex(&caller.namespace, &caller.job_uid, caller.attempt),
+    })
 }
 
 /// A DNS-1123 subdomain, what Kubernetes accepts as a pod name: checked
@@ -344,6 +358,33 @@ impl WorkerApi {
 mod tests {
     use super::*;
     use kube::runtime::{reflector, watcher};
+
+    fn caller(attempt: u32) -> Caller {
+        Caller {
+            namespace: "team-a".into(),
+            pod: "job-a1-s0".into(),
+            job: "job".into(),
+            job_uid: "uid-1".into(),
+            attempt,
+            stage: 0,
+        }
+    }
+
+    /// Each attempt's workers learn their own attempt's key; the
+    /// initializer learns none.
+    #[test]
+    fn a_worker_learns_its_attempts_key_and_the_initializer_none() {
+        let key = OperatorKey::random().expect("random");
+        let first = peer_key_for(&key, &caller(1)).expect("a worker of attempt 1");
+        let second = peer_key_for(&key, &caller(2)).expect("a worker of attempt 2");
+        assert_eq!(first.key, key.attempt_key_hex("team-a", "uid-1", 1));
+        assert_ne!(first.key, second.key);
+        let refused = peer_key_for(&key, &caller(0));
+        assert!(
+            matches!(&refused, Err(Refusal::Forbidden(m)) if m.contains("initializer")),
+            "{refused:?}"
+        );
+    }
 
     /// On the leader a peer's address comes from the pod cache, never the
     /// API server; only a replica without the cache reads it.

@@ -1,11 +1,14 @@
 //! The secret a job's workers prove their membership with when they connect
 //! to each other (pipeline stages, data-parallel replicas).
 //!
-//! A job's key is HMAC-SHA-256(operator key, namespace ‖ job uid): stored
-//! nowhere, no API write per job, the same on every operator replica that
-//! mounts the same operator key (the chart's Secret), different for every
-//! job (a job re-created under the same name has a new uid, so a new key).
-//! The worker API hands it only to a pod its job controls.
+//! An attempt's key is HMAC-SHA-256(operator key, namespace ‖ job uid ‖
+//! attempt): stored nowhere, no API write per job, the same on every
+//! operator replica that mounts the same operator key (the chart's Secret),
+//! different for every job (a job re-created under the same name has a new
+//! uid, so a new key) and for every attempt of it, so a pod of an earlier
+//! attempt that is still running, or a key one of its pods leaked, cannot
+//! join a later attempt's links. The worker API hands it only to a worker
+//! pod its job controls, for that pod's own attempt.
 
 use std::path::Path;
 
@@ -68,15 +71,17 @@ impl OperatorKey {
         Ok(OperatorKey(key))
     }
 
-    /// The key of the job `namespace`/`uid`, as 64 lowercase hex digits.
-    pub fn job_key_hex(&self, namespace: &str, job_uid: &str) -> String {
+    /// The key of attempt `attempt` of the job `namespace`/`uid`, as 64
+    /// lowercase hex digits.
+    pub fn attempt_key_hex(&self, namespace: &str, job_uid: &str, attempt: u32) -> String {
         let mut mac = key_mac(&self.0);
-        mac.update(b"headroom peer key v1");
+        mac.update(b"headroom peer key v2");
         for part in [namespace, job_uid] {
             // Length-prefixed: ("ab", "c") and ("a", "bc") are different jobs.
             mac.update(&(part.len() as u64).to_be_bytes());
             mac.update(part.as_bytes());
         }
+        mac.update(&attempt.to_be_bytes());
         mac.finalize()
             .into_bytes()
             .iter()
@@ -96,7 +101,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn each_job_has_its_own_key_and_every_replica_derives_the_same() {
+    fn each_attempt_of_each_job_has_its_own_key_and_every_replica_derives_the_same() {
         let dir = std::env::temp_dir().join(format!("hr-peer-key-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("dir");
         let file = dir.join("key");
@@ -107,18 +112,34 @@ mod tests {
         .expect("write");
         let a = OperatorKey::from_file(&file).expect("key");
         let b = OperatorKey::from_file(&file).expect("key");
-        let key = a.job_key_hex("team-a", "uid-1");
+        let key = a.attempt_key_hex("team-a", "uid-1", 1);
         assert_eq!(key.len(), 64);
         assert!(
             key.bytes()
                 .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase())
         );
-        assert_eq!(key, b.job_key_hex("team-a", "uid-1"), "replicas agree");
-        assert_ne!(key, a.job_key_hex("team-a", "uid-2"), "a re-created job");
-        assert_ne!(key, a.job_key_hex("team-b", "uid-1"));
-        assert_ne!(a.job_key_hex("ab", "c"), a.job_key_hex("a", "bc"));
+        assert_eq!(
+            key,
+            b.attempt_key_hex("team-a", "uid-1", 1),
+            "replicas agree"
+        );
+        assert_ne!(
+            key,
+            a.attempt_key_hex("team-a", "uid-2", 1),
+            "a re-created job"
+        );
+        assert_ne!(key, a.attempt_key_hex("team-b", "uid-1", 1));
+        assert_ne!(
+            key,
+            a.attempt_key_hex("team-a", "uid-1", 2),
+            "the next attempt"
+        );
+        assert_ne!(
+            a.attempt_key_hex("ab", "c", 1),
+            a.attempt_key_hex("a", "bc", 1)
+        );
         let other = OperatorKey::random().expect("random");
-        assert_ne!(key, other.job_key_hex("team-a", "uid-1"));
+        assert_ne!(key, other.attempt_key_hex("team-a", "uid-1", 1));
         assert_eq!(format!("{a:?}"), "OperatorKey(..)");
 
         std::fs::write(&file, "short\n").expect("write");
