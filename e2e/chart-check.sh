@@ -40,6 +40,14 @@ grep -q -- '--per-source-connection-share=0.25' <<<"${rendered}" || fail "the pe
 for share in 0 1.5; do
   if "${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --set perSourceConnectionShare="${share}" >/dev/null 2>&1; then fail "values.schema.json accepted perSourceConnectionShare=${share}"; fi
 done
+# GitOps: with existing Secrets the chart renders neither the CA nor the peer
+# key (nor their checksums, which a render without cluster access would
+# change every time) and mounts the named ones.
+own_secrets=$("${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --set workerApi.tls.existingSecret=my-ca --set peerKey.existingSecret=my-peer-key)
+if grep -q 'name: headroom-worker-api-ca$\|name: headroom-peer-key$' <<<"${own_secrets}"; then fail "existingSecret still renders the generated CA or peer key"; fi
+if grep -q 'checksum/' <<<"${own_secrets}"; then fail "existingSecret still puts a checksum of a generated Secret on the operator"; fi
+grep -q 'secretName: my-ca$' <<<"${own_secrets}" || fail "workerApi.tls.existingSecret is not mounted"
+grep -q 'secretName: my-peer-key$' <<<"${own_secrets}" || fail "peerKey.existingSecret is not mounted"
 # A job that names a Secret is admitted only if its creator may get that
 # Secret: the admission policy is on by default, and can be turned off.
 grep -q '^kind: ValidatingAdmissionPolicy$' <<<"${rendered}" || fail "no token Secret admission policy by default"
