@@ -21,7 +21,7 @@ use kube::{Client, ResourceExt};
 use super::reconcile::{error_policy, reconcile};
 use super::{Context, ControllerConfig};
 use crate::metrics::Metrics;
-use crate::watched_pods::WatchedPods;
+use crate::watched_pods::{WatchedPods, owning_job};
 use crate::worker_reports::WorkerReports;
 
 /// Runs the controller until `shutdown` resolves; returns after in-flight
@@ -133,6 +133,7 @@ fn watch_job_pods(
     let (pod_tx, pod_events) = futures::channel::mpsc::unbounded::<Arc<Pod>>();
     let pod_watch = watcher(pod_api, watcher::Config::default().labels(LABEL_JOB))
         .default_backoff()
+        .filter_map(|event| std::future::ready(only_ours(event)))
         .modify(keep_what_decisions_read)
         .reflect(pod_writer)
         .for_each(move |event| {
@@ -148,6 +149,22 @@ fn watch_job_pods(
             std::future::ready(())
         });
     (pods, pod_events, pod_watch)
+}
+
+/// Only pods a job controls enter the cache. Anyone who may create pods can
+/// put the job label on one, and the cache would keep it (with whatever it
+/// carries) for as long as it exists: about 200 crafted pods would fill the
+/// operator's memory. A pod that is not, or no longer, a job's is removed
+/// instead (a `Delete`, which no job's reconcile follows, having no owner).
+fn only_ours(
+    event: Result<watcher::Event<Pod>, watcher::Error>,
+) -> Option<Result<watcher::Event<Pod>, watcher::Error>> {
+    use watcher::Event;
+    match event {
+        Ok(Event::Apply(pod)) if owning_job(&pod).is_none() => Some(Ok(Event::Delete(pod))),
+        Ok(Event::InitApply(pod)) if owning_job(&pod).is_none() => None,
+        other => Some(other),
+    }
 }
 
 /// Every node: the inventory's devices and allocatable memory.
@@ -200,7 +217,7 @@ fn watch_claims(
     let (claims, claim_writer) = reflector::store();
     let claim_watch = watcher(claim_api, watcher::Config::default())
         .default_backoff()
-        .modify(forget_managed_fields)
+        .modify(keep_what_claim_checks_read)
         .reflect(claim_writer)
         .for_each(|_| std::future::ready(()));
     (claims, claim_watch)
@@ -251,6 +268,18 @@ fn forget_managed_fields(object: &mut impl ResourceExt) {
     object.managed_fields_mut().clear();
 }
 
+/// A claim as the cache keeps it: its name, owners and the job-uid
+/// annotation, all that `claim_belongs_to` reads. Claims are anyone's in the
+/// namespace, and their other labels and annotations are theirs to make as
+/// large as the API server allows.
+fn keep_what_claim_checks_read(claim: &mut PartialObjectMeta<PersistentVolumeClaim>) {
+    forget_managed_fields(claim);
+    claim.metadata.labels = None;
+    if let Some(annotations) = claim.metadata.annotations.as_mut() {
+        annotations.retain(|key, _| key == headroom_api::ANNOTATION_JOB_UID);
+    }
+}
+
 /// A job pod as the cache keeps it: what the decisions read (metadata, the
 /// node and Kueue's scheduling gates, each container's name and its
 /// `HEADROOM_PLAN` assignment, the whole status) and nothing else. A worker
@@ -260,6 +289,9 @@ fn forget_managed_fields(object: &mut impl ResourceExt) {
 fn keep_what_decisions_read(pod: &mut Pod) {
     use k8s_openapi::api::core::v1::{Container, PodSpec};
     forget_managed_fields(pod);
+    // No decision reads a pod's annotations (the operator writes some at
+    // creation, for Kueue), and anyone's may be large.
+    pod.metadata.annotations = None;
     pod.spec = pod.spec.take().map(|spec| PodSpec {
         node_name: spec.node_name,
         scheduling_gates: spec.scheduling_gates,
@@ -284,7 +316,7 @@ fn keep_what_decisions_read(pod: &mut Pod) {
 mod tests {
     use headroom_api::{PLAN_JSON_ENV, WorkerAssignment};
 
-    use super::keep_what_decisions_read;
+    use super::{keep_what_claim_checks_read, keep_what_decisions_read, only_ours};
     use crate::controller::config::ChildConfig;
     use crate::controller::pods::tests::{cpu_job, first_plan};
     use crate::controller::pods::{Slot, worker_pod};
@@ -330,5 +362,82 @@ mod tests {
             serde_json::from_str(env[0].value.as_deref().expect("value")).expect("assignment");
         assert_eq!(assignment.plan, plan);
         assert!(kept * 10 < full * 8, "kept {kept} of {full} bytes");
+    }
+
+    /// A pod someone else labelled with the job label never enters the
+    /// cache, and one a job stops controlling leaves it; a job's pod enters.
+    #[test]
+    fn only_pods_a_job_controls_enter_the_cache() {
+        use k8s_openapi::api::core::v1::Pod;
+        use kube::runtime::watcher::Event;
+        let job = cpu_job();
+        let plan = first_plan(&job.spec);
+        let model = job.spec.job_request().expect("valid").model;
+        let slot = Slot {
+            stage: 0,
+            replica: 0,
+        };
+        let ours =
+            worker_pod(&job, 1, slot, &plan, &model, "w:1", &ChildConfig::default()).expect("pod");
+        let mut crafted: Pod = ours.clone();
+        crafted.metadata.owner_references = None;
+
+        assert!(matches!(
+            only_ours(Ok(Event::InitApply(ours.clone()))),
+            Some(Ok(Event::InitApply(_)))
+        ));
+        assert!(matches!(
+            only_ours(Ok(Event::Apply(ours.clone()))),
+            Some(Ok(Event::Apply(_)))
+        ));
+        assert!(only_ours(Ok(Event::InitApply(crafted.clone()))).is_none());
+        assert!(matches!(
+            only_ours(Ok(Event::Apply(crafted))),
+            Some(Ok(Event::Delete(_)))
+        ));
+    }
+
+    /// A cached pod keeps no annotations, a cached claim only the one that
+    /// says whose checkpoints it holds.
+    #[test]
+    fn cached_pods_and_claims_keep_only_what_is_read() {
+        use k8s_openapi::api::core::v1::PersistentVolumeClaim;
+        use kube::core::PartialObjectMeta;
+        let job = cpu_job();
+        let plan = first_plan(&job.spec);
+        let model = job.spec.job_request().expect("valid").model;
+        let slot = Slot {
+            stage: 0,
+            replica: 0,
+        };
+        let mut pod =
+            worker_pod(&job, 1, slot, &plan, &model, "w:1", &ChildConfig::default()).expect("pod");
+        pod.metadata
+            .annotations
+            .get_or_insert_default()
+            .insert("big".into(), "x".repeat(100_000));
+        keep_what_decisions_read(&mut pod);
+        assert_eq!(pod.metadata.annotations, None);
+
+        let mut claim: PartialObjectMeta<PersistentVolumeClaim> =
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                "metadata": {
+                    "name": "job-checkpoints",
+                    "labels": {"big": "x"},
+                    "annotations": {headroom_api::ANNOTATION_JOB_UID: "uid-1", "big": "y"}
+                }
+            }))
+            .expect("claim");
+        keep_what_claim_checks_read(&mut claim);
+        assert_eq!(claim.metadata.labels, None);
+        let kept: Vec<_> = claim.metadata.annotations.iter().flatten().collect();
+        assert_eq!(
+            kept,
+            [(
+                &headroom_api::ANNOTATION_JOB_UID.to_string(),
+                &"uid-1".to_string()
+            )]
+        );
     }
 }

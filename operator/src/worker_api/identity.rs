@@ -46,7 +46,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::Semaphore;
 
 use super::Refusal;
-use crate::watched_pods::WatchedPods;
+use crate::watched_pods::{WatchedPods, owning_job};
 
 /// How long a checked token stands for its pod before it is checked again,
 /// on a replica that cannot see the pod go. Short against a projected
@@ -450,20 +450,6 @@ fn precheck(token: &str, now: u64) -> Result<Duration, String> {
         return Err("it is not bound to a pod".into());
     }
     Ok(Duration::from_secs(claims.exp - now))
-}
-
-/// The job that controls `pod` and carries its label: (name, uid).
-pub fn owning_job(pod: &Pod) -> Option<(String, String)> {
-    let label = pod.labels().get(LABEL_JOB)?;
-    pod.owner_references()
-        .iter()
-        .find(|o| {
-            o.controller == Some(true)
-                && o.kind == MemoryAwareTrainingJob::kind(&())
-                && o.api_version == MemoryAwareTrainingJob::api_version(&())
-                && &o.name == label
-        })
-        .map(|o| (o.name.clone(), o.uid.clone()))
 }
 
 #[cfg(test)]

@@ -65,11 +65,12 @@ mod identity;
 pub mod peer_key;
 pub mod tls;
 
+use crate::watched_pods::owning_job;
+use identity::Identities;
 pub use identity::{
     Caller, IDENTITY_TTL, MAX_CONCURRENT_REVIEWS, MAX_TOKEN_BYTES, REFUSAL_TTL,
     WATCHED_IDENTITY_TTL,
 };
-use identity::{Identities, owning_job};
 pub use peer_key::OperatorKey;
 // Served, like the operator's other ports, by its one listener.
 pub use crate::listener::{Limits, serve};
