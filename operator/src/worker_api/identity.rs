@@ -35,13 +35,11 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use base64::Engine;
 
-use headroom_api::{
-    LABEL_ATTEMPT, LABEL_JOB, LABEL_STAGE, MemoryAwareTrainingJob, WORKER_API_AUDIENCE,
-};
+use headroom_api::{LABEL_ATTEMPT, LABEL_STAGE, WORKER_API_AUDIENCE};
 use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
-use kube::{Client, Resource, ResourceExt};
+use kube::{Client, ResourceExt};
 use sha2::{Digest, Sha256};
 use tokio::sync::Semaphore;
 
