@@ -337,38 +337,59 @@ mod tests {
     /// toward etcd's size limit, after which every status write fails: each
     /// string and list a worker fills has a bound in the schema, so the API
     /// server refuses an oversized report instead of storing it.
-    #[test]
-    fn every_string_and_list_workers_write_is_bounded() {
-        fn unbounded(schema: &serde_json::Value, path: &str, out: &mut Vec<String>) {
-            match schema["type"].as_str() {
-                Some("string")
-                    if schema.get("maxLength").is_none() && schema.get("enum").is_none() =>
-                {
-                    out.push(path.to_string())
+    /// Every string, list and map below `schema` without a bound, by path.
+    fn unbounded(schema: &serde_json::Value, path: &str, out: &mut Vec<String>) {
+        match schema["type"].as_str() {
+            Some("string") if schema.get("maxLength").is_none() && schema.get("enum").is_none() => {
+                out.push(path.to_string())
+            }
+            Some("array") => {
+                if schema.get("maxItems").is_none() {
+                    out.push(path.to_string());
                 }
-                Some("array") => {
-                    if schema.get("maxItems").is_none() {
+                unbounded(&schema["items"], &format!("{path}[]"), out);
+            }
+            Some("object") => {
+                for (name, field) in schema["properties"].as_object().into_iter().flatten() {
+                    // Kubernetes' own timestamp type: a fixed-size format.
+                    if field.get("format").and_then(|f| f.as_str()) == Some("date-time") {
+                        continue;
+                    }
+                    unbounded(field, &format!("{path}.{name}"), out);
+                }
+                if let Some(values) = schema.get("additionalProperties").filter(|v| v.is_object()) {
+                    if schema.get("maxProperties").is_none() {
                         out.push(path.to_string());
                     }
-                    unbounded(&schema["items"], &format!("{path}[]"), out);
+                    unbounded(values, &format!("{path}{{}}"), out);
                 }
-                Some("object") => {
-                    for (name, field) in schema["properties"].as_object().into_iter().flatten() {
-                        // Kubernetes' own timestamp type: a fixed-size format.
-                        if field.get("format").and_then(|f| f.as_str()) == Some("date-time") {
-                            continue;
-                        }
-                        unbounded(field, &format!("{path}.{name}"), out);
-                    }
-                }
-                _ => {}
             }
+            _ => {}
         }
+    }
+
+    /// What workers write (through the worker API) cannot grow the object
+    /// toward etcd's size limit, after which every status write fails: each
+    /// string and list a worker fills has a bound in the schema, so the API
+    /// server refuses an oversized report instead of storing it.
+    #[test]
+    fn every_string_and_list_workers_write_is_bounded() {
         let schema = openapi_schema().expect("schema");
         let workers = &schema["properties"]["status"]["properties"]["workers"];
         assert_eq!(workers["type"], "array", "{workers}");
         let mut out = Vec::new();
         unbounded(workers, "status.workers", &mut out);
+        assert!(out.is_empty(), "unbounded in the schema: {out:?}");
+    }
+
+    /// Nor can a job's writer: every string, list and map of the spec has a
+    /// bound, so one job costs the operator's caches a few kilobytes at most
+    /// (a map's keys are bounded by the request's size alone).
+    #[test]
+    fn every_string_list_and_map_of_the_spec_is_bounded() {
+        let schema = openapi_schema().expect("schema");
+        let mut out = Vec::new();
+        unbounded(&schema["properties"]["spec"], "spec", &mut out);
         assert!(out.is_empty(), "unbounded in the schema: {out:?}");
     }
 

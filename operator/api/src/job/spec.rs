@@ -362,7 +362,11 @@ pub struct GpuResources {
     /// Allowed GPU products as GPU Feature Discovery labels them
     /// (`nvidia.com/gpu.product`, e.g. `NVIDIA-A100-SXM4-80GB`); empty allows any.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(length(max = 32), extend("x-kubernetes-list-type" = "set"))]
+    #[schemars(
+        length(max = 32),
+        inner(length(max = 63)),
+        extend("x-kubernetes-list-type" = "set")
+    )]
     pub types: Vec<String>,
     /// Most GPUs the job may use at once (pipeline stages × data-parallel replicas).
     #[serde(default = "default_one")]
@@ -486,18 +490,45 @@ pub struct WorkerSpec {
     /// planner counts only the GPUs of matching nodes. Not
     /// `nvidia.com/gpu.product`: that is chosen from `resources.gpu.types`.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    #[schemars(extend("maxProperties" = 32))]
+    #[schemars(extend(
+        "maxProperties" = 32,
+        "additionalProperties" = {"type": "string", "maxLength": 63}
+    ))]
     pub node_selector: BTreeMap<String, String>,
     /// Tolerations for the worker pods (GPU jobs also get
     /// `nvidia.com/gpu:NoSchedule`). Nodes with a NoSchedule or NoExecute
     /// taint the workers do not tolerate are left out of the plan.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(length(max = 32))]
+    #[schemars(length(max = 32), schema_with = "bounded_tolerations")]
     pub tolerations: Vec<Toleration>,
     /// PriorityClass of the worker pods.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
     pub priority_class_name: Option<String>,
+}
+
+/// Kubernetes' toleration schema with the lengths Kubernetes itself allows
+/// (a taint's key is a qualified name, its value a label value), so that no
+/// string of a job's spec is unbounded: the operator caches jobs, and a
+/// bound here keeps one job from costing it more than a few kilobytes.
+fn bounded_tolerations(generator: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    let mut schema = generator.subschema_for::<Vec<Toleration>>();
+    if let Some(properties) = schema
+        .get_mut("items")
+        .and_then(serde_json::Value::as_object_mut)
+        .and_then(|items| items.get_mut("properties"))
+        .and_then(serde_json::Value::as_object_mut)
+    {
+        for (field, max) in [("key", 317), ("operator", 8), ("value", 63), ("effect", 16)] {
+            if let Some(property) = properties
+                .get_mut(field)
+                .and_then(serde_json::Value::as_object_mut)
+            {
+                property.insert("maxLength".into(), max.into());
+            }
+        }
+    }
+    schema
 }
 
 /// The job's checkpoint volume: every attempt resumes from it, and a
