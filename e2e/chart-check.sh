@@ -36,6 +36,10 @@ doc() { awk -v kind="$1" -v ns="${2:-}" 'BEGIN { RS = "\n---\n" }
 grep -q -- '--probe-addr=0.0.0.0:8082' <<<"${rendered}" || fail "the probe address is not passed to the operator"
 [[ $(grep -c 'httpGet: {path: /[a-z]*z, port: probes}' <<<"${rendered}") == 2 ]] || fail "the liveness and readiness probes do not call the probe port"
 if grep -nE 'port: (8082|probes)\b' <<<"$(doc NetworkPolicy <<<"${rendered}")$(doc Service <<<"${rendered}")"; then fail "a NetworkPolicy rule or Service names the probe port"; fi
+# /metrics names every tenant's jobs: by default only the monitoring
+# namespace may scrape it; an empty metricsFrom admits every pod.
+grep -A4 'port: 8080, protocol: TCP' <<<"$(doc NetworkPolicy <<<"${rendered}")" | grep -q 'kubernetes.io/metadata.name: monitoring' || fail "the metrics port admits more than the monitoring namespace by default"
+if "${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --show-only templates/networkpolicy.yaml --set 'networkPolicy.metricsFrom=null' | grep -A4 'port: 8080' | grep -q 'from:'; then fail "metricsFrom=null still limits who scrapes /metrics"; fi
 grep -q -- '--per-source-connection-share=0.25' <<<"${rendered}" || fail "the per-source connection share is not passed to the operator"
 for share in 0 1.5; do
   if "${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --set perSourceConnectionShare="${share}" >/dev/null 2>&1; then fail "values.schema.json accepted perSourceConnectionShare=${share}"; fi
