@@ -1711,7 +1711,7 @@ mod tests {
         assert_eq!(block_activation_bytes(s, 1, h, a, 2, 1, true), 2 * s * h);
     }
 
-    fn small() -> ModelShape {
+    pub(super) fn small() -> ModelShape {
         ModelShape::Transformer(TransformerShape {
             layers: 4,
             hidden: 256,
@@ -2442,20 +2442,11 @@ mod lora_and_load_tests {
 mod term_tests {
     use super::*;
     use crate::backend::{CUDA, FLEX};
-    use crate::model::{GenericModel, TransformerShape};
+    use crate::model::GenericModel;
     use crate::units::MIB;
 
-    fn gpt() -> ModelShape {
-        ModelShape::Transformer(TransformerShape {
-            layers: 4,
-            hidden: 256,
-            heads: 4,
-            sequence_length: 128,
-            vocabulary: 1000,
-            feed_forward: None,
-            tied_embeddings: true,
-        })
-    }
+    // The small GPT the estimate's own tests use.
+    use super::tests::small as gpt;
 
     fn untied_llama() -> ModelShape {
         ModelShape::Llama(

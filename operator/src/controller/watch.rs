@@ -321,10 +321,9 @@ mod tests {
     use crate::controller::pods::tests::{cpu_job, first_plan};
     use crate::controller::pods::{Slot, worker_pod};
 
-    /// The cached pod still says which plan it runs and where it stands,
-    /// at a fraction of the size.
-    #[test]
-    fn a_cached_worker_pod_keeps_its_assignment_and_status_and_little_else() {
+    /// The first worker of the CPU sample's first attempt, as the operator
+    /// makes it.
+    fn a_worker_pod() -> k8s_openapi::api::core::v1::Pod {
         let job = cpu_job();
         let plan = first_plan(&job.spec);
         let model = job.spec.job_request().expect("valid").model;
@@ -332,8 +331,15 @@ mod tests {
             stage: 0,
             replica: 0,
         };
-        let mut pod =
-            worker_pod(&job, 1, slot, &plan, &model, "w:1", &ChildConfig::default()).expect("pod");
+        worker_pod(&job, 1, slot, &plan, &model, "w:1", &ChildConfig::default()).expect("pod")
+    }
+
+    /// The cached pod still says which plan it runs and where it stands,
+    /// at a fraction of the size.
+    #[test]
+    fn a_cached_worker_pod_keeps_its_assignment_and_status_and_little_else() {
+        let plan = first_plan(&cpu_job().spec);
+        let mut pod = a_worker_pod();
         pod.status = serde_json::from_value(headroom_e2e::fixtures::running()).ok();
         let full = serde_json::to_vec(&pod).expect("json").len();
         let mut cached = pod.clone();
@@ -370,15 +376,7 @@ mod tests {
     fn only_pods_a_job_controls_enter_the_cache() {
         use k8s_openapi::api::core::v1::Pod;
         use kube::runtime::watcher::Event;
-        let job = cpu_job();
-        let plan = first_plan(&job.spec);
-        let model = job.spec.job_request().expect("valid").model;
-        let slot = Slot {
-            stage: 0,
-            replica: 0,
-        };
-        let ours =
-            worker_pod(&job, 1, slot, &plan, &model, "w:1", &ChildConfig::default()).expect("pod");
+        let ours = a_worker_pod();
         let mut crafted: Pod = ours.clone();
         crafted.metadata.owner_references = None;
 
@@ -403,15 +401,7 @@ mod tests {
     fn cached_pods_and_claims_keep_only_what_is_read() {
         use k8s_openapi::api::core::v1::PersistentVolumeClaim;
         use kube::core::PartialObjectMeta;
-        let job = cpu_job();
-        let plan = first_plan(&job.spec);
-        let model = job.spec.job_request().expect("valid").model;
-        let slot = Slot {
-            stage: 0,
-            replica: 0,
-        };
-        let mut pod =
-            worker_pod(&job, 1, slot, &plan, &model, "w:1", &ChildConfig::default()).expect("pod");
+        let mut pod = a_worker_pod();
         pod.metadata
             .annotations
             .get_or_insert_default()

@@ -264,6 +264,18 @@ fn layout(layers: u32, p: u32, k: u32) -> StageLayout {
     }
 }
 
+/// Where stage `layout` runs, for the planner: one replica, `in_flight`
+/// micro-batches held at once.
+fn placement(layout: &StageLayout, in_flight: u32) -> StagePlacement {
+    StagePlacement {
+        layers: layout.layers.end - layout.layers.start,
+        first: layout.first,
+        last: layout.last,
+        in_flight,
+        replicas: 1,
+    }
+}
+
 /// Memory fields of /proc/self/status, bytes.
 #[derive(Clone, Copy, Debug, Default)]
 struct Status {
@@ -648,13 +660,7 @@ impl DenseTable<'_> {
             self.model,
             None,
             self.settings,
-            StagePlacement {
-                layers: layout.layers.end - layout.layers.start,
-                first: layout.first,
-                last: layout.last,
-                in_flight: p - k,
-                replicas: 1,
-            },
+            placement(&layout, p - k),
             &FLEX,
             1.0,
         )
@@ -777,13 +783,7 @@ fn half_table(runs: usize, dir: &Path, exe: &Path, model: &ModelShape, sizes: &(
                     model,
                     adapters.as_ref(),
                     &settings,
-                    StagePlacement {
-                        layers: layout.layers.end - layout.layers.start,
-                        first: layout.first,
-                        last: layout.last,
-                        in_flight: p - k,
-                        replicas: 1,
-                    },
+                    placement(&layout, p - k),
                     &CUDA,
                     1.0,
                 );
@@ -919,13 +919,7 @@ fn qlora_table(
                 model,
                 Some(&adapters),
                 &settings,
-                StagePlacement {
-                    layers: layout.layers.end - layout.layers.start,
-                    first: layout.first,
-                    last: layout.last,
-                    in_flight: p - k,
-                    replicas: 1,
-                },
+                placement(&layout, p - k),
                 &FLEX,
                 1.0,
             );

@@ -717,13 +717,27 @@ mod tests {
     use super::*;
     use crate::job::MemoryAwareTrainingJob;
 
-    fn invalid_manifest(file: &str) -> MemoryAwareTrainingJob {
+    /// A manifest of the invalid-manifest corpus, as text.
+    fn corpus_text(file: &str) -> String {
         let path = format!(
             "{}/../../e2e/testdata/invalid/{file}",
             env!("CARGO_MANIFEST_DIR")
         );
-        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
-        serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"))
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
+    }
+
+    fn invalid_manifest(file: &str) -> MemoryAwareTrainingJob {
+        serde_yaml::from_str(&corpus_text(file)).unwrap_or_else(|e| panic!("{file}: {e}"))
+    }
+
+    /// What the API server's refusal of a corpus manifest says (its
+    /// `# expect:` line).
+    fn corpus_expect(file: &str) -> String {
+        corpus_text(file)
+            .lines()
+            .find_map(|l| l.strip_prefix("# expect: "))
+            .expect("expect line")
+            .to_string()
     }
 
     #[test]
@@ -799,15 +813,7 @@ mod tests {
             ),
             ("49-lora-on-a-model-from-scratch.yaml", "training.method"),
         ] {
-            let path = format!(
-                "{}/../../e2e/testdata/invalid/{file}",
-                env!("CARGO_MANIFEST_DIR")
-            );
-            let text = std::fs::read_to_string(&path).expect("manifest");
-            let expect = text
-                .lines()
-                .find_map(|l| l.strip_prefix("# expect: "))
-                .expect("expect line");
+            let expect = corpus_expect(file);
             let err = invalid_manifest(file)
                 .spec
                 .job_request_for(Some(&shape))
@@ -836,20 +842,12 @@ mod tests {
                 "data.huggingFace.endpoint",
             ),
         ] {
-            let path = format!(
-                "{}/../../e2e/testdata/invalid/{file}",
-                env!("CARGO_MANIFEST_DIR")
-            );
-            let text = std::fs::read_to_string(&path).expect("manifest");
-            let expect = text
-                .lines()
-                .find_map(|l| l.strip_prefix("# expect: "))
-                .expect("expect line");
+            let expect = corpus_expect(file);
             let job = invalid_manifest(file);
             let err = job.spec.job_request_for(Some(&shape)).expect_err(file);
             assert_eq!(err.field, field, "{file}");
             assert_eq!(format!("{field}: {}", err.problem), expect, "{file}");
-            assert!(crd.contains(expect), "{file}: the CRD's CEL message");
+            assert!(crd.contains(&expect), "{file}: the CRD's CEL message");
             assert_eq!(job.spec.check_hub_endpoints(), Err(err));
 
             // The opt-in beside the endpoint admits it; https needs none.
