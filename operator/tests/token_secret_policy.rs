@@ -437,7 +437,7 @@ async fn an_edit_that_keeps_the_secret_is_no_new_use(ns: &TestNs) {
                 .ok()
         })
         .await;
-    assert_eq!(edited.spec.training.steps, 40);
+    assert_eq!(edited.spec.training.steps, Some(40));
 }
 
 /// What the API server answered a merge patch of job `name`.

@@ -139,7 +139,7 @@ fn check_consistency(a: &WorkerAssignment) -> Result<(), PlanError> {
         }
         next = stage.layer_end;
     }
-    if a.steps == 0 || a.checkpoint_every_steps == 0 {
+    if a.recipe.total_steps == 0 || a.checkpoint_every_steps == 0 {
         return fail("steps and checkpointEverySteps must be ≥ 1".into());
     }
     Ok(())
@@ -206,12 +206,7 @@ fn train_config(a: &WorkerAssignment) -> Result<TrainConfig, Unsupported> {
         _ => {}
     }
     check_adapters(a, &shape)?;
-    if !(a.learning_rate.is_finite() && a.learning_rate > 0.0) {
-        return Err(unsupported(
-            "learningRate",
-            format!("must be a positive number, not {}", a.learning_rate),
-        ));
-    }
+    check_recipe(&a.recipe)?;
     Ok(TrainConfig {
         layout: StageLayout {
             layers: stage.layer_start..stage.layer_end,
@@ -225,14 +220,49 @@ fn train_config(a: &WorkerAssignment) -> Result<TrainConfig, Unsupported> {
         shape,
         settings: s,
         backend: plan.backend,
-        steps: a.steps,
-        learning_rate: a.learning_rate,
+        recipe: a.recipe.clone(),
         checkpoint_every_steps: a.checkpoint_every_steps,
         seed: a.seed,
         pretrained: a.files.as_ref().map(|f| f.model_dir.clone().into()),
         hub_model: a.files.as_ref().and_then(|f| f.hub_model.clone()),
         adapters: plan.adapters.clone(),
     })
+}
+
+/// A recipe this worker can follow: finite, positive rates and factors in
+/// their ranges (the CRD bounds the spec; this is the assignment's own word).
+fn check_recipe(r: &headroom_api::Recipe) -> Result<(), Unsupported> {
+    let positive = |field: &'static str, v: f64| {
+        if v.is_finite() && v > 0.0 {
+            Ok(())
+        } else {
+            Err(unsupported(
+                field,
+                format!("must be a positive number, not {v}"),
+            ))
+        }
+    };
+    let at_least_zero = |field: &'static str, v: f64| {
+        if v.is_finite() && v >= 0.0 {
+            Ok(())
+        } else {
+            Err(unsupported(field, format!("must be 0 or more, not {v}")))
+        }
+    };
+    let below_one = |field: &'static str, v: f64| {
+        if (0.0..1.0).contains(&v) {
+            Ok(())
+        } else {
+            Err(unsupported(field, format!("must be in [0, 1), not {v}")))
+        }
+    };
+    positive("recipe.learningRate", r.learning_rate)?;
+    at_least_zero("recipe.minLearningRate", r.min_learning_rate)?;
+    at_least_zero("recipe.weightDecay", r.weight_decay)?;
+    at_least_zero("recipe.maxGradNorm", r.max_grad_norm)?;
+    positive("recipe.adam.epsilon", r.adam.epsilon)?;
+    below_one("recipe.adam.beta1", r.adam.beta1)?;
+    below_one("recipe.adam.beta2", r.adam.beta2)
 }
 
 /// LoRA adapters and the base format this worker can run (burn's LoRA).
@@ -353,8 +383,7 @@ mod tests {
             replica: 0,
             model: req.model.clone(),
             plan: plan(&req, &Inventory::default()).expect("plan"),
-            steps: 10,
-            learning_rate: 1e-3,
+            recipe: headroom_api::Recipe::constant(1e-3, 10),
             checkpoint_every_steps: 5,
             seed: 1,
             files: None,
@@ -372,7 +401,7 @@ mod tests {
         assert!(config.layout.first && config.layout.last);
         assert_eq!(config.settings, assignment().plan.settings);
         assert_eq!(
-            (config.steps, config.checkpoint_every_steps, config.seed),
+            (config.steps(), config.checkpoint_every_steps, config.seed),
             (10, 5, 1)
         );
     }
@@ -469,9 +498,16 @@ mod tests {
             "{err}"
         );
         let mut e = assignment();
-        e.learning_rate = f64::NAN;
+        e.recipe.learning_rate = f64::NAN;
         let err = ValidAssignment::new(e).expect_err("learning rate");
-        assert!(err.to_string().starts_with("learningRate: "), "{err}");
+        assert!(
+            err.to_string().starts_with("recipe.learningRate: "),
+            "{err}"
+        );
         assert_eq!(err.exit_code(), exit_code::INVALID_PLAN);
+        let mut f = assignment();
+        f.recipe.adam.beta2 = 1.0;
+        let err = ValidAssignment::new(f).expect_err("beta2");
+        assert!(err.to_string().starts_with("recipe.adam.beta2: "), "{err}");
     }
 }

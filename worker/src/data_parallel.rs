@@ -277,6 +277,18 @@ impl<'a> Replicas<'a> {
         self.collective.size()
     }
 
+    /// `value` summed over the replicas. It travels as two f32 (the value
+    /// rounded, and what the rounding lost), so the sum keeps about 48 bits.
+    pub fn sum(&mut self, value: f64) -> Result<f64, CollectiveError> {
+        if self.size() <= 1 {
+            return Ok(value);
+        }
+        let high = value as f32;
+        let mut buffer = [high, (value - f64::from(high)) as f32];
+        self.collective.all_reduce_sum(&mut buffer)?;
+        Ok(f64::from(buffer[0]) + f64::from(buffer[1]))
+    }
+
     /// The mean over every replica's `losses` (each replica's micro-batch
     /// losses; empty on stages that compute none, which is all replicas of
     /// the stage alike). One replica: the mean of its own, as before.

@@ -35,6 +35,7 @@ use burn::optim::{
     AdamConfig, AdamWConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig,
 };
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use headroom_api::{AdamSpec, Recipe};
 use headroom_planner::Backend;
 use headroom_planner::{LoraConfig, Optimizer, Precision, Settings};
 
@@ -45,6 +46,7 @@ use crate::data_parallel::{Replicas, Shards, stable_param_ids};
 use crate::model::hf::HfCheckpoint;
 use crate::model::lean::linear::AdapterDropout;
 use crate::model::{LmShape, StageLayout, TransformerLm, lora, peft};
+use crate::optim::recipe::{clip_factor, decay_matrices, scale_gradients, squared_norm};
 use crate::optim::{AdamW8bitConfig, Offloaded};
 use crate::pipeline::{Frame, Kind, Links, Op, PipelineError, one_f_one_b};
 
@@ -67,9 +69,10 @@ pub struct TrainConfig {
     /// Per replica: micro-batch × accumulation is the global batch over `replicas`.
     pub settings: Settings,
     pub backend: Backend,
-    /// Optimizer steps in the whole run (a resumed attempt stops at the same total).
-    pub steps: u64,
-    pub learning_rate: f64,
+    /// The run's optimizer recipe: its total steps (a resumed attempt stops
+    /// at the same total), the learning rate at each step, AdamW's settings,
+    /// weight decay and clipping.
+    pub recipe: Recipe,
     pub checkpoint_every_steps: u32,
     pub seed: u64,
     /// The Hugging Face checkpoint a Llama-family model starts from (its
@@ -99,7 +102,8 @@ pub(crate) fn unsupported(field: &'static str, problem: impl Into<String>) -> Un
 }
 
 impl TrainConfig {
-    /// The whole model on one worker.
+    /// The whole model on one worker, at a constant learning rate without
+    /// weight decay or clipping (set [`TrainConfig::recipe`] for more).
     pub fn single_stage(
         shape: impl Into<LmShape>,
         settings: Settings,
@@ -117,8 +121,7 @@ impl TrainConfig {
             shape,
             settings,
             backend: Backend::Flex,
-            steps,
-            learning_rate,
+            recipe: Recipe::constant(learning_rate, steps),
             checkpoint_every_steps: 1,
             seed,
             pretrained: None,
@@ -156,6 +159,11 @@ impl TrainConfig {
     pub fn tokens_per_step(&self) -> u64 {
         self.global_batch() * u64::from(self.shape.sequence_length())
     }
+
+    /// Optimizer steps in the whole run.
+    pub fn steps(&self) -> u64 {
+        self.recipe.total_steps
+    }
 }
 
 /// The training device for a backend: autodiff over flex (CPU) or CUDA.
@@ -190,11 +198,15 @@ pub fn training_device(backend: Backend, precision: Precision) -> Result<Device,
     }
 }
 
-/// The optimizer a plan's settings name, with burn's defaults otherwise;
-/// with `offload_optimizer`, its state and step in host memory
-/// ([`Offloaded`]: the planner asks for it on GPU backends only; on the CPU
-/// it runs, with nothing to move).
-pub fn build_optimizer(settings: &Settings) -> Result<ModuleOptimizer, Unsupported> {
+/// The optimizer a plan's settings name, with the recipe's betas and
+/// epsilon and no weight decay of its own (the trainer decays the matrices
+/// itself, [`decay_matrices`]); with `offload_optimizer`, its state and step
+/// in host memory ([`Offloaded`]: the planner asks for it on GPUs only; on
+/// the CPU it runs, with nothing to move).
+pub fn build_optimizer(
+    settings: &Settings,
+    adam: &AdamSpec,
+) -> Result<ModuleOptimizer, Unsupported> {
     fn module<O: burn::optim::Optimizer>(optimizer: O, offload: bool) -> ModuleOptimizer {
         if offload {
             ModuleOptimizer::from(Offloaded::new(optimizer, Device::flex()))
@@ -203,9 +215,25 @@ pub fn build_optimizer(settings: &Settings) -> Result<ModuleOptimizer, Unsupport
         }
     }
     let offload = settings.offload_optimizer;
+    let (beta_1, beta_2, epsilon) = (adam.beta1 as f32, adam.beta2 as f32, adam.epsilon as f32);
     Ok(match settings.optimizer {
-        Optimizer::Adamw => module(AdamWConfig::new().build(), offload),
-        Optimizer::Adam => module(AdamConfig::new().build(), offload),
+        Optimizer::Adamw => module(
+            AdamWConfig::new()
+                .with_beta_1(beta_1)
+                .with_beta_2(beta_2)
+                .with_epsilon(epsilon)
+                .with_weight_decay(0.0)
+                .build(),
+            offload,
+        ),
+        Optimizer::Adam => module(
+            AdamConfig::new()
+                .with_beta_1(beta_1)
+                .with_beta_2(beta_2)
+                .with_epsilon(epsilon)
+                .build(),
+            offload,
+        ),
         Optimizer::SgdMomentum => module(
             SgdConfig::new()
                 .with_momentum(Some(MomentumConfig::new().with_dampening(0.0)))
@@ -214,7 +242,17 @@ pub fn build_optimizer(settings: &Settings) -> Result<ModuleOptimizer, Unsupport
         ),
         Optimizer::Sgd => module(SgdConfig::new().build(), offload),
         // bitsandbytes-style block-wise 8-bit moments, burn's AdamW update.
-        Optimizer::Adamw8bit => module(AdamW8bitConfig::new().build(), offload),
+        Optimizer::Adamw8bit => module(
+            AdamW8bitConfig {
+                beta_1,
+                beta_2,
+                epsilon,
+                weight_decay: 0.0,
+                ..AdamW8bitConfig::new()
+            }
+            .build(),
+            offload,
+        ),
     })
 }
 
@@ -251,6 +289,10 @@ pub struct StepReport {
     /// replica, so nearly all of it is waiting for the slowest replica to
     /// finish its micro-batches.
     pub loss_gather: Duration,
+    /// The learning rate this step's update used.
+    pub learning_rate: f64,
+    /// The model's gradient norm before clipping (`None`: clipping off).
+    pub grad_norm: Option<f64>,
 }
 
 impl StepReport {
@@ -425,7 +467,7 @@ impl Trainer {
         // The same ids on every replica and attempt (optimizer state and
         // checkpoint shards are keyed by them).
         let model = stable_param_ids(model, &config.layout);
-        let optimizer = build_optimizer(&config.settings)?;
+        let optimizer = build_optimizer(&config.settings, &config.recipe.adam)?;
         let task = Samples::Progression(ProgressionTask {
             seed: config.seed,
             vocabulary: config.shape.vocabulary(),
@@ -558,7 +600,7 @@ impl Trainer {
     }
 
     pub fn finished(&self) -> bool {
-        self.step >= self.config.steps
+        self.step >= self.config.steps()
     }
 
     /// One optimizer step of a plan with one stage and one replica: nothing
@@ -622,9 +664,12 @@ impl Trainer {
         let loss = replicas.mean_loss(&losses)?;
         let loss_gather = exchange.elapsed();
         replicas.reduce_gradients(&mut grads, &shards)?;
+        let grad_norm = self.clip_gradients(links, &mut replicas, &mut grads)?;
         let mut collective = exchange.elapsed();
-        let model = self.take_model();
-        let model = self.optimizer.step(self.config.learning_rate, model, grads);
+        let learning_rate = self.config.recipe.learning_rate_at(self.step);
+        let keep = 1.0 - learning_rate * self.config.recipe.weight_decay;
+        let model = decay_matrices(self.take_model(), &grads, keep);
+        let model = self.optimizer.step(learning_rate, model, grads);
         let gather = Instant::now();
         let (model, gathered) = replicas.gather_parameters(model, &shards);
         collective += gather.elapsed();
@@ -644,7 +689,80 @@ impl Trainer {
             elapsed: started.elapsed(),
             collective,
             loss_gather,
+            learning_rate,
+            grad_norm,
         })
+    }
+
+    /// Clips the gradients to the recipe's `max_grad_norm` by the model's
+    /// global norm, as `clip_grad_norm_` over the whole model: this worker's
+    /// squares (its stage's tensors, and with replicas its share of them)
+    /// summed over the stage's replicas, then along the pipeline. Returns
+    /// the norm before clipping (`None` when clipping is off).
+    fn clip_gradients(
+        &self,
+        links: &mut Links,
+        replicas: &mut Replicas,
+        grads: &mut GradientsParams,
+    ) -> Result<Option<f64>, StepError> {
+        let max = self.config.recipe.max_grad_norm;
+        if max <= 0.0 {
+            return Ok(None);
+        }
+        // A tied embedding split across stages has one gradient in two
+        // copies (the first and the last stage's): counted on the first.
+        let c = &self.config;
+        let tied_copy = c.stages > 1
+            && c.shape.tied_embeddings()
+            && c.adapters.is_none()
+            && c.layout.last
+            && !c.layout.first;
+        let skip = self
+            .model()
+            .token
+            .as_ref()
+            .filter(|_| tied_copy)
+            .map(|t| t.weight.id);
+        let own = squared_norm(self.model(), grads, skip);
+        let stage = replicas.sum(own)?;
+        let norm = self.sum_over_stages(links, stage)?.sqrt();
+        if let Some(factor) = clip_factor(norm, max) {
+            scale_gradients(self.model(), grads, factor);
+        }
+        Ok(Some(norm))
+    }
+
+    /// `value` summed over the pipeline's stages, the same on every stage:
+    /// partial sums flow from the first stage to the last, the total back.
+    fn sum_over_stages(&self, links: &mut Links, value: f64) -> Result<f64, PipelineError> {
+        let c = &self.config;
+        if c.stages <= 1 {
+            return Ok(value);
+        }
+        let step = self.step;
+        let (first, last) = (c.layout.first, c.layout.last);
+        let partial = if first {
+            value
+        } else {
+            links
+                .to_prev()?
+                .recv(Kind::GradientNorm, step, 0)?
+                .into_value()?
+                + value
+        };
+        let total = if last {
+            partial
+        } else {
+            let next = links.to_next()?;
+            next.send(&Frame::value(Kind::GradientNorm, step, 0, partial))?;
+            next.recv(Kind::GradientNorm, step, 1)?.into_value()?
+        };
+        if !first {
+            links
+                .to_prev()?
+                .send(&Frame::value(Kind::GradientNorm, step, 1, total))?;
+        }
+        Ok(total)
     }
 
     /// Whether the model and optimizer are those of [`Trainer::step`]
@@ -966,12 +1084,11 @@ impl Trainer {
         &mut self,
         root: &std::path::Path,
     ) -> Result<Option<checkpoint::Found>, checkpoint::CheckpointError> {
-        let fresh_optimizer = build_optimizer(&self.config.settings).map_err(|e| {
-            checkpoint::CheckpointError::Invalid {
+        let fresh_optimizer = build_optimizer(&self.config.settings, &self.config.recipe.adam)
+            .map_err(|e| checkpoint::CheckpointError::Invalid {
                 path: root.to_path_buf(),
                 reason: e.to_string(),
-            }
-        })?;
+            })?;
         let found = checkpoint::restore_newest(
             root,
             &self.config.shape,

@@ -146,7 +146,7 @@ async fn create_job(ns: &TestNs, name: &str) -> MemoryAwareTrainingJob {
         .expect("transformer sample");
     (t.layers, t.hidden, t.heads, t.sequence_length, t.vocabulary) = (2, 32, 4, 16, 32);
     job.spec.training.global_batch = 4;
-    job.spec.training.steps = 30;
+    job.spec.training.steps = Some(30);
     ns.apply(job).await
 }
 
@@ -160,8 +160,7 @@ fn assignment(job: &MemoryAwareTrainingJob) -> WorkerAssignment {
         replica: 0,
         model: req.model.clone(),
         plan: headroom_planner::plan(&req, &Inventory::default()).expect("plan"),
-        steps: job.spec.training.steps,
-        learning_rate: job.spec.training.learning_rate,
+        recipe: job.spec.training.recipe(None).expect("recipe"),
         checkpoint_every_steps: job.spec.training.checkpoint_every_steps,
         seed: job.spec.training.seed,
         files: None,
@@ -217,7 +216,11 @@ async fn telemetry_reaches_the_job_status_through_the_operator() {
             let job = ns.jobs().get_status("telemetry-tiny").await.ok()?;
             let workers = &job.status.as_ref()?.workers;
             pods.iter()
-                .all(|pod| workers.iter().any(|w| w.name == *pod && w.step == a.steps))
+                .all(|pod| {
+                    workers
+                        .iter()
+                        .any(|w| w.name == *pod && w.step == a.recipe.total_steps)
+                })
                 .then_some(job)
         })
         .await;
@@ -228,7 +231,10 @@ async fn telemetry_reaches_the_job_status_through_the_operator() {
             .iter()
             .find(|w| w.name == pod)
             .unwrap_or_else(|| panic!("no status.workers entry for {pod}: {:?}", status.workers));
-        assert_eq!(entry.step, a.steps, "the final write carries the last step");
+        assert_eq!(
+            entry.step, a.recipe.total_steps,
+            "the final write carries the last step"
+        );
         assert_eq!(
             (
                 entry.attempt,

@@ -64,8 +64,7 @@ fn assignment_for(
         replica: 0,
         model: req.model.clone(),
         plan: plan(&req, &Inventory::default()).expect("plan"),
-        steps,
-        learning_rate: 1e-2,
+        recipe: headroom_api::Recipe::constant(1e-2, steps),
         checkpoint_every_steps: 5,
         seed: 3,
         files: None,
@@ -658,7 +657,7 @@ fn llama_assignment(dir: &Path, steps: u64) -> WorkerAssignment {
     let shape = headroom_planner::LlamaShape::from_hf_config(&config, 32).expect("shape");
     let mut a = assignment_for(ModelShape::Llama(shape), 4, steps, Some(2), Some(true));
     a.job = "tiny-llama".into();
-    a.learning_rate = 3e-3;
+    a.recipe.learning_rate = 3e-3;
     a.checkpoint_every_steps = 2;
     a.files = Some(headroom_api::PayloadFiles {
         model_dir: fixtures.display().to_string(),

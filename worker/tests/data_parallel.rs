@@ -186,7 +186,7 @@ fn run_with_buckets(
                 if let Some(dir) = &dir {
                     trainer.resume(dir).expect("resume");
                 }
-                trainer.config.steps = trainer.step + steps;
+                trainer.config.recipe.total_steps = trainer.step + steps;
                 let me = Hello {
                     job: "j".into(),
                     namespace: "ns".into(),

@@ -108,7 +108,7 @@ fn run(
                 if let Some(dir) = &dir {
                     trainer.resume(dir).expect("resume");
                 }
-                trainer.config.steps = trainer.step + steps;
+                trainer.config.recipe.total_steps = trainer.step + steps;
                 let mut links = match connect {
                     Connect::Tcp(listener, peers) => {
                         let me = Hello {

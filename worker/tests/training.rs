@@ -46,7 +46,7 @@ fn probe(trainer: &Trainer) -> Vec<f32> {
 fn after_two_sgd_steps(micro: u32, accumulation: u32, checkpointing: bool) -> (Vec<f32>, Vec<f64>) {
     let mut config = tiny_config(micro, accumulation, checkpointing);
     config.settings.optimizer = headroom_planner::Optimizer::Sgd;
-    config.learning_rate = 0.5;
+    config.recipe.learning_rate = 0.5;
     let mut trainer = Trainer::new(config, Device::flex().autodiff()).expect("trainer");
     let losses = (0..2)
         .map(|_| trainer.train_step().expect("step").loss.expect("loss"))

@@ -267,8 +267,9 @@ pub struct WorkerAssignment {
     /// The model to build (the Headroom worker trains transformers only).
     pub model: ModelShape,
     pub plan: Plan,
-    pub steps: u64,
-    pub learning_rate: f64,
+    /// The run's optimizer recipe (`status.recipe`): total steps, learning
+    /// rate schedule, AdamW's settings, weight decay, clipping.
+    pub recipe: crate::Recipe,
     pub checkpoint_every_steps: u32,
     pub seed: u64,
     /// Where a Llama-family job's checkpoint, text and output are inside the

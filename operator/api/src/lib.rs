@@ -14,6 +14,8 @@ pub mod admission;
 pub mod contract;
 pub mod job;
 pub mod quantity;
+pub mod recipe;
 
 pub use contract::*;
 pub use job::*;
+pub use recipe::{AdamSpec, Recipe, ScheduleSpec, ScheduleType};

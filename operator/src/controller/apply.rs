@@ -4,7 +4,6 @@
 use std::time::Instant;
 
 use headroom_api::{MemoryAwareTrainingJob, MemoryAwareTrainingJobStatus, OPERATOR_FIELD_MANAGER};
-use headroom_planner::ModelShape;
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
@@ -268,12 +267,7 @@ pub(super) async fn launch_attempt(
     launch: &Launch,
     own: &[&Pod],
 ) -> Result<(), Error> {
-    let Launch {
-        attempt,
-        model,
-        image,
-    } = launch;
-    let attempt = *attempt;
+    let attempt = launch.attempt;
     let ns = job.namespace().unwrap_or_default();
     let name = pods::checkpoint_claim_name(job);
     let cached = ctx
@@ -281,17 +275,17 @@ pub(super) async fn launch_attempt(
         .get(&ObjectRef::new(&name).within(&ns))
         .map(|claim| pods::claim_belongs_to(claim.as_ref(), job));
     match cached {
-        Some(true) => ensure_children(ctx, job, status, attempt, model, image, own).await,
+        Some(true) => ensure_children(ctx, job, status, launch, own).await,
         // Not this job's, says the cache: the server's word (and the
         // holder's name) for the refusal, or a claim deleted since.
         Some(false) => {
             ensure_claim(ctx, job).await?;
-            ensure_children(ctx, job, status, attempt, model, image, own).await
+            ensure_children(ctx, job, status, launch, own).await
         }
         None => {
             let (claimed, launched) = futures::join!(
                 ensure_claim(ctx, job),
-                ensure_children(ctx, job, status, attempt, model, image, own)
+                ensure_children(ctx, job, status, launch, own)
             );
             if claimed.is_err() {
                 undo_launch(ctx, job, status, attempt).await;
@@ -343,11 +337,10 @@ async fn ensure_children(
     ctx: &Context,
     job: &MemoryAwareTrainingJob,
     status: &MemoryAwareTrainingJobStatus,
-    attempt: u32,
-    model: &ModelShape,
-    image: &str,
+    launch: &Launch,
     own: &[&Pod],
 ) -> Result<(), Error> {
+    let attempt = launch.attempt;
     let Some((plan, missing)) = missing_workers(ctx, job, status, attempt, own) else {
         return Ok(());
     };
@@ -358,13 +351,13 @@ async fn ensure_children(
     let workers = missing
         .iter()
         .map(|&slot| {
-            pods::worker_pod(job, attempt, slot, plan, model, image, &ctx.config.children).map_err(
-                |source| Error::BuildChild {
+            pods::worker_pod(job, launch, slot, plan, &ctx.config.children).map_err(|source| {
+                Error::BuildChild {
                     kind: "Pod".into(),
                     name: pods::pod_name(job, attempt, plan, slot),
                     source,
-                },
-            )
+                }
+            })
         })
         .collect::<Result<Vec<_>, _>>()?;
     // One round: the Service only gives the pods DNS names, and the

@@ -331,7 +331,14 @@ mod tests {
             stage: 0,
             replica: 0,
         };
-        worker_pod(&job, 1, slot, &plan, &model, "w:1", &ChildConfig::default()).expect("pod")
+        worker_pod(
+            &job,
+            &crate::controller::decide::Launch::of(&job, 1, &model, "w:1"),
+            slot,
+            &plan,
+            &ChildConfig::default(),
+        )
+        .expect("pod")
     }
 
     /// The cached pod still says which plan it runs and where it stands,

@@ -169,7 +169,7 @@ fn run(p: u32, d: u32, threads: usize, warmup: u64, steps: u64) -> Vec<Worker> {
             config.layout = layout.clone();
             config.stage = k;
             config.stages = p;
-            config.steps = warmup + steps;
+            config.recipe.total_steps = warmup + steps;
             let mut ring = rings[k as usize][r as usize].take().expect("ring");
             let listener = pipelines[r as usize].0[k as usize].take();
             let peers = pipelines[r as usize].1.clone();

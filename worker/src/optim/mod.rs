@@ -6,6 +6,7 @@
 pub mod adamw8bit;
 pub mod blockwise;
 pub mod offload;
+pub mod recipe;
 
 pub use adamw8bit::{AdamW8bit, AdamW8bitConfig, AdamW8bitState, Moments};
 pub use offload::{Offloaded, OffloadedState};

@@ -37,6 +37,10 @@ pub enum Kind {
     /// Handshake: the calling stage's proof of the job's peer key
     /// ([`crate::link_auth`]).
     Proof = 5,
+    /// A partial sum of the squared gradients, summed from the first stage
+    /// to the last (micro 0), and the model's total sent back (micro 1):
+    /// clipping by the global norm.
+    GradientNorm = 6,
 }
 
 impl Kind {
@@ -47,6 +51,7 @@ impl Kind {
             3 => Kind::Gradient,
             4 => Kind::TiedGradient,
             5 => Kind::Proof,
+            6 => Kind::GradientNorm,
             _ => return None,
         })
     }
@@ -79,6 +84,29 @@ impl Frame {
             dims,
             payload,
         }
+    }
+
+    /// One f64, exactly (dims `[1]`, eight bytes).
+    pub fn value(kind: Kind, step: u64, micro: u32, v: f64) -> Frame {
+        Frame {
+            kind,
+            step,
+            micro,
+            dims: vec![1],
+            payload: v.to_le_bytes().to_vec(),
+        }
+    }
+
+    /// The f64 of a [`Frame::value`].
+    pub fn into_value(self) -> Result<f64, PipelineError> {
+        let bytes: [u8; 8] = self.payload.as_slice().try_into().map_err(|_| {
+            PipelineError::Protocol(format!(
+                "{:?} frame of {} bytes, expected one f64",
+                self.kind,
+                self.payload.len()
+            ))
+        })?;
+        Ok(f64::from_le_bytes(bytes))
     }
 
     /// The payload as a tensor on `device`.

@@ -3,6 +3,8 @@
 use std::collections::BTreeMap;
 
 use headroom_planner::{Backend, Optimizer, Precision, RetryRung};
+
+use crate::recipe::{AdamSpec, ScheduleSpec};
 use k8s_openapi::api::core::v1::Toleration;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::CustomResource;
@@ -57,6 +59,8 @@ use super::status::MemoryAwareTrainingJobStatus;
      "message": "model.generic is for planning only (kubectl headroom plan -f job.yaml); a job Headroom runs needs model.pretrained (a Hugging Face checkpoint) or model.transformer (layers, hidden, heads, sequenceLength, vocabulary)"},
     {"rule": "has(self.model.pretrained) == has(self.data)",
      "message": "data: a model.pretrained job needs its training text (data.volume.claimName, data.volume.path), and only such a job takes one"},
+    {"rule": "!has(self.training.epochs) || has(self.data)",
+     "message": "training.epochs: an epoch is a pass over spec.data, and this job has none (the synthetic task never ends); set training.steps instead"},
     {"rule": "!has(self.output) || has(self.model.pretrained)",
      "message": "output: only a model.pretrained job writes a fine-tuned model"},
     {"rule": "!has(self.training.method) || self.training.method == 'full' || has(self.model.pretrained)",
@@ -151,6 +155,12 @@ pub struct ModelSpec {
      "message": "training.dataParallelReplicas must divide training.globalBatch so every replica trains an equal share (e.g. globalBatch 32 with 4 replicas)"},
     {"rule": "!has(self.dataParallelReplicas) || !has(self.microBatch) || (self.globalBatch / self.dataParallelReplicas) % self.microBatch == 0",
      "message": "training.microBatch must divide each replica's share of training.globalBatch (globalBatch / dataParallelReplicas)"},
+    {"rule": "has(self.steps) != has(self.epochs)",
+     "message": "training: give the run's length as steps (optimizer steps) or as epochs (passes over spec.data), exactly one of them"},
+    {"rule": "!has(self.epochs) || self.epochs > 0.0",
+     "message": "training.epochs: must be above 0 (e.g. 3, or 0.5 for half the data)"},
+    {"rule": "!has(self.schedule) || !has(self.schedule.minLearningRate) || self.schedule.minLearningRate <= self.learningRate",
+     "message": "training.schedule.minLearningRate: above training.learningRate, the peak; the decay ends at the minimum, so set it below the peak (e.g. a tenth of it)"},
     {"rule": "!has(self.lora) || self.method != 'full'",
      "message": "training.lora: adapters are for method lora or qlora; set training.method: lora (or qlora), or remove training.lora"},
     {"rule": "!has(self.lora) || !has(self.lora.baseFormat) || self.method == 'qlora'",
@@ -160,9 +170,17 @@ pub struct TrainingSpec {
     /// Samples per optimizer step; every attempt keeps it exactly (micro-batch × accumulation).
     #[schemars(range(min = 1, max = 1048576))]
     pub global_batch: u32,
-    /// Optimizer steps to train.
+    /// Optimizer steps to train; or give `epochs`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 1000000000))]
-    pub steps: u64,
+    pub steps: Option<u64>,
+    /// Passes over the data (`spec.data`'s packed samples), instead of
+    /// `steps`: the run is `ceil(epochs × samples / globalBatch)` steps,
+    /// fixed when the data is first inspected (`status.recipe.totalSteps`).
+    /// Fractions are allowed (Hugging Face's `num_train_epochs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.0, max = 1000000.0))]
+    pub epochs: Option<f64>,
     #[serde(default = "default_optimizer")]
     pub optimizer: Optimizer,
     /// Preferred precision; a retry may lower it when the policy allows `lowerPrecision`.
@@ -193,6 +211,25 @@ pub struct TrainingSpec {
     #[serde(default = "default_learning_rate")]
     #[schemars(range(min = 0.0, max = 10.0))]
     pub learning_rate: f64,
+    /// The learning rate over the run: warmup, then `linear` (default),
+    /// `cosine` or `constant`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<ScheduleSpec>,
+    /// Decoupled weight decay (AdamW's) on every trained matrix, never on
+    /// biases and norm weights, as the Hugging Face Trainer applies it;
+    /// default 0.
+    #[serde(default)]
+    #[schemars(range(min = 0.0, max = 10.0))]
+    pub weight_decay: f64,
+    /// Adam's and AdamW's betas and epsilon (default 0.9, 0.999, 1e-8).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adam: Option<AdamSpec>,
+    /// Clip the gradients' global norm (the whole model's, over every
+    /// pipeline stage and replica) to this before each update; 0 turns
+    /// clipping off. Default 1.0, as the Hugging Face Trainer.
+    #[serde(default = "default_max_grad_norm")]
+    #[schemars(range(min = 0.0, max = 1000000.0))]
+    pub max_grad_norm: f64,
     /// Save a checkpoint every this many optimizer steps.
     #[serde(default = "default_checkpoint_every")]
     #[schemars(range(min = 1, max = 1000000))]
@@ -597,6 +634,9 @@ fn default_precision() -> Precision {
 }
 fn default_learning_rate() -> f64 {
     3e-4
+}
+fn default_max_grad_norm() -> f64 {
+    1.0
 }
 fn default_checkpoint_every() -> u32 {
     50

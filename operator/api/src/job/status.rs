@@ -344,6 +344,15 @@ pub struct MemoryAwareTrainingJobStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 512))]
     pub initializer_image: Option<String>,
+    /// The optimizer recipe the run follows (schedule, warmup in steps,
+    /// AdamW's settings, weight decay, clipping, total steps), resolved from
+    /// `spec.training` before the first attempt: every attempt follows this
+    /// one, so a retry or a resume continues the same schedule at the step
+    /// it reached even if the spec is edited meanwhile.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    // Atomic: see the module doc.
+    #[schemars(extend("x-kubernetes-map-type" = "atomic"))]
+    pub recipe: Option<crate::Recipe>,
 }
 
 // Reading an attempt back.

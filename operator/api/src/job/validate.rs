@@ -23,6 +23,15 @@ pub struct SpecError {
     pub problem: String,
 }
 
+impl SpecError {
+    pub fn new(
+        field: impl Into<std::borrow::Cow<'static, str>>,
+        problem: impl Into<String>,
+    ) -> Self {
+        spec_error(field, problem)
+    }
+}
+
 fn spec_error(
     field: impl Into<std::borrow::Cow<'static, str>>,
     problem: impl Into<String>,

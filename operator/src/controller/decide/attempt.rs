@@ -538,14 +538,12 @@ mod tests {
         let model = planned_now.launch.clone().expect("launch").model;
         let pod = worker_pod(
             &j,
-            1,
+            &crate::controller::decide::Launch::of(&j, 1, &model, "worker:test"),
             Slot {
                 stage: 0,
                 replica: 0,
             },
             &theirs,
-            &model,
-            "worker:test",
             &ChildConfig::default(),
         )
         .expect("pod");

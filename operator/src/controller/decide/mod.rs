@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use headroom_api::{
     JobPhase, LABEL_ATTEMPT, MemoryAwareTrainingJob, MemoryAwareTrainingJobStatus, PLAN_JSON_ENV,
-    WORKER_MAX_STAGES, WorkerAssignment,
+    Recipe, WORKER_MAX_STAGES, WorkerAssignment,
 };
 use headroom_planner::{
     FailureCause, Inventory, JobRequest, ModelShape, NoFeasiblePlan, Plan, Target, plan, replan,
@@ -65,6 +65,26 @@ pub struct Launch {
     /// The image the job's pods run: `spec.worker.image`, else the
     /// operator's default for the job's backend.
     pub image: String,
+    /// The optimizer recipe the run follows (`status.recipe`).
+    pub recipe: Recipe,
+}
+
+#[cfg(test)]
+impl Launch {
+    /// Attempt `attempt` of `job` with the recipe its spec asks for (tests).
+    pub fn of(
+        job: &MemoryAwareTrainingJob,
+        attempt: u32,
+        model: &ModelShape,
+        image: &str,
+    ) -> Launch {
+        Launch {
+            attempt,
+            model: model.clone(),
+            image: image.into(),
+            recipe: job.spec.training.recipe(None).expect("a recipe"),
+        }
+    }
 }
 
 /// An initializer run to start (or keep), and the image it runs.
@@ -175,6 +195,9 @@ impl Builder<'_> {
             Err(e) => return self.fail(Reason::InvalidSpec, e.to_string()),
         };
         self.model = Some(request.model.clone());
+        if !self.record_recipe() {
+            return;
+        }
         let Some(current) = self.d.status.attempts.last().cloned() else {
             return match guarded(|| plan(&request, self.obs.inventory)) {
                 Ok(p) => self.start(1, p, None),
@@ -206,12 +229,36 @@ impl Builder<'_> {
     /// Attempt `attempt`'s children must exist.
     fn launch(&mut self, attempt: u32) {
         // `run` set both before any path that launches.
-        if let (Some(model), Some(image)) = (&self.model, &self.image) {
+        if let (Some(model), Some(image), Some(recipe)) =
+            (&self.model, &self.image, &self.d.status.recipe)
+        {
             self.d.launch = Some(Launch {
                 attempt,
                 model: model.clone(),
                 image: image.clone(),
+                recipe: recipe.clone(),
             });
+        }
+    }
+
+    /// The recipe every attempt follows: the one recorded in the status, or,
+    /// before the first attempt, the spec's (over the data the initializer
+    /// found, which `training.epochs` counts), recorded now. False when the
+    /// spec asks for a recipe that cannot be run: the job failed.
+    fn record_recipe(&mut self) -> bool {
+        if self.d.status.recipe.is_some() {
+            return true;
+        }
+        let training = &self.obs.job.spec.training;
+        match training.recipe(self.d.status.data.as_ref()) {
+            Ok(recipe) => {
+                self.d.status.recipe = Some(recipe);
+                true
+            }
+            Err(e) => {
+                self.fail(Reason::InvalidSpec, e.to_string());
+                false
+            }
         }
     }
 

@@ -90,7 +90,14 @@ pub(crate) mod tests {
             .or_else(|_| both_images().resolve(&job.spec))
             .expect("an image");
         let slot = Slot { stage, replica: 0 };
-        worker_pod(job, attempt, slot, plan, &model, &image, config).expect("pod")
+        worker_pod(
+            job,
+            &crate::controller::decide::Launch::of(job, attempt, &model, &image),
+            slot,
+            plan,
+            config,
+        )
+        .expect("pod")
     }
 
     pub(super) fn image_of(pod: &Pod) -> Option<&str> {
@@ -172,7 +179,14 @@ pub(crate) mod tests {
             stage: 0,
             replica: 0,
         };
-        let worker = worker_pod(&j, 1, slot, &plan, &model, image, &config).expect("worker");
+        let worker = worker_pod(
+            &j,
+            &crate::controller::decide::Launch::of(&j, 1, &model, image),
+            slot,
+            &plan,
+            &config,
+        )
+        .expect("worker");
         let initializer = initializer_pod(&j, 1, image, &config)
             .expect("build")
             .expect("a pretrained job");
@@ -437,7 +451,14 @@ priorityClassName: batch-low
             replica: 0,
         };
         let config = ChildConfig::default();
-        let worker = worker_pod(&j, 1, slot, &plan, &model, "img", &config).expect("worker");
+        let worker = worker_pod(
+            &j,
+            &crate::controller::decide::Launch::of(&j, 1, &model, "img"),
+            slot,
+            &plan,
+            &config,
+        )
+        .expect("worker");
         let initializer = initializer_pod(&j, 1, "img", &config)
             .expect("build")
             .expect("pod");

@@ -12,7 +12,7 @@ use headroom_api::{
     REPLICA_PORT, WORKER_MALLOC_ARENAS, WORKER_MALLOC_TUNABLES, WorkerAssignment,
 };
 use headroom_planner::inventory::{LabelRequirement, device_placement};
-use headroom_planner::{DeviceKind, ModelShape, Plan};
+use headroom_planner::{DeviceKind, Plan};
 use k8s_openapi::api::core::v1::{
     Affinity, ContainerPort, EnvVar, NodeAffinity, NodeSelector, NodeSelectorRequirement,
     NodeSelectorTerm, Pod, PodAffinity, PodAffinityTerm, ResourceRequirements,
@@ -27,6 +27,7 @@ use super::skeleton::{
     Component, PodParts, pod_name_env, restricted_pod, telemetry_interval_env, worker_api_access,
 };
 use crate::controller::config::ChildConfig;
+use crate::controller::decide::Launch;
 
 /// A required node affinity that a node meets by meeting any one term in full.
 fn required_node_affinity(terms: &[Vec<LabelRequirement>]) -> NodeAffinity {
@@ -80,21 +81,21 @@ fn gpu_worker_host_memory(baseline: &Quantity, plan: &Plan, stage: u32) -> Quant
     }
 }
 
-/// The worker pod for one stage's replica of one attempt. `model` is the spec's
-/// validated model shape (`JobRequest::model`), so the worker builds exactly
-/// what was planned; `image` the one the decision chose
-/// ([`WorkerImages::resolve`](crate::controller::config::WorkerImages::resolve)).
+/// The worker pod for one stage's replica of one attempt. The launch's
+/// `model` is the spec's validated model shape (`JobRequest::model`), so the
+/// worker builds exactly what was planned; its `image` the one the decision
+/// chose ([`WorkerImages::resolve`](crate::controller::config::WorkerImages::resolve));
+/// its `recipe` the one recorded in the status.
 pub fn worker_pod(
     job: &MemoryAwareTrainingJob,
-    attempt: u32,
+    launch: &Launch,
     slot: Slot,
     plan: &Plan,
-    model: &ModelShape,
-    image: &str,
     config: &ChildConfig,
 ) -> Result<Pod, serde_json::Error> {
+    let (attempt, image) = (launch.attempt, launch.image.as_str());
     let multi = plan.workers > 1;
-    let assignment = assignment(job, attempt, slot, plan, model);
+    let assignment = assignment(job, launch, slot, plan);
     let mut env = worker_env(&assignment, config)?;
     env.extend(peer_env(job, attempt, plan, slot));
     let sizing = resources_and_placement(job, plan, slot.stage, config);
@@ -148,22 +149,20 @@ pub fn worker_pod(
 /// validated model, handed over whole in [`PLAN_JSON_ENV`].
 fn assignment(
     job: &MemoryAwareTrainingJob,
-    attempt: u32,
+    launch: &Launch,
     slot: Slot,
     plan: &Plan,
-    model: &ModelShape,
 ) -> WorkerAssignment {
     let training = &job.spec.training;
     WorkerAssignment {
         job: job.name_any(),
         namespace: job.namespace().unwrap_or_default(),
-        attempt,
+        attempt: launch.attempt,
         stage: slot.stage,
         replica: slot.replica,
-        model: model.clone(),
+        model: launch.model.clone(),
         plan: plan.clone(),
-        steps: training.steps,
-        learning_rate: training.learning_rate,
+        recipe: launch.recipe.clone(),
         checkpoint_every_steps: training.checkpoint_every_steps,
         seed: training.seed,
         files: payload_files(job),
@@ -533,14 +532,12 @@ mod tests {
         let config = ChildConfig::default();
         let pod = worker_pod(
             &job,
-            3,
+            &Launch::of(&job, 3, &model, "img"),
             Slot {
                 stage: 1,
                 replica: 1,
             },
             &plan,
-            &model,
-            "img",
             &config,
         )
         .expect("pod");
