@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{Device, Tensor};
+use headroom_api::{Recipe, ScheduleType};
 use headroom_planner::search::balanced_split;
 use headroom_planner::{Settings, TransformerShape};
 use headroom_worker::collective::{Ring, RingTimeouts};
@@ -50,6 +51,8 @@ fn settings(global: u32, d: u32, checkpointing: bool) -> Settings {
 #[derive(Clone, Debug)]
 struct Outcome {
     losses: Vec<f64>,
+    /// The model's gradient norm before clipping, each step (clipping on).
+    norms: Vec<f64>,
     /// Every parameter's values, module visit order.
     params: Vec<Vec<f32>>,
     /// The token embedding (first stage, and a last stage with a tied head)
@@ -88,11 +91,12 @@ fn state_ids(reader: burn_pack::Reader) -> BTreeSet<u64> {
         .collect()
 }
 
-fn outcome(trainer: &Trainer, losses: Vec<f64>) -> Outcome {
+fn outcome(trainer: &Trainer, losses: Vec<f64>, norms: Vec<f64>) -> Outcome {
     let c = &trainer.config;
     let shards = trainer.shards(c.replicas);
     Outcome {
         losses,
+        norms,
         params: params(trainer),
         token: trainer
             .model()
@@ -207,11 +211,12 @@ fn run_with_buckets(
                 if let Some(bytes) = bucket_bytes {
                     trainer.set_collective_bucket_bytes(bytes);
                 }
-                let mut losses = Vec::new();
+                let (mut losses, mut norms) = (Vec::new(), Vec::new());
                 while !trainer.finished() {
                     let report = trainer
                         .train_step_with(&mut links, &mut ring)
                         .expect("step");
+                    norms.extend(report.grad_norm);
                     assert_eq!(
                         report.loss.is_some(),
                         k + 1 == p,
@@ -224,7 +229,7 @@ fn run_with_buckets(
                         .save_checkpoint(dir, 1, losses.last().copied())
                         .expect("save");
                 }
-                outcome(&trainer, losses)
+                outcome(&trainer, losses, norms)
             }));
         }
     }
@@ -344,6 +349,55 @@ fn two_stages_of_two_replicas_give_the_losses_of_one_worker() {
             "replica {r}'s tied copies differ"
         );
     }
+}
+
+/// The reference trainers' recipe: warmup then cosine, weight decay, and a
+/// clipping limit the first steps' norms (about 2–3 on this model) exceed.
+fn clipping_recipe(steps: u64) -> Recipe {
+    Recipe {
+        schedule: ScheduleType::Cosine,
+        warmup_steps: 2,
+        weight_decay: 0.1,
+        max_grad_norm: 0.5,
+        ..Recipe::constant(5e-3, steps)
+    }
+}
+
+/// Clipping by the whole model's norm needs every worker's share of it: on
+/// 2 stages × 2 replicas (a tied embedding split across the stages, counted
+/// once) the norm, and so the clipped steps and the losses, are one
+/// worker's. A norm summed over one worker's share only, or counting the
+/// tied copy twice, clips by another factor and fails this.
+#[test]
+fn clipping_and_weight_decay_on_two_stages_of_two_replicas_are_one_workers() {
+    let shape = shape(true);
+    let steps = 5;
+    let mut single = gpt(&shape, settings(GLOBAL, 1, false));
+    single.recipe = clipping_recipe(steps);
+    let mut split = gpt(&shape, settings(GLOBAL, 2, false));
+    split.recipe = clipping_recipe(steps);
+    let one = run_with_buckets(1, 1, &single, steps, None, None);
+    let grid = run_with_buckets(2, 2, &split, steps, None, None);
+    let norms = &one[0][0].norms;
+    assert!(
+        norms.iter().all(|&n| n > 0.5),
+        "every step is clipped: {norms:?}"
+    );
+    assert_close(&losses(&one), &losses(&grid), "p = 2 × d = 2, clipped");
+    for stage in &grid {
+        for worker in stage {
+            assert_close(norms, &worker.norms, "every worker's norm is the model's");
+        }
+    }
+    // Unclipped, the same run ends elsewhere: the clipping did something.
+    let mut unclipped = single.clone();
+    unclipped.recipe.max_grad_norm = 0.0;
+    let free = run_with_buckets(1, 1, &unclipped, steps, None, None);
+    let (a, b) = (losses(&one), losses(&free));
+    assert!(
+        (a[steps as usize - 1] - b[steps as usize - 1]).abs() > 1e-3,
+        "{a:?} vs {b:?}"
+    );
 }
 
 #[test]

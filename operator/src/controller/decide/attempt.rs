@@ -313,6 +313,68 @@ mod tests {
     /// A user deletes the worker pod: the worker checkpoints and exits 143.
     /// That is a disruption: the next attempt starts at once and no attempt
     /// is used up, even with maxAttempts 1.
+    /// The recipe is resolved into the status before the first attempt and
+    /// every attempt follows that record: an OOM retry after the spec's
+    /// learning rate was edited still runs the recorded schedule.
+    #[test]
+    fn every_attempt_follows_the_recipe_recorded_before_the_first() {
+        let mut j = oom_job();
+        j.spec.training.schedule = Some(headroom_api::ScheduleSpec {
+            kind: headroom_api::ScheduleType::Cosine,
+            warmup_ratio: Some(0.1),
+            ..Default::default()
+        });
+        let d = step(&mut j, &[], t0());
+        let recorded = d.status.recipe.clone().expect("status.recipe");
+        assert_eq!(
+            (
+                recorded.total_steps,
+                recorded.warmup_steps,
+                recorded.max_grad_norm
+            ),
+            (12, 2, 1.0),
+            "12 steps, a warmup of ceil(1.2), the Trainer's clipping"
+        );
+        assert_eq!(d.launch.as_ref().map(|l| &l.recipe), Some(&recorded));
+        j.spec.training.learning_rate = 0.1;
+        step(&mut j, &[pod(1, 0, RUNNING)], t0());
+        let mut retried = step(&mut j, &[pod(1, 0, OOM)], t0());
+        for _ in 0..3 {
+            if launched(&retried) == Some(2) {
+                break;
+            }
+            retried = step(
+                &mut j,
+                &[pod(1, 0, OOM)],
+                t0() + jiff::SignedDuration::from_secs(3600),
+            );
+        }
+        assert_eq!(launched(&retried), Some(2), "{:?}", retried.status.message);
+        assert_eq!(retried.status.recipe.as_ref(), Some(&recorded));
+        assert_eq!(retried.launch.as_ref().map(|l| &l.recipe), Some(&recorded));
+    }
+
+    /// `epochs` counts passes over data: a synthetic job has none, and
+    /// fails naming the field (the API server's rule says so first).
+    #[test]
+    fn epochs_without_data_fail_naming_the_field() {
+        let mut j = oom_job();
+        j.spec.training.steps = None;
+        j.spec.training.epochs = Some(2.0);
+        let d = step(&mut j, &[], t0());
+        assert_eq!(d.status.phase, Some(JobPhase::Failed));
+        assert!(
+            d.status
+                .message
+                .as_deref()
+                .unwrap_or_default()
+                .contains("spec.training.epochs: "),
+            "{:?}",
+            d.status.message
+        );
+        assert_eq!(launched(&d), None);
+    }
+
     #[test]
     fn a_deleted_worker_is_a_disruption_that_costs_no_attempt() {
         const SIGTERM: &str = "  phase: Failed\n  containerStatuses: [{name: worker, image: i, imageID: '', ready: false, restartCount: 0, state: {terminated: {exitCode: 143, message: '{\"outcome\":\"terminated\",\"reason\":\"terminated by SIGTERM at step 7; checkpoint saved\",\"step\":7}'}}}]";

@@ -227,8 +227,27 @@ mod tests {
             );
         };
         assert_eq!(planned.total_params(), 214_592);
+        let recipe = done.status.recipe.as_ref().expect("status.recipe");
+        assert_eq!(recipe.total_steps, j.spec.training.steps.expect("steps"));
         assert!(done.events.iter().any(|e| e.reason == Reason::Initialized
             && e.note.contains("LlamaForCausalLM: 214592 parameters")));
+    }
+
+    /// `epochs` become steps over the samples the initializer counted:
+    /// 1.5 passes over 15 samples in batches of the job's global batch.
+    #[test]
+    fn epochs_become_steps_over_the_samples_the_initializer_counted() {
+        let mut j = finetune_job();
+        j.spec.training.steps = None;
+        j.spec.training.epochs = Some(1.5);
+        step(&mut j, &[], t0());
+        let report = terminated(0, &headroom_e2e::fixtures::tiny_llama_report(64));
+        let done = step(&mut j, &[init_pod(1, &report)], t0());
+        let batch = f64::from(j.spec.training.global_batch);
+        let recipe = done.status.recipe.as_ref().expect("status.recipe");
+        assert_eq!(recipe.total_steps, (1.5 * 15.0 / batch).ceil() as u64);
+        assert_eq!(recipe.epochs, Some(1.5));
+        assert_eq!(launched(&done), Some(1));
     }
 
     /// A report is the job's worker image's word: one whose shape is
