@@ -11,6 +11,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use burn::tensor::Device;
+use headroom_api::{Recipe, ScheduleType};
 use headroom_planner::search::balanced_split;
 use headroom_planner::{Settings, TransformerShape};
 use headroom_worker::collective::Single;
@@ -84,6 +85,21 @@ fn run(
     steps: u64,
     dir: Option<&Path>,
 ) -> Vec<f64> {
+    let recipe = Recipe::constant(5e-3, 1_000);
+    run_recipe(over, p, shape, settings, &recipe, steps, dir)
+}
+
+/// [`run`] following `recipe` (its schedule over its `total_steps`, of which
+/// this run trains the next `steps`).
+fn run_recipe(
+    over: Transport,
+    p: u32,
+    shape: &TransformerShape,
+    settings: Settings,
+    recipe: &Recipe,
+    steps: u64,
+    dir: Option<&Path>,
+) -> Vec<f64> {
     let split = balanced_split(shape.layers, p).expect("split");
     let mut start = 0;
     let handles: Vec<_> = over
@@ -99,6 +115,7 @@ fn run(
             };
             start += split[k as usize];
             let mut config = TrainConfig::single_stage(shape.clone(), settings, 0, 5e-3, 7);
+            config.recipe = recipe.clone();
             config.layout = layout;
             config.stage = k;
             config.stages = p;
@@ -108,7 +125,7 @@ fn run(
                 if let Some(dir) = &dir {
                     trainer.resume(dir).expect("resume");
                 }
-                trainer.config.recipe.total_steps = trainer.step + steps;
+                let end = trainer.step + steps;
                 let mut links = match connect {
                     Connect::Tcp(listener, peers) => {
                         let me = Hello {
@@ -132,7 +149,7 @@ fn run(
                     Connect::InProcess(links) => links,
                 };
                 let mut losses = Vec::new();
-                while !trainer.finished() {
+                while trainer.step < end {
                     let report = trainer
                         .train_step_with(&mut links, &mut Single)
                         .expect("step");
@@ -255,6 +272,48 @@ fn a_checkpoint_resumes_under_another_split() {
             && steps.len() <= 3,
         "{steps:?}"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A resumed attempt continues the recipe where it stopped: warmup, then a
+/// cosine over the whole run, weight decay and clipping, across checkpoints
+/// and splits (1 stage, then 3, then 2), give the losses of the run straight
+/// through: the rate of each step depends on the step the checkpoint
+/// restored, not on the attempt that runs it.
+#[test]
+fn the_recipe_continues_across_a_resume_under_another_split() {
+    let shape = shape(true);
+    let s = settings(false);
+    let recipe = Recipe {
+        schedule: ScheduleType::Cosine,
+        warmup_steps: 2,
+        weight_decay: 0.1,
+        max_grad_norm: 0.5,
+        ..Recipe::constant(5e-3, 6)
+    };
+    let straight = run_recipe(Transport::Tcp, 1, &shape, s, &recipe, 6, None);
+    let dir = std::env::temp_dir().join(format!("headroom-recipe-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut losses = run_recipe(Transport::Tcp, 1, &shape, s, &recipe, 2, Some(&dir));
+    losses.extend(run_recipe(
+        Transport::Tcp,
+        3,
+        &shape,
+        s,
+        &recipe,
+        2,
+        Some(&dir),
+    ));
+    losses.extend(run_recipe(
+        Transport::Tcp,
+        2,
+        &shape,
+        s,
+        &recipe,
+        2,
+        Some(&dir),
+    ));
+    assert_close(&straight, &losses, "1 → 3 → 2 stages across checkpoints");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
