@@ -139,7 +139,9 @@ async fn a_pipelines_reports_are_a_few_writes_and_its_last_ones_are_in_the_statu
             j.status.as_ref().and_then(|s| s.phase) == Some(JobPhase::Succeeded)
         })
         .await;
+    let total_steps = job.total_steps();
     let status = job.status.expect("status");
+    assert_progress_is_the_last_stages(&status, &workers, total_steps);
     for (i, (pod, _)) in workers.iter().enumerate() {
         let entry = status
             .workers
@@ -189,6 +191,39 @@ async fn a_pipelines_reports_are_a_few_writes_and_its_last_ones_are_in_the_statu
     );
     op.stop().await;
     ns.cleanup().await;
+}
+
+/// `status.progress` of the succeeded pipeline: the last stage's last
+/// report (step `1000 + i` for worker `i`) of the run's total, what
+/// `kubectl get` prints as Step, and no time left once the attempt ended.
+fn assert_progress_is_the_last_stages(
+    status: &headroom_api::MemoryAwareTrainingJobStatus,
+    workers: &[(&Pod, String)],
+    total_steps: u64,
+) {
+    let stage = |pod: &Pod| -> u32 {
+        pod.labels()[headroom_api::LABEL_STAGE]
+            .parse()
+            .expect("stage")
+    };
+    let (last, _) = workers
+        .iter()
+        .enumerate()
+        .max_by_key(|(_, (pod, _))| stage(pod))
+        .expect("workers");
+    let step = 1000 + last as u64;
+    let progress = status.progress.as_ref().expect("status.progress");
+    assert_eq!(
+        (progress.attempt, progress.step, progress.total_steps),
+        (1, step, Some(total_steps)),
+        "{progress:?}"
+    );
+    assert_eq!(progress.step_of_total, format!("{step}/{total_steps}"));
+    assert_eq!(
+        (progress.eta.as_deref(), progress.eta_seconds),
+        (None, None),
+        "the attempt ended: no time left is estimated"
+    );
 }
 
 #[tokio::test]

@@ -162,7 +162,7 @@ fn assignment(
         replica: slot.replica,
         model: model.clone(),
         plan: plan.clone(),
-        steps: training.steps,
+        steps: job.total_steps(),
         learning_rate: training.learning_rate,
         checkpoint_every_steps: training.checkpoint_every_steps,
         seed: training.seed,
