@@ -167,12 +167,13 @@ impl ProgressTracker {
             updated_at: Time(now),
         };
         // The pace of an attempt whose figures are not shown yet says nothing.
+        // Rounded up: 0s only once the last step is done.
         let pace = self.seconds_per_step().filter(|_| attempt == self.attempt);
         let left = self.total_steps.map(|total| total.saturating_sub(step));
         let eta = match (left, pace) {
             (Some(0), _) => Some(0),
             (Some(left), Some(pace)) => {
-                Some((left as f64 * pace).round().min(u64::MAX as f64) as u64)
+                Some((left as f64 * pace).ceil().min(u64::MAX as f64) as u64)
             }
             _ => None,
         };

@@ -39,11 +39,16 @@ fn config() -> ControllerConfig {
     }
 }
 
+/// The training loss stages past the first report (the last stage of a
+/// two-stage pipeline computes it).
+const LOSS: f64 = 1.234_567_89;
+
 /// A worker's report: its step and peak, stamped `at` milliseconds in.
 fn report(pod: &Pod, step: u64, peak: u64, at: u64) -> Value {
     let labels = pod.labels();
     let number = |key: &str| -> u32 { labels[key].parse().expect("numeric label") };
-    json!({
+    let stage = number(headroom_api::LABEL_STAGE);
+    let mut report = json!({
         "name": pod.name_any(),
         "attempt": number(headroom_api::LABEL_ATTEMPT),
         "stage": number(headroom_api::LABEL_STAGE),
@@ -52,7 +57,11 @@ fn report(pod: &Pod, step: u64, peak: u64, at: u64) -> Value {
         "updatedAt": jiff::Timestamp::from_millisecond(1_800_000_000_000 + at as i64)
             .expect("time")
             .to_string(),
-    })
+    });
+    if stage > 0 {
+        report["loss"] = json!(LOSS);
+    }
+    report
 }
 
 async fn post(api: &axum::Router, token: &str, body: Value) {
@@ -142,6 +151,7 @@ async fn a_pipelines_reports_are_a_few_writes_and_its_last_ones_are_in_the_statu
     let total_steps = job.total_steps();
     let status = job.status.expect("status");
     assert_progress_is_the_last_stages(&status, &workers, total_steps);
+    assert_kubectl_get_shows_the_progress(&ns, "split-to-fit", &status).await;
     for (i, (pod, _)) in workers.iter().enumerate() {
         let entry = status
             .workers
@@ -220,9 +230,55 @@ fn assert_progress_is_the_last_stages(
     );
     assert_eq!(progress.step_of_total, format!("{step}/{total_steps}"));
     assert_eq!(
+        progress.train_loss,
+        Some(1.2346),
+        "the last stage's, rounded"
+    );
+    assert_eq!(
         (progress.eta.as_deref(), progress.eta_seconds),
         (None, None),
         "the attempt ended: no time left is estimated"
+    );
+}
+
+/// The API server's table of the job (what `kubectl get matj` prints) has
+/// the Step, Loss and ETA columns, filled from `status.progress`.
+async fn assert_kubectl_get_shows_the_progress(
+    ns: &TestNs,
+    job: &str,
+    status: &headroom_api::MemoryAwareTrainingJobStatus,
+) {
+    let request = axum::http::Request::get(format!(
+        "/apis/headroom.dev/v1alpha1/namespaces/{}/memoryawaretrainingjobs/{job}",
+        ns.name
+    ))
+    .header(
+        header::ACCEPT,
+        "application/json;as=Table;v=v1;g=meta.k8s.io",
+    )
+    .body(Vec::new())
+    .expect("request");
+    let table: Value = ns.client.request(request).await.expect("table");
+    let columns: Vec<&str> = table["columnDefinitions"]
+        .as_array()
+        .expect("columns")
+        .iter()
+        .filter_map(|c| c["name"].as_str())
+        .collect();
+    let cell = |name: &str| {
+        let i = columns
+            .iter()
+            .position(|c| *c == name)
+            .unwrap_or_else(|| panic!("no {name} column: {columns:?}"));
+        table["rows"][0]["cells"][i].clone()
+    };
+    let progress = status.progress.as_ref().expect("status.progress");
+    assert_eq!(cell("Step"), json!(progress.step_of_total));
+    assert_eq!(cell("Loss"), json!(1.2346));
+    assert_eq!(
+        cell("ETA"),
+        Value::Null,
+        "no time left is estimated once it ended"
     );
 }
 

@@ -121,14 +121,15 @@ impl StepPace {
         self.seconds_per_step
     }
 
-    /// The time left to `total` from `step` at this pace, whole seconds.
+    /// The time left to `total` from `step` at this pace, whole seconds
+    /// rounded up (0 only once the last step is done).
     pub fn eta_seconds(&self, step: u64, total: u64) -> Option<u64> {
         let left = total.saturating_sub(step);
         if left == 0 {
             return Some(0);
         }
         self.seconds_per_step
-            .map(|s| (left as f64 * s).round().min(u64::MAX as f64) as u64)
+            .map(|s| (left as f64 * s).ceil().min(u64::MAX as f64) as u64)
     }
 }
 
@@ -529,6 +530,10 @@ mod tests {
         pace.step_done(t0 + Duration::from_secs(44));
         let s = pace.seconds_per_step().expect("measured");
         assert!((s - 3.0).abs() < 1e-9, "{s}");
+        let mut fast = StepPace::default();
+        fast.step_done(t0);
+        fast.step_done(t0 + Duration::from_millis(120));
+        assert_eq!(fast.eta_seconds(12, 15), Some(1), "0.36 s left is not 0s");
     }
 
     #[test]

@@ -184,8 +184,8 @@ async fn write_status_and_launch(
 }
 
 /// Tells the held worker telemetry which attempt (and memory budget) the
-/// status now shows and the run's total steps, or that the job ended: its workers' entries are in
-/// the status and their series go.
+/// status now shows and the run's total steps, or that the job ended: its
+/// workers' entries are in the status and their series go.
 fn follow_attempt_telemetry(ctx: &Context, job: &MemoryAwareTrainingJob, decision: &Decision) {
     let Some(uid) = job.uid() else {
         return;

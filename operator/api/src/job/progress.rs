@@ -60,7 +60,8 @@ pub struct JobProgress {
     /// last reports; absent until two reports a step or more apart.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seconds_per_step: Option<f64>,
-    /// Estimated seconds left: the steps left × `secondsPerStep`; absent
+    /// Estimated seconds left: the steps left × `secondsPerStep`, rounded
+    /// up (0 once the last step is done); absent
     /// until measured, and from an attempt's end until the next one's
     /// workers have been measured.
     #[serde(default, skip_serializing_if = "Option::is_none")]
