@@ -53,6 +53,8 @@ say "status.attempts: the history Headroom keeps"
 k get matj -n "${NS}" "${JOB}" -o go-template='{{range .status.attempts}}attempt {{.number}}: {{.outcome}} ({{.reason}}) — micro-batch {{.settings.microBatch}} × {{.settings.gradientAccumulation}}, checkpointing {{.settings.activationCheckpointing}}, predicted {{.predictedPeakBytes}} B of a {{.budgetBytes}} B budget, observed peak {{if .observedPeakBytes}}{{.observedPeakBytes}} B{{else}}none reported (killed before its first report){{end}}{{"\n"}}{{end}}'
 say "status.workers: live telemetry the workers wrote"
 k get matj -n "${NS}" "${JOB}" -o jsonpath='{range .status.workers[*]}{.name}: step {.step}, loss {.loss}, peak {.memory.peakBytes} B, {.tokensPerSecond} tokens/s{"\n"}{end}'
+say "status.progress: where the run stood at its last report (the Step and Loss columns)"
+k get matj -n "${NS}" "${JOB}" -o jsonpath='attempt {.status.progress.attempt}: step {.status.progress.stepOfTotal}, loss {.status.progress.trainLoss}, {.status.progress.tokensPerSecond} tokens/s{"\n"}'
 say "events"
 # By UID: events of an earlier run's job of the same name outlive it (1 h).
 uid=$(k get matj -n "${NS}" "${JOB}" -o jsonpath='{.metadata.uid}')

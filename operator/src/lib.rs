@@ -10,6 +10,7 @@ pub mod leader;
 pub mod listener;
 pub mod metrics;
 pub mod plan_text;
+pub mod progress;
 pub mod watched_pods;
 pub mod worker_api;
 pub mod worker_reports;

@@ -7,6 +7,11 @@
 //! ([`crate::worker_reports`]): a worker's series go when its attempt is
 //! superseded and its job's when the job ends or is deleted, so their
 //! number stays that of the running workers.
+//!
+//! And each job's training progress as gauges per job (`headroom_job_*`,
+//! labels `namespace`, `job`): its step and total, train and eval loss,
+//! tokens per second and time left, as `status.progress` shows them
+//! ([`crate::progress`]); a job's series go when it ends or is deleted.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -23,6 +28,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
+
+use headroom_api::JobProgress;
 
 use crate::worker_reports::WorkerReports;
 
@@ -127,6 +134,12 @@ struct WorkerLabels {
     job: String,
     /// The worker's pod name.
     worker: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct JobLabels {
+    namespace: String,
+    job: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -268,8 +281,82 @@ impl Collector for WorkerGauges {
                 }
             }
         }
-        Ok(())
+        encode_job_progress(&self.0, &mut encoder)
     }
+}
+
+type JobFigure = fn(&JobProgress) -> Option<f64>;
+
+/// The `headroom_job_*` gauges, one series per held job with progress.
+fn encode_job_progress(
+    reports: &WorkerReports,
+    encoder: &mut DescriptorEncoder,
+) -> Result<(), std::fmt::Error> {
+    let mut rows = Vec::new();
+    reports.for_each_progress(jiff::Timestamp::now(), |namespace, job, p| {
+        let labels = JobLabels {
+            namespace: namespace.into(),
+            job: job.into(),
+        };
+        rows.push((labels, p.clone()));
+    });
+    let seconds = Some(&Unit::Seconds);
+    let gauges: [(&str, &str, Option<&Unit>, JobFigure); 7] = [
+        (
+            "job_step",
+            "Optimizer steps the job's run has done (a retry resumes at its checkpoint's step)",
+            None,
+            |p| Some(p.step as f64),
+        ),
+        (
+            "job_total_steps",
+            "Optimizer steps the job's run trains",
+            None,
+            |p| p.total_steps.map(|t| t as f64),
+        ),
+        (
+            "job_train_loss",
+            "Training loss of the job's last step reported (its last pipeline stage's)",
+            None,
+            |p| p.train_loss,
+        ),
+        (
+            "job_eval_loss",
+            "Loss on the job's held-out data at its last evaluation",
+            None,
+            |p| p.eval_loss,
+        ),
+        (
+            "job_tokens_per_second",
+            "The job's training throughput over its last step, tokens per second",
+            None,
+            |p| p.tokens_per_second,
+        ),
+        (
+            "job_step_duration",
+            "Wall-clock time per optimizer step, measured over the job's last reports",
+            seconds,
+            |p| p.seconds_per_step,
+        ),
+        (
+            "job_eta",
+            "Estimated time left to the job's last step at the measured pace",
+            seconds,
+            |p| p.eta_seconds.map(|s| s as f64),
+        ),
+    ];
+    for (name, help, unit, figure) in gauges {
+        if rows.iter().all(|(_, p)| figure(p).is_none()) {
+            continue;
+        }
+        let mut family = encoder.encode_descriptor(name, help, unit, MetricType::Gauge)?;
+        for (labels, p) in &rows {
+            if let Some(value) = figure(p) {
+                ConstGauge::new(value).encode(family.encode_family(labels)?)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// `/metrics`. The health probes have their own router ([`probes_router`])
@@ -388,5 +475,58 @@ mod tests {
         reports.close("uid-k");
         let text = m.encode();
         assert!(!text.contains("headroom_worker_"), "{text}");
+        assert!(!text.contains("headroom_job_"), "{text}");
+    }
+
+    /// A report of the last stage (1) of a two-stage job `ns/p` at second `at`.
+    fn stage_report(pod: &str, stage: u32, step: u64, at: u32) -> headroom_api::WorkerTelemetry {
+        let mut r = report(pod, 1, 1000);
+        r.stage = stage;
+        r.step = step;
+        r.updated_at = serde_json::from_value(serde_json::json!(format!(
+            "2026-11-26T10:{:02}:{:02}Z",
+            at / 60,
+            at % 60
+        )))
+        .expect("time");
+        if stage == 1 {
+            r.loss = Some(2.345_678_8);
+            r.eval_loss = Some(2.5);
+        }
+        r
+    }
+
+    #[test]
+    fn job_progress_gauges_follow_the_last_stage_and_go_with_their_job() {
+        let reports = Arc::new(WorkerReports::new(std::time::Duration::from_secs(10)));
+        let m = Metrics::with_telemetry(reports.clone());
+        // Stage 1 (the last) reports at 0 (loading), then 2 s a step; stage 0 is ahead.
+        for (step, at) in [(0, 0), (10, 20), (20, 40), (30, 60)] {
+            reports.record("ns", "p", "uid-p", stage_report("p-a1-s1", 1, step, at));
+            reports.record("ns", "p", "uid-p", stage_report("p-a1-s0", 0, step + 1, at));
+        }
+        let text = m.encode();
+        let p = "{namespace=\"ns\",job=\"p\"}";
+        assert!(
+            !text.contains("headroom_job_total_steps"),
+            "the total is unknown until the controller says it:\n{text}"
+        );
+        assert!(!text.contains("headroom_job_eta"), "{text}");
+        reports.total_steps("uid-p", 130);
+        let text = m.encode();
+        for line in [
+            format!("headroom_job_step{p} 30.0"),
+            format!("headroom_job_total_steps{p} 130.0"),
+            format!("headroom_job_train_loss{p} 2.3457"),
+            format!("headroom_job_eval_loss{p} 2.5"),
+            format!("headroom_job_tokens_per_second{p} 1500.5"),
+            format!("headroom_job_step_duration_seconds{p} 2.0"),
+            format!("headroom_job_eta_seconds{p} 200.0"),
+            "# TYPE headroom_job_eta_seconds gauge".into(),
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+        }
+        reports.close("uid-p");
+        assert!(!m.encode().contains("headroom_job_"), "the job ended");
     }
 }

@@ -25,6 +25,8 @@
 //!   than [`urgent_spacing`] after the job's last write, so a worker that
 //!   makes every report urgent forces at most one write per spacing, not
 //!   one per tick (the report waits for that slot; the latest still wins);
+//! * every write carries the job's `status.progress` too, computed from
+//!   the reports this process took ([`crate::progress`]);
 //! * and before the controller acts on a pod's end: a worker cannot report
 //!   after an OOM kill or an eviction, and its last report, whatever it was,
 //!   must be in the status the attempt is closed from. The reconcile that
@@ -64,6 +66,8 @@ use headroom_api::{MemoryAwareTrainingJob, WorkerTelemetry};
 use kube::api::{Api, Patch, PatchParams};
 use kube::{Client, Resource, ResourceExt};
 use prometheus_client::metrics::counter::Counter;
+
+use crate::progress::ProgressTracker;
 
 /// A worker's peak this much above the one last written is written at the
 /// next tick (the same fraction at which a worker reports early).
@@ -159,6 +163,8 @@ struct JobReports {
     attempt: u32,
     /// The current attempt's plan budget per worker, bytes (from the controller).
     budget_bytes: Option<u64>,
+    /// Where its training stands: written with the entries as `status.progress`.
+    progress: ProgressTracker,
     /// When the next write is due; None: everything held is written.
     due: Option<Instant>,
     last_write: Option<Instant>,
@@ -176,6 +182,7 @@ impl JobReports {
             workers: BTreeMap::new(),
             attempt: 0,
             budget_bytes: None,
+            progress: ProgressTracker::default(),
             due: None,
             last_write: None,
             last_report: now,
@@ -208,6 +215,7 @@ impl JobReports {
         let at = self.last_write.map_or(now, |w| (w + spacing).max(now));
         self.due = Some(self.due.map_or(at, |d| d.min(at)));
         let written_peak = held.and_then(|h| h.written_peak);
+        self.progress.observe(&report);
         self.workers.insert(
             report.name.clone(),
             Held {
@@ -229,6 +237,7 @@ impl JobReports {
         if attempt > self.attempt {
             self.workers.retain(|_, h| h.report.attempt >= attempt);
             self.attempt = attempt;
+            self.progress.start_attempt(attempt);
             self.budget_bytes = None;
         }
         if attempt == self.attempt && budget_bytes.is_some() {
@@ -406,6 +415,14 @@ impl WorkerReports {
         jobs.adjust(change);
     }
 
+    /// The run's total steps of job `uid` ([`MemoryAwareTrainingJob::total_steps`]),
+    /// for its `status.progress`.
+    pub fn total_steps(&self, uid: &str, total: u64) {
+        if let Some(job) = self.jobs().by_uid.get_mut(uid) {
+            job.progress.set_total_steps(total);
+        }
+    }
+
     /// Forgets an ended or deleted job, and refuses its later reports.
     pub fn close(&self, uid: &str) {
         self.jobs().close(uid);
@@ -481,7 +498,7 @@ impl WorkerReports {
         };
         let _writing = writing.lock().await;
         let now = Instant::now();
-        let (namespace, name, entries) = {
+        let (namespace, name, entries, progress) = {
             let mut jobs = self.jobs();
             let Some(job) = jobs.by_uid.get_mut(uid) else {
                 return Ok(None);
@@ -489,14 +506,21 @@ impl WorkerReports {
             let Some(entries) = job.take(now, ended) else {
                 return Ok(None);
             };
-            (job.namespace.clone(), job.name.clone(), entries)
+            let progress = job.progress.progress(jiff::Timestamp::now());
+            (job.namespace.clone(), job.name.clone(), entries, progress)
         };
+        let mut status = serde_json::json!({"workers": entries});
+        // Once this process has shown a job's progress, every write carries
+        // it (an apply that left it out would remove it).
+        if let Some(progress) = progress {
+            status["progress"] = serde_json::json!(progress);
+        }
         let body = serde_json::json!({
             "apiVersion": MemoryAwareTrainingJob::api_version(&()),
             "kind": MemoryAwareTrainingJob::kind(&()),
             // The uid makes the write a precondition: never onto a newer job of the same name.
             "metadata": {"name": name, "uid": uid},
-            "status": {"workers": entries},
+            "status": status,
         });
         self.writes.inc();
         let jobs_api: Api<MemoryAwareTrainingJob> = Api::namespaced(client.clone(), &namespace);
@@ -564,6 +588,21 @@ impl WorkerReports {
         }
     }
 
+    /// Calls `each` with every held job's namespace, name and progress at
+    /// `now`: the metrics' view of the jobs.
+    pub fn for_each_progress(
+        &self,
+        now: jiff::Timestamp,
+        mut each: impl FnMut(&str, &str, &headroom_api::JobProgress),
+    ) {
+        let jobs = self.jobs();
+        for job in jobs.by_uid.values() {
+            if let Some(progress) = job.progress.progress(now) {
+                each(&job.namespace, &job.name, &progress);
+            }
+        }
+    }
+
     /// Calls `each` with every held report of the jobs' current attempts
     /// and its job's namespace, name and budget (bytes): the metrics' view.
     pub fn for_each(&self, mut each: impl FnMut(&str, &str, Option<u64>, &WorkerTelemetry)) {
@@ -594,6 +633,7 @@ mod tests {
             layer_end: 2,
             step,
             loss: None,
+            eval_loss: None,
             tokens_per_second: None,
             memory: MemorySample {
                 peak_bytes: peak,
@@ -803,6 +843,35 @@ mod tests {
             0,
             "attempt 3 started: attempt 2's entry goes"
         );
+    }
+
+    /// The progress a write carries follows the reports taken: a late one
+    /// is not, and a new attempt (the controller's word) measures its pace again.
+    #[test]
+    fn progress_follows_the_reports_taken() {
+        let reports = WorkerReports::new(INTERVAL);
+        let progress = || {
+            let mut shown = Vec::new();
+            reports.for_each_progress(jiff::Timestamp::now(), |ns, job, p| {
+                shown.push((format!("{ns}/{job}"), p.clone()))
+            });
+            shown
+        };
+        assert!(progress().is_empty());
+        for (step, at) in [(0, 0), (10, 10), (20, 20)] {
+            reports.record("ns", "j", "uid", report("j-a1-s0", 1, step, 10, at));
+        }
+        reports.record("ns", "j", "uid", report("j-a1-s0", 1, 15, 10, 15));
+        reports.total_steps("uid", 50);
+        let [(job, p)] = &progress()[..] else {
+            panic!("one job: {:?}", progress());
+        };
+        assert_eq!(job, "ns/j");
+        assert_eq!(p.step_of_total, "20/50", "the late report is dropped");
+        assert_eq!(p.eta.as_deref(), Some("30s"));
+        reports.attempt("uid", 2, None);
+        let p = &progress()[0].1;
+        assert_eq!((p.step, p.attempt, p.eta.as_deref()), (20, 1, None));
     }
 
     #[test]

@@ -193,6 +193,9 @@ fn status_and_printer_columns_are_declared() {
         [
             "Phase",
             "Attempt",
+            "Step",
+            "Loss",
+            "ETA",
             "Device",
             "Workers",
             "Peak/Budget",

@@ -39,11 +39,16 @@ fn config() -> ControllerConfig {
     }
 }
 
+/// The training loss stages past the first report (the last stage of a
+/// two-stage pipeline computes it).
+const LOSS: f64 = 1.234_567_89;
+
 /// A worker's report: its step and peak, stamped `at` milliseconds in.
 fn report(pod: &Pod, step: u64, peak: u64, at: u64) -> Value {
     let labels = pod.labels();
     let number = |key: &str| -> u32 { labels[key].parse().expect("numeric label") };
-    json!({
+    let stage = number(headroom_api::LABEL_STAGE);
+    let mut report = json!({
         "name": pod.name_any(),
         "attempt": number(headroom_api::LABEL_ATTEMPT),
         "stage": number(headroom_api::LABEL_STAGE),
@@ -52,7 +57,11 @@ fn report(pod: &Pod, step: u64, peak: u64, at: u64) -> Value {
         "updatedAt": jiff::Timestamp::from_millisecond(1_800_000_000_000 + at as i64)
             .expect("time")
             .to_string(),
-    })
+    });
+    if stage > 0 {
+        report["loss"] = json!(LOSS);
+    }
+    report
 }
 
 async fn post(api: &axum::Router, token: &str, body: Value) {
@@ -139,7 +148,10 @@ async fn a_pipelines_reports_are_a_few_writes_and_its_last_ones_are_in_the_statu
             j.status.as_ref().and_then(|s| s.phase) == Some(JobPhase::Succeeded)
         })
         .await;
+    let total_steps = job.total_steps().expect("the recorded recipe's steps");
     let status = job.status.expect("status");
+    assert_progress_is_the_last_stages(&status, &workers, total_steps);
+    assert_kubectl_get_shows_the_progress(&ns, "split-to-fit", &status).await;
     for (i, (pod, _)) in workers.iter().enumerate() {
         let entry = status
             .workers
@@ -189,6 +201,85 @@ async fn a_pipelines_reports_are_a_few_writes_and_its_last_ones_are_in_the_statu
     );
     op.stop().await;
     ns.cleanup().await;
+}
+
+/// `status.progress` of the succeeded pipeline: the last stage's last
+/// report (step `1000 + i` for worker `i`) of the run's total, what
+/// `kubectl get` prints as Step, and no time left once the attempt ended.
+fn assert_progress_is_the_last_stages(
+    status: &headroom_api::MemoryAwareTrainingJobStatus,
+    workers: &[(&Pod, String)],
+    total_steps: u64,
+) {
+    let stage = |pod: &Pod| -> u32 {
+        pod.labels()[headroom_api::LABEL_STAGE]
+            .parse()
+            .expect("stage")
+    };
+    let (last, _) = workers
+        .iter()
+        .enumerate()
+        .max_by_key(|(_, (pod, _))| stage(pod))
+        .expect("workers");
+    let step = 1000 + last as u64;
+    let progress = status.progress.as_ref().expect("status.progress");
+    assert_eq!(
+        (progress.attempt, progress.step, progress.total_steps),
+        (1, step, Some(total_steps)),
+        "{progress:?}"
+    );
+    assert_eq!(progress.step_of_total, format!("{step}/{total_steps}"));
+    assert_eq!(
+        progress.train_loss,
+        Some(1.2346),
+        "the last stage's, rounded"
+    );
+    assert_eq!(
+        (progress.eta.as_deref(), progress.eta_seconds),
+        (None, None),
+        "the attempt ended: no time left is estimated"
+    );
+}
+
+/// The API server's table of the job (what `kubectl get matj` prints) has
+/// the Step, Loss and ETA columns, filled from `status.progress`.
+async fn assert_kubectl_get_shows_the_progress(
+    ns: &TestNs,
+    job: &str,
+    status: &headroom_api::MemoryAwareTrainingJobStatus,
+) {
+    let request = axum::http::Request::get(format!(
+        "/apis/headroom.dev/v1alpha1/namespaces/{}/memoryawaretrainingjobs/{job}",
+        ns.name
+    ))
+    .header(
+        header::ACCEPT,
+        "application/json;as=Table;v=v1;g=meta.k8s.io",
+    )
+    .body(Vec::new())
+    .expect("request");
+    let table: Value = ns.client.request(request).await.expect("table");
+    let columns: Vec<&str> = table["columnDefinitions"]
+        .as_array()
+        .expect("columns")
+        .iter()
+        .filter_map(|c| c["name"].as_str())
+        .collect();
+    let cell = |name: &str| {
+        let i = columns
+            .iter()
+            .position(|c| *c == name)
+            .unwrap_or_else(|| panic!("no {name} column: {columns:?}"));
+        table["rows"][0]["cells"][i].clone()
+    };
+    let progress = status.progress.as_ref().expect("status.progress");
+    assert_eq!(cell("Step"), json!(progress.step_of_total));
+    assert_eq!(cell("Loss"), json!(1.2346));
+    assert_eq!(
+        cell("ETA"),
+        Value::Null,
+        "no time left is estimated once it ended"
+    );
 }
 
 #[tokio::test]

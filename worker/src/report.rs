@@ -10,6 +10,10 @@
 //! the peak has grown by more than 10 % since the last write. The training
 //! thread only swaps a small [`Progress`] value per step, so telemetry costs
 //! the training loop a mutex per step.
+//!
+//! The training loop also logs one line per optimizer step ([`StepLine`]):
+//! the step of the run's total, the loss, tokens per second and the time
+//! left at the pace [`StepPace`] measures.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
@@ -19,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use headroom_api::{
     DownloadProgress, MemorySample, WORKER_API_ENV, WORKER_FIELD_MANAGER_PREFIX, WorkerTelemetry,
+    human_duration,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
@@ -38,6 +43,10 @@ pub use headroom_api::PEAK_GROWTH_FOR_IMMEDIATE_WRITE;
 pub struct Progress {
     pub step: u64,
     pub loss: Option<f64>,
+    /// Loss on the held-out data at the last evaluation; None until one
+    /// ran. Set by [`Reporter::record_eval_loss`]; an [`Reporter::update`]
+    /// without one keeps it (it stands until the next evaluation).
+    pub eval_loss: Option<f64>,
     pub tokens_per_second: Option<f64>,
     pub download: Option<DownloadProgress>,
 }
@@ -69,10 +78,88 @@ impl WorkerIdentity {
             layer_end: self.layer_end,
             step: progress.step,
             loss: progress.loss.filter(|l| l.is_finite()),
+            // A cross-entropy is at least 0: anything else is not reported
+            // (the operator would refuse the whole report).
+            eval_loss: progress.eval_loss.filter(|l| l.is_finite() && *l >= 0.0),
             tokens_per_second: progress.tokens_per_second.filter(|t| t.is_finite()),
             memory,
             download: progress.download.clone(),
             updated_at: Time(k8s_openapi::jiff::Timestamp::now()),
+        }
+    }
+}
+
+/// The run loop's pace: wall-clock seconds per optimizer step, from the
+/// end of one step to the end of the next (so checkpoint saves, telemetry
+/// and waits for peers count, as they do for the time left), smoothed
+/// over the last steps. The first step is not measured: it starts with the
+/// model's load or resume and the kernels' first compilation.
+#[derive(Clone, Debug, Default)]
+pub struct StepPace {
+    last_step_end: Option<Instant>,
+    seconds_per_step: Option<f64>,
+}
+
+impl StepPace {
+    /// Weight of the newest step in the average: about the last 10 steps count.
+    pub const SMOOTHING: f64 = 0.1;
+
+    /// A step ended at `now`.
+    pub fn step_done(&mut self, now: Instant) {
+        if let Some(last) = self.last_step_end {
+            let seconds = now.duration_since(last).as_secs_f64();
+            self.seconds_per_step = Some(match self.seconds_per_step {
+                None => seconds,
+                Some(mean) => mean + Self::SMOOTHING * (seconds - mean),
+            });
+        }
+        self.last_step_end = Some(now);
+    }
+
+    /// Seconds per step so far; None before two steps ended.
+    pub fn seconds_per_step(&self) -> Option<f64> {
+        self.seconds_per_step
+    }
+
+    /// The time left to `total` from `step` at this pace, whole seconds
+    /// rounded up (0 only once the last step is done).
+    pub fn eta_seconds(&self, step: u64, total: u64) -> Option<u64> {
+        let left = total.saturating_sub(step);
+        if left == 0 {
+            return Some(0);
+        }
+        self.seconds_per_step
+            .map(|s| (left as f64 * s).ceil().min(u64::MAX as f64) as u64)
+    }
+}
+
+/// The line the run loop logs at info level after each optimizer step:
+/// `step 120/500 loss 2.3457 tokens/s 1234 eta 3m20s` (`n/a` where a
+/// figure is unknown: a stage before the last has no loss).
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepLine {
+    pub step: u64,
+    pub total: u64,
+    pub loss: Option<f64>,
+    pub tokens_per_second: Option<f64>,
+    pub eta_seconds: Option<u64>,
+}
+
+impl std::fmt::Display for StepLine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "step {}/{} loss ", self.step, self.total)?;
+        match self.loss {
+            Some(loss) => write!(f, "{loss:.4}")?,
+            None => f.write_str("n/a")?,
+        }
+        f.write_str(" tokens/s ")?;
+        match self.tokens_per_second {
+            Some(t) => write!(f, "{t:.0}")?,
+            None => f.write_str("n/a")?,
+        }
+        match self.eta_seconds {
+            Some(eta) => write!(f, " eta {}", human_duration(eta)),
+            None => f.write_str(" eta n/a"),
         }
     }
 }
@@ -264,9 +351,24 @@ impl Reporter {
         }
     }
 
-    /// Records the training loop's position (cheap: one uncontended mutex).
+    /// Records the training loop's position (cheap: one uncontended mutex);
+    /// the last evaluation's loss stays unless `progress` has a newer one.
     pub fn update(&self, progress: Progress) {
-        *self.progress.lock().unwrap_or_else(|p| p.into_inner()) = progress;
+        let mut held = self.progress.lock().unwrap_or_else(|p| p.into_inner());
+        let eval_loss = progress.eval_loss.or(held.eval_loss);
+        *held = Progress {
+            eval_loss,
+            ..progress
+        };
+    }
+
+    /// Records the loss of an evaluation on the held-out data: reported
+    /// from the next write on, as `evalLoss`, until the next evaluation.
+    pub fn record_eval_loss(&self, loss: f64) {
+        self.progress
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .eval_loss = Some(loss);
     }
 
     /// [`Reporter::update`] for a callback that outlives this borrow (the
@@ -343,9 +445,11 @@ mod tests {
             Duration::from_millis(5),
             WritePolicy::new(Duration::from_secs(3600)),
         );
+        reporter.record_eval_loss(1.75);
         reporter.update(Progress {
             step: 7,
             loss: Some(1.5),
+            eval_loss: None,
             tokens_per_second: Some(f64::NAN),
             download: None,
         });
@@ -360,9 +464,99 @@ mod tests {
         let final_report = written.last().expect("final");
         assert_eq!(final_report.step, 7);
         assert_eq!(final_report.loss, Some(1.5));
+        assert_eq!(
+            final_report.eval_loss,
+            Some(1.75),
+            "a step's update keeps the last evaluation's loss"
+        );
         assert_eq!(final_report.tokens_per_second, None, "NaN is not written");
         assert_eq!(final_report.memory.peak_bytes, last.peak_bytes);
         assert!(last.peak_bytes > 0);
         assert_eq!(identity().field_manager(), "headroom-worker/job-a1-s0");
+    }
+
+    /// The report as the worker API receives it: `evalLoss` beside `loss`
+    /// when an evaluation ran, absent otherwise; a value the CRD would
+    /// refuse (negative, not finite) is not sent.
+    #[test]
+    fn the_eval_loss_is_serialised_as_eval_loss_when_there_is_one() {
+        let memory = MemorySample {
+            peak_bytes: 1,
+            ..MemorySample::default()
+        };
+        let mut progress = Progress {
+            step: 3,
+            loss: Some(2.0),
+            ..Progress::default()
+        };
+        let json =
+            serde_json::to_value(identity().telemetry(&progress, memory.clone())).expect("json");
+        assert_eq!(json["loss"], serde_json::json!(2.0));
+        assert!(json.get("evalLoss").is_none(), "{json}");
+        progress.eval_loss = Some(2.25);
+        let report = identity().telemetry(&progress, memory.clone());
+        assert_eq!(report.check_bounds(), Ok(()));
+        let json = serde_json::to_value(&report).expect("json");
+        assert_eq!(json["evalLoss"], serde_json::json!(2.25));
+        let back: WorkerTelemetry = serde_json::from_value(json).expect("reads back");
+        // The time is written to the second.
+        assert_eq!(
+            back,
+            WorkerTelemetry {
+                updated_at: back.updated_at.clone(),
+                ..report
+            }
+        );
+        for refused in [-1.0, f64::INFINITY, f64::NAN] {
+            progress.eval_loss = Some(refused);
+            let report = identity().telemetry(&progress, memory.clone());
+            assert_eq!(report.eval_loss, None, "{refused}");
+        }
+    }
+
+    #[test]
+    fn the_pace_skips_the_first_step_and_smooths_the_rest() {
+        let t0 = Instant::now();
+        let mut pace = StepPace::default();
+        // The first step ends 30 s in (loading, compiling): not a step's time.
+        pace.step_done(t0 + Duration::from_secs(30));
+        assert_eq!(pace.seconds_per_step(), None);
+        assert_eq!(pace.eta_seconds(1, 10), None);
+        assert_eq!(pace.eta_seconds(10, 10), Some(0), "nothing left");
+        pace.step_done(t0 + Duration::from_secs(32));
+        assert_eq!(pace.seconds_per_step(), Some(2.0));
+        assert_eq!(pace.eta_seconds(2, 10), Some(16));
+        // One slow step (a checkpoint) moves the average a tenth of the way.
+        pace.step_done(t0 + Duration::from_secs(44));
+        let s = pace.seconds_per_step().expect("measured");
+        assert!((s - 3.0).abs() < 1e-9, "{s}");
+        let mut fast = StepPace::default();
+        fast.step_done(t0);
+        fast.step_done(t0 + Duration::from_millis(120));
+        assert_eq!(fast.eta_seconds(12, 15), Some(1), "0.36 s left is not 0s");
+    }
+
+    #[test]
+    fn one_step_line_says_step_loss_throughput_and_eta() {
+        let line = StepLine {
+            step: 120,
+            total: 500,
+            loss: Some(2.345_678),
+            tokens_per_second: Some(1234.4),
+            eta_seconds: Some(200),
+        };
+        assert_eq!(
+            line.to_string(),
+            "step 120/500 loss 2.3457 tokens/s 1234 eta 3m20s"
+        );
+        let first_stage = StepLine {
+            loss: None,
+            eta_seconds: None,
+            ..line
+        };
+        assert_eq!(
+            first_stage.to_string(),
+            "step 120/500 loss n/a tokens/s 1234 eta n/a"
+        );
     }
 }

@@ -31,8 +31,8 @@ use crate::gpu_runtime::{self, RuntimeSettings};
 use crate::memory_probe::{MemoryProbe, process_memory};
 use crate::rendezvous::{Connected, Rendezvous};
 use crate::report::{
-    DEFAULT_SAMPLE_EVERY, Progress, Reporter, TelemetrySink, WorkerApiSink, WorkerIdentity,
-    WritePolicy,
+    DEFAULT_SAMPLE_EVERY, Progress, Reporter, StepLine, StepPace, TelemetrySink, WorkerApiSink,
+    WorkerIdentity, WritePolicy,
 };
 use crate::sigterm::SigtermWatcher;
 use crate::text;
@@ -319,6 +319,7 @@ impl WorkerRun<'_> {
         let every = u64::from(trainer.config.checkpoint_every_steps.max(1));
         let mut last_loss = None;
         let mut saved_at = trainer.step;
+        let mut pace = StepPace::default();
         while !trainer.finished() {
             let step = trainer.step;
             if self.terminate.load(Ordering::SeqCst) {
@@ -373,10 +374,24 @@ impl WorkerRun<'_> {
             self.reporter.update(Progress {
                 step: report.step,
                 loss: report.loss,
+                // An evaluation reports its loss with Reporter::record_eval_loss.
+                eval_loss: None,
                 tokens_per_second: Some(report.tokens_per_second()),
                 download: None,
             });
-            tracing::debug!(step = report.step, loss = ?report.loss, "step");
+            // Measured before this step's checkpoint: its save counts in the next step's time.
+            pace.step_done(std::time::Instant::now());
+            let total = trainer.config.steps();
+            tracing::info!(
+                "{}",
+                StepLine {
+                    step: report.step,
+                    total,
+                    loss: report.loss,
+                    tokens_per_second: Some(report.tokens_per_second()),
+                    eta_seconds: pace.eta_seconds(report.step, total),
+                }
+            );
             if let Some(loss) = report.loss.filter(|l| !l.is_finite()) {
                 return Err(Exit::failed(format!(
                     "loss became {loss} at step {}",

@@ -359,6 +359,7 @@ mod tests {
             layer_end: 2,
             step: 7,
             loss: Some(1.5),
+            eval_loss: None,
             tokens_per_second: None,
             memory: MemorySample {
                 peak_bytes: 1 << 20,

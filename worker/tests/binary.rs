@@ -142,6 +142,28 @@ fn trains_checkpoints_and_resumes_across_processes() {
     assert_eq!(second.code, exit_code::SUCCESS, "{}", second.stderr);
     assert_eq!(second.message.step, Some(15));
     assert!(second.stderr.contains("resumed"), "{}", second.stderr);
+    // One info line per optimizer step, counted from the checkpoint's step.
+    for step in 11..=15 {
+        assert_eq!(
+            second
+                .stderr
+                .matches(&format!("step {step}/15 loss "))
+                .count(),
+            1,
+            "step {step}: {}",
+            second.stderr
+        );
+    }
+    assert!(!second.stderr.contains("step 10/15"), "{}", second.stderr);
+    let last = second
+        .stderr
+        .lines()
+        .find(|l| l.contains("step 15/15 loss "))
+        .expect("the last step's line");
+    assert!(
+        last.ends_with(" eta 0s") && !last.contains("loss n/a"),
+        "{last}"
+    );
     assert!(dir.join("checkpoints/step-000000000015").is_dir());
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -415,6 +437,10 @@ fn two_stage_processes_train_together_over_tcp() {
         "{}",
         s0.stderr
     );
+    // Only the last stage computes the loss; both log every step.
+    assert!(s0.stderr.contains("step 6/6 loss n/a "), "{}", s0.stderr);
+    assert!(s1.stderr.contains("step 6/6 loss "), "{}", s1.stderr);
+    assert!(!s1.stderr.contains("loss n/a"), "{}", s1.stderr);
 }
 
 #[test]

@@ -145,6 +145,7 @@ fn worker(attempt: u32, step: u64) -> WorkerTelemetry {
         layer_end: 4,
         step,
         loss: Some(4.2),
+        eval_loss: None,
         tokens_per_second: Some(1234.5),
         memory: MemorySample {
             cgroup_current_bytes: Some(180 << 20),

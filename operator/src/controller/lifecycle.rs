@@ -658,6 +658,10 @@ fn end_attempt(
     a.finished_at = Some(Time(at.now));
     a.observed_peak_bytes = ending.peak.max(telemetry_peak).or(a.observed_peak_bytes);
     a.last_step = ending.step.max(telemetry_step).or(a.last_step);
+    // The time left was this attempt's: gone with it (see JobProgress::forget_eta).
+    if let Some(progress) = status.progress.as_mut() {
+        progress.forget_eta();
+    }
     if ending.outcome == AttemptOutcome::Succeeded {
         return None;
     }
@@ -1135,12 +1139,27 @@ mod tests {
             layer_end: 2,
             step: 7,
             loss: None,
+            eval_loss: None,
             tokens_per_second: None,
             memory: headroom_api::MemorySample {
                 peak_bytes: 900,
                 ..Default::default()
             },
             download: None,
+            updated_at: Time(at().now),
+        });
+        status.progress = Some(headroom_api::JobProgress {
+            attempt: 1,
+            step: 7,
+            total_steps: Some(10),
+            step_of_total: "7/10".into(),
+            train_loss: Some(2.5),
+            eval_loss: None,
+            tokens_per_second: Some(100.0),
+            seconds_per_step: Some(2.0),
+            eta_seconds: Some(6),
+            eta: Some("6s".into()),
+            estimated_completion_time: Some(Time(at().now)),
             updated_at: Time(at().now),
         });
         let later = Stamp {
@@ -1171,6 +1190,16 @@ mod tests {
         );
         assert_eq!(a.finished_at, Some(Time(later.now)));
         assert_eq!((a.observed_peak_bytes, a.last_step), (Some(900), Some(7)));
+        let progress = status.progress.as_ref().expect("progress stays");
+        assert_eq!(
+            (progress.step, progress.train_loss, progress.eta.as_deref()),
+            (7, Some(2.5), None),
+            "the step and loss stay; the time left went with the attempt"
+        );
+        assert_eq!(
+            (progress.eta_seconds, progress.seconds_per_step),
+            (None, None)
+        );
         assert_eq!(
             status.phase,
             Some(JobPhase::Pending),

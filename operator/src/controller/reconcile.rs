@@ -184,8 +184,8 @@ async fn write_status_and_launch(
 }
 
 /// Tells the held worker telemetry which attempt (and memory budget) the
-/// status now shows, or that the job ended: its workers' entries are in
-/// the status and their series go.
+/// status now shows and the run's total steps, or that the job ended: its
+/// workers' entries are in the status and their series go.
 fn follow_attempt_telemetry(ctx: &Context, job: &MemoryAwareTrainingJob, decision: &Decision) {
     let Some(uid) = job.uid() else {
         return;
@@ -196,6 +196,11 @@ fn follow_attempt_telemetry(ctx: &Context, job: &MemoryAwareTrainingJob, decisio
             if let Some(attempt) = decision.status.attempt {
                 let budget = decision.status.plan.as_ref().map(|p| p.budget_bytes);
                 ctx.reports.attempt(&uid, attempt, budget);
+                // The decision's status holds the recipe it may just have recorded.
+                let recorded = decision.status.recipe.as_ref().map(|r| r.total_steps);
+                if let Some(total) = recorded.or_else(|| job.total_steps()) {
+                    ctx.reports.total_steps(&uid, total);
+                }
             }
         }
     }

@@ -29,6 +29,24 @@ use super::status::MemoryAwareTrainingJobStatus;
     doc = "A training job that Headroom plans, places and retries so that it fits in memory",
     printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
     printcolumn(name = "Attempt", type_ = "integer", json_path = ".status.attempt"),
+    printcolumn(
+        name = "Step",
+        type_ = "string",
+        json_path = ".status.progress.stepOfTotal",
+        description = "optimizer steps done of the run's total"
+    ),
+    printcolumn(
+        name = "Loss",
+        type_ = "number",
+        json_path = ".status.progress.trainLoss",
+        description = "training loss of the last step reported"
+    ),
+    printcolumn(
+        name = "ETA",
+        type_ = "string",
+        json_path = ".status.progress.eta",
+        description = "estimated time left at the measured pace"
+    ),
     printcolumn(name = "Device", type_ = "string", json_path = ".status.plan.device"),
     printcolumn(
         name = "Workers",

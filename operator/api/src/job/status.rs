@@ -190,6 +190,11 @@ pub struct WorkerTelemetry {
     /// Training loss of the last step (the last stage reports it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss: Option<f64>,
+    /// Loss on the held-out data at the last evaluation (the last stage
+    /// reports it; a cross-entropy, so at least 0); absent until one ran.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub eval_loss: Option<f64>,
     /// Training throughput over the last steps.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens_per_second: Option<f64>,
@@ -225,6 +230,11 @@ impl WorkerTelemetry {
             return Err(format!(
                 "memory.gpus: index {} appears twice; list each GPU once",
                 twice[0]
+            ));
+        }
+        if let Some(loss) = self.eval_loss.filter(|l| *l < 0.0) {
+            return Err(format!(
+                "evalLoss: {loss}, at least 0 (a cross-entropy); leave it out when no evaluation ran"
             ));
         }
         if let Some(download) = &self.download {
@@ -316,6 +326,13 @@ pub struct MemoryAwareTrainingJobStatus {
     #[schemars(length(max = 1025))]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
     pub workers: Vec<WorkerTelemetry>,
+    /// Where training stands: the step of the run's total, the last train
+    /// and eval loss, tokens per second and the time left, from the
+    /// workers' reports (absent until a worker of an attempt reports).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    // Atomic: see the module doc; the telemetry writes replace it whole.
+    #[schemars(extend("x-kubernetes-map-type" = "atomic"))]
+    pub progress: Option<crate::JobProgress>,
     /// One line on where the job stands (the current attempt and its plan, or
     /// why the job waits or failed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -554,6 +571,7 @@ mod tests {
             layer_end: 2,
             step: 3,
             loss: None,
+            eval_loss: None,
             tokens_per_second: None,
             memory: MemorySample {
                 gpus,
@@ -602,6 +620,12 @@ mod tests {
             e.starts_with("download.file: 1025 characters, at most 1024"),
             "{e}"
         );
+        let mut evaluated = telemetry(vec![], None);
+        evaluated.eval_loss = Some(0.0);
+        assert_eq!(evaluated.check_bounds(), Ok(()));
+        evaluated.eval_loss = Some(-0.5);
+        let e = evaluated.check_bounds().expect_err("beyond the bounds");
+        assert!(e.starts_with("evalLoss: -0.5, at least 0"), "{e}");
     }
 
     /// The bounds checked at ingest are the schema's own.
@@ -621,6 +645,7 @@ mod tests {
             entry["download"]["properties"]["file"]["maxLength"],
             serde_json::json!(DownloadProgress::MAX_FILE_CHARS)
         );
+        assert_eq!(entry["evalLoss"]["minimum"], serde_json::json!(0.0));
     }
 
     #[test]

@@ -1288,6 +1288,7 @@ fn step_times(
                     rep.update(Progress {
                         step: r.step,
                         loss: r.loss,
+                        eval_loss: None,
                         tokens_per_second: Some(r.tokens_per_second()),
                         download: None,
                     });
