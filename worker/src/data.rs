@@ -100,6 +100,31 @@ impl TextSamples {
         self.samples.is_empty()
     }
 
+    /// Splits off `count` samples for evaluation (at most all but one),
+    /// chosen by the seed alone: (what is trained on, what is held out).
+    pub fn hold_out(self, count: usize) -> (TextSamples, TextSamples) {
+        /// Mixed into the seed so the held-out draw is not an epoch's order.
+        const HELD_OUT_SALT: u64 = 0x4865_6c64_4f75_7401;
+        let count = count.min(self.samples.len() - 1);
+        let order = crate::text::shuffled(self.samples.len(), splitmix(self.seed ^ HELD_OUT_SALT));
+        let mut held = vec![false; self.samples.len()];
+        for &i in &order[..count] {
+            held[i] = true;
+        }
+        let (mut trained, mut evaluated) = (Vec::new(), Vec::new());
+        for (sample, held) in self.samples.into_iter().zip(held) {
+            if held {
+                evaluated.push(sample);
+            } else {
+                trained.push(sample);
+            }
+        }
+        (
+            TextSamples::new(trained, self.seed),
+            TextSamples::new(evaluated, self.seed),
+        )
+    }
+
     /// Sample `index` of the run.
     pub fn sample(&self, index: u64) -> Vec<i64> {
         let n = self.samples.len() as u64;
@@ -169,6 +194,30 @@ impl Samples {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn held_out_samples_are_split_off_by_the_seed_alone() {
+        let samples: Vec<Vec<u32>> = (0..20).map(|i| vec![i, i + 1]).collect();
+        let (trained, held) = TextSamples::new(samples.clone(), 3).hold_out(4);
+        assert_eq!((trained.len(), held.len()), (16, 4));
+        let mut all: Vec<Vec<u32>> = trained
+            .samples
+            .iter()
+            .chain(&held.samples)
+            .cloned()
+            .collect();
+        all.sort();
+        assert_eq!(all, samples, "every sample once, in one part or the other");
+        let (_, again) = TextSamples::new(samples.clone(), 3).hold_out(4);
+        assert_eq!(
+            again.samples, held.samples,
+            "the same seed holds out the same"
+        );
+        let (_, other) = TextSamples::new(samples.clone(), 4).hold_out(4);
+        assert_ne!(other.samples, held.samples);
+        let (left, _) = TextSamples::new(samples, 3).hold_out(50);
+        assert_eq!(left.len(), 1, "at least one sample is left to train on");
+    }
 
     #[test]
     fn samples_are_deterministic_progressions() {

@@ -371,6 +371,14 @@ impl WorkerRun<'_> {
             if report.loss.is_some() {
                 last_loss = report.loss;
             }
+            if let Some(eval_loss) = report.eval_loss {
+                self.reporter.record_eval_loss(eval_loss);
+                tracing::info!(
+                    step = report.step,
+                    eval_loss,
+                    "evaluation on the held-out samples"
+                );
+            }
             self.reporter.update(Progress {
                 step: report.step,
                 loss: report.loss,
@@ -452,6 +460,9 @@ impl WorkerRun<'_> {
                     Err(e) => return Exit::failed(format!("writing the trained model: {e}")),
                 };
                 tracing::info!(file = %file.display(), "trained weights written");
+                if let Err(e) = write_eval_results(out, trainer.last_eval) {
+                    return Exit::failed(format!("writing eval_results.json: {e}"));
+                }
                 let c = &trainer.config;
                 match &c.adapters {
                     None => format!("; model written to {}", out.display()),
@@ -477,6 +488,17 @@ impl WorkerRun<'_> {
             ),
         )
     }
+}
+
+/// `eval_results.json` beside the trained weights, as the Hugging Face
+/// Trainer writes it (`eval_loss`, and the step it was measured at), when
+/// this stage evaluated (the last stage of a job with an evaluation).
+fn write_eval_results(out: &Path, last_eval: Option<(u64, f64)>) -> std::io::Result<()> {
+    let Some((step, loss)) = last_eval else {
+        return Ok(());
+    };
+    let json = serde_json::json!({"eval_loss": loss, "step": step});
+    std::fs::write(out.join("eval_results.json"), format!("{json:#}\n"))
 }
 
 fn classify_panic(text: &str, step: u64, peak: u64) -> Exit {

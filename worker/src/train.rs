@@ -291,6 +291,9 @@ pub struct StepReport {
     pub loss_gather: Duration,
     /// The learning rate this step's update used.
     pub learning_rate: f64,
+    /// The loss on the held-out samples after this step's update, when the
+    /// recipe's evaluation fell due (last stage only, as `loss`).
+    pub eval_loss: Option<f64>,
     /// The model's gradient norm before clipping (`None`: clipping off).
     pub grad_norm: Option<f64>,
 }
@@ -317,6 +320,11 @@ pub struct Trainer {
     /// The bytes of f32 the replicas exchange at a time: the backend's
     /// `collective_bucket_bytes` unless [`Trainer::set_collective_bucket_bytes`].
     bucket_bytes: u64,
+    /// The held-out samples evaluated when the recipe asks, and how many
+    /// of them each evaluation reads.
+    held_out: Option<(Samples, u32)>,
+    /// The last evaluation's step and loss (last stage only).
+    pub last_eval: Option<(u64, f64)>,
     /// Set when a step failed after this replica's update and before it had
     /// every other replica's: the model is then no step's, and must not be
     /// saved.
@@ -468,12 +476,17 @@ impl Trainer {
         // checkpoint shards are keyed by them).
         let model = stable_param_ids(model, &config.layout);
         let optimizer = build_optimizer(&config.settings, &config.recipe.adam)?;
-        let task = Samples::Progression(ProgressionTask {
-            seed: config.seed,
-            vocabulary: config.shape.vocabulary(),
-            sequence_length: config.shape.sequence_length(),
-        });
+        let task = Samples::Progression(task_of(&config));
         let bucket_bytes = config.backend.profile().collective_bucket_bytes;
+        // The synthetic task is endless: its held-out samples are another
+        // seed's progressions, which training never draws.
+        let held_out = config.recipe.evaluation.as_ref().map(|e| {
+            let task = ProgressionTask {
+                seed: config.seed ^ HELD_OUT_SEED_SALT,
+                ..task_of(&config)
+            };
+            (Samples::Progression(task), e.samples)
+        });
         Ok(Trainer {
             config,
             device,
@@ -483,6 +496,8 @@ impl Trainer {
             task,
             pretrained,
             bucket_bytes,
+            held_out,
+            last_eval: None,
             torn: None,
         })
     }
@@ -539,9 +554,86 @@ impl Trainer {
         Ok(file)
     }
 
-    /// Trains on real text instead of the synthetic task.
+    /// Trains on real text instead of the synthetic task; with an
+    /// evaluation in the recipe, its held-out share is split off first.
     pub fn use_text(&mut self, samples: TextSamples) {
-        self.task = Samples::Text(samples);
+        let Some(evaluation) = &self.config.recipe.evaluation else {
+            self.task = Samples::Text(samples);
+            return;
+        };
+        let count = evaluation.held_out(samples.len() as u64) as usize;
+        if count == 0 {
+            self.held_out = None;
+            self.task = Samples::Text(samples);
+            return;
+        }
+        let (trained, held) = samples.hold_out(count);
+        let read = evaluation.samples.min(held.len() as u32);
+        self.held_out = Some((Samples::Text(held), read));
+        self.task = Samples::Text(trained);
+    }
+
+    /// Whether the recipe's evaluation falls due after step `step`: every
+    /// `everySteps` steps and after the last.
+    fn evaluation_due(&self, step: u64) -> bool {
+        let every = self
+            .config
+            .recipe
+            .evaluation
+            .as_ref()
+            .map(|e| e.every_steps);
+        self.held_out.is_some()
+            && (step == self.config.steps()
+                || every.is_some_and(|e| step.is_multiple_of(u64::from(e.max(1)))))
+    }
+
+    /// The mean loss over the held-out samples, forward only (no graph):
+    /// this stage's part of it, the batches going down the pipeline as
+    /// [`Kind::EvalActivation`] frames; the replicas of a stage split the
+    /// batches (replica r takes every d-th) and sum their losses. The last
+    /// stage returns the loss, the others `None`.
+    fn evaluate(
+        &self,
+        links: &mut Links,
+        replicas: &mut Replicas,
+    ) -> Result<Option<f64>, StepError> {
+        let Some((samples, count)) = &self.held_out else {
+            return Ok(None);
+        };
+        let c = &self.config;
+        let micro = c.settings.micro_batch.max(1);
+        let batches = count.div_ceil(micro);
+        let frozen = self.model().valid();
+        let (mut sum, mut evaluated) = (0.0, 0.0);
+        for batch in (c.replica..batches).step_by(c.replicas.max(1) as usize) {
+            let first = batch * micro;
+            let size = micro.min(count - first);
+            let (tokens, targets) = samples.batch(u64::from(first), size, &self.device);
+            let x = if c.layout.first {
+                frozen.embed(tokens.inner())
+            } else {
+                links
+                    .to_prev()?
+                    .recv(Kind::EvalActivation, self.step, batch)?
+                    .into_tensor::<3>(&self.device)?
+                    .inner()
+            };
+            let out = frozen.blocks_forward_dropping(x, None, c.layout.layers.start);
+            if c.layout.last {
+                let loss = frozen.head_loss(out, targets.inner());
+                sum += scalar(&loss) * f64::from(size);
+                evaluated += f64::from(size);
+            } else {
+                links.to_next()?.send(&Frame::tensor(
+                    Kind::EvalActivation,
+                    self.step,
+                    batch,
+                    out,
+                ))?;
+            }
+        }
+        let (sum, evaluated) = (replicas.sum(sum)?, replicas.sum(evaluated)?);
+        Ok((c.layout.last && evaluated > 0.0).then(|| sum / evaluated))
     }
 
     /// Checks that `collective` has this worker as the replica its
@@ -682,15 +774,26 @@ impl Trainer {
             return Err(e.into());
         }
         self.step += 1;
+        // The step's time and throughput are the training's, not the evaluation's.
+        let elapsed = started.elapsed();
+        let eval_loss = if self.evaluation_due(self.step) {
+            self.evaluate(links, &mut replicas)?
+        } else {
+            None
+        };
+        if let Some(loss) = eval_loss {
+            self.last_eval = Some((self.step, loss));
+        }
         Ok(StepReport {
             step: self.step,
             loss,
             tokens: self.config.tokens_per_step(),
-            elapsed: started.elapsed(),
+            elapsed,
             collective,
             loss_gather,
             learning_rate,
             grad_norm,
+            eval_loss,
         })
     }
 
@@ -1107,6 +1210,18 @@ impl Trainer {
             self.step = restored.found.meta.step;
             restored.found
         }))
+    }
+}
+
+/// Mixed into the run's seed for the synthetic task's held-out samples.
+const HELD_OUT_SEED_SALT: u64 = 0x4576_616c_5365_6564;
+
+/// The synthetic task of a run.
+fn task_of(config: &TrainConfig) -> ProgressionTask {
+    ProgressionTask {
+        seed: config.seed,
+        vocabulary: config.shape.vocabulary(),
+        sequence_length: config.shape.sequence_length(),
     }
 }
 

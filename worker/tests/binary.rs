@@ -714,12 +714,16 @@ fn fine_tunes_a_llama_checkpoint_resumes_and_writes_it_out() {
         "{:?}",
         first.message
     );
-    // A longer run resumes from step 4's checkpoint, not from the pretrained weights.
-    let second = run_worker(
-        &dir,
-        &serde_json::to_string(&llama_assignment(&dir, 6)).expect("json"),
-        &[],
-    );
+    // A longer run resumes from step 4's checkpoint, not from the pretrained
+    // weights; it evaluates on a held-out share of the text every 2 steps
+    // and at the end, and writes the last eval loss beside the weights.
+    let mut longer = llama_assignment(&dir, 6);
+    longer.recipe.evaluation = Some(headroom_api::EvaluationSpec {
+        held_out_fraction: 0.2,
+        every_steps: 2,
+        samples: 4,
+    });
+    let second = run_worker(&dir, &serde_json::to_string(&longer).expect("json"), &[]);
     assert_eq!(second.code, exit_code::SUCCESS, "{}", second.stderr);
     assert_eq!(second.message.step, Some(6));
     assert!(second.stderr.contains("resumed"), "{}", second.stderr);
@@ -727,6 +731,18 @@ fn fine_tunes_a_llama_checkpoint_resumes_and_writes_it_out() {
     for file in ["model.safetensors", "config.json", "tokenizer.json"] {
         assert!(out.join(file).is_file(), "{file} in the output");
     }
+    let results: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("eval_results.json")).expect("eval_results.json"),
+    )
+    .expect("json");
+    assert_eq!(results["step"], 6, "{results}");
+    let eval_loss = results["eval_loss"].as_f64().expect("eval_loss");
+    assert!(eval_loss.is_finite() && eval_loss > 0.0, "{results}");
+    assert!(
+        second.stderr.contains("evaluation on the held-out samples"),
+        "{}",
+        second.stderr
+    );
 }
 
 /// Two replicas fine-tune the tiny Llama checkpoint together; replica 0

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{Device, Tensor};
-use headroom_api::{Recipe, ScheduleType};
+use headroom_api::{EvaluationSpec, Recipe, ScheduleType};
 use headroom_planner::search::balanced_split;
 use headroom_planner::{Settings, TransformerShape};
 use headroom_worker::collective::{Ring, RingTimeouts};
@@ -53,6 +53,8 @@ struct Outcome {
     losses: Vec<f64>,
     /// The model's gradient norm before clipping, each step (clipping on).
     norms: Vec<f64>,
+    /// The held-out loss of each evaluation (last stage, evaluation on).
+    evals: Vec<f64>,
     /// Every parameter's values, module visit order.
     params: Vec<Vec<f32>>,
     /// The token embedding (first stage, and a last stage with a tied head)
@@ -91,12 +93,13 @@ fn state_ids(reader: burn_pack::Reader) -> BTreeSet<u64> {
         .collect()
 }
 
-fn outcome(trainer: &Trainer, losses: Vec<f64>, norms: Vec<f64>) -> Outcome {
+fn outcome(trainer: &Trainer, losses: Vec<f64>, norms: Vec<f64>, evals: Vec<f64>) -> Outcome {
     let c = &trainer.config;
     let shards = trainer.shards(c.replicas);
     Outcome {
         losses,
         norms,
+        evals,
         params: params(trainer),
         token: trainer
             .model()
@@ -211,12 +214,13 @@ fn run_with_buckets(
                 if let Some(bytes) = bucket_bytes {
                     trainer.set_collective_bucket_bytes(bytes);
                 }
-                let (mut losses, mut norms) = (Vec::new(), Vec::new());
+                let (mut losses, mut norms, mut evals) = (Vec::new(), Vec::new(), Vec::new());
                 while !trainer.finished() {
                     let report = trainer
                         .train_step_with(&mut links, &mut ring)
                         .expect("step");
                     norms.extend(report.grad_norm);
+                    evals.extend(report.eval_loss);
                     assert_eq!(
                         report.loss.is_some(),
                         k + 1 == p,
@@ -229,7 +233,7 @@ fn run_with_buckets(
                         .save_checkpoint(dir, 1, losses.last().copied())
                         .expect("save");
                 }
-                outcome(&trainer, losses, norms)
+                outcome(&trainer, losses, norms, evals)
             }));
         }
     }
@@ -359,6 +363,13 @@ fn clipping_recipe(steps: u64) -> Recipe {
         warmup_steps: 2,
         weight_decay: 0.1,
         max_grad_norm: 0.5,
+        // Five held-out samples in micro-batches of 2: three batches, which
+        // two replicas split unevenly (two and one).
+        evaluation: Some(EvaluationSpec {
+            every_steps: 2,
+            samples: 5,
+            ..EvaluationSpec::default()
+        }),
         ..Recipe::constant(5e-3, steps)
     }
 }
@@ -388,6 +399,18 @@ fn clipping_and_weight_decay_on_two_stages_of_two_replicas_are_one_workers() {
         for worker in stage {
             assert_close(norms, &worker.norms, "every worker's norm is the model's");
         }
+    }
+    // Evaluated after steps 2 and 4 and the last (5), on the last stage;
+    // the held-out loss is the model's whatever the split.
+    let evals = &one[0][0].evals;
+    assert_eq!(evals.len(), 3, "{evals:?}");
+    assert!(evals[2] < evals[0], "the held-out loss falls: {evals:?}");
+    assert!(
+        grid[0].iter().all(|w| w.evals.is_empty()),
+        "only the last stage has it"
+    );
+    for worker in &grid[1] {
+        assert_close(evals, &worker.evals, "held-out loss, p = 2 × d = 2");
     }
     // Unclipped, the same run ends elsewhere: the clipping did something.
     let mut unclipped = single.clone();

@@ -18,4 +18,4 @@ pub mod recipe;
 
 pub use contract::*;
 pub use job::*;
-pub use recipe::{AdamSpec, Recipe, ScheduleSpec, ScheduleType};
+pub use recipe::{AdamSpec, EvaluationSpec, Recipe, ScheduleSpec, ScheduleType};

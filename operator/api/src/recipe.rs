@@ -113,6 +113,63 @@ fn default_epsilon() -> f64 {
     1e-8
 }
 
+/// `spec.training.evaluation`: a held-out share of the data, evaluated
+/// (forward only, the training loss's definition) every `everySteps`
+/// optimizer steps and after the last; the eval loss goes into the status,
+/// the metrics and `eval_results.json` beside the trained weights. A job
+/// with no `spec.data` (the synthetic task) evaluates on `samples` samples
+/// the training never draws.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EvaluationSpec {
+    /// The share of the data's packed samples held out of training (at
+    /// least one sample each way), e.g. 0.05.
+    #[serde(default = "default_held_out")]
+    #[schemars(range(min = 0.0, max = 0.5))]
+    pub held_out_fraction: f64,
+    /// Evaluate after every this many optimizer steps, and after the last.
+    #[serde(default = "default_eval_every")]
+    #[schemars(range(min = 1, max = 1000000))]
+    pub every_steps: u32,
+    /// At most this many held-out samples are evaluated each time (the
+    /// first ones, always the same); default 256.
+    #[serde(default = "default_eval_samples")]
+    #[schemars(range(min = 1, max = 1000000))]
+    pub samples: u32,
+}
+
+impl Default for EvaluationSpec {
+    fn default() -> Self {
+        EvaluationSpec {
+            held_out_fraction: default_held_out(),
+            every_steps: default_eval_every(),
+            samples: default_eval_samples(),
+        }
+    }
+}
+
+impl EvaluationSpec {
+    /// Of `samples` packed samples, how many are held out: the fraction
+    /// rounded down, at least one, and at least one left to train on
+    /// (none when there is only one).
+    pub fn held_out(&self, samples: u64) -> u64 {
+        if samples < 2 || self.held_out_fraction <= 0.0 {
+            return 0;
+        }
+        ((samples as f64 * self.held_out_fraction) as u64).clamp(1, samples - 1)
+    }
+}
+
+fn default_held_out() -> f64 {
+    0.05
+}
+fn default_eval_every() -> u32 {
+    50
+}
+fn default_eval_samples() -> u32 {
+    256
+}
+
 /// What a run follows: the recipe with every default filled and the warmup
 /// in steps (`status.recipe`; each worker's assignment).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -139,6 +196,9 @@ pub struct Recipe {
     /// replica: the model's norm); 0: no clipping.
     #[schemars(range(min = 0.0, max = 1000000.0))]
     pub max_grad_norm: f64,
+    /// The held-out evaluation, when the spec asks for one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evaluation: Option<EvaluationSpec>,
     /// The epochs `total_steps` was derived from, when the spec gave epochs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0.0, max = 1000000.0))]
@@ -159,6 +219,7 @@ impl Recipe {
             weight_decay: 0.0,
             adam: AdamSpec::default(),
             max_grad_norm: 0.0,
+            evaluation: None,
             epochs: None,
         }
     }
@@ -231,6 +292,7 @@ impl TrainingSpec {
             weight_decay: self.weight_decay,
             adam: self.adam.clone().unwrap_or_default(),
             max_grad_norm: self.max_grad_norm,
+            evaluation: self.evaluation.clone(),
             epochs,
         };
         if recipe.min_learning_rate > recipe.learning_rate {
@@ -256,13 +318,19 @@ impl TrainingSpec {
                 format!("must be above 0 (e.g. 3, or 0.5 for half the data), not {epochs}"),
             ));
         }
-        let steps = (epochs * data.samples as f64 / f64::from(self.global_batch.max(1))).ceil();
+        // An epoch is a pass over what is trained on: the held-out share is not.
+        let held_out = self
+            .evaluation
+            .as_ref()
+            .map_or(0, |e| e.held_out(data.samples));
+        let trained = data.samples - held_out;
+        let steps = (epochs * trained as f64 / f64::from(self.global_batch.max(1))).ceil();
         if steps > 1e9 {
             return Err(SpecError::new(
                 "training.epochs",
                 format!(
-                    "{epochs} epochs of {} samples in batches of {} are {steps} steps, above the limit of 10^9; train fewer epochs",
-                    data.samples, self.global_batch
+                    "{epochs} epochs of {trained} samples in batches of {} are {steps} steps, above the limit of 10^9; train fewer epochs",
+                    self.global_batch
                 ),
             ));
         }
@@ -319,6 +387,34 @@ mod tests {
                 .collect::<Vec<_>>(),
             [0.0, 0.5, 1.0, 1.0]
         );
+    }
+
+    #[test]
+    fn the_held_out_share_leaves_one_each_way_and_epochs_skip_it() {
+        let e = EvaluationSpec {
+            held_out_fraction: 0.1,
+            ..EvaluationSpec::default()
+        };
+        assert_eq!((e.held_out(1), e.held_out(5), e.held_out(100)), (0, 1, 10));
+        let mut training: TrainingSpec =
+            serde_json::from_value(serde_json::json!({"globalBatch": 10, "epochs": 2.0}))
+                .expect("spec");
+        let data = DataFacts {
+            documents: 1,
+            tokens: 1,
+            samples: 100,
+        };
+        assert_eq!(
+            training.recipe(Some(&data)).expect("recipe").total_steps,
+            20
+        );
+        training.evaluation = Some(e);
+        let recipe = training.recipe(Some(&data)).expect("recipe");
+        assert_eq!(
+            recipe.total_steps, 18,
+            "2 passes over the 90 trained samples"
+        );
+        assert!(recipe.evaluation.is_some());
     }
 
     #[test]

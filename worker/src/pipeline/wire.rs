@@ -41,6 +41,9 @@ pub enum Kind {
     /// to the last (micro 0), and the model's total sent back (micro 1):
     /// clipping by the global norm.
     GradientNorm = 6,
+    /// A stage's output for held-out batch `micro` of an evaluation,
+    /// sent to the next stage (forward only: no gradient comes back).
+    EvalActivation = 7,
 }
 
 impl Kind {
@@ -52,6 +55,7 @@ impl Kind {
             4 => Kind::TiedGradient,
             5 => Kind::Proof,
             6 => Kind::GradientNorm,
+            7 => Kind::EvalActivation,
             _ => return None,
         })
     }

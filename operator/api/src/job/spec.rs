@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use headroom_planner::{Backend, Optimizer, Precision, RetryRung};
 
-use crate::recipe::{AdamSpec, ScheduleSpec};
+use crate::recipe::{AdamSpec, EvaluationSpec, ScheduleSpec};
 use k8s_openapi::api::core::v1::Toleration;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::CustomResource;
@@ -248,6 +248,10 @@ pub struct TrainingSpec {
     #[serde(default = "default_max_grad_norm")]
     #[schemars(range(min = 0.0, max = 1000000.0))]
     pub max_grad_norm: f64,
+    /// Evaluate on a held-out share of the data every `everySteps` steps
+    /// and at the end (none when omitted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evaluation: Option<EvaluationSpec>,
     /// Save a checkpoint every this many optimizer steps.
     #[serde(default = "default_checkpoint_every")]
     #[schemars(range(min = 1, max = 1000000))]
