@@ -142,6 +142,9 @@ pub struct CheckpointMeta {
     pub replica: u32,
     #[serde(default = "one")]
     pub replicas: u32,
+    /// fp16's dynamic loss scale at this step (absent in other precisions).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<crate::optim::recipe::LossScale>,
     pub files: Vec<FileDigest>,
 }
 

@@ -35,7 +35,7 @@ use burn::optim::{
     AdamConfig, AdamWConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig,
 };
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
-use headroom_api::{AdamSpec, Recipe};
+use headroom_api::Recipe;
 use headroom_planner::Backend;
 use headroom_planner::{LoraConfig, Optimizer, Precision, Settings};
 
@@ -46,7 +46,7 @@ use crate::data_parallel::{Replicas, Shards, stable_param_ids};
 use crate::model::hf::HfCheckpoint;
 use crate::model::lean::linear::AdapterDropout;
 use crate::model::{LmShape, StageLayout, TransformerLm, lora, peft};
-use crate::optim::recipe::{clip_factor, decay_matrices, scale_gradients, squared_norm};
+use crate::optim::recipe::{DecoupledDecay, LossScale, clip_factor, scale_gradients, squared_norm};
 use crate::optim::{AdamW8bitConfig, Offloaded};
 use crate::pipeline::{Frame, Kind, Links, Op, PipelineError, one_f_one_b};
 
@@ -198,51 +198,56 @@ pub fn training_device(backend: Backend, precision: Precision) -> Result<Device,
     }
 }
 
-/// The optimizer a plan's settings name, with the recipe's betas and
-/// epsilon and no weight decay of its own (the trainer decays the matrices
-/// itself, [`decay_matrices`]); with `offload_optimizer`, its state and step
-/// in host memory ([`Offloaded`]: the planner asks for it on GPUs only; on
-/// the CPU it runs, with nothing to move).
+/// The optimizer a plan's settings name, with the recipe's betas, epsilon
+/// and decoupled weight decay on matrices ([`DecoupledDecay`]), for a model
+/// on `device`. Its update is computed in f32 whatever the training dtype
+/// ([`Offloaded`]): with `offload_optimizer`, state and update in host
+/// memory (the planner asks for it on GPUs only; on the CPU it runs, with
+/// nothing to move); in a half precision without offload, the same wrapper
+/// with `device` as its "host" moves nothing and keeps f32 master weights
+/// and moments on the device, as PyTorch's mixed precision does (the model
+/// computes with the master's rounding).
 pub fn build_optimizer(
     settings: &Settings,
-    adam: &AdamSpec,
+    recipe: &Recipe,
+    device: &Device,
 ) -> Result<ModuleOptimizer, Unsupported> {
-    fn module<O: burn::optim::Optimizer>(optimizer: O, offload: bool) -> ModuleOptimizer {
-        if offload {
-            ModuleOptimizer::from(Offloaded::new(optimizer, Device::flex()))
-        } else {
-            ModuleOptimizer::from(optimizer)
-        }
-    }
-    let offload = settings.offload_optimizer;
+    let adam = &recipe.adam;
     let (beta_1, beta_2, epsilon) = (adam.beta1 as f32, adam.beta2 as f32, adam.epsilon as f32);
+    let wrap = Wrapping {
+        weight_decay: recipe.weight_decay,
+        host: if settings.offload_optimizer {
+            Some(Device::flex())
+        } else if settings.precision != Precision::Fp32 {
+            Some(device.clone())
+        } else {
+            None
+        },
+    };
     Ok(match settings.optimizer {
-        Optimizer::Adamw => module(
+        Optimizer::Adamw => wrap.module(
             AdamWConfig::new()
                 .with_beta_1(beta_1)
                 .with_beta_2(beta_2)
                 .with_epsilon(epsilon)
                 .with_weight_decay(0.0)
                 .build(),
-            offload,
         ),
-        Optimizer::Adam => module(
+        Optimizer::Adam => wrap.module(
             AdamConfig::new()
                 .with_beta_1(beta_1)
                 .with_beta_2(beta_2)
                 .with_epsilon(epsilon)
                 .build(),
-            offload,
         ),
-        Optimizer::SgdMomentum => module(
+        Optimizer::SgdMomentum => wrap.module(
             SgdConfig::new()
                 .with_momentum(Some(MomentumConfig::new().with_dampening(0.0)))
                 .build(),
-            offload,
         ),
-        Optimizer::Sgd => module(SgdConfig::new().build(), offload),
+        Optimizer::Sgd => wrap.module(SgdConfig::new().build()),
         // bitsandbytes-style block-wise 8-bit moments, burn's AdamW update.
-        Optimizer::Adamw8bit => module(
+        Optimizer::Adamw8bit => wrap.module(
             AdamW8bitConfig {
                 beta_1,
                 beta_2,
@@ -251,9 +256,26 @@ pub fn build_optimizer(
                 ..AdamW8bitConfig::new()
             }
             .build(),
-            offload,
         ),
     })
+}
+
+/// What [`build_optimizer`] puts around the plan's optimizer.
+struct Wrapping {
+    weight_decay: f64,
+    /// Where the f32 state and update live, when not where the model is
+    /// in f32 already.
+    host: Option<Device>,
+}
+
+impl Wrapping {
+    fn module<O: burn::optim::Optimizer>(&self, optimizer: O) -> ModuleOptimizer {
+        let decayed = DecoupledDecay::new(optimizer, self.weight_decay);
+        match &self.host {
+            Some(host) => ModuleOptimizer::from(Offloaded::new(decayed, host.clone())),
+            None => ModuleOptimizer::from(decayed),
+        }
+    }
 }
 
 /// Where, under the output, an adapter run also writes its merged weights
@@ -320,6 +342,8 @@ pub struct Trainer {
     /// The bytes of f32 the replicas exchange at a time: the backend's
     /// `collective_bucket_bytes` unless [`Trainer::set_collective_bucket_bytes`].
     bucket_bytes: u64,
+    /// fp16's dynamic loss scale (`None` in other precisions).
+    pub loss_scale: Option<LossScale>,
     /// The held-out samples evaluated when the recipe asks, and how many
     /// of them each evaluation reads.
     held_out: Option<(Samples, u32)>,
@@ -475,7 +499,7 @@ impl Trainer {
         // The same ids on every replica and attempt (optimizer state and
         // checkpoint shards are keyed by them).
         let model = stable_param_ids(model, &config.layout);
-        let optimizer = build_optimizer(&config.settings, &config.recipe.adam)?;
+        let optimizer = build_optimizer(&config.settings, &config.recipe, &device)?;
         let task = Samples::Progression(task_of(&config));
         let bucket_bytes = config.backend.profile().collective_bucket_bytes;
         // The synthetic task is endless: its held-out samples are another
@@ -487,7 +511,9 @@ impl Trainer {
             };
             (Samples::Progression(task), e.samples)
         });
+        let loss_scale = (config.settings.precision == Precision::Fp16).then(LossScale::default);
         Ok(Trainer {
+            loss_scale,
             config,
             device,
             model: Some(model),
@@ -720,7 +746,9 @@ impl Trainer {
         let started = Instant::now();
         let s = self.config.settings;
         let accumulation = s.gradient_accumulation.max(1);
-        let scale = 1.0 / f64::from(accumulation);
+        // The mean over the micro-batches, times fp16's loss scale.
+        let loss_scale = self.loss_scale.map_or(1.0, |l| l.scale);
+        let scale = loss_scale / f64::from(accumulation);
         let mut accumulator = GradientsAccumulator::<TransformerLm>::new();
         let mut single: Option<GradientsParams> = None;
         let mut losses = Vec::new();
@@ -756,11 +784,17 @@ impl Trainer {
         let loss = replicas.mean_loss(&losses)?;
         let loss_gather = exchange.elapsed();
         replicas.reduce_gradients(&mut grads, &shards)?;
-        let grad_norm = self.clip_gradients(links, &mut replicas, &mut grads)?;
+        let (grad_norm, finite) = self.clip_gradients(links, &mut replicas, &mut grads)?;
         let mut collective = exchange.elapsed();
+        if !finite {
+            // fp16 overflowed somewhere in the model: every worker skips
+            // this update (the same global norm says so to all), the scale
+            // halves, and the run moves on to the next step's data.
+            drop(grads);
+            return Ok(self.skipped_step(started, loss, collective, loss_gather, grad_norm));
+        }
         let learning_rate = self.config.recipe.learning_rate_at(self.step);
-        let keep = 1.0 - learning_rate * self.config.recipe.weight_decay;
-        let model = decay_matrices(self.take_model(), &grads, keep);
+        let model = self.take_model();
         let model = self.optimizer.step(learning_rate, model, grads);
         let gather = Instant::now();
         let (model, gathered) = replicas.gather_parameters(model, &shards);
@@ -797,20 +831,56 @@ impl Trainer {
         })
     }
 
-    /// Clips the gradients to the recipe's `max_grad_norm` by the model's
-    /// global norm, as `clip_grad_norm_` over the whole model: this worker's
-    /// squares (its stage's tensors, and with replicas its share of them)
-    /// summed over the stage's replicas, then along the pipeline. Returns
-    /// the norm before clipping (`None` when clipping is off).
+    /// A step whose update fp16's overflow skipped: the step counts (the
+    /// schedule and the data move on, as with `GradScaler`), the weights
+    /// and optimizer state are unchanged, the loss scale halves.
+    fn skipped_step(
+        &mut self,
+        started: Instant,
+        loss: Option<f64>,
+        collective: Duration,
+        loss_gather: Duration,
+        grad_norm: Option<f64>,
+    ) -> StepReport {
+        self.loss_scale = self.loss_scale.map(|l| l.after(false));
+        tracing::info!(
+            step = self.step + 1,
+            scale = self.loss_scale.map(|l| l.scale),
+            "fp16 gradients overflowed: update skipped, loss scale halved"
+        );
+        let learning_rate = self.config.recipe.learning_rate_at(self.step);
+        self.step += 1;
+        StepReport {
+            step: self.step,
+            loss,
+            tokens: self.config.tokens_per_step(),
+            elapsed: started.elapsed(),
+            collective,
+            loss_gather,
+            learning_rate,
+            grad_norm,
+            eval_loss: None,
+        }
+    }
+
+    /// Unscales fp16's gradients and clips them to the recipe's
+    /// `max_grad_norm` by the model's global norm, as `clip_grad_norm_`
+    /// over the whole model: this worker's squares (its stage's tensors,
+    /// and with replicas its share of them) summed over the stage's
+    /// replicas, then along the pipeline. Returns the (unscaled) norm
+    /// before clipping, `None` when neither clipping nor a loss scale asks
+    /// for it, and whether it is finite (false: fp16 overflowed, skip the
+    /// update; the gradients are then left as they are).
     fn clip_gradients(
-        &self,
+        &mut self,
         links: &mut Links,
         replicas: &mut Replicas,
         grads: &mut GradientsParams,
-    ) -> Result<Option<f64>, StepError> {
+    ) -> Result<(Option<f64>, bool), StepError> {
         let max = self.config.recipe.max_grad_norm;
-        if max <= 0.0 {
-            return Ok(None);
+        let loss_scale = self.loss_scale;
+        if max <= 0.0 && loss_scale.is_none() {
+            return Ok((None, true));
         }
         // A tied embedding split across stages has one gradient in two
         // copies (the first and the last stage's): counted on the first.
@@ -828,11 +898,18 @@ impl Trainer {
             .map(|t| t.weight.id);
         let own = squared_norm(self.model(), grads, skip);
         let stage = replicas.sum(own)?;
-        let norm = self.sum_over_stages(links, stage)?.sqrt();
-        if let Some(factor) = clip_factor(norm, max) {
+        let scaled = self.sum_over_stages(links, stage)?.sqrt();
+        if !scaled.is_finite() {
+            return Ok((Some(scaled), false));
+        }
+        let unscale = loss_scale.map_or(1.0, |l| 1.0 / l.scale);
+        self.loss_scale = loss_scale.map(|l| l.after(true));
+        let norm = scaled * unscale;
+        let factor = unscale * clip_factor(norm, max).unwrap_or(1.0);
+        if factor != 1.0 {
             scale_gradients(self.model(), grads, factor);
         }
-        Ok(Some(norm))
+        Ok((Some(norm), true))
     }
 
     /// `value` summed over the pipeline's stages, the same on every stage:
@@ -1177,6 +1254,7 @@ impl Trainer {
             adapters: c.adapters.clone(),
             replica: c.replica,
             replicas: c.replicas.max(1),
+            loss_scale: self.loss_scale,
             files: vec![],
         };
         checkpoint::save(root, self.model(), &self.optimizer, meta)
@@ -1187,11 +1265,13 @@ impl Trainer {
         &mut self,
         root: &std::path::Path,
     ) -> Result<Option<checkpoint::Found>, checkpoint::CheckpointError> {
-        let fresh_optimizer = build_optimizer(&self.config.settings, &self.config.recipe.adam)
-            .map_err(|e| checkpoint::CheckpointError::Invalid {
-                path: root.to_path_buf(),
-                reason: e.to_string(),
-            })?;
+        let fresh_optimizer =
+            build_optimizer(&self.config.settings, &self.config.recipe, &self.device).map_err(
+                |e| checkpoint::CheckpointError::Invalid {
+                    path: root.to_path_buf(),
+                    reason: e.to_string(),
+                },
+            )?;
         let found = checkpoint::restore_newest(
             root,
             &self.config.shape,
@@ -1208,6 +1288,10 @@ impl Trainer {
             self.model = Some(restored.model);
             self.optimizer = restored.optimizer;
             self.step = restored.found.meta.step;
+            // A checkpoint of another precision has no scale: keep the fresh one.
+            if self.loss_scale.is_some() {
+                self.loss_scale = restored.found.meta.loss_scale.or(self.loss_scale);
+            }
             restored.found
         }))
     }

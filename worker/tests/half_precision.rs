@@ -182,3 +182,70 @@ fn offloaded_checkpoints_train_bit_for_bit_as_kept_ones_in_bf16() {
     assert_eq!(on_device, offloaded);
     assert!(fall(&offloaded) > 0.1, "it trains: {offloaded:?}");
 }
+
+/// Mixed precision as PyTorch's AMP keeps it: the model computes with bf16
+/// weights, while the optimizer steps an f32 master copy with f32 moments,
+/// and the weights are the master's rounding. AdamW at a learning rate of
+/// 1e-5 moves each weight by about 1e-5 a step, under half a bf16 ulp of
+/// every weight above 0.0025 in magnitude: stepped in bf16 alone, most
+/// weights never move; the master accumulates the steps, and the weights
+/// follow once it crosses a rounding boundary. Measured over these 12
+/// steps: 46 % of the 214,592 weights moved with the master copy, 15 %
+/// with bf16 weights and moments stepped alone (the behaviour before it).
+#[test]
+fn bf16_training_keeps_f32_master_weights_and_moments() {
+    let mut trainer = trainer(false, Optimizer::Adamw);
+    trainer.config.recipe.learning_rate = 1e-5;
+    let before = values(trainer.model());
+    let _ = losses(&mut trainer);
+    let after = values(trainer.model());
+    let record = burn_pack::Reader::from_bytes(trainer.optimizer.into_bytes().expect("record"))
+        .expect("reader")
+        .into_tensors()
+        .expect("tensors");
+    let mut masters = Vec::new();
+    for tensor in record {
+        let (name, dtype, _, _, bytes) = tensor.into_parts().expect("parts");
+        assert_eq!(
+            dtype,
+            burn::tensor::DType::F32,
+            "{name}: optimizer state in f32"
+        );
+        if name.ends_with("offload_master") {
+            masters.push(bytes.len() / 4);
+        }
+    }
+    let weights: Vec<usize> = before.iter().map(Vec::len).collect();
+    let mut sorted_masters = masters.clone();
+    sorted_masters.sort_unstable();
+    let mut sorted_weights = weights;
+    sorted_weights.sort_unstable();
+    assert_eq!(
+        sorted_masters, sorted_weights,
+        "one f32 master per trained tensor"
+    );
+    let moved: usize = before
+        .iter()
+        .zip(&after)
+        .map(|(b, a)| b.iter().zip(a).filter(|(x, y)| x != y).count())
+        .sum();
+    let total: usize = before.iter().map(Vec::len).sum();
+    assert!(
+        moved * 3 > total,
+        "the master's small steps reach the bf16 weights: {moved} of {total} moved"
+    );
+}
+
+/// Every parameter's values as f32, in visit order.
+fn values(model: &TransformerLm) -> Vec<Vec<f32>> {
+    struct All(Vec<Vec<f32>>);
+    impl ModuleVisitor for All {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let data = param.val().cast(FloatDType::F32).into_data();
+            self.0.push(data.iter::<f32>().collect());
+        }
+    }
+    let mut all = All(Vec::new());
+    model.visit(&mut all);
+    all.0
+}

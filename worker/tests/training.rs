@@ -89,3 +89,46 @@ fn block_checkpointing_gives_the_same_update() {
         assert!((a - b).abs() < 1e-5, "losses {l1:?} vs {l2:?}");
     }
 }
+
+/// fp16's dynamic loss scale, on f32 tensors so that only the scaler
+/// differs from a plain run: a scale of 2^16 (GradScaler's first) trains
+/// the curve of no scale, since multiplying the loss by a power of two and
+/// the gradients by its inverse is exact; a scale past f32's range
+/// overflows the gradients, and that step's update is skipped (the weights
+/// stay, the step counts) and the scale halves; at a scale that fits, the
+/// next update is applied.
+#[test]
+fn fp16s_loss_scale_trains_the_plain_curve_and_an_overflow_skips_the_update() {
+    let plain = tiny_config(4, 2, false);
+    let mut fp16 = plain.clone();
+    fp16.settings.precision = headroom_planner::Precision::Fp16;
+    let mut reference = Trainer::new(plain, Device::flex().autodiff()).expect("trainer");
+    let mut scaled = Trainer::new(fp16, Device::flex().autodiff()).expect("trainer");
+    assert_eq!(scaled.loss_scale.map(|l| l.scale), Some(65536.0));
+    for _ in 0..3 {
+        let a = reference.train_step().expect("step").loss.expect("loss");
+        let b = scaled.train_step().expect("step").loss.expect("loss");
+        assert!((a - b).abs() <= 1e-6 * a, "{a} vs {b}");
+    }
+    let before = probe(&scaled);
+    let overflowing = headroom_worker::optim::recipe::LossScale {
+        scale: 1e39,
+        good_steps: 0,
+    };
+    scaled.loss_scale = Some(overflowing);
+    let report = scaled.train_step().expect("a skipped step is no error");
+    assert_eq!(report.step, 4, "the skipped step counts");
+    assert!(report.grad_norm.is_some_and(|n| !n.is_finite()));
+    assert_eq!(probe(&scaled), before, "no update");
+    assert_eq!(scaled.loss_scale.map(|l| l.scale), Some(5e38));
+    // At a scale that fits, the next step applies its update (halving one
+    // step at a time from 5e38 back to 2^17 is the LossScale unit test's).
+    scaled.loss_scale = Some(headroom_worker::optim::recipe::LossScale {
+        scale: 131072.0,
+        good_steps: 0,
+    });
+    let next = scaled.train_step().expect("step");
+    assert!(next.grad_norm.is_some_and(f64::is_finite), "{next:?}");
+    assert_eq!(scaled.loss_scale.map(|l| l.good_steps), Some(1));
+    assert_ne!(probe(&scaled), before, "the update is applied");
+}

@@ -182,8 +182,10 @@ pub struct Recipe {
     #[schemars(range(min = 0.0, max = 10.0))]
     pub learning_rate: f64,
     pub schedule: ScheduleType,
+    /// Steps of linear warmup from 0 to the peak.
     #[schemars(range(min = 0, max = 1000000000))]
     pub warmup_steps: u64,
+    /// Where the decay ends.
     #[schemars(range(min = 0.0, max = 10.0))]
     pub min_learning_rate: f64,
     /// Decoupled weight decay (AdamW's), on every trained matrix; never on

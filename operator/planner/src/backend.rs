@@ -394,13 +394,13 @@ pub const CUDA: BackendProfile = BackendProfile {
     // Host memory on a GPU worker.
     stage_link_bytes: 0,
     precisions: &[Precision::Fp32, Precision::Bf16, Precision::Fp16],
-    // The worker's bf16 stage holds bf16 weights, gradients and AdamW
-    // moments, nothing in f32 (worker/src/train.rs, `training_device`;
-    // burn's AdamW makes its moments from the gradient). The H200 rows of
-    // 2026-11-27 agree: with AMP's 12 bytes of state a parameter the
-    // checkpointed T row's states alone would exceed its measured peak
-    // (docs/gpu.md).
-    pure_half_precision: true,
+    // The worker's bf16/fp16 stage computes with half-precision weights and
+    // gradients, and its optimizer keeps f32 master weights and f32 moments
+    // on the device (worker/src/train.rs, `build_optimizer`), as PyTorch's
+    // mixed precision does. The H200 rows of 2026-11-27 (docs/gpu.md) were
+    // measured when the stage kept everything in bf16; they await a GPU
+    // session's re-measurement under this count.
+    pure_half_precision: false,
     optimizers: &[
         Optimizer::Adamw,
         Optimizer::Adam,

@@ -73,8 +73,14 @@ fn thirteen_b_on_eight_h100s_uses_the_free_gpus_when_fastest() {
         show("  weighed", &alt);
     }
     assert_batch(&fastest, 32);
-    assert!(fastest.replicas > 1, "replicas, not only stages");
-    assert!(fastest.step_time.all_reduce_seconds > 0.0);
+    assert_eq!(fastest.workers, 8, "every free GPU");
+    // Plans with replicas were weighed (with f32 master weights and moments,
+    // 16 bytes a parameter, eight stages beat them by a few percent).
+    assert!(
+        alternatives(&job, &eight_h100(), &fastest)
+            .iter()
+            .any(|alt| alt.replicas > 1 && alt.step_time.all_reduce_seconds > 0.0)
+    );
 
     job.objective = Objective::FewestGpus;
     let fewest = plan_with(&job, &eight_h100(), &opts(&CUDA)).expect("fits");
@@ -82,14 +88,14 @@ fn thirteen_b_on_eight_h100s_uses_the_free_gpus_when_fastest() {
     assert_batch(&fewest, 32);
     assert_eq!(
         (fewest.workers, fewest.replicas),
-        (2, 1),
-        "8 bytes a parameter (bf16 weights, gradients, AdamW moments) of 13B do not fit one 80 GB GPU"
+        (4, 1),
+        "16 bytes a parameter (bf16 weights and gradients, f32 master and AdamW moments) of 13B: 208 GB, over 3 80 GB GPUs"
     );
-    // The free GPUs at work: at least three times the devices, in well under
-    // half the time per step.
-    assert!(fastest.workers >= 3 * fewest.workers, "{}", fastest.workers);
+    // The free GPUs at work: twice the devices (no checkpointing needed
+    // there), in well under two thirds of the time per step.
+    assert!(fastest.workers >= 2 * fewest.workers, "{}", fastest.workers);
     assert!(
-        fastest.step_time.seconds < fewest.step_time.seconds / 2.0,
+        fastest.step_time.seconds < fewest.step_time.seconds * 2.0 / 3.0,
         "{} vs {}",
         fastest.step_time.seconds,
         fewest.step_time.seconds
@@ -118,15 +124,15 @@ fn zero_one_shards_the_optimizer_state_over_the_replicas() {
         estimate_stage(&model, None, &settings, stage, &CUDA, 1.0)
     };
     let one = state(1);
-    // The CUDA worker's bf16 AdamW: two bf16 moments, no fp32 master copy.
-    assert_eq!(one.optimizer_state, 4 * params);
+    // The CUDA worker's bf16 AdamW: two f32 moments and an f32 master copy.
+    assert_eq!(one.optimizer_state, 12 * params);
     assert_eq!(one.collective_buffers, 0);
     for d in [2u32, 4, 8] {
         let sharded = state(d);
-        let ideal = 4 * params / u64::from(d);
+        let ideal = 12 * params / u64::from(d);
         // Whole tensors: the largest share is within one tensor (the
         // 131M-parameter embedding or head) of the even split.
-        let largest_tensor = 4 * 32000 * 4096;
+        let largest_tensor = 12 * 32000 * 4096;
         assert!(sharded.optimizer_state >= ideal, "d {d}");
         assert!(
             sharded.optimizer_state <= ideal + largest_tensor,

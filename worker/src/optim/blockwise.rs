@@ -15,7 +15,7 @@
 //! Everything here is tensor operations on the parameter's device: the codes
 //! stay there as a `u8` tensor.
 
-use burn::tensor::{Device, Int, IntDType, Tensor, TensorData};
+use burn::tensor::{Device, FloatDType, Int, IntDType, Tensor, TensorData};
 
 /// Elements per quantization block (bitsandbytes' block-wise optimizers: 256).
 pub const BLOCK: usize = 256;
@@ -116,7 +116,11 @@ impl Quantized {
         let normalized = (x / divisor).reshape([len]);
         // Count the midpoints below each element by bit descent over the 255
         // sorted midpoints: 8 gathers instead of a 255-wide comparison.
-        let midpoints = map.midpoints_on(&device);
+        // In x's dtype: the map is made in the device's default one, and the
+        // optimizer steps f32 moments also where the model trains in bf16.
+        let midpoints = map
+            .midpoints_on(&device)
+            .cast(FloatDType::from(normalized.dtype()));
         let mut index = Tensor::<1, Int>::zeros([len], &device);
         for step in [128, 64, 32, 16, 8, 4, 2, 1] {
             let probe = midpoints
@@ -138,6 +142,7 @@ impl Quantized {
         let device = self.codes.device();
         let values = map
             .values_on(&device)
+            .cast(FloatDType::from(self.absmax.dtype()))
             .select(0, self.codes.clone().cast(IntDType::I32));
         (values.reshape([blocks, BLOCK]) * self.absmax.clone().reshape([blocks, 1])).reshape([len])
     }
