@@ -173,8 +173,9 @@ pub fn training_device(backend: Backend, precision: Precision) -> Result<Device,
         #[cfg(feature = "cuda")]
         Backend::Cuda => {
             let mut device = Device::cuda(0);
-            // Half precision here is plain bf16/fp16 training (no fp32 master
-            // copy); the planner's mixed-precision figure is an upper bound.
+            // The model computes in bf16/fp16; the optimizer keeps f32
+            // master weights and moments (`build_optimizer`), as the
+            // planner's mixed-precision figure counts.
             let dtype = match precision {
                 Precision::Fp32 => None,
                 Precision::Bf16 => Some(burn::tensor::FloatDType::BF16),
