@@ -40,9 +40,10 @@
 //! | micro-batch gradients summed, not averaged | 3.1e-6 | 1.0 | 7.4e-6 | 1.0 |
 //!
 //! (each run once, by editing the recipe in `config`, or the worker for the
-//! norm weights (`optim::recipe::decay_matrices`) and the sum
-//! (`train_step_with`'s scale); `a_wrong_epsilon_leaves_the_bound` keeps
-//! the smallest of them as a test). The last row is why the gradient norm is
+//! norm weights (its weight decay's one-dimension exception, `optim::recipe`)
+//! and the sum (the 1/accumulation scale of the micro-batches' losses in
+//! `Trainer::train_step_with`); `a_wrong_epsilon_leaves_the_bound` keeps the
+//! smallest of them as a test). The last row is why the gradient norm is
 //! compared too: clipping is active at every step and Adam ignores a
 //! gradient's scale, so a doubled gradient leaves the loss as it was.
 //!
