@@ -115,15 +115,14 @@ fn tokens(v: &Value) -> Vec<i64> {
         .collect()
 }
 
-/// The recipe of the Trainer's `TrainingArguments` recorded in `settings`.
+/// The recipe of the Trainer's `TrainingArguments` recorded in `settings`
+/// (anything else as [`Recipe::constant`] leaves it: no minimum learning
+/// rate, steps rather than epochs).
 fn recipe(settings: &Value) -> Recipe {
     assert_eq!(settings["schedule"], "cosine");
     Recipe {
-        total_steps: integer(settings, "steps"),
-        learning_rate: number(settings, "learning_rate"),
         schedule: ScheduleType::Cosine,
         warmup_steps: integer(settings, "warmup_steps"),
-        min_learning_rate: 0.0,
         weight_decay: number(settings, "weight_decay"),
         adam: AdamSpec {
             beta1: number(settings, "adam_beta1"),
@@ -131,7 +130,10 @@ fn recipe(settings: &Value) -> Recipe {
             epsilon: number(settings, "adam_epsilon"),
         },
         max_grad_norm: number(settings, "max_grad_norm"),
-        epochs: None,
+        ..Recipe::constant(
+            number(settings, "learning_rate"),
+            integer(settings, "steps"),
+        )
     }
 }
 
