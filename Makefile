@@ -70,6 +70,17 @@ bench-load-peak: ## Load peak per pipeline stage of a 156M-parameter Llama check
 bench-adamw8bit: ## 8-bit vs f32 AdamW on the tiny Llama: moment bytes, record bytes, update and step medians (release, ~10 s).
 	$(CARGO) run --release -q -p headroom-worker --bin adamw8bit
 
+# PyTorch's side of the loss-curve comparison (tests/recipe_reference.rs), pinned: the torch
+# wheel pulls CUDA libraries (~5 GB), so it is cached once and never part of make test or CI.
+RECIPE_PINS := torch==2.15.0 transformers==5.23.0 peft==0.21.2 accelerate==1.15.0 safetensors==0.8.0 numpy==2.4.6
+RECIPE_VENV ?= $(HEADROOM_CACHE)/tools/recipe-reference-torch2.15.0-transformers5.23.0-peft0.21.2
+
+.PHONY: recipe-reference
+recipe-reference: ## PyTorch's loss curves of the recipe reference job (transformers.Trainer + PEFT, fp32, CPU) into worker/tests/fixtures/recipe/ (a pinned venv in ~/.cache/headroom/tools; ~1 min after the install; not in CI).
+	test -x $(RECIPE_VENV)/bin/python || python3 -m venv $(RECIPE_VENV)
+	test -f $(RECIPE_VENV)/.installed || { $(RECIPE_VENV)/bin/pip install --no-cache-dir $(RECIPE_PINS) && touch $(RECIPE_VENV)/.installed; }
+	$(RECIPE_VENV)/bin/python worker/tests/fixtures/recipe/generate.py
+
 .PHONY: bench-first-fit
 bench-first-fit: ## 24+ CPU jobs of varied shapes and limits (half planned above 95 % of their budget) run by the operator on the local cluster: first-attempt success, attempts, measured peak / budget (root; ~30 min; not in CI).
 	e2e/bench-first-fit.sh $(BENCH_FIRST_FIT_FLAGS)
