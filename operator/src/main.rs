@@ -118,6 +118,15 @@ struct Args {
         default_value_t = 120
     )]
     unschedulable_grace_seconds: u64,
+    /// Seconds one job's planning may take: a job whose search runs longer
+    /// fails (its message says what to change) and the operator goes on
+    /// with its other jobs. The largest searches take well under a second.
+    #[arg(
+        long,
+        env = "HEADROOM_PLANNING_BUDGET_SECONDS",
+        default_value_t = controller::DEFAULT_PLANNING_BUDGET.as_secs_f64()
+    )]
+    planning_budget_seconds: f64,
     /// How often a worker reports its live telemetry to the operator,
     /// seconds (sooner when a memory peak grows). The operator's metrics
     /// show each report as it arrives.
@@ -240,6 +249,7 @@ struct CheckedFlags {
     source_share: f64,
     telemetry_interval: Duration,
     status_interval: Duration,
+    planning_budget: Duration,
     worker_images: WorkerImages,
 }
 
@@ -259,8 +269,16 @@ impl CheckedFlags {
                 listener::DEFAULT_SOURCE_SHARE
             );
         }
+        let budget = args.planning_budget_seconds;
+        if !(budget.is_finite() && budget > 0.0 && budget <= 3600.0) {
+            anyhow::bail!(
+                "--planning-budget-seconds {budget}: must be a number of seconds more than 0 and at most 3600 (e.g. {})",
+                controller::DEFAULT_PLANNING_BUDGET.as_secs_f64()
+            );
+        }
         Ok(CheckedFlags {
             source_share,
+            planning_budget: Duration::from_secs_f64(budget),
             telemetry_interval: interval(
                 "--telemetry-interval-seconds",
                 args.telemetry_interval_seconds,
@@ -424,6 +442,7 @@ fn controller_config(
             worker_api_ca: endpoint.tls.map(|t| t.ca_pem),
         },
         unschedulable_grace: Duration::from_secs(args.unschedulable_grace_seconds),
+        planning_budget: checked.planning_budget,
         concurrency: args.concurrency.max(1),
         namespace: args.watch_namespace,
         ..ControllerConfig::default()
