@@ -12,6 +12,7 @@ use headroom_operator::controller::{CheckpointAccess, ChildConfig, WorkerImages}
 use headroom_operator::leader::LeaseLock;
 use headroom_operator::listener::{self, Limits};
 use headroom_operator::metrics::{self, Metrics};
+use headroom_operator::metrics_access::MetricsAccess;
 use headroom_operator::watched_pods::WatchedPods;
 use headroom_operator::worker_api;
 use k8s_openapi::api::core::v1::Service;
@@ -34,6 +35,11 @@ struct Args {
     /// cannot crowd the probes out.
     #[arg(long, env = "HEADROOM_PROBE_ADDR", default_value = "0.0.0.0:8082")]
     probe_addr: SocketAddr,
+    /// Serve /metrics only to callers whose bearer token the API server
+    /// accepts (TokenReview) and whose user may `get` the non-resource URL
+    /// /metrics (SubjectAccessReview), as kube-rbac-proxy does.
+    #[arg(long, env = "HEADROOM_METRICS_AUTHORIZATION")]
+    metrics_authorization: bool,
     /// The share of each server's connections (metrics, probes, worker API)
     /// one source address may hold at once, more than 0 and at most 1: the
     /// rest stays for other sources, so no one pod can take them all.
@@ -174,7 +180,7 @@ async fn main() -> Result<()> {
     // Workers' reports, held by the worker API and written per job by its flusher.
     let reports = worker_api::WorkerReports::start(client.clone(), checked.status_interval);
     let metrics = Arc::new(Metrics::with_telemetry(reports.clone()));
-    serve_metrics_and_probes(&args, &checked, &metrics).await?;
+    serve_metrics_and_probes(&args, &checked, &metrics, &client).await?;
     // Where workers reach the worker API (read before serving it: its
     // certificate names the Service's cluster IP).
     let endpoint = worker_api_endpoint(&client, &args).await?;
@@ -298,14 +304,19 @@ impl CheckedFlags {
     }
 }
 
-/// Serves /metrics on --metrics-addr and the health probes on --probe-addr.
+/// Serves /metrics on --metrics-addr (with --metrics-authorization, to the
+/// callers allowed to read it) and the health probes on --probe-addr.
 async fn serve_metrics_and_probes(
     args: &Args,
     checked: &CheckedFlags,
     metrics: &Arc<Metrics>,
+    client: &kube::Client,
 ) -> Result<()> {
     let share = checked.source_share;
-    let app = metrics::router(metrics.clone());
+    let access = args
+        .metrics_authorization
+        .then(|| Arc::new(MetricsAccess::new(client.clone())));
+    let app = metrics::router(metrics.clone(), access);
     let limits = Limits::METRICS.with_source_share(share);
     spawn_server("metrics", args.metrics_addr, app, limits, None).await?;
     let app = metrics::probes_router(metrics.clone());
