@@ -17,17 +17,19 @@
 //! so. Tensors stay unencrypted: the tag costs a fraction of a pass over
 //! them (docs/benchmarks.md, "Link frame MACs").
 //!
-//! The tag is AES-256-GCM's with the frame's sequence number as the nonce
-//! (unique per key: a key lives for one direction of one connection) and
-//! the payload as associated data: GMAC, a standard MAC, with the header
-//! as the (discarded) plaintext; the receiver computes the same and
-//! compares in constant time. Of the MACs already linked into the worker
-//! (ring's AES-GCM, ChaCha20-Poly1305 and HMAC-SHA-256, RustCrypto's
-//! HMAC-SHA-256) it was the fastest on the machines measured
-//! (`link_mac_bench`).
+//! The tag is ChaCha20-Poly1305's (RFC 8439) with the frame's sequence
+//! number as the nonce (unique per key: a key lives for one direction of
+//! one connection) and the payload as associated data, the header as the
+//! (discarded) plaintext: Poly1305 over the frame under a one-time key
+//! that ChaCha20 draws from the nonce, a standard one-time MAC used as the
+//! AEAD uses it. The receiver computes the same and compares in constant
+//! time. Of the MACs already linked into the worker (ring's
+//! ChaCha20-Poly1305, AES-256-GCM and HMAC-SHA-256, RustCrypto's
+//! HMAC-SHA-256) it was the fastest on the machine measured, about 2.5
+//! times the others (`link_mac_bench`, docs/benchmarks.md).
 
 use hmac::{Hmac, Mac};
-use ring::aead::{AES_256_GCM, Aad, LessSafeKey, NONCE_LEN, Nonce, UnboundKey};
+use ring::aead::{Aad, CHACHA20_POLY1305, LessSafeKey, NONCE_LEN, Nonce, UnboundKey};
 use sha2::Sha256;
 
 use crate::link_auth::{LinkKey, NONCE_BYTES, Role};
@@ -73,7 +75,7 @@ pub enum MacError {
 impl FrameMac {
     /// A direction keyed by `key` (32 bytes), at sequence number 0.
     pub fn new(key: &[u8; 32]) -> FrameMac {
-        let unbound = UnboundKey::new(&AES_256_GCM, key).expect("AES-256 takes 32 bytes");
+        let unbound = UnboundKey::new(&CHACHA20_POLY1305, key).expect("ChaCha20 takes 32 bytes");
         FrameMac {
             key: LessSafeKey::new(unbound),
             next: 0,
@@ -130,7 +132,7 @@ impl FrameMac {
                 Aad::from(payload),
                 scratch,
             )
-            // Only for inputs over 64 GiB, beyond any frame.
+            // Only for inputs beyond ring's bound (256 GiB), beyond any frame.
             .map_err(|_| MacError::Mismatch(self.next))?;
         let mut out = [0u8; TAG_BYTES];
         out.copy_from_slice(tag.as_ref());
