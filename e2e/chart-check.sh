@@ -41,6 +41,18 @@ if grep -nE 'port: (8082|probes)\b' <<<"$(doc NetworkPolicy <<<"${rendered}")$(d
 grep -A4 'port: 8080, protocol: TCP' <<<"$(doc NetworkPolicy <<<"${rendered}")" | grep -q 'kubernetes.io/metadata.name: monitoring' || fail "the metrics port admits more than the monitoring namespace by default"
 if "${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --show-only templates/networkpolicy.yaml --set 'networkPolicy.metricsFrom=null' | grep -A4 'port: 8080' | grep -q 'from:'; then fail "metricsFrom=null still limits who scrapes /metrics"; fi
 grep -q -- '--per-source-connection-share=0.25' <<<"${rendered}" || fail "the per-source connection share is not passed to the operator"
+# /metrics behind TokenReview + SubjectAccessReview is off by default (no
+# flag, no subjectaccessreviews right); on, the operator gets the flag and
+# exactly that right, and the ServiceMonitor sends Prometheus's token.
+if grep -q -- '--metrics-authorization\|subjectaccessreviews' <<<"${rendered}"; then fail "metrics authorization (or its RBAC) rendered by default"; fi
+metrics_auth=$("${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --set metrics.authorization=true --set metrics.serviceMonitor.enabled=true)
+grep -q -- '- --metrics-authorization$' <<<"${metrics_auth}" || fail "metrics.authorization does not pass --metrics-authorization"
+grep -A1 'resources: \["subjectaccessreviews"\]' <<<"$(doc ClusterRole <<<"${metrics_auth}")" | grep -q 'verbs: \["create"\]' || fail "metrics.authorization does not grant create on subjectaccessreviews"
+grep -q 'bearerTokenFile: ' <<<"$(doc ServiceMonitor <<<"${metrics_auth}")" || fail "with metrics.authorization the ServiceMonitor sends no token"
+for scoped in "" "--set watchNamespace=team-a"; do
+  # shellcheck disable=SC2086
+  "${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --set metrics.authorization=true ${scoped} | grep -q 'subjectaccessreviews' || fail "metrics.authorization grants no subjectaccessreviews (${scoped:-all namespaces})"
+done
 for share in 0 1.5; do
   if "${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --set perSourceConnectionShare="${share}" >/dev/null 2>&1; then fail "values.schema.json accepted perSourceConnectionShare=${share}"; fi
 done

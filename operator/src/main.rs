@@ -12,6 +12,7 @@ use headroom_operator::controller::{CheckpointAccess, ChildConfig, WorkerImages}
 use headroom_operator::leader::LeaseLock;
 use headroom_operator::listener::{self, Limits};
 use headroom_operator::metrics::{self, Metrics};
+use headroom_operator::metrics_access::MetricsAccess;
 use headroom_operator::watched_pods::WatchedPods;
 use headroom_operator::worker_api;
 use k8s_openapi::api::core::v1::Service;
@@ -34,6 +35,11 @@ struct Args {
     /// cannot crowd the probes out.
     #[arg(long, env = "HEADROOM_PROBE_ADDR", default_value = "0.0.0.0:8082")]
     probe_addr: SocketAddr,
+    /// Serve /metrics only to callers whose bearer token the API server
+    /// accepts (TokenReview) and whose user may `get` the non-resource URL
+    /// /metrics (SubjectAccessReview), as kube-rbac-proxy does.
+    #[arg(long, env = "HEADROOM_METRICS_AUTHORIZATION")]
+    metrics_authorization: bool,
     /// The share of each server's connections (metrics, probes, worker API)
     /// one source address may hold at once, more than 0 and at most 1: the
     /// rest stays for other sources, so no one pod can take them all.
@@ -118,6 +124,15 @@ struct Args {
         default_value_t = 120
     )]
     unschedulable_grace_seconds: u64,
+    /// Seconds one job's planning may take: a job whose search runs longer
+    /// fails (its message says what to change) and the operator goes on
+    /// with its other jobs. The largest searches take well under a second.
+    #[arg(
+        long,
+        env = "HEADROOM_PLANNING_BUDGET_SECONDS",
+        default_value_t = controller::DEFAULT_PLANNING_BUDGET.as_secs_f64()
+    )]
+    planning_budget_seconds: f64,
     /// How often a worker reports its live telemetry to the operator,
     /// seconds (sooner when a memory peak grows). The operator's metrics
     /// show each report as it arrives.
@@ -165,7 +180,7 @@ async fn main() -> Result<()> {
     // Workers' reports, held by the worker API and written per job by its flusher.
     let reports = worker_api::WorkerReports::start(client.clone(), checked.status_interval);
     let metrics = Arc::new(Metrics::with_telemetry(reports.clone()));
-    serve_metrics_and_probes(&args, &checked, &metrics).await?;
+    serve_metrics_and_probes(&args, &checked, &metrics, &client).await?;
     // Where workers reach the worker API (read before serving it: its
     // certificate names the Service's cluster IP).
     let endpoint = worker_api_endpoint(&client, &args).await?;
@@ -240,6 +255,7 @@ struct CheckedFlags {
     source_share: f64,
     telemetry_interval: Duration,
     status_interval: Duration,
+    planning_budget: Duration,
     worker_images: WorkerImages,
 }
 
@@ -259,8 +275,16 @@ impl CheckedFlags {
                 listener::DEFAULT_SOURCE_SHARE
             );
         }
+        let budget = args.planning_budget_seconds;
+        if !(budget.is_finite() && budget > 0.0 && budget <= 3600.0) {
+            anyhow::bail!(
+                "--planning-budget-seconds {budget}: must be a number of seconds more than 0 and at most 3600 (e.g. {})",
+                controller::DEFAULT_PLANNING_BUDGET.as_secs_f64()
+            );
+        }
         Ok(CheckedFlags {
             source_share,
+            planning_budget: Duration::from_secs_f64(budget),
             telemetry_interval: interval(
                 "--telemetry-interval-seconds",
                 args.telemetry_interval_seconds,
@@ -280,14 +304,19 @@ impl CheckedFlags {
     }
 }
 
-/// Serves /metrics on --metrics-addr and the health probes on --probe-addr.
+/// Serves /metrics on --metrics-addr (with --metrics-authorization, to the
+/// callers allowed to read it) and the health probes on --probe-addr.
 async fn serve_metrics_and_probes(
     args: &Args,
     checked: &CheckedFlags,
     metrics: &Arc<Metrics>,
+    client: &kube::Client,
 ) -> Result<()> {
     let share = checked.source_share;
-    let app = metrics::router(metrics.clone());
+    let access = args
+        .metrics_authorization
+        .then(|| Arc::new(MetricsAccess::new(client.clone())));
+    let app = metrics::router(metrics.clone(), access);
     let limits = Limits::METRICS.with_source_share(share);
     spawn_server("metrics", args.metrics_addr, app, limits, None).await?;
     let app = metrics::probes_router(metrics.clone());
@@ -424,6 +453,7 @@ fn controller_config(
             worker_api_ca: endpoint.tls.map(|t| t.ca_pem),
         },
         unschedulable_grace: Duration::from_secs(args.unschedulable_grace_seconds),
+        planning_budget: checked.planning_budget,
         concurrency: args.concurrency.max(1),
         namespace: args.watch_namespace,
         ..ControllerConfig::default()

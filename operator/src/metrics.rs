@@ -18,7 +18,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use axum::Router;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::IntoResponse;
 use axum::routing::get;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
@@ -31,6 +32,7 @@ use prometheus_client::registry::{Registry, Unit};
 
 use headroom_api::JobProgress;
 
+use crate::metrics_access::MetricsAccess;
 use crate::worker_reports::WorkerReports;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -359,16 +361,27 @@ fn encode_job_progress(
     Ok(())
 }
 
-/// `/metrics`. The health probes have their own router ([`probes_router`])
-/// and listener: scrapers and anyone else who reaches this port cannot
-/// crowd out the kubelet's probes.
-pub fn router(metrics: Arc<Metrics>) -> Router {
+/// `/metrics`, to every caller or, with `access`, to those it lets in
+/// ([`crate::metrics_access`]). The health probes have their own router
+/// ([`probes_router`]) and listener: scrapers and anyone else who reaches
+/// this port cannot crowd out the kubelet's probes.
+pub fn router(metrics: Arc<Metrics>, access: Option<Arc<MetricsAccess>>) -> Router {
     Router::new()
         .route(
-            "/metrics",
-            get(|State(m): State<Arc<Metrics>>| async move { m.encode() }),
+            crate::metrics_access::METRICS_PATH,
+            get(
+                |State((m, access)): State<(Arc<Metrics>, Option<Arc<MetricsAccess>>)>,
+                 headers: HeaderMap| async move {
+                    if let Some(access) = access
+                        && let Err(denied) = access.check(&headers).await
+                    {
+                        return denied.into_response();
+                    }
+                    m.encode().into_response()
+                },
+            ),
         )
-        .with_state(metrics)
+        .with_state((metrics, access))
 }
 
 /// `/healthz` (the process serves) and `/readyz` (caches synced), for the

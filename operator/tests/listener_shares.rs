@@ -73,7 +73,7 @@ async fn start(limits: [Limits; 3]) -> Servers {
     );
     let [metrics_limits, probe_limits, worker_api_limits] = limits;
     Servers {
-        metrics: spawn(metrics::router(state.clone()), metrics_limits).await,
+        metrics: spawn(metrics::router(state.clone(), None), metrics_limits).await,
         probes: spawn(metrics::probes_router(state), probe_limits).await,
         worker_api: spawn(worker_api, worker_api_limits).await,
     }

@@ -41,9 +41,11 @@
 //! arrive: to keep the real neighbour out they must keep calling faster
 //! than a handshake completes, not merely wait.
 //!
-//! Not covered: the link after the handshake is neither encrypted nor
-//! integrity-protected, so someone on the network path (not merely in the
-//! cluster) could still read or alter tensors.
+//! **After the handshake** every frame carries a MAC under a key of this
+//! connection and direction, derived from the job's key and both nonces,
+//! over its sequence number ([`crate::link_mac`]): a relayed connection
+//! cannot alter, drop, replay or reorder frames. Tensors are not encrypted:
+//! someone on the network path (not merely in the cluster) could read them.
 
 use std::collections::VecDeque;
 use std::io::{Read, Write};
@@ -57,6 +59,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sha2::Sha256;
 
+use crate::link_mac::FrameKeys;
 use crate::worker_api::{WorkerApi, WorkerApiError};
 
 /// Bytes of a [`LinkKey`].
@@ -120,6 +123,11 @@ impl LinkKey {
             *byte = hi << 4 | lo;
         }
         Ok(LinkKey(key))
+    }
+
+    /// The key's bytes: for the keys derived from it ([`crate::link_mac`]).
+    pub(crate) fn as_bytes(&self) -> &[u8; KEY_BYTES] {
+        &self.0
     }
 
     /// The key as 64 lowercase hex digits: for `HEADROOM_PEER_KEY` of the
@@ -393,6 +401,14 @@ fn split<const N: usize>(payload: &[u8]) -> Result<([u8; N], &[u8]), HandshakeEr
     Ok((*head, rest))
 }
 
+/// A handshake that checked out: the other end's hello, and the keys of
+/// this connection's frames from now on ([`FrameKeys`]).
+#[derive(Debug)]
+pub struct Handshaken<H> {
+    pub hello: H,
+    pub keys: FrameKeys,
+}
+
 /// The calling end of the handshake: sends `me` and returns the other end's
 /// hello, once it has proved the key (and this end has proved it back).
 /// The caller decides then whether that is the peer it wanted.
@@ -401,7 +417,7 @@ pub fn connect<W: Wire, H: Greeting>(
     until: Instant,
     key: &LinkKey,
     me: &H,
-) -> Result<H, HandshakeError> {
+) -> Result<Handshaken<H>, HandshakeError> {
     let nonce_c = nonce()?;
     let hello = serde_json::to_vec(me)?;
     W::send(stream, Message::Hello, &[&nonce_c[..], &hello].concat())?;
@@ -423,7 +439,10 @@ pub fn connect<W: Wire, H: Greeting>(
     )?;
     let proof_c = prove(key, Role::Connect, &nonce_c, &nonce_a, &me.identity());
     W::send(stream, Message::Proof, &proof_c)?;
-    Ok(other)
+    Ok(Handshaken {
+        hello: other,
+        keys: FrameKeys::derive(key, Role::Connect, &nonce_c, &nonce_a),
+    })
 }
 
 /// The listening end of the handshake: answers a caller with `me` and this
@@ -434,7 +453,7 @@ pub fn accept<W: Wire, H: Greeting>(
     until: Instant,
     key: &LinkKey,
     me: &H,
-) -> Result<H, HandshakeError> {
+) -> Result<Handshaken<H>, HandshakeError> {
     let mut reader = Deadline::new(stream, until);
     let hello = W::recv(&mut reader, Message::Hello, MAX_HANDSHAKE_PAYLOAD)?;
     let (nonce_c, json) = split::<NONCE_BYTES>(&hello)?;
@@ -457,7 +476,10 @@ pub fn accept<W: Wire, H: Greeting>(
         &claimed.identity(),
         &proof_c,
     )?;
-    Ok(claimed)
+    Ok(Handshaken {
+        hello: claimed,
+        keys: FrameKeys::derive(key, Role::Accept, &nonce_c, &nonce_a),
+    })
 }
 
 /// Handshakes a listener runs at once ([`accept_first`]).
@@ -495,7 +517,7 @@ struct Finished<H> {
     id: u64,
     from: SocketAddr,
     stream: TcpStream,
-    answered: Result<H, HandshakeError>,
+    answered: Result<Handshaken<H>, HandshakeError>,
 }
 
 /// The handshakes under way, oldest first: each a second handle on its
@@ -597,7 +619,7 @@ pub fn accept_first<W, H, E>(
     handshake_timeout: Duration,
     give_up: impl Fn() -> bool,
     mut judge: impl FnMut(SocketAddr, Result<H, HandshakeError>) -> Verdict<E>,
-) -> Result<TcpStream, AcceptError<E>>
+) -> Result<(TcpStream, FrameKeys), AcceptError<E>>
 where
     W: Wire + 'static,
     H: Greeting + Clone + Send + 'static,
@@ -612,8 +634,13 @@ where
         if !in_flight.finish(done.id) {
             return None;
         }
-        match judge(done.from, done.answered) {
-            Verdict::Take => Some(Ok(done.stream)),
+        let (hello, keys) = match done.answered {
+            Ok(Handshaken { hello, keys }) => (Ok(hello), Some(keys)),
+            Err(e) => (Err(e), None),
+        };
+        match judge(done.from, hello) {
+            // A hello comes only with its keys.
+            Verdict::Take => keys.map(|keys| Ok((done.stream, keys))),
             Verdict::Drop => None,
             Verdict::Fail(e) => Some(Err(AcceptError::Failed(e))),
         }
@@ -835,14 +862,14 @@ pub(crate) mod tests {
                 name: "acceptor".into(),
                 attempt: 1,
             };
-            accept::<Plain, Who>(&stream, until, &acceptor_key, &me)
+            accept::<Plain, Who>(&stream, until, &acceptor_key, &me).map(|h| h.hello)
         });
         let stream = TcpStream::connect(address).expect("connect");
         let me = Who {
             name: "connector".into(),
             attempt: 1,
         };
-        let connected = connect::<Plain, Who>(&stream, until, &connector_key, &me);
+        let connected = connect::<Plain, Who>(&stream, until, &connector_key, &me).map(|h| h.hello);
         drop(stream);
         (accepting.join().expect("acceptor"), connected)
     }
@@ -884,7 +911,7 @@ pub(crate) mod tests {
     fn accepting(
         wait: Duration,
     ) -> (
-        std::thread::JoinHandle<Result<TcpStream, AcceptError<String>>>,
+        std::thread::JoinHandle<Result<(TcpStream, FrameKeys), AcceptError<String>>>,
         SocketAddr,
     ) {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
@@ -925,7 +952,8 @@ pub(crate) mod tests {
             attempt: 1,
         };
         let until = Instant::now() + Duration::from_secs(5);
-        (connect::<Plain, Who>(&stream, until, key, &me), stream)
+        let answered = connect::<Plain, Who>(&stream, until, key, &me).map(|h| h.hello);
+        (answered, stream)
     }
 
     #[test]
@@ -963,7 +991,7 @@ pub(crate) mod tests {
             started.elapsed()
         );
         assert_eq!(
-            taken.peer_addr().expect("peer"),
+            taken.0.peer_addr().expect("peer"),
             wanted.local_addr().expect("local")
         );
         // Every stranger's connection is closed, none left waiting.

@@ -76,6 +76,12 @@ watches every namespace, in a Role of the one it watches otherwise. */}}
 - apiGroups: ["authentication.k8s.io"]
   resources: ["tokenreviews"]
   verbs: ["create"]
+{{- if .Values.metrics.authorization }}
+# metrics.authorization: whether a scraper's user may get /metrics.
+- apiGroups: ["authorization.k8s.io"]
+  resources: ["subjectaccessreviews"]
+  verbs: ["create"]
+{{- end }}
 # The GPU inventory (GPU Feature Discovery labels, allocatable devices).
 - apiGroups: [""]
   resources: ["nodes"]

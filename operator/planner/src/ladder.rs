@@ -37,7 +37,7 @@ use serde::{Deserialize, Serialize};
 use crate::backend::BackendProfile;
 use crate::inventory::{DeviceType, Inventory};
 use crate::memory::MemoryBreakdown;
-use crate::plan::{JobRequest, NoFeasiblePlan, Plan, SearchOptions};
+use crate::plan::{Deadline, JobRequest, NoFeasiblePlan, Plan, SearchOptions};
 use crate::rung::{Candidate, RetryRung, RungLimits, Tightening};
 use crate::search::{Search, budget_bytes};
 use crate::units::format_bytes;
@@ -136,6 +136,18 @@ pub fn next_stricter_plan(
     failed: &Plan,
     failure: &MemoryFailure,
 ) -> Result<Plan, NoFeasiblePlan> {
+    next_stricter_plan_within(req, inventory, failed, failure, None)
+}
+
+/// [`next_stricter_plan`] that gives up once `deadline` passes
+/// ([`NoFeasiblePlan::out_of_time`]).
+pub fn next_stricter_plan_within(
+    req: &JobRequest,
+    inventory: &Inventory,
+    failed: &Plan,
+    failure: &MemoryFailure,
+    deadline: Option<Deadline>,
+) -> Result<Plan, NoFeasiblePlan> {
     // As for the first attempt: a CPU job plans against the operator's
     // view when it has one (node sizes, a Kueue queue's quota), else its
     // own budget.
@@ -158,6 +170,7 @@ pub fn next_stricter_plan(
         &SearchOptions {
             correction,
             ignore_pins: true,
+            deadline,
             ..SearchOptions::default()
         },
         inventory.one_node,
@@ -196,6 +209,7 @@ pub fn next_stricter_plan(
         }
         for c in &tried {
             if let Some(plan) = retry.fitting_plan(c, &applied) {
+                search.in_time()?;
                 return Ok(plan);
             }
             if within_limit.is_none() {
@@ -211,6 +225,7 @@ pub fn next_stricter_plan(
         }
         let note = rung.over_budget_note(&state, &tried, || retry.shortfall(&state));
         notes.push(format!("{rung}: {note}"));
+        search.in_time()?;
     }
     if let Some(plan) = within_limit {
         return Ok(plan);
@@ -225,6 +240,7 @@ pub fn next_stricter_plan(
             correction
         ),
         details: notes,
+        out_of_time: None,
     })
 }
 

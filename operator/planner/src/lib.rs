@@ -51,8 +51,10 @@ pub use llama::{
 };
 pub use memory::{ATTENTION_BLOCK, LOSS_CHUNK_ELEMENTS, MemoryBreakdown, NF4_DEQUANT_CHUNK_VALUES};
 pub use model::{GenericModel, ModelShape, TransformerShape};
-pub use plan::{JobRequest, NoFeasiblePlan, Objective, Plan, SearchOptions, Stage, Target};
-pub use retry::{FailureCause, replan};
+pub use plan::{
+    Deadline, JobRequest, NoFeasiblePlan, Objective, Plan, SearchOptions, Stage, Target,
+};
+pub use retry::{FailureCause, replan, replan_within};
 pub use rung::{RetryRung, Tightening};
 pub use search::{alternatives, plan, plan_with};
 pub use target_module::TargetModule;

@@ -252,6 +252,53 @@ pub struct NoFeasiblePlan {
     /// what the job waits for (e.g. `2 × NVIDIA-L4 free (1 free of 8)`). A job
     /// the cluster could never hold leaves it `None`.
     pub waits_for: Option<String>,
+    /// Set when the search stopped at its time budget
+    /// ([`SearchOptions::deadline`]) before it found a plan or proved that
+    /// none fits: the budget it had.
+    pub out_of_time: Option<std::time::Duration>,
+}
+
+/// When a search must give up. Planning is computation nothing else
+/// interrupts (no thread is killed): the search looks at the clock before
+/// each candidate it builds and stops, with [`NoFeasiblePlan::out_of_time`],
+/// once the deadline has passed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Deadline {
+    /// `None`: a budget too large to add to the clock, never reached.
+    at: Option<std::time::Instant>,
+    budget: std::time::Duration,
+}
+
+impl Deadline {
+    /// `budget` from now.
+    pub fn after(budget: std::time::Duration) -> Deadline {
+        Deadline {
+            at: std::time::Instant::now().checked_add(budget),
+            budget,
+        }
+    }
+
+    /// The time the search was given.
+    pub fn budget(&self) -> std::time::Duration {
+        self.budget
+    }
+
+    pub fn passed(&self) -> bool {
+        self.at.is_some_and(|at| std::time::Instant::now() >= at)
+    }
+
+    /// What a search that ran out of this budget answers.
+    pub fn ran_out(&self) -> NoFeasiblePlan {
+        NoFeasiblePlan {
+            summary: format!(
+                "planning stopped at its time budget of {:?} before it found a plan or showed that none fits",
+                self.budget
+            ),
+            details: vec![],
+            waits_for: None,
+            out_of_time: Some(self.budget),
+        }
+    }
 }
 
 /// Knobs the retry ladder and the operator set beyond the request.
@@ -267,4 +314,7 @@ pub struct SearchOptions {
     /// Plan with this profile instead of the job's backend's own (tests
     /// and what-if questions, e.g. a backend that runs QLoRA).
     pub profile: Option<&'static crate::backend::BackendProfile>,
+    /// Give up when this passes ([`NoFeasiblePlan::out_of_time`]); `None`:
+    /// search to the end (the plugin, tests).
+    pub deadline: Option<Deadline>,
 }

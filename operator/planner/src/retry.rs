@@ -4,8 +4,8 @@
 //! that could not be placed; anything else runs the same settings again.
 
 use crate::inventory::Inventory;
-use crate::ladder::{MemoryFailure, next_stricter_plan};
-use crate::plan::{JobRequest, NoFeasiblePlan, Plan, SearchOptions};
+use crate::ladder::{MemoryFailure, next_stricter_plan_within};
+use crate::plan::{Deadline, JobRequest, NoFeasiblePlan, Plan, SearchOptions};
 use crate::search::plan_with;
 
 /// Why the last attempt ended, as far as planning the next one is concerned.
@@ -31,9 +31,21 @@ pub fn replan(
     ended: &Plan,
     cause: &FailureCause,
 ) -> Result<Plan, NoFeasiblePlan> {
+    replan_within(request, inventory, ended, cause, None)
+}
+
+/// [`replan`] that gives up once `deadline` passes
+/// ([`NoFeasiblePlan::out_of_time`]).
+pub fn replan_within(
+    request: &JobRequest,
+    inventory: &Inventory,
+    ended: &Plan,
+    cause: &FailureCause,
+    deadline: Option<Deadline>,
+) -> Result<Plan, NoFeasiblePlan> {
     match cause {
         FailureCause::OutOfMemory(failure) => {
-            next_stricter_plan(request, inventory, ended, failure)
+            next_stricter_plan_within(request, inventory, ended, failure, deadline)
         }
         FailureCause::Unschedulable { excluded_devices } => {
             let mut excluded = excluded_devices.clone();
@@ -47,6 +59,7 @@ pub fn replan(
                 excluded_devices: excluded,
                 ignore_pins: true,
                 profile: None,
+                deadline,
             };
             plan_with(request, inventory, &opts).map_err(|mut e| {
                 e.summary = format!("{} was unschedulable; {}", ended.device, e.summary);

@@ -17,7 +17,9 @@
 use crate::backend::BackendProfile;
 use crate::inventory::{DeviceKind, DeviceType, Inventory};
 use crate::memory::{StagePlacement, estimate_stage, trained_elements};
-use crate::plan::{JobRequest, NoFeasiblePlan, Objective, Plan, SearchOptions, Stage, Target};
+use crate::plan::{
+    Deadline, JobRequest, NoFeasiblePlan, Objective, Plan, SearchOptions, Stage, Target,
+};
 use crate::rung::RetryRung;
 use crate::timing::{self, StepTime};
 use crate::training::{Settings, divisors_desc};
@@ -45,6 +47,7 @@ pub fn plan_with(
 ) -> Result<Plan, NoFeasiblePlan> {
     let mut err = match search_with(req, inventory, opts) {
         Ok(plan) => return Ok(plan),
+        Err(e) if e.out_of_time.is_some() => return Err(e),
         Err(e) => e,
     };
     let one_node = inventory.one_node;
@@ -52,6 +55,8 @@ pub fn plan_with(
         .devices
         .iter()
         .any(|d| d.free < d.reachable(one_node));
+    // A second search that runs out of time leaves the first's refusal
+    // without what it waits for.
     if busy && let Ok(p) = search_with(req, &inventory.idle(), opts) {
         let free = inventory
             .devices
@@ -134,6 +139,7 @@ fn search_with(
     let tried = if pinned { &options[..1] } else { &options[..] };
     for (numerics, rungs) in tried {
         let found = search.best(&devices, numerics);
+        search.in_time()?;
         if let Some(mut plan) = found {
             plan.rungs_applied = rungs.clone();
             if !plan.rungs_applied.is_empty() {
@@ -147,9 +153,12 @@ fn search_with(
         }
     }
     if pinned && let Some(plan) = pinned_over_budget(&search, &devices, &options[0].0) {
+        search.in_time()?;
         return Ok(plan);
     }
-    Err(infeasible(&search, inventory, &options, &devices))
+    let why = infeasible(&search, inventory, &options, &devices);
+    search.in_time()?;
+    Err(why)
 }
 
 /// A plan-less answer with `summary` and no details.
@@ -158,6 +167,7 @@ fn refusal(summary: String) -> NoFeasiblePlan {
         waits_for: None,
         summary,
         details: vec![],
+        out_of_time: None,
     }
 }
 
@@ -397,6 +407,11 @@ pub(crate) struct Search<'a> {
     /// Every worker of the job shares one node ([`Inventory::on_one_node`]):
     /// their host memory requests add up on it.
     one_node: bool,
+    deadline: Option<Deadline>,
+    /// The deadline was seen passed: every later candidate is refused
+    /// without a look at the clock, and the search's answer is
+    /// [`Deadline::ran_out`], whatever it found before.
+    stopped: std::cell::Cell<bool>,
 }
 
 /// More devices must make a step at least this much faster under
@@ -416,6 +431,26 @@ impl<'a> Search<'a> {
             correction,
             pins: !opts.ignore_pins,
             one_node,
+            deadline: opts.deadline,
+            stopped: std::cell::Cell::new(false),
+        }
+    }
+
+    /// Whether the deadline has passed: looked at before each candidate is
+    /// built, the unit of the search's work (a few closed-form stage
+    /// estimates), so a search stops within one candidate of its budget.
+    pub(crate) fn out_of_time(&self) -> bool {
+        if !self.stopped.get() && self.deadline.is_some_and(|d| d.passed()) {
+            self.stopped.set(true);
+        }
+        self.stopped.get()
+    }
+
+    /// `Err(`[`Deadline::ran_out`]`)` once the search has stopped at its deadline.
+    pub(crate) fn in_time(&self) -> Result<(), NoFeasiblePlan> {
+        match self.deadline {
+            Some(d) if self.stopped.get() => Err(d.ran_out()),
+            _ => Ok(()),
         }
     }
 
@@ -516,7 +551,7 @@ impl<'a> Search<'a> {
         shapes.sort_by_key(|&(p, d)| (p * d, p));
         let mut best: Option<Plan> = None;
         for (p, d) in shapes {
-            if best.as_ref().is_some_and(|b| b.workers < p * d) {
+            if best.as_ref().is_some_and(|b| b.workers < p * d) || self.out_of_time() {
                 break;
             }
             for device in devices.iter().filter(|dev| dev.free >= p * d) {
@@ -572,7 +607,7 @@ impl<'a> Search<'a> {
         let mut found: Vec<Plan> = Vec::new();
         let mut fastest = f64::INFINITY;
         for ((p, d), bound) in shapes {
-            if bound > fastest * (1.0 + FASTER_ENOUGH) {
+            if bound > fastest * (1.0 + FASTER_ENOUGH) || self.out_of_time() {
                 break;
             }
             for device in devices.iter().filter(|dev| dev.free >= p * d) {
@@ -644,6 +679,9 @@ impl<'a> Search<'a> {
         (p, d): (u32, u32),
         settings: Settings,
     ) -> Option<Plan> {
+        if self.out_of_time() {
+            return None;
+        }
         let budget = budget_bytes(device, self.profile, self.req.headroom_fraction);
         let layers = self.split(p, d, &settings, budget)?;
         let plan = self.assemble(device, &layers, d, settings, budget);
@@ -697,6 +735,9 @@ impl<'a> Search<'a> {
         (p, d): (u32, u32),
         settings: Settings,
     ) -> Option<Plan> {
+        if self.out_of_time() {
+            return None;
+        }
         let budget = budget_bytes(device, self.profile, self.req.headroom_fraction);
         let layers = balanced_split(self.req.model.splittable_layers(), p)?;
         Some(self.assemble(device, &layers, d, settings, budget))
@@ -866,6 +907,7 @@ impl<'a> Search<'a> {
                 summary: "no numerics to try".into(),
                 details: vec![],
                 waits_for: None,
+                out_of_time: None,
             };
         };
         for device in devices {
@@ -944,6 +986,7 @@ impl<'a> Search<'a> {
             summary,
             details,
             waits_for: None,
+            out_of_time: None,
         }
     }
 }

@@ -6,11 +6,20 @@ use std::time::Duration;
 use headroom_api::{MemoryAwareTrainingJobSpec, SpecError};
 use headroom_planner::Backend;
 
+/// How long one job's planning may take before the job fails, so that a
+/// job whose search would run long holds no reconcile worker for good.
+/// The largest searches take 0.2–0.4 s in a debug build (70B parameters
+/// over 1,000 nodes of six GPU types, up to 64 GPUs; 227 µs in release,
+/// docs/benchmarks.md) and the operator plans at most 8 GPUs a job.
+pub const DEFAULT_PLANNING_BUDGET: Duration = Duration::from_secs(5);
+
 /// Controller settings (flags / Helm values).
 #[derive(Clone, Debug)]
 pub struct ControllerConfig {
     pub children: ChildConfig,
     pub unschedulable_grace: Duration,
+    /// How long one job's planning may take ([`DEFAULT_PLANNING_BUDGET`]).
+    pub planning_budget: Duration,
     /// Re-check every job at least this often.
     pub resync: Duration,
     pub concurrency: u16,
@@ -23,6 +32,7 @@ impl Default for ControllerConfig {
         ControllerConfig {
             children: ChildConfig::default(),
             unschedulable_grace: Duration::from_secs(120),
+            planning_budget: DEFAULT_PLANNING_BUDGET,
             resync: Duration::from_secs(300),
             concurrency: 8,
             namespace: None,

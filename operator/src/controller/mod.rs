@@ -38,7 +38,9 @@ use kube::runtime::events::Recorder;
 use kube::runtime::reflector::Store;
 use kube::{Client, ResourceExt};
 
-pub use config::{CheckpointAccess, ChildConfig, ControllerConfig, WorkerImages};
+pub use config::{
+    CheckpointAccess, ChildConfig, ControllerConfig, DEFAULT_PLANNING_BUDGET, WorkerImages,
+};
 
 use crate::metrics::Metrics;
 use crate::worker_reports::WorkerReports;

@@ -29,9 +29,7 @@
 //! * both caches are keyed by SHA-256 of the token: the operator's memory
 //!   holds no replayable credential.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine;
 
@@ -40,10 +38,10 @@ use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
-use sha2::{Digest, Sha256};
 use tokio::sync::Semaphore;
 
 use super::Refusal;
+use crate::token_cache::{Remembered, token_hash};
 use crate::watched_pods::{WatchedPods, owning_job};
 
 /// How long a checked token stands for its pod before it is checked again,
@@ -68,8 +66,6 @@ pub const REVIEW_QUEUE_WAIT: Duration = Duration::from_secs(5);
 /// A service-account JWT is 1–2 KiB; anything much longer is not one and
 /// is refused before it costs a review.
 pub const MAX_TOKEN_BYTES: usize = 8 * 1024;
-/// Entries kept per cache at most; beyond it the expired ones are dropped, then all.
-const MAX_ENTRIES: usize = 20_000;
 
 /// Who called: the pod a token is bound to, that pod's job, and the attempt
 /// and stage its labels put it in (0 and 0 for the initializer, which has
@@ -82,47 +78,6 @@ pub struct Caller {
     pub job_uid: String,
     pub attempt: u32,
     pub stage: u32,
-}
-
-/// SHA-256 of a token: what the caches are keyed by.
-type TokenHash = [u8; 32];
-
-/// A cache of answers per token hash, each good until its own deadline.
-struct Remembered<T> {
-    entries: Mutex<HashMap<TokenHash, (T, Instant)>>,
-}
-
-impl<T: Clone> Remembered<T> {
-    fn new() -> Self {
-        Remembered {
-            entries: Mutex::new(HashMap::new()),
-        }
-    }
-
-    fn get(&self, key: &TokenHash) -> Option<T> {
-        let entries = self.entries.lock().ok()?;
-        let (value, until) = entries.get(key)?;
-        (Instant::now() < *until).then(|| value.clone())
-    }
-
-    fn put(&self, key: TokenHash, value: T, ttl: Duration) {
-        if let Ok(mut entries) = self.entries.lock() {
-            if entries.len() >= MAX_ENTRIES {
-                let now = Instant::now();
-                entries.retain(|_, (_, until)| now < *until);
-                if entries.len() >= MAX_ENTRIES {
-                    entries.clear();
-                }
-            }
-            entries.insert(key, (value, Instant::now() + ttl));
-        }
-    }
-
-    fn forget(&self, key: &TokenHash) {
-        if let Ok(mut entries) = self.entries.lock() {
-            entries.remove(key);
-        }
-    }
 }
 
 /// An accepted token: who it is, and whether the pod cache vouches for it.
@@ -207,7 +162,7 @@ impl<R: Reviewer> Identities<R> {
                 "not a service-account token (a JWT of at most 8 KiB)".into(),
             ));
         }
-        let key: TokenHash = Sha256::digest(token.as_bytes()).into();
+        let key = token_hash(token);
         if let Some(accepted) = self.accepted.get(&key) {
             if !accepted.watched || self.still_watched(&accepted) {
                 return Ok(accepted.caller);
@@ -455,7 +410,7 @@ mod tests {
     use super::*;
     use base64::engine::general_purpose::URL_SAFE_NO_PAD;
     use serde_json::json;
-    use std::sync::Arc;
+    use std::sync::{Arc, Mutex};
 
     fn jwt(payload: serde_json::Value) -> String {
         let part = |v: serde_json::Value| URL_SAFE_NO_PAD.encode(v.to_string());
@@ -696,16 +651,5 @@ mod tests {
                 "one review and one read for three calls"
             );
         }
-    }
-
-    #[test]
-    fn remembered_answers_end_at_their_own_deadline() {
-        let cache = Remembered::new();
-        cache.put([1; 32], "long", Duration::from_secs(60));
-        cache.put([2; 32], "gone", Duration::ZERO);
-        assert_eq!(cache.get(&[1; 32]), Some("long"));
-        assert_eq!(cache.get(&[2; 32]), None);
-        cache.forget(&[1; 32]);
-        assert_eq!(cache.get(&[1; 32]), None);
     }
 }

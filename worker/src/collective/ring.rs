@@ -71,6 +71,7 @@ use super::{Collective, CollectiveError, check_segments, even_segments, segment_
 use crate::link_auth::{
     self, AcceptError, Greeting, HandshakeError, Identity, LinkKey, Message, Verdict, Wire,
 };
+use crate::link_mac::FrameKeys;
 
 /// Default bytes of a segment sent in one frame: large enough that the
 /// per-frame cost (header, wake-ups, syscalls) disappears, small enough
@@ -721,7 +722,7 @@ fn accept_prev(
     listener: &TcpListener,
     until: Instant,
     stop: &AtomicBool,
-) -> Result<TcpStream, CollectiveError> {
+) -> Result<(TcpStream, FrameKeys), CollectiveError> {
     let lost = |detail: String| CollectiveError::PeerLost { rank: prev, detail };
     // Our hello goes out to every caller, even one we then turn away, so it
     // learns why; the caller's hello is acted on only once its proof of the
@@ -786,7 +787,7 @@ fn connect_next(
     address: &str,
     until: Instant,
     stop: &AtomicBool,
-) -> Result<TcpStream, CollectiveError> {
+) -> Result<(TcpStream, FrameKeys), CollectiveError> {
     let mut last_error = String::from("not tried");
     let mut pause = RETRY;
     while Instant::now() < until && !stop.load(Ordering::Relaxed) {
@@ -794,9 +795,9 @@ fn connect_next(
             Ok(resolved) => {
                 for socket in resolved {
                     match handshake(me, key, next, socket, until) {
-                        Ok(stream) => {
+                        Ok(linked) => {
                             tracing::info!(%socket, replica = next, "ring: connected to the next replica");
-                            return Ok(stream);
+                            return Ok(linked);
                         }
                         Err(Attempt::Fatal(e)) => return Err(e),
                         Err(Attempt::Retry(e)) => last_error = format!("{socket}: {e}"),
@@ -828,7 +829,7 @@ fn handshake(
     next: u32,
     socket: SocketAddr,
     until: Instant,
-) -> Result<TcpStream, Attempt> {
+) -> Result<(TcpStream, FrameKeys), Attempt> {
     // Within the rendezvous deadline: a socket that accepts but never
     // answers must not hold the caller past it.
     let left = until
@@ -840,8 +841,9 @@ fn handshake(
     let handshake = Instant::now() + left.min(HANDSHAKE_TIMEOUT);
     // Returns once the other end proved the key (and we proved it back):
     // only then may its hello stop this replica.
-    let other = match link_auth::connect::<RingWire, RingHello>(&stream, handshake, key, me) {
-        Ok(other) => other,
+    let (other, keys) = match link_auth::connect::<RingWire, RingHello>(&stream, handshake, key, me)
+    {
+        Ok(linked) => (linked.hello, linked.keys),
         Err(HandshakeError::BadProof) => {
             tracing::warn!(
                 %socket,
@@ -862,7 +864,7 @@ fn handshake(
                 other.replica
             ))));
         }
-        return Ok(stream);
+        return Ok((stream, keys));
     }
     Err(Attempt::Retry(format!(
         "{socket} is {}/{} attempt {} stage {} replica {}, not replica {next} of attempt {} stage {}",
@@ -1463,7 +1465,7 @@ mod tests {
             &hello(1, 2, 3, 0),
         )
         .expect("replica 0 proves the key");
-        assert_eq!(answered, hello(0, 2, 2, 0));
+        assert_eq!(answered.hello, hello(0, 2, 2, 0));
         let err = rank0.join().expect("rank 0").expect_err("superseded");
         assert!(answering.join().expect("answering").is_ok());
         assert!(matches!(err, CollectiveError::Protocol(_)), "{err}");

@@ -27,6 +27,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use super::CollectiveError;
+use crate::link_mac::{FrameKeys, FrameMac, TAG_BYTES};
 
 const MAGIC: u32 = 0x4844_5243; // "HDRC"
 /// Header bytes in front of every payload.
@@ -193,6 +194,36 @@ impl Frame {
         w.write_all(&self.buf)
     }
 
+    /// Writes the frame and its tag under `mac` ([`crate::link_mac`]).
+    pub fn write_sealed(&self, w: &mut impl Write, mac: &mut FrameMac) -> std::io::Result<()> {
+        let (head, payload) = self.buf.split_at(HEADER);
+        let tag = mac
+            .tag(head, payload)
+            .map_err(|e| std::io::Error::other(e.to_string()))?;
+        w.write_all(&self.buf)?;
+        w.write_all(&tag)
+    }
+
+    /// Reads one frame and its tag, checked under `mac`; `Ok(None)` on a
+    /// clean end of stream before a header. A frame whose tag fails is an
+    /// error of kind `PermissionDenied` that says so.
+    pub fn read_sealed(
+        r: &mut impl Read,
+        pool: &Pool,
+        mac: &mut FrameMac,
+    ) -> std::io::Result<Option<Frame>> {
+        let Some(frame) = Frame::read_from(r, pool)? else {
+            return Ok(None);
+        };
+        let mut tag = [0u8; TAG_BYTES];
+        r.read_exact(&mut tag)?;
+        let (head, payload) = frame.buf.split_at(HEADER);
+        mac.check(head, payload, &tag).map_err(|e| {
+            std::io::Error::new(std::io::ErrorKind::PermissionDenied, e.to_string())
+        })?;
+        Ok(Some(frame))
+    }
+
     /// Reads one frame; `Ok(None)` on a clean end of stream before a header.
     pub fn read_from(r: &mut impl Read, pool: &Pool) -> std::io::Result<Option<Frame>> {
         Frame::read_capped(r, pool, MAX_PAYLOAD)
@@ -262,15 +293,20 @@ pub struct RingLinks {
 }
 
 impl RingLinks {
-    /// Starts the reader and writer threads on handshaken streams. `timeout`
-    /// bounds every wait for a frame and every write that makes no progress.
+    /// Starts the reader and writer threads on handshaken streams, each
+    /// with its handshake's keys: frames from the previous rank are checked
+    /// under its connection's, frames to the next tagged under its own.
+    /// `timeout` bounds every wait for a frame and every write that makes
+    /// no progress.
     pub fn start(
         prev: u32,
-        from_prev: TcpStream,
+        (from_prev, from_prev_keys): (TcpStream, FrameKeys),
         next: u32,
-        to_next: TcpStream,
+        (to_next, to_next_keys): (TcpStream, FrameKeys),
         timeout: Duration,
     ) -> Result<RingLinks, CollectiveError> {
+        let mut check = from_prev_keys.recv;
+        let mut seal = to_next_keys.send;
         let pool = Pool::default();
         let lost = |rank: u32| {
             move |e: std::io::Error| CollectiveError::PeerLost {
@@ -293,10 +329,17 @@ impl RingLinks {
             .name(format!("headroom-ring-from-{prev}"))
             .spawn(move || {
                 loop {
-                    let message = match Frame::read_from(&mut reader, &reader_pool) {
+                    let message = match Frame::read_sealed(&mut reader, &reader_pool, &mut check) {
                         Ok(Some(frame)) => Incoming::Frame(frame),
                         Ok(None) => Incoming::Closed,
-                        Err(e) => Incoming::Failed(e),
+                        Err(e) => {
+                            if e.kind() == std::io::ErrorKind::PermissionDenied {
+                                // Nothing more from this connection is
+                                // believed: the previous rank learns at once.
+                                let _ = reader.shutdown(Shutdown::Both);
+                            }
+                            Incoming::Failed(e)
+                        }
                     };
                     let more = matches!(message, Incoming::Frame(_));
                     if incoming.send(message).is_err() || !more {
@@ -317,7 +360,7 @@ impl RingLinks {
                 while let Ok(message) = outgoing.recv() {
                     let result = match message {
                         Outgoing::Frame(frame) => {
-                            let result = frame.write_to(&mut writer);
+                            let result = frame.write_sealed(&mut writer, &mut seal);
                             writer_pool.give(frame.into_buf());
                             match result {
                                 Ok(()) => continue,
@@ -513,5 +556,105 @@ mod tests {
         let mut truncated = bytes.clone();
         truncated.truncate(bytes.len() - 3);
         assert!(Frame::read_from(&mut truncated.as_slice(), &pool).is_err());
+    }
+
+    fn chunk(seq: u64, chunk: u32) -> Header {
+        Header {
+            kind: Kind::Chunk,
+            seq,
+            step: 0,
+            chunk,
+            len: 0,
+        }
+    }
+
+    /// Frames `0..n` of a ring connection as its sender writes them.
+    fn sealed(n: u32) -> Vec<Vec<u8>> {
+        let pool = Pool::default();
+        let mut mac = crate::link_mac::tests::ends().0.send;
+        (0..n)
+            .map(|c| {
+                let payload: Vec<u8> = (0..64).map(|b| b as u8 ^ c as u8).collect();
+                let mut bytes = Vec::new();
+                Frame::with_payload(chunk(1, c), &payload, &pool)
+                    .write_sealed(&mut bytes, &mut mac)
+                    .expect("write");
+                bytes
+            })
+            .collect()
+    }
+
+    /// How many frames the receiving end reads from `bytes`, and whether
+    /// it then refused one for its tag.
+    fn receive(bytes: &[u8]) -> (usize, bool) {
+        let (pool, mut r) = (Pool::default(), bytes);
+        let mut mac = crate::link_mac::tests::ends().1.recv;
+        let mut read = 0;
+        loop {
+            match Frame::read_sealed(&mut r, &pool, &mut mac) {
+                Ok(Some(_)) => read += 1,
+                Ok(None) => return (read, false),
+                Err(e) => {
+                    let tag = e.kind() == std::io::ErrorKind::PermissionDenied
+                        && e.to_string().contains("failed its integrity check");
+                    return (read, tag);
+                }
+            }
+        }
+    }
+
+    /// A flipped bit in the sequence number, step, chunk, payload or tag,
+    /// a replayed frame, a dropped one and two swapped are each refused
+    /// (the magic, kind and length are checked before the tag is read).
+    #[test]
+    fn sealed_frames_refuse_a_flipped_bit_a_replay_a_drop_and_a_reorder() {
+        let wire = sealed(3);
+        assert_eq!(receive(&wire.concat()), (3, false));
+        for bit in 8 * 8..wire[0].len() * 8 {
+            if (24 * 8..28 * 8).contains(&bit) {
+                continue; // the length: a short or long read, not a tag
+            }
+            let mut bytes = wire[0].clone();
+            bytes[bit / 8] ^= 1 << (bit % 8);
+            assert_eq!(receive(&bytes), (0, true), "bit {bit}");
+        }
+        let order = |frames: &[usize]| -> Vec<u8> {
+            frames.iter().flat_map(|&i| wire[i].clone()).collect()
+        };
+        assert_eq!(receive(&order(&[0, 1, 1, 2])), (2, true), "replayed");
+        assert_eq!(receive(&order(&[0, 2])), (1, true), "dropped");
+        assert_eq!(receive(&order(&[1, 0, 2])), (0, true), "reordered");
+    }
+
+    /// A rank whose previous neighbour's frame was altered on the way sees
+    /// that neighbour lost, with the reason, and the connection is closed.
+    #[test]
+    fn a_ring_link_whose_frame_is_altered_on_the_way_ends_as_a_lost_peer() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let address = listener.local_addr().expect("address");
+        let mut prev = TcpStream::connect(address).expect("connect");
+        let (from_prev, _) = listener.accept().expect("accept");
+        let _next = TcpStream::connect(address).expect("connect");
+        let (to_next, _) = listener.accept().expect("accept");
+        let (_, acceptor) = crate::link_mac::tests::ends();
+        let (_, unused) = crate::link_mac::tests::ends();
+        let links = RingLinks::start(
+            1,
+            (from_prev, acceptor),
+            2,
+            (to_next, unused),
+            Duration::from_secs(5),
+        )
+        .expect("links");
+        let mut bytes = sealed(2).concat();
+        bytes[HEADER + 3] ^= 1; // in the first frame's payload
+        prev.write_all(&bytes).expect("send");
+        let err = links.recv(chunk(1, 0)).expect_err("altered");
+        assert!(
+            matches!(&err, CollectiveError::PeerLost { rank: 1, detail }
+                if detail.contains("frame 0 failed its integrity check")),
+            "{err}"
+        );
+        assert!(crate::link_auth::tests::closed(&prev));
     }
 }

@@ -40,6 +40,7 @@ use super::{Links, PipelineError};
 use crate::link_auth::{
     self, AcceptError, Greeting, HandshakeError, Identity, LinkKey, Message, Verdict, Wire,
 };
+use crate::link_mac::FrameKeys;
 use crate::worker_api::{WorkerApi, WorkerApiError};
 
 /// The handshake both ends of a link send.
@@ -311,8 +312,8 @@ pub fn establish(
         ),
         None => None,
     };
-    let link = |peer: u32, s: TcpStream| {
-        Link::start(peer, s, io_timeout).map(|l| Box::new(l) as Box<dyn StageLink>)
+    let link = |peer: u32, (s, keys): (TcpStream, FrameKeys)| {
+        Link::start(peer, s, keys, io_timeout).map(|l| Box::new(l) as Box<dyn StageLink>)
     };
     Ok(Links {
         prev: prev.map(|s| link(me.stage - 1, s)).transpose()?,
@@ -325,7 +326,7 @@ fn accept_prev(
     key: &LinkKey,
     listener: &TcpListener,
     until: Instant,
-) -> Result<TcpStream, PipelineError> {
+) -> Result<(TcpStream, FrameKeys), PipelineError> {
     let want = me.stage - 1;
     let lost = |detail: String| PipelineError::PeerLost {
         stage: want,
@@ -383,7 +384,7 @@ fn connect_next(
     key: &LinkKey,
     peers: &Peers,
     until: Instant,
-) -> Result<TcpStream, PipelineError> {
+) -> Result<(TcpStream, FrameKeys), PipelineError> {
     let want = me.stage + 1;
     let mut last_error = String::from("not tried");
     let mut pause = RETRY;
@@ -392,9 +393,9 @@ fn connect_next(
             Ok(addresses) => {
                 for address in addresses {
                     match handshake(me, key, address, want, until) {
-                        Ok(Some(stream)) => {
+                        Ok(Some(linked)) => {
                             tracing::info!(%address, stage = want, "pipeline: connected to the next stage");
-                            return Ok(stream);
+                            return Ok(linked);
                         }
                         Ok(None) => {
                             last_error = format!("{address} is not stage {want} of this attempt")
@@ -435,7 +436,7 @@ fn handshake(
     address: SocketAddr,
     want: u32,
     until: Instant,
-) -> Result<Option<TcpStream>, Attempt> {
+) -> Result<Option<(TcpStream, FrameKeys)>, Attempt> {
     let retry = |e: std::io::Error| Attempt::Retry(HandshakeError::Io(e));
     let wait = until
         .saturating_duration_since(Instant::now())
@@ -445,11 +446,11 @@ fn handshake(
     // proved it back): only now does its hello count.
     let other = link_auth::connect::<PipelineWire, Hello>(&stream, Instant::now() + wait, key, me)
         .map_err(Attempt::Retry)?;
-    if !me.is_peer(&other, want) {
+    if !me.is_peer(&other.hello, want) {
         return Ok(None);
     }
-    me.agrees(&other).map_err(Attempt::Fatal)?;
-    Ok(Some(stream))
+    me.agrees(&other.hello).map_err(Attempt::Fatal)?;
+    Ok(Some((stream, other.keys)))
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@ use std::time::Duration;
 use burn::tensor::{Device, Tensor, TensorData};
 
 use super::PipelineError;
+use crate::link_mac::{FrameKeys, FrameMac, TAG_BYTES};
 
 const MAGIC: u32 = 0x4844_524d; // "HDRM"
 /// Largest payload accepted (a corrupt header must not allocate the machine away).
@@ -141,16 +142,51 @@ impl Frame {
         ))
     }
 
-    pub fn write_to(&self, w: &mut impl Write) -> std::io::Result<()> {
-        w.write_all(&MAGIC.to_le_bytes())?;
-        w.write_all(&[self.kind as u8, self.dims.len() as u8])?;
-        w.write_all(&self.step.to_le_bytes())?;
-        w.write_all(&self.micro.to_le_bytes())?;
+    /// The header's bytes as they go on the wire (what a frame's MAC
+    /// covers besides the payload): a frame read back gives the same.
+    pub fn head(&self) -> Vec<u8> {
+        let mut head = Vec::with_capacity(22 + 8 * self.dims.len() + 8);
+        head.extend_from_slice(&MAGIC.to_le_bytes());
+        head.extend_from_slice(&[self.kind as u8, self.dims.len() as u8]);
+        head.extend_from_slice(&self.step.to_le_bytes());
+        head.extend_from_slice(&self.micro.to_le_bytes());
         for d in &self.dims {
-            w.write_all(&(*d as u64).to_le_bytes())?;
+            head.extend_from_slice(&(*d as u64).to_le_bytes());
         }
-        w.write_all(&(self.payload.len() as u64).to_le_bytes())?;
+        head.extend_from_slice(&(self.payload.len() as u64).to_le_bytes());
+        head
+    }
+
+    pub fn write_to(&self, w: &mut impl Write) -> std::io::Result<()> {
+        w.write_all(&self.head())?;
         w.write_all(&self.payload)
+    }
+
+    /// Writes the frame and its tag under `mac` ([`crate::link_mac`]).
+    pub fn write_sealed(&self, w: &mut impl Write, mac: &mut FrameMac) -> std::io::Result<()> {
+        let head = self.head();
+        let tag = mac
+            .tag(&head, &self.payload)
+            .map_err(|e| std::io::Error::other(e.to_string()))?;
+        w.write_all(&head)?;
+        w.write_all(&self.payload)?;
+        w.write_all(&tag)
+    }
+
+    /// Reads one frame and its tag, checked under `mac`; `Ok(None)` on a
+    /// clean end of stream before a header. A frame whose tag fails is an
+    /// error of kind `PermissionDenied` that says so.
+    pub fn read_sealed(r: &mut impl Read, mac: &mut FrameMac) -> std::io::Result<Option<Frame>> {
+        let Some(frame) = Frame::read_from(r)? else {
+            return Ok(None);
+        };
+        let mut tag = [0u8; TAG_BYTES];
+        r.read_exact(&mut tag)?;
+        mac.check(&frame.head(), &frame.payload, &tag)
+            .map_err(|e| {
+                std::io::Error::new(std::io::ErrorKind::PermissionDenied, e.to_string())
+            })?;
+        Ok(Some(frame))
     }
 
     /// Reads one frame; `Ok(None)` on a clean end of stream before a header.
@@ -230,13 +266,21 @@ pub struct Link {
     /// The neighbour's stage index.
     pub peer: u32,
     writer: BufWriter<TcpStream>,
+    /// Tags what this end sends.
+    seal: FrameMac,
     inbox: Receiver<Incoming>,
     timeout: Duration,
 }
 
 impl Link {
-    /// Starts the reader thread on an established (handshaken) stream.
-    pub fn start(peer: u32, stream: TcpStream, timeout: Duration) -> Result<Link, PipelineError> {
+    /// Starts the reader thread on an established (handshaken) stream,
+    /// every frame tagged and checked under the handshake's `keys`.
+    pub fn start(
+        peer: u32,
+        stream: TcpStream,
+        keys: FrameKeys,
+        timeout: Duration,
+    ) -> Result<Link, PipelineError> {
         let lost = |e: std::io::Error| PipelineError::PeerLost {
             stage: peer,
             detail: e.to_string(),
@@ -245,12 +289,21 @@ impl Link {
         stream.set_read_timeout(None).map_err(lost)?;
         let reader = stream.try_clone().map_err(lost)?;
         let (tx, inbox) = channel();
+        let FrameKeys { send, mut recv } = keys;
         std::thread::Builder::new()
             .name(format!("headroom-link-{peer}"))
             .spawn(move || {
                 let mut reader = BufReader::with_capacity(1 << 20, reader);
                 loop {
-                    let read = Frame::read_from(&mut reader);
+                    let read = Frame::read_sealed(&mut reader, &mut recv);
+                    if read
+                        .as_ref()
+                        .is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied)
+                    {
+                        // Nothing more from this connection is believed:
+                        // the neighbour learns at once, not at its timeout.
+                        let _ = reader.get_ref().shutdown(std::net::Shutdown::Both);
+                    }
                     let more = matches!(read, Ok(Some(_)));
                     if tx.send(read).is_err() || !more {
                         return;
@@ -261,6 +314,7 @@ impl Link {
         Ok(Link {
             peer,
             writer: BufWriter::with_capacity(1 << 20, stream),
+            seal: send,
             inbox,
             timeout,
         })
@@ -270,7 +324,7 @@ impl Link {
 impl StageLink for Link {
     fn send(&mut self, frame: &Frame) -> Result<(), PipelineError> {
         frame
-            .write_to(&mut self.writer)
+            .write_sealed(&mut self.writer, &mut self.seal)
             .and_then(|()| self.writer.flush())
             .map_err(|e| PipelineError::PeerLost {
                 stage: self.peer,
@@ -400,6 +454,109 @@ mod tests {
         let mut truncated = bytes.clone();
         truncated.truncate(bytes.len() - 3);
         assert!(Frame::read_from(&mut truncated.as_slice()).is_err());
+    }
+
+    fn sealed(frames: &[Frame], mac: &mut FrameMac) -> Vec<Vec<u8>> {
+        frames
+            .iter()
+            .map(|f| {
+                let mut bytes = Vec::new();
+                f.write_sealed(&mut bytes, mac).expect("write");
+                bytes
+            })
+            .collect()
+    }
+
+    /// What the receiving end reads from `bytes`, frame by frame, until
+    /// the stream ends or a frame is refused.
+    fn read_all(bytes: &[u8], mac: &mut FrameMac) -> (usize, Option<std::io::Error>) {
+        let mut r = bytes;
+        let mut read = 0;
+        loop {
+            match Frame::read_sealed(&mut r, mac) {
+                Ok(Some(_)) => read += 1,
+                Ok(None) => return (read, None),
+                Err(e) => return (read, Some(e)),
+            }
+        }
+    }
+
+    fn refused(outcome: (usize, Option<std::io::Error>), good: usize) -> bool {
+        matches!(outcome, (n, Some(e)) if n == good
+            && e.kind() == std::io::ErrorKind::PermissionDenied
+            && e.to_string().contains("failed its integrity check"))
+    }
+
+    /// After the handshake every frame carries a tag over its bytes and its
+    /// place in the stream: a flipped bit (header, payload or tag), a
+    /// replayed frame, a dropped one and two swapped are each refused.
+    #[test]
+    fn sealed_frames_refuse_a_flipped_bit_a_replay_a_drop_and_a_reorder() {
+        let frames: Vec<Frame> = (0..3u32)
+            .map(|i| {
+                Frame::tensor(
+                    Kind::Activation,
+                    5,
+                    i,
+                    Tensor::<2>::ones([2, 3], &Device::flex()),
+                )
+            })
+            .collect();
+        let (mut connector, mut acceptor) = crate::link_mac::tests::ends();
+        let wire = sealed(&frames, &mut connector.send);
+        let all = wire.concat();
+        let (read, error) = read_all(&all, &mut acceptor.recv);
+        assert!(read == 3 && error.is_none(), "{error:?}");
+        // A flip in the header's magic, kind, rank or payload length is
+        // refused as malformed or short before a tag is read; every other
+        // (step, micro-batch, shape, payload, tag) fails the tag.
+        let head = frames[0].head().len();
+        let checked = |bit: usize| (6 * 8..(head - 8) * 8).contains(&bit) || bit >= head * 8;
+        for bit in 0..wire[0].len() * 8 {
+            let mut bytes = wire[0].clone();
+            bytes[bit / 8] ^= 1 << (bit % 8);
+            let outcome = read_all(&bytes, &mut crate::link_mac::tests::ends().1.recv);
+            assert!(outcome.0 == 0 && outcome.1.is_some(), "bit {bit}");
+            assert!(!checked(bit) || refused(outcome, 0), "bit {bit}");
+        }
+        let receive = |order: &[usize]| {
+            let bytes: Vec<u8> = order.iter().flat_map(|&i| wire[i].clone()).collect();
+            read_all(&bytes, &mut crate::link_mac::tests::ends().1.recv)
+        };
+        assert!(refused(receive(&[0, 1, 1, 2]), 2), "replayed");
+        assert!(refused(receive(&[0, 2]), 1), "dropped");
+        assert!(refused(receive(&[1, 0, 2]), 0), "reordered");
+    }
+
+    /// A frame altered on the way ends the link as a lost peer, with the
+    /// reason, and the connection is closed.
+    #[test]
+    fn a_link_whose_frame_is_altered_on_the_way_ends_as_a_lost_peer() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let mut sender =
+            TcpStream::connect(listener.local_addr().expect("address")).expect("connect");
+        let (receiver, _) = listener.accept().expect("accept");
+        let (mut connector, acceptor) = crate::link_mac::tests::ends();
+        let mut link = Link::start(3, receiver, acceptor, Duration::from_secs(5)).expect("link");
+        let frame = Frame::tensor(
+            Kind::Gradient,
+            1,
+            0,
+            Tensor::<1>::ones([4], &Device::flex()),
+        );
+        let mut bytes = sealed(&[frame.clone(), frame], &mut connector.send).concat();
+        let last = bytes.len() - TAG_BYTES - 1;
+        bytes[last] ^= 0x10; // the second frame's last payload byte
+        sender.write_all(&bytes).expect("send");
+        link.recv(Kind::Gradient, 1, 0)
+            .expect("the first frame is intact");
+        let err = link.recv(Kind::Gradient, 1, 0).expect_err("altered");
+        assert!(
+            matches!(&err, PipelineError::PeerLost { stage: 3, detail }
+                if detail.contains("frame 1 failed its integrity check")),
+            "{err}"
+        );
+        assert!(crate::link_auth::tests::closed(&sender));
     }
 
     #[test]

@@ -70,6 +70,23 @@ pub(super) fn step_queued(
     worker_images: &WorkerImages,
     queue: Option<&QueueView>,
 ) -> Decision {
+    step_within(
+        job,
+        pods,
+        now,
+        (worker_images, queue),
+        crate::controller::config::DEFAULT_PLANNING_BUDGET,
+    )
+}
+
+/// [`step_queued`] with planning given `planning_budget`.
+pub(super) fn step_within(
+    job: &mut MemoryAwareTrainingJob,
+    pods: &[Pod],
+    now: Timestamp,
+    (worker_images, queue): (&WorkerImages, Option<&QueueView>),
+    planning_budget: Duration,
+) -> Decision {
     let refs: Vec<&Pod> = pods.iter().collect();
     let inv = Inventory::default();
     let d = decide(&Observation {
@@ -78,6 +95,7 @@ pub(super) fn step_queued(
         inventory: &inv,
         now,
         unschedulable_grace: Duration::from_secs(60),
+        planning_budget,
         default_gpu_host_memory: 16 << 30,
         worker_images,
         queue,

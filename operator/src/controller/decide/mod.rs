@@ -28,7 +28,8 @@ use headroom_api::{
     Recipe, WORKER_MAX_STAGES, WorkerAssignment,
 };
 use headroom_planner::{
-    FailureCause, Inventory, JobRequest, ModelShape, NoFeasiblePlan, Plan, Target, plan, replan,
+    Deadline, FailureCause, Inventory, JobRequest, ModelShape, NoFeasiblePlan, Plan, SearchOptions,
+    Target, plan_with, replan_within,
 };
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Pod;
@@ -118,6 +119,10 @@ pub struct Observation<'a> {
     pub now: Timestamp,
     /// How long a pod may stay unschedulable before the attempt is given up.
     pub unschedulable_grace: Duration,
+    /// How long planning this job may take (the operator's
+    /// `--planning-budget-seconds`): past it the job fails and the
+    /// operator goes on with its other jobs.
+    pub planning_budget: Duration,
     /// Host memory a GPU worker pod gets when its job does not set
     /// `resources.gpu.hostMemory` (the operator's `--gpu-host-memory`), bytes.
     pub default_gpu_host_memory: u64,
@@ -199,7 +204,11 @@ impl Builder<'_> {
             return;
         }
         let Some(current) = self.d.status.attempts.last().cloned() else {
-            return match guarded(|| plan(&request, self.obs.inventory)) {
+            let opts = SearchOptions {
+                deadline: Some(self.deadline()),
+                ..SearchOptions::default()
+            };
+            return match guarded(|| plan_with(&request, self.obs.inventory, &opts)) {
                 Ok(p) => self.start(1, p, None),
                 Err(e) => self.no_plan(e),
             };
@@ -220,10 +229,25 @@ impl Builder<'_> {
         request: &JobRequest,
         cause: &FailureCause,
     ) -> Result<Plan, headroom_planner::NoFeasiblePlan> {
+        let deadline = self.deadline();
         guarded(|| match &self.d.status.plan {
-            Some(current) => replan(request, self.obs.inventory, current, cause),
-            None => plan(request, self.obs.inventory),
+            Some(current) => {
+                replan_within(request, self.obs.inventory, current, cause, Some(deadline))
+            }
+            None => plan_with(
+                request,
+                self.obs.inventory,
+                &SearchOptions {
+                    deadline: Some(deadline),
+                    ..SearchOptions::default()
+                },
+            ),
         })
+    }
+
+    /// When planning that starts now must give up.
+    fn deadline(&self) -> Deadline {
+        Deadline::after(self.obs.planning_budget)
     }
 
     /// Attempt `attempt`'s children must exist.
@@ -377,6 +401,7 @@ fn guarded(
             ),
             details: vec![],
             waits_for: None,
+            out_of_time: None,
         })
     })
 }
@@ -440,6 +465,43 @@ mod tests {
         );
         let mut j = oom_job();
         let d = step(&mut j, &[], t0());
+        assert_eq!(launched(&d), Some(1), "planning goes on");
+    }
+
+    /// A job whose planning runs past the operator's budget fails with a
+    /// reason that names the budget and what to change; the next job is
+    /// planned as usual. (A zero budget has passed when the search first
+    /// looks at the clock, inside its loop: the planner's own tests show
+    /// the same for every replan.)
+    #[test]
+    fn planning_past_its_time_budget_fails_the_job_and_the_operator_goes_on() {
+        use std::time::Duration;
+        let mut slow = oom_job();
+        let d = step_within(
+            &mut slow,
+            &[],
+            t0(),
+            (&WorkerImages::default(), None),
+            Duration::ZERO,
+        );
+        assert_eq!(launched(&d), None);
+        assert_eq!(d.status.phase, Some(JobPhase::Failed));
+        assert!(has_condition(
+            &d.status,
+            ConditionType::Failed,
+            true,
+            Reason::NoFeasiblePlan
+        ));
+        let message = d.status.message.clone().unwrap_or_default();
+        assert!(
+            message.contains("time budget of 0ns")
+                && message.contains("--planning-budget-seconds")
+                && message.contains("planningBudgetSeconds")
+                && message.contains("training.pipelineStages"),
+            "{message}"
+        );
+        let mut next = oom_job();
+        let d = step(&mut next, &[], t0());
         assert_eq!(launched(&d), Some(1), "planning goes on");
     }
 

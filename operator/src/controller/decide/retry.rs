@@ -18,6 +18,18 @@ const MAX_BACKOFF: Duration = Duration::from_secs(3600);
 /// bring it back sooner).
 const CAPACITY_POLL: Duration = Duration::from_secs(30);
 
+/// Why a job whose planning ran past `budget` failed, and what would let
+/// it plan: a narrower search, or a larger budget.
+fn out_of_time(budget: Duration) -> String {
+    format!(
+        "planning this job took longer than the operator's time budget of {budget:?} \
+         (--planning-budget-seconds, the chart's planningBudgetSeconds); narrow the search \
+         (pin training.pipelineStages, training.dataParallelReplicas or training.microBatch, \
+         lower resources.gpu.maxGpus, list fewer resources.gpu.types) or have the operator's \
+         administrator raise the budget"
+    )
+}
+
 impl Builder<'_> {
     /// Records how the running attempt ended, then moves on. `worker`: what
     /// its worker said, when it said anything.
@@ -186,6 +198,9 @@ impl Builder<'_> {
     /// No plan fits now: wait if one fits the cluster once busy devices are
     /// free, else fail with the numbers.
     pub(super) fn no_plan(&mut self, e: headroom_planner::NoFeasiblePlan) {
+        if let Some(budget) = e.out_of_time {
+            return self.fail(Reason::NoFeasiblePlan, out_of_time(budget));
+        }
         match e.waits_for.clone() {
             Some(what) => {
                 let waiting = format!("needs {what}");
