@@ -548,6 +548,18 @@ fn invalid_corpus_cross_field_rules_are_caught_offline_too() {
             "spec.resources.gpu.hostMemory",
         ),
         ("35-host-memory-too-small.yaml", "at least 64Mi"),
+        (
+            "57-steps-and-epochs.yaml",
+            "spec.training: give the run's length",
+        ),
+        (
+            "58-min-learning-rate-above-the-peak.yaml",
+            "spec.training.schedule.minLearningRate: above",
+        ),
+        (
+            "59-epochs-without-data.yaml",
+            "spec.training.epochs: an epoch",
+        ),
         // The CRD's schema, checked offline by a JSON Schema validator.
         (
             "04-zero-layers.yaml",

@@ -157,11 +157,50 @@ impl MemoryAwareTrainingJobSpec {
         &self,
         pretrained: Option<&LlamaShape>,
     ) -> Result<JobRequest, SpecError> {
+        self.check_recipe()?;
         let model = match &self.model.pretrained {
             Some(p) => self.pretrained_model(p, pretrained)?,
             None => self.model_from_scratch()?,
         };
         self.request_for_model(model)
+    }
+
+    /// The recipe's CEL rules (on `training` and the spec), offline.
+    fn check_recipe(&self) -> Result<(), SpecError> {
+        let t = &self.training;
+        if t.steps.is_some() == t.epochs.is_some() {
+            return Err(spec_error(
+                "training",
+                "give the run's length as steps (optimizer steps) or as epochs (passes over spec.data), exactly one of them",
+            ));
+        }
+        if t.epochs.is_some_and(|e| e <= 0.0) {
+            return Err(spec_error(
+                "training.epochs",
+                "must be above 0 (e.g. 3, or 0.5 for half the data)",
+            ));
+        }
+        if let Some(s) = &t.schedule {
+            if s.warmup_steps.is_some() && s.warmup_ratio.is_some() {
+                return Err(spec_error(
+                    "training.schedule",
+                    "warmupSteps and warmupRatio both set; give the warmup in steps or as a share of the run (e.g. warmupRatio: 0.03), not both",
+                ));
+            }
+            if s.min_learning_rate.is_some_and(|m| m > t.learning_rate) {
+                return Err(spec_error(
+                    "training.schedule.minLearningRate",
+                    "above training.learningRate, the peak; the decay ends at the minimum, so set it below the peak (e.g. a tenth of it)",
+                ));
+            }
+        }
+        if t.epochs.is_some() && self.data.is_none() {
+            return Err(spec_error(
+                "training.epochs",
+                "an epoch is a pass over spec.data, and this job has none (the synthetic task never ends); set training.steps instead",
+            ));
+        }
+        Ok(())
     }
 
     /// The shape of a `model.pretrained` job's checkpoint (`read`: from its
