@@ -694,6 +694,7 @@ fn llama_assignment(dir: &Path, steps: u64) -> WorkerAssignment {
         data_format: headroom_api::DataFormat::Jsonl {
             field: "text".into(),
         },
+        train_on: headroom_api::TrainOn::Auto,
         output_dir: dir.join("output").display().to_string(),
         hub_model: None,
     });

@@ -5,6 +5,7 @@ mod common;
 
 use burn::module::Module;
 use burn::tensor::Device;
+use headroom_worker::data::{Samples, TextSamples};
 use headroom_worker::train::Trainer;
 
 use common::tiny_config;
@@ -88,4 +89,82 @@ fn block_checkpointing_gives_the_same_update() {
     for (a, b) in l1.iter().zip(&l2) {
         assert!((a - b).abs() < 1e-5, "losses {l1:?} vs {l2:?}");
     }
+}
+
+/// Progression samples whose targets are masked as a chat's prompts are:
+/// sample i trains on its targets from the (i mod 5)/4-th on, so the
+/// micro-batches of a step hold different numbers of trained targets and
+/// one sample in five none at all.
+fn masked_text(config: &headroom_worker::train::TrainConfig) -> TextSamples {
+    let task = headroom_worker::data::ProgressionTask {
+        seed: 5,
+        vocabulary: config.shape.vocabulary(),
+        sequence_length: config.shape.sequence_length(),
+    };
+    let s = config.shape.sequence_length() as usize;
+    let samples = (0..16)
+        .map(|i| task.sample(i).iter().map(|&t| t as u32).collect())
+        .collect();
+    let masks = (0..16)
+        .map(|i| (0..s).map(|j| j >= (i % 5) * s / 4).collect())
+        .collect();
+    TextSamples::with_masks(samples, Some(masks), config.seed)
+}
+
+fn after_two_masked_steps(
+    micro: u32,
+    accumulation: u32,
+    checkpointing: bool,
+) -> (Vec<f32>, Vec<f64>, f64) {
+    let mut config = tiny_config(micro, accumulation, checkpointing);
+    config.settings.optimizer = headroom_planner::Optimizer::Sgd;
+    config.recipe.learning_rate = 0.5;
+    let text = masked_text(&config);
+    let mut trainer = Trainer::new(config, Device::flex().autodiff()).expect("trainer");
+    // The masked mean over the whole first global batch, before any update.
+    let (tokens, targets) = Samples::Text(text.clone()).batch(0, 4, &Device::flex());
+    let direct = trainer.model().valid().loss(tokens, targets);
+    let direct = f64::from(direct.into_data().iter::<f32>().next().expect("loss"));
+    trainer.use_text(text);
+    let losses = (0..2)
+        .map(|_| trainer.train_step().expect("step").loss.expect("loss"))
+        .collect();
+    (probe(&trainer), losses, direct)
+}
+
+#[test]
+fn masked_targets_are_normalised_over_the_global_batch_whatever_the_accumulation() {
+    let (one_batch, l1, direct) = after_two_masked_steps(4, 1, false);
+    assert!(
+        (l1[0] - direct).abs() < 1e-5,
+        "the step's loss is the masked mean of its batch: {} vs {direct}",
+        l1[0]
+    );
+    for (micro, accumulation, checkpointing) in [(2, 2, false), (1, 4, false), (1, 4, true)] {
+        let (got, l2, _) = after_two_masked_steps(micro, accumulation, checkpointing);
+        let what = format!(
+            "micro {micro} × accumulation {accumulation} (checkpointing {checkpointing}) vs batch 4"
+        );
+        assert_close(&one_batch, &got, &what);
+        for (a, b) in l1.iter().zip(&l2) {
+            assert!((a - b).abs() < 1e-5, "{what}: losses {l1:?} vs {l2:?}");
+        }
+    }
+    // A mean of the micro-batches' means would weigh a target of a
+    // sparsely trained micro-batch more: the fixture's micro-batches differ.
+    let (tokens, targets) = {
+        let config = tiny_config(1, 4, false);
+        Samples::Text(masked_text(&config)).batch(0, 4, &Device::flex())
+    };
+    let trained: Vec<usize> = targets
+        .into_data()
+        .iter::<i64>()
+        .collect::<Vec<_>>()
+        .chunks(tokens.dims()[1])
+        .map(|row| row.iter().filter(|&&t| t >= 0).count())
+        .collect();
+    assert!(
+        trained.iter().min() != trained.iter().max(),
+        "micro-batches with different trained counts: {trained:?}"
+    );
 }
