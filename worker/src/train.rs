@@ -545,6 +545,11 @@ impl Trainer {
             out,
             &base,
         )?;
+        // An adapter directory serves with its base's tokenizer, chat
+        // template and generation config, as TRL's save_model leaves it.
+        if c.layout.first {
+            crate::model::hf::copy_serving_files(&checkpoint.dir, out)?;
+        }
         // Merging a quantized base would write its rounded weights; only a
         // dense base merges into what PEFT's merge_and_unload() gives.
         if !c.settings.base_format.is_quantized() {

@@ -17,7 +17,10 @@ use headroom_worker::chat::Template;
 use headroom_worker::data::IGNORED_TARGET;
 use headroom_worker::model::hf::HfCheckpoint;
 use headroom_worker::model::{LmShape, StageLayout, TransformerLm};
-use headroom_worker::text::{Located, Tokenization, example_of, load_tokenizer};
+use headroom_worker::text::{
+    Format, Located, Tokenization, example_of, load_packed, load_tokenizer, read_documents,
+    read_examples,
+};
 use serde_json::Value;
 
 fn fixture(name: &str) -> PathBuf {
@@ -133,4 +136,176 @@ fn a_masked_loss_equals_transformers() {
         (whole - want).abs() > 100.0 * LOSS_TOLERANCE,
         "the masks change the loss ({whole} unmasked)"
     );
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("headroom-chat-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).expect("tmp");
+    d
+}
+
+/// A checkpoint directory with the fixture tokenizer, `</s>` as its end
+/// of sequence and, where given, a chat template.
+fn model_dir(name: &str, template: Option<&str>) -> PathBuf {
+    let dir = tmp(name);
+    std::fs::copy(fixture("tokenizer.json"), dir.join("tokenizer.json")).expect("tokenizer");
+    std::fs::write(dir.join("config.json"), r#"{"eos_token_id": 2}"#).expect("config");
+    if let Some(t) = template {
+        let source = std::fs::read_to_string(fixture(&format!("templates/{t}.jinja"))).expect("t");
+        let config = serde_json::json!({"eos_token": "<|im_end|>", "chat_template": source});
+        std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).expect("write");
+    }
+    dir
+}
+
+#[test]
+fn parquet_rows_train_as_their_jsonl_lines() {
+    let dir = model_dir("parquet", Some("qwen3"));
+    let parquet = Format::Parquet {
+        field: "text".into(),
+    };
+    let jsonl = Format::Jsonl {
+        field: "text".into(),
+    };
+    let rows = read_examples(&fixture("conversations.parquet"), &parquet).expect("parquet");
+    assert_eq!(rows.len(), 4, "two row groups of two");
+    assert_eq!(rows[3].row, 4);
+    let packed = |data: &str, format: &Format| {
+        load_packed(&dir, &fixture(data), format, TrainOn::Assistant, 16).expect("packed")
+    };
+    let (a, b) = (
+        packed("conversations.parquet", &parquet),
+        packed("conversations.jsonl", &jsonl),
+    );
+    assert_eq!(a, b, "the same samples and masks");
+    assert!(
+        a.masked_targets > 0 && a.masked_targets < a.targets,
+        "{a:?}"
+    );
+    assert_eq!(a.documents, 4);
+    assert!(
+        a.longer_than_sample >= 2,
+        "conversations longer than 17 tokens"
+    );
+    let all = load_packed(
+        &dir,
+        &fixture("conversations.jsonl"),
+        &jsonl,
+        TrainOn::Auto,
+        16,
+    )
+    .expect("packed");
+    assert_eq!(
+        (all.samples, all.masked_targets),
+        (a.samples, 0),
+        "auto trains every token of a conversation"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn several_files_read_as_one_in_name_order() {
+    let dir = tmp("glob");
+    std::fs::write(dir.join("b.jsonl"), "{\"text\": \"second\"}\n").expect("write");
+    std::fs::write(
+        dir.join("a.jsonl"),
+        "{\"text\": \"first\"}\n{\"text\": \"also first\"}\n",
+    )
+    .expect("write");
+    std::fs::write(dir.join("notes.txt"), "not data").expect("write");
+    let format = Format::Jsonl {
+        field: "text".into(),
+    };
+    let docs = read_documents(&dir.join("*.jsonl"), &format).expect("glob");
+    assert_eq!(docs, ["first", "also first", "second"]);
+    let e = read_examples(&dir.join("train-*.parquet"), &format).expect_err("no match");
+    assert!(e.to_string().contains("no file matches"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn rows_that_break_the_format_name_the_file_the_row_and_the_field() {
+    let dir = tmp("bad");
+    let format = Format::Jsonl {
+        field: "text".into(),
+    };
+    let cases = [
+        (
+            "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n{\"messages\": [{\"content\": \"hi\"}]}\n",
+            "d.jsonl:2: `messages[0]` has no `role`",
+        ),
+        (
+            "{\"messages\": [{\"role\": \"user\", \"content\": 3}]}\n",
+            "d.jsonl:1: `messages[0].content` is a number",
+        ),
+        (
+            "{\"prompt\": \"a\", \"completion\": [{\"role\": \"assistant\", \"content\": \"b\"}]}\n",
+            "d.jsonl:1: `prompt` and `completion` must both be strings or both be message lists",
+        ),
+        (
+            "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n{\"text\": \"plain\"}\n",
+            "d.jsonl:2: this row is plain text, but",
+        ),
+        (
+            "{\"body\": \"x\"}\n",
+            "d.jsonl:1: no field `text`, `messages` or `prompt` and `completion` (this row has: body)",
+        ),
+        (
+            "{\"messages\": [], \"x\": 1}\n",
+            "d.jsonl:1: `messages` is empty",
+        ),
+    ];
+    for (text, said) in cases {
+        std::fs::write(dir.join("d.jsonl"), text).expect("write");
+        let e = read_examples(&dir.join("d.jsonl"), &format).expect_err(said);
+        assert!(e.to_string().contains(said), "{e} (expected {said})");
+    }
+    std::fs::copy(fixture("conversations.parquet"), dir.join("p.jsonl")).expect("copy");
+    let e = read_examples(&dir.join("p.jsonl"), &format).expect_err("Parquet as JSONL");
+    assert!(e.to_string().contains("set data.format: parquet"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_conversation_needs_a_template_and_train_on_must_fit_the_data() {
+    let bare = model_dir("bare", None);
+    let jsonl = Format::Jsonl {
+        field: "text".into(),
+    };
+    let e = load_packed(
+        &bare,
+        &fixture("conversations.jsonl"),
+        &jsonl,
+        TrainOn::Auto,
+        8,
+    )
+    .expect_err("no template");
+    assert!(
+        e.contains("conversations.jsonl:1")
+            && e.contains(&bare.display().to_string())
+            && e.contains("no chat template"),
+        "{e}"
+    );
+    let dir = model_dir("fit", Some("qwen3"));
+    let e = load_packed(
+        &dir,
+        &fixture("conversations.jsonl"),
+        &jsonl,
+        TrainOn::Completion,
+        8,
+    )
+    .expect_err("no completion in a conversation");
+    assert!(
+        e.contains("data.trainOn: completion needs prompt/completion rows"),
+        "{e}"
+    );
+    let plain = dir.join("plain.jsonl");
+    std::fs::write(&plain, "{\"text\": \"All men are created equal.\"}\n").expect("write");
+    let e = load_packed(&dir, &plain, &jsonl, TrainOn::Assistant, 4).expect_err("plain text");
+    assert!(
+        e.contains("plain.jsonl:1: data.trainOn: \"assistant\" needs conversations"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&bare);
+    let _ = std::fs::remove_dir_all(&dir);
 }
