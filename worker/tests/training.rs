@@ -5,10 +5,10 @@ mod common;
 
 use burn::module::Module;
 use burn::tensor::Device;
-use headroom_worker::data::{Samples, TextSamples};
+use headroom_worker::data::Samples;
 use headroom_worker::train::Trainer;
 
-use common::tiny_config;
+use common::{masked_text, tiny_config};
 
 #[test]
 fn loss_falls_over_a_short_run() {
@@ -89,26 +89,6 @@ fn block_checkpointing_gives_the_same_update() {
     for (a, b) in l1.iter().zip(&l2) {
         assert!((a - b).abs() < 1e-5, "losses {l1:?} vs {l2:?}");
     }
-}
-
-/// Progression samples whose targets are masked as a chat's prompts are:
-/// sample i trains on its targets from the (i mod 5)/4-th on, so the
-/// micro-batches of a step hold different numbers of trained targets and
-/// one sample in five none at all.
-fn masked_text(config: &headroom_worker::train::TrainConfig) -> TextSamples {
-    let task = headroom_worker::data::ProgressionTask {
-        seed: 5,
-        vocabulary: config.shape.vocabulary(),
-        sequence_length: config.shape.sequence_length(),
-    };
-    let s = config.shape.sequence_length() as usize;
-    let samples = (0..16)
-        .map(|i| task.sample(i).iter().map(|&t| t as u32).collect())
-        .collect();
-    let masks = (0..16)
-        .map(|i| (0..s).map(|j| j >= (i % 5) * s / 4).collect())
-        .collect();
-    TextSamples::with_masks(samples, Some(masks), config.seed)
 }
 
 fn after_two_masked_steps(
