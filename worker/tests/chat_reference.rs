@@ -15,6 +15,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use headroom_api::TrainOn;
 use headroom_worker::chat::Template;
 use headroom_worker::data::IGNORED_TARGET;
+use headroom_worker::initialize::inspect::inspect_data;
 use headroom_worker::model::hf::HfCheckpoint;
 use headroom_worker::model::{LmShape, StageLayout, TransformerLm};
 use headroom_worker::text::{
@@ -307,5 +308,45 @@ fn a_conversation_needs_a_template_and_train_on_must_fit_the_data() {
         "{e}"
     );
     let _ = std::fs::remove_dir_all(&bare);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_initializer_reports_the_masked_share_and_the_long_examples() {
+    let dir = model_dir("facts", Some("qwen3"));
+    let jsonl = headroom_api::DataFormat::Jsonl {
+        field: "text".into(),
+    };
+    let data = fixture("conversations.jsonl");
+    let facts = |train_on| inspect_data(&dir, &data, &jsonl, train_on, 16, 600);
+    let all = facts(TrainOn::Auto).expect("facts");
+    let assistant = facts(TrainOn::Assistant).expect("facts");
+    assert_eq!((all.documents, all.samples), (4, assistant.samples));
+    assert_eq!(all.masked_per_mille, 0);
+    let packed = load_packed(
+        &dir,
+        &data,
+        &Format::Jsonl {
+            field: "text".into(),
+        },
+        TrainOn::Assistant,
+        16,
+    )
+    .expect("packed");
+    let share = (packed.masked_targets * 1000 + packed.targets / 2) / packed.targets;
+    assert_eq!(u64::from(assistant.masked_per_mille), share);
+    assert!(
+        (500..1000).contains(&assistant.masked_per_mille),
+        "system and user turns are most of these conversations: {assistant:?}"
+    );
+    assert_eq!(assistant.longer_than_sample, packed.longer_than_sample);
+    assert!(assistant.longer_than_sample > 0);
+    // A vocabulary the tokenizer exceeds is still caught.
+    let e = inspect_data(&dir, &data, &jsonl, TrainOn::Auto, 16, 100).expect_err("vocabulary");
+    assert!(
+        e.to_string()
+            .contains("beyond config.json's vocab_size 100"),
+        "{e}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
