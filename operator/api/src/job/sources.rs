@@ -143,6 +143,9 @@ pub struct VolumePath {
 #[schemars(extend("x-kubernetes-validations" = [
     {"rule": "has(self.huggingFace) != has(self.volume)",
      "message": "data: set exactly one of huggingFace (repo, file) or volume (claimName, path)"},
+    {"rule": "!(has(self.format) && self.format == 'text' && has(self.trainOn) && (self.trainOn == 'assistant' || self.trainOn == 'completion'))",
+     "fieldPath": ".trainOn",
+     "message": "data.trainOn: assistant and completion need JSONL or Parquet rows (conversations, prompt/completion pairs); a text file is plain text: use trainOn auto or all"},
     {"rule": "self == oldSelf",
      "message": "data is immutable: the initializer has read this text and the job's samples come from it; create a new job for other data"}
 ]))]
@@ -200,7 +203,7 @@ hugging_face_repository! {
         {"rule": "!self.file.startsWith('/') && !self.file.split('/').exists(p, p == '..' || p == '.' || p == '')",
          "message": "data.huggingFace.file is a path inside the repository (e.g. data/train.jsonl), without a leading '/', '.' or '..'"},
         {"rule": "!self.file.endsWith('.arrow')",
-         "message": "data.huggingFace.file must be JSONL (format: jsonl), Parquet (format: parquet) or plain text (format: text); Headroom does not read Arrow files: pick the dataset's Parquet shard"},
+         "message": "data.huggingFace.file: must be JSONL (format: jsonl), Parquet (format: parquet) or plain text (format: text); Headroom does not read Arrow files: pick the dataset's Parquet shard"},
         {"rule": "!has(self.endpoint) || self.endpoint.startsWith('https://') || (has(self.allowInsecureHttp) && self.allowInsecureHttp)",
          "fieldPath": ".endpoint",
          "reason": "FieldValueForbidden",
