@@ -137,8 +137,10 @@ impl Template {
     /// without the generation prompt) that each assistant turn of
     /// `messages` occupies: from the end of the conversation before it
     /// (rendered with the generation prompt) through its content and the
-    /// end of turn after it. An error names the turn the template does not
-    /// render that way.
+    /// end of turn after it (what follows the content both when the turn
+    /// ends the conversation and where it stands: a span may end inside
+    /// the next turn's first token, which the tokenization then leaves
+    /// out). An error names the turn the template does not render that way.
     pub fn assistant_spans(
         &self,
         messages: &[Value],
@@ -167,21 +169,35 @@ impl Template {
                 .ok_or_else(|| {
                     format!("messages[{i}]: the chat template does not render this assistant turn's content as written; train on all tokens (data.trainOn: all)")
                 })?;
-            let end_of_turn = &alone[found + content.len()..];
             let start = prompt.len();
             let at = rendered[start..]
                 .find(content)
                 .map(|k| start + k)
-                .filter(|&k| rendered[k + content.len()..].starts_with(end_of_turn))
                 .ok_or_else(|| {
                     format!("messages[{i}]: the chat template renders this assistant turn differently when the conversation goes on; train on all tokens (data.trainOn: all)")
                 })?;
-            let end = at + content.len() + end_of_turn.len();
+            // The end of turn: what follows the content both when the turn
+            // ends the conversation and here (a template may end the whole
+            // conversation with eos, as Phi-4-mini's does).
+            let end_of_turn = common_prefix_len(
+                &alone[found + content.len()..],
+                &rendered[at + content.len()..],
+            );
+            let end = at + content.len() + end_of_turn;
             spans.push(start..end);
             cursor = end;
         }
         Ok(spans)
     }
+}
+
+/// Bytes at the start of `a` and `b` that are the same characters.
+fn common_prefix_len(a: &str, b: &str) -> usize {
+    a.chars()
+        .zip(b.chars())
+        .take_while(|(x, y)| x == y)
+        .map(|(x, _)| x.len_utf8())
+        .sum()
 }
 
 /// `value[key]`, undefined where it has none.
@@ -421,6 +437,19 @@ mod tests {
         let spans = t.assistant_spans(&messages, &[], &text).expect("spans");
         let parts: Vec<&str> = spans.iter().map(|r| &text[r.clone()]).collect();
         assert_eq!(parts, ["Paris.<|eot_id|>", "Rome.<|eot_id|>"]);
+        // Phi-4-mini ends the conversation with eos, not each turn.
+        let t = Template::new(
+            fixture("phi4mini"),
+            "<|endoftext|>".into(),
+            "<|endoftext|>".into(),
+        )
+        .expect("phi4mini");
+        let text = t.render(&messages, &[], false).expect("render");
+        let spans = t.assistant_spans(&messages, &[], &text).expect("spans");
+        let parts: Vec<&str> = spans.iter().map(|r| &text[r.clone()]).collect();
+        // The first reply's span ends inside the next turn's `<|user|>`:
+        // the tokenizer's offsets leave that token out (tests/chat_reference.rs).
+        assert_eq!(parts, ["Paris.<|end|><|", " Rome. <|end|><|endoftext|>"]);
     }
 
     #[test]

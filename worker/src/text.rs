@@ -566,8 +566,11 @@ impl Tokenization<'_> {
                 let spans = template
                     .assistant_spans(messages, extra, &text)
                     .map_err(at)?;
-                // A token is the assistant's when it starts inside a span
-                // (offsets in characters; the spans are byte ranges).
+                // A token is the assistant's when it lies inside a span:
+                // it starts there and does not run past its end (a span
+                // may end inside the next turn's first token, where the
+                // text after a reply and a turn's header start alike).
+                // Offsets are in characters; the spans are byte ranges.
                 let chars: Vec<usize> = spans
                     .iter()
                     .flat_map(|r| {
@@ -581,8 +584,11 @@ impl Tokenization<'_> {
                     .get_offsets()
                     .iter()
                     .enumerate()
-                    .map(|(i, &(start, _))| {
-                        i >= from && chars.chunks(2).any(|r| (r[0]..r[1]).contains(&start))
+                    .map(|(i, &(start, end))| {
+                        i >= from
+                            && chars
+                                .chunks(2)
+                                .any(|r| (r[0]..r[1]).contains(&start) && end <= r[1])
                     })
                     .collect()
             }

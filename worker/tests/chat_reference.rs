@@ -350,3 +350,41 @@ fn the_initializer_reports_the_masked_share_and_the_long_examples() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Phi-4-mini ends each turn with `<|end|>` and the conversation with
+/// eos: an assistant turn's tokens end with its `<|end|>` (and the last
+/// with the eos), never with the next turn's `<|user|>`.
+#[test]
+fn assistant_tokens_end_at_the_end_of_their_turn() {
+    let tokenizer = load_tokenizer(&fixture("tokenizer.json")).expect("tokenizer");
+    let source = std::fs::read_to_string(fixture("templates/phi4mini.jinja")).expect("template");
+    let template =
+        Template::new(source, "<|endoftext|>".into(), "<|endoftext|>".into()).expect("template");
+    let row = r#"{"messages": [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And Italy?"}, {"role": "assistant", "content": "Rome."}]}"#;
+    let located = Located {
+        example: example_of(row, "text").expect("row"),
+        path: Arc::from(Path::new("row")),
+        row: 1,
+    };
+    let how = Tokenization {
+        tokenizer: &tokenizer,
+        template: Some(&template),
+        eos: tokenizer.token_to_id("<|endoftext|>").expect("eos"),
+        train_on: TrainOn::Assistant,
+        model_dir: Path::new("fixture"),
+    };
+    let got = how.tokenize(&located).expect("tokenize");
+    let runs: Vec<String> = got
+        .ids
+        .iter()
+        .zip(&got.trained)
+        .collect::<Vec<_>>()
+        .chunk_by(|a, b| a.1 == b.1)
+        .filter(|run| *run[0].1)
+        .map(|run| {
+            let ids: Vec<u32> = run.iter().map(|(id, _)| **id).collect();
+            tokenizer.decode(&ids, false).expect("decode")
+        })
+        .collect();
+    assert_eq!(runs, ["Paris.<|end|>", "Rome.<|end|><|endoftext|>"]);
+}
