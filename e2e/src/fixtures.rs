@@ -46,6 +46,8 @@ pub fn tiny_llama_report(sequence_length: u32) -> String {
             documents: 4,
             tokens: 1_000,
             samples: 15,
+            masked_per_mille: 0,
+            longer_than_sample: 0,
         },
         downloaded_bytes: 0,
     })

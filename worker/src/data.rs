@@ -82,14 +82,33 @@ impl ProgressionTask {
 #[derive(Clone, Debug)]
 pub struct TextSamples {
     samples: Vec<Vec<u32>>,
+    /// Per sample, whether each target is trained ([`crate::text::Packed::trained`]);
+    /// `None` when every target is.
+    trained: Option<Vec<Vec<bool>>>,
     seed: u64,
 }
+
+/// A target the loss skips, as Hugging Face's labels write it
+/// (`ignore_index` of PyTorch's cross-entropy).
+pub const IGNORED_TARGET: i64 = -100;
 
 impl TextSamples {
     /// `samples` as [`crate::text::pack`] made them (at least one).
     pub fn new(samples: Vec<Vec<u32>>, seed: u64) -> Self {
+        TextSamples::with_masks(samples, None, seed)
+    }
+
+    /// `samples` with their targets' masks, as [`crate::text::pack_tokenized`] made them.
+    pub fn with_masks(samples: Vec<Vec<u32>>, trained: Option<Vec<Vec<bool>>>, seed: u64) -> Self {
         assert!(!samples.is_empty(), "packing yields at least one sample");
-        TextSamples { samples, seed }
+        if let Some(t) = &trained {
+            assert_eq!(t.len(), samples.len(), "a mask per sample");
+        }
+        TextSamples {
+            samples,
+            trained,
+            seed,
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -112,30 +131,55 @@ impl TextSamples {
             held[i] = true;
         }
         let (mut trained, mut evaluated) = (Vec::new(), Vec::new());
-        for (sample, held) in self.samples.into_iter().zip(held) {
+        let (mut trained_masks, mut evaluated_masks) = (Vec::new(), Vec::new());
+        let masks = self
+            .trained
+            .map(|m| m.into_iter().map(Some).collect::<Vec<_>>());
+        let masks = masks.unwrap_or_else(|| vec![None; self.samples.len()]);
+        for ((sample, mask), held) in self.samples.into_iter().zip(masks).zip(held) {
             if held {
                 evaluated.push(sample);
+                evaluated_masks.extend(mask);
             } else {
                 trained.push(sample);
+                trained_masks.extend(mask);
             }
         }
+        let some = |m: Vec<Vec<bool>>| (!m.is_empty()).then_some(m);
         (
-            TextSamples::new(trained, self.seed),
-            TextSamples::new(evaluated, self.seed),
+            TextSamples::with_masks(trained, some(trained_masks), self.seed),
+            TextSamples::with_masks(evaluated, some(evaluated_masks), self.seed),
         )
     }
 
-    /// Sample `index` of the run.
-    pub fn sample(&self, index: u64) -> Vec<i64> {
+    /// Which packed sample sample `index` of the run is.
+    fn pick(&self, index: u64) -> usize {
         let n = self.samples.len() as u64;
         let (epoch, within) = (index / n, index % n);
         // One permutation per epoch; recomputing it per sample is O(n) but n
         // is the number of packed samples of one job, and a step asks for G.
         let order = crate::text::shuffled(n as usize, splitmix(self.seed ^ splitmix(epoch)));
-        self.samples[order[within as usize]]
+        order[within as usize]
+    }
+
+    /// Sample `index` of the run.
+    pub fn sample(&self, index: u64) -> Vec<i64> {
+        self.samples[self.pick(index)]
             .iter()
             .map(|&t| i64::from(t))
             .collect()
+    }
+
+    /// Sample `index`'s tokens and, where some targets are masked, which are trained.
+    fn sample_masked(&self, index: u64) -> (Vec<i64>, Option<&[bool]>) {
+        let k = self.pick(index);
+        let tokens = self.samples[k].iter().map(|&t| i64::from(t)).collect();
+        (tokens, self.trained.as_ref().map(|m| m[k].as_slice()))
+    }
+
+    /// Whether some targets are masked.
+    pub fn is_masked(&self) -> bool {
+        self.trained.is_some()
     }
 }
 
@@ -147,11 +191,25 @@ pub enum Samples {
 }
 
 impl Samples {
-    fn sample(&self, index: u64) -> Vec<i64> {
+    fn sample(&self, index: u64) -> (Vec<i64>, Option<&[bool]>) {
         match self {
-            Samples::Progression(t) => t.sample(index),
-            Samples::Text(t) => t.sample(index),
+            Samples::Progression(t) => (t.sample(index), None),
+            Samples::Text(t) => t.sample_masked(index),
         }
+    }
+
+    /// The trained targets of samples `first .. first + count`; `None`
+    /// when no target of the data is masked (then every one is trained).
+    pub fn trained_targets(&self, first: u64, count: u64) -> Option<u64> {
+        let Samples::Text(t) = self else {
+            return None;
+        };
+        let masks = t.trained.as_ref()?;
+        Some(
+            (first..first + count)
+                .map(|i| masks[t.pick(i)].iter().filter(|&&m| m).count() as u64)
+                .sum(),
+        )
     }
 
     /// Inputs and targets ([samples, seq] each) for samples `first .. first + count`.
@@ -166,10 +224,18 @@ impl Samples {
         let mut targets = Vec::new();
         let mut s = 0;
         for i in 0..u64::from(count) {
-            let sample = self.sample(first + i);
+            let (sample, trained) = self.sample(first + i);
             s = sample.len() - 1;
             inputs.extend_from_slice(&sample[..s]);
-            targets.extend_from_slice(&sample[1..]);
+            match trained {
+                Some(trained) => targets.extend(
+                    sample[1..]
+                        .iter()
+                        .zip(trained)
+                        .map(|(&t, &on)| if on { t } else { IGNORED_TARGET }),
+                ),
+                None => targets.extend_from_slice(&sample[1..]),
+            }
         }
         (
             Tensor::from_data(TensorData::new(inputs, [n, s]), device),

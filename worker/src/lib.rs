@@ -41,6 +41,7 @@
 //! replica went away exits with `PEER_LOST`.
 
 pub mod assignment;
+pub mod chat;
 pub mod checkpoint;
 pub mod collective;
 pub mod data;

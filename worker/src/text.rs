@@ -10,14 +10,23 @@
 //! [`crate::data::TextSamples`] turns the packed samples into training batches.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
+use headroom_api::TrainOn;
+use minijinja::Value;
+use minijinja::value::ValueKind;
 use tokenizers::Tokenizer;
 
-/// How a data file holds its documents.
+use crate::chat::{Template, attr, ordered_json};
+
+/// How a data file holds its examples.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Format {
-    /// One JSON object a line; the document is the string under `field`.
+    /// One JSON object a line (see [`Example`] for what a row may be);
+    /// plain text is the string under `field`.
     Jsonl { field: String },
+    /// Parquet: each row read as a JSONL line's object.
+    Parquet { field: String },
     /// The whole file is one document.
     PlainText,
 }
@@ -26,6 +35,9 @@ impl From<&headroom_api::DataFormat> for Format {
     fn from(format: &headroom_api::DataFormat) -> Self {
         match format {
             headroom_api::DataFormat::Jsonl { field } => Format::Jsonl {
+                field: field.clone(),
+            },
+            headroom_api::DataFormat::Parquet { field } => Format::Parquet {
                 field: field.clone(),
             },
             headroom_api::DataFormat::Text => Format::PlainText,
@@ -48,6 +60,8 @@ pub enum TextError {
         line: usize,
         problem: String,
     },
+    #[error("{path}: {problem}")]
+    File { path: PathBuf, problem: String },
     #[error("tokenizer {path}: {problem}")]
     Tokenizer { path: PathBuf, problem: String },
     #[error(
@@ -56,17 +70,110 @@ pub enum TextError {
     TooShort { tokens: usize, needed: usize },
 }
 
-/// The documents of one data file.
-pub fn read_documents(path: &Path, format: &Format) -> Result<Vec<String>, TextError> {
-    let text = std::fs::read_to_string(path).map_err(|source| TextError::Read {
+/// One training example, as a row (or a plain-text file) gives it.
+#[derive(Clone, Debug)]
+pub enum Example {
+    /// Plain text: a `text` file, or a row's string under the format's field.
+    Text(String),
+    /// `prompt` and `completion` strings.
+    Prompted { prompt: String, completion: String },
+    /// `messages` (a list of `{role, content, …}`), or a conversational
+    /// prompt/completion pair joined into one conversation whose messages
+    /// from `completion_from` on are the completion. `extra` is what TRL
+    /// hands the chat template besides the messages: the row's `tools`
+    /// (a list, or a JSON string of one) and the entries of its
+    /// `chat_template_kwargs` (e.g. `enable_thinking`).
+    Chat {
+        messages: Vec<Value>,
+        completion_from: Option<usize>,
+        extra: Vec<(String, Value)>,
+    },
+}
+
+/// An example and where it is: the file and its 1-based row (line).
+#[derive(Clone, Debug)]
+pub struct Located {
+    pub example: Example,
+    pub path: Arc<Path>,
+    pub row: usize,
+}
+
+impl Located {
+    fn error(&self, problem: String) -> TextError {
+        TextError::Line {
+            path: self.path.to_path_buf(),
+            line: self.row,
+            problem,
+        }
+    }
+}
+
+/// The files `pattern` names: itself, or where it holds `*`, `?` or `[`,
+/// the files matching it as a glob, in name order (at least one).
+pub fn data_files(pattern: &Path) -> Result<Vec<PathBuf>, TextError> {
+    let text = pattern.to_string_lossy();
+    if !text.contains(['*', '?', '[']) {
+        return Ok(vec![pattern.to_path_buf()]);
+    }
+    let bad = |problem: String| TextError::File {
+        path: pattern.to_path_buf(),
+        problem,
+    };
+    let mut files: Vec<PathBuf> = glob::glob(&text)
+        .map_err(|e| bad(format!("not a glob pattern: {e}")))?
+        .filter_map(Result::ok)
+        .filter(|p| p.is_file())
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(bad(
+            "no file matches this pattern; check data.volume.path (e.g. data/train-*.parquet)"
+                .into(),
+        ));
+    }
+    Ok(files)
+}
+
+/// Every example of the data at `pattern` (a file or a glob), in file and row order.
+pub fn read_examples(pattern: &Path, format: &Format) -> Result<Vec<Located>, TextError> {
+    let mut examples = Vec::new();
+    for path in data_files(pattern)? {
+        let path: Arc<Path> = Arc::from(path.as_path());
+        match format {
+            Format::PlainText => {
+                let text = std::fs::read_to_string(&path).map_err(|source| TextError::Read {
+                    path: path.to_path_buf(),
+                    source,
+                })?;
+                examples.push(Located {
+                    example: Example::Text(text),
+                    path,
+                    row: 1,
+                });
+            }
+            Format::Jsonl { field } => read_jsonl(&path, field, &mut examples)?,
+            Format::Parquet { field } => read_parquet(&path, field, &mut examples)?,
+        }
+    }
+    check_one_kind(&examples)?;
+    Ok(examples)
+}
+
+fn read_jsonl(path: &Arc<Path>, field: &str, into: &mut Vec<Located>) -> Result<(), TextError> {
+    let bytes = std::fs::read(path).map_err(|source| TextError::Read {
         path: path.to_path_buf(),
         source,
     })?;
-    let field = match format {
-        Format::PlainText => return Ok(vec![text]),
-        Format::Jsonl { field } => field,
-    };
-    let mut docs = Vec::new();
+    if bytes.starts_with(b"PAR1") {
+        return Err(TextError::File {
+            path: path.to_path_buf(),
+            problem: "a Parquet file, read as JSONL: set data.format: parquet".into(),
+        });
+    }
+    let text = String::from_utf8(bytes).map_err(|e| TextError::File {
+        path: path.to_path_buf(),
+        problem: format!("not UTF-8 text: {e}"),
+    })?;
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
@@ -76,24 +183,239 @@ pub fn read_documents(path: &Path, format: &Format) -> Result<Vec<String>, TextE
             line: i + 1,
             problem,
         };
-        let value: serde_json::Value =
-            serde_json::from_str(line).map_err(|e| at(format!("not a JSON object: {e}")))?;
-        let object = value
-            .as_object()
-            .ok_or_else(|| at("not a JSON object".into()))?;
-        match object.get(field) {
-            Some(serde_json::Value::String(s)) => docs.push(s.clone()),
-            Some(other) => return Err(at(format!("field `{field}` is not a string: {other}"))),
-            None => {
-                let keys: Vec<&str> = object.keys().map(String::as_str).collect();
-                return Err(at(format!(
-                    "no field `{field}` (this line has: {}); set the data's field name",
-                    keys.join(", ")
-                )));
+        into.push(Located {
+            example: example_of(line, field).map_err(at)?,
+            path: path.clone(),
+            row: i + 1,
+        });
+    }
+    Ok(())
+}
+
+fn read_parquet(path: &Arc<Path>, field: &str, into: &mut Vec<Located>) -> Result<(), TextError> {
+    let file = std::fs::File::open(path).map_err(|source| TextError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let bad = |problem: String| TextError::File {
+        path: path.to_path_buf(),
+        problem,
+    };
+    let reader = parquet::file::serialized_reader::SerializedFileReader::new(file)
+        .map_err(|e| bad(format!("not a Parquet file Headroom reads: {e}")))?;
+    for (i, row) in reader.into_iter().enumerate() {
+        let row = row.map_err(|e| bad(format!("row {}: {e}", i + 1)))?;
+        let at = |problem: String| TextError::Line {
+            path: path.to_path_buf(),
+            line: i + 1,
+            problem: format!("row {}: {problem}", i + 1),
+        };
+        // Parquet's record API gives JSON objects with their keys sorted.
+        let json = row.to_json_value().to_string();
+        into.push(Located {
+            example: example_of(&json, field).map_err(at)?,
+            path: path.clone(),
+            row: i + 1,
+        });
+    }
+    Ok(())
+}
+
+/// A row's example, from the row as JSON text: `messages` makes a
+/// conversation, `prompt` and `completion` a prompt/completion pair, else
+/// the string under `field`. An error names the field at fault.
+pub fn example_of(row: &str, field: &str) -> Result<Example, String> {
+    let row = ordered_json(row).map_err(|e| format!("not a JSON object: {e}"))?;
+    if row.kind() != ValueKind::Map {
+        return Err("not a JSON object".into());
+    }
+    let get = |k: &str| Some(attr(&row, k)).filter(|v| !v.is_undefined());
+    if let Some(messages) = get("messages") {
+        return Ok(Example::Chat {
+            messages: message_list(&messages, "messages")?,
+            completion_from: None,
+            extra: template_context(&row)?,
+        });
+    }
+    if let (Some(prompt), Some(completion)) = (get("prompt"), get("completion")) {
+        return match (prompt.kind(), completion.kind()) {
+            (ValueKind::String, ValueKind::String) => Ok(Example::Prompted {
+                prompt: prompt.to_string(),
+                completion: completion.to_string(),
+            }),
+            (ValueKind::Seq, ValueKind::Seq) => {
+                let mut messages = message_list(&prompt, "prompt")?;
+                let completion_from = messages.len();
+                messages.extend(message_list(&completion, "completion")?);
+                Ok(Example::Chat {
+                    messages,
+                    completion_from: Some(completion_from),
+                    extra: template_context(&row)?,
+                })
+            }
+            _ => Err(format!(
+                "`prompt` and `completion` must both be strings or both be message lists (here {} and {})",
+                kind_of(&prompt),
+                kind_of(&completion)
+            )),
+        };
+    }
+    match get(field) {
+        Some(text) if text.kind() == ValueKind::String => Ok(Example::Text(text.to_string())),
+        Some(other) => Err(format!("field `{field}` is not a string: {other}")),
+        None => {
+            let keys: Vec<String> = row
+                .try_iter()
+                .map(|k| k.map(|k| k.to_string()).collect())
+                .unwrap_or_default();
+            Err(format!(
+                "no field `{field}`, `messages` or `prompt` and `completion` (this row has: {}); set data.field to the text's field",
+                keys.join(", ")
+            ))
+        }
+    }
+}
+
+/// What the chat template sees of a row besides its messages, as TRL
+/// passes it: `tools` (a list, or a JSON string of one) and the entries
+/// of `chat_template_kwargs`.
+fn template_context(row: &Value) -> Result<Vec<(String, Value)>, String> {
+    let mut context = Vec::new();
+    let tools = attr(row, "tools");
+    match tools.kind() {
+        ValueKind::Undefined | ValueKind::None => {}
+        ValueKind::String => {
+            let parsed = ordered_json(tools.as_str().unwrap_or_default())
+                .map_err(|e| format!("`tools` is a string but not JSON: {e}"))?;
+            context.push(("tools".to_owned(), parsed));
+        }
+        ValueKind::Seq => context.push(("tools".to_owned(), tools)),
+        _ => return Err(format!("`tools` is {}, not a list", kind_of(&tools))),
+    }
+    let kwargs = attr(row, "chat_template_kwargs");
+    match kwargs.kind() {
+        ValueKind::Undefined | ValueKind::None => {}
+        ValueKind::Map => {
+            for key in kwargs.try_iter().map_err(|e| e.to_string())? {
+                let value = kwargs.get_item(&key).map_err(|e| e.to_string())?;
+                context.push((key.to_string(), value));
+            }
+        }
+        _ => {
+            return Err(format!(
+                "`chat_template_kwargs` is {}, not an object",
+                kind_of(&kwargs)
+            ));
+        }
+    }
+    Ok(context)
+}
+
+fn kind_of(v: &Value) -> &'static str {
+    match v.kind() {
+        ValueKind::Undefined | ValueKind::None => "null",
+        ValueKind::Bool => "a boolean",
+        ValueKind::Number => "a number",
+        ValueKind::String => "a string",
+        ValueKind::Seq => "a list",
+        ValueKind::Map => "an object",
+        _ => "a value",
+    }
+}
+
+/// A list of `{role, content}` objects under `name`.
+fn message_list(value: &Value, name: &str) -> Result<Vec<Value>, String> {
+    if value.kind() != ValueKind::Seq {
+        return Err(format!(
+            "`{name}` is {}, not a list of {{role, content}}",
+            kind_of(value)
+        ));
+    }
+    let messages: Vec<Value> = value.try_iter().map_err(|e| e.to_string())?.collect();
+    if messages.is_empty() {
+        return Err(format!("`{name}` is empty"));
+    }
+    for (k, m) in messages.iter().enumerate() {
+        if m.kind() != ValueKind::Map {
+            return Err(format!(
+                "`{name}[{k}]` is {}, not {{role, content}}",
+                kind_of(m)
+            ));
+        }
+        let role = attr(m, "role");
+        match role.kind() {
+            ValueKind::String => {}
+            ValueKind::Undefined => {
+                return Err(format!(
+                    "`{name}[{k}]` has no `role` (each message is {{role, content}})"
+                ));
+            }
+            _ => {
+                return Err(format!(
+                    "`{name}[{k}].role` is {}, not a string",
+                    kind_of(&role)
+                ));
+            }
+        }
+        let content = attr(m, "content");
+        match content.kind() {
+            ValueKind::String | ValueKind::Seq | ValueKind::None => {}
+            // A tool-calling assistant turn may have no content.
+            ValueKind::Undefined if !attr(m, "tool_calls").is_undefined() => {}
+            ValueKind::Undefined => return Err(format!("`{name}[{k}]` has no `content`")),
+            _ => {
+                return Err(format!(
+                    "`{name}[{k}].content` is {}, not a string",
+                    kind_of(&content)
+                ));
             }
         }
     }
-    Ok(docs)
+    Ok(messages)
+}
+
+fn kind_name(e: &Example) -> &'static str {
+    match e {
+        Example::Text(_) => "plain text",
+        Example::Prompted { .. } => "prompt/completion strings",
+        Example::Chat {
+            completion_from: Some(_),
+            ..
+        } => "prompt/completion message lists",
+        Example::Chat { .. } => "a conversation (`messages`)",
+    }
+}
+
+/// Every example of one kind, as TRL requires of a dataset.
+fn check_one_kind(examples: &[Located]) -> Result<(), TextError> {
+    let Some(first) = examples.first() else {
+        return Ok(());
+    };
+    let kind = kind_name(&first.example);
+    match examples.iter().find(|e| kind_name(&e.example) != kind) {
+        Some(other) => Err(other.error(format!(
+            "this row is {}, but {}:{} is {kind}: every row of the data must be of one kind",
+            kind_name(&other.example),
+            first.path.display(),
+            first.row
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// The documents of one plain-text data file (a plain file, or the text
+/// field of JSONL rows).
+pub fn read_documents(path: &Path, format: &Format) -> Result<Vec<String>, TextError> {
+    read_examples(path, format)?
+        .into_iter()
+        .map(|e| match &e.example {
+            Example::Text(s) => Ok(s.clone()),
+            other => Err(e.error(format!(
+                "{} where plain text was expected",
+                kind_name(other)
+            ))),
+        })
+        .collect()
 }
 
 /// Loads a `tokenizer.json` (no network).
@@ -104,6 +426,177 @@ pub fn load_tokenizer(path: &Path) -> Result<Tokenizer, TextError> {
     })
 }
 
+/// The tokenizer, chat template and end-of-sequence token an example is
+/// tokenized with.
+#[derive(Debug)]
+pub struct Tokenization<'a> {
+    pub tokenizer: &'a Tokenizer,
+    pub template: Option<&'a Template>,
+    pub eos: u32,
+    pub train_on: TrainOn,
+    /// Where the template should have come from, for errors.
+    pub model_dir: &'a Path,
+}
+
+/// An example's tokens and, for each, whether the loss is computed on
+/// predicting it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Tokenized {
+    pub ids: Vec<u32>,
+    pub trained: Vec<bool>,
+}
+
+/// Leading tokens `a` and `b` have in common (TRL's `common_prefix_length`).
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+fn encode(tk: &Tokenizer, text: &str, special: bool) -> Result<tokenizers::Encoding, String> {
+    tk.encode_char_offsets(text, special)
+        .map_err(|e| format!("the tokenizer failed: {e}"))
+}
+
+impl Tokenization<'_> {
+    /// `example` as training sees it: plain text as today (no special
+    /// tokens, then `eos`, all trained); prompt/completion strings as TRL
+    /// tokenizes them (the tokenizer's special tokens, the completion
+    /// ending in the eos token); conversations rendered with the chat
+    /// template and tokenized without special tokens (as
+    /// `apply_chat_template` does), nothing appended.
+    pub fn tokenize(&self, located: &Located) -> Result<Tokenized, TextError> {
+        let at = |problem: String| located.error(problem);
+        let train_on = self.train_on;
+        let wrong = |what: &str| {
+            at(format!(
+                "data.trainOn: {} needs {what}; this data is {}: use trainOn: auto or all",
+                serde_json::to_string(&train_on).unwrap_or_default(),
+                kind_name(&located.example)
+            ))
+        };
+        match &located.example {
+            Example::Text(text) => {
+                if matches!(train_on, TrainOn::Assistant) {
+                    return Err(wrong("conversations (`messages`)"));
+                }
+                if matches!(train_on, TrainOn::Completion) {
+                    return Err(wrong("prompt/completion rows"));
+                }
+                let mut ids = encode(self.tokenizer, text, false)
+                    .map_err(at)?
+                    .get_ids()
+                    .to_vec();
+                ids.push(self.eos);
+                let trained = vec![true; ids.len()];
+                Ok(Tokenized { ids, trained })
+            }
+            Example::Prompted { prompt, completion } => {
+                if matches!(train_on, TrainOn::Assistant) {
+                    return Err(wrong("conversations (`messages` or message lists)"));
+                }
+                let eos = self.tokenizer.id_to_token(self.eos).unwrap_or_default();
+                let mut completion = completion.clone();
+                if !completion.ends_with(&eos) {
+                    completion.push_str(&eos);
+                }
+                let prompt_ids = encode(self.tokenizer, prompt, true).map_err(at)?;
+                let ids = encode(self.tokenizer, &format!("{prompt}{completion}"), true)
+                    .map_err(at)?
+                    .get_ids()
+                    .to_vec();
+                let from = common_prefix(prompt_ids.get_ids(), &ids);
+                let all = matches!(train_on, TrainOn::All);
+                let trained = (0..ids.len()).map(|i| all || i >= from).collect();
+                Ok(Tokenized { ids, trained })
+            }
+            Example::Chat {
+                messages,
+                completion_from,
+                extra,
+            } => self.tokenize_chat(located, messages, *completion_from, extra),
+        }
+    }
+
+    fn tokenize_chat(
+        &self,
+        located: &Located,
+        messages: &[Value],
+        completion_from: Option<usize>,
+        extra: &[(String, Value)],
+    ) -> Result<Tokenized, TextError> {
+        let at = |problem: String| located.error(problem);
+        let template = self.template.ok_or_else(|| {
+            at(format!(
+                "a conversation, but the checkpoint {} has no chat template (tokenizer_config.json chat_template or chat_template.jinja): use a chat model, add its template, or give plain text",
+                self.model_dir.display()
+            ))
+        })?;
+        let text = template.render(messages, extra, false).map_err(at)?;
+        let encoding = encode(self.tokenizer, &text, false).map_err(at)?;
+        let ids = encoding.get_ids().to_vec();
+        let trained = match (self.train_on, completion_from) {
+            (TrainOn::All, _) | (TrainOn::Auto, None) => vec![true; ids.len()],
+            (TrainOn::Completion, None) => {
+                return Err(at(
+                    "data.trainOn: completion needs prompt/completion rows; this row is a conversation (`messages`): use trainOn: assistant, auto or all".into(),
+                ));
+            }
+            (TrainOn::Auto | TrainOn::Completion, Some(from)) => {
+                // As TRL: the completion starts where the prompt (rendered
+                // with the generation prompt) and the whole diverge.
+                let prompt = template
+                    .render(&messages[..from], extra, true)
+                    .map_err(at)?;
+                let prompt = encode(self.tokenizer, &prompt, false).map_err(at)?;
+                let n = common_prefix(prompt.get_ids(), &ids);
+                (0..ids.len()).map(|i| i >= n).collect()
+            }
+            (TrainOn::Assistant, from) => {
+                // With a prompt/completion pair TRL also masks the prompt
+                // (its completion mask applies with the assistant mask).
+                let from = match from {
+                    Some(from) => {
+                        let prompt = template
+                            .render(&messages[..from], extra, true)
+                            .map_err(at)?;
+                        let prompt = encode(self.tokenizer, &prompt, false).map_err(at)?;
+                        common_prefix(prompt.get_ids(), &ids)
+                    }
+                    None => 0,
+                };
+                let spans = template
+                    .assistant_spans(messages, extra, &text)
+                    .map_err(at)?;
+                // A token is the assistant's when it lies inside a span:
+                // it starts there and does not run past its end (a span
+                // may end inside the next turn's first token, where the
+                // text after a reply and a turn's header start alike).
+                // Offsets are in characters; the spans are byte ranges.
+                let chars: Vec<usize> = spans
+                    .iter()
+                    .flat_map(|r| {
+                        [
+                            text[..r.start].chars().count(),
+                            text[..r.end].chars().count(),
+                        ]
+                    })
+                    .collect();
+                encoding
+                    .get_offsets()
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &(start, end))| {
+                        i >= from
+                            && chars
+                                .chunks(2)
+                                .any(|r| (r[0]..r[1]).contains(&start) && end <= r[1])
+                    })
+                    .collect()
+            }
+        };
+        Ok(Tokenized { ids, trained })
+    }
+}
+
 /// What packing produced.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Packed {
@@ -112,6 +605,15 @@ pub struct Packed {
     pub tokens: usize,
     /// Each `sequence_length + 1` tokens long, in stream order.
     pub samples: Vec<Vec<u32>>,
+    /// Per sample, whether each of its `sequence_length` targets (its
+    /// tokens from the second on) is trained; `None` when all are.
+    pub trained: Option<Vec<Vec<bool>>>,
+    /// Targets of the samples the loss skips.
+    pub masked_targets: u64,
+    /// Targets of the samples.
+    pub targets: u64,
+    /// Examples longer than one sample.
+    pub longer_than_sample: u64,
 }
 
 /// Tokenizes every document (no special tokens added by the tokenizer: the
@@ -124,18 +626,37 @@ pub fn pack(
     eos: u32,
     sequence_length: usize,
 ) -> Result<Packed, TextError> {
-    let mut stream: Vec<u32> = Vec::new();
-    for doc in documents {
-        let encoding = tokenizer
-            .encode(doc.as_str(), false)
-            .map_err(|e| TextError::Tokenizer {
-                path: PathBuf::from("(loaded)"),
-                problem: e.to_string(),
-            })?;
-        stream.extend_from_slice(encoding.get_ids());
-        stream.push(eos);
-    }
+    let examples: Vec<Tokenized> = documents
+        .iter()
+        .map(|doc| {
+            let mut ids = encode(tokenizer, doc, false)
+                .map_err(|problem| TextError::Tokenizer {
+                    path: PathBuf::from("(loaded)"),
+                    problem,
+                })?
+                .get_ids()
+                .to_vec();
+            ids.push(eos);
+            let trained = vec![true; ids.len()];
+            Ok(Tokenized { ids, trained })
+        })
+        .collect::<Result<_, TextError>>()?;
+    pack_tokenized(&examples, sequence_length)
+}
+
+/// Joins the examples into one stream and cuts it into samples of
+/// `sequence_length + 1` tokens with a stride of `sequence_length` (a tail
+/// shorter than a sample is dropped). A sample's target `j` (its token
+/// `j + 1`) is trained when that token is.
+pub fn pack_tokenized(examples: &[Tokenized], sequence_length: usize) -> Result<Packed, TextError> {
     let needed = sequence_length + 1;
+    let (mut stream, mut trained) = (Vec::new(), Vec::new());
+    let mut longer_than_sample = 0;
+    for e in examples {
+        stream.extend_from_slice(&e.ids);
+        trained.extend_from_slice(&e.trained);
+        longer_than_sample += u64::from(e.ids.len() > needed);
+    }
     if sequence_length == 0 || stream.len() < needed {
         return Err(TextError::TooShort {
             tokens: stream.len(),
@@ -143,14 +664,59 @@ pub fn pack(
         });
     }
     let count = (stream.len() - 1) / sequence_length;
-    let samples = (0..count)
-        .map(|k| stream[k * sequence_length..k * sequence_length + needed].to_vec())
+    let window = |k: usize| k * sequence_length..k * sequence_length + needed;
+    let samples = (0..count).map(|k| stream[window(k)].to_vec()).collect();
+    let masks: Vec<Vec<bool>> = (0..count)
+        .map(|k| trained[window(k)][1..].to_vec())
         .collect();
+    let masked_targets = masks.iter().flatten().filter(|t| !**t).count() as u64;
     Ok(Packed {
-        documents: documents.len(),
+        documents: examples.len(),
         tokens: stream.len(),
         samples,
+        trained: (masked_targets > 0).then_some(masks),
+        masked_targets,
+        targets: (count * sequence_length) as u64,
+        longer_than_sample,
     })
+}
+
+/// The data at `files.data_file` (a file or a glob) as training sees it:
+/// read, tokenized with the checkpoint's tokenizer and chat template, and
+/// packed into samples of `sequence_length + 1` tokens with their masks.
+pub fn load_packed(
+    model_dir: &Path,
+    data: &Path,
+    format: &Format,
+    train_on: TrainOn,
+    sequence_length: usize,
+) -> Result<Packed, String> {
+    let tokenizer_path = model_dir.join("tokenizer.json");
+    let tokenizer = load_tokenizer(&tokenizer_path).map_err(|e| e.to_string())?;
+    let eos = end_of_sequence(model_dir, &tokenizer).ok_or_else(|| {
+        format!(
+            "{}: no end-of-sequence token (config.json eos_token_id, or </s>, <|endoftext|>, <|end_of_text|> in the vocabulary)",
+            tokenizer_path.display()
+        )
+    })?;
+    let examples = read_examples(data, format).map_err(|e| e.to_string())?;
+    let template = match examples.first().map(|e| &e.example) {
+        Some(Example::Chat { .. }) => Template::load(model_dir)?,
+        _ => None,
+    };
+    let how = Tokenization {
+        tokenizer: &tokenizer,
+        template: template.as_ref(),
+        eos,
+        train_on,
+        model_dir,
+    };
+    let tokenized = examples
+        .iter()
+        .map(|e| how.tokenize(e))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| e.to_string())?;
+    pack_tokenized(&tokenized, sequence_length).map_err(|e| format!("{}: {e}", data.display()))
 }
 
 /// The assignment's text, tokenized with the checkpoint's tokenizer and
@@ -158,21 +724,14 @@ pub fn pack(
 pub(crate) fn load_text(
     files: &headroom_api::PayloadFiles,
     sequence_length: usize,
-) -> Result<Vec<Vec<u32>>, String> {
-    let tokenizer_path = Path::new(&files.model_dir).join("tokenizer.json");
-    let tokenizer = load_tokenizer(&tokenizer_path).map_err(|e| e.to_string())?;
-    let eos = end_of_sequence(Path::new(&files.model_dir), &tokenizer).ok_or_else(|| {
-        format!(
-            "{}: no end-of-sequence token (config.json eos_token_id, or </s>, <|endoftext|>, <|end_of_text|> in the vocabulary)",
-            tokenizer_path.display()
-        )
-    })?;
-    let format = Format::from(&files.data_format);
-    let data = Path::new(&files.data_file);
-    let docs = read_documents(data, &format).map_err(|e| e.to_string())?;
-    let packed = pack(&tokenizer, &docs, eos, sequence_length)
-        .map_err(|e| format!("{}: {e}", data.display()))?;
-    Ok(packed.samples)
+) -> Result<Packed, String> {
+    load_packed(
+        Path::new(&files.model_dir),
+        Path::new(&files.data_file),
+        &Format::from(&files.data_format),
+        files.train_on,
+        sequence_length,
+    )
 }
 
 /// The id documents are separated by: config.json's `eos_token_id` (the

@@ -572,6 +572,11 @@ impl Trainer {
             out,
             &base,
         )?;
+        // An adapter directory serves with its base's tokenizer, chat
+        // template and generation config, as TRL's save_model leaves it.
+        if c.layout.first {
+            crate::model::hf::copy_serving_files(&checkpoint.dir, out)?;
+        }
         // Merging a quantized base would write its rounded weights; only a
         // dense base merges into what PEFT's merge_and_unload() gives.
         if !c.settings.base_format.is_quantized() {
@@ -647,9 +652,16 @@ impl Trainer {
             };
             let out = frozen.blocks_forward_dropping(x, None, c.layout.layers.start);
             if c.layout.last {
-                let loss = frozen.head_loss(out, targets.inner());
-                sum += scalar(&loss) * f64::from(size);
-                evaluated += f64::from(size);
+                // A mean over the trained targets of all held-out samples
+                // (a batch with none adds nothing, not its undefined mean).
+                let weight = samples
+                    .trained_targets(u64::from(first), u64::from(size))
+                    .map_or(f64::from(size), |n| n as f64);
+                if weight > 0.0 {
+                    let loss = frozen.head_loss(out, targets.inner());
+                    sum += scalar(&loss) * weight;
+                    evaluated += weight;
+                }
             } else {
                 links.to_next()?.send(&Frame::tensor(
                     Kind::EvalActivation,
@@ -750,6 +762,7 @@ impl Trainer {
         // The mean over the micro-batches, times fp16's loss scale.
         let loss_scale = self.loss_scale.map_or(1.0, |l| l.scale);
         let scale = loss_scale / f64::from(accumulation);
+        let weights = self.micro_weights();
         let mut accumulator = GradientsAccumulator::<TransformerLm>::new();
         let mut single: Option<GradientsParams> = None;
         let mut losses = Vec::new();
@@ -758,16 +771,17 @@ impl Trainer {
             match op {
                 Op::Forward(micro) => {
                     let (kept, loss) = self.forward(links, micro)?;
-                    losses.extend(loss);
+                    losses.extend(loss.map(|l| l * weights[micro as usize]));
                     saved.push_back(kept);
                 }
                 Op::Backward(micro) => {
                     let kept = saved
                         .pop_front()
                         .ok_or_else(|| PipelineError::Protocol("backward before forward".into()))?;
+                    let weight = weights[micro as usize];
                     let (grads, loss) =
-                        self.backward(links, micro, kept, scale, &mut accumulator)?;
-                    losses.extend(loss);
+                        self.backward(links, micro, kept, scale * weight, &mut accumulator)?;
+                    losses.extend(loss.map(|l| l * weight));
                     if let Some(grads) = grads {
                         if accumulation == 1 {
                             single = Some(grads);
@@ -950,6 +964,42 @@ impl Trainer {
     /// (false after a failure half way through the replicas' exchange).
     pub fn can_checkpoint(&self) -> bool {
         self.torn.is_none()
+    }
+
+    /// The weight of each of this replica's micro-batches' mean losses in
+    /// the step's loss, times the number of micro-batches of the step: 1
+    /// each when no target is masked. With masked targets the step's loss
+    /// is the mean over the trained targets of the whole global batch (as
+    /// transformers' `num_items_in_batch` normalises under gradient
+    /// accumulation, and TRL's `average_tokens_across_devices` across
+    /// replicas): a micro-batch's mean counts by its share of them. Every
+    /// sample is a function of the seed and its index, so each worker
+    /// counts the global batch's trained targets itself, without a
+    /// collective; only the last stage, which computes the loss, needs it.
+    fn micro_weights(&self) -> Vec<f64> {
+        let c = &self.config;
+        let accumulation = c.settings.gradient_accumulation.max(1);
+        let ones = vec![1.0; accumulation as usize];
+        if !c.layout.last {
+            return ones;
+        }
+        let g = c.global_batch();
+        let Some(total) = self.task.trained_targets(self.step * g, g) else {
+            return ones;
+        };
+        let micro = u64::from(c.settings.micro_batch);
+        let micros = f64::from(accumulation) * f64::from(c.replicas.max(1));
+        (0..accumulation)
+            .map(|m| {
+                let first = self.step * g + u64::from(c.replica * accumulation + m) * micro;
+                let trained = self.task.trained_targets(first, micro).unwrap_or(0);
+                if total == 0 {
+                    0.0
+                } else {
+                    trained as f64 * micros / total as f64
+                }
+            })
+            .collect()
     }
 
     /// Inputs (first stage) and targets (last stage) of a micro-batch of this step.

@@ -328,6 +328,7 @@ async fn the_initializers_download_progress_is_in_the_status_while_it_runs() {
         data_format: DataFormat::Jsonl {
             field: "text".into(),
         },
+        train_on: headroom_api::TrainOn::Auto,
         sequence_length: 64,
     };
     let child = worker_command(&dir, &worker_api, &token)

@@ -694,6 +694,7 @@ fn llama_assignment(dir: &Path, steps: u64) -> WorkerAssignment {
         data_format: headroom_api::DataFormat::Jsonl {
             field: "text".into(),
         },
+        train_on: headroom_api::TrainOn::Auto,
         output_dir: dir.join("output").display().to_string(),
         hub_model: None,
     });
@@ -743,6 +744,74 @@ fn fine_tunes_a_llama_checkpoint_resumes_and_writes_it_out() {
         "{}",
         second.stderr
     );
+}
+
+/// A chat checkpoint (tiny-llama with a ChatML template and a license)
+/// fine-tuned on the assistant turns of Parquet conversations: the worker
+/// renders them, trains, and writes a model that carries the template,
+/// the generation config and the license.
+#[test]
+fn fine_tunes_on_parquet_conversations_and_the_output_keeps_the_chat_template() {
+    let dir = temp_dir("chat");
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let model = dir.join("model");
+    std::fs::create_dir_all(&model).expect("model dir");
+    for file in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "generation_config.json",
+    ] {
+        std::fs::copy(
+            fixtures.join("llama/tiny-llama").join(file),
+            model.join(file),
+        )
+        .expect(file);
+    }
+    let template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    let config =
+        serde_json::json!({"bos_token": "<s>", "eos_token": "</s>", "chat_template": template});
+    std::fs::write(model.join("tokenizer_config.json"), config.to_string()).expect("config");
+    std::fs::write(model.join("LICENSE"), "the base's terms").expect("license");
+    let mut a = llama_assignment(&dir, 2);
+    a.files = a.files.map(|f| headroom_api::PayloadFiles {
+        model_dir: model.display().to_string(),
+        data_file: fixtures
+            .join("chat/conversations.parquet")
+            .display()
+            .to_string(),
+        data_format: headroom_api::DataFormat::Parquet {
+            field: "text".into(),
+        },
+        train_on: headroom_api::TrainOn::Assistant,
+        ..f
+    });
+    let run = run_worker(&dir, &serde_json::to_string(&a).expect("json"), &[]);
+    assert_eq!(run.code, exit_code::SUCCESS, "{}", run.stderr);
+    let out = dir.join("output");
+    let written: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("tokenizer_config.json")).expect("tokenizer_config.json"),
+    )
+    .expect("json");
+    assert_eq!(written["chat_template"], template);
+    for file in ["model.safetensors", "generation_config.json", "LICENSE"] {
+        assert!(out.join(file).is_file(), "{file} in the output");
+    }
+    // Without a template the same data is refused, naming the checkpoint.
+    std::fs::remove_file(model.join("tokenizer_config.json")).expect("remove");
+    let refused = run_worker(
+        &temp_dir("chat-bare"),
+        &serde_json::to_string(&a).expect("json"),
+        &[],
+    );
+    assert_eq!(refused.code, exit_code::INVALID_PLAN, "{}", refused.stderr);
+    assert!(
+        refused.message.reason.contains("no chat template")
+            && refused.message.reason.contains("conversations.parquet:1"),
+        "{}",
+        refused.message.reason
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Two replicas fine-tune the tiny Llama checkpoint together; replica 0

@@ -10,12 +10,15 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+mod common;
+
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{Device, Tensor};
 use headroom_api::{EvaluationSpec, Recipe, ScheduleType};
 use headroom_planner::search::balanced_split;
 use headroom_planner::{Settings, TransformerShape};
 use headroom_worker::collective::{Ring, RingTimeouts};
+use headroom_worker::data::TextSamples;
 use headroom_worker::link_auth::LinkKey;
 use headroom_worker::model::StageLayout;
 use headroom_worker::pipeline::{Hello, Peers, establish};
@@ -157,6 +160,20 @@ fn run_with_buckets(
     dir: Option<&Path>,
     bucket_bytes: Option<u64>,
 ) -> Vec<Vec<Outcome>> {
+    run_on(p, d, base, steps, dir, bucket_bytes, None)
+}
+
+/// [`run_with_buckets`] on the samples `text` makes for a worker's
+/// configuration (the progression task when `None`).
+fn run_on(
+    p: u32,
+    d: u32,
+    base: &TrainConfig,
+    steps: u64,
+    dir: Option<&Path>,
+    bucket_bytes: Option<u64>,
+    text: Option<fn(&TrainConfig) -> TextSamples>,
+) -> Vec<Vec<Outcome>> {
     let split = balanced_split(base.shape.layers(), p).expect("split");
     let timeouts = RingTimeouts {
         rendezvous: Duration::from_secs(30),
@@ -197,6 +214,10 @@ fn run_with_buckets(
             let dir = dir.map(Path::to_path_buf);
             handles.push(std::thread::spawn(move || {
                 let mut trainer = Trainer::new(config, Device::flex().autodiff()).expect("trainer");
+                if let Some(text) = text {
+                    let samples = text(&trainer.config);
+                    trainer.use_text(samples);
+                }
                 if let Some(dir) = &dir {
                     trainer.resume(dir).expect("resume");
                 }
@@ -332,6 +353,46 @@ fn two_and_four_replicas_give_the_losses_and_weights_of_one() {
         assert_replicas_agree_and_shard(&many[0], &format!("d = {d}"));
         let diff = max_diff(&one[0][0].params, &many[0][0].params);
         assert!(diff < 1e-4, "d = {d}: weights differ from d = 1 by {diff}");
+    }
+}
+
+/// Masked targets are normalised over the global batch, not each
+/// replica's share: replicas whose shares hold different numbers of
+/// trained targets, alone or under two stages, train as one worker.
+#[test]
+fn masked_targets_give_the_losses_and_weights_of_one_worker_across_replicas() {
+    let shape = shape(true);
+    let one = run_on(
+        1,
+        1,
+        &gpt(&shape, settings(GLOBAL, 1, false)),
+        3,
+        None,
+        None,
+        Some(common::masked_text),
+    );
+    for (p, d) in [(1, 2), (2, 2)] {
+        let many = run_on(
+            p,
+            d,
+            &gpt(&shape, settings(GLOBAL, d, false)),
+            3,
+            None,
+            None,
+            Some(common::masked_text),
+        );
+        assert_close(
+            &losses(&one),
+            &losses(&many),
+            &format!("masked, p = {p} × d = {d}"),
+        );
+        if p == 1 {
+            let diff = max_diff(&one[0][0].params, &many[0][0].params);
+            assert!(
+                diff < 1e-4,
+                "masked, d = {d}: weights differ from d = 1 by {diff}"
+            );
+        }
     }
 }
 

@@ -174,6 +174,7 @@ fn assignment(model: ModelSource, model_dir: &Path, data: &Path) -> InitializerA
         data_format: DataFormat::Jsonl {
             field: "text".into(),
         },
+        train_on: headroom_api::TrainOn::Auto,
         sequence_length: 32,
     }
 }

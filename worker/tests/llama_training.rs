@@ -105,7 +105,12 @@ fn fine_tunes_on_real_text_and_writes_a_model_that_reloads() {
         tensor_names(&tiny_llama().join("model.safetensors")),
         "the original tensor names and dtypes"
     );
-    for copied in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+    for copied in [
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
         assert!(out.join(copied).exists(), "{copied} copied");
     }
     let trained = probe_logits(&trainer.model().valid());

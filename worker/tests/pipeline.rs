@@ -15,6 +15,7 @@ use headroom_api::{Recipe, ScheduleType};
 use headroom_planner::search::balanced_split;
 use headroom_planner::{Settings, TransformerShape};
 use headroom_worker::collective::Single;
+use headroom_worker::data::TextSamples;
 use headroom_worker::link_auth::LinkKey;
 use headroom_worker::model::StageLayout;
 use headroom_worker::pipeline::{Hello, Links, Peers, establish};
@@ -100,6 +101,22 @@ fn run_recipe(
     steps: u64,
     dir: Option<&Path>,
 ) -> Vec<f64> {
+    run_on(over, p, shape, settings, recipe, steps, dir, None)
+}
+
+/// [`run_recipe`] on the samples `text` makes for a stage's configuration
+/// (the progression task when `None`).
+#[allow(clippy::too_many_arguments)]
+fn run_on(
+    over: Transport,
+    p: u32,
+    shape: &TransformerShape,
+    settings: Settings,
+    recipe: &Recipe,
+    steps: u64,
+    dir: Option<&Path>,
+    text: Option<fn(&TrainConfig) -> TextSamples>,
+) -> Vec<f64> {
     let split = balanced_split(shape.layers, p).expect("split");
     let mut start = 0;
     let handles: Vec<_> = over
@@ -122,6 +139,10 @@ fn run_recipe(
             let dir = dir.map(Path::to_path_buf);
             std::thread::spawn(move || {
                 let mut trainer = Trainer::new(config, Device::flex().autodiff()).expect("trainer");
+                if let Some(text) = text {
+                    let samples = text(&trainer.config);
+                    trainer.use_text(samples);
+                }
                 if let Some(dir) = &dir {
                     trainer.resume(dir).expect("resume");
                 }
@@ -205,6 +226,44 @@ fn two_and_three_stages_give_the_losses_of_one() {
                     &format!("p = {p}, tied {tied}, checkpointing {checkpointing}"),
                 );
             }
+        }
+    }
+}
+
+/// Masked targets (a chat's prompts) are normalised over the global
+/// batch by the last stage alone: two and three stages train as one.
+#[test]
+fn masked_targets_give_the_losses_of_one_stage_across_stages() {
+    let shape = shape(true);
+    let recipe = Recipe::constant(5e-3, 1_000);
+    for checkpointing in [false, true] {
+        let s = settings(checkpointing);
+        let one = run_on(
+            Transport::InProcess,
+            1,
+            &shape,
+            s,
+            &recipe,
+            3,
+            None,
+            Some(common::masked_text),
+        );
+        for p in [2, 3] {
+            let many = run_on(
+                Transport::InProcess,
+                p,
+                &shape,
+                s,
+                &recipe,
+                3,
+                None,
+                Some(common::masked_text),
+            );
+            assert_close(
+                &one,
+                &many,
+                &format!("masked, p = {p}, checkpointing {checkpointing}"),
+            );
         }
     }
 }

@@ -5,9 +5,10 @@ mod common;
 
 use burn::module::Module;
 use burn::tensor::Device;
+use headroom_worker::data::Samples;
 use headroom_worker::train::Trainer;
 
-use common::tiny_config;
+use common::{masked_text, tiny_config};
 
 #[test]
 fn loss_falls_over_a_short_run() {
@@ -131,4 +132,62 @@ fn fp16s_loss_scale_trains_the_plain_curve_and_an_overflow_skips_the_update() {
     assert!(next.grad_norm.is_some_and(f64::is_finite), "{next:?}");
     assert_eq!(scaled.loss_scale.map(|l| l.good_steps), Some(1));
     assert_ne!(probe(&scaled), before, "the update is applied");
+}
+
+fn after_two_masked_steps(
+    micro: u32,
+    accumulation: u32,
+    checkpointing: bool,
+) -> (Vec<f32>, Vec<f64>, f64) {
+    let mut config = tiny_config(micro, accumulation, checkpointing);
+    config.settings.optimizer = headroom_planner::Optimizer::Sgd;
+    config.recipe.learning_rate = 0.5;
+    let text = masked_text(&config);
+    let mut trainer = Trainer::new(config, Device::flex().autodiff()).expect("trainer");
+    // The masked mean over the whole first global batch, before any update.
+    let (tokens, targets) = Samples::Text(text.clone()).batch(0, 4, &Device::flex());
+    let direct = trainer.model().valid().loss(tokens, targets);
+    let direct = f64::from(direct.into_data().iter::<f32>().next().expect("loss"));
+    trainer.use_text(text);
+    let losses = (0..2)
+        .map(|_| trainer.train_step().expect("step").loss.expect("loss"))
+        .collect();
+    (probe(&trainer), losses, direct)
+}
+
+#[test]
+fn masked_targets_are_normalised_over_the_global_batch_whatever_the_accumulation() {
+    let (one_batch, l1, direct) = after_two_masked_steps(4, 1, false);
+    assert!(
+        (l1[0] - direct).abs() < 1e-5,
+        "the step's loss is the masked mean of its batch: {} vs {direct}",
+        l1[0]
+    );
+    for (micro, accumulation, checkpointing) in [(2, 2, false), (1, 4, false), (1, 4, true)] {
+        let (got, l2, _) = after_two_masked_steps(micro, accumulation, checkpointing);
+        let what = format!(
+            "micro {micro} × accumulation {accumulation} (checkpointing {checkpointing}) vs batch 4"
+        );
+        assert_close(&one_batch, &got, &what);
+        for (a, b) in l1.iter().zip(&l2) {
+            assert!((a - b).abs() < 1e-5, "{what}: losses {l1:?} vs {l2:?}");
+        }
+    }
+    // A mean of the micro-batches' means would weigh a target of a
+    // sparsely trained micro-batch more: the fixture's micro-batches differ.
+    let (tokens, targets) = {
+        let config = tiny_config(1, 4, false);
+        Samples::Text(masked_text(&config)).batch(0, 4, &Device::flex())
+    };
+    let trained: Vec<usize> = targets
+        .into_data()
+        .iter::<i64>()
+        .collect::<Vec<_>>()
+        .chunks(tokens.dims()[1])
+        .map(|row| row.iter().filter(|&&t| t >= 0).count())
+        .collect();
+    assert!(
+        trained.iter().min() != trained.iter().max(),
+        "micro-batches with different trained counts: {trained:?}"
+    );
 }

@@ -289,6 +289,9 @@ pub struct PayloadFiles {
     pub data_file: String,
     /// How `data_file` holds documents.
     pub data_format: DataFormat,
+    /// Which tokens the loss is computed on (`data.trainOn`).
+    #[serde(default)]
+    pub train_on: crate::TrainOn,
     /// Where the fine-tuned model is written, in the checkpoint's format, on success.
     pub output_dir: String,
     /// The Hugging Face repo the model came from (`model.pretrained.huggingFace`):
@@ -312,10 +315,14 @@ pub struct HubModel {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub enum DataFormat {
-    /// One JSON object a line, the document under `field` (`text` by default).
+    /// One JSON object a line: a conversation (`messages`), a
+    /// prompt/completion pair (`prompt`, `completion`) or plain text under
+    /// `field` (`text` by default).
     Jsonl { field: String },
     /// The whole file is one document.
     Text,
+    /// Parquet files: each row as a JSONL line's object.
+    Parquet { field: String },
 }
 
 /// `HEADROOM_INITIALIZE`: the initializer's assignment as JSON. Its presence
@@ -353,6 +360,9 @@ pub struct InitializerAssignment {
     #[serde(default)]
     pub data: DataSource,
     pub data_format: DataFormat,
+    /// Which tokens the loss is computed on (`data.trainOn`).
+    #[serde(default)]
+    pub train_on: crate::TrainOn,
     /// Tokens per training sample (the data must give at least one sample).
     pub sequence_length: u32,
 }
@@ -440,12 +450,22 @@ impl ModelFacts {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct DataFacts {
-    /// Documents in the data file.
+    /// Examples (documents, conversations or prompt/completion pairs) in the data files.
     pub documents: u64,
     /// Tokens after tokenizing, end-of-sequence separators included.
     pub tokens: u64,
     /// Packed samples of `sequence_length + 1` tokens.
     pub samples: u64,
+    /// Of the packed samples' target tokens, those the loss skips
+    /// (`data.trainOn`: prompts, user and system turns), in thousandths.
+    #[serde(default)]
+    #[schemars(range(max = 1000))]
+    pub masked_per_mille: u32,
+    /// Examples longer than one sample (`sequenceLength + 1` tokens):
+    /// packing splits them over consecutive samples, so no sample holds
+    /// one whole (where an unpacked trainer would truncate them).
+    #[serde(default)]
+    pub longer_than_sample: u64,
 }
 
 /// What happened inside the worker, written to the termination-message file on every exit.

@@ -405,6 +405,8 @@ mod tests {
             documents: 1,
             tokens: 1,
             samples: 100,
+            masked_per_mille: 0,
+            longer_than_sample: 0,
         };
         assert_eq!(
             training.recipe(Some(&data)).expect("recipe").total_steps,

@@ -14,14 +14,14 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use headroom_api::{DataFacts, DataFormat, ModelFacts};
+use headroom_api::{DataFacts, DataFormat, ModelFacts, TrainOn};
 use headroom_planner::{LlamaArchitecture, LlamaShape};
 use safetensors::tensor::{Dtype, Metadata};
 
 use super::InitError;
 use crate::model::StageLayout;
 use crate::model::hf::HfCheckpoint;
-use crate::text::{Format, load_tokenizer, pack, read_documents};
+use crate::text::{Example, Format, load_packed, read_examples};
 
 /// safetensors' own limit on the JSON header.
 const MAX_HEADER_BYTES: u64 = 100_000_000;
@@ -239,52 +239,72 @@ fn common_dtype(
     Ok(dtype.map_or_else(|| "F32".to_string(), |(d, _)| d.to_string()))
 }
 
-/// Reads the data as training will (the checkpoint's tokenizer and
-/// end-of-sequence token, packed into `sequence_length + 1`-token samples)
-/// and checks every token id fits the model's vocabulary.
+/// Reads the data as training will (the checkpoint's tokenizer, chat
+/// template and end-of-sequence token, packed into
+/// `sequence_length + 1`-token samples with their loss masks) and checks
+/// every token id fits the model's vocabulary.
 pub fn inspect_data(
     model_dir: &Path,
     data_file: &Path,
     format: &DataFormat,
+    train_on: TrainOn,
     sequence_length: u32,
     vocabulary: u32,
 ) -> Result<DataFacts, InitError> {
-    let invalid = |e: &dyn std::fmt::Display| InitError::Invalid(e.to_string());
-    let tokenizer_path = model_dir.join("tokenizer.json");
-    let tokenizer = load_tokenizer(&tokenizer_path).map_err(|e| invalid(&e))?;
-    let eos = crate::text::end_of_sequence(model_dir, &tokenizer).ok_or_else(|| {
-        InitError::Invalid(format!(
-            "{}: no end-of-sequence token (config.json eos_token_id, or </s>, <|endoftext|>, <|end_of_text|> in the vocabulary)",
-            tokenizer_path.display()
-        ))
-    })?;
     let format = Format::from(format);
-    let documents = read_documents(data_file, &format).map_err(|e| invalid(&e))?;
-    if documents.iter().all(|d| d.trim().is_empty()) {
+    let examples =
+        read_examples(data_file, &format).map_err(|e| InitError::Invalid(e.to_string()))?;
+    if examples
+        .iter()
+        .all(|e| matches!(&e.example, Example::Text(t) if t.trim().is_empty()))
+    {
         return Err(InitError::Invalid(format!(
-            "{}: no text to train on (the file is empty{})",
+            "{}: no text to train on (the data is empty{})",
             data_file.display(),
             match &format {
-                Format::Jsonl { field } => format!(" or every `{field}` is blank"),
+                Format::Jsonl { field } | Format::Parquet { field } =>
+                    format!(" or every `{field}` is blank"),
                 Format::PlainText => String::new(),
             }
         )));
     }
-    let packed = pack(&tokenizer, &documents, eos, sequence_length as usize)
-        .map_err(|e| InitError::Invalid(format!("{}: {e}", data_file.display())))?;
+    let packed = load_packed(
+        model_dir,
+        data_file,
+        &format,
+        train_on,
+        sequence_length as usize,
+    )
+    .map_err(InitError::Invalid)?;
     if let Some(id) = packed.samples.iter().flatten().copied().max()
         && id >= vocabulary
     {
         return Err(InitError::Invalid(format!(
             "{}: the tokenizer gives token id {id}, beyond config.json's vocab_size {vocabulary}",
-            tokenizer_path.display()
+            model_dir.join("tokenizer.json").display()
+        )));
+    }
+    if packed.masked_targets == packed.targets {
+        return Err(InitError::Invalid(format!(
+            "{}: data.trainOn leaves no token of any sample to train on (every target is masked): check the rows' roles or use trainOn: all",
+            data_file.display()
         )));
     }
     Ok(DataFacts {
         documents: packed.documents as u64,
         tokens: packed.tokens as u64,
         samples: packed.samples.len() as u64,
+        masked_per_mille: per_mille(packed.masked_targets, packed.targets),
+        longer_than_sample: packed.longer_than_sample,
     })
+}
+
+/// `part` of `whole` in thousandths, rounded to nearest.
+fn per_mille(part: u64, whole: u64) -> u32 {
+    if whole == 0 {
+        return 0;
+    }
+    ((u128::from(part) * 1000 + u128::from(whole) / 2) / u128::from(whole)) as u32
 }
 
 /// A safetensors file's header, read without its tensor data, and the

@@ -283,6 +283,7 @@ pub fn initialize(
         dir,
         data_file,
         &assignment.data_format,
+        assignment.train_on,
         sequence_length,
         model.shape.vocabulary,
     )?;
@@ -290,6 +291,8 @@ pub fn initialize(
         documents = data.documents,
         tokens = data.tokens,
         samples = data.samples,
+        masked_per_mille = data.masked_per_mille,
+        longer_than_sample = data.longer_than_sample,
         data = %assignment.data_file,
         "data checked"
     );

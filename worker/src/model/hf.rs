@@ -418,21 +418,8 @@ impl HfCheckpoint {
         }
         std::fs::rename(&tmp, &file).map_err(io(&file))?;
         if layout.first {
-            for name in [
-                "config.json",
-                "tokenizer.json",
-                "tokenizer_config.json",
-                "special_tokens_map.json",
-                "generation_config.json",
-            ] {
-                let from = self.dir.join(name);
-                if from.exists() {
-                    let to = out.join(name);
-                    let tmp = out.join(format!(".{name}.tmp-{}", std::process::id()));
-                    std::fs::copy(&from, &tmp).map_err(io(&from))?;
-                    std::fs::rename(&tmp, &to).map_err(io(&to))?;
-                }
-            }
+            copy_file(&self.dir, out, "config.json")?;
+            copy_serving_files(&self.dir, out)?;
         }
         if stages > 1 {
             write_index_when_complete(out, stage, stages)?;
@@ -470,6 +457,79 @@ fn shard_name(stage: u32, stages: u32) -> String {
     } else {
         format!("model-{:05}-of-{stages:05}.safetensors", stage + 1)
     }
+}
+
+/// Files of a checkpoint directory that let its fine-tuned copy (merged
+/// weights, or an adapter) serve as the base does: transformers' pipeline
+/// and servers reading Hugging Face directories take the tokenizer (fast
+/// and slow forms), the chat template (in tokenizer_config.json or its own
+/// file) and the generation config (stop tokens, sampling defaults) from
+/// beside the weights.
+pub const SERVING_FILES: [&str; 10] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "tokenizer.model",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+];
+
+/// Whether a file name is a license or its kin (`LICENSE`, `LICENSE.txt`,
+/// `LICENCE.md`, `NOTICE`, Llama's `USE_POLICY.md`): the base's terms
+/// travel with what is made from it.
+fn is_license_file(name: &str) -> bool {
+    let upper = name.to_ascii_uppercase();
+    ["LICENSE", "LICENCE", "NOTICE", "USE_POLICY"]
+        .iter()
+        .any(|p| upper.starts_with(p))
+}
+
+/// Copies `name` from `from` into `to` (through a temporary name, so a
+/// reader never sees half a file) when `from` has it; whether it did.
+fn copy_file(from: &Path, to: &Path, name: &str) -> Result<bool, HfError> {
+    let source = from.join(name);
+    if !source.is_file() {
+        return Ok(false);
+    }
+    let target = to.join(name);
+    let tmp = to.join(format!(".{name}.tmp-{}", std::process::id()));
+    std::fs::copy(&source, &tmp).map_err(|e| HfError::Io {
+        path: source.clone(),
+        source: e,
+    })?;
+    std::fs::rename(&tmp, &target).map_err(|e| HfError::Io {
+        path: target.clone(),
+        source: e,
+    })?;
+    Ok(true)
+}
+
+/// Copies the [`SERVING_FILES`] and the license files the checkpoint
+/// directory `from` has into `to`; returns the names copied.
+pub fn copy_serving_files(from: &Path, to: &Path) -> Result<Vec<String>, HfError> {
+    let mut names: Vec<String> = SERVING_FILES.iter().map(|n| (*n).to_owned()).collect();
+    let listing = std::fs::read_dir(from).map_err(|e| HfError::Io {
+        path: from.to_path_buf(),
+        source: e,
+    })?;
+    let mut licenses: Vec<String> = listing
+        .filter_map(Result::ok)
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| is_license_file(n))
+        .collect();
+    licenses.sort();
+    names.extend(licenses);
+    let mut copied = Vec::new();
+    for name in names {
+        if copy_file(from, to, &name)? {
+            copied.push(name);
+        }
+    }
+    Ok(copied)
 }
 
 /// Writes `model.safetensors.index.json` once every shard is in `out`,
@@ -610,4 +670,49 @@ fn read_index(index: &Path, dir: &Path) -> Result<BTreeMap<String, PathBuf>, HfE
             Ok((name.clone(), dir.join(file)))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_serving_files_and_the_license_travel_with_the_output() {
+        let base = std::env::temp_dir().join(format!("headroom-serving-{}", std::process::id()));
+        let (from, to) = (base.join("base"), base.join("out"));
+        std::fs::create_dir_all(&from).expect("dir");
+        std::fs::create_dir_all(&to).expect("dir");
+        for name in [
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "chat_template.jinja",
+            "generation_config.json",
+            "LICENSE.txt",
+            "USE_POLICY.md",
+            "README.md",
+            "model.safetensors",
+        ] {
+            std::fs::write(from.join(name), name).expect("write");
+        }
+        let copied = copy_serving_files(&from, &to).expect("copy");
+        assert_eq!(
+            copied,
+            [
+                "tokenizer.json",
+                "tokenizer_config.json",
+                "chat_template.jinja",
+                "generation_config.json",
+                "LICENSE.txt",
+                "USE_POLICY.md"
+            ]
+        );
+        for name in &copied {
+            assert_eq!(
+                std::fs::read_to_string(to.join(name)).expect("copied"),
+                *name
+            );
+        }
+        assert!(!to.join("README.md").exists() && !to.join("model.safetensors").exists());
+        let _ = std::fs::remove_dir_all(&base);
+    }
 }

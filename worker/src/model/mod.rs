@@ -38,7 +38,7 @@ use burn::nn::{
     Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig,
     RmsNorm,
 };
-use burn::tensor::{Device, Int, Tensor};
+use burn::tensor::{Device, Int, Tensor, TensorData};
 use headroom_planner::{LlamaShape, ModelShape, TransformerShape};
 use lean::linear::AdapterDropout;
 use serde::{Deserialize, Serialize};
@@ -557,17 +557,37 @@ impl TransformerLm {
     /// [batch, seq], without ever holding the whole logits
     /// ([`lean::fused_cross_entropy`], the planner's
     /// [`headroom_planner::LOSS_CHUNK_ELEMENTS`] logits at a time).
+    ///
+    /// Targets of [`crate::data::IGNORED_TARGET`] (masked: a prompt, a
+    /// user turn) take no part: the mean is over the others, whose rows
+    /// alone go through the head (their gradient reaches the rest by the
+    /// selection's backward). With every target masked the loss is 0,
+    /// with a zero gradient.
     pub fn head_loss(&self, x: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
         let [b, s] = targets.dims();
         let (x, weight) = self.head_parts(x);
         let chunk = headroom_planner::memory::loss_chunk_rows(weight.dims()[0] as u64) as usize;
-        lean::fused_cross_entropy_capped(
-            x,
-            weight,
-            targets.reshape([b * s]),
-            chunk,
-            self.final_softcap(),
-        )
+        let targets = targets.reshape([b * s]);
+        let (x, targets, scale) = match trained_rows(&targets) {
+            None => (x, targets, None),
+            Some(rows) if rows.is_empty() => {
+                // Row 0 with a valid target, times zero: a loss with a graph.
+                let first = Tensor::<1, Int>::zeros([1], &targets.device());
+                (x.narrow(0, 0, 1), first, Some(0.0))
+            }
+            Some(rows) => {
+                let n = rows.len();
+                let rows =
+                    Tensor::<1, Int>::from_data(TensorData::new(rows, [n]), &targets.device());
+                (x.select(0, rows.clone()), targets.select(0, rows), None)
+            }
+        };
+        let loss =
+            lean::fused_cross_entropy_capped(x, weight, targets, chunk, self.final_softcap());
+        match scale {
+            Some(scale) => loss.mul_scalar(scale),
+            None => loss,
+        }
     }
 
     /// Full forward to logits [batch·seq, vocab] (a single-stage model).
@@ -579,6 +599,23 @@ impl TransformerLm {
     pub fn loss(&self, tokens: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
         self.head_loss(self.blocks_forward(self.embed(tokens)), targets)
     }
+}
+
+/// The rows whose target is not masked; `None` when none is masked.
+fn trained_rows(targets: &Tensor<1, Int>) -> Option<Vec<i64>> {
+    let data = targets.to_data();
+    let values: Vec<i64> = data.iter::<i64>().collect();
+    if values.iter().all(|&t| t >= 0) {
+        return None;
+    }
+    Some(
+        values
+            .iter()
+            .enumerate()
+            .filter(|&(_, &t)| t >= 0)
+            .map(|(i, _)| i as i64)
+            .collect(),
+    )
 }
 
 #[cfg(test)]

@@ -59,3 +59,23 @@ pub fn tiny_llama_text(sequence: u32, seed: u64) -> TextSamples {
     let packed = pack(&tokenizer, &docs, eos, sequence as usize).expect("packed");
     TextSamples::new(packed.samples, seed)
 }
+
+/// Progression samples whose targets are masked as a chat's prompts are:
+/// sample i trains on its targets from the (i mod 5)/4-th on, so the
+/// micro-batches of a step hold different numbers of trained targets and
+/// one sample in five none at all.
+pub fn masked_text(config: &TrainConfig) -> TextSamples {
+    let task = headroom_worker::data::ProgressionTask {
+        seed: 5,
+        vocabulary: config.shape.vocabulary(),
+        sequence_length: config.shape.sequence_length(),
+    };
+    let s = config.shape.sequence_length() as usize;
+    let samples = (0..16)
+        .map(|i| task.sample(i).iter().map(|&t| t as u32).collect())
+        .collect();
+    let masks = (0..16)
+        .map(|i| (0..s).map(|j| j >= (i % 5) * s / 4).collect())
+        .collect();
+    TextSamples::with_masks(samples, Some(masks), config.seed)
+}

@@ -143,24 +143,56 @@ pub struct VolumePath {
 #[schemars(extend("x-kubernetes-validations" = [
     {"rule": "has(self.huggingFace) != has(self.volume)",
      "message": "data: set exactly one of huggingFace (repo, file) or volume (claimName, path)"},
+    {"rule": "!(has(self.format) && self.format == 'text' && has(self.trainOn) && (self.trainOn == 'assistant' || self.trainOn == 'completion'))",
+     "fieldPath": ".trainOn",
+     "message": "data.trainOn: assistant and completion need JSONL or Parquet rows (conversations, prompt/completion pairs); a text file is plain text: use trainOn auto or all"},
     {"rule": "self == oldSelf",
      "message": "data is immutable: the initializer has read this text and the job's samples come from it; create a new job for other data"}
 ]))]
 pub struct DataSpec {
-    /// The data file on a claim.
+    /// The data file on a claim; `path` may be a glob pattern
+    /// (`data/train-*.parquet`): its files are read in name order.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub volume: Option<VolumePath>,
     /// One file of a Hugging Face dataset repository, downloaded into the
     /// job's checkpoint volume by the initializer (once).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hugging_face: Option<HuggingFaceDataFile>,
-    /// `jsonl` (one JSON object a line, the text under `field`) or `text` (the file is one document).
+    /// `jsonl` (one JSON object a line), `parquet` (one such object a
+    /// row) or `text` (the file is one document). A JSONL or Parquet row is
+    /// a conversation (`messages`: a list of `{role, content}`, rendered
+    /// with the checkpoint's chat template), a prompt/completion pair
+    /// (`prompt`, `completion`: strings, or message lists) or plain text
+    /// under `field`; every row of the data is of one kind.
     #[serde(default)]
     pub format: TextFormat,
-    /// The JSONL field holding the document.
+    /// The field holding a plain-text row's document.
     #[serde(default = "default_text_field")]
     #[schemars(length(min = 1, max = 200))]
     pub field: String,
+    /// Which tokens the loss is computed on: `auto` (TRL's defaults: the
+    /// completion of prompt/completion rows, every token otherwise),
+    /// `assistant` (a conversation's assistant turns), `completion` (a
+    /// prompt/completion row's completion) or `all`.
+    #[serde(default)]
+    pub train_on: TrainOn,
+}
+
+/// Which tokens of an example the loss is computed on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum TrainOn {
+    /// TRL's `SFTTrainer` defaults: `completion_only_loss` for
+    /// prompt/completion rows, every token of conversations and text.
+    #[default]
+    Auto,
+    /// The tokens of the assistant turns (their content and the end of
+    /// turn the template writes after it), as TRL's `assistant_only_loss`.
+    Assistant,
+    /// The completion of prompt/completion rows.
+    Completion,
+    /// Every token.
+    All,
 }
 
 hugging_face_repository! {
@@ -170,8 +202,8 @@ hugging_face_repository! {
     #[schemars(extend("x-kubernetes-validations" = [
         {"rule": "!self.file.startsWith('/') && !self.file.split('/').exists(p, p == '..' || p == '.' || p == '')",
          "message": "data.huggingFace.file is a path inside the repository (e.g. data/train.jsonl), without a leading '/', '.' or '..'"},
-        {"rule": "!self.file.endsWith('.parquet') && !self.file.endsWith('.arrow')",
-         "message": "data.huggingFace.file must be JSONL (format: jsonl) or plain text (format: text); Headroom does not read Parquet or Arrow: pick or upload such a file"},
+        {"rule": "!self.file.endsWith('.arrow')",
+         "message": "data.huggingFace.file: must be JSONL (format: jsonl), Parquet (format: parquet) or plain text (format: text); Headroom does not read Arrow files: pick the dataset's Parquet shard"},
         {"rule": "!has(self.endpoint) || self.endpoint.startsWith('https://') || (has(self.allowInsecureHttp) && self.allowInsecureHttp)",
          "fieldPath": ".endpoint",
          "reason": "FieldValueForbidden",
@@ -194,6 +226,7 @@ pub enum TextFormat {
     #[default]
     Jsonl,
     Text,
+    Parquet,
 }
 
 /// Where the fine-tuned model goes.

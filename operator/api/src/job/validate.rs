@@ -7,7 +7,10 @@
 use headroom_planner::{Backend, JobRequest, LlamaShape, ModelShape, Precision, RetryRung, Target};
 use k8s_openapi::api::core::v1::Toleration;
 
-use super::sources::{HuggingFaceDataFile, HuggingFaceSource, PretrainedModel, VolumePath};
+use super::sources::{
+    DataSpec, HuggingFaceDataFile, HuggingFaceSource, PretrainedModel, TextFormat, TrainOn,
+    VolumePath,
+};
 use super::spec::{
     CpuResources, GpuResources, LoraSpec, MemoryAwareTrainingJobSpec, QuantizedFormat,
     TrainingMethod, default_lora_targets,
@@ -100,15 +103,31 @@ impl HuggingFaceDataFile {
                 "is a path inside the repository (e.g. data/train.jsonl), without a leading '/', '.' or '..'",
             ));
         }
-        if file.ends_with(".parquet") || file.ends_with(".arrow") {
+        if file.ends_with(".arrow") {
             return Err(spec_error(
                 "data.huggingFace.file",
-                "must be JSONL (format: jsonl) or plain text (format: text); Headroom does not read Parquet or Arrow: pick or upload such a file",
+                "must be JSONL (format: jsonl), Parquet (format: parquet) or plain text (format: text); Headroom does not read Arrow files: pick the dataset's Parquet shard",
             ));
         }
         Ok(())
     }
 }
+
+impl DataSpec {
+    /// The CEL rule on `trainOn`, offline: a text file has no prompts or
+    /// turns to leave out.
+    fn check_train_on(&self) -> Result<(), SpecError> {
+        if self.format == TextFormat::Text
+            && matches!(self.train_on, TrainOn::Assistant | TrainOn::Completion)
+        {
+            return Err(spec_error("data.trainOn", TRAIN_ON_TEXT));
+        }
+        Ok(())
+    }
+}
+
+/// Why `trainOn: assistant` or `completion` cannot go with `format: text`.
+const TRAIN_ON_TEXT: &str = "assistant and completion need JSONL or Parquet rows (conversations, prompt/completion pairs); a text file is plain text: use trainOn auto or all";
 
 impl VolumePath {
     /// The CEL rule on [`VolumePath`], offline: `field` names where this
@@ -270,6 +289,7 @@ impl MemoryAwareTrainingJobSpec {
         if let Some(hf) = &data.hugging_face {
             hf.check_file()?;
         }
+        data.check_train_on()?;
         Ok(())
     }
 
@@ -869,6 +889,40 @@ mod tests {
             assert_eq!(err.field, field, "{file}");
             assert_eq!(format!("{field}: {}", err.problem), expect, "{file}");
         }
+    }
+
+    /// An Arrow file from the hub, and assistant- or completion-only loss
+    /// on a text file, are refused offline with the API server's words and
+    /// the CRD's CEL message; a Parquet file and trainOn on rows pass.
+    #[test]
+    fn data_the_worker_cannot_read_as_asked_is_refused_offline() {
+        let shape = tiny_llama();
+        let crd =
+            serde_json::to_string(&<MemoryAwareTrainingJob as kube::CustomResourceExt>::crd())
+                .expect("crd");
+        for (file, field) in [
+            ("42-data-arrow.yaml", "data.huggingFace.file"),
+            ("56-data-train-on-text.yaml", "data.trainOn"),
+        ] {
+            let expect = corpus_expect(file);
+            let job = invalid_manifest(file);
+            let err = job.spec.job_request_for(Some(&shape)).expect_err(file);
+            assert_eq!(err.field, field, "{file}");
+            assert_eq!(format!("{field}: {}", err.problem), expect, "{file}");
+            assert!(crd.contains(&expect), "{file}: the CRD's CEL message");
+        }
+        let mut spec = invalid_manifest("42-data-arrow.yaml").spec;
+        if let Some(hf) = spec.data.as_mut().and_then(|d| d.hugging_face.as_mut()) {
+            hf.file = "data/train-00000-of-00001.parquet".into();
+        }
+        spec.job_request_for(Some(&shape))
+            .expect("a Parquet file is read");
+        let mut spec = invalid_manifest("56-data-train-on-text.yaml").spec;
+        if let Some(data) = spec.data.as_mut() {
+            data.format = TextFormat::Jsonl;
+        }
+        spec.job_request_for(Some(&shape))
+            .expect("assistant turns of JSONL rows");
     }
 
     /// A hub endpoint is `https://`, or plain HTTP only with the opt-in

@@ -68,7 +68,11 @@ pub(super) fn payload_files(job: &MemoryAwareTrainingJob) -> Option<PayloadFiles
                 field: data.field.clone(),
             },
             TextFormat::Text => DataFormat::Text,
+            TextFormat::Parquet => DataFormat::Parquet {
+                field: data.field.clone(),
+            },
         },
+        train_on: data.train_on,
         output_dir,
         hub_model: pretrained.hugging_face.as_ref().map(|hf| HubModel {
             repo: hf.repo.clone(),

@@ -132,6 +132,7 @@ fn initializer_assignment(job: &MemoryAwareTrainingJob) -> Option<InitializerAss
         data_file: files.data_file,
         data,
         data_format: files.data_format,
+        train_on: files.train_on,
         sequence_length: pretrained.sequence_length,
     })
 }

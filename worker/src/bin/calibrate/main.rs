@@ -488,6 +488,7 @@ fn fine_tuning_files_with(
         model_dir: model_dir.display().to_string(),
         data_file: data.display().to_string(),
         data_format: DataFormat::Text,
+        train_on: headroom_api::TrainOn::All,
         output_dir: dir.join("output").display().to_string(),
         hub_model: None,
     };
