@@ -181,6 +181,8 @@ pub struct ModelSpec {
      "message": "training.schedule.minLearningRate: above training.learningRate, the peak; the decay ends at the minimum, so set it below the peak (e.g. a tenth of it)"},
     {"rule": "!has(self.lora) || self.method != 'full'",
      "message": "training.lora: adapters are for method lora or qlora; set training.method: lora (or qlora), or remove training.lora"},
+    {"rule": "!has(self.lora) || self.method != 'qlora' || (has(self.lora.baseFormat) && self.lora.baseFormat != 'nf4') || !has(self.lora.blockSize) || self.lora.blockSize == 64",
+     "message": "training.lora.blockSize: nf4 (qlora's default base) is stored as bitsandbytes stores QLoRA's base, in blocks of 64 values; remove blockSize (or set 64), or set baseFormat: int4 or int8 to keep this block size"},
     {"rule": "!has(self.lora) || !has(self.lora.baseFormat) || self.method == 'qlora'",
      "message": "training.lora.baseFormat: only a qlora job quantizes its base (lora keeps it dense); set training.method: qlora, or remove baseFormat"}
 ]))]

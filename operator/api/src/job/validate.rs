@@ -176,7 +176,7 @@ impl MemoryAwareTrainingJobSpec {
         &self,
         pretrained: Option<&LlamaShape>,
     ) -> Result<JobRequest, SpecError> {
-        self.check_recipe()?;
+        self.check_training_rules()?;
         let model = match &self.model.pretrained {
             Some(p) => self.pretrained_model(p, pretrained)?,
             None => self.model_from_scratch()?,
@@ -184,9 +184,17 @@ impl MemoryAwareTrainingJobSpec {
         self.request_for_model(model)
     }
 
-    /// The recipe's CEL rules (on `training` and the spec), offline.
-    fn check_recipe(&self) -> Result<(), SpecError> {
+    /// The CEL rules on `training` that need no checkpoint (the recipe, an
+    /// nf4 base's block size), offline.
+    fn check_training_rules(&self) -> Result<(), SpecError> {
         let t = &self.training;
+        if let Some(lora) = t
+            .lora
+            .as_ref()
+            .filter(|_| t.method == TrainingMethod::Qlora)
+        {
+            check_nf4_block_size(lora)?;
+        }
         if t.steps.is_some() == t.epochs.is_some() {
             return Err(spec_error(
                 "training",
@@ -664,10 +672,9 @@ impl MemoryAwareTrainingJobSpec {
     }
 }
 
-/// A QLoRA base's block size: nf4 takes bitsandbytes' blocks only; int8 and
-/// int4 need one of at most 255 that divides every block linear's output
-/// size (burn quantizes whole blocks only).
-fn check_qlora_block_size(lora: &LoraSpec, shape: &LlamaShape) -> Result<(), SpecError> {
+/// An nf4 base's block size is bitsandbytes', whatever the checkpoint (the
+/// API server's CEL rule on `training`).
+fn check_nf4_block_size(lora: &LoraSpec) -> Result<(), SpecError> {
     let nf4 = lora.base_format.unwrap_or(QuantizedFormat::Nf4) == QuantizedFormat::Nf4;
     let nf4_block = headroom_planner::memory::NF4_BLOCK;
     if nf4 && u64::from(lora.block_size) != nf4_block {
@@ -684,7 +691,15 @@ fn check_qlora_block_size(lora: &LoraSpec, shape: &LlamaShape) -> Result<(), Spe
             ),
         ));
     }
-    if nf4 {
+    Ok(())
+}
+
+/// A QLoRA base's block size: nf4 takes bitsandbytes' blocks only; int8 and
+/// int4 need one of at most 255 that divides every block linear's output
+/// size (burn quantizes whole blocks only).
+fn check_qlora_block_size(lora: &LoraSpec, shape: &LlamaShape) -> Result<(), SpecError> {
+    check_nf4_block_size(lora)?;
+    if lora.base_format.unwrap_or(QuantizedFormat::Nf4) == QuantizedFormat::Nf4 {
         return Ok(());
     }
     let block = u64::from(lora.block_size);
