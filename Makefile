@@ -76,7 +76,7 @@ RECIPE_PINS := torch==2.15.0 transformers==5.23.0 peft==0.21.2 accelerate==1.15.
 RECIPE_VENV ?= $(HEADROOM_CACHE)/tools/recipe-reference-torch2.15.0-transformers5.23.0-peft0.21.2
 
 .PHONY: recipe-reference
-recipe-reference: ## PyTorch's loss curves of the recipe reference job (transformers.Trainer + PEFT, fp32, CPU) into worker/tests/fixtures/recipe/ (a pinned venv in ~/.cache/headroom/tools; ~1 min after the install; not in CI).
+recipe-reference: ## PyTorch's loss curves of the recipe reference job (transformers.Trainer + PEFT, fp32 and bf16, CPU) into worker/tests/fixtures/recipe/ (a pinned venv in ~/.cache/headroom/tools; ~4 min after the install; not in CI).
 	test -x $(RECIPE_VENV)/bin/python || python3 -m venv $(RECIPE_VENV)
 	test -f $(RECIPE_VENV)/.installed || { $(RECIPE_VENV)/bin/pip install --no-cache-dir $(RECIPE_PINS) && touch $(RECIPE_VENV)/.installed; }
 	$(RECIPE_VENV)/bin/python worker/tests/fixtures/recipe/generate.py

@@ -50,19 +50,14 @@
 //! The learning rates are PyTorch's to 4 ulps (both compute them in f64:
 //! measured 0 and 1.3e-16 relative).
 //!
-//! PyTorch's curve is fp32 only: the worker's CPU backend trains in fp32
-//! (bf16 with fp32 master weights is not implemented there).
+//! The bf16 runs (f32 master weights) are `recipe_reference_bf16.rs`: flex
+//! computes in bf16 only in a process that sets it so before its first
+//! tensor.
 
-use std::path::{Path, PathBuf};
+mod recipe_common;
 
 use burn::tensor::Device;
-use headroom_api::{AdamSpec, Recipe, ScheduleType};
-use headroom_planner::{LoraConfig, Settings, TargetModule};
-use headroom_worker::data::ProgressionTask;
-use headroom_worker::model::hf::HfCheckpoint;
-use headroom_worker::model::peft;
-use headroom_worker::train::{TrainConfig, Trainer};
-use serde_json::Value;
+use recipe_common::{config, difference, integer, measure, reference, train};
 
 /// Largest per-step |Headroom − PyTorch| of the loss (see the table above).
 const LOSS_BOUND: f64 = 5e-5;
@@ -71,248 +66,9 @@ const GRAD_BOUND: f64 = 1e-4;
 /// Largest per-step relative difference of the learning rate: 4 ulps.
 const LR_TOLERANCE: f64 = 4.0 * f64::EPSILON;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/recipe")
-}
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-/// PyTorch's side of `run` (`full` or `lora`).
-fn reference(run: &str) -> Value {
-    let path = fixtures().join(format!("{run}.json"));
-    let text = std::fs::read_to_string(&path).expect("fixture");
-    serde_json::from_str(&text).expect("fixture JSON")
-}
-
-fn number(v: &Value, key: &str) -> f64 {
-    v[key]
-        .as_f64()
-        .unwrap_or_else(|| panic!("{key}: {}", v[key]))
-}
-
-fn integer(v: &Value, key: &str) -> u64 {
-    v[key]
-        .as_u64()
-        .unwrap_or_else(|| panic!("{key}: {}", v[key]))
-}
-
-fn series(v: &Value, key: &str) -> Vec<f64> {
-    v[key]
-        .as_array()
-        .unwrap_or_else(|| panic!("{key}: {}", v[key]))
-        .iter()
-        .map(|x| x.as_f64().expect("number"))
-        .collect()
-}
-
-fn tokens(v: &Value) -> Vec<i64> {
-    v.as_array()
-        .expect("sample")
-        .iter()
-        .map(|t| t.as_i64().expect("token"))
-        .collect()
-}
-
-/// The recipe of the Trainer's `TrainingArguments` recorded in `settings`
-/// (anything else as [`Recipe::constant`] leaves it: no minimum learning
-/// rate, steps rather than epochs).
-fn recipe(settings: &Value) -> Recipe {
-    assert_eq!(settings["schedule"], "cosine");
-    Recipe {
-        schedule: ScheduleType::Cosine,
-        warmup_steps: integer(settings, "warmup_steps"),
-        weight_decay: number(settings, "weight_decay"),
-        adam: AdamSpec {
-            beta1: number(settings, "adam_beta1"),
-            beta2: number(settings, "adam_beta2"),
-            epsilon: number(settings, "adam_epsilon"),
-        },
-        max_grad_norm: number(settings, "max_grad_norm"),
-        ..Recipe::constant(
-            number(settings, "learning_rate"),
-            integer(settings, "steps"),
-        )
-    }
-}
-
-fn lora(settings: &Value) -> LoraConfig {
-    let targets = settings["target_modules"]
-        .as_array()
-        .expect("target_modules")
-        .iter()
-        .map(|m| {
-            let name = m.as_str().expect("name");
-            TargetModule::from_hf_name(name).unwrap_or_else(|| panic!("module {name}"))
-        })
-        .collect();
-    LoraConfig {
-        rank: integer(settings, "r") as u32,
-        alpha: number(settings, "lora_alpha"),
-        dropout: number(settings, "lora_dropout"),
-        target_modules: targets,
-        block_size: 64, // a quantized base only
-    }
-}
-
-/// The worker's configuration of the job PyTorch ran, split into
-/// micro-batches of `micro_batch` (the same global batch).
-fn config(reference: &Value, micro_batch: u32) -> TrainConfig {
-    let s = &reference["settings"];
-    let model = repo().join(s["model"].as_str().expect("model"));
-    let sequence = integer(s, "sequence_length") as u32;
-    let global = integer(s, "micro_batch") * integer(s, "gradient_accumulation");
-    let checkpoint = HfCheckpoint::open(&model, sequence).expect("checkpoint");
-    let mut config = TrainConfig::single_stage(
-        checkpoint.shape,
-        Settings {
-            micro_batch,
-            gradient_accumulation: (global / u64::from(micro_batch)) as u32,
-            ..Settings::default()
-        },
-        0,
-        0.0,
-        integer(s, "seed"),
-    )
-    .with_pretrained(model);
-    config.recipe = recipe(s);
-    if !s["lora"].is_null() {
-        config = config.with_adapters(lora(&s["lora"]));
-    }
-    config
-}
-
-/// What the worker logged per step.
-#[derive(Debug, Default)]
-struct Curve {
-    loss: Vec<f64>,
-    learning_rate: Vec<f64>,
-    grad_norm: Vec<f64>,
-}
-
-/// Trains the job as `config` says on `threads` rayon threads.
-fn train(config: TrainConfig, threads: usize) -> Curve {
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .expect("rayon pool");
-    pool.install(move || {
-        let adapters = config.adapters.clone();
-        let layout = config.layout.clone();
-        let mut trainer = Trainer::new(config, Device::flex().autodiff()).expect("trainer");
-        if let Some(adapters) = adapters {
-            // PEFT's initial adapter, not one drawn from the worker's seed.
-            let model = trainer.take_model();
-            let model = peft::load_stage(model, &layout, &adapters, &fixtures().join("lora-init"))
-                .expect("PEFT's initial adapter");
-            trainer.set_model(model);
-        }
-        let mut curve = Curve::default();
-        while !trainer.finished() {
-            let report = trainer.train_step().expect("step");
-            curve
-                .loss
-                .push(report.loss.expect("one stage computes the loss"));
-            curve.learning_rate.push(report.learning_rate);
-            curve
-                .grad_norm
-                .push(report.grad_norm.expect("clipping is on"));
-        }
-        curve
-    })
-}
-
-/// Largest absolute and relative per-step difference of `ours` from `theirs`.
-fn difference(ours: &[f64], theirs: &[f64]) -> (f64, f64) {
-    assert_eq!(ours.len(), theirs.len(), "steps");
-    ours.iter().zip(theirs).fold((0.0, 0.0), |(a, r), (x, y)| {
-        let d = (x - y).abs();
-        (f64::max(a, d), f64::max(r, d / y.abs().max(1e-30)))
-    })
-}
-
-/// The worker's data is the data PyTorch trained on: the first samples and
-/// the last.
-fn check_data(reference: &Value, config: &TrainConfig) {
-    let task = ProgressionTask {
-        seed: config.seed,
-        vocabulary: config.shape.vocabulary(),
-        sequence_length: config.shape.sequence_length(),
-    };
-    for (i, expected) in reference["first_samples"]
-        .as_array()
-        .expect("first_samples")
-        .iter()
-        .enumerate()
-    {
-        assert_eq!(task.sample(i as u64), tokens(expected), "sample {i}");
-    }
-    let last = config.recipe.total_steps * config.global_batch() - 1;
-    assert_eq!(
-        task.sample(last),
-        tokens(&reference["last_sample"]),
-        "sample {last}"
-    );
-}
-
-/// How far the worker's curve lies from PyTorch's: the largest per-step
-/// differences of the loss (absolute), the learning rate and the gradient
-/// norm (relative).
-#[derive(Debug)]
-struct Gap {
-    loss: f64,
-    learning_rate: f64,
-    grad_norm: f64,
-}
-
-/// Trains `run` as PyTorch did (with `change` made to the worker's
-/// configuration) and prints the curves side by side.
-fn measure(run: &str, change: impl FnOnce(&mut TrainConfig)) -> Gap {
-    let reference = reference(run);
-    let micro = integer(&reference["settings"], "micro_batch") as u32;
-    let mut config = config(&reference, micro);
-    check_data(&reference, &config);
-    change(&mut config);
-    let ours = train(config, 1);
-    let (loss, lr, norm) = (
-        series(&reference, "loss"),
-        series(&reference, "learning_rate"),
-        series(&reference, "grad_norm"),
-    );
-    let (loss_abs, loss_rel) = difference(&ours.loss, &loss);
-    let (_, lr_rel) = difference(&ours.learning_rate, &lr);
-    let (norm_abs, norm_rel) = difference(&ours.grad_norm, &norm);
-    println!(
-        "{run}: loss {:.4} -> {:.4} (PyTorch {:.4} -> {:.4}); max |diff| loss {loss_abs:.2e} (rel {loss_rel:.2e}), \
-         grad norm {norm_abs:.2e} (rel {norm_rel:.2e}), learning rate rel {lr_rel:.2e}",
-        ours.loss[0],
-        ours.loss[ours.loss.len() - 1],
-        loss[0],
-        loss[loss.len() - 1],
-    );
-    for step in [0, 1, 5, 6, 10, 20, 30, 40, 50, 59] {
-        println!(
-            "  step {:2}: loss {:.6} vs {:.6}, lr {:.6e} vs {:.6e}, grad norm {:.6} vs {:.6}",
-            step + 1,
-            ours.loss[step],
-            loss[step],
-            ours.learning_rate[step],
-            lr[step],
-            ours.grad_norm[step],
-            norm[step]
-        );
-    }
-    Gap {
-        loss: loss_abs,
-        learning_rate: lr_rel,
-        grad_norm: norm_rel,
-    }
-}
-
 /// The worker's curve of `run` is PyTorch's, within the bounds.
 fn compare(run: &str) {
-    let gap = measure(run, |_| {});
+    let gap = measure(run, &Device::flex(), |_| {});
     assert!(
         gap.learning_rate <= LR_TOLERANCE,
         "{run}: learning rates differ by {:.2e} (relative)",
@@ -344,7 +100,7 @@ fn lora_follows_pytorch_and_peft_loss_curve() {
 /// 1e-6 instead of PyTorch's 1e-8, the smallest effect found (table above).
 #[test]
 fn a_wrong_epsilon_leaves_the_bound() {
-    let gap = measure("lora", |c| c.recipe.adam.epsilon = 1e-6);
+    let gap = measure("lora", &Device::flex(), |c| c.recipe.adam.epsilon = 1e-6);
     assert!(
         gap.loss > LOSS_BOUND && gap.grad_norm > GRAD_BOUND,
         "epsilon 1e-6 stays within the bounds: {gap:?}"
@@ -359,10 +115,13 @@ fn headroom_spread() {
     for run in ["full", "lora"] {
         let reference = reference(run);
         let micro = integer(&reference["settings"], "micro_batch") as u32;
-        let base = train(config(&reference, micro), 1);
+        let base = train(config(&reference, micro), &Device::flex(), 1);
         for (what, other) in [
-            ("2 threads", train(config(&reference, micro), 2)),
-            ("4 x 1", train(config(&reference, 4), 1)),
+            (
+                "2 threads",
+                train(config(&reference, micro), &Device::flex(), 2),
+            ),
+            ("4 x 1", train(config(&reference, 4), &Device::flex(), 1)),
         ] {
             let (la, lr) = difference(&other.loss, &base.loss);
             let (ga, gr) = difference(&other.grad_norm, &base.grad_norm);
