@@ -68,6 +68,30 @@ async fn a_small_job_succeeds_with_live_telemetry() {
         peak > 0 && peak <= 1 << 30,
         "peak {peak} within the 1Gi limit"
     );
+    // What `kubectl get matj` shows of the run: the step of its total and
+    // the last loss (the time left only while it runs).
+    let progress = status.progress.as_ref().expect("status.progress");
+    assert_eq!(progress.step_of_total, "8/8");
+    assert!(
+        progress.train_loss.is_some_and(f64::is_finite),
+        "{progress:?}"
+    );
+    let out = tokio::process::Command::new(kubectl())
+        .args(["get", "matj", "tiny-cpu", "-n", &ns.name])
+        .output()
+        .await
+        .unwrap_or_else(|e| panic!("run {:?} (set KUBECTL): {e}", kubectl()));
+    let table = String::from_utf8_lossy(&out.stdout);
+    let header: Vec<&str> = table
+        .lines()
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .collect();
+    for column in ["STEP", "LOSS", "ETA"] {
+        assert!(header.contains(&column), "{column} in {table}");
+    }
+    assert!(table.contains(" 8/8 "), "{table}");
     ns.cleanup().await;
 }
 
