@@ -38,7 +38,7 @@ fn tiny(steps: u32) -> String {
 #[ignore = "needs a cluster with Headroom installed: make e2e"]
 async fn a_small_job_succeeds_with_live_telemetry() {
     let ns = TestNs::new(E2E, "e2e-small").await;
-    ns.apply_job(&tiny(8)).await;
+    ns.apply_job(&tiny(SMALL_JOB_STEPS as u32)).await;
     // Telemetry arrives while it runs.
     let running = ns
         .wait_job("tiny-cpu", "live telemetry in status.workers", RUN, |j| {
@@ -51,6 +51,28 @@ async fn a_small_job_succeeds_with_live_telemetry() {
     assert_eq!(
         (worker.name.as_str(), worker.attempt),
         ("tiny-cpu-a1-s0", 1)
+    );
+    // While it runs, what `kubectl get matj` prints (the server's table)
+    // has its step of the total, its loss and the time left, once two
+    // reports have measured the pace.
+    ns.wait_job("tiny-cpu", "a time left in status.progress", RUN, |j| {
+        let progress = j.status.as_ref().and_then(|s| s.progress.as_ref());
+        progress.is_some_and(|p| p.eta_seconds.is_some_and(|e| e >= 2))
+    })
+    .await;
+    let table = printed_table(&ns, "tiny-cpu").await;
+    for column in ["Step", "Loss", "ETA"] {
+        let cell = &table[column];
+        assert!(
+            cell.as_str().is_some_and(|c| !c.is_empty()) || cell.is_number(),
+            "{column} of a running job: {table}"
+        );
+    }
+    assert!(
+        table["Step"]
+            .as_str()
+            .is_some_and(|s| s.ends_with(&format!("/{SMALL_JOB_STEPS}"))),
+        "{table}"
     );
     let done = ns
         .wait_job("tiny-cpu", "Succeeded", RUN, |j| {
@@ -71,7 +93,10 @@ async fn a_small_job_succeeds_with_live_telemetry() {
     // What `kubectl get matj` shows of the run: the step of its total and
     // the last loss (the time left only while it runs).
     let progress = status.progress.as_ref().expect("status.progress");
-    assert_eq!(progress.step_of_total, "8/8");
+    assert_eq!(
+        progress.step_of_total,
+        format!("{SMALL_JOB_STEPS}/{SMALL_JOB_STEPS}")
+    );
     assert!(
         progress.train_loss.is_some_and(f64::is_finite),
         "{progress:?}"
@@ -91,8 +116,36 @@ async fn a_small_job_succeeds_with_live_telemetry() {
     for column in ["STEP", "LOSS", "ETA"] {
         assert!(header.contains(&column), "{column} in {table}");
     }
-    assert!(table.contains(" 8/8 "), "{table}");
+    assert!(
+        table.contains(&format!(" {SMALL_JOB_STEPS}/{SMALL_JOB_STEPS} ")),
+        "{table}"
+    );
     ns.cleanup().await;
+}
+
+/// Steps of the small job: long enough (a few seconds a step on half a
+/// core) that the pace is measured and a time left shown while it runs.
+const SMALL_JOB_STEPS: u64 = 12;
+
+/// The row the API server prints for `kubectl get matj <job>` (the Table
+/// kubectl asks for), as column name → cell.
+async fn printed_table(ns: &TestNs, job: &str) -> serde_json::Value {
+    let request = hyper::Request::get(format!(
+        "/apis/headroom.dev/v1alpha1/namespaces/{}/memoryawaretrainingjobs/{job}",
+        ns.name
+    ))
+    .header("Accept", "application/json;as=Table;v=v1;g=meta.k8s.io")
+    .body(Vec::new())
+    .expect("request");
+    let table: serde_json::Value = ns.client.request(request).await.expect("table");
+    let names = table["columnDefinitions"].as_array().expect("columns");
+    let cells = table["rows"][0]["cells"].as_array().expect("a row");
+    names
+        .iter()
+        .zip(cells)
+        .filter_map(|(c, v)| Some((c["name"].as_str()?.to_string(), v.clone())))
+        .collect::<serde_json::Map<_, _>>()
+        .into()
 }
 
 #[tokio::test]
