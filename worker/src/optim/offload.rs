@@ -19,6 +19,12 @@
 //!
 //! On a CPU worker the device is the host: offloading has nothing to move,
 //! and the planner never asks for it there.
+//!
+//! The same wrapper with the training device as its `host` is how a bf16 or
+//! fp16 stage keeps mixed precision without offload
+//! (`crate::train::build_optimizer`): nothing moves, and the f32 master
+//! copy and the f32 moments stay on the device beside the half-precision
+//! weights, as PyTorch's mixed precision keeps them.
 
 use burn::optim::{LearningRate, Optimizer, RecordState, StateSink, StateSource};
 use burn::tensor::{DType, Device, FloatDType, Tensor};
