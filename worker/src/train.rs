@@ -884,8 +884,8 @@ impl Trainer {
     /// and with replicas its share of them) summed over the stage's
     /// replicas, then along the pipeline. Returns the (unscaled) norm
     /// before clipping, `None` when neither clipping nor a loss scale asks
-    /// for it, and whether it is finite (false: fp16 overflowed, skip the
-    /// update; the gradients are then left as they are).
+    /// for it, and whether the update goes ahead (false: fp16 overflowed,
+    /// skip it; the gradients are then left as they are).
     fn clip_gradients(
         &mut self,
         links: &mut Links,
@@ -914,7 +914,10 @@ impl Trainer {
         let own = squared_norm(self.model(), grads, skip);
         let stage = replicas.sum(own)?;
         let scaled = self.sum_over_stages(links, stage)?.sqrt();
-        if !scaled.is_finite() {
+        // Only fp16's scale skips a step: in fp32 and bf16 a non-finite
+        // gradient is applied as `clip_grad_norm_` applies it, and the next
+        // loss says the run diverged (the worker fails on a non-finite loss).
+        if !scaled.is_finite() && loss_scale.is_some() {
             return Ok((Some(scaled), false));
         }
         let unscale = loss_scale.map_or(1.0, |l| 1.0 / l.scale);
