@@ -15,33 +15,17 @@
 
 mod common;
 
-use std::sync::OnceLock;
-
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::tensor::{DType, Device, FloatDType, Tensor};
+use burn::tensor::{DType, FloatDType, Tensor};
 use headroom_planner::{Optimizer, Precision, Settings};
 use headroom_worker::model::TransformerLm;
 use headroom_worker::model::hf::HfCheckpoint;
 use headroom_worker::train::{TrainConfig, Trainer};
 
-use common::{tiny_llama, tiny_llama_text};
+use common::{bf16, tiny_llama, tiny_llama_text};
 
 const SEQUENCE: u32 = 32;
 const STEPS: u64 = 12;
-
-/// Flex with bf16 as its default float dtype, configured once per process.
-fn bf16() -> Device {
-    static DEVICE: OnceLock<Device> = OnceLock::new();
-    DEVICE
-        .get_or_init(|| {
-            let mut device = Device::flex();
-            device
-                .configure(FloatDType::BF16)
-                .expect("bf16 set before any tensor of this process");
-            device
-        })
-        .clone()
-}
 
 fn trainer(checkpointing: bool, optimizer: Optimizer) -> Trainer {
     trainer_with(

@@ -63,11 +63,10 @@
 //! recipe itself is checked sharply in fp32 (`recipe_reference.rs`), and
 //! the learning rate here to 4 ulps.
 
+mod common;
 mod recipe_common;
 
-use std::sync::OnceLock;
-
-use burn::tensor::{Device, FloatDType};
+use common::bf16;
 use headroom_planner::Precision;
 use recipe_common::{Gap, config, difference, integer, measure, reference, train};
 
@@ -100,20 +99,6 @@ const LORA: Bound = Bound {
     mean_loss: 2e-2,
     grad_norm: 5e-1,
 };
-
-/// Flex with bf16 as its default float dtype, configured once per process.
-fn bf16() -> Device {
-    static DEVICE: OnceLock<Device> = OnceLock::new();
-    DEVICE
-        .get_or_init(|| {
-            let mut device = Device::flex();
-            device
-                .configure(FloatDType::BF16)
-                .expect("bf16 set before any tensor of this process");
-            device
-        })
-        .clone()
-}
 
 /// Trains the fixture `run` on the bf16 device with `precision` in the
 /// plan's settings: `Bf16` steps an f32 master copy with f32 moments;

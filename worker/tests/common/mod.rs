@@ -2,6 +2,9 @@
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use burn::tensor::{Device, FloatDType};
 
 use headroom_planner::{Settings, TransformerShape};
 use headroom_worker::data::TextSamples;
@@ -78,4 +81,20 @@ pub fn masked_text(config: &TrainConfig) -> TextSamples {
         .map(|i| (0..s).map(|j| j >= (i % 5) * s / 4).collect())
         .collect();
     TextSamples::with_masks(samples, Some(masks), config.seed)
+}
+
+/// Flex with bf16 as its default float dtype, configured once per process:
+/// a test binary that calls it trains in bf16 throughout (burn sets the
+/// default dtype once, before the first tensor).
+pub fn bf16() -> Device {
+    static DEVICE: OnceLock<Device> = OnceLock::new();
+    DEVICE
+        .get_or_init(|| {
+            let mut device = Device::flex();
+            device
+                .configure(FloatDType::BF16)
+                .expect("bf16 set before any tensor of this process");
+            device
+        })
+        .clone()
 }
