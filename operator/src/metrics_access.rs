@@ -125,13 +125,7 @@ impl<R: Reviewer> MetricsAccess<R> {
 
     /// Whether the request with these headers may read `/metrics`.
     pub async fn check(&self, headers: &HeaderMap) -> Result<(), Denied> {
-        let token = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim)
-            .filter(|t| !t.is_empty())
-            .ok_or(Denied::NoToken)?;
+        let token = crate::token_cache::bearer_token(headers).ok_or(Denied::NoToken)?;
         if token.len() > MAX_TOKEN_BYTES {
             return Err(Denied::Unauthenticated(format!(
                 "a bearer token of at most {MAX_TOKEN_BYTES} bytes"

@@ -344,13 +344,7 @@ impl WorkerApi {
 
     /// The caller behind the request's bearer token.
     async fn caller(&self, headers: &HeaderMap) -> Result<Caller, Refusal> {
-        let token = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim)
-            .filter(|t| !t.is_empty())
-            .ok_or(Refusal::NoToken)?;
+        let token = crate::token_cache::bearer_token(headers).ok_or(Refusal::NoToken)?;
         self.identities.caller(token).await
     }
 }
