@@ -323,3 +323,98 @@ async fn a_qwen3_checkpoint_from_the_hub_is_fine_tuned_and_its_output_reloads() 
     );
     ns.cleanup().await;
 }
+
+/// A dataset card as `push_to_hub` writes one: the split's files by pattern.
+const CHAT_CARD: &str = "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: data/train-*\n  - split: test\n    path: data/test-*\n---\n# Conversations\n";
+/// A ChatML template (as Qwen's checkpoints carry one).
+const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+/// A chat fine-tune as people bring one: the tiny Llama with a ChatML
+/// template, and a conversational dataset in the hub's layout (a card whose
+/// `configs` name each split's Parquet shards), both from the hub stand-in;
+/// the job names the dataset by `split` and trains on the assistant turns.
+/// The initializer downloads the card and the train shard (not the test
+/// split), reports the share of masked targets, and the worker trains.
+#[tokio::test]
+#[ignore = "needs a cluster with Headroom installed: make e2e"]
+async fn a_chat_model_is_fine_tuned_on_the_assistant_turns_of_a_parquet_split_from_the_hub() {
+    let ns = TestNs::new(E2E, "e2e-chat").await;
+    let root = workspace_root();
+    let mut model = HubRepo::from_dir(&root.join(FIXTURE)).expect("fixture files");
+    let config =
+        serde_json::json!({"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHATML});
+    model.files.insert(
+        "tokenizer_config.json".into(),
+        config.to_string().into_bytes(),
+    );
+    let parquet = std::fs::read(root.join("worker/tests/fixtures/chat/conversations.parquet"))
+        .expect("conversations.parquet");
+    let dataset = HubRepo {
+        files: [
+            ("README.md", CHAT_CARD.as_bytes().to_vec()),
+            ("data/train-00000-of-00001.parquet", parquet.clone()),
+            ("data/test-00000-of-00001.parquet", parquet),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect(),
+        token: None,
+    };
+    let mut repos = HubRepos::new();
+    repos.insert("headroom/tiny-chat".into(), model);
+    repos.insert("datasets/headroom/chats".into(), dataset);
+    let hub = LocalHub::start("0.0.0.0:0", repos);
+    let endpoint = hub.endpoint_on(&hub_host(&ns).await);
+    let job = format!(
+        r#"apiVersion: headroom.dev/v1alpha1
+kind: MemoryAwareTrainingJob
+metadata:
+  name: chat-from-hub
+spec:
+  model:
+    pretrained:
+      huggingFace: {{repo: headroom/tiny-chat, endpoint: "{endpoint}", allowInsecureHttp: true}}
+      sequenceLength: 32
+  data:
+    huggingFace: {{repo: headroom/chats, split: train, endpoint: "{endpoint}", allowInsecureHttp: true}}
+    format: parquet
+    trainOn: assistant
+  training:
+    globalBatch: 4
+    steps: 4
+    learningRate: 0.003
+    checkpointEverySteps: 100
+  resources:
+    cpu: {{memoryLimit: 1Gi, cores: 500m, maxWorkers: 1}}
+  worker: {{}}
+"#
+    );
+    ns.apply_job(&job).await;
+    let status = ns.wait_succeeded("chat-from-hub", RUN).await;
+    let data = status.data.as_ref().expect("status.data");
+    // The user turns and the template's headers are masked, the replies not.
+    assert!(
+        data.masked_per_mille > 0 && data.masked_per_mille < 1000,
+        "{data:?}"
+    );
+    assert!(final_loss(&status).is_finite());
+    let requests = hub.take_requests();
+    let got = |file: &str| {
+        requests
+            .iter()
+            .filter(|r| {
+                r.method == "GET"
+                    && r.path.starts_with("/datasets/headroom/chats/resolve/")
+                    && r.path.ends_with(file)
+            })
+            .count()
+    };
+    assert_eq!(got("/README.md"), 1, "{requests:#?}");
+    assert_eq!(
+        got("/data/train-00000-of-00001.parquet"),
+        1,
+        "{requests:#?}"
+    );
+    assert_eq!(got("/data/test-00000-of-00001.parquet"), 0, "{requests:#?}");
+    ns.cleanup().await;
+}

@@ -46,6 +46,7 @@ pub mod checkpoint;
 pub mod collective;
 pub mod data;
 pub mod data_parallel;
+pub mod dataset_layout;
 pub mod env;
 pub mod exit;
 pub mod gpu_runtime;

@@ -12,7 +12,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use headroom_api::TrainOn;
+use headroom_api::{DataSplit, TrainOn};
 use minijinja::Value;
 use minijinja::value::ValueKind;
 use tokenizers::Tokenizer;
@@ -108,9 +108,97 @@ impl Located {
     }
 }
 
+/// Where a job's data is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DataLocation {
+    /// A file, or a glob pattern naming several.
+    Pattern(PathBuf),
+    /// A split of a dataset repository downloaded into `dir`, its files
+    /// found there as on the hub ([`crate::dataset_layout`]).
+    Split { dir: PathBuf, split: DataSplit },
+}
+
+impl DataLocation {
+    /// The data of a job's files: `data_file`, or its split.
+    pub fn new(data_file: &str, split: Option<&DataSplit>) -> Self {
+        match split {
+            Some(split) => DataLocation::Split {
+                dir: PathBuf::from(data_file),
+                split: split.clone(),
+            },
+            None => DataLocation::Pattern(PathBuf::from(data_file)),
+        }
+    }
+}
+
+impl From<&Path> for DataLocation {
+    fn from(path: &Path) -> Self {
+        DataLocation::Pattern(path.to_path_buf())
+    }
+}
+
+impl From<&PathBuf> for DataLocation {
+    fn from(path: &PathBuf) -> Self {
+        DataLocation::Pattern(path.clone())
+    }
+}
+
+impl std::fmt::Display for DataLocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DataLocation::Pattern(p) => write!(f, "{}", p.display()),
+            DataLocation::Split { dir, split } => match &split.subset {
+                Some(subset) => write!(
+                    f,
+                    "{} (subset {subset}, split {})",
+                    dir.display(),
+                    split.split
+                ),
+                None => write!(f, "{} (split {})", dir.display(), split.split),
+            },
+        }
+    }
+}
+
+/// The files of `data`: a pattern's (see [`pattern_files`]), or those of a
+/// split in its download directory.
+pub fn data_files(data: &DataLocation, format: &Format) -> Result<Vec<PathBuf>, TextError> {
+    let (dir, split) = match data {
+        DataLocation::Pattern(pattern) => return pattern_files(pattern),
+        DataLocation::Split { dir, split } => (dir, split),
+    };
+    let bad = |problem: String| TextError::File {
+        path: dir.clone(),
+        problem,
+    };
+    let mut relative = Vec::new();
+    let mut pending = vec![dir.clone()];
+    while let Some(at) = pending.pop() {
+        let entries =
+            std::fs::read_dir(&at).map_err(|e| bad(format!("reading {}: {e}", at.display())))?;
+        for entry in entries {
+            let entry = entry.map_err(|e| bad(format!("reading {}: {e}", at.display())))?;
+            let path = entry.path();
+            if path.is_dir() {
+                pending.push(path);
+            } else if let Ok(rel) = path.strip_prefix(dir) {
+                let parts: Vec<String> = rel
+                    .components()
+                    .map(|c| c.as_os_str().to_string_lossy().into_owned())
+                    .collect();
+                relative.push(parts.join("/"));
+            }
+        }
+    }
+    let readme = std::fs::read_to_string(dir.join(crate::dataset_layout::README)).ok();
+    let files = crate::dataset_layout::split_files(&relative, readme.as_deref(), split, format)
+        .map_err(bad)?;
+    Ok(files.iter().map(|f| dir.join(f)).collect())
+}
+
 /// The files `pattern` names: itself, or where it holds `*`, `?` or `[`,
 /// the files matching it as a glob, in name order (at least one).
-pub fn data_files(pattern: &Path) -> Result<Vec<PathBuf>, TextError> {
+pub fn pattern_files(pattern: &Path) -> Result<Vec<PathBuf>, TextError> {
     let text = pattern.to_string_lossy();
     if !text.contains(['*', '?', '[']) {
         return Ok(vec![pattern.to_path_buf()]);
@@ -134,10 +222,13 @@ pub fn data_files(pattern: &Path) -> Result<Vec<PathBuf>, TextError> {
     Ok(files)
 }
 
-/// Every example of the data at `pattern` (a file or a glob), in file and row order.
-pub fn read_examples(pattern: &Path, format: &Format) -> Result<Vec<Located>, TextError> {
+/// Every example of `data` (a file, a glob or a split), in file and row order.
+pub fn read_examples(
+    data: impl Into<DataLocation>,
+    format: &Format,
+) -> Result<Vec<Located>, TextError> {
     let mut examples = Vec::new();
-    for path in data_files(pattern)? {
+    for path in data_files(&data.into(), format)? {
         let path: Arc<Path> = Arc::from(path.as_path());
         match format {
             Format::PlainText => {
@@ -210,8 +301,7 @@ fn read_parquet(path: &Arc<Path>, field: &str, into: &mut Vec<Located>) -> Resul
             line: i + 1,
             problem: format!("row {}: {problem}", i + 1),
         };
-        // Parquet's record API gives JSON objects with their keys sorted.
-        let json = row.to_json_value().to_string();
+        let json = row_json(&row);
         into.push(Located {
             example: example_of(&json, field).map_err(at)?,
             path: path.clone(),
@@ -219,6 +309,55 @@ fn read_parquet(path: &Arc<Path>, field: &str, into: &mut Vec<Located>) -> Resul
         });
     }
     Ok(())
+}
+
+/// A Parquet row as JSON text with its fields in the schema's order, as
+/// Python (pyarrow, `datasets`) hands rows to a chat template; the record
+/// API's own `to_json_value` sorts the keys. Scalars are written as that
+/// API writes them.
+fn row_json(row: &parquet::record::Row) -> String {
+    use parquet::record::Field;
+    fn field(f: &Field, out: &mut String) {
+        match f {
+            Field::Group(row) => object(row.get_column_iter().map(|(k, v)| (k.clone(), v)), out),
+            Field::ListInternal(list) => {
+                out.push('[');
+                for (i, e) in list.elements().iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    field(e, out);
+                }
+                out.push(']');
+            }
+            Field::MapInternal(map) => object(
+                map.entries().iter().map(|(k, v)| {
+                    let key = k.to_json_value();
+                    (
+                        key.as_str().map_or_else(|| key.to_string(), str::to_string),
+                        v,
+                    )
+                }),
+                out,
+            ),
+            scalar => out.push_str(&scalar.to_json_value().to_string()),
+        }
+    }
+    fn object<'a>(entries: impl Iterator<Item = (String, &'a Field)>, out: &mut String) {
+        out.push('{');
+        for (i, (key, value)) in entries.enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            out.push_str(&serde_json::Value::String(key).to_string());
+            out.push(':');
+            field(value, out);
+        }
+        out.push('}');
+    }
+    let mut out = String::new();
+    object(row.get_column_iter().map(|(k, v)| (k.clone(), v)), &mut out);
+    out
 }
 
 /// A row's example, from the row as JSON text: `messages` makes a
@@ -405,8 +544,11 @@ fn check_one_kind(examples: &[Located]) -> Result<(), TextError> {
 
 /// The documents of one plain-text data file (a plain file, or the text
 /// field of JSONL rows).
-pub fn read_documents(path: &Path, format: &Format) -> Result<Vec<String>, TextError> {
-    read_examples(path, format)?
+pub fn read_documents(
+    data: impl Into<DataLocation>,
+    format: &Format,
+) -> Result<Vec<String>, TextError> {
+    read_examples(data, format)?
         .into_iter()
         .map(|e| match &e.example {
             Example::Text(s) => Ok(s.clone()),
@@ -457,8 +599,8 @@ fn encode(tk: &Tokenizer, text: &str, special: bool) -> Result<tokenizers::Encod
 }
 
 impl Tokenization<'_> {
-    /// `example` as training sees it: plain text as today (no special
-    /// tokens, then `eos`, all trained); prompt/completion strings as TRL
+    /// `example` as training sees it: plain text as TRL tokenizes it (the
+    /// tokenizer's special tokens, then `eos`, all trained); prompt/completion strings as TRL
     /// tokenizes them (the tokenizer's special tokens, the completion
     /// ending in the eos token); conversations rendered with the chat
     /// template and tokenized without special tokens (as
@@ -481,11 +623,7 @@ impl Tokenization<'_> {
                 if matches!(train_on, TrainOn::Completion) {
                     return Err(wrong("prompt/completion rows"));
                 }
-                let mut ids = encode(self.tokenizer, text, false)
-                    .map_err(at)?
-                    .get_ids()
-                    .to_vec();
-                ids.push(self.eos);
+                let ids = plain_text_ids(self.tokenizer, text, self.eos).map_err(at)?;
                 let trained = vec![true; ids.len()];
                 Ok(Tokenized { ids, trained })
             }
@@ -616,9 +754,20 @@ pub struct Packed {
     pub longer_than_sample: u64,
 }
 
-/// Tokenizes every document (no special tokens added by the tokenizer: the
-/// stream's only separator is `eos`), appends `eos` after each, and cuts the
-/// stream into samples of `sequence_length + 1` tokens with a stride of
+/// A plain-text document's ids as TRL's `SFTTrainer` makes them: tokenized
+/// with the tokenizer's special tokens (a Llama tokenizer's BOS first),
+/// ending with the end-of-sequence token (TRL appends its text unless the
+/// document ends with it; as an added token it is one id either way).
+fn plain_text_ids(tokenizer: &Tokenizer, text: &str, eos: u32) -> Result<Vec<u32>, String> {
+    let mut ids = encode(tokenizer, text, true)?.get_ids().to_vec();
+    if ids.last() != Some(&eos) {
+        ids.push(eos);
+    }
+    Ok(ids)
+}
+
+/// Tokenizes every document as [`plain_text_ids`] does and cuts the stream
+/// into samples of `sequence_length + 1` tokens with a stride of
 /// `sequence_length`. A tail shorter than a sample is dropped.
 pub fn pack(
     tokenizer: &Tokenizer,
@@ -629,14 +778,11 @@ pub fn pack(
     let examples: Vec<Tokenized> = documents
         .iter()
         .map(|doc| {
-            let mut ids = encode(tokenizer, doc, false)
-                .map_err(|problem| TextError::Tokenizer {
+            let ids =
+                plain_text_ids(tokenizer, doc, eos).map_err(|problem| TextError::Tokenizer {
                     path: PathBuf::from("(loaded)"),
                     problem,
-                })?
-                .get_ids()
-                .to_vec();
-            ids.push(eos);
+                })?;
             let trained = vec![true; ids.len()];
             Ok(Tokenized { ids, trained })
         })
@@ -686,7 +832,7 @@ pub fn pack_tokenized(examples: &[Tokenized], sequence_length: usize) -> Result<
 /// packed into samples of `sequence_length + 1` tokens with their masks.
 pub fn load_packed(
     model_dir: &Path,
-    data: &Path,
+    data: impl Into<DataLocation>,
     format: &Format,
     train_on: TrainOn,
     sequence_length: usize,
@@ -699,7 +845,8 @@ pub fn load_packed(
             tokenizer_path.display()
         )
     })?;
-    let examples = read_examples(data, format).map_err(|e| e.to_string())?;
+    let data = data.into();
+    let examples = read_examples(data.clone(), format).map_err(|e| e.to_string())?;
     let template = match examples.first().map(|e| &e.example) {
         Some(Example::Chat { .. }) => Template::load(model_dir)?,
         _ => None,
@@ -716,7 +863,7 @@ pub fn load_packed(
         .map(|e| how.tokenize(e))
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| e.to_string())?;
-    pack_tokenized(&tokenized, sequence_length).map_err(|e| format!("{}: {e}", data.display()))
+    pack_tokenized(&tokenized, sequence_length).map_err(|e| format!("{data}: {e}"))
 }
 
 /// The assignment's text, tokenized with the checkpoint's tokenizer and
@@ -727,7 +874,7 @@ pub(crate) fn load_text(
 ) -> Result<Packed, String> {
     load_packed(
         Path::new(&files.model_dir),
-        Path::new(&files.data_file),
+        DataLocation::new(&files.data_file, files.data_split.as_ref()),
         &Format::from(&files.data_format),
         files.train_on,
         sequence_length,

@@ -388,3 +388,120 @@ fn assistant_tokens_end_at_the_end_of_their_turn() {
         .collect();
     assert_eq!(runs, ["Paris.<|end|>", "Rome.<|end|><|endoftext|>"]);
 }
+
+/// A Parquet row reaches the template with its fields in the schema's
+/// order (as pyarrow gives Python dicts), not sorted: `role` before
+/// `content`, as in the JSONL the Parquet file was written from.
+#[test]
+fn parquet_messages_keep_the_schema_order_of_their_fields() {
+    let text = Format::Parquet {
+        field: "text".into(),
+    };
+    let jsonl = Format::Jsonl {
+        field: "text".into(),
+    };
+    let keys = |rows: &[Located]| -> Vec<Vec<String>> {
+        rows.iter()
+            .flat_map(|r| match &r.example {
+                headroom_worker::text::Example::Chat { messages, .. } => messages
+                    .iter()
+                    .map(|m| {
+                        m.try_iter()
+                            .expect("a map")
+                            .map(|k| k.to_string())
+                            .filter(|k| k == "role" || k == "content")
+                            .collect()
+                    })
+                    .collect::<Vec<Vec<String>>>(),
+                other => panic!("a conversation, not {other:?}"),
+            })
+            .collect()
+    };
+    let from_parquet =
+        keys(&read_examples(&fixture("conversations.parquet"), &text).expect("parquet"));
+    let from_jsonl = keys(&read_examples(&fixture("conversations.jsonl"), &jsonl).expect("jsonl"));
+    assert_eq!(from_parquet, from_jsonl);
+    assert_eq!(from_parquet[0], ["role", "content"]);
+}
+
+/// Every codec pyarrow writes is read: snappy (its default), gzip, lz4,
+/// zstd and brotli give the same rows.
+#[test]
+fn parquet_files_in_every_codec_pyarrow_writes_are_read() {
+    use parquet::basic::{BrotliLevel, Compression, GzipLevel, ZstdLevel};
+    use parquet::data_type::{ByteArray, ByteArrayType};
+    use parquet::file::properties::WriterProperties;
+    use parquet::file::writer::SerializedFileWriter;
+
+    let dir = std::env::temp_dir().join(format!("headroom-codecs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let documents = [
+        "We hold these truths",
+        "to be self-evident,",
+        "that all men",
+    ];
+    let schema = Arc::new(
+        parquet::schema::parser::parse_message_type(
+            "message schema { REQUIRED BYTE_ARRAY text (UTF8); }",
+        )
+        .expect("schema"),
+    );
+    let format = Format::Parquet {
+        field: "text".into(),
+    };
+    for codec in [
+        Compression::SNAPPY,
+        Compression::GZIP(GzipLevel::default()),
+        Compression::LZ4_RAW,
+        Compression::ZSTD(ZstdLevel::default()),
+        Compression::BROTLI(BrotliLevel::default()),
+    ] {
+        let path = dir.join(format!("{codec:?}.parquet").replace(['(', ')', ' '], ""));
+        let props = Arc::new(WriterProperties::builder().set_compression(codec).build());
+        let file = std::fs::File::create(&path).expect("create");
+        let mut writer = SerializedFileWriter::new(file, schema.clone(), props).expect("writer");
+        let mut group = writer.next_row_group().expect("row group");
+        let mut column = group.next_column().expect("column").expect("one column");
+        let values: Vec<ByteArray> = documents.iter().map(|d| ByteArray::from(*d)).collect();
+        column
+            .typed::<ByteArrayType>()
+            .write_batch(&values, None, None)
+            .expect("write");
+        column.close().expect("close column");
+        group.close().expect("close row group");
+        writer.close().expect("close file");
+        let read = read_documents(&path, &format).unwrap_or_else(|e| panic!("{codec:?}: {e}"));
+        assert_eq!(read, documents, "{codec:?}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Plain text is tokenized as TRL's `SFTTrainer` tokenizes it: with the
+/// tokenizer's special tokens (tiny-llama's post-processor puts BOS first)
+/// and the end-of-sequence token after each document.
+#[test]
+fn plain_text_rows_get_the_tokenizers_special_tokens_and_the_eos() {
+    let dir = model_dir("plain", None);
+    let data = dir.join("plain.jsonl");
+    let documents = ["We hold these truths", "to be self-evident"];
+    let rows: Vec<String> = documents
+        .iter()
+        .map(|d| serde_json::json!({ "text": d }).to_string())
+        .collect();
+    std::fs::write(&data, rows.join("\n")).expect("data");
+    let tokenizer = load_tokenizer(&dir.join("tokenizer.json")).expect("tokenizer");
+    let bos = tokenizer.token_to_id("<s>").expect("<s>");
+    let mut expected = Vec::new();
+    for d in documents {
+        let ids = tokenizer.encode(d, true).expect("encode");
+        assert_eq!(ids.get_ids()[0], bos, "the post-processor adds BOS");
+        expected.extend_from_slice(ids.get_ids());
+        expected.push(2);
+    }
+    let jsonl = Format::Jsonl {
+        field: "text".into(),
+    };
+    let packed =
+        load_packed(&dir, &data, &jsonl, TrainOn::All, expected.len() - 1).expect("packed");
+    assert_eq!(packed.samples, vec![expected]);
+}

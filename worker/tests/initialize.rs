@@ -10,8 +10,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use headroom_api::{
-    DataFormat, DataSource, HF_TOKEN_FILE_ENV, INITIALIZE_JSON_ENV, InitializerAssignment,
-    InitializerReport, ModelSource, TerminationMessage, WorkerOutcome, exit_code,
+    DataFormat, DataSource, DataSplit, HF_TOKEN_FILE_ENV, HubDataFiles, INITIALIZE_JSON_ENV,
+    InitializerAssignment, InitializerReport, ModelSource, TerminationMessage, WorkerOutcome,
+    exit_code,
 };
 use headroom_e2e::hub::{HUB_COMMIT as COMMIT, HubRepo, HubRepos, HubRequest as Seen, LocalHub};
 use headroom_worker::run::TERMINATION_MESSAGE_PATH_ENV;
@@ -29,6 +30,10 @@ const TOKEN: &str = "hf_test_token";
 /// A dataset repository holding the sample text under a subdirectory.
 const DATASET: &str = "headroom/declaration";
 const DATASET_FILE: &str = "data/train.jsonl";
+/// A dataset in the layout `push_to_hub` writes: a card whose `configs`
+/// name each split's files, and the splits' shards under `data/`.
+const SPLIT_DATASET: &str = "headroom/declaration-splits";
+const CARD: &str = "---\nlicense: cc0-1.0\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: data/train-*\n  - split: test\n    path: data/test-*\n---\n# The declaration, in splits\n";
 const WEIGHTS: &str = "model.safetensors";
 /// The fixture's files, all served by the hub stand-in.
 const FILES: [&str; 5] = [
@@ -90,6 +95,25 @@ fn start_hub() -> LocalHub {
                 std::fs::read(data_file()).expect("sample text"),
             )]
             .into_iter()
+            .collect(),
+        ),
+    );
+    // The sample's eight lines: five and three in two train shards, the
+    // first again as the test split.
+    let text = std::fs::read_to_string(data_file()).expect("sample text");
+    let lines: Vec<&str> = text.lines().collect();
+    let joined = |l: &[&str]| format!("{}\n", l.join("\n")).into_bytes();
+    repos.insert(
+        format!("datasets/{SPLIT_DATASET}"),
+        public(
+            [
+                ("README.md", CARD.as_bytes().to_vec()),
+                ("data/train-00000-of-00002.jsonl", joined(&lines[..5])),
+                ("data/train-00001-of-00002.jsonl", joined(&lines[5..])),
+                ("data/test-00000-of-00001.jsonl", joined(&lines[..1])),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
             .collect(),
         ),
     );
@@ -175,6 +199,7 @@ fn assignment(model: ModelSource, model_dir: &Path, data: &Path) -> InitializerA
             field: "text".into(),
         },
         train_on: headroom_api::TrainOn::Auto,
+        data_split: None,
         sequence_length: 32,
     }
 }
@@ -675,7 +700,8 @@ fn a_dataset_file_comes_from_the_hub_once() {
         repo: DATASET.into(),
         revision: "main".into(),
         endpoint: hub.endpoint(),
-        file: DATASET_FILE.into(),
+        data_dir: dir.join("data").display().to_string(),
+        files: HubDataFiles::File(DATASET_FILE.into()),
     };
     let report = initialize(&dir, &a, None).report();
     let text = std::fs::read(data_file()).expect("sample");
@@ -713,7 +739,8 @@ fn a_dataset_file_comes_from_the_hub_once() {
         repo: DATASET.into(),
         revision: "main".into(),
         endpoint: hub.endpoint(),
-        file: "data/test.jsonl".into(),
+        data_dir: dir.join("data").display().to_string(),
+        files: HubDataFiles::File("data/test.jsonl".into()),
     };
     a.data_file = dir.join("data/data/test.jsonl").display().to_string();
     let (code, message) = initialize(&dir, &a, None).message();
@@ -727,5 +754,100 @@ fn a_dataset_file_comes_from_the_hub_once() {
         "{}",
         message.reason
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A split of a dataset in the hub's layout is found as `datasets` finds it
+/// (the card's `configs`), only its files are downloaded, and the workers'
+/// reading of the download directory gives the same documents; a glob names
+/// the same files; a missing split or subset names what the dataset has.
+#[test]
+fn a_split_of_a_hub_dataset_is_downloaded_and_read_as_datasets_reads_it() {
+    let hub = start_hub();
+    let dir = temp_dir("split");
+    let data_dir = dir.join("data");
+    let train = DataSplit {
+        subset: None,
+        split: "train".into(),
+    };
+    let by_split = |split: &DataSplit| {
+        let mut a = assignment(ModelSource::Volume, &fixture(), &data_dir);
+        a.data = DataSource::HuggingFace {
+            repo: SPLIT_DATASET.into(),
+            revision: "main".into(),
+            endpoint: hub.endpoint(),
+            data_dir: data_dir.display().to_string(),
+            files: HubDataFiles::Split(split.clone()),
+        };
+        a.data_split = Some(split.clone());
+        a
+    };
+    let report = initialize(&dir, &by_split(&train), None).report();
+    // Both train shards, in order: the sample's eight documents.
+    assert_eq!(report.data.documents, 8);
+    let requests = hub.take_requests();
+    let got = |file: &str| {
+        count(
+            &requests,
+            "GET",
+            &format!("/datasets/{SPLIT_DATASET}/resolve/{COMMIT}/{file}"),
+        )
+    };
+    assert_eq!(got("README.md"), 1, "{requests:#?}");
+    assert_eq!(got("data/train-00000-of-00002.jsonl"), 1, "{requests:#?}");
+    assert_eq!(got("data/train-00001-of-00002.jsonl"), 1, "{requests:#?}");
+    assert_eq!(got("data/test-00000-of-00001.jsonl"), 0, "{requests:#?}");
+    // The workers read the same files from the download directory.
+    let format = headroom_worker::text::Format::Jsonl {
+        field: "text".into(),
+    };
+    let location =
+        headroom_worker::text::DataLocation::new(&data_dir.display().to_string(), Some(&train));
+    let read = headroom_worker::text::read_documents(location, &format).expect("split");
+    let sample = headroom_worker::text::read_documents(&data_file(), &format).expect("sample");
+    assert_eq!(read, sample);
+
+    // A glob names the train shards too.
+    let mut glob = by_split(&train);
+    glob.data = DataSource::HuggingFace {
+        repo: SPLIT_DATASET.into(),
+        revision: "main".into(),
+        endpoint: hub.endpoint(),
+        data_dir: data_dir.display().to_string(),
+        files: HubDataFiles::File("data/train-*.jsonl".into()),
+    };
+    glob.data_split = None;
+    glob.data_file = data_dir.join("data/train-*.jsonl").display().to_string();
+    let again = initialize(&dir, &glob, None).report();
+    assert_eq!((again.data.documents, again.downloaded_bytes), (8, 0));
+
+    // What the dataset has, when asked for what it has not.
+    for (split, says) in [
+        (
+            DataSplit {
+                subset: None,
+                split: "validation".into(),
+            },
+            "config default has the splits train, test",
+        ),
+        (
+            DataSplit {
+                subset: Some("fr".into()),
+                split: "train".into(),
+            },
+            "subset fr: the dataset's configs are default",
+        ),
+    ] {
+        let (code, message) = initialize(&dir, &by_split(&split), None).message();
+        assert_eq!(code, exit_code::INVALID_PLAN);
+        assert!(
+            message
+                .reason
+                .contains(&format!("dataset repository {SPLIT_DATASET}"))
+                && message.reason.contains(says),
+            "{}",
+            message.reason
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

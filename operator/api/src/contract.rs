@@ -292,6 +292,11 @@ pub struct PayloadFiles {
     /// Which tokens the loss is computed on (`data.trainOn`).
     #[serde(default)]
     pub train_on: crate::TrainOn,
+    /// A split of a hub dataset (`data.huggingFace.split`): `data_file` is
+    /// then the directory the repository's files were downloaded into, and
+    /// the split's files are found there as on the hub.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_split: Option<DataSplit>,
     /// Where the fine-tuned model is written, in the checkpoint's format, on success.
     pub output_dir: String,
     /// The Hugging Face repo the model came from (`model.pretrained.huggingFace`):
@@ -309,6 +314,27 @@ pub struct PayloadFiles {
 pub struct HubModel {
     pub repo: String,
     pub revision: String,
+}
+
+/// A split of a dataset repository, as `datasets.load_dataset(repo, subset,
+/// split=split)` names it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DataSplit {
+    /// The config (`configs[].config_name` of the README); `None`: the default one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub subset: Option<String>,
+    pub split: String,
+}
+
+/// Which files of a dataset repository the job reads.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum HubDataFiles {
+    /// A path in the repository, or a glob pattern naming several.
+    File(String),
+    /// The files of a split.
+    Split(DataSplit),
 }
 
 /// How a data file holds its documents.
@@ -363,6 +389,9 @@ pub struct InitializerAssignment {
     /// Which tokens the loss is computed on (`data.trainOn`).
     #[serde(default)]
     pub train_on: crate::TrainOn,
+    /// As [`PayloadFiles::data_split`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_split: Option<DataSplit>,
     /// Tokens per training sample (the data must give at least one sample).
     pub sequence_length: u32,
 }
@@ -387,15 +416,17 @@ pub enum ModelSource {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub enum DataSource {
-    /// One file of a Hugging Face dataset repository, downloaded to the
-    /// assignment's `data_file` (which ends with `file`); the token, if
-    /// any, is in the file [`HF_DATASET_TOKEN_FILE_ENV`] names.
+    /// Files of a Hugging Face dataset repository, downloaded under
+    /// `data_dir` (keeping their paths in the repository): the assignment's
+    /// `data_file` is `data_dir` joined with the file or glob, or `data_dir`
+    /// itself for a split. The token, if any, is in the file
+    /// [`HF_DATASET_TOKEN_FILE_ENV`] names.
     HuggingFace {
         repo: String,
         revision: String,
         endpoint: String,
-        /// The file's path in the repository, e.g. `data/train.jsonl`.
-        file: String,
+        data_dir: String,
+        files: HubDataFiles,
     },
     /// Already at `data_file` (a path on a volume).
     #[default]

@@ -24,11 +24,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use headroom_api::DownloadProgress;
+use headroom_api::{DownloadProgress, HubDataFiles};
 
 use ureq::http::HeaderMap;
 
 use super::InitError;
+use crate::dataset_layout;
+use crate::text::Format;
 
 /// The small files of a checkpoint that training (or a later
 /// `from_pretrained` of the output) reads, fetched when the repository has them.
@@ -332,9 +334,68 @@ impl Hub {
         Ok(fetched)
     }
 
-    /// Brings one file of the repository (a dataset's training text) to
-    /// `dir/name`, resumably, skipping it when it is already there whole.
-    pub fn fetch_file(&self, dir: &Path, name: &str) -> Result<Fetched, InitError> {
+    /// Brings the dataset files `files` names (a path, a glob pattern, or a
+    /// split found as `datasets` finds it) under `dir`, keeping their paths
+    /// in the repository, resumably; a file already there whole is skipped.
+    pub fn fetch_data(
+        &self,
+        dir: &Path,
+        files: &HubDataFiles,
+        format: &Format,
+    ) -> Result<Fetched, InitError> {
+        let field = self.kind.field();
+        std::fs::create_dir_all(dir)
+            .map_err(|e| InitError::Io(format!("cannot create {}: {e}", dir.display())))?;
+        let listing = self.retrying(|| self.list())?;
+        let commit = listing
+            .commit
+            .clone()
+            .unwrap_or_else(|| self.revision.clone());
+        let mut fetched = Fetched {
+            commit: listing.commit.clone(),
+            ..Fetched::default()
+        };
+        let names: Vec<String> = match files {
+            HubDataFiles::File(name) => self.named_files(&listing, name)?,
+            HubDataFiles::Split(split) => {
+                // The card's `configs` say which files are which split.
+                let readme = match listing.files.get(dataset_layout::README) {
+                    Some(size) => {
+                        self.progress(|p| p.files = 1);
+                        fetched.downloaded_bytes +=
+                            self.ensure(&commit, dataset_layout::README, *size, dir)?;
+                        fetched.files.push(dataset_layout::README.into());
+                        let path = dir.join(dataset_layout::README);
+                        Some(
+                            std::fs::read_to_string(&path)
+                                .map_err(|e| io_error("reading", &path, e))?,
+                        )
+                    }
+                    None => None,
+                };
+                let all: Vec<String> = listing.files.keys().cloned().collect();
+                dataset_layout::split_files(&all, readme.as_deref(), split, format)
+                    .map_err(|e| InitError::Invalid(format!("{}: {field}: {e}", self.describe())))?
+            }
+        };
+        self.progress(|p| p.files = (fetched.files.len() + names.len()) as u32);
+        for name in names {
+            let target = dir.join(&name);
+            if let Some(parent) = target.parent() {
+                std::fs::create_dir_all(parent).map_err(|e| {
+                    InitError::Io(format!("cannot create {}: {e}", parent.display()))
+                })?;
+            }
+            let size = listing.files.get(&name).copied().flatten();
+            fetched.downloaded_bytes += self.ensure(&commit, &name, size, dir)?;
+            fetched.files.push(name);
+        }
+        Ok(fetched)
+    }
+
+    /// The files `file` names in the listing: itself, or the files its glob
+    /// pattern matches (in name order).
+    fn named_files(&self, listing: &Listing, name: &str) -> Result<Vec<String>, InitError> {
         let field = self.kind.field();
         if name.is_empty()
             || name.starts_with('/')
@@ -346,13 +407,25 @@ impl Hub {
                 "{field}.file must be a path inside the repository such as data/train.jsonl, not {name:?}"
             )));
         }
-        let listing = self.retrying(|| self.list())?;
-        let Some(size) = listing.files.get(name).copied() else {
+        let found = if name.contains(['*', '?', '[']) {
+            let names: Vec<String> = listing.files.keys().cloned().collect();
+            dataset_layout::matching(name, &names)
+                .map_err(|e| InitError::Invalid(format!("{field}.file: {e}")))?
+        } else if listing.files.contains_key(name) {
+            vec![name.to_string()]
+        } else {
+            Vec::new()
+        };
+        if found.is_empty() {
             let mut near: Vec<&str> = listing
                 .files
                 .keys()
                 .map(String::as_str)
-                .filter(|f| f.ends_with(".jsonl") || f.ends_with(".json") || f.ends_with(".txt"))
+                .filter(|f| {
+                    [".jsonl", ".json", ".txt", ".parquet"]
+                        .iter()
+                        .any(|e| f.ends_with(e))
+                })
                 .take(10)
                 .collect();
             near.sort_unstable();
@@ -362,36 +435,11 @@ impl Hub {
                 if near.is_empty() {
                     String::new()
                 } else {
-                    format!("; its JSONL and text files include: {}", near.join(", "))
-                }
-            )));
-        };
-        if name.ends_with(".parquet") || name.ends_with(".arrow") {
-            return Err(InitError::Invalid(format!(
-                "{field}.file {name} is {}; Headroom reads JSONL (data.format: jsonl) or plain text (data.format: text): pick such a file, or convert the split (e.g. datasets' to_json) and upload it",
-                if name.ends_with(".parquet") {
-                    "Parquet"
-                } else {
-                    "Arrow"
+                    format!("; its data files include: {}", near.join(", "))
                 }
             )));
         }
-        let target = dir.join(name);
-        if let Some(parent) = target.parent() {
-            std::fs::create_dir_all(parent)
-                .map_err(|e| InitError::Io(format!("cannot create {}: {e}", parent.display())))?;
-        }
-        let commit = listing
-            .commit
-            .clone()
-            .unwrap_or_else(|| self.revision.clone());
-        self.progress(|p| p.files = 1);
-        let downloaded_bytes = self.ensure(&commit, name, size, dir)?;
-        Ok(Fetched {
-            downloaded_bytes,
-            commit: listing.commit,
-            files: vec![name.to_string()],
-        })
+        Ok(found)
     }
 
     /// `repository X (revision R) at ENDPOINT`.

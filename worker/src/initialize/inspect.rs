@@ -21,7 +21,7 @@ use safetensors::tensor::{Dtype, Metadata};
 use super::InitError;
 use crate::model::StageLayout;
 use crate::model::hf::HfCheckpoint;
-use crate::text::{Example, Format, load_packed, read_examples};
+use crate::text::{DataLocation, Example, Format, load_packed, read_examples};
 
 /// safetensors' own limit on the JSON header.
 const MAX_HEADER_BYTES: u64 = 100_000_000;
@@ -245,22 +245,22 @@ fn common_dtype(
 /// every token id fits the model's vocabulary.
 pub fn inspect_data(
     model_dir: &Path,
-    data_file: &Path,
+    data: impl Into<DataLocation>,
     format: &DataFormat,
     train_on: TrainOn,
     sequence_length: u32,
     vocabulary: u32,
 ) -> Result<DataFacts, InitError> {
     let format = Format::from(format);
+    let data = data.into();
     let examples =
-        read_examples(data_file, &format).map_err(|e| InitError::Invalid(e.to_string()))?;
+        read_examples(data.clone(), &format).map_err(|e| InitError::Invalid(e.to_string()))?;
     if examples
         .iter()
         .all(|e| matches!(&e.example, Example::Text(t) if t.trim().is_empty()))
     {
         return Err(InitError::Invalid(format!(
-            "{}: no text to train on (the data is empty{})",
-            data_file.display(),
+            "{data}: no text to train on (the data is empty{})",
             match &format {
                 Format::Jsonl { field } | Format::Parquet { field } =>
                     format!(" or every `{field}` is blank"),
@@ -270,7 +270,7 @@ pub fn inspect_data(
     }
     let packed = load_packed(
         model_dir,
-        data_file,
+        data.clone(),
         &format,
         train_on,
         sequence_length as usize,
@@ -286,8 +286,7 @@ pub fn inspect_data(
     }
     if packed.masked_targets == packed.targets {
         return Err(InitError::Invalid(format!(
-            "{}: data.trainOn leaves no token of any sample to train on (every target is masked): check the rows' roles or use trainOn: all",
-            data_file.display()
+            "{data}: data.trainOn leaves no token of any sample to train on (every target is masked): check the rows' roles or use trainOn: all"
         )));
     }
     Ok(DataFacts {

@@ -45,6 +45,7 @@ use crate::report::{
     DEFAULT_INTERVAL, DEFAULT_SAMPLE_EVERY, Progress, Reporter, TelemetrySink, WorkerApiSink,
     WorkerIdentity, WritePolicy,
 };
+use crate::text::{DataLocation, Format};
 use crate::worker_api::WorkerApi;
 use crate::{TERMINATION_MESSAGE_LIMIT, write_termination_message};
 
@@ -234,20 +235,15 @@ pub fn initialize(
         }
         ModelSource::Volume => 0,
     };
-    let data_file = Path::new(&assignment.data_file);
+    let format = Format::from(&assignment.data_format);
     let data_bytes = match &assignment.data {
         DataSource::HuggingFace {
             repo,
             revision,
             endpoint,
-            file,
+            data_dir,
+            files,
         } => {
-            let Some(data_dir) = assignment.data_file.strip_suffix(file.as_str()) else {
-                return Err(InitError::Invalid(format!(
-                    "the assignment's data file {} is not where data.huggingFace.file {file} goes",
-                    assignment.data_file
-                )));
-            };
             let mut hub = hub::Hub::new(
                 hub::RepoKind::Dataset,
                 endpoint,
@@ -259,12 +255,13 @@ pub fn initialize(
             if let Some(observer) = &observer {
                 hub = hub.observed(observer.clone());
             }
-            let fetched = hub.fetch_file(Path::new(data_dir), file)?;
+            let fetched = hub.fetch_data(Path::new(data_dir), files, &format)?;
             tracing::info!(
                 repo = %repo,
                 commit = fetched.commit.as_deref().unwrap_or(revision),
+                files = fetched.files.len(),
                 downloaded_bytes = fetched.downloaded_bytes,
-                file = %data_file.display(),
+                dir = %data_dir,
                 "data fetched"
             );
             fetched.downloaded_bytes
@@ -279,9 +276,10 @@ pub fn initialize(
         dtype = %model.dtype,
         "checkpoint checked"
     );
+    let data_location = DataLocation::new(&assignment.data_file, assignment.data_split.as_ref());
     let data = inspect::inspect_data(
         dir,
-        data_file,
+        data_location.clone(),
         &assignment.data_format,
         assignment.train_on,
         sequence_length,
@@ -293,7 +291,7 @@ pub fn initialize(
         samples = data.samples,
         masked_per_mille = data.masked_per_mille,
         longer_than_sample = data.longer_than_sample,
-        data = %assignment.data_file,
+        data = %data_location,
         "data checked"
     );
     Ok(InitializerReport {

@@ -142,7 +142,7 @@ pub struct VolumePath {
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
     {"rule": "has(self.huggingFace) != has(self.volume)",
-     "message": "data: set exactly one of huggingFace (repo, file) or volume (claimName, path)"},
+     "message": "data: set exactly one of huggingFace (repo, and file or split) or volume (claimName, path)"},
     {"rule": "!(has(self.format) && self.format == 'text' && has(self.trainOn) && (self.trainOn == 'assistant' || self.trainOn == 'completion'))",
      "fieldPath": ".trainOn",
      "message": "data.trainOn: assistant and completion need JSONL or Parquet rows (conversations, prompt/completion pairs); a text file is plain text: use trainOn auto or all"},
@@ -154,8 +154,9 @@ pub struct DataSpec {
     /// (`data/train-*.parquet`): its files are read in name order.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub volume: Option<VolumePath>,
-    /// One file of a Hugging Face dataset repository, downloaded into the
-    /// job's checkpoint volume by the initializer (once).
+    /// Files of a Hugging Face dataset repository (a file, a glob pattern
+    /// or a split), downloaded into the job's checkpoint volume by the
+    /// initializer (once).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hugging_face: Option<HuggingFaceDataFile>,
     /// `jsonl` (one JSON object a line), `parquet` (one such object a
@@ -200,21 +201,41 @@ hugging_face_repository! {
     #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
     #[serde(rename_all = "camelCase")]
     #[schemars(extend("x-kubernetes-validations" = [
-        {"rule": "!self.file.startsWith('/') && !self.file.split('/').exists(p, p == '..' || p == '.' || p == '')",
-         "message": "data.huggingFace.file is a path inside the repository (e.g. data/train.jsonl), without a leading '/', '.' or '..'"},
-        {"rule": "!self.file.endsWith('.arrow')",
+        {"rule": "!has(self.file) || (!self.file.startsWith('/') && !self.file.split('/').exists(p, p == '..' || p == '.' || p == ''))",
+         "message": "data.huggingFace.file is a path or glob pattern inside the repository (e.g. data/train.jsonl, data/train-*.parquet), without a leading '/', '.' or '..'"},
+        {"rule": "!has(self.file) || !self.file.endsWith('.arrow')",
          "message": "data.huggingFace.file: must be JSONL (format: jsonl), Parquet (format: parquet) or plain text (format: text); Headroom does not read Arrow files: pick the dataset's Parquet shard"},
+        {"rule": "!has(self.file) || (!has(self.split) && !has(self.subset))",
+         "message": "data.huggingFace: file names the files itself; split and subset pick them by the dataset's layout (its README's configs, data/<split>-*): set file, or split (and subset)"},
         {"rule": "!has(self.endpoint) || self.endpoint.startsWith('https://') || (has(self.allowInsecureHttp) && self.allowInsecureHttp)",
          "fieldPath": ".endpoint",
          "reason": "FieldValueForbidden",
          "message": "data.huggingFace.endpoint: must start with https:// (the token of tokenSecret is sent there); for a plain-HTTP mirror on a network you trust, also set allowInsecureHttp: true"}
     ]))]
     pub struct HuggingFaceDataFile {
-        /// `owner/name` of a dataset repository, e.g. `stanfordnlp/imdb`.
+        /// `owner/name` of a dataset repository, e.g. `HuggingFaceH4/ultrachat_200k`.
         pub repo: String,
-        /// The file's path in the repository, e.g. `data/train.jsonl`.
+        /// A file of the repository (`data/train.jsonl`), or a glob pattern
+        /// naming several (`data/train-*.parquet`: read in name order).
+        /// Without it, `split` picks the files.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
         #[schemars(length(min = 1, max = 1000))]
-        pub file: String,
+        pub file: Option<String>,
+        /// A split of the dataset (`train`, `train_sft`, ...), found as the
+        /// `datasets` library finds it: the `data_files` of the README's
+        /// `configs`, else `data/<split>-NNNNN-of-NNNNN.*` shards, else
+        /// files or directories named after the split; a repository with
+        /// none of these is all `train`. Default `train` when `file` is not
+        /// set.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        #[schemars(length(min = 1, max = 100), regex(pattern = r"^\w+(\.\w+)*$"))]
+        pub split: Option<String>,
+        /// The config (subset) of a dataset whose README declares several
+        /// (`configs:` with `config_name`); default: the one marked
+        /// `default: true`, or the only one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        #[schemars(length(min = 1, max = 200))]
+        pub subset: Option<String>,
     }
     token_for = "token, for a gated or private dataset.";
 }

@@ -78,6 +78,9 @@ impl HuggingFaceSource {
     }
 }
 
+/// The CEL message of a hub data source naming both files and a split.
+const FILE_OR_SPLIT: &str = "file names the files itself; split and subset pick them by the dataset's layout (its README's configs, data/<split>-*): set file, or split (and subset)";
+
 impl HuggingFaceDataFile {
     /// Whether `endpoint` may be used: `https://`, or `http://` with
     /// `allowInsecureHttp: true` beside it.
@@ -89,10 +92,15 @@ impl HuggingFaceDataFile {
         )
     }
 
-    /// The CEL rules on `file`, offline: a path inside the repository, and
-    /// a format Headroom reads.
+    /// The CEL rules on `file`, offline: a path (or glob) inside the
+    /// repository, a format Headroom reads, and not beside `split`/`subset`.
     fn check_file(&self) -> Result<(), SpecError> {
-        let file = self.file.as_str();
+        let Some(file) = self.file.as_deref() else {
+            return Ok(());
+        };
+        if self.split.is_some() || self.subset.is_some() {
+            return Err(spec_error("data.huggingFace", FILE_OR_SPLIT));
+        }
         if file.starts_with('/')
             || file
                 .split('/')
@@ -100,7 +108,7 @@ impl HuggingFaceDataFile {
         {
             return Err(spec_error(
                 "data.huggingFace.file",
-                "is a path inside the repository (e.g. data/train.jsonl), without a leading '/', '.' or '..'",
+                "is a path or glob pattern inside the repository (e.g. data/train.jsonl, data/train-*.parquet), without a leading '/', '.' or '..'",
             ));
         }
         if file.ends_with(".arrow") {
@@ -918,6 +926,7 @@ mod tests {
         for (file, field) in [
             ("42-data-arrow.yaml", "data.huggingFace.file"),
             ("56-data-train-on-text.yaml", "data.trainOn"),
+            ("60-data-file-and-split.yaml", "data.huggingFace"),
         ] {
             let expect = corpus_expect(file);
             let job = invalid_manifest(file);
@@ -928,10 +937,16 @@ mod tests {
         }
         let mut spec = invalid_manifest("42-data-arrow.yaml").spec;
         if let Some(hf) = spec.data.as_mut().and_then(|d| d.hugging_face.as_mut()) {
-            hf.file = "data/train-00000-of-00001.parquet".into();
+            hf.file = Some("data/train-00000-of-00001.parquet".into());
         }
         spec.job_request_for(Some(&shape))
             .expect("a Parquet file is read");
+        let mut spec = invalid_manifest("60-data-file-and-split.yaml").spec;
+        if let Some(hf) = spec.data.as_mut().and_then(|d| d.hugging_face.as_mut()) {
+            hf.file = None;
+        }
+        spec.job_request_for(Some(&shape))
+            .expect("a split alone picks the files");
         let mut spec = invalid_manifest("56-data-train-on-text.yaml").spec;
         if let Some(data) = spec.data.as_mut() {
             data.format = TextFormat::Jsonl;

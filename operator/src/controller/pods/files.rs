@@ -19,8 +19,8 @@
 use std::collections::BTreeMap;
 
 use headroom_api::{
-    DEFAULT_CHECKPOINT_DIR, DataFormat, HubModel, MemoryAwareTrainingJob, PayloadFiles, TextFormat,
-    VolumePath,
+    DEFAULT_CHECKPOINT_DIR, DataFormat, DataSplit, HubDataFiles, HubModel, HuggingFaceDataFile,
+    MemoryAwareTrainingJob, PayloadFiles, TextFormat, VolumePath,
 };
 use k8s_openapi::api::core::v1::{PersistentVolumeClaimVolumeSource, Volume, VolumeMount};
 
@@ -53,11 +53,14 @@ pub(super) fn payload_files(job: &MemoryAwareTrainingJob) -> Option<PayloadFiles
         Some(o) => claim_path(&o.volume),
         None => format!("{DEFAULT_CHECKPOINT_DIR}/output"),
     };
-    let data_file = match (&data.volume, &data.hugging_face) {
-        (Some(v), _) => claim_path(v),
+    let (data_file, data_split) = match (&data.volume, &data.hugging_face) {
+        (Some(v), _) => (claim_path(v), None),
         // Downloaded by the initializer into the job's checkpoint volume,
         // where every attempt's workers read it.
-        (None, Some(hf)) => format!("{DEFAULT_CHECKPOINT_DIR}/data/{}", hf.file),
+        (None, Some(hf)) => match hub_data_files(hf) {
+            HubDataFiles::File(file) => (format!("{}/{file}", hub_data_dir()), None),
+            HubDataFiles::Split(split) => (hub_data_dir(), Some(split)),
+        },
         (None, None) => return None,
     };
     Some(PayloadFiles {
@@ -73,12 +76,31 @@ pub(super) fn payload_files(job: &MemoryAwareTrainingJob) -> Option<PayloadFiles
             },
         },
         train_on: data.train_on,
+        data_split,
         output_dir,
         hub_model: pretrained.hugging_face.as_ref().map(|hf| HubModel {
             repo: hf.repo.clone(),
             revision: hf.revision.clone(),
         }),
     })
+}
+
+/// Where the initializer downloads a hub dataset's files, keeping their
+/// paths in the repository.
+pub(super) fn hub_data_dir() -> String {
+    format!("{DEFAULT_CHECKPOINT_DIR}/data")
+}
+
+/// The files of a hub dataset the job reads: `file` (a path or a glob), or
+/// `split` (default `train`) of `subset`.
+pub(super) fn hub_data_files(hf: &HuggingFaceDataFile) -> HubDataFiles {
+    match &hf.file {
+        Some(file) => HubDataFiles::File(file.clone()),
+        None => HubDataFiles::Split(DataSplit {
+            subset: hf.subset.clone(),
+            split: hf.split.clone().unwrap_or_else(|| "train".into()),
+        }),
+    }
 }
 
 /// Where the output is, for the status: `<claim>:<path>`.

@@ -19,7 +19,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::ResourceExt;
 
-use super::files::payload_files;
+use super::files::{hub_data_dir, hub_data_files, payload_files};
 use super::names::initializer_pod_name;
 use super::skeleton::{
     Component, PodParts, pod_name_env, restricted_pod, telemetry_interval_env, worker_api_access,
@@ -120,7 +120,8 @@ fn initializer_assignment(job: &MemoryAwareTrainingJob) -> Option<InitializerAss
             repo: hf.repo.clone(),
             revision: hf.revision.clone(),
             endpoint: endpoint_or_hub(&hf.endpoint),
-            file: hf.file.clone(),
+            data_dir: hub_data_dir(),
+            files: hub_data_files(hf),
         },
         None => DataSource::Volume,
     };
@@ -133,6 +134,7 @@ fn initializer_assignment(job: &MemoryAwareTrainingJob) -> Option<InitializerAss
         data,
         data_format: files.data_format,
         train_on: files.train_on,
+        data_split: files.data_split,
         sequence_length: pretrained.sequence_length,
     })
 }
@@ -209,7 +211,7 @@ pub fn initializer_pod(
 
 #[cfg(test)]
 mod tests {
-    use headroom_api::{DEFAULT_CHECKPOINT_DIR, HubModel, POD_NAME_ENV};
+    use headroom_api::{DEFAULT_CHECKPOINT_DIR, DataSplit, HubDataFiles, HubModel, POD_NAME_ENV};
 
     use super::super::files::claim_mounts;
     use super::super::tests::job;
@@ -389,9 +391,32 @@ mod tests {
                 repo: "acme/tickets".into(),
                 revision: "v2".into(),
                 endpoint: DEFAULT_HF_ENDPOINT.into(),
-                file: "data/train.jsonl".into(),
+                data_dir: format!("{DEFAULT_CHECKPOINT_DIR}/data"),
+                files: HubDataFiles::File("data/train.jsonl".into()),
             }
         );
+        // A split instead of a file: the workers find its files in the
+        // download directory as the initializer found them on the hub.
+        let by_split = job(
+            &include_str!("../../../../samples/gpu-finetune-llama-3.2-1b.yaml").replace(
+                "volume: {claimName: datasets, path: support-tickets.jsonl}",
+                "huggingFace: {repo: acme/tickets, subset: en}",
+            ),
+        );
+        let split = DataSplit {
+            subset: Some("en".into()),
+            split: "train".into(),
+        };
+        let files = payload_files(&by_split).expect("files");
+        assert_eq!(files.data_file, format!("{DEFAULT_CHECKPOINT_DIR}/data"));
+        assert_eq!(files.data_split, Some(split.clone()));
+        let a = initializer_assignment(&by_split).expect("assignment");
+        assert!(
+            matches!(&a.data, DataSource::HuggingFace { files: HubDataFiles::Split(s), .. } if *s == split),
+            "{:?}",
+            a.data
+        );
+        assert_eq!(a.data_split, Some(split));
         let pod = initializer_pod(
             &j,
             1,
