@@ -571,8 +571,8 @@ fn invalid_corpus_cross_field_rules_are_caught_offline_too() {
         ),
         ("22-empty-image.yaml", "spec.worker.image"),
         (
-            "23-missing-worker.yaml",
-            "\"worker\" is a required property",
+            "23-worker-env-reserved-name.yaml",
+            "worker.env: HEADROOM_*, POD_NAME",
         ),
         (
             "27-duplicate-gpu-types.yaml",

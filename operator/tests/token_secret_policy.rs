@@ -354,7 +354,9 @@ async fn naming_a_secret_one_may_not_get_is_refused_naming_the_field(
     // Waited for too: an older version of the policy, still in force for a
     // moment after this one is applied, checks no pull Secret.
     let mut pulled = job("pull-secret", MODEL_ON_CLAIM, DATA_ON_CLAIM);
-    pulled.spec.worker.image_pull_secrets = vec!["registry".into()];
+    pulled.spec.worker.image_pull_secrets = vec![headroom_api::SecretName {
+        name: "registry".into(),
+    }];
     let (code, message) =
         refused_once_in_force(ns, jobs, &pulled, "spec.worker.imagePullSecrets: ").await;
     assert_eq!(code, 403, "{message}");
@@ -472,7 +474,7 @@ async fn a_job_editor_who_reads_no_secret(ns: &TestNs) -> Requester {
 }
 
 /// One change of each field that moves a job's pods, `n` making it new.
-fn pod_changes(n: u32) -> [Value; 4] {
+fn pod_changes(n: u32) -> [Value; 6] {
     [
         json!({"spec": {"worker": {"image": format!("registry.example/other:{n}")}}}),
         json!({"spec": {"worker": {"nodeSelector": {"pool": format!("pool-{n}")}}}}),
@@ -480,6 +482,8 @@ fn pod_changes(n: u32) -> [Value; 4] {
             {"key": "dedicated", "operator": "Equal", "value": format!("team-{n}"), "effect": "NoSchedule"}
         ]}}}),
         json!({"spec": {"worker": {"priorityClassName": format!("priority-{n}")}}}),
+        json!({"spec": {"worker": {"runtimeClassName": format!("runtime-{n}")}}}),
+        json!({"spec": {"worker": {"env": [{"name": "LD_PRELOAD", "value": format!("/claims/x/{n}.so")}]}}}),
     ]
 }
 
@@ -548,7 +552,7 @@ async fn an_editor_is_refused_each_change_of_the_pods(ns: &TestNs) -> Requester 
     let editor = a_job_editor_who_reads_no_secret(ns).await;
     let expected = format!(
         "spec.model.pretrained.huggingFace.tokenSecret: {} may not get Secret hf-token in namespace {}, \
-         so may not change spec.worker.image, nodeSelector, tolerations or priorityClassName",
+         so may not change spec.worker.image, nodeSelector, tolerations, priorityClassName, runtimeClassName, env or podAnnotations",
         editor.user, ns.name
     );
     let tries = std::sync::atomic::AtomicU32::new(0);

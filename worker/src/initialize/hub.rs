@@ -316,10 +316,22 @@ impl Hub {
         }
         check_config(&dir.join(CONFIG_FILE))?;
         if weights_single {
+            check_space(
+                dir,
+                &[(
+                    SINGLE_FILE,
+                    listing.files.get(SINGLE_FILE).copied().flatten(),
+                )],
+            )?;
             get(SINGLE_FILE, &mut fetched)?;
         } else {
             get(INDEX_FILE, &mut fetched)?;
             let shards = shards(&dir.join(INDEX_FILE))?;
+            let sizes: Vec<(&str, Option<u64>)> = shards
+                .iter()
+                .map(|s| (s.as_str(), listing.files.get(s).copied().flatten()))
+                .collect();
+            check_space(dir, &sizes)?;
             self.progress(|p| p.files += shards.len() as u32);
             for shard in shards {
                 if !listing.files.contains_key(&shard) {
@@ -378,6 +390,11 @@ impl Hub {
                     .map_err(|e| InitError::Invalid(format!("{}: {field}: {e}", self.describe())))?
             }
         };
+        let sizes: Vec<(&str, Option<u64>)> = names
+            .iter()
+            .map(|n| (n.as_str(), listing.files.get(n).copied().flatten()))
+            .collect();
+        check_space(dir, &sizes)?;
         self.progress(|p| p.files = (fetched.files.len() + names.len()) as u32);
         for name in names {
             let target = dir.join(&name);
@@ -928,6 +945,50 @@ impl Body<'_> {
     }
 }
 
+/// Refuses, before a byte of it comes, a download that would not fit on
+/// the volume under `dir` (the job's checkpoint claim): the listed sizes of
+/// `files`, less what of them is already there, against the space free
+/// there. A full volume would otherwise fail the transfer midway (ENOSPC)
+/// after minutes of downloading, and every retry again.
+fn check_space(dir: &Path, files: &[(&str, Option<u64>)]) -> Result<(), InitError> {
+    let have = |name: &str| {
+        let target = dir.join(name);
+        std::fs::metadata(&target)
+            .or_else(|_| std::fs::metadata(dir.join(format!("{name}.part"))))
+            .map_or(0, |m| m.len())
+    };
+    let need: u64 = files
+        .iter()
+        .map(|(name, size)| size.unwrap_or(0).saturating_sub(have(name)))
+        .sum();
+    std::fs::create_dir_all(dir).map_err(|e| io_error("creating", dir, e))?;
+    let stat = rustix::fs::statvfs(dir)
+        .map_err(|e| InitError::Io(format!("the free space under {}: {e}", dir.display())))?;
+    let free = stat.f_bavail.saturating_mul(stat.f_frsize);
+    match space_shortfall(need, free) {
+        Some(problem) => Err(InitError::Invalid(format!("{}: {problem}", dir.display()))),
+        None => Ok(()),
+    }
+}
+
+/// What to say when `need` bytes do not fit in `free` (with 1 % and 64 MiB
+/// to spare for the checkpoints' own files): the sizes, and the setting
+/// that gives the job more (the claim's size, rounded up to GiB).
+fn space_shortfall(need: u64, free: u64) -> Option<String> {
+    const GIB: u64 = 1 << 30;
+    let spare = (need / 100).max(64 << 20);
+    if need.saturating_add(spare) <= free {
+        return None;
+    }
+    let gib = |b: u64| b as f64 / GIB as f64;
+    Some(format!(
+        "the download needs {:.2} GiB more and the job's checkpoint volume has {:.2} GiB free; give the job a larger claim: spec.checkpoints.size (at least {}Gi more than today, with room for two checkpoints and the output) or the chart's checkpoints.size",
+        gib(need),
+        gib(free),
+        (need + spare - free.min(need + spare)).div_ceil(GIB)
+    ))
+}
+
 fn io_error(what: &str, path: &Path, e: std::io::Error) -> InitError {
     InitError::Io(format!("{what} {}: {e}", path.display()))
 }
@@ -1061,6 +1122,25 @@ fn shards(index: &Path) -> Result<Vec<String>, InitError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A download that does not fit says so with both sizes and the
+    /// setting to raise; one that fits with room to spare passes; the free
+    /// space of a real directory is read.
+    #[test]
+    fn a_download_that_would_not_fit_is_refused_naming_the_claims_size() {
+        const GIB: u64 = 1 << 30;
+        let problem = space_shortfall(13 * GIB + GIB / 2, GIB - GIB / 10).expect("too big");
+        assert!(
+            problem.contains("needs 13.50 GiB more")
+                && problem.contains("has 0.90 GiB free")
+                && problem.contains("spec.checkpoints.size (at least 13Gi more"),
+            "{problem}"
+        );
+        assert_eq!(space_shortfall(GIB, 2 * GIB), None);
+        // The 64 MiB spare: a download of exactly the free space is refused.
+        assert!(space_shortfall(GIB, GIB).is_some());
+        check_space(&std::env::temp_dir(), &[("nothing-yet", Some(1))]).expect("1 byte fits");
+    }
 
     #[test]
     fn urls_encode_revisions_as_one_segment() {

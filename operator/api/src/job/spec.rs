@@ -99,6 +99,8 @@ pub struct MemoryAwareTrainingJobSpec {
     pub resources: ResourcesSpec,
     #[serde(default)]
     pub memory_policy: MemoryPolicy,
+    /// The worker pods' image and pod settings; all optional.
+    #[serde(default)]
     pub worker: WorkerSpec,
     /// The job's checkpoint volume (PVC `<job>-checkpoints`): what happens to it
     /// when the job is deleted.
@@ -517,9 +519,15 @@ impl Default for MemoryPolicy {
 }
 
 /// The worker pods: their image, and where they may run on a shared cluster.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "!has(self.env) || self.env.all(e, !e.name.startsWith('HEADROOM_') && !(e.name in ['POD_NAME', 'MALLOC_ARENA_MAX', 'GLIBC_TUNABLES']))",
+     "message": "worker.env: HEADROOM_*, POD_NAME, MALLOC_ARENA_MAX and GLIBC_TUNABLES are set by the operator (the worker's assignment, identity and allocator); pick another name"},
+    {"rule": "!has(self.podLabels) || self.podLabels.all(k, !k.startsWith('headroom.dev/'))",
+     "message": "worker.podLabels: the headroom.dev/ prefix is the operator's (it finds a job's pods by these labels); pick another key"},
+    {"rule": "!has(self.podAnnotations) || self.podAnnotations.all(k, !k.startsWith('headroom.dev/'))",
+     "message": "worker.podAnnotations: the headroom.dev/ prefix is the operator's; pick another key"},
     {"rule": "!has(self.nodeSelector) || !('nvidia.com/gpu.product' in self.nodeSelector)",
      "message": "worker.nodeSelector: Headroom chooses nvidia.com/gpu.product itself; list the allowed products in resources.gpu.types"},
     {"rule": "!has(self.tolerations) || self.tolerations.all(t, !has(t.operator) || t.operator in ['Equal', 'Exists'])",
@@ -543,10 +551,16 @@ pub struct WorkerSpec {
     /// Pull policy of the worker image; the cluster's default when unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_pull_policy: Option<PullPolicy>,
-    /// Names of Secrets in the job's namespace for pulling the image from a private registry.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(length(max = 16), inner(length(min = 1, max = 253)))]
-    pub image_pull_secrets: Vec<String>,
+    /// Secrets in the job's namespace for pulling the image from a private
+    /// registry, as a PodSpec names them (`[{name: regcred}]`). A job stored
+    /// before this shape, with bare names, is read as these.
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "pull_secrets"
+    )]
+    #[schemars(length(max = 16))]
+    pub image_pull_secrets: Vec<SecretName>,
     /// Node labels every worker pod requires (a node pool, a zone). The
     /// planner counts only the GPUs of matching nodes. Not
     /// `nvidia.com/gpu.product`: that is chosen from `resources.gpu.types`.
@@ -566,6 +580,107 @@ pub struct WorkerSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
     pub priority_class_name: Option<String>,
+    /// Environment variables of the worker and initializer containers
+    /// (a proxy, `HF_HUB_*`, `SSL_CERT_FILE`): a `value`, or a key of a
+    /// ConfigMap in the job's namespace (`valueFrom.configMapKeyRef`).
+    /// Secrets are not offered: a job's tokens go through `tokenSecret`,
+    /// which the chart's policy checks against its creator's rights.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64))]
+    pub env: Vec<WorkerEnvVar>,
+    /// Labels added to the job's pods (cost centre, team), besides the
+    /// operator's own `headroom.dev/` ones.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(extend(
+        "maxProperties" = 32,
+        "additionalProperties" = {"type": "string", "maxLength": 63}
+    ))]
+    pub pod_labels: BTreeMap<String, String>,
+    /// Annotations added to the job's pods (e.g. a service mesh's opt-out).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(extend(
+        "maxProperties" = 32,
+        "additionalProperties" = {"type": "string", "maxLength": 4096}
+    ))]
+    pub pod_annotations: BTreeMap<String, String>,
+    /// RuntimeClass of the pods (e.g. `nvidia` where the GPU runtime is
+    /// not the node's default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub runtime_class_name: Option<String>,
+    /// Seconds a worker has after SIGTERM (an eviction, a preemption) to
+    /// write its checkpoint before it is killed. Default: derived from the
+    /// plan, the time to write a worker's checkpoint at 100 MB/s plus
+    /// 30 s, at least 30 s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 86400))]
+    pub termination_grace_period_seconds: Option<u32>,
+}
+
+/// A Secret in the job's namespace, by name.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+
+pub struct SecretName {
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+}
+
+/// `imagePullSecrets` as PodSpec has it, or as bare names (the shape of
+/// jobs stored before it): both read as [`SecretName`]s.
+fn pull_secrets<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<SecretName>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Either {
+        Named(SecretName),
+        Bare(String),
+    }
+    Ok(Vec::<Either>::deserialize(d)?
+        .into_iter()
+        .map(|e| match e {
+            Either::Named(n) => n,
+            Either::Bare(name) => SecretName { name },
+        })
+        .collect())
+}
+
+/// One environment variable of the job's containers.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "has(self.value) != has(self.valueFrom)",
+     "message": "worker.env: each variable has a value or a valueFrom, one of the two"}
+]))]
+pub struct WorkerEnvVar {
+    #[schemars(
+        length(min = 1, max = 128),
+        regex(pattern = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+    )]
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 8192))]
+    pub value: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value_from: Option<EnvValueFrom>,
+}
+
+/// Where a variable's value comes from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EnvValueFrom {
+    pub config_map_key_ref: ConfigMapKey,
+}
+
+/// A key of a ConfigMap in the job's namespace.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ConfigMapKey {
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    #[schemars(length(min = 1, max = 253))]
+    pub key: String,
+    /// Start the pod even if the ConfigMap or key is missing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optional: Option<bool>,
 }
 
 /// Kubernetes' toleration schema with the lengths Kubernetes itself allows
@@ -601,6 +716,20 @@ pub struct CheckpointsSpec {
     /// it once the job has succeeded, `Retain` always, `Delete` never.
     #[serde(default)]
     pub retention: ClaimRetention,
+    /// The size of the job's checkpoint claim (`40Gi`), which holds a hub
+    /// model and dataset as downloaded, two checkpoints and the output;
+    /// default: the chart's `checkpoints.size`. Fixed once the claim is made.
+    /// The initializer refuses a download that would not fit, naming both.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 1, max = 32),
+        regex(pattern = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"),
+        extend("x-kubernetes-validations" = [
+            {"rule": "self == oldSelf",
+             "message": "checkpoints.size is fixed once the job's claim is made; create a new job for another size"}
+        ])
+    )]
+    pub size: Option<String>,
 }
 
 /// Whether a job's checkpoint claim outlives the job. A kept claim is no

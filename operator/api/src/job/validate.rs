@@ -363,6 +363,7 @@ impl MemoryAwareTrainingJobSpec {
         self.check_tolerations()?;
         let allowed_rungs = self.allowed_rungs()?;
         self.check_node_selector()?;
+        self.check_pod_settings()?;
         let (adapters, base_format) = self.adapters(backend)?;
         let t = &self.training;
         Ok(JobRequest {
@@ -560,6 +561,53 @@ impl MemoryAwareTrainingJobSpec {
             }
         }
         Ok(allowed_rungs)
+    }
+
+    /// The CEL rules on the pod settings, offline: the operator's own
+    /// variables, labels and annotations stay its own, and a variable has
+    /// one source.
+    fn check_pod_settings(&self) -> Result<(), SpecError> {
+        let worker = &self.worker;
+        if worker.env.iter().any(|e| {
+            e.name.starts_with("HEADROOM_")
+                || ["POD_NAME", "MALLOC_ARENA_MAX", "GLIBC_TUNABLES"].contains(&e.name.as_str())
+        }) {
+            return Err(spec_error(
+                "worker.env",
+                "HEADROOM_*, POD_NAME, MALLOC_ARENA_MAX and GLIBC_TUNABLES are set by the operator (the worker's assignment, identity and allocator); pick another name",
+            ));
+        }
+        if worker
+            .env
+            .iter()
+            .any(|e| e.value.is_some() == e.value_from.is_some())
+        {
+            return Err(spec_error(
+                "worker.env",
+                "each variable has a value or a valueFrom, one of the two",
+            ));
+        }
+        if worker
+            .pod_labels
+            .keys()
+            .any(|k| k.starts_with("headroom.dev/"))
+        {
+            return Err(spec_error(
+                "worker.podLabels",
+                "the headroom.dev/ prefix is the operator's (it finds a job's pods by these labels); pick another key",
+            ));
+        }
+        if worker
+            .pod_annotations
+            .keys()
+            .any(|k| k.starts_with("headroom.dev/"))
+        {
+            return Err(spec_error(
+                "worker.podAnnotations",
+                "the headroom.dev/ prefix is the operator's; pick another key",
+            ));
+        }
+        Ok(())
     }
 
     /// The node selector leaves the GPU product to Headroom.

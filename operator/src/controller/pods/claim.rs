@@ -51,7 +51,13 @@ pub fn checkpoint_claim(
                 requests: Some(
                     [(
                         "storage".to_string(),
-                        Quantity(config.checkpoint_size.clone()),
+                        Quantity(
+                            job.spec
+                                .checkpoints
+                                .size
+                                .clone()
+                                .unwrap_or_else(|| config.checkpoint_size.clone()),
+                        ),
                     )]
                     .into_iter()
                     .collect(),

@@ -13,10 +13,10 @@ use headroom_api::{
     WORKER_API_ENV, WORKER_API_TOKEN_ENV, WORKER_API_TOKEN_PATH,
 };
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, EnvVar, EnvVarSource, LocalObjectReference, ObjectFieldSelector, Pod,
-    PodSecurityContext, PodSpec, ProjectedVolumeSource, ResourceRequirements, SeccompProfile,
-    SecurityContext, ServiceAccountTokenProjection, Toleration, Volume, VolumeMount,
-    VolumeProjection,
+    Capabilities, ConfigMapKeySelector, Container, EnvVar, EnvVarSource, LocalObjectReference,
+    ObjectFieldSelector, Pod, PodSecurityContext, PodSpec, ProjectedVolumeSource,
+    ResourceRequirements, SeccompProfile, SecurityContext, ServiceAccountTokenProjection,
+    Toleration, Volume, VolumeMount, VolumeProjection,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::{Resource, ResourceExt};
@@ -210,6 +210,22 @@ pub(super) fn worker_api_access(cfg: &ChildConfig) -> (Vec<EnvVar>, Vec<Volume>,
     (env, vec![volume], vec![mount])
 }
 
+/// A `spec.worker.env` entry as the container's variable.
+fn user_env(e: &headroom_api::WorkerEnvVar) -> EnvVar {
+    EnvVar {
+        name: e.name.clone(),
+        value: e.value.clone(),
+        value_from: e.value_from.as_ref().map(|from| EnvVarSource {
+            config_map_key_ref: Some(ConfigMapKeySelector {
+                name: from.config_map_key_ref.name.clone(),
+                key: from.config_map_key_ref.key.clone(),
+                optional: from.config_map_key_ref.optional,
+            }),
+            ..EnvVarSource::default()
+        }),
+    }
+}
+
 /// What sets one kind of a job's pods apart; everything else is the
 /// skeleton's ([`restricted_pod`]).
 #[derive(Debug)]
@@ -254,12 +270,21 @@ pub(super) fn restricted_pod(
     );
     volumes.extend(api_volumes);
     mounts.extend(api_mounts);
-    let mut labels = job_labels(job, parts.component);
+    // The user's labels first: the operator's, which select the pods, win.
+    let mut labels = worker.pod_labels.clone();
+    labels.extend(job_labels(job, parts.component));
     labels.extend(parts.labels);
     let node_selector = parts.node_selector;
     let tolerations = parts.tolerations;
+    // The user's variables first; the operator's names are refused in
+    // them (validate.rs), so none is shadowed.
+    let mut env: Vec<EnvVar> = worker.env.iter().map(user_env).collect();
+    env.extend(parts.env);
+    let mut metadata = meta(job, parts.name, labels);
+    metadata.annotations =
+        (!worker.pod_annotations.is_empty()).then(|| worker.pod_annotations.clone());
     Pod {
-        metadata: meta(job, parts.name, labels),
+        metadata,
         spec: Some(PodSpec {
             restart_policy: Some("Never".into()),
             service_account_name: Some("default".into()),
@@ -269,9 +294,15 @@ pub(super) fn restricted_pod(
                 worker
                     .image_pull_secrets
                     .iter()
-                    .map(|name| LocalObjectReference { name: name.clone() })
+                    .map(|s| LocalObjectReference {
+                        name: s.name.clone(),
+                    })
                     .collect()
             }),
+            runtime_class_name: worker.runtime_class_name.clone(),
+            termination_grace_period_seconds: worker
+                .termination_grace_period_seconds
+                .map(i64::from),
             node_selector: (!node_selector.is_empty()).then_some(node_selector),
             tolerations: (!tolerations.is_empty()).then_some(tolerations),
             security_context: Some(restricted_pod_security()),
@@ -279,7 +310,7 @@ pub(super) fn restricted_pod(
                 name: parts.container.into(),
                 image: Some(parts.image.into()),
                 image_pull_policy: worker.image_pull_policy.map(|p| p.as_str().into()),
-                env: Some(parts.env),
+                env: Some(env),
                 resources: Some(parts.resources),
                 termination_message_path: Some(TERMINATION_MESSAGE_PATH.into()),
                 termination_message_policy: Some("FallbackToLogsOnError".into()),

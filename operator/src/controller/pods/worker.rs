@@ -125,6 +125,11 @@ pub fn worker_pod(
             tolerations: crate::inventory::worker_tolerations(job, plan.device_kind),
         },
     );
+    if let Some(spec) = pod.spec.as_mut()
+        && spec.termination_grace_period_seconds.is_none()
+    {
+        spec.termination_grace_period_seconds = Some(checkpoint_grace_seconds(plan, slot.stage));
+    }
     // A queued job's attempt is one Kueue pod group (crate::kueue).
     crate::kueue::join_pod_group(
         &mut pod,
@@ -167,6 +172,18 @@ fn assignment(
         seed: training.seed,
         files: payload_files(job),
     }
+}
+
+/// How long a worker of `stage` may take after SIGTERM: Kubernetes' 30 s
+/// plus the time to write what its checkpoint holds at most (the stage's
+/// weights and optimizer state) at a slow volume's 100 MB/s; at most an hour.
+fn checkpoint_grace_seconds(plan: &Plan, stage: u32) -> i64 {
+    const WRITE_BYTES_PER_SECOND: u64 = 100_000_000;
+    let bytes = plan.stages.get(stage as usize).map_or(0, |s| {
+        s.memory.weights.saturating_add(s.memory.optimizer_state)
+    });
+    let seconds = 30 + bytes.div_ceil(WRITE_BYTES_PER_SECOND);
+    i64::try_from(seconds.min(3600)).unwrap_or(3600)
 }
 
 fn env_var(name: &str, value: String) -> EnvVar {
@@ -422,6 +439,104 @@ mod tests {
         same.spec.as_mut().expect("spec").containers[0].image =
             Some("registry.example/headroom-worker:2".into());
         assert_eq!(pod, same);
+    }
+
+    /// `spec.worker`'s pod settings reach the pod: the user's variables
+    /// before the operator's, labels beside the operator's (which win),
+    /// annotations, the runtime class, pull secrets by name (bare names of
+    /// an old stored job read too), and the grace period: the user's, else
+    /// 30 s plus the stage's checkpoint at 100 MB/s.
+    #[test]
+    fn the_users_pod_settings_reach_the_worker_pod() {
+        let mut job = cpu_job();
+        let plan = first_plan(&job.spec);
+        let default = pod_for(&job, 1, 0, &plan, &ChildConfig::default());
+        let memory = &plan.stages[0].memory;
+        let expected = 30 + (memory.weights + memory.optimizer_state).div_ceil(100_000_000);
+        assert_eq!(
+            default
+                .spec
+                .as_ref()
+                .expect("spec")
+                .termination_grace_period_seconds,
+            Some(i64::try_from(expected).expect("seconds"))
+        );
+        let settings: headroom_api::WorkerSpec = serde_json::from_value(serde_json::json!({
+            "image": "localhost/headroom-worker:dev",
+            "env": [
+                {"name": "HTTPS_PROXY", "value": "http://proxy:3128"},
+                {"name": "HF_HUB_ETAG_TIMEOUT", "valueFrom": {"configMapKeyRef": {"name": "hub", "key": "etag"}}}
+            ],
+            "podLabels": {"team": "nlp", "app.kubernetes.io/managed-by": "me"},
+            "podAnnotations": {"sidecar.istio.io/inject": "false"},
+            "runtimeClassName": "nvidia",
+            "imagePullSecrets": ["old-shape"],
+            "terminationGracePeriodSeconds": 600
+        }))
+        .expect("worker settings");
+        assert_eq!(settings.image_pull_secrets[0].name, "old-shape");
+        job.spec.worker = settings;
+        job.spec.job_request().expect("valid settings");
+        let pod = pod_for(&job, 1, 0, &plan, &ChildConfig::default());
+        let labels = pod.metadata.labels.as_ref().expect("labels");
+        assert_eq!(labels["team"], "nlp");
+        assert_ne!(
+            labels["app.kubernetes.io/managed-by"], "me",
+            "the operator's label wins"
+        );
+        assert_eq!(
+            pod.metadata.annotations.as_ref().expect("annotations")["sidecar.istio.io/inject"],
+            "false"
+        );
+        let spec = pod.spec.as_ref().expect("spec");
+        assert_eq!(spec.runtime_class_name.as_deref(), Some("nvidia"));
+        assert_eq!(spec.termination_grace_period_seconds, Some(600));
+        assert_eq!(
+            spec.image_pull_secrets.as_ref().expect("pull secrets")[0].name,
+            "old-shape"
+        );
+        let env = spec.containers[0].env.as_ref().expect("env");
+        assert_eq!(env[0].name, "HTTPS_PROXY");
+        assert_eq!(
+            env[1]
+                .value_from
+                .as_ref()
+                .and_then(|f| f.config_map_key_ref.as_ref())
+                .map(|r| r.key.as_str()),
+            Some("etag")
+        );
+        let default_env = default.spec.as_ref().expect("spec").containers[0]
+            .env
+            .clone()
+            .expect("env");
+        assert_eq!(env[2..], default_env[..], "then the operator's, unchanged");
+        // The operator's own names, labels and annotations are refused.
+        for (field, bad) in [
+            (
+                "worker.env",
+                serde_json::json!({"env": [{"name": "HEADROOM_PLAN", "value": "x"}]}),
+            ),
+            (
+                "worker.env",
+                serde_json::json!({"env": [{"name": "MALLOC_ARENA_MAX", "value": "8"}]}),
+            ),
+            (
+                "worker.env",
+                serde_json::json!({"env": [{"name": "A", "value": "x", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}]}),
+            ),
+            (
+                "worker.podLabels",
+                serde_json::json!({"podLabels": {"headroom.dev/job": "x"}}),
+            ),
+            (
+                "worker.podAnnotations",
+                serde_json::json!({"podAnnotations": {"headroom.dev/x": "y"}}),
+            ),
+        ] {
+            job.spec.worker = serde_json::from_value(bad).expect("shape");
+            let e = job.spec.job_request().expect_err(field);
+            assert_eq!(e.field, field, "{e}");
+        }
     }
 
     #[test]
