@@ -329,6 +329,7 @@ async fn the_initializers_download_progress_is_in_the_status_while_it_runs() {
             field: "text".into(),
         },
         train_on: headroom_api::TrainOn::Auto,
+        packing: headroom_api::Packing::Stream,
         sequence_length: 64,
     };
     let child = worker_command(&dir, &worker_api, &token)

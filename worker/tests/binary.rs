@@ -695,6 +695,7 @@ fn llama_assignment(dir: &Path, steps: u64) -> WorkerAssignment {
             field: "text".into(),
         },
         train_on: headroom_api::TrainOn::Auto,
+        packing: headroom_api::Packing::Stream,
         output_dir: dir.join("output").display().to_string(),
         hub_model: None,
     });

@@ -175,6 +175,7 @@ fn assignment(model: ModelSource, model_dir: &Path, data: &Path) -> InitializerA
             field: "text".into(),
         },
         train_on: headroom_api::TrainOn::Auto,
+        packing: headroom_api::Packing::Stream,
         sequence_length: 32,
     }
 }

@@ -73,6 +73,7 @@ pub(super) fn payload_files(job: &MemoryAwareTrainingJob) -> Option<PayloadFiles
             },
         },
         train_on: data.train_on,
+        packing: data.packing,
         output_dir,
         hub_model: pretrained.hugging_face.as_ref().map(|hf| HubModel {
             repo: hf.repo.clone(),

@@ -133,6 +133,7 @@ fn initializer_assignment(job: &MemoryAwareTrainingJob) -> Option<InitializerAss
         data,
         data_format: files.data_format,
         train_on: files.train_on,
+        packing: files.packing,
         sequence_length: pretrained.sequence_length,
     })
 }

@@ -489,6 +489,7 @@ fn fine_tuning_files_with(
         data_file: data.display().to_string(),
         data_format: DataFormat::Text,
         train_on: headroom_api::TrainOn::All,
+        packing: headroom_api::Packing::Stream,
         output_dir: dir.join("output").display().to_string(),
         hub_model: None,
     };
