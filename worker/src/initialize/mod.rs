@@ -284,6 +284,7 @@ pub fn initialize(
         data_file,
         &assignment.data_format,
         assignment.train_on,
+        assignment.packing,
         sequence_length,
         model.shape.vocabulary,
     )?;
