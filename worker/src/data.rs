@@ -22,6 +22,8 @@
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
+use crate::model::Documents;
+
 /// Largest stride of the progression.
 pub const MAX_STRIDE: u64 = 3;
 
@@ -85,6 +87,9 @@ pub struct TextSamples {
     /// Per sample, whether each target is trained ([`crate::text::Packed::trained`]);
     /// `None` when every target is.
     trained: Option<Vec<Vec<bool>>>,
+    /// Per sample, the document of each token ([`crate::text::Packed::segments`]);
+    /// `None` for the stream.
+    segments: Option<Vec<Vec<u32>>>,
     seed: u64,
 }
 
@@ -107,7 +112,20 @@ impl TextSamples {
         TextSamples {
             samples,
             trained,
+            segments: None,
             seed,
+        }
+    }
+
+    /// The samples of `packed`, with their masks and documents.
+    pub fn packed(packed: crate::text::Packed, seed: u64) -> Self {
+        let segments = packed.segments;
+        if let Some(s) = &segments {
+            assert_eq!(s.len(), packed.samples.len(), "segments per sample");
+        }
+        TextSamples {
+            segments,
+            ..TextSamples::with_masks(packed.samples, packed.trained, seed)
         }
     }
 
@@ -136,19 +154,32 @@ impl TextSamples {
             .trained
             .map(|m| m.into_iter().map(Some).collect::<Vec<_>>());
         let masks = masks.unwrap_or_else(|| vec![None; self.samples.len()]);
-        for ((sample, mask), held) in self.samples.into_iter().zip(masks).zip(held) {
+        let (mut trained_segments, mut evaluated_segments) = (Vec::new(), Vec::new());
+        let segments = self
+            .segments
+            .map(|m| m.into_iter().map(Some).collect::<Vec<_>>());
+        let segments = segments.unwrap_or_else(|| vec![None; self.samples.len()]);
+        for (((sample, mask), segment), held) in
+            self.samples.into_iter().zip(masks).zip(segments).zip(held)
+        {
             if held {
                 evaluated.push(sample);
                 evaluated_masks.extend(mask);
+                evaluated_segments.extend(segment);
             } else {
                 trained.push(sample);
                 trained_masks.extend(mask);
+                trained_segments.extend(segment);
             }
         }
         let some = |m: Vec<Vec<bool>>| (!m.is_empty()).then_some(m);
+        let part = |samples, masks, segments: Vec<Vec<u32>>| TextSamples {
+            segments: (!segments.is_empty()).then_some(segments),
+            ..TextSamples::with_masks(samples, some(masks), self.seed)
+        };
         (
-            TextSamples::with_masks(trained, some(trained_masks), self.seed),
-            TextSamples::with_masks(evaluated, some(evaluated_masks), self.seed),
+            part(trained, trained_masks, trained_segments),
+            part(evaluated, evaluated_masks, evaluated_segments),
         )
     }
 
@@ -210,6 +241,37 @@ impl Samples {
                 .map(|i| masks[t.pick(i)].iter().filter(|&&m| m).count() as u64)
                 .sum(),
         )
+    }
+
+    /// Where the documents of samples `first .. first + count` lie (their
+    /// inputs' tokens), as [`Self::batch`] gives them; `None` unless the
+    /// data is packed by documents. Every stage and replica that runs the
+    /// blocks over a batch needs it, not only those holding its tokens.
+    pub fn documents(&self, first: u64, count: u32) -> Option<Documents> {
+        let Samples::Text(t) = self else {
+            return None;
+        };
+        let segments = t.segments.as_ref()?;
+        let mut ids = Vec::new();
+        let mut s = 0;
+        for i in first..first + u64::from(count) {
+            let segment = &segments[t.pick(i)];
+            s = segment.len() - 1;
+            ids.extend_from_slice(&segment[..s]);
+        }
+        Some(Documents::new(&ids, count as usize, s))
+    }
+
+    /// [`Self::documents`] of the micro-batch [`Self::micro_batch`] gives.
+    pub fn micro_documents(
+        &self,
+        step: u64,
+        global_batch: u64,
+        micro_batch: u32,
+        micro: u32,
+    ) -> Option<Documents> {
+        let first = step * global_batch + u64::from(micro) * u64::from(micro_batch);
+        self.documents(first, micro_batch)
     }
 
     /// Inputs and targets ([samples, seq] each) for samples `first .. first + count`.

@@ -273,8 +273,7 @@ impl WorkerRun<'_> {
         if let Some(files) = &self.plan.assignment().files {
             let sequence_length = trainer.config.shape.sequence_length() as usize;
             let packed = text::load_text(files, sequence_length).map_err(Exit::invalid_plan)?;
-            let samples =
-                TextSamples::with_masks(packed.samples, packed.trained, trainer.config.seed);
+            let samples = TextSamples::packed(packed, trainer.config.seed);
             tracing::info!(samples = samples.len(), data = %files.data_file, "training text");
             trainer.use_text(samples);
         }

@@ -5,7 +5,9 @@
 //! end-of-sequence token into one stream, packed into samples of
 //! `sequence_length + 1` tokens (the inputs and, shifted by one, the targets;
 //! consecutive samples share one token), shuffled by the job's seed, and shared
-//! out over ranks so that every sample goes to exactly one rank.
+//! out over ranks so that every sample goes to exactly one rank. With
+//! `data.packing: documents` ([`pack_documents`]) whole examples are placed
+//! into padded samples instead, each attended to and positioned alone.
 //!
 //! [`crate::data::TextSamples`] turns the packed samples into training batches.
 
@@ -739,7 +741,8 @@ impl Tokenization<'_> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Packed {
     pub documents: usize,
-    /// Tokens in the stream (end-of-sequence tokens included).
+    /// Tokens of the examples (end-of-sequence tokens included), before
+    /// [`Packing::Documents`] truncates any.
     pub tokens: usize,
     /// Each `sequence_length + 1` tokens long, in stream order.
     pub samples: Vec<Vec<u32>>,
@@ -752,6 +755,119 @@ pub struct Packed {
     pub targets: u64,
     /// Examples longer than one sample.
     pub longer_than_sample: u64,
+    /// Per sample, the document each of its `sequence_length + 1` tokens
+    /// belongs to (0, 1, … in the sample; padding is one more): set by
+    /// [`Packing::Documents`], `None` for the stream.
+    pub segments: Option<Vec<Vec<u32>>>,
+}
+
+/// How examples become samples (`data.packing`).
+pub use headroom_api::Packing;
+
+/// Packs tokenized examples as `packing` says: [`pack_tokenized`] for the
+/// stream, [`pack_documents`] (padding with `pad`) for whole documents.
+pub fn pack_examples(
+    examples: &[Tokenized],
+    packing: Packing,
+    pad: u32,
+    sequence_length: usize,
+) -> Result<Packed, TextError> {
+    match packing {
+        Packing::Stream => pack_tokenized(examples, sequence_length),
+        Packing::Documents => pack_documents(examples, pad, sequence_length),
+    }
+}
+
+/// The order best-fit decreasing places examples of these lengths into
+/// bins of `capacity` tokens, as TRL's `pack_dataset(strategy="bfd")`:
+/// examples by length, longest first (ties in data order: Arrow's sort is
+/// stable); each goes into the open bin with the least space that still
+/// holds it (of bins with equal space, the one that got that space first),
+/// else into a new bin. Lengths are at most `capacity` (truncated before);
+/// empty examples take no place. Returns each bin's examples in placement
+/// order, bins in the order they were opened.
+pub fn best_fit_decreasing(lengths: &[usize], capacity: usize) -> Vec<Vec<usize>> {
+    use std::collections::{BTreeMap, VecDeque};
+    let mut order: Vec<usize> = (0..lengths.len()).filter(|&i| lengths[i] > 0).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(lengths[i]));
+    let mut bins: Vec<Vec<usize>> = Vec::new();
+    // Space left → the bins with exactly that much, oldest first (TRL's
+    // segment tree over spaces and its `space_to_bin` deques).
+    let mut open: BTreeMap<usize, VecDeque<usize>> = BTreeMap::new();
+    for i in order {
+        let length = lengths[i].min(capacity);
+        let fit = open.range(length..capacity).next().map(|(&space, _)| space);
+        let (bin, space) = match fit {
+            Some(space) => {
+                let queue = open.get_mut(&space).expect("a space in the map");
+                let bin = queue.pop_front().expect("no empty queue is kept");
+                if queue.is_empty() {
+                    open.remove(&space);
+                }
+                (bin, space)
+            }
+            None => {
+                bins.push(Vec::new());
+                (bins.len() - 1, capacity)
+            }
+        };
+        bins[bin].push(i);
+        open.entry(space - length).or_default().push_back(bin);
+    }
+    bins
+}
+
+/// Places whole examples into samples of `sequence_length + 1` tokens by
+/// [`best_fit_decreasing`] (an example longer than a sample keeps its first
+/// `sequence_length + 1` tokens, counted in `longer_than_sample`) and fills
+/// the rest of a sample with `pad`. A target (token `j + 1` of a sample) is
+/// trained when its token is and it continues the document of token `j`:
+/// padding and each document's first token (which only the previous
+/// document could predict) are not, so a document trains as if alone.
+pub fn pack_documents(
+    examples: &[Tokenized],
+    pad: u32,
+    sequence_length: usize,
+) -> Result<Packed, TextError> {
+    let needed = sequence_length + 1;
+    let tokens: usize = examples.iter().map(|e| e.ids.len()).sum();
+    let lengths: Vec<usize> = examples.iter().map(|e| e.ids.len().min(needed)).collect();
+    let bins = best_fit_decreasing(&lengths, needed);
+    if sequence_length == 0 || bins.is_empty() {
+        return Err(TextError::TooShort { tokens, needed });
+    }
+    let (mut samples, mut masks, mut segments) = (Vec::new(), Vec::new(), Vec::new());
+    for bin in &bins {
+        let (mut ids, mut trained, mut segment) = (Vec::new(), Vec::new(), Vec::new());
+        for (d, &i) in bin.iter().enumerate() {
+            let e = &examples[i];
+            ids.extend_from_slice(&e.ids[..lengths[i]]);
+            trained.extend_from_slice(&e.trained[..lengths[i]]);
+            segment.extend(std::iter::repeat_n(d as u32, lengths[i]));
+        }
+        let fill = needed - ids.len();
+        ids.extend(std::iter::repeat_n(pad, fill));
+        trained.extend(std::iter::repeat_n(false, fill));
+        segment.extend(std::iter::repeat_n(bin.len() as u32, fill));
+        let mask: Vec<bool> = (1..needed)
+            .map(|j| trained[j] && segment[j] == segment[j - 1])
+            .collect();
+        samples.push(ids);
+        masks.push(mask);
+        segments.push(segment);
+    }
+    let masked_targets = masks.iter().flatten().filter(|t| !**t).count() as u64;
+    let count = samples.len();
+    Ok(Packed {
+        documents: examples.len(),
+        tokens,
+        samples,
+        trained: (masked_targets > 0).then_some(masks),
+        masked_targets,
+        targets: (count * sequence_length) as u64,
+        longer_than_sample: examples.iter().filter(|e| e.ids.len() > needed).count() as u64,
+        segments: Some(segments),
+    })
 }
 
 /// A plain-text document's ids as TRL's `SFTTrainer` makes them: tokenized
@@ -824,6 +940,7 @@ pub fn pack_tokenized(examples: &[Tokenized], sequence_length: usize) -> Result<
         masked_targets,
         targets: (count * sequence_length) as u64,
         longer_than_sample,
+        segments: None,
     })
 }
 
@@ -835,6 +952,7 @@ pub fn load_packed(
     data: impl Into<DataLocation>,
     format: &Format,
     train_on: TrainOn,
+    packing: Packing,
     sequence_length: usize,
 ) -> Result<Packed, String> {
     let tokenizer_path = model_dir.join("tokenizer.json");
@@ -863,11 +981,12 @@ pub fn load_packed(
         .map(|e| how.tokenize(e))
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| e.to_string())?;
-    pack_tokenized(&tokenized, sequence_length).map_err(|e| format!("{data}: {e}"))
+    pack_examples(&tokenized, packing, eos, sequence_length).map_err(|e| format!("{data}: {e}"))
 }
 
 /// The assignment's text, tokenized with the checkpoint's tokenizer and
-/// packed into samples of `sequence_length + 1` tokens; errors name the file.
+/// packed into samples of `sequence_length + 1` tokens as `data.packing`
+/// says; errors name the file.
 pub(crate) fn load_text(
     files: &headroom_api::PayloadFiles,
     sequence_length: usize,
@@ -877,6 +996,7 @@ pub(crate) fn load_text(
         DataLocation::new(&files.data_file, files.data_split.as_ref()),
         &Format::from(&files.data_format),
         files.train_on,
+        files.packing,
         sequence_length,
     )
 }
@@ -1015,6 +1135,104 @@ mod tests {
             "{first}"
         );
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn best_fit_decreasing_places_as_trl_does() {
+        // TRL's pack_dataset docstring (seq_length 4): [[1..5], [6, 7],
+        // [8, 9, 10], [11]] → [[1, 2, 3, 4], [8, 9, 10, 11], [6, 7]], the
+        // first example cut to 4 tokens.
+        assert_eq!(
+            best_fit_decreasing(&[4, 2, 3, 1], 4),
+            [vec![0], vec![2, 3], vec![1]]
+        );
+        // Ties keep the data's order; of two bins with the same space the
+        // one that got it first is filled first; the tightest fit wins
+        // over an emptier bin; empty examples take no place.
+        assert_eq!(
+            best_fit_decreasing(&[3, 3, 2, 2, 1, 0, 1], 5),
+            [vec![0, 2], vec![1, 3], vec![4, 6]]
+        );
+        assert_eq!(
+            best_fit_decreasing(&[6, 3, 2, 2], 8),
+            [vec![0, 2], vec![1, 3]]
+        );
+    }
+
+    /// An example of `n` distinct ids from `first`, its prompt (the first
+    /// `prompt` tokens) not trained.
+    fn example(first: u32, n: u32, prompt: usize) -> Tokenized {
+        Tokenized {
+            ids: (first..first + n).collect(),
+            trained: (0..n as usize).map(|i| i >= prompt).collect(),
+        }
+    }
+
+    #[test]
+    fn documents_are_packed_whole_padded_and_masked_at_their_edges() {
+        let pad = 999;
+        // Sequence length 7: samples of 8 tokens.
+        let examples = [
+            example(100, 11, 0), // longer than a sample: its first 8 tokens
+            example(200, 5, 2),
+            example(300, 3, 0),
+            example(400, 2, 0),
+            example(500, 8, 0), // exactly one sample
+            example(600, 1, 0),
+        ];
+        let packed = pack_documents(&examples, pad, 7).expect("packed");
+        assert_eq!(packed.longer_than_sample, 1);
+        assert_eq!(packed.documents, 6);
+        assert_eq!(packed.tokens, 30);
+        // By length: 100 (8), 500 (8), 200 (5), 300 (3), 400 (2), 600 (1):
+        // 300 fills 200's bin; 400 and 600 open and share a third.
+        let starts: Vec<Vec<u32>> = packed
+            .samples
+            .iter()
+            .map(|s| {
+                s.iter()
+                    .filter(|&&t| t != pad && t % 100 == 0)
+                    .copied()
+                    .collect()
+            })
+            .collect();
+        assert_eq!(
+            starts,
+            [vec![100], vec![500], vec![200, 300], vec![400, 600]]
+        );
+        // Every token of every example (truncated to a sample) appears once.
+        let mut all: Vec<u32> = packed
+            .samples
+            .concat()
+            .into_iter()
+            .filter(|&t| t != pad)
+            .collect();
+        all.sort_unstable();
+        let mut want: Vec<u32> = examples
+            .iter()
+            .flat_map(|e| e.ids.iter().take(8).copied())
+            .collect();
+        want.sort_unstable();
+        assert_eq!(all, want);
+        assert_eq!(packed.samples[3], [400, 401, 600, pad, pad, pad, pad, pad]);
+        let segments = packed.segments.as_ref().expect("segments");
+        assert_eq!(segments[2], [0, 0, 0, 0, 0, 1, 1, 1]);
+        assert_eq!(segments[3], [0, 0, 1, 2, 2, 2, 2, 2]);
+        let trained = packed.trained.as_ref().expect("padding is masked");
+        // 200's prompt (2 tokens: the target of 201 only) and 300's first
+        // token (only 204 could predict it) are not trained.
+        assert_eq!(trained[2], [false, true, true, true, false, true, true]);
+        // 600 is a document of its own: its one token is no target; padding never is.
+        assert_eq!(trained[3], [true, false, false, false, false, false, false]);
+        assert_eq!(trained[0], [true; 7]);
+        assert_eq!(packed.targets, 4 * 7);
+        assert_eq!(packed.masked_targets, 2 + 6);
+        // The stream packing is the one it always was.
+        assert_eq!(
+            pack_examples(&examples, Packing::Stream, pad, 7).expect("stream"),
+            pack_tokenized(&examples, 7).expect("stream")
+        );
+        assert!(pack_documents(&[], pad, 7).is_err());
     }
 
     #[test]

@@ -45,7 +45,7 @@ use crate::data::{ProgressionTask, Samples, TextSamples};
 use crate::data_parallel::{Replicas, Shards, stable_param_ids};
 use crate::model::hf::HfCheckpoint;
 use crate::model::lean::linear::AdapterDropout;
-use crate::model::{LmShape, StageLayout, TransformerLm, lora, peft};
+use crate::model::{Documents, LmShape, StageLayout, TransformerLm, lora, peft};
 use crate::optim::recipe::{DecoupledDecay, LossScale, clip_factor, scale_gradients, squared_norm};
 use crate::optim::{AdamW8bitConfig, Offloaded};
 use crate::pipeline::{Frame, Kind, Links, Op, PipelineError, one_f_one_b};
@@ -641,8 +641,9 @@ impl Trainer {
             let first = batch * micro;
             let size = micro.min(count - first);
             let (tokens, targets) = samples.batch(u64::from(first), size, &self.device);
+            let documents = samples.documents(u64::from(first), size);
             let x = if c.layout.first {
-                frozen.embed(tokens.inner())
+                frozen.embed_in(tokens.inner(), documents.as_ref())
             } else {
                 links
                     .to_prev()?
@@ -650,7 +651,8 @@ impl Trainer {
                     .into_tensor::<3>(&self.device)?
                     .inner()
             };
-            let out = frozen.blocks_forward_dropping(x, None, c.layout.layers.start);
+            let out =
+                frozen.blocks_forward_dropping(x, None, c.layout.layers.start, documents.as_ref());
             if c.layout.last {
                 // A mean over the trained targets of all held-out samples
                 // (a batch with none adds nothing, not its undefined mean).
@@ -1026,6 +1028,18 @@ impl Trainer {
         )
     }
 
+    /// Where the documents of micro-batch `micro` of this step lie, on
+    /// every stage (each runs blocks over it); `None` for the stream.
+    fn documents(&self, micro: u32) -> Option<Documents> {
+        let accumulation = self.config.settings.gradient_accumulation.max(1);
+        self.task.micro_documents(
+            self.step,
+            self.config.global_batch(),
+            self.config.settings.micro_batch,
+            self.config.replica * accumulation + micro,
+        )
+    }
+
     /// The activations stage k−1 sent for `micro`.
     fn receive_input(&self, links: &mut Links, micro: u32) -> Result<Tensor<3>, PipelineError> {
         let frame = links.to_prev()?.recv(Kind::Activation, self.step, micro)?;
@@ -1051,11 +1065,12 @@ impl Trainer {
         micro: u32,
     ) -> Result<(Saved, Option<f64>), PipelineError> {
         let (tokens, targets) = self.data(micro);
+        let documents = self.documents(micro);
         let step = self.step;
         if self.config.settings.activation_checkpointing {
             let frozen = self.model().valid();
             let mut x = match &tokens {
-                Some(t) => frozen.embed(t.clone().inner()),
+                Some(t) => frozen.embed_in(t.clone().inner(), documents.as_ref()),
                 None => self.receive_input(links, micro)?.inner(),
             };
             let mut block_inputs = Vec::with_capacity(frozen.blocks.len());
@@ -1063,7 +1078,11 @@ impl Trainer {
             let offload = self.config.settings.offload_activations;
             for (block, layer) in frozen.blocks.iter().zip(self.config.layout.layers.clone()) {
                 block_inputs.push(KeptInput::keep(x.clone(), offload));
-                x = block.forward_dropping(x, dropout.map(|d| d.part(u64::from(layer))));
+                x = block.forward_dropping(
+                    x,
+                    dropout.map(|d| d.part(u64::from(layer))),
+                    documents.as_ref(),
+                );
             }
             drop(frozen);
             let output = if self.config.layout.last {
@@ -1083,7 +1102,7 @@ impl Trainer {
             return Ok((kept, None));
         }
         let (x, input) = match tokens {
-            Some(tokens) => (self.model().embed(tokens), None),
+            Some(tokens) => (self.model().embed_in(tokens, documents.as_ref()), None),
             None => {
                 let input = self.receive_input(links, micro)?.require_grad();
                 (input.clone(), Some(input))
@@ -1093,6 +1112,7 @@ impl Trainer {
             x,
             self.dropout(micro),
             self.config.layout.layers.start,
+            documents.as_ref(),
         );
         match targets {
             Some(targets) => {
@@ -1197,13 +1217,14 @@ impl Trainer {
                 // Blocks, last to first: recompute one (its dropout masks
                 // drawn again from the same keys), pull the upstream gradient through it.
                 let dropout = self.dropout(micro);
+                let documents = self.documents(micro);
                 let layers = self.config.layout.layers.clone();
                 for ((block, input), layer) in
                     model.blocks.iter().zip(block_inputs).zip(layers).rev()
                 {
                     let input = input.restore().autodiff().require_grad();
                     let dropout = dropout.map(|d| d.part(u64::from(layer)));
-                    let output = block.forward_dropping(input.clone(), dropout);
+                    let output = block.forward_dropping(input.clone(), dropout, documents.as_ref());
                     let mut grads = (output * upstream).sum().backward();
                     upstream = input
                         .grad_remove(&mut grads)
@@ -1215,7 +1236,7 @@ impl Trainer {
                     Some(_) if self.config.adapters.is_some() => {}
                     Some(tokens) => {
                         // Embeddings (a tied head's embedding gradient adds to the one from the head).
-                        let embedded = model.embed(tokens);
+                        let embedded = model.embed_in(tokens, documents.as_ref());
                         let grads = (embedded * upstream).sum().backward();
                         accumulator.accumulate(model, GradientsParams::from_grads(grads, model));
                     }

@@ -330,6 +330,7 @@ async fn the_initializers_download_progress_is_in_the_status_while_it_runs() {
         },
         train_on: headroom_api::TrainOn::Auto,
         data_split: None,
+        packing: headroom_api::Packing::Stream,
         sequence_length: 64,
     };
     let child = worker_command(&dir, &worker_api, &token)

@@ -696,6 +696,7 @@ fn llama_assignment(dir: &Path, steps: u64) -> WorkerAssignment {
         },
         train_on: headroom_api::TrainOn::Auto,
         data_split: None,
+        packing: headroom_api::Packing::Stream,
         output_dir: dir.join("output").display().to_string(),
         hub_model: None,
     });

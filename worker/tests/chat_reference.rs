@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use headroom_api::TrainOn;
+use headroom_api::{Packing, TrainOn};
 use headroom_worker::chat::Template;
 use headroom_worker::data::IGNORED_TARGET;
 use headroom_worker::initialize::inspect::inspect_data;
@@ -172,7 +172,15 @@ fn parquet_rows_train_as_their_jsonl_lines() {
     assert_eq!(rows.len(), 4, "two row groups of two");
     assert_eq!(rows[3].row, 4);
     let packed = |data: &str, format: &Format| {
-        load_packed(&dir, &fixture(data), format, TrainOn::Assistant, 16).expect("packed")
+        load_packed(
+            &dir,
+            &fixture(data),
+            format,
+            TrainOn::Assistant,
+            Packing::Stream,
+            16,
+        )
+        .expect("packed")
     };
     let (a, b) = (
         packed("conversations.parquet", &parquet),
@@ -193,6 +201,7 @@ fn parquet_rows_train_as_their_jsonl_lines() {
         &fixture("conversations.jsonl"),
         &jsonl,
         TrainOn::Auto,
+        Packing::Stream,
         16,
     )
     .expect("packed");
@@ -278,6 +287,7 @@ fn a_conversation_needs_a_template_and_train_on_must_fit_the_data() {
         &fixture("conversations.jsonl"),
         &jsonl,
         TrainOn::Auto,
+        Packing::Stream,
         8,
     )
     .expect_err("no template");
@@ -293,6 +303,7 @@ fn a_conversation_needs_a_template_and_train_on_must_fit_the_data() {
         &fixture("conversations.jsonl"),
         &jsonl,
         TrainOn::Completion,
+        Packing::Stream,
         8,
     )
     .expect_err("no completion in a conversation");
@@ -302,7 +313,8 @@ fn a_conversation_needs_a_template_and_train_on_must_fit_the_data() {
     );
     let plain = dir.join("plain.jsonl");
     std::fs::write(&plain, "{\"text\": \"All men are created equal.\"}\n").expect("write");
-    let e = load_packed(&dir, &plain, &jsonl, TrainOn::Assistant, 4).expect_err("plain text");
+    let e = load_packed(&dir, &plain, &jsonl, TrainOn::Assistant, Packing::Stream, 4)
+        .expect_err("plain text");
     assert!(
         e.contains("plain.jsonl:1: data.trainOn: \"assistant\" needs conversations"),
         "{e}"
@@ -318,7 +330,7 @@ fn the_initializer_reports_the_masked_share_and_the_long_examples() {
         field: "text".into(),
     };
     let data = fixture("conversations.jsonl");
-    let facts = |train_on| inspect_data(&dir, &data, &jsonl, train_on, 16, 600);
+    let facts = |train_on| inspect_data(&dir, &data, &jsonl, train_on, Packing::Stream, 16, 600);
     let all = facts(TrainOn::Auto).expect("facts");
     let assistant = facts(TrainOn::Assistant).expect("facts");
     assert_eq!((all.documents, all.samples), (4, assistant.samples));
@@ -330,6 +342,7 @@ fn the_initializer_reports_the_masked_share_and_the_long_examples() {
             field: "text".into(),
         },
         TrainOn::Assistant,
+        Packing::Stream,
         16,
     )
     .expect("packed");
@@ -342,7 +355,8 @@ fn the_initializer_reports_the_masked_share_and_the_long_examples() {
     assert_eq!(assistant.longer_than_sample, packed.longer_than_sample);
     assert!(assistant.longer_than_sample > 0);
     // A vocabulary the tokenizer exceeds is still caught.
-    let e = inspect_data(&dir, &data, &jsonl, TrainOn::Auto, 16, 100).expect_err("vocabulary");
+    let e = inspect_data(&dir, &data, &jsonl, TrainOn::Auto, Packing::Stream, 16, 100)
+        .expect_err("vocabulary");
     assert!(
         e.to_string()
             .contains("beyond config.json's vocab_size 100"),
@@ -501,7 +515,14 @@ fn plain_text_rows_get_the_tokenizers_special_tokens_and_the_eos() {
     let jsonl = Format::Jsonl {
         field: "text".into(),
     };
-    let packed =
-        load_packed(&dir, &data, &jsonl, TrainOn::All, expected.len() - 1).expect("packed");
+    let packed = load_packed(
+        &dir,
+        &data,
+        &jsonl,
+        TrainOn::All,
+        Packing::Stream,
+        expected.len() - 1,
+    )
+    .expect("packed");
     assert_eq!(packed.samples, vec![expected]);
 }

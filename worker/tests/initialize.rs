@@ -200,6 +200,7 @@ fn assignment(model: ModelSource, model_dir: &Path, data: &Path) -> InitializerA
         },
         train_on: headroom_api::TrainOn::Auto,
         data_split: None,
+        packing: headroom_api::Packing::Stream,
         sequence_length: 32,
     }
 }

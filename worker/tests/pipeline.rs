@@ -268,6 +268,38 @@ fn masked_targets_give_the_losses_of_one_stage_across_stages() {
     }
 }
 
+/// Samples packed by documents: every stage runs its blocks with the
+/// micro-batch's documents (the middle and last stages hold no tokens of
+/// it), so two and three stages train as one.
+#[test]
+fn documents_packing_gives_the_losses_of_one_stage_across_stages() {
+    let shape = shape(false);
+    let recipe = Recipe::constant(5e-3, 1_000);
+    for checkpointing in [false, true] {
+        let s = settings(checkpointing);
+        let run = |p| {
+            run_on(
+                Transport::InProcess,
+                p,
+                &shape,
+                s,
+                &recipe,
+                3,
+                None,
+                Some(common::documents_text),
+            )
+        };
+        let one = run(1);
+        for p in [2, 3] {
+            assert_close(
+                &one,
+                &run(p),
+                &format!("documents, p = {p}, checkpointing {checkpointing}"),
+            );
+        }
+    }
+}
+
 /// The step's links are the caller's: two stages in two threads over
 /// channels, no sockets, train what one stage does, and bitwise what two
 /// stages over TCP do (the same f32 frames cross either link).

@@ -8,7 +8,7 @@ use burn::tensor::Device;
 use headroom_worker::data::Samples;
 use headroom_worker::train::Trainer;
 
-use common::{masked_text, tiny_config};
+use common::{documents_text, masked_text, tiny_config};
 
 #[test]
 fn loss_falls_over_a_short_run() {
@@ -190,4 +190,59 @@ fn masked_targets_are_normalised_over_the_global_batch_whatever_the_accumulation
         trained.iter().min() != trained.iter().max(),
         "micro-batches with different trained counts: {trained:?}"
     );
+}
+
+fn after_three_document_steps(
+    micro: u32,
+    accumulation: u32,
+    checkpointing: bool,
+) -> (Vec<f32>, Vec<f64>, f64, f64) {
+    let mut config = tiny_config(micro, accumulation, checkpointing);
+    config.settings.optimizer = headroom_planner::Optimizer::Sgd;
+    config.recipe.learning_rate = 0.5;
+    let text = documents_text(&config);
+    let mut trainer = Trainer::new(config, Device::flex().autodiff()).expect("trainer");
+    // The first global batch's loss, its documents apart and as one stream.
+    let samples = Samples::Text(text.clone());
+    let (tokens, targets) = samples.batch(0, 4, &Device::flex());
+    let documents = samples.documents(0, 4);
+    assert!(documents.is_some(), "packed by documents");
+    let model = trainer.model().valid();
+    let scalar = |t: burn::tensor::Tensor<1>| f64::from(t.into_scalar::<f32>());
+    let apart = scalar(model.loss_in(tokens.clone(), targets.clone(), documents.as_ref()));
+    let streamed = scalar(model.loss(tokens, targets));
+    trainer.use_text(text);
+    let losses = (0..3)
+        .map(|_| trainer.train_step().expect("step").loss.expect("loss"))
+        .collect();
+    (probe(&trainer), losses, apart, streamed)
+}
+
+/// Samples packed by documents train with each document apart (its
+/// attention and positions its own) in every forward the trainer runs:
+/// the step's loss is the batch's loss with its documents, and
+/// accumulation and block checkpointing (which recomputes blocks) train
+/// as one batch does.
+#[test]
+fn documents_packing_trains_documents_apart_whatever_the_accumulation() {
+    let (one_batch, l1, apart, streamed) = after_three_document_steps(4, 1, false);
+    assert!(
+        (l1[0] - apart).abs() < 1e-5,
+        "the step's loss is its batch's with the documents apart: {} vs {apart}",
+        l1[0]
+    );
+    assert!(
+        (apart - streamed).abs() > 1e-4,
+        "documents apart differ from one stream: {apart} vs {streamed}"
+    );
+    for (micro, accumulation, checkpointing) in [(2, 2, false), (1, 4, true)] {
+        let (got, l2, _, _) = after_three_document_steps(micro, accumulation, checkpointing);
+        let what = format!(
+            "documents, micro {micro} × accumulation {accumulation} (checkpointing {checkpointing}) vs batch 4"
+        );
+        assert_close(&one_batch, &got, &what);
+        for (a, b) in l1.iter().zip(&l2) {
+            assert!((a - b).abs() < 1e-5, "{what}: losses {l1:?} vs {l2:?}");
+        }
+    }
 }

@@ -297,6 +297,9 @@ pub struct PayloadFiles {
     /// the split's files are found there as on the hub.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data_split: Option<DataSplit>,
+    /// How examples are packed into samples (`data.packing`).
+    #[serde(default)]
+    pub packing: crate::Packing,
     /// Where the fine-tuned model is written, in the checkpoint's format, on success.
     pub output_dir: String,
     /// The Hugging Face repo the model came from (`model.pretrained.huggingFace`):
@@ -392,6 +395,9 @@ pub struct InitializerAssignment {
     /// As [`PayloadFiles::data_split`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data_split: Option<DataSplit>,
+    /// How examples are packed into samples (`data.packing`).
+    #[serde(default)]
+    pub packing: crate::Packing,
     /// Tokens per training sample (the data must give at least one sample).
     pub sequence_length: u32,
 }
@@ -485,16 +491,20 @@ pub struct DataFacts {
     pub documents: u64,
     /// Tokens after tokenizing, end-of-sequence separators included.
     pub tokens: u64,
-    /// Packed samples of `sequence_length + 1` tokens.
+    /// Packed samples of `sequence_length + 1` tokens, as `data.packing`
+    /// packs them (what `training.epochs` count).
     pub samples: u64,
     /// Of the packed samples' target tokens, those the loss skips
-    /// (`data.trainOn`: prompts, user and system turns), in thousandths.
+    /// (`data.trainOn`: prompts, user and system turns; with `documents`
+    /// packing also the padding and each example's first token), in
+    /// thousandths.
     #[serde(default)]
     #[schemars(range(max = 1000))]
     pub masked_per_mille: u32,
     /// Examples longer than one sample (`sequenceLength + 1` tokens):
-    /// packing splits them over consecutive samples, so no sample holds
-    /// one whole (where an unpacked trainer would truncate them).
+    /// `stream` packing splits them over consecutive samples, so no sample
+    /// holds one whole; `documents` packing keeps their first
+    /// `sequenceLength + 1` tokens (as TRL's `bfd` truncates them).
     #[serde(default)]
     pub longer_than_sample: u64,
 }

@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use headroom_api::{DataFacts, DataFormat, ModelFacts, TrainOn};
+use headroom_api::{DataFacts, DataFormat, ModelFacts, Packing, TrainOn};
 use headroom_planner::{LlamaArchitecture, LlamaShape};
 use safetensors::tensor::{Dtype, Metadata};
 
@@ -241,13 +241,15 @@ fn common_dtype(
 
 /// Reads the data as training will (the checkpoint's tokenizer, chat
 /// template and end-of-sequence token, packed into
-/// `sequence_length + 1`-token samples with their loss masks) and checks
+/// `sequence_length + 1`-token samples with their loss masks, as
+/// `packing` says, so the samples counted are those training sees) and checks
 /// every token id fits the model's vocabulary.
 pub fn inspect_data(
     model_dir: &Path,
     data: impl Into<DataLocation>,
     format: &DataFormat,
     train_on: TrainOn,
+    packing: Packing,
     sequence_length: u32,
     vocabulary: u32,
 ) -> Result<DataFacts, InitError> {
@@ -273,6 +275,7 @@ pub fn inspect_data(
         data.clone(),
         &format,
         train_on,
+        packing,
         sequence_length as usize,
     )
     .map_err(InitError::Invalid)?;

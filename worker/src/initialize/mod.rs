@@ -282,6 +282,7 @@ pub fn initialize(
         data_location.clone(),
         &assignment.data_format,
         assignment.train_on,
+        assignment.packing,
         sequence_length,
         model.shape.vocabulary,
     )?;

@@ -9,6 +9,7 @@ use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Tensor};
 use headroom_planner::TransformerShape;
 
+use super::Documents;
 use super::lean::linear::on_rows;
 use super::lean::{ATTENTION_BLOCK, AttentionOptions, attend};
 
@@ -30,8 +31,9 @@ impl Attention {
         }
     }
 
-    /// `x`: [batch, seq, hidden] → [batch, seq, hidden].
-    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+    /// `x`: [batch, seq, hidden] → [batch, seq, hidden]; attention stays
+    /// inside each of `documents` where given.
+    fn forward(&self, x: Tensor<3>, documents: Option<&Documents>) -> Tensor<3> {
         let [b, s, h] = x.dims();
         let a = self.heads;
         let d = h / a;
@@ -43,7 +45,10 @@ impl Attention {
                 .swap_dims(1, 2) // [b, a, s, d]
         };
         let (q, k, v) = (split(0), split(1), split(2));
-        let options = AttentionOptions::causal(d, ATTENTION_BLOCK);
+        let options = AttentionOptions {
+            segments: documents.map(|d| d.segments().clone()),
+            ..AttentionOptions::causal(d, ATTENTION_BLOCK)
+        };
         let context = attend(q, k, v, options).swap_dims(1, 2).reshape([b, s, h]); // [b, s, h]
         on_rows(context, |x| self.out.forward(x))
     }
@@ -74,7 +79,12 @@ impl GptBlock {
 
     /// [batch, seq, hidden] → [batch, seq, hidden].
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let x = x.clone() + self.attention.forward(self.ln1.forward(x));
+        self.forward_in(x, None)
+    }
+
+    /// [`Self::forward`] over a batch packed by `documents`, where given.
+    pub fn forward_in(&self, x: Tensor<3>, documents: Option<&Documents>) -> Tensor<3> {
+        let x = x.clone() + self.attention.forward(self.ln1.forward(x), documents);
         let inner = on_rows(self.ln2.forward(x.clone()), |x| self.ff_in.forward(x));
         let ff = on_rows(gelu(inner), |x| self.ff_out.forward(x));
         x + ff

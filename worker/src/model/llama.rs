@@ -25,6 +25,7 @@ use burn::tensor::activation::{gelu_approximate, silu};
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use headroom_planner::{LayerAttention, LlamaShape, RopeScaling, TargetModule};
 
+use super::Documents;
 use super::lean::linear::{self, AdapterDropout};
 use super::lean::{ATTENTION_BLOCK, AttentionOptions, attend};
 use super::nf4::Nf4Bases;
@@ -117,16 +118,46 @@ impl Rope {
         }
     }
 
-    /// cos and sin for positions 0..seq, each [seq, rotary_dim] (halves repeated).
-    fn tables(&self, seq: usize, device: &Device) -> (Tensor<2>, Tensor<2>) {
+    /// cos and sin for positions 0..seq, each [1, 1, seq, rotary_dim] (halves repeated).
+    fn tables(&self, seq: usize, device: &Device) -> (Tensor<4>, Tensor<4>) {
+        let (cos, sin) = self.rows(0..seq, seq, device);
+        (cos.unsqueeze::<4>(), sin.unsqueeze::<4>())
+    }
+
+    /// cos and sin at each token's own position, `positions` [b, s]
+    /// row-major (documents packed into a row restart at 0), each
+    /// [b, 1, s, rotary_dim]: the rows of [`Self::tables`] those positions
+    /// pick.
+    fn tables_at(
+        &self,
+        positions: &[usize],
+        [b, s]: [usize; 2],
+        device: &Device,
+    ) -> (Tensor<4>, Tensor<4>) {
+        // transformers picks LongRoPE's frequencies by the largest position.
+        let seq = positions.iter().max().map_or(0, |p| p + 1);
+        let (cos, sin) = self.rows(positions.iter().copied(), seq, device);
+        let d = self.rotary_dim;
+        (cos.reshape([b, 1, s, d]), sin.reshape([b, 1, s, d]))
+    }
+
+    /// cos and sin of `positions` as rows [n, rotary_dim], with the
+    /// frequencies for a forward pass of `seq` positions.
+    fn rows(
+        &self,
+        positions: impl ExactSizeIterator<Item = usize>,
+        seq: usize,
+        device: &Device,
+    ) -> (Tensor<2>, Tensor<2>) {
         let d = self.rotary_dim;
         let inv_freq = match &self.long {
             Some((long, original)) if seq > *original => long,
             _ => &self.inv_freq,
         };
-        let mut cos = Vec::with_capacity(seq * d);
-        let mut sin = Vec::with_capacity(seq * d);
-        for p in 0..seq {
+        let n = positions.len();
+        let mut cos = Vec::with_capacity(n * d);
+        let mut sin = Vec::with_capacity(n * d);
+        for p in positions {
             for _half in 0..2 {
                 for f in inv_freq {
                     let angle = p as f32 * f;
@@ -136,13 +167,15 @@ impl Rope {
             }
         }
         (
-            Tensor::from_data(TensorData::new(cos, [seq, d]), device),
-            Tensor::from_data(TensorData::new(sin, [seq, d]), device),
+            Tensor::from_data(TensorData::new(cos, [n, d]), device),
+            Tensor::from_data(TensorData::new(sin, [n, d]), device),
         )
     }
 
-    /// Rotates `x` [batch, heads, seq, head_dim] by position.
-    fn apply(&self, x: Tensor<4>, cos: &Tensor<2>, sin: &Tensor<2>) -> Tensor<4> {
+    /// Rotates `x` [batch, heads, seq, head_dim] by position; `cos`, `sin`
+    /// [1 or batch, 1, seq, rotary_dim] as [`Self::tables`] or
+    /// [`Self::tables_at`] give them.
+    fn apply(&self, x: Tensor<4>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<4> {
         let [b, a, s, d] = x.dims();
         let r = self.rotary_dim;
         if r < d {
@@ -153,8 +186,8 @@ impl Rope {
         let x1 = x.clone().narrow(3, 0, half);
         let x2 = x.clone().narrow(3, half, half);
         let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
-        let cos = cos.clone().unsqueeze::<4>().expand([b, a, s, d]);
-        let sin = sin.clone().unsqueeze::<4>().expand([b, a, s, d]);
+        let cos = cos.clone().expand([b, a, s, d]);
+        let sin = sin.clone().expand([b, a, s, d]);
         x * cos + rotated * sin
     }
 }
@@ -352,11 +385,18 @@ impl LlamaBlock {
 
     /// [batch, seq, hidden] → [batch, seq, hidden].
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        self.forward_dropping(x, None)
+        self.forward_dropping(x, None, None)
     }
 
-    /// [`Self::forward`] with this block's adapter dropout (training).
-    pub fn forward_dropping(&self, x: Tensor<3>, dropout: Option<AdapterDropout>) -> Tensor<3> {
+    /// [`Self::forward`] with this block's adapter dropout (training), over
+    /// a batch packed by `documents` where given (each token attends to its
+    /// own document, at its position in it).
+    pub fn forward_dropping(
+        &self,
+        x: Tensor<3>,
+        dropout: Option<AdapterDropout>,
+        documents: Option<&Documents>,
+    ) -> Tensor<3> {
         let projections = Projections {
             nf4: &self.nf4,
             dropout,
@@ -366,6 +406,7 @@ impl LlamaBlock {
             norm(&self.input_layernorm, x.clone(), g),
             &self.rope,
             &projections,
+            documents,
         );
         if let (Some(pre), Some(post)) = (
             &self.pre_feedforward_layernorm,
@@ -425,7 +466,13 @@ impl LlamaMlp {
 
 impl LlamaAttention {
     /// `x`: [batch, seq, hidden] (already normalised) → [batch, seq, hidden].
-    fn forward(&self, x: Tensor<3>, rope: &Rope, p: &Projections) -> Tensor<3> {
+    fn forward(
+        &self,
+        x: Tensor<3>,
+        rope: &Rope,
+        p: &Projections,
+        documents: Option<&Documents>,
+    ) -> Tensor<3> {
         use TargetModule::{KProj, OProj, QProj, QkvProj, VProj};
         let [b, s, _] = x.dims();
         let (a, kv, d) = (self.heads, self.kv_heads, self.head_dim);
@@ -455,7 +502,10 @@ impl LlamaAttention {
         };
         let q = per_head(&self.q_norm, q);
         let k = per_head(&self.k_norm, k);
-        let (cos, sin) = rope.tables(s, &device);
+        let (cos, sin) = match documents {
+            Some(documents) => rope.tables_at(documents.positions(), [b, s], &device),
+            None => rope.tables(s, &device),
+        };
         let q = rope.apply(q, &cos, &sin);
         let k = rope.apply(k, &cos, &sin);
         // Each key/value head serves a / kv consecutive query heads; the
@@ -470,6 +520,7 @@ impl LlamaAttention {
             block: ATTENTION_BLOCK,
             softcap,
             window,
+            segments: documents.map(|d| d.segments().clone()),
         };
         let context = attend(q, k, v, options)
             .swap_dims(1, 2)

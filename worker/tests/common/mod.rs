@@ -8,7 +8,9 @@ use burn::tensor::{Device, FloatDType};
 
 use headroom_planner::{Settings, TransformerShape};
 use headroom_worker::data::TextSamples;
-use headroom_worker::text::{Format, load_tokenizer, pack, read_documents};
+use headroom_worker::text::{
+    Format, Tokenized, load_tokenizer, pack, pack_documents, read_documents,
+};
 use headroom_worker::train::TrainConfig;
 
 pub fn tiny_shape() -> TransformerShape {
@@ -81,6 +83,32 @@ pub fn masked_text(config: &TrainConfig) -> TextSamples {
         .map(|i| (0..s).map(|j| j >= (i % 5) * s / 4).collect())
         .collect();
     TextSamples::with_masks(samples, Some(masks), config.seed)
+}
+
+/// Progression examples of 2 to `sequence_length + 3` tokens (a few
+/// longer than a sample, so truncated), a fifth with an untrained prompt,
+/// packed by documents: samples of one to several documents and padding.
+pub fn documents_text(config: &TrainConfig) -> TextSamples {
+    let task = headroom_worker::data::ProgressionTask {
+        seed: 9,
+        vocabulary: config.shape.vocabulary(),
+        sequence_length: config.shape.sequence_length() + 2,
+    };
+    let s = config.shape.sequence_length() as usize;
+    let examples: Vec<Tokenized> = (0..40u64)
+        .map(|i| {
+            let n = 2 + (i as usize * 7) % (s + 2);
+            let ids: Vec<u32> = task.sample(i)[..n].iter().map(|&t| t as u32).collect();
+            let prompt = if i % 5 == 0 { n / 2 } else { 0 };
+            Tokenized {
+                trained: (0..n).map(|j| j >= prompt).collect(),
+                ids,
+            }
+        })
+        .collect();
+    let packed = pack_documents(&examples, 0, s).expect("packed");
+    assert!(packed.longer_than_sample > 0 && packed.samples.len() >= 8);
+    TextSamples::packed(packed, config.seed)
 }
 
 /// Flex with bf16 as its default float dtype, configured once per process:

@@ -177,6 +177,34 @@ pub struct DataSpec {
     /// prompt/completion row's completion) or `all`.
     #[serde(default)]
     pub train_on: TrainOn,
+    /// How examples become samples of `sequenceLength + 1` tokens:
+    /// `stream` (the default: examples joined into one stream and cut at
+    /// every `sequenceLength` tokens, so a sample may span documents and
+    /// attention runs across them) or `documents` (whole examples placed
+    /// into samples best-fit decreasing, as TRL's `pack_dataset(strategy:
+    /// "bfd")`; each token attends only to its own example and positions
+    /// restart at each; an example longer than a sample is truncated).
+    #[serde(default)]
+    pub packing: Packing,
+}
+
+/// How the examples of `spec.data` are packed into training samples.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum Packing {
+    /// One stream of every example (each ended by the end-of-sequence
+    /// token), cut into samples with a stride of `sequenceLength`: no token
+    /// is lost or padded, but a sample may hold the end of one document and
+    /// the start of the next, and attends across them (pretraining-style).
+    #[default]
+    Stream,
+    /// Whole examples, best-fit decreasing into samples (TRL's `bfd`): a
+    /// sample holds one or more complete examples and padding that is not
+    /// trained; attention is blocked between them and each starts at
+    /// position 0, so every example trains as if alone (fine-tuning-style).
+    /// An example longer than a sample keeps its first `sequenceLength + 1`
+    /// tokens (counted in `status.data.longerThanSample`).
+    Documents,
 }
 
 /// Which tokens of an example the loss is computed on.

@@ -77,6 +77,7 @@ pub(super) fn payload_files(job: &MemoryAwareTrainingJob) -> Option<PayloadFiles
         },
         train_on: data.train_on,
         data_split,
+        packing: data.packing,
         output_dir,
         hub_model: pretrained.hugging_face.as_ref().map(|hf| HubModel {
             repo: hf.repo.clone(),

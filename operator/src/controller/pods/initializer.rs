@@ -135,6 +135,7 @@ fn initializer_assignment(job: &MemoryAwareTrainingJob) -> Option<InitializerAss
         data_format: files.data_format,
         train_on: files.train_on,
         data_split: files.data_split,
+        packing: files.packing,
         sequence_length: pretrained.sequence_length,
     })
 }

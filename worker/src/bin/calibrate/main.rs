@@ -490,6 +490,7 @@ fn fine_tuning_files_with(
         data_format: DataFormat::Text,
         train_on: headroom_api::TrainOn::All,
         data_split: None,
+        packing: headroom_api::Packing::Stream,
         output_dir: dir.join("output").display().to_string(),
         hub_model: None,
     };

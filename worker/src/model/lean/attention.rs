@@ -10,19 +10,72 @@
 //! `[b, kv, n, d]`), so k and v are never repeated, and dk, dv sum over the
 //! group by the same matmul.
 //!
+//! Packed documents ([`Segments`]) block attention between the documents
+//! of a row: a query sees only keys of its own document. Block pairs no
+//! query of any row can see into are skipped as the causal ones are.
+//!
 //! The [`super`] module wraps these functions in one autodiff op.
 
 use std::ops::Range;
+use std::sync::Arc;
 
-use burn::tensor::{Bool, Tensor, TensorData};
+use burn::tensor::{Bool, Int, Tensor, TensorData};
 
 /// A score that removes a key: finite, so a row whose first visited block
 /// is all masked (possible with a sliding window) gives `exp(0)` terms that
 /// the next block's larger maximum rescales to exactly zero, instead of NaN.
 const MASKED: f32 = -1.0e30;
 
+/// Which document each token of each batch row belongs to, where a row
+/// holds several (packing by documents): a document is a run of equal ids,
+/// and a query sees only keys of its own run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Segments {
+    /// Per row and token (`[b, s]` row-major), the first token of its run.
+    starts: Arc<[usize]>,
+    rows: usize,
+    seq: usize,
+}
+
+impl Segments {
+    /// `ids`: `[rows, seq]` row-major, a document id per token.
+    pub fn new(ids: &[u32], rows: usize, seq: usize) -> Self {
+        assert_eq!(ids.len(), rows * seq, "a segment id per token of each row");
+        let mut starts = Vec::with_capacity(ids.len());
+        for row in ids.chunks(seq.max(1)) {
+            let mut start = 0;
+            for (t, id) in row.iter().enumerate() {
+                if t > 0 && *id != row[t - 1] {
+                    start = t;
+                }
+                starts.push(start);
+            }
+        }
+        Segments {
+            starts: starts.into(),
+            rows,
+            seq,
+        }
+    }
+
+    /// Rows (the batch).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Tokens per row.
+    pub fn seq(&self) -> usize {
+        self.seq
+    }
+
+    /// The first token of the document token `t` of row `row` is in.
+    pub fn start(&self, row: usize, t: usize) -> usize {
+        self.starts[row * self.seq + t]
+    }
+}
+
 /// What shapes one attention call; everything but `scale` is optional.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct AttentionOptions {
     /// Multiplies q·kᵀ (1/√d for Llama; Gemma's `query_pre_attn_scalar`^-½).
     pub scale: f64,
@@ -34,6 +87,9 @@ pub struct AttentionOptions {
     /// Sliding window: a query sees the `window` most recent keys (itself
     /// included); `None` for global attention.
     pub window: Option<usize>,
+    /// Packed documents, each query seeing only its own; `None`: a row is
+    /// one sequence (then the masks depend on distance alone).
+    pub segments: Option<Segments>,
 }
 
 impl AttentionOptions {
@@ -44,6 +100,7 @@ impl AttentionOptions {
             block,
             softcap: None,
             window: None,
+            segments: None,
         }
     }
 
@@ -52,26 +109,46 @@ impl AttentionOptions {
         k <= q && self.window.is_none_or(|w| q - k < w)
     }
 
-    /// Whether the block pair has any visible key, and whether it needs a mask.
+    /// Whether the block pair has any visible key (in some row), and
+    /// whether it needs a mask.
     fn pair(&self, q: &Range<usize>, k: &Range<usize>) -> (bool, bool) {
         // The nearest pair is the latest key not after the earliest query
         // it can serve: distance 0 where the ranges overlap.
         let nearest = q.start.saturating_sub(k.end - 1);
         let any = k.start < q.end && self.window.is_none_or(|w| nearest < w);
         let all = self.visible(q.start, k.end - 1) && self.visible(q.end - 1, k.start);
-        (any, !all)
+        let Some(segments) = &self.segments else {
+            return (any, !all);
+        };
+        if !any {
+            return (false, true);
+        }
+        // Query `t` sees keys from the later of its document's start and
+        // its window's first key, up to itself.
+        let first = |row, t: usize| {
+            let window_start = self.window.map_or(0, |w| (t + 1).saturating_sub(w));
+            segments.start(row, t).max(window_start)
+        };
+        let any = (0..segments.rows()).any(|row| {
+            q.clone()
+                .any(|t| first(row, t).max(k.start) <= t.min(k.end - 1))
+        });
+        let whole =
+            (0..segments.rows()).all(|row| q.clone().all(|t| segments.start(row, t) <= k.start));
+        (any, !(all && whole))
     }
 }
 
-/// The masks of one call's block pairs. Visibility depends only on the
-/// distance between query and key, so pairs at the same offset with the
-/// same lengths (every diagonal pair but a partial last one) share one
-/// mask, built once for the forward or the backward.
+/// The masks of one call's block pairs. Without segments visibility
+/// depends only on the distance between query and key, so pairs at the
+/// same offset with the same lengths (every diagonal pair but a partial
+/// last one) share one mask, built once for the forward or the backward;
+/// with segments a mask is its pair's own (keyed by where it starts).
 struct Masks<'a> {
     options: &'a AttentionOptions,
     dims: [usize; 3],
     device: burn::tensor::Device,
-    built: std::collections::HashMap<(isize, usize, usize), Tensor<4, Bool>>,
+    built: std::collections::HashMap<(isize, usize, usize, Option<usize>), Tensor<4, Bool>>,
 }
 
 impl<'a> Masks<'a> {
@@ -85,7 +162,13 @@ impl<'a> Masks<'a> {
     }
 
     fn get(&mut self, q: &Range<usize>, k: &Range<usize>) -> Tensor<4, Bool> {
-        let key = (q.start as isize - k.start as isize, q.len(), k.len());
+        let absolute = self.options.segments.as_ref().map(|_| q.start);
+        let key = (
+            q.start as isize - k.start as isize,
+            q.len(),
+            k.len(),
+            absolute,
+        );
         let (options, dims, device) = (self.options, self.dims, &self.device);
         self.built
             .entry(key)
@@ -126,6 +209,9 @@ fn mask(
     device: &burn::tensor::Device,
 ) -> Tensor<4, Bool> {
     let [b, kv, g] = dims;
+    if let Some(segments) = &options.segments {
+        return segment_mask(options, segments, q, k, dims, device);
+    }
     let mut hidden = Vec::with_capacity(g * q.len() * k.len());
     for _ in 0..g {
         for qi in q.clone() {
@@ -135,6 +221,46 @@ fn mask(
     Tensor::<2, Bool>::from_data(TensorData::new(hidden, [g * q.len(), k.len()]), device)
         .unsqueeze::<4>()
         .expand([b, kv, g * q.len(), k.len()])
+}
+
+/// [`mask`] with segments: a row's own, so built on the device from each
+/// query's document start (the host sends `b · |q|` integers, not the
+/// `b · |q| · |k|` mask): a key is hidden after its query, before the
+/// query's document, or outside its window.
+fn segment_mask(
+    options: &AttentionOptions,
+    segments: &Segments,
+    q: &Range<usize>,
+    k: &Range<usize>,
+    [b, kv, g]: [usize; 3],
+    device: &burn::tensor::Device,
+) -> Tensor<4, Bool> {
+    let (n, m) = (q.len(), k.len());
+    let shape = [b, n, m];
+    let starts: Vec<i64> = (0..b)
+        .flat_map(|row| q.clone().map(move |t| segments.start(row, t) as i64))
+        .collect();
+    let starts =
+        Tensor::<3, Int>::from_data(TensorData::new(starts, [b, n, 1]), device).expand(shape);
+    let queries = Tensor::<1, Int>::arange(q.start as i64..q.end as i64, device)
+        .reshape([1, n, 1])
+        .expand(shape);
+    let keys = Tensor::<1, Int>::arange(k.start as i64..k.end as i64, device)
+        .reshape([1, 1, m])
+        .expand(shape);
+    let mut hidden = keys
+        .clone()
+        .greater(queries.clone())
+        .bool_or(keys.clone().lower(starts));
+    if let Some(w) = options.window {
+        hidden = hidden.bool_or((queries - keys).greater_equal_elem(w as i64));
+    }
+    // Every group member's rows alike: [b, g·|q|, |k|], then each kv head.
+    hidden
+        .unsqueeze_dim::<4>(1)
+        .expand([b, g, n, m])
+        .reshape([b, 1, g * n, m])
+        .expand([b, kv, g * n, m])
 }
 
 /// Scores of one block pair after scaling, soft-capping and masking; with

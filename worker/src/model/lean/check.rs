@@ -82,11 +82,30 @@ pub fn compare_on(device: &Device, shapes: Shapes) -> Vec<Comparison> {
     let mut out = Vec::new();
     let ((b, a, kv, s, d), block) = shapes.attention;
     let causal = AttentionOptions::causal(d, block);
-    let mut gemma = causal;
+    let mut gemma = causal.clone();
     gemma.softcap = Some(30.0);
     gemma.window = Some(s / 3 + 1);
-    for (name, options) in [("causal", causal), ("soft-capped, windowed", gemma)] {
-        let run = |dev: &Device, lean: bool| attention_grads(dev, (b, a, kv, s, d), options, lean);
+    // Packed documents: each row cut in its own places (a short document,
+    // boundaries inside blocks and on one).
+    let ids: Vec<u32> = (0..b * s)
+        .map(|i| {
+            let (row, t) = (i / s, i % s);
+            let cuts = [3 + row, s / 3, s / 2 + row * 7, s - s / 5];
+            cuts.iter().filter(|&&c| t >= c).count() as u32
+        })
+        .collect();
+    let documents = AttentionOptions {
+        segments: Some(attention::Segments::new(&ids, b, s)),
+        ..causal.clone()
+    };
+    for (name, options) in [
+        ("causal", causal),
+        ("soft-capped, windowed", gemma),
+        ("packed documents", documents),
+    ] {
+        let run = |dev: &Device, lean: bool| {
+            attention_grads(dev, (b, a, kv, s, d), options.clone(), lean)
+        };
         out.extend(compare(
             format!("attention {name}, b {b}, heads {a}/{kv}, s {s}, d {d}, block {block}"),
             &["output", "dq", "dk", "dv"],
@@ -258,7 +277,7 @@ mod tests {
     fn on_flex_the_lean_ops_match_the_naive_ones_and_the_reference() {
         let device = Device::flex().autodiff();
         let rows = compare_on(&device, Shapes::small());
-        assert_eq!(rows.len(), 4 + 4 + 3 + 3);
+        assert_eq!(rows.len(), 4 + 4 + 4 + 3 + 3);
         for r in &rows {
             // f32 on both sides, sums in another order: the model::lean
             // tests measured ≤ 4.2e-7 on these shapes.
