@@ -10,6 +10,8 @@ fn plugin(args: &[&str]) -> Output {
         .args(args)
         .current_dir(root())
         .env("KUBECONFIG", "/nonexistent/kubeconfig")
+        // Nor the cluster a CI pod runs in (the in-cluster fallback).
+        .env_remove("KUBERNETES_SERVICE_HOST")
         .output()
         .expect("plugin runs")
 }
@@ -514,6 +516,8 @@ fn a_closed_stdout_is_not_a_crash() {
             .args(args)
             .current_dir(root())
             .env("KUBECONFIG", "/nonexistent/kubeconfig")
+            // Nor the cluster a CI pod runs in (the in-cluster fallback).
+            .env_remove("KUBERNETES_SERVICE_HOST")
             .stdout(writer)
             .stderr(std::process::Stdio::null())
             .status()
@@ -812,6 +816,8 @@ fn plugin_with_stdin(args: &[&str], stdin: &str) -> Output {
         .args(args)
         .current_dir(root())
         .env("KUBECONFIG", "/nonexistent/kubeconfig")
+        // Nor the cluster a CI pod runs in (the in-cluster fallback).
+        .env_remove("KUBERNETES_SERVICE_HOST")
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -940,6 +946,7 @@ fn the_kubeconfig_contexts_namespace_names_the_job() {
         .args(["plan", "-f", "samples/cpu-tiny.yaml", "-o", "json"])
         .current_dir(root())
         .env("KUBECONFIG", &kubeconfig)
+        .env_remove("KUBERNETES_SERVICE_HOST")
         .output()
         .expect("plugin runs");
     assert_eq!(one_job(&out)["job"], "tenant/tiny-cpu", "{}", text(&out));

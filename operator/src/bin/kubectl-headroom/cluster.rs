@@ -131,29 +131,40 @@ impl Target {
                 Err(e) if is_forbidden(&e) => {
                     state.unread.push(format!("you may not list nodes ({})", reason(&e)));
                 }
-                Err(e) => return Err(anyhow!(e).context("listing nodes")),
+                Err(e) => return Err(anyhow!(reason(&e))).context("listing nodes"),
             }
-            if !gpu {
+            // Pods matter for GPUs only, and only with nodes to plan on.
+            if !gpu || state.nodes.is_none() {
                 return Ok(state);
             }
             let live = ListParams::default().fields("status.phase!=Succeeded,status.phase!=Failed");
             match Api::<Pod>::all(client.clone()).list(&live).await {
                 Ok(list) => state.pods = list.items,
                 Err(e) if is_forbidden(&e) => {
+                    let mut seen = Vec::new();
                     for ns in namespaces {
-                        let list = Api::<Pod>::namespaced(client.clone(), ns)
-                            .list(&live)
-                            .await
-                            .with_context(|| format!("listing pods in namespace {ns}"))?;
-                        state.pods.extend(list.items);
+                        match Api::<Pod>::namespaced(client.clone(), ns).list(&live).await {
+                            Ok(list) => {
+                                state.pods.extend(list.items);
+                                seen.push(ns.as_str());
+                            }
+                            Err(e) if is_forbidden(&e) => {}
+                            Err(e) => {
+                                return Err(anyhow!(reason(&e)))
+                                    .with_context(|| format!("listing pods in namespace {ns}"));
+                            }
+                        }
                     }
+                    let outside = match seen.as_slice() {
+                        [] => "any pod".to_string(),
+                        seen => format!("pods outside {}", seen.join(", ")),
+                    };
                     state.unread.push(format!(
-                        "you may not list pods in every namespace ({}): GPUs held by pods outside {} are counted as free",
-                        reason(&e),
-                        namespaces.join(", ")
+                        "you may not list pods in every namespace ({}): GPUs held by {outside} are counted as free",
+                        reason(&e)
                     ));
                 }
-                Err(e) => return Err(anyhow!(e).context("listing pods")),
+                Err(e) => return Err(anyhow!(reason(&e))).context("listing pods"),
             }
             Ok(state)
         })
@@ -198,12 +209,19 @@ fn is_forbidden(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(status) if status.is_forbidden())
 }
 
-/// The API server's message of a refusal, for the note.
+/// The API server's message of a refusal; for any other error, the error
+/// and its causes (a refused connection says so only in its source).
 fn reason(e: &kube::Error) -> String {
-    match e {
-        kube::Error::Api(status) => status.message.clone(),
-        e => e.to_string(),
+    if let kube::Error::Api(status) = e {
+        return status.message.clone();
     }
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        text = format!("{text}: {cause}");
+        source = cause.source();
+    }
+    text
 }
 
 #[cfg(test)]
