@@ -64,6 +64,26 @@ if grep -q 'name: .*-worker-api-ca$\|name: .*-peer-key$' <<<"${own_secrets}"; th
 if grep -q 'checksum/' <<<"${own_secrets}"; then fail "existingSecret still puts a checksum of a generated Secret on the operator"; fi
 grep -q 'secretName: my-ca$' <<<"${own_secrets}" || fail "workerApi.tls.existingSecret is not mounted"
 grep -q 'secretName: my-peer-key$' <<<"${own_secrets}" || fail "peerKey.existingSecret is not mounted"
+# The usual knobs reach the operator's pod; nameOverride names it.
+knobs=$("${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --set 'imagePullSecrets[0].name=regcred' \
+  --set podLabels.team=ml --set priorityClassName=system-cluster-critical --set 'extraArgs={--lease-seconds=30}' --set nameOverride=hr)
+deployment=$(doc Deployment <<<"${knobs}")
+grep -A1 'imagePullSecrets:' <<<"${deployment}" | grep -q -- '- name: regcred$' || fail "imagePullSecrets do not reach the operator's pod"
+grep -q '^        team: ml$' <<<"${deployment}" || fail "podLabels are not on the operator's pod"
+grep -q 'priorityClassName: system-cluster-critical$' <<<"${deployment}" || fail "priorityClassName is not on the operator's pod"
+grep -q -- '- "--lease-seconds=30"$' <<<"${deployment}" || fail "extraArgs do not reach the operator"
+grep -q '^  name: headroom-hr$' <<<"${deployment}" || fail "nameOverride does not name the operator"
+grep -q 'app.kubernetes.io/name: hr$' <<<"${deployment}" || fail "nameOverride does not label the operator"
+if grep -q 'imagePullSecrets\|priorityClassName' <<<"$(doc Deployment <<<"${rendered}")"; then fail "imagePullSecrets or priorityClassName rendered by default"; fi
+if "${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --set 'imagePullSecrets={regcred}' >/dev/null 2>&1; then fail "values.schema.json accepted imagePullSecrets as strings (a PodSpec takes [{name}])"; fi
+# The cluster-scoped policies and their bindings carry the chart's labels.
+[[ $(doc 'ValidatingAdmissionPolicy(Binding)?' <<<"${rendered}" | grep -c '^    app.kubernetes.io/instance: headroom$') == 4 ]] || fail "the admission policies lack the chart's labels"
+# Alerts and the dashboard only when asked for; their queries are checked
+# against the served metrics by the operator's metrics tests.
+if grep -q '^kind: PrometheusRule$\|grafana_dashboard' <<<"${rendered}"; then fail "the PrometheusRule or the dashboard rendered by default"; fi
+observability=$("${HELM}" template headroom "${CHART}" --kube-version "${KUBE_VERSION:-v1.33.0}" --set metrics.prometheusRule.enabled=true --set metrics.dashboard.enabled=true)
+grep -q 'alert: HeadroomWorkerNearBudget$' <<<"$(doc PrometheusRule <<<"${observability}")" || fail "metrics.prometheusRule.enabled renders no alerts"
+grep -q '"uid": "headroom-jobs"' <<<"$(doc ConfigMap <<<"${observability}")" || fail "metrics.dashboard.enabled renders no dashboard"
 # A job that names a Secret is admitted only if its creator may get that
 # Secret: the admission policy is on by default, and can be turned off.
 grep -q '^kind: ValidatingAdmissionPolicy$' <<<"${rendered}" || fail "no token Secret admission policy by default"

@@ -2,19 +2,27 @@
 //! `/readyz` probe endpoints, served on a listener of their own.
 //!
 //! Besides the controller's own counters, the workers' live telemetry as
-//! gauges per worker (`headroom_worker_*`, labels `namespace`, `job`,
-//! `worker`), read at each scrape from the reports the operator holds
+//! gauges per worker (`headroom_worker_*`, labels `namespace`, `matj`, the
+//! MemoryAwareTrainingJob's name, and `pod`, the worker's pod), read at
+//! each scrape from the reports the operator holds
 //! ([`crate::worker_reports`]): a worker's series go when its attempt is
 //! superseded and its job's when the job ends or is deleted, so their
-//! number stays that of the running workers.
+//! number stays that of the running workers. The labels are the ones
+//! cAdvisor, DCGM and kube-state-metrics give a pod (`namespace`, `pod`),
+//! so their series join without relabelling; the job's is not `job`, which
+//! is Prometheus' own target label.
 //!
-//! And each job's training progress as gauges per job (`headroom_job_*`,
-//! labels `namespace`, `job`): its step and total, train and eval loss,
+//! And each job's training progress per job (`headroom_job_*`, labels
+//! `namespace`, `matj`): as gauges its step and total, train and eval loss,
 //! tokens per second and time left, as `status.progress` shows them
-//! ([`crate::progress`]); a job's series go when it ends or is deleted.
+//! ([`crate::progress`]), and as counters the steps and tokens trained, all
+//! attempts together; a job's series go when it ends or is deleted.
+//!
+//! And the jobs the controller watches by phase (`headroom_jobs{phase}`),
+//! every phase always present.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use axum::Router;
 use axum::extract::State;
@@ -24,15 +32,19 @@ use axum::routing::get;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
-use headroom_api::JobProgress;
+use headroom_api::{JobPhase, JobProgress, MemoryAwareTrainingJob};
+use kube::core::DeserializeGuard;
+use kube::runtime::reflector::Store;
 
 use crate::metrics_access::MetricsAccess;
+use crate::progress::RunCounts;
 use crate::worker_reports::WorkerReports;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -57,6 +69,8 @@ pub struct Metrics {
     pub attempts: Family<OutcomeLabels, Counter>,
     pub planning_seconds: Histogram,
     ready: AtomicBool,
+    /// The controller's cache of jobs, once it watches them.
+    jobs: Arc<OnceLock<Store<DeserializeGuard<MemoryAwareTrainingJob>>>>,
 }
 
 impl Default for Metrics {
@@ -87,6 +101,8 @@ impl Default for Metrics {
             "Time to decide a job's next step (planning included)",
             planning_seconds.clone(),
         );
+        let jobs = Arc::<OnceLock<_>>::default();
+        registry.register_collector(Box::new(JobPhases(jobs.clone())));
         Metrics {
             registry,
             reconciles,
@@ -94,6 +110,7 @@ impl Default for Metrics {
             attempts,
             planning_seconds,
             ready: AtomicBool::new(false),
+            jobs,
         }
     }
 }
@@ -118,6 +135,12 @@ impl Metrics {
         m
     }
 
+    /// Counts the jobs in `store` by phase at each scrape (once: the
+    /// controller's one cache).
+    pub fn count_jobs(&self, store: Store<DeserializeGuard<MemoryAwareTrainingJob>>) {
+        let _ = self.jobs.set(store);
+    }
+
     pub fn set_ready(&self, ready: bool) {
         self.ready.store(ready, Ordering::Relaxed);
     }
@@ -130,25 +153,75 @@ impl Metrics {
     }
 }
 
+/// The `headroom_jobs` gauge: the watched jobs by phase.
+#[derive(Debug)]
+struct JobPhases(Arc<OnceLock<Store<DeserializeGuard<MemoryAwareTrainingJob>>>>);
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PhaseLabels {
+    phase: String,
+}
+
+const PHASES: [JobPhase; 5] = [
+    JobPhase::Pending,
+    JobPhase::Running,
+    JobPhase::Retrying,
+    JobPhase::Succeeded,
+    JobPhase::Failed,
+];
+
+impl Collector for JobPhases {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Some(store) = self.0.get() else {
+            return Ok(()); // not watching yet: no count rather than zeros
+        };
+        let mut counts = [0u64; PHASES.len()];
+        for job in store.state() {
+            // A job that does not parse is the reconcile errors' to count.
+            let Ok(job) = &job.0 else { continue };
+            // No phase yet: the controller has not seen it, it waits.
+            let phase = job.status.as_ref().and_then(|s| s.phase);
+            let phase = phase.unwrap_or(JobPhase::Pending);
+            if let Some(i) = PHASES.iter().position(|p| *p == phase) {
+                counts[i] += 1;
+            }
+        }
+        let mut family = encoder.encode_descriptor(
+            "jobs",
+            "MemoryAwareTrainingJobs the controller watches, by phase (a job without one yet counts as Pending)",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (phase, count) in PHASES.iter().zip(counts) {
+            let labels = PhaseLabels {
+                phase: format!("{phase:?}"),
+            };
+            ConstGauge::new(count as i64).encode(family.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct WorkerLabels {
     namespace: String,
-    job: String,
+    /// The MemoryAwareTrainingJob's name.
+    matj: String,
     /// The worker's pod name.
-    worker: String,
+    pod: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct JobLabels {
     namespace: String,
-    job: String,
+    matj: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct GpuLabels {
     namespace: String,
-    job: String,
-    worker: String,
+    matj: String,
+    pod: String,
     /// The GPU's NVML index.
     gpu: String,
 }
@@ -182,8 +255,8 @@ impl Collector for WorkerGauges {
             rows.push(WorkerRow {
                 labels: WorkerLabels {
                     namespace: namespace.into(),
-                    job: job.into(),
-                    worker: r.name.clone(),
+                    matj: job.into(),
+                    pod: r.name.clone(),
                 },
                 peak: m.peak_bytes,
                 current: m.cgroup_current_bytes.or(m.process_rss_bytes),
@@ -274,8 +347,8 @@ impl Collector for WorkerGauges {
                     for g in &w.gpus {
                         let labels = GpuLabels {
                             namespace: w.labels.namespace.clone(),
-                            job: w.labels.job.clone(),
-                            worker: w.labels.worker.clone(),
+                            matj: w.labels.matj.clone(),
+                            pod: w.labels.pod.clone(),
                             gpu: g.0.to_string(),
                         };
                         ConstGauge::new(pick(g) as f64).encode(family.encode_family(&labels)?)?;
@@ -289,19 +362,45 @@ impl Collector for WorkerGauges {
 
 type JobFigure = fn(&JobProgress) -> Option<f64>;
 
-/// The `headroom_job_*` gauges, one series per held job with progress.
+/// The `headroom_job_*` gauges and counters, one series per held job with progress.
 fn encode_job_progress(
     reports: &WorkerReports,
     encoder: &mut DescriptorEncoder,
 ) -> Result<(), std::fmt::Error> {
     let mut rows = Vec::new();
-    reports.for_each_progress(jiff::Timestamp::now(), |namespace, job, p| {
+    let mut counts = Vec::new();
+    reports.for_each_progress(jiff::Timestamp::now(), |namespace, job, p, c| {
         let labels = JobLabels {
             namespace: namespace.into(),
-            job: job.into(),
+            matj: job.into(),
         };
+        counts.push((labels.clone(), c));
         rows.push((labels, p.clone()));
     });
+    type Count = fn(&RunCounts) -> Option<u64>;
+    let counters: [(&str, &str, Count); 2] = [
+        (
+            "job_steps",
+            "Optimizer steps the job's workers trained, all attempts together (steps a retry trains again count again)",
+            |c| Some(c.steps),
+        ),
+        (
+            "job_tokens",
+            "Tokens the job's workers trained on (steps × global batch × sequence length), all attempts together",
+            |c| c.tokens,
+        ),
+    ];
+    for (name, help, count) in counters {
+        if counts.iter().all(|(_, c)| count(c).is_none()) {
+            continue;
+        }
+        let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+        for (labels, c) in &counts {
+            if let Some(value) = count(c) {
+                ConstCounter::new(value).encode(family.encode_family(labels)?)?;
+            }
+        }
+    }
     let seconds = Some(&Unit::Seconds);
     let gauges: [(&str, &str, Option<&Unit>, JobFigure); 7] = [
         (
@@ -449,7 +548,7 @@ mod tests {
         reports.record("ns", "k", "uid-k", report("k-a1-s0", 1, 3000));
         reports.attempt("uid-j", 1, Some(4096));
         let text = m.encode();
-        let w = |worker: &str| format!("{{namespace=\"ns\",job=\"j\",worker=\"{worker}\"}}");
+        let w = |pod: &str| format!("{{namespace=\"ns\",matj=\"j\",pod=\"{pod}\"}}");
         for line in [
             format!("headroom_worker_peak_bytes{} 1000", w("j-a1-s0")),
             format!("headroom_worker_peak_bytes{} 2000", w("j-a1-s1")),
@@ -459,9 +558,9 @@ mod tests {
             format!("headroom_worker_budget_bytes{} 4096", w("j-a1-s1")),
             format!("headroom_worker_step{} 12", w("j-a1-s0")),
             format!("headroom_worker_tokens_per_second{} 1500.5", w("j-a1-s0")),
-            "headroom_worker_gpu_used_bytes{namespace=\"ns\",job=\"j\",worker=\"j-a1-s0\",gpu=\"0\"} 5000".into(),
-            "headroom_worker_gpu_total_bytes{namespace=\"ns\",job=\"j\",worker=\"j-a1-s0\",gpu=\"0\"} 8000".into(),
-            "headroom_worker_peak_bytes{namespace=\"ns\",job=\"k\",worker=\"k-a1-s0\"} 3000".into(),
+            "headroom_worker_gpu_used_bytes{namespace=\"ns\",matj=\"j\",pod=\"j-a1-s0\",gpu=\"0\"} 5000".into(),
+            "headroom_worker_gpu_total_bytes{namespace=\"ns\",matj=\"j\",pod=\"j-a1-s0\",gpu=\"0\"} 8000".into(),
+            "headroom_worker_peak_bytes{namespace=\"ns\",matj=\"k\",pod=\"k-a1-s0\"} 3000".into(),
             "# TYPE headroom_worker_peak_bytes gauge".into(),
             "headroom_telemetry_reports_total 3".into(),
         ] {
@@ -471,7 +570,7 @@ mod tests {
             );
         }
         assert!(
-            !text.contains("headroom_worker_budget_bytes{namespace=\"ns\",job=\"k\""),
+            !text.contains("headroom_worker_budget_bytes{namespace=\"ns\",matj=\"k\""),
             "k's budget is unknown:\n{text}"
         );
 
@@ -483,8 +582,8 @@ mod tests {
         // Job j ends (or is deleted): none of its series remain; k's do.
         reports.close("uid-j");
         let text = m.encode();
-        assert!(!text.contains("job=\"j\""), "{text}");
-        assert!(text.contains("worker=\"k-a1-s0\""), "{text}");
+        assert!(!text.contains("matj=\"j\""), "{text}");
+        assert!(text.contains("pod=\"k-a1-s0\""), "{text}");
         reports.close("uid-k");
         let text = m.encode();
         assert!(!text.contains("headroom_worker_"), "{text}");
@@ -519,15 +618,24 @@ mod tests {
             reports.record("ns", "p", "uid-p", stage_report("p-a1-s0", 0, step + 1, at));
         }
         let text = m.encode();
-        let p = "{namespace=\"ns\",job=\"p\"}";
+        let p = "{namespace=\"ns\",matj=\"p\"}";
         assert!(
             !text.contains("headroom_job_total_steps"),
             "the total is unknown until the controller says it:\n{text}"
         );
         assert!(!text.contains("headroom_job_eta"), "{text}");
         reports.total_steps("uid-p", 130);
+        assert!(
+            text.contains(&format!("headroom_job_steps_total{p} 30"))
+                && !text.contains("headroom_job_tokens_total"),
+            "the tokens per step are unknown until the controller says them:\n{text}"
+        );
+        reports.tokens_per_step("uid-p", 4096);
         let text = m.encode();
         for line in [
+            format!("headroom_job_steps_total{p} 30"),
+            format!("headroom_job_tokens_total{p} {}", 30 * 4096),
+            "# TYPE headroom_job_steps counter".into(),
             format!("headroom_job_step{p} 30.0"),
             format!("headroom_job_total_steps{p} 130.0"),
             format!("headroom_job_train_loss{p} 2.3457"),
@@ -541,5 +649,107 @@ mod tests {
         }
         reports.close("uid-p");
         assert!(!m.encode().contains("headroom_job_"), "the job ended");
+    }
+
+    /// Before the controller watches jobs there is no count; then one
+    /// series per phase, zeros included, a job without a phase as Pending.
+    #[test]
+    fn jobs_are_counted_by_phase_zeros_included() {
+        use kube::runtime::watcher::Event;
+        let m = Metrics::default();
+        assert!(!m.encode().contains("headroom_jobs"), "not watching yet");
+        let (store, mut writer) = kube::runtime::reflector::store();
+        let sample: serde_json::Value =
+            serde_yaml::from_str(include_str!("../../samples/cpu-tiny.yaml")).expect("sample");
+        let job = |name: &str, phase: Option<&str>| {
+            let mut value = sample.clone();
+            value["metadata"] = serde_json::json!({"name": name, "namespace": "ns"});
+            if name == "unreadable" {
+                value["spec"] = serde_json::json!({});
+            }
+            if let Some(phase) = phase {
+                value["status"] = serde_json::json!({"phase": phase});
+            }
+            serde_json::from_value::<DeserializeGuard<MemoryAwareTrainingJob>>(value)
+                .expect("guard")
+        };
+        for object in [
+            job("a", Some("Running")),
+            job("b", Some("Running")),
+            job("c", Some("Failed")),
+            job("d", None),
+            job("unreadable", Some("Running")),
+        ] {
+            writer.apply_watcher_event(&Event::Apply(object));
+        }
+        m.count_jobs(store);
+        let text = m.encode();
+        for line in [
+            "# TYPE headroom_jobs gauge",
+            "headroom_jobs{phase=\"Pending\"} 1",
+            "headroom_jobs{phase=\"Running\"} 2",
+            "headroom_jobs{phase=\"Retrying\"} 0",
+            "headroom_jobs{phase=\"Succeeded\"} 0",
+            "headroom_jobs{phase=\"Failed\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+        }
+    }
+
+    /// Every metric the chart's dashboard and alert rules query is one the
+    /// operator serves: a renamed metric or label must take them along.
+    #[test]
+    fn the_charts_dashboard_and_alerts_query_metrics_that_exist() {
+        let reports = Arc::new(WorkerReports::new(std::time::Duration::from_secs(10)));
+        let m = Metrics::with_telemetry(reports.clone());
+        m.count_jobs(kube::runtime::reflector::store().0);
+        m.reconciles.inc();
+        m.attempts
+            .get_or_create(&OutcomeLabels {
+                outcome: "HostOutOfMemory".into(),
+            })
+            .inc();
+        m.reconcile_errors
+            .get_or_create(&ErrorLabels {
+                step: "apply_status".into(),
+                error: "conflict".into(),
+            })
+            .inc();
+        for (step, at) in [(0, 0), (10, 20), (20, 40)] {
+            let mut r = stage_report("p-a1-s0", 0, step, at);
+            r.loss = Some(2.0);
+            r.eval_loss = Some(2.1);
+            reports.record("ns", "p", "uid-p", r);
+        }
+        reports.attempt("uid-p", 1, Some(4096));
+        reports.total_steps("uid-p", 100);
+        reports.tokens_per_step("uid-p", 4096);
+        let text = m.encode();
+        let served: std::collections::HashSet<&str> = text
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| l.split(['{', ' ']).next())
+            .collect();
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../charts/headroom");
+        for file in ["files/dashboard.json", "templates/prometheusrule.yaml"] {
+            let queries = std::fs::read_to_string(root.join(file)).expect("chart file");
+            let named: Vec<&str> = queries
+                .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .filter(|w| w.starts_with("headroom_"))
+                .collect();
+            assert!(!named.is_empty(), "{file} queries no headroom_ metric");
+            for name in named {
+                assert!(
+                    served.contains(name),
+                    "{file} queries {name}, which /metrics does not serve:\n{text}"
+                );
+            }
+            for label in ["job=", "worker=", "(namespace, job)"] {
+                assert!(
+                    !queries.contains(label),
+                    "{file} still uses the old label {label}"
+                );
+            }
+        }
     }
 }

@@ -29,6 +29,14 @@
 //! time left are measured again on every attempt: a retry may run a
 //! different micro-batch, checkpointing or device, so the last attempt's
 //! pace says nothing about it.
+//!
+//! The counts of steps and tokens trained ([`RunCounts`], the metrics'
+//! counters) only grow: each report of the reference worker adds the steps
+//! past the highest one counted in its attempt, so the steps a retry trains
+//! again are counted again (they were trained twice) and a step going back
+//! takes nothing away. An attempt's first report is where its count starts:
+//! it comes while the model loads or resumes, and an operator that started
+//! mid-attempt does not count what it did not see.
 
 use std::collections::VecDeque;
 
@@ -66,6 +74,22 @@ pub struct ProgressTracker {
     train_loss: Option<f64>,
     eval_loss: Option<f64>,
     tokens_per_second: Option<f64>,
+    /// (attempt, highest step counted in it) of the reference workers.
+    counted: Option<(u32, u64)>,
+    steps_done: u64,
+    /// Steps counted before the tokens per step were known.
+    steps_untokened: u64,
+    tokens_done: u64,
+    tokens_per_step: Option<u64>,
+}
+
+/// Steps and tokens a job's workers have trained, all attempts together,
+/// as far as the operator has seen: counters, never lower than before.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RunCounts {
+    pub steps: u64,
+    /// None until the controller said the job's tokens per step.
+    pub tokens: Option<u64>,
 }
 
 impl ProgressTracker {
@@ -89,6 +113,7 @@ impl ProgressTracker {
             return;
         }
         self.shown = Some((report.attempt, report.step));
+        self.count(report.attempt, report.step);
         if let Some(loss) = report.loss {
             self.train_loss = Some(loss);
         }
@@ -99,6 +124,41 @@ impl ProgressTracker {
             self.tokens_per_second = Some(t);
         }
         self.sample(report.step, report.updated_at.0);
+    }
+
+    /// Counts the steps `step` is past the highest one counted in `attempt`.
+    fn count(&mut self, attempt: u32, step: u64) {
+        let done = match self.counted {
+            Some((a, high)) if a == attempt => step.saturating_sub(high),
+            // The attempt's first report: its count starts here.
+            _ => 0,
+        };
+        let high = match self.counted {
+            Some((a, high)) if a == attempt => high.max(step),
+            _ => step,
+        };
+        self.counted = Some((attempt, high));
+        self.steps_done += done;
+        match self.tokens_per_step {
+            Some(tokens) => self.tokens_done += done.saturating_mul(tokens),
+            None => self.steps_untokened += done,
+        }
+    }
+
+    /// The job's tokens per optimizer step
+    /// ([`headroom_api::MemoryAwareTrainingJob::tokens_per_step`]); steps
+    /// counted before it was known are counted at it.
+    pub fn set_tokens_per_step(&mut self, tokens: u64) {
+        self.tokens_per_step = Some(tokens);
+        self.tokens_done += std::mem::take(&mut self.steps_untokened).saturating_mul(tokens);
+    }
+
+    /// The steps and tokens trained so far.
+    pub fn counts(&self) -> RunCounts {
+        RunCounts {
+            steps: self.steps_done,
+            tokens: self.tokens_per_step.map(|_| self.tokens_done),
+        }
     }
 
     fn sample(&mut self, step: u64, at: Timestamp) {
@@ -399,5 +459,49 @@ mod tests {
             t.progress(now(20)).expect("shown").eta.as_deref(),
             Some("20s")
         );
+    }
+
+    /// The counters only grow: a retry resumed at an earlier checkpoint
+    /// counts the steps it trains again, a step going back takes nothing
+    /// away, a lagging later stage taking over as reference adds nothing,
+    /// and steps counted before the tokens per step were known get them.
+    #[test]
+    fn counts_of_steps_and_tokens_only_grow_across_attempts() {
+        let mut t = ProgressTracker::default();
+        let steps = |t: &ProgressTracker| t.counts().steps;
+        t.observe(&report("j-a1-s0", 1, 0, 0, 0));
+        t.observe(&report("j-a1-s0", 1, 0, 30, 30));
+        assert_eq!(
+            t.counts(),
+            RunCounts {
+                steps: 30,
+                tokens: None
+            }
+        );
+        t.set_tokens_per_step(1000);
+        assert_eq!(t.counts().tokens, Some(30_000));
+        // Stage 1 appears behind stage 0 and becomes the reference.
+        t.observe(&report("j-a1-s1", 1, 1, 28, 31));
+        assert_eq!(steps(&t), 30);
+        t.observe(&report("j-a1-s1", 1, 1, 40, 41));
+        assert_eq!(steps(&t), 40);
+        // A late or reset report of the attempt takes nothing away.
+        t.observe(&report("j-a1-s1", 1, 1, 35, 42));
+        assert_eq!(steps(&t), 40);
+        // Attempt 2 resumes at the checkpoint of step 20: its first report
+        // starts its count; the steps it trains again count again.
+        t.observe(&report("j-a2-s0", 2, 0, 20, 100));
+        assert_eq!(steps(&t), 40);
+        t.observe(&report("j-a2-s0", 2, 0, 45, 130));
+        assert_eq!(
+            t.counts(),
+            RunCounts {
+                steps: 65,
+                tokens: Some(65_000)
+            }
+        );
+        // A report of the superseded attempt counts nothing.
+        t.observe(&report("j-a1-s1", 1, 1, 90, 131));
+        assert_eq!(steps(&t), 65);
     }
 }

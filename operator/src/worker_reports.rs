@@ -67,7 +67,7 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::{Client, Resource, ResourceExt};
 use prometheus_client::metrics::counter::Counter;
 
-use crate::progress::ProgressTracker;
+use crate::progress::{ProgressTracker, RunCounts};
 
 /// A worker's peak this much above the one last written is written at the
 /// next tick (the same fraction at which a worker reports early).
@@ -423,6 +423,14 @@ impl WorkerReports {
         }
     }
 
+    /// The tokens one optimizer step of job `uid` trains on
+    /// ([`MemoryAwareTrainingJob::tokens_per_step`]), for its tokens counter.
+    pub fn tokens_per_step(&self, uid: &str, tokens: u64) {
+        if let Some(job) = self.jobs().by_uid.get_mut(uid) {
+            job.progress.set_tokens_per_step(tokens);
+        }
+    }
+
     /// Forgets an ended or deleted job, and refuses its later reports.
     pub fn close(&self, uid: &str) {
         self.jobs().close(uid);
@@ -588,17 +596,18 @@ impl WorkerReports {
         }
     }
 
-    /// Calls `each` with every held job's namespace, name and progress at
-    /// `now`: the metrics' view of the jobs.
+    /// Calls `each` with every held job's namespace, name, progress at
+    /// `now` and counts of steps and tokens trained: the metrics' view of
+    /// the jobs.
     pub fn for_each_progress(
         &self,
         now: jiff::Timestamp,
-        mut each: impl FnMut(&str, &str, &headroom_api::JobProgress),
+        mut each: impl FnMut(&str, &str, &headroom_api::JobProgress, RunCounts),
     ) {
         let jobs = self.jobs();
         for job in jobs.by_uid.values() {
             if let Some(progress) = job.progress.progress(now) {
-                each(&job.namespace, &job.name, &progress);
+                each(&job.namespace, &job.name, &progress, job.progress.counts());
             }
         }
     }
@@ -852,7 +861,7 @@ mod tests {
         let reports = WorkerReports::new(INTERVAL);
         let progress = || {
             let mut shown = Vec::new();
-            reports.for_each_progress(jiff::Timestamp::now(), |ns, job, p| {
+            reports.for_each_progress(jiff::Timestamp::now(), |ns, job, p, _| {
                 shown.push((format!("{ns}/{job}"), p.clone()))
             });
             shown

@@ -48,7 +48,7 @@ fn committed_spec_rules_policy_matches_the_types() {
         workspace_root().join("charts/headroom/templates/spec-rules-policy.yaml"),
     )
     .expect("template");
-    assert!(template.contains(r#"{{ .Files.Get "files/spec-rules-policy.yaml" }}"#));
+    assert!(template.contains(r#"(.Files.Get "files/spec-rules-policy.yaml")"#));
     let values = std::fs::read_to_string(workspace_root().join("charts/headroom/values.yaml"))
         .expect("values");
     assert!(
@@ -237,5 +237,41 @@ fn every_spec_and_status_field_has_a_description() {
     assert!(
         missing.is_empty(),
         "fields without a description: {missing:#?}"
+    );
+}
+
+/// Every value the chart takes says what it is in `values.schema.json`
+/// (editors and `helm show values` readers see it), not only in the
+/// comments of values.yaml.
+#[test]
+fn every_chart_value_is_described_in_its_schema() {
+    fn walk(node: &Value, path: &str, missing: &mut Vec<String>) {
+        let Some(properties) = node.get("properties").and_then(Value::as_object) else {
+            return;
+        };
+        for (name, property) in properties {
+            let path = if path.is_empty() {
+                name.clone()
+            } else {
+                format!("{path}.{name}")
+            };
+            if property
+                .get("description")
+                .and_then(Value::as_str)
+                .is_none_or(str::is_empty)
+            {
+                missing.push(path.clone());
+            }
+            walk(property, &path, missing);
+        }
+    }
+    let text = std::fs::read_to_string(workspace_root().join("charts/headroom/values.schema.json"))
+        .expect("values.schema.json");
+    let schema: Value = serde_json::from_str(&text).expect("JSON");
+    let mut missing = Vec::new();
+    walk(&schema, "", &mut missing);
+    assert!(
+        missing.is_empty(),
+        "values.schema.json: no description for {missing:?}"
     );
 }

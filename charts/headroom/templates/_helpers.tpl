@@ -1,7 +1,17 @@
-{{- define "headroom.name" -}}headroom-operator{{- end -}}
+{{- define "headroom.name" -}}
+{{- default "headroom-operator" .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
 
 {{- define "headroom.fullname" -}}
-{{- if contains "headroom" .Release.Name -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else if .Values.nameOverride -}}
+{{- if contains .Values.nameOverride .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- else if contains "headroom" .Release.Name -}}
 {{- printf "%s-operator" .Release.Name | trunc 63 | trimSuffix "-" -}}
 {{- else -}}
 {{- printf "%s-headroom-operator" .Release.Name | trunc 63 | trimSuffix "-" -}}
@@ -22,6 +32,14 @@ appVersion); empty when its repository is "". */}}
 {{- with .image.repository -}}
 {{- printf "%s:%s" . ($.image.tag | default $.chart.AppVersion) -}}
 {{- end -}}
+{{- end -}}
+
+{{/* A file of cluster-scoped objects (files/*-policy.yaml, also read by
+the tests as written) with the chart's labels on each object: inserted under
+each top-level `metadata:`, the rest as written. */}}
+{{- define "headroom.withChartLabels" -}}
+{{- $labels := printf "metadata:\n  labels:\n%s\n" (include "headroom.labels" .root | indent 4) -}}
+{{- regexReplaceAll "(?m)^metadata:\n" .text $labels -}}
 {{- end -}}
 
 {{- define "headroom.selectorLabels" -}}

@@ -184,7 +184,7 @@ async fn write_status_and_launch(
 }
 
 /// Tells the held worker telemetry which attempt (and memory budget) the
-/// status now shows and the run's total steps, or that the job ended: its
+/// status now shows, the run's total steps and tokens per step, or that the job ended: its
 /// workers' entries are in the status and their series go.
 fn follow_attempt_telemetry(ctx: &Context, job: &MemoryAwareTrainingJob, decision: &Decision) {
     let Some(uid) = job.uid() else {
@@ -200,6 +200,9 @@ fn follow_attempt_telemetry(ctx: &Context, job: &MemoryAwareTrainingJob, decisio
                 let recorded = decision.status.recipe.as_ref().map(|r| r.total_steps);
                 if let Some(total) = recorded.or_else(|| job.total_steps()) {
                     ctx.reports.total_steps(&uid, total);
+                }
+                if let Some(tokens) = job.tokens_per_step() {
+                    ctx.reports.tokens_per_step(&uid, tokens);
                 }
             }
         }

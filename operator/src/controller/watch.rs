@@ -234,6 +234,7 @@ async fn reconcile_jobs(
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
     let (job_store, job_writer) = reflector::store();
+    ctx.metrics.count_jobs(job_store.clone());
     let job_triggers = watcher(jobs, watcher::Config::default())
         .default_backoff()
         .modify(forget_managed_fields)

@@ -20,6 +20,16 @@ impl MemoryAwareTrainingJob {
         let recorded = self.status.as_ref().and_then(|s| s.recipe.as_ref());
         recorded.map(|r| r.total_steps).or(self.spec.training.steps)
     }
+
+    /// Tokens one optimizer step trains on, as the worker counts them: the
+    /// global batch's samples × the sequence length (samples are packed to
+    /// it). None for a model without a sequence length (`generic`).
+    pub fn tokens_per_step(&self) -> Option<u64> {
+        let model = &self.spec.model;
+        let sequence = (model.transformer.as_ref().map(|t| t.sequence_length))
+            .or(model.pretrained.as_ref().map(|p| p.sequence_length))?;
+        Some(u64::from(self.spec.training.global_batch) * u64::from(sequence))
+    }
 }
 
 /// A job's training progress, from its workers' latest reports. It covers

@@ -1,15 +1,19 @@
 //! `kubectl headroom` — ask Headroom whether a job fits, and how, before any pod runs.
 //!
-//!     kubectl headroom plan -f job.yaml [--nodes nodes.yaml] [-o table|json|yaml]
+//!     kubectl headroom plan -f job.yaml|- [--nodes nodes.yaml] [-o table|json|yaml]
 //!         [--checkpoint-access-mode ReadWriteOnce|ReadWriteMany]
+//!         [-n namespace] [--context name] [--kubeconfig file]
 //!
 //! Exit codes: 0 a plan exists, 3 no feasible plan, 1 bad input or cluster error.
+
+mod cluster;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::{Parser, Subcommand, ValueEnum};
+use cluster::{ClusterFlags, Target};
 use headroom_api::MemoryAwareTrainingJob;
 use headroom_operator::controller::CheckpointAccess;
 use headroom_operator::inventory::{cpu_inventory, job_inventory};
@@ -27,6 +31,8 @@ use serde::Deserialize;
     about = "Memory planning for MemoryAwareTrainingJobs"
 )]
 struct Cli {
+    #[command(flatten)]
+    cluster: ClusterFlags,
     #[command(subcommand)]
     command: Command,
 }
@@ -35,10 +41,12 @@ struct Cli {
 enum Command {
     /// Plan a job: device type, pipeline split, micro-batch, checkpointing, precision; with the memory breakdown.
     Plan {
-        /// Job manifest (YAML; every MemoryAwareTrainingJob document in it is planned).
+        /// Job manifest (YAML; every MemoryAwareTrainingJob document in it
+        /// is planned); `-` reads it from standard input.
         #[arg(short = 'f', long = "filename")]
         file: PathBuf,
-        /// Nodes to plan against (a NodeList, a List or Node documents). Default: the current cluster.
+        /// Nodes to plan against (a NodeList, a List or Node documents).
+        /// Default: the cluster's, when you may list them.
         #[arg(long)]
         nodes: Option<PathBuf>,
         #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Table)]
@@ -108,36 +116,44 @@ fn run(cli: Cli) -> Result<ExitCode> {
         model_dir,
         sequence_length,
     } = cli.command;
+    let target = Target::from_flags(&cli.cluster)?;
     let gpu_host_memory = headroom_api::quantity::parse_bytes(&gpu_host_memory)
         .map_err(|e| anyhow::anyhow!("--gpu-host-memory {gpu_host_memory:?}: {e} (e.g. 16Gi)"))?;
     let model = ModelOverride {
         config: model_config.or(model_dir.map(|d| d.join("config.json"))),
         sequence_length,
     };
-    let jobs = read_jobs(&file)?;
+    let source = Source::of(&file);
+    let jobs = read_jobs(&source, &source.read()?)?;
     // Validate every spec before touching the cluster: bad input fails fast and offline.
     let mut requests = Vec::with_capacity(jobs.len());
+    let mut namespaces = Vec::new();
     for job in &jobs {
-        let name = format!(
-            "{}/{}",
-            job.metadata.namespace.as_deref().unwrap_or("default"),
-            job.metadata.name.as_deref().unwrap_or("<unnamed>")
-        );
-        let mut request = job_request(job, &model, &format!("{}: {name}", file.display()))?;
+        let job_name = job.metadata.name.as_deref().unwrap_or("<unnamed>");
+        let namespace = target
+            .job_namespace(job.metadata.namespace.as_deref())
+            .with_context(|| format!("{source}: {job_name}"))?;
+        let name = format!("{namespace}/{job_name}");
+        let mut request = job_request(job, &model, &format!("{source}: {name}"))?;
         request.default_host_baseline(gpu_host_memory);
         requests.push((name, request));
+        namespaces.push(namespace);
     }
-    let needs_cluster = jobs.iter().any(|j| j.spec.resources.gpu.is_some());
-    let (cluster_nodes, device_pods) = match (&nodes, needs_cluster) {
-        (Some(path), _) => (read_nodes(path)?, vec![]),
-        (None, true) => cluster_state()?,
-        (None, false) => (vec![], vec![]),
+    namespaces.sort();
+    namespaces.dedup();
+    let gpu = jobs.iter().any(|j| j.spec.resources.gpu.is_some());
+    let cluster = match &nodes {
+        Some(path) => ClusterInventory::from_file(read_nodes(path)?),
+        None => ClusterInventory::read(&target, gpu, &namespaces)?,
     };
+    for note in &cluster.unread {
+        eprintln!("note: {note}");
+    }
     let one_node = checkpoint_access_mode.stages_share_a_node();
     let mut all_fit = true;
     let mut machine = Vec::new();
     for ((name, request), job) in requests.iter().zip(&jobs) {
-        let inventory = job_inventory_as_planned(job, name, &cluster_nodes, &device_pods, one_node);
+        let inventory = job_inventory_as_planned(job, name, &cluster, one_node);
         let result = plan(request, &inventory);
         all_fit &= result.is_ok();
         match output {
@@ -151,11 +167,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
             }),
         }
     }
-    let doc = if machine.len() == 1 {
-        machine.remove(0)
-    } else {
-        serde_json::Value::Array(machine)
-    };
+    // One shape for one job or several, as `kubectl get -o json` prints.
+    let doc = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": machine});
     match output {
         Output::Json => emit(&format!("{}\n", serde_json::to_string_pretty(&doc)?))?,
         Output::Yaml => emit(&serde_yaml::to_string(&doc)?)?,
@@ -206,27 +219,88 @@ fn job_request(
     Ok(request)
 }
 
+/// What the jobs are planned against: nodes from --nodes or the cluster,
+/// and the pods that hold GPUs there.
+struct ClusterInventory {
+    /// `Err`: why there are none (no cluster, or the user may not list them).
+    nodes: std::result::Result<Vec<Node>, String>,
+    device_pods: Vec<Pod>,
+    /// What the user's rights kept from the plan, beyond nodes.
+    unread: Vec<String>,
+}
+
+impl ClusterInventory {
+    fn from_file(nodes: Vec<Node>) -> Self {
+        ClusterInventory {
+            nodes: Ok(nodes),
+            device_pods: vec![],
+            unread: vec![],
+        }
+    }
+
+    /// The cluster's nodes and (for `gpu` jobs) pods, as far as the user
+    /// may read them. A CPU job plans without a cluster (its budget as
+    /// given, said in a note); a GPU job needs nodes to plan on.
+    fn read(target: &Target, gpu: bool, namespaces: &[String]) -> Result<Self> {
+        const WAY_OUT: &str =
+            "pass --nodes nodes.yaml (a NodeList: `kubectl get nodes -o yaml` by someone who may)";
+        let state = match target.state(gpu, namespaces) {
+            Ok(state) => state,
+            Err(e) if gpu => {
+                bail!(
+                    "a GPU job needs an inventory: {WAY_OUT}, or point KUBECONFIG (or --kubeconfig) at a cluster ({e:#})"
+                )
+            }
+            Err(e) => {
+                return Ok(ClusterInventory {
+                    nodes: Err(format!("no cluster to read them from ({e:#})")),
+                    device_pods: vec![],
+                    unread: vec![],
+                });
+            }
+        };
+        let (mut unread, nodes) = (state.unread, state.nodes);
+        let nodes = match nodes {
+            Some(nodes) => Ok(nodes),
+            None if gpu => bail!(
+                "a GPU job needs an inventory: {}; {WAY_OUT}",
+                unread.join("; ")
+            ),
+            None => Err(unread.remove(0)),
+        };
+        Ok(ClusterInventory {
+            nodes,
+            device_pods: state.pods,
+            unread,
+        })
+    }
+}
+
 /// The same inventory the operator plans `job` with: the nodes its workers
 /// may be placed on, less held devices, one node's worth when the
 /// checkpoint volume is ReadWriteOnce.
 fn job_inventory_as_planned(
     job: &MemoryAwareTrainingJob,
     name: &str,
-    nodes: &[Node],
-    device_pods: &[Pod],
+    cluster: &ClusterInventory,
     one_node: bool,
 ) -> Inventory {
+    let nodes = cluster.nodes.as_deref().unwrap_or_default();
     if job.spec.resources.cpu.is_some() {
-        // Node sizes from --nodes; without them the budget is planned
-        // as given, and the user is told that nothing checked it.
+        // Without node sizes the budget is planned as given, and the user
+        // is told that nothing checked it, and why.
         cpu_inventory(job, nodes, one_node).unwrap_or_else(|| {
+            let why = match &cluster.nodes {
+                Err(why) => why.as_str(),
+                Ok(_) => "no node is known",
+            };
             eprintln!(
-                "note: {name}: node sizes not checked (pass --nodes to check that a node can hold the workers)"
+                "note: {name}: node sizes not checked: {why} (pass --nodes to check that a node can hold the workers)"
             );
             Default::default()
         })
     } else {
-        job_inventory(job, nodes, device_pods.iter(), one_node)
+        job_inventory(job, nodes, cluster.device_pods.iter(), one_node)
     }
 }
 
@@ -261,14 +335,46 @@ fn emit(text: &str) -> Result<()> {
     }
 }
 
-/// Every MemoryAwareTrainingJob in a (multi-document) YAML file, with field paths in errors.
-fn read_jobs(path: &Path) -> Result<Vec<MemoryAwareTrainingJob>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+/// Where the manifest comes from: a file, or standard input (`-f -`).
+enum Source<'a> {
+    File(&'a Path),
+    Stdin,
+}
+
+impl<'a> Source<'a> {
+    fn of(path: &'a Path) -> Self {
+        if path.as_os_str() == "-" {
+            Source::Stdin
+        } else {
+            Source::File(path)
+        }
+    }
+
+    fn read(&self) -> Result<String> {
+        match self {
+            Source::File(path) => std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read {}", path.display())),
+            Source::Stdin => std::io::read_to_string(std::io::stdin()).context("cannot read stdin"),
+        }
+    }
+}
+
+impl std::fmt::Display for Source<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Source::File(path) => write!(f, "{}", path.display()),
+            Source::Stdin => f.write_str("stdin"),
+        }
+    }
+}
+
+/// Every MemoryAwareTrainingJob in a (multi-document) YAML text from
+/// `path`, with field paths in errors.
+fn read_jobs(path: &Source, text: &str) -> Result<Vec<MemoryAwareTrainingJob>> {
     let mut jobs = Vec::new();
-    for (i, doc) in serde_yaml::Deserializer::from_str(&text).enumerate() {
+    for (i, doc) in serde_yaml::Deserializer::from_str(text).enumerate() {
         let value = serde_yaml::Value::deserialize(doc)
-            .with_context(|| format!("{}: document {} is not valid YAML", path.display(), i + 1))?;
+            .with_context(|| format!("{path}: document {} is not valid YAML", i + 1))?;
         if value.is_null() {
             continue;
         }
@@ -278,8 +384,7 @@ fn read_jobs(path: &Path) -> Result<Vec<MemoryAwareTrainingJob>> {
             .unwrap_or("<no kind>");
         if kind != "MemoryAwareTrainingJob" {
             bail!(
-                "{}: document {} is a {kind}; expected kind: MemoryAwareTrainingJob (apiVersion: headroom.dev/v1alpha1)",
-                path.display(),
+                "{path}: document {} is a {kind}; expected kind: MemoryAwareTrainingJob (apiVersion: headroom.dev/v1alpha1)",
                 i + 1
             );
         }
@@ -287,11 +392,11 @@ fn read_jobs(path: &Path) -> Result<Vec<MemoryAwareTrainingJob>> {
         // a value out of the schema's bounds or a missing required field is
         // an error naming the field, never planned.
         let job = headroom_operator::crd::read_manifest(serde_json::to_value(&value)?)
-            .map_err(|e| anyhow!("{}: document {}: {e}", path.display(), i + 1))?;
+            .map_err(|e| anyhow!("{path}: document {}: {e}", i + 1))?;
         jobs.push(job);
     }
     if jobs.is_empty() {
-        bail!("{}: no MemoryAwareTrainingJob found", path.display());
+        bail!("{path}: no MemoryAwareTrainingJob found");
     }
     Ok(jobs)
 }
@@ -323,23 +428,4 @@ fn read_nodes(path: &Path) -> Result<Vec<Node>> {
         }
     }
     Ok(nodes)
-}
-
-/// Nodes and non-terminal pods from the current kubeconfig context.
-fn cluster_state() -> Result<(Vec<Node>, Vec<Pod>)> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    runtime.block_on(async {
-        let client = kube::Client::try_default()
-            .await
-            .map_err(|_| anyhow!("a GPU job needs an inventory: pass --nodes nodes.yaml, or point KUBECONFIG at a cluster"))?;
-        let lp = kube::api::ListParams::default();
-        let nodes = kube::Api::<Node>::all(client.clone()).list(&lp).await.context("listing nodes")?;
-        let pods = kube::Api::<Pod>::all(client)
-            .list(&kube::api::ListParams::default().fields("status.phase!=Succeeded,status.phase!=Failed"))
-            .await
-            .context("listing pods")?;
-        Ok((nodes.items, pods.items))
-    })
 }
