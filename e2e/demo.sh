@@ -21,7 +21,15 @@ TIMEOUT=${DEMO_TIMEOUT_SECONDS:-900}
 
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 
-env=$(e2e/install.sh)
+# The demo builds images, installs a chart and runs jobs: only on the
+# cluster it starts itself, unless told otherwise, so an exported KUBECONFIG
+# of the user's own cluster is not written to by surprise.
+if [[ -n ${KUBECONFIG:-} && ${HEADROOM_DEMO_ON_MY_CLUSTER:-0} != 1 ]]; then
+  echo "make demo: KUBECONFIG is set (${KUBECONFIG}); the demo installs Headroom and runs jobs on the local single-node cluster it starts itself. Unset KUBECONFIG, or set HEADROOM_DEMO_ON_MY_CLUSTER=1 to install into that cluster." >&2
+  exit 2
+fi
+# No job of the demo names a Kueue queue: Kueue is left out (make kueue adds it).
+env=$(HEADROOM_INSTALL_KUEUE=0 e2e/install.sh)
 eval "${env}"
 # shellcheck source=cluster/lib/common.sh
 source e2e/cluster/lib/common.sh

@@ -4,7 +4,8 @@
 # single-node cluster (root; e2e/cluster/README.md); then the operator and
 # worker images built without Docker, and the Helm chart. Prints the
 # KUBECONFIG to use. Shared by the README demo and `make e2e`. Kueue
-# (e2e/kueue/kueue.sh) is installed after Headroom.
+# (e2e/kueue/kueue.sh) is installed after Headroom unless
+# HEADROOM_INSTALL_KUEUE=0.
 # Workers write telemetry every HEADROOM_TELEMETRY_INTERVAL_SECONDS (default 1,
 # so tests that act at a reported step act while it is current; the chart's
 # default is 10).
@@ -53,8 +54,11 @@ HELM=$(e2e/tools/build-helm.sh --print)
 # The tag stays `dev` across rebuilds: restart so the new build runs.
 "${KUBECTL}" -n headroom-system rollout restart deployment/headroom-operator >&2
 "${KUBECTL}" -n headroom-system rollout status deployment/headroom-operator --timeout=180s >&2
-# Kueue, for the jobs that name a queue: its pod webhook only
-# touches namespaces labelled e2e.headroom.dev/kueue=managed (e2e/kueue/values.yaml).
-say "Kueue $(e2e/kueue/kueue.sh version), built from its Go module, with its own Helm chart"
-e2e/kueue/kueue.sh install >&2
+# Kueue, for the jobs that name a queue (the e2e suite; not the demo, which
+# names none: HEADROOM_INSTALL_KUEUE=0): its pod webhook only touches
+# namespaces labelled e2e.headroom.dev/kueue=managed (e2e/kueue/values.yaml).
+if [[ ${HEADROOM_INSTALL_KUEUE:-1} == 1 ]]; then
+  say "Kueue $(e2e/kueue/kueue.sh version), built from its Go module, with its own Helm chart"
+  e2e/kueue/kueue.sh install >&2
+fi
 echo "export KUBECONFIG=${KUBECONFIG}"

@@ -69,6 +69,20 @@ impl Exit {
 
     /// Stamps the step reached, unless the exit already names one (a panic
     /// or a memory limit names the step under way), and the peak so far.
+    /// A checkpoint or output write that failed: with the volume full
+    /// (ENOSPC) the plan is unusable as it stands, since every retry would
+    /// fill the same claim again: an invalid plan naming the setting that
+    /// sizes the claim; any other failure is retried.
+    pub(crate) fn write_failed(what: &str, e: &(dyn std::error::Error + 'static)) -> Self {
+        if disk_full(e) {
+            Exit::invalid_plan(format!(
+                "{what}: the volume is full ({e}); the job's checkpoint claim holds the downloaded model and data, two checkpoints and the output: give it more room with spec.checkpoints.size (or the chart's checkpoints.size), or write the output to another claim (spec.output.volume)"
+            ))
+        } else {
+            Exit::failed(format!("{what}: {e}"))
+        }
+    }
+
     pub(crate) fn at(mut self, step: u64, peak: u64) -> Self {
         self.message.step.get_or_insert(step);
         let peak = peak.max(self.message.peak_bytes.unwrap_or(0));
@@ -77,10 +91,66 @@ impl Exit {
     }
 }
 
+/// Whether `e` (or what caused it) is a full volume: an I/O error of kind
+/// `StorageFull`, or one a library turned into text (`os error 28`).
+fn disk_full(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut at = Some(e);
+    while let Some(e) = at {
+        if let Some(io) = e.downcast_ref::<std::io::Error>()
+            && io.kind() == std::io::ErrorKind::StorageFull
+        {
+            return true;
+        }
+        if e.to_string().contains("(os error 28)") {
+            return true;
+        }
+        at = e.source();
+    }
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use headroom_api::exit_code;
+
+    /// A write to a full volume (Linux's /dev/full answers every write with
+    /// ENOSPC) ends the job naming the claim's size, not a retry that fills
+    /// it again; wrapped in a checkpoint error or turned into text, too.
+    #[test]
+    fn a_full_volume_is_not_retried_and_names_the_claims_size() {
+        use std::io::Write;
+        let full = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .and_then(|mut f| f.write_all(&[0; 4096]).and_then(|()| f.flush()))
+            .expect_err("/dev/full is full");
+        assert_eq!(full.kind(), std::io::ErrorKind::StorageFull);
+        let text = full.to_string();
+        let wrapped = crate::checkpoint::CheckpointError::Io {
+            path: "/var/lib/headroom/checkpoints/a1".into(),
+            source: full,
+        };
+        let exit = Exit::write_failed("checkpoint at step 4", &wrapped);
+        assert_eq!(exit.message.outcome, WorkerOutcome::InvalidPlan);
+        assert!(
+            exit.message.reason.contains("spec.checkpoints.size"),
+            "{exit:?}"
+        );
+        let as_text = crate::checkpoint::CheckpointError::Record {
+            path: "/x".into(),
+            message: text,
+        };
+        assert_eq!(
+            Exit::write_failed("checkpoint", &as_text).message.outcome,
+            WorkerOutcome::InvalidPlan
+        );
+        let other = std::io::Error::from(std::io::ErrorKind::PermissionDenied);
+        assert_eq!(
+            Exit::write_failed("checkpoint", &other).message.outcome,
+            WorkerOutcome::Failed
+        );
+    }
 
     #[test]
     fn the_exit_code_is_the_outcomes() {

@@ -428,10 +428,8 @@ impl WorkerRun<'_> {
                         tracing::info!(step = trainer.step, dir = %dir.display(), "checkpoint");
                     }
                     Err(e) => {
-                        return Err(Exit::failed(format!(
-                            "checkpoint at step {}: {e}",
-                            trainer.step
-                        )));
+                        let what = format!("checkpoint at step {}", trainer.step);
+                        return Err(Exit::write_failed(&what, &e));
                     }
                 }
             }
@@ -457,7 +455,7 @@ impl WorkerRun<'_> {
                 let out = Path::new(&files.output_dir);
                 let file = match trainer.save_pretrained(out) {
                     Ok(file) => file,
-                    Err(e) => return Exit::failed(format!("writing the trained model: {e}")),
+                    Err(e) => return Exit::write_failed("writing the trained model", &e),
                 };
                 tracing::info!(file = %file.display(), "trained weights written");
                 if let Err(e) = write_eval_results(out, trainer.last_eval) {

@@ -315,7 +315,8 @@ mod tests {
         assert!(expressions.contains(
             &"oldObject == null || !has(object.spec.data) || !has(oldObject.spec.data) || (object.spec.data == oldObject.spec.data)".to_string()
         ));
-        assert_eq!(rules.iter().filter(|r| r.is_transition()).count(), 2);
+        // data and checkpoints.size are immutable.
+        assert_eq!(rules.iter().filter(|r| r.is_transition()).count(), 3);
     }
 
     /// A refusal names its field from `spec` down, as the CRD's rule did.

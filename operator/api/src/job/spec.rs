@@ -522,6 +522,8 @@ impl Default for MemoryPolicy {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "!has(self.env) || self.env.all(e, has(e.value) != has(e.valueFrom))",
+     "message": "worker.env: each variable has a value or a valueFrom, one of the two"},
     {"rule": "!has(self.env) || self.env.all(e, !e.name.startsWith('HEADROOM_') && !(e.name in ['POD_NAME', 'MALLOC_ARENA_MAX', 'GLIBC_TUNABLES']))",
      "message": "worker.env: HEADROOM_*, POD_NAME, MALLOC_ARENA_MAX and GLIBC_TUNABLES are set by the operator (the worker's assignment, identity and allocator); pick another name"},
     {"rule": "!has(self.podLabels) || self.podLabels.all(k, !k.startsWith('headroom.dev/'))",
@@ -621,6 +623,7 @@ pub struct WorkerSpec {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 
 pub struct SecretName {
+    /// The Secret's name.
     #[schemars(length(min = 1, max = 253))]
     pub name: String,
 }
@@ -646,16 +649,15 @@ fn pull_secrets<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<SecretName
 /// One environment variable of the job's containers.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
-#[schemars(extend("x-kubernetes-validations" = [
-    {"rule": "has(self.value) != has(self.valueFrom)",
-     "message": "worker.env: each variable has a value or a valueFrom, one of the two"}
-]))]
 pub struct WorkerEnvVar {
+    /// The variable's name (not the operator's: `HEADROOM_*`, `POD_NAME`,
+    /// `MALLOC_ARENA_MAX`, `GLIBC_TUNABLES`).
     #[schemars(
         length(min = 1, max = 128),
         regex(pattern = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
     )]
     pub name: String,
+    /// Its value; or `valueFrom`, one of the two.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 8192))]
     pub value: Option<String>,
@@ -674,8 +676,10 @@ pub struct EnvValueFrom {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ConfigMapKey {
+    /// The ConfigMap's name.
     #[schemars(length(min = 1, max = 253))]
     pub name: String,
+    /// The key whose value the variable takes.
     #[schemars(length(min = 1, max = 253))]
     pub key: String,
     /// Start the pod even if the ConfigMap or key is missing.
