@@ -505,7 +505,7 @@ async fn changing_the_pods_of_a_job_that_names_a_secret_needs_get_on_it() {
     .expect("an administrator may name the Secret");
     let editor = an_editor_is_refused_each_change_of_the_pods(&ns).await;
 
-    let pull = json!({"spec": {"worker": {"imagePullSecrets": ["registry"]}}});
+    let pull = json!({"spec": {"worker": {"imagePullSecrets": [{"name": "registry"}]}}});
     let (code, message) = patch(&editor.jobs, "token-job", &pull)
         .await
         .expect_err("a pull Secret the editor may not get");
