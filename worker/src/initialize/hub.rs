@@ -390,6 +390,14 @@ impl Hub {
                     .map_err(|e| InitError::Invalid(format!("{}: {field}: {e}", self.describe())))?
             }
         };
+        // The names come from the hub's listing: each must stay inside
+        // the download directory.
+        if let Some(bad) = names.iter().find(|n| !inside_repository(n)) {
+            return Err(InitError::Invalid(format!(
+                "{} lists {bad:?}, which is not a path inside the repository",
+                self.describe()
+            )));
+        }
         let sizes: Vec<(&str, Option<u64>)> = names
             .iter()
             .map(|n| (n.as_str(), listing.files.get(n).copied().flatten()))
@@ -414,12 +422,7 @@ impl Hub {
     /// pattern matches (in name order).
     fn named_files(&self, listing: &Listing, name: &str) -> Result<Vec<String>, InitError> {
         let field = self.kind.field();
-        if name.is_empty()
-            || name.starts_with('/')
-            || name
-                .split('/')
-                .any(|p| p.is_empty() || p == "." || p == "..")
-        {
+        if !inside_repository(name) {
             return Err(InitError::Invalid(format!(
                 "{field}.file must be a path inside the repository such as data/train.jsonl, not {name:?}"
             )));
@@ -945,6 +948,17 @@ impl Body<'_> {
     }
 }
 
+/// Whether `name` is a relative path that stays inside the repository
+/// (no leading `/`, no empty, `.` or `..` component, no backslash).
+fn inside_repository(name: &str) -> bool {
+    !name.is_empty()
+        && !name.starts_with('/')
+        && !name.contains('\\')
+        && !name
+            .split('/')
+            .any(|p| p.is_empty() || p == "." || p == "..")
+}
+
 /// Refuses, before a byte of it comes, a download that would not fit on
 /// the volume under `dir` (the job's checkpoint claim): the listed sizes of
 /// `files`, less what of them is already there, against the space free
@@ -1126,6 +1140,28 @@ mod tests {
     /// A download that does not fit says so with both sizes and the
     /// setting to raise; one that fits with room to spare passes; the free
     /// space of a real directory is read.
+    #[test]
+    fn listed_names_must_stay_inside_the_repository() {
+        for good in [
+            "data/train-00000-of-00001.parquet",
+            "README.md",
+            "a/b/c.jsonl",
+        ] {
+            assert!(inside_repository(good), "{good}");
+        }
+        for bad in [
+            "",
+            "/etc/passwd",
+            "data/../../x",
+            "./a",
+            "a//b",
+            "a\\b",
+            "..",
+        ] {
+            assert!(!inside_repository(bad), "{bad}");
+        }
+    }
+
     #[test]
     fn a_download_that_would_not_fit_is_refused_naming_the_claims_size() {
         const GIB: u64 = 1 << 30;
