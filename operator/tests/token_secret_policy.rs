@@ -113,13 +113,27 @@ fn the_policy_checks_every_secret_a_job_can_name() {
 }
 
 /// `spec.worker`'s fields that choose what the job's pods run, or where and
-/// before whom: changing one re-checks every Secret the job names.
-const WORKER_FIELDS_THAT_MOVE_PODS: [&str; 4] =
-    ["image", "nodeSelector", "tolerations", "priorityClassName"];
+/// before whom: changing one re-checks every Secret the job names. Labels
+/// count: a NetworkPolicy or another pod's affinity may select by them.
+const WORKER_FIELDS_THAT_MOVE_PODS: [&str; 8] = [
+    "image",
+    "nodeSelector",
+    "tolerations",
+    "priorityClassName",
+    "runtimeClassName",
+    "env",
+    "podAnnotations",
+    "podLabels",
+];
 /// The others: the backend picks the operator's own image when none is
-/// named, the pull policy changes nothing that runs, and the pull Secrets
-/// have their own rule.
-const WORKER_FIELDS_THAT_DO_NOT: [&str; 3] = ["backend", "imagePullPolicy", "imagePullSecrets"];
+/// named, the pull policy and the grace period change nothing that runs,
+/// and the pull Secrets have their own rule.
+const WORKER_FIELDS_THAT_DO_NOT: [&str; 4] = [
+    "backend",
+    "imagePullPolicy",
+    "imagePullSecrets",
+    "terminationGracePeriodSeconds",
+];
 
 /// Every field of `spec.worker` is sorted into one of the two lists (a new
 /// placement field cannot slip past the update check unnoticed); the policy
@@ -552,7 +566,7 @@ async fn an_editor_is_refused_each_change_of_the_pods(ns: &TestNs) -> Requester 
     let editor = a_job_editor_who_reads_no_secret(ns).await;
     let expected = format!(
         "spec.model.pretrained.huggingFace.tokenSecret: {} may not get Secret hf-token in namespace {}, \
-         so may not change spec.worker.image, nodeSelector, tolerations, priorityClassName, runtimeClassName, env or podAnnotations",
+         so may not change spec.worker.image, nodeSelector, tolerations, priorityClassName, runtimeClassName, env, podAnnotations or podLabels",
         editor.user, ns.name
     );
     let tries = std::sync::atomic::AtomicU32::new(0);
