@@ -587,25 +587,21 @@ impl MemoryAwareTrainingJobSpec {
                 "each variable has a value or a valueFrom, one of the two",
             ));
         }
-        if worker
-            .pod_labels
-            .keys()
-            .any(|k| k.starts_with("headroom.dev/"))
-        {
-            return Err(spec_error(
+        for (field, keys, problem) in [
+            (
                 "worker.podLabels",
+                &worker.pod_labels,
                 "the headroom.dev/ prefix is the operator's (it finds a job's pods by these labels); pick another key",
-            ));
-        }
-        if worker
-            .pod_annotations
-            .keys()
-            .any(|k| k.starts_with("headroom.dev/"))
-        {
-            return Err(spec_error(
+            ),
+            (
                 "worker.podAnnotations",
+                &worker.pod_annotations,
                 "the headroom.dev/ prefix is the operator's; pick another key",
-            ));
+            ),
+        ] {
+            if keys.keys().any(|k| k.starts_with("headroom.dev/")) {
+                return Err(spec_error(field, problem));
+            }
         }
         Ok(())
     }
