@@ -83,6 +83,25 @@ recipe-reference: ## PyTorch's loss curves of the recipe reference job (transfor
 	test -f $(RECIPE_VENV)/.installed || { $(RECIPE_VENV)/bin/pip install --no-cache-dir $(RECIPE_PINS) && touch $(RECIPE_VENV)/.installed; }
 	$(RECIPE_VENV)/bin/python worker/tests/fixtures/recipe/generate.py
 
+# The LoRA-step A/B (docs/benchmarks.md, "A LoRA step against PyTorch"): the same job in
+# Headroom's trainer and in PyTorch + transformers + PEFT, one thread each, pinned to one
+# core; then perf's top symbols of Headroom's full and LoRA steps. Quiet machine wanted.
+BENCH_STEP_THREADS ?= 1
+BENCH_STEP_STEPS ?= 6
+# As in a worker pod: its allocator settings (headroom_api::WORKER_MALLOC_TUNABLES / _ARENAS).
+BENCH_STEP_ENV = RAYON_NUM_THREADS=$(BENCH_STEP_THREADS) MALLOC_ARENA_MAX=1 GLIBC_TUNABLES=glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=4194304
+.PHONY: bench-lora-step
+bench-lora-step: ## Median step, its phases and tokens/s of a full, LoRA r16 and QLoRA step of a 135M Llama: Headroom vs PyTorch + PEFT, one thread each (release; ~15 min; not in CI).
+	test -x $(RECIPE_VENV)/bin/python || python3 -m venv $(RECIPE_VENV)
+	test -f $(RECIPE_VENV)/.installed || { $(RECIPE_VENV)/bin/pip install --no-cache-dir $(RECIPE_PINS) && touch $(RECIPE_VENV)/.installed; }
+	$(CARGO) build --release -q -p headroom-worker --bin calibrate
+	$(BENCH_STEP_ENV) taskset -c 0 $(CARGO_TARGET_DIR)/release/calibrate --step-breakdown --steps $(BENCH_STEP_STEPS)
+	OMP_NUM_THREADS=$(BENCH_STEP_THREADS) taskset -c 0 $(RECIPE_VENV)/bin/python -W ignore worker/bench/pytorch_step.py --threads $(BENCH_STEP_THREADS) --steps $(BENCH_STEP_STEPS)
+	@if command -v perf >/dev/null; then for c in full lora; do \
+	  $(BENCH_STEP_ENV) perf record -q -F 499 -o $(HEADROOM_CACHE)/bench/lora-step/perf-$$c.data -- \
+	    taskset -c 0 $(CARGO_TARGET_DIR)/release/calibrate --step-breakdown --steps 2 --only "$$c\$$" >/dev/null 2>&1 && \
+	  echo "top symbols, $$c step:" && perf report -q -i $(HEADROOM_CACHE)/bench/lora-step/perf-$$c.data --no-children --sort symbol --stdio 2>/dev/null | head -15; done; fi
+
 .PHONY: bench-first-fit
 bench-first-fit: ## 24+ CPU jobs of varied shapes and limits (half planned above 95 % of their budget) run by the operator on the local cluster: first-attempt success, attempts, measured peak / budget (root; ~30 min; not in CI).
 	e2e/bench-first-fit.sh $(BENCH_FIRST_FIT_FLAGS)

@@ -319,6 +319,23 @@ pub struct StepReport {
     pub eval_loss: Option<f64>,
     /// The model's gradient norm before clipping (`None`: clipping off).
     pub grad_norm: Option<f64>,
+    /// Where `elapsed` went, phase by phase.
+    pub phases: StepPhases,
+}
+
+/// A step's time by phase (`Instant` reads around each call; on an eager
+/// backend such as flex the work is done when the call returns, on a
+/// queued one such as CUDA a phase may end before its kernels do).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepPhases {
+    /// The micro-batches' forward passes, the head and the loss included
+    /// (with checkpointing, the first pass without a graph).
+    pub forward: Duration,
+    /// Their backward passes (with checkpointing, the recomputed blocks and
+    /// the head's forward too), with the accumulation of the gradients.
+    pub backward: Duration,
+    /// The clipping, the update and, with replicas, the collectives.
+    pub optimizer: Duration,
 }
 
 impl StepReport {
@@ -769,12 +786,15 @@ impl Trainer {
         let mut single: Option<GradientsParams> = None;
         let mut losses = Vec::new();
         let mut saved: VecDeque<Saved> = VecDeque::new();
+        let mut phases = StepPhases::default();
         for op in one_f_one_b(self.config.stage, self.config.stages, accumulation) {
+            let began = Instant::now();
             match op {
                 Op::Forward(micro) => {
                     let (kept, loss) = self.forward(links, micro)?;
                     losses.extend(loss.map(|l| l * weights[micro as usize]));
                     saved.push_back(kept);
+                    phases.forward += began.elapsed();
                 }
                 Op::Backward(micro) => {
                     let kept = saved
@@ -791,9 +811,11 @@ impl Trainer {
                             accumulator.accumulate(self.model(), grads);
                         }
                     }
+                    phases.backward += began.elapsed();
                 }
             }
         }
+        let update = Instant::now();
         let mut grads = single.unwrap_or_else(|| accumulator.grads());
         self.exchange_tied_gradient(links, &mut grads)?;
         let shards = self.shards(replicas.size());
@@ -808,7 +830,14 @@ impl Trainer {
             // this update (the same global norm says so to all), the scale
             // halves, and the run moves on to the next step's data.
             drop(grads);
-            return Ok(self.skipped_step(started, loss, collective, loss_gather, grad_norm));
+            phases.optimizer = update.elapsed();
+            return Ok(self.skipped_step(
+                started,
+                loss,
+                (collective, loss_gather),
+                grad_norm,
+                phases,
+            ));
         }
         let learning_rate = self.config.recipe.learning_rate_at(self.step);
         let model = self.take_model();
@@ -827,6 +856,7 @@ impl Trainer {
         self.step += 1;
         // The step's time and throughput are the training's, not the evaluation's.
         let elapsed = started.elapsed();
+        phases.optimizer = update.elapsed();
         let eval_loss = if self.evaluation_due(self.step) {
             self.evaluate(links, &mut replicas)?
         } else {
@@ -845,6 +875,7 @@ impl Trainer {
             learning_rate,
             grad_norm,
             eval_loss,
+            phases,
         })
     }
 
@@ -855,9 +886,9 @@ impl Trainer {
         &mut self,
         started: Instant,
         loss: Option<f64>,
-        collective: Duration,
-        loss_gather: Duration,
+        (collective, loss_gather): (Duration, Duration),
         grad_norm: Option<f64>,
+        phases: StepPhases,
     ) -> StepReport {
         self.loss_scale = self.loss_scale.map(|l| l.after(false));
         tracing::info!(
@@ -877,6 +908,7 @@ impl Trainer {
             learning_rate,
             grad_norm,
             eval_loss: None,
+            phases,
         }
     }
 

@@ -73,6 +73,7 @@ use headroom_worker::run::TERMINATION_MESSAGE_PATH_ENV;
 use headroom_worker::train::Trainer;
 
 mod gpu;
+mod step_breakdown;
 
 const MIB: f64 = 1024.0 * 1024.0;
 /// The calibration targets: a 10 % under-prediction bound (the default
@@ -1382,6 +1383,15 @@ fn main() {
         ops_ab_report(steps, only);
         return;
     }
+    if options.step_breakdown {
+        if only.is_none_or(|o| selected("linear-ops", o)) {
+            step_breakdown::linear_ops(15);
+        }
+        if only != Some("linear-ops") {
+            step_breakdown::run(if options.steps_given { steps } else { 6 }, only);
+        }
+        return;
+    }
     if options.predict_only {
         predict_only_report(steps, only);
         return;
@@ -1457,6 +1467,10 @@ struct Options {
     quick: bool,
     ops_check: bool,
     ops_ab: bool,
+    /// `--step-breakdown`: a step's time by phase, full vs LoRA vs QLoRA.
+    step_breakdown: bool,
+    /// Whether `--steps` was given (each mode has its own default).
+    steps_given: bool,
     predict_only: bool,
     /// `--overhead-only`: the arguments after it are not read.
     overhead_only: bool,
@@ -1474,13 +1488,18 @@ impl Options {
             quick: false,
             ops_check: true,
             ops_ab: false,
+            step_breakdown: false,
+            steps_given: false,
             predict_only: false,
             overhead_only: false,
         };
         let mut it = args.iter();
         while let Some(arg) = it.next() {
             match arg.as_str() {
-                "--steps" => o.steps = it.next().and_then(|v| v.parse().ok()).expect("--steps N"),
+                "--steps" => {
+                    o.steps = it.next().and_then(|v| v.parse().ok()).expect("--steps N");
+                    o.steps_given = true;
+                }
                 "--only" => o.only = it.next().cloned(),
                 "--backend" => match it.next().map(String::as_str) {
                     Some("cuda") => o.cuda = true,
@@ -1491,6 +1510,7 @@ impl Options {
                 "--quick" => o.quick = true,
                 "--skip-ops-check" => o.ops_check = false,
                 "--ops-ab" => o.ops_ab = true,
+                "--step-breakdown" => o.step_breakdown = true,
                 "--predict-only" => o.predict_only = true,
                 "--skip-overhead" => o.overhead = false,
                 "--skip-pipeline" => o.pipeline = false,
@@ -1500,7 +1520,7 @@ impl Options {
                     return o;
                 }
                 other => panic!(
-                    "unknown argument {other}; use --backend flex|cuda, --large (cuda: add 3B rows), --autotune minimal|balanced|extensive|full (cuda), --quick (cuda: the 110M-350M rows, no 1.1B speed rows), --skip-ops-check (cuda), --steps N, --only NAME[|NAME…], --skip-pipeline, --pipeline-only, --skip-overhead, --overhead-only, --ops-ab, --predict-only"
+                    "unknown argument {other}; use --backend flex|cuda, --large (cuda: add 3B rows), --autotune minimal|balanced|extensive|full (cuda), --quick (cuda: the 110M-350M rows, no 1.1B speed rows), --skip-ops-check (cuda), --steps N, --only NAME[|NAME…], --skip-pipeline, --pipeline-only, --skip-overhead, --overhead-only, --ops-ab, --step-breakdown, --predict-only"
                 ),
             }
         }
