@@ -27,6 +27,11 @@ pub const CHECKPOINTS_KEPT: u32 = 2;
 /// it): what the plan allows for it, bytes.
 pub const DATA_ALLOWANCE_BYTES: u64 = GIB;
 
+/// Downloaded data known by its tokens (the initializer reports those, not
+/// its files' bytes): bytes a token, for text at some 4 bytes a token with
+/// JSON or Parquet framing around it.
+pub const DATA_BYTES_PER_TOKEN: u64 = 8;
+
 /// The files beside a pretrained checkpoint's weights (config.json, the
 /// tokenizer, generation config), which the planner does not size: an
 /// allowance, bytes (a large tokenizer.json is some 30 MiB).
@@ -35,6 +40,9 @@ pub const MODEL_FILES_ALLOWANCE_BYTES: u64 = 64 * MIB;
 /// Each checkpoint stage directory's `meta.json` (names, sizes, CRC-32s) and
 /// the file system's blocks: an allowance per worker, bytes.
 const CHECKPOINT_META_BYTES: u64 = 64 * KIB;
+
+/// Added to a fifth more than the plan's bytes when sizing its claim, bytes.
+pub const CLAIM_SLACK_BYTES: u64 = 256 * MIB;
 
 /// LoRA adapter factors are trained and written in f32, bytes per element.
 const ADAPTER_BYTES: u64 = 4;
@@ -61,8 +69,10 @@ pub enum DataOnClaim {
     /// Read from another claim, or generated: nothing on this one.
     #[default]
     None,
-    /// Downloaded, this many bytes (measured, or estimated by the caller).
+    /// Downloaded, this many bytes.
     Bytes(u64),
+    /// Downloaded, this many tokens: [`DATA_BYTES_PER_TOKEN`] each.
+    Tokens(u64),
     /// Downloaded, size not known yet: [`DATA_ALLOWANCE_BYTES`].
     Unknown,
 }
@@ -78,9 +88,10 @@ pub struct DiskBreakdown {
     /// The data downloaded onto the claim, bytes; 0 when it is read from
     /// another claim.
     pub data_bytes: u64,
-    /// Set when `dataBytes` is an allowance, not a size the initializer read.
+    /// Set when `dataBytes` is estimated (from the data's tokens, or an
+    /// allowance before the initializer has read it), not measured.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub data_allowance: bool,
+    pub data_estimated: bool,
     /// One checkpoint step, all stages and replicas, bytes: the trained
     /// weights (with LoRA, only the adapter factors) and the optimizer state
     /// with its f32 master copy.
@@ -95,25 +106,25 @@ pub struct DiskBreakdown {
     /// The sum, bytes.
     pub total_bytes: u64,
     /// The claim size this plan asks for: the sum with a fifth more and
-    /// 1 GiB (the file system's own, what the estimate missed), rounded up
-    /// to whole GiB.
+    /// 256 MiB (the file system's own, what the estimate missed), rounded
+    /// up to whole GiB ([`claim_for`]).
     pub claim_bytes: u64,
 }
 
 impl DiskBreakdown {
-    /// `model 13.5 GiB + data 1.0 GiB (allowance) + 3 × checkpoint 160 MiB + output 13.6 GiB = 28.5 GiB; claim 35Gi`.
+    /// `model 13.5 GiB + data 1.0 GiB (estimated) + 3 × checkpoint 160 MiB + output 13.6 GiB = 28.5 GiB; claim 35Gi`.
     pub fn summary(&self) -> String {
         let mut terms = Vec::new();
         if self.model_bytes > 0 {
             terms.push(format!("model {}", format_bytes(self.model_bytes)));
         }
         if self.data_bytes > 0 {
-            let allowance = if self.data_allowance {
-                " (allowance)"
+            let estimated = if self.data_estimated {
+                " (estimated)"
             } else {
                 ""
             };
-            terms.push(format!("data {}{allowance}", format_bytes(self.data_bytes)));
+            terms.push(format!("data {}{estimated}", format_bytes(self.data_bytes)));
         }
         terms.push(format!(
             "{} × checkpoint {}",
@@ -162,9 +173,10 @@ pub fn needs(
     } else {
         0
     };
-    let (data_bytes, data_allowance) = match inputs.data {
+    let (data_bytes, data_estimated) = match inputs.data {
         DataOnClaim::None => (0, false),
         DataOnClaim::Bytes(b) => (b, false),
+        DataOnClaim::Tokens(t) => (t.saturating_mul(DATA_BYTES_PER_TOKEN), true),
         DataOnClaim::Unknown => (DATA_ALLOWANCE_BYTES, true),
     };
 
@@ -215,7 +227,7 @@ pub fn needs(
     DiskBreakdown {
         model_bytes,
         data_bytes,
-        data_allowance,
+        data_estimated,
         checkpoint_bytes,
         checkpoints,
         output_bytes,
@@ -224,9 +236,10 @@ pub fn needs(
     }
 }
 
-/// The claim that holds `total` bytes: a fifth more and 1 GiB, in whole GiB.
+/// The claim that holds `total` bytes: a fifth more and 256 MiB (the file
+/// system's own, what the estimate missed), in whole GiB.
 pub fn claim_for(total: u64) -> u64 {
-    let padded = total.saturating_add(total / 5).saturating_add(GIB);
+    let padded = total.saturating_add(total / 5).saturating_add(CLAIM_SLACK_BYTES);
     padded.div_ceil(GIB).saturating_mul(GIB)
 }
 
@@ -326,7 +339,7 @@ mod tests {
         let d = plan.disk_needs(&job.model, &hub());
         assert_eq!(d.model_bytes, 2 * params + MODEL_FILES_ALLOWANCE_BYTES);
         assert!((13_000_000_000..14_000_000_000).contains(&(2 * params)));
-        assert!(d.data_allowance && d.data_bytes == DATA_ALLOWANCE_BYTES);
+        assert!(d.data_estimated && d.data_bytes == DATA_ALLOWANCE_BYTES);
         assert_eq!(d.checkpoints, CHECKPOINTS_KEPT + 1);
         let per_param = d.checkpoint_bytes as f64 / params as f64;
         assert!((14.0..14.1).contains(&per_param), "{per_param}");
@@ -335,7 +348,7 @@ mod tests {
             d.total_bytes,
             d.model_bytes + d.data_bytes + 3 * d.checkpoint_bytes + d.output_bytes
         );
-        assert!(d.claim_bytes >= d.total_bytes + GIB && d.claim_bytes.is_multiple_of(GIB));
+        assert!(d.claim_bytes >= d.total_bytes + d.total_bytes / 5 && d.claim_bytes.is_multiple_of(GIB));
         assert!(d.claim_bytes > 250 * GIB, "{}", d.summary());
         assert!(d.summary().contains("3 × checkpoint"), "{}", d.summary());
     }
@@ -397,9 +410,17 @@ mod tests {
         );
         assert_eq!(measured.model_bytes, 5 * GIB + MODEL_FILES_ALLOWANCE_BYTES);
         assert_eq!(
-            (measured.data_bytes, measured.data_allowance),
+            (measured.data_bytes, measured.data_estimated),
             (3 * MIB, false)
         );
+        let tokens = plan.disk_needs(
+            &job.model,
+            &DiskInputs {
+                data: DataOnClaim::Tokens(1000),
+                ..hub()
+            },
+        );
+        assert_eq!((tokens.data_bytes, tokens.data_estimated), (8000, true));
         let on_another_claim = plan.disk_needs(&job.model, &DiskInputs::default());
         assert_eq!(on_another_claim.model_bytes, 0);
         assert_eq!(on_another_claim.data_bytes, 0);
@@ -413,8 +434,11 @@ mod tests {
     #[test]
     fn claims_are_padded_and_whole_gib() {
         assert_eq!(claim_for(0), GIB);
+        assert_eq!(claim_for(600 * MIB), GIB, "a tiny job keeps the 1Gi of old");
         assert_eq!(claim_for(10 * GIB), 13 * GIB);
-        assert_eq!(claim_for(10 * GIB + 1), 14 * GIB);
+        // 10 GiB + 2 GiB + 256 MiB rounds up; 12.5 GiB + 256 MiB is 13 GiB on the dot.
+        assert_eq!(claim_for(10 * GIB + 640 * MIB), 13 * GIB);
+        assert_eq!(claim_for(10 * GIB + 640 * MIB + 5), 14 * GIB);
         assert_eq!(quantity(13 * GIB), "13Gi");
         assert_eq!(quantity(1536 * MIB), "1536Mi");
         assert_eq!(quantity(1000), "1000");

@@ -42,6 +42,7 @@ impl Observed<'_> {
             unschedulable_grace: ctx.config.unschedulable_grace,
             planning_budget: ctx.config.planning_budget,
             default_gpu_host_memory: ctx.config.children.gpu_host_memory_bytes(),
+            default_checkpoint_bytes: ctx.config.children.checkpoint_size_bytes(),
             worker_images: &ctx.config.children.worker_images,
             queue: self.queue.as_ref(),
         }

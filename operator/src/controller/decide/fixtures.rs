@@ -97,6 +97,7 @@ pub(super) fn step_within(
         unschedulable_grace: Duration::from_secs(60),
         planning_budget,
         default_gpu_host_memory: 16 << 30,
+        default_checkpoint_bytes: 1 << 30,
         worker_images,
         queue,
     });

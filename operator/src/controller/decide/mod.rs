@@ -12,9 +12,11 @@
 //! * [`attempt`] — what the running attempt's pods say, as one [`attempt::Verdict`]
 //! * [`retry`] — after an attempt ends: the next plan, backoff, waiting for capacity
 //! * [`initialize`] — a `model.pretrained` job's initializer runs
+//! * [`disk`] — the plan's files against the job's checkpoint claim
 //! * [`refused`] — the API server refused what a decision asked for
 
 mod attempt;
+mod disk;
 #[cfg(test)]
 mod fixtures;
 mod initialize;
@@ -126,6 +128,10 @@ pub struct Observation<'a> {
     /// Host memory a GPU worker pod gets when its job does not set
     /// `resources.gpu.hostMemory` (the operator's `--gpu-host-memory`), bytes.
     pub default_gpu_host_memory: u64,
+    /// The size of a checkpoint claim whose job sets no
+    /// `spec.checkpoints.size` and is not planned when the claim is made
+    /// (the operator's `--checkpoint-size`), bytes.
+    pub default_checkpoint_bytes: u64,
     /// The operator's images for jobs that name none, by backend.
     pub worker_images: &'a WorkerImages,
     /// The job's Kueue queue, when it names one (`crate::kueue`).
@@ -332,7 +338,23 @@ impl Builder<'_> {
         // or the operator stopped between the two), the pods exist already:
         // they keep the plan they run, and the status records that plan,
         // not one made now from a changed inventory.
-        let plan = self.launched_plan(number).unwrap_or(plan);
+        let launched = self.launched_plan(number);
+        let mut plan = launched.clone().unwrap_or(plan);
+        if plan.disk.is_none()
+            && let Some(model) = &self.model
+        {
+            let inputs = super::pods::disk_inputs(self.obs.job, &self.d.status);
+            plan.disk = Some(plan.disk_needs(model, &inputs));
+        }
+        // The first attempt's claim is made now (or was, at a size this
+        // plan did not choose): one that cannot hold the plan's files would
+        // fill up mid-run.
+        if number == 1
+            && launched.is_none()
+            && let Some(problem) = plan.disk.as_ref().and_then(|d| self.claim_too_small(d))
+        {
+            return self.fail(Reason::InvalidSpec, problem);
+        }
         self.enter(Transition::Start {
             number,
             plan: Box::new(plan),
