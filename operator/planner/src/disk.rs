@@ -239,7 +239,9 @@ pub fn needs(
 /// The claim that holds `total` bytes: a fifth more and 256 MiB (the file
 /// system's own, what the estimate missed), in whole GiB.
 pub fn claim_for(total: u64) -> u64 {
-    let padded = total.saturating_add(total / 5).saturating_add(CLAIM_SLACK_BYTES);
+    let padded = total
+        .saturating_add(total / 5)
+        .saturating_add(CLAIM_SLACK_BYTES);
     padded.div_ceil(GIB).saturating_mul(GIB)
 }
 
@@ -348,7 +350,9 @@ mod tests {
             d.total_bytes,
             d.model_bytes + d.data_bytes + 3 * d.checkpoint_bytes + d.output_bytes
         );
-        assert!(d.claim_bytes >= d.total_bytes + d.total_bytes / 5 && d.claim_bytes.is_multiple_of(GIB));
+        assert!(
+            d.claim_bytes >= d.total_bytes + d.total_bytes / 5 && d.claim_bytes.is_multiple_of(GIB)
+        );
         assert!(d.claim_bytes > 250 * GIB, "{}", d.summary());
         assert!(d.summary().contains("3 × checkpoint"), "{}", d.summary());
     }

@@ -477,6 +477,34 @@ async fn create_claim(
     }
 }
 
+/// Grows the job's checkpoint claim (its StorageClass allows expansion)
+/// by raising its storage request; the volume is resized before the next
+/// pod mounts it.
+pub(super) async fn grow_claim(
+    client: &Client,
+    ns: &str,
+    growth: &super::decide::ClaimGrowth,
+) -> Result<(), Error> {
+    let api: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
+    let to = headroom_planner::disk::quantity(growth.to_bytes);
+    let patch = serde_json::json!({"spec": {"resources": {"requests": {"storage": to}}}});
+    api.patch(
+        &growth.claim,
+        &PatchParams {
+            field_manager: Some(OPERATOR_FIELD_MANAGER.into()),
+            ..PatchParams::default()
+        },
+        &Patch::Merge(patch),
+    )
+    .await
+    .map(|_| ())
+    .map_err(|source| Error::ApplyChild {
+        kind: "PersistentVolumeClaim".into(),
+        name: growth.claim.clone(),
+        source,
+    })
+}
+
 /// Lets the checkpoint claim outlive the job (`RetainOnSuccess` on success).
 /// Runs before the status says Succeeded, so a failure here is retried.
 pub(super) async fn keep_claim(

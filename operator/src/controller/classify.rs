@@ -188,6 +188,9 @@ fn classify_exit(t: &ContainerStateTerminated) -> PodFailure {
                 (AttemptOutcome::Failed, "InvalidPlan".to_string())
             }
             (Some(WorkerOutcome::PeerLost), _) => (AttemptOutcome::Failed, "PeerLost".to_string()),
+            (Some(WorkerOutcome::DiskFull), _) => {
+                (AttemptOutcome::DiskFull, "DiskFull".to_string())
+            }
             // Deleted, evicted or drained: the worker checkpointed and stopped.
             (Some(WorkerOutcome::Terminated), _) => {
                 (AttemptOutcome::Disrupted, "Terminated".to_string())
@@ -256,9 +259,12 @@ pub fn rank(f: &PodFailure) -> (bool, u8) {
 /// memory failures drive the ladder, so they win.
 pub fn severity(outcome: AttemptOutcome) -> u8 {
     match outcome {
-        AttemptOutcome::DeviceOutOfMemory => 6,
-        AttemptOutcome::HostOutOfMemory => 5,
-        AttemptOutcome::Unschedulable => 4,
+        AttemptOutcome::DeviceOutOfMemory => 7,
+        AttemptOutcome::HostOutOfMemory => 6,
+        AttemptOutcome::Unschedulable => 5,
+        // A full volume explains the attempt before a failure it may have
+        // caused in another stage.
+        AttemptOutcome::DiskFull => 4,
         AttemptOutcome::Failed => 3,
         AttemptOutcome::Disrupted => 2,
         AttemptOutcome::Running | AttemptOutcome::Succeeded => 0,
@@ -373,6 +379,32 @@ mod tests {
             panic!("failed expected")
         };
         assert_eq!(f.outcome, AttemptOutcome::Disrupted);
+    }
+
+    /// A worker that found its volume full says so with its own exit
+    /// code: an outcome of its own, which outranks a plain failure of
+    /// another stage.
+    #[test]
+    fn a_full_volume_is_its_own_outcome() {
+        let msg = r#"{\"outcome\":\"diskFull\",\"reason\":\"checkpoint at step 4: the volume is full\",\"step\":4}"#;
+        let p = pod(&format!(
+            "  phase: Failed\n  containerStatuses: [{{name: worker, image: i, imageID: '', ready: false, restartCount: 0, state: {{terminated: {{exitCode: {}, reason: Error, message: \"{msg}\"}}}}}}]",
+            headroom_api::exit_code::DISK_FULL
+        ));
+        let PodVerdict::Failed(f) = classify(&p) else {
+            panic!("failed expected")
+        };
+        assert_eq!(
+            (f.outcome, f.reason.as_str(), f.worker, f.step),
+            (
+                AttemptOutcome::DiskFull,
+                "DiskFull",
+                Some(WorkerOutcome::DiskFull),
+                Some(4)
+            )
+        );
+        assert!(f.message.contains("the volume is full"), "{}", f.message);
+        assert!(severity(AttemptOutcome::DiskFull) > severity(AttemptOutcome::Failed));
     }
 
     #[test]

@@ -1,14 +1,97 @@
 //! The plan's files against the job's checkpoint claim: a first attempt
 //! whose claim cannot hold what its plan keeps there (model, data,
 //! checkpoints, output) is refused before it starts, naming the setting
-//! that sizes the claim, rather than filling the volume mid-run.
+//! that sizes the claim, rather than filling the volume mid-run; and an
+//! attempt that filled the claim anyway is retried on a grown claim when
+//! its StorageClass allows expansion, or ends the job naming the size to set.
 
-use headroom_planner::DiskBreakdown;
+use headroom_api::Attempt;
 use headroom_planner::disk::quantity;
+use headroom_planner::units::GIB;
+use headroom_planner::{DiskBreakdown, FailureCause, JobRequest};
 
-use super::Builder;
+use super::super::lifecycle::{JobEvent, Reason};
+use super::super::pods::checkpoint_claim_name;
+use super::{Builder, ClaimGrowth};
+
+/// What a claim that filled up grows to: twice its size, at least what the
+/// plan asks for (`plan_claim`), in whole GiB.
+pub(super) fn grown_size(size: u64, plan_claim: Option<u64>) -> u64 {
+    size.saturating_mul(2)
+        .max(plan_claim.unwrap_or(0))
+        .next_multiple_of(GIB)
+}
 
 impl Builder<'_> {
+    /// Attempt `ended` found the job's checkpoint claim full: grow the claim
+    /// and resume from the last checkpoint when its StorageClass allows
+    /// expansion (the retry counts as an attempt), else end the job with
+    /// the size to create it with.
+    pub(super) fn after_disk_full(&mut self, ended: &Attempt, request: &JobRequest) {
+        let n = ended.number;
+        let claim = checkpoint_claim_name(self.obs.job);
+        let facts = self.obs.claim.cloned().unwrap_or_default();
+        let plan_claim = self
+            .d
+            .status
+            .plan
+            .as_ref()
+            .and_then(|p| p.disk.as_ref())
+            .map(|d| d.claim_bytes);
+        let size = facts.size_bytes;
+        let held = size.map_or_else(|| "size unknown".into(), quantity);
+        let class = facts.storage_class.as_deref();
+        if let (Some(size), Some(true), Some(class)) = (size, facts.expandable, class) {
+            let to = grown_size(size, plan_claim);
+            self.d.events.push(JobEvent::new(
+                true,
+                Reason::DiskFull,
+                format!(
+                    "attempt {n} filled PersistentVolumeClaim {claim} ({held}); StorageClass \
+                     {class} allows expansion: growing it to {} and resuming from the last checkpoint",
+                    quantity(to)
+                ),
+            ));
+            self.d.grow_claim = Some(ClaimGrowth {
+                claim: claim.clone(),
+                to_bytes: to,
+            });
+            return match self.replan_current(request, &FailureCause::Other) {
+                Ok(p) => self.start(
+                    n + 1,
+                    p,
+                    Some(format!(
+                        "the same settings on claim {claim} grown to {}",
+                        quantity(to)
+                    )),
+                ),
+                Err(e) => self.no_plan(e),
+            };
+        }
+        let why = match (class, facts.expandable) {
+            (Some(class), Some(false)) => {
+                format!("its StorageClass {class} does not allow expansion (allowVolumeExpansion)")
+            }
+            (Some(class), _) if size.is_some() => {
+                format!("its StorageClass {class} could not be read")
+            }
+            (None, _) if size.is_some() => "it has no StorageClass".into(),
+            _ => "the claim could not be read".into(),
+        };
+        let set = size.map_or(plan_claim, |s| Some(grown_size(s, plan_claim)));
+        let set = set.map_or_else(|| "a larger size".into(), quantity);
+        self.fail(
+            Reason::DiskFull,
+            format!(
+                "attempt {n} filled the job's checkpoint claim {claim} ({held}) and {why}, so \
+                 Headroom cannot grow it: create the job again with spec.checkpoints.size: {set} \
+                 (or raise the chart's checkpoints.size; with a StorageClass that has \
+                 allowVolumeExpansion: true, the chart's checkpoints.storageClassName, Headroom \
+                 grows a full claim itself)"
+            ),
+        );
+    }
+
     /// Why the job's checkpoint claim cannot hold what a plan keeps on it
     /// (`disk`), naming the setting that sizes it and the size that would
     /// do; `None` when it can, or when the claim is sized from the plan.
@@ -45,9 +128,131 @@ impl Builder<'_> {
 #[cfg(test)]
 mod tests {
     use super::super::fixtures::*;
+    use super::grown_size;
     use crate::controller::config::ChildConfig;
     use crate::controller::pods::claim_size;
+    use headroom_api::{AttemptOutcome, WorkerOutcome};
     use headroom_planner::disk::{CHECKPOINTS_KEPT, quantity};
+    use headroom_planner::units::GIB;
+
+    /// A worker of attempt `attempt` that found the volume full at step 4.
+    fn disk_full_pod(attempt: u32) -> k8s_openapi::api::core::v1::Pod {
+        let message = serde_json::to_string(&serde_json::json!({
+            "outcome": "diskFull",
+            "reason": "checkpoint at step 4: the volume is full (No space left on device (os error 28))",
+            "step": 4,
+        }))
+        .expect("json");
+        pod(
+            attempt,
+            0,
+            &format!(
+                "  phase: Failed\n  containerStatuses: [{{name: worker, image: i, imageID: '', ready: false, restartCount: 0, state: {{terminated: {{exitCode: {}, message: {} }}}}}}]",
+                WorkerOutcome::DiskFull.exit_code(),
+                serde_json::to_string(&message).expect("quoted")
+            ),
+        )
+    }
+
+    fn claim(size: u64, class: Option<&str>, expandable: Option<bool>) -> ClaimFacts {
+        ClaimFacts {
+            size_bytes: Some(size),
+            storage_class: class.map(Into::into),
+            expandable,
+        }
+    }
+
+    #[test]
+    fn a_full_claim_grows_to_twice_its_size_or_the_plans_in_whole_gib() {
+        assert_eq!(grown_size(GIB, None), 2 * GIB);
+        assert_eq!(grown_size(GIB, Some(5 * GIB)), 5 * GIB);
+        assert_eq!(grown_size(1536 << 20, None), 3 * GIB);
+        assert_eq!(grown_size(700 << 20, None), 2 * GIB);
+    }
+
+    /// An attempt that filled an expandable claim: its own outcome in the
+    /// attempt history, an event naming the claim, its size and the new
+    /// one, the claim grown (twice its size) and the next attempt started
+    /// with the same settings.
+    #[test]
+    fn a_full_expandable_claim_is_grown_and_the_job_resumes() {
+        let mut j = oom_job();
+        j.spec.checkpoints.size = Some("1Gi".into());
+        assert_eq!(launched(&step(&mut j, &[], t0())), Some(1));
+        let facts = claim(GIB, Some("standard"), Some(true));
+        let d = step_with_claim(&mut j, &[disk_full_pod(1)], t0(), Some(&facts));
+        assert_eq!(d.ended, Some(AttemptOutcome::DiskFull));
+        assert_eq!(d.status.attempts[0].outcome, AttemptOutcome::DiskFull);
+        assert_eq!(
+            d.grow_claim,
+            Some(super::ClaimGrowth {
+                claim: "oom-then-fit-checkpoints".into(),
+                to_bytes: 2 * GIB,
+            })
+        );
+        assert_eq!(launched(&d), Some(2));
+        assert_eq!(d.status.attempts[1].outcome, AttemptOutcome::Running);
+        assert_eq!(
+            d.status.attempts[1].settings, d.status.attempts[0].settings,
+            "the same settings: memory was not the problem"
+        );
+        let grown = d
+            .events
+            .iter()
+            .find(|e| e.reason == Reason::DiskFull && e.note.contains("growing it"))
+            .unwrap_or_else(|| panic!("{:?}", d.events));
+        assert!(
+            grown
+                .note
+                .contains("PersistentVolumeClaim oom-then-fit-checkpoints (1Gi)")
+                && grown.note.contains("StorageClass standard")
+                && grown.note.contains("to 2Gi"),
+            "{}",
+            grown.note
+        );
+    }
+
+    /// A claim whose StorageClass cannot expand (or cannot be read) ends
+    /// the job: the claim, its size and what to set, and no retry.
+    #[test]
+    fn a_full_claim_that_cannot_grow_ends_the_job_naming_checkpoints_size() {
+        for (facts, why) in [
+            (
+                Some(claim(GIB, Some("local"), Some(false))),
+                "StorageClass local does not allow expansion",
+            ),
+            (
+                Some(claim(GIB, Some("gone"), None)),
+                "StorageClass gone could not be read",
+            ),
+            (None, "the claim could not be read"),
+        ] {
+            let mut j = oom_job();
+            assert_eq!(launched(&step(&mut j, &[], t0())), Some(1));
+            let d = step_with_claim(&mut j, &[disk_full_pod(1)], t0(), facts.as_ref());
+            assert_eq!(d.status.phase, Some(JobPhase::Failed), "{why}");
+            assert_eq!((launched(&d), d.grow_claim.clone()), (None, None));
+            assert!(has_condition(
+                &d.status,
+                ConditionType::Failed,
+                true,
+                Reason::DiskFull
+            ));
+            let message = d.status.message.clone().unwrap_or_default();
+            assert!(
+                message.contains("checkpoint claim oom-then-fit-checkpoints")
+                    && message.contains(why)
+                    && message.contains("spec.checkpoints.size: "),
+                "{message}"
+            );
+            if facts.is_some() {
+                assert!(
+                    message.contains("(1Gi)") && message.contains("spec.checkpoints.size: 2Gi"),
+                    "{message}"
+                );
+            }
+        }
+    }
 
     /// The plan in the status says what it keeps on the claim (a job
     /// trained from scratch: checkpoints only), and the claim is made of

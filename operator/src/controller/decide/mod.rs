@@ -56,6 +56,30 @@ pub struct Decision {
     pub requeue_after: Option<Duration>,
     /// The attempt that just ended, for metrics.
     pub ended: Option<headroom_api::AttemptOutcome>,
+    /// The checkpoint claim to grow before the next attempt starts (its
+    /// last one filled it).
+    pub grow_claim: Option<ClaimGrowth>,
+}
+
+/// A claim to grow: its name and its new size, bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClaimGrowth {
+    pub claim: String,
+    pub to_bytes: u64,
+}
+
+/// The job's checkpoint claim, as a full volume's retry needs it (read
+/// only when an attempt found the volume full).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ClaimFacts {
+    /// The size the claim asks for (`spec.resources.requests.storage`,
+    /// else its capacity), bytes; `None` when it could not be read.
+    pub size_bytes: Option<u64>,
+    /// Its StorageClass (the cluster's default is written into the claim
+    /// when it is made).
+    pub storage_class: Option<String>,
+    /// The class's `allowVolumeExpansion`; `None`: the class could not be read.
+    pub expandable: Option<bool>,
 }
 
 /// An attempt to launch: everything its pods are built from besides the
@@ -107,6 +131,7 @@ impl Decision {
             delete_pods: vec![],
             requeue_after: None,
             ended: None,
+            grow_claim: None,
         }
     }
 }
@@ -136,6 +161,8 @@ pub struct Observation<'a> {
     pub worker_images: &'a WorkerImages,
     /// The job's Kueue queue, when it names one (`crate::kueue`).
     pub queue: Option<&'a QueueView>,
+    /// The job's checkpoint claim, when an attempt found it full.
+    pub claim: Option<&'a ClaimFacts>,
 }
 
 /// A queued job's queue as the decision needs it.
