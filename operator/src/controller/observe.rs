@@ -6,7 +6,9 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use headroom_api::{AttemptOutcome, LABEL_JOB, MemoryAwareTrainingJob};
+use headroom_api::{
+    AttemptOutcome, LABEL_JOB, LABEL_ROLE, MemoryAwareTrainingJob, ROLE_INITIALIZER,
+};
 use headroom_planner::Inventory;
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim, Pod};
@@ -73,7 +75,7 @@ pub(super) async fn observe<'a>(
         None => (None, None),
     };
     let inventory = inventory(ctx, &job, offer.as_ref());
-    let claim = if found_disk_full(&job, &pods) {
+    let claim = if found_disk_full(&job, &pods) || claim_made_before_plan(&job, &pods) {
         Some(read_claim(ctx, &job, ns).await)
     } else {
         None
@@ -99,6 +101,23 @@ fn found_disk_full(job: &MemoryAwareTrainingJob, pods: &[Arc<Pod>]) -> bool {
         || pods.iter().any(|p| {
             matches!(classify(p), PodVerdict::Failed(f) if f.outcome == AttemptOutcome::DiskFull)
         })
+}
+
+/// Whether `job` is about to plan its first attempt on a claim its
+/// initializer made before the plan, at the default size (a pretrained
+/// model's job without `spec.checkpoints.size`): the plan may need it grown.
+fn claim_made_before_plan(job: &MemoryAwareTrainingJob, pods: &[Arc<Pod>]) -> bool {
+    let spec = &job.spec;
+    let status = job.status.as_ref();
+    let initialized = status.is_some_and(|s| s.model.is_some())
+        || pods.iter().any(|p| {
+            p.labels().get(LABEL_ROLE).map(String::as_str) == Some(ROLE_INITIALIZER)
+                && matches!(classify(p), PodVerdict::Succeeded)
+        });
+    spec.model.pretrained.is_some()
+        && spec.checkpoints.size.is_none()
+        && status.is_none_or(|s| s.attempts.is_empty())
+        && initialized
 }
 
 /// The job's checkpoint claim's size and whether its StorageClass may

@@ -92,36 +92,64 @@ impl Builder<'_> {
         );
     }
 
-    /// Why the job's checkpoint claim cannot hold what a plan keeps on it
-    /// (`disk`), naming the setting that sizes it and the size that would
-    /// do; `None` when it can, or when the claim is sized from the plan.
-    pub(super) fn claim_too_small(&self, disk: &DiskBreakdown) -> Option<String> {
+    /// Whether the job's checkpoint claim holds what a plan keeps on it
+    /// (`disk`): `Ok(None)` when it does (or is made for the plan),
+    /// `Ok(Some(growth))` for a pretrained model's claim, made before the
+    /// plan at the default size, whose StorageClass lets it grow to the
+    /// plan's size; else why not, naming the setting that sizes it and the
+    /// size that would do.
+    pub(super) fn claim_for_plan(
+        &self,
+        disk: &DiskBreakdown,
+    ) -> Result<Option<ClaimGrowth>, String> {
         let job = self.obs.job;
         let need = disk.total_bytes;
         let at_least = quantity(disk.claim_bytes);
         if let Some(size) = &job.spec.checkpoints.size {
-            let have = headroom_api::quantity::parse_bytes(size).ok()?;
-            return (have < need).then(|| {
-                format!(
-                    "spec.checkpoints.size: {size} cannot hold what the plan keeps on the job's \
-                     checkpoint claim ({}); create the job with at least {at_least} (or without \
-                     checkpoints.size: the claim is then sized from the plan)",
-                    disk.summary()
-                )
-            });
+            let Ok(have) = headroom_api::quantity::parse_bytes(size) else {
+                return Ok(None);
+            };
+            if have >= need {
+                return Ok(None);
+            }
+            return Err(format!(
+                "spec.checkpoints.size: {size} cannot hold what the plan keeps on the job's \
+                 checkpoint claim ({}); create the job with at least {at_least} (or without \
+                 checkpoints.size: the claim is then sized from the plan)",
+                disk.summary()
+            ));
+        }
+        if job.spec.model.pretrained.is_none() {
+            return Ok(None); // the claim is made now, for this plan
         }
         // A pretrained model's initializer made the claim before the plan
         // existed, at the operator's default size.
-        let default = self.obs.default_checkpoint_bytes;
-        (job.spec.model.pretrained.is_some() && default < need).then(|| {
-            format!(
-                "the job's checkpoint claim was made at the chart's checkpoints.size ({}) \
-                 before its model was read, and the plan keeps more on it ({}); create the job \
-                 with spec.checkpoints.size: {at_least} (or raise the chart's checkpoints.size)",
-                quantity(default),
-                disk.summary()
-            )
-        })
+        let facts = self.obs.claim.cloned().unwrap_or_default();
+        let have = facts
+            .size_bytes
+            .unwrap_or(self.obs.default_checkpoint_bytes);
+        if have >= need {
+            return Ok(None);
+        }
+        if facts.expandable == Some(true) {
+            return Ok(Some(ClaimGrowth {
+                claim: checkpoint_claim_name(job),
+                to_bytes: disk.claim_bytes,
+            }));
+        }
+        let class = match (&facts.storage_class, facts.expandable) {
+            (Some(class), Some(false)) => format!(
+                ", and its StorageClass {class} does not allow expansion (allowVolumeExpansion)"
+            ),
+            _ => String::new(),
+        };
+        Err(format!(
+            "the job's checkpoint claim was made at {} (the chart's checkpoints.size) before its \
+             model was read, and the plan keeps more on it ({}){class}; create the job with \
+             spec.checkpoints.size: {at_least} (or raise the chart's checkpoints.size)",
+            quantity(have),
+            disk.summary()
+        ))
     }
 }
 
@@ -160,6 +188,56 @@ mod tests {
             storage_class: class.map(Into::into),
             expandable,
         }
+    }
+
+    /// A pretrained model's claim, made by the initializer before the plan
+    /// at the default size: grown to the plan's size when its class can
+    /// expand and the plan keeps more on it, the job refused otherwise.
+    #[test]
+    fn a_pretrained_jobs_claim_made_too_small_grows_or_the_job_is_refused() {
+        let report = terminated(0, &headroom_e2e::fixtures::tiny_llama_report(64));
+        let initialized = |facts: &ClaimFacts| {
+            let mut j = finetune_job();
+            step(&mut j, &[], t0());
+            step_with_claim(&mut j, &[init_pod(1, &report)], t0(), Some(facts))
+        };
+        let tiny = 1 << 20;
+        let grows = initialized(&claim(tiny, Some("standard"), Some(true)));
+        assert_eq!(launched(&grows), Some(1));
+        let disk = grows
+            .status
+            .plan
+            .as_ref()
+            .and_then(|p| p.disk.clone())
+            .expect("plan.disk");
+        assert!(disk.total_bytes > tiny, "{disk:?}");
+        assert_eq!(
+            grows.grow_claim,
+            Some(super::ClaimGrowth {
+                claim: "finetune-tiny-llama-checkpoints".into(),
+                to_bytes: disk.claim_bytes,
+            })
+        );
+
+        let refused = initialized(&claim(tiny, Some("local"), Some(false)));
+        assert_eq!(
+            (launched(&refused), refused.grow_claim.clone()),
+            (None, None)
+        );
+        assert_eq!(refused.status.phase, Some(JobPhase::Failed));
+        let message = refused.status.message.clone().unwrap_or_default();
+        assert!(
+            message.contains("made at 1Mi")
+                && message.contains("StorageClass local does not allow expansion")
+                && message.contains(&format!(
+                    "spec.checkpoints.size: {}",
+                    quantity(disk.claim_bytes)
+                )),
+            "{message}"
+        );
+
+        let fits = initialized(&claim(GIB, Some("local"), Some(false)));
+        assert_eq!((launched(&fits), fits.grow_claim.clone()), (Some(1), None));
     }
 
     #[test]

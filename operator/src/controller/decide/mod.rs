@@ -374,13 +374,16 @@ impl Builder<'_> {
             plan.disk = Some(plan.disk_needs(model, &inputs));
         }
         // The first attempt's claim is made now (or was, at a size this
-        // plan did not choose): one that cannot hold the plan's files would
-        // fill up mid-run.
+        // plan did not choose, and may grow): one that cannot hold the
+        // plan's files would fill up mid-run.
         if number == 1
             && launched.is_none()
-            && let Some(problem) = plan.disk.as_ref().and_then(|d| self.claim_too_small(d))
+            && let Some(disk) = &plan.disk
         {
-            return self.fail(Reason::InvalidSpec, problem);
+            match self.claim_for_plan(disk) {
+                Ok(growth) => self.d.grow_claim = growth,
+                Err(problem) => return self.fail(Reason::InvalidSpec, problem),
+            }
         }
         self.enter(Transition::Start {
             number,
