@@ -528,7 +528,9 @@ pub struct TerminationMessage {
     pub step: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peak_bytes: Option<u64>,
-    /// Bytes the failing allocation asked for, when the backend says.
+    /// Bytes the failing allocation asked for, when the backend says; for
+    /// `diskFull` from the initializer, the bytes more the volume needs for
+    /// the download.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub requested_bytes: Option<u64>,
 }

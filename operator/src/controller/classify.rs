@@ -34,6 +34,9 @@ pub struct PodFailure {
     pub worker: Option<WorkerOutcome>,
     /// When the container ended (for how long to wait for the cause).
     pub finished_at: Option<Timestamp>,
+    /// From the termination message: the bytes a failing allocation asked
+    /// for, or the bytes more a full volume needs (the initializer's).
+    pub requested_bytes: Option<u64>,
 }
 
 const DISRUPTION_REASONS: [&str; 6] = [
@@ -68,6 +71,7 @@ pub fn classify(pod: &Pod) -> PodVerdict {
             peak_bytes: None,
             worker: None,
             finished_at: None,
+            requested_bytes: None,
         });
     }
     let disrupted_reason = status
@@ -103,6 +107,7 @@ pub fn classify(pod: &Pod) -> PodVerdict {
             peak_bytes: None,
             worker: None,
             finished_at: None,
+            requested_bytes: None,
         });
     }
 
@@ -122,6 +127,7 @@ pub fn classify(pod: &Pod) -> PodVerdict {
             peak_bytes: None,
             worker: None,
             finished_at: None,
+            requested_bytes: None,
         }),
         "Running" => PodVerdict::Running,
         _ => {
@@ -228,6 +234,7 @@ fn classify_exit(t: &ContainerStateTerminated) -> PodFailure {
         step,
         peak_bytes,
         finished_at: t.finished_at.as_ref().map(|t| t.0),
+        requested_bytes: said.as_ref().and_then(|m| m.requested_bytes),
     }
 }
 

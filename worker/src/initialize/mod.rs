@@ -128,6 +128,12 @@ pub enum InitError {
     /// The volume could not be read or written: `Failed`.
     #[error("{0}")]
     Io(String),
+    /// The download would not fit on the job's checkpoint claim, by
+    /// `more_bytes`: `DiskFull`, with those bytes as the termination
+    /// message's `requestedBytes` (the operator grows an expandable claim
+    /// by them and runs the initializer again).
+    #[error("{message}")]
+    NoSpace { message: String, more_bytes: u64 },
 }
 
 impl InitError {
@@ -135,6 +141,7 @@ impl InitError {
         match self {
             InitError::Invalid(_) => WorkerOutcome::InvalidPlan,
             InitError::Network(_) | InitError::Io(_) => WorkerOutcome::Failed,
+            InitError::NoSpace { .. } => WorkerOutcome::DiskFull,
         }
     }
 }
@@ -398,7 +405,10 @@ pub fn run(env: &InitializerEnv) -> Result<InitializerReport, Exit> {
             Ok(report)
         }
         Err(e) => {
-            let exit = Exit::new(e.outcome(), e.to_string());
+            let mut exit = Exit::new(e.outcome(), e.to_string());
+            if let InitError::NoSpace { more_bytes, .. } = &e {
+                exit.message.requested_bytes = Some(*more_bytes);
+            }
             if let Err(e) = write_termination_message(path, &exit.message) {
                 tracing::warn!(
                     "cannot write the termination message to {}: {e}",

@@ -7,9 +7,10 @@
 
 use headroom_api::Attempt;
 use headroom_planner::disk::quantity;
-use headroom_planner::units::GIB;
+use headroom_planner::units::{GIB, format_bytes};
 use headroom_planner::{DiskBreakdown, FailureCause, JobRequest};
 
+use super::super::classify::PodFailure;
 use super::super::lifecycle::{JobEvent, Reason};
 use super::super::pods::checkpoint_claim_name;
 use super::{Builder, ClaimGrowth};
@@ -90,6 +91,46 @@ impl Builder<'_> {
                  grows a full claim itself)"
             ),
         );
+    }
+
+    /// Initializer run `run` found the job's claim too small for the
+    /// download (`f`: its `requestedBytes` are the bytes more it needs):
+    /// grow the claim (twice its size, at least by those bytes) and run the
+    /// initializer again when its StorageClass allows expansion and
+    /// `memoryPolicy.maxAttempts` runs are not used up; else the job fails
+    /// with the initializer's words, which name `spec.checkpoints.size`.
+    pub(super) fn initializer_disk_full(&mut self, run: u32, f: &PodFailure) {
+        let job = self.obs.job;
+        let claim = checkpoint_claim_name(job);
+        let facts = self.obs.claim.cloned().unwrap_or_default();
+        let more_runs = run < job.spec.memory_policy.max_attempts;
+        if let (Some(size), Some(true), Some(class), true) = (
+            facts.size_bytes,
+            facts.expandable,
+            facts.storage_class.as_deref(),
+            more_runs,
+        ) {
+            let more = f.requested_bytes.unwrap_or(size);
+            let to = grown_size(size, Some(size.saturating_add(more)));
+            self.d.events.push(JobEvent::new(
+                true,
+                Reason::DiskFull,
+                format!(
+                    "initializer run {run}: PersistentVolumeClaim {claim} ({}) is too small for \
+                     the download ({} more needed); StorageClass {class} allows expansion: \
+                     growing it to {} and downloading again",
+                    quantity(size),
+                    format_bytes(more),
+                    quantity(to)
+                ),
+            ));
+            self.d.grow_claim = Some(ClaimGrowth {
+                claim,
+                to_bytes: to,
+            });
+            return self.start_initializer(run + 1);
+        }
+        self.fail(Reason::InvalidSource, format!("initializer: {}", f.message));
     }
 
     /// Whether the job's checkpoint claim holds what a plan keeps on it
@@ -238,6 +279,53 @@ mod tests {
 
         let fits = initialized(&claim(GIB, Some("local"), Some(false)));
         assert_eq!((launched(&fits), fits.grow_claim.clone()), (Some(1), None));
+    }
+
+    /// The initializer found the claim too small for the hub download
+    /// (13.5 GiB more): an expandable claim grows by that (whole GiB) and
+    /// the initializer runs again; on a class that cannot expand the job
+    /// fails with the initializer's words.
+    #[test]
+    fn an_initializer_short_of_space_grows_the_claim_and_runs_again() {
+        let more = 13 * GIB + GIB / 2;
+        let message = serde_json::to_string(&serde_json::json!({
+            "outcome": "diskFull",
+            "reason": "/var/lib/headroom/checkpoints/model: the download needs 13.50 GiB more and the job's checkpoint volume has 0.90 GiB free; give the job a larger claim: spec.checkpoints.size (at least 13Gi more than today)",
+            "requestedBytes": more,
+        }))
+        .expect("json");
+        let short = terminated(WorkerOutcome::DiskFull.exit_code(), &message);
+        let ran_short = |facts: &ClaimFacts| {
+            let mut j = finetune_job();
+            step(&mut j, &[], t0());
+            step_with_claim(&mut j, &[init_pod(1, &short)], t0(), Some(facts))
+        };
+        let grows = ran_short(&claim(GIB, Some("standard"), Some(true)));
+        assert_eq!(initializer(&grows), Some(2), "downloads again");
+        assert_eq!(grows.status.phase, Some(JobPhase::Pending));
+        assert_eq!(
+            grows.grow_claim,
+            Some(super::ClaimGrowth {
+                claim: "finetune-tiny-llama-checkpoints".into(),
+                to_bytes: 15 * GIB,
+            })
+        );
+        assert!(
+            grows.events.iter().any(|e| e.reason == Reason::DiskFull
+                && e.note.contains("(1Gi) is too small")
+                && e.note.contains("growing it to 15Gi")),
+            "{:?}",
+            grows.events
+        );
+
+        let refused = ran_short(&claim(GIB, Some("local"), Some(false)));
+        assert_eq!(
+            (initializer(&refused), refused.grow_claim.clone()),
+            (None, None)
+        );
+        assert_eq!(refused.status.phase, Some(JobPhase::Failed));
+        let said = refused.status.message.clone().unwrap_or_default();
+        assert!(said.contains("spec.checkpoints.size"), "{said}");
     }
 
     #[test]
