@@ -21,7 +21,9 @@
 //! `InvalidPlan` when the input is wrong (no such repository, a token
 //! missing or refused, shapes that disagree, unusable data) and retrying is
 //! pointless, `Failed` when the network or the volume may heal (the pod's
-//! retry then resumes the download where it stopped). Each reason names the
+//! retry then resumes the download where it stopped), `DiskFull` when the
+//! download would not fit on the claim (with the bytes more it needs, which
+//! the operator may grow an expandable claim by). Each reason names the
 //! file, tensor or URL at fault.
 
 pub mod hub;
