@@ -88,6 +88,9 @@ fn summary_lines(title: &str, request: &JobRequest, plan: &Plan) -> String {
         let _ = writeln!(out, "Runtime:   {runtime}");
     }
     let _ = writeln!(out, "Step time: {}", step_time(plan));
+    if let Some(disk) = &plan.disk {
+        let _ = writeln!(out, "Disk:      {}", disk.summary());
+    }
     if plan.correction_factor > 1.0 {
         let _ = writeln!(
             out,

@@ -1289,3 +1289,133 @@ async fn a_checkpoint_the_initializer_refuses_fails_the_job_with_its_reason() {
     op.stop().await;
     ns.cleanup().await;
 }
+
+/// A worker that finds its checkpoint volume full ends its attempt
+/// `DiskFull`; the claim's StorageClass allows expansion, so the operator
+/// raises the claim's request to twice its size and resumes with the same
+/// settings. The claim is bound by hand (no volume controller here: the API
+/// server resizes bound claims only).
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn a_full_expandable_claim_is_grown_and_the_job_resumes() {
+    use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+    use k8s_openapi::api::storage::v1::StorageClass;
+    use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+
+    let ns = test_ns("hr-disk").await;
+    let class = format!("{}-expandable", ns.name);
+    let classes: Api<StorageClass> = Api::all(ns.client.clone());
+    classes
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(serde_json::json!({
+                "apiVersion": "storage.k8s.io/v1", "kind": "StorageClass",
+                "metadata": {"name": class},
+                "provisioner": "example.com/none",
+                "allowVolumeExpansion": true,
+            }))
+            .expect("class"),
+        )
+        .await
+        .expect("create the StorageClass");
+    let mut config = ControllerConfig::default();
+    config.children.checkpoint_storage_class = Some(class.clone());
+    let op = start_operator(&ns, config);
+    let manifest = CPU_TINY.replace(
+        "  worker:",
+        "  memoryPolicy: {backoffSeconds: 0}\n  worker:",
+    );
+    ns.apply_job(&manifest).await;
+    ns.wait_pod_count("attempt 1 pod", 1).await;
+
+    // Bind the claim as a volume controller would.
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(ns.client.clone(), &ns.name);
+    let claim = "tiny-cpu-checkpoints";
+    // Made in the same round as the pod: it may lag a moment.
+    let mut made = None;
+    for _ in 0..100 {
+        made = claims.get_opt(claim).await.expect("read the claim");
+        if made.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let made = made.expect("the checkpoint claim");
+    let asked = made
+        .spec
+        .as_ref()
+        .and_then(|s| s.resources.as_ref())
+        .and_then(|r| r.requests.as_ref())
+        .and_then(|r| r.get("storage"))
+        .map(|q| q.0.clone());
+    assert_eq!(
+        asked.as_deref(),
+        Some("1Gi"),
+        "a tiny plan keeps the default"
+    );
+    let volume = format!("{}-pv", ns.name);
+    let volumes: Api<PersistentVolume> = Api::all(ns.client.clone());
+    volumes
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(serde_json::json!({
+                "apiVersion": "v1", "kind": "PersistentVolume",
+                "metadata": {"name": volume},
+                "spec": {
+                    "capacity": {"storage": "1Gi"},
+                    "accessModes": ["ReadWriteOnce"],
+                    "storageClassName": class,
+                    "hostPath": {"path": "/tmp/headroom-test"},
+                    "claimRef": {"namespace": ns.name, "name": claim},
+                },
+            }))
+            .expect("volume"),
+        )
+        .await
+        .expect("create the PersistentVolume");
+    claims
+        .patch(
+            claim,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"volumeName": volume}})),
+        )
+        .await
+        .expect("name the volume");
+    claims
+        .patch_status(
+            claim,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"status": {"phase": "Bound", "accessModes": ["ReadWriteOnce"], "capacity": {"storage": "1Gi"}}})),
+        )
+        .await
+        .expect("bind the claim");
+
+    let msg = r#"{"outcome":"diskFull","reason":"checkpoint at step 4: the volume is full (No space left on device (os error 28))","step":4}"#;
+    ns.set_pod_status(
+        "tiny-cpu-a1-s0",
+        terminated(headroom_api::exit_code::DISK_FULL, "Error", Some(msg)),
+    )
+    .await;
+    let status = status_of(ns.wait_attempts("tiny-cpu", 2).await);
+    assert_eq!(status.attempts[0].outcome, AttemptOutcome::DiskFull);
+    assert_eq!(status.attempts[0].last_step, Some(4));
+    assert_eq!(
+        status.attempts[1].settings, status.attempts[0].settings,
+        "the same settings: memory was not the problem"
+    );
+    let grown = claims.get(claim).await.expect("the claim");
+    let asked = grown
+        .spec
+        .as_ref()
+        .and_then(|s| s.resources.as_ref())
+        .and_then(|r| r.requests.as_ref())
+        .and_then(|r| r.get("storage"))
+        .map(|q| q.0.clone());
+    assert_eq!(asked.as_deref(), Some("2Gi"), "twice its size");
+    ns.wait_attempt_pod(2).await;
+
+    op.stop().await;
+    ns.cleanup().await;
+    let _ = volumes.delete(&volume, &DeleteParams::default()).await;
+    let _ = classes.delete(&class, &DeleteParams::default()).await;
+}

@@ -85,7 +85,7 @@ const PREFIX: &str = "step-";
 const STAGE_PREFIX: &str = "stage-";
 const TMP_PREFIX: &str = ".tmp-";
 /// Complete checkpoints kept; older steps are removed after a successful save.
-pub const KEEP: usize = 2;
+pub const KEEP: usize = headroom_planner::disk::CHECKPOINTS_KEPT as usize;
 /// A temporary stage directory untouched this long is a crashed writer's.
 /// Writing a stage's files takes seconds to minutes; this is well above.
 pub const STALE_TEMPORARY_AGE: std::time::Duration = std::time::Duration::from_secs(15 * 60);

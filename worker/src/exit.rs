@@ -70,14 +70,17 @@ impl Exit {
     /// Stamps the step reached, unless the exit already names one (a panic
     /// or a memory limit names the step under way), and the peak so far.
     /// A checkpoint or output write that failed: with the volume full
-    /// (ENOSPC) the plan is unusable as it stands, since every retry would
-    /// fill the same claim again: an invalid plan naming the setting that
-    /// sizes the claim; any other failure is retried.
+    /// (ENOSPC) its own outcome, which the operator answers by growing an
+    /// expandable claim or by naming the setting that sizes it (a retry on
+    /// the same claim would fill it again); any other failure is retried.
     pub(crate) fn write_failed(what: &str, e: &(dyn std::error::Error + 'static)) -> Self {
         if disk_full(e) {
-            Exit::invalid_plan(format!(
-                "{what}: the volume is full ({e}); the job's checkpoint claim holds the downloaded model and data, two checkpoints and the output: give it more room with spec.checkpoints.size (or the chart's checkpoints.size), or write the output to another claim (spec.output.volume)"
-            ))
+            Exit::new(
+                WorkerOutcome::DiskFull,
+                format!(
+                    "{what}: the volume is full ({e}); the job's checkpoint claim holds the downloaded model and data, the checkpoints kept and the output (status.plan.disk counts them)"
+                ),
+            )
         } else {
             Exit::failed(format!("{what}: {e}"))
         }
@@ -115,10 +118,11 @@ mod tests {
     use headroom_api::exit_code;
 
     /// A write to a full volume (Linux's /dev/full answers every write with
-    /// ENOSPC) ends the job naming the claim's size, not a retry that fills
-    /// it again; wrapped in a checkpoint error or turned into text, too.
+    /// ENOSPC) ends the attempt as a full disk, its own outcome (the
+    /// operator grows the claim or names its size), not a plain failure;
+    /// wrapped in a checkpoint error or turned into text, too.
     #[test]
-    fn a_full_volume_is_not_retried_and_names_the_claims_size() {
+    fn a_full_volume_is_not_retried_as_a_plain_failure() {
         use std::io::Write;
         let full = std::fs::OpenOptions::new()
             .write(true)
@@ -132,9 +136,10 @@ mod tests {
             source: full,
         };
         let exit = Exit::write_failed("checkpoint at step 4", &wrapped);
-        assert_eq!(exit.message.outcome, WorkerOutcome::InvalidPlan);
+        assert_eq!(exit.message.outcome, WorkerOutcome::DiskFull);
+        assert_eq!(exit.code(), exit_code::DISK_FULL);
         assert!(
-            exit.message.reason.contains("spec.checkpoints.size"),
+            exit.message.reason.contains("the volume is full"),
             "{exit:?}"
         );
         let as_text = crate::checkpoint::CheckpointError::Record {
@@ -143,7 +148,7 @@ mod tests {
         };
         assert_eq!(
             Exit::write_failed("checkpoint", &as_text).message.outcome,
-            WorkerOutcome::InvalidPlan
+            WorkerOutcome::DiskFull
         );
         let other = std::io::Error::from(std::io::ErrorKind::PermissionDenied);
         assert_eq!(

@@ -94,6 +94,11 @@ watches every namespace, in a Role of the one it watches otherwise. */}}
 - apiGroups: ["authentication.k8s.io"]
   resources: ["tokenreviews"]
   verbs: ["create"]
+# A job whose checkpoint claim filled up: whether its StorageClass lets the
+# operator grow the claim (allowVolumeExpansion).
+- apiGroups: ["storage.k8s.io"]
+  resources: ["storageclasses"]
+  verbs: ["get"]
 {{- if .Values.metrics.authorization }}
 # metrics.authorization: whether a scraper's user may get /metrics.
 - apiGroups: ["authorization.k8s.io"]

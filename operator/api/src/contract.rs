@@ -184,6 +184,10 @@ pub mod exit_code {
     /// saving a checkpoint at the step it reached: a disruption, not a
     /// failure. 128 + 15, what a shell reports for a SIGTERM death.
     pub const TERMINATED: i32 = 143;
+    /// A checkpoint or the output could not be written: the volume is full
+    /// (ENOSPC; sysexits EX_IOERR). The operator grows an expandable claim
+    /// and retries, or names the setting that sizes it.
+    pub const DISK_FULL: i32 = 74;
     /// Any other failure.
     pub const FAILURE: i32 = 1;
 }
@@ -202,16 +206,19 @@ pub enum WorkerOutcome {
     PeerLost,
     /// Told to stop (SIGTERM); the work so far is checkpointed.
     Terminated,
+    /// A write to the job's checkpoint volume found it full (ENOSPC).
+    DiskFull,
     Failed,
 }
 
 impl WorkerOutcome {
-    pub const ALL: [WorkerOutcome; 6] = [
+    pub const ALL: [WorkerOutcome; 7] = [
         WorkerOutcome::Succeeded,
         WorkerOutcome::DeviceOutOfMemory,
         WorkerOutcome::InvalidPlan,
         WorkerOutcome::PeerLost,
         WorkerOutcome::Terminated,
+        WorkerOutcome::DiskFull,
         WorkerOutcome::Failed,
     ];
 
@@ -223,6 +230,7 @@ impl WorkerOutcome {
             WorkerOutcome::InvalidPlan => exit_code::INVALID_PLAN,
             WorkerOutcome::PeerLost => exit_code::PEER_LOST,
             WorkerOutcome::Terminated => exit_code::TERMINATED,
+            WorkerOutcome::DiskFull => exit_code::DISK_FULL,
             WorkerOutcome::Failed => exit_code::FAILURE,
         }
     }
@@ -244,6 +252,7 @@ impl std::fmt::Display for WorkerOutcome {
             WorkerOutcome::InvalidPlan => "invalidPlan",
             WorkerOutcome::PeerLost => "peerLost",
             WorkerOutcome::Terminated => "terminated",
+            WorkerOutcome::DiskFull => "diskFull",
             WorkerOutcome::Failed => "failed",
         })
     }
@@ -519,7 +528,9 @@ pub struct TerminationMessage {
     pub step: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peak_bytes: Option<u64>,
-    /// Bytes the failing allocation asked for, when the backend says.
+    /// Bytes the failing allocation asked for, when the backend says; for
+    /// `diskFull` from the initializer, the bytes more the volume needs for
+    /// the download.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub requested_bytes: Option<u64>,
 }

@@ -13,6 +13,7 @@
 //! * [`adapters`] — LoRA adapters and the frozen base's storage format (QLoRA)
 //! * [`model`] — what is being trained (transformer shape, Llama family, or a generic parameter count)
 //! * [`training`] — precision, optimizer and batch settings
+//! * [`disk`] — the bytes a plan keeps on the job's checkpoint claim, and the claim that holds them
 //! * [`sharding`] — which data-parallel replica keeps each tensor's optimizer state (ZeRO-1)
 //! * [`backend`] — the worker backends (flex, cuda): overheads and what each supports
 //! * [`memory`] — the per-worker memory model with its breakdown
@@ -26,6 +27,7 @@
 
 pub mod adapters;
 pub mod backend;
+pub mod disk;
 pub mod inventory;
 pub mod ladder;
 pub mod limits;
@@ -44,6 +46,7 @@ pub mod units;
 
 pub use adapters::{BaseFormat, LoraConfig};
 pub use backend::{Backend, BackendProfile, GpuRuntime};
+pub use disk::{DataOnClaim, DiskBreakdown, DiskInputs};
 pub use inventory::{DeviceKind, DeviceType, Inventory, NodeFacts};
 pub use ladder::{MemoryFailure, MemoryFailureKind, next_stricter_plan};
 pub use llama::{

@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::adapters::{BaseFormat, LoraConfig};
 use crate::backend::{Backend, GpuRuntime};
+use crate::disk::{DiskBreakdown, DiskInputs};
 use crate::inventory::{DeviceKind, DeviceType, Inventory};
 use crate::memory::MemoryBreakdown;
 use crate::model::ModelShape;
@@ -224,6 +225,11 @@ pub struct Plan {
     /// uses the backend's current choice).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu_runtime: Option<GpuRuntime>,
+    /// The bytes the job keeps on its checkpoint claim ([`crate::disk`]):
+    /// filled in by whoever knows where the job's files are (the operator,
+    /// the plugin); absent from a bare search's plan.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk: Option<DiskBreakdown>,
 }
 
 fn one() -> u32 {
@@ -238,6 +244,18 @@ impl Plan {
     /// Pipeline stages (p).
     pub fn stage_count(&self) -> u32 {
         self.stages.len() as u32
+    }
+
+    /// The bytes this plan keeps on the job's checkpoint claim, training
+    /// `model` with the job's files where `inputs` says.
+    pub fn disk_needs(&self, model: &ModelShape, inputs: &DiskInputs) -> DiskBreakdown {
+        crate::disk::needs(
+            model,
+            self.adapters.as_ref(),
+            &self.settings,
+            self.workers,
+            inputs,
+        )
     }
 }
 

@@ -885,6 +885,7 @@ impl<'a> Search<'a> {
             ),
             adapters: self.req.adapters.clone(),
             gpu_runtime: self.profile.gpu_runtime,
+            disk: None,
         }
     }
 

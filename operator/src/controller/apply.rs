@@ -279,12 +279,12 @@ pub(super) async fn launch_attempt(
         // Not this job's, says the cache: the server's word (and the
         // holder's name) for the refusal, or a claim deleted since.
         Some(false) => {
-            ensure_claim(ctx, job).await?;
+            ensure_claim(ctx, job, plan_of(status, attempt)).await?;
             ensure_children(ctx, job, status, launch, own).await
         }
         None => {
             let (claimed, launched) = futures::join!(
-                ensure_claim(ctx, job),
+                ensure_claim(ctx, job, plan_of(status, attempt)),
                 ensure_children(ctx, job, status, launch, own)
             );
             if claimed.is_err() {
@@ -384,11 +384,15 @@ async fn ensure_children(
     Ok(())
 }
 
-/// The job's checkpoint claim, created if missing and checked to be this
-/// job's ([`create_claim`]).
-async fn ensure_claim(ctx: &Context, job: &MemoryAwareTrainingJob) -> Result<(), Error> {
+/// The job's checkpoint claim, created if missing (sized for `plan` when
+/// the job is planned already) and checked to be this job's ([`create_claim`]).
+async fn ensure_claim(
+    ctx: &Context,
+    job: &MemoryAwareTrainingJob,
+    plan: Option<&headroom_planner::Plan>,
+) -> Result<(), Error> {
     let ns = job.namespace().unwrap_or_default();
-    let claim = pods::checkpoint_claim(job, &ctx.config.children);
+    let claim = pods::checkpoint_claim(job, &ctx.config.children, plan);
     create_claim(&ctx.client, &ns, job, &claim).await
 }
 
@@ -416,8 +420,9 @@ pub(super) async fn ensure_initializer(
     else {
         return Ok(());
     };
-    // The claim first, checked to be this job's (see ensure_children).
-    ensure_claim(ctx, job).await?;
+    // The claim first, checked to be this job's (see ensure_children); made
+    // before the plan, at the spec's or the default size.
+    ensure_claim(ctx, job, None).await?;
     let ns = job.namespace().unwrap_or_default();
     apply::<Pod>(&ctx.client, &ns, &pod).await
 }
@@ -470,6 +475,34 @@ async fn create_claim(
         }
         Err(source) => Err(refused(source)),
     }
+}
+
+/// Grows the job's checkpoint claim (its StorageClass allows expansion)
+/// by raising its storage request; the volume is resized before the next
+/// pod mounts it.
+pub(super) async fn grow_claim(
+    client: &Client,
+    ns: &str,
+    growth: &super::decide::ClaimGrowth,
+) -> Result<(), Error> {
+    let api: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
+    let to = headroom_planner::disk::quantity(growth.to_bytes);
+    let patch = serde_json::json!({"spec": {"resources": {"requests": {"storage": to}}}});
+    api.patch(
+        &growth.claim,
+        &PatchParams {
+            field_manager: Some(OPERATOR_FIELD_MANAGER.into()),
+            ..PatchParams::default()
+        },
+        &Patch::Merge(patch),
+    )
+    .await
+    .map(|_| ())
+    .map_err(|source| Error::ApplyChild {
+        kind: "PersistentVolumeClaim".into(),
+        name: growth.claim.clone(),
+        source,
+    })
 }
 
 /// Lets the checkpoint claim outlive the job (`RetainOnSuccess` on success).

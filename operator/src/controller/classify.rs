@@ -34,6 +34,9 @@ pub struct PodFailure {
     pub worker: Option<WorkerOutcome>,
     /// When the container ended (for how long to wait for the cause).
     pub finished_at: Option<Timestamp>,
+    /// From the termination message: the bytes a failing allocation asked
+    /// for, or the bytes more a full volume needs (the initializer's).
+    pub requested_bytes: Option<u64>,
 }
 
 const DISRUPTION_REASONS: [&str; 6] = [
@@ -68,6 +71,7 @@ pub fn classify(pod: &Pod) -> PodVerdict {
             peak_bytes: None,
             worker: None,
             finished_at: None,
+            requested_bytes: None,
         });
     }
     let disrupted_reason = status
@@ -103,6 +107,7 @@ pub fn classify(pod: &Pod) -> PodVerdict {
             peak_bytes: None,
             worker: None,
             finished_at: None,
+            requested_bytes: None,
         });
     }
 
@@ -122,6 +127,7 @@ pub fn classify(pod: &Pod) -> PodVerdict {
             peak_bytes: None,
             worker: None,
             finished_at: None,
+            requested_bytes: None,
         }),
         "Running" => PodVerdict::Running,
         _ => {
@@ -188,6 +194,9 @@ fn classify_exit(t: &ContainerStateTerminated) -> PodFailure {
                 (AttemptOutcome::Failed, "InvalidPlan".to_string())
             }
             (Some(WorkerOutcome::PeerLost), _) => (AttemptOutcome::Failed, "PeerLost".to_string()),
+            (Some(WorkerOutcome::DiskFull), _) => {
+                (AttemptOutcome::DiskFull, "DiskFull".to_string())
+            }
             // Deleted, evicted or drained: the worker checkpointed and stopped.
             (Some(WorkerOutcome::Terminated), _) => {
                 (AttemptOutcome::Disrupted, "Terminated".to_string())
@@ -225,6 +234,7 @@ fn classify_exit(t: &ContainerStateTerminated) -> PodFailure {
         step,
         peak_bytes,
         finished_at: t.finished_at.as_ref().map(|t| t.0),
+        requested_bytes: said.as_ref().and_then(|m| m.requested_bytes),
     }
 }
 
@@ -256,9 +266,12 @@ pub fn rank(f: &PodFailure) -> (bool, u8) {
 /// memory failures drive the ladder, so they win.
 pub fn severity(outcome: AttemptOutcome) -> u8 {
     match outcome {
-        AttemptOutcome::DeviceOutOfMemory => 6,
-        AttemptOutcome::HostOutOfMemory => 5,
-        AttemptOutcome::Unschedulable => 4,
+        AttemptOutcome::DeviceOutOfMemory => 7,
+        AttemptOutcome::HostOutOfMemory => 6,
+        AttemptOutcome::Unschedulable => 5,
+        // A full volume explains the attempt before a failure it may have
+        // caused in another stage.
+        AttemptOutcome::DiskFull => 4,
         AttemptOutcome::Failed => 3,
         AttemptOutcome::Disrupted => 2,
         AttemptOutcome::Running | AttemptOutcome::Succeeded => 0,
@@ -373,6 +386,32 @@ mod tests {
             panic!("failed expected")
         };
         assert_eq!(f.outcome, AttemptOutcome::Disrupted);
+    }
+
+    /// A worker that found its volume full says so with its own exit
+    /// code: an outcome of its own, which outranks a plain failure of
+    /// another stage.
+    #[test]
+    fn a_full_volume_is_its_own_outcome() {
+        let msg = r#"{\"outcome\":\"diskFull\",\"reason\":\"checkpoint at step 4: the volume is full\",\"step\":4}"#;
+        let p = pod(&format!(
+            "  phase: Failed\n  containerStatuses: [{{name: worker, image: i, imageID: '', ready: false, restartCount: 0, state: {{terminated: {{exitCode: {}, reason: Error, message: \"{msg}\"}}}}}}]",
+            headroom_api::exit_code::DISK_FULL
+        ));
+        let PodVerdict::Failed(f) = classify(&p) else {
+            panic!("failed expected")
+        };
+        assert_eq!(
+            (f.outcome, f.reason.as_str(), f.worker, f.step),
+            (
+                AttemptOutcome::DiskFull,
+                "DiskFull",
+                Some(WorkerOutcome::DiskFull),
+                Some(4)
+            )
+        );
+        assert!(f.message.contains("the volume is full"), "{}", f.message);
+        assert!(severity(AttemptOutcome::DiskFull) > severity(AttemptOutcome::Failed));
     }
 
     #[test]

@@ -85,6 +85,11 @@ impl ChildConfig {
     pub fn gpu_host_memory_bytes(&self) -> u64 {
         headroom_api::quantity::parse_bytes(&self.gpu_host_memory).unwrap_or(0)
     }
+
+    /// The default checkpoint claim size, bytes (`checkpoint_size`).
+    pub fn checkpoint_size_bytes(&self) -> u64 {
+        headroom_api::quantity::parse_bytes(&self.checkpoint_size).unwrap_or(0)
+    }
 }
 
 /// The operator's worker images for jobs whose `spec.worker.image` is unset,

@@ -110,10 +110,13 @@ pub enum Reason {
     /// The checkpoint or the data cannot be used (not found, refused, a shape
     /// mismatch, no text): retrying is pointless until the spec or the files change.
     InvalidSource,
+    /// An attempt filled the job's checkpoint claim (event), and the job
+    /// ended for it when the claim cannot grow (condition).
+    DiskFull,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 22] = [
+    pub const ALL: [Reason; 23] = [
         Reason::Planned,
         Reason::Replanned,
         Reason::Retrying,
@@ -136,6 +139,7 @@ impl Reason {
         Reason::Initializing,
         Reason::Initialized,
         Reason::InvalidSource,
+        Reason::DiskFull,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -162,6 +166,7 @@ impl Reason {
             Reason::Initializing => "Initializing",
             Reason::Initialized => "Initialized",
             Reason::InvalidSource => "InvalidSource",
+            Reason::DiskFull => "DiskFull",
         }
     }
 
@@ -667,6 +672,8 @@ fn end_attempt(
     }
     let reason = if ending.outcome.is_memory() {
         Reason::OutOfMemory
+    } else if ending.outcome == AttemptOutcome::DiskFull {
+        Reason::DiskFull
     } else {
         Reason::AttemptFailed
     };

@@ -6,14 +6,19 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use headroom_api::{LABEL_JOB, MemoryAwareTrainingJob};
+use headroom_api::{
+    AttemptOutcome, LABEL_JOB, LABEL_ROLE, MemoryAwareTrainingJob, ROLE_INITIALIZER,
+};
 use headroom_planner::Inventory;
 use jiff::Timestamp;
-use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::ResourceExt;
+use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::storage::v1::StorageClass;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::{Api, ResourceExt};
 
 use super::classify::{PodVerdict, classify};
-use super::decide::{Observation, QueueView};
+use super::decide::{ClaimFacts, Observation, QueueView};
+use super::pods::checkpoint_claim_name;
 use super::{Context, Error};
 use crate::inventory::{cpu_inventory, cpu_worker_size, job_inventory};
 use crate::kueue::{self, QueueOffer};
@@ -29,6 +34,8 @@ pub(super) struct Observed<'a> {
     /// What the job plans within: the nodes, less what other pods hold,
     /// capped by the queue's offer.
     pub inventory: Inventory,
+    /// The job's checkpoint claim, read when an attempt found it full.
+    pub claim: Option<ClaimFacts>,
 }
 
 impl Observed<'_> {
@@ -42,8 +49,10 @@ impl Observed<'_> {
             unschedulable_grace: ctx.config.unschedulable_grace,
             planning_budget: ctx.config.planning_budget,
             default_gpu_host_memory: ctx.config.children.gpu_host_memory_bytes(),
+            default_checkpoint_bytes: ctx.config.children.checkpoint_size_bytes(),
             worker_images: &ctx.config.children.worker_images,
             queue: self.queue.as_ref(),
+            claim: self.claim.as_ref(),
         }
     }
 }
@@ -66,12 +75,96 @@ pub(super) async fn observe<'a>(
         None => (None, None),
     };
     let inventory = inventory(ctx, &job, offer.as_ref());
+    let claim = if found_disk_full(&job, &pods) || claim_made_before_plan(&job, &pods) {
+        Some(read_claim(ctx, &job, ns).await)
+    } else {
+        None
+    };
     Ok(Observed {
         job,
         pods,
         queue,
         inventory,
+        claim,
     })
+}
+
+/// Whether an attempt of `job` found its checkpoint volume full: a pod
+/// says so now, or the status recorded it (its retry is still to start).
+fn found_disk_full(job: &MemoryAwareTrainingJob, pods: &[Arc<Pod>]) -> bool {
+    let recorded = job
+        .status
+        .as_ref()
+        .and_then(|s| s.attempts.last())
+        .is_some_and(|a| a.outcome == AttemptOutcome::DiskFull);
+    recorded
+        || pods.iter().any(|p| {
+            matches!(classify(p), PodVerdict::Failed(f) if f.outcome == AttemptOutcome::DiskFull)
+        })
+}
+
+/// Whether `job` is about to plan its first attempt on a claim its
+/// initializer made before the plan, at the default size (a pretrained
+/// model's job without `spec.checkpoints.size`): the plan may need it grown.
+fn claim_made_before_plan(job: &MemoryAwareTrainingJob, pods: &[Arc<Pod>]) -> bool {
+    let spec = &job.spec;
+    let status = job.status.as_ref();
+    let initialized = status.is_some_and(|s| s.model.is_some())
+        || pods.iter().any(|p| {
+            p.labels().get(LABEL_ROLE).map(String::as_str) == Some(ROLE_INITIALIZER)
+                && matches!(classify(p), PodVerdict::Succeeded)
+        });
+    spec.model.pretrained.is_some()
+        && spec.checkpoints.size.is_none()
+        && status.is_none_or(|s| s.attempts.is_empty())
+        && initialized
+}
+
+/// The job's checkpoint claim's size and whether its StorageClass may
+/// grow it; what cannot be read is left unknown (the decision then names
+/// the setting to change instead of growing the claim).
+async fn read_claim(ctx: &Context, job: &MemoryAwareTrainingJob, ns: &str) -> ClaimFacts {
+    let name = checkpoint_claim_name(job);
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), ns);
+    let claim = match claims.get_opt(&name).await {
+        Ok(claim) => claim,
+        Err(error) => {
+            tracing::warn!(%error, claim = name, "could not read the checkpoint claim");
+            None
+        }
+    };
+    let Some(claim) = claim else {
+        return ClaimFacts::default();
+    };
+    let storage = |q: Option<&std::collections::BTreeMap<String, Quantity>>| {
+        q.and_then(|m| m.get("storage"))
+            .and_then(|q| headroom_api::quantity::parse_bytes(&q.0).ok())
+    };
+    let spec = claim.spec.as_ref();
+    let requested = storage(
+        spec.and_then(|s| s.resources.as_ref())
+            .and_then(|r| r.requests.as_ref()),
+    );
+    let capacity = storage(claim.status.as_ref().and_then(|s| s.capacity.as_ref()));
+    let storage_class = spec.and_then(|s| s.storage_class_name.clone());
+    let expandable = match &storage_class {
+        Some(class) => match Api::<StorageClass>::all(ctx.client.clone())
+            .get_opt(class)
+            .await
+        {
+            Ok(found) => found.map(|c| c.allow_volume_expansion.unwrap_or(false)),
+            Err(error) => {
+                tracing::warn!(%error, class, "could not read the checkpoint claim's StorageClass");
+                None
+            }
+        },
+        None => None,
+    };
+    ClaimFacts {
+        size_bytes: requested.or(capacity),
+        storage_class,
+        expandable,
+    }
 }
 
 /// The pods of `job` in the pod cache: labelled with its name and owned by

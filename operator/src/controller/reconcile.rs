@@ -14,8 +14,8 @@ use kube::core::DeserializeGuard;
 use kube::runtime::controller::Action;
 
 use super::apply::{
-    apply_status, delete_worker, ensure_initializer, keep_claim, launch_attempt, missing_workers,
-    publish_events, undo_launch,
+    apply_status, delete_worker, ensure_initializer, grow_claim, keep_claim, launch_attempt,
+    missing_workers, publish_events, undo_launch,
 };
 use super::decide::refused::{Refused, refused};
 use super::decide::{Decision, Launch, decide};
@@ -96,6 +96,11 @@ async fn apply_decision(
     decision: Decision,
 ) -> Result<Action, Error> {
     keep_claim_on_success(ctx, ns, job, &decision).await?;
+    // Before the status that starts the retry: a claim that could not be
+    // grown leaves the attempt to the next reconcile, which decides again.
+    if let Some(growth) = &decision.grow_claim {
+        grow_claim(&ctx.client, ns, growth).await?;
+    }
     let launch = decision
         .launch
         .as_ref()

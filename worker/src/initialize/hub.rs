@@ -980,27 +980,33 @@ fn check_space(dir: &Path, files: &[(&str, Option<u64>)]) -> Result<(), InitErro
         .map_err(|e| InitError::Io(format!("the free space under {}: {e}", dir.display())))?;
     let free = stat.f_bavail.saturating_mul(stat.f_frsize);
     match space_shortfall(need, free) {
-        Some(problem) => Err(InitError::Invalid(format!("{}: {problem}", dir.display()))),
+        Some((problem, more_bytes)) => Err(InitError::NoSpace {
+            message: format!("{}: {problem}", dir.display()),
+            more_bytes,
+        }),
         None => Ok(()),
     }
 }
 
 /// What to say when `need` bytes do not fit in `free` (with 1 % and 64 MiB
 /// to spare for the checkpoints' own files): the sizes, and the setting
-/// that gives the job more (the claim's size, rounded up to GiB).
-fn space_shortfall(need: u64, free: u64) -> Option<String> {
+/// that gives the job more (the claim's size, rounded up to GiB); with the
+/// bytes more the volume needs.
+fn space_shortfall(need: u64, free: u64) -> Option<(String, u64)> {
     const GIB: u64 = 1 << 30;
     let spare = (need / 100).max(64 << 20);
     if need.saturating_add(spare) <= free {
         return None;
     }
     let gib = |b: u64| b as f64 / GIB as f64;
-    Some(format!(
-        "the download needs {:.2} GiB more and the job's checkpoint volume has {:.2} GiB free; give the job a larger claim: spec.checkpoints.size (at least {}Gi more than today, with room for two checkpoints and the output) or the chart's checkpoints.size",
+    let more = need + spare - free.min(need + spare);
+    let problem = format!(
+        "the download needs {:.2} GiB more and the job's checkpoint volume has {:.2} GiB free; give the job a larger claim: spec.checkpoints.size (at least {}Gi more than today, with room for two checkpoints and the output) or the chart's checkpoints.size, or a StorageClass with allowVolumeExpansion (Headroom then grows the claim)",
         gib(need),
         gib(free),
-        (need + spare - free.min(need + spare)).div_ceil(GIB)
-    ))
+        more.div_ceil(GIB)
+    );
+    Some((problem, more))
 }
 
 fn io_error(what: &str, path: &Path, e: std::io::Error) -> InitError {
@@ -1165,7 +1171,12 @@ mod tests {
     #[test]
     fn a_download_that_would_not_fit_is_refused_naming_the_claims_size() {
         const GIB: u64 = 1 << 30;
-        let problem = space_shortfall(13 * GIB + GIB / 2, GIB - GIB / 10).expect("too big");
+        let (problem, more) = space_shortfall(13 * GIB + GIB / 2, GIB - GIB / 10).expect("too big");
+        // 13.5 GiB and its 1 % spare, less the 0.9 GiB free.
+        assert_eq!(
+            more,
+            13 * GIB + GIB / 2 + (13 * GIB + GIB / 2) / 100 - (GIB - GIB / 10)
+        );
         assert!(
             problem.contains("needs 13.50 GiB more")
                 && problem.contains("has 0.90 GiB free")

@@ -21,7 +21,9 @@
 //! `InvalidPlan` when the input is wrong (no such repository, a token
 //! missing or refused, shapes that disagree, unusable data) and retrying is
 //! pointless, `Failed` when the network or the volume may heal (the pod's
-//! retry then resumes the download where it stopped). Each reason names the
+//! retry then resumes the download where it stopped), `DiskFull` when the
+//! download would not fit on the claim (with the bytes more it needs, which
+//! the operator may grow an expandable claim by). Each reason names the
 //! file, tensor or URL at fault.
 
 pub mod hub;
@@ -128,6 +130,12 @@ pub enum InitError {
     /// The volume could not be read or written: `Failed`.
     #[error("{0}")]
     Io(String),
+    /// The download would not fit on the job's checkpoint claim, by
+    /// `more_bytes`: `DiskFull`, with those bytes as the termination
+    /// message's `requestedBytes` (the operator grows an expandable claim
+    /// by them and runs the initializer again).
+    #[error("{message}")]
+    NoSpace { message: String, more_bytes: u64 },
 }
 
 impl InitError {
@@ -135,6 +143,7 @@ impl InitError {
         match self {
             InitError::Invalid(_) => WorkerOutcome::InvalidPlan,
             InitError::Network(_) | InitError::Io(_) => WorkerOutcome::Failed,
+            InitError::NoSpace { .. } => WorkerOutcome::DiskFull,
         }
     }
 }
@@ -398,7 +407,10 @@ pub fn run(env: &InitializerEnv) -> Result<InitializerReport, Exit> {
             Ok(report)
         }
         Err(e) => {
-            let exit = Exit::new(e.outcome(), e.to_string());
+            let mut exit = Exit::new(e.outcome(), e.to_string());
+            if let InitError::NoSpace { more_bytes, .. } = &e {
+                exit.message.requested_bytes = Some(*more_bytes);
+            }
             if let Err(e) = write_termination_message(path, &exit.message) {
                 tracing::warn!(
                     "cannot write the termination message to {}: {e}",

@@ -35,6 +35,10 @@ pub enum AttemptOutcome {
     Disrupted,
     /// No node could take the pods (e.g. no free GPU of the planned type).
     Unschedulable,
+    /// A checkpoint or the output did not fit on the job's checkpoint
+    /// claim (the volume was full): the retry grows a claim whose
+    /// StorageClass allows expansion.
+    DiskFull,
     Failed,
 }
 

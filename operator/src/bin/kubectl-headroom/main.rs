@@ -16,6 +16,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use cluster::{ClusterFlags, Target};
 use headroom_api::MemoryAwareTrainingJob;
 use headroom_operator::controller::CheckpointAccess;
+use headroom_operator::controller::pods::disk_inputs;
 use headroom_operator::inventory::{cpu_inventory, job_inventory};
 use headroom_operator::plan_text::{
     alternatives_table, infeasible_text, plan_table, trainable_params,
@@ -154,7 +155,13 @@ fn run(cli: Cli) -> Result<ExitCode> {
     let mut machine = Vec::new();
     for ((name, request), job) in requests.iter().zip(&jobs) {
         let inventory = job_inventory_as_planned(job, name, &cluster, one_node);
-        let result = plan(request, &inventory);
+        // What it keeps on its checkpoint claim, as the operator counts
+        // it before the initializer has measured anything.
+        let inputs = disk_inputs(job, &Default::default());
+        let result = plan(request, &inventory).map(|mut p| {
+            p.disk = Some(p.disk_needs(&request.model, &inputs));
+            p
+        });
         all_fit &= result.is_ok();
         match output {
             Output::Table => emit(&match &result {

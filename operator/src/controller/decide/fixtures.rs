@@ -17,6 +17,7 @@ pub(super) use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 pub(super) use super::super::LaunchRefusal;
 pub(super) use super::super::config::WorkerImages;
 pub(super) use super::super::lifecycle::{ConditionType, Reason};
+pub(super) use super::ClaimFacts;
 use super::{Decision, Observation, QueueView, decide};
 use crate::controller::pods::tests::job;
 
@@ -87,6 +88,41 @@ pub(super) fn step_within(
     (worker_images, queue): (&WorkerImages, Option<&QueueView>),
     planning_budget: Duration,
 ) -> Decision {
+    step_full(
+        job,
+        pods,
+        now,
+        (worker_images, queue),
+        planning_budget,
+        None,
+    )
+}
+
+/// [`step`] seeing the job's checkpoint claim as `claim` says.
+pub(super) fn step_with_claim(
+    job: &mut MemoryAwareTrainingJob,
+    pods: &[Pod],
+    now: Timestamp,
+    claim: Option<&ClaimFacts>,
+) -> Decision {
+    step_full(
+        job,
+        pods,
+        now,
+        (&WorkerImages::default(), None),
+        crate::controller::config::DEFAULT_PLANNING_BUDGET,
+        claim,
+    )
+}
+
+fn step_full(
+    job: &mut MemoryAwareTrainingJob,
+    pods: &[Pod],
+    now: Timestamp,
+    (worker_images, queue): (&WorkerImages, Option<&QueueView>),
+    planning_budget: Duration,
+    claim: Option<&ClaimFacts>,
+) -> Decision {
     let refs: Vec<&Pod> = pods.iter().collect();
     let inv = Inventory::default();
     let d = decide(&Observation {
@@ -97,8 +133,10 @@ pub(super) fn step_within(
         unschedulable_grace: Duration::from_secs(60),
         planning_budget,
         default_gpu_host_memory: 16 << 30,
+        default_checkpoint_bytes: 1 << 30,
         worker_images,
         queue,
+        claim,
     });
     job.status = Some(d.status.clone());
     d

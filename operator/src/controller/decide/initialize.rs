@@ -42,6 +42,10 @@ impl Builder<'_> {
                 false
             }
             PodVerdict::Succeeded => self.take_report(&name, pod),
+            PodVerdict::Failed(f) if f.worker == Some(WorkerOutcome::DiskFull) => {
+                self.initializer_disk_full(run, &f);
+                false
+            }
             PodVerdict::Failed(f) => {
                 let transient = !matches!(f.worker, Some(WorkerOutcome::InvalidPlan));
                 let policy = &job.spec.memory_policy;
@@ -122,7 +126,7 @@ impl Builder<'_> {
         }
     }
 
-    fn start_initializer(&mut self, run: u32) {
+    pub(super) fn start_initializer(&mut self, run: u32) {
         let job = self.obs.job;
         let source = match job.spec.model.pretrained.as_ref() {
             Some(p) => match (&p.hugging_face, &p.volume) {

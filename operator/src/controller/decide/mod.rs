@@ -12,9 +12,11 @@
 //! * [`attempt`] — what the running attempt's pods say, as one [`attempt::Verdict`]
 //! * [`retry`] — after an attempt ends: the next plan, backoff, waiting for capacity
 //! * [`initialize`] — a `model.pretrained` job's initializer runs
+//! * [`disk`] — the plan's files against the job's checkpoint claim
 //! * [`refused`] — the API server refused what a decision asked for
 
 mod attempt;
+mod disk;
 #[cfg(test)]
 mod fixtures;
 mod initialize;
@@ -54,6 +56,30 @@ pub struct Decision {
     pub requeue_after: Option<Duration>,
     /// The attempt that just ended, for metrics.
     pub ended: Option<headroom_api::AttemptOutcome>,
+    /// The checkpoint claim to grow before the next attempt starts (its
+    /// last one filled it).
+    pub grow_claim: Option<ClaimGrowth>,
+}
+
+/// A claim to grow: its name and its new size, bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClaimGrowth {
+    pub claim: String,
+    pub to_bytes: u64,
+}
+
+/// The job's checkpoint claim, as a full volume's retry needs it (read
+/// only when an attempt found the volume full).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ClaimFacts {
+    /// The size the claim asks for (`spec.resources.requests.storage`,
+    /// else its capacity), bytes; `None` when it could not be read.
+    pub size_bytes: Option<u64>,
+    /// Its StorageClass (the cluster's default is written into the claim
+    /// when it is made).
+    pub storage_class: Option<String>,
+    /// The class's `allowVolumeExpansion`; `None`: the class could not be read.
+    pub expandable: Option<bool>,
 }
 
 /// An attempt to launch: everything its pods are built from besides the
@@ -105,6 +131,7 @@ impl Decision {
             delete_pods: vec![],
             requeue_after: None,
             ended: None,
+            grow_claim: None,
         }
     }
 }
@@ -126,10 +153,16 @@ pub struct Observation<'a> {
     /// Host memory a GPU worker pod gets when its job does not set
     /// `resources.gpu.hostMemory` (the operator's `--gpu-host-memory`), bytes.
     pub default_gpu_host_memory: u64,
+    /// The size of a checkpoint claim whose job sets no
+    /// `spec.checkpoints.size` and is not planned when the claim is made
+    /// (the operator's `--checkpoint-size`), bytes.
+    pub default_checkpoint_bytes: u64,
     /// The operator's images for jobs that name none, by backend.
     pub worker_images: &'a WorkerImages,
     /// The job's Kueue queue, when it names one (`crate::kueue`).
     pub queue: Option<&'a QueueView>,
+    /// The job's checkpoint claim, when an attempt found it full.
+    pub claim: Option<&'a ClaimFacts>,
 }
 
 /// A queued job's queue as the decision needs it.
@@ -332,7 +365,26 @@ impl Builder<'_> {
         // or the operator stopped between the two), the pods exist already:
         // they keep the plan they run, and the status records that plan,
         // not one made now from a changed inventory.
-        let plan = self.launched_plan(number).unwrap_or(plan);
+        let launched = self.launched_plan(number);
+        let mut plan = launched.clone().unwrap_or(plan);
+        if plan.disk.is_none()
+            && let Some(model) = &self.model
+        {
+            let inputs = super::pods::disk_inputs(self.obs.job, &self.d.status);
+            plan.disk = Some(plan.disk_needs(model, &inputs));
+        }
+        // The first attempt's claim is made now (or was, at a size this
+        // plan did not choose, and may grow): one that cannot hold the
+        // plan's files would fill up mid-run.
+        if number == 1
+            && launched.is_none()
+            && let Some(disk) = &plan.disk
+        {
+            match self.claim_for_plan(disk) {
+                Ok(growth) => self.d.grow_claim = growth,
+                Err(problem) => return self.fail(Reason::InvalidSpec, problem),
+            }
+        }
         self.enter(Transition::Start {
             number,
             plan: Box::new(plan),

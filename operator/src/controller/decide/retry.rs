@@ -84,6 +84,7 @@ impl Builder<'_> {
                 "stricter settings",
             ),
             AttemptOutcome::Unschedulable => return self.retry_unschedulable(n, request),
+            AttemptOutcome::DiskFull => return self.after_disk_full(ended, request),
             // Resume at once: nothing failed, and the checkpoint is there.
             AttemptOutcome::Disrupted => (FailureCause::Other, "the same settings"),
             AttemptOutcome::Failed => {

@@ -5,7 +5,10 @@ use std::collections::BTreeMap;
 
 use headroom_api::{
     ANNOTATION_JOB_UID, ClaimRetention, LABEL_RETAINED_FROM, MemoryAwareTrainingJob,
+    MemoryAwareTrainingJobStatus,
 };
+use headroom_planner::disk::quantity;
+use headroom_planner::{DataOnClaim, DiskInputs, Plan};
 use k8s_openapi::api::core::v1::{
     PersistentVolumeClaim, PersistentVolumeClaimSpec, VolumeResourceRequirements,
 };
@@ -17,13 +20,61 @@ use super::names::checkpoint_claim_name;
 use super::skeleton::{Component, job_labels, meta};
 use crate::controller::config::ChildConfig;
 
-/// One volume for all attempts, so a retry resumes from the last checkpoint.
-/// Annotated with the job's uid (a kept claim outlives its job); owned by the
-/// job (deleted with it) unless `spec.checkpoints.retention` is `Retain`.
-/// `RetainOnSuccess` claims are released when the job succeeds ([`release_claim_patch`]).
+/// Where a job's files are, as the planner's disk count needs it: a hub
+/// model and hub data are downloaded onto the checkpoint claim (the model's
+/// size once the initializer has measured it), and a pretrained model's
+/// output goes there unless `spec.output` names another claim.
+pub fn disk_inputs(
+    job: &MemoryAwareTrainingJob,
+    status: &MemoryAwareTrainingJobStatus,
+) -> DiskInputs {
+    let pretrained = job.spec.model.pretrained.as_ref();
+    DiskInputs {
+        model_on_claim: pretrained.is_some_and(|p| p.hugging_face.is_some()),
+        model_file_bytes: status.model.as_ref().map(|m| m.bytes),
+        // The initializer reports the data's tokens, not its files' bytes.
+        data: match (
+            job.spec.data.as_ref().and_then(|d| d.hugging_face.as_ref()),
+            &status.data,
+        ) {
+            (None, _) => DataOnClaim::None,
+            (Some(_), Some(read)) => DataOnClaim::Tokens(read.tokens),
+            (Some(_), None) => DataOnClaim::Unknown,
+        },
+        output_on_claim: pretrained.is_some() && job.spec.output.is_none(),
+    }
+}
+
+/// The size the job's claim is made with, bytes and as a quantity:
+/// `spec.checkpoints.size`, else what `plan` keeps on it (its
+/// [`headroom_planner::DiskBreakdown::claim_bytes`]) when that is more than
+/// the operator's default (`checkpoint_size`), else the default.
+/// `plan`: `None` for a claim made before the job is planned (a pretrained
+/// model's initializer downloads into it).
+pub fn claim_size(
+    job: &MemoryAwareTrainingJob,
+    config: &ChildConfig,
+    plan: Option<&Plan>,
+) -> String {
+    if let Some(size) = &job.spec.checkpoints.size {
+        return size.clone();
+    }
+    let default = config.checkpoint_size_bytes();
+    match plan.and_then(|p| p.disk.as_ref()) {
+        Some(disk) if disk.claim_bytes > default => quantity(disk.claim_bytes),
+        _ => config.checkpoint_size.clone(),
+    }
+}
+
+/// One volume for all attempts, so a retry resumes from the last checkpoint,
+/// of [`claim_size`]. Annotated with the job's uid (a kept claim outlives
+/// its job); owned by the job (deleted with it) unless
+/// `spec.checkpoints.retention` is `Retain`. `RetainOnSuccess` claims are
+/// released when the job succeeds ([`release_claim_patch`]).
 pub fn checkpoint_claim(
     job: &MemoryAwareTrainingJob,
     config: &ChildConfig,
+    plan: Option<&Plan>,
 ) -> PersistentVolumeClaim {
     let mut metadata = meta(
         job,
@@ -51,13 +102,7 @@ pub fn checkpoint_claim(
                 requests: Some(
                     [(
                         "storage".to_string(),
-                        Quantity(
-                            job.spec
-                                .checkpoints
-                                .size
-                                .clone()
-                                .unwrap_or_else(|| config.checkpoint_size.clone()),
-                        ),
+                        Quantity(claim_size(job, config, plan)),
                     )]
                     .into_iter()
                     .collect(),

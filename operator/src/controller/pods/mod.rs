@@ -28,7 +28,7 @@ mod service;
 mod skeleton;
 mod worker;
 
-pub use claim::{checkpoint_claim, claim_belongs_to, release_claim_patch};
+pub use claim::{checkpoint_claim, claim_belongs_to, claim_size, disk_inputs, release_claim_patch};
 pub use files::output_location;
 pub use initializer::initializer_pod;
 pub use names::{
@@ -128,7 +128,7 @@ pub(crate) mod tests {
         assert_eq!(selector[LABEL_JOB], job.name_any());
         assert_eq!(selector[LABEL_ATTEMPT], "2", "this attempt's stages only");
         assert_eq!(
-            checkpoint_claim(&job, &rwo)
+            checkpoint_claim(&job, &rwo, None)
                 .spec
                 .and_then(|s| s.access_modes),
             Some(vec!["ReadWriteOnce".to_string()])
@@ -140,7 +140,7 @@ pub(crate) mod tests {
         };
         assert!(affinity(&rwx).is_none(), "stages may spread over nodes");
         assert_eq!(
-            checkpoint_claim(&job, &rwx)
+            checkpoint_claim(&job, &rwx, None)
                 .spec
                 .and_then(|s| s.access_modes),
             Some(vec!["ReadWriteMany".to_string()])
