@@ -617,6 +617,18 @@ pub struct WorkerSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 86400))]
     pub termination_grace_period_seconds: Option<u32>,
+    /// The ServiceAccount in the job's namespace the pods run as (one a
+    /// cloud identity is bound to: IRSA, GKE or Azure Workload Identity);
+    /// default: the namespace's `default`. Its Kubernetes API token is
+    /// never mounted: the workers and the initializer do not call the
+    /// Kubernetes API (they reach the operator with a token of their own),
+    /// and the identity webhooks project their own token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+    )]
+    pub service_account_name: Option<String>,
 }
 
 /// A Secret in the job's namespace, by name.

@@ -248,8 +248,8 @@ pub(super) struct PodParts<'a> {
 }
 
 /// The restricted pod every pod of a job is: never restarted (the operator
-/// decides what runs next); the namespace's `default` account with no API
-/// token mounted, so no Kubernetes API rights (telemetry, progress and peer
+/// decides what runs next); the user's service account or the namespace's
+/// `default`, with no API token mounted, so no Kubernetes API rights (telemetry, progress and peer
 /// lookups go through the operator's worker API, [`worker_api_access`]);
 /// the user's priority class, pull secrets, node selector, tolerations and
 /// pull policy; the restricted Pod Security profile; the job's volumes
@@ -287,7 +287,17 @@ pub(super) fn restricted_pod(
         metadata,
         spec: Some(PodSpec {
             restart_policy: Some("Never".into()),
-            service_account_name: Some("default".into()),
+            // The user's account (a cloud identity bound to it), else the
+            // namespace's default; either way without its API token: the
+            // pods need no Kubernetes API rights, and an identity webhook
+            // projects the token it needs itself. A field to mount it would
+            // hand a training container whatever the account may do.
+            service_account_name: Some(
+                worker
+                    .service_account_name
+                    .clone()
+                    .unwrap_or_else(|| "default".into()),
+            ),
             automount_service_account_token: Some(false),
             priority_class_name: worker.priority_class_name.clone(),
             image_pull_secrets: (!worker.image_pull_secrets.is_empty()).then(|| {

@@ -444,7 +444,8 @@ mod tests {
     /// `spec.worker`'s pod settings reach the pod: the user's variables
     /// before the operator's, labels beside the operator's (which win),
     /// annotations, the runtime class, pull secrets by name (bare names of
-    /// an old stored job read too), and the grace period: the user's, else
+    /// an old stored job read too), the service account (never its API
+    /// token), and the grace period: the user's, else
     /// 30 s plus the stage's checkpoint at 100 MB/s.
     #[test]
     fn the_users_pod_settings_reach_the_worker_pod() {
@@ -471,7 +472,8 @@ mod tests {
             "podAnnotations": {"sidecar.istio.io/inject": "false"},
             "runtimeClassName": "nvidia",
             "imagePullSecrets": ["old-shape"],
-            "terminationGracePeriodSeconds": 600
+            "terminationGracePeriodSeconds": 600,
+            "serviceAccountName": "trainer"
         }))
         .expect("worker settings");
         assert_eq!(settings.image_pull_secrets[0].name, "old-shape");
@@ -491,6 +493,16 @@ mod tests {
         let spec = pod.spec.as_ref().expect("spec");
         assert_eq!(spec.runtime_class_name.as_deref(), Some("nvidia"));
         assert_eq!(spec.termination_grace_period_seconds, Some(600));
+        // The user's account, still without its API token (the default
+        // pod runs as the namespace's `default`, likewise).
+        assert_eq!(spec.service_account_name.as_deref(), Some("trainer"));
+        assert_eq!(spec.automount_service_account_token, Some(false));
+        let default_spec = default.spec.as_ref().expect("spec");
+        assert_eq!(
+            default_spec.service_account_name.as_deref(),
+            Some("default")
+        );
+        assert_eq!(default_spec.automount_service_account_token, Some(false));
         assert_eq!(
             spec.image_pull_secrets.as_ref().expect("pull secrets")[0].name,
             "old-shape"
