@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use headroom_planner::{Backend, Optimizer, Precision, RetryRung};
 
 use crate::recipe::{AdamSpec, EvaluationSpec, ScheduleSpec};
-use k8s_openapi::api::core::v1::Toleration;
+use k8s_openapi::api::core::v1::{Affinity, Toleration};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::CustomResource;
 use schemars::JsonSchema;
@@ -578,6 +578,16 @@ pub struct WorkerSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 32), schema_with = "bounded_tolerations")]
     pub tolerations: Vec<Toleration>,
+    /// Node affinity, pod affinity and anti-affinity of the pods, as a
+    /// PodSpec has them (spread the workers of a team's jobs, prefer a
+    /// zone). Headroom's own placement is ANDed with it, never replaced: a
+    /// GPU's product labels and the stages kept on one node still hold.
+    /// The planner does not read it (it counts the nodes `nodeSelector`
+    /// and `tolerations` admit); a required node affinity that excludes
+    /// those nodes leaves the job waiting for capacity.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "bounded::<Affinity>")]
+    pub affinity: Option<Affinity>,
     /// PriorityClass of the worker pods.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
@@ -721,6 +731,47 @@ fn bounded_tolerations(generator: &mut schemars::SchemaGenerator) -> schemars::S
         }
     }
     schema
+}
+
+/// `T`'s schema (one of Kubernetes' own types, which bound nothing) with a
+/// bound on every string, list and map that has none, for the reason
+/// [`bounded_tolerations`] gives: strings to a qualified name's 317
+/// characters, lists and maps to 32 entries.
+fn bounded<T: JsonSchema>(generator: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    fn bound(node: &mut serde_json::Value) {
+        let Some(object) = node.as_object_mut() else {
+            return;
+        };
+        let (limit, value) = match object.get("type").and_then(serde_json::Value::as_str) {
+            Some("string") if !object.contains_key("enum") => ("maxLength", 317),
+            Some("array") => ("maxItems", 32),
+            Some("object")
+                if object
+                    .get("additionalProperties")
+                    .is_some_and(serde_json::Value::is_object) =>
+            {
+                ("maxProperties", 32)
+            }
+            _ => ("", 0),
+        };
+        if !limit.is_empty() && !object.contains_key(limit) {
+            object.insert(limit.into(), value.into());
+        }
+        for key in ["items", "additionalProperties"] {
+            if let Some(child) = object.get_mut(key) {
+                bound(child);
+            }
+        }
+        if let Some(properties) = object
+            .get_mut("properties")
+            .and_then(serde_json::Value::as_object_mut)
+        {
+            properties.values_mut().for_each(bound);
+        }
+    }
+    let mut value = generator.subschema_for::<T>().to_value();
+    bound(&mut value);
+    schemars::Schema::try_from(value).unwrap_or_else(|_| generator.subschema_for::<T>())
 }
 
 /// The job's checkpoint volume: every attempt resumes from it, and a

@@ -251,8 +251,8 @@ pub(super) struct PodParts<'a> {
 /// decides what runs next); the user's service account or the namespace's
 /// `default`, with no API token mounted, so no Kubernetes API rights (telemetry, progress and peer
 /// lookups go through the operator's worker API, [`worker_api_access`]);
-/// the user's priority class, pull secrets, node selector, tolerations and
-/// pull policy; the restricted Pod Security profile; the job's volumes
+/// the user's priority class, pull secrets, node selector, tolerations,
+/// affinity and pull policy; the restricted Pod Security profile; the job's volumes
 /// ([`job_volumes`]) and the worker-API token; and the termination message
 /// the operator reads the pod's outcome from (the log's tail when the
 /// process died before writing it).
@@ -315,6 +315,9 @@ pub(super) fn restricted_pod(
                 .map(i64::from),
             node_selector: (!node_selector.is_empty()).then_some(node_selector),
             tolerations: (!tolerations.is_empty()).then_some(tolerations),
+            // The user's; a worker pod ANDs Headroom's placement into it
+            // (`worker::merged_affinity`).
+            affinity: worker.affinity.clone(),
             security_context: Some(restricted_pod_security()),
             containers: vec![Container {
                 name: parts.container.into(),

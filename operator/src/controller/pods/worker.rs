@@ -100,11 +100,7 @@ pub fn worker_pod(
     env.extend(peer_env(job, attempt, plan, slot));
     let sizing = resources_and_placement(job, plan, slot.stage, config);
     let pod_affinity = stage_colocation(job, attempt, multi, config);
-    let affinity = (pod_affinity.is_some() || sizing.node_affinity.is_some()).then(|| Affinity {
-        pod_affinity,
-        node_affinity: sizing.node_affinity,
-        ..Affinity::default()
-    });
+    let node_affinity = sizing.node_affinity;
 
     let mut pod = restricted_pod(
         job,
@@ -143,7 +139,7 @@ pub fn worker_pod(
     let pod_spec = pod.spec.get_or_insert_default();
     pod_spec.hostname = multi.then(|| host_name(plan, slot));
     pod_spec.subdomain = multi.then(|| service_name(job));
-    pod_spec.affinity = affinity;
+    pod_spec.affinity = merged_affinity(pod_spec.affinity.take(), node_affinity, pod_affinity);
     for container in &mut pod_spec.containers {
         container.ports = ports.clone();
     }
@@ -342,6 +338,62 @@ fn place_on_device_nodes(sizing: &mut Sizing, plan: &Plan) {
         // nodeSelector still applies on top.
         terms => sizing.node_affinity = Some(required_node_affinity(terms)),
     }
+}
+
+/// The user's affinity (`spec.worker.affinity`) with Headroom's placement
+/// ANDed in, so that neither loosens the other. A required node affinity
+/// is met by any one of its terms, so the two are crossed: each user term
+/// joined with each of Headroom's (a GPU product's alternatives). Required
+/// pod affinity terms must all hold, so Headroom's (stages on one node) are
+/// added to the user's. Preferences and anti-affinity are the user's alone.
+fn merged_affinity(
+    user: Option<Affinity>,
+    node: Option<NodeAffinity>,
+    pod: Option<PodAffinity>,
+) -> Option<Affinity> {
+    let mut affinity = user.unwrap_or_default();
+    if let Some(required) = node.and_then(|n| n.required_during_scheduling_ignored_during_execution)
+    {
+        let user_node = affinity.node_affinity.get_or_insert_default();
+        let terms = match user_node
+            .required_during_scheduling_ignored_during_execution
+            .take()
+        {
+            None => required.node_selector_terms,
+            Some(mine) => mine
+                .node_selector_terms
+                .iter()
+                .flat_map(|u| {
+                    required.node_selector_terms.iter().map(move |h| {
+                        let joined =
+                            |a: &Option<Vec<NodeSelectorRequirement>>,
+                             b: &Option<Vec<NodeSelectorRequirement>>| {
+                                let all: Vec<NodeSelectorRequirement> =
+                                    a.iter().chain(b).flatten().cloned().collect();
+                                (!all.is_empty()).then_some(all)
+                            };
+                        NodeSelectorTerm {
+                            match_expressions: joined(&u.match_expressions, &h.match_expressions),
+                            match_fields: joined(&u.match_fields, &h.match_fields),
+                        }
+                    })
+                })
+                .collect(),
+        };
+        user_node.required_during_scheduling_ignored_during_execution = Some(NodeSelector {
+            node_selector_terms: terms,
+        });
+    }
+    if let Some(required) = pod.and_then(|p| p.required_during_scheduling_ignored_during_execution)
+    {
+        affinity
+            .pod_affinity
+            .get_or_insert_default()
+            .required_during_scheduling_ignored_during_execution
+            .get_or_insert_default()
+            .extend(required);
+    }
+    (affinity != Affinity::default()).then_some(affinity)
 }
 
 /// The attempt, stage and (when replicated) replica labels of a worker.
@@ -938,5 +990,115 @@ status:
                 "with .product: {with_product}: another model's slices: {placement:?}"
             );
         }
+    }
+    /// `spec.worker.affinity` is ANDed with Headroom's placement, never
+    /// replaced: on mixed MIG slices without a `.product` label (placement
+    /// by alternatives, a required node affinity), the user's zone holds
+    /// and so does the planned GPU model; the user's preferences and
+    /// anti-affinity are kept, and a pipeline's stages still share a node
+    /// beside the user's own pod-affinity term.
+    #[test]
+    fn the_users_affinity_is_anded_with_headrooms_placement() {
+        const A100: &str = "NVIDIA-A100-SXM4-80GB";
+        const H100: &str = "NVIDIA-H100-80GB-HBM3";
+        let mut job = job(include_str!("../../../../samples/gpu-gpt2-medium.yaml"));
+        job.spec.model = serde_yaml::from_str(
+            "transformer: {layers: 12, hidden: 768, heads: 12, sequenceLength: 1024, vocabulary: 50257}",
+        )
+        .expect("model");
+        job.spec.resources.gpu.as_mut().expect("gpu").types = vec![format!("{A100}-MIG-1g.10gb")];
+        let in_zone = |mut node: Node, zone: Option<&str>| {
+            if let Some(zone) = zone {
+                node.metadata
+                    .labels
+                    .get_or_insert_default()
+                    .insert("topology.kubernetes.io/zone".into(), zone.into());
+            }
+            node
+        };
+        let a100_east = in_zone(mixed_mig_node("a100-east", A100, false), Some("east"));
+        let a100_west = in_zone(mixed_mig_node("a100-west", A100, false), Some("west"));
+        let h100_east = in_zone(mixed_mig_node("h100-east", H100, false), Some("east"));
+        let facts: Vec<_> = [&a100_east, &a100_west, &h100_east]
+            .into_iter()
+            .map(|n| crate::inventory::node_facts(n, []))
+            .collect();
+        let plan = plan(
+            &job.spec.job_request().expect("valid"),
+            &Inventory::from_nodes(&facts),
+        )
+        .expect("plan");
+        job.spec.worker.affinity = Some(
+            serde_yaml::from_str(
+                r#"
+nodeAffinity:
+  requiredDuringSchedulingIgnoredDuringExecution:
+    nodeSelectorTerms:
+    - matchExpressions: [{key: topology.kubernetes.io/zone, operator: In, values: [east]}]
+  preferredDuringSchedulingIgnoredDuringExecution:
+  - weight: 10
+    preference:
+      matchExpressions: [{key: spot, operator: DoesNotExist}]
+podAntiAffinity:
+  preferredDuringSchedulingIgnoredDuringExecution:
+  - weight: 50
+    podAffinityTerm:
+      topologyKey: kubernetes.io/hostname
+      labelSelector: {matchLabels: {team: nlp}}
+"#,
+            )
+            .expect("affinity"),
+        );
+        job.spec.job_request().expect("still valid");
+        let pod = pod_for(&job, 1, 0, &plan, &ChildConfig::default());
+        let placement = pod.spec.as_ref().and_then(|s| s.affinity.clone());
+        assert!(fits_on(&pod, &a100_east), "{placement:?}");
+        assert!(
+            !fits_on(&pod, &a100_west),
+            "the user's zone holds: {placement:?}"
+        );
+        assert!(
+            !fits_on(&pod, &h100_east),
+            "the planned GPU holds: {placement:?}"
+        );
+        let affinity = placement.expect("affinity");
+        let node = affinity.node_affinity.expect("node affinity");
+        assert_eq!(
+            node.preferred_during_scheduling_ignored_during_execution
+                .map(|p| p.len()),
+            Some(1)
+        );
+        assert!(affinity.pod_anti_affinity.is_some(), "the user's, kept");
+
+        // Beside a pipeline's own pod-affinity term (stages on one node).
+        let mut pipeline =
+            super::super::tests::job(include_str!("../../../../samples/cpu-pipeline.yaml"));
+        let stages = first_plan(&pipeline.spec);
+        assert!(stages.workers > 1, "the sample is a pipeline");
+        pipeline.spec.worker.affinity = Some(
+            serde_yaml::from_str(
+                r#"
+podAffinity:
+  requiredDuringSchedulingIgnoredDuringExecution:
+  - topologyKey: topology.kubernetes.io/zone
+    labelSelector: {matchLabels: {app: dataset-cache}}
+"#,
+            )
+            .expect("affinity"),
+        );
+        let pod = pod_for(&pipeline, 2, 1, &stages, &ChildConfig::default());
+        let keys: Vec<String> = pod
+            .spec
+            .and_then(|s| s.affinity)
+            .and_then(|a| a.pod_affinity)
+            .and_then(|a| a.required_during_scheduling_ignored_during_execution)
+            .expect("required pod affinity")
+            .into_iter()
+            .map(|t| t.topology_key)
+            .collect();
+        assert_eq!(
+            keys,
+            ["topology.kubernetes.io/zone", "kubernetes.io/hostname"]
+        );
     }
 }
