@@ -537,7 +537,27 @@ impl Default for MemoryPolicy {
     {"rule": "!has(self.tolerations) || self.tolerations.all(t, !has(t.effect) || t.effect in ['', 'NoSchedule', 'PreferNoSchedule', 'NoExecute'])",
      "message": "worker.tolerations: effect must be NoSchedule, PreferNoSchedule, NoExecute or empty (all effects)"},
     {"rule": "!has(self.tolerations) || self.tolerations.all(t, (has(t.operator) && t.operator == 'Exists') ? (!has(t.value) || t.value == '') : (has(t.key) && t.key != ''))",
-     "message": "worker.tolerations: Exists takes no value, and Equal (the default) needs a key"}
+     "message": "worker.tolerations: Exists takes no value, and Equal (the default) needs a key"},
+    {"rule": "!has(self.envFrom) || self.envFrom.all(e, !has(e.secretRef))",
+     "message": "worker.envFrom: secretRef is not offered: a job's tokens go through tokenSecret (model.pretrained.huggingFace, data.huggingFace), which the chart's policy checks against the job author's rights; use configMapRef for settings"},
+    {"rule": "!has(self.envFrom) || self.envFrom.all(e, has(e.configMapRef))",
+     "message": "worker.envFrom: each entry names a ConfigMap (configMapRef.name)"},
+    {"rule": "!has(self.volumes) || self.volumes.all(v, !has(v.hostPath))",
+     "message": "worker.volumes: hostPath is refused (a node's own files are no job's to read or write, and the pods run under the restricted Pod Security profile, which forbids it); use a persistentVolumeClaim, a configMap or an emptyDir"},
+    {"rule": "!has(self.volumes) || self.volumes.all(v, (has(v.configMap) ? 1 : 0) + (has(v.persistentVolumeClaim) ? 1 : 0) + (has(v.emptyDir) ? 1 : 0) == 1)",
+     "message": "worker.volumes: each volume has one source: configMap, persistentVolumeClaim or emptyDir"},
+    {"rule": "!has(self.volumes) || self.volumes.all(v, !(v.name in ['checkpoints', 'tmp', 'worker-api-token']) && !v.name.startsWith('claim-') && !v.name.startsWith('headroom-'))",
+     "message": "worker.volumes: checkpoints, tmp, worker-api-token, claim-* and headroom-* are the operator's volume names; pick another name"},
+    {"rule": "!has(self.volumes) || self.volumes.all(v, self.volumes.exists_one(w, w.name == v.name))",
+     "message": "worker.volumes: two volumes have one name; name each once"},
+    {"rule": "!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.volumes) && self.volumes.exists(v, v.name == m.name))",
+     "message": "worker.volumeMounts: each mount names one of worker.volumes; add the volume there, or fix the mount's name"},
+    {"rule": "!has(self.volumeMounts) || self.volumeMounts.all(m, !m.mountPath.matches('/[.][.]?(/|$)'))",
+     "message": "worker.volumeMounts: mountPath has a . or .. segment; give the plain absolute path, e.g. /mnt/ca"},
+    {"rule": "!has(self.volumeMounts) || self.volumeMounts.all(m, ['/var/lib/headroom', '/var/run/secrets/headroom.dev', '/tmp', '/dev'].all(p, m.mountPath != p && !m.mountPath.startsWith(p + '/') && !p.startsWith(m.mountPath + '/')))",
+     "message": "worker.volumeMounts: mountPath is on, in or above one of the operator's mounts (/var/lib/headroom: checkpoints and claims; /var/run/secrets/headroom.dev: its token; /tmp: scratch; /dev); mount elsewhere, e.g. under /mnt"},
+    {"rule": "!has(self.volumeMounts) || self.volumeMounts.all(m, self.volumeMounts.exists_one(n, n.mountPath == m.mountPath))",
+     "message": "worker.volumeMounts: two mounts at one mountPath; give each its own"}
 ]))]
 pub struct WorkerSpec {
     /// Worker container image. When unset, the operator's default image for
@@ -600,6 +620,27 @@ pub struct WorkerSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 64))]
     pub env: Vec<WorkerEnvVar>,
+    /// Variables from every key of a ConfigMap in the job's namespace
+    /// (`configMapRef`, with an optional `prefix`). `env` wins over them,
+    /// and the operator's own variables over both. No `secretRef`: a job's
+    /// tokens go through `tokenSecret`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub env_from: Vec<WorkerEnvFrom>,
+    /// Volumes of the user's own for the pods' container (a CA bundle from
+    /// a ConfigMap, a claim of shared data, a scratch `emptyDir`), mounted
+    /// by `volumeMounts`: `configMap`, `persistentVolumeClaim` or
+    /// `emptyDir`, one each; not `hostPath`. Names are not the operator's
+    /// (`checkpoints`, `tmp`, `worker-api-token`, `claim-*`, `headroom-*`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub volumes: Vec<WorkerVolume>,
+    /// Where the container mounts `volumes`: not on, in or above the
+    /// operator's mounts (`/var/lib/headroom`, `/var/run/secrets/headroom.dev`,
+    /// `/tmp`, `/dev`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub volume_mounts: Vec<WorkerVolumeMount>,
     /// Labels added to the job's pods (cost centre, team), besides the
     /// operator's own `headroom.dev/` ones.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -708,6 +749,132 @@ pub struct ConfigMapKey {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub optional: Option<bool>,
 }
+
+/// Variables from a ConfigMap's keys.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkerEnvFrom {
+    /// The ConfigMap in the job's namespace whose every key becomes a variable.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_map_ref: Option<ConfigMapName>,
+    /// Not offered (refused): a job's tokens go through `tokenSecret`,
+    /// which the chart's policy checks against the job author's rights.
+    /// Declared so that the refusal can say so.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_ref: Option<SecretName>,
+    /// Put before every key's name (`HUB_`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 128))]
+    pub prefix: Option<String>,
+}
+
+/// A ConfigMap in the job's namespace, by name.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ConfigMapName {
+    /// The ConfigMap's name.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// Start the pod even if the ConfigMap is missing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optional: Option<bool>,
+}
+
+/// One of the user's volumes: exactly one source.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkerVolume {
+    /// The volume's name, which `volumeMounts` use (a DNS label).
+    #[schemars(
+        length(min = 1, max = 63),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    )]
+    pub name: String,
+    /// A ConfigMap's keys as files (a CA bundle).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_map: Option<ConfigMapName>,
+    /// A claim in the job's namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub persistent_volume_claim: Option<ClaimSource>,
+    /// A scratch directory that lives as long as the pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub empty_dir: Option<EmptyDirSource>,
+    /// Refused: a node's own files are no job's to read or write, and the
+    /// pods run under the restricted Pod Security profile. Declared so that
+    /// the refusal can say so.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_path: Option<HostPathSource>,
+}
+
+/// A PersistentVolumeClaim as a volume.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ClaimSource {
+    /// The claim's name.
+    #[schemars(length(min = 1, max = 253))]
+    pub claim_name: String,
+    /// Mount it read-only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_only: Option<bool>,
+}
+
+/// An emptyDir volume.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EmptyDirSource {
+    /// `Memory` for a tmpfs (counted in the container's memory, which the
+    /// plan does not include), or empty for the node's disk.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^(Memory)?$"), length(max = 6))]
+    pub medium: Option<String>,
+    /// Most the volume may hold (`1Gi`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "quantity_schema")]
+    pub size_limit: Option<Quantity>,
+}
+
+/// A hostPath volume, refused (see [`WorkerVolume::host_path`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct HostPathSource {
+    /// The node's path.
+    #[schemars(length(max = 4096))]
+    pub path: String,
+    /// Its type.
+    #[serde(default, skip_serializing_if = "Option::is_none", rename = "type")]
+    #[schemars(length(max = 32))]
+    pub type_: Option<String>,
+}
+
+/// Where the container mounts one of the user's volumes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkerVolumeMount {
+    /// The volume's name in `volumes`.
+    #[schemars(length(min = 1, max = 63))]
+    pub name: String,
+    /// An absolute path in the container (`/mnt/ca`).
+    #[schemars(length(min = 2, max = 1024), regex(pattern = r"^(/[^/]+)+$"))]
+    pub mount_path: String,
+    /// Mount it read-only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_only: Option<bool>,
+}
+
+/// The operator's own volume names and mount paths, which the user's
+/// `volumes` and `volumeMounts` keep clear of (the CEL rules on
+/// [`WorkerSpec`] list the same).
+pub const RESERVED_VOLUME_NAMES: [&str; 3] = ["checkpoints", "tmp", "worker-api-token"];
+/// Prefixes of the operator's volume names (its claims' `claim-<i>`, and
+/// room for more).
+pub const RESERVED_VOLUME_PREFIXES: [&str; 2] = ["claim-", "headroom-"];
+/// The operator's mounts; a user's mount may be on, in or above none.
+pub const RESERVED_MOUNT_PATHS: [&str; 4] = [
+    "/var/lib/headroom",
+    "/var/run/secrets/headroom.dev",
+    "/tmp",
+    "/dev",
+];
 
 /// Kubernetes' toleration schema with the lengths Kubernetes itself allows
 /// (a taint's key is a qualified name, its value a label value), so that no

@@ -13,10 +13,11 @@ use headroom_api::{
     WORKER_API_ENV, WORKER_API_TOKEN_ENV, WORKER_API_TOKEN_PATH,
 };
 use k8s_openapi::api::core::v1::{
-    Capabilities, ConfigMapKeySelector, Container, EnvVar, EnvVarSource, LocalObjectReference,
-    ObjectFieldSelector, Pod, PodSecurityContext, PodSpec, ProjectedVolumeSource,
-    ResourceRequirements, SeccompProfile, SecurityContext, ServiceAccountTokenProjection,
-    Toleration, Volume, VolumeMount, VolumeProjection,
+    Capabilities, ConfigMapEnvSource, ConfigMapKeySelector, ConfigMapVolumeSource, Container,
+    EmptyDirVolumeSource, EnvFromSource, EnvVar, EnvVarSource, LocalObjectReference,
+    ObjectFieldSelector, PersistentVolumeClaimVolumeSource, Pod, PodSecurityContext, PodSpec,
+    ProjectedVolumeSource, ResourceRequirements, SeccompProfile, SecurityContext,
+    ServiceAccountTokenProjection, Toleration, Volume, VolumeMount, VolumeProjection,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::{Resource, ResourceExt};
@@ -226,6 +227,43 @@ fn user_env(e: &headroom_api::WorkerEnvVar) -> EnvVar {
     }
 }
 
+/// A `spec.worker.envFrom` entry as the container's: a ConfigMap's keys
+/// (the only source the spec offers).
+fn user_env_from(e: &headroom_api::WorkerEnvFrom) -> EnvFromSource {
+    EnvFromSource {
+        config_map_ref: e.config_map_ref.as_ref().map(|c| ConfigMapEnvSource {
+            name: c.name.clone(),
+            optional: c.optional,
+        }),
+        prefix: e.prefix.clone(),
+        ..EnvFromSource::default()
+    }
+}
+
+/// A `spec.worker.volumes` entry as the pod's: a ConfigMap, a claim or an
+/// emptyDir (hostPath is refused when the job is written).
+fn user_volume(v: &headroom_api::WorkerVolume) -> Volume {
+    Volume {
+        name: v.name.clone(),
+        config_map: v.config_map.as_ref().map(|c| ConfigMapVolumeSource {
+            name: c.name.clone(),
+            optional: c.optional,
+            ..ConfigMapVolumeSource::default()
+        }),
+        persistent_volume_claim: v.persistent_volume_claim.as_ref().map(|c| {
+            PersistentVolumeClaimVolumeSource {
+                claim_name: c.claim_name.clone(),
+                read_only: c.read_only,
+            }
+        }),
+        empty_dir: v.empty_dir.as_ref().map(|e| EmptyDirVolumeSource {
+            medium: e.medium.clone(),
+            size_limit: e.size_limit.clone(),
+        }),
+        ..Volume::default()
+    }
+}
+
 /// What sets one kind of a job's pods apart; everything else is the
 /// skeleton's ([`restricted_pod`]).
 #[derive(Debug)]
@@ -270,6 +308,15 @@ pub(super) fn restricted_pod(
     );
     volumes.extend(api_volumes);
     mounts.extend(api_mounts);
+    // The user's after the operator's; their names and paths cannot
+    // collide with these (validate.rs).
+    volumes.extend(worker.volumes.iter().map(user_volume));
+    mounts.extend(worker.volume_mounts.iter().map(|m| VolumeMount {
+        name: m.name.clone(),
+        mount_path: m.mount_path.clone(),
+        read_only: m.read_only,
+        ..VolumeMount::default()
+    }));
     // The user's labels first: the operator's, which select the pods, win.
     let mut labels = worker.pod_labels.clone();
     labels.extend(job_labels(job, parts.component));
@@ -324,6 +371,10 @@ pub(super) fn restricted_pod(
                 image: Some(parts.image.into()),
                 image_pull_policy: worker.image_pull_policy.map(|p| p.as_str().into()),
                 env: Some(env),
+                // Below `env` in Kubernetes' order: the user's and the
+                // operator's variables win over a ConfigMap's keys.
+                env_from: (!worker.env_from.is_empty())
+                    .then(|| worker.env_from.iter().map(user_env_from).collect()),
                 resources: Some(parts.resources),
                 termination_message_path: Some(TERMINATION_MESSAGE_PATH.into()),
                 termination_message_policy: Some("FallbackToLogsOnError".into()),

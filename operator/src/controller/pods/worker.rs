@@ -1101,4 +1101,132 @@ podAffinity:
             ["topology.kubernetes.io/zone", "kubernetes.io/hostname"]
         );
     }
+    /// The user's ConfigMap variables and volumes reach the pod after the
+    /// operator's own; what would collide with the operator's, reach a
+    /// node's files or a Secret is refused offline, naming the field.
+    #[test]
+    fn the_users_volumes_and_config_maps_reach_the_pod_clear_of_the_operators() {
+        let mut job = cpu_job();
+        let plan = first_plan(&job.spec);
+        let default = pod_for(&job, 1, 0, &plan, &ChildConfig::default());
+        job.spec.worker = serde_json::from_value(serde_json::json!({
+            "image": "localhost/headroom-worker:dev",
+            "envFrom": [{"configMapRef": {"name": "proxy"}, "prefix": "NET_"}],
+            "volumes": [
+                {"name": "ca", "configMap": {"name": "corporate-ca"}},
+                {"name": "shared", "persistentVolumeClaim": {"claimName": "datasets", "readOnly": true}},
+                {"name": "scratch", "emptyDir": {"sizeLimit": "2Gi"}}
+            ],
+            "volumeMounts": [
+                {"name": "ca", "mountPath": "/etc/ssl/corporate", "readOnly": true},
+                {"name": "shared", "mountPath": "/mnt/datasets"}
+            ]
+        }))
+        .expect("worker settings");
+        job.spec.job_request().expect("valid settings");
+        let pod = pod_for(&job, 1, 0, &plan, &ChildConfig::default());
+        let spec = pod.spec.as_ref().expect("spec");
+        let old = default.spec.as_ref().expect("spec");
+        let volumes = spec.volumes.as_ref().expect("volumes");
+        let old_volumes = old.volumes.as_ref().expect("volumes");
+        assert_eq!(
+            volumes[..old_volumes.len()],
+            old_volumes[..],
+            "the operator's first"
+        );
+        let names: Vec<&str> = volumes[old_volumes.len()..]
+            .iter()
+            .map(|v| v.name.as_str())
+            .collect();
+        assert_eq!(names, ["ca", "shared", "scratch"]);
+        let shared = &volumes[old_volumes.len() + 1];
+        assert_eq!(
+            shared
+                .persistent_volume_claim
+                .as_ref()
+                .map(|c| (c.claim_name.as_str(), c.read_only)),
+            Some(("datasets", Some(true)))
+        );
+        let c = &spec.containers[0];
+        let mounts = c.volume_mounts.as_ref().expect("mounts");
+        let old_mounts = old.containers[0].volume_mounts.as_ref().expect("mounts");
+        assert_eq!(mounts[..old_mounts.len()], old_mounts[..]);
+        let added: Vec<(&str, Option<bool>)> = mounts[old_mounts.len()..]
+            .iter()
+            .map(|m| (m.mount_path.as_str(), m.read_only))
+            .collect();
+        assert_eq!(
+            added,
+            [("/etc/ssl/corporate", Some(true)), ("/mnt/datasets", None)]
+        );
+        let from = c.env_from.as_ref().expect("envFrom");
+        assert_eq!(
+            from[0].config_map_ref.as_ref().map(|r| r.name.as_str()),
+            Some("proxy")
+        );
+        assert_eq!(from[0].prefix.as_deref(), Some("NET_"));
+        assert!(from[0].secret_ref.is_none());
+        assert!(old.containers[0].env_from.is_none(), "none unless asked");
+
+        let volume = |v: serde_json::Value| serde_json::json!({"volumes": [v]});
+        let mounted = |path: &str| {
+            serde_json::json!({
+                "volumes": [{"name": "x", "emptyDir": {}}],
+                "volumeMounts": [{"name": "x", "mountPath": path}]
+            })
+        };
+        for (field, bad, words) in [
+            (
+                "worker.envFrom",
+                serde_json::json!({"envFrom": [{"secretRef": {"name": "hf-token"}}]}),
+                "tokenSecret",
+            ),
+            (
+                "worker.volumes",
+                volume(serde_json::json!({"name": "host", "hostPath": {"path": "/etc"}})),
+                "hostPath is refused",
+            ),
+            (
+                "worker.volumes",
+                volume(
+                    serde_json::json!({"name": "two", "emptyDir": {}, "configMap": {"name": "c"}}),
+                ),
+                "one source",
+            ),
+            (
+                "worker.volumes",
+                volume(serde_json::json!({"name": "checkpoints", "emptyDir": {}})),
+                "operator's volume names",
+            ),
+            (
+                "worker.volumes",
+                volume(serde_json::json!({"name": "claim-0", "emptyDir": {}})),
+                "operator's volume names",
+            ),
+            (
+                "worker.volumeMounts",
+                serde_json::json!({"volumeMounts": [{"name": "nowhere", "mountPath": "/mnt/x"}]}),
+                "one of worker.volumes",
+            ),
+            ("worker.volumeMounts", mounted("/tmp"), "operator's mounts"),
+            (
+                "worker.volumeMounts",
+                mounted("/var/lib/headroom/checkpoints/x"),
+                "operator's mounts",
+            ),
+            ("worker.volumeMounts", mounted("/var"), "operator's mounts"),
+            ("worker.volumeMounts", mounted("/mnt/../tmp"), ". or .."),
+        ] {
+            job.spec.worker = serde_json::from_value(bad.clone()).expect("shape");
+            let e = job.spec.job_request().expect_err(&bad.to_string());
+            assert_eq!(e.field, field, "{bad}: {e}");
+            assert!(e.problem.contains(words), "{bad}: {e}");
+        }
+        for fine in ["/mnt/x", "/var/lib/other", "/tmpfs", "/home/worker/.cache"] {
+            job.spec.worker = serde_json::from_value(mounted(fine)).expect("shape");
+            job.spec
+                .job_request()
+                .unwrap_or_else(|e| panic!("{fine}: {e}"));
+        }
+    }
 }
