@@ -419,7 +419,9 @@ pub struct ResourcesSpec {
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
     {"rule": "!has(self.hostMemory) || (isQuantity(string(self.hostMemory)) && quantity(string(self.hostMemory)).compareTo(quantity('64Mi')) >= 0)",
-     "message": "resources.gpu.hostMemory must be a quantity of at least 64Mi, e.g. 32Gi"}
+     "message": "resources.gpu.hostMemory must be a quantity of at least 64Mi, e.g. 32Gi"},
+    {"rule": "!has(self.cores) || (isQuantity(string(self.cores)) && quantity(string(self.cores)).isGreaterThan(quantity('0')))",
+     "message": "resources.gpu.cores must be a CPU quantity above zero, e.g. 1, 8 or 500m"}
 ]))]
 pub struct GpuResources {
     /// Allowed GPU products as GPU Feature Discovery labels them
@@ -446,6 +448,12 @@ pub struct GpuResources {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "quantity_schema")]
     pub host_memory: Option<Quantity>,
+    /// CPU request of each worker pod, a quantity above zero such as 8 or
+    /// 500m (defaults to 1): what the worker's host side (data loading,
+    /// tokenizing, checkpoint writes) gets for feeding its GPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "quantity_schema")]
+    pub cores: Option<Quantity>,
 }
 
 /// A Kubernetes quantity: an integer or a string (`2`, `500m`, `4Gi`). Its

@@ -907,8 +907,12 @@ fn gcd(mut a: u64, mut b: u64) -> u64 {
     a
 }
 
-/// A GPU job's target, its host memory parsed and at least 64Mi.
+/// A GPU job's target, its host memory parsed and at least 64Mi, its
+/// workers' cores a CPU quantity above zero.
 fn gpu_target(g: &GpuResources) -> Result<Target, SpecError> {
+    if let Some(cores) = &g.cores {
+        parse_cores(&cores.0).map_err(|e| spec_error("resources.gpu.cores", e))?;
+    }
     let mut host_baseline_bytes = None;
     if let Some(host) = &g.host_memory {
         let bytes = parse_bytes(&host.0).map_err(|e| spec_error("resources.gpu.hostMemory", e))?;

@@ -290,7 +290,8 @@ fn size_cpu_worker(sizing: &mut Sizing, job: &MemoryAwareTrainingJob, plan: &Pla
     sizing.requests.insert("cpu".into(), cores);
 }
 
-/// A GPU worker: one device, and the host memory its stage needs.
+/// A GPU worker: one device, the host memory its stage needs, and the
+/// cores `resources.gpu.cores` asks for (a request, as a CPU job's).
 fn size_gpu_worker(
     sizing: &mut Sizing,
     job: &MemoryAwareTrainingJob,
@@ -314,7 +315,14 @@ fn size_gpu_worker(
     let host = gpu_worker_host_memory(&baseline, plan, stage);
     sizing.limits.insert("memory".into(), host.clone());
     sizing.requests.insert("memory".into(), host);
-    sizing.requests.insert("cpu".into(), Quantity("1".into()));
+    let cores = job
+        .spec
+        .resources
+        .gpu
+        .as_ref()
+        .and_then(|g| g.cores.clone())
+        .unwrap_or_else(|| Quantity("1".into()));
+    sizing.requests.insert("cpu".into(), cores);
 }
 
 /// Onto the nodes the plan's device type was counted on, by the labels its
@@ -821,6 +829,38 @@ priorityClassName: batch-low
             .expect("limits");
         assert_eq!(limits["nvidia.com/gpu"].0, "1");
         assert_eq!(limits["memory"].0, "16Gi");
+        let cpu_request = |pod: &Pod| {
+            pod.spec.as_ref().expect("spec").containers[0]
+                .resources
+                .as_ref()
+                .and_then(|r| r.requests.as_ref())
+                .and_then(|r| r.get("cpu"))
+                .map(|q| q.0.clone())
+        };
+        let default_pod = pod_for(&job, 2, 0, &plan, &ChildConfig::default());
+        assert_eq!(
+            cpu_request(&default_pod).as_deref(),
+            Some("1"),
+            "one core unless asked"
+        );
+        let mut fed = job.clone();
+        fed.spec.resources.gpu.as_mut().expect("gpu").cores = Some(Quantity("8".into()));
+        fed.spec.job_request().expect("valid cores");
+        let pod = pod_for(&fed, 2, 0, &plan, &ChildConfig::default());
+        assert_eq!(cpu_request(&pod).as_deref(), Some("8"));
+        assert!(
+            pod.spec.as_ref().expect("spec").containers[0]
+                .resources
+                .as_ref()
+                .and_then(|r| r.limits.as_ref())
+                .is_some_and(|l| !l.contains_key("cpu")),
+            "a request, no CPU limit"
+        );
+        for bad in ["0", "-1", "lots"] {
+            fed.spec.resources.gpu.as_mut().expect("gpu").cores = Some(Quantity(bad.into()));
+            let e = fed.spec.job_request().expect_err(bad);
+            assert_eq!(e.field, "resources.gpu.cores", "{bad}: {e}");
+        }
 
         // What the plan puts in host memory (offloaded optimizer state, the
         // checkpoint load's transient) comes on top of the baseline.
