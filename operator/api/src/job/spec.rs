@@ -116,6 +116,12 @@ pub struct MemoryAwareTrainingJobSpec {
     /// default: `output/` on the job's checkpoint claim, kept on success.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output: Option<OutputSpec>,
+    /// No worker pods while true (as batch/v1 Job's `suspend`): a running
+    /// attempt's workers are stopped (they checkpoint on SIGTERM) and the
+    /// job says `Suspended=True`; set it false to go on from the last
+    /// checkpoint, with no attempt used up. Default false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub suspend: bool,
 }
 
 impl MemoryAwareTrainingJobSpec {

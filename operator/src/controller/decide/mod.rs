@@ -20,6 +20,7 @@ mod fixtures;
 mod initialize;
 pub mod refused;
 mod retry;
+mod suspend;
 
 use std::time::Duration;
 
@@ -173,6 +174,10 @@ impl Builder<'_> {
         ) {
             return; // A job's completion is final.
         }
+        if self.obs.job.spec.suspend {
+            return self.suspend();
+        }
+        self.resume();
         // Every pod the job gets (initializer, workers) runs this image:
         // without one, nothing can start.
         match self.obs.worker_images.resolve(&self.obs.job.spec) {
