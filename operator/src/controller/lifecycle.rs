@@ -117,10 +117,12 @@ pub enum Reason {
     Suspended,
     /// `spec.suspend` turned false: the job goes on from its last checkpoint.
     Resumed,
+    /// The attempts ran `spec.activeDeadlineSeconds` in all.
+    DeadlineExceeded,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 24] = [
+    pub const ALL: [Reason; 25] = [
         Reason::Planned,
         Reason::Replanned,
         Reason::Retrying,
@@ -145,6 +147,7 @@ impl Reason {
         Reason::InvalidSource,
         Reason::Suspended,
         Reason::Resumed,
+        Reason::DeadlineExceeded,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -173,6 +176,7 @@ impl Reason {
             Reason::InvalidSource => "InvalidSource",
             Reason::Suspended => "Suspended",
             Reason::Resumed => "Resumed",
+            Reason::DeadlineExceeded => "DeadlineExceeded",
         }
     }
 

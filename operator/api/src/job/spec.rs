@@ -122,6 +122,13 @@ pub struct MemoryAwareTrainingJobSpec {
     /// checkpoint, with no attempt used up. Default false.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub suspend: bool,
+    /// Seconds the job's attempts may run in all (from each attempt's
+    /// start to its end, so not the backoffs, waits for capacity or
+    /// suspensions between them) before the job fails
+    /// (`DeadlineExceeded`), its workers stopped; unset: no limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub active_deadline_seconds: Option<u64>,
 }
 
 impl MemoryAwareTrainingJobSpec {

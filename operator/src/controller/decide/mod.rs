@@ -15,6 +15,7 @@
 //! * [`refused`] — the API server refused what a decision asked for
 
 mod attempt;
+mod deadline;
 #[cfg(test)]
 mod fixtures;
 mod initialize;
@@ -163,6 +164,7 @@ pub fn decide(obs: &Observation<'_>) -> Decision {
         model: None,
     };
     b.run();
+    b.look_again_at_the_deadline();
     b.d
 }
 
@@ -178,6 +180,9 @@ impl Builder<'_> {
             return self.suspend();
         }
         self.resume();
+        if self.past_active_deadline() {
+            return;
+        }
         // Every pod the job gets (initializer, workers) runs this image:
         // without one, nothing can start.
         match self.obs.worker_images.resolve(&self.obs.job.spec) {
