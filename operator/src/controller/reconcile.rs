@@ -14,8 +14,8 @@ use kube::core::DeserializeGuard;
 use kube::runtime::controller::Action;
 
 use super::apply::{
-    apply_status, delete_worker, ensure_initializer, keep_claim, launch_attempt, missing_workers,
-    publish_events, undo_launch,
+    apply_status, delete_job, delete_worker, ensure_initializer, keep_claim, launch_attempt,
+    missing_workers, publish_events, undo_launch,
 };
 use super::decide::refused::{Refused, refused};
 use super::decide::{Decision, Launch, decide};
@@ -95,6 +95,12 @@ async fn apply_decision(
     own: &[&Pod],
     decision: Decision,
 ) -> Result<Action, Error> {
+    if decision.delete_job {
+        // Its pods, Service and claim go with it (their owner), except a
+        // claim its retention released when it ended.
+        delete_job(&ctx.client, ns, job).await?;
+        return Ok(Action::await_change());
+    }
     keep_claim_on_success(ctx, ns, job, &decision).await?;
     let launch = decision
         .launch

@@ -129,6 +129,13 @@ pub struct MemoryAwareTrainingJobSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub active_deadline_seconds: Option<u64>,
+    /// Seconds after the job Succeeded or Failed that the operator deletes
+    /// the job object (as batch/v1 Job's); unset: kept until deleted. The
+    /// checkpoint claim goes with it or stays as `checkpoints.retention`
+    /// says (a kept claim was released when the job ended).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 31536000))]
+    pub ttl_seconds_after_finished: Option<u32>,
 }
 
 impl MemoryAwareTrainingJobSpec {

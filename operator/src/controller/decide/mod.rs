@@ -22,6 +22,7 @@ mod initialize;
 pub mod refused;
 mod retry;
 mod suspend;
+mod ttl;
 
 use std::time::Duration;
 
@@ -56,6 +57,8 @@ pub struct Decision {
     pub requeue_after: Option<Duration>,
     /// The attempt that just ended, for metrics.
     pub ended: Option<headroom_api::AttemptOutcome>,
+    /// Delete the job object: it ended `spec.ttlSecondsAfterFinished` ago.
+    pub delete_job: bool,
 }
 
 /// An attempt to launch: everything its pods are built from besides the
@@ -107,6 +110,7 @@ impl Decision {
             delete_pods: vec![],
             requeue_after: None,
             ended: None,
+            delete_job: false,
         }
     }
 }
@@ -174,7 +178,8 @@ impl Builder<'_> {
             self.d.status.phase,
             Some(JobPhase::Succeeded | JobPhase::Failed)
         ) {
-            return; // A job's completion is final.
+            // A job's completion is final; all that is left is its expiry.
+            return self.expire();
         }
         if self.obs.job.spec.suspend {
             return self.suspend();
