@@ -11,6 +11,7 @@ use jiff::Timestamp;
 use kube::ResourceExt;
 
 use super::super::lifecycle::{AttemptEnding, Reason};
+use super::attempt::{Verdict, verdict};
 use super::{Builder, of_attempt};
 
 impl Builder<'_> {
@@ -36,9 +37,20 @@ impl Builder<'_> {
     }
 
     /// Past `spec.activeDeadlineSeconds`: the running attempt is stopped
-    /// and closed, and the job fails. True when it did.
+    /// and closed, and the job fails. True when it did. An attempt whose
+    /// workers all finished by then succeeds instead (its pods say so).
     pub(super) fn past_active_deadline(&mut self) -> bool {
         if self.active_deadline_left() != Some(Duration::ZERO) {
+            return false;
+        }
+        let finished = self
+            .d
+            .status
+            .attempts
+            .last()
+            .filter(|a| a.outcome == AttemptOutcome::Running)
+            .is_some_and(|a| verdict(self.obs, a, &self.d.status.workers) == Verdict::Succeeded);
+        if finished {
             return false;
         }
         let limit = self
@@ -151,6 +163,23 @@ mod tests {
                 .message
                 .as_deref()
                 .is_some_and(|m| m.contains("spec.activeDeadlineSeconds")),
+            "{:?}",
+            d.status.message
+        );
+    }
+
+    /// Workers that finished by the deadline: the job succeeds.
+    #[test]
+    fn workers_done_by_the_deadline_succeed() {
+        let mut j = oom_job();
+        j.spec.active_deadline_seconds = Some(60);
+        let at = |s: i64| t0() + SignedDuration::from_secs(s);
+        step(&mut j, &[], at(0));
+        step(&mut j, &[pod(1, 0, RUNNING)], at(10));
+        let d = step(&mut j, &[pod(1, 0, DONE)], at(90));
+        assert_eq!(
+            d.status.phase,
+            Some(JobPhase::Succeeded),
             "{:?}",
             d.status.message
         );
