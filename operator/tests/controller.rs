@@ -1418,4 +1418,88 @@ async fn a_full_expandable_claim_is_grown_and_the_job_resumes() {
     ns.cleanup().await;
     let _ = volumes.delete(&volume, &DeleteParams::default()).await;
     let _ = classes.delete(&class, &DeleteParams::default()).await;
+/// `spec.suspend`: the running attempt's worker is stopped and the job says
+/// `Suspended=True`; no pod while suspended; resuming starts the next
+/// attempt at once (a suspension costs no attempt, so maxAttempts 1 does
+/// not end the job).
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn a_suspended_job_has_no_pods_and_resumes_in_a_new_attempt() {
+    let ns = test_ns("hr-pods-suspend").await;
+    let op = start_operator(&ns, ControllerConfig::default());
+    let tiny = CPU_TINY.replace("spec:\n", "spec:\n  memoryPolicy: {maxAttempts: 1}\n");
+    ns.apply_job(&tiny).await;
+    ns.wait_pod_count("the worker pod", 1).await;
+    ns.set_pod_status("tiny-cpu-a1-s0", running()).await;
+    ns.wait_phase("tiny-cpu", JobPhase::Running).await;
+
+    let suspend = |on: bool| serde_json::json!({"spec": {"suspend": on}});
+    ns.jobs()
+        .patch(
+            "tiny-cpu",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(suspend(true)),
+        )
+        .await
+        .expect("suspend");
+    ns.wait_condition("tiny-cpu", "Suspended=True", |c| {
+        c.type_ == "Suspended" && c.status == "True"
+    })
+    .await;
+    ns.wait_pod_count("no worker while suspended", 0).await;
+    let job = ns.jobs().get("tiny-cpu").await.expect("job");
+    assert_eq!(phase(&job), Some(JobPhase::Pending));
+    assert_eq!(
+        status_of(job).attempts[0].outcome,
+        AttemptOutcome::Disrupted
+    );
+
+    ns.jobs()
+        .patch(
+            "tiny-cpu",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(suspend(false)),
+        )
+        .await
+        .expect("resume");
+    ns.wait_pod_named("tiny-cpu-a2-s0").await;
+    ns.wait_condition("tiny-cpu", "Suspended=False", |c| {
+        c.type_ == "Suspended" && c.status == "False" && c.reason == "Resumed"
+    })
+    .await;
+    op.stop().await;
+    ns.cleanup().await;
+}
+
+/// `spec.ttlSecondsAfterFinished`: a job that succeeded is deleted that
+/// long after; the checkpoint claim its retention kept (RetainOnSuccess)
+/// stays.
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn a_finished_job_is_deleted_after_its_ttl_and_its_kept_claim_stays() {
+    let ns = test_ns("hr-pods-ttl").await;
+    let op = start_operator(&ns, ControllerConfig::default());
+    let tiny = CPU_TINY.replace("spec:\n", "spec:\n  ttlSecondsAfterFinished: 2\n");
+    ns.apply_job(&tiny).await;
+    ns.wait_pod_count("the worker pod", 1).await;
+    ns.set_pod_status("tiny-cpu-a1-s0", terminated(0, "Completed", None))
+        .await;
+    ns.wait_phase("tiny-cpu", JobPhase::Succeeded).await;
+    ns.wait_for("the job deleted by its TTL", TIMEOUT, || async {
+        ns.jobs()
+            .get_opt("tiny-cpu")
+            .await
+            .ok()?
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    let claim = ns
+        .claims()
+        .get("tiny-cpu-checkpoints")
+        .await
+        .expect("the kept claim");
+    assert!(claim.owner_references().is_empty(), "{:?}", claim.metadata);
+    op.stop().await;
+    ns.cleanup().await;
 }

@@ -115,7 +115,7 @@ fn the_policy_checks_every_secret_a_job_can_name() {
 /// `spec.worker`'s fields that choose what the job's pods run, or where and
 /// before whom: changing one re-checks every Secret the job names. Labels
 /// count: a NetworkPolicy or another pod's affinity may select by them.
-const WORKER_FIELDS_THAT_MOVE_PODS: [&str; 8] = [
+const WORKER_FIELDS_THAT_MOVE_PODS: [&str; 13] = [
     "image",
     "nodeSelector",
     "tolerations",
@@ -124,6 +124,14 @@ const WORKER_FIELDS_THAT_MOVE_PODS: [&str; 8] = [
     "env",
     "podAnnotations",
     "podLabels",
+    // The identity the pods (the initializer with the token among them)
+    // run as: a cloud identity reaches what the token's owner may not.
+    "serviceAccountName",
+    "affinity",
+    // What the container reads: its variables and files.
+    "envFrom",
+    "volumes",
+    "volumeMounts",
 ];
 /// The others: the backend picks the operator's own image when none is
 /// named, the pull policy and the grace period change nothing that runs,
@@ -488,7 +496,7 @@ async fn a_job_editor_who_reads_no_secret(ns: &TestNs) -> Requester {
 }
 
 /// One change of each field that moves a job's pods, `n` making it new.
-fn pod_changes(n: u32) -> [Value; 6] {
+fn pod_changes(n: u32) -> [Value; 9] {
     [
         json!({"spec": {"worker": {"image": format!("registry.example/other:{n}")}}}),
         json!({"spec": {"worker": {"nodeSelector": {"pool": format!("pool-{n}")}}}}),
@@ -498,6 +506,11 @@ fn pod_changes(n: u32) -> [Value; 6] {
         json!({"spec": {"worker": {"priorityClassName": format!("priority-{n}")}}}),
         json!({"spec": {"worker": {"runtimeClassName": format!("runtime-{n}")}}}),
         json!({"spec": {"worker": {"env": [{"name": "LD_PRELOAD", "value": format!("/claims/x/{n}.so")}]}}}),
+        json!({"spec": {"worker": {"serviceAccountName": format!("identity-{n}")}}}),
+        json!({"spec": {"worker": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [{"key": "pool", "operator": "In", "values": [format!("pool-{n}")]}]}]
+        }}}}}}),
+        json!({"spec": {"worker": {"envFrom": [{"configMapRef": {"name": format!("settings-{n}")}}]}}}),
     ]
 }
 
@@ -566,7 +579,7 @@ async fn an_editor_is_refused_each_change_of_the_pods(ns: &TestNs) -> Requester 
     let editor = a_job_editor_who_reads_no_secret(ns).await;
     let expected = format!(
         "spec.model.pretrained.huggingFace.tokenSecret: {} may not get Secret hf-token in namespace {}, \
-         so may not change spec.worker.image, nodeSelector, tolerations, priorityClassName, runtimeClassName, env, podAnnotations or podLabels",
+         so may not change spec.worker.image, nodeSelector, tolerations, priorityClassName, runtimeClassName, env, podAnnotations, podLabels, serviceAccountName, affinity, envFrom, volumes or volumeMounts",
         editor.user, ns.name
     );
     let tries = std::sync::atomic::AtomicU32::new(0);

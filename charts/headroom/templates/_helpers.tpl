@@ -50,9 +50,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{/* The operator's rules on namespaced resources: in a ClusterRole when it
 watches every namespace, in a Role of the one it watches otherwise. */}}
 {{- define "headroom.namespacedRules" -}}
+# delete: a finished job whose spec.ttlSecondsAfterFinished has passed.
 - apiGroups: ["headroom.dev"]
   resources: ["memoryawaretrainingjobs"]
-  verbs: ["get", "list", "watch"]
+  verbs: ["get", "list", "watch", "delete"]
 # Status: the operator's own fields (a merge patch), and the workers'
 # telemetry entries, which workers post to the worker API and the operator
 # writes together (server-side apply).

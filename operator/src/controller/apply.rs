@@ -153,6 +153,32 @@ pub(super) async fn delete_worker(client: &Client, ns: &str, pod: &str) -> Resul
     }
 }
 
+/// Deletes `job` (its `spec.ttlSecondsAfterFinished` has passed); one
+/// already gone is fine. Only this job: the uid is a precondition, so a new
+/// job of the same name is not deleted in its place.
+pub(super) async fn delete_job(
+    client: &Client,
+    ns: &str,
+    job: &MemoryAwareTrainingJob,
+) -> Result<(), Error> {
+    let api: Api<MemoryAwareTrainingJob> = Api::namespaced(client.clone(), ns);
+    let params = DeleteParams {
+        preconditions: job.uid().map(|uid| kube::api::Preconditions {
+            uid: Some(uid),
+            ..Default::default()
+        }),
+        ..DeleteParams::background()
+    };
+    match api.delete(&job.name_any(), &params).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if matches!(e.code, 404 | 409) => Ok(()),
+        Err(source) => Err(Error::DeleteJob {
+            job: job.name_any(),
+            source,
+        }),
+    }
+}
+
 /// What the operator writes as a job's child: a namespaced object it can
 /// serialize for a create or an apply.
 trait Child:

@@ -46,6 +46,8 @@ pub enum ConditionType {
     Waiting,
     /// A `model.pretrained` job's checkpoint and data were fetched and checked.
     Initialized,
+    /// The job is suspended (`spec.suspend`): no worker pods run.
+    Suspended,
 }
 
 impl ConditionType {
@@ -57,6 +59,7 @@ impl ConditionType {
             ConditionType::Failed => "Failed",
             ConditionType::Waiting => "Waiting",
             ConditionType::Initialized => "Initialized",
+            ConditionType::Suspended => "Suspended",
         }
     }
 }
@@ -113,10 +116,16 @@ pub enum Reason {
     /// An attempt filled the job's checkpoint claim (event), and the job
     /// ended for it when the claim cannot grow (condition).
     DiskFull,
+    /// `spec.suspend` is true: no worker pods run (condition and event).
+    Suspended,
+    /// `spec.suspend` turned false: the job goes on from its last checkpoint.
+    Resumed,
+    /// The attempts ran `spec.activeDeadlineSeconds` in all.
+    DeadlineExceeded,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 23] = [
+    pub const ALL: [Reason; 26] = [
         Reason::Planned,
         Reason::Replanned,
         Reason::Retrying,
@@ -140,6 +149,9 @@ impl Reason {
         Reason::Initialized,
         Reason::InvalidSource,
         Reason::DiskFull,
+        Reason::Suspended,
+        Reason::Resumed,
+        Reason::DeadlineExceeded,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -167,6 +179,9 @@ impl Reason {
             Reason::Initialized => "Initialized",
             Reason::InvalidSource => "InvalidSource",
             Reason::DiskFull => "DiskFull",
+            Reason::Suspended => "Suspended",
+            Reason::Resumed => "Resumed",
+            Reason::DeadlineExceeded => "DeadlineExceeded",
         }
     }
 
@@ -266,7 +281,15 @@ pub enum Transition {
     InitializerRefused { message: String },
     /// The job ends without success.
     Failed { reason: Reason, message: String },
+    /// `spec.suspend` is true: no worker pods run (a running attempt was
+    /// ended before, as disrupted). The event only when it starts.
+    Suspended,
+    /// `spec.suspend` turned false on a suspended job.
+    Resumed,
 }
+
+/// The reason of an attempt that `spec.suspend` ended (as disrupted).
+pub const SUSPENDED_ENDING: &str = "Suspended";
 
 /// How an attempt ended, as its pods (or the API server) showed it.
 #[derive(Clone, Debug, PartialEq)]
@@ -368,7 +391,57 @@ pub fn enter(
             Some(initializer_refused(status, &message, at))
         }
         Transition::Failed { reason, message } => Some(fail(status, reason, message, at)),
+        Transition::Suspended => suspend(status, at),
+        Transition::Resumed => {
+            let message = "spec.suspend is false: going on from the last checkpoint";
+            condition(
+                status,
+                ConditionType::Suspended,
+                false,
+                Reason::Resumed,
+                message,
+                at,
+            );
+            Some(JobEvent::new(false, Reason::Resumed, message.into()))
+        }
     })
+}
+
+/// No worker pods while `spec.suspend` is true: the job is Pending (none
+/// runs), `Suspended=True`, `Running=False`, and waits for nothing.
+fn suspend(status: &mut MemoryAwareTrainingJobStatus, at: Stamp) -> Option<JobEvent> {
+    let already = status
+        .conditions
+        .iter()
+        .any(|c| c.type_ == ConditionType::Suspended.as_str() && c.status == "True");
+    let message =
+        "spec.suspend is true: no worker pods run; set it false to go on from the last checkpoint";
+    condition(
+        status,
+        ConditionType::Suspended,
+        true,
+        Reason::Suspended,
+        message,
+        at,
+    );
+    end_waiting(status, at);
+    if status
+        .conditions
+        .iter()
+        .any(|c| c.type_ == ConditionType::Running.as_str())
+    {
+        condition(
+            status,
+            ConditionType::Running,
+            false,
+            Reason::Suspended,
+            message,
+            at,
+        );
+    }
+    status.phase = Some(JobPhase::Pending);
+    status.message = Some(message.into());
+    (!already).then(|| JobEvent::new(false, Reason::Suspended, message.into()))
 }
 
 /// Opens attempt `number` with `plan`: the first (Pending, `Planned`) or a
@@ -667,7 +740,8 @@ fn end_attempt(
     if let Some(progress) = status.progress.as_mut() {
         progress.forget_eta();
     }
-    if ending.outcome == AttemptOutcome::Succeeded {
+    // A success has its own event, and so has a suspension (`suspend`).
+    if ending.outcome == AttemptOutcome::Succeeded || ending.reason == SUSPENDED_ENDING {
         return None;
     }
     let reason = if ending.outcome.is_memory() {

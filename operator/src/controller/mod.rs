@@ -90,6 +90,12 @@ pub enum Error {
         #[source]
         source: kube::Error,
     },
+    #[error("deleting job {job}, finished longer than its ttlSecondsAfterFinished ago: {source}")]
+    DeleteJob {
+        job: String,
+        #[source]
+        source: kube::Error,
+    },
     #[error("writing the workers' last telemetry into job {job}: {source}")]
     FlushTelemetry {
         job: String,
@@ -108,6 +114,7 @@ impl Error {
             Error::KeepClaim { .. } => "keep_claim",
             Error::BuildChild { .. } => "build_child",
             Error::DeleteWorker { .. } => "delete_worker",
+            Error::DeleteJob { .. } => "delete_job",
             Error::FlushTelemetry { .. } => "flush_telemetry",
         }
     }
@@ -166,6 +173,7 @@ impl Error {
             | Error::ApplyChild { source, .. }
             | Error::KeepClaim { source, .. }
             | Error::DeleteWorker { source, .. }
+            | Error::DeleteJob { source, .. }
             | Error::FlushTelemetry { source, .. } => match source {
                 kube::Error::Api(e) => Some(e),
                 _ => None,

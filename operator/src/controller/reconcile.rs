@@ -14,7 +14,8 @@ use kube::core::DeserializeGuard;
 use kube::runtime::controller::Action;
 
 use super::apply::{
-    apply_status, delete_worker, ensure_initializer, grow_claim, keep_claim, launch_attempt,
+    apply_status, delete_job, delete_worker, ensure_initializer, grow_claim, keep_claim,
+    launch_attempt,
     missing_workers, publish_events, undo_launch,
 };
 use super::decide::refused::{Refused, refused};
@@ -95,6 +96,12 @@ async fn apply_decision(
     own: &[&Pod],
     decision: Decision,
 ) -> Result<Action, Error> {
+    if decision.delete_job {
+        // Its pods, Service and claim go with it (their owner), except a
+        // claim its retention released when it ended.
+        delete_job(&ctx.client, ns, job).await?;
+        return Ok(Action::await_change());
+    }
     keep_claim_on_success(ctx, ns, job, &decision).await?;
     // Before the status that starts the retry: a claim that could not be
     // grown leaves the attempt to the next reconcile, which decides again.

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use headroom_planner::{Backend, Optimizer, Precision, RetryRung};
 
 use crate::recipe::{AdamSpec, EvaluationSpec, ScheduleSpec};
-use k8s_openapi::api::core::v1::Toleration;
+use k8s_openapi::api::core::v1::{Affinity, Toleration};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::CustomResource;
 use schemars::JsonSchema;
@@ -116,6 +116,26 @@ pub struct MemoryAwareTrainingJobSpec {
     /// default: `output/` on the job's checkpoint claim, kept on success.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output: Option<OutputSpec>,
+    /// No worker pods while true (as batch/v1 Job's `suspend`): a running
+    /// attempt's workers are stopped (they checkpoint on SIGTERM) and the
+    /// job says `Suspended=True`; set it false to go on from the last
+    /// checkpoint, with no attempt used up. Default false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub suspend: bool,
+    /// Seconds the job's attempts may run in all (from each attempt's
+    /// start to its end, so not the backoffs, waits for capacity or
+    /// suspensions between them) before the job fails
+    /// (`DeadlineExceeded`), its workers stopped; unset: no limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub active_deadline_seconds: Option<u64>,
+    /// Seconds after the job Succeeded or Failed that the operator deletes
+    /// the job object (as batch/v1 Job's); unset: kept until deleted. The
+    /// checkpoint claim goes with it or stays as `checkpoints.retention`
+    /// says (a kept claim was released when the job ended).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 31536000))]
+    pub ttl_seconds_after_finished: Option<u32>,
 }
 
 impl MemoryAwareTrainingJobSpec {
@@ -419,7 +439,9 @@ pub struct ResourcesSpec {
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
     {"rule": "!has(self.hostMemory) || (isQuantity(string(self.hostMemory)) && quantity(string(self.hostMemory)).compareTo(quantity('64Mi')) >= 0)",
-     "message": "resources.gpu.hostMemory must be a quantity of at least 64Mi, e.g. 32Gi"}
+     "message": "resources.gpu.hostMemory must be a quantity of at least 64Mi, e.g. 32Gi"},
+    {"rule": "!has(self.cores) || (isQuantity(string(self.cores)) && quantity(string(self.cores)).isGreaterThan(quantity('0')))",
+     "message": "resources.gpu.cores must be a CPU quantity above zero, e.g. 1, 8 or 500m"}
 ]))]
 pub struct GpuResources {
     /// Allowed GPU products as GPU Feature Discovery labels them
@@ -446,6 +468,12 @@ pub struct GpuResources {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "quantity_schema")]
     pub host_memory: Option<Quantity>,
+    /// CPU request of each worker pod, a quantity above zero such as 8 or
+    /// 500m (defaults to 1): what the worker's host side (data loading,
+    /// tokenizing, checkpoint writes) gets for feeding its GPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "quantity_schema")]
+    pub cores: Option<Quantity>,
 }
 
 /// A Kubernetes quantity: an integer or a string (`2`, `500m`, `4Gi`). Its
@@ -537,7 +565,27 @@ impl Default for MemoryPolicy {
     {"rule": "!has(self.tolerations) || self.tolerations.all(t, !has(t.effect) || t.effect in ['', 'NoSchedule', 'PreferNoSchedule', 'NoExecute'])",
      "message": "worker.tolerations: effect must be NoSchedule, PreferNoSchedule, NoExecute or empty (all effects)"},
     {"rule": "!has(self.tolerations) || self.tolerations.all(t, (has(t.operator) && t.operator == 'Exists') ? (!has(t.value) || t.value == '') : (has(t.key) && t.key != ''))",
-     "message": "worker.tolerations: Exists takes no value, and Equal (the default) needs a key"}
+     "message": "worker.tolerations: Exists takes no value, and Equal (the default) needs a key"},
+    {"rule": "!has(self.envFrom) || self.envFrom.all(e, !has(e.secretRef))",
+     "message": "worker.envFrom: secretRef is not offered: a job's tokens go through tokenSecret (model.pretrained.huggingFace, data.huggingFace), which the chart's policy checks against the job author's rights; use configMapRef for settings"},
+    {"rule": "!has(self.envFrom) || self.envFrom.all(e, has(e.configMapRef))",
+     "message": "worker.envFrom: each entry names a ConfigMap (configMapRef.name)"},
+    {"rule": "!has(self.volumes) || self.volumes.all(v, !has(v.hostPath))",
+     "message": "worker.volumes: hostPath is refused (a node's own files are no job's to read or write, and the pods run under the restricted Pod Security profile, which forbids it); use a persistentVolumeClaim, a configMap or an emptyDir"},
+    {"rule": "!has(self.volumes) || self.volumes.all(v, (has(v.configMap) ? 1 : 0) + (has(v.persistentVolumeClaim) ? 1 : 0) + (has(v.emptyDir) ? 1 : 0) == 1)",
+     "message": "worker.volumes: each volume has one source: configMap, persistentVolumeClaim or emptyDir"},
+    {"rule": "!has(self.volumes) || self.volumes.all(v, !(v.name in ['checkpoints', 'tmp', 'worker-api-token']) && !v.name.startsWith('claim-') && !v.name.startsWith('headroom-'))",
+     "message": "worker.volumes: checkpoints, tmp, worker-api-token, claim-* and headroom-* are the operator's volume names; pick another name"},
+    {"rule": "!has(self.volumes) || self.volumes.all(v, self.volumes.exists_one(w, w.name == v.name))",
+     "message": "worker.volumes: two volumes have one name; name each once"},
+    {"rule": "!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.volumes) && self.volumes.exists(v, v.name == m.name))",
+     "message": "worker.volumeMounts: each mount names one of worker.volumes; add the volume there, or fix the mount's name"},
+    {"rule": "!has(self.volumeMounts) || self.volumeMounts.all(m, !m.mountPath.matches('/[.][.]?(/|$)'))",
+     "message": "worker.volumeMounts: mountPath has a . or .. segment; give the plain absolute path, e.g. /mnt/ca"},
+    {"rule": "!has(self.volumeMounts) || self.volumeMounts.all(m, ['/var/lib/headroom', '/var/run/secrets/headroom.dev', '/tmp', '/dev'].all(p, m.mountPath != p && !m.mountPath.startsWith(p + '/') && !p.startsWith(m.mountPath + '/')))",
+     "message": "worker.volumeMounts: mountPath is on, in or above one of the operator's mounts (/var/lib/headroom: checkpoints and claims; /var/run/secrets/headroom.dev: its token; /tmp: scratch; /dev); mount elsewhere, e.g. under /mnt"},
+    {"rule": "!has(self.volumeMounts) || self.volumeMounts.all(m, self.volumeMounts.exists_one(n, n.mountPath == m.mountPath))",
+     "message": "worker.volumeMounts: two mounts at one mountPath; give each its own"}
 ]))]
 pub struct WorkerSpec {
     /// Worker container image. When unset, the operator's default image for
@@ -578,6 +626,16 @@ pub struct WorkerSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 32), schema_with = "bounded_tolerations")]
     pub tolerations: Vec<Toleration>,
+    /// Node affinity, pod affinity and anti-affinity of the pods, as a
+    /// PodSpec has them (spread the workers of a team's jobs, prefer a
+    /// zone). Headroom's own placement is ANDed with it, never replaced: a
+    /// GPU's product labels and the stages kept on one node still hold.
+    /// The planner does not read it (it counts the nodes `nodeSelector`
+    /// and `tolerations` admit); a required node affinity that excludes
+    /// those nodes leaves the job waiting for capacity.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "bounded::<Affinity>")]
+    pub affinity: Option<Affinity>,
     /// PriorityClass of the worker pods.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
@@ -590,6 +648,27 @@ pub struct WorkerSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 64))]
     pub env: Vec<WorkerEnvVar>,
+    /// Variables from every key of a ConfigMap in the job's namespace
+    /// (`configMapRef`, with an optional `prefix`). `env` wins over them,
+    /// and the operator's own variables over both. No `secretRef`: a job's
+    /// tokens go through `tokenSecret`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub env_from: Vec<WorkerEnvFrom>,
+    /// Volumes of the user's own for the pods' container (a CA bundle from
+    /// a ConfigMap, a claim of shared data, a scratch `emptyDir`), mounted
+    /// by `volumeMounts`: `configMap`, `persistentVolumeClaim` or
+    /// `emptyDir`, one each; not `hostPath`. Names are not the operator's
+    /// (`checkpoints`, `tmp`, `worker-api-token`, `claim-*`, `headroom-*`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub volumes: Vec<WorkerVolume>,
+    /// Where the container mounts `volumes`: not on, in or above the
+    /// operator's mounts (`/var/lib/headroom`, `/var/run/secrets/headroom.dev`,
+    /// `/tmp`, `/dev`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub volume_mounts: Vec<WorkerVolumeMount>,
     /// Labels added to the job's pods (cost centre, team), besides the
     /// operator's own `headroom.dev/` ones.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -617,6 +696,18 @@ pub struct WorkerSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 86400))]
     pub termination_grace_period_seconds: Option<u32>,
+    /// The ServiceAccount in the job's namespace the pods run as (one a
+    /// cloud identity is bound to: IRSA, GKE or Azure Workload Identity);
+    /// default: the namespace's `default`. Its Kubernetes API token is
+    /// never mounted: the workers and the initializer do not call the
+    /// Kubernetes API (they reach the operator with a token of their own),
+    /// and the identity webhooks project their own token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+    )]
+    pub service_account_name: Option<String>,
 }
 
 /// A Secret in the job's namespace, by name.
@@ -687,6 +778,132 @@ pub struct ConfigMapKey {
     pub optional: Option<bool>,
 }
 
+/// Variables from a ConfigMap's keys.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkerEnvFrom {
+    /// The ConfigMap in the job's namespace whose every key becomes a variable.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_map_ref: Option<ConfigMapName>,
+    /// Not offered (refused): a job's tokens go through `tokenSecret`,
+    /// which the chart's policy checks against the job author's rights.
+    /// Declared so that the refusal can say so.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_ref: Option<SecretName>,
+    /// Put before every key's name (`HUB_`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 128))]
+    pub prefix: Option<String>,
+}
+
+/// A ConfigMap in the job's namespace, by name.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ConfigMapName {
+    /// The ConfigMap's name.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// Start the pod even if the ConfigMap is missing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optional: Option<bool>,
+}
+
+/// One of the user's volumes: exactly one source.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkerVolume {
+    /// The volume's name, which `volumeMounts` use (a DNS label).
+    #[schemars(
+        length(min = 1, max = 63),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    )]
+    pub name: String,
+    /// A ConfigMap's keys as files (a CA bundle).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_map: Option<ConfigMapName>,
+    /// A claim in the job's namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub persistent_volume_claim: Option<ClaimSource>,
+    /// A scratch directory that lives as long as the pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub empty_dir: Option<EmptyDirSource>,
+    /// Refused: a node's own files are no job's to read or write, and the
+    /// pods run under the restricted Pod Security profile. Declared so that
+    /// the refusal can say so.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_path: Option<HostPathSource>,
+}
+
+/// A PersistentVolumeClaim as a volume.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ClaimSource {
+    /// The claim's name.
+    #[schemars(length(min = 1, max = 253))]
+    pub claim_name: String,
+    /// Mount it read-only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_only: Option<bool>,
+}
+
+/// An emptyDir volume.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EmptyDirSource {
+    /// `Memory` for a tmpfs (counted in the container's memory, which the
+    /// plan does not include), or empty for the node's disk.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^(Memory)?$"), length(max = 6))]
+    pub medium: Option<String>,
+    /// Most the volume may hold (`1Gi`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "quantity_schema")]
+    pub size_limit: Option<Quantity>,
+}
+
+/// A hostPath volume, refused (see [`WorkerVolume::host_path`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct HostPathSource {
+    /// The node's path.
+    #[schemars(length(max = 4096))]
+    pub path: String,
+    /// Its type.
+    #[serde(default, skip_serializing_if = "Option::is_none", rename = "type")]
+    #[schemars(length(max = 32))]
+    pub type_: Option<String>,
+}
+
+/// Where the container mounts one of the user's volumes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkerVolumeMount {
+    /// The volume's name in `volumes`.
+    #[schemars(length(min = 1, max = 63))]
+    pub name: String,
+    /// An absolute path in the container (`/mnt/ca`).
+    #[schemars(length(min = 2, max = 1024), regex(pattern = r"^(/[^/]+)+$"))]
+    pub mount_path: String,
+    /// Mount it read-only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_only: Option<bool>,
+}
+
+/// The operator's own volume names and mount paths, which the user's
+/// `volumes` and `volumeMounts` keep clear of (the CEL rules on
+/// [`WorkerSpec`] list the same).
+pub const RESERVED_VOLUME_NAMES: [&str; 3] = ["checkpoints", "tmp", "worker-api-token"];
+/// Prefixes of the operator's volume names (its claims' `claim-<i>`, and
+/// room for more).
+pub const RESERVED_VOLUME_PREFIXES: [&str; 2] = ["claim-", "headroom-"];
+/// The operator's mounts; a user's mount may be on, in or above none.
+pub const RESERVED_MOUNT_PATHS: [&str; 4] = [
+    "/var/lib/headroom",
+    "/var/run/secrets/headroom.dev",
+    "/tmp",
+    "/dev",
+];
+
 /// Kubernetes' toleration schema with the lengths Kubernetes itself allows
 /// (a taint's key is a qualified name, its value a label value), so that no
 /// string of a job's spec is unbounded: the operator caches jobs, and a
@@ -709,6 +926,47 @@ fn bounded_tolerations(generator: &mut schemars::SchemaGenerator) -> schemars::S
         }
     }
     schema
+}
+
+/// `T`'s schema (one of Kubernetes' own types, which bound nothing) with a
+/// bound on every string, list and map that has none, for the reason
+/// [`bounded_tolerations`] gives: strings to a qualified name's 317
+/// characters, lists and maps to 32 entries.
+fn bounded<T: JsonSchema>(generator: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    fn bound(node: &mut serde_json::Value) {
+        let Some(object) = node.as_object_mut() else {
+            return;
+        };
+        let (limit, value) = match object.get("type").and_then(serde_json::Value::as_str) {
+            Some("string") if !object.contains_key("enum") => ("maxLength", 317),
+            Some("array") => ("maxItems", 32),
+            Some("object")
+                if object
+                    .get("additionalProperties")
+                    .is_some_and(serde_json::Value::is_object) =>
+            {
+                ("maxProperties", 32)
+            }
+            _ => ("", 0),
+        };
+        if !limit.is_empty() && !object.contains_key(limit) {
+            object.insert(limit.into(), value.into());
+        }
+        for key in ["items", "additionalProperties"] {
+            if let Some(child) = object.get_mut(key) {
+                bound(child);
+            }
+        }
+        if let Some(properties) = object
+            .get_mut("properties")
+            .and_then(serde_json::Value::as_object_mut)
+        {
+            properties.values_mut().for_each(bound);
+        }
+    }
+    let mut value = generator.subschema_for::<T>().to_value();
+    bound(&mut value);
+    schemars::Schema::try_from(value).unwrap_or_else(|_| generator.subschema_for::<T>())
 }
 
 /// The job's checkpoint volume: every attempt resumes from it, and a

@@ -587,6 +587,7 @@ impl MemoryAwareTrainingJobSpec {
                 "each variable has a value or a valueFrom, one of the two",
             ));
         }
+        self.check_env_from_and_volumes()?;
         for (field, keys, problem) in [
             (
                 "worker.podLabels",
@@ -602,6 +603,112 @@ impl MemoryAwareTrainingJobSpec {
             if keys.keys().any(|k| k.starts_with("headroom.dev/")) {
                 return Err(spec_error(field, problem));
             }
+        }
+        Ok(())
+    }
+
+    /// The CEL rules on `envFrom`, `volumes` and `volumeMounts`, offline,
+    /// in their order: ConfigMaps only, no hostPath, one source a volume,
+    /// the operator's names and mounts left alone, each name and path once.
+    fn check_env_from_and_volumes(&self) -> Result<(), SpecError> {
+        use super::spec::{RESERVED_MOUNT_PATHS, RESERVED_VOLUME_NAMES, RESERVED_VOLUME_PREFIXES};
+        let worker = &self.worker;
+        let refuse = |field: &'static str, problem: &str| Err(spec_error(field, problem));
+        if worker.env_from.iter().any(|e| e.secret_ref.is_some()) {
+            return refuse(
+                "worker.envFrom",
+                "secretRef is not offered: a job's tokens go through tokenSecret (model.pretrained.huggingFace, data.huggingFace), which the chart's policy checks against the job author's rights; use configMapRef for settings",
+            );
+        }
+        if worker.env_from.iter().any(|e| e.config_map_ref.is_none()) {
+            return refuse(
+                "worker.envFrom",
+                "each entry names a ConfigMap (configMapRef.name)",
+            );
+        }
+        let volumes = &worker.volumes;
+        if volumes.iter().any(|v| v.host_path.is_some()) {
+            return refuse(
+                "worker.volumes",
+                "hostPath is refused (a node's own files are no job's to read or write, and the pods run under the restricted Pod Security profile, which forbids it); use a persistentVolumeClaim, a configMap or an emptyDir",
+            );
+        }
+        if volumes.iter().any(|v| {
+            usize::from(v.config_map.is_some())
+                + usize::from(v.persistent_volume_claim.is_some())
+                + usize::from(v.empty_dir.is_some())
+                != 1
+        }) {
+            return refuse(
+                "worker.volumes",
+                "each volume has one source: configMap, persistentVolumeClaim or emptyDir",
+            );
+        }
+        if volumes.iter().any(|v| {
+            RESERVED_VOLUME_NAMES.contains(&v.name.as_str())
+                || RESERVED_VOLUME_PREFIXES
+                    .iter()
+                    .any(|p| v.name.starts_with(p))
+        }) {
+            return refuse(
+                "worker.volumes",
+                "checkpoints, tmp, worker-api-token, claim-* and headroom-* are the operator's volume names; pick another name",
+            );
+        }
+        if volumes
+            .iter()
+            .any(|v| volumes.iter().filter(|w| w.name == v.name).count() != 1)
+        {
+            return refuse(
+                "worker.volumes",
+                "two volumes have one name; name each once",
+            );
+        }
+        let mounts = &worker.volume_mounts;
+        if mounts
+            .iter()
+            .any(|m| !volumes.iter().any(|v| v.name == m.name))
+        {
+            return refuse(
+                "worker.volumeMounts",
+                "each mount names one of worker.volumes; add the volume there, or fix the mount's name",
+            );
+        }
+        if mounts
+            .iter()
+            .any(|m| m.mount_path.split('/').any(|s| s == "." || s == ".."))
+        {
+            return refuse(
+                "worker.volumeMounts",
+                "mountPath has a . or .. segment; give the plain absolute path, e.g. /mnt/ca",
+            );
+        }
+        let collides = |path: &str, reserved: &str| {
+            path == reserved
+                || path.starts_with(&format!("{reserved}/"))
+                || reserved.starts_with(&format!("{path}/"))
+        };
+        if mounts.iter().any(|m| {
+            RESERVED_MOUNT_PATHS
+                .iter()
+                .any(|r| collides(&m.mount_path, r))
+        }) {
+            return refuse(
+                "worker.volumeMounts",
+                "mountPath is on, in or above one of the operator's mounts (/var/lib/headroom: checkpoints and claims; /var/run/secrets/headroom.dev: its token; /tmp: scratch; /dev); mount elsewhere, e.g. under /mnt",
+            );
+        }
+        if mounts.iter().any(|m| {
+            mounts
+                .iter()
+                .filter(|n| n.mount_path == m.mount_path)
+                .count()
+                != 1
+        }) {
+            return refuse(
+                "worker.volumeMounts",
+                "two mounts at one mountPath; give each its own",
+            );
         }
         Ok(())
     }
@@ -800,8 +907,12 @@ fn gcd(mut a: u64, mut b: u64) -> u64 {
     a
 }
 
-/// A GPU job's target, its host memory parsed and at least 64Mi.
+/// A GPU job's target, its host memory parsed and at least 64Mi, its
+/// workers' cores a CPU quantity above zero.
 fn gpu_target(g: &GpuResources) -> Result<Target, SpecError> {
+    if let Some(cores) = &g.cores {
+        parse_cores(&cores.0).map_err(|e| spec_error("resources.gpu.cores", e))?;
+    }
     let mut host_baseline_bytes = None;
     if let Some(host) = &g.host_memory {
         let bytes = parse_bytes(&host.0).map_err(|e| spec_error("resources.gpu.hostMemory", e))?;
@@ -1187,5 +1298,28 @@ mod tests {
                 .map_or_else(|e| e.field != "training.lora.blockSize", |_| true),
             "{result:?}"
         );
+    }
+    /// The user's volumes and ConfigMap variables: what the API server
+    /// refuses (a hostPath, a Secret's keys, a mount over the operator's)
+    /// is refused offline in the CEL rules' words.
+    #[test]
+    fn volumes_and_env_from_are_refused_offline_with_the_api_servers_words() {
+        let crd =
+            serde_json::to_string(&<MemoryAwareTrainingJob as kube::CustomResourceExt>::crd())
+                .expect("crd");
+        for (file, field) in [
+            ("61-worker-volume-host-path.yaml", "worker.volumes"),
+            ("62-worker-env-from-secret.yaml", "worker.envFrom"),
+            (
+                "63-worker-mount-over-checkpoints.yaml",
+                "worker.volumeMounts",
+            ),
+        ] {
+            let expect = corpus_expect(file);
+            let err = invalid_manifest(file).spec.job_request().expect_err(file);
+            assert_eq!(err.field, field, "{file}");
+            assert_eq!(format!("{field}: {}", err.problem), expect, "{file}");
+            assert!(crd.contains(&expect), "{file}: the CRD's CEL message");
+        }
     }
 }

@@ -17,11 +17,14 @@
 
 mod attempt;
 mod disk;
+mod deadline;
 #[cfg(test)]
 mod fixtures;
 mod initialize;
 pub mod refused;
 mod retry;
+mod suspend;
+mod ttl;
 
 use std::time::Duration;
 
@@ -59,6 +62,8 @@ pub struct Decision {
     /// The checkpoint claim to grow before the next attempt starts (its
     /// last one filled it).
     pub grow_claim: Option<ClaimGrowth>,
+    /// Delete the job object: it ended `spec.ttlSecondsAfterFinished` ago.
+    pub delete_job: bool,
 }
 
 /// A claim to grow: its name and its new size, bytes.
@@ -132,6 +137,7 @@ impl Decision {
             requeue_after: None,
             ended: None,
             grow_claim: None,
+            delete_job: false,
         }
     }
 }
@@ -195,6 +201,7 @@ pub fn decide(obs: &Observation<'_>) -> Decision {
         model: None,
     };
     b.run();
+    b.look_again_at_the_deadline();
     b.d
 }
 
@@ -204,7 +211,15 @@ impl Builder<'_> {
             self.d.status.phase,
             Some(JobPhase::Succeeded | JobPhase::Failed)
         ) {
-            return; // A job's completion is final.
+            // A job's completion is final; all that is left is its expiry.
+            return self.expire();
+        }
+        if self.obs.job.spec.suspend {
+            return self.suspend();
+        }
+        self.resume();
+        if self.past_active_deadline() {
+            return;
         }
         // Every pod the job gets (initializer, workers) runs this image:
         // without one, nothing can start.

@@ -254,4 +254,41 @@ mod tests {
             Some("finetune-tiny-llama-checkpoints:output")
         );
     }
+    /// The names and mount paths a user's volumes must keep clear of
+    /// (`headroom_api::RESERVED_*`, which the CEL rules list) cover every
+    /// volume and mount the operator gives a pod: the checkpoint claim,
+    /// scratch, the user's data and output claims, the worker-API token.
+    #[test]
+    fn the_reserved_names_and_paths_cover_the_operators_volumes() {
+        use headroom_api::{RESERVED_MOUNT_PATHS, RESERVED_VOLUME_NAMES, RESERVED_VOLUME_PREFIXES};
+        let job = finetune("  output:\n    volume: {claimName: models, path: tuned/tiny}\n");
+        let (mut volumes, mut mounts) = job_volumes(&job);
+        let config = crate::controller::config::ChildConfig {
+            worker_api_url: Some("http://10.96.0.20:8081".into()),
+            ..Default::default()
+        };
+        let (_, api_volumes, api_mounts) = super::super::skeleton::worker_api_access(&config);
+        volumes.extend(api_volumes);
+        mounts.extend(api_mounts);
+        assert!(volumes.len() >= 4, "claims and the token too: {volumes:?}");
+        for v in &volumes {
+            assert!(
+                RESERVED_VOLUME_NAMES.contains(&v.name.as_str())
+                    || RESERVED_VOLUME_PREFIXES
+                        .iter()
+                        .any(|p| v.name.starts_with(p)),
+                "{} is not reserved",
+                v.name
+            );
+        }
+        for m in &mounts {
+            assert!(
+                RESERVED_MOUNT_PATHS
+                    .iter()
+                    .any(|r| m.mount_path == *r || m.mount_path.starts_with(&format!("{r}/"))),
+                "{} is not reserved",
+                m.mount_path
+            );
+        }
+    }
 }

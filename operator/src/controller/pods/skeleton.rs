@@ -13,10 +13,11 @@ use headroom_api::{
     WORKER_API_ENV, WORKER_API_TOKEN_ENV, WORKER_API_TOKEN_PATH,
 };
 use k8s_openapi::api::core::v1::{
-    Capabilities, ConfigMapKeySelector, Container, EnvVar, EnvVarSource, LocalObjectReference,
-    ObjectFieldSelector, Pod, PodSecurityContext, PodSpec, ProjectedVolumeSource,
-    ResourceRequirements, SeccompProfile, SecurityContext, ServiceAccountTokenProjection,
-    Toleration, Volume, VolumeMount, VolumeProjection,
+    Capabilities, ConfigMapEnvSource, ConfigMapKeySelector, ConfigMapVolumeSource, Container,
+    EmptyDirVolumeSource, EnvFromSource, EnvVar, EnvVarSource, LocalObjectReference,
+    ObjectFieldSelector, PersistentVolumeClaimVolumeSource, Pod, PodSecurityContext, PodSpec,
+    ProjectedVolumeSource, ResourceRequirements, SeccompProfile, SecurityContext,
+    ServiceAccountTokenProjection, Toleration, Volume, VolumeMount, VolumeProjection,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::{Resource, ResourceExt};
@@ -226,6 +227,43 @@ fn user_env(e: &headroom_api::WorkerEnvVar) -> EnvVar {
     }
 }
 
+/// A `spec.worker.envFrom` entry as the container's: a ConfigMap's keys
+/// (the only source the spec offers).
+fn user_env_from(e: &headroom_api::WorkerEnvFrom) -> EnvFromSource {
+    EnvFromSource {
+        config_map_ref: e.config_map_ref.as_ref().map(|c| ConfigMapEnvSource {
+            name: c.name.clone(),
+            optional: c.optional,
+        }),
+        prefix: e.prefix.clone(),
+        ..EnvFromSource::default()
+    }
+}
+
+/// A `spec.worker.volumes` entry as the pod's: a ConfigMap, a claim or an
+/// emptyDir (hostPath is refused when the job is written).
+fn user_volume(v: &headroom_api::WorkerVolume) -> Volume {
+    Volume {
+        name: v.name.clone(),
+        config_map: v.config_map.as_ref().map(|c| ConfigMapVolumeSource {
+            name: c.name.clone(),
+            optional: c.optional,
+            ..ConfigMapVolumeSource::default()
+        }),
+        persistent_volume_claim: v.persistent_volume_claim.as_ref().map(|c| {
+            PersistentVolumeClaimVolumeSource {
+                claim_name: c.claim_name.clone(),
+                read_only: c.read_only,
+            }
+        }),
+        empty_dir: v.empty_dir.as_ref().map(|e| EmptyDirVolumeSource {
+            medium: e.medium.clone(),
+            size_limit: e.size_limit.clone(),
+        }),
+        ..Volume::default()
+    }
+}
+
 /// What sets one kind of a job's pods apart; everything else is the
 /// skeleton's ([`restricted_pod`]).
 #[derive(Debug)]
@@ -248,11 +286,11 @@ pub(super) struct PodParts<'a> {
 }
 
 /// The restricted pod every pod of a job is: never restarted (the operator
-/// decides what runs next); the namespace's `default` account with no API
-/// token mounted, so no Kubernetes API rights (telemetry, progress and peer
+/// decides what runs next); the user's service account or the namespace's
+/// `default`, with no API token mounted, so no Kubernetes API rights (telemetry, progress and peer
 /// lookups go through the operator's worker API, [`worker_api_access`]);
-/// the user's priority class, pull secrets, node selector, tolerations and
-/// pull policy; the restricted Pod Security profile; the job's volumes
+/// the user's priority class, pull secrets, node selector, tolerations,
+/// affinity and pull policy; the restricted Pod Security profile; the job's volumes
 /// ([`job_volumes`]) and the worker-API token; and the termination message
 /// the operator reads the pod's outcome from (the log's tail when the
 /// process died before writing it).
@@ -270,6 +308,15 @@ pub(super) fn restricted_pod(
     );
     volumes.extend(api_volumes);
     mounts.extend(api_mounts);
+    // The user's after the operator's; their names and paths cannot
+    // collide with these (validate.rs).
+    volumes.extend(worker.volumes.iter().map(user_volume));
+    mounts.extend(worker.volume_mounts.iter().map(|m| VolumeMount {
+        name: m.name.clone(),
+        mount_path: m.mount_path.clone(),
+        read_only: m.read_only,
+        ..VolumeMount::default()
+    }));
     // The user's labels first: the operator's, which select the pods, win.
     let mut labels = worker.pod_labels.clone();
     labels.extend(job_labels(job, parts.component));
@@ -287,7 +334,17 @@ pub(super) fn restricted_pod(
         metadata,
         spec: Some(PodSpec {
             restart_policy: Some("Never".into()),
-            service_account_name: Some("default".into()),
+            // The user's account (a cloud identity bound to it), else the
+            // namespace's default; either way without its API token: the
+            // pods need no Kubernetes API rights, and an identity webhook
+            // projects the token it needs itself. A field to mount it would
+            // hand a training container whatever the account may do.
+            service_account_name: Some(
+                worker
+                    .service_account_name
+                    .clone()
+                    .unwrap_or_else(|| "default".into()),
+            ),
             automount_service_account_token: Some(false),
             priority_class_name: worker.priority_class_name.clone(),
             image_pull_secrets: (!worker.image_pull_secrets.is_empty()).then(|| {
@@ -305,12 +362,19 @@ pub(super) fn restricted_pod(
                 .map(i64::from),
             node_selector: (!node_selector.is_empty()).then_some(node_selector),
             tolerations: (!tolerations.is_empty()).then_some(tolerations),
+            // The user's; a worker pod ANDs Headroom's placement into it
+            // (`worker::merged_affinity`).
+            affinity: worker.affinity.clone(),
             security_context: Some(restricted_pod_security()),
             containers: vec![Container {
                 name: parts.container.into(),
                 image: Some(parts.image.into()),
                 image_pull_policy: worker.image_pull_policy.map(|p| p.as_str().into()),
                 env: Some(env),
+                // Below `env` in Kubernetes' order: the user's and the
+                // operator's variables win over a ConfigMap's keys.
+                env_from: (!worker.env_from.is_empty())
+                    .then(|| worker.env_from.iter().map(user_env_from).collect()),
                 resources: Some(parts.resources),
                 termination_message_path: Some(TERMINATION_MESSAGE_PATH.into()),
                 termination_message_policy: Some("FallbackToLogsOnError".into()),

@@ -100,11 +100,7 @@ pub fn worker_pod(
     env.extend(peer_env(job, attempt, plan, slot));
     let sizing = resources_and_placement(job, plan, slot.stage, config);
     let pod_affinity = stage_colocation(job, attempt, multi, config);
-    let affinity = (pod_affinity.is_some() || sizing.node_affinity.is_some()).then(|| Affinity {
-        pod_affinity,
-        node_affinity: sizing.node_affinity,
-        ..Affinity::default()
-    });
+    let node_affinity = sizing.node_affinity;
 
     let mut pod = restricted_pod(
         job,
@@ -143,7 +139,7 @@ pub fn worker_pod(
     let pod_spec = pod.spec.get_or_insert_default();
     pod_spec.hostname = multi.then(|| host_name(plan, slot));
     pod_spec.subdomain = multi.then(|| service_name(job));
-    pod_spec.affinity = affinity;
+    pod_spec.affinity = merged_affinity(pod_spec.affinity.take(), node_affinity, pod_affinity);
     for container in &mut pod_spec.containers {
         container.ports = ports.clone();
     }
@@ -294,7 +290,8 @@ fn size_cpu_worker(sizing: &mut Sizing, job: &MemoryAwareTrainingJob, plan: &Pla
     sizing.requests.insert("cpu".into(), cores);
 }
 
-/// A GPU worker: one device, and the host memory its stage needs.
+/// A GPU worker: one device, the host memory its stage needs, and the
+/// cores `resources.gpu.cores` asks for (a request, as a CPU job's).
 fn size_gpu_worker(
     sizing: &mut Sizing,
     job: &MemoryAwareTrainingJob,
@@ -318,7 +315,14 @@ fn size_gpu_worker(
     let host = gpu_worker_host_memory(&baseline, plan, stage);
     sizing.limits.insert("memory".into(), host.clone());
     sizing.requests.insert("memory".into(), host);
-    sizing.requests.insert("cpu".into(), Quantity("1".into()));
+    let cores = job
+        .spec
+        .resources
+        .gpu
+        .as_ref()
+        .and_then(|g| g.cores.clone())
+        .unwrap_or_else(|| Quantity("1".into()));
+    sizing.requests.insert("cpu".into(), cores);
 }
 
 /// Onto the nodes the plan's device type was counted on, by the labels its
@@ -342,6 +346,62 @@ fn place_on_device_nodes(sizing: &mut Sizing, plan: &Plan) {
         // nodeSelector still applies on top.
         terms => sizing.node_affinity = Some(required_node_affinity(terms)),
     }
+}
+
+/// The user's affinity (`spec.worker.affinity`) with Headroom's placement
+/// ANDed in, so that neither loosens the other. A required node affinity
+/// is met by any one of its terms, so the two are crossed: each user term
+/// joined with each of Headroom's (a GPU product's alternatives). Required
+/// pod affinity terms must all hold, so Headroom's (stages on one node) are
+/// added to the user's. Preferences and anti-affinity are the user's alone.
+fn merged_affinity(
+    user: Option<Affinity>,
+    node: Option<NodeAffinity>,
+    pod: Option<PodAffinity>,
+) -> Option<Affinity> {
+    let mut affinity = user.unwrap_or_default();
+    if let Some(required) = node.and_then(|n| n.required_during_scheduling_ignored_during_execution)
+    {
+        let user_node = affinity.node_affinity.get_or_insert_default();
+        let terms = match user_node
+            .required_during_scheduling_ignored_during_execution
+            .take()
+        {
+            None => required.node_selector_terms,
+            Some(mine) => mine
+                .node_selector_terms
+                .iter()
+                .flat_map(|u| {
+                    required.node_selector_terms.iter().map(move |h| {
+                        let joined =
+                            |a: &Option<Vec<NodeSelectorRequirement>>,
+                             b: &Option<Vec<NodeSelectorRequirement>>| {
+                                let all: Vec<NodeSelectorRequirement> =
+                                    a.iter().chain(b).flatten().cloned().collect();
+                                (!all.is_empty()).then_some(all)
+                            };
+                        NodeSelectorTerm {
+                            match_expressions: joined(&u.match_expressions, &h.match_expressions),
+                            match_fields: joined(&u.match_fields, &h.match_fields),
+                        }
+                    })
+                })
+                .collect(),
+        };
+        user_node.required_during_scheduling_ignored_during_execution = Some(NodeSelector {
+            node_selector_terms: terms,
+        });
+    }
+    if let Some(required) = pod.and_then(|p| p.required_during_scheduling_ignored_during_execution)
+    {
+        affinity
+            .pod_affinity
+            .get_or_insert_default()
+            .required_during_scheduling_ignored_during_execution
+            .get_or_insert_default()
+            .extend(required);
+    }
+    (affinity != Affinity::default()).then_some(affinity)
 }
 
 /// The attempt, stage and (when replicated) replica labels of a worker.
@@ -444,7 +504,8 @@ mod tests {
     /// `spec.worker`'s pod settings reach the pod: the user's variables
     /// before the operator's, labels beside the operator's (which win),
     /// annotations, the runtime class, pull secrets by name (bare names of
-    /// an old stored job read too), and the grace period: the user's, else
+    /// an old stored job read too), the service account (never its API
+    /// token), and the grace period: the user's, else
     /// 30 s plus the stage's checkpoint at 100 MB/s.
     #[test]
     fn the_users_pod_settings_reach_the_worker_pod() {
@@ -471,7 +532,8 @@ mod tests {
             "podAnnotations": {"sidecar.istio.io/inject": "false"},
             "runtimeClassName": "nvidia",
             "imagePullSecrets": ["old-shape"],
-            "terminationGracePeriodSeconds": 600
+            "terminationGracePeriodSeconds": 600,
+            "serviceAccountName": "trainer"
         }))
         .expect("worker settings");
         assert_eq!(settings.image_pull_secrets[0].name, "old-shape");
@@ -491,6 +553,16 @@ mod tests {
         let spec = pod.spec.as_ref().expect("spec");
         assert_eq!(spec.runtime_class_name.as_deref(), Some("nvidia"));
         assert_eq!(spec.termination_grace_period_seconds, Some(600));
+        // The user's account, still without its API token (the default
+        // pod runs as the namespace's `default`, likewise).
+        assert_eq!(spec.service_account_name.as_deref(), Some("trainer"));
+        assert_eq!(spec.automount_service_account_token, Some(false));
+        let default_spec = default.spec.as_ref().expect("spec");
+        assert_eq!(
+            default_spec.service_account_name.as_deref(),
+            Some("default")
+        );
+        assert_eq!(default_spec.automount_service_account_token, Some(false));
         assert_eq!(
             spec.image_pull_secrets.as_ref().expect("pull secrets")[0].name,
             "old-shape"
@@ -757,6 +829,38 @@ priorityClassName: batch-low
             .expect("limits");
         assert_eq!(limits["nvidia.com/gpu"].0, "1");
         assert_eq!(limits["memory"].0, "16Gi");
+        let cpu_request = |pod: &Pod| {
+            pod.spec.as_ref().expect("spec").containers[0]
+                .resources
+                .as_ref()
+                .and_then(|r| r.requests.as_ref())
+                .and_then(|r| r.get("cpu"))
+                .map(|q| q.0.clone())
+        };
+        let default_pod = pod_for(&job, 2, 0, &plan, &ChildConfig::default());
+        assert_eq!(
+            cpu_request(&default_pod).as_deref(),
+            Some("1"),
+            "one core unless asked"
+        );
+        let mut fed = job.clone();
+        fed.spec.resources.gpu.as_mut().expect("gpu").cores = Some(Quantity("8".into()));
+        fed.spec.job_request().expect("valid cores");
+        let pod = pod_for(&fed, 2, 0, &plan, &ChildConfig::default());
+        assert_eq!(cpu_request(&pod).as_deref(), Some("8"));
+        assert!(
+            pod.spec.as_ref().expect("spec").containers[0]
+                .resources
+                .as_ref()
+                .and_then(|r| r.limits.as_ref())
+                .is_some_and(|l| !l.contains_key("cpu")),
+            "a request, no CPU limit"
+        );
+        for bad in ["0", "-1", "lots"] {
+            fed.spec.resources.gpu.as_mut().expect("gpu").cores = Some(Quantity(bad.into()));
+            let e = fed.spec.job_request().expect_err(bad);
+            assert_eq!(e.field, "resources.gpu.cores", "{bad}: {e}");
+        }
 
         // What the plan puts in host memory (offloaded optimizer state, the
         // checkpoint load's transient) comes on top of the baseline.
@@ -925,6 +1029,244 @@ status:
                 !fits_on(&pod, &h100),
                 "with .product: {with_product}: another model's slices: {placement:?}"
             );
+        }
+    }
+    /// `spec.worker.affinity` is ANDed with Headroom's placement, never
+    /// replaced: on mixed MIG slices without a `.product` label (placement
+    /// by alternatives, a required node affinity), the user's zone holds
+    /// and so does the planned GPU model; the user's preferences and
+    /// anti-affinity are kept, and a pipeline's stages still share a node
+    /// beside the user's own pod-affinity term.
+    #[test]
+    fn the_users_affinity_is_anded_with_headrooms_placement() {
+        const A100: &str = "NVIDIA-A100-SXM4-80GB";
+        const H100: &str = "NVIDIA-H100-80GB-HBM3";
+        let mut job = job(include_str!("../../../../samples/gpu-gpt2-medium.yaml"));
+        job.spec.model = serde_yaml::from_str(
+            "transformer: {layers: 12, hidden: 768, heads: 12, sequenceLength: 1024, vocabulary: 50257}",
+        )
+        .expect("model");
+        job.spec.resources.gpu.as_mut().expect("gpu").types = vec![format!("{A100}-MIG-1g.10gb")];
+        let in_zone = |mut node: Node, zone: Option<&str>| {
+            if let Some(zone) = zone {
+                node.metadata
+                    .labels
+                    .get_or_insert_default()
+                    .insert("topology.kubernetes.io/zone".into(), zone.into());
+            }
+            node
+        };
+        let a100_east = in_zone(mixed_mig_node("a100-east", A100, false), Some("east"));
+        let a100_west = in_zone(mixed_mig_node("a100-west", A100, false), Some("west"));
+        let h100_east = in_zone(mixed_mig_node("h100-east", H100, false), Some("east"));
+        let facts: Vec<_> = [&a100_east, &a100_west, &h100_east]
+            .into_iter()
+            .map(|n| crate::inventory::node_facts(n, []))
+            .collect();
+        let plan = plan(
+            &job.spec.job_request().expect("valid"),
+            &Inventory::from_nodes(&facts),
+        )
+        .expect("plan");
+        job.spec.worker.affinity = Some(
+            serde_yaml::from_str(
+                r#"
+nodeAffinity:
+  requiredDuringSchedulingIgnoredDuringExecution:
+    nodeSelectorTerms:
+    - matchExpressions: [{key: topology.kubernetes.io/zone, operator: In, values: [east]}]
+  preferredDuringSchedulingIgnoredDuringExecution:
+  - weight: 10
+    preference:
+      matchExpressions: [{key: spot, operator: DoesNotExist}]
+podAntiAffinity:
+  preferredDuringSchedulingIgnoredDuringExecution:
+  - weight: 50
+    podAffinityTerm:
+      topologyKey: kubernetes.io/hostname
+      labelSelector: {matchLabels: {team: nlp}}
+"#,
+            )
+            .expect("affinity"),
+        );
+        job.spec.job_request().expect("still valid");
+        let pod = pod_for(&job, 1, 0, &plan, &ChildConfig::default());
+        let placement = pod.spec.as_ref().and_then(|s| s.affinity.clone());
+        assert!(fits_on(&pod, &a100_east), "{placement:?}");
+        assert!(
+            !fits_on(&pod, &a100_west),
+            "the user's zone holds: {placement:?}"
+        );
+        assert!(
+            !fits_on(&pod, &h100_east),
+            "the planned GPU holds: {placement:?}"
+        );
+        let affinity = placement.expect("affinity");
+        let node = affinity.node_affinity.expect("node affinity");
+        assert_eq!(
+            node.preferred_during_scheduling_ignored_during_execution
+                .map(|p| p.len()),
+            Some(1)
+        );
+        assert!(affinity.pod_anti_affinity.is_some(), "the user's, kept");
+
+        // Beside a pipeline's own pod-affinity term (stages on one node).
+        let mut pipeline =
+            super::super::tests::job(include_str!("../../../../samples/cpu-pipeline.yaml"));
+        let stages = first_plan(&pipeline.spec);
+        assert!(stages.workers > 1, "the sample is a pipeline");
+        pipeline.spec.worker.affinity = Some(
+            serde_yaml::from_str(
+                r#"
+podAffinity:
+  requiredDuringSchedulingIgnoredDuringExecution:
+  - topologyKey: topology.kubernetes.io/zone
+    labelSelector: {matchLabels: {app: dataset-cache}}
+"#,
+            )
+            .expect("affinity"),
+        );
+        let pod = pod_for(&pipeline, 2, 1, &stages, &ChildConfig::default());
+        let keys: Vec<String> = pod
+            .spec
+            .and_then(|s| s.affinity)
+            .and_then(|a| a.pod_affinity)
+            .and_then(|a| a.required_during_scheduling_ignored_during_execution)
+            .expect("required pod affinity")
+            .into_iter()
+            .map(|t| t.topology_key)
+            .collect();
+        assert_eq!(
+            keys,
+            ["topology.kubernetes.io/zone", "kubernetes.io/hostname"]
+        );
+    }
+    /// The user's ConfigMap variables and volumes reach the pod after the
+    /// operator's own; what would collide with the operator's, reach a
+    /// node's files or a Secret is refused offline, naming the field.
+    #[test]
+    fn the_users_volumes_and_config_maps_reach_the_pod_clear_of_the_operators() {
+        let mut job = cpu_job();
+        let plan = first_plan(&job.spec);
+        let default = pod_for(&job, 1, 0, &plan, &ChildConfig::default());
+        job.spec.worker = serde_json::from_value(serde_json::json!({
+            "image": "localhost/headroom-worker:dev",
+            "envFrom": [{"configMapRef": {"name": "proxy"}, "prefix": "NET_"}],
+            "volumes": [
+                {"name": "ca", "configMap": {"name": "corporate-ca"}},
+                {"name": "shared", "persistentVolumeClaim": {"claimName": "datasets", "readOnly": true}},
+                {"name": "scratch", "emptyDir": {"sizeLimit": "2Gi"}}
+            ],
+            "volumeMounts": [
+                {"name": "ca", "mountPath": "/etc/ssl/corporate", "readOnly": true},
+                {"name": "shared", "mountPath": "/mnt/datasets"}
+            ]
+        }))
+        .expect("worker settings");
+        job.spec.job_request().expect("valid settings");
+        let pod = pod_for(&job, 1, 0, &plan, &ChildConfig::default());
+        let spec = pod.spec.as_ref().expect("spec");
+        let old = default.spec.as_ref().expect("spec");
+        let volumes = spec.volumes.as_ref().expect("volumes");
+        let old_volumes = old.volumes.as_ref().expect("volumes");
+        assert_eq!(
+            volumes[..old_volumes.len()],
+            old_volumes[..],
+            "the operator's first"
+        );
+        let names: Vec<&str> = volumes[old_volumes.len()..]
+            .iter()
+            .map(|v| v.name.as_str())
+            .collect();
+        assert_eq!(names, ["ca", "shared", "scratch"]);
+        let shared = &volumes[old_volumes.len() + 1];
+        assert_eq!(
+            shared
+                .persistent_volume_claim
+                .as_ref()
+                .map(|c| (c.claim_name.as_str(), c.read_only)),
+            Some(("datasets", Some(true)))
+        );
+        let c = &spec.containers[0];
+        let mounts = c.volume_mounts.as_ref().expect("mounts");
+        let old_mounts = old.containers[0].volume_mounts.as_ref().expect("mounts");
+        assert_eq!(mounts[..old_mounts.len()], old_mounts[..]);
+        let added: Vec<(&str, Option<bool>)> = mounts[old_mounts.len()..]
+            .iter()
+            .map(|m| (m.mount_path.as_str(), m.read_only))
+            .collect();
+        assert_eq!(
+            added,
+            [("/etc/ssl/corporate", Some(true)), ("/mnt/datasets", None)]
+        );
+        let from = c.env_from.as_ref().expect("envFrom");
+        assert_eq!(
+            from[0].config_map_ref.as_ref().map(|r| r.name.as_str()),
+            Some("proxy")
+        );
+        assert_eq!(from[0].prefix.as_deref(), Some("NET_"));
+        assert!(from[0].secret_ref.is_none());
+        assert!(old.containers[0].env_from.is_none(), "none unless asked");
+
+        let volume = |v: serde_json::Value| serde_json::json!({"volumes": [v]});
+        let mounted = |path: &str| {
+            serde_json::json!({
+                "volumes": [{"name": "x", "emptyDir": {}}],
+                "volumeMounts": [{"name": "x", "mountPath": path}]
+            })
+        };
+        for (field, bad, words) in [
+            (
+                "worker.envFrom",
+                serde_json::json!({"envFrom": [{"secretRef": {"name": "hf-token"}}]}),
+                "tokenSecret",
+            ),
+            (
+                "worker.volumes",
+                volume(serde_json::json!({"name": "host", "hostPath": {"path": "/etc"}})),
+                "hostPath is refused",
+            ),
+            (
+                "worker.volumes",
+                volume(
+                    serde_json::json!({"name": "two", "emptyDir": {}, "configMap": {"name": "c"}}),
+                ),
+                "one source",
+            ),
+            (
+                "worker.volumes",
+                volume(serde_json::json!({"name": "checkpoints", "emptyDir": {}})),
+                "operator's volume names",
+            ),
+            (
+                "worker.volumes",
+                volume(serde_json::json!({"name": "claim-0", "emptyDir": {}})),
+                "operator's volume names",
+            ),
+            (
+                "worker.volumeMounts",
+                serde_json::json!({"volumeMounts": [{"name": "nowhere", "mountPath": "/mnt/x"}]}),
+                "one of worker.volumes",
+            ),
+            ("worker.volumeMounts", mounted("/tmp"), "operator's mounts"),
+            (
+                "worker.volumeMounts",
+                mounted("/var/lib/headroom/checkpoints/x"),
+                "operator's mounts",
+            ),
+            ("worker.volumeMounts", mounted("/var"), "operator's mounts"),
+            ("worker.volumeMounts", mounted("/mnt/../tmp"), ". or .."),
+        ] {
+            job.spec.worker = serde_json::from_value(bad.clone()).expect("shape");
+            let e = job.spec.job_request().expect_err(&bad.to_string());
+            assert_eq!(e.field, field, "{bad}: {e}");
+            assert!(e.problem.contains(words), "{bad}: {e}");
+        }
+        for fine in ["/mnt/x", "/var/lib/other", "/tmpfs", "/home/worker/.cache"] {
+            job.spec.worker = serde_json::from_value(mounted(fine)).expect("shape");
+            job.spec
+                .job_request()
+                .unwrap_or_else(|e| panic!("{fine}: {e}"));
         }
     }
 }
