@@ -1418,6 +1418,8 @@ async fn a_full_expandable_claim_is_grown_and_the_job_resumes() {
     ns.cleanup().await;
     let _ = volumes.delete(&volume, &DeleteParams::default()).await;
     let _ = classes.delete(&class, &DeleteParams::default()).await;
+}
+
 /// `spec.suspend`: the running attempt's worker is stopped and the job says
 /// `Suspended=True`; no pod while suspended; resuming starts the next
 /// attempt at once (a suspension costs no attempt, so maxAttempts 1 does
