@@ -1,7 +1,7 @@
 //! `calibrate --step-breakdown`: where a training step's time goes, for a
 //! full fine-tune and the LoRA and QLoRA steps of the same model, on the job
-//! `worker/bench/pytorch_step.py` runs in PyTorch + PEFT (the issue's
-//! A/B: a SmolLM2-135M-shaped Llama, fp32, AdamW at 1e-3 clipped at 1.0,
+//! `worker/bench/pytorch_step.py` runs in PyTorch + PEFT (the A/B of
+//! docs/benchmarks.md: a SmolLM2-135M-shaped Llama, fp32, AdamW at 1e-3 clipped at 1.0,
 //! micro-batch 4 × 256 tokens, LoRA r16 on the seven block linears).
 //!
 //! Each case trains in this process on the worker's own `Trainer` (the
