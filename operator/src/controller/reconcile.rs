@@ -15,8 +15,7 @@ use kube::runtime::controller::Action;
 
 use super::apply::{
     apply_status, delete_job, delete_worker, ensure_initializer, grow_claim, keep_claim,
-    launch_attempt,
-    missing_workers, publish_events, undo_launch,
+    launch_attempt, missing_workers, publish_events, undo_launch,
 };
 use super::decide::refused::{Refused, refused};
 use super::decide::{Decision, Launch, decide};

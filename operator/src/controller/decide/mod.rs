@@ -16,8 +16,8 @@
 //! * [`refused`] — the API server refused what a decision asked for
 
 mod attempt;
-mod disk;
 mod deadline;
+mod disk;
 #[cfg(test)]
 mod fixtures;
 mod initialize;
