@@ -271,6 +271,7 @@ mod tests {
             tokens_per_second: None,
             memory: MemorySample::default(),
             download: None,
+            stepped_down: None,
             updated_at: Time(Timestamp::from_second(T0 + at).expect("time")),
         }
     }

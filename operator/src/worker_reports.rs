@@ -649,6 +649,7 @@ mod tests {
                 ..Default::default()
             },
             download: None,
+            stepped_down: None,
             updated_at: Time(jiff::Timestamp::from_second(1_800_000_000 + at).expect("time")),
         }
     }

@@ -79,6 +79,24 @@ impl ValidAssignment {
         &self.config
     }
 
+    /// Runs the plan at `micro_batch` × `accumulation` instead of its own
+    /// (the memory guard's step down in place): refused unless the global
+    /// batch stays the plan's.
+    pub fn step_down(&mut self, micro_batch: u32, accumulation: u32) -> Result<(), String> {
+        let s = &mut self.config.settings;
+        let planned = u64::from(s.micro_batch) * u64::from(s.gradient_accumulation.max(1));
+        if u64::from(micro_batch) * u64::from(accumulation) != planned {
+            return Err(format!(
+                "a step down to micro-batch {micro_batch} × accumulation {accumulation} changes the plan's {} × {}",
+                s.micro_batch,
+                s.gradient_accumulation.max(1)
+            ));
+        }
+        s.micro_batch = micro_batch;
+        s.gradient_accumulation = accumulation;
+        Ok(())
+    }
+
     pub fn into_config(self) -> TrainConfig {
         self.config
     }
@@ -387,6 +405,7 @@ mod tests {
             checkpoint_every_steps: 5,
             seed: 1,
             files: None,
+            memory_guard: None,
         }
     }
 

@@ -28,6 +28,10 @@ pub const TERMINATION_MESSAGE_PATH_ENV: &str = "HEADROOM_TERMINATION_MESSAGE_PAT
 /// CPU backend (whose real limit is the kernel's OOM kill) exercise the
 /// device-OOM path of the operator; unset in normal runs.
 pub const DEVICE_MEMORY_LIMIT_ENV: &str = "HEADROOM_DEVICE_MEMORY_LIMIT_BYTES";
+/// Set by the worker itself when its memory guard steps it down in place:
+/// it runs itself again (the same pod, a fresh process) as
+/// `<micro-batch>x<accumulation>`, the same global batch as the plan's.
+pub const STEPPED_DOWN_ENV: &str = "HEADROOM_STEPPED_DOWN";
 /// How the data-parallel replicas of a CUDA plan exchange gradients:
 /// `auto` (the default: NCCL when the worker was built with CUDA and libnccl
 /// loads, else the TCP ring) or `ring` (the TCP ring always). CPU plans use
@@ -94,6 +98,10 @@ pub struct WorkerEnv {
     pub telemetry_interval: Duration,
     /// `HEADROOM_DEVICE_MEMORY_LIMIT_BYTES`.
     pub device_memory_limit: Option<u64>,
+    /// `HEADROOM_STEPPED_DOWN`: the micro-batch and accumulation the
+    /// guard stepped this worker down to (it set them before running
+    /// itself again).
+    pub stepped_down: Option<headroom_api::SteppedDown>,
     /// `HEADROOM_PIPELINE_TIMEOUT_SECONDS` (named for the pipeline, it bounds
     /// every peer link, replicas' included): how long to wait for the peers
     /// to come up, and then for any frame.
@@ -177,6 +185,23 @@ impl WorkerEnv {
                     .map_err(|_| invalid(DEVICE_MEMORY_LIMIT_ENV, "a whole number of bytes", v))
             })
             .transpose()?;
+        let stepped_down = env(STEPPED_DOWN_ENV)
+            .map(|v| {
+                let parsed = v.trim().split_once('x').and_then(|(m, a)| {
+                    Some(headroom_api::SteppedDown {
+                        micro_batch: m.parse().ok().filter(|&m| m > 0)?,
+                        gradient_accumulation: a.parse().ok().filter(|&a| a > 0)?,
+                    })
+                });
+                parsed.ok_or_else(|| {
+                    invalid(
+                        STEPPED_DOWN_ENV,
+                        "<micro-batch>x<accumulation>, both ≥ 1",
+                        v,
+                    )
+                })
+            })
+            .transpose()?;
         let telemetry_interval = match env(TELEMETRY_INTERVAL_ENV) {
             None => DEFAULT_INTERVAL,
             Some(v) => match v.trim().parse::<f64>() {
@@ -247,6 +272,7 @@ impl WorkerEnv {
             pod_name: env(POD_NAME_ENV).or_else(|| env(HOSTNAME_ENV)),
             telemetry_interval,
             device_memory_limit,
+            stepped_down,
             peer_timeout,
             pipeline_peers,
             replica_peers,
@@ -292,6 +318,7 @@ mod tests {
                 pod_name: Some("h".into()),
                 telemetry_interval: DEFAULT_INTERVAL,
                 device_memory_limit: None,
+                stepped_down: None,
                 peer_timeout: DEFAULT_PEER_TIMEOUT,
                 pipeline_peers: None,
                 replica_peers: None,

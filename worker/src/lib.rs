@@ -53,6 +53,7 @@ pub mod gpu_runtime;
 pub mod initialize;
 pub mod link_auth;
 pub mod link_mac;
+pub mod memory_guard;
 pub mod memory_probe;
 pub mod model;
 pub mod optim;

@@ -38,6 +38,12 @@ pub struct CgroupFiles {
 }
 
 impl CgroupFiles {
+    /// This process's memory cgroup, under `/sys/fs/cgroup`.
+    pub fn of_this_process() -> Option<CgroupFiles> {
+        let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+        CgroupFiles::detect(&text, Path::new("/sys/fs/cgroup"))
+    }
+
     /// Finds this process's memory cgroup from `/proc/self/cgroup` text and a
     /// cgroup filesystem root (normally `/sys/fs/cgroup`). Tries v2 (unified,
     /// also mounted at `unified/` in hybrid setups), then v1; first the
@@ -177,10 +183,11 @@ impl MemoryProbe {
     /// Probes this process: its cgroup under `/sys/fs/cgroup`, `/proc/self/status`,
     /// `device`'s allocator and, with the `cuda` feature, NVML.
     pub fn for_this_process(device: Option<Device>) -> Self {
-        let cgroup = std::fs::read_to_string("/proc/self/cgroup")
-            .ok()
-            .and_then(|text| CgroupFiles::detect(&text, Path::new("/sys/fs/cgroup")));
-        MemoryProbe::new(cgroup, PathBuf::from("/proc/self/status"), device)
+        MemoryProbe::new(
+            CgroupFiles::of_this_process(),
+            PathBuf::from("/proc/self/status"),
+            device,
+        )
     }
 
     pub fn new(cgroup: Option<CgroupFiles>, proc_status: PathBuf, device: Option<Device>) -> Self {

@@ -22,8 +22,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use headroom_api::{
-    DownloadProgress, MemorySample, WORKER_API_ENV, WORKER_FIELD_MANAGER_PREFIX, WorkerTelemetry,
-    human_duration,
+    DownloadProgress, MemorySample, SteppedDown, WORKER_API_ENV, WORKER_FIELD_MANAGER_PREFIX,
+    WorkerTelemetry, human_duration,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
@@ -49,6 +49,9 @@ pub struct Progress {
     pub eval_loss: Option<f64>,
     pub tokens_per_second: Option<f64>,
     pub download: Option<DownloadProgress>,
+    /// The settings the memory guard stepped down to in place; set by
+    /// [`Reporter::stepped_down`], kept by every later update.
+    pub stepped_down: Option<SteppedDown>,
 }
 
 /// Who is reporting: the fixed part of a [`WorkerTelemetry`].
@@ -84,6 +87,7 @@ impl WorkerIdentity {
             tokens_per_second: progress.tokens_per_second.filter(|t| t.is_finite()),
             memory,
             download: progress.download.clone(),
+            stepped_down: progress.stepped_down,
             updated_at: Time(k8s_openapi::jiff::Timestamp::now()),
         }
     }
@@ -356,10 +360,25 @@ impl Reporter {
     pub fn update(&self, progress: Progress) {
         let mut held = self.progress.lock().unwrap_or_else(|p| p.into_inner());
         let eval_loss = progress.eval_loss.or(held.eval_loss);
+        let stepped_down = progress.stepped_down.or(held.stepped_down);
         *held = Progress {
             eval_loss,
+            stepped_down,
             ..progress
         };
+    }
+
+    /// Records that the memory guard stepped the worker down in place to
+    /// `micro_batch` × `gradient_accumulation`: reported from the next
+    /// write on, as `steppedDown`.
+    pub fn stepped_down(&self, micro_batch: u32, gradient_accumulation: u32) {
+        self.progress
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .stepped_down = Some(SteppedDown {
+            micro_batch,
+            gradient_accumulation,
+        });
     }
 
     /// Records the loss of an evaluation on the held-out data: reported
@@ -452,6 +471,7 @@ mod tests {
             eval_loss: None,
             tokens_per_second: Some(f64::NAN),
             download: None,
+            stepped_down: None,
         });
         std::thread::sleep(Duration::from_millis(30));
         let last = reporter.finish();

@@ -24,11 +24,12 @@ use headroom_planner::Backend;
 use crate::assignment::ValidAssignment;
 use crate::checkpoint::CheckpointError;
 use crate::data::TextSamples;
-pub use crate::env::{DEVICE_MEMORY_LIMIT_ENV, TERMINATION_MESSAGE_PATH_ENV};
+pub use crate::env::{DEVICE_MEMORY_LIMIT_ENV, STEPPED_DOWN_ENV, TERMINATION_MESSAGE_PATH_ENV};
 use crate::env::{InvalidEnv, WorkerEnv};
 pub use crate::exit::Exit;
 use crate::gpu_runtime::{self, RuntimeSettings};
-use crate::memory_probe::{MemoryProbe, process_memory};
+use crate::memory_guard::{self, MemoryGuard, Trip};
+use crate::memory_probe::{CgroupFiles, MemoryProbe, process_memory};
 use crate::rendezvous::{Connected, Rendezvous};
 use crate::report::{
     DEFAULT_SAMPLE_EVERY, Progress, Reporter, StepLine, StepPace, TelemetrySink, WorkerApiSink,
@@ -102,10 +103,15 @@ pub fn run(env: Result<WorkerEnv, InvalidEnv>) -> Exit {
 }
 
 fn run_inner(env: &WorkerEnv) -> Exit {
-    let plan = match ValidAssignment::load(&env.plan) {
+    let mut plan = match ValidAssignment::load(&env.plan) {
         Ok(plan) => plan,
         Err(e) => return Exit::invalid_plan(e.to_string()),
     };
+    if let Some(d) = env.stepped_down
+        && let Err(e) = plan.step_down(d.micro_batch, d.gradient_accumulation)
+    {
+        return Exit::invalid_plan(format!("{STEPPED_DOWN_ENV}: {e}"));
+    }
     let config = plan.config();
     if cfg!(feature = "cuda") {
         configure_gpu_runtime(&plan, env);
@@ -138,6 +144,9 @@ fn run_inner(env: &WorkerEnv) -> Exit {
         DEFAULT_SAMPLE_EVERY,
         WritePolicy::new(env.telemetry_interval),
     );
+    if let Some(d) = env.stepped_down {
+        reporter.stepped_down(d.micro_batch, d.gradient_accumulation);
+    }
     let terminate = sigterm.watch();
     let exit = WorkerRun {
         plan: &plan,
@@ -252,12 +261,111 @@ impl WorkerRun<'_> {
         {
             Err(exit) => exit,
             // The connections stay open until the output is written.
-            Ok(mut connected) => match self.train(&mut trainer, &mut connected) {
-                Ok(last_loss) => self.write_output(&trainer, last_loss),
-                Err(exit) => exit,
-            },
+            Ok(mut connected) => {
+                self.install_guard(&trainer);
+                let trained = self.train(&mut trainer, &mut connected);
+                // Off before the output is written: the guard watches steps.
+                report_guard_cost(memory_guard::install(None));
+                match trained {
+                    Ok(last_loss) => self.write_output(&trainer, last_loss),
+                    Err(exit) => exit,
+                }
+            }
         };
         exit.at(trainer.step, self.peak_now())
+    }
+
+    /// Puts the near-OOM guard on this (the training) thread, when the
+    /// assignment asks for one and the memory has a limit to guard.
+    fn install_guard(&self, trainer: &Trainer) {
+        let a = self.plan.assignment();
+        let mut guard = MemoryGuard::for_worker(
+            a.memory_guard,
+            &a.plan,
+            a.stage,
+            &trainer.device,
+            CgroupFiles::of_this_process().as_ref(),
+            self.env.device_memory_limit,
+        );
+        if let Some(g) = &mut guard {
+            g.micro_batch_is(
+                trainer.config.settings.micro_batch,
+                a.plan.settings.micro_batch,
+            );
+        }
+        match &guard {
+            Some(g) => tracing::info!(
+                limit_bytes = g.limit(),
+                "memory guard on: each part of a step is checked against the limit before it runs"
+            ),
+            None if a.memory_guard.is_some() => {
+                tracing::info!("memory guard off: no memory limit to guard (no cgroup limit)")
+            }
+            None => tracing::info!("memory guard off (spec.memoryPolicy.guard.enabled: false)"),
+        }
+        memory_guard::install(guard);
+    }
+
+    /// After the guard stopped step `step + 1` in one of its parts:
+    /// nothing of the step was applied; the last completed step is
+    /// checkpointed (unless it is already). Then, when the plan allows it,
+    /// the worker steps down in place: it runs itself again in this pod (a
+    /// fresh process, so nothing of the abandoned step stays in memory) at
+    /// half the micro-batch and twice the accumulation, the same global
+    /// batch, resuming from that checkpoint. Otherwise it ends the attempt
+    /// with `NearOutOfMemory`, for the operator's stricter retry.
+    fn after_trip(
+        &self,
+        trainer: &mut Trainer,
+        trip: &Trip,
+        saved_at: u64,
+        last_loss: Option<f64>,
+    ) -> Exit {
+        memory_guard::with(MemoryGuard::step_abandoned);
+        let step = trainer.step;
+        let saved = if step == 0 {
+            "no step was completed".to_string()
+        } else if saved_at == step {
+            format!("the last checkpoint is at step {step}")
+        } else if !trainer.can_checkpoint() {
+            "no checkpoint: the model is no step's".to_string()
+        } else {
+            match self.save(trainer, last_loss) {
+                Ok(dir) => format!("step {step} checkpointed to {}", dir.display()),
+                Err(e) => {
+                    return Exit::write_failed(&format!("{trip}; checkpoint at step {step}"), &e);
+                }
+            }
+        };
+        let s = trainer.config.settings;
+        let in_place = self
+            .plan
+            .assignment()
+            .memory_guard
+            .is_some_and(|g| g.step_down_in_place)
+            && trainer.config.stages == 1
+            && trainer.config.replicas <= 1
+            && s.micro_batch >= 2
+            && s.micro_batch.is_multiple_of(2);
+        if in_place {
+            let (micro, accumulation) = (s.micro_batch / 2, s.gradient_accumulation.max(1) * 2);
+            tracing::warn!(
+                micro_batch = micro,
+                gradient_accumulation = accumulation,
+                "memory guard: {trip}; {saved}; stepping down in place: micro-batch {} × accumulation {} → {micro} × {accumulation} (the same global batch), this worker runs itself again",
+                s.micro_batch,
+                s.gradient_accumulation.max(1),
+            );
+            let error = run_again(micro, accumulation);
+            tracing::error!("cannot run the worker again ({error}): ending the attempt instead");
+        }
+        let mut exit = Exit::new(
+            WorkerOutcome::NearOutOfMemory,
+            format!("memory guard: {trip}; {saved}"),
+        )
+        .at(step, trip.would_reach().max(self.peak_now()));
+        exit.message.requested_bytes = Some(trip.increment);
+        exit
     }
 
     /// The trainer for this stage, on the assignment's text when it has some.
@@ -361,6 +469,9 @@ impl WorkerRun<'_> {
                     return Err(exit);
                 }
                 Err(payload) => {
+                    if let Some(trip) = payload.downcast_ref::<Trip>() {
+                        return Err(self.after_trip(trainer, trip, saved_at, last_loss));
+                    }
                     return Err(classify_panic(
                         &panic_text(&*payload),
                         step,
@@ -368,6 +479,7 @@ impl WorkerRun<'_> {
                     ));
                 }
             };
+            memory_guard::with(|g| g.step_done(report.step));
             if report.loss.is_some() {
                 last_loss = report.loss;
             }
@@ -386,6 +498,7 @@ impl WorkerRun<'_> {
                 eval_loss: None,
                 tokens_per_second: Some(report.tokens_per_second()),
                 download: None,
+                stepped_down: None,
             });
             // Measured before this step's checkpoint: its save counts in the next step's time.
             pace.step_done(std::time::Instant::now());
@@ -485,6 +598,35 @@ impl WorkerRun<'_> {
                 last_loss.map_or("n/a".into(), |l| format!("{l:.4}"))
             ),
         )
+    }
+}
+
+/// Replaces this process with a fresh run of the same worker binary, its
+/// arguments and environment, and [`STEPPED_DOWN_ENV`] set to
+/// `micro_batch`x`accumulation`. Returns only if that fails.
+fn run_again(micro_batch: u32, accumulation: u32) -> std::io::Error {
+    use std::os::unix::process::CommandExt;
+    let exe = match std::env::current_exe() {
+        Ok(exe) => exe,
+        Err(e) => return e,
+    };
+    std::process::Command::new(exe)
+        .args(std::env::args_os().skip(1))
+        .env(STEPPED_DOWN_ENV, format!("{micro_batch}x{accumulation}"))
+        .exec()
+}
+
+/// What the guard cost, in the log: its checks and their time (the
+/// benchmark's figure is the share of the training time).
+fn report_guard_cost(guard: Option<MemoryGuard>) {
+    if let Some(g) = guard {
+        tracing::info!(
+            checks = g.checks,
+            seconds = g.time.as_secs_f64(),
+            "memory guard: {} checks took {:.1} ms in all",
+            g.checks,
+            g.time.as_secs_f64() * 1e3
+        );
     }
 }
 

@@ -43,6 +43,7 @@ use crate::checkpoint;
 use crate::collective::{Collective, CollectiveError, Single};
 use crate::data::{ProgressionTask, Samples, TextSamples};
 use crate::data_parallel::{Replicas, Shards, stable_param_ids};
+use crate::memory_guard;
 use crate::model::hf::HfCheckpoint;
 use crate::model::lean::linear::AdapterDropout;
 use crate::model::{Documents, LmShape, StageLayout, TransformerLm, lora, peft};
@@ -653,6 +654,8 @@ impl Trainer {
         let micro = c.settings.micro_batch.max(1);
         let batches = count.div_ceil(micro);
         let frozen = self.model().valid();
+        // The evaluation's parts are its own points, not a step's.
+        memory_guard::micro(memory_guard::EVALUATION);
         let (mut sum, mut evaluated) = (0.0, 0.0);
         for batch in (c.replica..batches).step_by(c.replicas.max(1) as usize) {
             let first = batch * micro;
@@ -791,6 +794,7 @@ impl Trainer {
             let began = Instant::now();
             match op {
                 Op::Forward(micro) => {
+                    memory_guard::micro(micro);
                     let (kept, loss) = self.forward(links, micro)?;
                     losses.extend(loss.map(|l| l * weights[micro as usize]));
                     saved.push_back(kept);
@@ -801,6 +805,7 @@ impl Trainer {
                         .pop_front()
                         .ok_or_else(|| PipelineError::Protocol("backward before forward".into()))?;
                     let weight = weights[micro as usize];
+                    memory_guard::micro(micro);
                     let (grads, loss) =
                         self.backward(links, micro, kept, scale * weight, &mut accumulator)?;
                     losses.extend(loss.map(|l| l * weight));
@@ -815,6 +820,9 @@ impl Trainer {
                 }
             }
         }
+        // The last point a step can be abandoned at: nothing is applied
+        // before it (the model is taken for the update below).
+        memory_guard::check(memory_guard::Phase::Optimizer, 0);
         let update = Instant::now();
         let mut grads = single.unwrap_or_else(|| accumulator.grads());
         self.exchange_tied_gradient(links, &mut grads)?;
@@ -1108,7 +1116,13 @@ impl Trainer {
             let mut block_inputs = Vec::with_capacity(frozen.blocks.len());
             let dropout = self.dropout(micro);
             let offload = self.config.settings.offload_activations;
-            for (block, layer) in frozen.blocks.iter().zip(self.config.layout.layers.clone()) {
+            for (index, (block, layer)) in frozen
+                .blocks
+                .iter()
+                .zip(self.config.layout.layers.clone())
+                .enumerate()
+            {
+                memory_guard::check(memory_guard::Phase::Forward, index as u32);
                 block_inputs.push(KeptInput::keep(x.clone(), offload));
                 x = block.forward_dropping(
                     x,
@@ -1148,6 +1162,7 @@ impl Trainer {
         );
         match targets {
             Some(targets) => {
+                memory_guard::check(memory_guard::Phase::Loss, 0);
                 let loss = self.model().head_loss(out, targets);
                 let value = scalar(&loss);
                 let kept = Saved::Graph {
@@ -1208,6 +1223,7 @@ impl Trainer {
                 output,
                 loss,
             } => {
+                memory_guard::check(memory_guard::Phase::Backward, 0);
                 let mut grads = match (loss, output) {
                     (Some(loss), _) => loss.mul_scalar(scale).backward(),
                     (None, Some(output)) => {
@@ -1234,6 +1250,7 @@ impl Trainer {
                 let (mut upstream, value) = match (output, targets) {
                     (Some(x), Some(targets)) => {
                         // Head and loss, with a graph; the gradient of the last block's output comes back.
+                        memory_guard::check(memory_guard::Phase::Loss, 0);
                         let x = x.autodiff().require_grad();
                         let loss = model.head_loss(x.clone(), targets);
                         let value = scalar(&loss);
@@ -1251,9 +1268,15 @@ impl Trainer {
                 let dropout = self.dropout(micro);
                 let documents = self.documents(micro);
                 let layers = self.config.layout.layers.clone();
-                for ((block, input), layer) in
-                    model.blocks.iter().zip(block_inputs).zip(layers).rev()
+                for (index, ((block, input), layer)) in model
+                    .blocks
+                    .iter()
+                    .zip(block_inputs)
+                    .zip(layers)
+                    .enumerate()
+                    .rev()
                 {
+                    memory_guard::check(memory_guard::Phase::Backward, index as u32);
                     let input = input.restore().autodiff().require_grad();
                     let dropout = dropout.map(|d| d.part(u64::from(layer)));
                     let output = block.forward_dropping(input.clone(), dropout, documents.as_ref());

@@ -366,6 +366,7 @@ mod tests {
                 ..MemorySample::default()
             },
             download: None,
+            stepped_down: None,
             updated_at: Time(k8s_openapi::jiff::Timestamp::now()),
         }
     }
@@ -393,6 +394,7 @@ mod tests {
     /// The fixture's telemetry with `sent`'s timestamp (made at another instant).
     fn telemetry_with(sent: &WorkerTelemetry) -> WorkerTelemetry {
         WorkerTelemetry {
+            stepped_down: None,
             updated_at: sent.updated_at.clone(),
             ..telemetry()
         }

@@ -164,6 +164,7 @@ fn assignment(job: &MemoryAwareTrainingJob) -> WorkerAssignment {
         checkpoint_every_steps: job.spec.training.checkpoint_every_steps,
         seed: job.spec.training.seed,
         files: None,
+        memory_guard: None,
     }
 }
 

@@ -68,6 +68,7 @@ fn assignment_for(
         checkpoint_every_steps: 5,
         seed: 3,
         files: None,
+        memory_guard: None,
     }
 }
 
@@ -90,6 +91,10 @@ fn run_worker(dir: &Path, plan_json: &str, extra: &[(&str, &str)]) -> Run {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_headroom-worker"));
     cmd.env_clear()
         .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env(
+            "HEADROOM_GUARD_TRACE",
+            std::env::var("HEADROOM_GUARD_TRACE").unwrap_or_default(),
+        )
         // No worker API (HEADROOM_WORKER_API cleared): telemetry stays local.
         .env("HOME", dir)
         .env(PLAN_JSON_ENV, plan_json)
@@ -885,4 +890,186 @@ fn a_llama_assignment_without_its_files_is_an_invalid_plan() {
         "{:?}",
         run.message
     );
+}
+
+/// Activations dominate this model (long sequence, small hidden size): a
+/// micro-batch of 16 needs several times the memory of one of 2.
+fn activation_heavy() -> ModelShape {
+    ModelShape::Transformer(TransformerShape {
+        layers: 4,
+        hidden: 32,
+        heads: 4,
+        sequence_length: 128,
+        vocabulary: 64,
+        feed_forward: None,
+        tied_embeddings: true,
+    })
+}
+
+/// glibc's malloc as the operator sets it in every worker pod.
+const POD_MALLOC: &[(&str, &str)] = &[
+    (
+        headroom_api::MALLOC_ARENA_MAX_ENV,
+        headroom_api::WORKER_MALLOC_ARENAS,
+    ),
+    (
+        headroom_api::MALLOC_TUNABLES_ENV,
+        headroom_api::WORKER_MALLOC_TUNABLES,
+    ),
+];
+
+/// `micro_batch` of a global batch of 16, the guard on (stepping down in
+/// place or not), checkpointing every `every` steps.
+fn guarded(steps: u64, micro_batch: u32, step_down_in_place: bool) -> WorkerAssignment {
+    let mut a = assignment_for(
+        activation_heavy(),
+        16,
+        steps,
+        Some(micro_batch),
+        Some(false),
+    );
+    a.memory_guard = Some(headroom_api::MemoryGuardSettings {
+        margin_percent: 3,
+        step_down_in_place,
+    });
+    a
+}
+
+/// The peak (process high-water mark) of the activation-heavy job at
+/// `micro_batch`, without a guard or a limit.
+fn unguarded_peak(name: &str, micro_batch: u32) -> (u64, String) {
+    let dir = temp_dir(name);
+    let mut a = guarded(2, micro_batch, false);
+    a.memory_guard = None;
+    let run = run_worker(&dir, &serde_json::to_string(&a).expect("json"), POD_MALLOC);
+    assert_eq!(run.code, exit_code::SUCCESS, "{}", run.stderr);
+    let _ = std::fs::remove_dir_all(&dir);
+    (run.message.peak_bytes.expect("peak"), run.message.reason)
+}
+
+/// A limit a micro-batch of 4 fits under and one of 16 does not: half
+/// way up from the smaller peak.
+fn limit_between_micro_batches() -> u64 {
+    let (small, _) = unguarded_peak("guard-peak-4", 4);
+    let (large, _) = unguarded_peak("guard-peak-16", 16);
+    eprintln!("peaks without the guard: micro-batch 4 {small} B, 16 {large} B");
+    assert!(
+        large > small + (8 << 20),
+        "the activations dominate: {small} B vs {large} B"
+    );
+    small + (large - small) / 2
+}
+
+#[test]
+fn the_guard_steps_down_in_place_before_the_limit_and_keeps_the_global_batch() {
+    let limit = limit_between_micro_batches();
+    let dir = temp_dir("guard-step-down");
+    let a = guarded(3, 16, true);
+    let run = run_worker(
+        &dir,
+        &serde_json::to_string(&a).expect("json"),
+        &[
+            (DEVICE_MEMORY_LIMIT_ENV, &limit.to_string()),
+            POD_MALLOC[0],
+            POD_MALLOC[1],
+        ],
+    );
+    // Stepped down and finished in this pod (the worker ran itself again):
+    // no new attempt, no kill.
+    assert_eq!(run.code, exit_code::SUCCESS, "{}", run.stderr);
+    assert!(
+        run.stderr.contains("stepping down in place"),
+        "{}",
+        run.stderr
+    );
+    assert!(
+        run.message.peak_bytes.expect("peak") <= limit,
+        "peak {:?} B over the limit {limit} B",
+        run.message.peak_bytes
+    );
+    // The global batch is the same: the loss equals a run that started at
+    // the micro-batch the guard ended at (only the sums' order differs).
+    let last = run
+        .stderr
+        .lines()
+        .rfind(|l| l.contains("stepping down in place"))
+        .expect("a step-down line");
+    let micro: u32 = last
+        .split("micro_batch=")
+        .nth(1)
+        .and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|d| d.parse().ok())
+        .expect("the micro-batch stepped down to");
+    assert!(micro < 16, "{last}");
+    let loss = |reason: &str| -> f64 {
+        reason
+            .split("last loss ")
+            .nth(1)
+            .and_then(|r| r.split(';').next())
+            .and_then(|l| l.trim().parse().ok())
+            .unwrap_or_else(|| panic!("a loss in {reason}"))
+    };
+    let same_from_start = {
+        let dir = temp_dir("guard-step-down-reference");
+        let mut a = guarded(3, micro, false);
+        a.memory_guard = None;
+        let run = run_worker(&dir, &serde_json::to_string(&a).expect("json"), POD_MALLOC);
+        assert_eq!(run.code, exit_code::SUCCESS, "{}", run.stderr);
+        let _ = std::fs::remove_dir_all(&dir);
+        loss(&run.message.reason)
+    };
+    let guarded_loss = loss(&run.message.reason);
+    // Both are printed to 4 decimals; the accumulation's order moves the
+    // 7th digit of an f32 sum at most.
+    assert!(
+        (guarded_loss - same_from_start).abs() <= 1.5e-4,
+        "{guarded_loss} vs {same_from_start}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_trip_without_stepping_down_exits_near_oom_and_the_retry_resumes() {
+    let limit = limit_between_micro_batches();
+    let dir = temp_dir("guard-trip");
+    let a = guarded(3, 16, false);
+    let run = run_worker(
+        &dir,
+        &serde_json::to_string(&a).expect("json"),
+        &[
+            (DEVICE_MEMORY_LIMIT_ENV, &limit.to_string()),
+            POD_MALLOC[0],
+            POD_MALLOC[1],
+        ],
+    );
+    assert_eq!(run.code, exit_code::NEAR_OUT_OF_MEMORY, "{}", run.stderr);
+    assert_eq!(run.message.outcome, WorkerOutcome::NearOutOfMemory);
+    let m = &run.message;
+    assert!(
+        m.reason.starts_with("memory guard: step 1 stopped before "),
+        "{}",
+        m.reason
+    );
+    assert_eq!(m.step, Some(0));
+    // What it would have reached, over the limit; what it asked for.
+    assert!(m.peak_bytes.expect("peak") > limit * 97 / 100, "{m:?}");
+    assert!(m.requested_bytes.expect("increment") > 0);
+    assert!(
+        !run.stderr.contains("panicked"),
+        "a trip is not a panic: {}",
+        run.stderr
+    );
+    // The stricter attempt (a smaller micro-batch) resumes and finishes.
+    let retry = guarded(3, 2, false);
+    let run = run_worker(
+        &dir,
+        &serde_json::to_string(&retry).expect("json"),
+        &[
+            (DEVICE_MEMORY_LIMIT_ENV, &limit.to_string()),
+            POD_MALLOC[0],
+            POD_MALLOC[1],
+        ],
+    );
+    assert_eq!(run.code, exit_code::SUCCESS, "{}", run.stderr);
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -188,6 +188,10 @@ pub mod exit_code {
     /// (ENOSPC; sysexits EX_IOERR). The operator grows an expandable claim
     /// and retries, or names the setting that sizes it.
     pub const DISK_FULL: i32 = 74;
+    /// The memory guard stopped a step that would have crossed the memory
+    /// limit, before the kernel's OOM killer (or the device's allocator)
+    /// could: the last completed step is checkpointed, nothing is lost.
+    pub const NEAR_OUT_OF_MEMORY: i32 = 89;
     /// Any other failure.
     pub const FAILURE: i32 = 1;
 }
@@ -208,17 +212,21 @@ pub enum WorkerOutcome {
     Terminated,
     /// A write to the job's checkpoint volume found it full (ENOSPC).
     DiskFull,
+    /// The memory guard stopped a step before it crossed the limit; the
+    /// last completed step is checkpointed.
+    NearOutOfMemory,
     Failed,
 }
 
 impl WorkerOutcome {
-    pub const ALL: [WorkerOutcome; 7] = [
+    pub const ALL: [WorkerOutcome; 8] = [
         WorkerOutcome::Succeeded,
         WorkerOutcome::DeviceOutOfMemory,
         WorkerOutcome::InvalidPlan,
         WorkerOutcome::PeerLost,
         WorkerOutcome::Terminated,
         WorkerOutcome::DiskFull,
+        WorkerOutcome::NearOutOfMemory,
         WorkerOutcome::Failed,
     ];
 
@@ -231,6 +239,7 @@ impl WorkerOutcome {
             WorkerOutcome::PeerLost => exit_code::PEER_LOST,
             WorkerOutcome::Terminated => exit_code::TERMINATED,
             WorkerOutcome::DiskFull => exit_code::DISK_FULL,
+            WorkerOutcome::NearOutOfMemory => exit_code::NEAR_OUT_OF_MEMORY,
             WorkerOutcome::Failed => exit_code::FAILURE,
         }
     }
@@ -253,6 +262,7 @@ impl std::fmt::Display for WorkerOutcome {
             WorkerOutcome::PeerLost => "peerLost",
             WorkerOutcome::Terminated => "terminated",
             WorkerOutcome::DiskFull => "diskFull",
+            WorkerOutcome::NearOutOfMemory => "nearOutOfMemory",
             WorkerOutcome::Failed => "failed",
         })
     }
@@ -285,6 +295,26 @@ pub struct WorkerAssignment {
     /// pod; absent for the synthetic `transformer`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub files: Option<PayloadFiles>,
+    /// The near-OOM guard (`spec.memoryPolicy.guard`); `None`: off (the
+    /// job turned it off, or an operator from before the guard wrote this).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_guard: Option<MemoryGuardSettings>,
+}
+
+/// How a worker's near-OOM guard runs: it checks the memory in use before
+/// each part of a step that grows it (a block's forward, the loss, a
+/// micro-batch's backward, the optimizer step) and stops the step when
+/// what that part is known to add would leave less than the margin under
+/// the limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MemoryGuardSettings {
+    /// Kept free under the limit, percent of the limit.
+    pub margin_percent: u32,
+    /// Whether a trip may halve the micro-batch and double the
+    /// accumulation inside the running worker (one stage, one replica, an
+    /// even micro-batch): the global batch is unchanged, and no restart.
+    pub step_down_in_place: bool,
 }
 
 /// The files a fine-tuning worker reads and writes, as paths in its pod.

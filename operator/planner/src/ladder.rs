@@ -50,6 +50,9 @@ pub enum MemoryFailureKind {
     HostOom,
     /// The worker caught an allocation failure on the device.
     DeviceOom,
+    /// The worker's memory guard stopped a step that would have crossed
+    /// the limit (what it would have reached is the observed peak).
+    NearOom,
 }
 
 /// What a failed attempt tells the ladder.

@@ -157,6 +157,7 @@ fn worker(attempt: u32, step: u64) -> WorkerTelemetry {
             peak_bytes: 190 << 20,
         },
         download: None,
+        stepped_down: None,
         updated_at: Time(jiff::Timestamp::from_second(1_795_000_100).expect("time")),
     }
 }

@@ -197,6 +197,10 @@ fn classify_exit(t: &ContainerStateTerminated) -> PodFailure {
             (Some(WorkerOutcome::DiskFull), _) => {
                 (AttemptOutcome::DiskFull, "DiskFull".to_string())
             }
+            (Some(WorkerOutcome::NearOutOfMemory), _) => (
+                AttemptOutcome::NearOutOfMemory,
+                "NearOutOfMemory".to_string(),
+            ),
             // Deleted, evicted or drained: the worker checkpointed and stopped.
             (Some(WorkerOutcome::Terminated), _) => {
                 (AttemptOutcome::Disrupted, "Terminated".to_string())
@@ -266,8 +270,11 @@ pub fn rank(f: &PodFailure) -> (bool, u8) {
 /// memory failures drive the ladder, so they win.
 pub fn severity(outcome: AttemptOutcome) -> u8 {
     match outcome {
-        AttemptOutcome::DeviceOutOfMemory => 7,
-        AttemptOutcome::HostOutOfMemory => 6,
+        AttemptOutcome::DeviceOutOfMemory => 8,
+        AttemptOutcome::HostOutOfMemory => 7,
+        // The guard's stop explains less than a kill or an allocation
+        // failure in another stage, more than anything else.
+        AttemptOutcome::NearOutOfMemory => 6,
         AttemptOutcome::Unschedulable => 5,
         // A full volume explains the attempt before a failure it may have
         // caused in another stage.

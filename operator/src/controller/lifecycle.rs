@@ -122,10 +122,15 @@ pub enum Reason {
     Resumed,
     /// The attempts ran `spec.activeDeadlineSeconds` in all.
     DeadlineExceeded,
+    /// A worker's memory guard stopped a step before it crossed the memory
+    /// limit and checkpointed the last completed step (event).
+    NearOutOfMemory,
+    /// A worker's memory guard halved its micro-batch in place (event).
+    SteppedDown,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 26] = [
+    pub const ALL: [Reason; 28] = [
         Reason::Planned,
         Reason::Replanned,
         Reason::Retrying,
@@ -152,6 +157,8 @@ impl Reason {
         Reason::Suspended,
         Reason::Resumed,
         Reason::DeadlineExceeded,
+        Reason::NearOutOfMemory,
+        Reason::SteppedDown,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -182,6 +189,8 @@ impl Reason {
             Reason::Suspended => "Suspended",
             Reason::Resumed => "Resumed",
             Reason::DeadlineExceeded => "DeadlineExceeded",
+            Reason::NearOutOfMemory => "NearOutOfMemory",
+            Reason::SteppedDown => "SteppedDown",
         }
     }
 
@@ -744,7 +753,9 @@ fn end_attempt(
     if ending.outcome == AttemptOutcome::Succeeded || ending.reason == SUSPENDED_ENDING {
         return None;
     }
-    let reason = if ending.outcome.is_memory() {
+    let reason = if ending.outcome == AttemptOutcome::NearOutOfMemory {
+        Reason::NearOutOfMemory
+    } else if ending.outcome.is_memory() {
         Reason::OutOfMemory
     } else if ending.outcome == AttemptOutcome::DiskFull {
         Reason::DiskFull
@@ -1227,6 +1238,7 @@ mod tests {
                 ..Default::default()
             },
             download: None,
+            stepped_down: None,
             updated_at: Time(at().now),
         });
         status.progress = Some(headroom_api::JobProgress {

@@ -571,6 +571,11 @@ impl TransformerLm {
             .iter()
             .zip(first_layer..)
             .fold(x, |x, (block, layer)| {
+                // The near-OOM guard looks before each block (a no-op without one).
+                crate::memory_guard::check(
+                    crate::memory_guard::Phase::Forward,
+                    layer - first_layer,
+                );
                 block.forward_dropping(x, dropout.map(|d| d.part(u64::from(layer))), documents)
             })
     }

@@ -534,6 +534,47 @@ pub struct MemoryPolicy {
     #[serde(default = "default_backoff")]
     #[schemars(range(min = 0, max = 3600))]
     pub backoff_seconds: u32,
+    /// The near-OOM guard in the workers: a step that would cross the
+    /// memory limit is stopped before the kernel's OOM killer (or the
+    /// device's allocator) stops the worker, the last completed step is
+    /// kept, and the job steps down (in place, or through a stricter
+    /// attempt). On by default.
+    #[serde(default)]
+    pub guard: MemoryGuardPolicy,
+}
+
+/// The workers' near-OOM guard (`memoryPolicy.guard`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MemoryGuardPolicy {
+    /// Whether the guard runs. Off: a worker that outgrows its limit is
+    /// killed by the kernel (or fails an allocation on its device) and the
+    /// next attempt resumes from the last periodic checkpoint.
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    /// Memory kept free under the worker's limit, percent of the limit:
+    /// the guard stops a step when what its next part is known to add
+    /// would leave less than this.
+    #[serde(default = "default_guard_margin_percent")]
+    #[schemars(range(min = 1, max = 50))]
+    pub margin_percent: u32,
+    /// Whether a trip may halve the micro-batch and double the gradient
+    /// accumulation inside the running worker (the global batch is
+    /// unchanged; one pipeline stage and one replica, an even micro-batch,
+    /// and `halveMicroBatch` among the allowed rungs). Otherwise a trip
+    /// ends the attempt and the next one is planned stricter.
+    #[serde(default = "default_true")]
+    pub step_down_in_place: bool,
+}
+
+impl Default for MemoryGuardPolicy {
+    fn default() -> Self {
+        MemoryGuardPolicy {
+            enabled: true,
+            margin_percent: default_guard_margin_percent(),
+            step_down_in_place: true,
+        }
+    }
 }
 
 impl Default for MemoryPolicy {
@@ -542,6 +583,7 @@ impl Default for MemoryPolicy {
             allowed_rungs: default_rungs(),
             max_attempts: default_max_attempts(),
             backoff_seconds: default_backoff(),
+            guard: MemoryGuardPolicy::default(),
         }
     }
 }
@@ -1070,6 +1112,12 @@ fn default_max_attempts() -> u32 {
 }
 fn default_backoff() -> u32 {
     10
+}
+fn default_guard_margin_percent() -> u32 {
+    3
+}
+fn default_true() -> bool {
+    true
 }
 
 #[cfg(test)]

@@ -39,15 +39,22 @@ pub enum AttemptOutcome {
     /// claim (the volume was full): the retry grows a claim whose
     /// StorageClass allows expansion.
     DiskFull,
+    /// The worker's memory guard stopped a step before it crossed the
+    /// memory limit, after checkpointing the last completed step: the retry
+    /// is stricter, and no completed step is lost.
+    NearOutOfMemory,
     Failed,
 }
 
 impl AttemptOutcome {
-    /// Out of memory, on the host or on the device: the retry is stricter.
+    /// Out of memory, on the host or on the device, or about to be (the
+    /// guard): the retry is stricter.
     pub fn is_memory(self) -> bool {
         matches!(
             self,
-            AttemptOutcome::HostOutOfMemory | AttemptOutcome::DeviceOutOfMemory
+            AttemptOutcome::HostOutOfMemory
+                | AttemptOutcome::DeviceOutOfMemory
+                | AttemptOutcome::NearOutOfMemory
         )
     }
 }
@@ -209,7 +216,23 @@ pub struct WorkerTelemetry {
     /// entry: pod `<job>-init-<n>`, attempt 0, removed once attempt 1 starts).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub download: Option<DownloadProgress>,
+    /// The micro-batch and accumulation the worker's memory guard stepped
+    /// down to in place (the same global batch); absent: the attempt's own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stepped_down: Option<SteppedDown>,
     pub updated_at: Time,
+}
+
+/// Settings a worker's memory guard stepped down to without a restart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SteppedDown {
+    /// Samples per micro-batch now.
+    #[schemars(range(min = 1))]
+    pub micro_batch: u32,
+    /// Micro-batches accumulated per optimizer step now.
+    #[schemars(range(min = 1))]
+    pub gradient_accumulation: u32,
 }
 
 impl WorkerTelemetry {
@@ -586,6 +609,7 @@ mod tests {
                 file,
                 ..DownloadProgress::default()
             }),
+            stepped_down: None,
             updated_at: Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH),
         }
     }

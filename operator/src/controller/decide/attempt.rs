@@ -10,7 +10,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 
 use super::super::classify::{PodFailure, PodVerdict, classify, rank};
-use super::super::lifecycle::{AttemptEnding, Reason, Transition};
+use super::super::lifecycle::{AttemptEnding, JobEvent, Reason, Transition};
 use super::{Builder, Observation, of_attempt};
 
 /// How long a pipeline stage that lost its neighbour waits for the
@@ -205,6 +205,42 @@ fn since(now: Timestamp, then: Timestamp) -> Duration {
 }
 
 impl Builder<'_> {
+    /// A worker whose memory guard stepped it down in place reports the
+    /// micro-batch and accumulation it runs now: the attempt records them
+    /// (its settings are what ran; the global batch is the same), with an
+    /// event the first time each step down is seen.
+    fn record_step_down(&mut self, n: u32) {
+        let reported = self
+            .d
+            .status
+            .workers
+            .iter()
+            .filter(|w| w.attempt == n)
+            .filter_map(|w| w.stepped_down)
+            .min_by_key(|d| d.micro_batch);
+        let Some(down) = reported else {
+            return;
+        };
+        let Some(a) = self.d.status.attempts.last_mut().filter(|a| a.number == n) else {
+            return;
+        };
+        if a.settings.micro_batch <= down.micro_batch {
+            return;
+        }
+        let note = format!(
+            "attempt {n}: the memory guard stopped a step before the memory limit and stepped the worker down in place, micro-batch {} × accumulation {} → {} × {} (the same global batch), resuming from its last checkpoint in the same pod",
+            a.settings.micro_batch,
+            a.settings.gradient_accumulation,
+            down.micro_batch,
+            down.gradient_accumulation
+        );
+        a.settings.micro_batch = down.micro_batch;
+        a.settings.gradient_accumulation = down.gradient_accumulation;
+        self.d
+            .events
+            .push(JobEvent::new(true, Reason::SteppedDown, note));
+    }
+
     /// Follows the running attempt: acts on its pods' verdict.
     pub(super) fn follow(&mut self, attempt: &Attempt, request: &JobRequest) {
         let n = attempt.number;
@@ -277,6 +313,7 @@ impl Builder<'_> {
             Verdict::Running { running, recheck } => {
                 self.d.requeue_after = recheck;
                 self.launch(n);
+                self.record_step_down(n);
                 self.enter(Transition::WorkersRunning {
                     attempt: n,
                     running,

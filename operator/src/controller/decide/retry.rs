@@ -79,7 +79,9 @@ impl Builder<'_> {
             return self.fail(Reason::MaxAttemptsReached, message);
         }
         let (cause, why) = match ended.outcome {
-            AttemptOutcome::HostOutOfMemory | AttemptOutcome::DeviceOutOfMemory => (
+            AttemptOutcome::HostOutOfMemory
+            | AttemptOutcome::DeviceOutOfMemory
+            | AttemptOutcome::NearOutOfMemory => (
                 FailureCause::OutOfMemory(self.memory_failure(ended)),
                 "stricter settings",
             ),
@@ -134,10 +136,10 @@ impl Builder<'_> {
 
     /// What the replan learns from an attempt that ran out of memory.
     fn memory_failure(&self, ended: &Attempt) -> MemoryFailure {
-        let kind = if ended.outcome == AttemptOutcome::DeviceOutOfMemory {
-            MemoryFailureKind::DeviceOom
-        } else {
-            MemoryFailureKind::HostOom
+        let kind = match ended.outcome {
+            AttemptOutcome::DeviceOutOfMemory => MemoryFailureKind::DeviceOom,
+            AttemptOutcome::NearOutOfMemory => MemoryFailureKind::NearOom,
+            _ => MemoryFailureKind::HostOom,
         };
         // A step past where the attempt started (the previous attempt's
         // last step bounds its checkpoint from above).
@@ -315,6 +317,77 @@ mod tests {
         );
         assert_eq!(d.status.phase, Some(JobPhase::Running));
         assert_eq!(d.status.attempts.len(), 2);
+    }
+
+    /// The guard's stop is its own outcome and event, climbs the ladder as
+    /// an OOM does, and says where the last completed step is; what it
+    /// would have reached is the attempt's observed peak.
+    #[test]
+    fn a_guard_stop_is_its_own_outcome_and_climbs_the_ladder() {
+        let mut j = oom_job();
+        step(&mut j, &[], t0());
+        step(&mut j, &[pod(1, 0, RUNNING)], t0());
+        let message = r#"{"outcome":"nearOutOfMemory","reason":"memory guard: step 5 stopped before the backward of micro-batch 0: ...; step 4 checkpointed to /checkpoints/step-4","step":4,"peakBytes":400000000,"requestedBytes":90000000}"#;
+        let stopped = pod(
+            1,
+            0,
+            &terminated(headroom_api::exit_code::NEAR_OUT_OF_MEMORY, message),
+        );
+        let d = step(&mut j, &[stopped], t0() + SignedDuration::from_secs(30));
+        assert_eq!(d.ended, Some(AttemptOutcome::NearOutOfMemory));
+        let (first, second) = (&d.status.attempts[0], &d.status.attempts[1]);
+        assert_eq!(first.reason.as_deref(), Some("NearOutOfMemory"));
+        assert_eq!(first.last_step, Some(4));
+        assert_eq!(first.observed_peak_bytes, Some(400_000_000));
+        assert!(
+            first
+                .message
+                .as_deref()
+                .unwrap_or("")
+                .contains("step 4 checkpointed")
+        );
+        assert!(second.settings.activation_checkpointing, "{second:?}");
+        assert_eq!(
+            second.settings.global_batch(),
+            first.settings.global_batch()
+        );
+        let reasons: Vec<_> = d.events.iter().map(|e| e.reason).collect();
+        assert_eq!(reasons, [Reason::NearOutOfMemory, Reason::Retrying]);
+    }
+
+    /// A worker that stepped down in place: the attempt records what it
+    /// runs now, with one event.
+    #[test]
+    fn a_step_down_in_place_is_recorded_once() {
+        let mut j = oom_job();
+        step(&mut j, &[], t0());
+        let d = step(&mut j, &[pod(1, 0, RUNNING)], t0());
+        let planned = d.status.attempts[0].settings;
+        let mut report: headroom_api::WorkerTelemetry = serde_json::from_value(serde_json::json!({
+            "name": "p-a1-s0", "attempt": 1, "stage": 0, "layerStart": 0, "layerEnd": 1, "step": 0,
+            "memory": {"peakBytes": 1}, "updatedAt": "2026-11-26T10:00:00Z",
+            "steppedDown": {"microBatch": planned.micro_batch / 2, "gradientAccumulation": planned.gradient_accumulation * 2}
+        }))
+        .expect("telemetry");
+        let status = j.status.get_or_insert_with(Default::default);
+        status.workers = vec![report.clone()];
+        let d = step(&mut j, &[pod(1, 0, RUNNING)], t0());
+        let now = d.status.attempts[0].settings;
+        assert_eq!(
+            (now.micro_batch, now.gradient_accumulation),
+            (planned.micro_batch / 2, planned.gradient_accumulation * 2)
+        );
+        let stepped: Vec<_> = d
+            .events
+            .iter()
+            .filter(|e| e.reason == Reason::SteppedDown)
+            .collect();
+        assert_eq!(stepped.len(), 1, "{:?}", d.events);
+        // Seen again: nothing new.
+        report.step = 3;
+        j.status.get_or_insert_with(Default::default).workers = vec![report];
+        let d = step(&mut j, &[pod(1, 0, RUNNING)], t0());
+        assert!(d.events.iter().all(|e| e.reason != Reason::SteppedDown));
     }
 
     #[test]

@@ -8,11 +8,12 @@ use std::collections::BTreeMap;
 use headroom_api::{
     CHECKPOINT_DIR_ENV, DEFAULT_CHECKPOINT_DIR, LABEL_ATTEMPT, LABEL_JOB, LABEL_REPLICA,
     LABEL_STAGE, MALLOC_ARENA_MAX_ENV, MALLOC_TUNABLES_ENV, MemoryAwareTrainingJob,
-    PIPELINE_PODS_ENV, PIPELINE_PORT, PIPELINE_SERVICE_ENV, PLAN_JSON_ENV, REPLICA_PODS_ENV,
-    REPLICA_PORT, WORKER_MALLOC_ARENAS, WORKER_MALLOC_TUNABLES, WorkerAssignment,
+    MemoryGuardSettings, MemoryPolicy, PIPELINE_PODS_ENV, PIPELINE_PORT, PIPELINE_SERVICE_ENV,
+    PLAN_JSON_ENV, REPLICA_PODS_ENV, REPLICA_PORT, WORKER_MALLOC_ARENAS, WORKER_MALLOC_TUNABLES,
+    WorkerAssignment,
 };
 use headroom_planner::inventory::{LabelRequirement, device_placement};
-use headroom_planner::{DeviceKind, Plan};
+use headroom_planner::{DeviceKind, Plan, RetryRung};
 use k8s_openapi::api::core::v1::{
     Affinity, ContainerPort, EnvVar, NodeAffinity, NodeSelector, NodeSelectorRequirement,
     NodeSelectorTerm, Pod, PodAffinity, PodAffinityTerm, ResourceRequirements,
@@ -167,7 +168,20 @@ fn assignment(
         checkpoint_every_steps: training.checkpoint_every_steps,
         seed: training.seed,
         files: payload_files(job),
+        memory_guard: memory_guard(&job.spec.memory_policy),
     }
+}
+
+/// The guard's settings for the workers (`spec.memoryPolicy.guard`):
+/// `None` when the job turned it off. Stepping down in place halves the
+/// micro-batch, so it is offered only where the job allows that rung.
+fn memory_guard(policy: &MemoryPolicy) -> Option<MemoryGuardSettings> {
+    let guard = &policy.guard;
+    guard.enabled.then(|| MemoryGuardSettings {
+        margin_percent: guard.margin_percent,
+        step_down_in_place: guard.step_down_in_place
+            && policy.allowed_rungs.contains(&RetryRung::HalveMicroBatch),
+    })
 }
 
 /// How long a worker of `stage` may take after SIGTERM: Kubernetes' 30 s

@@ -431,6 +431,7 @@ fn worker_assignment(
         checkpoint_every_steps: u32::try_from(steps).unwrap_or(u32::MAX),
         seed: 1,
         files: None,
+        memory_guard: None,
     }
 }
 
@@ -1295,6 +1296,7 @@ fn step_times(
                         eval_loss: None,
                         tokens_per_second: Some(r.tokens_per_second()),
                         download: None,
+                        stepped_down: None,
                     });
                 }
                 if telemetry { &mut with } else { &mut without }.push(r.elapsed.as_secs_f64());
