@@ -538,7 +538,7 @@ pub struct MemoryPolicy {
     /// memory limit is stopped before the kernel's OOM killer (or the
     /// device's allocator) stops the worker, the last completed step is
     /// kept, and the job steps down (in place, or through a stricter
-    /// attempt). On by default.
+    /// attempt). Off unless `enabled` (until its grid on real pods is run).
     #[serde(default)]
     pub guard: MemoryGuardPolicy,
 }
@@ -547,10 +547,11 @@ pub struct MemoryPolicy {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct MemoryGuardPolicy {
-    /// Whether the guard runs. Off: a worker that outgrows its limit is
-    /// killed by the kernel (or fails an allocation on its device) and the
-    /// next attempt resumes from the last periodic checkpoint.
-    #[serde(default = "default_true")]
+    /// Whether the guard runs (default false). Off: a worker that outgrows
+    /// its limit is killed by the kernel (or fails an allocation on its
+    /// device) and the next attempt resumes from the last periodic
+    /// checkpoint.
+    #[serde(default)]
     pub enabled: bool,
     /// Memory kept free under the worker's limit, percent of the limit:
     /// the guard stops a step when what its next part is known to add
@@ -570,7 +571,7 @@ pub struct MemoryGuardPolicy {
 impl Default for MemoryGuardPolicy {
     fn default() -> Self {
         MemoryGuardPolicy {
-            enabled: true,
+            enabled: false,
             margin_percent: default_guard_margin_percent(),
             step_down_in_place: true,
         }
