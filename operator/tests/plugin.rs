@@ -1157,6 +1157,9 @@ fn plugin_with_hf(args: &[&str], stdin: &str, hf: &[(&str, &str)]) -> Output {
         .env_remove("KUBERNETES_SERVICE_HOST")
         .env_remove("HF_TOKEN")
         .env_remove("HF_ENDPOINT")
+        .env_remove("HF_TOKEN_PATH")
+        // Nor the developer's `huggingface-cli login` token.
+        .env("HF_HOME", "/nonexistent/hf-home")
         .envs(hf.iter().copied())
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
@@ -1306,6 +1309,26 @@ fn a_hub_models_config_is_fetched_at_its_revisions_commit() {
     assert_golden(
         "hub-llama-3.2-1b.txt",
         &both_streams(&out).replace(&endpoint, "http://127.0.0.1:PORT"),
+    );
+
+    // The token file `huggingface-cli login` writes serves as HF_TOKEN does.
+    let token_file = std::env::temp_dir().join(format!("headroom-hf-token-{}", std::process::id()));
+    std::fs::write(&token_file, "hf_plugin_user\n").expect("token file");
+    let out = plugin_with_hf(
+        &args,
+        &on_hub,
+        &[
+            ("HF_TOKEN_PATH", token_file.to_str().expect("utf-8")),
+            ("HF_ENDPOINT", endpoint.as_str()),
+        ],
+    );
+    let _ = std::fs::remove_file(&token_file);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(
+        hub.take_requests()
+            .iter()
+            .all(|r| r.authorization.as_deref() == Some("Bearer hf_plugin_user")),
+        "the file's token is sent"
     );
 
     // A revision the hub does not have is named.

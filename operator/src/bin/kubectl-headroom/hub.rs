@@ -5,7 +5,10 @@
 //! the plan is of the very commit the initializer will download while the
 //! branch stays where it is.
 //!
-//! The token is the plugin user's own `HF_TOKEN`, when set, never a cluster
+//! The token is the plugin user's own, found as `huggingface_hub` finds it
+//! (`HF_TOKEN`, else the file `huggingface-cli login` wrote:
+//! `HF_TOKEN_PATH`, else `$HF_HOME/token`, `HF_HOME` defaulting to
+//! `$XDG_CACHE_HOME/huggingface` or `~/.cache/huggingface`), never a cluster
 //! Secret (the job's `tokenSecret` is for its initializer pod alone). It is
 //! sent only to the public hub or to the endpoint the user's `HF_ENDPOINT`
 //! names: a manifest planned here may come from someone else, and its
@@ -40,24 +43,70 @@ pub struct HubConfig {
     pub describe: String,
 }
 
-/// What the user's environment says: `HF_TOKEN` and `HF_ENDPOINT`.
-#[derive(Clone, Debug, Default)]
+/// What the user's environment says: their token and `HF_ENDPOINT`.
+#[derive(Clone, Default)]
 pub struct UserHubEnv {
     pub token: Option<String>,
+    /// Where the token came from (`HF_TOKEN` or the token file's path), for messages.
+    pub token_from: String,
     pub endpoint: Option<String>,
+}
+
+impl std::fmt::Debug for UserHubEnv {
+    // Never the token.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UserHubEnv")
+            .field("token", &self.token.as_ref().map(|_| "(set)"))
+            .field("token_from", &self.token_from)
+            .field("endpoint", &self.endpoint)
+            .finish()
+    }
 }
 
 impl UserHubEnv {
     pub fn from_env() -> Self {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// Reads the variables through `env` (tests pass a map).
+    fn from_lookup(env: impl Fn(&str) -> Option<String>) -> Self {
         let var = |k: &str| {
-            std::env::var(k)
-                .ok()
+            env(k)
                 .map(|v| v.trim().to_string())
                 .filter(|v| !v.is_empty())
         };
+        let endpoint = var("HF_ENDPOINT").map(|e| normalized(&e));
+        if let Some(token) = var("HF_TOKEN") {
+            return UserHubEnv {
+                token: Some(token),
+                token_from: "HF_TOKEN".into(),
+                endpoint,
+            };
+        }
+        let file = var("HF_TOKEN_PATH")
+            .map(std::path::PathBuf::from)
+            .or_else(|| {
+                let home = var("HF_HOME").map(std::path::PathBuf::from).or_else(|| {
+                    let cache = var("XDG_CACHE_HOME")
+                        .map(std::path::PathBuf::from)
+                        .or_else(|| var("HOME").map(|h| std::path::Path::new(&h).join(".cache")))?;
+                    Some(cache.join("huggingface"))
+                })?;
+                Some(home.join("token"))
+            });
+        let token = file.as_ref().and_then(|f| {
+            std::fs::read_to_string(f)
+                .ok()
+                .map(|t| t.trim().to_string())
+                .filter(|t| !t.is_empty())
+        });
         UserHubEnv {
-            token: var("HF_TOKEN"),
-            endpoint: var("HF_ENDPOINT").map(|e| normalized(&e)),
+            token_from: match (&token, &file) {
+                (Some(_), Some(f)) => f.display().to_string(),
+                _ => "HF_TOKEN".into(),
+            },
+            token,
+            endpoint,
         }
     }
 
@@ -238,16 +287,19 @@ impl Answer {
         let withheld = env.token.is_some() && !sent_token;
         Err(match status {
             401 | 403 if code == "GatedRepo" => anyhow!(
-                "{describe} is gated: accept its conditions on the hub with the account whose token is in HF_TOKEN{hub_says}"
+                "{describe} is gated: accept its conditions on the hub with the account whose token is in {}{hub_says}",
+                env.token_from
             ),
             401 | 403 if withheld => anyhow!(
-                "{url} answered {status}{hub_says}; HF_TOKEN is sent only to {DEFAULT_HF_ENDPOINT} or the endpoint HF_ENDPOINT names: set HF_ENDPOINT={endpoint} to send it there, or pass --model-dir"
+                "{url} answered {status}{hub_says}; your token ({}) is sent only to {DEFAULT_HF_ENDPOINT} or the endpoint HF_ENDPOINT names: set HF_ENDPOINT={endpoint} to send it there, or pass --model-dir",
+                env.token_from
             ),
             401 | 403 if !sent_token => anyhow!(
-                "{url} answered {status}{hub_says}: the repository needs a token: set HF_TOKEN to yours (the job's tokenSecret is the initializer's; the plugin reads no Secret), or pass --model-dir; the hub also answers so for a repository that does not exist"
+                "{url} answered {status}{hub_says}: the repository needs a token: set HF_TOKEN to yours or run `huggingface-cli login` (the job's tokenSecret is the initializer's; the plugin reads no Secret), or pass --model-dir; the hub also answers so for a repository that does not exist"
             ),
             401 | 403 => anyhow!(
-                "the token in HF_TOKEN was refused: {url} answered {status}{hub_says}; check that its account can read the repository"
+                "the token in {} was refused: {url} answered {status}{hub_says}; check that its account can read the repository",
+                env.token_from
             ),
             404 if code == "RevisionNotFound" => {
                 anyhow!("{describe}: revision not found{hub_says}")
@@ -320,12 +372,48 @@ mod tests {
     fn the_token_goes_only_to_the_hub_or_the_users_own_endpoint() {
         let env = UserHubEnv {
             token: Some("hf_x".into()),
+            token_from: "HF_TOKEN".into(),
             endpoint: Some("https://mirror.example".into()),
         };
+        assert!(!format!("{env:?}").contains("hf_x"), "{env:?}");
         assert_eq!(env.token_for(DEFAULT_HF_ENDPOINT), Some("hf_x"));
         assert_eq!(env.token_for("https://mirror.example"), Some("hf_x"));
         assert_eq!(env.token_for("https://elsewhere.example"), None);
         assert_eq!(UserHubEnv::default().token_for(DEFAULT_HF_ENDPOINT), None);
+    }
+
+    /// As `huggingface_hub`: HF_TOKEN, else HF_TOKEN_PATH, else
+    /// `$HF_HOME/token`, else the XDG cache's or the home's.
+    #[test]
+    fn the_token_is_found_as_huggingface_hub_finds_it() {
+        let dir = std::env::temp_dir().join(format!("headroom-hf-home-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join(".cache/huggingface")).expect("tmp");
+        std::fs::write(dir.join(".cache/huggingface/token"), "hf_home\n").expect("token");
+        std::fs::write(dir.join("other"), " hf_path ").expect("token");
+        let home = dir.to_str().expect("utf-8").to_string();
+        let from = |vars: &[(&str, &str)]| {
+            let vars: std::collections::BTreeMap<String, String> = vars
+                .iter()
+                .map(|(k, v)| ((*k).to_string(), (*v).to_string()))
+                .collect();
+            UserHubEnv::from_lookup(|k| vars.get(k).cloned())
+        };
+        let other = format!("{home}/other");
+        let env = from(&[("HF_TOKEN", "hf_env"), ("HOME", &home)]);
+        assert_eq!(
+            (env.token.as_deref(), env.token_from.as_str()),
+            (Some("hf_env"), "HF_TOKEN")
+        );
+        let env = from(&[("HF_TOKEN_PATH", &other), ("HOME", &home)]);
+        assert_eq!(
+            (env.token.as_deref(), env.token_from.as_str()),
+            (Some("hf_path"), other.as_str())
+        );
+        let env = from(&[("HOME", &home)]);
+        assert_eq!(env.token.as_deref(), Some("hf_home"));
+        let env = from(&[("HOME", &home), ("HF_HOME", "/nonexistent")]);
+        assert_eq!(env.token, None);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
