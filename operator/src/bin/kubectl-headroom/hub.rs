@@ -218,6 +218,14 @@ impl<'a> Hub<'a> {
                 let location = header("location")
                     .ok_or_else(|| anyhow!("{url} answered {status} without a Location"))?;
                 if location.starts_with('/') && !location.starts_with("//") {
+                    // A path on the same host, from its root: a mirror's
+                    // endpoint may have a path of its own (the token stays:
+                    // same host).
+                    let host = host_origin(&origin);
+                    if host != origin {
+                        client = self::client(&host)?;
+                        origin = host;
+                    }
                     path = location;
                 } else {
                     let uri: Uri = location
@@ -322,6 +330,15 @@ fn client(origin: &str) -> Result<kube::Client> {
     Ok(kube::Client::try_from(config)?)
 }
 
+/// `scheme://host[:port]` of a URL (a mirror's endpoint may have a path).
+fn host_origin(url: &str) -> String {
+    let after_scheme = url.find("://").map_or(0, |i| i + 3);
+    match url[after_scheme..].find('/') {
+        Some(i) => url[..after_scheme + i].to_string(),
+        None => url.to_string(),
+    }
+}
+
 /// The commit a listing names (its `sha`), as the initializer reads it.
 fn listing_commit(text: &str) -> std::result::Result<Option<String>, String> {
     let v: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
@@ -414,6 +431,12 @@ mod tests {
         let env = from(&[("HOME", &home), ("HF_HOME", "/nonexistent")]);
         assert_eq!(env.token, None);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn origins_drop_a_mirrors_path() {
+        assert_eq!(host_origin("https://m.example/hf"), "https://m.example");
+        assert_eq!(host_origin("http://127.0.0.1:9"), "http://127.0.0.1:9");
     }
 
     #[test]
