@@ -189,24 +189,65 @@ fn spec<T: for<'de> Deserialize<'de>>(obj: &DynamicObject, what: &str) -> Result
         .map_err(|e| format!("{what}: cannot read its spec: {e}"))
 }
 
+/// Why a queue's offer could not be read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnreadOffer {
+    /// Names the object that is missing or unreadable, and why.
+    pub message: String,
+    /// The reader's rights kept it (a user whose Role is namespaced may
+    /// read the LocalQueue, not the cluster-scoped ClusterQueue).
+    pub forbidden: bool,
+}
+
+impl UnreadOffer {
+    fn api(object: String, e: &kube::Error) -> Self {
+        UnreadOffer {
+            message: format!("{object}: {}", short(e)),
+            forbidden: matches!(e, kube::Error::Api(s) if s.is_forbidden()),
+        }
+    }
+}
+
+impl From<String> for UnreadOffer {
+    fn from(message: String) -> Self {
+        UnreadOffer {
+            message,
+            forbidden: false,
+        }
+    }
+}
+
 impl QueueOffer {
     /// The offer from the ClusterQueue behind LocalQueue `local` and its
     /// ResourceFlavors, as they are now. The message of an error names the
     /// object that is missing or unreadable.
     pub async fn read(client: &Client, namespace: &str, local: &str) -> Result<Self, String> {
+        Self::read_as_allowed(client, namespace, local)
+            .await
+            .map_err(|e| e.message)
+    }
+
+    /// As [`QueueOffer::read`], saying whether a refusal of the client's
+    /// rights is why it could not be read (`kubectl headroom plan` then
+    /// says what it assumed).
+    pub async fn read_as_allowed(
+        client: &Client,
+        namespace: &str,
+        local: &str,
+    ) -> Result<Self, UnreadOffer> {
         let lq_api: Api<DynamicObject> =
             Api::namespaced_with(client.clone(), namespace, &api("LocalQueue", "localqueues"));
         let lq = lq_api
             .get(local)
             .await
-            .map_err(|e| format!("LocalQueue {namespace}/{local}: {}", short(&e)))?;
+            .map_err(|e| UnreadOffer::api(format!("LocalQueue {namespace}/{local}"), &e))?;
         let lq: LocalQueueSpec = spec(&lq, &format!("LocalQueue {namespace}/{local}"))?;
         let cq_api: Api<DynamicObject> =
             Api::all_with(client.clone(), &api("ClusterQueue", "clusterqueues"));
         let cq = cq_api
             .get(&lq.cluster_queue)
             .await
-            .map_err(|e| format!("ClusterQueue {}: {}", lq.cluster_queue, short(&e)))?;
+            .map_err(|e| UnreadOffer::api(format!("ClusterQueue {}", lq.cluster_queue), &e))?;
         let cq: ClusterQueueSpec = spec(&cq, &format!("ClusterQueue {}", lq.cluster_queue))?;
         let rf_api: Api<DynamicObject> =
             Api::all_with(client.clone(), &api("ResourceFlavor", "resourceflavors"));
@@ -218,11 +259,11 @@ impl QueueOffer {
             let rf = rf_api
                 .get(&f.name)
                 .await
-                .map_err(|e| format!("ResourceFlavor {}: {}", f.name, short(&e)))?;
+                .map_err(|e| UnreadOffer::api(format!("ResourceFlavor {}", f.name), &e))?;
             let rf: ResourceFlavorSpec = spec(&rf, &format!("ResourceFlavor {}", f.name))?;
             labels.insert(f.name.clone(), rf.node_labels);
         }
-        Self::from_specs(local, &lq.cluster_queue, cq, &labels)
+        Ok(Self::from_specs(local, &lq.cluster_queue, cq, &labels)?)
     }
 
     fn from_specs(
@@ -428,6 +469,54 @@ impl QueueOffer {
             "LocalQueue {} (ClusterQueue {})",
             self.local_queue, self.cluster_queue
         )
+    }
+}
+
+/// A GPU job's devices: the nodes' less those `device_pods` hold, or, in a
+/// queue (`offer`), those of the nodes its flavors stand for, capped by
+/// their quota. The operator and `kubectl headroom plan` both plan with it.
+pub fn gpu_inventory_within<'a>(
+    job: &MemoryAwareTrainingJob,
+    nodes: &[&'a Node],
+    device_pods: &[&'a Pod],
+    offer: Option<&QueueOffer>,
+    one_node: bool,
+) -> Inventory {
+    let build = |nodes: &[&'a Node]| {
+        crate::inventory::job_inventory(
+            job,
+            nodes.iter().copied(),
+            device_pods.iter().copied(),
+            one_node,
+        )
+    };
+    match offer {
+        Some(o) => o.gpu_inventory(nodes, build),
+        None => build(nodes),
+    }
+}
+
+/// A CPU job: `by_nodes`, what the nodes its pods may use can hold
+/// ([`crate::inventory::cpu_inventory`]; `None` when no node is known),
+/// capped by the queue's `offer`. Without nodes and without a queue the
+/// job's own budget is all there is (the empty inventory); without nodes in
+/// a queue (a control plane alone), the job's own worker cap, capped by the
+/// queue.
+pub fn cpu_inventory_within(
+    job: &MemoryAwareTrainingJob,
+    by_nodes: Option<Inventory>,
+    offer: Option<&QueueOffer>,
+) -> Inventory {
+    match (offer, crate::inventory::cpu_worker_size(job)) {
+        (Some(o), Some((limit, cores))) => {
+            let mut inventory = by_nodes.unwrap_or_else(|| {
+                let cap = job.spec.resources.cpu.as_ref().map_or(1, |c| c.max_workers);
+                Inventory::cpu(limit, cap.max(1))
+            });
+            o.cap_cpu(&mut inventory, limit, cores);
+            inventory
+        }
+        _ => by_nodes.unwrap_or_default(),
     }
 }
 

@@ -1144,3 +1144,341 @@ async fn a_namespaced_user_plans_in_the_contexts_namespace_on_the_api_server() {
     let _ = std::fs::remove_dir_all(&dir);
     ns.cleanup().await;
 }
+
+/// `kubectl-headroom` with `stdin` and the Hugging Face variables `hf`
+/// (and none of the developer's own).
+fn plugin_with_hf(args: &[&str], stdin: &str, hf: &[(&str, &str)]) -> Output {
+    use std::io::Write;
+    let mut command = Command::new(env!("CARGO_BIN_EXE_kubectl-headroom"));
+    command
+        .args(args)
+        .current_dir(root())
+        .env("KUBECONFIG", "/nonexistent/kubeconfig")
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .env_remove("HF_TOKEN")
+        .env_remove("HF_ENDPOINT")
+        .env_remove("HF_TOKEN_PATH")
+        // Nor the developer's `huggingface-cli login` token.
+        .env("HF_HOME", "/nonexistent/hf-home")
+        .envs(hf.iter().copied())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let mut child = command.spawn().expect("plugin runs");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(stdin.as_bytes())
+        .expect("write stdin");
+    child.wait_with_output().expect("plugin ends")
+}
+
+/// `got` against the golden file `name` in `tests/fixtures/plugin/`
+/// (`HEADROOM_UPDATE_GOLDEN=1` rewrites it).
+fn assert_golden(name: &str, got: &str) {
+    let path = root().join("operator/tests/fixtures/plugin").join(name);
+    if std::env::var_os("HEADROOM_UPDATE_GOLDEN").is_some() {
+        std::fs::write(&path, got).expect("write golden");
+    }
+    let want = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (HEADROOM_UPDATE_GOLDEN=1 writes it)",
+            path.display()
+        )
+    });
+    assert!(
+        got == want,
+        "{name} differs from {} (HEADROOM_UPDATE_GOLDEN=1 rewrites it):\n{got}",
+        path.display()
+    );
+}
+
+/// stdout, then stderr under a `--- stderr` line.
+fn both_streams(out: &Output) -> String {
+    format!(
+        "{}--- stderr\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// Without `--model-dir`, a `model.pretrained.huggingFace` job is planned
+/// from the config.json its hub holds at its revision's commit, fetched as
+/// the initializer fetches it (listing, then `resolve/{commit}`), from a
+/// stand-in that answers as the hub does. The plan is the one
+/// `--model-dir` gives from the same file. The user's HF_TOKEN is sent only
+/// to the endpoint HF_ENDPOINT names (or huggingface.co), never to one a
+/// manifest names, and each refusal says what to set.
+#[test]
+fn a_hub_models_config_is_fetched_at_its_revisions_commit() {
+    use headroom_e2e::hub::{HUB_COMMIT, HubRepo, LocalHub};
+    let config = std::fs::read(root().join("samples/models/llama-3.2-1b/config.json"))
+        .expect("the sample's config");
+    let repo = HubRepo {
+        files: [("config.json".to_string(), config)].into_iter().collect(),
+        token: Some("hf_plugin_user".into()),
+    };
+    let hub = LocalHub::start(
+        "127.0.0.1:0",
+        [("meta-llama/Llama-3.2-1B".to_string(), repo)]
+            .into_iter()
+            .collect(),
+    );
+    let endpoint = hub.endpoint();
+    let job = sample("gpu-finetune-llama-3.2-1b.yaml");
+    let on_hub = job.replace(
+        "        tokenSecret: {name: hf-token}\n",
+        &format!(
+            "        tokenSecret: {{name: hf-token}}\n        endpoint: {endpoint}\n        allowInsecureHttp: true\n"
+        ),
+    );
+    assert_ne!(on_hub, job, "the premise: the sample names a token Secret");
+    let args = [
+        "plan",
+        "-f",
+        "-",
+        "-n",
+        "tenant",
+        "--nodes",
+        "samples/nodes-gfd.yaml",
+    ];
+
+    // No token: the hub's 401, and what to set.
+    let out = plugin_with_hf(&args, &on_hub, &[]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("needs a token: set HF_TOKEN") && text(&out).contains("--model-dir"),
+        "{}",
+        text(&out)
+    );
+    // A token, but the manifest's endpoint is not the user's: not sent.
+    hub.take_requests();
+    let out = plugin_with_hf(&args, &on_hub, &[("HF_TOKEN", "hf_plugin_user")]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains(&format!("set HF_ENDPOINT={endpoint} to send it there")),
+        "{}",
+        text(&out)
+    );
+    let seen = hub.take_requests();
+    assert!(
+        !seen.is_empty() && seen.iter().all(|r| r.authorization.is_none()),
+        "{seen:?}"
+    );
+
+    // The user's own endpoint: the listing, then config.json at its commit.
+    let hf = [
+        ("HF_TOKEN", "hf_plugin_user"),
+        ("HF_ENDPOINT", endpoint.as_str()),
+    ];
+    let out = plugin_with_hf(&args, &on_hub, &hf);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let paths: Vec<(String, String, Option<String>)> = hub
+        .take_requests()
+        .into_iter()
+        .map(|r| (r.method, r.path, r.authorization))
+        .collect();
+    let bearer = Some("Bearer hf_plugin_user".to_string());
+    assert_eq!(
+        paths,
+        [
+            (
+                "GET".into(),
+                "/api/models/meta-llama/Llama-3.2-1B/revision/main".into(),
+                bearer.clone()
+            ),
+            (
+                "GET".into(),
+                format!("/meta-llama/Llama-3.2-1B/resolve/{HUB_COMMIT}/config.json"),
+                bearer
+            ),
+        ]
+    );
+    let from_dir = plugin_with_hf(
+        &[&args[..], &["--model-dir", "samples/models/llama-3.2-1b"]].concat(),
+        &on_hub,
+        &[],
+    );
+    assert_eq!(from_dir.status.code(), Some(0), "{}", text(&from_dir));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&from_dir.stdout),
+        "the hub's config.json plans as the same file on disk"
+    );
+    assert_golden(
+        "hub-llama-3.2-1b.txt",
+        &both_streams(&out).replace(&endpoint, "http://127.0.0.1:PORT"),
+    );
+
+    // The token file `huggingface-cli login` writes serves as HF_TOKEN does.
+    let token_file = std::env::temp_dir().join(format!("headroom-hf-token-{}", std::process::id()));
+    std::fs::write(&token_file, "hf_plugin_user\n").expect("token file");
+    let out = plugin_with_hf(
+        &args,
+        &on_hub,
+        &[
+            ("HF_TOKEN_PATH", token_file.to_str().expect("utf-8")),
+            ("HF_ENDPOINT", endpoint.as_str()),
+        ],
+    );
+    let _ = std::fs::remove_file(&token_file);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(
+        hub.take_requests()
+            .iter()
+            .all(|r| r.authorization.as_deref() == Some("Bearer hf_plugin_user")),
+        "the file's token is sent"
+    );
+
+    // A revision the hub does not have is named.
+    let out = plugin_with_hf(
+        &args,
+        &on_hub.replace("revision: main", "revision: v9"),
+        &hf,
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("revision not found"), "{}", text(&out));
+}
+
+/// A job that names a Kueue queue, planned where no cluster can be reached:
+/// planned without the queue's quota, and the note says so.
+#[test]
+fn golden_output_of_a_queued_job_without_a_cluster() {
+    let job = headroom_e2e::kueue::queued(&sample("cpu-tiny.yaml"), "team-a", None);
+    let out = plugin_with_stdin(&["plan", "-f", "-", "-n", "tenant"], &job);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_golden("cpu-tiny-queued-offline.txt", &both_streams(&out));
+    let out = plugin_with_stdin(&["plan", "-f", "-", "-n", "tenant", "-o", "json"], &job);
+    let item = one_job(&out);
+    assert_eq!(item["queue"]["localQueue"], "team-a", "{item}");
+    assert_eq!(item["queue"]["quotaChecked"], false, "{item}");
+}
+
+/// On the real API server (Kueue's CRDs, no Kueue controller): a job that
+/// names a LocalQueue is planned within its ClusterQueue's quota, as the
+/// operator plans it (a worker the quota cannot hold is refused with both
+/// figures); a user whose Role is namespaced may read the LocalQueue but
+/// not the ClusterQueue, and is told that the quota was not checked.
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn a_queued_job_is_planned_within_its_quota_or_says_it_could_not_read_it() {
+    use headroom_e2e::kueue::{QueueSpec, queued};
+    use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+    use kube::api::{Api, PostParams};
+    use serde_json::json;
+
+    let ns = headroom_e2e::TestNs::new(headroom_e2e::API_SERVER, "hr-plugin-queue").await;
+    // Room for one 1 GiB worker of cpu-tiny, not for a 4 GiB one.
+    let queue = ns
+        .kueue_queue(&QueueSpec::one(&[("cpu", "2"), ("memory", "1536Mi")]))
+        .await;
+    let small = queued(&sample("cpu-tiny.yaml"), &queue.local, None);
+    assert!(small.contains("memoryLimit: 1Gi"), "the sample changed");
+    let big = small.replace("memoryLimit: 1Gi", "memoryLimit: 4Gi");
+
+    // The admin's kubeconfig, in a context whose namespace is the test's.
+    let mut kubeconfig = kube::config::Kubeconfig::read().expect("KUBECONFIG");
+    let current = kubeconfig
+        .current_context
+        .clone()
+        .expect("a current context");
+    for named in &mut kubeconfig.contexts {
+        if named.name == current {
+            named.context.as_mut().expect("context").namespace = Some(ns.name.clone());
+        }
+    }
+    let dir = std::env::temp_dir().join(format!("headroom-plugin-queue-{}", ns.name));
+    std::fs::create_dir_all(&dir).expect("tmp");
+    let admin = dir.join("admin");
+    std::fs::write(&admin, serde_yaml::to_string(&kubeconfig).expect("yaml")).expect("write");
+    let admin = admin.to_str().expect("utf-8");
+    let described = format!(
+        "LocalQueue {} (ClusterQueue {})",
+        queue.local, queue.cluster
+    );
+
+    let out = plugin_with_stdin(
+        &["plan", "-f", "-", "--kubeconfig", admin, "-o", "json"],
+        &small,
+    );
+    let item = one_job(&out);
+    assert_eq!(item["feasible"], true, "{}", text(&out));
+    assert_eq!(item["queue"]["quotaChecked"], true, "{item}");
+    assert_eq!(
+        item["queue"]["clusterQueue"],
+        queue.cluster.as_str(),
+        "{item}"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains(&format!("planned within the quota of {described}")),
+        "{}",
+        text(&out)
+    );
+    let out = plugin_with_stdin(&["plan", "-f", "-", "--kubeconfig", admin], &big);
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out));
+    assert!(
+        text(&out).contains(&format!(
+            "of {described} has memory quota 1.5 GiB, one worker needs 4.0 GiB"
+        )),
+        "{}",
+        text(&out)
+    );
+
+    // A user who may read the namespace's LocalQueues, not the ClusterQueue.
+    let user = format!("{}-user", ns.name);
+    let pp = PostParams::default();
+    let role: Role = serde_json::from_value(json!({
+        "metadata": {"name": "team"},
+        "rules": [
+            {"apiGroups": ["kueue.x-k8s.io"], "resources": ["localqueues"], "verbs": ["get", "list", "watch"]},
+            {"apiGroups": ["headroom.dev"], "resources": ["memoryawaretrainingjobs"], "verbs": ["get", "list", "watch", "create"]}
+        ]
+    }))
+    .expect("role");
+    Api::<Role>::namespaced(ns.client.clone(), &ns.name)
+        .create(&pp, &role)
+        .await
+        .expect("role");
+    let binding: RoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": "team"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "team"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]
+    }))
+    .expect("binding");
+    Api::<RoleBinding>::namespaced(ns.client.clone(), &ns.name)
+        .create(&pp, &binding)
+        .await
+        .expect("role binding");
+    for named in &mut kubeconfig.auth_infos {
+        if let Some(auth) = named.auth_info.as_mut() {
+            auth.impersonate = Some(user.clone());
+        }
+    }
+    let tenant = dir.join("tenant");
+    std::fs::write(&tenant, serde_yaml::to_string(&kubeconfig).expect("yaml")).expect("write");
+    let tenant = tenant.to_str().expect("utf-8");
+    let out = plugin_with_stdin(
+        &["plan", "-f", "-", "--kubeconfig", tenant, "-o", "json"],
+        &big,
+    );
+    let item = one_job(&out);
+    assert_eq!(item["feasible"], true, "planned as given: {}", text(&out));
+    assert_eq!(item["queue"]["quotaChecked"], false, "{item}");
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains(&format!(
+            "{}/tiny-cpu: queue quota not checked: you may not read it (ClusterQueue {}:",
+            ns.name, queue.cluster
+        )) && said.contains("forbidden")
+            && said.contains(&format!(
+                "planned as if LocalQueue {} gave all the nodes have",
+                queue.local
+            )),
+        "{said}"
+    );
+    ns.delete_kueue_objects(&queue, &[]).await;
+    let _ = std::fs::remove_dir_all(&dir);
+    ns.cleanup().await;
+}

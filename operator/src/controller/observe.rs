@@ -20,7 +20,7 @@ use super::classify::{PodVerdict, classify};
 use super::decide::{ClaimFacts, Observation, QueueView};
 use super::pods::checkpoint_claim_name;
 use super::{Context, Error};
-use crate::inventory::{cpu_inventory, cpu_worker_size, job_inventory};
+use crate::inventory::cpu_inventory;
 use crate::kueue::{self, QueueOffer};
 
 /// What one reconcile sees of a job and the cluster around it.
@@ -274,56 +274,11 @@ fn inventory(ctx: &Context, job: &MemoryAwareTrainingJob, offer: Option<&QueueOf
     let nodes = ctx.nodes.state();
     let nodes: Vec<&Node> = nodes.iter().map(AsRef::as_ref).collect();
     if job.spec.resources.gpu.is_some() {
-        gpu_inventory(ctx, job, &nodes, offer, one_node)
+        let device_pods = ctx.device_pods.state();
+        let device_pods: Vec<&Pod> = device_pods.iter().map(AsRef::as_ref).collect();
+        kueue::gpu_inventory_within(job, &nodes, &device_pods, offer, one_node)
     } else {
-        cpu_inventory_within(job, &nodes, offer, one_node)
-    }
-}
-
-/// A GPU job's devices: the nodes' less those other pods hold, or, in a
-/// queue, those of the nodes its flavors stand for, capped by their quota.
-fn gpu_inventory(
-    ctx: &Context,
-    job: &MemoryAwareTrainingJob,
-    nodes: &[&Node],
-    offer: Option<&QueueOffer>,
-    one_node: bool,
-) -> Inventory {
-    let device_pods = ctx.device_pods.state();
-    let build = |nodes: &[&Node]| {
-        job_inventory(
-            job,
-            nodes.iter().copied(),
-            device_pods.iter().map(AsRef::as_ref),
-            one_node,
-        )
-    };
-    match offer {
-        Some(o) => o.gpu_inventory(nodes, build),
-        None => build(nodes),
-    }
-}
-
-/// A CPU job: what the nodes its pods may use can hold, by size, capped by
-/// the queue's offer.
-fn cpu_inventory_within(
-    job: &MemoryAwareTrainingJob,
-    nodes: &[&Node],
-    offer: Option<&QueueOffer>,
-    one_node: bool,
-) -> Inventory {
-    let inventory = cpu_inventory(job, nodes.iter().copied(), one_node);
-    match (offer, cpu_worker_size(job)) {
-        (Some(o), Some((limit, cores))) => {
-            // Without nodes (a control plane alone), the job's own
-            // worker cap, capped by the queue.
-            let mut inventory = inventory.unwrap_or_else(|| {
-                let cap = job.spec.resources.cpu.as_ref().map_or(1, |c| c.max_workers);
-                Inventory::cpu(limit, cap.max(1))
-            });
-            o.cap_cpu(&mut inventory, limit, cores);
-            inventory
-        }
-        _ => inventory.unwrap_or_default(),
+        let by_nodes = cpu_inventory(job, nodes.iter().copied(), one_node);
+        kueue::cpu_inventory_within(job, by_nodes, offer)
     }
 }

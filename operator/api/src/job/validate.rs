@@ -17,6 +17,13 @@ use super::spec::{
 };
 use crate::quantity::{parse_bytes, parse_cores};
 
+/// The problem of a valid `model.pretrained` spec planned without its
+/// checkpoint's config.json ([`SpecError::problem`], field
+/// `model.pretrained`): the checks that need no checkpoint passed, so a
+/// caller that can read the config (the plugin, from the hub) plans it
+/// with `job_request_for`.
+pub const NEEDS_CHECKPOINT_CONFIG: &str = "is planned from the checkpoint's config.json, which the initializer reads; offline, plan it with kubectl headroom plan --model-dir DIR";
+
 /// A spec that cannot be planned, with the field at fault.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("spec.{field}: {problem}")]
@@ -254,10 +261,7 @@ impl MemoryAwareTrainingJobSpec {
         }
         self.check_pretrained_sources(p)?;
         let Some(shape) = read else {
-            return Err(spec_error(
-                "model.pretrained",
-                "is planned from the checkpoint's config.json, which the initializer reads; offline, plan it with kubectl headroom plan --model-dir DIR",
-            ));
+            return Err(spec_error("model.pretrained", NEEDS_CHECKPOINT_CONFIG));
         };
         let mut shape = shape.clone();
         shape.sequence_length = p.sequence_length;

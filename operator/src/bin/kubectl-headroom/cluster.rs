@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
+use headroom_operator::kueue::{QueueOffer, UnreadOffer};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, ListParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
@@ -167,6 +168,28 @@ impl Target {
                 Err(e) => return Err(anyhow!(reason(&e))).context("listing pods"),
             }
             Ok(state)
+        })
+    }
+}
+
+impl Target {
+    /// The offers of the Kueue queues `queues` (namespace, LocalQueue)
+    /// name, each as the operator reads it (crate::kueue), with whether
+    /// the user's rights kept it; only no cluster at all is an error.
+    pub fn queue_offers(
+        &self,
+        queues: &[(String, String)],
+    ) -> Result<Vec<std::result::Result<QueueOffer, UnreadOffer>>> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        runtime.block_on(async {
+            let client = self.client().await?;
+            let mut offers = Vec::with_capacity(queues.len());
+            for (namespace, local) in queues {
+                offers.push(QueueOffer::read_as_allowed(&client, namespace, local).await);
+            }
+            Ok(offers)
         })
     }
 }

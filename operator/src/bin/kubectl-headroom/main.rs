@@ -4,9 +4,14 @@
 //!         [--checkpoint-access-mode ReadWriteOnce|ReadWriteMany]
 //!         [-n namespace] [--context name] [--kubeconfig file]
 //!
+//! A job in a Kueue queue is planned within the queue's quota, as the
+//! operator plans it; a `model.pretrained.huggingFace` job without
+//! `--model-dir` is planned from the config.json its hub holds (hub.rs).
+//!
 //! Exit codes: 0 a plan exists, 3 no feasible plan, 1 bad input or cluster error.
 
 mod cluster;
+mod hub;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -14,10 +19,11 @@ use std::process::ExitCode;
 use anyhow::{Context, Result, anyhow, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use cluster::{ClusterFlags, Target};
-use headroom_api::MemoryAwareTrainingJob;
+use headroom_api::{MemoryAwareTrainingJob, NEEDS_CHECKPOINT_CONFIG};
 use headroom_operator::controller::CheckpointAccess;
 use headroom_operator::controller::pods::disk_inputs;
-use headroom_operator::inventory::{cpu_inventory, job_inventory};
+use headroom_operator::inventory::cpu_inventory;
+use headroom_operator::kueue::{self, QueueOffer, UnreadOffer};
 use headroom_operator::plan_text::{
     alternatives_table, infeasible_text, plan_table, trainable_params,
 };
@@ -66,7 +72,11 @@ enum Command {
         /// manifest's `spec.model`.
         #[arg(long, conflicts_with = "model_dir")]
         model_config: Option<PathBuf>,
-        /// A checkpoint directory: plans from its `config.json`.
+        /// A checkpoint directory: plans from its `config.json`. Without
+        /// it (or --model-config), a `model.pretrained.huggingFace` job's
+        /// config.json is fetched from its hub at its revision's commit,
+        /// with the token in HF_TOKEN (sent only to huggingface.co or the
+        /// endpoint HF_ENDPOINT names).
         #[arg(long)]
         model_dir: Option<PathBuf>,
         /// Tokens per training sample with --model-config/--model-dir
@@ -81,11 +91,15 @@ enum Command {
 fn hf_model(path: &Path, sequence_length: Option<u32>) -> Result<ModelShape> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    hf_model_of(&text, &path.display().to_string(), sequence_length)
+}
+
+/// As [`hf_model`], of config.json text from `what` (a path or a repository).
+fn hf_model_of(text: &str, what: &str, sequence_length: Option<u32>) -> Result<ModelShape> {
     let s = sequence_length.context(
         "--sequence-length is needed: the job's manifest has no model.transformer.sequenceLength to take it from",
     )?;
-    let shape =
-        LlamaShape::from_hf_config(&text, s).with_context(|| format!("{}", path.display()))?;
+    let shape = LlamaShape::from_hf_config(text, s).with_context(|| what.to_string())?;
     Ok(ModelShape::Llama(shape))
 }
 
@@ -129,15 +143,18 @@ fn run(cli: Cli) -> Result<ExitCode> {
     // Validate every spec before touching the cluster: bad input fails fast and offline.
     let mut requests = Vec::with_capacity(jobs.len());
     let mut namespaces = Vec::new();
+    let mut queues = Vec::new();
+    let hub_env = hub::UserHubEnv::from_env();
     for job in &jobs {
         let job_name = job.metadata.name.as_deref().unwrap_or("<unnamed>");
         let namespace = target
             .job_namespace(job.metadata.namespace.as_deref())
             .with_context(|| format!("{source}: {job_name}"))?;
         let name = format!("{namespace}/{job_name}");
-        let mut request = job_request(job, &model, &format!("{source}: {name}"))?;
+        let mut request = job_request(job, &model, &hub_env, &format!("{source}: {name}"))?;
         request.default_host_baseline(gpu_host_memory);
         requests.push((name, request));
+        queues.push(kueue::queue_name(job).map(|q| (namespace.clone(), q.to_string())));
         namespaces.push(namespace);
     }
     namespaces.sort();
@@ -150,11 +167,17 @@ fn run(cli: Cli) -> Result<ExitCode> {
     for note in &cluster.unread {
         eprintln!("note: {note}");
     }
+    let offers = QueueOffers::read(&target, &queues);
     let one_node = checkpoint_access_mode.stages_share_a_node();
     let mut all_fit = true;
     let mut machine = Vec::new();
-    for ((name, request), job) in requests.iter().zip(&jobs) {
-        let inventory = job_inventory_as_planned(job, name, &cluster, one_node);
+    for (((name, request), job), queue) in requests.iter().zip(&jobs).zip(&queues) {
+        let offer = queue.as_ref().map(|q| offers.of(q));
+        if let Some(offer) = &offer {
+            eprintln!("note: {name}: {}", offer.note());
+        }
+        let within = offer.as_ref().and_then(QueueRead::offer);
+        let inventory = job_inventory_as_planned(job, name, &cluster, within, one_node);
         // What it keeps on its checkpoint claim, as the operator counts
         // it before the initializer has measured anything.
         let inputs = disk_inputs(job, &Default::default());
@@ -168,9 +191,15 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 Ok(p) => plan_text(name, request, &inventory, p),
                 Err(e) => format!("{}\n", infeasible_text(name, e)),
             })?,
-            Output::Json | Output::Yaml => machine.push(match &result {
-                Ok(p) => serde_json::json!({"job": name, "parameters": request.model.total_params(), "trainableParameters": trainable_params(request), "feasible": true, "plan": p}),
-                Err(e) => serde_json::json!({"job": name, "parameters": request.model.total_params(), "trainableParameters": trainable_params(request), "feasible": false, "summary": e.summary, "details": e.details, "waitsFor": e.waits_for}),
+            Output::Json | Output::Yaml => machine.push({
+                let mut item = match &result {
+                    Ok(p) => serde_json::json!({"job": name, "parameters": request.model.total_params(), "trainableParameters": trainable_params(request), "feasible": true, "plan": p}),
+                    Err(e) => serde_json::json!({"job": name, "parameters": request.model.total_params(), "trainableParameters": trainable_params(request), "feasible": false, "summary": e.summary, "details": e.details, "waitsFor": e.waits_for}),
+                };
+                if let Some(offer) = &offer {
+                    item["queue"] = offer.json();
+                }
+                item
             }),
         }
     }
@@ -200,12 +229,41 @@ struct ModelOverride {
 fn job_request(
     job: &MemoryAwareTrainingJob,
     model: &ModelOverride,
+    hub_env: &hub::UserHubEnv,
     what: &str,
 ) -> Result<JobRequest> {
-    // A model.pretrained job is planned from its checkpoint's config.json.
-    if let (Some(pretrained), Some(config)) = (&job.spec.model.pretrained, &model.config) {
+    // A model.pretrained job is planned from its checkpoint's config.json:
+    // the flags', else its hub's, once the spec is valid without it (an
+    // invalid spec is refused offline, without a download).
+    if let Some(pretrained) = &job.spec.model.pretrained {
         let length = model.sequence_length.unwrap_or(pretrained.sequence_length);
-        let ModelShape::Llama(shape) = hf_model(config, Some(length))? else {
+        let shape = match (&model.config, &pretrained.hugging_face) {
+            (Some(config), _) => hf_model(config, Some(length))?,
+            (None, Some(source)) => {
+                match job.spec.job_request() {
+                    Err(e)
+                        if e.field == "model.pretrained"
+                            && e.problem == NEEDS_CHECKPOINT_CONFIG => {}
+                    other => return other.context(what.to_string()),
+                }
+                let fetched = hub::fetch_config(source, hub_env).with_context(|| {
+                    format!("{what}: model.pretrained.huggingFace (or pass --model-dir)")
+                })?;
+                eprintln!(
+                    "note: {what}: planned from config.json of {}{}",
+                    fetched.describe,
+                    fetched
+                        .commit
+                        .as_deref()
+                        .map(|c| format!(", commit {c}"))
+                        .unwrap_or_default()
+                );
+                hf_model_of(&fetched.text, &fetched.describe, Some(length))?
+            }
+            // A volume: the spec's error says to pass --model-dir.
+            (None, None) => return job.spec.job_request().context(what.to_string()),
+        };
+        let ModelShape::Llama(shape) = shape else {
             unreachable!("hf_model gives a Llama shape");
         };
         return job
@@ -285,18 +343,26 @@ impl ClusterInventory {
 
 /// The same inventory the operator plans `job` with: the nodes its workers
 /// may be placed on, less held devices, one node's worth when the
-/// checkpoint volume is ReadWriteOnce.
+/// checkpoint volume is ReadWriteOnce, within its Kueue queue's `offer`
+/// (crate::kueue, shared with the operator).
 fn job_inventory_as_planned(
     job: &MemoryAwareTrainingJob,
     name: &str,
     cluster: &ClusterInventory,
+    offer: Option<&QueueOffer>,
     one_node: bool,
 ) -> Inventory {
-    let nodes = cluster.nodes.as_deref().unwrap_or_default();
+    let nodes: Vec<&Node> = cluster
+        .nodes
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .collect();
     if job.spec.resources.cpu.is_some() {
-        // Without node sizes the budget is planned as given, and the user
-        // is told that nothing checked it, and why.
-        cpu_inventory(job, nodes, one_node).unwrap_or_else(|| {
+        let by_nodes = cpu_inventory(job, nodes.iter().copied(), one_node);
+        if by_nodes.is_none() {
+            // Without node sizes the budget is planned as given, and the
+            // user is told that nothing checked it, and why.
             let why = match &cluster.nodes {
                 Err(why) => why.as_str(),
                 Ok(_) => "no node is known",
@@ -304,10 +370,110 @@ fn job_inventory_as_planned(
             eprintln!(
                 "note: {name}: node sizes not checked: {why} (pass --nodes to check that a node can hold the workers)"
             );
-            Default::default()
-        })
+        }
+        kueue::cpu_inventory_within(job, by_nodes, offer)
     } else {
-        job_inventory(job, nodes, cluster.device_pods.iter(), one_node)
+        let pods: Vec<&Pod> = cluster.device_pods.iter().collect();
+        kueue::gpu_inventory_within(job, &nodes, &pods, offer, one_node)
+    }
+}
+
+/// A Kueue LocalQueue: its namespace and name.
+type QueueKey = (String, String);
+/// A queue's offer, or why it could not be read.
+type ReadOffer = std::result::Result<QueueOffer, UnreadOffer>;
+
+/// The queues the jobs name, as far as the user may read them.
+struct QueueOffers {
+    /// `Err`: no cluster to read any from.
+    read: std::result::Result<Vec<(QueueKey, ReadOffer)>, String>,
+}
+
+/// One job's queue, as read.
+enum QueueRead<'a> {
+    Offer(&'a QueueOffer),
+    Unread {
+        local: &'a str,
+        why: String,
+        forbidden: bool,
+    },
+}
+
+impl QueueOffers {
+    /// Reads each queue `queues` names once; nothing when none does.
+    fn read(target: &Target, queues: &[Option<QueueKey>]) -> Self {
+        let mut wanted: Vec<QueueKey> = queues.iter().flatten().cloned().collect();
+        wanted.sort();
+        wanted.dedup();
+        if wanted.is_empty() {
+            return QueueOffers { read: Ok(vec![]) };
+        }
+        QueueOffers {
+            read: target
+                .queue_offers(&wanted)
+                .map(|offers| wanted.into_iter().zip(offers).collect())
+                .map_err(|e| format!("{e:#}")),
+        }
+    }
+
+    fn of<'a>(&'a self, queue: &'a QueueKey) -> QueueRead<'a> {
+        let local = queue.1.as_str();
+        match &self.read {
+            Err(e) => QueueRead::Unread {
+                local,
+                why: format!("no cluster to read it from ({e})"),
+                forbidden: false,
+            },
+            Ok(read) => match read.iter().find(|(q, _)| q == queue).map(|(_, r)| r) {
+                Some(Ok(offer)) => QueueRead::Offer(offer),
+                Some(Err(e)) => QueueRead::Unread {
+                    local,
+                    why: e.message.clone(),
+                    forbidden: e.forbidden,
+                },
+                None => unreachable!("every named queue is read"),
+            },
+        }
+    }
+}
+
+impl QueueRead<'_> {
+    fn offer(&self) -> Option<&QueueOffer> {
+        match self {
+            QueueRead::Offer(offer) => Some(offer),
+            QueueRead::Unread { .. } => None,
+        }
+    }
+
+    /// What the plan took from the queue, or what it assumed and why.
+    fn note(&self) -> String {
+        match self {
+            QueueRead::Offer(offer) => format!(
+                "planned within the quota of {} (Kueue admits it when that much is unused)",
+                offer.describe()
+            ),
+            QueueRead::Unread {
+                local,
+                why,
+                forbidden: true,
+            } => format!(
+                "queue quota not checked: you may not read it ({why}); planned as if LocalQueue {local} gave all the nodes have, and Kueue admits the job only within its quota"
+            ),
+            QueueRead::Unread { local, why, .. } => format!(
+                "queue quota not checked: {why}; planned as if LocalQueue {local} gave all the nodes have"
+            ),
+        }
+    }
+
+    fn json(&self) -> serde_json::Value {
+        match self {
+            QueueRead::Offer(o) => serde_json::json!({
+                "localQueue": o.local_queue, "clusterQueue": o.cluster_queue, "quotaChecked": true,
+            }),
+            QueueRead::Unread { local, why, .. } => serde_json::json!({
+                "localQueue": local, "quotaChecked": false, "why": why,
+            }),
+        }
     }
 }
 
