@@ -227,6 +227,57 @@ async fn a_job_over_its_limit_is_oom_killed_and_succeeds_stricter() {
     ns.cleanup().await;
 }
 
+/// The same job as the kill above with the memory guard on: its worker
+/// stops each step that would cross the 320 MiB limit before the kernel
+/// kills it, and steps down in place (a fresh process in the same pod, half
+/// the micro-batch) or ends its attempt for a stricter one; the kernel
+/// kills nothing, and the run ends at the job's total.
+#[tokio::test]
+#[ignore = "needs a cluster with Headroom installed: make e2e"]
+async fn a_guarded_job_steps_down_before_the_kernel_kills_it() {
+    let ns = TestNs::new(E2E, "e2e-guard").await;
+    let manifest = OOM_FIRST
+        .replace("maxWorkers: 2}", "cores: 500m, maxWorkers: 2}")
+        .replace(
+            "maxAttempts: 4",
+            "maxAttempts: 4\n    guard: {enabled: true}",
+        );
+    assert!(
+        manifest.contains("guard: {enabled: true}"),
+        "samples/cpu-oom-first.yaml changed"
+    );
+    ns.apply_job(&manifest).await;
+    let status = ns.wait_succeeded("oom-then-fit", RUN).await;
+    assert!(
+        status.attempts.iter().all(|a| !matches!(
+            a.outcome,
+            AttemptOutcome::HostOutOfMemory | AttemptOutcome::DeviceOutOfMemory
+        )),
+        "a kill or an allocation failure despite the guard: {:#?}",
+        status.attempts
+    );
+    let first = &status.attempts[0];
+    let last = status.attempts.last().expect("attempts");
+    // The pinned micro-batch of 32 does not fit: the guard stepped down
+    // (in place, or through a stricter attempt after NearOutOfMemory).
+    assert!(
+        last.settings.micro_batch < 32 || last.settings.activation_checkpointing,
+        "{:#?}",
+        status.attempts
+    );
+    assert_eq!(
+        last.settings.global_batch(),
+        first.settings.global_batch(),
+        "the global batch is kept"
+    );
+    assert_eq!(
+        last.last_step,
+        Some(12),
+        "the run ends at spec.training.steps"
+    );
+    ns.cleanup().await;
+}
+
 #[tokio::test]
 #[ignore = "needs a cluster with Headroom installed: make e2e"]
 async fn a_job_that_fits_nowhere_fails_without_pods() {
