@@ -293,7 +293,9 @@ pub struct Planned {
     pub block_forward: u64,
     /// The logits and their gradient.
     pub loss: u64,
-    /// A micro-batch's backward: the gradients (and the accumulation buffer).
+    /// A micro-batch's backward: the gradients (and the accumulation
+    /// buffer); a check adds a block's activations and the logits for the
+    /// gradients flowing back through them.
     pub backward: u64,
     /// The optimizer step: its state (first step of a process) and temporaries.
     pub optimizer: u64,
@@ -327,7 +329,9 @@ impl Planned {
         match point.phase {
             Phase::Forward => self.block_forward,
             Phase::Loss => self.loss,
-            Phase::Backward => self.backward,
+            // The gradients, and while they flow back through the blocks
+            // about one block's activations and the logits' gradient.
+            Phase::Backward => self.backward + self.block_forward + self.loss,
             // After the first update the state exists: only temporaries.
             Phase::Optimizer if first_update => self.optimizer,
             Phase::Optimizer => 0,
