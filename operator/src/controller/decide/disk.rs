@@ -101,7 +101,13 @@ impl Builder<'_> {
     /// with the initializer's words, which name `spec.checkpoints.size`.
     pub(super) fn initializer_disk_full(&mut self, run: u32, f: &PodFailure) {
         let job = self.obs.job;
-        let claim = checkpoint_claim_name(job);
+        // The filler of a shared model cache claim downloads the model there.
+        let claim = self
+            .d
+            .status
+            .model_cache
+            .clone()
+            .unwrap_or_else(|| checkpoint_claim_name(job));
         let facts = self.obs.claim.cloned().unwrap_or_default();
         let more_runs = run < job.spec.memory_policy.max_attempts;
         if let (Some(size), Some(true), Some(class), true) = (
