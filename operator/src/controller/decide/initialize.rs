@@ -560,7 +560,7 @@ mod tests {
 
     /// The sample fine-tuning job as a LoRA job on a hub model.
     fn lora_hub_job() -> MemoryAwareTrainingJob {
-        let mut j = job(
+        let mut j = crate::controller::pods::tests::job(
             &include_str!("../../../../samples/cpu-finetune-tiny-llama.yaml")
                 .replace(
                     "volume: {claimName: models, path: tiny-llama}",
