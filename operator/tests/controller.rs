@@ -1637,7 +1637,8 @@ async fn a_second_lora_job_reuses_the_shared_model_cache_and_an_idle_one_is_coll
             c.type_ == "Initialized" && c.reason == "WaitingForModelCache"
         })
         .await;
-    let message = &condition(&status_of(waiting), "Initialized").message;
+    let waiting = status_of(waiting);
+    let message = &condition(&waiting, "Initialized").message;
     assert!(
         message.contains(&cache_name) && message.contains("first"),
         "{message}"
