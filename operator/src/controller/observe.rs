@@ -80,13 +80,14 @@ pub(super) async fn observe<'a>(
     let inventory = inventory(ctx, &job, offer.as_ref());
     let model_cache = model_cache(ctx, &job, ns);
     let claim = if found_disk_full(&job, &pods) || claim_made_before_plan(&job, &pods) {
-        // Before the job is initialized, a full volume is the one its
-        // initializer downloads the model into: the cache claim it fills.
-        let name = match job.status.as_ref() {
-            Some(s) if s.model.is_none() => s.model_cache.clone(),
-            _ => None,
-        }
-        .unwrap_or_else(|| checkpoint_claim_name(&job));
+        // A filler's initializer downloads the model onto the cache claim.
+        let name = model_cache
+            .as_ref()
+            .filter(|v| {
+                matches!(&v.state, CacheState::Filling { filler: Some((uid, _)) }
+                    if Some(uid) == job.metadata.uid.as_ref())
+            })
+            .map_or_else(|| checkpoint_claim_name(&job), |v| v.claim.clone());
         Some(read_claim(ctx, &name, ns).await)
     } else {
         None
