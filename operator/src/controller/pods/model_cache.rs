@@ -455,7 +455,7 @@ mod tests {
         c.metadata
             .annotations
             .as_mut()
-            .unwrap()
+            .expect("annotations")
             .remove(ANNOTATION_CACHE_FILLER);
         assert_eq!(
             role("c", &CacheState::of(Some(&c)), me),
@@ -497,7 +497,7 @@ mod tests {
     fn the_collector_touches_used_claims_frees_orphans_and_deletes_idle_ones() {
         let idle = Duration::from_secs(600);
         let refresh = Duration::from_secs(60);
-        let t0: Timestamp = "2026-12-02T00:00:00Z".parse().unwrap();
+        let t0: Timestamp = "2026-12-02T00:00:00Z".parse().expect("time");
         let at = |s: i64| t0 + jiff::SignedDuration::from_secs(s);
         let ready = claim(&[
             (ANNOTATION_CACHE_STATE, CACHE_STATE_READY),
