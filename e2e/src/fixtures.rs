@@ -50,6 +50,7 @@ pub fn tiny_llama_report(sequence_length: u32) -> String {
             longer_than_sample: 0,
         },
         downloaded_bytes: 0,
+        commit: None,
     })
     .expect("report JSON")
 }

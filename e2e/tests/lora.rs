@@ -16,6 +16,9 @@
 //! * A QLoRA job on an int4 base succeeds on its first attempt.
 //! * A LoRA job runs as two data-parallel replicas; replica 0 writes the
 //!   adapter.
+//! * Two LoRA jobs on the same base in one namespace download it once:
+//!   the first into the shared model cache claim, the second reads that
+//!   claim and makes no request to the hub.
 
 use std::time::Duration;
 
@@ -330,5 +333,70 @@ async fn a_lora_job_trains_as_two_replicas_and_writes_one_adapter() {
     assert!(loss.is_finite() && loss < 512f64.ln(), "loss {loss}");
     let (config, header, _) = written_adapter(&ns, name, &status).await;
     check_peft_adapter(&config, &header);
+    ns.cleanup().await;
+}
+
+/// The shared model cache (docs/model-cache.md): a second LoRA job on the
+/// base a first one downloaded reads the first's cache claim, read-only;
+/// the hub stand-in sees no request from it, and neither job's own claim
+/// is sized for the model.
+#[tokio::test]
+#[ignore = "needs a cluster with Headroom installed: make e2e"]
+async fn a_second_lora_job_on_the_same_base_downloads_nothing() {
+    let ns = TestNs::new(E2E, "e2e-lora-cache").await;
+    let hub = hub("lora-cache");
+    let endpoint = hub.endpoint_on(&hub_host(&ns).await);
+    load_claims(&ns, false).await;
+    let lora = "    method: lora\n    lora: {rank: 8, alpha: 16, targetModules: [q_proj, v_proj]}";
+    let policy = "  memoryPolicy: {maxAttempts: 3, backoffSeconds: 1}";
+
+    ns.apply_job(&job("cache-first", &endpoint, lora, "300Mi", policy))
+        .await;
+    let first = ns.wait_succeeded("cache-first", RUN).await;
+    let cache = first
+        .model_cache
+        .clone()
+        .expect("a LoRA job reads the shared model cache");
+    let served: Vec<_> = hub
+        .take_requests()
+        .into_iter()
+        .filter(|r| r.method == "GET" && r.path.starts_with("/cdn/"))
+        .collect();
+    assert!(!served.is_empty(), "the first job downloads the weights");
+
+    ns.apply_job(&job("cache-second", &endpoint, lora, "300Mi", policy))
+        .await;
+    let second = ns.wait_succeeded("cache-second", RUN).await;
+    assert_eq!(second.model_cache.as_ref(), Some(&cache), "one copy");
+    let asked = hub.take_requests();
+    assert!(
+        asked.is_empty(),
+        "the second job asked the hub for {:?}",
+        asked.iter().map(|r| &r.path).collect::<Vec<_>>()
+    );
+    for status in [&first, &second] {
+        let disk = status
+            .plan
+            .as_ref()
+            .and_then(|p| p.disk.as_ref())
+            .expect("status.plan.disk");
+        assert_eq!(disk.model_bytes, 0, "the model is on the cache claim");
+        let loss = final_loss(status);
+        assert!(loss.is_finite() && loss < 512f64.ln(), "loss {loss}");
+    }
+    let claim: k8s_openapi::api::core::v1::PersistentVolumeClaim =
+        kube::Api::namespaced(ns.client.clone(), &ns.name)
+            .get(&cache)
+            .await
+            .expect("the cache claim");
+    assert_eq!(
+        claim
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get("headroom.dev/cache-state"))
+            .map(String::as_str),
+        Some("ready")
+    );
     ns.cleanup().await;
 }

@@ -106,6 +106,31 @@ struct Args {
         default_value = "ReadWriteOnce"
     )]
     checkpoint_access_mode: CheckpointAccess,
+    /// The shared model cache (model.pretrained.huggingFace.cache): one
+    /// read-only copy of a hub checkpoint per namespace, endpoint, repository
+    /// and revision. `false`: every job downloads its own.
+    #[arg(
+        long,
+        env = "HEADROOM_MODEL_CACHE",
+        default_value_t = true,
+        action = clap::ArgAction::Set
+    )]
+    model_cache: bool,
+    /// Size of a model cache claim when it is made (grown when the download
+    /// does not fit and its StorageClass allows expansion).
+    #[arg(long, env = "HEADROOM_MODEL_CACHE_SIZE", default_value = "20Gi")]
+    model_cache_size: String,
+    /// StorageClass of model cache claims (the checkpoint claims' when unset);
+    /// a ReadOnlyMany-capable class lets jobs on several nodes read one copy.
+    #[arg(long, env = "HEADROOM_MODEL_CACHE_STORAGE_CLASS")]
+    model_cache_storage_class: Option<String>,
+    /// Seconds a model cache claim no job uses is kept before it is deleted.
+    #[arg(
+        long,
+        env = "HEADROOM_MODEL_CACHE_IDLE_SECONDS",
+        default_value_t = 86_400
+    )]
+    model_cache_idle_seconds: u64,
     /// Host memory limit for GPU workers whose job does not set resources.gpu.hostMemory.
     #[arg(long, env = "HEADROOM_GPU_HOST_MEMORY", default_value = "16Gi")]
     gpu_host_memory: String,
@@ -451,6 +476,12 @@ fn controller_config(
             telemetry_interval: checked.telemetry_interval,
             worker_api_url: endpoint.url,
             worker_api_ca: endpoint.tls.map(|t| t.ca_pem),
+            model_cache: controller::ModelCacheConfig {
+                enabled: args.model_cache,
+                size: args.model_cache_size,
+                storage_class: args.model_cache_storage_class,
+                idle: Duration::from_secs(args.model_cache_idle_seconds),
+            },
         },
         unschedulable_grace: Duration::from_secs(args.unschedulable_grace_seconds),
         planning_budget: checked.planning_budget,

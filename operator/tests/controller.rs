@@ -1505,3 +1505,225 @@ async fn a_finished_job_is_deleted_after_its_ttl_and_its_kept_claim_stays() {
     op.stop().await;
     ns.cleanup().await;
 }
+
+/// The sample fine-tuning job as a LoRA job named `name` on a hub model
+/// (`owner/base` at `main`): its checkpoint goes to the shared model cache.
+fn lora_on_hub(name: &str) -> String {
+    CPU_FINETUNE
+        .replace("name: finetune-tiny-llama", &format!("name: {name}"))
+        .replace(
+            "volume: {claimName: models, path: tiny-llama}",
+            "huggingFace: {repo: owner/base, revision: main}",
+        )
+        .replace("    steps: 30\n", "    steps: 30\n    method: lora\n")
+}
+
+/// The initializer's assignment in `pod`, and whether its mount of `claim`
+/// is read-only.
+fn initializer_on(pod: &Pod, claim: &str) -> (headroom_api::InitializerAssignment, bool) {
+    let assignment = serde_json::from_str(
+        &env_of(pod, headroom_api::INITIALIZE_JSON_ENV).expect("assignment env"),
+    )
+    .expect("assignment JSON");
+    (assignment, mounts_read_only(pod, claim))
+}
+
+/// Whether `pod` mounts `claim` read-only (it must mount it).
+fn mounts_read_only(pod: &Pod, claim: &str) -> bool {
+    let spec = pod.spec.as_ref().expect("spec");
+    let volume = spec
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| {
+            v.persistent_volume_claim
+                .as_ref()
+                .is_some_and(|c| c.claim_name == claim)
+        })
+        .unwrap_or_else(|| panic!("{} mounts {claim}", pod.name_any()));
+    let mount = spec.containers[0]
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == volume.name)
+        .expect("mounted");
+    let volume_read_only = volume
+        .persistent_volume_claim
+        .as_ref()
+        .and_then(|c| c.read_only)
+        == Some(true);
+    mount.read_only == Some(true) && volume_read_only
+}
+
+/// Two LoRA jobs on one hub base in one namespace: the first creates the
+/// shared model cache claim and its initializer downloads into it
+/// (writable); the second waits, naming the claim, while it fills, then
+/// only checks it (read-only, nothing to download); both plan their own
+/// claims without the model's bytes. Once neither job exists, the claim is
+/// deleted after the idle time (`modelCache.idleSeconds`).
+#[tokio::test]
+#[ignore = "needs the control plane: make test-apiserver"]
+async fn a_second_lora_job_reuses_the_shared_model_cache_and_an_idle_one_is_collected() {
+    use headroom_operator::controller::{ChildConfig, ModelCacheConfig};
+    let ns = test_ns("hr-modelcache").await;
+    let op = start_operator(
+        &ns,
+        ControllerConfig {
+            children: ChildConfig {
+                model_cache: ModelCacheConfig {
+                    idle: Duration::from_secs(3),
+                    ..ModelCacheConfig::default()
+                },
+                ..ChildConfig::default()
+            },
+            ..ControllerConfig::default()
+        },
+    );
+    ns.apply_job(&lora_on_hub("first")).await;
+    let init = ns.wait_pod_named("first-init-1").await;
+    let claims = ns.claims();
+    let listed = claims.list(&Default::default()).await.expect("claims");
+    let cache = listed
+        .items
+        .iter()
+        .find(|c| c.name_any().starts_with("headroom-model-"))
+        .unwrap_or_else(|| {
+            panic!(
+                "a cache claim among {:?}",
+                listed
+                    .items
+                    .iter()
+                    .map(|c| c.name_any())
+                    .collect::<Vec<_>>()
+            )
+        });
+    let cache_name = cache.name_any();
+    assert_eq!(
+        cache
+            .annotations()
+            .get("headroom.dev/cache-state")
+            .map(String::as_str),
+        Some("filling")
+    );
+    assert_eq!(
+        cache
+            .annotations()
+            .get("headroom.dev/cache-filler-job")
+            .map(String::as_str),
+        Some("first")
+    );
+    assert!(
+        cache.owner_references().is_empty(),
+        "no job's deletion takes it"
+    );
+    let (assignment, read_only) = initializer_on(&init, &cache_name);
+    assert!(
+        matches!(
+            assignment.model,
+            headroom_api::ModelSource::HuggingFace { .. }
+        ),
+        "the first job downloads: {:?}",
+        assignment.model
+    );
+    assert!(!read_only, "the filler writes the cache");
+    assert_eq!(
+        assignment.model_dir,
+        format!("/var/lib/headroom/claims/{cache_name}/model")
+    );
+
+    ns.apply_job(&lora_on_hub("second")).await;
+    let waiting = ns
+        .wait_condition("second", "waiting for the cache", |c| {
+            c.type_ == "Initialized" && c.reason == "WaitingForModelCache"
+        })
+        .await;
+    let waiting = status_of(waiting);
+    let message = &condition(&waiting, "Initialized").message;
+    assert!(
+        message.contains(&cache_name) && message.contains("first"),
+        "{message}"
+    );
+    assert!(
+        ns.pod_list()
+            .await
+            .iter()
+            .all(|p| p.name_any() != "second-init-1"),
+        "no initializer while the cache fills"
+    );
+
+    ns.set_pod_status(
+        "first-init-1",
+        terminated(0, "Completed", Some(&tiny_llama_report(64))),
+    )
+    .await;
+    let first = status_of(ns.wait_attempts("first", 1).await);
+    assert_eq!(first.model_cache.as_deref(), Some(cache_name.as_str()));
+    let disk = first
+        .plan
+        .as_ref()
+        .and_then(|p| p.disk.as_ref())
+        .expect("the plan's disk count");
+    assert_eq!(disk.model_bytes, 0, "the model is not on the job's claim");
+    let ready = claims.get(&cache_name).await.expect("cache claim");
+    assert_eq!(
+        ready
+            .annotations()
+            .get("headroom.dev/cache-state")
+            .map(String::as_str),
+        Some("ready")
+    );
+
+    let reader = ns.wait_pod_named("second-init-1").await;
+    let (assignment, read_only) = initializer_on(&reader, &cache_name);
+    assert_eq!(
+        assignment.model,
+        headroom_api::ModelSource::Volume,
+        "the second job downloads nothing"
+    );
+    assert!(read_only, "readers mount the cache read-only");
+    ns.set_pod_status(
+        "second-init-1",
+        terminated(0, "Completed", Some(&tiny_llama_report(64))),
+    )
+    .await;
+    let second = status_of(ns.wait_attempts("second", 1).await);
+    assert_eq!(second.model_cache.as_deref(), Some(cache_name.as_str()));
+    let worker = ns.wait_pod_named("second-a1-s0").await;
+    assert!(
+        mounts_read_only(&worker, &cache_name),
+        "workers mount the cache read-only"
+    );
+    assert_eq!(
+        claims
+            .list(&Default::default())
+            .await
+            .expect("claims")
+            .items
+            .iter()
+            .filter(|c| c.name_any().starts_with("headroom-model-"))
+            .count(),
+        1,
+        "one copy for both jobs"
+    );
+
+    // In use, the claim stays past its idle time.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let kept = claims.get(&cache_name).await.expect("kept while used");
+    assert!(kept.metadata.deletion_timestamp.is_none());
+    for job in ["first", "second"] {
+        ns.jobs()
+            .delete(job, &Default::default())
+            .await
+            .expect("delete job");
+    }
+    ns.wait_for("the idle cache claim deleted", TIMEOUT, || async {
+        match claims.get_opt(&cache_name).await {
+            Ok(None) => Some(()),
+            Ok(Some(c)) if c.metadata.deletion_timestamp.is_some() => Some(()),
+            _ => None,
+        }
+    })
+    .await;
+    op.stop().await;
+    ns.cleanup().await;
+}

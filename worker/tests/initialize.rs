@@ -317,6 +317,8 @@ fn fetches_checks_and_reports_then_downloads_nothing_the_second_time() {
     assert!(report.data.samples > 0, "{report:?}");
     assert!(report.data.tokens > 32 * report.data.samples, "{report:?}");
     assert_eq!(report.downloaded_bytes, fixture_bytes());
+    // The commit the listing named: the shared model cache records it.
+    assert_eq!(report.commit.as_deref(), Some(COMMIT));
     assert_same_files(&model_dir);
     let first = hub.take_requests();
     // Files came by the commit the listing named; the weights through the CDN redirect.

@@ -73,6 +73,11 @@ watches every namespace, in a Role of the one it watches otherwise. */}}
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
   verbs: ["list", "watch"]
+# The shared model cache's claims have no owner: the operator deletes one
+# no job has used for modelCache.idleSeconds.
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["delete"]
 # The NetworkPolicy of each multi-worker attempt: its link ports admit the
 # job's own workers only.
 - apiGroups: ["networking.k8s.io"]

@@ -35,6 +35,28 @@ pub const LABEL_RETAINED_FROM: &str = "headroom.dev/retained-from";
 /// workers (worker pods carry no role label).
 pub const LABEL_ROLE: &str = "headroom.dev/role";
 pub const ROLE_INITIALIZER: &str = "initializer";
+/// On a shared model cache claim (`headroom-model-<hash>`): the component
+/// [`COMPONENT_MODEL_CACHE`] (label), and its state as annotations, which
+/// are all the state there is (an operator restart rebuilds nothing).
+pub const COMPONENT_MODEL_CACHE: &str = "model-cache";
+/// `filling` (a job's initializer downloads into it) or `ready`.
+pub const ANNOTATION_CACHE_STATE: &str = "headroom.dev/cache-state";
+/// While filling: the uid of the job whose initializer downloads (absent
+/// once that job ended without filling it: the next job takes over).
+pub const ANNOTATION_CACHE_FILLER: &str = "headroom.dev/cache-filler";
+/// While filling: that job's name, for the waiting jobs' message.
+pub const ANNOTATION_CACHE_FILLER_JOB: &str = "headroom.dev/cache-filler-job";
+/// The repository, revision and endpoint the claim holds (for `kubectl get`).
+pub const ANNOTATION_CACHE_REPO: &str = "headroom.dev/cache-repo";
+pub const ANNOTATION_CACHE_REVISION: &str = "headroom.dev/cache-revision";
+pub const ANNOTATION_CACHE_ENDPOINT: &str = "headroom.dev/cache-endpoint";
+/// Once ready: the commit the files came from, as the hub listed it.
+pub const ANNOTATION_CACHE_COMMIT: &str = "headroom.dev/cache-commit";
+/// When a job last used the claim (RFC 3339), refreshed while one does; the
+/// claim is deleted once it is older than the idle time and no job uses it.
+pub const ANNOTATION_CACHE_LAST_USED: &str = "headroom.dev/cache-last-used";
+pub const CACHE_STATE_FILLING: &str = "filling";
+pub const CACHE_STATE_READY: &str = "ready";
 /// Kubernetes' recommended labels, on everything the operator creates for a
 /// job: [`MANAGED_BY`], and the part of the job it is. The initializer pod
 /// is [`COMPONENT_INITIALIZER`]; the worker pods, their headless Service and
@@ -487,6 +509,10 @@ pub struct InitializerReport {
     pub data: DataFacts,
     /// Bytes this run downloaded (0 when every file was already there).
     pub downloaded_bytes: u64,
+    /// The commit the hub's listing named for the model's revision (absent
+    /// for a model on a volume, or a hub that did not say).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub commit: Option<String>,
 }
 
 /// The checkpoint as its files describe it.

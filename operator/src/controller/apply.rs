@@ -13,7 +13,7 @@ use kube::{Client, Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::decide::{Decision, Launch};
+use super::decide::{CacheWrite, Decision, InitializerRun, Launch};
 use super::lifecycle::JobEvent;
 use super::{Context, Error, LAUNCH_EXPECTATION, pods};
 
@@ -422,35 +422,135 @@ async fn ensure_claim(
     create_claim(&ctx.client, &ns, job, &claim).await
 }
 
-/// Makes sure initializer run `run`'s pod exists, and the checkpoint claim
-/// it downloads into. `image`: the job's image, as the decision chose it.
+/// Makes sure initializer run `init.run`'s pod exists, and the checkpoint
+/// claim it downloads into; with a shared model cache (`status.modelCache`
+/// of the decided `status`), the cache claim's write first
+/// ([`write_model_cache`]): a claim another job made in the meantime leaves
+/// the pod uncreated, and the next decision waits for that job.
 pub(super) async fn ensure_initializer(
     ctx: &Context,
     job: &MemoryAwareTrainingJob,
-    run: u32,
-    image: &str,
+    status: &MemoryAwareTrainingJobStatus,
+    init: &InitializerRun,
+    cache: Option<&CacheWrite>,
     own: &[&Pod],
 ) -> Result<(), Error> {
+    let run = init.run;
     let name = pods::initializer_pod_name(job, run);
     if own.iter().any(|p| p.name_any() == name) {
         return Ok(());
     }
+    // The pod reads the cache claim the decision chose, which the observed
+    // job's status may not show yet.
+    let with_cache;
+    let job = match &status.model_cache {
+        Some(claim) if job.status.as_ref().and_then(|s| s.model_cache.as_ref()) != Some(claim) => {
+            let mut j = job.clone();
+            j.status.get_or_insert_with(Default::default).model_cache = Some(claim.clone());
+            with_cache = j;
+            &with_cache
+        }
+        _ => job,
+    };
     let Some(pod) =
-        pods::initializer_pod(job, run, image, &ctx.config.children).map_err(|source| {
-            Error::BuildChild {
+        pods::initializer_pod_filling(job, run, &init.image, &ctx.config.children, init.fill_cache)
+            .map_err(|source| Error::BuildChild {
                 kind: "Pod".into(),
                 name: name.clone(),
                 source,
-            }
-        })?
+            })?
     else {
         return Ok(());
     };
+    if let Some(write) = cache
+        && !write_model_cache(ctx, job, write).await?
+    {
+        return Ok(());
+    }
     // The claim first, checked to be this job's (see ensure_children); made
     // before the plan, at the spec's or the default size.
     ensure_claim(ctx, job, None).await?;
     let ns = job.namespace().unwrap_or_default();
     apply::<Pod>(&ctx.client, &ns, &pod).await
+}
+
+/// Carries out `write` on the job's shared model cache claim. False when
+/// the job lost the claim to another (made or taken over first): it waits.
+pub(super) async fn write_model_cache(
+    ctx: &Context,
+    job: &MemoryAwareTrainingJob,
+    write: &CacheWrite,
+) -> Result<bool, Error> {
+    let ns = job.namespace().unwrap_or_default();
+    let api: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &ns);
+    let now = jiff::Timestamp::now();
+    let params = PatchParams {
+        field_manager: Some(OPERATOR_FIELD_MANAGER.into()),
+        ..PatchParams::default()
+    };
+    let (claim, result) = match write {
+        CacheWrite::Create { claim } => {
+            let made = pods::cache_claim(job, claim, &ctx.config.children, now);
+            let post = PostParams {
+                field_manager: Some(OPERATOR_FIELD_MANAGER.into()),
+                ..PostParams::default()
+            };
+            match api.create(&post, &made).await {
+                Ok(_) => return Ok(true),
+                // Made by another job first (or by this one, moments ago).
+                Err(kube::Error::Api(e)) if e.code == 409 => {
+                    let existing = api.get_metadata(claim).await;
+                    return match existing {
+                        Ok(c) => Ok(matches!(
+                            pods::CacheState::of(Some(&c)),
+                            pods::CacheState::Filling { filler: Some((uid, _)) }
+                                if Some(uid.clone()) == job.uid()
+                        )),
+                        Err(kube::Error::Api(e)) if e.code == 404 => Ok(false),
+                        Err(source) => Err(Error::ApplyChild {
+                            kind: "PersistentVolumeClaim".into(),
+                            name: claim.clone(),
+                            source,
+                        }),
+                    };
+                }
+                Err(e) => (claim, Err(e)),
+            }
+        }
+        CacheWrite::TakeOver {
+            claim,
+            resource_version,
+        } => {
+            let patch = pods::take_over_patch(job, resource_version);
+            match api.patch(claim, &params, &Patch::Merge(&patch)).await {
+                Ok(_) => return Ok(true),
+                // Another job took it over first: this one waits.
+                Err(kube::Error::Api(e)) if e.code == 409 || e.code == 404 => return Ok(false),
+                Err(e) => (claim, Err(e)),
+            }
+        }
+        CacheWrite::Used { claim } => (
+            claim,
+            api.patch(claim, &params, &Patch::Merge(&pods::used_patch(now)))
+                .await
+                .map(|_| ()),
+        ),
+        CacheWrite::Ready { claim, commit } => (
+            claim,
+            api.patch(
+                claim,
+                &params,
+                &Patch::Merge(&pods::ready_patch(commit.as_deref(), now)),
+            )
+            .await
+            .map(|_| ()),
+        ),
+    };
+    result.map(|()| true).map_err(|source| Error::ApplyChild {
+        kind: "PersistentVolumeClaim".into(),
+        name: claim.clone(),
+        source,
+    })
 }
 
 /// A PVC's spec is immutable once bound: create it once, never re-apply. An

@@ -63,6 +63,35 @@ pub struct ChildConfig {
     /// The CA certificate (PEM) of an `https` worker API: workers trust
     /// only it for that API ([`headroom_api::WORKER_API_CA_ENV`]).
     pub worker_api_ca: Option<String>,
+    /// The shared model cache (`model.pretrained.huggingFace.cache`).
+    pub model_cache: ModelCacheConfig,
+}
+
+/// The shared model cache's settings (Helm `modelCache.*`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelCacheConfig {
+    /// False: every job downloads its own copy, whatever its spec says.
+    pub enabled: bool,
+    /// Size of a cache claim when it is made (before the download's size is
+    /// known; a claim whose class allows expansion is grown when the
+    /// download does not fit), e.g. `20Gi`.
+    pub size: String,
+    /// StorageClass of cache claims (the checkpoint claims' when None); a
+    /// ReadOnlyMany-capable class lets jobs on several nodes read one copy.
+    pub storage_class: Option<String>,
+    /// How long a cache claim no job uses is kept before it is deleted.
+    pub idle: Duration,
+}
+
+impl Default for ModelCacheConfig {
+    fn default() -> Self {
+        ModelCacheConfig {
+            enabled: true,
+            size: "20Gi".into(),
+            storage_class: None,
+            idle: Duration::from_secs(24 * 3600),
+        }
+    }
 }
 
 impl Default for ChildConfig {
@@ -76,6 +105,7 @@ impl Default for ChildConfig {
             telemetry_interval: Duration::from_secs(10),
             worker_api_url: None,
             worker_api_ca: None,
+            model_cache: ModelCacheConfig::default(),
         }
     }
 }

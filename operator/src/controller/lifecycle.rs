@@ -110,6 +110,9 @@ pub enum Reason {
     Initializing,
     /// The initializer read the checkpoint and the data (condition and event).
     Initialized,
+    /// Another job fills the shared model cache claim this job reads
+    /// (condition, and an event when the wait starts).
+    WaitingForModelCache,
     /// The checkpoint or the data cannot be used (not found, refused, a shape
     /// mismatch, no text): retrying is pointless until the spec or the files change.
     InvalidSource,
@@ -130,7 +133,7 @@ pub enum Reason {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 28] = [
+    pub const ALL: [Reason; 29] = [
         Reason::Planned,
         Reason::Replanned,
         Reason::Retrying,
@@ -152,6 +155,7 @@ impl Reason {
         Reason::WaitedTooLong,
         Reason::Initializing,
         Reason::Initialized,
+        Reason::WaitingForModelCache,
         Reason::InvalidSource,
         Reason::DiskFull,
         Reason::Suspended,
@@ -184,6 +188,7 @@ impl Reason {
             Reason::WaitedTooLong => "WaitedTooLong",
             Reason::Initializing => "Initializing",
             Reason::Initialized => "Initialized",
+            Reason::WaitingForModelCache => "WaitingForModelCache",
             Reason::InvalidSource => "InvalidSource",
             Reason::DiskFull => "DiskFull",
             Reason::Suspended => "Suspended",
@@ -285,6 +290,9 @@ pub enum Transition {
     Initializing { run: u32, message: String },
     /// The initializer read the checkpoint and the data; `message` says what it found.
     Initialized { message: String },
+    /// The job waits for the shared model cache claim it reads (another
+    /// job fills it, or it is being deleted); `message` names the claim.
+    AwaitingModelCache { message: String },
     /// The API server refused the initializer pod for a reason that can
     /// pass (a quota, a server error): reported, and asked again later.
     InitializerRefused { message: String },
@@ -398,6 +406,23 @@ pub fn enter(
         }
         Transition::InitializerRefused { message } => {
             Some(initializer_refused(status, &message, at))
+        }
+        Transition::AwaitingModelCache { message } => {
+            let started = !status.conditions.iter().any(|c| {
+                c.type_ == ConditionType::Initialized.as_str()
+                    && c.reason == Reason::WaitingForModelCache.as_str()
+            });
+            condition(
+                status,
+                ConditionType::Initialized,
+                false,
+                Reason::WaitingForModelCache,
+                &message,
+                at,
+            );
+            status.phase.get_or_insert(JobPhase::Pending);
+            status.message = Some(message.clone());
+            started.then(|| JobEvent::new(false, Reason::WaitingForModelCache, message))
         }
         Transition::Failed { reason, message } => Some(fail(status, reason, message, at)),
         Transition::Suspended => suspend(status, at),
@@ -1081,6 +1106,14 @@ mod tests {
                 Stays,
                 normal(R::Initialized),
                 &[(C::Initialized, T, R::Initialized)],
+            ),
+            row(
+                Transition::AwaitingModelCache {
+                    message: "waiting for job a to download the model into the shared model cache claim headroom-model-0".into(),
+                },
+                Stays,
+                normal(R::WaitingForModelCache),
+                &[(C::Initialized, F, R::WaitingForModelCache)],
             ),
             row(
                 Transition::InitializerRefused {

@@ -21,6 +21,7 @@ pub mod classify;
 pub mod config;
 pub mod decide;
 pub mod lifecycle;
+pub mod model_cache;
 pub mod observe;
 pub mod pods;
 pub mod reconcile;
@@ -39,7 +40,8 @@ use kube::runtime::reflector::Store;
 use kube::{Client, ResourceExt};
 
 pub use config::{
-    CheckpointAccess, ChildConfig, ControllerConfig, DEFAULT_PLANNING_BUDGET, WorkerImages,
+    CheckpointAccess, ChildConfig, ControllerConfig, DEFAULT_PLANNING_BUDGET, ModelCacheConfig,
+    WorkerImages,
 };
 
 use crate::metrics::Metrics;

@@ -17,8 +17,8 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::{Api, ResourceExt};
 
 use super::classify::{PodVerdict, classify};
-use super::decide::{ClaimFacts, Observation, QueueView};
-use super::pods::checkpoint_claim_name;
+use super::decide::{CacheView, ClaimFacts, Observation, QueueView};
+use super::pods::{CacheState, checkpoint_claim_name, shared_cache};
 use super::{Context, Error};
 use crate::inventory::cpu_inventory;
 use crate::kueue::{self, QueueOffer};
@@ -36,6 +36,8 @@ pub(super) struct Observed<'a> {
     pub inventory: Inventory,
     /// The job's checkpoint claim, read when an attempt found it full.
     pub claim: Option<ClaimFacts>,
+    /// The job's shared model cache claim, from the claim cache.
+    pub model_cache: Option<CacheView>,
 }
 
 impl Observed<'_> {
@@ -53,6 +55,7 @@ impl Observed<'_> {
             worker_images: &ctx.config.children.worker_images,
             queue: self.queue.as_ref(),
             claim: self.claim.as_ref(),
+            model_cache: self.model_cache.as_ref(),
         }
     }
 }
@@ -75,8 +78,17 @@ pub(super) async fn observe<'a>(
         None => (None, None),
     };
     let inventory = inventory(ctx, &job, offer.as_ref());
+    let model_cache = model_cache(ctx, &job, ns);
     let claim = if found_disk_full(&job, &pods) || claim_made_before_plan(&job, &pods) {
-        Some(read_claim(ctx, &job, ns).await)
+        // A filler's initializer downloads the model onto the cache claim.
+        let name = model_cache
+            .as_ref()
+            .filter(|v| {
+                matches!(&v.state, CacheState::Filling { filler: Some((uid, _)) }
+                    if Some(uid) == job.metadata.uid.as_ref())
+            })
+            .map_or_else(|| checkpoint_claim_name(&job), |v| v.claim.clone());
+        Some(read_claim(ctx, &name, ns).await)
     } else {
         None
     };
@@ -85,6 +97,29 @@ pub(super) async fn observe<'a>(
         pods,
         queue,
         inventory,
+        claim,
+        model_cache,
+    })
+}
+
+/// The shared model cache claim `job` reads (`status.modelCache`), or, before
+/// its first initializer, would read (its spec and the operator's
+/// `modelCache.enabled`), as the claim cache shows it.
+fn model_cache(ctx: &Context, job: &MemoryAwareTrainingJob, ns: &str) -> Option<CacheView> {
+    let status = job.status.as_ref();
+    let claim = match status.and_then(|s| s.model_cache.clone()) {
+        Some(claim) => claim,
+        None if status.is_none_or(|s| s.initializations.unwrap_or(0) == 0) => {
+            shared_cache(job, ctx.config.children.model_cache.enabled)?
+        }
+        None => return None,
+    };
+    let found = ctx
+        .claims
+        .get(&kube::runtime::reflector::ObjectRef::new(&claim).within(ns));
+    Some(CacheView {
+        state: CacheState::of(found.as_deref()),
+        resource_version: found.as_ref().and_then(|c| c.resource_version()),
         claim,
     })
 }
@@ -123,8 +158,8 @@ fn claim_made_before_plan(job: &MemoryAwareTrainingJob, pods: &[Arc<Pod>]) -> bo
 /// The job's checkpoint claim's size and whether its StorageClass may
 /// grow it; what cannot be read is left unknown (the decision then names
 /// the setting to change instead of growing the claim).
-async fn read_claim(ctx: &Context, job: &MemoryAwareTrainingJob, ns: &str) -> ClaimFacts {
-    let name = checkpoint_claim_name(job);
+async fn read_claim(ctx: &Context, name: &str, ns: &str) -> ClaimFacts {
+    let name = name.to_string();
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), ns);
     let claim = match claims.get_opt(&name).await {
         Ok(claim) => claim,

@@ -15,10 +15,10 @@ use kube::runtime::controller::Action;
 
 use super::apply::{
     apply_status, delete_job, delete_worker, ensure_initializer, grow_claim, keep_claim,
-    launch_attempt, missing_workers, publish_events, undo_launch,
+    launch_attempt, missing_workers, publish_events, undo_launch, write_model_cache,
 };
 use super::decide::refused::{Refused, refused};
-use super::decide::{Decision, Launch, decide};
+use super::decide::{CacheWrite, Decision, Launch, decide};
 use super::observe::observe;
 use super::{Context, Error};
 use crate::metrics::{ErrorLabels, OutcomeLabels};
@@ -102,6 +102,11 @@ async fn apply_decision(
         return Ok(Action::await_change());
     }
     keep_claim_on_success(ctx, ns, job, &decision).await?;
+    // Before the status that says Initialized: a filled cache claim is
+    // marked ready, or the next reconcile (which sees the same report) tries again.
+    if let Some(write @ CacheWrite::Ready { .. }) = &decision.model_cache {
+        write_model_cache(ctx, job, write).await?;
+    }
     // Before the status that starts the retry: a claim that could not be
     // grown leaves the attempt to the next reconcile, which decides again.
     if let Some(growth) = &decision.grow_claim {
@@ -124,8 +129,12 @@ async fn apply_decision(
     for pod in &decision.delete_pods {
         delete_worker(&ctx.client, ns, pod).await?;
     }
+    let cache = decision
+        .model_cache
+        .as_ref()
+        .filter(|w| !matches!(w, CacheWrite::Ready { .. }));
     if let Some(init) = &decision.initialize
-        && let Err(error) = ensure_initializer(ctx, job, init.run, &init.image, own).await
+        && let Err(error) = ensure_initializer(ctx, job, &decision.status, init, cache, own).await
     {
         let what = Refused::Initializer { run: init.run };
         return on_refusal(ctx, job, latest, &decision, what, error).await;

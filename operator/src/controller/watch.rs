@@ -248,7 +248,9 @@ async fn reconcile_jobs(
             }
         })
         .applied_objects();
-    Controller::for_stream(job_triggers, job_store)
+    // The model cache's collector runs beside the controller, and stops with it.
+    let collector = super::model_cache::collect_idle_caches(ctx.clone(), job_store.clone());
+    let controller = Controller::for_stream(job_triggers, job_store)
         .owns_shared_stream(pod_events)
         .with_config(kube::runtime::controller::Config::default().concurrency(config.concurrency))
         .graceful_shutdown_on(shutdown)
@@ -257,8 +259,11 @@ async fn reconcile_jobs(
             if let Err(e) = result {
                 tracing::debug!(error = %e, "reconcile trigger failed");
             }
-        })
-        .await;
+        });
+    tokio::select! {
+        () = controller => {}
+        () = collector => {}
+    }
 }
 
 /// Field ownership is the API server's bookkeeping: nothing here reads it,
@@ -275,6 +280,13 @@ fn forget_managed_fields(object: &mut impl ResourceExt) {
 /// large as the API server allows.
 fn keep_what_claim_checks_read(claim: &mut PartialObjectMeta<PersistentVolumeClaim>) {
     forget_managed_fields(claim);
+    // A model cache claim's labels and annotations are its state.
+    if super::pods::is_cache_claim(claim) {
+        if let Some(annotations) = claim.metadata.annotations.as_mut() {
+            annotations.retain(|key, _| key.starts_with("headroom.dev/cache-"));
+        }
+        return;
+    }
     claim.metadata.labels = None;
     if let Some(annotations) = claim.metadata.annotations.as_mut() {
         annotations.retain(|key, _| key == headroom_api::ANNOTATION_JOB_UID);

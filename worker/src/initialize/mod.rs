@@ -206,7 +206,7 @@ pub fn initialize(
         ));
     }
     let dir = Path::new(&assignment.model_dir);
-    let downloaded_bytes = match &assignment.model {
+    let (downloaded_bytes, commit) = match &assignment.model {
         ModelSource::HuggingFace {
             repo,
             revision,
@@ -240,9 +240,9 @@ pub fn initialize(
                 dir = %dir.display(),
                 "checkpoint fetched"
             );
-            fetched.downloaded_bytes
+            (fetched.downloaded_bytes, fetched.commit)
         }
-        ModelSource::Volume => 0,
+        ModelSource::Volume => (0, None),
     };
     let format = Format::from(&assignment.data_format);
     let data_bytes = match &assignment.data {
@@ -308,6 +308,7 @@ pub fn initialize(
         model,
         data,
         downloaded_bytes,
+        commit,
     })
 }
 

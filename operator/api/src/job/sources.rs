@@ -103,8 +103,28 @@ hugging_face_repository! {
     pub struct HuggingFaceSource {
         /// `owner/name`, e.g. `meta-llama/Llama-3.2-1B`.
         pub repo: String,
+        /// Whether the checkpoint is shared with the namespace's other jobs
+        /// ([`ModelCacheMode`], whose description the CRD shows).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub cache: Option<ModelCacheMode>,
     }
     token_for = "token, for gated or private repositories.";
+}
+
+/// `Shared`: the checkpoint is downloaded once per namespace, endpoint,
+/// repository and revision into a shared read-only claim
+/// (`headroom-model-<hash>`) that every job naming the same weights reads,
+/// and the job's own claim is sized without it. `Private`: it is downloaded
+/// into the job's own checkpoint claim (`model/`). Default: `Shared` for
+/// `training.method` `lora` and `qlora` (a frozen base), `Private` for
+/// `full`. A branch is resolved once, when the shared copy is downloaded;
+/// name a commit to pin one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum ModelCacheMode {
+    /// One read-only copy per namespace, endpoint, repository and revision.
+    Shared,
+    /// A copy on the job's own checkpoint claim.
+    Private,
 }
 
 /// One key of a Secret in the job's namespace.

@@ -378,6 +378,12 @@ pub struct MemoryAwareTrainingJobStatus {
     /// Where the fine-tuned model is written (`<claim>:<path>`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output: Option<String>,
+    /// The shared model cache claim (`headroom-model-<hash>`) the job reads
+    /// its checkpoint from, read-only, under `model/`
+    /// (`model.pretrained.huggingFace.cache: Shared`); set when its first
+    /// initializer starts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_cache: Option<String>,
     /// Initializer pods started (one unless a transient failure, e.g. a
     /// dropped download, made the operator start another).
     #[serde(default, skip_serializing_if = "Option::is_none")]

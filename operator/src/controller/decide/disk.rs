@@ -12,7 +12,7 @@ use headroom_planner::{DiskBreakdown, FailureCause, JobRequest};
 
 use super::super::classify::PodFailure;
 use super::super::lifecycle::{JobEvent, Reason};
-use super::super::pods::checkpoint_claim_name;
+use super::super::pods::{CacheRole, checkpoint_claim_name};
 use super::{Builder, ClaimGrowth};
 
 /// What a claim that filled up grows to: twice its size, at least what the
@@ -101,7 +101,11 @@ impl Builder<'_> {
     /// with the initializer's words, which name `spec.checkpoints.size`.
     pub(super) fn initializer_disk_full(&mut self, run: u32, f: &PodFailure) {
         let job = self.obs.job;
-        let claim = checkpoint_claim_name(job);
+        // The filler of a shared model cache claim downloads the model there.
+        let claim = match (self.obs.model_cache, self.cache_role()) {
+            (Some(view), Some(CacheRole::Fill { .. })) => view.claim.clone(),
+            _ => checkpoint_claim_name(job),
+        };
         let facts = self.obs.claim.cloned().unwrap_or_default();
         let more_runs = run < job.spec.memory_policy.max_attempts;
         if let (Some(size), Some(true), Some(class), true) = (

@@ -115,6 +115,23 @@ pub(super) fn step_with_claim(
     )
 }
 
+/// [`step`] seeing the job's shared model cache claim as `cache` says.
+pub(super) fn step_with_cache(
+    job: &mut MemoryAwareTrainingJob,
+    pods: &[Pod],
+    now: Timestamp,
+    cache: &super::CacheView,
+) -> Decision {
+    step_observed(
+        job,
+        pods,
+        now,
+        (&WorkerImages::default(), None),
+        crate::controller::config::DEFAULT_PLANNING_BUDGET,
+        (None, Some(cache)),
+    )
+}
+
 fn step_full(
     job: &mut MemoryAwareTrainingJob,
     pods: &[Pod],
@@ -122,6 +139,24 @@ fn step_full(
     (worker_images, queue): (&WorkerImages, Option<&QueueView>),
     planning_budget: Duration,
     claim: Option<&ClaimFacts>,
+) -> Decision {
+    step_observed(
+        job,
+        pods,
+        now,
+        (worker_images, queue),
+        planning_budget,
+        (claim, None),
+    )
+}
+
+fn step_observed(
+    job: &mut MemoryAwareTrainingJob,
+    pods: &[Pod],
+    now: Timestamp,
+    (worker_images, queue): (&WorkerImages, Option<&QueueView>),
+    planning_budget: Duration,
+    (claim, model_cache): (Option<&ClaimFacts>, Option<&super::CacheView>),
 ) -> Decision {
     let refs: Vec<&Pod> = pods.iter().collect();
     let inv = Inventory::default();
@@ -137,6 +172,7 @@ fn step_full(
         worker_images,
         queue,
         claim,
+        model_cache,
     });
     job.status = Some(d.status.clone());
     d

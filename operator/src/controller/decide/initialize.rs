@@ -11,8 +11,8 @@ use kube::ResourceExt;
 
 use super::super::classify::{PodVerdict, classify};
 use super::super::lifecycle::{Reason, Transition};
-use super::super::pods::{initializer_pod_name, output_location};
-use super::Builder;
+use super::super::pods::{CacheRole, initializer_pod_name, output_location, role};
+use super::{Builder, CacheWrite};
 
 impl Builder<'_> {
     /// A `model.pretrained` job before its first plan: start the initializer,
@@ -21,15 +21,26 @@ impl Builder<'_> {
     pub(super) fn initialize(&mut self) -> bool {
         let job = self.obs.job;
         let run = self.d.status.initializations.unwrap_or(0);
+        let name = initializer_pod_name(job, run);
+        let pod = self.obs.pods.iter().find(|p| {
+            run > 0
+                && p.name_any() == name
+                && p.labels().get(LABEL_ROLE).map(String::as_str) == Some(ROLE_INITIALIZER)
+        });
+        // An initializer to create waits while another job fills the
+        // shared model cache claim it would read.
+        if pod.is_none()
+            && let Some(CacheRole::Wait(message)) = self.cache_role()
+        {
+            self.enter(Transition::AwaitingModelCache { message });
+            self.d.requeue_after = Some(Duration::from_secs(5));
+            return false;
+        }
         if run == 0 {
             self.start_initializer(1);
             return false;
         }
-        let name = initializer_pod_name(job, run);
-        let Some(pod) = self.obs.pods.iter().find(|p| {
-            p.name_any() == name
-                && p.labels().get(LABEL_ROLE).map(String::as_str) == Some(ROLE_INITIALIZER)
-        }) else {
+        let Some(pod) = pod else {
             // Created moments ago (the cache lags), or deleted: make sure it exists.
             self.keep_initializer(run);
             self.d.requeue_after = Some(Duration::from_secs(2));
@@ -113,6 +124,16 @@ impl Builder<'_> {
                         String::new()
                     }
                 );
+                // The filler's download is checked: the claim is ready
+                // for every job that names the same weights.
+                if let (Some(view), Some(CacheRole::Fill { .. })) =
+                    (self.obs.model_cache, self.cache_role())
+                {
+                    self.d.model_cache = Some(CacheWrite::Ready {
+                        claim: view.claim.clone(),
+                        commit: report.commit.clone(),
+                    });
+                }
                 self.d.status.model = Some(report.model);
                 self.d.status.data = Some(report.data);
                 self.d.status.output = output_location(self.obs.job);
@@ -151,6 +172,20 @@ impl Builder<'_> {
         if self.initializer_image().is_none() {
             return;
         }
+        let source = match self.obs.model_cache {
+            Some(view) => {
+                // From the first run on, the job reads this claim.
+                self.d.status.model_cache = Some(view.claim.clone());
+                match self.cache_role() {
+                    Some(CacheRole::Read) => format!(
+                        "checking the checkpoint in the shared model cache claim {}",
+                        view.claim
+                    ),
+                    _ => format!("{source} into the shared model cache claim {}", view.claim),
+                }
+            }
+            None => source,
+        };
         self.d.status.initializations = Some(run);
         self.enter(Transition::Initializing {
             run,
@@ -158,6 +193,42 @@ impl Builder<'_> {
         });
         self.keep_initializer(run);
         self.d.requeue_after = Some(Duration::from_secs(2));
+    }
+}
+
+impl Builder<'_> {
+    /// What this job does with its shared model cache claim as the claim
+    /// cache shows it (`None`: it downloads its own copy).
+    pub(super) fn cache_role(&self) -> Option<CacheRole> {
+        let view = self.obs.model_cache?;
+        Some(role(
+            &view.claim,
+            &view.state,
+            self.obs.job.metadata.uid.as_deref().unwrap_or_default(),
+        ))
+    }
+
+    /// The claim write an initializer about to be created needs: made (the
+    /// lock) or taken over when it fills, its use recorded when it reads.
+    pub(super) fn cache_write_for_initializer(&mut self) {
+        let Some(view) = self.obs.model_cache else {
+            return;
+        };
+        let claim = view.claim.clone();
+        self.d.model_cache = match self.cache_role() {
+            Some(CacheRole::Fill { create: true, .. }) => Some(CacheWrite::Create { claim }),
+            Some(CacheRole::Fill {
+                take_over: true, ..
+            }) => view
+                .resource_version
+                .clone()
+                .map(|resource_version| CacheWrite::TakeOver {
+                    claim,
+                    resource_version,
+                }),
+            Some(CacheRole::Read) => Some(CacheWrite::Used { claim }),
+            _ => None,
+        };
     }
 }
 
@@ -485,5 +556,134 @@ mod tests {
         }
         let d = step(&mut j, &[], t0());
         assert_eq!(initializer(&d), Some(1), "opted in");
+    }
+
+    /// The sample fine-tuning job as a LoRA job on a hub model.
+    fn lora_hub_job() -> MemoryAwareTrainingJob {
+        let mut j = crate::controller::pods::tests::job(
+            &include_str!("../../../../samples/cpu-finetune-tiny-llama.yaml")
+                .replace(
+                    "volume: {claimName: models, path: tiny-llama}",
+                    "huggingFace: {repo: owner/base, revision: main}",
+                )
+                .replace("    steps: 30\n", "    steps: 30\n    method: lora\n"),
+        );
+        j.metadata.generation = Some(1);
+        j
+    }
+
+    fn cache(state: CacheState) -> CacheView {
+        CacheView {
+            claim: "headroom-model-0123456789abcdef".into(),
+            state,
+            resource_version: Some("7".into()),
+        }
+    }
+
+    /// The first job makes the cache claim and fills it; its report marks
+    /// the claim ready, and its plan keeps no model bytes on its own claim.
+    #[test]
+    fn the_first_job_fills_the_shared_cache_and_marks_it_ready() {
+        let mut j = lora_hub_job();
+        let d = step_with_cache(&mut j, &[], t0(), &cache(CacheState::Absent));
+        assert_eq!(initializer(&d), Some(1));
+        assert!(d.initialize.as_ref().is_some_and(|i| i.fill_cache));
+        assert_eq!(
+            d.model_cache,
+            Some(CacheWrite::Create {
+                claim: "headroom-model-0123456789abcdef".into()
+            })
+        );
+        assert_eq!(
+            d.status.model_cache.as_deref(),
+            Some("headroom-model-0123456789abcdef")
+        );
+        let mine = CacheState::Filling {
+            filler: Some(("0000-1111".into(), "finetune-tiny-llama".into())),
+        };
+        let report = terminated(0, &headroom_e2e::fixtures::tiny_llama_report(64));
+        let done = step_with_cache(&mut j, &[init_pod(1, &report)], t0(), &cache(mine));
+        assert_eq!(
+            done.model_cache,
+            Some(CacheWrite::Ready {
+                claim: "headroom-model-0123456789abcdef".into(),
+                commit: None,
+            })
+        );
+        assert_eq!(launched(&done), Some(1));
+        let disk = done
+            .status
+            .plan
+            .as_ref()
+            .and_then(|p| p.disk.as_ref())
+            .expect("disk");
+        assert_eq!(disk.model_bytes, 0, "the model is on the cache claim");
+    }
+
+    /// A second job waits while another fills the claim (one event, the
+    /// condition naming the claim and the filler), then only reads it.
+    #[test]
+    fn a_second_job_waits_for_the_filler_then_reads_the_cache() {
+        let mut j = lora_hub_job();
+        let other = CacheState::Filling {
+            filler: Some(("other-uid".into(), "first".into())),
+        };
+        let d = step_with_cache(&mut j, &[], t0(), &cache(other.clone()));
+        assert_eq!(initializer(&d), None, "no initializer while it fills");
+        assert!(has_condition(
+            &d.status,
+            ConditionType::Initialized,
+            false,
+            Reason::WaitingForModelCache
+        ));
+        let message = d.status.message.clone().unwrap_or_default();
+        assert!(
+            message.contains("headroom-model-0123456789abcdef") && message.contains("job first"),
+            "{message}"
+        );
+        assert_eq!(d.events.len(), 1);
+        assert!(d.requeue_after.is_some(), "it looks again");
+        let again = step_with_cache(&mut j, &[], t0(), &cache(other));
+        assert!(again.events.is_empty(), "one event per wait");
+
+        let d = step_with_cache(&mut j, &[], t0(), &cache(CacheState::Ready));
+        assert_eq!(initializer(&d), Some(1));
+        assert!(d.initialize.as_ref().is_some_and(|i| !i.fill_cache));
+        assert_eq!(
+            d.model_cache,
+            Some(CacheWrite::Used {
+                claim: "headroom-model-0123456789abcdef".into()
+            })
+        );
+        let report = terminated(0, &headroom_e2e::fixtures::tiny_llama_report(64));
+        let done = step_with_cache(
+            &mut j,
+            &[init_pod(1, &report)],
+            t0(),
+            &cache(CacheState::Ready),
+        );
+        assert_eq!(done.model_cache, None, "a reader marks nothing");
+        assert_eq!(launched(&done), Some(1));
+    }
+
+    /// A filler that ended without filling the claim is replaced: the next
+    /// job takes it over, guarded by the claim's resourceVersion.
+    #[test]
+    fn an_orphaned_cache_is_taken_over() {
+        let mut j = lora_hub_job();
+        let d = step_with_cache(
+            &mut j,
+            &[],
+            t0(),
+            &cache(CacheState::Filling { filler: None }),
+        );
+        assert!(d.initialize.as_ref().is_some_and(|i| i.fill_cache));
+        assert_eq!(
+            d.model_cache,
+            Some(CacheWrite::TakeOver {
+                claim: "headroom-model-0123456789abcdef".into(),
+                resource_version: "7".into(),
+            })
+        );
     }
 }

@@ -42,6 +42,7 @@ use kube::ResourceExt;
 
 use super::config::WorkerImages;
 use super::lifecycle::{JobEvent, Reason, Stamp, Transition, enter};
+use super::pods::{CacheRole, CacheState};
 
 /// What reconcile should do.
 #[derive(Clone, Debug, PartialEq)]
@@ -64,6 +65,8 @@ pub struct Decision {
     pub grow_claim: Option<ClaimGrowth>,
     /// Delete the job object: it ended `spec.ttlSecondsAfterFinished` ago.
     pub delete_job: bool,
+    /// The write to the shared model cache claim this decision needs.
+    pub model_cache: Option<CacheWrite>,
 }
 
 /// A claim to grow: its name and its new size, bytes.
@@ -124,6 +127,8 @@ impl Launch {
 pub struct InitializerRun {
     pub run: u32,
     pub image: String,
+    /// It downloads into the shared model cache claim (`status.modelCache`).
+    pub fill_cache: bool,
 }
 
 impl Decision {
@@ -138,6 +143,7 @@ impl Decision {
             ended: None,
             grow_claim: None,
             delete_job: false,
+            model_cache: None,
         }
     }
 }
@@ -169,6 +175,40 @@ pub struct Observation<'a> {
     pub queue: Option<&'a QueueView>,
     /// The job's checkpoint claim, when an attempt found it full.
     pub claim: Option<&'a ClaimFacts>,
+    /// The shared model cache claim the job uses (`status.modelCache`), or
+    /// would use before its first initializer; `None` for a job that
+    /// downloads its own copy.
+    pub model_cache: Option<&'a CacheView>,
+}
+
+/// A shared model cache claim as the decision needs it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CacheView {
+    pub claim: String,
+    pub state: CacheState,
+    /// The claim's resourceVersion (a take-over is guarded by it).
+    pub resource_version: Option<String>,
+}
+
+/// What reconcile writes to the job's model cache claim.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CacheWrite {
+    /// Create it, `filling` by this job (the lock: refused when another
+    /// job made it first), before the initializer that fills it.
+    Create { claim: String },
+    /// Become the filler of a claim whose filler ended without filling
+    /// it, guarded by its resourceVersion.
+    TakeOver {
+        claim: String,
+        resource_version: String,
+    },
+    /// Record a use now (a reading initializer starts).
+    Used { claim: String },
+    /// This job's initializer filled it: `ready`, with the commit.
+    Ready {
+        claim: String,
+        commit: Option<String>,
+    },
 }
 
 /// A queued job's queue as the decision needs it.
@@ -338,7 +378,13 @@ impl Builder<'_> {
     /// image; a job whose image has changed since is failed instead.
     fn keep_initializer(&mut self, run: u32) {
         if let Some(image) = self.initializer_image() {
-            self.d.initialize = Some(InitializerRun { run, image });
+            let fill_cache = matches!(self.cache_role(), Some(CacheRole::Fill { .. }));
+            self.cache_write_for_initializer();
+            self.d.initialize = Some(InitializerRun {
+                run,
+                image,
+                fill_cache,
+            });
         }
     }
 

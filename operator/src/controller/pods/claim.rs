@@ -30,7 +30,9 @@ pub fn disk_inputs(
 ) -> DiskInputs {
     let pretrained = job.spec.model.pretrained.as_ref();
     DiskInputs {
-        model_on_claim: pretrained.is_some_and(|p| p.hugging_face.is_some()),
+        // A model in the shared cache is on the cache's claim, not this one.
+        model_on_claim: pretrained.is_some_and(|p| p.hugging_face.is_some())
+            && status.model_cache.is_none(),
         model_file_bytes: status.model.as_ref().map(|m| m.bytes),
         // The initializer reports the data's tokens, not its files' bytes.
         data: match (

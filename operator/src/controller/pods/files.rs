@@ -45,9 +45,10 @@ pub(super) fn payload_files(job: &MemoryAwareTrainingJob) -> Option<PayloadFiles
     let spec = &job.spec;
     let pretrained = spec.model.pretrained.as_ref()?;
     let data = spec.data.as_ref()?;
-    let model_dir = match &pretrained.volume {
-        Some(v) => claim_path(v),
-        None => format!("{DEFAULT_CHECKPOINT_DIR}/model"),
+    let model_dir = match (&pretrained.volume, model_cache_path(job)) {
+        (Some(v), _) => claim_path(v),
+        (None, Some(cache)) => claim_path(&cache),
+        (None, None) => format!("{DEFAULT_CHECKPOINT_DIR}/model"),
     };
     let output_dir = match &spec.output {
         Some(o) => claim_path(&o.volume),
@@ -83,6 +84,17 @@ pub(super) fn payload_files(job: &MemoryAwareTrainingJob) -> Option<PayloadFiles
             repo: hf.repo.clone(),
             revision: hf.revision.clone(),
         }),
+    })
+}
+
+/// The shared model cache claim's checkpoint, when the job reads it
+/// (`status.modelCache`, which the decision sets before the first
+/// initializer).
+pub(super) fn model_cache_path(job: &MemoryAwareTrainingJob) -> Option<VolumePath> {
+    let claim = job.status.as_ref()?.model_cache.as_ref()?;
+    Some(VolumePath {
+        claim_name: claim.clone(),
+        path: super::model_cache::CACHE_MODEL_PATH.into(),
     })
 }
 
@@ -128,6 +140,11 @@ pub(super) fn claim_mounts(job: &MemoryAwareTrainingJob) -> (Vec<Volume>, Vec<Vo
         .and_then(|p| p.volume.as_ref())
     {
         add(v, false);
+    }
+    // Read-only for the workers; the initializer that fills it makes its
+    // mount writable (`initializer_pod`).
+    if let Some(v) = model_cache_path(job) {
+        add(&v, false);
     }
     if let Some(v) = spec.data.as_ref().and_then(|d| d.volume.as_ref()) {
         add(v, false);

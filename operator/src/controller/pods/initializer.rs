@@ -19,7 +19,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::ResourceExt;
 
-use super::files::{hub_data_dir, hub_data_files, payload_files};
+use super::files::{hub_data_dir, hub_data_files, model_cache_path, payload_files};
 use super::names::initializer_pod_name;
 use super::skeleton::{
     Component, PodParts, pod_name_env, restricted_pod, telemetry_interval_env, worker_api_access,
@@ -104,10 +104,18 @@ fn token_files(job: &MemoryAwareTrainingJob) -> Vec<(EnvVar, Volume, VolumeMount
 }
 
 /// What the initializer is asked to do.
-fn initializer_assignment(job: &MemoryAwareTrainingJob) -> Option<InitializerAssignment> {
+/// `fill_cache`: the job downloads into the shared model cache claim; a
+/// job that reads a filled one (`status.modelCache`, not filling) only
+/// checks it, as a model on a volume.
+fn initializer_assignment(
+    job: &MemoryAwareTrainingJob,
+    fill_cache: bool,
+) -> Option<InitializerAssignment> {
     let pretrained = job.spec.model.pretrained.as_ref()?;
     let files = payload_files(job)?;
+    let reads_cache = model_cache_path(job).is_some() && !fill_cache;
     let model = match &pretrained.hugging_face {
+        Some(_) if reads_cache => ModelSource::Volume,
         Some(hf) => ModelSource::HuggingFace {
             repo: hf.repo.clone(),
             revision: hf.revision.clone(),
@@ -156,7 +164,20 @@ pub fn initializer_pod(
     image: &str,
     cfg: &ChildConfig,
 ) -> Result<Option<Pod>, serde_json::Error> {
-    let Some(assignment) = initializer_assignment(job) else {
+    initializer_pod_filling(job, run, image, cfg, false)
+}
+
+/// [`initializer_pod`], which with `fill_cache` downloads into the job's
+/// shared model cache claim (`status.modelCache`), mounted writable in this
+/// pod alone.
+pub fn initializer_pod_filling(
+    job: &MemoryAwareTrainingJob,
+    run: u32,
+    image: &str,
+    cfg: &ChildConfig,
+    fill_cache: bool,
+) -> Result<Option<Pod>, serde_json::Error> {
+    let Some(assignment) = initializer_assignment(job, fill_cache) else {
         return Ok(None);
     };
     let spec = &job.spec;
@@ -198,7 +219,29 @@ pub fn initializer_pod(
             tolerations: crate::inventory::worker_tolerations(job, DeviceKind::Cpu),
         },
     );
-    // On top of the skeleton, this pod's alone: the token files.
+    // On top of the skeleton, this pod's alone: the token files, and the
+    // cache claim it fills writable.
+    if let (Some(spec), true, Some(cache)) = (pod.spec.as_mut(), fill_cache, model_cache_path(job))
+    {
+        let volume = spec.volumes.iter_mut().flatten().find(|v| {
+            v.persistent_volume_claim
+                .as_ref()
+                .is_some_and(|c| c.claim_name == cache.claim_name)
+        });
+        if let Some(volume) = volume {
+            if let Some(c) = volume.persistent_volume_claim.as_mut() {
+                c.read_only = Some(false);
+            }
+            let name = volume.name.clone();
+            for c in &mut spec.containers {
+                for m in c.volume_mounts.iter_mut().flatten() {
+                    if m.name == name {
+                        m.read_only = Some(false);
+                    }
+                }
+            }
+        }
+    }
     if let Some(spec) = pod.spec.as_mut() {
         for (_, volume, mount) in tokens {
             spec.volumes.get_or_insert_with(Vec::new).push(volume);
@@ -385,7 +428,7 @@ mod tests {
                 revision: "main".into(),
             })
         );
-        let a = initializer_assignment(&j).expect("assignment");
+        let a = initializer_assignment(&j, false).expect("assignment");
         assert_eq!(
             a.data,
             DataSource::HuggingFace {
@@ -411,7 +454,7 @@ mod tests {
         let files = payload_files(&by_split).expect("files");
         assert_eq!(files.data_file, format!("{DEFAULT_CHECKPOINT_DIR}/data"));
         assert_eq!(files.data_split, Some(split.clone()));
-        let a = initializer_assignment(&by_split).expect("assignment");
+        let a = initializer_assignment(&by_split, false).expect("assignment");
         assert!(
             matches!(&a.data, DataSource::HuggingFace { files: HubDataFiles::Split(s), .. } if *s == split),
             "{:?}",

@@ -22,6 +22,7 @@
 mod claim;
 mod files;
 mod initializer;
+mod model_cache;
 mod names;
 mod network_policy;
 mod service;
@@ -30,7 +31,12 @@ mod worker;
 
 pub use claim::{checkpoint_claim, claim_belongs_to, claim_size, disk_inputs, release_claim_patch};
 pub use files::output_location;
-pub use initializer::initializer_pod;
+pub use initializer::{initializer_pod, initializer_pod_filling};
+pub use model_cache::{
+    CACHE_MODEL_PATH, CacheRole, CacheState, Collect, cache_claim, cache_claim_name, collect,
+    is_cache_claim, ready_patch, release_filler_patch, role, shared_cache, take_over_patch,
+    used_patch,
+};
 pub use names::{
     Slot, checkpoint_claim_name, initializer_pod_name, pod_group_name, pod_name, slots,
 };
