@@ -91,10 +91,6 @@ fn run_worker(dir: &Path, plan_json: &str, extra: &[(&str, &str)]) -> Run {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_headroom-worker"));
     cmd.env_clear()
         .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .env(
-            "HEADROOM_GUARD_TRACE",
-            std::env::var("HEADROOM_GUARD_TRACE").unwrap_or_default(),
-        )
         // No worker API (HEADROOM_WORKER_API cleared): telemetry stays local.
         .env("HOME", dir)
         .env(PLAN_JSON_ENV, plan_json)
