@@ -167,14 +167,15 @@ fn sharded(tiny: &BTreeMap<String, Vec<u8>>) -> BTreeMap<String, Vec<u8>> {
 /// What one run of the binary left.
 #[derive(Debug)]
 enum Ended {
-    Report(InitializerReport),
+    /// Boxed: a report is several times the size of a message.
+    Report(Box<InitializerReport>),
     Message(i32, TerminationMessage),
 }
 
 impl Ended {
     fn report(self) -> InitializerReport {
         match self {
-            Ended::Report(r) => r,
+            Ended::Report(r) => *r,
             Ended::Message(code, m) => panic!("expected success, got exit {code}: {m:?}"),
         }
     }
@@ -254,7 +255,7 @@ fn initialize_with_env(
         )
     });
     if code == exit_code::SUCCESS {
-        Ended::Report(serde_json::from_str(&text).expect("a report"))
+        Ended::Report(Box::new(serde_json::from_str(&text).expect("a report")))
     } else {
         let message: TerminationMessage = serde_json::from_str(&text).expect("a message");
         assert_eq!(
