@@ -19,15 +19,19 @@
 //! loop inside the model has no error path, and a step abandoned anywhere
 //! must apply nothing: the model is only taken for the optimizer step,
 //! after the last check). The run loop catches it, as it catches an
-//! allocator's out-of-memory panic, and either steps down in place (halves
-//! the micro-batch, doubles the accumulation) and retries the step, or
-//! checkpoints the last completed step and exits with `NearOutOfMemory`.
+//! allocator's out-of-memory panic, checkpoints the last completed step,
+//! and either steps down in place (runs the worker again in the same pod at
+//! half the micro-batch and twice the accumulation: a fresh process, since
+//! burn's autodiff graph and the allocator keep what the abandoned step
+//! held) or exits with `NearOutOfMemory` (`run.rs`, `after_trip`).
 //!
 //! On the CPU the line is the container's cgroup limit and the memory in
 //! use is the cgroup's charge less the page cache the kernel would reclaim
 //! before it kills (clean file pages), read only when the charge alone
-//! would trip: the common check reads one small file. On a GPU it is the
-//! device allocator's bytes in use against the plan's budget.
+//! would trip: the common check reads one small file. With the soft limit
+//! of the tests (`HEADROOM_DEVICE_MEMORY_LIMIT_BYTES`) it is the process's
+//! resident bytes. On a GPU it is the device allocator's bytes in use
+//! against the device's memory less the runtime's fixed overhead.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
