@@ -915,7 +915,7 @@ const POD_MALLOC: &[(&str, &str)] = &[
 ];
 
 /// `micro_batch` of a global batch of 16, the guard on (stepping down in
-/// place or not), checkpointing every `every` steps.
+/// place or not).
 fn guarded(steps: u64, micro_batch: u32, step_down_in_place: bool) -> WorkerAssignment {
     let mut a = assignment_for(
         activation_heavy(),
@@ -931,23 +931,37 @@ fn guarded(steps: u64, micro_batch: u32, step_down_in_place: bool) -> WorkerAssi
     a
 }
 
-/// The peak (process high-water mark) of the activation-heavy job at
-/// `micro_batch`, without a guard or a limit.
-fn unguarded_peak(name: &str, micro_batch: u32) -> (u64, String) {
+/// The activation-heavy job at `micro_batch` for `steps`, without a guard
+/// or a limit, in a directory of its own: it must succeed.
+fn unguarded(name: &str, steps: u64, micro_batch: u32) -> TerminationMessage {
     let dir = temp_dir(name);
-    let mut a = guarded(2, micro_batch, false);
+    let mut a = guarded(steps, micro_batch, false);
     a.memory_guard = None;
     let run = run_worker(&dir, &serde_json::to_string(&a).expect("json"), POD_MALLOC);
     assert_eq!(run.code, exit_code::SUCCESS, "{}", run.stderr);
     let _ = std::fs::remove_dir_all(&dir);
-    (run.message.peak_bytes.expect("peak"), run.message.reason)
+    run.message
+}
+
+/// `a` in `dir` under the soft `limit`, with the pods' malloc settings.
+fn run_under(dir: &Path, a: &WorkerAssignment, limit: u64) -> Run {
+    let limit = limit.to_string();
+    run_worker(
+        dir,
+        &serde_json::to_string(a).expect("json"),
+        &[
+            (DEVICE_MEMORY_LIMIT_ENV, &limit),
+            POD_MALLOC[0],
+            POD_MALLOC[1],
+        ],
+    )
 }
 
 /// A limit a micro-batch of 4 fits under and one of 16 does not: half
 /// way up from the smaller peak.
 fn limit_between_micro_batches() -> u64 {
-    let (small, _) = unguarded_peak("guard-peak-4", 4);
-    let (large, _) = unguarded_peak("guard-peak-16", 16);
+    let peak = |name, micro| unguarded(name, 2, micro).peak_bytes.expect("peak");
+    let (small, large) = (peak("guard-peak-4", 4), peak("guard-peak-16", 16));
     eprintln!("peaks without the guard: micro-batch 4 {small} B, 16 {large} B");
     assert!(
         large > small + (8 << 20),
@@ -960,16 +974,7 @@ fn limit_between_micro_batches() -> u64 {
 fn the_guard_steps_down_in_place_before_the_limit_and_keeps_the_global_batch() {
     let limit = limit_between_micro_batches();
     let dir = temp_dir("guard-step-down");
-    let a = guarded(3, 16, true);
-    let run = run_worker(
-        &dir,
-        &serde_json::to_string(&a).expect("json"),
-        &[
-            (DEVICE_MEMORY_LIMIT_ENV, &limit.to_string()),
-            POD_MALLOC[0],
-            POD_MALLOC[1],
-        ],
-    );
+    let run = run_under(&dir, &guarded(3, 16, true), limit);
     // Stepped down and finished in this pod (the worker ran itself again):
     // no new attempt, no kill.
     assert_eq!(run.code, exit_code::SUCCESS, "{}", run.stderr);
@@ -1005,15 +1010,7 @@ fn the_guard_steps_down_in_place_before_the_limit_and_keeps_the_global_batch() {
             .and_then(|l| l.trim().parse().ok())
             .unwrap_or_else(|| panic!("a loss in {reason}"))
     };
-    let same_from_start = {
-        let dir = temp_dir("guard-step-down-reference");
-        let mut a = guarded(3, micro, false);
-        a.memory_guard = None;
-        let run = run_worker(&dir, &serde_json::to_string(&a).expect("json"), POD_MALLOC);
-        assert_eq!(run.code, exit_code::SUCCESS, "{}", run.stderr);
-        let _ = std::fs::remove_dir_all(&dir);
-        loss(&run.message.reason)
-    };
+    let same_from_start = loss(&unguarded("guard-step-down-reference", 3, micro).reason);
     let guarded_loss = loss(&run.message.reason);
     // Both are printed to 4 decimals; the accumulation's order moves the
     // 7th digit of an f32 sum at most.
@@ -1028,16 +1025,7 @@ fn the_guard_steps_down_in_place_before_the_limit_and_keeps_the_global_batch() {
 fn a_trip_without_stepping_down_exits_near_oom_and_the_retry_resumes() {
     let limit = limit_between_micro_batches();
     let dir = temp_dir("guard-trip");
-    let a = guarded(3, 16, false);
-    let run = run_worker(
-        &dir,
-        &serde_json::to_string(&a).expect("json"),
-        &[
-            (DEVICE_MEMORY_LIMIT_ENV, &limit.to_string()),
-            POD_MALLOC[0],
-            POD_MALLOC[1],
-        ],
-    );
+    let run = run_under(&dir, &guarded(3, 16, false), limit);
     assert_eq!(run.code, exit_code::NEAR_OUT_OF_MEMORY, "{}", run.stderr);
     assert_eq!(run.message.outcome, WorkerOutcome::NearOutOfMemory);
     let m = &run.message;
@@ -1056,16 +1044,7 @@ fn a_trip_without_stepping_down_exits_near_oom_and_the_retry_resumes() {
         run.stderr
     );
     // The stricter attempt (a smaller micro-batch) resumes and finishes.
-    let retry = guarded(3, 2, false);
-    let run = run_worker(
-        &dir,
-        &serde_json::to_string(&retry).expect("json"),
-        &[
-            (DEVICE_MEMORY_LIMIT_ENV, &limit.to_string()),
-            POD_MALLOC[0],
-            POD_MALLOC[1],
-        ],
-    );
+    let run = run_under(&dir, &guarded(3, 2, false), limit);
     assert_eq!(run.code, exit_code::SUCCESS, "{}", run.stderr);
     let _ = std::fs::remove_dir_all(&dir);
 }
