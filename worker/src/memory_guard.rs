@@ -42,7 +42,7 @@ use burn::tensor::Device;
 use headroom_api::MemoryGuardSettings;
 use headroom_planner::{MemoryBreakdown, Plan};
 
-use crate::memory_probe::{CgroupFiles, parse_proc_status};
+use crate::memory_probe::{CgroupFiles, process_memory};
 
 /// The part of a step that is about to run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -157,12 +157,7 @@ pub struct CgroupMeter {
     current: PathBuf,
     stat: PathBuf,
     version: u8,
-    proc_status: PathBuf,
-    clear_refs: PathBuf,
-    /// Resident bytes at the last mark (None before the first, or when
-    /// the high-water mark cannot be reset).
-    rss_at_mark: Option<u64>,
-    can_reset: bool,
+    high_water: HighWater,
 }
 
 impl CgroupMeter {
@@ -175,10 +170,7 @@ impl CgroupMeter {
                 current: files.current.clone(),
                 stat: dir.join("memory.stat"),
                 version: files.version,
-                proc_status: PathBuf::from("/proc/self/status"),
-                clear_refs: PathBuf::from("/proc/self/clear_refs"),
-                rss_at_mark: None,
-                can_reset: true,
+                high_water: HighWater::default(),
             },
             limit,
         ))
@@ -245,27 +237,55 @@ impl Meter for CgroupMeter {
     }
 
     fn high_since_mark(&mut self) -> Option<(u64, u64)> {
+        self.high_water.since_mark()
+    }
+
+    fn mark(&mut self) {
+        self.high_water.mark();
+    }
+}
+
+/// The process's resident high-water mark, reset at each mark, so that
+/// what it reads at the next is the part's own peak.
+#[derive(Debug)]
+struct HighWater {
+    /// Resident bytes at the last mark (`None` before the first, or when
+    /// the mark cannot be reset).
+    rss_at_mark: Option<u64>,
+    /// Resident bytes [`HighWater::since_mark`] read, for the mark that
+    /// follows it (nothing runs between the two).
+    rss_now: Option<u64>,
+    can_reset: bool,
+}
+
+impl Default for HighWater {
+    fn default() -> Self {
+        HighWater {
+            rss_at_mark: None,
+            rss_now: None,
+            can_reset: true,
+        }
+    }
+}
+
+impl HighWater {
+    /// The peak since the last mark and the resident bytes at it.
+    fn since_mark(&mut self) -> Option<(u64, u64)> {
         let at_mark = self.rss_at_mark?;
-        let (_, hwm) = std::fs::read_to_string(&self.proc_status)
-            .map(|t| parse_proc_status(&t))
-            .ok()?;
+        let (rss, hwm) = process_memory();
+        self.rss_now = rss;
         Some((hwm?, at_mark))
     }
 
     fn mark(&mut self) {
-        if !self.can_reset {
-            return;
-        }
         // "5" resets the process's peak resident size to its current one
         // (proc(5), clear_refs): the next VmHWM is this part's own peak.
-        if std::fs::write(&self.clear_refs, "5").is_err() {
+        if !self.can_reset || std::fs::write("/proc/self/clear_refs", "5").is_err() {
             self.can_reset = false;
             self.rss_at_mark = None;
             return;
         }
-        self.rss_at_mark = std::fs::read_to_string(&self.proc_status)
-            .ok()
-            .and_then(|t| parse_proc_status(&t).0);
+        self.rss_at_mark = self.rss_now.take().or_else(|| process_memory().0);
     }
 }
 
@@ -520,21 +540,18 @@ impl MemoryGuard {
 /// Without a cgroup: the process's resident bytes (a soft limit's test runs).
 #[derive(Debug, Default)]
 pub struct ProcessMeter {
-    rss_at_mark: Option<u64>,
+    high_water: HighWater,
 }
 
 impl Meter for ProcessMeter {
     fn in_use(&mut self) -> Option<u64> {
-        crate::memory_probe::process_memory().0
+        process_memory().0
     }
     fn high_since_mark(&mut self) -> Option<(u64, u64)> {
-        let at_mark = self.rss_at_mark?;
-        Some((crate::memory_probe::process_memory().1?, at_mark))
+        self.high_water.since_mark()
     }
     fn mark(&mut self) {
-        self.rss_at_mark = std::fs::write("/proc/self/clear_refs", "5")
-            .ok()
-            .and_then(|()| crate::memory_probe::process_memory().0);
+        self.high_water.mark();
     }
 }
 
