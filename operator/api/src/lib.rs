@@ -12,6 +12,7 @@
 
 pub mod admission;
 pub mod contract;
+pub mod hub;
 pub mod job;
 pub mod quantity;
 pub mod recipe;

@@ -17,13 +17,13 @@
 //! gives up with `Failed` (and the pod's own retry resumes from the `.part`).
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use headroom_api::hub::encode_path;
 use headroom_api::{DownloadProgress, HubDataFiles};
 
 use ureq::http::HeaderMap;
@@ -487,7 +487,7 @@ impl Hub {
             "{}/api/{api}/{}/revision/{}?blobs=true",
             self.endpoint,
             self.repo,
-            encode(&self.revision, false)
+            encode_path(&self.revision, false)
         )
     }
 
@@ -500,8 +500,8 @@ impl Hub {
             "{}/{prefix}{}/resolve/{}/{}",
             self.endpoint,
             self.repo,
-            encode(commit, false),
-            encode(name, true)
+            encode_path(commit, false),
+            encode_path(name, true)
         )
     }
 
@@ -1044,20 +1044,6 @@ fn valid_repo_id(repo: &str) -> bool {
                 && p.chars()
                     .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
         })
-}
-
-/// Percent-encodes a path segment (all but unreserved characters, and `/`
-/// where `keep_slash`): revisions such as `refs/pr/1` are one segment.
-fn encode(s: &str, keep_slash: bool) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) || (keep_slash && b == b'/') {
-            out.push(char::from(b));
-        } else {
-            let _ = write!(out, "%{b:02X}");
-        }
-    }
-    out
 }
 
 fn header_str(headers: &HeaderMap, name: &str) -> Option<String> {

@@ -24,6 +24,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow, bail};
 use headroom_api::DEFAULT_HF_ENDPOINT;
 use headroom_api::HuggingFaceSource;
+use headroom_api::hub::encode_path;
 use hyper::{Request, StatusCode, Uri};
 use kube::client::Body;
 
@@ -138,7 +139,7 @@ pub fn fetch_config(source: &HuggingFaceSource, env: &UserHubEnv) -> Result<HubC
         let listing_path = format!(
             "/api/models/{}/revision/{}",
             source.repo,
-            encode(&source.revision, false)
+            encode_path(&source.revision, false)
         );
         let listing = hub
             .get(&listing_path)
@@ -151,7 +152,11 @@ pub fn fetch_config(source: &HuggingFaceSource, env: &UserHubEnv) -> Result<HubC
             )
         })?;
         let at = commit.as_deref().unwrap_or(&source.revision);
-        let path = format!("/{}/resolve/{}/config.json", source.repo, encode(at, false));
+        let path = format!(
+            "/{}/resolve/{}/config.json",
+            source.repo,
+            encode_path(at, false)
+        );
         let text = hub
             .get(&path)
             .await
@@ -351,21 +356,6 @@ fn listing_commit(text: &str) -> std::result::Result<Option<String>, String> {
         .map(str::to_string))
 }
 
-/// Percent-encodes a path segment as the initializer does: revisions such
-/// as `refs/pr/1` are one segment.
-fn encode(s: &str, keep_slash: bool) -> String {
-    use std::fmt::Write as _;
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) || (keep_slash && b == b'/') {
-            out.push(char::from(b));
-        } else {
-            let _ = write!(out, "%{b:02X}");
-        }
-    }
-    out
-}
-
 /// An error and its causes (a refused connection says so only in its
 /// source), each said once (hyper's layers repeat theirs).
 fn causes(e: &dyn std::error::Error) -> String {
@@ -441,7 +431,7 @@ mod tests {
 
     #[test]
     fn revisions_are_one_segment_and_listings_give_the_commit() {
-        assert_eq!(encode("refs/pr/1", false), "refs%2Fpr%2F1");
+        assert_eq!(encode_path("refs/pr/1", false), "refs%2Fpr%2F1");
         assert_eq!(
             listing_commit(r#"{"sha":"c0ffee","siblings":[]}"#).expect("listing"),
             Some("c0ffee".into())
