@@ -166,6 +166,14 @@ pub struct Settings {
     /// workers, whose device is the host.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub offload_embedding: bool,
+    /// With activation checkpointing and the optimizer offloaded, on a GPU:
+    /// each block's gradient leaves the device as its backward produces it
+    /// and is accumulated in fp32 in host memory, where the optimizer state
+    /// and the step live (DeepSpeed's ZeRO-Offload, torchtune's optimizer in
+    /// backward); the device keeps no gradient beyond the block in flight.
+    /// Never on CPU workers, whose device is the host.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub offload_gradients: bool,
 }
 
 impl Default for Settings {
@@ -183,6 +191,7 @@ impl Default for Settings {
             offload_optimizer: false,
             offload_activations: false,
             offload_embedding: false,
+            offload_gradients: false,
         }
     }
 }
@@ -218,6 +227,9 @@ impl std::fmt::Display for Settings {
         }
         if self.offload_embedding {
             f.write_str(", embedding offloaded")?;
+        }
+        if self.offload_gradients {
+            f.write_str(", gradients offloaded")?;
         }
         Ok(())
     }
