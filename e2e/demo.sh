@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # shellcheck source-path=SCRIPTDIR
-# The README demo, on a real node: a job that runs out of memory on its first
-# attempt (the kernel OOM-kills the container) and succeeds on its second,
-# stricter attempt, shown with `kubectl get` as it happens; then a real (tiny)
+# The README demo, on a real node: a job pinned to settings that do not fit
+# its memory limit, whose worker's near-OOM guard stops the step before the
+# kernel would kill it, checkpoints and steps down in place (half the
+# micro-batch, twice the accumulation) in one attempt, shown with `kubectl
+# get` and the job's events as it happens; then a real (tiny)
 # Hugging Face checkpoint fine-tuned on real text (samples/cpu-finetune-tiny-llama.yaml):
 # initialized, planned from its config.json, trained, written out.
 #
 # With KUBECONFIG unset it starts the local single-node cluster (root; see
 # e2e/cluster/README.md), builds the operator and worker images without
-# Docker, installs Headroom with Helm, and applies samples/cpu-oom-first.yaml.
+# Docker, installs Headroom with Helm, and applies samples/cpu-near-oom-guard.yaml.
+# (The kernel-kill path without the guard, samples/cpu-oom-first.yaml, is
+# make e2e's `oom_killed_and_succeeds_stricter`.)
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "${ROOT}"
@@ -16,7 +20,7 @@ cd "${ROOT}"
 : "${CARGO_TARGET_DIR:=${HEADROOM_CACHE}/target}"
 export HEADROOM_CACHE CARGO_TARGET_DIR
 NS=${DEMO_NAMESPACE:-headroom-demo}
-JOB=oom-then-fit
+JOB=near-oom-guarded
 TIMEOUT=${DEMO_TIMEOUT_SECONDS:-900}
 
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
@@ -39,11 +43,11 @@ k() { "${KUBECTL}" "$@"; }
 k create namespace "${NS}" --dry-run=client -o yaml | k apply -f - >/dev/null
 k delete -n "${NS}" matj "${JOB}" --ignore-not-found --wait=true >/dev/null
 
-say "what Headroom plans before anything runs: kubectl headroom plan -f samples/cpu-oom-first.yaml"
-"${CARGO_TARGET_DIR}/release/kubectl-headroom" plan -f samples/cpu-oom-first.yaml || true
+say "what Headroom plans before anything runs: kubectl headroom plan -f samples/cpu-near-oom-guard.yaml"
+"${CARGO_TARGET_DIR}/release/kubectl-headroom" plan -f samples/cpu-near-oom-guard.yaml || true
 
-say "kubectl apply -f samples/cpu-oom-first.yaml   (pinned micro-batch 32, no checkpointing, 320Mi limit)"
-k apply -n "${NS}" -f samples/cpu-oom-first.yaml
+say "kubectl apply -f samples/cpu-near-oom-guard.yaml   (pinned micro-batch 32, no checkpointing, 320Mi limit, memoryPolicy.guard on)"
+k apply -n "${NS}" -f samples/cpu-near-oom-guard.yaml
 last=""
 deadline=$((SECONDS + TIMEOUT))
 while ((SECONDS < deadline)); do
@@ -67,6 +71,10 @@ say "events"
 # By UID: events of an earlier run's job of the same name outlive it (1 h).
 uid=$(k get matj -n "${NS}" "${JOB}" -o jsonpath='{.metadata.uid}')
 k get events -n "${NS}" --field-selector involvedObject.uid="${uid}" -o custom-columns=TYPE:.type,REASON:.reason,MESSAGE:.message --sort-by=.metadata.creationTimestamp
+say "the worker's log: where the guard stopped the step, what it kept, where the fresh process resumed"
+for pod in $(k get pods -n "${NS}" -l headroom.dev/job="${JOB}",app.kubernetes.io/component=worker -o name 2>/dev/null); do
+  k logs -n "${NS}" "${pod}" --all-containers 2>/dev/null | grep -E "memory guard|resumed|no checkpoint" | sed "s|^|    ${pod#pod/}: |" || true
+done
 [[ $(k get matj -n "${NS}" "${JOB}" -o jsonpath='{.status.phase}') == Succeeded ]]
 
 # --- a real checkpoint, fine-tuned -------------------------------------------

@@ -19,6 +19,9 @@ pub fn workspace_root() -> PathBuf {
 pub const CPU_TINY: &str = include_str!("../../samples/cpu-tiny.yaml");
 /// samples/cpu-oom-first.yaml: job `oom-then-fit`, pinned settings over its limit.
 pub const CPU_OOM_FIRST: &str = include_str!("../../samples/cpu-oom-first.yaml");
+/// samples/cpu-near-oom-guard.yaml: job `near-oom-guarded`, the same
+/// settings with the near-OOM guard on (`make demo`'s first job).
+pub const CPU_NEAR_OOM_GUARD: &str = include_str!("../../samples/cpu-near-oom-guard.yaml");
 /// samples/cpu-pipeline.yaml: job `split-to-fit`, planned as several stages.
 pub const CPU_PIPELINE: &str = include_str!("../../samples/cpu-pipeline.yaml");
 /// samples/cpu-pipeline-retry.yaml: job `oom-then-split`, one stage first, then more.

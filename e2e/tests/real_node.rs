@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use headroom_api::{AttemptOutcome, JobPhase};
 use headroom_e2e::corpus::assert_all_rejected;
-use headroom_e2e::fixtures::{CPU_OOM_FIRST as OOM_FIRST, CPU_TINY as TINY};
+use headroom_e2e::fixtures::{
+    CPU_NEAR_OOM_GUARD as NEAR_OOM_GUARD, CPU_OOM_FIRST as OOM_FIRST, CPU_TINY as TINY,
+};
 use headroom_e2e::{
     E2E, TestNs, ended, kubectl, operator_namespace, operator_selector, phase, pod_phase,
     pod_ready, telemetry_step,
@@ -236,18 +238,14 @@ async fn a_job_over_its_limit_is_oom_killed_and_succeeds_stricter() {
 #[ignore = "needs a cluster with Headroom installed: make e2e"]
 async fn a_guarded_job_steps_down_before_the_kernel_kills_it() {
     let ns = TestNs::new(E2E, "e2e-guard").await;
-    let manifest = OOM_FIRST
-        .replace("maxWorkers: 2}", "cores: 500m, maxWorkers: 2}")
-        .replace(
-            "maxAttempts: 4",
-            "maxAttempts: 4\n    guard: {enabled: true}",
-        );
+    // make demo's first job, with the CPU share the suite's jobs get.
+    let manifest = NEAR_OOM_GUARD.replace("maxWorkers: 2}", "cores: 500m, maxWorkers: 2}");
     assert!(
-        manifest.contains("guard: {enabled: true}"),
-        "samples/cpu-oom-first.yaml changed"
+        manifest.contains("cores: 500m") && manifest.contains("guard: {enabled: true"),
+        "samples/cpu-near-oom-guard.yaml changed"
     );
     ns.apply_job(&manifest).await;
-    let status = ns.wait_succeeded("oom-then-fit", RUN).await;
+    let status = ns.wait_succeeded("near-oom-guarded", RUN).await;
     assert!(
         status.attempts.iter().all(|a| !matches!(
             a.outcome,

@@ -263,9 +263,10 @@ impl WorkerRun<'_> {
             // The connections stay open until the output is written.
             Ok(mut connected) => {
                 self.install_guard(&trainer);
+                let started = std::time::Instant::now();
                 let trained = self.train(&mut trainer, &mut connected);
                 // Off before the output is written: the guard watches steps.
-                report_guard_cost(memory_guard::install(None));
+                report_guard_cost(memory_guard::install(None), started.elapsed());
                 match trained {
                     Ok(last_loss) => self.write_output(&trainer, last_loss),
                     Err(exit) => exit,
@@ -618,14 +619,16 @@ fn run_again(micro_batch: u32, accumulation: u32) -> std::io::Error {
 
 /// What the guard cost, in the log: its checks and their time (the
 /// benchmark's figure is the share of the training time).
-fn report_guard_cost(guard: Option<MemoryGuard>) {
+fn report_guard_cost(guard: Option<MemoryGuard>, training: std::time::Duration) {
     if let Some(g) = guard {
         tracing::info!(
             checks = g.checks,
             seconds = g.time.as_secs_f64(),
-            "memory guard: {} checks took {:.1} ms in all",
+            "memory guard: {} checks took {:.1} ms in all, of a training loop of {:.2} s ({:.3} %)",
             g.checks,
-            g.time.as_secs_f64() * 1e3
+            g.time.as_secs_f64() * 1e3,
+            training.as_secs_f64(),
+            100.0 * g.time.as_secs_f64() / training.as_secs_f64().max(1e-9)
         );
     }
 }

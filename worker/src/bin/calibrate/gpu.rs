@@ -975,7 +975,7 @@ fn one_gpu_row(case: Case, steps: u64, gpu: &Gpu, models: &Path) -> Row {
     // One case failing (a CUDA out-of-memory, a kernel that does not
     // compile) is a finding; the other rows still run.
     let (message, seconds) = match run {
-        Ok(run) => run,
+        Ok((message, seconds, _log)) => (message, seconds),
         Err(e) => {
             let first = e.lines().next().unwrap_or_default().to_string();
             println!("| {} | failed: {first} |", case.name);
@@ -993,6 +993,7 @@ fn one_gpu_row(case: Case, steps: u64, gpu: &Gpu, models: &Path) -> Row {
         measured: peak.saturating_sub(baseline),
         seconds,
         replicas: 1,
+        guard: None,
     };
     print_row(&m);
     eprintln!(

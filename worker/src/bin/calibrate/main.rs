@@ -26,7 +26,9 @@
 //! (b 4) and on (b 16, where training rather than the checkpoint load
 //! peaks), planned with the adapters and base format as the operator plans
 //! a LoRA job. 8-bit AdamW rows: full fine-tuning and LoRA. Set
-//! `CALIBRATE_BREAKDOWN=1` to print each row's predicted components.
+//! `CALIBRATE_BREAKDOWN=1` to print each row's predicted components;
+//! `CALIBRATE_GUARD=1` runs every row with the near-OOM guard on and prints
+//! its checks' share of each row's time and the median.
 //!
 //! Pipeline and replica rows: a GPT model split over p = 2 and 3 stages and
 //! run as d = 2 and 4 ZeRO-1 replicas and 2 × 2, a Llama model and the Lq
@@ -566,6 +568,49 @@ struct Measured {
     seconds: f64,
     /// Data-parallel replicas of the row's plan (1: none).
     replicas: u32,
+    /// With `CALIBRATE_GUARD=1`: the memory guard's checks and their time,
+    /// as the worker logs them at its end.
+    guard: Option<GuardCost>,
+}
+
+/// What the near-OOM guard cost a worker: its checks, their own time and
+/// the time of the training loop they ran in.
+#[derive(Clone, Copy, Debug)]
+struct GuardCost {
+    checks: u64,
+    seconds: f64,
+    training_seconds: f64,
+}
+
+/// `CALIBRATE_GUARD=1`: the grid's workers run with the near-OOM guard on
+/// (margin 3 %, no stepping down) under a soft limit of 64 GiB that no row
+/// nears, so every check is made and none trips; each row's cost is read
+/// from the worker's log (docs/benchmarks.md, "Memory guard overhead").
+fn guard_on() -> bool {
+    std::env::var_os("CALIBRATE_GUARD").is_some_and(|v| v == "1")
+}
+
+/// The guard's figures from a worker's log line `memory guard: N checks
+/// took X ms in all, of a training loop of Y s (…)` (`run::report_guard_cost`).
+fn guard_cost(log: &str) -> Option<GuardCost> {
+    let line = log
+        .lines()
+        .find(|l| l.contains("memory guard: ") && l.contains(" checks took "))?;
+    let after = &line[line.find("memory guard: ")? + "memory guard: ".len()..];
+    let number = |after_text: &str| -> Option<f64> {
+        after
+            .split(after_text)
+            .nth(1)?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    };
+    Some(GuardCost {
+        checks: after.split_whitespace().next()?.parse().ok()?,
+        seconds: number(" checks took ")? / 1e3,
+        training_seconds: number("training loop of ")?,
+    })
 }
 
 impl Measured {
@@ -618,8 +663,23 @@ fn measure(case: &Case, steps: u64) -> Measured {
     std::fs::create_dir_all(&dir).expect("temp dir");
     let mut a = a;
     a.files = fine_tuning_files(case, &dir);
-    let (message, seconds) = run_worker(case.name, &a, &dir);
+    if guard_on() {
+        a.memory_guard = Some(headroom_api::MemoryGuardSettings {
+            margin_percent: 3,
+            step_down_in_place: false,
+        });
+    }
+    let (message, seconds, log) =
+        try_run_worker(case.name, &a, &dir).unwrap_or_else(|e| panic!("{e}"));
     let _ = std::fs::remove_dir_all(&dir);
+    let guard = guard_on().then(|| {
+        guard_cost(&log).unwrap_or_else(|| {
+            panic!(
+                "{}: no `memory guard: N checks took` line in the worker's log:\n{log}",
+                case.name
+            )
+        })
+    });
     Measured {
         label: case.name.to_string(),
         case: case.clone(),
@@ -629,25 +689,35 @@ fn measure(case: &Case, steps: u64) -> Measured {
             .expect("peak bytes in the termination message"),
         seconds,
         replicas: 1,
+        guard,
     }
 }
 
 /// Runs `a` in a worker process (this binary with `--worker`, the
 /// production code path) with its checkpoints and termination message under
-/// `dir`; panics unless it succeeds. The message and the wall time.
-fn run_worker(name: &str, a: &WorkerAssignment, dir: &Path) -> (TerminationMessage, f64) {
-    try_run_worker(name, a, dir).unwrap_or_else(|e| panic!("{e}"))
-}
-
-/// [`run_worker`], with a failed worker as an error that says why.
+/// `dir`: its message, its wall time and its log (stderr), or, when it
+/// failed, an error that says why.
 fn try_run_worker(
     name: &str,
     a: &WorkerAssignment,
     dir: &Path,
-) -> Result<(TerminationMessage, f64), String> {
+) -> Result<(TerminationMessage, f64, String), String> {
     let termination = dir.join("termination-log");
     let started = Instant::now();
-    let out = Command::new(std::env::current_exe().expect("own path"))
+    let mut command = Command::new(std::env::current_exe().expect("own path"));
+    if a.memory_guard.is_some() {
+        // A limit for the guard to check against outside a pod's cgroup,
+        // and the log line with its cost.
+        command
+            .env(
+                headroom_worker::env::DEVICE_MEMORY_LIMIT_ENV,
+                (64u64 << 30).to_string(),
+            )
+            .env("RUST_LOG", "warn,headroom_worker::run=info");
+    } else {
+        command.env("RUST_LOG", "warn");
+    }
+    let out = command
         .arg("--worker")
         .env(PLAN_JSON_ENV, serde_json::to_string(a).expect("json"))
         .env(CHECKPOINT_DIR_ENV, dir.join("checkpoints"))
@@ -661,7 +731,6 @@ fn try_run_worker(
         .env(MALLOC_TUNABLES_ENV, WORKER_MALLOC_TUNABLES)
         .env("KUBECONFIG", dir.join("none"))
         .env("HOME", dir)
-        .env("RUST_LOG", "warn")
         .env(
             headroom_worker::model::lean::NAIVE_OPS_ENV,
             if headroom_worker::model::lean::naive_ops() {
@@ -684,7 +753,7 @@ fn try_run_worker(
             out.status, message.outcome, message.reason
         ));
     }
-    Ok((message, seconds))
+    Ok((message, seconds, stderr.into_owned()))
 }
 
 /// `a` split over `p` balanced stages (the planner's split when it fits).
@@ -1004,6 +1073,7 @@ impl SplitRun<'_> {
             measured: peak.saturating_sub(baseline),
             seconds,
             replicas: d,
+            guard: None,
         })
     }
 }
@@ -1646,6 +1716,36 @@ fn adapters_cell(case: &Case) -> String {
     format!("r{} {targets}, {base}", a.rank)
 }
 
+/// `CALIBRATE_GUARD=1`: each row's guard checks and their share of the
+/// row's training loop (its steps and periodic checkpoints), and the median
+/// over the grid against the < 1 % target.
+fn guard_report(rows: &[Measured]) {
+    let shares: Vec<f64> = rows
+        .iter()
+        .filter_map(|m| {
+            let g = m.guard?;
+            let share = g.seconds / g.training_seconds;
+            println!(
+                "guard {}: {} checks, {:.1} ms of a {:.2} s training loop ({:.3} %)",
+                m.label,
+                g.checks,
+                g.seconds * 1e3,
+                g.training_seconds,
+                100.0 * share
+            );
+            Some(share)
+        })
+        .collect();
+    if !shares.is_empty() {
+        println!(
+            "memory guard over {} rows: median {:.3} % of the training loop, max {:.3} % (target < 1 %)",
+            shares.len(),
+            100.0 * median(shares.clone()),
+            100.0 * shares.iter().copied().fold(0.0, f64::max)
+        );
+    }
+}
+
 fn summary(rows: &[Measured], overhead: bool, pipeline: bool) {
     // Replica rows are held to the under-prediction target (an
     // under-prediction is an OOM kill) but not yet to the median: the ZeRO-1
@@ -1673,6 +1773,7 @@ fn summary(rows: &[Measured], overhead: bool, pipeline: bool) {
             100.0 * errors.iter().copied().fold(f64::NEG_INFINITY, f64::max)
         );
     }
+    guard_report(rows);
     if pipeline {
         throughput_report();
     }
