@@ -333,6 +333,7 @@ async fn the_initializers_download_progress_is_in_the_status_while_it_runs() {
         data_split: None,
         packing: headroom_api::Packing::Stream,
         sequence_length: 64,
+        cache_of: None,
     };
     let child = worker_command(&dir, &worker_api, &token)
         .env(

@@ -203,6 +203,7 @@ fn assignment(model: ModelSource, model_dir: &Path, data: &Path) -> InitializerA
         data_split: None,
         packing: headroom_api::Packing::Stream,
         sequence_length: 32,
+        cache_of: None,
     }
 }
 
@@ -348,6 +349,61 @@ fn fetches_checks_and_reports_then_downloads_nothing_the_second_time() {
     assert_eq!(count(&second, "HEAD", WEIGHTS), 1, "{second:#?}");
     assert_eq!(second.len(), 2, "{second:#?}");
     assert_same_files(&model_dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A job that reads a shared model cache claim checks the copy there and
+/// asks the hub, with one listing request and no file, which commit the
+/// claim's branch names now; a claim filled from a commit asks nothing.
+#[test]
+fn a_cache_reader_asks_which_commit_its_branch_names_and_downloads_nothing() {
+    let hub = start_hub();
+    let dir = temp_dir("cache-reader");
+    let model_dir = dir.join("model");
+    // The filler's download.
+    initialize(
+        &dir,
+        &assignment(from_hub(&hub, REPO), &model_dir, &data_file()),
+        None,
+    )
+    .report();
+    hub.take_requests();
+
+    let mut reader = assignment(ModelSource::Volume, &model_dir, &data_file());
+    reader.cache_of = Some(from_hub(&hub, REPO));
+    let report = initialize(&dir, &reader, None).report();
+    assert_eq!(report.commit.as_deref(), Some(COMMIT));
+    assert_eq!(report.downloaded_bytes, 0);
+    assert_eq!(
+        report.model.parameters, 214_592,
+        "the copy on the claim is checked"
+    );
+    let seen = hub.take_requests();
+    assert_eq!(
+        count(&seen, "GET", &format!("/api/models/{REPO}/revision/main")),
+        1,
+        "{seen:#?}"
+    );
+    assert_eq!(seen.len(), 1, "one listing, no file: {seen:#?}");
+
+    reader.cache_of = Some(ModelSource::HuggingFace {
+        repo: REPO.into(),
+        revision: COMMIT.into(),
+        endpoint: hub.endpoint(),
+    });
+    let report = initialize(&dir, &reader, None).report();
+    assert_eq!(report.commit.as_deref(), Some(COMMIT));
+    let seen = hub.take_requests();
+    assert!(seen.is_empty(), "a commit cannot move: {seen:#?}");
+
+    // A hub that cannot be reached leaves the cache in use, unchecked.
+    reader.cache_of = Some(ModelSource::HuggingFace {
+        repo: REPO.into(),
+        revision: "main".into(),
+        endpoint: "http://127.0.0.1:9".into(),
+    });
+    let report = initialize(&dir, &reader, None).report();
+    assert_eq!(report.commit, None);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -461,6 +461,19 @@ pub struct InitializerAssignment {
     pub packing: crate::Packing,
     /// Tokens per training sample (the data must give at least one sample).
     pub sequence_length: u32,
+    /// With `model` read from a shared model cache claim (`Volume`): the
+    /// hub revision the claim was filled from (`HuggingFace`). Unless that
+    /// revision is a commit, the initializer asks the hub which commit it
+    /// names now and reports it (`InitializerReport::commit`), so the
+    /// operator can tell a cache that a branch has moved past.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_of: Option<ModelSource>,
+}
+
+/// Whether a hub revision is a commit (40 hex digits, the form a listing's
+/// `sha` takes) rather than a branch or tag that may move.
+pub fn is_commit(revision: &str) -> bool {
+    revision.len() == 40 && revision.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 /// Where a checkpoint comes from.

@@ -130,10 +130,14 @@ pub enum Reason {
     NearOutOfMemory,
     /// A worker's memory guard halved its micro-batch in place (event).
     SteppedDown,
+    /// The branch or tag a shared model cache claim was filled from names
+    /// another commit now: the job reads (or fills) the claim of that
+    /// commit instead (event).
+    ModelCacheStale,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 29] = [
+    pub const ALL: [Reason; 30] = [
         Reason::Planned,
         Reason::Replanned,
         Reason::Retrying,
@@ -163,6 +167,7 @@ impl Reason {
         Reason::DeadlineExceeded,
         Reason::NearOutOfMemory,
         Reason::SteppedDown,
+        Reason::ModelCacheStale,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -196,6 +201,7 @@ impl Reason {
             Reason::DeadlineExceeded => "DeadlineExceeded",
             Reason::NearOutOfMemory => "NearOutOfMemory",
             Reason::SteppedDown => "SteppedDown",
+            Reason::ModelCacheStale => "ModelCacheStale",
         }
     }
 

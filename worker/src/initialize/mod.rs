@@ -191,6 +191,42 @@ impl std::fmt::Debug for Tokens {
     }
 }
 
+/// The commit `revision` of the hub model `repo` names now: the revision
+/// itself when it is a commit, otherwise what the hub's listing says (one
+/// request, no file). A shared model cache filled from a branch is checked
+/// with it; a hub that cannot be reached leaves the cache in use (`None`,
+/// with a warning) rather than stop a job whose checkpoint is already here.
+fn current_commit(
+    endpoint: &str,
+    repo: &str,
+    revision: &str,
+    token: Option<String>,
+    retry: Retry,
+) -> Result<Option<String>, InitError> {
+    if headroom_api::is_commit(revision) {
+        return Ok(Some(revision.to_string()));
+    }
+    let hub = hub::Hub::new(hub::RepoKind::Model, endpoint, repo, revision, token, retry)?;
+    match hub.list() {
+        Ok(listing) => {
+            tracing::info!(
+                repo = %repo,
+                revision = %revision,
+                commit = listing.commit.as_deref().unwrap_or("(not given)"),
+                "the shared model cache's revision names this commit now"
+            );
+            Ok(listing.commit)
+        }
+        Err(e @ (InitError::Network(_) | InitError::Io(_))) => {
+            tracing::warn!(
+                "cannot ask {endpoint} which commit {repo}@{revision} names now ({e}); reading the shared model cache as it is"
+            );
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// Fetches (for a Hugging Face source), inspects and describes the
 /// checkpoint and the data of `assignment`.
 pub fn initialize(
@@ -242,7 +278,18 @@ pub fn initialize(
             );
             (fetched.downloaded_bytes, fetched.commit)
         }
-        ModelSource::Volume => (0, None),
+        ModelSource::Volume => match &assignment.cache_of {
+            // A shared model cache: which commit its revision names now.
+            Some(ModelSource::HuggingFace {
+                repo,
+                revision,
+                endpoint,
+            }) => (
+                0,
+                current_commit(endpoint, repo, revision, tokens.model, retry)?,
+            ),
+            _ => (0, None),
+        },
     };
     let format = Format::from(&assignment.data_format);
     let data_bytes = match &assignment.data {

@@ -10,8 +10,10 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 
 use super::super::classify::{PodVerdict, classify};
-use super::super::lifecycle::{Reason, Transition};
-use super::super::pods::{CacheRole, initializer_pod_name, output_location, role};
+use super::super::lifecycle::{JobEvent, Reason, Transition};
+use super::super::pods::{
+    CacheRole, CacheState, cache_claim_name, initializer_pod_name, output_location, role,
+};
 use super::{Builder, CacheWrite};
 
 impl Builder<'_> {
@@ -104,6 +106,7 @@ impl Builder<'_> {
                 Err(e) => Err(format!("reported a checkpoint Headroom does not plan: {e}")),
             });
         match report {
+            Ok(report) if self.moved_past_cache(&report) => false,
             Ok(report) => {
                 let m = &report.model;
                 let d = &report.data;
@@ -145,6 +148,58 @@ impl Builder<'_> {
                 false
             }
         }
+    }
+
+    /// A reader's initializer found that the branch or tag its shared
+    /// model cache claim was filled from names another commit now (its
+    /// report's `commit`, the claim's recorded one): the job moves to the
+    /// claim of the new commit, to read it or, first there, to fill it; the
+    /// next pass starts that run. True when it moved (the report is not taken).
+    fn moved_past_cache(&mut self, report: &headroom_api::InitializerReport) -> bool {
+        let (Some(view), Some(CacheRole::Read)) = (self.obs.model_cache, self.cache_role()) else {
+            return false;
+        };
+        let (CacheState::Ready { commit: Some(held) }, Some(now)) = (&view.state, &report.commit)
+        else {
+            return false;
+        };
+        let Some(hf) = self
+            .obs
+            .job
+            .spec
+            .model
+            .pretrained
+            .as_ref()
+            .and_then(|p| p.hugging_face.as_ref())
+        else {
+            return false;
+        };
+        let claim = cache_claim_name(hf.endpoint.as_deref(), &hf.repo, now);
+        if held == now || claim == view.claim {
+            return false;
+        }
+        let run = self.d.status.initializations.unwrap_or(0) + 1;
+        self.d.events.push(JobEvent::new(
+            false,
+            Reason::ModelCacheStale,
+            format!(
+                "{}@{} names commit {now} now; the shared model cache claim {} holds {held}: \
+                 this job uses {claim}, the claim of {now}",
+                hf.repo, hf.revision, view.claim
+            ),
+        ));
+        self.d.status.model_cache = Some(claim.clone());
+        self.d.status.initializations = Some(run);
+        self.enter(Transition::Initializing {
+            run,
+            message: format!(
+                "{}@{} moved to commit {now}: the checkpoint from the shared model cache claim {claim}",
+                hf.repo, hf.revision
+            ),
+        });
+        // The next pass sees that claim and makes (fills) or reads it.
+        self.d.requeue_after = Some(Duration::from_secs(1));
+        true
     }
 
     pub(super) fn start_initializer(&mut self, run: u32) {
@@ -646,7 +701,12 @@ mod tests {
         let again = step_with_cache(&mut j, &[], t0(), &cache(other));
         assert!(again.events.is_empty(), "one event per wait");
 
-        let d = step_with_cache(&mut j, &[], t0(), &cache(CacheState::Ready));
+        let d = step_with_cache(
+            &mut j,
+            &[],
+            t0(),
+            &cache(CacheState::Ready { commit: None }),
+        );
         assert_eq!(initializer(&d), Some(1));
         assert!(d.initialize.as_ref().is_some_and(|i| !i.fill_cache));
         assert_eq!(
@@ -660,10 +720,73 @@ mod tests {
             &mut j,
             &[init_pod(1, &report)],
             t0(),
-            &cache(CacheState::Ready),
+            &cache(CacheState::Ready { commit: None }),
         );
         assert_eq!(done.model_cache, None, "a reader marks nothing");
         assert_eq!(launched(&done), Some(1));
+    }
+
+    /// A reader whose claim was filled from `main` at one commit, told by
+    /// its initializer that `main` names another now, moves to the claim of
+    /// the new commit (one event) and, first there, fills it; a report of
+    /// the claim's own commit is taken as it is.
+    #[test]
+    fn a_reader_of_a_moved_branch_moves_to_the_claim_of_the_new_commit() {
+        let report_at = |commit: &str| {
+            let mut r: headroom_api::InitializerReport =
+                serde_json::from_str(&headroom_e2e::fixtures::tiny_llama_report(64))
+                    .expect("report");
+            r.commit = Some(commit.into());
+            terminated(0, &serde_json::to_string(&r).expect("json"))
+        };
+        let held = CacheState::Ready {
+            commit: Some("c1".into()),
+        };
+        let mut same = lora_hub_job();
+        let d = step_with_cache(&mut same, &[], t0(), &cache(held.clone()));
+        assert_eq!(initializer(&d), Some(1));
+        let d = step_with_cache(
+            &mut same,
+            &[init_pod(1, &report_at("c1"))],
+            t0(),
+            &cache(held.clone()),
+        );
+        assert_eq!(launched(&d), Some(1), "the claim holds what main names");
+
+        let mut j = lora_hub_job();
+        step_with_cache(&mut j, &[], t0(), &cache(held.clone()));
+        let d = step_with_cache(&mut j, &[init_pod(1, &report_at("c2"))], t0(), &cache(held));
+        let moved = cache_claim_name(None, "owner/base", "c2");
+        assert_eq!(d.status.model_cache.as_deref(), Some(moved.as_str()));
+        assert_eq!(d.status.initializations, Some(2));
+        assert_eq!(launched(&d), None, "not planned on the old copy");
+        assert_eq!(
+            d.status.model, None,
+            "the report of the old copy is not taken"
+        );
+        let stale: Vec<_> = d
+            .events
+            .iter()
+            .filter(|e| e.reason == Reason::ModelCacheStale)
+            .collect();
+        assert_eq!(stale.len(), 1, "{:?}", d.events);
+        assert!(
+            stale[0].note.contains("c2")
+                && stale[0].note.contains("headroom-model-0123456789abcdef"),
+            "{}",
+            stale[0].note
+        );
+
+        // The next pass sees the new claim, absent: this job makes and fills it.
+        let fresh = CacheView {
+            claim: moved.clone(),
+            state: CacheState::Absent,
+            resource_version: None,
+        };
+        let d = step_with_cache(&mut j, &[init_pod(1, &report_at("c2"))], t0(), &fresh);
+        assert_eq!(initializer(&d), Some(2));
+        assert!(d.initialize.as_ref().is_some_and(|i| i.fill_cache));
+        assert_eq!(d.model_cache, Some(CacheWrite::Create { claim: moved }));
     }
 
     /// A filler that ended without filling the claim is replaced: the next

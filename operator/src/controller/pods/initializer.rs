@@ -114,14 +114,20 @@ fn initializer_assignment(
     let pretrained = job.spec.model.pretrained.as_ref()?;
     let files = payload_files(job)?;
     let reads_cache = model_cache_path(job).is_some() && !fill_cache;
-    let model = match &pretrained.hugging_face {
-        Some(_) if reads_cache => ModelSource::Volume,
-        Some(hf) => ModelSource::HuggingFace {
+    let hub = pretrained
+        .hugging_face
+        .as_ref()
+        .map(|hf| ModelSource::HuggingFace {
             repo: hf.repo.clone(),
             revision: hf.revision.clone(),
             endpoint: endpoint_or_hub(&hf.endpoint),
-        },
-        None => ModelSource::Volume,
+        });
+    // A reader checks the claim's copy, and asks the hub which commit the
+    // revision names now (the operator compares it with the claim's).
+    let (model, cache_of) = match hub {
+        Some(hub) if reads_cache => (ModelSource::Volume, Some(hub)),
+        Some(hub) => (hub, None),
+        None => (ModelSource::Volume, None),
     };
     let data = match job.spec.data.as_ref().and_then(|d| d.hugging_face.as_ref()) {
         Some(hf) => DataSource::HuggingFace {
@@ -145,6 +151,7 @@ fn initializer_assignment(
         data_split: files.data_split,
         packing: files.packing,
         sequence_length: pretrained.sequence_length,
+        cache_of,
     })
 }
 

@@ -76,8 +76,9 @@ pub enum CacheState {
     /// or `None` once that job ended without filling it (the next job
     /// takes over; the partial download resumes).
     Filling { filler: Option<(String, String)> },
-    /// Downloaded and checked: jobs read it.
-    Ready,
+    /// Downloaded and checked: jobs read it. `commit`: the one its files
+    /// came from, when the hub said.
+    Ready { commit: Option<String> },
     /// Deleted (idle), not yet gone: a job waits, then fills a new one.
     Deleting,
 }
@@ -93,7 +94,9 @@ impl CacheState {
         }
         let a = claim.annotations();
         if a.get(ANNOTATION_CACHE_STATE).map(String::as_str) == Some(CACHE_STATE_READY) {
-            return CacheState::Ready;
+            return CacheState::Ready {
+                commit: a.get(ANNOTATION_CACHE_COMMIT).cloned(),
+            };
         }
         CacheState::Filling {
             filler: a.get(ANNOTATION_CACHE_FILLER).map(|uid| {
@@ -142,7 +145,7 @@ pub fn role(claim: &str, state: &CacheState, uid: &str) -> CacheRole {
         } => CacheRole::Wait(format!(
             "waiting for job {job} to download the model into the shared cache claim {claim}"
         )),
-        CacheState::Ready => CacheRole::Read,
+        CacheState::Ready { .. } => CacheRole::Read,
         CacheState::Deleting => CacheRole::Wait(format!(
             "the shared model cache claim {claim} is being deleted (no job used it for the idle time); \
              downloading again once it is gone"

@@ -1501,6 +1501,16 @@ fn main() {
 fn run_child_mode(args: &[String]) {
     match args.first().map(String::as_str) {
         Some("--worker") => {
+            // The worker's log on stderr as headroom-worker writes it, at
+            // the bench's RUST_LOG (the guard's cost line is read from it).
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_default_env()
+                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                )
+                .with_writer(std::io::stderr)
+                .with_ansi(false)
+                .init();
             let exit = headroom_worker::run::run(headroom_worker::WorkerEnv::from_env());
             std::process::exit(exit.code());
         }
