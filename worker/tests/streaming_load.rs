@@ -6,12 +6,18 @@
 //! largest tensor 4 MiB) and loads it in a fresh process (this test binary
 //! again, `load_in_a_child`), which resets its peak resident size
 //! (`/proc/self/clear_refs` ← 5) after building the (lazily allocated)
-//! stage and reads VmHWM after loading it. The peak's rise must stay below
-//! the model's bytes + 2 × the largest tensor (its read buffer and its
-//! transposed copy) + [`SLACK`]. A memory-mapped load (burn-store's
-//! `SafetensorsStore`, the loader before this one) kept every page it had
-//! read resident until the file was done: its rise was the model plus the
-//! file, 107.5 MiB here (measured), over the bound.
+//! stage and reads VmHWM after loading it, with the allocator settings of a
+//! worker pod. The load's transient (the peak over what the process holds
+//! after it) must stay below 2 × the largest tensor (its read buffer and
+//! its transposed copy) + [`TRANSIENT_SLACK`], and the peak's rise below
+//! the model's bytes + 2 × the largest tensor + [`KEPT_SLACK`].
+//!
+//! Measured (debug build, 2026-12-02): rise 75.0 MiB, 67.0 MiB kept after,
+//! transient 8.0 MiB. The memory-mapped load this replaced (burn-store's
+//! `SafetensorsStore`, which kept every page it had read resident until the
+//! file was done) rose 132.5 MiB with 68.5 MiB kept after: a transient of
+//! 64 MiB, the file's 56 MiB on top of the tensor in flight; it fails both
+//! bounds.
 
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
@@ -27,10 +33,13 @@ const INTERMEDIATE: usize = 1024;
 const LAYERS: usize = 12;
 const HEADS: usize = 4;
 const VOCABULARY: usize = 4096;
-/// Allocator and runtime noise on top of the model and the tensor in
-/// flight (measured rise over model + largest tensor: see the report line
-/// the test prints).
-const SLACK: u64 = 8 << 20;
+/// What the process keeps after the load beyond the model's bytes (the
+/// allocator's and burn's; 11–12.5 MiB measured, the same with either
+/// loader) with room to spare.
+const KEPT_SLACK: u64 = 16 << 20;
+/// Allowed transient (peak − resident after the load) beyond twice the
+/// largest tensor: measured 0 (transient 8.0 MiB = 2 × 4 MiB).
+const TRANSIENT_SLACK: u64 = 4 << 20;
 /// Where the child finds the checkpoint (unset: the child test does nothing).
 const CHILD_DIR: &str = "HEADROOM_STREAMING_LOAD_DIR";
 
@@ -179,6 +188,15 @@ fn a_load_holds_the_model_and_one_tensor_not_the_file() {
     let out = Command::new(std::env::current_exe().expect("this test binary"))
         .args(["--exact", "load_in_a_child", "--nocapture", "--test-threads=1"])
         .env(CHILD_DIR, &dir)
+        // The allocator as the operator sets it in every worker pod.
+        .env(
+            headroom_api::contract::MALLOC_ARENA_MAX_ENV,
+            headroom_api::contract::WORKER_MALLOC_ARENAS,
+        )
+        .env(
+            headroom_api::contract::MALLOC_TUNABLES_ENV,
+            headroom_api::contract::WORKER_MALLOC_TUNABLES,
+        )
         .output()
         .expect("run the child");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -189,7 +207,8 @@ fn a_load_holds_the_model_and_one_tensor_not_the_file() {
     );
     let figures: Vec<u64> = stdout
         .lines()
-        .find_map(|l| l.strip_prefix("LOAD "))
+        // libtest may print the test's name on the same line first.
+        .find_map(|l| l.split_once("LOAD ").map(|(_, figures)| figures))
         .expect("the child's figures")
         .split_whitespace()
         .map(|n| n.parse().expect("a number"))
@@ -197,24 +216,35 @@ fn a_load_holds_the_model_and_one_tensor_not_the_file() {
     let [rise, kept, model, largest] = figures[..] else {
         panic!("four figures: {figures:?}");
     };
-    let bound = model + 2 * largest + SLACK;
+    let bound = model + 2 * largest + KEPT_SLACK;
+    let transient = rise.saturating_sub(kept);
+    let transient_bound = 2 * largest + TRANSIENT_SLACK;
     println!(
-        "load: peak rise {:.1} MiB (kept after {:.1} MiB); model {:.1} MiB, largest tensor {:.1} MiB, file {:.1} MiB; bound {:.1} MiB; rise over model + largest {:.1} MiB",
+        "load: peak rise {:.1} MiB (bound {:.1}), kept after {:.1} MiB, transient {:.1} MiB (bound {:.1}); model {:.1} MiB, largest tensor {:.1} MiB, file {:.1} MiB",
         rise as f64 / MIB,
+        bound as f64 / MIB,
         kept as f64 / MIB,
+        transient as f64 / MIB,
+        transient_bound as f64 / MIB,
         model as f64 / MIB,
         largest as f64 / MIB,
         file_bytes as f64 / MIB,
-        bound as f64 / MIB,
-        (rise as f64 - (model + largest) as f64) / MIB,
     );
-    // The test discriminates: holding the file besides the model breaks it.
+    // The bounds discriminate: the file held besides the model breaks both.
     assert!(model + file_bytes > bound + (16 << 20));
+    assert!(file_bytes > transient_bound + (16 << 20));
+    assert!(
+        transient <= transient_bound,
+        "the load's peak was {:.1} MiB over what it left, more than twice its largest tensor and {:.0} MiB ({:.1} MiB)",
+        transient as f64 / MIB,
+        TRANSIENT_SLACK as f64 / MIB,
+        transient_bound as f64 / MIB
+    );
     assert!(
         rise <= bound,
-        "the load's peak rose {:.1} MiB, over the model, twice its largest tensor and {:.0} MiB of slack ({:.1} MiB)",
+        "the load's peak rose {:.1} MiB, over the model, twice its largest tensor and {:.0} MiB ({:.1} MiB)",
         rise as f64 / MIB,
-        SLACK as f64 / MIB,
+        KEPT_SLACK as f64 / MIB,
         bound as f64 / MIB
     );
     let _ = std::fs::remove_dir_all(&dir);
