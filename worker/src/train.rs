@@ -30,10 +30,11 @@
 //! checkpointing and the offloaded optimizer) each block's gradients leave
 //! the device as its recomputation produces them and are summed in f32 in
 //! host memory ([`HostGradients`]); the step's exchanges and clipping run on
-//! those sums, and the update goes block by block ([`Trainer::step_by_part`]).
-//! Stepping a block while backward goes on (optimizer in backward) is not
-//! done: the global norm clipping needs, and the replicas' reduction and
-//! the tied exchange need, every gradient of the step first.
+//! those sums, and the update goes block by block (`Trainer::step_by_part`).
+//! Stepping each block while backward goes on (optimizer in backward) is
+//! not done: clipping by the global norm, the replicas' reduction and the
+//! tied-embedding exchange each need all of the step's gradients first, so
+//! it could serve only the last micro-batch of one unclipped replica.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
