@@ -409,13 +409,13 @@ enum Saved {
 /// them.
 enum StepGradients {
     Device(GradientsAccumulator<TransformerLm>),
-    Host(HostGradients),
+    Host(Box<HostGradients>),
 }
 
 impl StepGradients {
     fn new(settings: &Settings) -> Self {
         if settings.offload_gradients {
-            StepGradients::Host(HostGradients::new(Device::flex()))
+            StepGradients::Host(Box::new(HostGradients::new(Device::flex())))
         } else {
             StepGradients::Device(GradientsAccumulator::new())
         }

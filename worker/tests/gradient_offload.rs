@@ -213,7 +213,10 @@ fn assert_losses(a: &[f64], b: &[f64], what: &str) -> f64 {
         .zip(b)
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f64::max);
-    println!("{what}: max loss difference {diff:e} over {} steps", a.len());
+    println!(
+        "{what}: max loss difference {diff:e} over {} steps",
+        a.len()
+    );
     assert!(diff <= LOSS_BOUND, "{what}: {a:?} vs {b:?}");
     diff
 }
@@ -232,7 +235,10 @@ fn assert_weights(a: &[Vec<Outcome>], b: &[Vec<Outcome>], what: &str) {
             assert!(diff <= WEIGHT_BOUND, "{what}: weights part by {diff}");
             assert_eq!(x.norms.len(), y.norms.len());
             for (m, n) in x.norms.iter().zip(&y.norms) {
-                assert!((m - n).abs() <= 1e-6 * m.max(1.0), "{what}: norms {m} vs {n}");
+                assert!(
+                    (m - n).abs() <= 1e-6 * m.max(1.0),
+                    "{what}: norms {m} vs {n}"
+                );
             }
         }
     }
@@ -255,7 +261,10 @@ fn one_stage_trains_alike_with_gradients_offloaded() {
         .zip(host[0][0].params.iter().flatten())
         .map(|(a, b)| (a - b).abs())
         .fold(0.0, f32::max);
-    assert!(moved > 1e-3, "the weights moved by {moved} only ({losses:?})");
+    assert!(
+        moved > 1e-3,
+        "the weights moved by {moved} only ({losses:?})"
+    );
     assert!(
         device[0][0].norms.iter().all(|&n| n > 0.5),
         "every step is clipped: {:?}",

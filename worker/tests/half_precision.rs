@@ -170,10 +170,10 @@ fn offloaded_checkpoints_train_bit_for_bit_as_kept_ones_in_bf16() {
 /// Offloaded gradients (`offload_gradients`, planned on GPUs only) in bf16:
 /// each block's bf16 gradients go to the host and are summed there in f32,
 /// where the device accumulator sums them in bf16, then the update goes
-/// block by block. Not the same bits, so bounded: both runs against each
-/// other within the spread bf16 already gives the same arithmetic in
-/// another order (two bf16 steps at a loss of 6, as
-/// `checkpointing_and_8bit_state_train_like_the_plain_step_in_bf16`).
+/// block by block. Not the same bits, so bounded: measured 7.2e-4 at
+/// most over the 12 steps (2026-12-02); allowed a quarter of one bf16 step
+/// at a loss of 6 (1/128), a tenth of what the same arithmetic in another
+/// order may give (`checkpointing_and_8bit_state_train_like_the_plain_step_in_bf16`).
 #[test]
 fn offloaded_gradients_train_like_the_device_accumulator_in_bf16() {
     let on_device = Settings {
@@ -198,7 +198,7 @@ fn offloaded_gradients_train_like_the_device_accumulator_in_bf16() {
         .fold(0.0, f64::max);
     println!("bf16: offloaded gradients' largest loss difference {diff:e}");
     assert!(
-        diff <= 2.0 / 32.0,
+        diff <= 1.0 / 128.0,
         "device {device:?} vs offloaded {host:?}"
     );
     assert!(fall(&host) > 0.1, "it trains: {host:?}");

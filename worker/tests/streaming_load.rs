@@ -158,7 +158,10 @@ fn load_in_a_child() {
         .load_stage(&mut model, &layout)
         .expect("load the stage");
     let (after, peak) = status();
-    let elements: usize = tensors().iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+    let elements: usize = tensors()
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>())
+        .sum();
     let largest = tensors()
         .iter()
         .map(|(_, s)| s.iter().product::<usize>())
@@ -176,17 +179,20 @@ fn load_in_a_child() {
 
 #[test]
 fn a_load_holds_the_model_and_one_tensor_not_the_file() {
-    let dir: PathBuf = std::env::temp_dir().join(format!(
-        "headroom-streaming-load-{}",
-        std::process::id()
-    ));
+    let dir: PathBuf =
+        std::env::temp_dir().join(format!("headroom-streaming-load-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     write_checkpoint(&dir);
     let file_bytes = std::fs::metadata(dir.join("model.safetensors"))
         .expect("written")
         .len();
     let out = Command::new(std::env::current_exe().expect("this test binary"))
-        .args(["--exact", "load_in_a_child", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "load_in_a_child",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(CHILD_DIR, &dir)
         // The allocator as the operator sets it in every worker pod.
         .env(

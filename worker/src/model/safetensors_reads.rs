@@ -167,7 +167,10 @@ mod tests {
         let path = dir.join("model.safetensors");
         let a: Vec<f32> = (0..6).map(|i| i as f32 * 0.5).collect();
         let b: Vec<f32> = vec![-1.0, 2.0, 3.5];
-        write(&path, &[("a", a.clone(), vec![2, 3]), ("b", b.clone(), vec![3])]);
+        write(
+            &path,
+            &[("a", a.clone(), vec![2, 3]), ("b", b.clone(), vec![3])],
+        );
         let file = SafetensorsFile::open(&path).expect("open");
         let mut read: Vec<(String, Vec<f32>, Vec<usize>)> = file
             .lazy_tensors()
@@ -190,7 +193,10 @@ mod tests {
         let bytes = std::fs::read(&path).expect("read");
         std::fs::write(&path, &bytes[..bytes.len() - 4]).expect("truncate");
         let err = SafetensorsFile::open(&path).expect_err("truncated");
-        assert!(err.to_string().contains("not a complete safetensors file"), "{err}");
+        assert!(
+            err.to_string().contains("not a complete safetensors file"),
+            "{err}"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

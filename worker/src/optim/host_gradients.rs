@@ -76,7 +76,8 @@ impl HostGradients {
                     return;
                 };
                 let into = &mut *self.into;
-                into.origin.get_or_insert_with(|| (grad.device(), grad.dtype()));
+                into.origin
+                    .get_or_insert_with(|| (grad.device(), grad.dtype()));
                 let grad = to_host(grad, &into.host);
                 let sum = match into.sums.remove::<D>(param.id) {
                     Some(sum) => sum.add(grad),
@@ -85,7 +86,10 @@ impl HostGradients {
                 into.sums.register(param.id, sum);
             }
         }
-        module.visit(&mut Move { from: grads, into: self });
+        module.visit(&mut Move {
+            from: grads,
+            into: self,
+        });
     }
 
     /// The step's sums (f32 tensors on the host), leaving none behind, and
@@ -116,8 +120,7 @@ impl HostGradients {
                 if let Some(grad) = self.from.remove::<D>(param.id) {
                     // Rounded to the training precision on the host, so
                     // that is what crosses the bus.
-                    let grad =
-                        Tensor::<D>::from_data(grad.into_data(), (self.device, self.dtype));
+                    let grad = Tensor::<D>::from_data(grad.into_data(), (self.device, self.dtype));
                     self.into.register(param.id, grad);
                 }
             }
