@@ -25,6 +25,16 @@
 //! With offloaded checkpoints (`Settings::offload_activations`, planned on
 //! GPUs only) each kept input waits in host memory as its data
 //! ([`KeptInput`]) and goes back to the device when its block is recomputed.
+//!
+//! With offloaded gradients (`Settings::offload_gradients`, on top of
+//! checkpointing and the offloaded optimizer) each block's gradients leave
+//! the device as its recomputation produces them and are summed in f32 in
+//! host memory ([`HostGradients`]); the step's exchanges and clipping run on
+//! those sums, and the update goes block by block (`Trainer::step_by_part`).
+//! Stepping each block while backward goes on (optimizer in backward) is
+//! not done: clipping by the global norm, the replicas' reduction and the
+//! tied-embedding exchange each need all of the step's gradients first, so
+//! it could serve only the last micro-batch of one unclipped replica.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -48,7 +58,7 @@ use crate::model::hf::HfCheckpoint;
 use crate::model::lean::linear::AdapterDropout;
 use crate::model::{Documents, LmShape, StageLayout, TransformerLm, lora, peft};
 use crate::optim::recipe::{DecoupledDecay, LossScale, clip_factor, scale_gradients, squared_norm};
-use crate::optim::{AdamW8bitConfig, Offloaded};
+use crate::optim::{AdamW8bitConfig, HostGradients, Offloaded};
 use crate::pipeline::{Frame, Kind, Links, Op, PipelineError, one_f_one_b};
 
 /// What the trainer runs: one stage of a checked assignment
@@ -393,6 +403,42 @@ enum Saved {
     },
 }
 
+/// Where a step's gradients are summed across its micro-batches: burn's
+/// accumulator on the device, or, with offloaded gradients, f32 sums in
+/// host memory that each block's gradients join as soon as backward has
+/// them.
+enum StepGradients {
+    Device(GradientsAccumulator<TransformerLm>),
+    Host(Box<HostGradients>),
+}
+
+impl StepGradients {
+    fn new(settings: &Settings) -> Self {
+        if settings.offload_gradients {
+            StepGradients::Host(Box::new(HostGradients::new(Device::flex())))
+        } else {
+            StepGradients::Device(GradientsAccumulator::new())
+        }
+    }
+
+    /// Adds `grads`, the gradients of `part` (a block of `model`, or `model`).
+    fn add<M: Module>(&mut self, model: &TransformerLm, part: &M, grads: GradientsParams) {
+        match self {
+            StepGradients::Device(sums) => sums.accumulate(model, grads),
+            StepGradients::Host(sums) => sums.accumulate(part, grads),
+        }
+    }
+
+    /// The step's sums and, for host sums, the device and dtype their
+    /// update sends them back to.
+    fn take(&mut self) -> (GradientsParams, Option<(Device, DType)>) {
+        match self {
+            StepGradients::Device(sums) => (sums.grads(), None),
+            StepGradients::Host(sums) => sums.take(),
+        }
+    }
+}
+
 /// A checkpointed block's input between the block's forward and its
 /// recomputation in backward: on the device, or, with offloaded checkpoints,
 /// in host memory. The copies are synchronous (`into_data` waits for the
@@ -446,6 +492,16 @@ impl std::fmt::Debug for Trainer {
 impl Trainer {
     /// Fresh weights (each part seeded from the run's seed) on `device` (an autodiff device).
     pub fn new(config: TrainConfig, device: Device) -> Result<Self, Unsupported> {
+        let s = &config.settings;
+        if s.offload_gradients && !(s.activation_checkpointing && s.offload_optimizer) {
+            return Err(unsupported(
+                "plan.settings.offloadGradients",
+                format!(
+                    "offloaded gradients go block by block from the checkpointed backward to the host optimizer: they need activationCheckpointing and offloadOptimizer on (activationCheckpointing is {}, offloadOptimizer is {})",
+                    s.activation_checkpointing, s.offload_optimizer
+                ),
+            ));
+        }
         let mut model = TransformerLm::new(&config.shape, &config.layout, config.seed, &device);
         // A frozen embedding may wait in host memory (the plan's
         // `offload_embedding`; the planner asks for it on GPUs only): moved
@@ -785,7 +841,7 @@ impl Trainer {
         let loss_scale = self.loss_scale.map_or(1.0, |l| l.scale);
         let scale = loss_scale / f64::from(accumulation);
         let weights = self.micro_weights();
-        let mut accumulator = GradientsAccumulator::<TransformerLm>::new();
+        let mut sums = StepGradients::new(&s);
         let mut single: Option<GradientsParams> = None;
         let mut losses = Vec::new();
         let mut saved: VecDeque<Saved> = VecDeque::new();
@@ -807,13 +863,13 @@ impl Trainer {
                     let weight = weights[micro as usize];
                     memory_guard::micro(micro);
                     let (grads, loss) =
-                        self.backward(links, micro, kept, scale * weight, &mut accumulator)?;
+                        self.backward(links, micro, kept, scale * weight, &mut sums)?;
                     losses.extend(loss.map(|l| l * weight));
                     if let Some(grads) = grads {
                         if accumulation == 1 {
                             single = Some(grads);
                         } else {
-                            accumulator.accumulate(self.model(), grads);
+                            sums.add(self.model(), self.model(), grads);
                         }
                     }
                     phases.backward += began.elapsed();
@@ -824,7 +880,10 @@ impl Trainer {
         // before it (the model is taken for the update below).
         memory_guard::check(memory_guard::Phase::Optimizer, 0);
         let update = Instant::now();
-        let mut grads = single.unwrap_or_else(|| accumulator.grads());
+        let (mut grads, origin) = match single {
+            Some(grads) => (grads, None),
+            None => sums.take(),
+        };
         self.exchange_tied_gradient(links, &mut grads)?;
         let shards = self.shards(replicas.size());
         let exchange = Instant::now();
@@ -849,7 +908,10 @@ impl Trainer {
         }
         let learning_rate = self.config.recipe.learning_rate_at(self.step);
         let model = self.take_model();
-        let model = self.optimizer.step(learning_rate, model, grads);
+        let model = match &origin {
+            Some(origin) => self.step_by_part(learning_rate, model, grads, origin),
+            None => self.optimizer.step(learning_rate, model, grads),
+        };
         let gather = Instant::now();
         let (model, gathered) = replicas.gather_parameters(model, &shards);
         collective += gather.elapsed();
@@ -885,6 +947,28 @@ impl Trainer {
             eval_loss,
             phases,
         })
+    }
+
+    /// The update from offloaded gradients (host sums), one part at a
+    /// time: each block, then the rest (embedding, head). A part's sums go
+    /// back to `origin` (the training device and precision) for burn's
+    /// optimizer, whose offloaded step takes each tensor to the host state
+    /// and returns its weights (see [`HostGradients`]); the device holds
+    /// one block's gradients at a time. Every parameter is stepped once,
+    /// so the result is the whole model's step.
+    fn step_by_part(
+        &mut self,
+        learning_rate: f64,
+        mut model: TransformerLm,
+        mut grads: GradientsParams,
+        origin: &(Device, DType),
+    ) -> TransformerLm {
+        for index in 0..model.blocks.len() {
+            let part = HostGradients::part_on_device(&mut grads, &model.blocks[index], origin);
+            model = self.optimizer.step(learning_rate, model, part);
+        }
+        let rest = HostGradients::part_on_device(&mut grads, &model, origin);
+        self.optimizer.step(learning_rate, model, rest)
     }
 
     /// A step whose update fp16's overflow skipped: the step counts (the
@@ -1215,7 +1299,7 @@ impl Trainer {
         micro: u32,
         kept: Saved,
         scale: f64,
-        accumulator: &mut GradientsAccumulator<TransformerLm>,
+        sums: &mut StepGradients,
     ) -> Result<(Option<GradientsParams>, Option<f64>), PipelineError> {
         match kept {
             Saved::Graph {
@@ -1258,7 +1342,7 @@ impl Trainer {
                         let upstream = x
                             .grad_remove(&mut grads)
                             .expect("gradient of the head input");
-                        accumulator.accumulate(model, GradientsParams::from_grads(grads, model));
+                        sums.add(model, model, GradientsParams::from_grads(grads, model));
                         (upstream, Some(value))
                     }
                     _ => (self.receive_gradient(links, micro)?.inner(), None),
@@ -1284,7 +1368,8 @@ impl Trainer {
                     upstream = input
                         .grad_remove(&mut grads)
                         .expect("gradient of the block input");
-                    accumulator.accumulate(model, GradientsParams::from_grads(grads, block));
+                    // With offloaded gradients they leave the device here.
+                    sums.add(model, block, GradientsParams::from_grads(grads, block));
                 }
                 match tokens {
                     // A frozen embedding (adapters) has no gradient to take.
@@ -1293,7 +1378,7 @@ impl Trainer {
                         // Embeddings (a tied head's embedding gradient adds to the one from the head).
                         let embedded = model.embed_in(tokens, documents.as_ref());
                         let grads = (embedded * upstream).sum().backward();
-                        accumulator.accumulate(model, GradientsParams::from_grads(grads, model));
+                        sums.add(model, model, GradientsParams::from_grads(grads, model));
                     }
                     None => self.send_input_gradient(links, micro, upstream)?,
                 }
@@ -1318,6 +1403,15 @@ impl Trainer {
         }
         let step = self.step;
         let (first, last) = (c.layout.first, c.layout.last);
+        // Offloaded gradients are host sums: the other half joins them there.
+        let offloaded = c.settings.offload_gradients;
+        let arrived = |t: Tensor<2>| {
+            if offloaded {
+                crate::optim::host_gradients::to_host(t, &Device::flex())
+            } else {
+                t
+            }
+        };
         let own = |model: &TransformerLm, grads: &mut GradientsParams| {
             let id = model.token.as_ref().expect("token embedding").weight.id;
             let grad: Tensor<2> = grads.remove(id).expect("gradient of the token embedding");
@@ -1335,7 +1429,7 @@ impl Trainer {
             let head: Tensor<2> = next
                 .recv(Kind::TiedGradient, step, 1)?
                 .into_tensor(&self.device)?;
-            grads.register(id, embedding + head);
+            grads.register(id, embedding + arrived(head));
         } else if last {
             let (id, head) = own(self.model.as_ref().expect("model"), grads);
             let prev = links.to_prev()?;
@@ -1343,7 +1437,7 @@ impl Trainer {
                 .recv(Kind::TiedGradient, step, 0)?
                 .into_tensor(&self.device)?;
             prev.send(&Frame::tensor(Kind::TiedGradient, step, 1, head.clone()))?;
-            grads.register(id, embedding + head);
+            grads.register(id, arrived(embedding) + head);
         } else {
             let forward = links.to_prev()?.recv(Kind::TiedGradient, step, 0)?;
             links.to_next()?.send(&forward)?;

@@ -2,12 +2,17 @@
 //! `*.safetensors` files (one `model.safetensors`, or shards listed by
 //! `model.safetensors.index.json`) → the tensors of one pipeline stage.
 //!
-//! Loading goes through burn-store: each file is memory-mapped and only the
-//! tensors this stage's module asks for are materialised, one at a time, cast
-//! to the stage's float dtype (f32, or the job's half precision on a GPU) and
-//! transposed into burn's `[in, out]` linear layout as they are read. A
-//! stage never holds another stage's layers, and never a second copy of the
-//! whole checkpoint (the "load everything, then move" spike of seed `000`).
+//! Loading streams: each file's header is read, and only the tensors this
+//! stage's module asks for are read from the file, one at a time with a
+//! positional read of that tensor's bytes ([`super::safetensors_reads`]),
+//! cast to the stage's float dtype (f32, or the job's half precision on a
+//! GPU) and transposed into burn's `[in, out]` linear layout as they
+//! arrive, through burn-store's adapters. Nothing maps the files, so the
+//! process holds the tensor in flight and what the stage keeps: never
+//! another stage's layers, never its share of the file (a memory map kept
+//! the pages it had read resident until the part was loaded), never a
+//! second copy of the whole checkpoint (the "load everything, then move"
+//! spike of seed `000`).
 //!
 //! Trained weights out ([`HfCheckpoint::save_stage`]): each stage writes its
 //! tensors under their original names and in the checkpoint's stored dtype
@@ -25,11 +30,12 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::DType;
 use burn_store::{
-    BurnToPyTorchAdapter, ChainAdapter, FloatCastAdapter, KeyRemapper, ModuleSnapshot,
-    PyTorchToBurnAdapter, SafetensorsStore,
+    BurnToPyTorchAdapter, ChainAdapter, FloatCastAdapter, KeyRemapper, ModuleAdapter,
+    ModuleSnapshot, PyTorchToBurnAdapter, SafetensorsStore,
 };
 use headroom_planner::{ConfigError, LlamaShape};
 
+use super::safetensors_reads::SafetensorsFile;
 use super::{Block, LlamaBlock, StageLayout, TransformerLm};
 
 /// A checkpoint directory Headroom cannot read, with the file and what is wrong.
@@ -291,18 +297,14 @@ impl HfCheckpoint {
             .first()
             .map_or(DType::F32, |device| device.settings().float_dtype.into());
         for file in self.files_of(names)? {
-            let mut store = SafetensorsStore::from_file(&file)
-                .with_from_adapter(ChainAdapter::new(
-                    PyTorchToBurnAdapter,
-                    FloatCastAdapter::to(float),
-                ))
-                .remap(remap.clone())
-                .skip_enum_variants(true)
-                .allow_partial(true);
-            let result = module.load_from(&mut store).map_err(|e| HfError::Tensors {
-                path: file.clone(),
-                problem: e.to_string(),
-            })?;
+            // Every tensor of the file, unread; `apply` reads the ones the
+            // module has, one at a time, as it reaches them.
+            let (tensors, _) = remap.remap(SafetensorsFile::open(&file)?.lazy_tensors()?);
+            let adapter: Box<dyn ModuleAdapter> = Box::new(ChainAdapter::new(
+                PyTorchToBurnAdapter,
+                FloatCastAdapter::to(float),
+            ));
+            let result = module.apply(tensors, None, Some(adapter), true);
             if let Some(error) = result.errors.first() {
                 return Err(HfError::Tensors {
                     path: file.clone(),

@@ -30,6 +30,7 @@ pub mod llama;
 pub mod lora;
 pub mod nf4;
 pub mod peft;
+pub mod safetensors_reads;
 
 use std::ops::Range;
 
