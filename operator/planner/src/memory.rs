@@ -1385,10 +1385,12 @@ impl StageCount<'_> {
             0
         } else {
             // The load streams (`streaming_load_bytes`): the largest
-            // tensor's pages and copies, its f32 read, and what the plan
-            // keeps on the host from the start, an offloaded embedding
-            // (read at f32, then the stage's dtype).
-            let host = streaming_load_bytes(&self.tensors, stored) + largest * 4 + host_embedding;
+            // tensor's pages and copies, its cast to the stage's dtype
+            // (worker/src/model/hf.rs casts each tensor to the device's
+            // float dtype, f32 only for an f32 stage), and what the plan
+            // keeps on the host from the start, an offloaded embedding.
+            let cast = largest * self.precision().weight_bytes();
+            let host = streaming_load_bytes(&self.tensors, stored) + cast + host_embedding;
             host + slack(host, profile.load_slack)
         };
         LoadPhase { peak, host }
@@ -2417,6 +2419,110 @@ mod lora_and_load_tests {
         assert_eq!(flex.host_bytes, 0);
     }
 
+    /// Llama-2-7B, bf16, micro-batch 1 × 4, checkpointing, the optimizer
+    /// offloaded: offloaded gradients leave one block's on the device (its
+    /// 202,383,360 values, more than the 131,072,000 of the head) instead
+    /// of every value twice, and put an fp32 accumulator of every value in
+    /// host memory.
+    #[test]
+    fn offloaded_gradients_leave_one_block_on_the_gpu() {
+        let model = ModelShape::Llama(llama_2_7b(2048));
+        let params = 6_738_415_616u64;
+        let block = 202_383_360u64;
+        let kept = Settings {
+            micro_batch: 1,
+            gradient_accumulation: 4,
+            offload_optimizer: true,
+            ..settings(Precision::Bf16, true)
+        };
+        let off = Settings {
+            offload_gradients: true,
+            ..kept
+        };
+        let at = |s: &Settings, profile: &BackendProfile| {
+            estimate_stage(&model, None, s, StagePlacement::single(32), profile, 1.0)
+        };
+        let (a, b) = (at(&kept, &CUDA), at(&off, &CUDA));
+        assert_eq!(a.gradients, params * 2 * 2);
+        assert_eq!(b.gradients, block * 2);
+        assert!(b.total < a.total);
+        assert_eq!(b.weights, a.weights);
+        // The accumulator and one block's staging copy, with the state slack.
+        let host = params * 4 + block * 2;
+        // (The slack is rounded once on the sum: a byte either way.)
+        let added = b.host_bytes - a.host_bytes;
+        assert!(
+            added.abs_diff(host + slack(host, CUDA.state_slack)) <= 1,
+            "{added}"
+        );
+        // Only with checkpointing (backward block by block) and the
+        // optimizer offloaded (the host's step takes them); never on flex.
+        for (without, profile) in [
+            (
+                Settings {
+                    activation_checkpointing: false,
+                    ..off
+                },
+                &CUDA,
+            ),
+            (
+                Settings {
+                    offload_optimizer: false,
+                    ..off
+                },
+                &CUDA,
+            ),
+            (
+                Settings {
+                    precision: Precision::Fp32,
+                    ..off
+                },
+                &FLEX,
+            ),
+        ] {
+            let plain = Settings {
+                offload_gradients: false,
+                ..without
+            };
+            assert_eq!(at(&without, profile), at(&plain, profile), "{without}");
+        }
+        // A stage's unit: a LoRA job's adapters of one block, or of the head.
+        let adapters = qv_adapters();
+        let lora = estimate_stage(
+            &model,
+            Some(&adapters),
+            &off,
+            StagePlacement::single(32),
+            &CUDA,
+            1.0,
+        );
+        assert_eq!(lora.gradients, 2 * 16 * (4096 + 4096) * 2);
+    }
+
+    /// A GPU stage's load streams: its host side is the largest tensor's,
+    /// whatever the stage's share of the checkpoint.
+    #[test]
+    fn a_streaming_load_holds_the_largest_tensor_not_the_stage() {
+        let model = ModelShape::Llama(llama_2_7b(512));
+        let s = settings(Precision::Bf16, true);
+        let host = |layers: u32| {
+            estimate_stage(&model, None, &s, StagePlacement::single(layers), &CUDA, 1.0).host_bytes
+        };
+        assert_eq!(host(8), host(32));
+        // 32000 × 4096 embedding: its pages and cast copy, the 4096 × 11008
+        // linears' conversion buffers, with the load slack.
+        let tensors = stage_tensors(&model, StagePlacement::single(32));
+        let (largest, linear) = (32_000 * 4096u64, 4096 * 11008u64);
+        assert_eq!(
+            streaming_load_bytes(&tensors, 2),
+            2 * largest + 2 * linear * 2 + largest * 2
+        );
+        let bytes = streaming_load_bytes(&tensors, 2) + largest * 2;
+        assert_eq!(host(32), bytes + slack(bytes, CUDA.load_slack));
+        let whole_file = load_transient(&tensors, 2).0;
+        assert!(host(32) < whole_file / 4, "{} vs {whole_file}", host(32));
+    }
+
     /// Rank-16 adapters on q and v, as the offload tests train.
     fn qv_adapters() -> crate::adapters::LoraConfig {
         crate::adapters::LoraConfig {
@@ -2981,20 +3087,22 @@ mod term_tests {
     }
 
     #[test]
-    fn a_gpu_load_holds_the_weights_and_one_upload_and_the_host_the_transient() {
+    fn a_gpu_load_holds_the_weights_and_one_upload_and_the_host_one_tensor() {
         let model = untied_llama();
         let l = llama_shape(&model);
         let s = settings();
         let stage = StagePlacement::single(4);
         let count = StageCount::new(&model, None, &s, stage, &CUDA);
         let tensors = stage_tensors(&model, stage);
-        let (host_transient, largest) = load_transient(&tensors, 2);
+        let (_, largest) = load_transient(&tensors, 2);
         assert_eq!(largest, l.embedding_params());
         let weights = 1_000_000;
         assert_eq!(count.gpu_load_bytes(2, weights), weights + 2 * largest);
         let upload = 2 * largest;
         let expected_peak = 10 + weights + (upload + slack(weights + upload, CUDA.load_slack));
-        let host = host_transient + 4 * largest;
+        // The streaming read of the largest tensor and its cast to the
+        // stage's dtype (bf16 here), not the stage's file.
+        let host = streaming_load_bytes(&tensors, 2) + 2 * largest;
         assert_eq!(
             count.load_phase(weights, 0, 10, 1.0),
             LoadPhase {
