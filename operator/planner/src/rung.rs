@@ -43,9 +43,10 @@
 //!    produces them (at the training precision over PCIe, accumulated in
 //!    fp32 on the host), and the step updates the weights there and sends
 //!    them back. The device keeps one block's gradients instead of the
-//!    whole model's, twice with accumulation: for a full fine-tune that is
-//!    as much as the weights. It extends the optimizer offload, so it comes
-//!    right after it; its copies cost every micro-batch, not only the step.
+//!    whole gradient, which for a full fine-tune is the size of the
+//!    weights, twice with accumulation. It extends the optimizer offload,
+//!    so it comes right after it; its copies cost every micro-batch, not
+//!    only the step.
 //! 8. `offloadActivations` (GPU only, with checkpointing): each block's
 //!    checkpointed input goes to the host after its forward and comes back
 //!    for its recomputation, a synchronous PCIe round trip per block and
