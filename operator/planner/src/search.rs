@@ -725,9 +725,15 @@ impl<'a> Search<'a> {
     fn host_shortfall(&self, device: &DeviceType, plan: &Plan) -> Option<String> {
         let node = device.host_memory_bytes?;
         let need = self.host_request(plan);
+        // What the plan keeps there, as far as it matters to the reader.
+        let kept = if plan.settings.offload_gradients {
+            "optimizer state, fp32 gradient accumulators and load buffers"
+        } else {
+            "optimizer state and load buffers"
+        };
         (need > node).then(|| {
             format!(
-                "its worker pods need {} of host memory{} (optimizer state and load buffers kept there) and the smallest {} node allocates {}",
+                "its worker pods need {} of host memory{} ({kept} kept there) and the smallest {} node allocates {}",
                 format_bytes(need),
                 if self.one_node && plan.workers > 1 {
                     " on one node"
@@ -902,23 +908,25 @@ impl<'a> Search<'a> {
         }
     }
 
-    /// How far `plan` on `device` stands over what bounds it: its peak over
-    /// the device's budget, or its pods' host memory over a node's, the
-    /// larger ratio (≤ 1: it fits both).
-    fn over_ratio(&self, device: &DeviceType, plan: &Plan) -> f64 {
+    /// How far `plan` on `device` stands over what bounds it, to be
+    /// compared in order: its peak over the device's budget (1 once it
+    /// fits: any candidate the device holds is closer than one it does
+    /// not, since the device is what the plan is for), then its pods' host
+    /// memory over a node's (0 where the node's size is unknown).
+    fn over_budget(&self, device: &DeviceType, plan: &Plan) -> (f64, f64) {
         let device_ratio = plan.predicted_peak_bytes as f64 / plan.budget_bytes.max(1) as f64;
         let host_ratio = device.host_memory_bytes.map_or(0.0, |node| {
             self.host_request(plan) as f64 / node.max(1) as f64
         });
-        device_ratio.max(host_ratio)
+        (device_ratio.max(1.0), host_ratio)
     }
 
     /// Why nothing fits: per device type, the candidate that came closest —
     /// the leanest batch settings on the most stages, with whichever
-    /// numerics the search tried left it least over budget — against the
-    /// budget. Not simply the strictest numerics: those may move more to
-    /// the host than a node holds while a laxer set misses the device by
-    /// less. `placement_limited`: the inventory left out nodes the job's
+    /// numerics the search tried left it least over budget
+    /// ([`Self::over_budget`]) — against the budget. Not simply the
+    /// strictest numerics: those may move more to the host than a node
+    /// holds where a laxer set needs less. `placement_limited`: the inventory left out nodes the job's
     /// pods may not use (the summary then says so).
     fn explain(
         &self,
@@ -957,9 +965,9 @@ impl<'a> Search<'a> {
                         ..*numerics
                     };
                     let plan = self.build_unchecked(device, (usable_p, 1), settings)?;
-                    Some((self.over_ratio(device, &plan), plan))
+                    Some((self.over_budget(device, &plan), plan))
                 })
-                .min_by(|a, b| a.0.total_cmp(&b.0));
+                .min_by(|(a, _), (b, _)| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)));
             if let Some((_, plan)) = closest {
                 let numerics = &plan.settings;
                 if plan.fits()

@@ -309,6 +309,36 @@ mod tests {
         );
     }
 
+    /// Offloaded gradients: 1 B values' bf16 gradients down each of 4
+    /// micro-batches and their bf16 weights up once, at the profile's PCIe
+    /// rate, added to the step; nothing where they stay on the device or
+    /// the device is the host.
+    #[test]
+    fn offloaded_gradients_pay_their_pcie_copies() {
+        let off = Settings {
+            activation_checkpointing: true,
+            offload_optimizer: true,
+            offload_gradients: true,
+            ..settings(1, 4)
+        };
+        let values = 1_000_000_000u64;
+        let expected = (values * 2 * 4 + values * 2) as f64 / CUDA.host_link_bytes_per_second;
+        assert!((host_copy_seconds(&off, values, &CUDA) - expected).abs() < 1e-9);
+        let kept = Settings {
+            offload_gradients: false,
+            ..off
+        };
+        assert_eq!(host_copy_seconds(&kept, values, &CUDA), 0.0);
+        assert_eq!(host_copy_seconds(&off, values, &FLEX), 0.0);
+        let model = ModelShape::Generic(crate::model::GenericModel {
+            parameters: values,
+            activation_bytes_per_sample: 0,
+        });
+        let t = estimate(&model, None, &off, (1, 1), DeviceKind::Gpu, &CUDA, values);
+        assert!((t.host_copy_seconds - expected).abs() < 1e-9);
+        assert!((t.seconds - t.compute_seconds - t.host_copy_seconds).abs() < 1e-9);
+    }
+
     #[test]
     fn stages_pay_a_transfer_each_way_per_slot() {
         let shape = crate::model::TransformerShape {
