@@ -60,7 +60,7 @@
 //!    corrected estimate like any rung's, and when none fits the ladder
 //!    goes on from the replicas the failed plan had.
 //! 10. `morePipelineStages`, 11. `largerGpu`: more or larger devices, the
-//!    scarce thing the search minimises first; the replicas stay.
+//!     scarce thing the search minimises first; the replicas stay.
 //!
 //! # Adding a rung
 //!
