@@ -115,7 +115,8 @@ fn step_time(plan: &Plan) -> String {
         seconds(t.compute_seconds),
         [
             ("all-reduce", t.all_reduce_seconds),
-            ("stage transfers", t.transfer_seconds)
+            ("stage transfers", t.transfer_seconds),
+            ("host copies", t.host_copy_seconds)
         ]
         .into_iter()
         .filter(|(_, s)| *s > 0.0)

@@ -96,6 +96,10 @@ pub struct BackendProfile {
     /// Whether the worker can keep a LoRA job's frozen token embedding in
     /// host memory (`Settings::offload_embedding`; GPU backends only).
     pub embedding_offload: bool,
+    /// Whether the worker can move each block's gradients to a host fp32
+    /// accumulator as its backward produces them (`Settings::offload_gradients`,
+    /// with checkpointing and the optimizer offloaded; GPU backends only).
+    pub gradient_offload: bool,
     /// Whether the budgeted device memory is the host's (CPU workers): then
     /// the checkpoint load's host-side transient counts against the budget;
     /// on a GPU it is the pod's host memory instead
@@ -122,6 +126,11 @@ pub struct BackendProfile {
     /// worker's TCP connections (worker/src/pipeline), which carry each
     /// micro-batch's activations forward and their gradients back.
     pub stage_link_bytes_per_second: f64,
+    /// Bandwidth between the device and host memory, bytes/s: what
+    /// offloaded gradients and the weights they update cross
+    /// ([`crate::timing::host_copy_seconds`]). Unused where the device is
+    /// the host.
+    pub host_link_bytes_per_second: f64,
     /// How the worker configures the GPU runtime (GPU backends only).
     pub gpu_runtime: Option<GpuRuntime>,
     /// cubecl's arena (CUDA): every allocation above 64 KiB is carved,
@@ -333,6 +342,7 @@ pub const FLEX: BackendProfile = BackendProfile {
     optimizer_offload: false,
     activation_offload: false,
     embedding_offload: false,
+    gradient_offload: false,
     device_is_host: true,
     // The worker's replicas over its TCP ring (worker/src/data_parallel.rs):
     // gradients reduce-scattered, ZeRO-1 shards stepped, weights all-gathered.
@@ -351,6 +361,8 @@ pub const FLEX: BackendProfile = BackendProfile {
     collective_bucket_bytes: 2 * MIB,
     // The same TCP as the ring, pod to pod.
     stage_link_bytes_per_second: 1.0e9,
+    // No link: the device is the host.
+    host_link_bytes_per_second: f64::INFINITY,
     gpu_runtime: None,
     arena_page_slack_bytes: 0,
 };
@@ -429,6 +441,11 @@ pub const CUDA: BackendProfile = BackendProfile {
     // micro-batch's rows go to the device (worker/src/model/host_embedding.rs).
     // Unverified on a GPU.
     embedding_offload: true,
+    // After each checkpointed block's backward its gradients go to a host
+    // fp32 accumulator and the step runs there, block by block
+    // (the worker's gradient offload, `Settings::offload_gradients`).
+    // Unverified on a GPU.
+    gradient_offload: true,
     device_is_host: false,
     // Replicas all-reduce over NCCL (worker/src/collective/nccl.rs), or the
     // TCP ring when the image has no libnccl. Unverified on a GPU.
@@ -453,6 +470,10 @@ pub const CUDA: BackendProfile = BackendProfile {
     // Stages talk over the worker's TCP connections on GPUs too, each
     // tensor staged through host memory: the flex figure, not NVLink's.
     stage_link_bytes_per_second: 1.0e9,
+    // PCIe 4.0 x16 from pageable host memory, ~12 GB/s (the figure the
+    // collective's staging is charged above); pinned buffers reach ~25.
+    // Uncalibrated.
+    host_link_bytes_per_second: 12.0e9,
     // cubecl's defaults for the allocator and the persistent pool, which is
     // what the terms above were calibrated with (H200, 2026-11-27); the
     // autotune level is cubecl's default too, now that the worker keeps

@@ -38,20 +38,29 @@
 //! 6. `offloadOptimizer` (GPU only): every step moves gradients to the host
 //!    and weights back over PCIe and runs the update on the CPU; costly per
 //!    step unless accumulation amortises it, but it needs no more devices.
-//! 7. `offloadActivations` (GPU only, with checkpointing): each block's
+//! 7. `offloadGradients` (GPU only; turns checkpointing and the optimizer
+//!    offload on): each block's gradients leave the device as its backward
+//!    produces them (at the training precision over PCIe, accumulated in
+//!    fp32 on the host), and the step updates the weights there and sends
+//!    them back. The device keeps one block's gradients instead of the
+//!    whole gradient, which for a full fine-tune is the size of the
+//!    weights, twice with accumulation. It extends the optimizer offload,
+//!    so it comes right after it; its copies cost every micro-batch, not
+//!    only the step.
+//! 8. `offloadActivations` (GPU only, with checkpointing): each block's
 //!    checkpointed input goes to the host after its forward and comes back
 //!    for its recomputation, a synchronous PCIe round trip per block and
 //!    micro-batch; it frees the inputs' bytes, which grow with the sequence
 //!    (long-context jobs), and turns checkpointing on if it was off.
-//! 8. `shardOptimizerState`: more data-parallel replicas, each keeping a
+//! 9. `shardOptimizerState`: more data-parallel replicas, each keeping a
 //!    smaller share of the optimizer state (ZeRO-1); it costs devices but
 //!    no speed (the step gets faster, less the larger all-reduce), so it
 //!    comes first among the rungs that cost devices. It helps only where
 //!    the state is what overflowed: its candidates are checked against the
 //!    corrected estimate like any rung's, and when none fits the ladder
 //!    goes on from the replicas the failed plan had.
-//! 9. `morePipelineStages`, 10. `largerGpu`: more or larger devices, the
-//!    scarce thing the search minimises first; the replicas stay.
+//! 10. `morePipelineStages`, 11. `largerGpu`: more or larger devices, the
+//!     scarce thing the search minimises first; the replicas stay.
 //!
 //! # Adding a rung
 //!
@@ -105,6 +114,10 @@ pub enum RetryRung {
     QuantizeBase,
     /// GPU workers only: keep the optimizer state, and its step, in host memory.
     OffloadOptimizer,
+    /// GPU workers only: move each block's gradients to a host fp32
+    /// accumulator as backward produces them (turns checkpointing and the
+    /// optimizer offload on).
+    OffloadGradients,
     /// GPU workers only: keep the checkpointed block inputs in host memory
     /// between forward and recomputation (turns checkpointing on).
     OffloadActivations,
@@ -120,7 +133,7 @@ pub enum RetryRung {
 impl RetryRung {
     /// Every rung, in the fixed order the ladder climbs them: cheapest in
     /// speed and devices first (the reasons are in the module docs).
-    pub const ALL: [RetryRung; 11] = [
+    pub const ALL: [RetryRung; 12] = [
         RetryRung::OffloadEmbedding,
         RetryRung::ActivationCheckpointing,
         RetryRung::HalveMicroBatch,
@@ -128,6 +141,7 @@ impl RetryRung {
         RetryRung::CheaperOptimizer,
         RetryRung::QuantizeBase,
         RetryRung::OffloadOptimizer,
+        RetryRung::OffloadGradients,
         RetryRung::OffloadActivations,
         RetryRung::ShardOptimizerState,
         RetryRung::MorePipelineStages,
@@ -136,14 +150,16 @@ impl RetryRung {
 
     /// What a job allows when it names no rungs: every [`runnable`](Self::runnable)
     /// rung, in the ladder's order. A rung the worker cannot run is never offered.
-    pub const DEFAULT: [RetryRung; 11] = Self::ALL;
+    pub const DEFAULT: [RetryRung; 12] = Self::ALL;
 
     /// Whether some worker backend can run what this rung produces:
     /// `CheaperOptimizer` needs a profile listing an 8-bit optimizer,
     /// `QuantizeBase` a quantized base format that stores fewer bytes than
     /// bf16, `OffloadOptimizer` a profile with `optimizer_offload`,
     /// `OffloadActivations` one with `activation_offload`,
-    /// `OffloadEmbedding` one with `embedding_offload`. When a
+    /// `OffloadEmbedding` one with `embedding_offload`,
+    /// `OffloadGradients` one with `gradient_offload` (and
+    /// `optimizer_offload`, which it extends). When a
     /// profile starts listing one, this turns true and the rung belongs in
     /// [`RetryRung::DEFAULT`] (a test says so) and the API's allowed list.
     pub fn runnable(self) -> bool {
@@ -163,6 +179,9 @@ impl RetryRung {
                 [&FLEX, &CUDA].into_iter().any(|p| p.activation_offload)
             }
             RetryRung::OffloadEmbedding => [&FLEX, &CUDA].into_iter().any(|p| p.embedding_offload),
+            RetryRung::OffloadGradients => [&FLEX, &CUDA]
+                .into_iter()
+                .any(|p| p.gradient_offload && p.optimizer_offload),
             RetryRung::ShardOptimizerState => [&FLEX, &CUDA].into_iter().any(|p| p.data_parallel),
             _ => true,
         }
@@ -236,6 +255,20 @@ impl RetryRung {
                 }
                 next.offload_optimizer = true;
             }
+            RetryRung::OffloadGradients => {
+                if settings.offload_gradients
+                    || !profile.gradient_offload
+                    || !profile.optimizer_offload
+                    || profile.device_is_host
+                {
+                    return None;
+                }
+                // Backward runs block by block only under checkpointing,
+                // and the step the gradients go to is the host's.
+                next.offload_gradients = true;
+                next.activation_checkpointing = true;
+                next.offload_optimizer = true;
+            }
             RetryRung::OffloadActivations => {
                 if settings.offload_activations
                     || !profile.activation_offload
@@ -286,6 +319,7 @@ impl RetryRung {
             | RetryRung::LowerPrecision
             | RetryRung::CheaperOptimizer
             | RetryRung::OffloadOptimizer
+            | RetryRung::OffloadGradients
             | RetryRung::OffloadActivations => {
                 let s = &from.settings;
                 match self.tighten_settings(s, limits.profile, limits.global_batch, limits.lora) {
@@ -346,6 +380,13 @@ impl RetryRung {
             RetryRung::OffloadOptimizer => {
                 format!("the {backend} backend keeps optimizer state on its device")
             }
+            RetryRung::OffloadGradients if s.offload_gradients => "already offloaded".into(),
+            RetryRung::OffloadGradients if on_host => format!(
+                "not applicable on the {backend} backend: a CPU worker's gradients are in host memory already"
+            ),
+            RetryRung::OffloadGradients => {
+                format!("the {backend} backend keeps gradients on its device")
+            }
             RetryRung::OffloadActivations if s.offload_activations => "already offloaded".into(),
             RetryRung::OffloadActivations if on_host => format!(
                 "not applicable on the {backend} backend: a CPU worker's activations are in host memory already"
@@ -384,6 +425,7 @@ impl RetryRung {
             RetryRung::CheaperOptimizer => format!("{} → {}", s.optimizer, shortfall()),
             RetryRung::QuantizeBase => format!("{} base → {}", s.base_format, shortfall()),
             RetryRung::OffloadOptimizer => format!("optimizer offloaded → {}", shortfall()),
+            RetryRung::OffloadGradients => format!("gradients offloaded → {}", shortfall()),
             RetryRung::OffloadActivations => format!("checkpoints offloaded → {}", shortfall()),
             RetryRung::ShardOptimizerState => {
                 format!("up to {} replicas → {}", reached.replicas, shortfall())
@@ -559,6 +601,7 @@ impl std::fmt::Display for RetryRung {
             RetryRung::CheaperOptimizer => "cheaperOptimizer",
             RetryRung::QuantizeBase => "quantizeBase",
             RetryRung::OffloadOptimizer => "offloadOptimizer",
+            RetryRung::OffloadGradients => "offloadGradients",
             RetryRung::OffloadActivations => "offloadActivations",
             RetryRung::ShardOptimizerState => "shardOptimizerState",
             RetryRung::MorePipelineStages => "morePipelineStages",
@@ -1024,6 +1067,57 @@ mod tests {
             None
         );
         assert!(RetryRung::OffloadActivations.runnable());
+    }
+
+    #[test]
+    fn offloaded_gradients_turn_checkpointing_and_the_optimizer_offload_on_only_on_a_gpu() {
+        let s = settings(4, 3);
+        let off = RetryRung::OffloadGradients
+            .tighten_settings(&s, &CUDA, 12, false)
+            .expect("cuda offloads gradients");
+        assert!(off.offload_gradients && off.activation_checkpointing && off.offload_optimizer);
+        assert_eq!((off.micro_batch, off.gradient_accumulation), (4, 3));
+        assert_eq!(
+            RetryRung::OffloadGradients.tighten_settings(&off, &CUDA, 12, false),
+            None
+        );
+        // LoRA jobs too: the adapters' gradients are what leaves.
+        assert!(
+            RetryRung::OffloadGradients
+                .tighten_settings(&s, &CUDA, 12, true)
+                .is_some()
+        );
+        // A CPU worker's gradients are in host memory already; a GPU
+        // worker without the optimizer offload has no host step to feed.
+        assert_eq!(
+            RetryRung::OffloadGradients.tighten_settings(&s, &FLEX, 12, false),
+            None
+        );
+        let no_host_step = BackendProfile {
+            optimizer_offload: false,
+            ..CUDA
+        };
+        assert_eq!(
+            RetryRung::OffloadGradients.tighten_settings(&s, &no_host_step, 12, false),
+            None
+        );
+        let from = Candidate {
+            device: gpu("NVIDIA-GeForce-RTX-4090", 24, 1),
+            stages: 1,
+            replicas: 1,
+            settings: off,
+        };
+        assert_eq!(
+            RetryRung::OffloadGradients.tighten(&from, &limits(vec![])),
+            Tightening::Skip("already offloaded".into())
+        );
+        assert!(RetryRung::OffloadGradients.runnable());
+        let at = |r| RetryRung::ALL.iter().position(|x| *x == r);
+        assert_eq!(
+            at(RetryRung::OffloadGradients),
+            at(RetryRung::OffloadOptimizer).map(|i| i + 1),
+            "right after the offload it extends"
+        );
     }
 
     #[test]

@@ -338,16 +338,20 @@ fn describe_numerics(s: &Settings) -> String {
     if s.offload_embedding {
         out.push_str(" / embedding offloaded");
     }
+    if s.offload_gradients {
+        out.push_str(" / gradients offloaded");
+    }
     out
 }
 
 /// The numerics rungs, in the ladder's order.
-const NUMERICS_RUNGS: [RetryRung; 6] = [
+const NUMERICS_RUNGS: [RetryRung; 7] = [
     RetryRung::OffloadEmbedding,
     RetryRung::LowerPrecision,
     RetryRung::CheaperOptimizer,
     RetryRung::QuantizeBase,
     RetryRung::OffloadOptimizer,
+    RetryRung::OffloadGradients,
     RetryRung::OffloadActivations,
 ];
 
@@ -385,10 +389,17 @@ fn numerics_options(req: &JobRequest, profile: &BackendProfile) -> Vec<(Settings
             // Every step of the rung (quantizeBase: int8, then int4).
             while let Some(next) = rung.tighten_settings(&at, profile, g, lora) {
                 taken += 1;
+                at = next;
+                // offloadGradients turns the optimizer offload on too: the
+                // same numerics an earlier combination reached are not
+                // searched twice.
+                let seen = |(s, ..): &(Settings, Vec<RetryRung>, usize, usize)| *s == next;
+                if all.iter().any(seen) || grown.iter().any(seen) {
+                    continue;
+                }
                 let mut applied = rungs.clone();
                 applied.push(rung);
                 grown.push((next, applied, taken, index + 1));
-                at = next;
             }
         }
         all.extend(grown);
@@ -640,8 +651,10 @@ impl<'a> Search<'a> {
         let share = self.req.global_batch / d.max(1);
         let micro_batches = self.micro_batches(d);
         let mut checkpointing = self.checkpointing();
-        // Offloaded checkpoints are checkpointing's inputs: never without it.
-        if numerics.offload_activations {
+        // Offloaded checkpoints are checkpointing's inputs, and offloaded
+        // gradients leave block by block as its backward runs: never
+        // without it.
+        if numerics.offload_activations || numerics.offload_gradients {
             checkpointing.retain(|&c| c);
         }
         let settings = |b: u32, ckpt: bool| Settings {
@@ -712,9 +725,15 @@ impl<'a> Search<'a> {
     fn host_shortfall(&self, device: &DeviceType, plan: &Plan) -> Option<String> {
         let node = device.host_memory_bytes?;
         let need = self.host_request(plan);
+        // What the plan keeps there, as far as it matters to the reader.
+        let kept = if plan.settings.offload_gradients {
+            "optimizer state, fp32 gradient accumulators and load buffers"
+        } else {
+            "optimizer state and load buffers"
+        };
         (need > node).then(|| {
             format!(
-                "its worker pods need {} of host memory{} (optimizer state and load buffers kept there) and the smallest {} node allocates {}",
+                "its worker pods need {} of host memory{} ({kept} kept there) and the smallest {} node allocates {}",
                 format_bytes(need),
                 if self.one_node && plan.workers > 1 {
                     " on one node"
@@ -889,9 +908,26 @@ impl<'a> Search<'a> {
         }
     }
 
-    /// Why nothing fits: per device type, the leanest plan's peak against the budget.
-    /// `placement_limited`: the inventory left out nodes the job's pods may
-    /// not use (the summary then says so).
+    /// How far `plan` on `device` stands over what bounds it, to be
+    /// compared in order: its peak over the device's budget (1 once it
+    /// fits: any candidate the device holds is closer than one it does
+    /// not, since the device is what the plan is for), then its pods' host
+    /// memory over a node's (0 where the node's size is unknown).
+    fn over_budget(&self, device: &DeviceType, plan: &Plan) -> (f64, f64) {
+        let device_ratio = plan.predicted_peak_bytes as f64 / plan.budget_bytes.max(1) as f64;
+        let host_ratio = device.host_memory_bytes.map_or(0.0, |node| {
+            self.host_request(plan) as f64 / node.max(1) as f64
+        });
+        (device_ratio.max(1.0), host_ratio)
+    }
+
+    /// Why nothing fits: per device type, the candidate that came closest —
+    /// the leanest batch settings on the most stages, with whichever
+    /// numerics the search tried left it least over budget
+    /// ([`Self::over_budget`]) — against the budget. Not simply the
+    /// strictest numerics: those may move more to the host than a node
+    /// holds where a laxer set needs less. `placement_limited`: the inventory left out nodes the job's
+    /// pods may not use (the summary then says so).
     fn explain(
         &self,
         options: &[(Settings, Vec<RetryRung>)],
@@ -902,15 +938,14 @@ impl<'a> Search<'a> {
         let mut details = Vec::new();
         let leanest_b = self.micro_batches(1).last().copied().unwrap_or(1);
         let leanest_ckpt = self.checkpointing().iter().any(|c| *c);
-        // The strictest numerics the search tried.
-        let Some((numerics, _)) = options.last() else {
+        if options.is_empty() {
             return NoFeasiblePlan {
                 summary: "no numerics to try".into(),
                 details: vec![],
                 waits_for: None,
                 out_of_time: None,
             };
-        };
+        }
         for device in devices {
             let usable_p = req.max_workers().min(device.free);
             if usable_p == 0 {
@@ -920,13 +955,21 @@ impl<'a> Search<'a> {
                 ));
                 continue;
             }
-            let settings = Settings {
-                micro_batch: leanest_b,
-                gradient_accumulation: req.global_batch / leanest_b,
-                activation_checkpointing: leanest_ckpt,
-                ..*numerics
-            };
-            if let Some(plan) = self.build_unchecked(device, (usable_p, 1), settings) {
+            let closest = options
+                .iter()
+                .filter_map(|(numerics, _)| {
+                    let settings = Settings {
+                        micro_batch: leanest_b,
+                        gradient_accumulation: req.global_batch / leanest_b,
+                        activation_checkpointing: leanest_ckpt,
+                        ..*numerics
+                    };
+                    let plan = self.build_unchecked(device, (usable_p, 1), settings)?;
+                    Some((self.over_budget(device, &plan), plan))
+                })
+                .min_by(|(a, _), (b, _)| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)));
+            if let Some((_, plan)) = closest {
+                let numerics = &plan.settings;
                 if plan.fits()
                     && let Some(why) = self.host_shortfall(device, &plan)
                 {

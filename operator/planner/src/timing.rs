@@ -30,6 +30,15 @@
 //! Without this term a deeper pipeline looked free and `fastest` chose the
 //! most stages there were devices for.
 //!
+//! **Host copies.** Offloaded gradients (`Settings::offload_gradients`)
+//! cross PCIe every micro-batch: each trained value's gradient goes to the
+//! host at the training precision, and once a step the updated weights come
+//! back at the training precision ([`host_copy_seconds`], at
+//! [`BackendProfile::host_link_bytes_per_second`]). The worker copies a
+//! block's gradients once its backward is done and waits for them, so the
+//! time adds to the compute; stages and replicas copy at the same time, so
+//! the stage with the most trained values counts.
+//!
 //! Constants are orders of magnitude until calibrated (the flex figures
 //! from this machine, the CUDA ones from published rates); only the ratio
 //! of compute to link speed decides between plans.
@@ -54,6 +63,10 @@ pub struct StepTime {
     /// Activations and their gradients between pipeline stages, seconds (0 for one stage).
     #[serde(default)]
     pub transfer_seconds: f64,
+    /// Offloaded gradients to the host and the updated weights back over
+    /// PCIe, seconds (0 when the gradients stay on the device).
+    #[serde(default)]
+    pub host_copy_seconds: f64,
     /// Their sum: the estimated time per optimizer step, seconds.
     pub seconds: f64,
 }
@@ -67,8 +80,10 @@ pub struct StepTime {
 /// PCIe and steps on the CPU once per step (half a step more at
 /// accumulation 1, amortised over the micro-batches; unmeasured), and
 /// offloaded checkpoints cross it twice per block and micro-batch (a tenth
-/// more; unmeasured), an offloaded embedding once (a hundredth). The work
-/// is divided over p stages × d replicas.
+/// more; unmeasured), an offloaded embedding once (a hundredth); offloaded
+/// gradients' copies are timed on their own ([`host_copy_seconds`]), their
+/// step is the optimizer offload's. The work is divided over p stages × d
+/// replicas.
 pub fn relative_compute(settings: &Settings, stages: u32, replicas: u32, kind: DeviceKind) -> f64 {
     let recompute = if settings.activation_checkpointing {
         4.0 / 3.0
@@ -167,6 +182,24 @@ pub fn stage_transfer_seconds(
     slots * 2.0 * bytes / profile.stage_link_bytes_per_second
 }
 
+/// The PCIe copies of offloaded gradients in one step, seconds (0 when the
+/// gradients stay on the device): a stage's `trained_elements` gradients
+/// down once per micro-batch and its weights up once per step, both at the
+/// training precision.
+pub fn host_copy_seconds(
+    settings: &Settings,
+    trained_elements: u64,
+    profile: &BackendProfile,
+) -> f64 {
+    if !crate::memory::offloads_gradients(settings, profile) {
+        return 0.0;
+    }
+    let m = u64::from(settings.gradient_accumulation.max(1));
+    let down = trained_elements * settings.precision.gradient_bytes() * m;
+    let up = trained_elements * settings.precision.weight_bytes();
+    (down + up) as f64 / profile.host_link_bytes_per_second
+}
+
 /// The step time of a plan: `settings` on `stages` × `replicas` devices of
 /// `kind`, whose largest stage trains `stage_trained_elements` values.
 pub fn estimate(
@@ -188,11 +221,13 @@ pub fn estimate(
         profile,
     );
     let transfer_seconds = stage_transfer_seconds(model, settings, stages, profile);
+    let host_copy_seconds = host_copy_seconds(settings, stage_trained_elements, profile);
     StepTime {
         compute_seconds,
         all_reduce_seconds,
         transfer_seconds,
-        seconds: compute_seconds + all_reduce_seconds + transfer_seconds,
+        host_copy_seconds,
+        seconds: compute_seconds + all_reduce_seconds + transfer_seconds + host_copy_seconds,
     }
 }
 
@@ -272,6 +307,36 @@ mod tests {
                 && eight.seconds < one.seconds,
             "{one:?} vs {eight:?}"
         );
+    }
+
+    /// Offloaded gradients: 1 B values' bf16 gradients down each of 4
+    /// micro-batches and their bf16 weights up once, at the profile's PCIe
+    /// rate, added to the step; nothing where they stay on the device or
+    /// the device is the host.
+    #[test]
+    fn offloaded_gradients_pay_their_pcie_copies() {
+        let off = Settings {
+            activation_checkpointing: true,
+            offload_optimizer: true,
+            offload_gradients: true,
+            ..settings(1, 4)
+        };
+        let values = 1_000_000_000u64;
+        let expected = (values * 2 * 4 + values * 2) as f64 / CUDA.host_link_bytes_per_second;
+        assert!((host_copy_seconds(&off, values, &CUDA) - expected).abs() < 1e-9);
+        let kept = Settings {
+            offload_gradients: false,
+            ..off
+        };
+        assert_eq!(host_copy_seconds(&kept, values, &CUDA), 0.0);
+        assert_eq!(host_copy_seconds(&off, values, &FLEX), 0.0);
+        let model = ModelShape::Generic(crate::model::GenericModel {
+            parameters: values,
+            activation_bytes_per_sample: 0,
+        });
+        let t = estimate(&model, None, &off, (1, 1), DeviceKind::Gpu, &CUDA, values);
+        assert!((t.host_copy_seconds - expected).abs() < 1e-9);
+        assert!((t.seconds - t.compute_seconds - t.host_copy_seconds).abs() < 1e-9);
     }
 
     #[test]

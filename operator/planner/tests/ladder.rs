@@ -219,3 +219,34 @@ fn pinned_stages_hold_on_the_first_attempt_and_a_retry_adds_stages() {
     job.pinned_stages = Some(9);
     assert!(plan(&job, &Inventory::default()).expect("plan").workers <= 3);
 }
+
+/// A GPU job whose device ran out of memory with its gradients and
+/// optimizer state on the device: the `offloadGradients` rung moves both to
+/// the host (checkpointing on, as backward then runs block by block), and
+/// the retry's device peak drops by the gradients it no longer keeps.
+#[test]
+fn a_device_oom_retry_offloads_the_gradients() {
+    let inv = Inventory::from_nodes(&[gpu_node("a100", "NVIDIA-A100-SXM4-40GB", 40960, 1)]);
+    let mut job = gpu_job(transformer(24, 2048, 16, 1024, 50257), 8, 1);
+    job.allowed_rungs = vec![RetryRung::OffloadGradients];
+    let failed = plan(&job, &inv).expect("fits on paper with everything on the device");
+    assert!(!failed.settings.offload_gradients && !failed.settings.offload_optimizer);
+    let failure = MemoryFailure {
+        kind: MemoryFailureKind::DeviceOom,
+        observed_peak_bytes: Some(failed.budget_bytes + failed.budget_bytes / 10),
+        trained: false,
+    };
+    let next = next_stricter_plan(&job, &inv, &failed, &failure).expect("offloading helps");
+    assert_eq!(next.rungs_applied, vec![RetryRung::OffloadGradients]);
+    let s = &next.settings;
+    assert!(s.offload_gradients && s.offload_optimizer && s.activation_checkpointing);
+    assert_eq!(next.global_batch, failed.global_batch);
+    assert!(next.fits(), "{}", next.fit);
+    let m = &next.stages[0].memory;
+    assert!(
+        m.gradients < failed.stages[0].memory.gradients / 10,
+        "{m:?}"
+    );
+    assert_eq!(m.optimizer_state, 0);
+    assert!(m.host_bytes > failed.stages[0].memory.optimizer_state);
+}

@@ -145,11 +145,23 @@ fn phi_4_mini_qlora_on_one_6_gb_gpu() {
 }
 
 #[test]
-fn llama_2_7b_on_one_24_gb_gpu_full_fine_tuning_refused_qlora_accepted() {
+fn llama_2_7b_on_one_24_gb_gpu_full_fine_tuning_with_offloaded_gradients_qlora_without() {
     let inventory = one_node("NVIDIA-GeForce-RTX-4090", 24564, 1);
     let full = job(llama(LLAMA_2_7B, 2048), 8, 1);
-    let refused = plan_with(&full, &inventory, &opts()).expect_err("7B full fine-tuning");
+    let refused = plan_with(
+        &without_rung(&full, RetryRung::OffloadGradients),
+        &inventory,
+        &opts(),
+    )
+    .expect_err("7B full fine-tuning with its gradients on the device");
     println!("Llama-2-7B full fine-tuning, 1 × 24 GB: {refused}");
+    // Its gradients leave the device block by block (tests/gradient_offload.rs).
+    let offloaded = plan_with(&full, &inventory, &opts()).expect("gradients on the host");
+    show(
+        "Llama-2-7B full, gradients offloaded, 1 × 24 GB",
+        &offloaded,
+    );
+    assert!(offloaded.settings.offload_gradients && offloaded.fits());
 
     let mut qlora = full.clone();
     qlora.adapters = Some(lora(16));

@@ -87,7 +87,12 @@ fn allowed_types_are_respected() {
 #[test]
 fn nothing_fits_explains_with_numbers() {
     let inv = Inventory::from_nodes(&six_type_cluster(6)); // 6 nodes: one of each type, 8 GPUs each
-    let err = plan(&gpu_job(model_70b(), 1024, 4), &inv).expect_err("70B cannot fit 4 GPUs");
+    // With its gradients and state in host memory (nodes without a known
+    // size) 70B fits 4 A100s; this job keeps them on the devices.
+    let mut job = gpu_job(model_70b(), 1024, 4);
+    job.allowed_rungs
+        .retain(|r| *r != RetryRung::OffloadGradients);
+    let err = plan(&job, &inv).expect_err("70B cannot fit 4 GPUs");
     let text = err.to_string();
     assert!(text.contains("no feasible plan"), "{text}");
     assert!(text.contains("GiB"), "{text}");
@@ -199,11 +204,11 @@ fn waiting_for_capacity_is_told_from_never_fitting() {
     let mut busy = gpu_node("a100", "NVIDIA-A100-SXM4-80GB", 81920, 8);
     busy.in_use.insert("nvidia.com/gpu".into(), 6);
     let inv = Inventory::from_nodes([&busy]);
-    // Offloaded optimizer state would fit it on 2 (see
+    // Offloaded optimizer state (or gradients) would fit it on 2 (see
     // `offload_needs_nodes_with_the_host_memory_for_it`); this job does not allow it.
     let mut job = gpu_job(model.clone(), 64, 8);
     job.allowed_rungs
-        .retain(|r| *r != RetryRung::OffloadOptimizer);
+        .retain(|r| *r != RetryRung::OffloadOptimizer && *r != RetryRung::OffloadGradients);
     let need = plan(
         &job,
         &Inventory::from_nodes([&gpu_node("idle", "NVIDIA-A100-SXM4-80GB", 81920, 8)]),

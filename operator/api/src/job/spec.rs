@@ -518,13 +518,13 @@ pub struct MemoryPolicy {
     /// Retry rungs allowed, applied in Headroom's fixed order
     /// (offloadEmbedding, activationCheckpointing, halveMicroBatch,
     /// lowerPrecision, cheaperOptimizer, quantizeBase, offloadOptimizer,
-    /// offloadActivations, shardOptimizerState, morePipelineStages,
-    /// largerGpu); all of them by default. A rung that does not apply to a
-    /// job (the offload rungs on a CPU worker, offloadEmbedding or
-    /// quantizeBase on a full fine-tune) is skipped; when no rung helps, the
-    /// job's failure lists why each one did not.
+    /// offloadGradients, offloadActivations, shardOptimizerState,
+    /// morePipelineStages, largerGpu); all of them by default. A rung that
+    /// does not apply to a job (the offload rungs on a CPU worker,
+    /// offloadEmbedding or quantizeBase on a full fine-tune) is skipped;
+    /// when no rung helps, the job's failure lists why each one did not.
     #[serde(default = "default_rungs")]
-    #[schemars(length(max = 11), extend("x-kubernetes-list-type" = "set"))]
+    #[schemars(length(max = 12), extend("x-kubernetes-list-type" = "set"))]
     pub allowed_rungs: Vec<RetryRung>,
     /// Attempts in total, the first included.
     #[serde(default = "default_max_attempts")]
