@@ -15,9 +15,9 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use burn::tensor::{Device, DeviceKind, Tensor, TensorData};
-use headroom_planner::backend::CUDA;
+use headroom_planner::backend::{AutotuneLevel, CUDA};
 use headroom_planner::memory::arena_page_bytes;
-use headroom_planner::{Backend, BaseFormat, LoraConfig, Settings, TargetModule};
+use headroom_planner::{Backend, BaseFormat, GpuRuntime, LoraConfig, Settings, TargetModule};
 use headroom_worker::gpu_runtime::{RuntimeSettings, install};
 use headroom_worker::memory_probe::MemoryProbe;
 use headroom_worker::model::hf::HfCheckpoint;
@@ -28,17 +28,28 @@ const SEQUENCE: u32 = 12;
 const STEPS: u64 = 4;
 
 /// The Vulkan device, opened once per process after the CUDA profile's
-/// runtime settings (allocator, persistent memory, autotune level) were
-/// installed as the worker installs a plan's: the same code, so the same
-/// pools and the same tuning. `DeviceKind::Cpu`: lavapipe, even on a machine
+/// runtime settings (allocator, persistent memory; autotune at its minimal
+/// level) were installed as the worker installs a plan's: the same code,
+/// so the same pools and the same tuning. `DeviceKind::Cpu`: lavapipe, even on a machine
 /// that also has a GPU, so every machine runs the same rows.
 fn vulkan() -> Device {
     static DEVICE: OnceLock<Device> = OnceLock::new();
     DEVICE
         .get_or_init(|| {
             let cache = std::env::temp_dir().join("headroom-wgpu-test-runtime");
-            let settings = RuntimeSettings::for_plan(Backend::Cuda, None, "lavapipe", Some(cache))
-                .expect("the CUDA profile has GPU runtime settings");
+            // Autotune at its minimal level: lavapipe compiles each candidate
+            // kernel with LLVM on the CPU, and at the profile's level the
+            // matmul candidates alone took over 8 minutes of the first test
+            // (debug build, 2 cores) without finishing it.
+            let runtime = GpuRuntime {
+                autotune: AutotuneLevel::Minimal,
+                ..CUDA
+                    .gpu_runtime
+                    .expect("the CUDA profile has GPU runtime settings")
+            };
+            let settings =
+                RuntimeSettings::for_plan(Backend::Cuda, Some(runtime), "lavapipe", Some(cache))
+                    .expect("a CUDA plan's settings");
             install(&settings).expect("cubecl's configuration, set before the device opens");
             Device::wgpu(DeviceKind::Cpu)
         })

@@ -48,7 +48,7 @@ fn open(dtype: Option<FloatDType>) -> Result<Device, String> {
     if let Err(e) = install(&settings) {
         eprintln!("wgpu-check: GPU runtime not configured as planned: {e}");
     }
-    let mut device = Device::wgpu(kind);
+    let mut device = Device::wgpu(kind.clone());
     // The first tensor opens the adapter; without one burn panics.
     let opened = catch_unwind(AssertUnwindSafe(|| {
         Tensor::<1>::ones([4], &device).into_data();
