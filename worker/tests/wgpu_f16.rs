@@ -6,10 +6,25 @@
 #![cfg(feature = "wgpu")]
 
 use burn::tensor::{DType, Device, DeviceKind, FloatDType};
+use headroom_planner::backend::{AutotuneLevel, CUDA};
+use headroom_planner::{Backend, GpuRuntime};
+use headroom_worker::gpu_runtime::{RuntimeSettings, install};
 use headroom_worker::model::lean::check::{Shapes, compare_on};
 
 #[test]
 fn lean_ops_match_the_naive_ones_in_f16() {
+    // As tests/wgpu.rs: the CUDA profile's runtime, autotune at its minimal
+    // level (at the profile's level this binary was still tuning after 8 min).
+    let runtime = GpuRuntime {
+        autotune: AutotuneLevel::Minimal,
+        ..CUDA
+            .gpu_runtime
+            .expect("the CUDA profile has GPU runtime settings")
+    };
+    let cache = std::env::temp_dir().join("headroom-wgpu-test-runtime");
+    let settings = RuntimeSettings::for_plan(Backend::Cuda, Some(runtime), "lavapipe", Some(cache))
+        .expect("a CUDA plan's settings");
+    install(&settings).expect("cubecl's configuration, set before the device opens");
     let mut device = Device::wgpu(DeviceKind::Cpu);
     if !device.supports_dtype(DType::F16) {
         // Not a failure: the f32 rows (tests/wgpu.rs) still ran.
