@@ -173,7 +173,7 @@ kind-base-image: ## kind's base image built here (debootstrap, Debian's containe
 	export $$(e2e/kind/dockerd.sh env) && image=$$(e2e/kind/base-image.sh) && e2e/kind/check-base-image.sh $$image
 
 ##@ Local single-node cluster (real pods: containerd + kubelet; run as root)
-.PHONY: cluster-up cluster-down cluster-status cluster-test worker-cuda worker-cuda-check cuda-runtime image-cuda gpu-bundle gpu-check images
+.PHONY: cluster-up cluster-down cluster-status cluster-test worker-cuda worker-cuda-check worker-wgpu-check worker-wgpu-test wgpu-check cuda-runtime image-cuda gpu-bundle gpu-check images
 KUBECONFIG_CLUSTER := $(HEADROOM_CACHE)/state/cluster/kubeconfig
 IMAGE_TAG ?= dev
 
@@ -220,6 +220,34 @@ worker-cuda-check: ## Clippy (check, no codegen) of the worker, its tests and to
 	HEADROOM_LLVM_SHIM_HOME=$(LLVM_SHIM_HOME) bash worker/cuda/install-build-deps.sh
 	XDG_DATA_HOME=$(LLVM_SHIM_HOME) CUDARC_CUDA_VERSION=$(CUDARC_CUDA_VERSION) \
 	  $(CARGO) clippy -p headroom-worker --features cuda --all-targets -- -D warnings
+
+# The GPU path run without a GPU: burn's wgpu backend (the same cubecl
+# runtime as CUDA: fusion, autotune, the memory pools, the lean ops' Cube
+# code) on Mesa's lavapipe, a Vulkan device on the CPU (docs/gpu.md). Its own
+# target directory: the wgpu feature changes burn's features, and sharing
+# the CPU build's directory would rebuild burn for both. A debug build: a
+# release one takes ~25 min cold on 2 cores, and the tests' models are tiny.
+WGPU_DIR := $(CARGO_TARGET_DIR)/wgpu
+# Only lavapipe's driver is loaded: the same device on every machine.
+WGPU_ENV := VK_ICD_FILENAMES=/usr/share/vulkan/icd.d/lvp_icd.$(shell uname -m).json
+
+worker-wgpu-check: ## Clippy of the worker, its tests and tools with the wgpu feature (in ~/.cache/headroom/target/wgpu).
+	$(CARGO) clippy -p headroom-worker --features wgpu --all-targets --target-dir $(WGPU_DIR) -- -D warnings
+
+worker-wgpu-test: ## The lean ops, LoRA/QLoRA/checkpointed training steps and cubecl's pools on lavapipe (Vulkan on the CPU) against flex (installs mesa-vulkan-drivers; debug build in ~/.cache/headroom/target/wgpu).
+	bash worker/wgpu/install-lavapipe.sh
+	# One test at a time: they share the device, and the pool readings must see only their own tensors.
+	$(WGPU_ENV) $(CARGO) test -p headroom-worker --features wgpu --target-dir $(WGPU_DIR) --test wgpu --test wgpu_f16 -- --test-threads=1 --nocapture
+
+# gpu-check's rows that need no CUDA (a smoke run with the worker's probe and
+# cubecl's pools, the lean ops in f32 and f16), on any Vulkan device:
+# lavapipe by default, a GPU's Vulkan driver with HEADROOM_WGPU_DEVICE=default
+# (and WGPU_ENV= to load every driver). Debug, beside the tests' build.
+WGPU_CHECK_ARGS ?= --quick
+wgpu-check: ## calibrate --backend wgpu: a smoke run and the lean ops (f32, f16) on a Vulkan device, lavapipe unless HEADROOM_WGPU_DEVICE=default (exits 2 without one).
+	bash worker/wgpu/install-lavapipe.sh
+	$(CARGO) build -p headroom-worker --features wgpu --target-dir $(WGPU_DIR) --bin calibrate
+	$(WGPU_ENV) $(WGPU_DIR)/debug/calibrate --backend wgpu $(WGPU_CHECK_ARGS)
 
 cuda-runtime: ## libdevice and NCCL (and NVIDIA's licenses) from the pinned nvidia-cuda-nvcc-cu12 and nvidia-nccl-cu12 wheels on PyPI, CUDA_PATH-shaped, in ~/.cache/headroom/cuda-runtime.
 	HEADROOM_CACHE=$(HEADROOM_CACHE) bash worker/cuda/fetch-runtime.sh

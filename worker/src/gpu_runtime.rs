@@ -78,7 +78,7 @@ pub fn cache_dir(checkpoint_dir: &Path, stage: u32, replica: u32) -> PathBuf {
 /// set the configuration (the process then runs with that one). A cache
 /// directory that cannot be made is a warning: cubecl then keeps its
 /// environment where it would have anyway.
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
 pub fn install(settings: &RuntimeSettings) -> Result<(), String> {
     use burn::cubecl::config::autotune::AutotuneLevel as Level;
     use burn::cubecl::config::cache::CacheConfig;
@@ -88,6 +88,8 @@ pub fn install(settings: &RuntimeSettings) -> Result<(), String> {
 
     let mut config = CubeClRuntimeConfig::default().override_from_env();
     let r = &settings.runtime;
+    // Read by the CUDA runtime only; wgpu's pools take their pages from
+    // wgpu buffers whatever it says.
     config.memory.cuda.allocator = match r.allocator {
         GpuAllocator::Sync => CudaAllocator::Sync,
         GpuAllocator::Async => CudaAllocator::Async,
@@ -122,11 +124,12 @@ pub fn install(settings: &RuntimeSettings) -> Result<(), String> {
     }
 }
 
-/// Without the `cuda` feature there is no GPU runtime to configure.
-#[cfg(not(feature = "cuda"))]
+/// Without a cubecl runtime (the `cuda` or `wgpu` feature) there is no GPU
+/// runtime to configure.
+#[cfg(not(any(feature = "cuda", feature = "wgpu")))]
 pub fn install(settings: &RuntimeSettings) -> Result<(), String> {
     let _ = settings;
-    Err("this worker binary was built without the `cuda` feature".into())
+    Err("this worker binary was built without the `cuda` or `wgpu` feature".into())
 }
 
 #[cfg(test)]

@@ -144,7 +144,7 @@ fn autotune_args() -> Vec<String> {
 
 /// The GPU runtime a worker of this gpu-check runs with: the CUDA
 /// profile's, with `--autotune`'s level.
-fn gpu_runtime() -> GpuRuntime {
+pub fn gpu_runtime() -> GpuRuntime {
     let mut runtime = CUDA
         .gpu_runtime
         .expect("the CUDA profile has GPU runtime settings");

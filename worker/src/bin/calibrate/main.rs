@@ -43,10 +43,12 @@
 //!
 //! `--backend cuda` (a CUDA build, on an NVIDIA GPU; `gpu.rs`, run by
 //! `make gpu-check`) runs a GPU grid of bf16 Llama models instead and
-//! compares with the CUDA profile.
+//! compares with the CUDA profile. `--backend wgpu` (a wgpu build, on any
+//! Vulkan device; `vulkan.rs`, run by `make wgpu-check`) runs gpu-check's
+//! rows that need no CUDA: a smoke run and the ops check.
 //!
 //! Usage (release build; debug figures are meaningless):
-//!   cargo run --release -p headroom-worker --bin calibrate -- [--backend flex|cuda [--large]] [--steps N] [--only NAME] [--skip-pipeline | --pipeline-only] [--skip-overhead | --overhead-only]
+//!   cargo run --release -p headroom-worker --bin calibrate -- [--backend flex|cuda|wgpu [--large]] [--steps N] [--only NAME] [--skip-pipeline | --pipeline-only] [--skip-overhead | --overhead-only]
 
 use std::path::Path;
 use std::process::Command;
@@ -76,6 +78,8 @@ use headroom_worker::train::Trainer;
 
 mod gpu;
 mod step_breakdown;
+#[cfg(feature = "wgpu")]
+mod vulkan;
 
 const MIB: f64 = 1024.0 * 1024.0;
 /// The calibration targets: a 10 % under-prediction bound (the default
@@ -1441,6 +1445,17 @@ fn main() {
         eprintln!("warning: a debug build; calibrate with --release");
     }
     let (steps, only) = (options.steps, options.only.as_deref());
+    if options.wgpu {
+        #[cfg(feature = "wgpu")]
+        std::process::exit(vulkan::run(options.quick));
+        #[cfg(not(feature = "wgpu"))]
+        {
+            eprintln!(
+                "this calibrate binary was built without the `wgpu` feature: build it with `make wgpu-check`"
+            );
+            std::process::exit(2);
+        }
+    }
     if options.cuda {
         std::process::exit(gpu::run(
             steps,
@@ -1526,6 +1541,16 @@ fn run_child_mode(args: &[String]) {
             let dir = args.get(2).expect("--gpu-load-check FORMAT MODEL_DIR");
             std::process::exit(gpu::load_check(format, Path::new(dir)));
         }
+        #[cfg(feature = "wgpu")]
+        Some("--wgpu-ops-check") => {
+            assert_eq!(
+                args.get(1).map(String::as_str),
+                Some("f16"),
+                "--wgpu-ops-check f16"
+            );
+            let quick = args.get(2).is_some_and(|a| a == "--quick");
+            std::process::exit(vulkan::ops_check_f16(quick));
+        }
         Some("--gpu-ops-check") => {
             let precision = match args.get(1).map(String::as_str) {
                 Some("fp32") => Precision::Fp32,
@@ -1545,6 +1570,8 @@ struct Options {
     overhead: bool,
     pipeline: bool,
     cuda: bool,
+    /// `--backend wgpu`: gpu-check's rows that need no CUDA, on a Vulkan device.
+    wgpu: bool,
     large: bool,
     quick: bool,
     ops_check: bool,
@@ -1566,6 +1593,7 @@ impl Options {
             overhead: true,
             pipeline: true,
             cuda: false,
+            wgpu: false,
             large: false,
             quick: false,
             ops_check: true,
@@ -1585,8 +1613,11 @@ impl Options {
                 "--only" => o.only = it.next().cloned(),
                 "--backend" => match it.next().map(String::as_str) {
                     Some("cuda") => o.cuda = true,
+                    Some("wgpu") => o.wgpu = true,
                     Some("flex") => o.cuda = false,
-                    other => panic!("--backend {other:?}: use flex (CPU, the default) or cuda"),
+                    other => {
+                        panic!("--backend {other:?}: use flex (CPU, the default), cuda or wgpu")
+                    }
                 },
                 "--large" => o.large = true,
                 "--quick" => o.quick = true,
@@ -1602,7 +1633,7 @@ impl Options {
                     return o;
                 }
                 other => panic!(
-                    "unknown argument {other}; use --backend flex|cuda, --large (cuda: add 3B rows), --autotune minimal|balanced|extensive|full (cuda), --quick (cuda: the 110M-350M rows, no 1.1B speed rows), --skip-ops-check (cuda), --steps N, --only NAME[|NAME…], --skip-pipeline, --pipeline-only, --skip-overhead, --overhead-only, --ops-ab, --step-breakdown, --predict-only"
+                    "unknown argument {other}; use --backend flex|cuda|wgpu, --large (cuda: add 3B rows), --autotune minimal|balanced|extensive|full (cuda), --quick (cuda: the 110M-350M rows, no 1.1B speed rows; wgpu: the small ops shapes), --skip-ops-check (cuda), --steps N, --only NAME[|NAME…], --skip-pipeline, --pipeline-only, --skip-overhead, --overhead-only, --ops-ab, --step-breakdown, --predict-only"
                 ),
             }
         }

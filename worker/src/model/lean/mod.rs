@@ -15,7 +15,7 @@
 //!   never the dense `W + s·A·B`, its quantized base through [`frozen`].
 //!
 //! The algorithms are written once over burn's tensor API on the inner
-//! backend, so flex and CUDA run the same code; a fused kernel could replace
+//! backend, so flex and the cubecl runtimes (CUDA, wgpu) run the same code; a fused kernel could replace
 //! a body for `Cube` behind the same op.
 //!
 //! The three autodiff ops are "compute bound" in burn's sense: they save
@@ -71,7 +71,7 @@ pub fn set_naive_ops(naive: bool) {
 pub use frozen::FrozenWeight;
 
 /// The extension trait behind [`attend`] and [`fused_cross_entropy`].
-#[backend_extension(Flex, Cube: cfg(feature = "cuda"), Autodiff)]
+#[backend_extension(Flex, Cube: cfg(any(feature = "cuda", feature = "wgpu")), Autodiff)]
 pub trait LeanBackend: Backend {
     /// `q` [b, a, s, d], `k`, `v` [b, kv, s, d] → [b, a, s, d].
     fn lean_attention(
@@ -163,7 +163,7 @@ macro_rules! plain_backend {
 }
 
 plain_backend!(Flex);
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
 plain_backend!(burn::backend::Cube);
 
 /// What attention keeps between forward and backward.
