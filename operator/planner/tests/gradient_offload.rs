@@ -1,4 +1,4 @@
-//! Acceptance (issue 57): full fine-tunes where peers fit them, with each
+//! Acceptance: full fine-tunes where peers fit them, with each
 //! block's gradients leaving the device as backward produces them
 //! (`offloadGradients`), and loads that stream the checkpoint. The CUDA
 //! profile as shipped; each test prints its plan

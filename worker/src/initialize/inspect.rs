@@ -11,7 +11,6 @@
 //! training will, and must give at least one sample.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use headroom_api::{DataFacts, DataFormat, ModelFacts, Packing, TrainOn};
@@ -21,10 +20,9 @@ use safetensors::tensor::{Dtype, Metadata};
 use super::InitError;
 use crate::model::StageLayout;
 use crate::model::hf::HfCheckpoint;
+use crate::model::safetensors_reads::{HeaderError, read_header as read_header_of};
 use crate::text::{DataLocation, Example, Format, load_packed, read_examples};
 
-/// safetensors' own limit on the JSON header.
-const MAX_HEADER_BYTES: u64 = 100_000_000;
 /// How many offending names or shapes a message lists.
 const LIST_AT_MOST: usize = 4;
 
@@ -326,24 +324,12 @@ fn read_header(path: &Path) -> Result<(Metadata, u64), InitError> {
             path.display()
         ))
     };
-    let mut file = std::fs::File::open(path).map_err(unreadable)?;
+    let file = std::fs::File::open(path).map_err(unreadable)?;
     let len = file.metadata().map_err(unreadable)?.len();
-    let mut prefix = [0u8; 8];
-    file.read_exact(&mut prefix).map_err(|_| {
-        bad(format!(
-            "{len} bytes, shorter than the 8-byte header length"
-        ))
+    let (metadata, n) = read_header_of(&file, len).map_err(|e| match e {
+        HeaderError::Io(e) => unreadable(e),
+        HeaderError::Bad(problem) => bad(problem),
     })?;
-    let n = u64::from_le_bytes(prefix);
-    if n > MAX_HEADER_BYTES || n > len - 8 {
-        return Err(bad(format!(
-            "the header length {n} does not fit the file's {len} bytes"
-        )));
-    }
-    let mut header = vec![0u8; usize::try_from(n).map_err(|_| bad("header too large".into()))?];
-    file.read_exact(&mut header).map_err(unreadable)?;
-    let metadata: Metadata =
-        serde_json::from_slice(&header).map_err(|e| bad(format!("bad header: {e}")))?;
     let data = metadata
         .tensors()
         .values()

@@ -27,6 +27,41 @@ use super::hf::HfError;
 /// safetensors' own limit on the JSON header (bytes).
 const MAX_HEADER_BYTES: u64 = 100_000_000;
 
+/// Why a safetensors header could not be read.
+#[derive(Debug)]
+pub enum HeaderError {
+    /// The file could not be read.
+    Io(std::io::Error),
+    /// Its bytes are not a complete header (the problem, in words).
+    Bad(String),
+}
+
+/// The header of the safetensors file `file` of `len` bytes: the 8-byte
+/// little-endian length, then that many bytes of JSON, within the file and
+/// safetensors' limit. Returns the parsed header and its length; the
+/// tensors' data starts at `8 + length`. The loader and the initializer's
+/// inspection both read headers with it.
+pub fn read_header(file: &File, len: u64) -> Result<(Metadata, u64), HeaderError> {
+    let mut prefix = [0u8; 8];
+    file.read_exact_at(&mut prefix, 0).map_err(|_| {
+        HeaderError::Bad(format!(
+            "{len} bytes, shorter than the 8-byte header length"
+        ))
+    })?;
+    let n = u64::from_le_bytes(prefix);
+    if n > MAX_HEADER_BYTES || n > len - 8 {
+        return Err(HeaderError::Bad(format!(
+            "the header length {n} does not fit the file's {len} bytes"
+        )));
+    }
+    let mut header = vec![0u8; n as usize];
+    file.read_exact_at(&mut header, 8)
+        .map_err(HeaderError::Io)?;
+    let metadata = serde_json::from_slice(&header)
+        .map_err(|e| HeaderError::Bad(format!("bad header: {e}")))?;
+    Ok((metadata, n))
+}
+
 /// One safetensors file: its header parsed, its data unread.
 #[derive(Debug)]
 pub struct SafetensorsFile {
@@ -51,22 +86,10 @@ impl SafetensorsFile {
         };
         let file = File::open(path).map_err(io)?;
         let len = file.metadata().map_err(io)?.len();
-        let mut prefix = [0u8; 8];
-        file.read_exact_at(&mut prefix, 0).map_err(|_| {
-            bad(format!(
-                "{len} bytes, shorter than the 8-byte header length"
-            ))
+        let (metadata, n) = read_header(&file, len).map_err(|e| match e {
+            HeaderError::Io(e) => io(e),
+            HeaderError::Bad(problem) => bad(problem),
         })?;
-        let n = u64::from_le_bytes(prefix);
-        if n > MAX_HEADER_BYTES || n > len - 8 {
-            return Err(bad(format!(
-                "the header length {n} does not fit the file's {len} bytes"
-            )));
-        }
-        let mut header = vec![0u8; n as usize];
-        file.read_exact_at(&mut header, 8).map_err(io)?;
-        let metadata: Metadata =
-            serde_json::from_slice(&header).map_err(|e| bad(format!("bad header: {e}")))?;
         let data_start = 8 + n;
         let data_len = len - data_start;
         for (name, info) in metadata.tensors() {
