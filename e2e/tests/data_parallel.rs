@@ -53,6 +53,7 @@ spec:
     maxAttempts: 4
     backoffSeconds: 1
     allowedRungs: [activationCheckpointing, halveMicroBatch, shardOptimizerState]
+    guard: {{enabled: false}}
   worker: {{}}
 "#
     )

@@ -151,7 +151,8 @@ spec:
   resources:
     cpu: {{memoryLimit: 200Mi, cores: 500m, maxWorkers: 1}}
     headroomFraction: 0.1
-  memoryPolicy: {{maxAttempts: 4, backoffSeconds: 1}}
+  # The guard off: this scenario is the kernel's kill path.
+  memoryPolicy: {{maxAttempts: 4, backoffSeconds: 1, guard: {{enabled: false}}}}
   # No image: the operator's default for flex jobs (install.sh sets the
   # chart's workerImages.cpu to localhost/headroom-worker:dev).
   worker: {{}}

@@ -186,7 +186,7 @@ async fn a_lora_job_oom_killed_on_its_dense_base_retries_on_int8_and_resumes_its
         &endpoint,
         "    method: lora\n    lora: {rank: 8, alpha: 16, targetModules: [q_proj, v_proj]}\n    microBatch: 4\n    activationCheckpointing: true",
         "68Mi",
-        "  memoryPolicy: {maxAttempts: 4, backoffSeconds: 1, allowedRungs: [quantizeBase]}",
+        "  memoryPolicy: {maxAttempts: 4, backoffSeconds: 1, allowedRungs: [quantizeBase], guard: {enabled: false}}",
     )
     .replace("steps: 12", &format!("steps: {EVICTED_JOB_STEPS}")))
     .await;

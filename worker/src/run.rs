@@ -302,7 +302,9 @@ impl WorkerRun<'_> {
             None if a.memory_guard.is_some() => {
                 tracing::info!("memory guard off: no memory limit to guard (no cgroup limit)")
             }
-            None => tracing::info!("memory guard off (spec.memoryPolicy.guard.enabled: false)"),
+            None => tracing::info!(
+                "memory guard off (spec.memoryPolicy.guard.enabled false, or unset for a GPU worker)"
+            ),
         }
         memory_guard::install(guard);
     }

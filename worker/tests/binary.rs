@@ -86,9 +86,21 @@ fn temp_dir(name: &str) -> PathBuf {
 }
 
 fn run_worker(dir: &Path, plan_json: &str, extra: &[(&str, &str)]) -> Run {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_headroom-worker"));
+    worker_env(&mut cmd, dir, plan_json, extra);
+    let out = cmd.output().expect("run the worker");
+    Run {
+        code: out.status.code().expect("exit code"),
+        message: termination_message(dir),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// The worker's environment for a run in `dir` (no worker API, so its
+/// telemetry stays local), `extra` on top; clears an old termination message.
+fn worker_env(cmd: &mut Command, dir: &Path, plan_json: &str, extra: &[(&str, &str)]) {
     let termination = dir.join("termination-log");
     let _ = std::fs::remove_file(&termination);
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_headroom-worker"));
     cmd.env_clear()
         .env("PATH", std::env::var("PATH").unwrap_or_default())
         // No worker API (HEADROOM_WORKER_API cleared): telemetry stays local.
@@ -103,14 +115,12 @@ fn run_worker(dir: &Path, plan_json: &str, extra: &[(&str, &str)]) -> Run {
     for (k, v) in extra {
         cmd.env(k, v);
     }
-    let out = cmd.output().expect("run the worker");
-    let text =
-        std::fs::read_to_string(&termination).expect("every exit writes a termination message");
-    Run {
-        code: out.status.code().expect("exit code"),
-        message: serde_json::from_str(&text).expect("termination message is JSON"),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
+}
+
+fn termination_message(dir: &Path) -> TerminationMessage {
+    let text = std::fs::read_to_string(dir.join("termination-log"))
+        .expect("every exit writes a termination message");
+    serde_json::from_str(&text).expect("termination message is JSON")
 }
 
 #[test]
@@ -1046,5 +1056,311 @@ fn a_trip_without_stepping_down_exits_near_oom_and_the_retry_resumes() {
     // The stricter attempt (a smaller micro-batch) resumes and finishes.
     let run = run_under(&dir, &guarded(3, 2, false), limit);
     assert_eq!(run.code, exit_code::SUCCESS, "{}", run.stderr);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A memory cgroup of the test's own (v2, or v1's memory hierarchy), with
+/// a limit the kernel enforces and no swap; removed on drop. Needs root.
+struct TestCgroup {
+    dir: PathBuf,
+    version: u8,
+}
+
+impl TestCgroup {
+    fn new(name: &str, limit: u64) -> TestCgroup {
+        let root = Path::new("/sys/fs/cgroup");
+        let (base, version) = if root.join("cgroup.controllers").is_file() {
+            // v2: the root cgroup may hand the memory controller to children.
+            let subtree = root.join("cgroup.subtree_control");
+            if !std::fs::read_to_string(&subtree)
+                .unwrap_or_default()
+                .split_whitespace()
+                .any(|c| c == "memory")
+            {
+                let _ = std::fs::write(&subtree, "+memory");
+            }
+            (root.to_path_buf(), 2)
+        } else {
+            (root.join("memory"), 1)
+        };
+        let dir = base.join(format!("headroom-test-{name}-{}", std::process::id()));
+        std::fs::create_dir(&dir).unwrap_or_else(|e| {
+            panic!(
+                "this test needs root and a memory cgroup it can create ({}): {e}",
+                dir.display()
+            )
+        });
+        let (limit_file, no_swap) = if version == 2 {
+            ("memory.max", "memory.swap.max")
+        } else {
+            ("memory.limit_in_bytes", "memory.swappiness")
+        };
+        std::fs::write(dir.join(limit_file), limit.to_string())
+            .unwrap_or_else(|e| panic!("{}/{limit_file}: {e}", dir.display()));
+        // Without swap the kernel's answer to the limit is the OOM killer.
+        let _ = std::fs::write(dir.join(no_swap), "0");
+        TestCgroup { dir, version }
+    }
+
+    /// `program` started inside this cgroup: a shell moves itself in, then
+    /// becomes the program (same process, so everything it allocates counts).
+    fn command(&self, program: &str) -> Command {
+        let mut cmd = Command::new("sh");
+        cmd.arg("-c")
+            .arg("echo $$ > \"$0\" && exec \"$@\"")
+            .arg(self.dir.join("cgroup.procs"))
+            .arg(program);
+        cmd
+    }
+
+    /// The highest memory the cgroup was charged, bytes.
+    fn peak(&self) -> u64 {
+        let file = if self.version == 2 {
+            "memory.peak"
+        } else {
+            "memory.max_usage_in_bytes"
+        };
+        std::fs::read_to_string(self.dir.join(file))
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {file} in {}", self.dir.display()))
+    }
+
+    /// Processes the kernel's OOM killer killed in this cgroup.
+    fn oom_kills(&self) -> u64 {
+        let file = if self.version == 2 {
+            "memory.events"
+        } else {
+            "memory.oom_control"
+        };
+        let text = std::fs::read_to_string(self.dir.join(file)).expect("the cgroup's OOM events");
+        text.lines()
+            .find_map(|l| l.strip_prefix("oom_kill "))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no oom_kill count in {file}: {text}"))
+    }
+}
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// What a run under a [`TestCgroup`] with a growing ballast did.
+struct BallastRun {
+    status: std::process::ExitStatus,
+    stderr: String,
+    oom_kills: u64,
+    /// The cgroup's peak charge, bytes.
+    peak: u64,
+}
+
+/// Runs assignment `a` in `dir` inside a fresh cgroup with `limit`; once
+/// the worker logs step 2, a second process in the cgroup (another consumer
+/// in the same container) fills a tmpfs file by 1 MiB every 40 ms up to
+/// `ballast` bytes (none when 0): memory the worker does not hold but the
+/// limit counts. It grows 2 MiB a second, so that between two of the
+/// guard's checks (the longest part of a step here, a backward, takes well
+/// under the 5 s its 10 % margin would fill in) it grows by less than the
+/// margin: a consumer that jumps by more than that between two checks is
+/// beyond any guard. Without a guard, the kernel kills whatever crosses
+/// the limit.
+fn run_with_growing_ballast(
+    name: &str,
+    dir: &Path,
+    a: &WorkerAssignment,
+    limit: u64,
+    ballast: u64,
+) -> BallastRun {
+    use std::io::{BufRead, BufReader};
+    assert!(
+        std::fs::read_to_string("/proc/mounts")
+            .expect("mounts")
+            .lines()
+            .any(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                f.get(1) == Some(&"/dev/shm") && f.get(2) == Some(&"tmpfs")
+            }),
+        "the ballast needs /dev/shm on tmpfs (its pages are charged to the writer's cgroup and cannot be reclaimed without swap)"
+    );
+    let cgroup = TestCgroup::new(name, limit);
+    let file = PathBuf::from(format!(
+        "/dev/shm/headroom-test-{name}-{}",
+        std::process::id()
+    ));
+    let mut cmd = cgroup.command(env!("CARGO_BIN_EXE_headroom-worker"));
+    worker_env(
+        &mut cmd,
+        dir,
+        &serde_json::to_string(a).expect("json"),
+        &[POD_MALLOC[0], POD_MALLOC[1]],
+    );
+    let mut worker = cmd
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the worker");
+    let (step2, at_step2) = std::sync::mpsc::channel();
+    let stderr = worker.stderr.take().expect("stderr");
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        let mut told = false;
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if !told && line.contains("step 2/") {
+                told = step2.send(()).is_ok();
+            }
+            text.push_str(&line);
+            text.push('\n');
+        }
+        text
+    });
+    let mut filler = None;
+    if ballast > 0
+        && at_step2
+            .recv_timeout(std::time::Duration::from_secs(300))
+            .is_ok()
+    {
+        let mib = ballast >> 20;
+        let script = format!(
+            "i=0; while [ $i -lt {mib} ]; do dd if=/dev/zero of='{}' bs=1M count=1 seek=$i conv=notrunc status=none || exit 1; i=$((i+1)); sleep 0.5; done",
+            file.display()
+        );
+        filler = Some(
+            cgroup
+                .command("sh")
+                .args(["-c", &script])
+                .spawn()
+                .expect("start the ballast"),
+        );
+    }
+    let status = worker.wait().expect("the worker's exit");
+    if let Some(mut f) = filler {
+        let _ = f.kill();
+        let _ = f.wait();
+    }
+    let (oom_kills, peak) = (cgroup.oom_kills(), cgroup.peak());
+    let _ = std::fs::remove_file(&file);
+    BallastRun {
+        status,
+        stderr: reader.join().expect("stderr reader"),
+        oom_kills,
+        peak,
+    }
+}
+
+/// A trip after completed steps, under a real cgroup limit the kernel
+/// enforces: the worker trains at micro-batch 32 with room to spare until
+/// another consumer in its cgroup grows past what that micro-batch leaves.
+/// Without the guard the kernel kills the worker; with it, the step under
+/// way is stopped before the line, the last completed step (no periodic
+/// checkpoint yet) is checkpointed, the worker steps down in place, and
+/// every step of the run is computed exactly once.
+#[test]
+#[ignore = "needs root and a memory cgroup of its own: make test-apiserver runs it"]
+fn a_trip_after_completed_steps_loses_none_of_them() {
+    const STEPS: u64 = 10;
+    // The activation-heavy model at a global batch of 32, one micro-batch
+    // of 32 per step; no periodic checkpoint before the end.
+    let at = |micro| assignment_for(activation_heavy(), 32, STEPS, Some(micro), Some(false));
+    let mut a = at(32);
+    a.checkpoint_every_steps = 1000;
+    // A wider margin than the default 3 %: the ballast may grow 4 MiB
+    // during the longest part of a step.
+    a.memory_guard = Some(headroom_api::MemoryGuardSettings {
+        margin_percent: 10,
+        step_down_in_place: true,
+    });
+    // Peaks as the limit counts them: the cgroup's charge, without a limit
+    // in reach or a guard.
+    let peak = |micro| {
+        let dir = temp_dir(&format!("ballast-peak-{micro}"));
+        let mut b = at(micro);
+        b.recipe = headroom_api::Recipe::constant(1e-2, 2);
+        let run = run_with_growing_ballast(&format!("peak-{micro}"), &dir, &b, 8 << 30, 0);
+        assert!(run.status.success(), "{}", run.stderr);
+        let _ = std::fs::remove_dir_all(&dir);
+        run.peak
+    };
+    let (small, large) = (peak(4), peak(32));
+    let spread = large.saturating_sub(small);
+    assert!(
+        spread > 16 << 20,
+        "the activations dominate: {small} B vs {large} B"
+    );
+    // Micro-batch 32 fits with three quarters of the activations' spread
+    // to spare; the full ballast (the whole spread) leaves it a quarter of
+    // the spread short, and leaves micro-batch 4 where 32 was.
+    let limit = large + spread * 3 / 4;
+    let ballast = spread;
+    eprintln!(
+        "cgroup peaks: micro-batch 4 {small} B, 32 {large} B; limit {limit} B, ballast {ballast} B"
+    );
+
+    // The control: without the guard, the kernel kills the worker.
+    let dir = temp_dir("ballast-unguarded");
+    let mut off = a.clone();
+    off.memory_guard = None;
+    let run = run_with_growing_ballast("unguarded", &dir, &off, limit, ballast);
+    assert!(
+        run.oom_kills >= 1 && !run.status.success(),
+        "without the guard the ballast must bring the kernel's OOM killer ({run_status:?}, {} kills): {}",
+        run.oom_kills,
+        run.stderr,
+        run_status = run.status
+    );
+    eprintln!(
+        "without the guard: {} OOM kill(s), {:?}, last step logged: {:?}",
+        run.oom_kills,
+        run.status,
+        run.stderr
+            .lines()
+            .rfind(|l| l.contains(&format!("/{STEPS} loss ")))
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+
+    let dir = temp_dir("ballast-guarded");
+    let run = run_with_growing_ballast("guarded", &dir, &a, limit, ballast);
+    assert_eq!(run.oom_kills, 0, "the kernel killed: {}", run.stderr);
+    assert!(run.status.success(), "{:?}: {}", run.status, run.stderr);
+    let m = termination_message(&dir);
+    assert_eq!(m.outcome, WorkerOutcome::Succeeded, "{m:?}");
+    assert_eq!(m.step, Some(STEPS));
+    eprintln!("with the guard: cgroup peak {} B of {limit} B", run.peak);
+    for line in run.stderr.lines().filter(|l| {
+        l.contains("memory guard: step") || l.contains("resumed") || l.contains("memory guard: ")
+    }) {
+        eprintln!("  {line}");
+    }
+    // The guard stopped a step after some were completed...
+    let trip = run
+        .stderr
+        .lines()
+        .find(|l| l.contains("memory guard: step "))
+        .unwrap_or_else(|| panic!("no trip: {}", run.stderr));
+    let tripped: u64 = trip
+        .split("memory guard: step ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .expect("the stopped step");
+    assert!(tripped >= 3, "the trip came after step 2: {trip}");
+    assert!(
+        trip.contains(&format!("step {} checkpointed to", tripped - 1)),
+        "the last completed step is kept: {trip}"
+    );
+    assert!(run.stderr.contains("stepping down in place"), "{trip}");
+    // ...and the fresh process resumed from it: each step ran once.
+    for step in 1..=STEPS {
+        let lines = run
+            .stderr
+            .lines()
+            .filter(|l| l.contains(&format!("step {step}/{STEPS} loss ")))
+            .count();
+        assert_eq!(
+            lines, 1,
+            "step {step} computed {lines} times: {}",
+            run.stderr
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -318,7 +318,8 @@ pub struct WorkerAssignment {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub files: Option<PayloadFiles>,
     /// The near-OOM guard (`spec.memoryPolicy.guard`); `None`: off (the
-    /// job turned it off, or an operator from before the guard wrote this).
+    /// job turned it off, a GPU job left it unset, or an operator from
+    /// before the guard wrote this).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_guard: Option<MemoryGuardSettings>,
 }

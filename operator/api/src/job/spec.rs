@@ -538,7 +538,7 @@ pub struct MemoryPolicy {
     /// memory limit is stopped before the kernel's OOM killer (or the
     /// device's allocator) stops the worker, the last completed step is
     /// kept, and the job steps down (in place, or through a stricter
-    /// attempt). Off unless `enabled` (until its grid on real pods is run).
+    /// attempt). On by default for CPU workers; see `enabled`.
     #[serde(default)]
     pub guard: MemoryGuardPolicy,
 }
@@ -547,12 +547,14 @@ pub struct MemoryPolicy {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct MemoryGuardPolicy {
-    /// Whether the guard runs (default false). Off: a worker that outgrows
-    /// its limit is killed by the kernel (or fails an allocation on its
-    /// device) and the next attempt resumes from the last periodic
-    /// checkpoint.
-    #[serde(default)]
-    pub enabled: bool,
+    /// Whether the guard runs. Unset: on for CPU workers (its cgroup meter
+    /// is measured on real pods), off for GPU workers (its device meter has
+    /// not yet run on a GPU: set `true` to use it there). Off: a worker
+    /// that outgrows its limit is killed by the kernel (or fails an
+    /// allocation on its device) and the next attempt resumes from the last
+    /// periodic checkpoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enabled: Option<bool>,
     /// Memory kept free under the worker's limit, percent of the limit:
     /// the guard stops a step when what its next part is known to add
     /// would leave less than this.
@@ -571,7 +573,7 @@ pub struct MemoryGuardPolicy {
 impl Default for MemoryGuardPolicy {
     fn default() -> Self {
         MemoryGuardPolicy {
-            enabled: false,
+            enabled: None,
             margin_percent: default_guard_margin_percent(),
             step_down_in_place: true,
         }

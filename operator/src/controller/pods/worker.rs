@@ -13,7 +13,7 @@ use headroom_api::{
     WorkerAssignment,
 };
 use headroom_planner::inventory::{LabelRequirement, device_placement};
-use headroom_planner::{DeviceKind, Plan, RetryRung};
+use headroom_planner::{Backend, DeviceKind, Plan, RetryRung};
 use k8s_openapi::api::core::v1::{
     Affinity, ContainerPort, EnvVar, NodeAffinity, NodeSelector, NodeSelectorRequirement,
     NodeSelectorTerm, Pod, PodAffinity, PodAffinityTerm, ResourceRequirements,
@@ -168,16 +168,19 @@ fn assignment(
         checkpoint_every_steps: training.checkpoint_every_steps,
         seed: training.seed,
         files: payload_files(job),
-        memory_guard: memory_guard(&job.spec.memory_policy),
+        memory_guard: memory_guard(&job.spec.memory_policy, plan.backend),
     }
 }
 
 /// The guard's settings for the workers (`spec.memoryPolicy.guard`):
-/// `None` when the job turned it off. Stepping down in place halves the
-/// micro-batch, so it is offered only where the job allows that rung.
-fn memory_guard(policy: &MemoryPolicy) -> Option<MemoryGuardSettings> {
+/// `None` when it is off. Unset, it is on for CPU workers, whose cgroup
+/// meter was measured on real pods, and off on GPUs, where its device meter
+/// has not run yet. Stepping down in place halves the micro-batch, so it is
+/// offered only where the job allows that rung.
+fn memory_guard(policy: &MemoryPolicy, backend: Backend) -> Option<MemoryGuardSettings> {
     let guard = &policy.guard;
-    guard.enabled.then(|| MemoryGuardSettings {
+    let on = guard.enabled.unwrap_or(backend == Backend::Flex);
+    on.then(|| MemoryGuardSettings {
         margin_percent: guard.margin_percent,
         step_down_in_place: guard.step_down_in_place
             && policy.allowed_rungs.contains(&RetryRung::HalveMicroBatch),
@@ -1282,5 +1285,30 @@ podAffinity:
                 .job_request()
                 .unwrap_or_else(|e| panic!("{fine}: {e}"));
         }
+    }
+
+    /// Unset, the guard is on for CPU workers and off on GPUs; what the
+    /// job says wins either way; stepping down in place needs its rung.
+    #[test]
+    fn the_guard_is_on_by_default_for_cpu_workers_only() {
+        let mut policy = MemoryPolicy::default();
+        let on = |p: &MemoryPolicy, b| memory_guard(p, b);
+        let cpu = on(&policy, Backend::Flex).expect("on for a CPU worker");
+        assert_eq!(cpu.margin_percent, policy.guard.margin_percent);
+        assert!(cpu.step_down_in_place);
+        assert_eq!(
+            on(&policy, Backend::Cuda),
+            None,
+            "off on a GPU unless asked"
+        );
+        policy.guard.enabled = Some(true);
+        assert!(on(&policy, Backend::Cuda).is_some());
+        policy.guard.enabled = Some(false);
+        assert_eq!(on(&policy, Backend::Flex), None);
+        policy.guard.enabled = None;
+        policy
+            .allowed_rungs
+            .retain(|r| *r != RetryRung::HalveMicroBatch);
+        assert!(!on(&policy, Backend::Flex).expect("on").step_down_in_place);
     }
 }
