@@ -1292,23 +1292,26 @@ podAffinity:
     #[test]
     fn the_guard_is_on_by_default_for_cpu_workers_only() {
         let mut policy = MemoryPolicy::default();
-        let on = |p: &MemoryPolicy, b| memory_guard(p, b);
-        let cpu = on(&policy, Backend::Flex).expect("on for a CPU worker");
+        let cpu = memory_guard(&policy, Backend::Flex).expect("on for a CPU worker");
         assert_eq!(cpu.margin_percent, policy.guard.margin_percent);
         assert!(cpu.step_down_in_place);
         assert_eq!(
-            on(&policy, Backend::Cuda),
+            memory_guard(&policy, Backend::Cuda),
             None,
             "off on a GPU unless asked"
         );
         policy.guard.enabled = Some(true);
-        assert!(on(&policy, Backend::Cuda).is_some());
+        assert!(memory_guard(&policy, Backend::Cuda).is_some());
         policy.guard.enabled = Some(false);
-        assert_eq!(on(&policy, Backend::Flex), None);
+        assert_eq!(memory_guard(&policy, Backend::Flex), None);
         policy.guard.enabled = None;
         policy
             .allowed_rungs
             .retain(|r| *r != RetryRung::HalveMicroBatch);
-        assert!(!on(&policy, Backend::Flex).expect("on").step_down_in_place);
+        assert!(
+            !memory_guard(&policy, Backend::Flex)
+                .expect("on")
+                .step_down_in_place
+        );
     }
 }
