@@ -228,6 +228,7 @@ pub fn build_optimizer(
     let (beta_1, beta_2, epsilon) = (adam.beta1 as f32, adam.beta2 as f32, adam.epsilon as f32);
     let wrap = Wrapping {
         weight_decay: recipe.weight_decay,
+        compact: settings.compact_host_state,
         host: if settings.offload_optimizer {
             Some(Device::flex())
         } else if settings.precision != Precision::Fp32 {
@@ -275,6 +276,9 @@ pub fn build_optimizer(
 /// What [`build_optimizer`] puts around the plan's optimizer.
 struct Wrapping {
     weight_decay: f64,
+    /// Offloaded half-precision masters kept as bf16 remainders (the
+    /// plan's `compactHostState`).
+    compact: bool,
     /// Where the f32 state and update live, when not where the model is
     /// in f32 already.
     host: Option<Device>,
@@ -284,7 +288,9 @@ impl Wrapping {
     fn module<O: burn::optim::Optimizer>(&self, optimizer: O) -> ModuleOptimizer {
         let decayed = DecoupledDecay::new(optimizer, self.weight_decay);
         match &self.host {
-            Some(host) => ModuleOptimizer::from(Offloaded::new(decayed, host.clone())),
+            Some(host) => {
+                ModuleOptimizer::from(Offloaded::new(decayed, host.clone()).compact(self.compact))
+            }
             None => ModuleOptimizer::from(decayed),
         }
     }
@@ -415,7 +421,9 @@ enum StepGradients {
 impl StepGradients {
     fn new(settings: &Settings) -> Self {
         if settings.offload_gradients {
-            StepGradients::Host(Box::new(HostGradients::new(Device::flex())))
+            StepGradients::Host(Box::new(
+                HostGradients::new(Device::flex()).compact(settings.compact_host_state),
+            ))
         } else {
             StepGradients::Device(GradientsAccumulator::new())
         }
@@ -500,6 +508,12 @@ impl Trainer {
                     "offloaded gradients go block by block from the checkpointed backward to the host optimizer: they need activationCheckpointing and offloadOptimizer on (activationCheckpointing is {}, offloadOptimizer is {})",
                     s.activation_checkpointing, s.offload_optimizer
                 ),
+            ));
+        }
+        if s.compact_host_state && !s.offload_optimizer {
+            return Err(unsupported(
+                "plan.settings.compactHostState",
+                "a compact host state is the offloaded optimizer's: it needs offloadOptimizer on",
             ));
         }
         let mut model = TransformerLm::new(&config.shape, &config.layout, config.seed, &device);

@@ -330,7 +330,8 @@ fn a_checkpoint_resumes_across_gradient_offload_on_and_off() {
 }
 
 /// Without checkpointing or without the offloaded optimizer the worker
-/// refuses the setting, naming it and what it needs.
+/// refuses the setting, naming it and what it needs; so it does a compact
+/// host state without the offloaded optimizer.
 #[test]
 fn offloaded_gradients_need_checkpointing_and_the_offloaded_optimizer() {
     let _serial = serial();
@@ -347,4 +348,17 @@ fn offloaded_gradients_need_checkpointing_and_the_offloaded_optimizer() {
             "{err}"
         );
     }
+    // A compact host state is the offloaded optimizer's.
+    let s = Settings {
+        compact_host_state: true,
+        ..settings(3, false)
+    };
+    let s = Settings {
+        offload_optimizer: false,
+        ..s
+    };
+    let config = TrainConfig::single_stage(shape(), s, 1, 1e-2, 7);
+    let err = Trainer::new(config, Device::flex().autodiff()).expect_err("refused");
+    assert_eq!(err.field, "plan.settings.compactHostState");
+    assert!(err.problem.contains("offloadOptimizer"), "{err}");
 }

@@ -341,6 +341,9 @@ fn describe_numerics(s: &Settings) -> String {
     if s.offload_gradients {
         out.push_str(" / gradients offloaded");
     }
+    if s.compact_host_state {
+        out.push_str(" / host state compact");
+    }
     out
 }
 
@@ -405,7 +408,24 @@ fn numerics_options(req: &JobRequest, profile: &BackendProfile) -> Vec<(Settings
         all.extend(grown);
     }
     all.sort_by_key(|(_, _, steps, costliest)| (*costliest, *steps));
-    all.into_iter().map(|(s, r, _, _)| (s, r)).collect()
+    // Last of all, each offloaded half-precision option again with its host
+    // state compact: it changes no device byte and costs some of the
+    // update's precision, so it is only for a node whose host memory
+    // cannot hold the full state of any option before it.
+    let compact: Vec<_> = all
+        .iter()
+        .filter_map(|(s, r, ..)| {
+            let c = Settings {
+                compact_host_state: true,
+                ..*s
+            };
+            crate::memory::compacts_host_state(&c, profile).then(|| (c, r.clone()))
+        })
+        .collect();
+    all.into_iter()
+        .map(|(s, r, _, _)| (s, r))
+        .chain(compact)
+        .collect()
 }
 
 /// One search's fixed inputs.
@@ -726,7 +746,9 @@ impl<'a> Search<'a> {
         let node = device.host_memory_bytes?;
         let need = self.host_request(plan);
         // What the plan keeps there, as far as it matters to the reader.
-        let kept = if plan.settings.offload_gradients {
+        let kept = if plan.settings.offload_gradients && plan.settings.compact_host_state {
+            "optimizer state, 16-bit master remainders and gradient sums, and load buffers"
+        } else if plan.settings.offload_gradients {
             "optimizer state, fp32 gradient accumulators and load buffers"
         } else {
             "optimizer state and load buffers"
@@ -912,13 +934,16 @@ impl<'a> Search<'a> {
     /// compared in order: its peak over the device's budget (1 once it
     /// fits: any candidate the device holds is closer than one it does
     /// not, since the device is what the plan is for), then its pods' host
-    /// memory over a node's (0 where the node's size is unknown).
+    /// memory over a node's (1 once it fits, 0 where the node's size is
+    /// unknown).
     fn over_budget(&self, device: &DeviceType, plan: &Plan) -> (f64, f64) {
         let device_ratio = plan.predicted_peak_bytes as f64 / plan.budget_bytes.max(1) as f64;
         let host_ratio = device.host_memory_bytes.map_or(0.0, |node| {
             self.host_request(plan) as f64 / node.max(1) as f64
         });
-        (device_ratio.max(1.0), host_ratio)
+        // Within the node's memory a smaller request is no closer: the
+        // earlier (less strict) numerics win the tie.
+        (device_ratio.max(1.0), host_ratio.max(1.0))
     }
 
     /// Why nothing fits: per device type, the candidate that came closest —

@@ -174,6 +174,17 @@ pub struct Settings {
     /// Never on CPU workers, whose device is the host.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub offload_gradients: bool,
+    /// With the optimizer offloaded and a half-precision stage: the host
+    /// keeps 2 bytes a trained value where it kept 4, twice. The fp32
+    /// master weights become the part below the device's bf16/fp16 copy,
+    /// stored in bf16 (the master is that copy plus this remainder: about
+    /// 16 significant bits over bf16 weights, 19 over fp16, against fp32's
+    /// 24; Kahan-compensated bf16 training's idea), and offloaded gradients
+    /// are summed in the training precision, as the device accumulator sums
+    /// them without the offload. The search turns it on only where the
+    /// node's host memory cannot hold the full state.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub compact_host_state: bool,
 }
 
 impl Default for Settings {
@@ -192,6 +203,7 @@ impl Default for Settings {
             offload_activations: false,
             offload_embedding: false,
             offload_gradients: false,
+            compact_host_state: false,
         }
     }
 }
@@ -230,6 +242,9 @@ impl std::fmt::Display for Settings {
         }
         if self.offload_gradients {
             f.write_str(", gradients offloaded")?;
+        }
+        if self.compact_host_state {
+            f.write_str(", host state compact")?;
         }
         Ok(())
     }

@@ -23,6 +23,12 @@
 //! step reading the host sums directly would save (it needs the optimizer
 //! state outside burn's `ModuleOptimizer`).
 //!
+//! Compact ([`HostGradients::compact`], the plan's `compactHostState`): the
+//! sums stay in the precision the gradients arrive in (bf16/fp16), added as
+//! the device accumulator adds them without the offload, at 2 bytes a value
+//! instead of 4; fp16's overflow shows as a non-finite norm, which the loss
+//! scale's skipped step handles.
+//!
 //! On a CPU worker the host is the device: the copies move nothing across a
 //! bus, and the sums are the device accumulator's, addition for addition
 //! (`tests/gradient_offload.rs`).
@@ -34,6 +40,8 @@ use burn::tensor::{DType, Device, Tensor};
 /// A step's gradient sums in host memory (f32), by parameter.
 pub struct HostGradients {
     host: Device,
+    /// Sums in the gradients' own dtype instead of f32.
+    compact: bool,
     sums: GradientsParams,
     /// The device and dtype the gradients were computed on and in: where
     /// and how the step sends them back ([`Self::part_on_device`]).
@@ -55,9 +63,16 @@ impl HostGradients {
     pub fn new(host: Device) -> Self {
         HostGradients {
             host,
+            compact: false,
             sums: GradientsParams::new(),
             origin: None,
         }
+    }
+
+    /// Sums kept in the precision the gradients arrive in (see the module docs).
+    pub fn compact(mut self, compact: bool) -> Self {
+        self.compact = compact;
+        self
     }
 
     /// Moves the gradients of `module`'s parameters out of `grads` (device
@@ -78,7 +93,12 @@ impl HostGradients {
                 let into = &mut *self.into;
                 into.origin
                     .get_or_insert_with(|| (grad.device(), grad.dtype()));
-                let grad = to_host(grad, &into.host);
+                let grad = if into.compact {
+                    let dtype = grad.dtype();
+                    Tensor::from_data(grad.into_data(), (&into.host, dtype))
+                } else {
+                    to_host(grad, &into.host)
+                };
                 let sum = match into.sums.remove::<D>(param.id) {
                     Some(sum) => sum.add(grad),
                     None => grad,
@@ -92,7 +112,7 @@ impl HostGradients {
         });
     }
 
-    /// The step's sums (f32 tensors on the host), leaving none behind, and
+    /// The step's sums (host tensors, f32 unless compact), leaving none behind, and
     /// the device and dtype they came from (`None` when nothing was added).
     pub fn take(&mut self) -> (GradientsParams, Option<(Device, DType)>) {
         (
@@ -184,5 +204,53 @@ mod tests {
             .expect("device sum")
             .into_data()
             .assert_approx_eq::<f32>(&back.get::<2>(id).expect("host sum").into_data(), exact);
+    }
+
+    /// Compact: bf16 gradients are summed in bf16, as the device
+    /// accumulator sums them, bit for bit; the default widens them to f32.
+    #[test]
+    fn compact_sums_stay_in_the_gradients_precision() {
+        use burn::tensor::FloatDType;
+        let device = Device::flex().autodiff();
+        let layer = crate::model::with_generator(|| LinearConfig::new(4, 5).init(&device));
+        let id = layer.weight.id;
+        let mut on_device = GradientsAccumulator::<Linear>::new();
+        let mut compact = HostGradients::new(Device::flex()).compact(true);
+        let mut wide = HostGradients::new(Device::flex());
+        let mut exact_f32 = None::<Tensor<2>>;
+        for _ in 0..5 {
+            let g = crate::model::with_generator(|| grads(&layer, &device))
+                .get::<2>(id)
+                .expect("weight grad")
+                .cast(FloatDType::BF16);
+            exact_f32 = Some(match exact_f32 {
+                Some(sum) => sum.add(g.clone().cast(FloatDType::F32)),
+                None => g.clone().cast(FloatDType::F32),
+            });
+            for into in [&mut compact, &mut wide] {
+                let mut one = GradientsParams::new();
+                one.register::<2>(id, g.clone());
+                into.accumulate(&layer, one);
+            }
+            let mut one = GradientsParams::new();
+            one.register::<2>(id, g);
+            on_device.accumulate(&layer, one);
+        }
+        let device_sum = on_device.grads().get::<2>(id).expect("device sum");
+        let (sums, origin) = compact.take();
+        assert_eq!(origin.map(|o| o.1), Some(DType::BF16));
+        let compact_sum = sums.get::<2>(id).expect("compact sum");
+        assert_eq!(compact_sum.dtype(), DType::BF16, "2 bytes a value");
+        let exact = burn::tensor::Tolerance::absolute(0.0);
+        device_sum
+            .cast(FloatDType::F32)
+            .into_data()
+            .assert_approx_eq::<f32>(&compact_sum.cast(FloatDType::F32).into_data(), exact);
+        let (sums, _) = wide.take();
+        let wide_sum = sums.get::<2>(id).expect("f32 sum");
+        assert_eq!(wide_sum.dtype(), DType::F32);
+        wide_sum
+            .into_data()
+            .assert_approx_eq::<f32>(&exact_f32.expect("summed").into_data(), exact);
     }
 }

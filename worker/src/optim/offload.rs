@@ -17,6 +17,16 @@
 //! `offload_master` leaf: a checkpoint written with offload resumes without
 //! it and the other way round (a retry can turn offload on mid-job).
 //!
+//! Compact ([`Offloaded::compact`], the plan's `compactHostState`): in a
+//! half precision the host keeps, instead of the f32 master, its remainder
+//! below the device's weights in bf16 (`offload_master_remainder`): the
+//! master is the weights plus the remainder, about 16 significant bits
+//! over bf16 weights and 19 over fp16 instead of f32's 24 (the compensated
+//! bf16 training of Zamirai et al., 2020, "Revisiting BFloat16 Training").
+//! Small updates still accumulate below the weights' rounding; the host
+//! keeps 2 bytes a value instead of 4. A checkpoint of either kind resumes
+//! in the other (the master is rebuilt from the weights, or split).
+//!
 //! On a CPU worker the device is the host: offloading has nothing to move,
 //! and the planner never asks for it there.
 //!
@@ -34,24 +44,39 @@ use burn::tensor::{DType, Device, FloatDType, Tensor};
 pub struct Offloaded<O> {
     inner: O,
     host: Device,
+    compact: bool,
 }
 
 impl<O> Offloaded<O> {
     /// `inner` stepping on the host device `host` (the worker passes `Device::flex()`).
     pub fn new(inner: O, host: Device) -> Self {
-        Self { inner, host }
+        Self {
+            inner,
+            host,
+            compact: false,
+        }
+    }
+
+    /// Half-precision weights keep a bf16 remainder on the host instead of
+    /// an f32 master (see the module docs).
+    pub fn compact(mut self, compact: bool) -> Self {
+        self.compact = compact;
+        self
     }
 }
 
-/// One parameter's host-side state: the wrapped optimizer's, and the f32
-/// master weights when the device trains in a half precision.
+/// One parameter's host-side state: the wrapped optimizer's, and when the
+/// device trains in a half precision the f32 master weights, or (compact)
+/// the master's bf16 remainder below the weights.
 #[derive(Clone, Debug)]
 pub struct OffloadedState<S, const D: usize> {
     pub inner: Option<S>,
     pub master: Option<Tensor<D>>,
+    pub remainder: Option<Tensor<D>>,
 }
 
 const MASTER_LEAF: &str = "offload_master";
+const REMAINDER_LEAF: &str = "offload_master_remainder";
 
 impl<S: RecordState + Clone, const D: usize> RecordState for OffloadedState<S, D> {
     fn state_flatten(&self, prefix: &str, out: &mut StateSink) {
@@ -61,14 +86,24 @@ impl<S: RecordState + Clone, const D: usize> RecordState for OffloadedState<S, D
         if let Some(master) = &self.master {
             out.push_tensor(prefix, MASTER_LEAF, master.to_data());
         }
+        if let Some(remainder) = &self.remainder {
+            out.push_tensor(prefix, REMAINDER_LEAF, remainder.to_data());
+        }
     }
 
     fn state_unflatten(prefix: &str, src: &mut StateSource, device: &Device) -> Option<Self> {
         let master = src
             .take_tensor(prefix, MASTER_LEAF)
             .map(|data| Tensor::from_data(data, device));
+        let remainder = src
+            .take_tensor(prefix, REMAINDER_LEAF)
+            .map(|data| Tensor::from_data(data, device));
         let inner = S::state_unflatten(prefix, src, device);
-        (inner.is_some() || master.is_some()).then_some(Self { inner, master })
+        (inner.is_some() || master.is_some() || remainder.is_some()).then_some(Self {
+            inner,
+            master,
+            remainder,
+        })
     }
 }
 
@@ -85,30 +120,51 @@ impl<O: Optimizer> Optimizer for Offloaded<O> {
         let device = tensor.device();
         let dtype = tensor.dtype();
         let half = dtype != DType::F32;
-        let (inner, master) = match state {
+        let (inner, master, remainder) = match state {
             // A state restored from a checkpoint lands on the default
             // device; move it once, later steps find it on the host.
             Some(s) => (
                 s.inner.map(|i| O::to_device(i, &self.host)),
                 s.master.map(|m| m.to_device(&self.host)),
+                s.remainder.map(|r| r.to_device(&self.host)),
             ),
-            None => (None, None),
+            None => (None, None, None),
         };
         // Cast on the device, where the tensor is, so the host backend only
-        // ever sees f32.
-        let weights = match master.filter(|_| half) {
-            Some(m) => m,
-            None => tensor.cast(FloatDType::F32).to_device(&self.host),
+        // ever sees f32 (and the compact remainder's bf16).
+        let weights = match (master.filter(|_| half), remainder.filter(|_| half)) {
+            (Some(m), _) => m,
+            (None, Some(r)) => tensor
+                .cast(FloatDType::F32)
+                .to_device(&self.host)
+                .add(r.cast(FloatDType::F32)),
+            (None, None) => tensor.cast(FloatDType::F32).to_device(&self.host),
         };
         let grad = grad.cast(FloatDType::F32).to_device(&self.host);
         let (updated, inner) = self.inner.step(lr, weights, grad, inner);
-        let on_device = updated
-            .clone()
-            .to_device(&device)
-            .cast(FloatDType::from(dtype));
-        let master = half.then_some(updated);
-        let state =
-            (inner.is_some() || master.is_some()).then_some(OffloadedState { inner, master });
+        let (on_device, master, remainder) = if half && self.compact {
+            // Rounded on the host, so the remainder is below exactly the
+            // weights the device gets.
+            let rounded = updated.clone().cast(FloatDType::from(dtype));
+            let remainder = updated
+                .sub(rounded.clone().cast(FloatDType::F32))
+                .cast(FloatDType::BF16);
+            let on_device = Tensor::from_data(rounded.into_data(), (&device, dtype));
+            (on_device, None, Some(remainder))
+        } else {
+            let on_device = updated
+                .clone()
+                .to_device(&device)
+                .cast(FloatDType::from(dtype));
+            (on_device, half.then_some(updated), None)
+        };
+        let state = (inner.is_some() || master.is_some() || remainder.is_some()).then_some(
+            OffloadedState {
+                inner,
+                master,
+                remainder,
+            },
+        );
         (on_device, state)
     }
 
@@ -231,6 +287,123 @@ mod tests {
                     .to_data(),
                 exact,
             );
+    }
+
+    /// Compact: bf16 weights keep a bf16 remainder below them instead of
+    /// an f32 master. A remainder is at most half a bf16 ulp of its weight
+    /// (2^-9 of it) and is itself rounded to 2^-9 of that, so each step may
+    /// move the rebuilt master off the f32 one by 2^-18 of the weight:
+    /// [`remainder_bound`] over the steps. At a learning rate of 1e-3 each
+    /// step is below half a bf16 ulp of most of these weights (N(0, 1)),
+    /// so bf16 alone would keep few of them; with the remainder they add
+    /// up, and the device's weights are the f32 master's rounding but for
+    /// a few values at a rounding boundary.
+    #[test]
+    fn compact_half_weights_keep_their_small_steps_in_a_remainder() {
+        let device = Device::flex();
+        let adamw = AdamWConfig::new().build();
+        let full = Offloaded::new(adamw.clone(), Device::flex());
+        let compact = Offloaded::new(adamw, Device::flex()).compact(true);
+        let (w, _) = pair(&device);
+        let start = w.cast(FloatDType::BF16);
+        let (mut w_full, mut w_compact) = (start.clone(), start.clone());
+        let (mut s_full, mut s_compact) = (None, None);
+        for _ in 0..40 {
+            let (_, g) = pair(&device);
+            let g = g.cast(FloatDType::BF16);
+            (w_full, s_full) = full.step(1e-3, w_full, g.clone(), s_full);
+            (w_compact, s_compact) = compact.step(1e-3, w_compact, g, s_compact);
+        }
+        let s = s_compact.expect("state");
+        assert!(s.master.is_none(), "no f32 master");
+        let remainder = s.remainder.expect("a remainder");
+        assert_eq!(remainder.dtype(), DType::BF16);
+        assert_eq!(w_compact.dtype(), DType::BF16);
+        let master = s_full.and_then(|s| s.master).expect("f32 master");
+        let rebuilt = w_compact
+            .clone()
+            .cast(FloatDType::F32)
+            .add(remainder.cast(FloatDType::F32));
+        let scale = master.clone().abs().max().into_scalar::<f32>();
+        let gap = rebuilt.sub(master).abs().max().into_scalar::<f32>() / scale;
+        println!("compact master: largest gap {gap:e} of the largest weight");
+        assert!(gap <= remainder_bound(40), "gap {gap:e}");
+        let moved = |w: &Tensor<2>| {
+            w.clone()
+                .cast(FloatDType::F32)
+                .not_equal(start.clone().cast(FloatDType::F32))
+                .int()
+                .sum()
+                .into_scalar::<i64>()
+        };
+        let moved_compact = moved(&w_compact);
+        let differ = w_compact
+            .cast(FloatDType::F32)
+            .not_equal(w_full.clone().cast(FloatDType::F32))
+            .int()
+            .sum()
+            .into_scalar::<i64>();
+        println!(
+            "moved: {moved_compact} compact, {} with the f32 master; {differ} of 128 differ",
+            moved(&w_full)
+        );
+        assert!(differ <= 4, "{differ} weights differ");
+        assert!(
+            moved_compact > 64 && moved(&w_full) > 64,
+            "the steps reach the weights"
+        );
+    }
+
+    /// Either record resumes in the other: the f32 master is split into a
+    /// remainder, and a remainder rebuilds the master; the second step's
+    /// master is the same either way (within [`remainder_bound`] of two
+    /// steps), moments included.
+    #[test]
+    fn compact_and_full_records_resume_in_each_other() {
+        let device = Device::flex();
+        let adamw = AdamWConfig::new().build();
+        let full = Offloaded::new(adamw.clone(), Device::flex());
+        let compact = Offloaded::new(adamw, Device::flex()).compact(true);
+        let (w, g) = pair(&device);
+        let w = w.cast(FloatDType::BF16);
+        let g = g.cast(FloatDType::BF16);
+        let (w_full, s_full) = full.step(1e-4, w.clone(), g.clone(), None);
+        let (w_compact, s_compact) = compact.step(1e-4, w, g.clone(), None);
+        let master = |w: Tensor<2>, s: Option<OffloadedState<_, 2>>| {
+            let s = s.expect("state");
+            assert!(s.inner.is_some(), "the moments carried over");
+            match (s.master, s.remainder) {
+                (Some(m), None) => m,
+                (None, Some(r)) => w.cast(FloatDType::F32).add(r.cast(FloatDType::F32)),
+                other => panic!("one of master and remainder: {other:?}"),
+            }
+        };
+        let (a, sa) = compact.step(1e-4, w_full.clone(), g.clone(), s_full.clone());
+        let (b, sb) = full.step(1e-4, w_compact.clone(), g.clone(), s_compact.clone());
+        let (c, sc) = full.step(1e-4, w_full, g.clone(), s_full);
+        let (d, sd) = compact.step(1e-4, w_compact, g, s_compact);
+        let reference = master(c, sc);
+        let scale = reference.clone().abs().max().into_scalar::<f32>();
+        for (what, w, s) in [
+            ("full → compact", a, sa),
+            ("compact → full", b, sb),
+            ("compact → compact", d, sd),
+        ] {
+            let gap = master(w, s)
+                .sub(reference.clone())
+                .abs()
+                .max()
+                .into_scalar::<f32>()
+                / scale;
+            println!("{what}: master gap {gap:e}");
+            assert!(gap <= remainder_bound(2), "{what}: gap {gap:e}");
+        }
+    }
+
+    /// The most a compact master may drift from the f32 one in `steps`
+    /// steps, relative to the largest weight: 2^-18 a step (see above).
+    fn remainder_bound(steps: u32) -> f32 {
+        steps as f32 * 2f32.powi(-18)
     }
 
     /// A stateless optimizer (plain SGD) keeps no tensors on the host either.

@@ -40,7 +40,13 @@ pub fn squared_norm(model: &TransformerLm, grads: &GradientsParams, skip: Option
                 return;
             }
             if let Some(grad) = self.grads.get::<D>(param.id) {
-                let sum = grad.square().sum().into_scalar::<f32>();
+                // In f32: an fp16 gradient's squares overflow fp16 long
+                // before its norm is large.
+                let sum = grad
+                    .cast(burn::tensor::FloatDType::F32)
+                    .square()
+                    .sum()
+                    .into_scalar::<f32>();
                 self.total += f64::from(sum);
             }
         }
