@@ -289,8 +289,8 @@ mod tests {
             );
     }
 
-    /// Compact: bf16 weights keep a bf16 remainder below them instead of
-    /// an f32 master. A remainder is at most half a bf16 ulp of its weight
+    /// Compact: bf16 (and fp16) weights keep a bf16 remainder below them
+    /// instead of an f32 master. A remainder is at most half a bf16 ulp of its weight
     /// (2^-9 of it) and is itself rounded to 2^-9 of that, so each step may
     /// move the rebuilt master off the f32 one by 2^-18 of the weight:
     /// [`remainder_bound`] over the steps. At a learning rate of 1e-3 each
@@ -300,17 +300,23 @@ mod tests {
     /// a few values at a rounding boundary.
     #[test]
     fn compact_half_weights_keep_their_small_steps_in_a_remainder() {
+        for dtype in [FloatDType::BF16, FloatDType::F16] {
+            compact_steps(dtype);
+        }
+    }
+
+    fn compact_steps(dtype: FloatDType) {
         let device = Device::flex();
         let adamw = AdamWConfig::new().build();
         let full = Offloaded::new(adamw.clone(), Device::flex());
         let compact = Offloaded::new(adamw, Device::flex()).compact(true);
         let (w, _) = pair(&device);
-        let start = w.cast(FloatDType::BF16);
+        let start = w.cast(dtype);
         let (mut w_full, mut w_compact) = (start.clone(), start.clone());
         let (mut s_full, mut s_compact) = (None, None);
         for _ in 0..40 {
             let (_, g) = pair(&device);
-            let g = g.cast(FloatDType::BF16);
+            let g = g.cast(dtype);
             (w_full, s_full) = full.step(1e-3, w_full, g.clone(), s_full);
             (w_compact, s_compact) = compact.step(1e-3, w_compact, g, s_compact);
         }
@@ -318,7 +324,7 @@ mod tests {
         assert!(s.master.is_none(), "no f32 master");
         let remainder = s.remainder.expect("a remainder");
         assert_eq!(remainder.dtype(), DType::BF16);
-        assert_eq!(w_compact.dtype(), DType::BF16);
+        assert_eq!(w_compact.dtype(), DType::from(dtype));
         let master = s_full.and_then(|s| s.master).expect("f32 master");
         let rebuilt = w_compact
             .clone()
@@ -326,8 +332,8 @@ mod tests {
             .add(remainder.cast(FloatDType::F32));
         let scale = master.clone().abs().max().into_scalar::<f32>();
         let gap = rebuilt.sub(master).abs().max().into_scalar::<f32>() / scale;
-        println!("compact master: largest gap {gap:e} of the largest weight");
-        assert!(gap <= remainder_bound(40), "gap {gap:e}");
+        println!("{dtype:?} compact master: largest gap {gap:e} of the largest weight");
+        assert!(gap <= remainder_bound(40), "{dtype:?}: gap {gap:e}");
         let moved = |w: &Tensor<2>| {
             w.clone()
                 .cast(FloatDType::F32)
@@ -344,13 +350,13 @@ mod tests {
             .sum()
             .into_scalar::<i64>();
         println!(
-            "moved: {moved_compact} compact, {} with the f32 master; {differ} of 128 differ",
+            "{dtype:?} moved: {moved_compact} compact, {} with the f32 master; {differ} of 128 differ",
             moved(&w_full)
         );
-        assert!(differ <= 4, "{differ} weights differ");
+        assert!(differ <= 4, "{dtype:?}: {differ} weights differ");
         assert!(
             moved_compact > 64 && moved(&w_full) > 64,
-            "the steps reach the weights"
+            "{dtype:?}: the steps reach the weights"
         );
     }
 
