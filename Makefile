@@ -228,8 +228,10 @@ worker-cuda-check: ## Clippy (check, no codegen) of the worker, its tests and to
 # the CPU build's directory would rebuild burn for both. A debug build: a
 # release one takes ~25 min cold on 2 cores, and the tests' models are tiny.
 WGPU_DIR := $(CARGO_TARGET_DIR)/wgpu
-# Only lavapipe's driver is loaded: the same device on every machine.
-WGPU_ENV := VK_ICD_FILENAMES=/usr/share/vulkan/icd.d/lvp_icd.$(shell uname -m).json
+# Only lavapipe's driver is loaded: the same device on every machine. Mesa 25
+# names its ICD lvp_icd.json, older Mesa lvp_icd.<arch>.json; the shell picks
+# when the recipe runs, after install-lavapipe.sh (make expands a recipe first).
+WGPU_ENV := VK_ICD_FILENAMES="$$(ls /usr/share/vulkan/icd.d/lvp_icd.json /usr/share/vulkan/icd.d/lvp_icd.$$(uname -m).json 2>/dev/null | head -n 1)"
 
 worker-wgpu-check: ## Clippy of the worker, its tests and tools with the wgpu feature (in ~/.cache/headroom/target/wgpu).
 	$(CARGO) clippy -p headroom-worker --features wgpu --all-targets --target-dir $(WGPU_DIR) -- -D warnings
