@@ -210,7 +210,7 @@ fn sci(v: &[f64]) -> String {
 /// ids). burn draws the adapters' `A` on the device they live on, from the
 /// run's seed, and the wgpu backend's generator is not flex's: the same
 /// seed gives other factors there, and since `B` starts at zero only the
-/// first step's loss agrees (on lavapipe, LoRA's step-4 loss was 1.3e-2
+/// first step's loss agrees (on lavapipe, LoRA's losses were up to 1.3e-2
 /// off flex's under AdamW and 4.4e-3 under SGD; with flex's factors, 0 and
 /// 1.2e-7).
 fn with_trained_of(from: &TransformerLm, into: TransformerLm) -> TransformerLm {
