@@ -502,13 +502,21 @@ pub struct Nf4Weight {
 impl Nf4Weight {
     /// Copies `tensor` to `device` (its plain backend: nothing here is
     /// ever differentiated).
+    ///
+    /// The codes are `u8` where the device has 8-bit integers (flex, CUDA,
+    /// Vulkan through SPIR-V), `i32` where it has none: WGSL has no `u8`, and
+    /// cubecl's WGSL compiler emits one for a `u8` tensor's kernels, which
+    /// naga rejects ("no definition in scope for identifier: u8"). The `i32`
+    /// codes hold four times the bytes [`Self::bytes`] counts.
     pub fn upload(tensor: &Nf4Tensor, device: &Device) -> Self {
         let device = device.clone().inner();
+        let codes = if device.supports_dtype(DType::U8) {
+            DType::U8
+        } else {
+            DType::I32
+        };
         let bytes = |v: &[u8]| {
-            Tensor::<1, Int>::from_data(
-                TensorData::new(v.to_vec(), [v.len()]),
-                (&device, DType::U8),
-            )
+            Tensor::<1, Int>::from_data(TensorData::new(v.to_vec(), [v.len()]), (&device, codes))
         };
         Nf4Weight {
             shape: tensor.shape,
