@@ -24,6 +24,10 @@
 //! has one writer; replicas may share a ReadWriteMany claim) and one
 //! environment per GPU product, so a retry, a resumed job or a re-planned
 //! split on the same GPU type starts with its kernels tuned and compiled.
+//! That takes burn's `persistence` feature, which neither the `cuda` nor
+//! the `wgpu` build enables yet (docs/gpu.md, lavapipe section): without
+//! it cubecl keeps the results in memory only and the directory stays
+//! empty, so today each attempt tunes again.
 
 use std::path::{Path, PathBuf};
 
