@@ -192,11 +192,7 @@ fn offloaded_gradients_train_like_the_device_accumulator_in_bf16() {
         },
         tiny_llama(),
     ));
-    let diff = device
-        .iter()
-        .zip(&host)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f64::max);
+    let diff = largest_difference(&device, &host);
     println!("bf16: offloaded gradients' largest loss difference {diff:e}");
     assert!(
         diff <= 1.0 / 128.0,
@@ -229,11 +225,7 @@ fn a_compact_host_state_trains_like_the_full_one_in_bf16() {
         },
         tiny_llama(),
     ));
-    let diff = wide
-        .iter()
-        .zip(&compact)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f64::max);
+    let diff = largest_difference(&wide, &compact);
     println!("bf16: compact host state's largest loss difference {diff:e}");
     assert!(diff <= 1.0 / 128.0, "full {wide:?} vs compact {compact:?}");
     assert!(fall(&compact) > 0.1, "it trains: {compact:?}");
@@ -277,12 +269,7 @@ fn a_compact_master_keeps_the_small_steps_in_bf16() {
     let mut weights: Vec<usize> = before.iter().map(Vec::len).collect();
     weights.sort_unstable();
     assert_eq!(remainders, weights, "one bf16 remainder per trained tensor");
-    let moved: usize = before
-        .iter()
-        .zip(&after)
-        .map(|(b, a)| b.iter().zip(a).filter(|(x, y)| x != y).count())
-        .sum();
-    let total: usize = before.iter().map(Vec::len).sum();
+    let (moved, total) = moved_of(&before, &after);
     println!("compact master: {moved} of {total} weights moved");
     assert!(
         moved * 3 > total,
@@ -331,16 +318,29 @@ fn bf16_training_keeps_f32_master_weights_and_moments() {
         sorted_masters, sorted_weights,
         "one f32 master per trained tensor"
     );
-    let moved: usize = before
-        .iter()
-        .zip(&after)
-        .map(|(b, a)| b.iter().zip(a).filter(|(x, y)| x != y).count())
-        .sum();
-    let total: usize = before.iter().map(Vec::len).sum();
+    let (moved, total) = moved_of(&before, &after);
     assert!(
         moved * 3 > total,
         "the master's small steps reach the bf16 weights: {moved} of {total} moved"
     );
+}
+
+/// The largest absolute difference between two runs' losses, step by step.
+fn largest_difference(a: &[f64], b: &[f64]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
+}
+
+/// How many of all the values differ between `before` and `after`, and of how many.
+fn moved_of(before: &[Vec<f32>], after: &[Vec<f32>]) -> (usize, usize) {
+    let moved = before
+        .iter()
+        .zip(after)
+        .map(|(b, a)| b.iter().zip(a).filter(|(x, y)| x != y).count())
+        .sum();
+    (moved, before.iter().map(Vec::len).sum())
 }
 
 /// Every parameter's values as f32, in visit order.
