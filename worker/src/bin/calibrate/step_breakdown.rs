@@ -384,3 +384,145 @@ pub fn linear_ops(reps: usize) {
         }
     }
 }
+
+/// `--step-breakdown --only block-ops`: the ops of a decoder block other
+/// than its linears, on the bench job's shapes (micro-batch 4 × 256, 9 / 3
+/// heads of 64, SwiGLU 1536, vocabulary 49152), forward and backward timed
+/// apart, median of `reps` interleaved runs after one warm-up. Also the
+/// `exp` these ops call, burn's (libm per value) against the lean ops'
+/// vectorized one, on a causal scores block (half of it masked).
+pub fn block_ops(reps: usize) {
+    use burn::module::Module;
+    use burn::tensor::activation::silu;
+    use burn::tensor::{Distribution, Int, Tensor, TensorData};
+    use headroom_worker::model::lean::{self, ATTENTION_BLOCK, AttentionOptions};
+
+    let device = Device::flex().autodiff();
+    let (b, s, heads, kv, d) = (4, 256, 9, 3, 64);
+    let normal =
+        |shape: [usize; 4]| Tensor::<4>::random(shape, Distribution::Normal(0.0, 1.0), &device);
+    let (q, k, v) = (
+        normal([b, heads, s, d]),
+        normal([b, kv, s, d]),
+        normal([b, kv, s, d]),
+    );
+    let dout = normal([b, heads, s, d]);
+    let gate = Tensor::<3>::random([b, s, 1536], Distribution::Normal(0.0, 1.0), &device);
+    let dgate = Tensor::<3>::random([b, s, 1536], Distribution::Normal(0.0, 1.0), &device);
+    let hidden = Tensor::<2>::random([b * s, 576], Distribution::Normal(0.0, 1.0), &device);
+    let head = Tensor::<2>::random([49152, 576], Distribution::Normal(0.0, 0.02), &device);
+    let targets = Tensor::<1, Int>::from_data(
+        TensorData::new(
+            (0..(b * s) as i64).map(|i| i * 7919 % 49152).collect(),
+            [b * s],
+        ),
+        &device,
+    );
+    let norm = burn::nn::RmsNormConfig::new(576).init(&device).no_grad();
+    let residual = Tensor::<3>::random([b, s, 576], Distribution::Normal(0.0, 1.0), &device);
+    let chunk = headroom_planner::memory::loss_chunk_rows(49152) as usize;
+    // A scores block as the attention's forward exponentiates it: rows of
+    // 3 · 256 queries against 256 keys, the causal half at the mask value.
+    let plain = Device::flex();
+    let scores: Vec<f32> = (0..b * kv * 3 * s * s)
+        .map(|i| {
+            let (key, query) = (i % s, (i / s) % s);
+            if key > query {
+                -1.0e30
+            } else {
+                -((i % 13) as f32) * 0.9
+            }
+        })
+        .collect();
+    let scores = Tensor::<4>::from_data(TensorData::new(scores, [b, kv, 3 * s, s]), &plain);
+
+    type Op<'a> = (&'static str, Box<dyn Fn() -> (f64, f64) + 'a>);
+    let timed = |forward: &dyn Fn() -> Tensor<1>| {
+        let t = Instant::now();
+        let y = forward();
+        let f = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let _ = y.backward();
+        (f, t.elapsed().as_secs_f64())
+    };
+    let ops: Vec<Op> = vec![
+        (
+            "attention [4, 9, 256, 64], GQA 3 (lean, blocked)",
+            Box::new(|| {
+                let (q, k, v) = (
+                    q.clone().detach().require_grad(),
+                    k.clone().detach().require_grad(),
+                    v.clone().detach().require_grad(),
+                );
+                let options = AttentionOptions::causal(d, ATTENTION_BLOCK);
+                timed(&|| {
+                    (lean::attend(q.clone(), k.clone(), v.clone(), options.clone()) * dout.clone())
+                        .sum()
+                })
+            }),
+        ),
+        (
+            "SiLU [4, 256, 1536] (burn)",
+            Box::new(|| {
+                let x = gate.clone().detach().require_grad();
+                timed(&|| (silu(x.clone()) * dgate.clone()).sum())
+            }),
+        ),
+        (
+            "RMSNorm [4, 256, 576] (burn, frozen weight)",
+            Box::new(|| {
+                let x = hidden.clone().reshape([b, s, 576]).detach().require_grad();
+                timed(&|| (norm.forward(x.clone()) * residual.clone()).sum())
+            }),
+        ),
+        (
+            "one elementwise product [4, 256, 1536] (gate · up)",
+            Box::new(|| {
+                let x = gate.clone().detach().require_grad();
+                timed(&|| (x.clone() * dgate.clone()).sum())
+            }),
+        ),
+        (
+            "cross-entropy 1024 × 49152 (lean, in the model's chunks; with the head's matmuls)",
+            Box::new(|| {
+                let h = hidden.clone().detach().require_grad();
+                let w = head.clone().detach().require_grad();
+                timed(&|| lean::fused_cross_entropy(h.clone(), w.clone(), targets.clone(), chunk))
+            }),
+        ),
+        (
+            "exp, scores [4, 3, 768, 256]: burn's",
+            Box::new(|| {
+                let t = Instant::now();
+                std::hint::black_box(scores.clone().exp());
+                (t.elapsed().as_secs_f64(), 0.0)
+            }),
+        ),
+        (
+            "exp, scores [4, 3, 768, 256]: the lean ops'",
+            Box::new(|| {
+                let t = Instant::now();
+                std::hint::black_box(lean::exp::exp(scores.clone()));
+                (t.elapsed().as_secs_f64(), 0.0)
+            }),
+        ),
+    ];
+    let mut times = vec![(Vec::new(), Vec::new()); ops.len()];
+    for _ in 0..reps + 1 {
+        for (i, (_, run)) in ops.iter().enumerate() {
+            let (f, b) = run();
+            times[i].0.push(f);
+            times[i].1.push(b);
+        }
+    }
+    println!(
+        "\nblock ops (besides the linears), median of {reps} interleaved runs\n\n| op | forward ms | backward ms |\n|---|---|---|"
+    );
+    for ((name, _), (f, b)) in ops.iter().zip(times) {
+        println!(
+            "| {name} | {:.2} | {:.2} |",
+            median(f[1..].to_vec()) * 1e3,
+            median(b[1..].to_vec()) * 1e3
+        );
+    }
+}

@@ -21,6 +21,8 @@ use std::sync::Arc;
 
 use burn::tensor::{Bool, Int, Tensor, TensorData};
 
+use super::exp::exp;
+
 /// A score that removes a key: finite, so a row whose first visited block
 /// is all masked (possible with a sliding window) gives `exp(0)` terms that
 /// the next block's larger maximum rescales to exactly zero, instead of NaN.
@@ -263,15 +265,16 @@ fn segment_mask(
         .expand([b, kv, g * n, m])
 }
 
-/// Scores of one block pair after scaling, soft-capping and masking; with
-/// soft-capping also `tanh(scores / cap)`, which the backward needs.
+/// Scores of one block pair from queries already multiplied by the scale
+/// ([`scaled`]), after soft-capping and masking; with soft-capping also
+/// `tanh(scores / cap)`, which the backward needs.
 fn scores(
     options: &AttentionOptions,
     qb: Tensor<4>,
     kb: Tensor<4>,
     hidden: Option<Tensor<4, Bool>>,
 ) -> (Tensor<4>, Option<Tensor<4>>) {
-    let s = qb.matmul(kb.transpose()).mul_scalar(options.scale);
+    let s = qb.matmul(kb.transpose());
     let (s, tanh) = match options.softcap {
         Some(cap) => {
             let t = s.div_scalar(cap).tanh();
@@ -283,6 +286,14 @@ fn scores(
         Some(hidden) => (s.mask_fill(hidden, MASKED), tanh),
         None => (s, tanh),
     }
+}
+
+/// `q` times the scale: one pass over `[b, a, s, d]` instead of one over
+/// every block pair's scores, forward and backward (d is 64–256 where a
+/// block is 256 keys wide). Exact where the scale is a power of two
+/// (1/√64, 1/√256), within an ulp of the scores otherwise.
+fn scaled(q: Tensor<4>, options: &AttentionOptions) -> Tensor<4> {
+    q.mul_scalar(options.scale)
 }
 
 /// Forward: `q` [b, a, s, d], `k`, `v` [b, kv, s, d] → the output
@@ -298,7 +309,7 @@ pub fn forward(
     let kv = k.dims()[1];
     let g = a / kv;
     let device = q.device();
-    let qg = grouped(q, kv);
+    let qg = grouped(scaled(q, options), kv);
     let ranges = blocks(s, options.block);
     let mut masks = Masks::new(options, [b, kv, g], device);
     let mut outputs = Vec::with_capacity(ranges.len());
@@ -321,12 +332,12 @@ pub fn forward(
                 Some((m, _, _)) => m.clone().max_pair(block_max),
                 None => block_max,
             };
-            let p = (sc - m.clone()).exp();
+            let p = exp(sc - m.clone());
             let row_sum = p.clone().sum_dim(3);
             let pv = p.matmul(vb);
             state = Some(match state {
                 Some((m_old, l, acc)) => {
-                    let alpha = (m_old - m.clone()).exp();
+                    let alpha = exp(m_old - m.clone());
                     (m, l * alpha.clone() + row_sum, acc * alpha + pv)
                 }
                 None => (m, row_sum, pv),
@@ -358,7 +369,11 @@ pub fn backward(
     let device = q.device();
     let ranges = blocks(s, options.block);
     let mut masks = Masks::new(options, [b, kv, g], device.clone());
-    let (qg, og, dog) = (grouped(q, kv), grouped(output, kv), grouped(dout, kv));
+    let (qg, og, dog) = (
+        grouped(scaled(q, options), kv),
+        grouped(output, kv),
+        grouped(dout, kv),
+    );
     let qbs: Vec<Tensor<4>> = ranges.iter().map(|r| rows(&qg, r)).collect();
     let dobs: Vec<Tensor<4>> = ranges.iter().map(|r| rows(&dog, r)).collect();
     // D_i = rowsum(dO ∘ O).
@@ -382,7 +397,7 @@ pub fn backward(
             }
             let hidden = masked.then(|| masks.get(qr, kr));
             let (sc, tanh) = scores(options, qbs[i].clone(), kb.clone(), hidden);
-            let p = (sc - logsumexp[i].clone()).exp(); // [b, kv, g·n, m]
+            let p = exp(sc - logsumexp[i].clone()); // [b, kv, g·n, m]
             let pv = p.clone().transpose().matmul(dobs[i].clone());
             dv = Some(match dv {
                 Some(dv) => dv + pv,
@@ -393,7 +408,8 @@ pub fn backward(
             if let Some(t) = tanh {
                 ds = ds * (t.clone() * t).neg().add_scalar(1.0);
             }
-            let ds = ds.mul_scalar(options.scale);
+            // The scale of d(scores)/dq is applied once to the whole dq
+            // below; dk's is in the scaled queries.
             let dq = ds.clone().matmul(kb.clone());
             dqs[i] = Some(match dqs[i].take() {
                 Some(acc) => acc + dq,
@@ -419,7 +435,9 @@ pub fn backward(
         })
         .collect();
     (
-        Tensor::cat(dq, 3).reshape([b, a, s, d]),
+        Tensor::cat(dq, 3)
+            .reshape([b, a, s, d])
+            .mul_scalar(options.scale),
         Tensor::cat(dks, 2),
         Tensor::cat(dvs, 2),
     )
@@ -443,6 +461,6 @@ pub fn naive(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, options: &AttentionOption
     let (k, v) = (repeat(k), repeat(v));
     let full = 0..s;
     let hidden = mask(options, &full, &full, [b, a, 1], &device);
-    let (sc, _) = scores(options, q, k, Some(hidden));
+    let (sc, _) = scores(options, scaled(q, options), k, Some(hidden));
     burn::tensor::activation::softmax(sc, 3).matmul(v)
 }

@@ -15,6 +15,8 @@ use std::ops::Range;
 
 use burn::tensor::{FloatDType, IndexingUpdateOp, Int, Tensor};
 
+use super::exp::exp;
+
 fn chunks(len: usize, chunk: usize) -> Vec<Range<usize>> {
     let chunk = chunk.max(1);
     (0..len.div_ceil(chunk))
@@ -58,7 +60,7 @@ pub fn forward(
     for r in chunks(n, chunk) {
         let z = logits(&hidden, &weight_t, &r, softcap);
         let m = z.clone().max_dim(1);
-        let lse = (z.clone() - m.clone()).exp().sum_dim(1).log() + m; // [c, 1]
+        let lse = exp(z.clone() - m.clone()).sum_dim(1).log() + m; // [c, 1]
         let t = targets
             .clone()
             .narrow(0, r.start, r.len())
@@ -106,8 +108,7 @@ pub fn backward(
         let t = targets.clone().narrow(0, r.start, c).reshape([c, 1]);
         let minus_one = Tensor::<2>::full([c, 1], -1.0, &z.device()).cast(FloatDType::F32);
         // softmax − onehot(target), times the loss's gradient per row.
-        let g = (z - lse)
-            .exp()
+        let g = exp(z - lse)
             .scatter(1, t, minus_one, IndexingUpdateOp::Add)
             .mul(scale.clone());
         let g = match dcap {

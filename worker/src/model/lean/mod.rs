@@ -25,6 +25,7 @@
 pub mod attention;
 pub mod check;
 pub mod cross_entropy;
+pub mod exp;
 pub mod frozen;
 pub mod linear;
 
