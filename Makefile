@@ -100,7 +100,7 @@ bench-lora-step: ## Median step, its phases and tokens/s of a full, LoRA r16 and
 	@if command -v perf >/dev/null; then for c in full lora; do \
 	  $(BENCH_STEP_ENV) perf record -q -F 499 -o $(HEADROOM_CACHE)/bench/lora-step/perf-$$c.data -- \
 	    taskset -c 0 $(CARGO_TARGET_DIR)/release/calibrate --step-breakdown --steps 2 --only "$$c\$$" >/dev/null 2>&1 && \
-	  echo "top symbols, $$c step:" && perf report -q -i $(HEADROOM_CACHE)/bench/lora-step/perf-$$c.data --no-children --sort symbol --stdio 2>/dev/null | head -15; done; fi
+	  echo "top symbols, $$c step:" && perf report -q -i $(HEADROOM_CACHE)/bench/lora-step/perf-$$c.data --no-children --sort symbol --stdio 2>/dev/null | sed -n 1,15p | cut -c1-110; done; fi
 
 .PHONY: bench-first-fit
 bench-first-fit: ## 24+ CPU jobs of varied shapes and limits (half planned above 95 % of their budget) run by the operator on the local cluster: first-attempt success, attempts, measured peak / budget (root; ~30 min; not in CI).

@@ -1474,7 +1474,7 @@ fn main() {
         if only.is_none_or(|o| selected("linear-ops", o)) {
             step_breakdown::linear_ops(15);
         }
-        if only.is_some_and(|o| selected("block-ops", o)) {
+        if only.is_none_or(|o| selected("block-ops", o)) {
             step_breakdown::block_ops(15);
         }
         if !matches!(only, Some("linear-ops" | "block-ops")) {

@@ -10,7 +10,8 @@
 //! Printed per case: the median step and its phases (forward with the
 //! loss, backward, optimizer), tokens/s, and the LoRA and QLoRA steps as
 //! fractions of the full one. The top ops inside the phases come from
-//! `perf` around this mode (`make bench-lora-step`).
+//! `perf` around this mode (`make bench-lora-step`); `--only linear-ops`
+//! and `--only block-ops` time a block's linears and its other ops alone.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
