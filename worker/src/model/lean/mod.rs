@@ -14,6 +14,9 @@
 //! * [`linear`] (composed) — a LoRA/QLoRA linear as `x·W + s·(x·A)·B`,
 //!   never the dense `W + s·A·B`, its quantized base through [`frozen`].
 //!
+//! Their bodies call [`exp::exp`], vectorized on flex where burn's calls
+//! libm once per value.
+//!
 //! The algorithms are written once over burn's tensor API on the inner
 //! backend, so flex and the cubecl runtimes (CUDA, wgpu) run the same code; a fused kernel could replace
 //! a body for `Cube` behind the same op.
