@@ -78,6 +78,13 @@ pub struct BackendProfile {
     /// dtype). False: mixed precision as PyTorch's AMP keeps it (fp32
     /// master weights and moments), the conservative count.
     pub pure_half_precision: bool,
+    /// Whether a fully trained Llama-family block's gated MLP is counted as
+    /// burn's composed `silu(gate) · up` (which also keeps the sigmoid and
+    /// SiLU's output: 2 intermediate-wide tensors a token more) instead of
+    /// the worker's one gating op (gate and up kept, the sigmoid or tanh
+    /// recomputed in backward). False for today's worker; true describes
+    /// the worker before the op, as the H200 rows of 2026-11-27 measured it.
+    pub composed_gated_mlp: bool,
     /// Optimizers the worker implements on this backend; a plan never leaves them.
     pub optimizers: &'static [Optimizer],
     /// Formats the worker stores a frozen LoRA base in on this backend
@@ -320,6 +327,7 @@ pub const FLEX: BackendProfile = BackendProfile {
     precisions: &[Precision::Fp32],
     // fp32 only.
     pure_half_precision: false,
+    composed_gated_mlp: false,
     optimizers: &[
         Optimizer::Adamw,
         Optimizer::Adam,
@@ -413,6 +421,7 @@ pub const CUDA: BackendProfile = BackendProfile {
     // measured when the stage kept everything in bf16; they await a GPU
     // session's re-measurement under this count.
     pure_half_precision: false,
+    composed_gated_mlp: false,
     optimizers: &[
         Optimizer::Adamw,
         Optimizer::Adam,

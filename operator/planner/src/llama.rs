@@ -1209,9 +1209,9 @@ impl LlamaShape {
     /// * v: the op keeps v itself (a view of the projection's output): kv;
     /// * the op's output (for backward's rowsum(dO ∘ O)) and the merged
     ///   heads' contiguous copy the output projection keeps: 2q;
-    /// * SwiGLU: gate's output and its sigmoid (kept by SiLU's product),
-    ///   SiLU's output and up's output (kept by the gating product) and the
-    ///   product (kept by down): 5i;
+    /// * the gated MLP: gate's and up's outputs (kept by the worker's one
+    ///   gating op, which recomputes the sigmoid or tanh in backward) and
+    ///   the product (kept by down): 3i;
     /// * Qwen3's per-head q and k norms: each keeps its input (the
     ///   projection's output), the normalised tensor (for γ) and one rms
     ///   per head and token; its output goes to RoPE, which keeps only the
@@ -1220,7 +1220,7 @@ impl LlamaShape {
     ///   op's v keeps all of it, q and k too: q + kv more. (The fused
     ///   `gate_up_proj` keeps what gate and up would: 2i as one tensor.)
     ///
-    /// * Gemma: see `gemma_extra_per_token`.
+    /// * Gemma: its two more norms (`gemma_norms_per_token`).
     ///
     /// Per head and token, the op's logsumexp (one value); no `s × s` map
     /// outlives the op (`worker/src/model/lean/attention.rs`). Per block,
@@ -1233,7 +1233,7 @@ impl LlamaShape {
             return s * b * h * e;
         }
         let (q, kv, i) = (self.q_dim(), self.kv_dim(), u64::from(self.intermediate));
-        let mut per_token = 6 * h + 3 * q + 2 * kv + 5 * i + u64::from(self.attention_heads);
+        let mut per_token = 6 * h + 3 * q + 2 * kv + 3 * i + u64::from(self.attention_heads);
         if self.architecture.qk_norm() {
             per_token +=
                 2 * q + 2 * kv + u64::from(self.attention_heads) + u64::from(self.key_value_heads);
@@ -1242,7 +1242,7 @@ impl LlamaShape {
             per_token += q + kv;
         }
         if self.architecture.gemma() {
-            per_token += gemma_extra_per_token(self);
+            per_token += gemma_norms_per_token(self);
         }
         let rope_tables = 2 * s * u64::from(self.rotary_dim()) * 4;
         s * b * per_token * e + rope_tables
@@ -1250,14 +1250,22 @@ impl LlamaShape {
 }
 
 /// What a Gemma block keeps per token beyond a Llama block of the same
-/// shape: its two more norms (post-attention on the sublayer's output,
-/// pre- and post-feed-forward), each keeping its input, the normalised
-/// tensor and its output (3h, twice), and GeGLU's tanh-approximated GELU,
-/// which keeps the gate's output, its tanh and 1 + tanh where SiLU keeps
-/// the gate's output and its sigmoid (i). Reasoned from the ops the worker
-/// runs, not calibrated against it: the calibration covers Llama's blocks.
+/// shape, counted op by op as autograd keeps it: its two more norms
+/// (post-attention on the sublayer's output, pre- and post-feed-forward),
+/// each keeping its input, the normalised tensor and its output (3h,
+/// twice), and GeGLU's tanh-approximated GELU, which keeps the gate's
+/// output, its tanh and 1 + tanh where SiLU keeps the gate's output and its
+/// sigmoid (i). The worker's gating op keeps the same two inputs for GeGLU
+/// as for SwiGLU, so its count ([`LlamaShape::burn_block_activation_bytes`])
+/// takes the norms only. Reasoned from the ops, not calibrated: the
+/// calibration covers Llama's blocks.
 fn gemma_extra_per_token(l: &LlamaShape) -> u64 {
-    6 * u64::from(l.hidden) + u64::from(l.intermediate)
+    gemma_norms_per_token(l) + u64::from(l.intermediate)
+}
+
+/// Gemma's two more norms' kept tensors per token (3h, twice).
+fn gemma_norms_per_token(l: &LlamaShape) -> u64 {
+    6 * u64::from(l.hidden)
 }
 
 #[cfg(test)]
@@ -1439,13 +1447,19 @@ mod tests {
         assert_eq!(a5.layer_types[1], LayerAttention::Full);
         assert_eq!(a5.layer_types[2], LayerAttention::Sliding);
         assert_eq!(v5.total_params(), 999_885_952);
-        // Activations: Gemma keeps more than the same shape as Qwen3.
+        // Activations: Gemma keeps more than the same shape as Qwen3: its
+        // two more norms in the worker's count (the gating op keeps as much
+        // for GeGLU as for SwiGLU), also GeGLU's tanh in the published one.
         let mut qwen = g.clone();
         qwen.architecture = LlamaArchitecture::Qwen3;
         qwen.gemma = None;
         assert_eq!(
             g.burn_block_activation_bytes(1, 4, false)
                 - qwen.burn_block_activation_bytes(1, 4, false),
+            2048 * (6 * 1152) * 4
+        );
+        assert_eq!(
+            g.block_activation_bytes(1, 4, false) - qwen.block_activation_bytes(1, 4, false),
             2048 * (6 * 1152 + 6912) * 4
         );
     }
@@ -1720,12 +1734,12 @@ mod tests {
     #[test]
     fn burn_count_of_a_llama_block() {
         // Llama-3.2-1B at s = 2048, b = 1, fp32: h 2048, q 2048, kv 512,
-        // i 8192, 32 heads of 64. Per token 6h + 3q + 2kv + 5i and one
+        // i 8192, 32 heads of 64. Per token 6h + 3q + 2kv + 3i and one
         // logsumexp per head; no s² term (the blocked attention op);
         // RoPE's two f32 tables of s × 64.
         let l = shape(LLAMA_32_1B);
         let s = 2048u64;
-        let per_token = 6 * 2048 + 3 * 2048 + 2 * 512 + 5 * 8192 + 32;
+        let per_token = 6 * 2048 + 3 * 2048 + 2 * 512 + 3 * 8192 + 32;
         assert_eq!(
             l.burn_block_activation_bytes(1, 4, false),
             s * per_token * 4 + 2 * s * 64 * 4

@@ -1287,7 +1287,15 @@ impl StageCount<'_> {
         let layers = u64::from(self.stage.layers);
         let in_flight = self.in_flight();
         let block = |checkpointed: bool| match self.profile.activation_count {
-            ActivationCount::BurnAutodiff => l.burn_block_activation_bytes(b, e, checkpointed),
+            ActivationCount::BurnAutodiff => {
+                // burn's composed `silu(gate) · up` keeps σ and SiLU's output too.
+                let composed = if self.profile.composed_gated_mlp && !checkpointed {
+                    2 * u64::from(l.sequence_length) * b * u64::from(l.intermediate) * e
+                } else {
+                    0
+                };
+                l.burn_block_activation_bytes(b, e, checkpointed) + composed
+            }
             ActivationCount::Published => l.block_activation_bytes(b, e, checkpointed),
         };
         match burn_lora {
@@ -1593,7 +1601,7 @@ fn composed_weight_bytes(
 /// of `float_matmul`). Every base parameter is frozen, so, compared with
 /// full fine-tuning ([`LlamaShape::burn_block_activation_bytes`], the same
 /// ops): the RMSNorms' normalised tensors are not kept (γ is frozen); a
-/// norm's output, the merged heads and SwiGLU's product are kept only when
+/// norm's output, the merged heads and the gated MLP's product are kept only when
 /// an adapted projection reads them (the adapter's `x·A` keeps `x`, and
 /// `(x·A)·B` keeps the `r`-wide `x·A`); a frozen base matmul keeps nothing
 /// new (a dense `W` is the parameter itself, a quantized one is
@@ -1693,18 +1701,16 @@ impl AdaptedBlock {
         let (gate, up) = (linear(GateProj, x), linear(UpProj, x));
         let gate_up = linear(GateUpProj, x);
         let (gate, up) = (gate || gate_up, up || gate_up);
-        // SiLU keeps the gate's output and its sigmoid; the gating product
-        // keeps each side when the other is tracked; down its input if adapted.
-        kept += if gate { 2 * i + i } else { 0 };
-        kept += if up { i } else { 0 };
+        // The gating op (SiLU or GeGLU, one op) keeps gate and up once
+        // either is tracked; down keeps its input if adapted.
+        kept += if gate || up { 2 * i } else { 0 };
         kept += if shared_input(&[DownProj]) { i } else { 0 };
-        // Gemma: the pre-feed-forward norm's normalised tensor, GeGLU's tanh
-        // beside SiLU's terms, and the post-feed-forward norm's input and
-        // normalised tensor (reasoned, not calibrated).
+        // Gemma: the pre-feed-forward norm's normalised tensor and the
+        // post-feed-forward norm's input and normalised tensor (reasoned,
+        // not calibrated).
         let mlp_out = linear(DownProj, gate || up);
         if gemma {
             kept += if x { h } else { 0 };
-            kept += if gate { i } else { 0 };
             kept += if mlp_out { 2 * h } else { 0 };
         }
         let output_tracked = mlp_out || x;
@@ -2261,7 +2267,7 @@ mod lora_and_load_tests {
         let a = u64::from(l.attention_heads);
         assert_eq!(
             all.token_elements,
-            4 * h + 3 * q + 2 * kv + a + 5 * i + 7 * r
+            4 * h + 3 * q + 2 * kv + a + 3 * i + 7 * r
         );
         let s = u64::from(l.sequence_length);
         assert_eq!(

@@ -91,11 +91,15 @@ fn thirteen_b_on_eight_h100s_uses_the_free_gpus_when_fastest() {
         (4, 1),
         "16 bytes a parameter (bf16 weights and gradients, f32 master and AdamW moments) of 13B: 208 GB, over 3 80 GB GPUs"
     );
-    // The free GPUs at work: twice the devices (no checkpointing needed
-    // there), in well under two thirds of the time per step.
+    // The free GPUs at work: twice the devices, in under three quarters of
+    // the time per step. Neither plan checkpoints (the worker's MLP keeps
+    // 3 intermediate-wide tensors a token, so 4 stages hold a micro-batch of
+    // 32 without it); the gain is compute split over more stages, less the
+    // longer pipeline's transfers.
     assert!(fastest.workers >= 2 * fewest.workers, "{}", fastest.workers);
+    assert!(!fewest.settings.activation_checkpointing);
     assert!(
-        fastest.step_time.seconds < fewest.step_time.seconds * 2.0 / 3.0,
+        fastest.step_time.seconds < fewest.step_time.seconds * 0.75,
         "{} vs {}",
         fastest.step_time.seconds,
         fewest.step_time.seconds

@@ -21,13 +21,12 @@
 
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig, RmsNorm, RmsNormConfig};
-use burn::tensor::activation::{gelu_approximate, silu};
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use headroom_planner::{LayerAttention, LlamaShape, RopeScaling, TargetModule};
 
 use super::Documents;
 use super::lean::linear::{self, AdapterDropout};
-use super::lean::{ATTENTION_BLOCK, AttentionOptions, attend};
+use super::lean::{self, ATTENTION_BLOCK, AttentionOptions, GateActivation, attend};
 use super::nf4::Nf4Bases;
 
 /// Rotary position embedding in Hugging Face's layout: the two halves of a
@@ -284,7 +283,8 @@ pub struct LlamaAttention {
 
 /// SwiGLU: down(silu(gate(x)) · up(x)); gate and up are two linears, or
 /// Phi-3's one `gate_up_proj` (gate's outputs first). Gemma's GeGLU puts
-/// `gelu_pytorch_tanh` where SiLU is.
+/// `gelu_pytorch_tanh` where SiLU is. The gating is one lean op
+/// ([`lean::gated`]), which keeps gate and up only.
 #[derive(Module, Debug)]
 pub struct LlamaMlp {
     pub gate_proj: Option<Linear>,
@@ -455,12 +455,12 @@ impl LlamaMlp {
             ),
             _ => unreachable!("a block has gate_up_proj or both gate_proj and up_proj"),
         };
-        let gate = if self.geglu {
-            gelu_approximate(gate)
+        let activation = if self.geglu {
+            GateActivation::GeluTanh
         } else {
-            silu(gate)
+            GateActivation::Silu
         };
-        p.forward(DownProj, &self.down_proj, gate * up)
+        p.forward(DownProj, &self.down_proj, lean::gated(gate, up, activation))
     }
 }
 

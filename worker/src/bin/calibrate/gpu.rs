@@ -1208,13 +1208,16 @@ mod tests {
     /// baseline, MiB) against what the CUDA profile predicts for the same
     /// cases: the targets, median |error| ≤ 5 %, none under −10 %. The
     /// worker then kept its bf16 stages in bf16 alone (no f32 master copy,
-    /// bf16 moments), so the profile is held to those rows as that worker
-    /// was: its slacks with `pure_half_precision`. Today's worker keeps the
-    /// master copy, which the shipped profile counts; its rows await a GPU.
+    /// bf16 moments) and ran burn's composed `silu(gate) · up`, so the
+    /// profile is held to those rows as that worker was: its slacks with
+    /// `pure_half_precision` and `composed_gated_mlp`. Today's worker keeps
+    /// the master copy and runs the gating op, which the shipped profile
+    /// counts; its rows await a GPU.
     #[test]
     fn the_cuda_profile_predicts_what_an_h200_measured() {
         let as_measured = headroom_planner::BackendProfile {
             pure_half_precision: true,
+            composed_gated_mlp: true,
             ..CUDA
         };
         let h200 = gpu("NVIDIA H200", 143771);

@@ -409,6 +409,7 @@ pub fn block_ops(reps: usize) {
     );
     let dout = normal([b, heads, s, d]);
     let gate = Tensor::<3>::random([b, s, 1536], Distribution::Normal(0.0, 1.0), &device);
+    let up = Tensor::<3>::random([b, s, 1536], Distribution::Normal(0.0, 1.0), &device);
     let dgate = Tensor::<3>::random([b, s, 1536], Distribution::Normal(0.0, 1.0), &device);
     let hidden = Tensor::<2>::random([b * s, 576], Distribution::Normal(0.0, 1.0), &device);
     let head = Tensor::<2>::random([49152, 576], Distribution::Normal(0.0, 0.02), &device);
@@ -463,10 +464,26 @@ pub fn block_ops(reps: usize) {
             }),
         ),
         (
-            "SiLU [4, 256, 1536] (burn)",
+            "SwiGLU silu(gate) · up [4, 256, 1536] (burn's ops, as the model had it)",
             Box::new(|| {
-                let x = gate.clone().detach().require_grad();
-                timed(&|| (silu(x.clone()) * dgate.clone()).sum())
+                let (g, u) = (
+                    gate.clone().detach().require_grad(),
+                    up.clone().detach().require_grad(),
+                );
+                timed(&|| (silu(g.clone()) * u.clone() * dgate.clone()).sum())
+            }),
+        ),
+        (
+            "SwiGLU [4, 256, 1536] (lean, one gating op)",
+            Box::new(|| {
+                let (g, u) = (
+                    gate.clone().detach().require_grad(),
+                    up.clone().detach().require_grad(),
+                );
+                timed(&|| {
+                    (lean::gated(g.clone(), u.clone(), lean::GateActivation::Silu) * dgate.clone())
+                        .sum()
+                })
             }),
         ),
         (

@@ -13,7 +13,7 @@
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
 use super::attention::{self, AttentionOptions};
-use super::{attend, cross_entropy, fused_cross_entropy};
+use super::{GateActivation, attend, cross_entropy, fused_cross_entropy, gated};
 use crate::model::with_generator;
 use crate::seeded::standard_normal;
 
@@ -56,6 +56,8 @@ pub struct Shapes {
     pub loss: (usize, usize, usize, usize),
     /// d_in, d_out, tokens; rows per dequantized slice.
     pub nf4: (usize, usize, usize, usize),
+    /// The gated MLP activation's [b, s, i].
+    pub gated: [usize; 3],
 }
 
 impl Shapes {
@@ -64,6 +66,7 @@ impl Shapes {
             attention: ((2, 4, 2, 37, 8), 8),
             loss: (13, 6, 17, 5),
             nf4: (128, 12, 10, 3),
+            gated: [2, 7, 19],
         }
     }
 
@@ -72,6 +75,7 @@ impl Shapes {
             attention: ((2, 8, 2, 384, 64), 128),
             loss: (1024, 256, 5003, 256),
             nf4: (1024, 256, 128, 64),
+            gated: [2, 384, 1536],
         }
     }
 }
@@ -131,6 +135,20 @@ pub fn compare_on(device: &Device, shapes: Shapes) -> Vec<Comparison> {
         nf4_linear_grads(device, (d_in, d_out, tokens, rows), false),
         None,
     ));
+    let dims = shapes.gated;
+    for (name, activation) in [
+        ("SwiGLU", GateActivation::Silu),
+        ("GeGLU", GateActivation::GeluTanh),
+    ] {
+        let run = |dev: &Device, lean: bool| gated_grads(dev, dims, activation, lean);
+        out.extend(compare(
+            format!("gated MLP {name}, {dims:?}"),
+            &["output", "dgate", "dup"],
+            run(device, true),
+            run(device, false),
+            Some(run(&reference, false)),
+        ));
+    }
     out
 }
 
@@ -218,6 +236,31 @@ pub(super) fn loss_grads(
     ]
 }
 
+/// Output and the gradients of gate and up through the gated activation:
+/// the lean op, or burn's own ops (`silu(gate) · up`, `gelu_approximate`).
+/// The gate's values spread over ±6 (both tails of σ and tanh).
+pub(super) fn gated_grads(
+    device: &Device,
+    dims: [usize; 3],
+    activation: GateActivation,
+    lean: bool,
+) -> [Vec<f32>; 3] {
+    let gate = seeded(31, dims, device).mul_scalar(2.0).require_grad();
+    let up = seeded(32, dims, device).require_grad();
+    let upstream = seeded(33, dims, device);
+    let out = if lean {
+        super::gated(gate.clone(), up.clone(), activation)
+    } else {
+        gated::naive(gate.clone(), up.clone(), activation)
+    };
+    let grads = (out.clone() * upstream).sum().backward();
+    [
+        values(out),
+        values(gate.grad(&grads).expect("dgate")),
+        values(up.grad(&grads).expect("dup")),
+    ]
+}
+
 /// Output and the gradients of x and B through a LoRA linear on an NF4
 /// base: the lean op (dequantized `rows` rows at a time on the device,
 /// forward and backward) or the dense `x · (W' + s·A·B) + bias`, `W'` the
@@ -277,7 +320,7 @@ mod tests {
     fn on_flex_the_lean_ops_match_the_naive_ones_and_the_reference() {
         let device = Device::flex().autodiff();
         let rows = compare_on(&device, Shapes::small());
-        assert_eq!(rows.len(), 4 + 4 + 4 + 3 + 3);
+        assert_eq!(rows.len(), 4 + 4 + 4 + 3 + 3 + 3 + 3);
         for r in &rows {
             // f32 on both sides, sums in another order: the model::lean
             // tests measured ≤ 4.2e-7 on these shapes.

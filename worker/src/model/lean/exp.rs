@@ -60,7 +60,7 @@ pub fn exp_in_place(v: &mut [f32]) {
 
 /// One value; branch-free so the loop above vectorizes.
 #[inline(always)]
-fn exp_f32(x: f32) -> f32 {
+pub(super) fn exp_f32(x: f32) -> f32 {
     const HI: f32 = 88.722_84; // ln(f32::MAX) rounded up: e^x is +inf above
     const LO: f32 = -103.972_08; // below, e^x rounds to 0
     const LOG2E: f32 = std::f32::consts::LOG2_E;

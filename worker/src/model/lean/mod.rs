@@ -1,7 +1,7 @@
 //! Training ops that keep for backward only what their backward needs.
-//! Three are autodiff ops with a backward of their own (burn's
+//! Four are autodiff ops with a backward of their own (burn's
 //! backend-extension route: one trait, implemented on the plain backends and
-//! on `Autodiff`); the fourth is composed from them and the tensor API:
+//! on `Autodiff`); the fifth is composed from them and the tensor API:
 //!
 //! * [`attention`] — blocked causal attention (FlashAttention-2): saves q,
 //!   k, v, the output and a logsumexp per row instead of burn's three
@@ -11,6 +11,9 @@
 //! * [`cross_entropy`] — the loss from hidden states and head weight, a
 //!   chunk of rows at a time: saves a logsumexp per row instead of the f32
 //!   logits and their gradient;
+//! * [`gated`] — a gated MLP's `act(gate) · up` (SwiGLU, GeGLU): saves
+//!   gate and up instead of burn's four tensors, recomputes the activation
+//!   in backward;
 //! * [`linear`] (composed) — a LoRA/QLoRA linear as `x·W + s·(x·A)·B`,
 //!   never the dense `W + s·A·B`, its quantized base through [`frozen`].
 //!
@@ -21,7 +24,7 @@
 //! backend, so flex and the cubecl runtimes (CUDA, wgpu) run the same code; a fused kernel could replace
 //! a body for `Cube` behind the same op.
 //!
-//! The three autodiff ops are "compute bound" in burn's sense: they save
+//! The autodiff ops are "compute bound" in burn's sense: they save
 //! their state and are never recomputed by burn's own checkpointing (the
 //! worker checkpoints whole blocks itself, see [`crate::train`]).
 
@@ -30,6 +33,7 @@ pub mod check;
 pub mod cross_entropy;
 pub mod exp;
 pub mod frozen;
+pub mod gated;
 pub mod linear;
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -43,6 +47,7 @@ use burn::backend::{
 use burn::tensor::{Int, Tensor};
 
 pub use attention::AttentionOptions;
+pub use gated::GateActivation;
 
 /// Query and key rows per attention block in the models (the planner
 /// counts the same block pair as the op's transient).
@@ -96,6 +101,13 @@ pub trait LeanBackend: Backend {
 
     /// `x` [b, s, d_in] · the frozen `weight` [d_in, d_out] → [b, s, d_out].
     fn lean_frozen_matmul(x: FloatTensor<Self>, weight: FrozenWeight) -> FloatTensor<Self>;
+
+    /// `activation(gate) · up`, both [b, s, i] → [b, s, i].
+    fn lean_gated(
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        activation: GateActivation,
+    ) -> FloatTensor<Self>;
 }
 
 /// A plain backend's primitive as a tensor of the high-level API.
@@ -161,6 +173,18 @@ macro_rules! plain_backend {
 
             fn lean_frozen_matmul(x: FloatTensor<Self>, weight: FrozenWeight) -> FloatTensor<Self> {
                 primitive::<Self, 3>(frozen::forward(float::<Self, 3>(x), &weight))
+            }
+
+            fn lean_gated(
+                gate: FloatTensor<Self>,
+                up: FloatTensor<Self>,
+                activation: GateActivation,
+            ) -> FloatTensor<Self> {
+                primitive::<Self, 3>(gated::forward(
+                    float::<Self, 3>(gate),
+                    float::<Self, 3>(up),
+                    activation,
+                ))
             }
         }
     };
@@ -276,6 +300,42 @@ where
     }
 }
 
+/// What the gated activation keeps between forward and backward: its inputs.
+#[derive(Clone, Debug)]
+struct GatedState<B: Backend> {
+    gate: FloatTensor<B>,
+    up: FloatTensor<B>,
+    activation: GateActivation,
+}
+
+#[derive(Debug)]
+struct GatedBackward;
+
+impl<B: Backend> Backward<B, 2> for GatedBackward
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    type State = GatedState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let s = ops.state;
+        let [gate_parent, up_parent] = ops.parents;
+        let (dgate, dup) = gated::backward(
+            float::<B, 3>(s.gate),
+            float::<B, 3>(s.up),
+            float::<B, 3>(dy),
+            s.activation,
+            (gate_parent.is_some(), up_parent.is_some()),
+        );
+        for (parent, grad) in [(gate_parent, dgate), (up_parent, dup)] {
+            if let (Some(parent), Some(grad)) = (parent, grad) {
+                grads.register::<B>(parent.id, primitive::<B, 3>(grad));
+            }
+        }
+    }
+}
+
 impl<B: Backend, C: CheckpointStrategy> LeanBackend for Autodiff<B, C>
 where
     DispatchTensor: DispatchKindConversion<B>,
@@ -368,6 +428,35 @@ where
             OpsKind::UnTracked(prep) => prep.finish(y),
         }
     }
+
+    fn lean_gated(
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        activation: GateActivation,
+    ) -> FloatTensor<Self> {
+        let (gate, gate_node) = gate.into_parts();
+        let (up, up_node) = up.into_parts();
+        let y = primitive::<B, 3>(gated::forward(
+            float::<B, 3>(gate.clone()),
+            float::<B, 3>(up.clone()),
+            activation,
+        ));
+        match GatedBackward
+            .prepare::<C>([gate_node, up_node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(
+                GatedState {
+                    gate,
+                    up,
+                    activation,
+                },
+                y,
+            ),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
 }
 
 /// Blocked causal attention: `q` [b, a, s, d], `k`, `v` [b, kv, s, d] (kv
@@ -390,6 +479,19 @@ pub fn frozen_matmul(x: Tensor<3>, weight: FrozenWeight) -> Tensor<3> {
     Tensor::from_dispatch(
         <burn::backend::Dispatch as LeanBackend>::lean_frozen_matmul(x.into_dispatch(), weight),
     )
+}
+
+/// A gated MLP's `activation(gate) · up`, both [b, s, i], keeping only
+/// `gate` and `up` for backward (differentiable in both).
+pub fn gated(gate: Tensor<3>, up: Tensor<3>, activation: GateActivation) -> Tensor<3> {
+    if naive_ops() {
+        return gated::naive(gate, up, activation);
+    }
+    Tensor::from_dispatch(<burn::backend::Dispatch as LeanBackend>::lean_gated(
+        gate.into_dispatch(),
+        up.into_dispatch(),
+        activation,
+    ))
 }
 
 /// Mean next-token cross-entropy of `hidden` [n, h] under `weight` [vocab, h]
