@@ -69,6 +69,14 @@ pub mod worker_api;
 
 use std::path::Path;
 
+/// Every worker process allocates through `headroom_ffi::ReusingAllocator`:
+/// glibc's malloc, and with `HEADROOM_ALLOCATOR_REUSE=1` a cache of freed
+/// large blocks under the process's own peak, so a step's tensors reuse the
+/// last step's pages instead of faulting fresh ones in (off by default: its
+/// peak is not yet the fixed threshold's on every job).
+#[global_allocator]
+static ALLOCATOR: headroom_ffi::ReusingAllocator = headroom_ffi::ReusingAllocator;
+
 use headroom_api::TerminationMessage;
 
 pub use assignment::{PlanError, ValidAssignment};

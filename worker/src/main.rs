@@ -18,6 +18,10 @@ fn main() {
                 && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()),
         )
         .init();
+    if let Err(e) = headroom_ffi::configure_from_env() {
+        tracing::error!("{e}");
+        std::process::exit(headroom_api::WorkerOutcome::InvalidPlan.exit_code());
+    }
     // `HEADROOM_INITIALIZE` makes this process the job's initializer, not a trainer.
     if let Some(env) = headroom_worker::initialize::InitializerEnv::from_env() {
         let code = match headroom_worker::initialize::run(&env) {

@@ -135,8 +135,10 @@ impl std::fmt::Display for Trip {
 pub trait Meter: Send {
     /// Bytes in use, as the limit counts them (cheap: read at every point).
     fn in_use(&mut self) -> Option<u64>;
-    /// Of [`Meter::in_use`], bytes the kernel would free before it kills
-    /// (read only near the line).
+    /// Of [`Meter::in_use`], bytes the kernel would free before it kills,
+    /// or the worker's allocator frees before it takes fresh memory (the
+    /// freed large blocks it keeps: `headroom_ffi::cached_bytes`). Read
+    /// only near the line.
     fn reclaimable(&mut self) -> u64 {
         0
     }
@@ -234,6 +236,7 @@ impl Meter for CgroupMeter {
         std::fs::read_to_string(&self.stat)
             .map(|t| reclaimable_from_stat(&t, self.version))
             .unwrap_or(0)
+            + headroom_ffi::cached_bytes()
     }
 
     fn high_since_mark(&mut self) -> Option<(u64, u64)> {
@@ -546,6 +549,9 @@ pub struct ProcessMeter {
 impl Meter for ProcessMeter {
     fn in_use(&mut self) -> Option<u64> {
         process_memory().0
+    }
+    fn reclaimable(&mut self) -> u64 {
+        headroom_ffi::cached_bytes()
     }
     fn high_since_mark(&mut self) -> Option<(u64, u64)> {
         self.high_water.since_mark()

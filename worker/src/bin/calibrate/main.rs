@@ -1428,6 +1428,8 @@ fn telemetry_overhead_on(a: WorkerAssignment, device: Device) {
 }
 
 fn main() {
+    // Its own steps (--step-breakdown) and the workers it runs follow it.
+    headroom_ffi::configure_from_env().unwrap_or_else(|e| panic!("{e}"));
     let mut args: Vec<String> = std::env::args().skip(1).collect();
     // `--autotune LEVEL` (cuda) applies to this process and its children.
     if let Some(at) = args.iter().position(|a| a == "--autotune") {
