@@ -103,6 +103,33 @@ fn resident_bytes() -> Option<usize> {
     Some(pages * 4096)
 }
 
+/// Whether every page of the block is resident (`mincore`): only such a
+/// block is kept, so handing it out again adds nothing to what the process
+/// holds (a buffer allocated larger than it was written, or read only,
+/// would fault its untouched pages in for the next user, unchecked).
+fn fully_resident(addr: usize, size: usize) -> bool {
+    const PAGE: usize = 4096;
+    let mut pages = [0u8; 4096];
+    // mincore wants a page-aligned start: glibc's mmapped chunks start 16
+    // bytes into their first page; that page counts with the block.
+    let start = addr & !(PAGE - 1);
+    let end = addr + size;
+    let mut at = start;
+    while at < end {
+        let len = (end - at).min(pages.len() * PAGE);
+        // SAFETY: `at..at + len` lies within the block's mapping (plus the
+        // start of its first page, which the same mapping holds), and
+        // `pages` has room for one byte per page of `len` (len / PAGE
+        // rounded up ≤ pages.len()); mincore only writes into `pages`.
+        let rc = unsafe { libc::mincore(at as *mut libc::c_void, len, pages.as_mut_ptr()) };
+        if rc != 0 || pages[..len.div_ceil(PAGE)].iter().any(|&p| p & 1 == 0) {
+            return false;
+        }
+        at += len;
+    }
+    true
+}
+
 impl Table {
     /// Takes the newest kept block of exactly this layout.
     fn take(&mut self, layout: Layout) -> Option<*mut u8> {
@@ -240,7 +267,7 @@ unsafe impl GlobalAlloc for ReusingAllocator {
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         if layout.size() >= LARGE_BLOCK_BYTES && ENABLED.load(Ordering::Relaxed) {
             let mut t = table();
-            if t.len < SLOTS {
+            if t.len < SLOTS && fully_resident(ptr as usize, layout.size()) {
                 let len = t.len;
                 t.kept[len] = Kept {
                     addr: ptr as usize,
