@@ -49,6 +49,9 @@ const CHECK_BYTES: usize = 1 << 20;
 /// allocate its own bookkeeping). A step of the largest calibrated jobs
 /// frees a few hundred large blocks.
 const SLOTS: usize = 2048;
+/// At most this many calloc'd large blocks tracked at once; past it a
+/// zeroed request is written with zeros instead (resident, so keepable).
+const ZEROED_SLOTS: usize = 1024;
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
 /// The most resident bytes seen at a check, less the kept ones: the mark.
@@ -67,6 +70,10 @@ struct Table {
     /// Kept blocks, oldest first.
     kept: [Kept; SLOTS],
     len: usize,
+    /// Large blocks handed out fresh from calloc and not freed yet: zero
+    /// pages until written, which `mincore` counts resident; never kept.
+    zeroed: [usize; ZEROED_SLOTS],
+    zeroed_len: usize,
     reused: u64,
     fresh: u64,
 }
@@ -78,6 +85,8 @@ static TABLE: Mutex<Table> = Mutex::new(Table {
         align: 0,
     }; SLOTS],
     len: 0,
+    zeroed: [0; ZEROED_SLOTS],
+    zeroed_len: 0,
     reused: 0,
     fresh: 0,
 });
@@ -167,6 +176,19 @@ impl Table {
         }
     }
 
+    /// Forgets a calloc'd block being freed; whether it was one.
+    fn was_zeroed(&mut self, addr: usize) -> bool {
+        let Some(i) = self.zeroed[..self.zeroed_len]
+            .iter()
+            .position(|&a| a == addr)
+        else {
+            return false;
+        };
+        self.zeroed_len -= 1;
+        self.zeroed[i] = self.zeroed[self.zeroed_len];
+        true
+    }
+
     fn release_all(&mut self) -> usize {
         let mut bytes = 0;
         for block in &self.kept[..self.len] {
@@ -246,11 +268,25 @@ unsafe impl GlobalAlloc for ReusingAllocator {
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         if layout.size() >= LARGE_BLOCK_BYTES && ENABLED.load(Ordering::Relaxed) {
-            // Zeroed by writing, kept or fresh: a calloc'd block is zero
-            // pages the kernel maps on read without counting them resident,
-            // and kept later it would count nothing when given back. Every
-            // kept block is resident in full, so the room made under the
-            // mark is what giving one back frees.
+            // Never from the cache: a calloc'd block is the kernel's zero
+            // pages until written, and many are only read (burn-flex's
+            // `empty` makes each matmul output as zeros it copies from: the
+            // logits' 108 MiB at a step's peak), where a kept block would be
+            // resident in full. Remembered, so that freed it is not kept
+            // (`mincore` counts a read zero page resident).
+            let mut t = table();
+            if t.zeroed_len < ZEROED_SLOTS {
+                t.make_room(layout.size());
+                // SAFETY: the caller's contract passed on.
+                let p = unsafe { System.alloc_zeroed(layout) };
+                if !p.is_null() {
+                    let n = t.zeroed_len;
+                    t.zeroed[n] = p as usize;
+                    t.zeroed_len += 1;
+                }
+                return p;
+            }
+            drop(t);
             // SAFETY: the caller's contract passed on.
             let p = self.large(layout, || unsafe { System.alloc(layout) });
             if !p.is_null() {
@@ -267,7 +303,10 @@ unsafe impl GlobalAlloc for ReusingAllocator {
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         if layout.size() >= LARGE_BLOCK_BYTES && ENABLED.load(Ordering::Relaxed) {
             let mut t = table();
-            if t.len < SLOTS && fully_resident(ptr as usize, layout.size()) {
+            if !t.was_zeroed(ptr as usize)
+                && t.len < SLOTS
+                && fully_resident(ptr as usize, layout.size())
+            {
                 let len = t.len;
                 t.kept[len] = Kept {
                     addr: ptr as usize,
@@ -290,8 +329,22 @@ unsafe impl GlobalAlloc for ReusingAllocator {
         if new_size > layout.size() {
             checked(new_size - layout.size());
         }
+        // A calloc'd block stays marked as one where it moves.
+        let zeroed = layout.size() >= LARGE_BLOCK_BYTES
+            && ENABLED.load(Ordering::Relaxed)
+            && table().was_zeroed(ptr as usize);
         // SAFETY: the caller's contract passed on.
-        unsafe { System.realloc(ptr, layout, new_size) }
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if zeroed {
+            let mut t = table();
+            let at = if p.is_null() { ptr } else { p };
+            if t.zeroed_len < ZEROED_SLOTS {
+                let n = t.zeroed_len;
+                t.zeroed[n] = at as usize;
+                t.zeroed_len += 1;
+            }
+        }
+        p
     }
 }
 
