@@ -20,7 +20,10 @@
 //! holds no more than its own peak, which is what the planner predicts and
 //! the fixed threshold measured (within the small blocks allocated between
 //! two such requests); what the cache holds between steps is memory the
-//! next step takes again. The memory guard counts the kept bytes as its
+//! next step takes again. Zeroed requests are calloc's, never the cache's,
+//! and their blocks are never kept: read before written they are the
+//! kernel's zero page, which counts nothing (the cache's blocks count in
+//! full). Off by default ([`REUSE_ENV`]). The memory guard counts the kept bytes as its
 //! own to give back ([`cached_bytes`]) and gives them back when it abandons
 //! a step ([`release_cached`]).
 
