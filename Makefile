@@ -173,7 +173,7 @@ kind-base-image: ## kind's base image built here (debootstrap, Debian's containe
 	export $$(e2e/kind/dockerd.sh env) && image=$$(e2e/kind/base-image.sh) && e2e/kind/check-base-image.sh $$image
 
 ##@ Local single-node cluster (real pods: containerd + kubelet; run as root)
-.PHONY: cluster-up cluster-down cluster-status cluster-test worker-cuda worker-cuda-check worker-wgpu-check worker-wgpu-test wgpu-check cuda-runtime image-cuda gpu-bundle gpu-check images
+.PHONY: cluster-up cluster-down cluster-status cluster-test worker-cuda worker-cuda-check worker-wgpu-check worker-wgpu-test worker-wgpu-f16-test wgpu-check cuda-runtime image-cuda gpu-bundle gpu-check images
 KUBECONFIG_CLUSTER := $(HEADROOM_CACHE)/state/cluster/kubeconfig
 IMAGE_TAG ?= dev
 
@@ -225,30 +225,42 @@ worker-cuda-check: ## Clippy (check, no codegen) of the worker, its tests and to
 # runtime as CUDA: fusion, autotune, the memory pools, the lean ops' Cube
 # code) on Mesa's lavapipe, a Vulkan device on the CPU (docs/gpu.md). Its own
 # target directory: the wgpu feature changes burn's features, and sharing
-# the CPU build's directory would rebuild burn for both. A debug build: a
-# release one takes ~25 min cold on 2 cores, and the tests' models are tiny.
+# the CPU build's directory would rebuild burn for both. A debug build:
+# 6 min cold on 2 quiet cores, where optimized dependencies took 40 min
+# (and halved a warm row's time: 23 s against 46 s); a release build ~25 min.
 WGPU_DIR := $(CARGO_TARGET_DIR)/wgpu
+WGPU_PROFILE := --target-dir $(WGPU_DIR)
 # Only lavapipe's driver is loaded: the same device on every machine. Mesa 25
 # names its ICD lvp_icd.json, older Mesa lvp_icd.<arch>.json; the shell picks
 # when the recipe runs, after install-lavapipe.sh (make expands a recipe first).
-WGPU_ENV := VK_ICD_FILENAMES="$$(ls /usr/share/vulkan/icd.d/lvp_icd.json /usr/share/vulkan/icd.d/lvp_icd.$$(uname -m).json 2>/dev/null | head -n 1)"
+# Mesa's shader cache beside the project's other caches: lavapipe compiles a
+# kernel with LLVM in seconds to minutes, and a kernel it has compiled before
+# loads from there in milliseconds.
+WGPU_ENV := VK_ICD_FILENAMES="$$(ls /usr/share/vulkan/icd.d/lvp_icd.json /usr/share/vulkan/icd.d/lvp_icd.$$(uname -m).json 2>/dev/null | head -n 1)" \
+	MESA_SHADER_CACHE_DIR=$(HEADROOM_CACHE)/mesa-shader-cache
 
 worker-wgpu-check: ## Clippy of the worker, its tests and tools with the wgpu feature (in ~/.cache/headroom/target/wgpu).
 	$(CARGO) clippy -p headroom-worker --features wgpu --all-targets --target-dir $(WGPU_DIR) -- -D warnings
 
-worker-wgpu-test: ## The lean ops, LoRA/QLoRA/checkpointed training steps and cubecl's pools on lavapipe (Vulkan on the CPU) against flex (installs mesa-vulkan-drivers; debug build in ~/.cache/headroom/target/wgpu).
+worker-wgpu-test: ## The lean ops (f32), LoRA/QLoRA/checkpointed training steps and cubecl's pools on lavapipe (Vulkan on the CPU) against flex (installs mesa-vulkan-drivers; build in ~/.cache/headroom/target/wgpu).
 	bash worker/wgpu/install-lavapipe.sh
 	# One test at a time: they share the device, and the pool readings must see only their own tensors.
-	$(WGPU_ENV) $(CARGO) test -p headroom-worker --features wgpu --target-dir $(WGPU_DIR) --test wgpu --test wgpu_f16 -- --test-threads=1 --nocapture
+	$(WGPU_ENV) $(CARGO) test -p headroom-worker --features wgpu $(WGPU_PROFILE) --test wgpu -- --test-threads=1 --nocapture
+
+# f16 apart: lavapipe compiled single f16 fused-matmul kernels in 4 to 13
+# minutes each, and the check gave no result in 30 (docs/gpu.md); not in CI.
+worker-wgpu-f16-test: ## The lean ops in f16 on lavapipe against flex in f32 (its kernels take lavapipe an hour or more to compile cold).
+	bash worker/wgpu/install-lavapipe.sh
+	$(WGPU_ENV) $(CARGO) test -p headroom-worker --features wgpu $(WGPU_PROFILE) --test wgpu_f16 -- --test-threads=1 --nocapture
 
 # gpu-check's rows that need no CUDA (a smoke run with the worker's probe and
 # cubecl's pools, the lean ops in f32 and f16), on any Vulkan device:
 # lavapipe by default, a GPU's Vulkan driver with HEADROOM_WGPU_DEVICE=default
-# (and WGPU_ENV= to load every driver). Debug, beside the tests' build.
+# (and WGPU_ENV= to load every driver). Built beside the tests.
 WGPU_CHECK_ARGS ?= --quick
 wgpu-check: ## calibrate --backend wgpu: a smoke run and the lean ops (f32, f16) on a Vulkan device, lavapipe unless HEADROOM_WGPU_DEVICE=default (exits 2 without one).
 	bash worker/wgpu/install-lavapipe.sh
-	$(CARGO) build -p headroom-worker --features wgpu --target-dir $(WGPU_DIR) --bin calibrate
+	$(CARGO) build -p headroom-worker --features wgpu $(WGPU_PROFILE) --bin calibrate
 	$(WGPU_ENV) $(WGPU_DIR)/debug/calibrate --backend wgpu $(WGPU_CHECK_ARGS)
 
 cuda-runtime: ## libdevice and NCCL (and NVIDIA's licenses) from the pinned nvidia-cuda-nvcc-cu12 and nvidia-nccl-cu12 wheels on PyPI, CUDA_PATH-shaped, in ~/.cache/headroom/cuda-runtime.
