@@ -244,8 +244,12 @@ worker-wgpu-check: ## Clippy of the worker, its tests and tools with the wgpu fe
 
 worker-wgpu-test: ## The lean ops (f32), LoRA/QLoRA/checkpointed training steps and cubecl's pools on lavapipe (Vulkan on the CPU) against flex (installs mesa-vulkan-drivers; build in ~/.cache/headroom/target/wgpu).
 	bash worker/wgpu/install-lavapipe.sh
-	# One test at a time: they share the device, and the pool readings must see only their own tensors.
-	$(WGPU_ENV) $(CARGO) test -p headroom-worker --features wgpu $(WGPU_PROFILE) --test wgpu -- --test-threads=1 --nocapture
+	# One test at a time: they share the device, and the pool readings must
+	# see only their own tensors. The lean-ops check last, in a process of its
+	# own: it compiles the most kernels, so a run cut short by CI's deadline
+	# has run the training rows first.
+	$(WGPU_ENV) $(CARGO) test -p headroom-worker --features wgpu $(WGPU_PROFILE) --test wgpu -- --test-threads=1 --nocapture --skip lean_ops_
+	$(WGPU_ENV) $(CARGO) test -p headroom-worker --features wgpu $(WGPU_PROFILE) --test wgpu -- --test-threads=1 --nocapture lean_ops_
 
 # f16 apart: lavapipe compiled single f16 fused-matmul kernels in 4 to 13
 # minutes each, and the check gave no result in 30 (docs/gpu.md); not in CI.

@@ -373,10 +373,12 @@ fn the_arena_and_the_probe_match_the_memory_model() {
     println!("probe {sample:?}; runtime {usage:?}; before {before:?}");
     assert_eq!(sample.allocator_in_use_bytes, Some(usage.bytes_in_use));
     assert_eq!(sample.allocator_reserved_bytes, Some(usage.bytes_reserved));
-    assert!(
-        usage.bytes_in_use >= before.bytes_in_use + (8 << 20),
-        "{usage:?}"
-    );
+    // The two tensors are in use. Not measured against `before`: tensors an
+    // earlier test of this process dropped can be freed between the two
+    // readings (seen after the lean-ops check: 8 MiB + 128 B in use after
+    // the uploads, more than 128 B before them), so the growth is checked
+    // below, by the drop.
+    assert!(usage.bytes_in_use >= 8 << 20, "{usage:?}");
     assert!(usage.bytes_reserved >= usage.bytes_in_use, "{usage:?}");
 
     drop((small, large));
