@@ -170,9 +170,14 @@ fn compare<const N: usize>(
         .collect()
 }
 
-/// Largest |a − b| relative to the largest |b|.
+/// Largest |a − b| relative to the largest |b|; infinite where one side has
+/// a NaN or an infinity the other has not (`f32::max` skips NaN, so a NaN
+/// gradient would otherwise read as exact agreement).
 pub fn max_relative(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
+    if a.iter().zip(b).any(|(x, y)| x.is_finite() != y.is_finite()) {
+        return f32::INFINITY;
+    }
     let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-12);
     a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
 }
@@ -330,5 +335,17 @@ mod tests {
             // the bound allows a parallel reduction that sums in another order).
             assert!(r.naive_vs_reference.is_none_or(|e| e < 1e-6), "{r:?}");
         }
+    }
+
+    #[test]
+    fn a_nan_or_an_infinity_on_one_side_is_no_agreement() {
+        assert_eq!(max_relative(&[1.0, 2.0], &[1.0, 2.0]), 0.0);
+        assert_eq!(max_relative(&[f32::NAN, 2.0], &[1.0, 2.0]), f32::INFINITY);
+        assert_eq!(max_relative(&[1.0, 2.0], &[1.0, f32::NAN]), f32::INFINITY);
+        assert_eq!(
+            max_relative(&[f32::INFINITY, 2.0], &[1.0, 2.0]),
+            f32::INFINITY
+        );
+        assert!((max_relative(&[1.0, 2.5], &[1.0, 2.0]) - 0.25).abs() < 1e-7);
     }
 }
