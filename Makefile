@@ -229,7 +229,6 @@ worker-cuda-check: ## Clippy (check, no codegen) of the worker, its tests and to
 # 6 min cold on 2 quiet cores, where optimized dependencies took 40 min
 # (and halved a warm row's time: 23 s against 46 s); a release build ~25 min.
 WGPU_DIR := $(CARGO_TARGET_DIR)/wgpu
-WGPU_PROFILE := --target-dir $(WGPU_DIR)
 # Only lavapipe's driver is loaded: the same device on every machine. Mesa 25
 # names its ICD lvp_icd.json, older Mesa lvp_icd.<arch>.json; the shell picks
 # when the recipe runs, after install-lavapipe.sh (make expands a recipe first).
@@ -248,14 +247,14 @@ worker-wgpu-test: ## The lean ops (f32), LoRA/QLoRA/checkpointed training steps 
 	# see only their own tensors. The lean-ops check last, in a process of its
 	# own: it compiles the most kernels, so a run cut short by CI's deadline
 	# has run the training rows first.
-	$(WGPU_ENV) $(CARGO) test -p headroom-worker --features wgpu $(WGPU_PROFILE) --test wgpu -- --test-threads=1 --nocapture --skip lean_ops_
-	$(WGPU_ENV) $(CARGO) test -p headroom-worker --features wgpu $(WGPU_PROFILE) --test wgpu -- --test-threads=1 --nocapture lean_ops_
+	$(WGPU_ENV) $(CARGO) test -p headroom-worker --features wgpu --target-dir $(WGPU_DIR) --test wgpu -- --test-threads=1 --nocapture --skip lean_ops_
+	$(WGPU_ENV) $(CARGO) test -p headroom-worker --features wgpu --target-dir $(WGPU_DIR) --test wgpu -- --test-threads=1 --nocapture lean_ops_
 
 # f16 apart: lavapipe compiled single f16 fused-matmul kernels in 4 to 13
 # minutes each: 36 min cold, once (docs/gpu.md); not in CI.
 worker-wgpu-f16-test: ## The lean ops in f16 on lavapipe against flex in f32 (36 min cold on lavapipe, its kernels compiled by LLVM).
 	bash worker/wgpu/install-lavapipe.sh
-	$(WGPU_ENV) $(CARGO) test -p headroom-worker --features wgpu $(WGPU_PROFILE) --test wgpu_f16 -- --test-threads=1 --nocapture
+	$(WGPU_ENV) $(CARGO) test -p headroom-worker --features wgpu --target-dir $(WGPU_DIR) --test wgpu_f16 -- --test-threads=1 --nocapture
 
 # gpu-check's rows that need no CUDA (a smoke run with the worker's probe and
 # cubecl's pools, the lean ops in f32 and f16), on any Vulkan device:
@@ -264,7 +263,7 @@ worker-wgpu-f16-test: ## The lean ops in f16 on lavapipe against flex in f32 (36
 WGPU_CHECK_ARGS ?= --quick
 wgpu-check: ## calibrate --backend wgpu: a smoke run and the lean ops (f32, f16) on a Vulkan device, lavapipe unless HEADROOM_WGPU_DEVICE=default (exits 2 without one).
 	bash worker/wgpu/install-lavapipe.sh
-	$(CARGO) build -p headroom-worker --features wgpu $(WGPU_PROFILE) --bin calibrate
+	$(CARGO) build -p headroom-worker --features wgpu --target-dir $(WGPU_DIR) --bin calibrate
 	$(WGPU_ENV) $(WGPU_DIR)/debug/calibrate --backend wgpu $(WGPU_CHECK_ARGS)
 
 cuda-runtime: ## libdevice and NCCL (and NVIDIA's licenses) from the pinned nvidia-cuda-nvcc-cu12 and nvidia-nccl-cu12 wheels on PyPI, CUDA_PATH-shaped, in ~/.cache/headroom/cuda-runtime.
