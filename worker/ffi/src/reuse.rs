@@ -23,9 +23,9 @@
 //! next step takes again. Zeroed requests are calloc's, never the cache's,
 //! and their blocks are never kept: read before written they are the
 //! kernel's zero page, which counts nothing (the cache's blocks count in
-//! full). Off by default ([`REUSE_ENV`]). The memory guard counts the kept bytes as its
-//! own to give back ([`cached_bytes`]) and gives them back when it abandons
-//! a step ([`release_cached`]).
+//! full). Off by default ([`REUSE_ENV`]). The memory guard counts the kept
+//! bytes as its own to give back ([`cached_bytes`]) and gives them back
+//! when it abandons a step ([`release_cached`]).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Mutex;
@@ -179,6 +179,15 @@ impl Table {
         }
     }
 
+    /// Marks a calloc'd block (while a slot is free; past that it is kept
+    /// like any other when freed).
+    fn remember_zeroed(&mut self, addr: usize) {
+        if self.zeroed_len < ZEROED_SLOTS {
+            self.zeroed[self.zeroed_len] = addr;
+            self.zeroed_len += 1;
+        }
+    }
+
     /// Forgets a calloc'd block being freed; whether it was one.
     fn was_zeroed(&mut self, addr: usize) -> bool {
         let Some(i) = self.zeroed[..self.zeroed_len]
@@ -283,9 +292,7 @@ unsafe impl GlobalAlloc for ReusingAllocator {
                 // SAFETY: the caller's contract passed on.
                 let p = unsafe { System.alloc_zeroed(layout) };
                 if !p.is_null() {
-                    let n = t.zeroed_len;
-                    t.zeroed[n] = p as usize;
-                    t.zeroed_len += 1;
+                    t.remember_zeroed(p as usize);
                 }
                 return p;
             }
@@ -339,13 +346,7 @@ unsafe impl GlobalAlloc for ReusingAllocator {
         // SAFETY: the caller's contract passed on.
         let p = unsafe { System.realloc(ptr, layout, new_size) };
         if zeroed {
-            let mut t = table();
-            let at = if p.is_null() { ptr } else { p };
-            if t.zeroed_len < ZEROED_SLOTS {
-                let n = t.zeroed_len;
-                t.zeroed[n] = at as usize;
-                t.zeroed_len += 1;
-            }
+            table().remember_zeroed(if p.is_null() { ptr } else { p } as usize);
         }
         p
     }
