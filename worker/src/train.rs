@@ -865,7 +865,8 @@ impl Trainer {
             match op {
                 Op::Forward(micro) => {
                     memory_guard::micro(micro);
-                    let (kept, loss) = self.forward(links, micro)?;
+                    let grad_scale = scale * weights[micro as usize];
+                    let (kept, loss) = self.forward(links, micro, grad_scale)?;
                     losses.extend(loss.map(|l| l * weights[micro as usize]));
                     saved.push_back(kept);
                     phases.forward += began.elapsed();
@@ -1196,11 +1197,13 @@ impl Trainer {
     }
 
     /// Forward pass of one micro-batch; returns what backward needs and, on
-    /// the last stage without checkpointing, the micro-batch's loss.
+    /// the last stage without checkpointing, the micro-batch's loss, whose
+    /// backward will start from `grad_scale`.
     fn forward(
         &self,
         links: &mut Links,
         micro: u32,
+        grad_scale: f64,
     ) -> Result<(Saved, Option<f64>), PipelineError> {
         let (tokens, targets) = self.data(micro);
         let documents = self.documents(micro);
@@ -1261,7 +1264,7 @@ impl Trainer {
         match targets {
             Some(targets) => {
                 memory_guard::check(memory_guard::Phase::Loss, 0);
-                let loss = self.model().head_loss(out, targets);
+                let loss = self.model().head_loss_scaled(out, targets, grad_scale);
                 let value = scalar(&loss);
                 let kept = Saved::Graph {
                     input,
@@ -1350,7 +1353,7 @@ impl Trainer {
                         // Head and loss, with a graph; the gradient of the last block's output comes back.
                         memory_guard::check(memory_guard::Phase::Loss, 0);
                         let x = x.autodiff().require_grad();
-                        let loss = model.head_loss(x.clone(), targets);
+                        let loss = model.head_loss_scaled(x.clone(), targets, scale);
                         let value = scalar(&loss);
                         let mut grads = loss.mul_scalar(scale).backward();
                         let upstream = x

@@ -626,6 +626,19 @@ impl TransformerLm {
     /// selection's backward). With every target masked the loss is 0,
     /// with a zero gradient.
     pub fn head_loss(&self, x: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
+        self.head_loss_scaled(x, targets, 1.0)
+    }
+
+    /// [`Self::head_loss`] for a backward from `loss · grad_scale` (the
+    /// trainer's mean over micro-batches and fp16's loss scale): the loss's
+    /// gradients are formed in its forward at that scale
+    /// ([`lean::fused_cross_entropy_capped`]).
+    pub fn head_loss_scaled(
+        &self,
+        x: Tensor<3>,
+        targets: Tensor<2, Int>,
+        grad_scale: f64,
+    ) -> Tensor<1> {
         let [b, s] = targets.dims();
         let (x, weight) = self.head_parts(x);
         let chunk = headroom_planner::memory::loss_chunk_rows(weight.dims()[0] as u64) as usize;
@@ -644,8 +657,14 @@ impl TransformerLm {
                 (x.select(0, rows.clone()), targets.select(0, rows), None)
             }
         };
-        let loss =
-            lean::fused_cross_entropy_capped(x, weight, targets, chunk, self.final_softcap());
+        let loss = lean::fused_cross_entropy_capped(
+            x,
+            weight,
+            targets,
+            chunk,
+            self.final_softcap(),
+            grad_scale,
+        );
         match scale {
             Some(scale) => loss.mul_scalar(scale),
             None => loss,

@@ -1,15 +1,28 @@
 //! Next-token cross-entropy straight from the final hidden states and the
 //! head weight, a chunk of rows at a time (as Liger-Kernel's fused linear
-//! cross-entropy and Apple's Cut Cross-Entropy do): the forward keeps one
-//! chunk's logits at a time and saves only each row's logsumexp; the
-//! backward recomputes each chunk's logits to form `softmax − onehot` and
-//! turns it into the gradients of the hidden states and of the head at once.
-//! The whole `[rows, vocab]` logits never exist, neither does their gradient.
+//! cross-entropy does): one chunk's logits exist at a time, never the whole
+//! `[rows, vocab]` logits or their gradient.
+//!
+//! Where gradients are wanted, the forward also forms each chunk's
+//! `softmax − onehot` from the logits it already has and turns it into the
+//! gradients of the hidden states and (if trained) of the head at once, as
+//! Liger-Kernel does: the backward only scales them by the loss's gradient.
+//! Recomputing the logits in backward instead cost a third head matmul (a
+//! fourth in a full fine-tune), about a tenth of a LoRA step on a 49k
+//! vocabulary. What is kept between the passes is the same size as before:
+//! `[rows, hidden]` (the hidden states' gradient instead of the hidden
+//! states), and the head's gradient, which backward made first anyway.
+//!
+//! The caller says which gradient of the loss it will pass back
+//! (`grad_scale`: fp16's loss scale over the micro-batches); the forward
+//! forms `softmax − onehot` times it, so an fp16 gradient keeps the range
+//! the loss scale gives it, and backward multiplies by the ratio of what
+//! came back to what was announced (nothing to do when they are equal).
 //!
 //! Logits are computed in the model's dtype and reduced in f32. With
 //! Gemma's final soft-capping each chunk's logits z become
-//! cap · tanh(z / cap) before the softmax, and the backward multiplies
-//! their gradient by the derivative, 1 − tanh², from the capped logits.
+//! cap · tanh(z / cap) before the softmax, and their gradient is multiplied
+//! by the derivative, 1 − tanh², from the capped logits.
 
 use std::ops::Range;
 
@@ -43,90 +56,121 @@ fn logits(
     }
 }
 
+/// Which gradients the forward forms, and for which gradient of the loss.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Wanted {
+    /// The hidden states' gradient.
+    pub hidden: bool,
+    /// The head weight's gradient.
+    pub weight: bool,
+    /// The gradient of the loss the backward is expected to receive.
+    pub grad_scale: f64,
+}
+
+impl Wanted {
+    /// The loss alone (no graph: evaluation, a frozen stage).
+    pub const NONE: Wanted = Wanted {
+        hidden: false,
+        weight: false,
+        grad_scale: 1.0,
+    };
+
+    fn any(&self) -> bool {
+        self.hidden || self.weight
+    }
+}
+
+/// The loss and the gradients [`Wanted`] asked for, at `grad_scale`.
+#[derive(Debug)]
+pub struct LossAndGradients {
+    /// Mean cross-entropy, [1] (f32).
+    pub loss: Tensor<1>,
+    /// `grad_scale · ∂loss/∂hidden`, [n, h] in the hidden states' dtype.
+    pub dhidden: Option<Tensor<2>>,
+    /// `grad_scale · ∂loss/∂weight`, [vocab, h] in the weight's dtype.
+    pub dweight: Option<Tensor<2>>,
+}
+
 /// Mean cross-entropy of `hidden` [n, h] under the head `weight` [vocab, h]
 /// (its logits soft-capped at `softcap` where given) against `targets`
-/// [n], and the per-row logsumexp [n, 1] (f32) the backward needs.
+/// [n], with the gradients `wanted` asks for.
 pub fn forward(
     hidden: Tensor<2>,
     weight: Tensor<2>,
     targets: Tensor<1, Int>,
     chunk: usize,
     softcap: Option<f64>,
-) -> (Tensor<1>, Tensor<2>) {
-    let [n, _] = hidden.dims();
-    let weight_t = weight.transpose();
-    let mut total: Option<Tensor<1>> = None;
-    let mut logsumexp = Vec::new();
-    for r in chunks(n, chunk) {
-        let z = logits(&hidden, &weight_t, &r, softcap);
-        let m = z.clone().max_dim(1);
-        let lse = exp(z.clone() - m.clone()).sum_dim(1).log() + m; // [c, 1]
-        let t = targets
-            .clone()
-            .narrow(0, r.start, r.len())
-            .reshape([r.len(), 1]);
-        let part = (lse.clone() - z.gather(1, t)).sum();
-        total = Some(match total {
-            Some(total) => total + part,
-            None => part,
-        });
-        logsumexp.push(lse);
-    }
-    let loss = total.expect("at least one row").div_scalar(n as f64);
-    (loss, Tensor::cat(logsumexp, 0))
-}
-
-/// Gradients of the hidden states and (when `head_grad`) of the head weight
-/// from the loss's gradient `dloss` [1].
-#[allow(clippy::too_many_arguments)]
-pub fn backward(
-    hidden: Tensor<2>,
-    weight: Tensor<2>,
-    targets: Tensor<1, Int>,
-    logsumexp: Tensor<2>,
-    dloss: Tensor<1>,
-    chunk: usize,
-    softcap: Option<f64>,
-    head_grad: bool,
-) -> (Tensor<2>, Option<Tensor<2>>) {
+    wanted: Wanted,
+) -> LossAndGradients {
     let [n, _] = hidden.dims();
     let dtype = FloatDType::from(hidden.dtype());
-    // d(mean)/d(row) = dloss / n, broadcast over a chunk.
-    let scale = dloss
-        .cast(FloatDType::F32)
-        .div_scalar(n as f64)
-        .reshape([1, 1]);
     let weight_t = weight.clone().transpose();
+    // d(mean)/d(row) = 1 / n, times the announced gradient of the loss.
+    let row_scale = wanted.grad_scale / n as f64;
+    let mut total: Option<Tensor<1>> = None;
     let mut dhidden = Vec::new();
     let mut dweight: Option<Tensor<2>> = None;
     for r in chunks(n, chunk) {
         let c = r.len();
         let z = logits(&hidden, &weight_t, &r, softcap);
+        let t = targets.clone().narrow(0, r.start, c).reshape([c, 1]);
+        let m = z.clone().max_dim(1);
+        let lse = exp(z.clone() - m.clone()).sum_dim(1).log() + m; // [c, 1]
+        let part = (lse.clone() - z.clone().gather(1, t.clone())).sum();
+        total = Some(match total {
+            Some(total) => total + part,
+            None => part,
+        });
+        if !wanted.any() {
+            continue;
+        }
         // d(cap · tanh(z / cap))/dz = 1 − tanh², from the capped logits.
         let dcap = softcap.map(|cap| z.clone().div_scalar(cap).square().neg().add_scalar(1.0));
-        let lse = logsumexp.clone().narrow(0, r.start, c);
-        let t = targets.clone().narrow(0, r.start, c).reshape([c, 1]);
         let minus_one = Tensor::<2>::full([c, 1], -1.0, &z.device()).cast(FloatDType::F32);
-        // softmax − onehot(target), times the loss's gradient per row.
+        // softmax − onehot(target), times the gradient a row gets.
         let g = exp(z - lse)
             .scatter(1, t, minus_one, IndexingUpdateOp::Add)
-            .mul(scale.clone());
+            .mul_scalar(row_scale);
         let g = match dcap {
             Some(dcap) => g * dcap,
             None => g,
         }
         .cast(dtype);
-        dhidden.push(g.clone().matmul(weight.clone()));
-        if head_grad {
+        if wanted.weight {
             let h = hidden.clone().narrow(0, r.start, c);
-            let dw = g.transpose().matmul(h);
+            let dw = g.clone().transpose().matmul(h);
             dweight = Some(match dweight {
                 Some(acc) => acc + dw,
                 None => dw,
             });
         }
+        if wanted.hidden {
+            dhidden.push(g.matmul(weight.clone()));
+        }
     }
-    (Tensor::cat(dhidden, 0), dweight)
+    LossAndGradients {
+        loss: total.expect("at least one row").div_scalar(n as f64),
+        dhidden: (!dhidden.is_empty()).then(|| Tensor::cat(dhidden, 0)),
+        dweight,
+    }
+}
+
+/// The gradient the forward formed at `grad_scale`, for the loss's gradient
+/// `dloss` [1] that came back: unchanged when they are equal (the caller
+/// announced it), scaled by their ratio otherwise.
+pub fn backward(gradient: Tensor<2>, dloss: &Tensor<1>, grad_scale: f64) -> Tensor<2> {
+    // Compared as the f32 the loss's gradient is.
+    let came = dloss.clone().into_scalar::<f32>();
+    if came == grad_scale as f32 {
+        return gradient;
+    }
+    // In f32: the ratio itself may be out of a half type's range (fp16's
+    // loss scale of 65536 over an unannounced 1 is f16's infinity).
+    let ratio = f64::from(came) / grad_scale;
+    match FloatDType::from(gradient.dtype()) {
+        FloatDType::F32 => gradient.mul_scalar(ratio),
+        dtype => gradient.cast(FloatDType::F32).mul_scalar(ratio).cast(dtype),
+    }
 }
 
 /// Today's loss, for the tests: `log_softmax` over the whole logits.

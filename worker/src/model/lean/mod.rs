@@ -90,13 +90,15 @@ pub trait LeanBackend: Backend {
         options: AttentionOptions,
     ) -> FloatTensor<Self>;
 
-    /// `hidden` [n, h], `weight` [vocab, h], `targets` [n] → mean loss [1].
+    /// `hidden` [n, h], `weight` [vocab, h], `targets` [n] → mean loss [1],
+    /// its backward expecting the loss's gradient `grad_scale`.
     fn lean_cross_entropy(
         hidden: FloatTensor<Self>,
         weight: FloatTensor<Self>,
         targets: IntTensor<Self>,
         chunk: usize,
         softcap: Option<f64>,
+        grad_scale: f64,
     ) -> FloatTensor<Self>;
 
     /// `x` [b, s, d_in] · the frozen `weight` [d_in, d_out] → [b, s, d_out].
@@ -160,14 +162,17 @@ macro_rules! plain_backend {
                 targets: IntTensor<Self>,
                 chunk: usize,
                 softcap: Option<f64>,
+                _grad_scale: f64,
             ) -> FloatTensor<Self> {
-                let (loss, _) = cross_entropy::forward(
+                let loss = cross_entropy::forward(
                     float::<Self, 2>(hidden),
                     float::<Self, 2>(weight),
                     int::<Self, 1>(targets),
                     chunk,
                     softcap,
-                );
+                    cross_entropy::Wanted::NONE,
+                )
+                .loss;
                 primitive::<Self, 1>(loss)
             }
 
@@ -237,15 +242,13 @@ where
     }
 }
 
-/// What the loss keeps between forward and backward.
+/// What the loss keeps between forward and backward: the gradients its
+/// forward formed at `grad_scale` (see [`cross_entropy`]).
 #[derive(Clone, Debug)]
 struct CrossEntropyState<B: Backend> {
-    hidden: FloatTensor<B>,
-    weight: FloatTensor<B>,
-    targets: IntTensor<B>,
-    logsumexp: FloatTensor<B>,
-    chunk: usize,
-    softcap: Option<f64>,
+    dhidden: Option<FloatTensor<B>>,
+    dweight: Option<FloatTensor<B>>,
+    grad_scale: f64,
 }
 
 #[derive(Debug)]
@@ -258,24 +261,15 @@ where
     type State = CrossEntropyState<B>;
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let dloss = grads.consume::<B>(&ops.node);
+        let dloss = float::<B, 1>(grads.consume::<B>(&ops.node));
         let s = ops.state;
         let [hidden_parent, weight_parent] = ops.parents;
-        let (dhidden, dweight) = cross_entropy::backward(
-            float::<B, 2>(s.hidden),
-            float::<B, 2>(s.weight),
-            int::<B, 1>(s.targets),
-            float::<B, 2>(s.logsumexp),
-            float::<B, 1>(dloss),
-            s.chunk,
-            s.softcap,
-            weight_parent.is_some(),
-        );
-        if let Some(parent) = hidden_parent {
-            grads.register::<B>(parent.id, primitive::<B, 2>(dhidden));
-        }
-        if let (Some(parent), Some(dweight)) = (weight_parent, dweight) {
-            grads.register::<B>(parent.id, primitive::<B, 2>(dweight));
+        for (parent, gradient) in [(hidden_parent, s.dhidden), (weight_parent, s.dweight)] {
+            if let (Some(parent), Some(gradient)) = (parent, gradient) {
+                let gradient =
+                    cross_entropy::backward(float::<B, 2>(gradient), &dloss, s.grad_scale);
+                grads.register::<B>(parent.id, primitive::<B, 2>(gradient));
+            }
         }
     }
 }
@@ -385,34 +379,42 @@ where
         targets: IntTensor<Self>,
         chunk: usize,
         softcap: Option<f64>,
+        grad_scale: f64,
     ) -> FloatTensor<Self> {
+        let wanted = cross_entropy::Wanted {
+            hidden: hidden.is_tracked(),
+            weight: weight.is_tracked(),
+            grad_scale,
+        };
         let (hidden, hidden_node) = hidden.into_parts();
         let (weight, weight_node) = weight.into_parts();
-        let (loss, logsumexp) = cross_entropy::forward(
-            float::<B, 2>(hidden.clone()),
-            float::<B, 2>(weight.clone()),
-            int::<B, 1>(targets.clone()),
-            chunk,
-            softcap,
-        );
-        let loss = primitive::<B, 1>(loss);
+        let run = |wanted| {
+            cross_entropy::forward(
+                float::<B, 2>(hidden),
+                float::<B, 2>(weight),
+                int::<B, 1>(targets),
+                chunk,
+                softcap,
+                wanted,
+            )
+        };
         match CrossEntropyBackward
             .prepare::<C>([hidden_node, weight_node])
             .compute_bound()
             .stateful()
         {
             OpsKind::Tracked(prep) => {
+                let out = run(wanted);
                 let state = CrossEntropyState {
-                    hidden,
-                    weight,
-                    targets,
-                    logsumexp: primitive::<B, 2>(logsumexp),
-                    chunk,
-                    softcap,
+                    dhidden: out.dhidden.map(primitive::<B, 2>),
+                    dweight: out.dweight.map(primitive::<B, 2>),
+                    grad_scale,
                 };
-                prep.finish(state, loss)
+                prep.finish(state, primitive::<B, 1>(out.loss))
             }
-            OpsKind::UnTracked(prep) => prep.finish(loss),
+            OpsKind::UnTracked(prep) => {
+                prep.finish(primitive::<B, 1>(run(cross_entropy::Wanted::NONE).loss))
+            }
         }
     }
 
@@ -503,17 +505,21 @@ pub fn fused_cross_entropy(
     targets: Tensor<1, Int>,
     chunk: usize,
 ) -> Tensor<1> {
-    fused_cross_entropy_capped(hidden, weight, targets, chunk, None)
+    fused_cross_entropy_capped(hidden, weight, targets, chunk, None, 1.0)
 }
 
 /// [`fused_cross_entropy`] with the logits soft-capped at `softcap` where
-/// given (Gemma's `final_logit_softcapping`: cap · tanh(logits / cap)).
+/// given (Gemma's `final_logit_softcapping`: cap · tanh(logits / cap)),
+/// for a backward that will pass the loss's gradient `grad_scale` (the
+/// scale the loss is multiplied by before `backward`; any other gradient
+/// is still right, at the cost of one more pass over the gradients).
 pub fn fused_cross_entropy_capped(
     hidden: Tensor<2>,
     weight: Tensor<2>,
     targets: Tensor<1, Int>,
     chunk: usize,
     softcap: Option<f64>,
+    grad_scale: f64,
 ) -> Tensor<1> {
     if naive_ops() {
         return cross_entropy::naive_capped(hidden, weight, targets, softcap);
@@ -525,6 +531,7 @@ pub fn fused_cross_entropy_capped(
             targets.into_dispatch(),
             chunk,
             softcap,
+            grad_scale,
         ),
     )
 }

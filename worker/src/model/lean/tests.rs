@@ -210,6 +210,7 @@ fn chunked_cross_entropy_soft_caps_like_log_softmax() {
                 targets,
                 chunk,
                 Some(cap),
+                1.0,
             ),
             None => cross_entropy::naive_capped(hidden.clone(), weight.clone(), targets, Some(cap)),
         };
@@ -236,6 +237,60 @@ fn chunked_cross_entropy_soft_caps_like_log_softmax() {
     }
     // The cap of 2 changes the loss of the same inputs.
     assert!((run(None, 2.0)[0][0] - run(None, 1e4)[0][0]).abs() > 1e-3);
+}
+
+/// The loss's gradients are formed in its forward at the loss's gradient
+/// the caller announces (fp16's loss scale): announced, f16 gradients keep
+/// the range the scale gives them; unannounced (formed at 1, scaled in
+/// backward) the head's gradient falls into f16's subnormals. Only the
+/// head rows no target names are compared: the target rows dwarf them.
+#[test]
+fn an_announced_loss_scale_keeps_f16_gradients_in_range() {
+    use super::{cross_entropy, fused_cross_entropy_capped};
+    use burn::tensor::FloatDType;
+    let (n, h, vocab, scale) = (512, 8, 4096, 65536.0);
+    let (hidden, weight) = with_generator(|| {
+        device().seed(31);
+        (
+            draw([n, h]).mul_scalar(0.1),
+            draw([vocab, h]).mul_scalar(0.1),
+        )
+    });
+    let targets = Tensor::<1, Int>::zeros([n], &device());
+    let untargeted = |dweight: Tensor<2>| values(dweight.narrow(0, 1, vocab - 1));
+    let reference = {
+        let weight = weight.clone().require_grad();
+        let loss = cross_entropy::naive(hidden.clone(), weight.clone(), targets.clone());
+        untargeted(
+            weight
+                .grad(&loss.mul_scalar(scale).backward())
+                .expect("dweight"),
+        )
+    };
+    let in_f16 = |announced: f64| {
+        let weight = weight.clone().cast(FloatDType::F16).require_grad();
+        let hidden = hidden.clone().cast(FloatDType::F16);
+        let loss = fused_cross_entropy_capped(
+            hidden,
+            weight.clone(),
+            targets.clone(),
+            64,
+            None,
+            announced,
+        );
+        let dweight = weight
+            .grad(&loss.mul_scalar(scale).backward())
+            .expect("dweight");
+        untargeted(dweight.cast(FloatDType::F32))
+    };
+    let announced = max_relative(&in_f16(scale), &reference);
+    let unannounced = max_relative(&in_f16(1.0), &reference);
+    eprintln!("f16 head gradient vs f32: announced {announced:e}, unannounced {unannounced:e}");
+    assert!(announced < 1e-2, "announced: {announced:e}");
+    assert!(
+        unannounced > 10.0 * announced,
+        "unannounced: {unannounced:e}"
+    );
 }
 
 #[test]
