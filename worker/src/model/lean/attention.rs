@@ -19,14 +19,21 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use burn::tensor::{Bool, Int, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
 
 use super::exp::exp;
 
-/// A score that removes a key: finite, so a row whose first visited block
-/// is all masked (possible with a sliding window) gives `exp(0)` terms that
-/// the next block's larger maximum rescales to exactly zero, instead of NaN.
-const MASKED: f32 = -1.0e30;
+/// A score that removes a key: finite in the scores' dtype, so a row whose
+/// first visited block is all masked (possible with a sliding window or
+/// packed documents) gives `exp(0)` terms that the next block's larger
+/// maximum rescales to exactly zero, instead of NaN. -1e30 is -inf in f16
+/// (whose largest finite value is 65504), so f16 scores take f16's lowest.
+fn masked(dtype: DType) -> f32 {
+    match dtype {
+        DType::F16 => -65504.0,
+        _ => -1.0e30,
+    }
+}
 
 /// Which document each token of each batch row belongs to, where a row
 /// holds several (packing by documents): a document is a run of equal ids,
@@ -283,7 +290,10 @@ fn scores(
         None => (s, None),
     };
     match hidden {
-        Some(hidden) => (s.mask_fill(hidden, MASKED), tanh),
+        Some(hidden) => {
+            let value = masked(s.dtype());
+            (s.mask_fill(hidden, value), tanh)
+        }
         None => (s, tanh),
     }
 }

@@ -293,6 +293,55 @@ fn an_announced_loss_scale_keeps_f16_gradients_in_range() {
     );
 }
 
+/// In f16, a row whose first visited block is all masked (a sliding
+/// window, packed documents) stays finite: the masking score must be one
+/// f16 holds (-1e30 is its -inf, and -inf − -inf is NaN). Forward and
+/// backward on flex in f16 against the same op in f32.
+#[test]
+fn masked_blocks_stay_finite_in_f16() {
+    use burn::tensor::FloatDType;
+    let (b, a, kv, s, d) = (1, 2, 1, 24, 8);
+    let ids: Vec<u32> = (0..s)
+        .map(|t| u32::from(t >= 5) + u32::from(t >= 13))
+        .collect();
+    let causal = AttentionOptions::causal(d, 4);
+    let windowed = AttentionOptions {
+        window: Some(2),
+        ..causal.clone()
+    };
+    let packed = AttentionOptions {
+        segments: Some(Segments::new(&ids, b, s)),
+        ..causal
+    };
+    let (q, k, v) = with_generator(|| {
+        device().seed(41);
+        (draw([b, a, s, d]), draw([b, kv, s, d]), draw([b, kv, s, d]))
+    });
+    for (name, options) in [("windowed", windowed), ("packed", packed)] {
+        let run = |dtype: FloatDType| {
+            let [q, k, v] = [&q, &k, &v].map(|t| t.clone().cast(dtype).require_grad());
+            let out = attend(q.clone(), k.clone(), v.clone(), options.clone());
+            let grads = out.clone().sum().backward();
+            let grad = |t: &Tensor<4>| values(t.grad(&grads).expect("grad").cast(FloatDType::F32));
+            [
+                values(out.cast(FloatDType::F32)),
+                grad(&q),
+                grad(&k),
+                grad(&v),
+            ]
+        };
+        let (half, full) = (run(FloatDType::F16), run(FloatDType::F32));
+        for (what, (h, f)) in ["output", "dq", "dk", "dv"]
+            .iter()
+            .zip(half.iter().zip(&full))
+        {
+            let err = max_relative(h, f);
+            // f16 rounds at 4.9e-4; sums of a few dozen terms.
+            assert!(err < 2e-2, "{name} {what} in f16 vs f32: {err:e}");
+        }
+    }
+}
+
 #[test]
 fn a_frozen_head_gets_no_gradient() {
     let hidden = random([4, 3]).require_grad();
