@@ -6,10 +6,12 @@
 
 pub mod adamw8bit;
 pub mod blockwise;
+pub mod fused_adamw;
 pub mod host_gradients;
 pub mod offload;
 pub mod recipe;
 
 pub use adamw8bit::{AdamW8bit, AdamW8bitConfig, AdamW8bitState, Moments};
+pub use fused_adamw::FusedAdamW;
 pub use host_gradients::HostGradients;
 pub use offload::{Offloaded, OffloadedState};
