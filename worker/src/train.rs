@@ -41,9 +41,7 @@ use std::time::{Duration, Instant};
 
 use burn::module::Module;
 use burn::optim::momentum::MomentumConfig;
-use burn::optim::{
-    AdamConfig, AdamWConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig,
-};
+use burn::optim::{AdamConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use headroom_api::Recipe;
 use headroom_planner::Backend;
@@ -58,7 +56,7 @@ use crate::model::hf::HfCheckpoint;
 use crate::model::lean::linear::AdapterDropout;
 use crate::model::{Documents, LmShape, StageLayout, TransformerLm, lora, peft};
 use crate::optim::recipe::{DecoupledDecay, LossScale, clip_factor, scale_gradients, squared_norm};
-use crate::optim::{AdamW8bitConfig, HostGradients, Offloaded};
+use crate::optim::{AdamW8bitConfig, FusedAdamW, HostGradients, Offloaded};
 use crate::pipeline::{Frame, Kind, Links, Op, PipelineError, one_f_one_b};
 
 /// What the trainer runs: one stage of a checked assignment
@@ -238,14 +236,8 @@ pub fn build_optimizer(
         },
     };
     Ok(match settings.optimizer {
-        Optimizer::Adamw => wrap.module(
-            AdamWConfig::new()
-                .with_beta_1(beta_1)
-                .with_beta_2(beta_2)
-                .with_epsilon(epsilon)
-                .with_weight_decay(0.0)
-                .build(),
-        ),
+        // burn's AdamW, one pass a parameter on flex (bit for bit the same).
+        Optimizer::Adamw => wrap.module(FusedAdamW::new(beta_1, beta_2, epsilon, 0.0)),
         Optimizer::Adam => wrap.module(
             AdamConfig::new()
                 .with_beta_1(beta_1)

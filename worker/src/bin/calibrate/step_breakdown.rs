@@ -389,7 +389,10 @@ pub fn linear_ops(reps: usize) {
 /// `--step-breakdown --only block-ops`: the ops of a decoder block other
 /// than its linears, on the bench job's shapes (micro-batch 4 × 256, 9 / 3
 /// heads of 64, SwiGLU 1536, vocabulary 49152), forward and backward timed
-/// apart, median of `reps` interleaved runs after one warm-up. Also the
+/// apart, median of `reps` interleaved runs after one warm-up. The
+/// attention also in blocks smaller than the worker's [`ATTENTION_BLOCK`]:
+/// a block pair on the diagonal computes its masked half too, so smaller
+/// blocks skip more of it, at more ops per call. Also the
 /// `exp` these ops call, burn's (libm per value) against the lean ops'
 /// vectorized one, on a causal scores block (half of it masked).
 pub fn block_ops(reps: usize) {
@@ -447,22 +450,32 @@ pub fn block_ops(reps: usize) {
         let _ = y.backward();
         (f, t.elapsed().as_secs_f64())
     };
+    let (qkv, timed) = ((&q, &k, &v, &dout), &timed);
+    let attention = |block: usize| -> Box<dyn Fn() -> (f64, f64) + '_> {
+        let (q, k, v, dout) = qkv;
+        Box::new(move || {
+            let (q, k, v) = (
+                q.clone().detach().require_grad(),
+                k.clone().detach().require_grad(),
+                v.clone().detach().require_grad(),
+            );
+            let options = AttentionOptions::causal(d, block);
+            timed(&|| {
+                (lean::attend(q.clone(), k.clone(), v.clone(), options.clone()) * dout.clone())
+                    .sum()
+            })
+        })
+    };
     let ops: Vec<Op> = vec![
         (
             "attention [4, 9, 256, 64], GQA 3 (lean, blocked)",
-            Box::new(|| {
-                let (q, k, v) = (
-                    q.clone().detach().require_grad(),
-                    k.clone().detach().require_grad(),
-                    v.clone().detach().require_grad(),
-                );
-                let options = AttentionOptions::causal(d, ATTENTION_BLOCK);
-                timed(&|| {
-                    (lean::attend(q.clone(), k.clone(), v.clone(), options.clone()) * dout.clone())
-                        .sum()
-                })
-            }),
+            attention(ATTENTION_BLOCK),
         ),
+        (
+            "attention, blocks of 128 (the diagonal pair's masked half in 1 of 3 pairs)",
+            attention(128),
+        ),
+        ("attention, blocks of 64", attention(64)),
         (
             "SwiGLU silu(gate) · up [4, 256, 1536] (burn's ops, as the model had it)",
             Box::new(|| {
