@@ -251,7 +251,8 @@ worker-wgpu-test: ## The lean ops (f32), LoRA/QLoRA/checkpointed training steps 
 	$(WGPU_ENV) $(CARGO) test -p headroom-worker --features wgpu --target-dir $(WGPU_DIR) --test wgpu -- --test-threads=1 --nocapture lean_ops_
 
 # f16 apart: lavapipe compiled single f16 fused-matmul kernels in 4 to 13
-# minutes each: 36 min cold, once (docs/gpu.md); not in CI.
+# minutes each: 36 min cold (docs/gpu.md). CI runs it after the f32 rows,
+# in the time left before its deadline.
 worker-wgpu-f16-test: ## The lean ops in f16 on lavapipe against flex in f32 (36 min cold on lavapipe, its kernels compiled by LLVM).
 	bash worker/wgpu/install-lavapipe.sh
 	$(WGPU_ENV) $(CARGO) test -p headroom-worker --features wgpu --target-dir $(WGPU_DIR) --test wgpu_f16 -- --test-threads=1 --nocapture

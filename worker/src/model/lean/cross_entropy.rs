@@ -128,7 +128,7 @@ pub fn forward(
         let dcap = softcap.map(|cap| z.clone().div_scalar(cap).square().neg().add_scalar(1.0));
         let minus_one = Tensor::<2>::full([c, 1], -1.0, &z.device()).cast(FloatDType::F32);
         // softmax − onehot(target), times the gradient a row gets.
-        let g = exp(z - lse)
+        let g = exp(z.clone() - lse)
             .scatter(1, t, minus_one, IndexingUpdateOp::Add)
             .mul_scalar(row_scale);
         let g = match dcap {
@@ -147,6 +147,11 @@ pub fn forward(
         if wanted.hidden {
             dhidden.push(g.matmul(weight.clone()));
         }
+        // The logits live until here, so no op above may write over them:
+        // with burn's fusion in f16 (wgpu on lavapipe), `exp(z - lse)` as
+        // their last use ran in place, and the loss read its target logits
+        // from the overwritten buffer (a loss 2 % off, the gradients right).
+        drop(z);
     }
     LossAndGradients {
         loss: total.expect("at least one row").div_scalar(n as f64),
