@@ -26,7 +26,7 @@
 
 use std::ops::Range;
 
-use burn::tensor::{FloatDType, IndexingUpdateOp, Int, Tensor};
+use burn::tensor::{Device, FloatDType, IndexingUpdateOp, Int, Tensor};
 
 use super::exp::exp;
 
@@ -127,8 +127,15 @@ pub fn forward(
         // d(cap · tanh(z / cap))/dz = 1 − tanh², from the capped logits.
         let dcap = softcap.map(|cap| z.clone().div_scalar(cap).square().neg().add_scalar(1.0));
         let minus_one = Tensor::<2>::full([c, 1], -1.0, &z.device()).cast(FloatDType::F32);
+        // Where burn's fusion runs the ops (CUDA, wgpu), the logits stay
+        // alive until the chunk's gradients are formed, so no op below may
+        // write over them: in f16 `exp(z - lse)`, as their last use, ran in
+        // place, and the loss read its target logits from the overwritten
+        // buffer (a wrong loss, the gradients right; lavapipe's f16 check).
+        // flex runs each op at once, and `z - lse` reuses their buffer.
+        let kept = (z.device() != Device::flex()).then(|| z.clone());
         // softmax − onehot(target), times the gradient a row gets.
-        let g = exp(z.clone() - lse)
+        let g = exp(z - lse)
             .scatter(1, t, minus_one, IndexingUpdateOp::Add)
             .mul_scalar(row_scale);
         let g = match dcap {
@@ -147,11 +154,7 @@ pub fn forward(
         if wanted.hidden {
             dhidden.push(g.matmul(weight.clone()));
         }
-        // The logits live until here, so no op above may write over them:
-        // with burn's fusion in f16 (wgpu on lavapipe), `exp(z - lse)` as
-        // their last use ran in place, and the loss read its target logits
-        // from the overwritten buffer (a loss 2 % off, the gradients right).
-        drop(z);
+        drop(kept);
     }
     LossAndGradients {
         loss: total.expect("at least one row").div_scalar(n as f64),
