@@ -49,6 +49,7 @@ pub mod data_parallel;
 pub mod dataset_layout;
 pub mod env;
 pub mod exit;
+mod flex_values;
 pub mod gpu_runtime;
 pub mod initialize;
 pub mod link_auth;

@@ -16,6 +16,8 @@ use burn::backend::tensor::FloatTensor;
 use burn::optim::{AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, LearningRate, Optimizer};
 use burn::tensor::{DType, Device, Tensor, TensorData};
 
+use crate::flex_values::{values, values_mut};
+
 /// AdamW as burn's `AdamW` with these settings computes it.
 #[derive(Clone)]
 pub struct FusedAdamW {
@@ -81,24 +83,6 @@ fn primitive<const D: usize>(t: Tensor<D>) -> FloatTensor<Flex> {
     t.try_into_primitive::<Flex>()
         .expect("a tensor on the flex device is a flex tensor")
         .to_contiguous()
-}
-
-/// The values of a contiguous flex tensor, for writing (copied first when
-/// the buffer is shared).
-fn values_mut(t: &mut FloatTensor<Flex>) -> &mut [f32] {
-    let (start, end) = t
-        .layout()
-        .contiguous_offsets()
-        .expect("a contiguous tensor has one run of values");
-    &mut t.storage_mut::<f32>()[start..end]
-}
-
-fn values(t: &FloatTensor<Flex>) -> &[f32] {
-    let (start, end) = t
-        .layout()
-        .contiguous_offsets()
-        .expect("a contiguous tensor has one run of values");
-    &t.storage::<f32>()[start..end]
 }
 
 impl Optimizer for FusedAdamW {

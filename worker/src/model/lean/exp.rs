@@ -19,6 +19,8 @@ use burn::backend::Flex;
 use burn::backend::tensor::FloatTensor;
 use burn::tensor::{DType, Tensor};
 
+use crate::flex_values::values_mut;
+
 /// `e^t`, elementwise.
 pub fn exp<const D: usize>(t: Tensor<D>) -> Tensor<D> {
     // Autodiff's flex device is another device: only the plain backend's
@@ -37,11 +39,7 @@ fn flex_exp(mut t: FloatTensor<Flex>) -> FloatTensor<Flex> {
     if !(t.is_unique() && t.layout().contiguous_offsets().is_some()) {
         t = t.to_contiguous();
     }
-    let (start, end) = t
-        .layout()
-        .contiguous_offsets()
-        .expect("a contiguous tensor has one run of values");
-    exp_in_place(&mut t.storage_mut::<f32>()[start..end]);
+    exp_in_place(values_mut(&mut t));
     t
 }
 

@@ -20,6 +20,7 @@ use burn::tensor::activation::{gelu_approximate, sigmoid, silu};
 use burn::tensor::{DType, Tensor};
 
 use super::exp::exp_f32;
+use crate::flex_values::values;
 
 /// The gate's activation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -124,14 +125,6 @@ fn flex_f32<const D: usize>(t: &Tensor<D>) -> Option<FloatTensor<Flex>> {
     } else {
         t.to_contiguous()
     })
-}
-
-fn values(t: &FloatTensor<Flex>) -> &[f32] {
-    let (start, end) = t
-        .layout()
-        .contiguous_offsets()
-        .expect("a contiguous tensor has one run of values");
-    &t.storage::<f32>()[start..end]
 }
 
 /// A new f32 tensor of `shape` whose values `fill` writes.
