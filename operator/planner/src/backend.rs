@@ -150,6 +150,16 @@ pub struct BackendProfile {
     /// ([`crate::memory::arena_page_bytes`]). 0: no such pages (flex: the
     /// system allocator, which the slacks cover).
     pub arena_page_slack_bytes: u64,
+    /// Query and key rows per block of the worker's attention op
+    /// (`worker/src/model/lean/attention.rs`), whose transient is one block
+    /// pair's scores ([`crate::memory::attention_transient_bytes`]). A
+    /// block pair on the diagonal computes its masked half too, so small
+    /// blocks skip more of it, at more ops per call: on the CPU, where an
+    /// op costs little, blocks of 64 run the bench's attention (4 × 256 and
+    /// 1 × 2048 tokens) forward and backward in 0.61× and 0.82× of the time
+    /// blocks of 256 take (`calibrate --step-breakdown --only block-ops`);
+    /// on a GPU each pair is kernel launches, so blocks stay large.
+    pub attention_block: u64,
 }
 
 /// How the memory model counts the activations one block keeps for backward.
@@ -373,6 +383,7 @@ pub const FLEX: BackendProfile = BackendProfile {
     host_link_bytes_per_second: f64::INFINITY,
     gpu_runtime: None,
     arena_page_slack_bytes: 0,
+    attention_block: 64,
 };
 
 /// burn CUDA: the context and kernels NVML counts beside cubecl's pool, and
@@ -497,4 +508,5 @@ pub const CUDA: BackendProfile = BackendProfile {
     // measured with it but the page was not a term of its own then: on
     // them it is 34-66 MiB of 1.6-24 GiB peaks. Unverified as a term.
     arena_page_slack_bytes: MIB,
+    attention_block: 256,
 };

@@ -52,7 +52,7 @@ pub use ladder::{MemoryFailure, MemoryFailureKind, next_stricter_plan};
 pub use llama::{
     ConfigError, GemmaAttention, LayerAttention, LlamaArchitecture, LlamaShape, RopeScaling,
 };
-pub use memory::{ATTENTION_BLOCK, LOSS_CHUNK_ELEMENTS, MemoryBreakdown, NF4_DEQUANT_CHUNK_VALUES};
+pub use memory::{LOSS_CHUNK_ELEMENTS, MemoryBreakdown, NF4_DEQUANT_CHUNK_VALUES};
 pub use model::{GenericModel, ModelShape, TransformerShape};
 pub use plan::{
     Deadline, JobRequest, NoFeasiblePlan, Objective, Plan, SearchOptions, Stage, Target,

@@ -602,11 +602,6 @@ pub fn quantized_load_bytes(tensors: &[StageTensor], stored_bytes: u64, weights:
     dense_phase.max(block_phase)
 }
 
-/// Query and key rows per block of the worker's attention op
-/// (`worker/src/model/lean/attention.rs`): the scores of one block pair,
-/// `b · heads · block²` values, are the op's transient.
-pub const ATTENTION_BLOCK: u64 = 256;
-
 /// Values per NF4 block, and 8-bit block absmax values per nested f32
 /// scale (bitsandbytes' QLoRA defaults; `worker/src/model/nf4.rs`).
 pub const NF4_BLOCK: u64 = 64;
@@ -660,10 +655,10 @@ pub fn gpt_burn_block_bytes(s: u64, b: u64, h: u64, a: u64, f: u64, e: u64) -> u
 /// The attention op's transient (`worker/src/model/lean/attention.rs`):
 /// the score-sized tensors of one block pair alive at once (scores,
 /// probabilities, and in backward their gradient and the product with v),
-/// `b · heads · block²` each, with blocks of [`ATTENTION_BLOCK`] rows or
-/// the whole sequence when shorter.
-pub fn attention_transient_bytes(s: u64, b: u64, heads: u64, e: u64) -> u64 {
-    let block = s.min(ATTENTION_BLOCK);
+/// `b · heads · block²` each, with blocks of `block` rows
+/// ([`BackendProfile::attention_block`]) or the whole sequence when shorter.
+pub fn attention_transient_bytes(s: u64, b: u64, heads: u64, e: u64, block: u64) -> u64 {
+    let block = s.min(block);
     4 * b * heads * block * block * e
 }
 
@@ -1210,7 +1205,7 @@ impl StageCount<'_> {
             recomputed: block(false) - kept,
         };
         let around = PhaseTransients {
-            attention: attention_transient_bytes(s, b, a, e),
+            attention: attention_transient_bytes(s, b, a, e, profile.attention_block),
             token_vector: s * b * h * e,
             final_norm: 3,
         };
@@ -1253,6 +1248,7 @@ impl StageCount<'_> {
                 b,
                 u64::from(l.attention_heads),
                 e,
+                profile.attention_block,
             ),
             token_vector,
             final_norm: final_norm_vectors(burn_lora),
@@ -1998,7 +1994,7 @@ mod tests {
         // Four blocks and the final norm's three vectors; the attention
         // op's transient (a block pair's scores) is smaller than the loss's
         // chunks plus one block, so it never shows at the peak.
-        let attention = attention_transient_bytes(s, b, a, 4);
+        let attention = attention_transient_bytes(s, b, a, 4, FLEX.attention_block);
         assert!(attention < m.logits + gpt_burn_block_bytes(s, b, h, a, f, 4));
         assert_eq!(
             m.activations,
@@ -2976,7 +2972,7 @@ mod term_tests {
         let (sq, b, h, a, e) = (128, 2, 256, 4, 2);
         let block = gpt_burn_block_bytes(sq, b, h, a, t.ffn(), e);
         let logits = loss_bytes(sq * b, 1000, FLEX.logit_copies);
-        let attention = attention_transient_bytes(sq, b, a, e);
+        let attention = attention_transient_bytes(sq, b, a, e, FLEX.attention_block);
         let phase = count.activation_phase();
         assert_eq!(phase.logits, logits);
         assert_eq!(

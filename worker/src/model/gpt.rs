@@ -11,7 +11,7 @@ use headroom_planner::TransformerShape;
 
 use super::Documents;
 use super::lean::linear::on_rows;
-use super::lean::{ATTENTION_BLOCK, AttentionOptions, attend};
+use super::lean::{AttentionOptions, attend, attention_block};
 
 /// Causal multi-head self-attention: one fused QKV projection (3h² + 3h) and
 /// an output projection (h² + h).
@@ -47,7 +47,7 @@ impl Attention {
         let (q, k, v) = (split(0), split(1), split(2));
         let options = AttentionOptions {
             segments: documents.map(|d| d.segments().clone()),
-            ..AttentionOptions::causal(d, ATTENTION_BLOCK)
+            ..AttentionOptions::causal(d, attention_block(&q.device()))
         };
         let context = attend(q, k, v, options).swap_dims(1, 2).reshape([b, s, h]); // [b, s, h]
         on_rows(context, |x| self.out.forward(x))

@@ -26,7 +26,7 @@ use headroom_planner::{LayerAttention, LlamaShape, RopeScaling, TargetModule};
 
 use super::Documents;
 use super::lean::linear::{self, AdapterDropout};
-use super::lean::{self, ATTENTION_BLOCK, AttentionOptions, GateActivation, attend};
+use super::lean::{self, AttentionOptions, GateActivation, attend};
 use super::nf4::Nf4Bases;
 
 /// Rotary position embedding in Hugging Face's layout: the two halves of a
@@ -517,7 +517,7 @@ impl LlamaAttention {
         } = self.scores;
         let options = AttentionOptions {
             scale,
-            block: ATTENTION_BLOCK,
+            block: lean::attention_block(&device),
             softcap,
             window,
             segments: documents.map(|d| d.segments().clone()),

@@ -390,7 +390,7 @@ pub fn linear_ops(reps: usize) {
 /// than its linears, on the bench job's shapes (micro-batch 4 × 256, 9 / 3
 /// heads of 64, SwiGLU 1536, vocabulary 49152), forward and backward timed
 /// apart, median of `reps` interleaved runs after one warm-up. The
-/// attention also in blocks smaller than the worker's [`ATTENTION_BLOCK`]:
+/// attention in blocks of 256 (the GPU's), 128 and 64 (the CPU's):
 /// a block pair on the diagonal computes its masked half too, so smaller
 /// blocks skip more of it, at more ops per call. Also the
 /// `exp` these ops call, burn's (libm per value) against the lean ops'
@@ -399,7 +399,7 @@ pub fn block_ops(reps: usize) {
     use burn::module::Module;
     use burn::tensor::activation::silu;
     use burn::tensor::{Distribution, Int, Tensor, TensorData};
-    use headroom_worker::model::lean::{self, ATTENTION_BLOCK, AttentionOptions};
+    use headroom_worker::model::lean::{self, AttentionOptions};
 
     let device = Device::flex().autodiff();
     let (b, s, heads, kv, d) = (4, 256, 9, 3, 64);
@@ -411,6 +411,16 @@ pub fn block_ops(reps: usize) {
         normal([b, kv, s, d]),
     );
     let dout = normal([b, heads, s, d]);
+    // A long sequence (one of 2048 tokens): there the diagonal pairs are a
+    // small share of all pairs, so smaller blocks save little and pay more
+    // ops per call.
+    let long = 2048;
+    let (q_long, k_long, v_long, dout_long) = (
+        normal([1, heads, long, d]),
+        normal([1, kv, long, d]),
+        normal([1, kv, long, d]),
+        normal([1, heads, long, d]),
+    );
     let gate = Tensor::<3>::random([b, s, 1536], Distribution::Normal(0.0, 1.0), &device);
     let up = Tensor::<3>::random([b, s, 1536], Distribution::Normal(0.0, 1.0), &device);
     let dgate = Tensor::<3>::random([b, s, 1536], Distribution::Normal(0.0, 1.0), &device);
@@ -450,9 +460,11 @@ pub fn block_ops(reps: usize) {
         let _ = y.backward();
         (f, t.elapsed().as_secs_f64())
     };
-    let (qkv, timed) = ((&q, &k, &v, &dout), &timed);
-    let attention = |block: usize| -> Box<dyn Fn() -> (f64, f64) + '_> {
-        let (q, k, v, dout) = qkv;
+    let short = (q.clone(), k.clone(), v.clone(), dout.clone());
+    let long = (q_long, k_long, v_long, dout_long);
+    type Qkv = (Tensor<4>, Tensor<4>, Tensor<4>, Tensor<4>);
+    let attention_of = |qkv: &Qkv, block: usize| -> Box<dyn Fn() -> (f64, f64)> {
+        let (q, k, v, dout) = qkv.clone();
         Box::new(move || {
             let (q, k, v) = (
                 q.clone().detach().require_grad(),
@@ -466,16 +478,29 @@ pub fn block_ops(reps: usize) {
             })
         })
     };
+    let attention = |block: usize| attention_of(&short, block);
     let ops: Vec<Op> = vec![
         (
-            "attention [4, 9, 256, 64], GQA 3 (lean, blocked)",
-            attention(ATTENTION_BLOCK),
+            "attention [4, 9, 256, 64], GQA 3 (lean, blocks of 256)",
+            attention(256),
         ),
         (
             "attention, blocks of 128 (the diagonal pair's masked half in 1 of 3 pairs)",
             attention(128),
         ),
         ("attention, blocks of 64", attention(64)),
+        (
+            "attention [1, 9, 2048, 64], blocks of 256",
+            attention_of(&long, 256),
+        ),
+        (
+            "attention [1, 9, 2048, 64], blocks of 128",
+            attention_of(&long, 128),
+        ),
+        (
+            "attention [1, 9, 2048, 64], blocks of 64",
+            attention_of(&long, 64),
+        ),
         (
             "SwiGLU silu(gate) · up [4, 256, 1536] (burn's ops, as the model had it)",
             Box::new(|| {

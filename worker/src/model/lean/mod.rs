@@ -49,9 +49,17 @@ use burn::tensor::{Int, Tensor};
 pub use attention::AttentionOptions;
 pub use gated::GateActivation;
 
-/// Query and key rows per attention block in the models (the planner
-/// counts the same block pair as the op's transient).
-pub const ATTENTION_BLOCK: usize = headroom_planner::ATTENTION_BLOCK as usize;
+/// Query and key rows per attention block for tensors on `device`: the
+/// backend profile's (small on the CPU, large on a GPU), whose block pair
+/// the planner counts as the op's transient.
+pub fn attention_block(device: &burn::tensor::Device) -> usize {
+    let backend = if *device == burn::tensor::Device::flex() {
+        headroom_planner::Backend::Flex
+    } else {
+        headroom_planner::Backend::Cuda
+    };
+    backend.profile().attention_block as usize
+}
 
 /// The environment variable that switches a worker back to the ops these
 /// replace (burn's softmax attention, `log_softmax` over the whole logits,
