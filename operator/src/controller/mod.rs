@@ -141,6 +141,19 @@ impl Error {
         self.api_error().is_some_and(|e| e.code == 409)
     }
 
+    /// The API server answered a write with a refusal it would give again,
+    /// so the write certainly did not land and the next decision cannot
+    /// make it either: a 4xx other than a conflict (409) or throttling
+    /// (429). A conflict says only that the object changed since it was
+    /// read (for a job, most often the telemetry flusher's write): the
+    /// decision was made from a stale view, and the next one, on the newer
+    /// version, makes the write again. After a server error or no answer it
+    /// is unknown whether the write landed.
+    pub fn refused_for_good(&self) -> bool {
+        self.api_error()
+            .is_some_and(|e| (400..500).contains(&e.code) && !matches!(e.code, 409 | 429))
+    }
+
     /// The API server refused to create one of an attempt's children (any
     /// status code): what to tell the user, and whether it can heal by itself.
     pub fn launch_refusal(&self) -> Option<LaunchRefusal> {
@@ -416,6 +429,47 @@ mod tests {
             matches!(writes.newest(&job("1")), Cow::Borrowed(_)),
             "forgotten"
         );
+    }
+
+    /// A status write that failed so, as `write_status_and_launch` sees it.
+    fn status_write_failed(source: kube::Error) -> Error {
+        Error::ApplyStatus {
+            job: "oom-then-fit".into(),
+            source,
+        }
+    }
+
+    fn answered(code: u16) -> kube::Error {
+        kube::Error::Api(
+            kube::core::Status::failure("refused", "")
+                .with_code(code)
+                .boxed(),
+        )
+    }
+
+    /// The pods launched together with a status write are deleted again
+    /// only when the API server refused the write for good. After a
+    /// conflict (a telemetry write between the read and the write: the
+    /// e2e flake), throttling, a server error or no answer, they stay: the
+    /// next decision, on a fresh read, records the attempt on them
+    /// (`Builder::start`), and a pod deleted under it would end that
+    /// attempt as disrupted before it ran.
+    #[test]
+    fn only_a_status_write_refused_for_good_undoes_its_launch() {
+        for code in [409, 429, 500, 503, 504] {
+            assert!(
+                !status_write_failed(answered(code)).refused_for_good(),
+                "{code}: the launch stays"
+            );
+        }
+        let no_answer = kube::Error::Service(std::io::Error::other("connection reset").into());
+        assert!(!status_write_failed(no_answer).refused_for_good());
+        for code in [400, 403, 404, 422] {
+            assert!(
+                status_write_failed(answered(code)).refused_for_good(),
+                "{code}: the launch is undone"
+            );
+        }
     }
 
     #[test]

@@ -84,10 +84,12 @@ async fn reconcile_job(job: &MemoryAwareTrainingJob, ctx: &Context) -> Result<Ac
 ///
 /// A launch with nothing to stop first is one round: the status that
 /// records the attempt, and the attempt's pods with their claim
-/// (`launch_attempt`). If the status write fails, the pods are deleted
-/// again; if the operator stops between the two, the next decision finds
-/// the pods and records the plan they run (`Builder::start`). With pods to
-/// stop first: status, deletions, then the launch.
+/// (`launch_attempt`). If the API server refuses the status write for good,
+/// the pods are deleted again; if the write lost a race (409), may have
+/// landed (a server error, no answer), or the operator stops between the
+/// two, the next decision finds the pods and records the plan they run
+/// (`Builder::start`). With pods to stop first: status, deletions, then
+/// the launch.
 async fn apply_decision(
     ctx: &Context,
     ns: &str,
@@ -178,7 +180,7 @@ async fn keep_claim_on_success(
 /// Writes the decided status and, together with it, launches `at_once`
 /// (an attempt with nothing to stop first). The job as the write returned
 /// it (None: nothing changed), and the launch's result when there was one.
-/// A failed status write undoes the launch.
+/// A status write the API server refused for good undoes the launch.
 async fn write_status_and_launch(
     ctx: &Context,
     job: &MemoryAwareTrainingJob,
@@ -195,7 +197,12 @@ async fn write_status_and_launch(
     match written {
         Ok(written) => Ok((written, launched)),
         Err(error) => {
-            if let Some(l) = at_once {
+            // Not after a conflict: this decision was made from a stale view
+            // (most often a telemetry write it did not see), and the next,
+            // on the newer job, records the attempt on these very pods.
+            // Deleted under it, a pod that had not started yet would end
+            // that attempt as disrupted (ContainerStatusUnknown).
+            if let Some(l) = at_once.filter(|_| error.refused_for_good()) {
                 undo_launch(ctx, job, &decision.status, l.attempt).await;
             }
             Err(error)

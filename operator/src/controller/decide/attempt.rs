@@ -534,6 +534,81 @@ mod tests {
         assert_eq!(launched(&d), Some(2), "resumes at once");
     }
 
+    /// The e2e flake (an eviction, then attempt 3 disrupted before it ran),
+    /// as the decisions see it. A launch writes the status and creates the
+    /// pods together; when that status write loses a race with a telemetry
+    /// write (409), the next decision, made on the newer job, records the
+    /// same attempt on the pods the launch made (`Builder::start`) and
+    /// deletes nothing: keeping them is the recovery. Had the lost write's
+    /// launch been undone (its pod deleted before it started), the next
+    /// decision would still record attempt 3 on that pod, whose end the
+    /// kubelet reports as `ContainerStatusUnknown`, a disruption: a fourth
+    /// attempt for nothing. So a conflict must not undo the launch
+    /// (`Error::refused_for_good`).
+    #[test]
+    fn a_launch_whose_status_write_lost_a_race_is_taken_up_by_the_next_decision() {
+        const EVICTED: &str = "  phase: Failed\n  conditions: [{type: DisruptionTarget, status: 'True', reason: EvictionByEvictionAPI}]\n  containerStatuses: [{name: worker, image: i, imageID: '', ready: false, restartCount: 0, state: {terminated: {exitCode: 143, message: '{\"outcome\":\"terminated\",\"reason\":\"terminated by SIGTERM at step 5; checkpoint saved\",\"step\":5}'}}}]";
+        const PENDING: &str = "  phase: Pending";
+        const UNKNOWN: &str = "  phase: Failed\n  containerStatuses: [{name: worker, image: i, imageID: '', ready: false, restartCount: 0, state: {terminated: {exitCode: 137, reason: ContainerStatusUnknown, message: 'The container could not be located when the pod was terminated'}}}]";
+        let later = |s| t0() + SignedDuration::from_secs(s);
+        let mut j = oom_job();
+        step(&mut j, &[], t0());
+        step(&mut j, &[pod(1, 0, RUNNING)], t0());
+        let d = step(&mut j, &[pod(1, 0, OOM)], later(30));
+        assert_eq!(launched(&d), Some(2));
+        step(&mut j, &[pod(1, 0, OOM), pod(2, 0, RUNNING)], later(40));
+        // Attempt 2's pod is evicted: attempt 3 is launched together with
+        // the status write that records it, and that write is refused (409).
+        let before = j.clone();
+        let evicted = [pod(1, 0, OOM), pod(2, 0, EVICTED)];
+        let lost = step(&mut j, &evicted, later(60));
+        assert_eq!((launched(&lost), lost.delete_pods.len()), (Some(3), 0));
+        let outcomes = |d: &super::super::Decision| -> Vec<AttemptOutcome> {
+            d.status.attempts.iter().map(|a| a.outcome).collect()
+        };
+        use AttemptOutcome::{Disrupted, HostOutOfMemory, Running, Succeeded};
+
+        // Kept: the next decision, on the newer job (still at attempt 2),
+        // records attempt 3 on its pod, deletes nothing, and it runs on.
+        let mut kept = before.clone();
+        let with = |a3: &str| [pod(1, 0, OOM), pod(2, 0, EVICTED), pod(3, 0, a3)];
+        let next = step(&mut kept, &with(PENDING), later(61));
+        assert_eq!(launched(&next), Some(3));
+        assert!(next.delete_pods.is_empty(), "{:?}", next.delete_pods);
+        assert_eq!(outcomes(&next), [HostOutOfMemory, Disrupted, Running]);
+        step(&mut kept, &with(RUNNING), later(62));
+        let done = step(&mut kept, &with(DONE), later(90));
+        assert_eq!(outcomes(&done), [HostOutOfMemory, Disrupted, Succeeded]);
+
+        // Undone: the same decision records attempt 3 on the pod being
+        // deleted, and its end disrupts attempt 3.
+        let mut undone = before;
+        let mut deleted = pod(3, 0, PENDING);
+        deleted.metadata.deletion_timestamp = Some(Time(later(60)));
+        let next = step(
+            &mut undone,
+            &[pod(1, 0, OOM), pod(2, 0, EVICTED), deleted],
+            later(61),
+        );
+        assert_eq!(outcomes(&next), [HostOutOfMemory, Disrupted, Running]);
+        let mut gone = pod(3, 0, UNKNOWN);
+        gone.metadata.deletion_timestamp = Some(Time(later(60)));
+        let after = step(
+            &mut undone,
+            &[pod(1, 0, OOM), pod(2, 0, EVICTED), gone],
+            later(62),
+        );
+        assert_eq!(
+            outcomes(&after),
+            [HostOutOfMemory, Disrupted, Disrupted, Running]
+        );
+        assert_eq!(
+            after.status.attempts[2].reason.as_deref(),
+            Some("ContainerStatusUnknown")
+        );
+        assert_eq!(launched(&after), Some(4));
+    }
+
     #[test]
     fn one_failed_stage_stops_the_others() {
         let mut j = oom_job();
