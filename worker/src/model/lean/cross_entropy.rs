@@ -23,12 +23,21 @@
 //! Gemma's final soft-capping each chunk's logits z become
 //! cap · tanh(z / cap) before the softmax, and their gradient is multiplied
 //! by the derivative, 1 − tanh², from the capped logits.
+//!
+//! On the CPU in f32 (uncapped) a chunk's logits are reduced row by row in
+//! three cache-resident passes (max; exp and sum; scale, in place), where
+//! the tensor ops each stream the whole chunk through memory; elsewhere
+//! (CUDA, wgpu, half types, soft-capping) the same formulas run as burn's
+//! tensor ops.
 
 use std::ops::Range;
 
-use burn::tensor::{Device, FloatDType, IndexingUpdateOp, Int, Tensor};
+use burn::backend::Flex;
+use burn::backend::tensor::FloatTensor;
+use burn::tensor::{Device, FloatDType, IndexingUpdateOp, Int, Tensor, TensorData};
 
-use super::exp::exp;
+use super::exp::{exp, exp_f32};
+use crate::flex_values::{into_flex, is_flex_f32, values_mut};
 
 fn chunks(len: usize, chunk: usize) -> Vec<Range<usize>> {
     let chunk = chunk.max(1);
@@ -113,46 +122,64 @@ pub fn forward(
     for r in chunks(n, chunk) {
         let c = r.len();
         let z = logits(&hidden, &weight_t, &r, softcap);
-        let t = targets.clone().narrow(0, r.start, c).reshape([c, 1]);
-        let m = z.clone().max_dim(1);
-        let lse = exp(z.clone() - m.clone()).sum_dim(1).log() + m; // [c, 1]
-        let part = (lse.clone() - z.clone().gather(1, t.clone())).sum();
+        let t = targets.clone().narrow(0, r.start, c);
+        let mut kept = None;
+        let (part, g) = if softcap.is_none() && is_flex_f32(&z) {
+            // On the CPU in f32: the chunk row by row (`flex_rows`).
+            let device = z.device();
+            let ids: Vec<i64> = t.into_data().iter::<i64>().collect();
+            let scale = wanted.any().then_some(row_scale as f32);
+            let (loss, g) = flex_rows(into_flex(z), &ids, scale);
+            let part = Tensor::<1>::from_data(TensorData::new(vec![loss as f32], [1]), &device);
+            let g = scale.map(|_| Tensor::<2>::from_primitive::<Flex>(g).cast(dtype));
+            (part, g)
+        } else {
+            let t = t.reshape([c, 1]);
+            let m = z.clone().max_dim(1);
+            let lse = exp(z.clone() - m.clone()).sum_dim(1).log() + m; // [c, 1]
+            let part = (lse.clone() - z.clone().gather(1, t.clone())).sum();
+            if !wanted.any() {
+                (part, None)
+            } else {
+                // d(cap · tanh(z / cap))/dz = 1 − tanh², from the capped logits.
+                let dcap =
+                    softcap.map(|cap| z.clone().div_scalar(cap).square().neg().add_scalar(1.0));
+                let minus_one = Tensor::<2>::full([c, 1], -1.0, &z.device()).cast(FloatDType::F32);
+                // Where burn's fusion runs the ops (CUDA, wgpu), the logits
+                // stay alive until the chunk's gradients are formed, so no op
+                // below may write over them: in f16 `exp(z - lse)`, as their
+                // last use, ran in place, and the loss read its target logits
+                // from the overwritten buffer (a wrong loss, the gradients
+                // right; lavapipe's f16 check). flex runs each op at once, and
+                // `z - lse` reuses their buffer.
+                kept = (z.device() != Device::flex()).then(|| z.clone());
+                // softmax − onehot(target), times the gradient a row gets.
+                let g = exp(z - lse)
+                    .scatter(1, t, minus_one, IndexingUpdateOp::Add)
+                    .mul_scalar(row_scale);
+                let g = match dcap {
+                    Some(dcap) => g * dcap,
+                    None => g,
+                };
+                (part, Some(g.cast(dtype)))
+            }
+        };
         total = Some(match total {
             Some(total) => total + part,
             None => part,
         });
-        if !wanted.any() {
-            continue;
-        }
-        // d(cap · tanh(z / cap))/dz = 1 − tanh², from the capped logits.
-        let dcap = softcap.map(|cap| z.clone().div_scalar(cap).square().neg().add_scalar(1.0));
-        let minus_one = Tensor::<2>::full([c, 1], -1.0, &z.device()).cast(FloatDType::F32);
-        // Where burn's fusion runs the ops (CUDA, wgpu), the logits stay
-        // alive until the chunk's gradients are formed, so no op below may
-        // write over them: in f16 `exp(z - lse)`, as their last use, ran in
-        // place, and the loss read its target logits from the overwritten
-        // buffer (a wrong loss, the gradients right; lavapipe's f16 check).
-        // flex runs each op at once, and `z - lse` reuses their buffer.
-        let kept = (z.device() != Device::flex()).then(|| z.clone());
-        // softmax − onehot(target), times the gradient a row gets.
-        let g = exp(z - lse)
-            .scatter(1, t, minus_one, IndexingUpdateOp::Add)
-            .mul_scalar(row_scale);
-        let g = match dcap {
-            Some(dcap) => g * dcap,
-            None => g,
-        }
-        .cast(dtype);
-        if wanted.weight {
-            let h = hidden.clone().narrow(0, r.start, c);
-            let dw = g.clone().transpose().matmul(h);
-            dweight = Some(match dweight {
-                Some(acc) => acc + dw,
-                None => dw,
-            });
-        }
-        if wanted.hidden {
-            dhidden.push(g.matmul(weight.clone()));
+        if let Some(g) = g {
+            if wanted.weight {
+                let h = hidden.clone().narrow(0, r.start, c);
+                let dw = g.clone().transpose().matmul(h);
+                dweight = Some(match dweight {
+                    Some(acc) => acc + dw,
+                    None => dw,
+                });
+            }
+            if wanted.hidden {
+                dhidden.push(g.matmul(weight.clone()));
+            }
         }
         drop(kept);
     }
@@ -161,6 +188,88 @@ pub fn forward(
         dhidden: (!dhidden.is_empty()).then(|| Tensor::cat(dhidden, 0)),
         dweight,
     }
+}
+
+/// Values a row's reductions keep apart (one AVX-512 register of f32):
+/// lane-wise they vectorize, where one running value would not (float
+/// addition is not reassociated).
+const LANES: usize = 16;
+
+/// The loss of each row of the logits `z` [c, vocab] (flex f32, contiguous)
+/// against its target, summed; with `scale`, `z` turned in place into the
+/// rows' gradient `scale · (softmax(z) − onehot(target))`. Row by row, so
+/// that a row stays in cache through its passes (max; exp and sum; scale)
+/// where each tensor op would stream the whole chunk through memory.
+fn flex_rows(
+    mut z: FloatTensor<Flex>,
+    targets: &[i64],
+    scale: Option<f32>,
+) -> (f64, FloatTensor<Flex>) {
+    let vocab = z.layout().shape()[1];
+    let arch = pulp::Arch::new();
+    let mut loss = 0.0f64;
+    let rows = values_mut(&mut z).chunks_exact_mut(vocab);
+    for (row, &target) in rows.zip(targets) {
+        let target = usize::try_from(target)
+            .ok()
+            .filter(|&t| t < vocab)
+            .unwrap_or_else(|| panic!("target {target} is outside the vocabulary of {vocab}"));
+        let logit = row[target];
+        let (max, sum) = arch.dispatch(
+            #[inline(always)]
+            || {
+                let max = row_max(row);
+                for x in row.iter_mut() {
+                    *x = exp_f32(*x - max);
+                }
+                (max, row_sum(row))
+            },
+        );
+        let lse = f64::from(max) + f64::from(sum).ln();
+        loss += lse - f64::from(logit);
+        if let Some(scale) = scale {
+            let k = scale / sum;
+            arch.dispatch(
+                #[inline(always)]
+                || {
+                    for x in row.iter_mut() {
+                        *x *= k;
+                    }
+                },
+            );
+            row[target] -= scale;
+        }
+    }
+    (loss, z)
+}
+
+/// The largest value of `row` (NaN ignored: it reaches the loss through
+/// the sum).
+#[inline(always)]
+fn row_max(row: &[f32]) -> f32 {
+    let larger = |m: f32, x: f32| if x > m { x } else { m };
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let mut chunks = row.chunks_exact(LANES);
+    for c in &mut chunks {
+        for (m, &x) in lanes.iter_mut().zip(c) {
+            *m = larger(*m, x);
+        }
+    }
+    let rest = chunks.remainder().iter().chain(&lanes);
+    rest.fold(f32::NEG_INFINITY, |m, &x| larger(m, x))
+}
+
+/// The sum of `row`, in [`LANES`] partial sums.
+#[inline(always)]
+fn row_sum(row: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; LANES];
+    let mut chunks = row.chunks_exact(LANES);
+    for c in &mut chunks {
+        for (s, &x) in lanes.iter_mut().zip(c) {
+            *s += x;
+        }
+    }
+    chunks.remainder().iter().chain(&lanes).sum()
 }
 
 /// The gradient the forward formed at `grad_scale`, for the loss's gradient

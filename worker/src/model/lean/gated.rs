@@ -17,10 +17,10 @@
 use burn::backend::Flex;
 use burn::backend::tensor::FloatTensor;
 use burn::tensor::activation::{gelu_approximate, sigmoid, silu};
-use burn::tensor::{DType, Tensor};
+use burn::tensor::Tensor;
 
 use super::exp::exp_f32;
-use crate::flex_values::values;
+use crate::flex_values::{flex_f32, values};
 
 /// The gate's activation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -108,23 +108,6 @@ pub fn naive<const D: usize>(
 /// `4 σ(2z)(1 − σ(2z))`.
 fn gelu_sigmoid<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     sigmoid((x.clone() + x.powf_scalar(3.0) * GELU_CUBIC).mul_scalar(2.0 * SQRT_2_OVER_PI))
-}
-
-/// The tensor as a contiguous flex primitive where it is f32 on the plain
-/// flex device (the lean ops' bodies); `None` elsewhere.
-fn flex_f32<const D: usize>(t: &Tensor<D>) -> Option<FloatTensor<Flex>> {
-    if t.dtype() != DType::F32 || t.device() != burn::tensor::Device::flex() {
-        return None;
-    }
-    let t = t
-        .clone()
-        .try_into_primitive::<Flex>()
-        .expect("a tensor on the flex device is a flex tensor");
-    Some(if t.layout().contiguous_offsets().is_some() {
-        t
-    } else {
-        t.to_contiguous()
-    })
 }
 
 /// A new f32 tensor of `shape` whose values `fill` writes.
@@ -274,7 +257,7 @@ fn gelu_p(x: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::tensor::{Device, TensorData};
+    use burn::tensor::{DType, Device, TensorData};
 
     fn grid() -> Vec<f32> {
         // Both tails (σ and tanh saturating, exp overflowing), and near 0.
