@@ -16,8 +16,8 @@
 
 use burn::backend::Flex;
 use burn::backend::tensor::FloatTensor;
-use burn::tensor::activation::{gelu_approximate, sigmoid, silu};
 use burn::tensor::Tensor;
+use burn::tensor::activation::{gelu_approximate, sigmoid, silu};
 
 use super::exp::exp_f32;
 use crate::flex_values::{flex_f32, values};
