@@ -34,7 +34,7 @@ use std::ops::Range;
 
 use burn::backend::Flex;
 use burn::backend::tensor::FloatTensor;
-use burn::tensor::{Device, FloatDType, IndexingUpdateOp, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, FloatDType, IndexingUpdateOp, Int, Tensor, TensorData};
 
 use super::exp::{exp, exp_f32};
 use crate::flex_values::{into_flex, is_flex_f32, values_mut};
@@ -130,7 +130,11 @@ pub fn forward(
             let ids: Vec<i64> = t.into_data().iter::<i64>().collect();
             let scale = wanted.any().then_some(row_scale as f32);
             let (loss, g) = flex_rows(into_flex(z), &ids, scale);
-            let part = Tensor::<1>::from_data(TensorData::new(vec![loss as f32], [1]), &device);
+            // f32 whatever the device's default float (bf16 on a bf16 device).
+            let part = Tensor::<1>::from_data(
+                TensorData::new(vec![loss as f32], [1]),
+                (&device, DType::F32),
+            );
             let g = scale.map(|_| Tensor::<2>::from_primitive::<Flex>(g).cast(dtype));
             (part, g)
         } else {
