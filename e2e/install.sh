@@ -43,6 +43,12 @@ HELM=$(e2e/tools/build-helm.sh --print)
 # Helm installs a chart's crds/ only on first install and never upgrades them:
 # apply the CRD first, so a cluster installed by an older build gets new fields.
 "${KUBECTL}" apply --server-side --force-conflicts --field-manager=headroom-install -f charts/headroom/crds/ >&2
+# kubectl wait fails at once, instead of waiting, while a CRD just created
+# has no status.conditions yet ("accessor error: <nil>"): ask again.
+for _ in 1 2 3 4 5 6 7 8 9; do
+  "${KUBECTL}" get crd/memoryawaretrainingjobs.headroom.dev -o jsonpath='{.status.conditions}' 2>/dev/null | grep -q . && break
+  sleep 1
+done
 "${KUBECTL}" wait --for=condition=Established --timeout=60s crd/memoryawaretrainingjobs.headroom.dev >&2
 "${HELM}" upgrade --install headroom charts/headroom -n headroom-system --create-namespace \
   --set image.repository=localhost/headroom-operator --set image.tag=dev \

@@ -149,6 +149,12 @@ fi
 say "helm upgrade --install headroom charts/headroom"
 # Helm never upgrades a chart's crds/: apply the CRD first (a reused cluster may hold an older one).
 "${KUBECTL}" apply --server-side --force-conflicts --field-manager=headroom-install -f charts/headroom/crds/ >&2
+# kubectl wait fails at once, instead of waiting, while a CRD just created
+# has no status.conditions yet ("accessor error: <nil>"): ask again.
+for _ in 1 2 3 4 5 6 7 8 9; do
+  "${KUBECTL}" get crd/memoryawaretrainingjobs.headroom.dev -o jsonpath='{.status.conditions}' 2>/dev/null | grep -q . && break
+  sleep 1
+done
 "${KUBECTL}" wait --for=condition=Established --timeout=60s crd/memoryawaretrainingjobs.headroom.dev >&2
 # install ACCESS_MODE STORAGE_CLASS: the chart, with the checkpoint volumes given.
 install() {
