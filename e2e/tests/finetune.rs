@@ -126,8 +126,7 @@ async fn a_hugging_face_checkpoint_is_fine_tuned_and_its_output_is_a_checkpoint_
 
 /// A job that downloads the tiny-llama from the hub stand-in at `endpoint`,
 /// with settings pinned far over its 200Mi limit: micro-batch 64 of 256
-/// tokens without checkpointing. (At 32 the lean worker now fits the
-/// limit: attempt 1 succeeded.)
+/// tokens without checkpointing.
 fn hub_job(endpoint: &str) -> String {
     format!(
         r#"apiVersion: headroom.dev/v1alpha1

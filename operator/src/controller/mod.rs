@@ -449,9 +449,9 @@ mod tests {
 
     /// The pods launched together with a status write are deleted again
     /// only when the API server refused the write for good. After a
-    /// conflict (a telemetry write between the read and the write: the
-    /// e2e flake), throttling, a server error or no answer, they stay: the
-    /// next decision, on a fresh read, records the attempt on them
+    /// conflict (a telemetry write between the read and the write),
+    /// throttling, a server error or no answer, they stay: the next
+    /// decision, on a fresh read, records the attempt on them
     /// (`Builder::start`), and a pod deleted under it would end that
     /// attempt as disrupted before it ran.
     #[test]

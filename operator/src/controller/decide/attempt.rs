@@ -534,8 +534,8 @@ mod tests {
         assert_eq!(launched(&d), Some(2), "resumes at once");
     }
 
-    /// The e2e flake (an eviction, then attempt 3 disrupted before it ran),
-    /// as the decisions see it. A launch writes the status and creates the
+    /// An eviction, then a launch whose status write loses a race, as the
+    /// decisions see it. A launch writes the status and creates the
     /// pods together; when that status write loses a race with a telemetry
     /// write (409), the next decision, made on the newer job, records the
     /// same attempt on the pods the launch made (`Builder::start`) and
