@@ -1168,20 +1168,18 @@ struct BallastRun {
 
 /// Runs assignment `a` in `dir` inside a fresh cgroup with `limit`; once
 /// the worker logs step 2, a second process in the cgroup (another consumer
-/// in the same container) fills a tmpfs file by 1 MiB every 40 ms up to
-/// `ballast` bytes (none when 0): memory the worker does not hold but the
-/// limit counts. It grows 2 MiB a second, so that between two of the
-/// guard's checks (the longest part of a step here, a backward, takes well
-/// under the 5 s its 10 % margin would fill in) it grows by less than the
-/// margin: a consumer that jumps by more than that between two checks is
-/// beyond any guard. Without a guard, the kernel kills whatever crosses
-/// the limit.
+/// in the same container) fills a tmpfs file by 1 MiB every `per_mib` up
+/// to `ballast` bytes (none when 0): memory the worker does not hold but
+/// the limit counts. The caller paces it so that between two of the
+/// guard's checks it grows by less than the guard's margin: a consumer
+/// that jumps by more than that between two checks is beyond any guard.
+/// Without a guard, the kernel kills whatever crosses the limit.
 fn run_with_growing_ballast(
     name: &str,
     dir: &Path,
     a: &WorkerAssignment,
     limit: u64,
-    ballast: u64,
+    (ballast, per_mib): (u64, std::time::Duration),
 ) -> BallastRun {
     use std::io::{BufRead, BufReader};
     assert!(
@@ -1194,6 +1192,12 @@ fn run_with_growing_ballast(
             }),
         "the ballast needs /dev/shm on tmpfs (its pages are charged to the writer's cgroup and cannot be reclaimed without swap)"
     );
+    // The worker's executable (hundreds of MB in a debug build) is read
+    // into the page cache here first, charged to the test's own cgroup:
+    // otherwise the pages a run faults in are charged to that run's cgroup
+    // or not, as the cache happens to hold them, and the peaks that size
+    // the scenario move by tens of MB from run to run.
+    std::fs::read(env!("CARGO_BIN_EXE_headroom-worker")).expect("the worker's executable");
     let cgroup = TestCgroup::new(name, limit);
     let file = PathBuf::from(format!(
         "/dev/shm/headroom-test-{name}-{}",
@@ -1232,8 +1236,9 @@ fn run_with_growing_ballast(
     {
         let mib = ballast >> 20;
         let script = format!(
-            "i=0; while [ $i -lt {mib} ]; do dd if=/dev/zero of='{}' bs=1M count=1 seek=$i conv=notrunc status=none || exit 1; i=$((i+1)); sleep 0.5; done",
-            file.display()
+            "i=0; while [ $i -lt {mib} ]; do dd if=/dev/zero of='{}' bs=1M count=1 seek=$i conv=notrunc status=none || exit 1; i=$((i+1)); sleep {:.3}; done",
+            file.display(),
+            per_mib.as_secs_f64()
         );
         filler = Some(
             cgroup
@@ -1274,24 +1279,32 @@ fn a_trip_after_completed_steps_loses_none_of_them() {
     let at = |micro| assignment_for(activation_heavy(), 32, STEPS, Some(micro), Some(false));
     let mut a = at(32);
     a.checkpoint_every_steps = 1000;
-    // A wider margin than the default 3 %: the ballast may grow 4 MiB
-    // during the longest part of a step.
+    // A wider margin than the default 3 %: the ballast may grow by a tenth
+    // of the activations' spread during the longest part of a step.
     a.memory_guard = Some(headroom_api::MemoryGuardSettings {
         margin_percent: 10,
         step_down_in_place: true,
     });
     // Peaks as the limit counts them: the cgroup's charge, without a limit
-    // in reach or a guard.
+    // in reach or a guard; and the time a step takes (the run's, over its
+    // two steps: a little more than a step).
     let peak = |micro| {
         let dir = temp_dir(&format!("ballast-peak-{micro}"));
         let mut b = at(micro);
         b.recipe = headroom_api::Recipe::constant(1e-2, 2);
-        let run = run_with_growing_ballast(&format!("peak-{micro}"), &dir, &b, 8 << 30, 0);
+        let began = std::time::Instant::now();
+        let run = run_with_growing_ballast(
+            &format!("peak-{micro}"),
+            &dir,
+            &b,
+            8 << 30,
+            (0, std::time::Duration::ZERO),
+        );
         assert!(run.status.success(), "{}", run.stderr);
         let _ = std::fs::remove_dir_all(&dir);
-        run.peak
+        (run.peak, began.elapsed() / 2)
     };
-    let (small, large) = (peak(4), peak(32));
+    let ((small, _), (large, step)) = (peak(4), peak(32));
     let spread = large.saturating_sub(small);
     assert!(
         spread > 16 << 20,
@@ -1301,9 +1314,17 @@ fn a_trip_after_completed_steps_loses_none_of_them() {
     // to spare; the full ballast (the whole spread) leaves it a quarter of
     // the spread short, and leaves micro-batch 4 where 32 was.
     let limit = large + spread * 3 / 4;
-    let ballast = spread;
+    // The ballast fills in six steps' time, paced by this machine's step:
+    // the control reaches the line about 4.5 steps after step 2, well
+    // before the last step, on a fast machine or a slow one. The longest
+    // part of a step (the backward) is under 60 % of it, so the ballast
+    // grows by under a tenth of the spread between two checks, and the
+    // 10 % margin is at least 0.175 of it (the limit is at least 1.75
+    // spreads).
+    let ballast = (spread, step * 6 / u32::try_from(spread >> 20).expect("MiB"));
     eprintln!(
-        "cgroup peaks: micro-batch 4 {small} B, 32 {large} B; limit {limit} B, ballast {ballast} B"
+        "cgroup peaks: micro-batch 4 {small} B, 32 {large} B; limit {limit} B, ballast {} B at 1 MiB per {:?} (a step: {step:?})",
+        ballast.0, ballast.1
     );
 
     // The control: without the guard, the kernel kills the worker.
