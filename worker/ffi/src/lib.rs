@@ -1,9 +1,12 @@
 //! The one crate of Headroom that calls C (the workspace forbids `unsafe`
 //! everywhere else): glibc's malloc, under the worker's global allocator
-//! ([`ReusingAllocator`]) and its heap trim. Each wrapper is safe to call;
+//! ([`ReusingAllocator`]) and its heap trim; and gemm's accumulating
+//! product ([`add_product_f32`]), whose API takes raw pointers. Each wrapper is safe to call;
 //! each `unsafe` block says why it is sound.
 
+mod product;
 mod reuse;
+pub use product::{Strided, add_product_f32};
 pub use reuse::{
     LARGE_BLOCK_BYTES, REUSE_ENV, ReusingAllocator, cached_bytes, configure_from_env,
     release_cached, resident_and_mark, reuse_counts, set_reuse,

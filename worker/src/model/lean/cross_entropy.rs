@@ -37,7 +37,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::tensor::{DType, Device, FloatDType, IndexingUpdateOp, Int, Tensor, TensorData};
 
 use super::exp::{exp, exp_f32};
-use crate::flex_values::{into_flex, is_flex_f32, values_mut};
+use crate::flex_values::{flex_f32, into_flex, is_flex_f32, values, values_mut};
 
 fn chunks(len: usize, chunk: usize) -> Vec<Range<usize>> {
     let chunk = chunk.max(1);
@@ -119,6 +119,15 @@ pub fn forward(
     let mut total: Option<Tensor<1>> = None;
     let mut dhidden = Vec::new();
     let mut dweight: Option<Tensor<2>> = None;
+    // On the CPU in f32 the head's gradient is one matrix that each chunk's
+    // product is added into (`add_head_gradient`).
+    let mut flex_dweight = (wanted.weight && softcap.is_none())
+        .then(|| flex_f32(&hidden).zip(flex_f32(&weight)))
+        .flatten()
+        .map(|(hidden, _)| {
+            let dweight = Tensor::<2>::zeros(weight.dims(), (&weight.device(), DType::F32));
+            (hidden, into_flex(dweight))
+        });
     for r in chunks(n, chunk) {
         let c = r.len();
         let z = logits(&hidden, &weight_t, &r, softcap);
@@ -173,7 +182,9 @@ pub fn forward(
             None => part,
         });
         if let Some(g) = g {
-            if wanted.weight {
+            if let Some((flex_hidden, acc)) = flex_dweight.as_mut() {
+                add_head_gradient(acc, weight.dims(), &g, flex_hidden, &r);
+            } else if wanted.weight {
                 let h = hidden.clone().narrow(0, r.start, c);
                 let dw = g.clone().transpose().matmul(h);
                 dweight = Some(match dweight {
@@ -190,8 +201,43 @@ pub fn forward(
     LossAndGradients {
         loss: total.expect("at least one row").div_scalar(n as f64),
         dhidden: (!dhidden.is_empty()).then(|| Tensor::cat(dhidden, 0)),
-        dweight,
+        dweight: flex_dweight
+            .map(|(_, dweight)| Tensor::from_primitive::<Flex>(dweight))
+            .or(dweight),
     }
+}
+
+/// `dweight += gᵀ · hidden[r]` on flex f32, in place: gemm's accumulating
+/// product. burn's matmul would write each chunk's product to a fresh
+/// `[vocab, h]` matrix (fresh pages: 113 MB a chunk for a 49k vocabulary
+/// and h 576) and add it in another pass over both.
+fn add_head_gradient(
+    dweight: &mut FloatTensor<Flex>,
+    [vocab, h]: [usize; 2],
+    g: &Tensor<2>,
+    hidden: &FloatTensor<Flex>,
+    r: &Range<usize>,
+) {
+    let g = into_flex(g.clone());
+    let rows = &values(hidden)[r.start * h..r.end * h];
+    headroom_ffi::add_product_f32(
+        values_mut(dweight),
+        // gᵀ: g is [rows, vocab] row-major.
+        headroom_ffi::Strided {
+            values: values(&g),
+            rows: vocab,
+            cols: r.len(),
+            row_stride: 1,
+            col_stride: vocab,
+        },
+        headroom_ffi::Strided {
+            values: rows,
+            rows: r.len(),
+            cols: h,
+            row_stride: h,
+            col_stride: 1,
+        },
+    );
 }
 
 /// Values a row's reductions keep apart (one AVX-512 register of f32):
