@@ -91,7 +91,19 @@ struct OldAttempt {
 async fn store_the_old_shape(ns: &TestNs) -> OldAttempt {
     let old_crd: CustomResourceDefinition = serde_yaml::from_str(OLD_CRD).expect("old CRD");
     apply_crd(ns, &old_crd).await;
-    let mut stored = raw_job(ns).await;
+    // Established is not served: for a moment after it the API server may
+    // still answer with the current schema, which keeps the fields the old
+    // one lacks (the plan's disk); a write then prunes them and the plan read
+    // first is not the plan stored. Wait for a read the old schema pruned.
+    let mut stored = ns
+        .wait_for("reads served by the old CRD", TIMEOUT, || async {
+            let raw = raw_job(ns).await;
+            raw.data["status"]["plan"]
+                .get("disk")
+                .is_none()
+                .then_some(raw)
+        })
+        .await;
     let status = &mut stored.data["status"];
     let plan = status["plan"].clone();
     let started_at = status["attempts"][0]["startedAt"].clone();
@@ -101,10 +113,13 @@ async fn store_the_old_shape(ns: &TestNs) -> OldAttempt {
         "outcome": "Running",
         "startedAt": started_at,
     }]);
-    raw_jobs(ns)
+    let written = raw_jobs(ns)
         .replace_status(JOB, &PostParams::default(), &stored)
         .await
         .expect("the old CRD stores the old shape");
+    // What is stored is what the old CRD kept of the write.
+    let plan = written.data["status"]["attempts"][0]["plan"].clone();
+    assert_eq!(plan.get("disk"), None, "stored under the old CRD");
     OldAttempt { plan, started_at }
 }
 
