@@ -227,9 +227,14 @@ fn assignment(case: &Case, steps: u64, gpu: &Gpu) -> Result<WorkerAssignment, St
     // An offloaded row measures the same case with its checkpoints in host
     // memory, which the search only chooses where the case would not fit:
     // set it, and predict it ([`cuda_prediction`] reads the settings).
-    if case.offload_activations || case.offload_embedding {
+    if case.offload_activations || case.offload_embedding || case.offload_gradients {
         plan.settings.offload_activations |= case.offload_activations;
         plan.settings.offload_embedding |= case.offload_embedding;
+        if case.offload_gradients {
+            plan.settings.offload_gradients = true;
+            plan.settings.offload_optimizer = true;
+            plan.settings.activation_checkpointing = true;
+        }
         let peak = estimate_stage(
             &case.model,
             plan.adapters.as_ref(),
@@ -265,7 +270,7 @@ fn assignment(case: &Case, steps: u64, gpu: &Gpu) -> Result<WorkerAssignment, St
         case.checkpointing,
         case.optimizer,
         case.base_format,
-        false,
+        case.offload_gradients,
         case.offload_embedding,
         1,
     );
@@ -314,6 +319,10 @@ pub fn grid(large: bool) -> Vec<Case> {
         offload_embedding: true,
         ..case
     };
+    let gradients_offloaded = |case: Case| Case {
+        offload_gradients: true,
+        ..case
+    };
     use BaseFormat::{Dense, Int4, Int8, Nf4};
     use Optimizer::{Adamw, Adamw8bit};
     let qv = &[TargetModule::QProj, TargetModule::VProj][..];
@@ -336,6 +345,10 @@ pub fn grid(large: bool) -> Vec<Case> {
         c("B b4", &b, 4, 1, false, Adamw),
         c("B b8 ckpt", &b, 8, 1, true, Adamw),
         c("B b8 ckpt 8bit", &b, 8, 1, true, Adamw8bit),
+        // Each block's gradients to a host accumulator, the step on the
+        // host: the device keeps one unit's gradients instead of all.
+        c("B b1 acc4 ckpt", &b, 1, 4, true, Adamw),
+        gradients_offloaded(c("B b1 acc4 ckpt grads", &b, 1, 4, true, Adamw)),
         lora("B lora qv b4", &b, 4, false, qv, Dense),
         lora("B lora all7 b8 ckpt", &b, 8, true, all7, Dense),
         lora("B qlora8 all7 b8 ckpt", &b, 8, true, all7, Int8),

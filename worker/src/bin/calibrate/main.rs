@@ -108,6 +108,10 @@ struct Case {
     offload_activations: bool,
     /// The frozen embedding in host memory (CUDA grid only, LoRA rows).
     offload_embedding: bool,
+    /// Each block's gradients to a host accumulator as backward makes them,
+    /// the step on the host (CUDA grid only, full fine-tunes; with
+    /// checkpointing and the optimizer offload, as the rung sets them).
+    offload_gradients: bool,
 }
 
 impl Case {
@@ -132,6 +136,7 @@ impl Case {
             precision,
             offload_activations: false,
             offload_embedding: false,
+            offload_gradients: false,
         }
     }
 
