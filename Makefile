@@ -89,7 +89,7 @@ recipe-reference: ## PyTorch's loss curves of the recipe reference job (transfor
 BENCH_STEP_THREADS ?= 1
 BENCH_STEP_STEPS ?= 6
 # As in a worker pod: its allocator settings (headroom_api::WORKER_MALLOC_TUNABLES / _ARENAS).
-BENCH_STEP_ENV = RAYON_NUM_THREADS=$(BENCH_STEP_THREADS) MALLOC_ARENA_MAX=1 GLIBC_TUNABLES=glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=4194304
+BENCH_STEP_ENV = RAYON_NUM_THREADS=$(BENCH_STEP_THREADS) MALLOC_ARENA_MAX=1 GLIBC_TUNABLES=glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=8388608
 .PHONY: bench-lora-step
 bench-lora-step: ## Median step, its phases and tokens/s of a full, LoRA r16 and QLoRA step of a 135M Llama: Headroom vs PyTorch + PEFT, one thread each (release; ~15 min; not in CI).
 	test -x $(RECIPE_VENV)/bin/python || python3 -m venv $(RECIPE_VENV)

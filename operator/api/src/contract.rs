@@ -86,24 +86,27 @@ pub const POD_NAME_ENV: &str = "POD_NAME";
 /// calibration harness in every worker it runs.
 pub const MALLOC_ARENA_MAX_ENV: &str = "MALLOC_ARENA_MAX";
 pub const WORKER_MALLOC_ARENAS: &str = "1";
-/// glibc's malloc tunables, and the worker's: tensors of 4 MiB and more
+/// glibc's malloc tunables, and the worker's: tensors of 8 MiB and more
 /// are mmapped (a fixed threshold) on transparent huge pages. glibc's
 /// default raises its mmap threshold to the largest block freed so far (up
 /// to 32 MiB), so after the first step nearly every tensor lives on the
 /// heap, and a heap whose holes do not fit the next tensor grows: the same
 /// job's peak then varied by 15–50 MiB from run to run and sat up to 48 %
 /// above the bytes really alive (a 2 × 192 model with a 32k vocabulary:
-/// 299 and 351 MiB against 237 mmapped). A fixed
-/// threshold gives freed tensors back at once, so the peak is what is
-/// alive; huge pages keep the page faults of fresh mappings from costing
-/// more than the reuse saved (CPU per step within ±11 % of the default on
-/// the rows measured, faster on most; docs/benchmarks.md). Where the node
-/// disables transparent huge pages only the threshold applies. The
-/// operator sets it in every worker pod, the calibration harness in every
-/// worker it runs.
+/// 299 and 351 MiB against 237 mmapped). A fixed threshold gives freed
+/// large tensors back at once, so the peak is what is alive; huge pages
+/// keep the page faults of fresh mappings cheap. 8 MiB rather than 4: a
+/// mapping is zeroed by the kernel on first touch every time it is made,
+/// and the 4–8 MiB tensors of a small model's step (a 135M model's MLP
+/// activations at 6 MiB) are made and freed many times a step; from the
+/// heap they cost no faults. That saved 5–9 % of a full and of a LoRA step
+/// on the CPU, for peaks +1 MiB at the median over the calibration grid
+/// (docs/benchmarks.md). Where the node disables transparent huge pages
+/// only the threshold applies. The operator sets it in every worker pod,
+/// the calibration harness in every worker it runs.
 pub const MALLOC_TUNABLES_ENV: &str = "GLIBC_TUNABLES";
 pub const WORKER_MALLOC_TUNABLES: &str =
-    "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=4194304";
+    "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=8388608";
 /// Seconds between a worker's telemetry reports, and between the operator's
 /// writes of a job's reports into its status (a markedly higher peak goes at once).
 pub const TELEMETRY_INTERVAL_ENV: &str = "HEADROOM_TELEMETRY_INTERVAL_SECONDS";

@@ -701,7 +701,7 @@ mod tests {
             .and_then(|e| e.value.clone());
         assert_eq!(
             tunables.as_deref(),
-            Some("glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=4194304")
+            Some("glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=8388608")
         );
         let often = ChildConfig {
             telemetry_interval: std::time::Duration::from_millis(1500),
