@@ -13,21 +13,20 @@
 //! from the environment (`CUBECL_DEBUG_LOG`, `CUBECL_DEBUG_OPTION`) still
 //! apply; the plan's settings override the rest.
 //!
-//! **Why a cache on the checkpoint volume.** With burn's `autotune` on,
-//! cubecl benchmarks kernel candidates the first time it meets each shape:
-//! on an H200 that once made a 4-layer model's first step take 142 s
-//! (docs/gpu.md). cubecl keeps the results, and the kernels it compiled, in
-//! an "environment" database, by default under the working directory's
-//! Cargo target or the user's cache: inside a pod, a read-only root or an
-//! `emptyDir` that dies with the attempt. The worker puts it on the job's
-//! checkpoint claim instead, one directory per pipeline slot (a database
-//! has one writer; replicas may share a ReadWriteMany claim) and one
-//! environment per GPU product, so a retry, a resumed job or a re-planned
-//! split on the same GPU type starts with its kernels tuned and compiled.
-//! That takes burn's `persistence` feature, which neither the `cuda` nor
-//! the `wgpu` build enables yet (docs/gpu.md, lavapipe section): without
-//! it cubecl keeps the results in memory only and the directory stays
-//! empty, so today each attempt tunes again.
+//! **Why a cache on the checkpoint volume.** Before its first step a
+//! worker compiles every kernel it meets (with `fusion`, many) and, with
+//! `autotune`, times the candidates of each new shape: on an H200 that made
+//! a small GPT's first step take 40-85 s and a 110M Llama's more than
+//! 90 s, in every process (docs/gpu.md). cubecl keeps the compiled kernels
+//! and the tuning results in an "environment" database (burn's
+//! `persistence` feature, on in the `cuda` and `wgpu` builds), by default
+//! under the working directory's Cargo target or the user's cache: inside
+//! a pod, a read-only root or an `emptyDir` that dies with the attempt. The
+//! worker puts it on the job's checkpoint claim instead, one directory per
+//! pipeline slot (a database has one writer; replicas may share a
+//! ReadWriteMany claim) and one environment per GPU product, so a retry, a
+//! resumed job or a re-planned split on the same GPU type starts with its
+//! kernels compiled and tuned.
 
 use std::path::{Path, PathBuf};
 
@@ -113,7 +112,12 @@ pub fn install(settings: &RuntimeSettings) -> Result<(), String> {
     if let Some(dir) = &settings.cache {
         // Without it the job still runs, tuning again on a retry.
         match std::fs::create_dir_all(dir) {
-            Ok(()) => config.environment.path = CacheConfig::Directory(dir.clone()),
+            Ok(()) => {
+                config.environment.path = CacheConfig::Directory(dir.clone());
+                // Off by default in cubecl: without it only the tuning
+                // results persist, and compiling is most of a cold start.
+                config.compilation.cache = true;
+            }
             Err(e) => tracing::warn!(
                 "cannot create the GPU runtime cache {}: {e}; autotune results and compiled \
                  kernels will not outlive this process",

@@ -41,7 +41,10 @@ fn vulkan() -> Device {
     static DEVICE: OnceLock<Device> = OnceLock::new();
     DEVICE
         .get_or_init(|| {
-            let cache = std::env::temp_dir().join("headroom-wgpu-test-runtime");
+            // Empty at the start of each process, so that what the runtime
+            // cache test finds there was written by this one.
+            let _ = std::fs::remove_dir_all(runtime_cache_dir().parent().expect("a parent"));
+            let cache = runtime_cache_dir();
             // Autotune at its minimal level: lavapipe compiles each candidate
             // kernel with LLVM on the CPU, and at the profile's level the
             // matmul candidates alone took over 8 minutes of the first test
@@ -59,6 +62,28 @@ fn vulkan() -> Device {
             Device::wgpu(DeviceKind::Cpu)
         })
         .clone()
+}
+
+/// This process's cubecl environment directory, as a worker's is on the
+/// job's checkpoint claim.
+fn runtime_cache_dir() -> PathBuf {
+    std::env::temp_dir()
+        .join("headroom-wgpu-test-runtime")
+        .join(std::process::id().to_string())
+}
+
+/// Bytes in the files under `dir`, recursively.
+fn bytes_under(dir: &Path) -> u64 {
+    std::fs::read_dir(dir).map_or(0, |entries| {
+        entries
+            .flatten()
+            .map(|e| match e.metadata() {
+                Ok(m) if m.is_dir() => bytes_under(&e.path()),
+                Ok(m) => m.len(),
+                Err(_) => 0,
+            })
+            .sum()
+    })
 }
 
 fn base(variant: &str) -> PathBuf {
@@ -322,6 +347,23 @@ fn training_qlora_offloaded_checkpoints_matches_flex() {
 #[test]
 fn training_lora_host_embedding_matches_flex() {
     matches_flex(ROWS[4], Optimizer::Adamw);
+}
+
+/// What a worker's first steps compile and tune outlives the process:
+/// cubecl writes it to the environment directory the worker gives it (on
+/// the job's checkpoint claim), so a retry on the same card starts warm.
+/// Without burn's `persistence` the directory stays empty.
+#[test]
+fn the_runtime_cache_is_written_where_the_worker_puts_it() {
+    let mut on_vulkan = trainer(ROWS[0], Optimizer::Adamw, vulkan().autodiff());
+    losses(&mut on_vulkan);
+    let dir = runtime_cache_dir();
+    let bytes = bytes_under(&dir);
+    println!(
+        "cubecl's environment after a full fine-tune: {bytes} bytes in {}",
+        dir.display()
+    );
+    assert!(bytes > 0, "nothing written under {}", dir.display());
 }
 
 /// What the memory model counts of cubecl's pools, against what the
