@@ -99,7 +99,7 @@ pub const WORKER_MALLOC_ARENAS: &str = "1";
 /// mapping is zeroed by the kernel on first touch every time it is made,
 /// and the 4–8 MiB tensors of a small model's step (a 135M model's MLP
 /// activations at 6 MiB) are made and freed many times a step; from the
-/// heap they cost no faults. That saved 5–9 % of a full and of a LoRA step
+/// heap they cost no faults. That saved 3–10 % of a full and of a LoRA step
 /// on the CPU, for peaks +1 MiB at the median over the calibration grid
 /// (docs/benchmarks.md). Where the node disables transparent huge pages
 /// only the threshold applies. The operator sets it in every worker pod,
