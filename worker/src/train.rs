@@ -380,6 +380,11 @@ pub struct Trainer {
     /// every other replica's: the model is then no step's, and must not be
     /// saved.
     torn: Option<String>,
+    /// Waits for the device at the end of each phase, so that
+    /// [`StepReport::phases`] holds each phase's kernels on a queued backend
+    /// (CUDA, wgpu) too; off in the worker, where the waits would stall the
+    /// queue, on in `calibrate --step-breakdown`.
+    pub sync_phases: bool,
 }
 
 /// What a forward pass keeps of one micro-batch until its backward pass.
@@ -606,6 +611,7 @@ impl Trainer {
             held_out,
             last_eval: None,
             torn: None,
+            sync_phases: false,
         })
     }
 
@@ -818,6 +824,17 @@ impl Trainer {
         self.step >= self.config.steps()
     }
 
+    /// With [`Trainer::sync_phases`], waits for the device's queued work. A
+    /// failure is only logged: a timing aid, and the next read of a result
+    /// reports the device's error where the step would meet it anyway.
+    fn sync_phase(&self) {
+        if self.sync_phases
+            && let Err(e) = self.device.sync()
+        {
+            tracing::warn!("waiting for the device at a phase's end: {e:?}");
+        }
+    }
+
     /// One optimizer step of a plan with one stage and one replica: nothing
     /// to exchange with (see [`Trainer::train_step_with`]).
     pub fn train_step(&mut self) -> Result<StepReport, StepError> {
@@ -861,6 +878,7 @@ impl Trainer {
                     let (kept, loss) = self.forward(links, micro, grad_scale)?;
                     losses.extend(loss.map(|l| l * weights[micro as usize]));
                     saved.push_back(kept);
+                    self.sync_phase();
                     phases.forward += began.elapsed();
                 }
                 Op::Backward(micro) => {
@@ -879,6 +897,7 @@ impl Trainer {
                             sums.add(self.model(), self.model(), grads);
                         }
                     }
+                    self.sync_phase();
                     phases.backward += began.elapsed();
                 }
             }
@@ -931,6 +950,7 @@ impl Trainer {
             return Err(e.into());
         }
         self.step += 1;
+        self.sync_phase();
         // The step's time and throughput are the training's, not the evaluation's.
         let elapsed = started.elapsed();
         phases.optimizer = update.elapsed();

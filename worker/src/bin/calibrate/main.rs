@@ -45,7 +45,9 @@
 //! `make gpu-check`) runs a GPU grid of bf16 Llama models instead and
 //! compares with the CUDA profile. `--backend wgpu` (a wgpu build, on any
 //! Vulkan device; `vulkan.rs`, run by `make wgpu-check`) runs gpu-check's
-//! rows that need no CUDA: a smoke run and the ops check.
+//! rows that need no CUDA: a smoke run and the ops check. `--step-breakdown`
+//! (`step_breakdown.rs`) times a full, LoRA and QLoRA step's phases, on
+//! flex or, with `--backend cuda`, on the GPU.
 //!
 //! Usage (release build; debug figures are meaningless):
 //!   cargo run --release -p headroom-worker --bin calibrate -- [--backend flex|cuda|wgpu [--large]] [--steps N] [--only NAME] [--skip-pipeline | --pipeline-only] [--skip-overhead | --overhead-only]
@@ -1463,6 +1465,23 @@ fn main() {
             std::process::exit(2);
         }
     }
+    if options.step_breakdown {
+        if only.is_none_or(|o| selected("linear-ops", o)) {
+            step_breakdown::linear_ops(15);
+        }
+        if only.is_none_or(|o| selected("block-ops", o)) {
+            step_breakdown::block_ops(15);
+        }
+        if !matches!(only, Some("linear-ops" | "block-ops")) {
+            let backend = if options.cuda {
+                headroom_planner::Backend::Cuda
+            } else {
+                headroom_planner::Backend::Flex
+            };
+            step_breakdown::run(if options.steps_given { steps } else { 6 }, only, backend);
+        }
+        return;
+    }
     if options.cuda {
         std::process::exit(gpu::run(
             steps,
@@ -1475,18 +1494,6 @@ fn main() {
     }
     if options.ops_ab {
         ops_ab_report(steps, only);
-        return;
-    }
-    if options.step_breakdown {
-        if only.is_none_or(|o| selected("linear-ops", o)) {
-            step_breakdown::linear_ops(15);
-        }
-        if only.is_none_or(|o| selected("block-ops", o)) {
-            step_breakdown::block_ops(15);
-        }
-        if !matches!(only, Some("linear-ops" | "block-ops")) {
-            step_breakdown::run(if options.steps_given { steps } else { 6 }, only);
-        }
         return;
     }
     if options.predict_only {

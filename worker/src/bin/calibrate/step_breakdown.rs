@@ -9,7 +9,9 @@
 //! checkpoint of the shape written once under the models directory.
 //! Printed per case: the median step and its phases (forward with the
 //! loss, backward, optimizer), tokens/s, and the LoRA and QLoRA steps as
-//! fractions of the full one. The top ops inside the phases come from
+//! fractions of the full one. With `--backend cuda` (a CUDA build) the
+//! same cases train on GPU 0, cubecl configured as a worker's, and each
+//! phase waits for the device before its time is read. The top ops inside the phases come from
 //! `perf` around this mode (`make bench-lora-step`); `--only linear-ops`
 //! and `--only block-ops` time a block's linears and its other ops alone.
 
@@ -17,8 +19,9 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use burn::tensor::Device;
-use headroom_planner::{BaseFormat, LoraConfig, Optimizer, Precision};
+use headroom_planner::{Backend, BaseFormat, LoraConfig, Optimizer, Precision};
 use headroom_worker::ValidAssignment;
+use headroom_worker::gpu_runtime::{self, RuntimeSettings};
 use headroom_worker::model::lora::BLOCK_LINEARS;
 use headroom_worker::train::{StepPhases, Trainer};
 
@@ -88,8 +91,9 @@ impl Timed {
     }
 }
 
-/// Trains `case` for `warmup` + `steps` steps; the last `steps` are timed.
-fn time_case(case: &Case, models: &Path, warmup: u32, steps: u32) -> Timed {
+/// Trains `case` on `backend` for `warmup` + `steps` steps; the last
+/// `steps` are timed.
+fn time_case(case: &Case, backend: Backend, models: &Path, warmup: u32, steps: u32) -> Timed {
     let total = u64::from(warmup + steps);
     let dir = std::env::temp_dir().join(format!(
         "headroom-step-breakdown-{}-{}",
@@ -102,12 +106,22 @@ fn time_case(case: &Case, models: &Path, warmup: u32, steps: u32) -> Timed {
     // Transformers' Trainer clips at 1.0 by default; so does the PyTorch side.
     a.recipe.max_grad_norm = 1.0;
     a.files = fine_tuning_files_with(case, &dir, models, total);
+    // The CPU's plan (the same micro-batch, no checkpointing), run on the
+    // backend asked for.
+    a.plan.backend = backend;
     let config = ValidAssignment::new(a)
         .expect("valid assignment")
         .into_config();
     let tokens = config.tokens_per_step() as f64;
     let loading = Instant::now();
-    let mut trainer = Trainer::new(config, Device::flex().autodiff()).expect("trainer");
+    let device = match backend {
+        Backend::Flex => Device::flex().autodiff(),
+        _ => headroom_worker::train::training_device(backend, case.precision)
+            .unwrap_or_else(|e| panic!("{e}")),
+    };
+    let mut trainer = Trainer::new(config, device).expect("trainer");
+    // On a queued backend a phase's kernels finish after its calls return.
+    trainer.sync_phases = backend != Backend::Flex;
     eprintln!(
         "  {}: loaded in {:.1} s",
         case.name,
@@ -164,8 +178,11 @@ fn models_dir() -> PathBuf {
 }
 
 /// The mode's entry point: `--only` picks cases by name (`full`, `lora`,
-/// `qlora-nf4`), `--steps` the timed steps (default 6, after 2 warm-up).
-pub fn run(steps: u64, only: Option<&str>) {
+/// `qlora-nf4`), `--steps` the timed steps (default 6, after 2 warm-up),
+/// `backend` the device (`--backend cuda`: GPU 0, cubecl configured as a
+/// worker's, its compiled kernels kept in gpu-check's cache directory;
+/// each phase waits for the device before its time is read).
+pub fn run(steps: u64, only: Option<&str>, backend: Backend) {
     if cfg!(debug_assertions) {
         eprintln!("warning: a debug build; time with --release");
     }
@@ -183,12 +200,29 @@ pub fn run(steps: u64, only: Option<&str>) {
     println!(
         "step breakdown: SmolLM2-135M shape (30 × 576, GQA 9/3, SwiGLU 1536, vocab 49152, tied), fp32, AdamW, micro-batch 4 × 256 tokens, {steps} timed steps after 2 warm-up; threads: {threads}; GLIBC_TUNABLES={tunables:?}"
     );
+    println!("backend: {backend:?}");
+    if backend != Backend::Flex {
+        // As gpu-check's workers: the CUDA profile's runtime with
+        // `--autotune`'s level, the kernels kept in its cache directory.
+        let settings = RuntimeSettings::for_plan(
+            backend,
+            Some(super::gpu::gpu_runtime()),
+            "step-breakdown",
+            Some(super::gpu::gpu_cache_dir()),
+        );
+        if let Some(settings) = settings {
+            match gpu_runtime::install(&settings) {
+                Ok(()) => println!("GPU runtime: {}", settings.runtime),
+                Err(e) => eprintln!("GPU runtime not configured as a worker's: {e}"),
+            }
+        }
+    }
     let models = models_dir();
     let steps = u32::try_from(steps).expect("steps");
     let rows: Vec<Timed> = cases()
         .iter()
         .filter(|c| only.is_none_or(|o| selected(c.name, o)))
-        .map(|c| time_case(c, &models, 2, steps))
+        .map(|c| time_case(c, backend, &models, 2, steps))
         .collect();
     println!(
         "\n| case | median step ms | forward (with loss) ms | backward ms | optimizer ms | tokens/s | step / full step | page faults per step |"
@@ -226,7 +260,7 @@ pub fn linear_ops(reps: usize) {
     let device = Device::flex().autodiff();
     let tokens = [4, 256];
     type Variant = (&'static str, fn(&Linear, Tensor<3>) -> Tensor<3>);
-    let variants: [Variant; 5] = [
+    let variants: [Variant; 6] = [
         ("trained W: burn Linear::forward", |l, x| {
             linear::on_rows(x, |x| l.forward(x))
         }),
@@ -236,8 +270,17 @@ pub fn linear_ops(reps: usize) {
         ("frozen W: x.matmul(W)", |l, x| {
             linear::on_rows(x, |x| x.matmul(l.weight.base()))
         }),
-        ("LoRA r16: lean linear", |l, x| {
+        ("LoRA r16: lean linear (one op)", |l, x| {
             linear::forward(l, None, x, None)
+        }),
+        ("LoRA r16: composed, x·W + (x·A·s)·B", |l, x| {
+            let adapter = l.weight.adapter().expect("adapter");
+            linear::on_rows(x, |x| {
+                x.clone().matmul(l.weight.base())
+                    + x.matmul(adapter.a.val())
+                        .mul_scalar(adapter.scale)
+                        .matmul(adapter.b.val())
+            })
         }),
         ("adapter alone: (x·A·s)·B", |l, x| {
             let adapter = l.weight.adapter().expect("adapter");
