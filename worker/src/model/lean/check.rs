@@ -58,6 +58,8 @@ pub struct Shapes {
     pub nf4: (usize, usize, usize, usize),
     /// The gated MLP activation's [b, s, i].
     pub gated: [usize; 3],
+    /// The adapted linear's tokens, d_in, d_out and rank.
+    pub adapted: (usize, usize, usize, usize),
 }
 
 impl Shapes {
@@ -67,6 +69,7 @@ impl Shapes {
             loss: (13, 6, 17, 5),
             nf4: (128, 12, 10, 3),
             gated: [2, 7, 19],
+            adapted: (37, 24, 40, 4),
         }
     }
 
@@ -76,6 +79,7 @@ impl Shapes {
             loss: (1024, 256, 5003, 256),
             nf4: (1024, 256, 128, 64),
             gated: [2, 384, 1536],
+            adapted: (768, 576, 1536, 16),
         }
     }
 }
@@ -149,6 +153,16 @@ pub fn compare_on(device: &Device, shapes: Shapes) -> Vec<Comparison> {
             Some(run(&reference, false)),
         ));
     }
+    let dims = shapes.adapted;
+    let run = |dev: &Device, lean: bool| adapted_grads(dev, dims, lean);
+    let (n, d_in, d_out, r) = dims;
+    out.extend(compare(
+        format!("adapted linear x·W + (s·x·A)·B, {n} tokens, {d_in} → {d_out}, r {r}"),
+        &["output", "dx", "dW", "dA", "dB"],
+        run(device, true),
+        run(device, false),
+        Some(run(&reference, false)),
+    ));
     out
 }
 
@@ -266,6 +280,34 @@ pub(super) fn gated_grads(
     ]
 }
 
+/// The output and the gradients of x, W, A and B of `x·W + (s·x·A)·B`:
+/// the one op ([`super::adapted_matmul`]) or burn's ops composed. Every
+/// input tracked and B not zero, so every gradient is.
+pub(super) fn adapted_grads(
+    device: &Device,
+    (n, d_in, d_out, r): (usize, usize, usize, usize),
+    lean: bool,
+) -> [Vec<f32>; 5] {
+    let scale = 2.0;
+    let x = seeded(41, [n, d_in], device).require_grad();
+    let w = seeded(42, [d_in, d_out], device).require_grad();
+    let a = seeded(43, [d_in, r], device).require_grad();
+    let b = seeded(44, [r, d_out], device).require_grad();
+    let upstream = seeded(45, [n, d_out], device);
+    let out = if lean {
+        super::adapted_matmul(x.clone(), w.clone(), a.clone(), b.clone(), scale)
+    } else {
+        x.clone().matmul(w.clone())
+            + x.clone()
+                .matmul(a.clone())
+                .mul_scalar(scale)
+                .matmul(b.clone())
+    };
+    let grads = (out.clone() * upstream).sum().backward();
+    let grad = |t: &Tensor<2>| values(t.grad(&grads).expect("a gradient"));
+    [values(out), grad(&x), grad(&w), grad(&a), grad(&b)]
+}
+
 /// Output and the gradients of x and B through a LoRA linear on an NF4
 /// base: the lean op (dequantized `rows` rows at a time on the device,
 /// forward and backward) or the dense `x · (W' + s·A·B) + bias`, `W'` the
@@ -325,7 +367,7 @@ mod tests {
     fn on_flex_the_lean_ops_match_the_naive_ones_and_the_reference() {
         let device = Device::flex().autodiff();
         let rows = compare_on(&device, Shapes::small());
-        assert_eq!(rows.len(), 4 + 4 + 4 + 3 + 3 + 3 + 3);
+        assert_eq!(rows.len(), 4 + 4 + 4 + 3 + 3 + 3 + 3 + 5);
         for r in &rows {
             // f32 on both sides, sums in another order: the model::lean
             // tests measured ≤ 4.2e-7 on these shapes.

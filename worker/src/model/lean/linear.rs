@@ -5,9 +5,10 @@
 //! `W + s·A·B` (dequantized first for QLoRA) and its matmul keeps that
 //! dense matrix until backward, one per adapted or quantized matrix per
 //! block. Here a dense frozen `W` is read where it lies (autodiff keeps a
-//! reference to the parameter, not a copy); a quantized one goes through
-//! [`super::frozen_matmul`]; the adapter path keeps `x` and the `r`-wide
-//! `x·A`, as PEFT's does.
+//! reference to the parameter, not a copy), with its adapter as one op
+//! ([`super::adapted_matmul`]) unless dropout gives the adapter an input
+//! of its own; a quantized one goes through [`super::frozen_matmul`]; the
+//! adapter path keeps `x` and the `r`-wide `x·A`, as PEFT's does.
 //!
 //! Every product with a trained weight runs on the tokens as rows
 //! ([`on_rows`]): `[b·s, d_in]·[d_in, d_out]`. burn's matmul of a `[b, s,
@@ -94,9 +95,17 @@ pub fn forward(
     if naive || (adapter.is_none() && !frozen) {
         return on_rows(x, |x| linear.forward(x));
     }
-    let y = match base {
-        FrozenWeight::Burn(w) if !frozen => on_rows(x.clone(), |x| x.matmul(w)),
-        base => frozen_matmul(x.clone(), base),
+    let y = match (base, adapter, dropout) {
+        // A dense base with its adapter and no dropout: one op, the
+        // adapter's products added into the base's (`super::adapted`).
+        (FrozenWeight::Burn(w), Some(adapter), None) if !frozen => {
+            let y = on_rows(x, |x| {
+                super::adapted_matmul(x, w, adapter.a.val(), adapter.b.val(), adapter.scale)
+            });
+            return with_bias(linear, y);
+        }
+        (FrozenWeight::Burn(w), _, _) if !frozen => on_rows(x.clone(), |x| x.matmul(w)),
+        (base, _, _) => frozen_matmul(x.clone(), base),
     };
     let y = match adapter {
         Some(adapter) => {

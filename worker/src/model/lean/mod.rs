@@ -1,8 +1,11 @@
 //! Training ops that keep for backward only what their backward needs.
-//! Four are autodiff ops with a backward of their own (burn's
+//! Five are autodiff ops with a backward of their own (burn's
 //! backend-extension route: one trait, implemented on the plain backends and
-//! on `Autodiff`); the fifth is composed from them and the tensor API:
+//! on `Autodiff`); the sixth is composed from them and the tensor API:
 //!
+//! * [`adapted`] — a LoRA linear over a dense frozen base, `x·W +
+//!   (s·x·A)·B`, its adapter's products added into the base's output and
+//!   `dx` instead of written to fresh tensors and summed;
 //! * [`attention`] — blocked causal attention (FlashAttention-2): saves q,
 //!   k, v, the output and a logsumexp per row instead of burn's three
 //!   `[b, heads, s, s]` tensors per layer;
@@ -15,7 +18,8 @@
 //!   gate and up instead of burn's four tensors, recomputes the activation
 //!   in backward;
 //! * [`linear`] (composed) — a LoRA/QLoRA linear as `x·W + s·(x·A)·B`,
-//!   never the dense `W + s·A·B`, its quantized base through [`frozen`].
+//!   never the dense `W + s·A·B`: a dense base through [`adapted`], a
+//!   quantized one through [`frozen`].
 //!
 //! Their bodies call [`exp::exp`], vectorized on flex where burn's calls
 //! libm once per value.
@@ -28,6 +32,7 @@
 //! their state and are never recomputed by burn's own checkpointing (the
 //! worker checkpoints whole blocks itself, see [`crate::train`]).
 
+pub mod adapted;
 pub mod attention;
 pub mod check;
 pub mod cross_entropy;
@@ -118,6 +123,16 @@ pub trait LeanBackend: Backend {
         up: FloatTensor<Self>,
         activation: GateActivation,
     ) -> FloatTensor<Self>;
+
+    /// `x` [n, d_in] · `w` [d_in, d_out] + (`scale` · `x` · `a` [d_in, r])
+    /// · `b` [r, d_out] → [n, d_out].
+    fn lean_adapted(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        a: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        scale: f64,
+    ) -> FloatTensor<Self>;
 }
 
 /// A plain backend's primitive as a tensor of the high-level API.
@@ -198,6 +213,23 @@ macro_rules! plain_backend {
                     float::<Self, 3>(up),
                     activation,
                 ))
+            }
+
+            fn lean_adapted(
+                x: FloatTensor<Self>,
+                w: FloatTensor<Self>,
+                a: FloatTensor<Self>,
+                b: FloatTensor<Self>,
+                scale: f64,
+            ) -> FloatTensor<Self> {
+                let (y, _) = adapted::forward(
+                    float::<Self, 2>(x),
+                    float::<Self, 2>(w),
+                    float::<Self, 2>(a),
+                    float::<Self, 2>(b),
+                    scale,
+                );
+                primitive::<Self, 2>(y)
             }
         }
     };
@@ -338,6 +370,47 @@ where
     }
 }
 
+/// What the adapted linear keeps between forward and backward.
+#[derive(Clone, Debug)]
+struct AdaptedState<B: Backend> {
+    x: FloatTensor<B>,
+    xa: FloatTensor<B>,
+    w: FloatTensor<B>,
+    a: FloatTensor<B>,
+    b: FloatTensor<B>,
+    scale: f64,
+}
+
+#[derive(Debug)]
+struct AdaptedBackward;
+
+impl<B: Backend> Backward<B, 4> for AdaptedBackward
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    type State = AdaptedState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 4>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let g = grads.consume::<B>(&ops.node);
+        let s = ops.state;
+        let kept = adapted::Kept {
+            x: float::<B, 2>(s.x),
+            xa: float::<B, 2>(s.xa),
+            w: float::<B, 2>(s.w),
+            a: float::<B, 2>(s.a),
+            b: float::<B, 2>(s.b),
+            scale: s.scale,
+        };
+        let need = ops.parents.each_ref().map(Option::is_some);
+        let gradients = adapted::backward(kept, float::<B, 2>(g), need);
+        for (parent, grad) in ops.parents.into_iter().zip(gradients) {
+            if let (Some(parent), Some(grad)) = (parent, grad) {
+                grads.register::<B>(parent.id, primitive::<B, 2>(grad));
+            }
+        }
+    }
+}
+
 impl<B: Backend, C: CheckpointStrategy> LeanBackend for Autodiff<B, C>
 where
     DispatchTensor: DispatchKindConversion<B>,
@@ -467,6 +540,45 @@ where
             OpsKind::UnTracked(prep) => prep.finish(y),
         }
     }
+
+    fn lean_adapted(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        a: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        let (x, x_node) = x.into_parts();
+        let (w, w_node) = w.into_parts();
+        let (a, a_node) = a.into_parts();
+        let (b, b_node) = b.into_parts();
+        let (y, xa) = adapted::forward(
+            float::<B, 2>(x.clone()),
+            float::<B, 2>(w.clone()),
+            float::<B, 2>(a.clone()),
+            float::<B, 2>(b.clone()),
+            scale,
+        );
+        let y = primitive::<B, 2>(y);
+        match AdaptedBackward
+            .prepare::<C>([x_node, w_node, a_node, b_node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(
+                AdaptedState {
+                    x,
+                    xa: primitive::<B, 2>(xa),
+                    w,
+                    a,
+                    b,
+                    scale,
+                },
+                y,
+            ),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
 }
 
 /// Blocked causal attention: `q` [b, a, s, d], `k`, `v` [b, kv, s, d] (kv
@@ -501,6 +613,25 @@ pub fn gated(gate: Tensor<3>, up: Tensor<3>, activation: GateActivation) -> Tens
         gate.into_dispatch(),
         up.into_dispatch(),
         activation,
+    ))
+}
+
+/// A LoRA linear over a dense base: `x` [n, d_in] · `w` [d_in, d_out] +
+/// (`scale` · `x` · `a`) · `b`, differentiable in all four (the base's
+/// gradient only where `w` is tracked). See [`adapted`].
+pub fn adapted_matmul(
+    x: Tensor<2>,
+    w: Tensor<2>,
+    a: Tensor<2>,
+    b: Tensor<2>,
+    scale: f64,
+) -> Tensor<2> {
+    Tensor::from_dispatch(<burn::backend::Dispatch as LeanBackend>::lean_adapted(
+        x.into_dispatch(),
+        w.into_dispatch(),
+        a.into_dispatch(),
+        b.into_dispatch(),
+        scale,
     ))
 }
 

@@ -5,7 +5,9 @@
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
 
 use super::attention::{AttentionOptions, Segments};
-use super::check::{attention_grads, loss_grads, max_relative, nf4_linear_grads, values};
+use super::check::{
+    adapted_grads, attention_grads, loss_grads, max_relative, nf4_linear_grads, values,
+};
 use super::{attend, fused_cross_entropy};
 use crate::model::with_generator;
 
@@ -422,4 +424,33 @@ fn an_nf4_linear_equals_the_dense_dequantized_weight() {
         let err = max_relative(l, d);
         assert!(err < 1e-5, "{name}: {err:e}");
     }
+}
+
+#[test]
+fn the_adapted_op_equals_its_composition() {
+    let dims = super::check::Shapes::small().adapted;
+    let lean = adapted_grads(&device(), dims, true);
+    let composed = adapted_grads(&device(), dims, false);
+    for (name, (l, c)) in ["output", "dx", "dW", "dA", "dB"]
+        .iter()
+        .zip(lean.iter().zip(&composed))
+    {
+        let err = max_relative(l, c);
+        // The same products; only where a sum is added differs.
+        assert!(err < 1e-5, "{name}: {err:e}");
+        assert!(l.iter().any(|v| *v != 0.0), "{name} is all zeros");
+    }
+}
+
+#[test]
+fn a_frozen_base_gets_no_gradient_from_the_adapted_op() {
+    let (x, w, a, b) = with_generator(|| {
+        device().seed(12);
+        (draw([6, 8]), draw([8, 5]), draw([8, 2]), draw([2, 5]))
+    });
+    let (x, a, b) = (x.require_grad(), a.require_grad(), b.require_grad());
+    let out = super::adapted_matmul(x.clone(), w.clone(), a.clone(), b.clone(), 0.5);
+    let grads = out.sum().backward();
+    assert!(w.grad(&grads).is_none());
+    assert!(x.grad(&grads).is_some() && a.grad(&grads).is_some() && b.grad(&grads).is_some());
 }
